@@ -1,0 +1,9 @@
+"""nanoserve: a small, readable LLM inference server in the shape of vLLM.
+
+Public API: ``LLM`` (offline), ``SamplingParams``, ``RequestOutput``,
+``CompletionOutput``. The server is ``python -m nanoserve``.
+"""
+from nanoserve.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"

@@ -119,16 +119,296 @@ def _chunk_attention(query, k_cache, v_cache, block_table, start, q_len, seq_len
 
 
 # --------------------------------------------------------------------------- Triton kernels
-# (filled in below; see store_kvcache_triton / paged_attention_triton)
+#
+# The attention kernel walks the context in tiles of BLOCK_N key positions and
+# looks up each position's physical block in the block table, instead of taking
+# one KV block per step: tl.dot needs every dimension >= 16, so a block_size of 8
+# could not be a tile on its own, and this way the tile size is a tuning knob that
+# does not depend on the cache layout.
+#
+# One program owns a tile of BLOCK_Q query tokens of one sequence times the
+# GROUP (= num_heads // num_kv_heads) query heads that share a KV head, flattened
+# to BLOCK_M rows (row r = token r // GROUP, head r % GROUP). Each K/V tile is
+# thus loaded once for all heads of its group, and the same code serves a
+# prefill chunk (many tokens) and a decode (one token, GROUP rows).
+
+_BLOCK_N = 32               # key positions per inner-loop step
+_BLOCK_M_DECODE = 16        # rows of a tile when the batch is all decodes (tl.dot minimum)
+_BLOCK_M_PREFILL = 64       # rows of a tile when some sequence has a multi-token chunk
+# Split-KV: an all-decode batch with a long context has only num_seqs * num_kv_heads
+# programs, too few to fill a GPU, each walking the whole context. Splitting the
+# context into partitions multiplies the programs; a reduce kernel merges them.
+# These thresholds are first guesses, not tuned on hardware.
+_SPLIT_KV_MIN_PARTITION = 512   # never split the context finer than this (tokens)
+_SPLIT_KV_MAX_SPLITS = 16
+_SPLIT_KV_MAX_PROGRAMS = 512    # num_seqs * num_kv_heads at or above this fills the GPU
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kvcache_kernel(
+        key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+        k_stride_t, k_stride_h, k_stride_d,
+        v_stride_t, v_stride_h, v_stride_d,
+        kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
+        vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+        num_kv_heads, block_size,
+        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        """One program per token: copy its [num_kv_heads, head_dim] K and V rows."""
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+        if slot < 0:  # padding token: write nothing
+            return
+        block, offset = slot // block_size, slot % block_size
+        h = tl.arange(0, HEADS_PAD)[:, None]
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        mask = (h < num_kv_heads) & (d < HEAD_DIM)
+        k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d * k_stride_d, mask=mask)
+        v = tl.load(value_ptr + t * v_stride_t + h * v_stride_h + d * v_stride_d, mask=mask)
+        kc = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s + h * kc_stride_h + d * kc_stride_d
+        vc = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s + h * vc_stride_h + d * vc_stride_d
+        tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+        """The sequence owning query tile `tile`. Sequence i owns tiles from
+        query_start_loc[i] // BLOCK_Q + i on: that numbering needs no host sync
+        (a grid of num_tokens // BLOCK_Q + num_seqs always covers every sequence's
+        ceil(q_len / BLOCK_Q) tiles) and is strictly increasing, so a binary search
+        finds the last sequence whose first tile is <= tile."""
+        lo = tl.full([], 0, tl.int32)  # tensors, not constexprs: they are loop-carried
+        hi = lo + num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            first = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+            if first <= tile:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @triton.jit
+    def _paged_attention_kernel(
+        out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+        m_part_ptr, l_part_ptr, acc_part_ptr,
+        scale, num_seqs, num_heads, block_size, partition_size,
+        q_stride_t, q_stride_h, q_stride_d,
+        o_stride_t, o_stride_h, o_stride_d,
+        kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
+        vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
+        bt_stride_s, bt_stride_b,
+        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        """Grid (query tiles, kv heads, splits). With NUM_SPLITS == 1 a program
+        walks its tile's whole visible context and writes the output; otherwise it
+        walks partition `split` only and writes its running max / sum / accumulator
+        for _split_kv_reduce_kernel to merge."""
+        tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+        q_start = tl.load(query_start_loc_ptr + seq)
+        q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+        q_tile_start = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q
+        if q_tile_start >= q_len:  # spare program of the over-sized grid
+            return
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - q_len  # tokens cached before this step
+
+        rows = tl.arange(0, BLOCK_M)
+        q_idx = q_tile_start + rows // GROUP                   # token within this step
+        head = kv_head * GROUP + rows % GROUP
+        row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+        q_pos = context_len + q_idx                            # its position in the sequence
+        token = (q_start + q_idx).to(tl.int64)
+        d = tl.arange(0, HEAD_DIM)
+        q = tl.load(query_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h
+                    + d[None, :] * q_stride_d, mask=row_ok[:, None], other=0.0)
+
+        # Keys 0 .. (last query of the tile's position) are visible to some row.
+        num_keys = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+        lo = split * partition_size
+        hi = tl.minimum(num_keys, lo + partition_size)
+
+        qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp2 is cheaper than exp
+        # A finite floor instead of -inf keeps fully masked rows at exp2(-inf - m) = 0
+        # rather than NaN, without a branch.
+        m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        kv_off_h = kv_head.to(tl.int64)
+        for start in range(lo, hi, BLOCK_N):
+            k_pos = start + tl.arange(0, BLOCK_N)
+            k_ok = k_pos < hi  # never read past seq_len: the rest of a block is garbage
+            block = tl.load(block_tables_ptr + seq.to(tl.int64) * bt_stride_s
+                            + (k_pos // block_size) * bt_stride_b,
+                            mask=k_ok, other=0).to(tl.int64)
+            offset = k_pos % block_size
+            k = tl.load(k_cache_ptr + block[None, :] * kc_stride_b + offset[None, :] * kc_stride_s
+                        + kv_off_h * kc_stride_h + d[:, None] * kc_stride_d,
+                        mask=k_ok[None, :], other=0.0)          # [HEAD_DIM, BLOCK_N]
+            v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_s
+                        + kv_off_h * vc_stride_h + d[None, :] * vc_stride_d,
+                        mask=k_ok[:, None], other=0.0)          # [BLOCK_N, HEAD_DIM]
+            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(v.dtype), input_precision=PRECISION)
+            m_i = m_new
+
+        if NUM_SPLITS == 1:
+            o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on unused rows
+            tl.store(out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h
+                     + d[None, :] * o_stride_d, o.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+        else:  # partials are contiguous [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM)]
+            part = (token * num_heads + head) * NUM_SPLITS + split
+            tl.store(m_part_ptr + part, m_i, mask=row_ok)
+            tl.store(l_part_ptr + part, l_i, mask=row_ok)
+            tl.store(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
+                     mask=row_ok[:, None])
+
+    @triton.jit
+    def _split_kv_reduce_kernel(
+        out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
+        o_stride_t, o_stride_h, o_stride_d, num_heads,
+        NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):
+        """One program per (token, head): rescale each split's partial sums to the
+        global max and add them up."""
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        sp = tl.arange(0, SPLITS_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        part = (token * num_heads + head) * NUM_SPLITS + sp
+        ok = sp < NUM_SPLITS
+        m = tl.load(m_part_ptr + part, mask=ok, other=-1.0e30)
+        l = tl.load(l_part_ptr + part, mask=ok, other=0.0)
+        acc = tl.load(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))  # splits that saw no key have m = -1e30: weight 0
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
+        tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,
+                 o.to(out_ptr.dtype.element_ty))
+
+
+def _check_head_dim(head_dim: int) -> None:
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton kernels need head_dim to be a power of two >= 16 "
+                         f"(tl.arange and tl.dot), got {head_dim}")
+
+
+def _check_kv(key, value, k_cache, v_cache) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, "
+                         f"num_kv_heads, head_dim], got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    if key is not None and (key.shape != value.shape or key.dim() != 3
+                            or key.shape[1:] != k_cache.shape[2:]):
+        raise ValueError(f"key and value must be [num_tokens, {k_cache.shape[2]}, "
+                         f"{k_cache.shape[3]}], got {tuple(key.shape)} and {tuple(value.shape)}")
+    _check_head_dim(k_cache.shape[3])
 
 
 def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
-    raise NotImplementedError
+    _check_kv(key, value, k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return
+    _store_kvcache_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
+        num_kv_heads, k_cache.shape[1],
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+    )
+
+
+def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
+                   max_context: int) -> int:
+    """How many partitions to split each context into (1 = no split-KV).
+    max_context is the block table's capacity, a host-side bound: reading the
+    real seq_lens would cost a device sync per layer."""
+    if not all_decodes or num_seqs * num_kv_heads >= _SPLIT_KV_MAX_PROGRAMS:
+        return 1
+    return max(1, min(_SPLIT_KV_MAX_SPLITS, max_context // _SPLIT_KV_MIN_PARTITION))
 
 
 def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
                            query_start_loc, scale) -> torch.Tensor:
-    raise NotImplementedError
+    _check_kv(None, None, k_cache, v_cache)
+    if query.dim() != 3 or query.shape[2] != k_cache.shape[3]:
+        raise ValueError(f"query must be [num_tokens, num_heads, {k_cache.shape[3]}], "
+                         f"got {tuple(query.shape)}")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
+                         f"num_kv_heads ({num_kv_heads})")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape != (num_seqs + 1,) or block_tables.dim() != 2 \
+            or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"need block_tables [{num_seqs}, max_blocks] and query_start_loc "
+                         f"[{num_seqs + 1}], got {tuple(block_tables.shape)} and "
+                         f"{tuple(query_start_loc.shape)}")
+    out = torch.empty_like(query)
+    if num_tokens == 0:
+        return out
+    group = num_heads // num_kv_heads
+    # num_tokens == num_seqs means every q_len is 1 (each sequence has >= 1 token);
+    # the kernel is correct for any tile shape, this only picks the cheaper one.
+    all_decodes = num_tokens == num_seqs
+    block_m = max(_BLOCK_M_DECODE if all_decodes else _BLOCK_M_PREFILL,
+                  triton.next_power_of_2(group))
+    block_q = block_m // group
+    num_splits = _num_kv_splits(all_decodes, num_seqs, num_kv_heads,
+                                block_tables.shape[1] * block_size)
+    return _launch_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                             query_start_loc, scale, out, block_m, block_q, num_splits)
+
+
+def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                      scale, out, block_m, block_q, num_splits) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    max_context = block_tables.shape[1] * k_cache.shape[1]
+    # Partitions are whole BLOCK_N tiles so only the last one has a ragged end.
+    partition = triton.cdiv(triton.cdiv(max_context, num_splits), _BLOCK_N) * _BLOCK_N
+    if num_splits > 1:
+        m_part = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
+        l_part = torch.empty_like(m_part)
+        acc_part = query.new_empty((num_tokens, num_heads, num_splits, head_dim),
+                                   dtype=torch.float32)
+    else:  # unused by the kernel; any tensor will do as a pointer
+        m_part = l_part = acc_part = out
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+        m_part, l_part, acc_part,
+        float(scale), num_seqs, num_heads, k_cache.shape[1], partition,
+        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        *block_tables.stride(),
+        GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
+        PRECISION="ieee" if query.dtype == torch.float32 else None,
+    )
+    if num_splits > 1:
+        _split_kv_reduce_kernel[(num_tokens, num_heads)](
+            out, m_part, l_part, acc_part, *out.stride(), num_heads,
+            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+        )
+    return out
 
 
 # --------------------------------------------------------------------------- dispatch

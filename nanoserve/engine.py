@@ -1,0 +1,760 @@
+"""Engine layer: the request lifecycle and the step loop.
+
+This module owns
+* ``SamplingParams`` (vLLM's names, defaults and validation), ``Request`` and
+  the output types ``RequestOutput`` / ``CompletionOutput``;
+* tokenizing prompts and detokenizing outputs incrementally, stop conditions;
+* ``LLMEngine.step()``: schedule -> execute -> postprocess, the loop every
+  front end drives; the offline ``LLM`` class drives it in a plain loop, and
+  ``AsyncLLM`` drives it as one task on the server's asyncio loop;
+* the counters behind ``stats()`` and ``/metrics``.
+
+It does not decide who runs in a step (the scheduler does) and never indexes
+the KV cache (the block manager and the model runner do).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from nanoserve import kvcache
+from nanoserve.kvcache import BlockManager, KVCacheSpec
+from nanoserve.model import (ModelConfig, ModelLoadError, ModelRunner, SampleRequest, SampleResult,
+                             SeqInput, load_model, load_tokenizer, resolve_dtype)
+from nanoserve.scheduler import (RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
+                                 SchedulerOutput)
+
+logger = logging.getLogger("nanoserve.engine")
+
+_SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this is greedy
+MAX_LOGPROBS = 20
+
+
+# =========================================================================== parameters
+
+@dataclass(slots=True)
+class SamplingParams:
+    """vLLM's SamplingParams: same names, defaults and allowed ranges."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    max_tokens: int | None = 16     # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError("logit_bias must map token ids to numbers") from None
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
+            self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
+        if self.top_k == -1:
+            self.top_k = 0
+
+    def _verify(self) -> None:
+        def bad(name, rule):
+            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        _check_int(self, "n")
+        if self.n < 1:
+            bad("n", ">= 1")
+        if not _is_num(self.temperature) or self.temperature < 0:
+            bad("temperature", "a number >= 0")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "in (0, 1]")
+        _check_int(self, "top_k")
+        if self.top_k < -1:
+            bad("top_k", "-1, 0 (disabled) or a positive integer")
+        if not _is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad("min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "in [-2, 2]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "> 0")
+        if self.seed is not None:
+            _check_int(self, "seed")
+        if self.max_tokens is not None:
+            _check_int(self, "max_tokens")
+            if self.max_tokens < 1:
+                bad("max_tokens", ">= 1")
+        _check_int(self, "min_tokens")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]")
+        if self.logprobs is not None:
+            _check_int(self, "logprobs")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                bad("logprobs", f"None or in [0, {MAX_LOGPROBS}]")
+        if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
+            bad("stop", "a string or a list of non-empty strings")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            bad("stop_token_ids", "a list of token ids")
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # not NaN
+
+
+def _check_int(p: SamplingParams, name: str) -> None:
+    v = getattr(p, name)
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{name} must be an integer, got {v!r}")
+
+
+# =========================================================================== outputs
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
+    finish_reason: str | None = None                # "stop", "length", "abort" or None
+    stop_reason: int | str | None = None
+    delta_text: str = ""                            # what this step added (for streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timestamps (time.monotonic) the server turns into latency histograms."""
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's state after a step. For n > 1, ``outputs`` holds the
+    completions that changed in this step (``LLM.generate`` returns all n)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+# =========================================================================== detokenizer
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas. It decodes a short
+    window (a few tokens of context + the new ones) and emits only what the
+    window adds, holding back a trailing incomplete UTF-8 character (U+FFFD), so
+    the deltas concatenate to the final text and never split a character."""
+
+    CONTEXT = 5  # prompt tokens kept as context, so a leading space decodes right
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
+        self.tokenizer = tokenizer
+        self.skip = skip_special_tokens
+        self.ids = list(prompt_token_ids[-self.CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def step(self, new_token_ids: Iterable[int]) -> str:
+        self.ids.extend(new_token_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+
+# =========================================================================== requests
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int                   # resolved against max_model_len
+    eos_token_ids: frozenset[int]
+    detokenizer: IncrementalDetokenizer | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    parent_id: str | None = None      # n > 1: the id the caller knows
+    index: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)          # prompt + output
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""                    # detokenized output, stop string handled
+    sent_text_len: int = 0            # how much of text was already streamed
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def sample_request(self) -> SampleRequest:
+        p = self.sampling_params
+        banned: list[int] = []
+        if len(self.output_token_ids) < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned)
+
+
+# =========================================================================== engine
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    dtype: str = "auto"
+    device: str | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    seed: int = 0
+
+
+class LLMEngine:
+    """Synchronous engine: ``add_request`` then call ``step()`` until done."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        path = Path(config.model)
+        self.model_config = ModelConfig.from_dir(path)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        self.tokenizer = load_tokenizer(path)
+        torch.manual_seed(config.seed)
+        model, self.weight_bytes = load_model(path, self.dtype, self.device)
+        self._init_kv_cache(model)
+        self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
+        self.request_counter = itertools.count()
+        self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
+
+    # ---------------------------------------------------------------- start-up
+    def _init_kv_cache(self, model) -> None:
+        cfg, mc = self.config, self.model_config
+        if cfg.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {cfg.block_size}")
+        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = kvcache.gpu_budget(self.device, cfg.gpu_memory_utilization, 0)
+        else:
+            budget = kvcache.default_cpu_budget(self.weight_bytes)
+        plan = kvcache.plan_kv_cache(spec, budget, cfg.num_kv_blocks)
+        max_len = cfg.max_model_len
+        if max_len is None:  # as long as the model allows and one request fits
+            max_len = min(mc.max_position_embeddings, plan.num_blocks * cfg.block_size)
+        elif max_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_len}")
+        elif max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} is longer than the model's "
+                             f"max_position_embeddings={mc.max_position_embeddings}")
+        mc.check_max_model_len(max_len)
+        kvcache.check_fits(plan, spec, max_len)
+        kvcache.log_plan(plan, spec, self.weight_bytes, max_len)
+        self.max_model_len = max_len
+        self.kv_plan, self.kv_spec = plan, spec
+        kv_caches = kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
+        self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
+        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, batched, max_len),
+                                   self.block_manager)
+        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, cfg.seed)
+
+    # ---------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        return None, list(prompt)
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt ({len(token_ids)} tokens) is too long: max_model_len is "
+                             f"{self.max_model_len}, which must also leave room for at least one "
+                             f"output token")
+
+    def validate_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", list(params.logit_bias or {})),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request (n > 1 becomes n child requests that share
+        the prompt's blocks through the prefix cache); returns its id."""
+        params = params or SamplingParams()
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        self.validate_params(params)
+        request_id = str(next(self.request_counter)) if request_id is None else request_id
+        if request_id in self.scheduler.requests or f"{request_id}#0" in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        for i in range(params.n):
+            child = params
+            if params.n > 1:  # each child its own seed, else all n would be the same text
+                child = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            self.scheduler.add_request(Request(
+                rid, text, token_ids, child, max_tokens, self.eos_token_ids,
+                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+                parent_id=request_id if params.n > 1 else None, index=i))
+        self.stats_counters["prompt_tokens"] += len(token_ids)
+        logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
+                     len(token_ids), max_tokens, params.n)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        for rid in self._family(request_id):
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+
+    def _family(self, request_id: str) -> list[str]:
+        if request_id in self.scheduler.requests:
+            return [request_id]
+        return [rid for rid, r in self.scheduler.requests.items() if r.parent_id == request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> execute -> postprocess."""
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        results = self.runner.execute(self.build_inputs(sched))
+        return self.postprocess(sched, results)
+
+    def build_inputs(self, sched: SchedulerOutput) -> list[SeqInput]:
+        """The scheduled step as plain data for the model runner. Token lists are
+        sliced (copied) here so the model can run on another thread while the
+        loop thread appends to requests."""
+        bm = self.block_manager
+        seqs = []
+        now = time.monotonic()
+        for s in sched.scheduled:
+            req = s.request
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+            seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start,
+                                 list(bm.block_table(req.request_id)),
+                                 req.sample_request() if s.samples else None))
+        return seqs
+
+    def postprocess(self, sched: SchedulerOutput, results: list[SampleResult]) -> list[RequestOutput]:
+        outputs: dict[str, RequestOutput] = {}
+        sampled = iter(results)
+        now = time.monotonic()
+        for s in sched.scheduled:
+            if not s.samples:
+                continue
+            req, result = s.request, next(sampled)
+            if req.is_finished:  # aborted while the step ran
+                continue
+            self._append_token(req, result, now)
+            status = self._check_stop(req)
+            if status is not None:
+                self.scheduler.finish_request(req.request_id, status)
+                self.stats_counters["num_finished"] += 1
+            self._collect(outputs, req)
+        return list(outputs.values())
+
+    def _append_token(self, req: Request, result: SampleResult, now: float) -> None:
+        req.token_ids.append(result.token_id)
+        req.output_token_ids.append(result.token_id)
+        if req.logprobs is not None:
+            entry = dict(result.top_logprobs or [])
+            entry[result.token_id] = result.logprob
+            req.logprobs.append(entry)
+            req.cumulative_logprob += result.logprob
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.last_token_time = now
+        self.stats_counters["generation_tokens"] += 1
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        """The finished status the new token puts the request in, if any."""
+        p, token = req.sampling_params, req.output_token_ids[-1]
+        prev_len = len(req.text)
+        req.text += req.detokenizer.step([token])
+        done = len(req.output_token_ids) >= p.min_tokens
+        if done and not p.ignore_eos and token in req.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if done and token in p.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if done and p.stop and self._check_stop_strings(req, prev_len):
+            return RequestStatus.FINISHED_STOPPED
+        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
+        """Find the earliest stop string that ends in the new text; truncate there."""
+        p = req.sampling_params
+        longest = max(len(s) for s in p.stop)
+        window_start = max(0, prev_len - longest + 1)
+        best = None
+        for stop in p.stop:
+            i = req.text.find(stop, window_start)
+            if i != -1 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return False
+        i, stop = best
+        req.text = req.text[: i + len(stop) if p.include_stop_str_in_output else i]
+        req.stop_reason = stop
+        return True
+
+    def _collect(self, outputs: dict[str, RequestOutput], req: Request) -> None:
+        key = req.parent_id or req.request_id
+        out = outputs.get(key)
+        if out is None:
+            out = outputs[key] = RequestOutput(key, req.prompt, req.prompt_token_ids, [], False,
+                                               req.num_cached_tokens, RequestMetrics(
+                                                   req.arrival_time, req.first_scheduled_time,
+                                                   req.first_token_time, req.last_token_time))
+        out.outputs.append(self.completion_output(req))
+        out.finished = all(r.is_finished for r in self._siblings(req))
+
+    def _siblings(self, req: Request) -> list[Request]:
+        if req.parent_id is None:
+            return [req]
+        return [req] + [r for r in self.scheduler.requests.values() if r.parent_id == req.parent_id]
+
+    def completion_output(self, req: Request) -> CompletionOutput:
+        """The request's output so far. While it runs, text that could still turn
+        out to be the start of a stop string is held back from the stream."""
+        end = len(req.text) if req.is_finished else len(req.text) - _stop_holdback(req)
+        delta = req.text[req.sent_text_len:end] if end > req.sent_text_len else ""
+        req.sent_text_len = max(req.sent_text_len, end)
+        return CompletionOutput(req.index, req.text[:req.sent_text_len], list(req.output_token_ids),
+                                req.cumulative_logprob, req.logprobs, req.status.finish_reason,
+                                req.stop_reason, delta, req.output_token_ids[-1:])
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict[str, Any]:
+        bm = self.block_manager
+        return {
+            "num_total_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "kv_cache_usage": bm.usage,
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": bm.prefix_cache_queries,
+            "prefix_cache_hits": bm.prefix_cache_hits,
+            **self.stats_counters,
+        }
+
+
+def _stop_holdback(req: Request) -> int:
+    """Length of the longest suffix of the text that is a prefix of a stop string."""
+    stops = req.sampling_params.stop
+    if not stops:
+        return 0
+    text = req.text
+    for n in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stops):
+            return n
+    return 0
+
+
+def _replace(params: SamplingParams, **changes) -> SamplingParams:
+    fields = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
+    fields.update(changes)
+    return SamplingParams(**fields)
+
+
+def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
+    """EOS ids as transformers' generate sees them: generation_config.json's if
+    present (chat models often list several), else config.json's; plus the
+    tokenizer's own EOS token."""
+    import json
+    ids = set(config.eos_token_ids)
+    gen = path / "generation_config.json"
+    if gen.exists():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        if eos is not None:
+            ids = set([eos] if isinstance(eos, int) else eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+# =========================================================================== offline API
+
+class LLM:
+    """The offline API, as vLLM's ``LLM``: build once, ``generate`` many."""
+
+    def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, block_size: int = 16,
+                 enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
+                 num_kv_blocks: int | None = None, seed: int = 0, **kwargs: Any):
+        self.engine = LLMEngine(EngineConfig(
+            str(model), dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens,
+            block_size, enable_prefix_caching, kv_cache_memory_bytes, num_kv_blocks, seed=seed, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        params = [p or SamplingParams() for p in params]
+        engine = self.engine
+        for prompt, p in zip(prompts, params):  # validate all before queueing any
+            engine.validate_prompt(engine.tokenize(prompt)[1])
+            engine.validate_params(p)
+        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """Render the tokenizer's chat template (one conversation or a list) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        start, prompt_toks, gen_toks = time.perf_counter(), 0, 0
+        children: dict[str, dict[int, CompletionOutput]] = {}
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    merged = children.setdefault(out.request_id, {})
+                    for c in out.outputs:
+                        merged[c.index] = c
+                    if out.finished:
+                        out.outputs = [merged[i] for i in sorted(merged)]
+                        final[out.request_id] = out
+                        if bar is not None:
+                            prompt_toks += len(out.prompt_token_ids)
+                            gen_toks += sum(len(c.token_ids) for c in out.outputs)
+                            dt = time.perf_counter() - start
+                            bar.set_postfix_str(f"prompt {prompt_toks / dt:.0f} tok/s, "
+                                                f"gen {gen_toks / dt:.0f} tok/s")
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:  # leave no request half-run behind (e.g. Ctrl-C)
+                if rid not in final:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [final[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt of token ids
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of either")
+    return list(prompts)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None) -> str:
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; pass chat_template=... "
+                         "or use generate() with a plain prompt")
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as e:  # jinja errors, malformed messages
+        raise ValueError(f"cannot apply the chat template: {e}") from None
+
+
+# =========================================================================== async front
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; every request in flight gets this."""
+
+
+class AsyncLLM:
+    """The engine as one task on the server's asyncio loop (DESIGN.md "One event
+    loop"). Scheduling and postprocessing run on the loop thread, so scheduler
+    and block-manager state need no locks; only the model step runs on a single
+    worker thread, so HTTP keeps flowing while the CPU or GPU computes. Each
+    request's outputs go to its own ``asyncio.Queue``."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-model")
+        self.wakeup: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
+        self.errored: BaseException | None = None
+        self.num_steps = 0
+
+    @property
+    def is_running(self) -> bool:
+        return self.task is not None and not self.task.done() and self.errored is None
+
+    def start(self) -> None:
+        self.wakeup = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(self._run_loop(), name="nanoserve-engine")
+
+    async def shutdown(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self.executor.shutdown(wait=True, cancel_futures=True)
+
+    async def _run_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        engine = self.engine
+        try:
+            while True:
+                if not engine.has_unfinished_requests():
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
+                    continue
+                sched = engine.scheduler.schedule()
+                if sched.is_empty:  # everything waits on blocks held by nobody: cannot happen
+                    await asyncio.sleep(0.001)
+                    continue
+                inputs = engine.build_inputs(sched)
+                results = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
+                self.num_steps += 1
+                for out in engine.postprocess(sched, results):
+                    queue = self.queues.get(out.request_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+                # Yield once so handlers can drain their queues before the next step.
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # the engine is dead: fail every waiting request
+            logger.exception("[engine] the engine loop died")
+            self.errored = e
+            for queue in self.queues.values():
+                queue.put_nowait(EngineDeadError(f"the engine loop died: {e!r}"))
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str) -> asyncio.Queue:
+        """Validate and queue a request (raises ValueError for bad input)."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        queue: asyncio.Queue = asyncio.Queue()
+        self.engine.add_request(prompt, params, request_id)
+        self.queues[request_id] = queue
+        self.wakeup.set()
+        return queue
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        """Async iterator of RequestOutputs for one request. If the consumer stops
+        early (a client disconnects), the request is aborted and its blocks freed."""
+        queue = self.add_request(prompt, params, request_id)
+        async for out in self.stream(request_id, queue):
+            yield out
+
+    async def stream(self, request_id: str, queue: asyncio.Queue):
+        finished = False
+        try:
+            while True:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            self.queues.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort now: the scheduler frees the blocks at once. A step that is
+        running on the worker thread may still write KV into them, which is
+        harmless: nothing can allocate them before the next schedule()."""
+        self.engine.abort_request(request_id)
+        logger.debug("[engine] aborted %s", request_id)

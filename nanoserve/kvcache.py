@@ -1,0 +1,277 @@
+"""Memory & cache layer: the paged KV cache.
+
+This module owns
+* the block pool (``BlockManager``): free list, ref counts, each request's block
+  table, allocate / append / free;
+* prefix caching: a full block's hash chains its parent's hash with its token ids,
+  so equal prefixes map to equal blocks; a block whose ref count drops to zero
+  stays cached at the end of an LRU free list until allocation takes it;
+* slot mapping (token position -> slot in the KV tensors);
+* sizing and allocating the KV tensors themselves from a memory budget.
+
+It knows nothing of HTTP, text or sampling: requests are ids and token lists.
+It hands the scheduler "can this request have these slots?" answers and the
+model runner block tables and KV tensors.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger("nanoserve.kvcache")
+
+
+@dataclass(slots=True)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None  # set once the block is full and cached
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of one full block: its parent's hash chained with its tokens. Python's
+    tuple hash of ints is deterministic across runs; a 64-bit collision is
+    negligible next to vLLM's default hashing of the same kind."""
+    return hash((parent_hash, token_ids))
+
+
+class BlockManager:
+    """vLLM's KVCacheManager + BlockPool in one: who owns which block."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        # LRU order: allocation pops from the front; freed cached blocks go to the end.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}                 # block hash -> block id
+        self.req_to_blocks: dict[str, list[int]] = {}    # the block tables
+        self.req_hashes: dict[str, list[int]] = {}       # hash chain of each request's full blocks
+        self.prefix_cache_queries = 0                    # in tokens, as vLLM counts them
+        self.prefix_cache_hits = 0
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---------------------------------------------------------------- prefix cache
+    def get_computed_blocks(self, token_ids: list[int]) -> list[int]:
+        """The cached blocks that cover a prefix of ``token_ids``. At least the
+        last token is always left to compute (its logits are needed), so a
+        prompt that is all cached still recomputes its final block's last token."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        bs = self.block_size
+        for i in range((len(token_ids) - 1) // bs):
+            parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            block_id = self.cached.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # ---------------------------------------------------------------- allocate / free
+    def allocate_slots(self, request_id: str, token_ids: list[int], num_tokens: int,
+                       computed_blocks: list[int] | None = None) -> bool:
+        """Make the request's block table cover its first ``num_tokens`` tokens,
+        first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
+        Returns False, changing nothing, when the free blocks do not suffice."""
+        table = self.req_to_blocks.get(request_id)
+        computed_blocks = computed_blocks or []
+        if table is None:
+            table = []
+        # Hits that are on the free list are about to be taken out of it.
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        need = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
+        if need + revived > self.num_free_blocks:
+            return False
+        for b in computed_blocks:
+            self._touch(b)
+            table.append(b)
+        if computed_blocks:
+            self.req_hashes[request_id] = [self.blocks[b].block_hash for b in computed_blocks]
+        for _ in range(max(need, 0)):
+            table.append(self._pop_free())
+        self.req_to_blocks[request_id] = table
+        self._cache_full_blocks(request_id, token_ids, num_tokens)
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Release a request's blocks. The tail is freed first so that, among
+        equally old blocks, a prefix outlives its continuation in the LRU."""
+        table = self.req_to_blocks.pop(request_id, [])
+        self.req_hashes.pop(request_id, None)
+        for b in reversed(table):
+            block = self.blocks[b]
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {b} freed twice"
+            if block.ref_cnt == 0:
+                self.free_blocks[b] = None
+                if block.block_hash is None:  # nothing reusable in it: evict it first
+                    self.free_blocks.move_to_end(b, last=False)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.blocks:
+            if block.ref_cnt == 0:
+                block.block_hash = None
+        self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].block_hash == h}
+
+    # ---------------------------------------------------------------- internals
+    def _touch(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            del self.free_blocks[block_id]
+        block.ref_cnt += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: its content is about to be overwritten
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block_id
+
+    def _cache_full_blocks(self, request_id: str, token_ids: list[int], num_tokens: int) -> None:
+        """Register the hashes of blocks that are full once this step's tokens
+        are written. Their KV is written in this step before any attention reads
+        it (store_kvcache runs before attention in every layer), so a request
+        scheduled later in the same step may already hit them."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.req_hashes.setdefault(request_id, [])
+        table = self.req_to_blocks[request_id]
+        bs = self.block_size
+        for i in range(len(hashes), min(num_tokens, len(token_ids)) // bs):
+            parent = hashes[-1] if hashes else None
+            h = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(h)
+            block = self.blocks[table[i]]
+            if block.block_hash is None:
+                block.block_hash = h
+                self.cached.setdefault(h, block.block_id)
+
+
+# ---------------------------------------------------------------- slot mapping
+
+def slot_mapping(block_tables: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Slot of each token: ``block_table[p // block_size] * block_size + p % block_size``,
+    for all tokens of a step at once (no Python loop per token)."""
+    block_ids = block_tables[seq_ids, positions // block_size].long()
+    return block_ids * block_size + positions % block_size
+
+
+# ---------------------------------------------------------------- sizing and allocation
+
+@dataclass(slots=True)
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    block_size: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+
+@dataclass(slots=True)
+class KVCachePlan:
+    num_blocks: int
+    bytes_per_block: int
+    budget_bytes: int
+
+    def describe(self, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> str:
+        tokens = self.num_blocks * spec.block_size
+        per_req = -(-max_model_len // spec.block_size)
+        return (f"weights {weight_bytes / 2**30:.2f} GiB; KV budget {self.budget_bytes / 2**30:.2f} GiB, "
+                f"{self.bytes_per_block / 2**10:.1f} KiB per block of {spec.block_size} tokens -> "
+                f"{self.num_blocks} blocks, {tokens} tokens; max concurrency at "
+                f"max_model_len={max_model_len}: {self.num_blocks / per_req:.2f}x")
+
+
+def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int | None, num_kv_blocks: int | None) -> KVCachePlan:
+    """How many blocks the budget buys (``num_kv_blocks`` overrides it)."""
+    per_block = spec.bytes_per_block
+    if num_kv_blocks is not None:
+        if num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
+        return KVCachePlan(num_kv_blocks, per_block, num_kv_blocks * per_block)
+    if budget_bytes is None or budget_bytes <= 0:
+        raise ValueError(f"KV cache budget must be > 0 bytes, got {budget_bytes}")
+    return KVCachePlan(budget_bytes // per_block, per_block, budget_bytes)
+
+
+def check_fits(plan: KVCachePlan, spec: KVCacheSpec, max_model_len: int) -> None:
+    need = -(-max_model_len // spec.block_size)
+    if plan.num_blocks < need:
+        fit_len = plan.num_blocks * spec.block_size
+        raise ValueError(
+            f"KV cache too small: {plan.num_blocks} blocks hold {fit_len} tokens, but one request "
+            f"of max_model_len={max_model_len} needs {need} blocks "
+            f"({need * plan.bytes_per_block} bytes). Lower --max-model-len to at most {fit_len}, "
+            f"or raise --kv-cache-memory-bytes to at least {need * plan.bytes_per_block} "
+            f"(or --num-kv-blocks to at least {need}).")
+
+
+def default_cpu_budget(weight_bytes: int) -> int:
+    """vLLM-CPU's default KV space is 4 GiB; we also leave room beside the weights
+    so that a small machine does not swap."""
+    try:
+        import os
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 * 2**30
+    return max(min(4 * 2**30, (total - weight_bytes) // 4), 64 * 2**20)
+
+
+def gpu_budget(device: torch.device, gpu_memory_utilization: float, activation_bytes: int) -> int:
+    """What the GPU has left under ``gpu_memory_utilization`` after weights and the
+    activations measured by a profiling forward."""
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    return int(total * gpu_memory_utilization - used - activation_bytes)
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device
+                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
+             torch.zeros(shape, dtype=spec.dtype, device=device))
+            for _ in range(spec.num_layers)]
+
+
+def log_plan(plan: KVCachePlan, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> None:
+    logger.info("[kvcache] %s", plan.describe(spec, weight_bytes, max_model_len))
+
+
+__all__ = ["BlockManager", "KVCacheSpec", "KVCachePlan", "plan_kv_cache", "check_fits",
+           "allocate_kv_cache", "slot_mapping", "hash_block", "default_cpu_budget"]

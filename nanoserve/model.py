@@ -1,0 +1,656 @@
+"""Model execution layer: weights, the forward pass, and sampling.
+
+This module owns
+* ``ModelConfig``: a Hugging Face ``config.json`` read into the few numbers a
+  decoder needs (both transformers 4's ``rope_theta``/``rope_scaling`` keys and
+  transformers 5's ``rope_parameters``);
+* the Llama / Qwen2 / Qwen3 / Mistral decoder, written once: q/k/v and gate/up
+  are fused at load time, Qwen2's q/k/v bias and Qwen3's q/k RMSNorm are flags;
+* loading ``*.safetensors`` (one file or a sharded index) into it;
+* ``ModelRunner``: turns one scheduled step (plain lists) into tensors, runs the
+  forward over the flattened tokens of all requests (no padding to a
+  rectangle), computes logits only for the rows that are sampled, and samples.
+
+It knows nothing of queues or HTTP. The KV tensors it writes come from
+``kvcache``; the attention it runs comes from ``kernels``.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoserve import kernels
+from nanoserve.kvcache import slot_mapping as compute_slot_mapping
+
+logger = logging.getLogger("nanoserve.model")
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "float16": torch.float16, "half": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """A model directory nanoserve cannot serve; the message says why."""
+
+
+# =========================================================================== config
+
+@dataclass(slots=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool          # Qwen2: bias on q/k/v
+    qk_norm: bool                 # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None    # only set when the checkpoint would really use it
+    checkpoint_dtype: str
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_dir():
+            raise ModelLoadError(f"model directory {str(path)!r} does not exist (pass --model DIR, "
+                                 f"a Hugging Face model directory with config.json)")
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            raise ModelLoadError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
+        return cls.from_dict(json.loads(cfg_file.read_text()))
+
+    @classmethod
+    def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
+        archs = c.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelLoadError(f"unsupported architecture {arch!r}; nanoserve supports "
+                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        num_heads = c["num_attention_heads"]
+        theta, scaling = _rope_from_config(c)
+        eos = c.get("eos_token_id")
+        return cls(
+            architecture=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            num_layers=c["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=c.get("num_key_value_heads") or num_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+            rms_norm_eps=c.get("rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=_active_sliding_window(arch, c),
+            checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+    def check_max_model_len(self, max_model_len: int) -> None:
+        if self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ModelLoadError(
+                f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which "
+                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less so "
+                f"that the window never takes effect")
+
+
+def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
+        params = params["full_attention"]
+    if params is None:
+        params = dict(c.get("rope_scaling") or {})
+        params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
+    params = dict(params)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"unsupported rope type {rope_type!r}; nanoserve supports "
+                             f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
+    params["rope_type"] = rope_type
+    return theta, (None if rope_type == "default" else params)
+
+
+def _active_sliding_window(arch: str, c: dict[str, Any]) -> int | None:
+    window = c.get("sliding_window")
+    if window is None:
+        return None
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        uses = c.get("use_sliding_window", False) or "sliding_attention" in (c.get("layer_types") or [])
+        return int(window) if uses else None
+    return int(window)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on a GPU, bf16 on the CPU (fp16 matmuls are
+    slow there and fp32 doubles the bytes every step reads)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.bfloat16
+        ckpt = DTYPES.get(config.checkpoint_dtype.replace("torch.", ""), torch.bfloat16)
+        return torch.bfloat16 if ckpt == torch.float32 else ckpt
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return DTYPES[dtype]
+
+
+# =========================================================================== layers
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers does: normalise in fp32, scale in the model dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """nn.Linear without the random init (the checkpoint overwrites it anyway,
+    and initialising 0.6B parameters costs seconds on a CPU)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is None:
+        return inv_freq.float()
+    factor = float(scaling["factor"])
+    if scaling["rope_type"] == "linear":
+        return (inv_freq / factor).float()
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, smooth in between.
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    old_len = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(mid, blended, scaled).float()
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), cos/sin cached for all positions."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """What every attention layer of one step needs (vLLM's names)."""
+    slot_mapping: torch.Tensor     # int64 [num_tokens]
+    block_tables: torch.Tensor     # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor         # int32 [num_seqs]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(positions, q, k)
+        k_cache, v_cache = kv_cache
+        kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                    meta.query_start_loc, self.scale)
+        return self.o_proj(o.reshape(T, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, rope, meta, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """The body shared by every supported architecture (HF's ``model.`` prefix)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                    cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, self.rope, meta, kv_cache)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+# =========================================================================== loading
+
+# checkpoint name fragment -> (fused parameter fragment, shard index)
+_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def _shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
+    if fused == "qkv_proj":
+        return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+    return [cfg.intermediate_size] * 2
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise ModelLoadError(f"sharded checkpoint is missing files: {', '.join(missing)}")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{str(path)!r} has no *.safetensors weights (nanoserve loads safetensors only)")
+    return files
+
+
+@torch.no_grad()
+def load_weights(model: CausalLM, path: Path) -> int:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; returns
+    the weight bytes. Every parameter must be filled exactly once."""
+    from safetensors import safe_open
+
+    cfg = model.config
+    params = dict(model.named_parameters())
+    pending = _expected_shards(params, cfg)
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target, shard = _target_param(name, cfg)
+                if target is None:
+                    continue
+                if target not in params:
+                    raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
+                _copy_shard(params[target], f.get_tensor(name), shard, cfg, target, name)
+                pending.discard((target, max(shard, 0)))
+    if pending:
+        missing = sorted({n for n, _ in pending})
+        raise ModelLoadError(f"checkpoint is missing weights for {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def _expected_shards(params: dict[str, torch.Tensor], cfg: ModelConfig) -> set[tuple[str, int]]:
+    want = set()
+    for name in params:
+        fused = name.split(".")[-2]
+        n = len(_shard_sizes(cfg, fused)) if fused in ("qkv_proj", "gate_up_proj") else 1
+        want |= {(name, s) for s in range(n)}
+    return want
+
+
+def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
+    if "rotary_emb" in name:
+        return None, -1
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return None, -1  # tied: the embedding is the head
+    for part, (fused, shard) in _FUSED.items():
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard
+    return name, -1
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, cfg: ModelConfig,
+                target: str, name: str) -> None:
+    if shard < 0:
+        dest = param
+    else:
+        sizes = _shard_sizes(cfg, target.split(".")[-2])
+        dest = param.narrow(0, sum(sizes[:shard]), sizes[shard])
+    if dest.shape != tensor.shape:
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
+                             f"{tuple(dest.shape)} from config.json")
+    dest.copy_(tensor)
+
+
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, int]:
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    with torch.device(device):
+        model = CausalLM(cfg)
+    model.to(dtype=dtype)
+    model.rope.float()  # the cos/sin tables stay fp32, as in transformers
+    weight_bytes = load_weights(model, path)
+    model.eval()
+    logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights",
+                cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20)
+    return model, weight_bytes
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many kinds; name the directory
+        raise ModelLoadError(f"cannot load the tokenizer from {str(path)!r}: {e}") from None
+
+
+# =========================================================================== sampling
+
+class SamplingOptions(Protocol):
+    """The fields of engine.SamplingParams the sampler reads (model.py does not
+    import the engine layer)."""
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: dict[int, float] | None
+    logprobs: int | None
+
+
+@dataclass(slots=True)
+class SampleRequest:
+    """One row to sample: its parameters and the token history penalties need."""
+    params: SamplingOptions
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet
+
+
+@dataclass(slots=True)
+class SampleResult:
+    token_id: int
+    logprob: float | None = None                     # of the sampled token (raw logits)
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+class Sampler:
+    """Batched sampling, in vLLM's order: logit bias and min_tokens -> penalties ->
+    greedy or temperature -> min_p -> top-k/top-p -> sample. Per-request
+    parameters become tensors; nothing loops over requests on the hot path
+    except building those tensors. Logprobs come from the raw logits."""
+
+    def __init__(self, seed: int = 0):
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> list[SampleResult]:
+        raw = logits
+        ps = [r.params for r in rows]
+        logits = self._apply_bias_and_bans(logits, rows)
+        logits = self._apply_penalties(logits, rows)
+        greedy = [p.temperature == 0.0 for p in ps]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, rows, greedy)
+        return self._results(raw, tokens, ps)
+
+    def _apply_bias_and_bans(self, logits, rows):
+        if not any(r.params.logit_bias or r.banned_token_ids for r in rows):
+            return logits
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.params.logit_bias:
+                ids = torch.tensor(list(r.params.logit_bias.keys()))
+                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
+            if r.banned_token_ids:
+                logits[i, r.banned_token_ids] = float("-inf")
+        return logits
+
+    def _apply_penalties(self, logits, rows):
+        ps = [r.params for r in rows]
+        if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
+               for p in ps):
+            return logits
+        R, V = logits.shape
+        counts = torch.zeros(R, V, dtype=logits.dtype)
+        seen = torch.zeros(R, V, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            if r.output_token_ids:
+                out = torch.tensor(r.output_token_ids)
+                counts[i].index_add_(0, out, torch.ones(len(out), dtype=logits.dtype))
+            if r.prompt_token_ids and ps[i].repetition_penalty != 1:
+                seen[i, torch.tensor(r.prompt_token_ids)] = True
+        seen |= counts > 0
+        rep = torch.tensor([p.repetition_penalty for p in ps], dtype=logits.dtype)[:, None]
+        # repetition (CTRL): divide positive logits, multiply negative ones, for seen tokens
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=logits.dtype)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in ps], dtype=logits.dtype)[:, None]
+        # OpenAI's formula: mu - c * alpha_frequency - (c > 0) * alpha_presence
+        return logits - counts * freq - (counts > 0).to(logits.dtype) * pres
+
+    def _sample(self, logits, rows, greedy):
+        ps = [r.params for r in rows]
+        argmax = logits.argmax(dim=-1)
+        temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)])[:, None]
+        logits = logits / temp
+        if any(p.min_p > 0 for p in ps):
+            probs = logits.softmax(dim=-1)
+            min_p = torch.tensor([p.min_p for p in ps])[:, None]
+            threshold = probs.amax(dim=-1, keepdim=True) * min_p
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        logits = apply_top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
+        probs = logits.softmax(dim=-1)
+        q = self._exponentials(rows, probs.shape)
+        # The exponential race: argmax(p / q), q ~ Exp(1), draws from p exactly
+        # and lets a seeded row own its randomness whatever shares its batch.
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(torch.tensor(greedy), argmax, sampled)
+
+    def _exponentials(self, rows, shape):
+        q = torch.empty(shape)
+        q.exponential_(generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                # Seed by (seed, output index): the same draw however the request
+                # was batched, chunked or preempted and recomputed.
+                g = torch.Generator().manual_seed(hash((r.params.seed, len(r.output_token_ids)))
+                                                  & 0x7FFF_FFFF_FFFF_FFFF)
+                q[i].exponential_(generator=g)
+        return q
+
+    def _results(self, raw, tokens, ps):
+        tokens_list = tokens.tolist()
+        want = [p.logprobs for p in ps]
+        if all(w is None for w in want):
+            return [SampleResult(t) for t in tokens_list]
+        logprobs = raw.float().log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        k = max(w or 0 for w in want)
+        top_v, top_i = logprobs.topk(k, dim=-1) if k else (None, None)
+        results = []
+        for i, (t, w) in enumerate(zip(tokens_list, want)):
+            if w is None:
+                results.append(SampleResult(t))
+                continue
+            top = list(zip(top_i[i, :w].tolist(), top_v[i, :w].tolist())) if w else []
+            results.append(SampleResult(t, chosen[i], top))
+        return results
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Mask all but each row's top-k logits, then all but its top-p nucleus
+    (smallest set whose probability reaches top_p; at least one token kept)."""
+    V = logits.shape[-1]
+    use_k = any(0 < k < V for k in top_k)
+    use_p = any(p < 1.0 for p in top_p)
+    if not (use_k or use_p):
+        return logits
+    sorted_logits, idx = logits.sort(dim=-1, descending=False)
+    if use_k:
+        k = torch.tensor([k if 0 < k < V else V for k in top_k])
+        kth = sorted_logits.gather(1, (V - k)[:, None])
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+    if use_p:
+        p = torch.tensor(top_p, dtype=sorted_logits.dtype)[:, None]
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - p
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+
+
+# =========================================================================== the runner
+
+@dataclass(slots=True)
+class SeqInput:
+    """One request's share of a step, as the engine hands it over (plain data)."""
+    token_ids: list[int]          # the tokens to compute this step
+    start: int                    # position of token_ids[0]
+    block_table: list[int]
+    sample: SampleRequest | None  # None: a prefill chunk that samples nothing
+
+
+class ModelRunner:
+    """Owns the model and its KV tensors; runs one step at a time."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device, seed: int = 0):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler(seed)
+
+    def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten a step into input_ids, positions and attention metadata, with
+        tensor ops rather than a Python loop per token."""
+        dev = self.device
+        q_lens = torch.tensor([len(s.token_ids) for s in seqs])
+        starts = torch.tensor([s.start for s in seqs])
+        query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        T = int(query_start_loc[-1])
+        seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
+        positions = torch.arange(T) - query_start_loc[:-1].long()[seq_ids] + starts[seq_ids]
+        width = max(len(s.block_table) for s in seqs)
+        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
+                                    dtype=torch.int32)
+        slots = compute_slot_mapping(block_tables, seq_ids, positions, self.block_size)
+        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)))
+        meta = AttentionMetadata(slots.to(dev), block_tables.to(dev),
+                                 (starts + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev))
+        return input_ids.to(dev), positions.to(dev), meta
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> list[SampleResult]:
+        """Run one step; returns one result per sequence that samples, in order."""
+        input_ids, positions, meta = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        rows = [i for i, s in enumerate(seqs) if s.sample is not None]
+        if not rows:
+            return []
+        last = meta.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last[rows]]).cpu()
+        return self.sampler(logits, [seqs[i].sample for i in rows])
+
+    @torch.inference_mode()
+    def logits(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Logits of every token of the step (tests compare them with transformers')."""
+        input_ids, positions, meta = self.prepare(seqs)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        return self.model.compute_logits(hidden).cpu()

@@ -1,0 +1,192 @@
+"""Scheduler layer: who runs this step, and how many tokens each.
+
+This module owns the waiting and running queues, the request states, the token
+budget of a step, chunked prefill, preemption, and admission against KV
+capacity (by asking the block manager). It is vLLM v1's scheduler in small:
+every step is a list of (request, num_new_tokens) in which decodes (1 token)
+and prefill chunks (many) share one forward pass.
+
+Rules (DESIGN.md "Scheduling"):
+* running requests first, in admission order, then waiting ones in arrival order,
+  while the token budget (``max_num_batched_tokens``), ``max_num_seqs`` and the
+  free blocks last;
+* a prompt longer than what is left of the budget is prefilled in chunks;
+* when a running request needs a block and none is free, the most recently
+  admitted running request is preempted: its blocks are freed and it goes back
+  to the front of the waiting queue, to be recomputed (its cached prefix blocks
+  may still hit).
+
+It does not import torch: it moves request objects and integers only.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nanoserve.kvcache import BlockManager
+
+if TYPE_CHECKING:  # the engine owns Request; the scheduler only reads and moves it
+    from nanoserve.engine import Request
+
+logger = logging.getLogger("nanoserve.scheduler")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: "Request"
+    start: int            # num_computed_tokens before this step: the chunk's first position
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """A step samples a token only when it reaches the end of the known tokens."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # ---------------------------------------------------------------- queue ops
+    def add_request(self, request: "Request") -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        """Remove a request from its queue and free its blocks (finish or abort)."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        self.block_manager.free(request_id)
+        logger.debug("[scheduler] %s finished (%s), free blocks %d", request_id, status.value,
+                     self.block_manager.num_free_blocks)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---------------------------------------------------------------- the step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # as vLLM: after a preemption, admit nothing new this step
+            self._schedule_waiting(out, budget)
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: nothing after it is left to schedule
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = bm.get_computed_blocks(req.token_ids)
+            num_computed = len(hits) * bm.block_size
+            num_new = min(req.num_tokens - num_computed, budget)
+            if not bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits):
+                break  # no room: it waits, and so does everyone behind it (FCFS)
+            bm.record_prefix_query(req.num_tokens, num_computed)
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:
+                req.num_cached_tokens = num_computed  # reported for the first admission
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_computed, num_new))
+            budget -= num_new
+            logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
+                         req.request_id, req.num_tokens, num_computed, num_new)
+
+    def _preempt(self, req: "Request", out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.block_manager.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        out.preempted.append(req.request_id)
+        logger.debug("[scheduler] preempt %s (recompute %d tokens later)", req.request_id, req.num_tokens)
