@@ -141,7 +141,7 @@ _BLOCK_M_PREFILL = 64       # rows of a tile when some sequence has a multi-toke
 # These thresholds are first guesses, not tuned on hardware.
 _SPLIT_KV_MIN_PARTITION = 512   # never split the context finer than this (tokens)
 _SPLIT_KV_MAX_SPLITS = 16
-_SPLIT_KV_MAX_PROGRAMS = 512    # num_seqs * num_kv_heads at or above this fills the GPU
+_SPLIT_KV_MAX_PROGRAMS = 512    # num_seqs * num_kv_heads this large already fills a GPU
 
 if triton is not None:
 
@@ -163,11 +163,15 @@ if triton is not None:
         block, offset = slot // block_size, slot % block_size
         h = tl.arange(0, HEADS_PAD)[:, None]
         d = tl.arange(0, HEAD_DIM)[None, :]
+        # (d < HEAD_DIM) is always true; it gives the mask the full [heads, dim]
+        # shape, which Triton's CPU interpreter needs for a masked load.
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
         k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d * k_stride_d, mask=mask)
         v = tl.load(value_ptr + t * v_stride_t + h * v_stride_h + d * v_stride_d, mask=mask)
-        kc = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s + h * kc_stride_h + d * kc_stride_d
-        vc = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s + h * vc_stride_h + d * vc_stride_d
+        kc = (k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
+              + h * kc_stride_h + d * kc_stride_d)
+        vc = (v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
+              + h * vc_stride_h + d * vc_stride_d)
         tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -262,7 +266,8 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v.to(v.dtype), input_precision=PRECISION)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
 
         if NUM_SPLITS == 1:
@@ -293,7 +298,8 @@ if triton is not None:
         ok = sp < NUM_SPLITS
         m = tl.load(m_part_ptr + part, mask=ok, other=-1.0e30)
         l = tl.load(l_part_ptr + part, mask=ok, other=0.0)
-        acc = tl.load(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :], mask=ok[:, None], other=0.0)
+        acc = tl.load(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :],
+                      mask=ok[:, None], other=0.0)
         w = tl.exp2(m - tl.max(m, 0))  # splits that saw no key have m = -1e30: weight 0
         o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
         tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,

@@ -1,0 +1,261 @@
+"""Kernel tests: both backends of store_kvcache and paged_attention against a
+naive dense attention written here (per-sequence loop, explicit causal mask,
+softmax in float64), on random fp32 data.
+
+The Triton kernels run on the CPU through Triton's interpreter, which must be
+switched on before triton is first imported (it decides at @triton.jit time),
+hence the environment line above every import. The interpreter only does fp32
+and is slow, so shapes stay small.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from nanoserve import kernels  # noqa: E402
+
+HAS_TRITON = kernels.triton is not None
+
+
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    return isinstance(kernels._paged_attention_kernel, InterpretedFunction)
+
+
+# If some module imported triton before the line above ran (another test file
+# collected first), its kernels were compiled for a GPU; on a CPU-only machine
+# they cannot run. That is a setup error: test_triton_runs_interpreted_on_cpu
+# fails and says so, the other Triton cases skip.
+TRITON_RUNNABLE = HAS_TRITON and (_interpreted() or torch.cuda.is_available())
+DEVICE = "cuda" if HAS_TRITON and not _interpreted() and torch.cuda.is_available() else "cpu"
+_NO_TRITON = "triton is not installed" if not HAS_TRITON else \
+    "triton was imported before TRITON_INTERPRET=1 was set and there is no GPU"
+triton_only = pytest.mark.skipif(not TRITON_RUNNABLE, reason=_NO_TRITON)
+BACKENDS = ["torch", pytest.param("triton", marks=triton_only)]
+# Triton must never read outside the block table or past seq_len, so its caches
+# are poisoned with NaN. The torch twin gathers whole blocks by design and masks
+# afterwards (0 * NaN would still be NaN), so it gets a large finite poison that
+# shows up in the output if it is ever given any weight.
+POISON = {"torch": 1e4, "triton": float("nan")}
+ATOL = RTOL = 1e-4
+
+# (block_size, head_dim, num_heads, num_kv_heads): GQA ratios 1, 2, 3, 4, 8.
+CONFIGS = [(8, 32, 4, 4), (16, 64, 4, 2), (32, 128, 8, 2), (16, 32, 8, 1), (8, 64, 6, 2)]
+# Each sequence of a batch as (cached context before this step, tokens this step).
+SCENARIOS = {
+    "decode": [(4, 1), (16, 1), (37, 1), (0, 1)],
+    "prefill": [(0, 5), (0, 19)],
+    "chunked": [(16, 7), (9, 12)],
+    "mixed": [(12, 1), (0, 6), (20, 9), (33, 1)],
+    # a sequence with no tokens this step: num_tokens == num_seqs although one
+    # sequence has a 2-token chunk, so the "all decodes" tile shape must still be right
+    "idle_seq": [(5, 0), (3, 2), (9, 1)],
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+def make_batch(specs, block_size, head_dim, num_heads, num_kv_heads, poison, extra_blocks=3):
+    """Random queries and a paged cache holding each sequence's full context.
+
+    Block 0 is a poisoned null block that pads every table row; the other blocks
+    are handed out in a random order, a few stay unused (poisoned), and so do the
+    slots past seq_len in each sequence's last block."""
+    seq_lens = [ctx + q for ctx, q in specs]
+    n_blocks = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(n_blocks) + extra_blocks
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, poison, device=DEVICE)
+    v_cache = torch.full(shape, poison, device=DEVICE)
+    perm = (torch.randperm(num_blocks - 1) + 1).tolist()
+    block_tables = torch.zeros(len(specs), max(n_blocks) + 1, dtype=torch.int32)
+    for i, (seq_len, nb) in enumerate(zip(seq_lens, n_blocks)):
+        block_tables[i, :nb] = torch.tensor(perm[:nb])
+        perm = perm[nb:]
+        pos = torch.arange(seq_len)
+        blocks = block_tables[i, pos // block_size].long()
+        for cache in (k_cache, v_cache):
+            cache[blocks, pos % block_size] = torch.randn(seq_len, num_kv_heads, head_dim,
+                                                          device=DEVICE)
+    q_lens = [q for _, q in specs]
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    query = torch.randn(sum(q_lens), num_heads, head_dim, device=DEVICE)
+    return (query, k_cache, v_cache, block_tables.to(DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), query_start_loc.to(DEVICE))
+
+
+def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    """Dense float64 attention, one sequence at a time, straight from the definition."""
+    out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
+    block_size = k_cache.shape[1]
+    group = query.shape[1] // k_cache.shape[2]
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = query_start_loc[i].item(), query_start_loc[i + 1].item()
+        q_len = end - start
+        pos = torch.arange(seq_len, device=query.device)
+        blocks = block_tables[i, pos // block_size].long()
+        # query head h reads KV head h // group
+        k = k_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)  # [ctx,h,d]
+        v = v_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        q = query[start:end].double()                                                 # [q, h, d]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        allowed = pos[None, :] <= q_pos[:, None]                                      # [q, ctx]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def check_attention(backend, batch, **kw):
+    query = batch[0]
+    scale = query.shape[-1] ** -0.5
+    expected = naive_attention(*batch, scale)
+    got = kernels.paged_attention(*batch, scale, backend=backend, **kw)
+    assert got.dtype == query.dtype and got.shape == query.shape
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+# --------------------------------------------------------------------------- store_kvcache
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("block_size,num_kv_heads,head_dim",
+                         [(8, 2, 32), (16, 3, 64), (32, 1, 128)])
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+def test_store_kvcache(backend, block_size, num_kv_heads, head_dim, layout):
+    torch.manual_seed(0)
+    num_blocks, num_tokens = 6, 11
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE)
+    v_cache = torch.randn(shape, device=DEVICE)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    if layout == "contiguous":
+        key = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE)
+        value = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE)
+    else:  # views into a fused buffer, head_dim stride 2: the kernel must use strides
+        fused = torch.randn(num_tokens, 2, num_kv_heads, 2 * head_dim, device=DEVICE)
+        key, value = fused[:, 0, :, ::2], fused[:, 1, :, 1::2]
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    slots[[1, 4, 10]] = -1  # padding tokens
+    kernels.store_kvcache(key, value, k_cache, v_cache, slots.to(DEVICE), backend=backend)
+
+    k_expected, v_expected = k_before.view(-1, num_kv_heads, head_dim).clone(), \
+        v_before.view(-1, num_kv_heads, head_dim).clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_expected[slot], v_expected[slot] = key[t], value[t]
+    # exact: a copy, and every row not named by a valid slot is untouched
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim), k_expected)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), v_expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_store_kvcache_all_padding_and_empty(backend):
+    k_cache = torch.randn(2, 8, 1, 32, device=DEVICE)
+    before = k_cache.clone()
+    key = torch.randn(3, 1, 32, device=DEVICE)
+    kernels.store_kvcache(key, key, k_cache, k_cache, torch.full((3,), -1, device=DEVICE),
+                          backend=backend)
+    kernels.store_kvcache(key[:0], key[:0], k_cache, k_cache,
+                          torch.empty(0, dtype=torch.long, device=DEVICE), backend=backend)
+    assert torch.equal(k_cache, before)
+
+
+# --------------------------------------------------------------------------- paged_attention
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_paged_attention(backend, config, scenario):
+    torch.manual_seed(10 * CONFIGS.index(config) + list(SCENARIOS).index(scenario))
+    check_attention(backend, make_batch(SCENARIOS[scenario], *config, poison=POISON[backend]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_after_store(backend):
+    """The model's order of calls: store the step's K/V, then attend. A prefix of
+    21 tokens is cached, a chunk of 10 and a decode arrive."""
+    torch.manual_seed(1)
+    block_size, head_dim, num_heads, num_kv_heads = 8, 32, 4, 2
+    specs = [(21, 10), (13, 1)]
+    query, k_cache, v_cache, block_tables, seq_lens, qsl = make_batch(
+        specs, block_size, head_dim, num_heads, num_kv_heads, POISON[backend])
+    # Take the step's tokens out of the cache, poison their slots, store them back.
+    slots = []
+    for i, (ctx, q_len) in enumerate(specs):
+        pos = torch.arange(ctx, ctx + q_len)
+        blocks = block_tables[i, pos // block_size].long().cpu()
+        slots.append(blocks * block_size + pos % block_size)
+    slots = torch.cat(slots).to(DEVICE)
+    key = k_cache.view(-1, num_kv_heads, head_dim)[slots].clone()
+    value = v_cache.view(-1, num_kv_heads, head_dim)[slots].clone()
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = POISON[backend]
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = POISON[backend]
+    kernels.store_kvcache(key, value, k_cache, v_cache, slots, backend=backend)
+    check_attention(backend, (query, k_cache, v_cache, block_tables, seq_lens, qsl))
+
+
+# --------------------------------------------------------------------------- split-KV
+
+@triton_only
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(16, 4, 1), (32, 8, 2)])
+def test_split_kv_long_decode(monkeypatch, block_size, num_heads, num_kv_heads):
+    """A long-context decode batch takes the split-KV path (partials + reduce);
+    the short sequence leaves most of its partitions empty."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 64)  # keep the interpreter quick
+    torch.manual_seed(2)
+    batch = make_batch([(300, 1), (40, 1), (129, 1)], block_size, 32, num_heads, num_kv_heads,
+                       POISON["triton"])
+    max_context = batch[3].shape[1] * block_size
+    assert kernels._num_kv_splits(True, 3, num_kv_heads, max_context) > 2
+    check_attention("triton", batch)
+
+
+@triton_only
+def test_split_kv_default_thresholds():
+    """With the shipped thresholds a ~1k-token decode already splits."""
+    torch.manual_seed(3)
+    batch = make_batch([(1100, 1)], 32, 32, 4, 1, POISON["triton"])
+    assert kernels._num_kv_splits(True, 1, 1, batch[3].shape[1] * 32) >= 2
+    check_attention("triton", batch)
+
+
+@triton_only
+@pytest.mark.parametrize("num_splits", [2, 5])
+def test_split_kv_any_batch(num_splits):
+    """The split path is exact for prefill chunks too, so the heuristic that
+    picks it can only cost speed, never correctness."""
+    torch.manual_seed(4)
+    batch = make_batch(SCENARIOS["mixed"], 8, 32, 4, 2, POISON["triton"])
+    query = batch[0]
+    scale = query.shape[-1] ** -0.5
+    got = kernels._launch_attention(*batch, scale, torch.empty_like(query), block_m=16,
+                                    block_q=8, num_splits=num_splits)
+    torch.testing.assert_close(got.double(), naive_attention(*batch, scale), atol=ATOL, rtol=RTOL)
+
+
+# --------------------------------------------------------------------------- plumbing
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_runs_interpreted_on_cpu():
+    assert DEVICE == "cuda" or _interpreted(), (
+        "the Triton kernels are compiled for a GPU, not interpreted: set TRITON_INTERPRET=1 "
+        "before anything imports triton (e.g. at the top of tests/conftest.py)")
+
+
+@triton_only
+def test_bad_shapes_raise():
+    q = torch.randn(2, 4, 48)
+    cache = torch.randn(3, 8, 2, 48)
+    seq = dict(block_tables=torch.zeros(2, 1, dtype=torch.int32),
+               seq_lens=torch.ones(2, dtype=torch.int32),
+               query_start_loc=torch.arange(3, dtype=torch.int32), scale=1.0)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.paged_attention(q, cache, cache, backend="triton", **seq)
+    with pytest.raises(ValueError, match="power of two"):
+        kernels.store_kvcache(q[:, :2], q[:, :2], cache, cache, torch.zeros(2, dtype=torch.long),
+                              backend="triton")
+    cache = torch.randn(3, 8, 3, 32)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        kernels.paged_attention(torch.randn(2, 4, 32), cache, cache, backend="triton", **seq)
