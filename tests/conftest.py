@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import functools
 import os
+
+# The Triton interpreter is chosen when triton is first imported: set it before any test imports nanoserve.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 from pathlib import Path
 
 import pytest
