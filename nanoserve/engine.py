@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import os
@@ -681,6 +682,8 @@ class AsyncLLM:
         self.task = asyncio.get_running_loop().create_task(self._run_loop(), name="nanoserve-engine")
 
     async def shutdown(self) -> None:
+        for queue in self.queues.values():  # nobody may wait forever on a stopped loop
+            queue.put_nowait(EngineDeadError("the engine is shutting down"))
         if self.task is not None:
             self.task.cancel()
             try:
@@ -723,6 +726,8 @@ class AsyncLLM:
         """Validate and queue a request (raises ValueError for bad input)."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
+        if request_id in self.queues:  # finished in the engine, but its stream is not drained yet
+            raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self.engine.add_request(prompt, params, request_id)
         self.queues[request_id] = queue
@@ -733,8 +738,11 @@ class AsyncLLM:
         """Async iterator of RequestOutputs for one request. If the consumer stops
         early (a client disconnects), the request is aborted and its blocks freed."""
         queue = self.add_request(prompt, params, request_id)
-        async for out in self.stream(request_id, queue):
-            yield out
+        # aclosing: an early exit closes the inner stream now (and so aborts),
+        # not whenever the garbage collector finalizes it.
+        async with contextlib.aclosing(self.stream(request_id, queue)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def stream(self, request_id: str, queue: asyncio.Queue):
         finished = False
@@ -756,5 +764,6 @@ class AsyncLLM:
         """Abort now: the scheduler frees the blocks at once. A step that is
         running on the worker thread may still write KV into them, which is
         harmless: nothing can allocate them before the next schedule()."""
+        self.queues.pop(request_id, None)  # also when its stream was never started
         self.engine.abort_request(request_id)
         logger.debug("[engine] aborted %s", request_id)
