@@ -674,9 +674,13 @@ def sampling_params(body: dict, *, max_tokens: int | None, logprobs: int | None)
     try:
         return SamplingParams(**fields)
     except ValueError as e:
-        message = str(e)
-        name = message.split(" ", 1)[0]
-        raise bad_request(message, name if name in fields else None) from None
+        raise bad_request(str(e), _param_of(str(e))) from None
+
+
+def _param_of(message: str) -> str | None:
+    """The field an engine error names: its messages start with the field."""
+    name = message.split(" ", 1)[0]
+    return name if name in SamplingParams.__dataclass_fields__ else None
 
 
 def _logit_bias(body: dict) -> dict[int, float] | None:
@@ -864,10 +868,12 @@ class Generation:
                 engine_id = self.request_id if len(spec.prompts) == 1 else f"{self.request_id}-{i}"
                 queue = async_llm.add_request(prompt.token_ids, spec.params, engine_id)
                 self.tracked.append(_Tracked(engine_id, queue))
-        except (ValueError, EngineDeadError) as e:
+        except EngineDeadError as e:
             self.close()
-            status = 503 if isinstance(e, EngineDeadError) else 400
-            raise ApiError(status, str(e), "X-Request-Id" if "already in use" in str(e) else None) from None
+            raise ApiError(503, str(e)) from None
+        except ValueError as e:  # the engine's own checks: token ids against the vocabulary, the id
+            self.close()
+            raise bad_request(str(e), "X-Request-Id" if "already in use" in str(e) else _param_of(str(e))) from None
         logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s",
                      self.request_id, len(spec.prompts), "+".join(str(len(p.token_ids)) for p in spec.prompts),
                      spec.params.max_tokens, spec.params.n, spec.stream)

@@ -1,0 +1,759 @@
+"""The entry layer against a real uvicorn server on a loopback port: the openai
+SDK, raw SSE (httpx, curl), concurrency, disconnects, backpressure, bad input,
+/metrics, logs, and shutdown. The model is the tiny random Qwen3 of conftest."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine import AsyncLLM
+from nanoserve.entry import bind_socket, build_app, build_engine, make_arg_parser, parse_args
+
+BASE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--port", "0",
+              "--disable-log-stats"]
+GREEDY = dict(temperature=0.0)
+
+
+class ServerThread:
+    """build_app + uvicorn in a background thread (its own loop), as main() runs it."""
+
+    def __init__(self, model_dir: Path, *flags: str, graceful: float | None = None):
+        self.args = parse_args(["--model", str(model_dir), *BASE_FLAGS, *flags])
+        self.engine = build_engine(self.args)
+        # A test makes the model step slow (on the worker thread) by setting .delay,
+        # so that prefill and decode take long enough to act in the middle of them.
+        self.delay = 0.0
+        execute = self.engine.runner.execute
+
+        def slow_execute(seqs):
+            time.sleep(self.delay)
+            return execute(seqs)
+        self.engine.runner.execute = slow_execute
+        self.async_llm = AsyncLLM(self.engine)
+        app = build_app(self.async_llm, self.args)
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", access_log=False,
+                                                    timeout_graceful_shutdown=graceful))
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       daemon=True)
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def wait_idle(self, timeout: float = 5.0) -> dict:
+        """Nothing running or waiting, and every KV block free (the invariant)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+                return s
+            assert time.monotonic() < deadline, f"engine not idle: {s}"
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with ServerThread(tiny_model, "--max-request-body-bytes", "65536") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_model):
+    """Two running at most, two waiting at most, prefill in chunks of 32 tokens."""
+    with ServerThread(tiny_model, "--max-num-seqs", "2", "--max-queue-len", "2",
+                      "--max-num-batched-tokens", "32") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model):
+    return LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="anything", max_retries=0)
+
+
+def offline_text(llm: LLM, prompt, **kw) -> tuple[str, list[int], int]:
+    out = llm.generate([prompt], SamplingParams(**{**GREEDY, **kw}), use_tqdm=False)[0]
+    return out.outputs[0].text, out.outputs[0].token_ids, len(out.prompt_token_ids)
+
+
+def sse_events(raw: str) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing."""
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    payloads = []
+    for e in events[:-1]:
+        assert e.startswith("data: ") and "\n" not in e, repr(e)
+        payloads.append(e[len("data: "):])
+    return payloads
+
+
+# =========================================================================== the openai SDK
+
+def test_sdk_completion_matches_offline(client, offline):
+    prompt = "The quick brown fox"
+    r = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=12,
+                                  temperature=0)
+    text, ids, n_prompt = offline_text(offline, prompt, max_tokens=12)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    assert r.choices[0].text == text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == \
+        (n_prompt, len(ids), n_prompt + len(ids))
+
+
+def test_sdk_completion_stream_matches_offline(client, offline):
+    prompt = "import os, sys"
+    chunks = list(client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
+                                            max_tokens=20, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text, ids, n_prompt = offline_text(offline, prompt, max_tokens=20)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ids)
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+    assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
+
+
+def test_sdk_chat_matches_offline(client, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello world"}]
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=messages,
+                                       max_completion_tokens=10, temperature=0)
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0]
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.outputs[0].text
+    assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    assert r.usage.completion_tokens == len(ref.outputs[0].token_ids) == 10
+
+
+def test_sdk_chat_stream_matches_offline(client, offline):
+    messages = [{"role": "user", "content": "the lazy dog"}]
+    chunks = list(client.chat.completions.create(
+        model=client.models.list().data[0].id, messages=messages, max_tokens=15, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    ref = offline.chat(messages, SamplingParams(temperature=0, max_tokens=15), use_tqdm=False)[0]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == ref.outputs[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 15
+
+
+def test_sdk_maps_errors(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=client.models.list().data[0].id, prompt="hi", max_tokens=5,
+                                  temperature=-1)
+    assert "temperature" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=5)
+
+
+def test_multi_prompt_token_ids_and_n(server, offline):
+    ids = offline.get_tokenizer().encode("hello world")
+    first, _, p0 = offline_text(offline, "The quick", max_tokens=6)
+    second, _, p1 = offline_text(offline, ids, max_tokens=6)
+    body = {"prompt": [offline.get_tokenizer().encode("The quick"), ids], "max_tokens": 6, "n": 2,
+            "temperature": 0}
+    r = httpx.post(server.url + "/v1/completions", json=body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in r["choices"]] == [first, first, second, second]
+    assert r["usage"]["prompt_tokens"] == p0 + p1 and r["usage"]["completion_tokens"] == 24
+    with httpx.stream("POST", server.url + "/v1/completions", json={
+            "prompt": ["The quick", "hello world"], "max_tokens": 6, "temperature": 0, "stream": True}) as s:
+        chunks = [json.loads(p) for p in sse_events(s.read().decode())[:-1]]
+    texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i) for i in (0, 1)]
+    assert texts == [first, second]
+
+
+def test_stop_string_echo_and_extras(server, offline):
+    text, _, _ = offline_text(offline, "The quick brown", max_tokens=12)
+    stop = text[4:6]
+    r = httpx.post(server.url + "/v1/completions", json={
+        "prompt": "The quick brown", "max_tokens": 12, "temperature": 0, "stop": [stop], "echo": True,
+        "top_k": 5, "min_p": 0.1, "repetition_penalty": 1.0, "seed": 3}).json()
+    ref, _, _ = offline_text(offline, "The quick brown", max_tokens=12, stop=[stop])
+    assert r["choices"][0]["text"] == "The quick brown" + ref
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["stop_reason"] == stop
+
+
+def test_logprobs_shapes(server):
+    r = httpx.post(server.url + "/v1/completions", json={
+        "prompt": "hello", "max_tokens": 4, "temperature": 0, "logprobs": 3}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    # keyed by token text, as OpenAI's legacy shape is: tokens that decode alike share a key
+    assert all(1 <= len(t) <= 4 and all(v <= 0 for v in t.values()) for t in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    r = httpx.post(server.url + "/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0,
+        "logprobs": True, "top_logprobs": 2}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    for item in content:
+        assert set(item) == {"token", "logprob", "bytes", "top_logprobs"} and len(item["top_logprobs"]) == 2
+        assert item["top_logprobs"][0]["logprob"] >= item["top_logprobs"][1]["logprob"]
+        assert item["logprob"] <= item["top_logprobs"][0]["logprob"] + 1e-6  # greedy: the top one
+    # streamed logprobs cover every token exactly once
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0,
+            "stream": True, "logprobs": True}) as resp:
+        payloads = sse_events(resp.read().decode())
+    items = [i for p in payloads[:-1] for c in json.loads(p)["choices"] if c["logprobs"]
+             for i in c["logprobs"]["content"]]
+    assert len(items) == 5
+
+
+# =========================================================================== raw SSE
+
+def test_sse_framing_with_httpx(server):
+    with httpx.stream("POST", server.url + "/v1/completions", headers={"X-Request-Id": "sse-frame-1"},
+                      json={"prompt": "hello", "max_tokens": 8, "stream": True, "temperature": 0,
+                            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["x-request-id"] == "sse-frame-1"
+        raw = r.read().decode()
+    payloads = sse_events(raw)
+    assert payloads[-1] == "[DONE]"
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert all(c["id"] == "cmpl-sse-frame-1" and c["object"] == "text_completion" and "created" in c
+               and "model" in c for c in chunks)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl")
+def test_curl_stream(server, offline):
+    body = json.dumps({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6,
+                       "temperature": 0, "stream": True})
+    out = subprocess.run(["curl", "-sSN", "-X", "POST", server.url + "/v1/chat/completions",
+                          "-H", "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    payloads = sse_events(out.stdout)
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    ref = offline.chat([{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=6),
+                       use_tqdm=False)[0].outputs[0].text
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == ref
+
+
+# =========================================================================== small endpoints
+
+def test_models_health_version_tokenize(server, offline):
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == str(server.args.model)
+    assert models["data"][0]["max_model_len"] == 256
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/version").json()["version"]
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()
+    assert tok["tokens"] == offline.get_tokenizer().encode("hello world") and tok["count"] == len(tok["tokens"])
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}).json() == {"prompt": "hello world"}
+    chat = httpx.post(server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 3
+
+
+def test_request_id_echoed_and_duplicates_rejected(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert len(r.headers["x-request-id"]) >= 16 and r.json()["id"] == "cmpl-" + r.headers["x-request-id"]
+    server.delay = 0.01
+    try:
+        with httpx.Client() as c:
+            with c.stream("POST", server.url + "/v1/completions", headers={"X-Request-Id": "dup-1"},
+                          json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as first:
+                lines = first.iter_lines()  # (keep it: a dropped iterator closes the response)
+                next(lines)  # in flight now
+                second = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "dup-1"},
+                                    json={"prompt": "hi", "max_tokens": 2})
+                assert second.status_code == 400 and "dup-1" in second.json()["error"]["message"]
+                assert second.headers["x-request-id"] == "dup-1"
+    finally:
+        server.delay = 0.0
+    server.wait_idle()
+    again = httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "dup-1"},
+                       json={"prompt": "hi", "max_tokens": 2})
+    assert again.status_code == 200 and again.json()["id"] == "cmpl-dup-1"
+
+
+# =========================================================================== concurrency
+
+def test_32_concurrent_streams_match_offline(server, offline):
+    prompts = [f"prompt number {i}: the quick brown fox" for i in range(32)]
+    refs = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+
+    async def one(prompt: str) -> str:
+        stream = await aclient.completions.create(model=str(server.args.model), prompt=prompt, max_tokens=12,
+                                                  temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+    texts = asyncio.run(all_of_them())
+    assert texts == [r.outputs[0].text for r in refs]
+    server.wait_idle()
+
+
+# =========================================================================== disconnects
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    with httpx.Client() as c:
+        with c.stream("POST", server.url + "/v1/completions",
+                      json={"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert server.stats()["num_running"] == 1
+    s = server.wait_idle(timeout=2)
+    assert s["generation_tokens"] > 0
+
+
+def test_disconnect_mid_prefill_frees_blocks(slow_server):
+    slow_server.delay = 0.15
+    try:
+        prompt = list(range(10, 210))  # 200 tokens: 7 chunks of 32 at 0.15 s each
+        before = slow_server.stats()["generation_tokens"]
+        for stream in (True, False):
+            with httpx.Client() as c:
+                if stream:
+                    with c.stream("POST", slow_server.url + "/v1/completions",
+                                  json={"prompt": prompt, "max_tokens": 16, "stream": True}):
+                        time.sleep(0.4)
+                        s = slow_server.stats()
+                        assert s["num_running"] == 1 and s["num_free_blocks"] < s["num_total_blocks"]
+                else:
+                    with pytest.raises(httpx.ReadTimeout):
+                        c.post(slow_server.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 16},
+                               timeout=httpx.Timeout(5, read=0.4))
+            slow_server.wait_idle(timeout=1.0)  # within a step or two of the disconnect
+        assert slow_server.stats()["generation_tokens"] == before  # aborted before its first token
+    finally:
+        slow_server.delay = 0.0
+
+
+def test_health_answers_during_long_prefill(slow_server):
+    slow_server.delay = 0.5
+    try:
+        with httpx.Client() as c:
+            with c.stream("POST", slow_server.url + "/v1/completions",
+                          json={"prompt": list(range(10, 70)), "max_tokens": 1, "stream": True}) as r:
+                time.sleep(0.2)
+                t = time.monotonic()
+                assert httpx.get(slow_server.url + "/health").status_code == 200
+                assert time.monotonic() - t < 0.3  # the step runs on the worker thread
+                assert sse_events(r.read().decode())
+    finally:
+        slow_server.delay = 0.0
+    slow_server.wait_idle()
+
+
+def test_backpressure_429(slow_server):
+    slow_server.delay = 0.1
+
+    async def flood():
+        async with httpx.AsyncClient(base_url=slow_server.url, timeout=30) as c:
+            async def one():
+                return await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4})
+            results = await asyncio.gather(*(one() for _ in range(8)))
+            health = await c.get("/health")
+            return results, health
+    try:
+        results, health = asyncio.run(flood())
+    finally:
+        slow_server.delay = 0.0
+    codes = sorted(r.status_code for r in results)
+    assert set(codes) == {200, 429} and codes.count(200) >= 2, codes
+    for r in results:
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["code"] == 429 and "max-queue-len" in r.json()["error"]["message"]
+    assert health.status_code == 200
+    slow_server.wait_idle()
+
+
+# =========================================================================== bad input
+
+LONG_PROMPT = list(range(1, 260))
+BAD_REQUESTS = [
+    # (path, body: dict | str | bytes, status, param)
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", b"\xff\xfe\x00garbage", 400, None),
+    ("/v1/completions", "", 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", '"a string"', 400, None),
+    ("/v1/completions", "[" * 30000 + "]" * 30000, 400, None),
+    ("/v1/completions", {}, 400, "prompt"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, "a"]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, True]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": LONG_PROMPT, "max_tokens": 1}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 1, "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {"prompt": "hi", "echo": "x"}, 400, "echo"),
+    ("/v1/completions", {"prompt": "hi", "ignore_eos": 1}, 400, "ignore_eos"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "model": 5}, 400, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ("/v1/completions", {"prompt": "x" * 70000}, 413, None),
+    ("/v1/chat/completions", {}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": ["hi"]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 30}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"},
+     400, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+     400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 300},
+     400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+def _check_error(r: httpx.Response, status: int, param) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and "Traceback" not in r.text
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD_REQUESTS,
+                         ids=[f"{i}-{row[0].rsplit('/', 1)[-1]}-{row[3]}" for i, row in enumerate(BAD_REQUESTS)])
+def test_bad_requests(server, path, body, status, param):
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    r = httpx.post(server.url + path, content=content, headers={"Content-Type": "application/json"})
+    err = _check_error(r, status, param)
+    if param is not None and status == 400:
+        assert param.split(".")[0] in err["message"] or param == "prompt" or param == "messages", err
+    if param == "max_tokens" and "max-model-len" in err["message"]:
+        assert "256" in err["message"]  # says both numbers
+
+
+def test_more_bad_requests(server):
+    # the message of an over-long request names both numbers
+    err = _check_error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1000}),
+                       400, "max_tokens")
+    assert "256" in err["message"] and "1000" in err["message"]
+    # a chunked body over the limit, without Content-Length
+    r = httpx.post(server.url + "/v1/completions", content=(b"x" * 8192 for _ in range(10)))
+    _check_error(r, 413, None)
+    _check_error(httpx.get(server.url + "/v1/completions"), 405, None)
+    _check_error(httpx.get(server.url + "/no/such/path"), 404, None)
+    _check_error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
+                            headers={"X-Request-Id": "x" * 500}), 400, "X-Request-Id")
+    _check_error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
+                            headers={"X-Request-Id": "has space"}), 400, "X-Request-Id")
+    # unknown fields are ignored (and logged), as vLLM does
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "frobnicate": 1})
+    assert r.status_code == 200
+    # a streaming request with bad input is a plain 400, not a stream
+    _check_error(httpx.post(server.url + "/v1/chat/completions", json={"messages": [], "stream": True}),
+                 400, "messages")
+    assert httpx.get(server.url + "/health").status_code == 200
+    server.wait_idle()
+
+
+def test_api_key(tiny_model):
+    with ServerThread(tiny_model, "--api-key", "s3cret") as s:
+        url = s.url + "/v1/completions"
+        body = {"prompt": "hi", "max_tokens": 2}
+        _check_error(httpx.post(url, json=body), 401, None)
+        _check_error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401, None)
+        _check_error(httpx.get(s.url + "/v1/models", headers={"Authorization": "s3cret"}), 401, None)
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(s.url + "/health").status_code == 200  # only /v1/* is guarded
+        c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
+        assert c.completions.create(model=str(s.args.model), prompt="hi", max_tokens=2).choices[0].text is not None
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_engine_death_is_503_and_stream_error(tiny_model):
+    with ServerThread(tiny_model) as s:
+        execute = s.engine.runner.execute
+        calls = {"n": 0}
+
+        def dying(seqs):
+            calls["n"] += 1
+            if calls["n"] > 3:
+                raise RuntimeError("simulated device failure")
+            return execute(seqs)
+        s.engine.runner.execute = dying
+        with httpx.stream("POST", s.url + "/v1/completions",
+                          json={"prompt": "hi", "max_tokens": 50, "stream": True}) as r:
+            payloads = sse_events(r.read().decode())
+        error = json.loads(payloads[-2])["error"]
+        assert error["code"] == 503 and "engine" in error["message"] and "Traceback" not in error["message"]
+        _check_error(httpx.get(s.url + "/health"), 503, None)
+        _check_error(httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}), 503, None)
+
+
+# =========================================================================== metrics and logs
+
+def _metrics(url: str) -> dict[str, float]:
+    text = httpx.get(url + "/metrics").text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items())
+                                        if k not in ("model_name", "le"))
+            if "le" not in sample.labels:
+                values[key] = sample.value
+    return values
+
+
+def test_metrics_move(server):
+    before = _metrics(server.url)
+    for name in ("nanoserve:num_requests_running", "nanoserve:num_requests_waiting",
+                 "nanoserve:kv_cache_usage_perc", "nanoserve:prefix_cache_queries_total",
+                 "nanoserve:prefix_cache_hits_total", "nanoserve:num_preemptions_total",
+                 "nanoserve:prompt_tokens_total", "nanoserve:generation_tokens_total",
+                 "nanoserve:time_to_first_token_seconds_count", "nanoserve:inter_token_latency_seconds_count",
+                 "nanoserve:e2e_request_latency_seconds_count", "nanoserve:request_queue_time_seconds_count"):
+        assert name in before, name
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 7})
+    usage = r.json()["usage"]
+    server.delay = 0.01
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions",  # then one cut short
+                          json={"prompt": "hello there" * 3, "max_tokens": 200, "ignore_eos": True,
+                                "stream": True}) as s:
+            lines = s.iter_lines()
+            next(lines)
+            during = _metrics(server.url)
+    finally:
+        server.delay = 0.0
+    server.wait_idle()
+    after = _metrics(server.url)
+    assert during["nanoserve:num_requests_running"] == 1 and during["nanoserve:kv_cache_usage_perc"] > 0
+    assert after["nanoserve:num_requests_running"] == 0
+    assert after["nanoserve:generation_tokens_total"] >= before["nanoserve:generation_tokens_total"] + 8
+    assert after["nanoserve:prompt_tokens_total"] >= before["nanoserve:prompt_tokens_total"] + usage["prompt_tokens"]
+    assert after["nanoserve:prefix_cache_queries_total"] > before["nanoserve:prefix_cache_queries_total"]
+    key = "nanoserve:request_success_total{finished_reason=length}"
+    assert after[key] == before.get(key, 0) + 1
+    assert after["nanoserve:request_success_total{finished_reason=abort}"] >= 1
+    assert after["nanoserve:time_to_first_token_seconds_count"] == before["nanoserve:time_to_first_token_seconds_count"] + 2
+    assert after["nanoserve:inter_token_latency_seconds_count"] >= before["nanoserve:inter_token_latency_seconds_count"] + 6
+    assert after["nanoserve:e2e_request_latency_seconds_count"] == before["nanoserve:e2e_request_latency_seconds_count"] + 1
+
+
+def test_debug_logs_follow_the_request_through_the_layers(tiny_model, caplog):
+    caplog.set_level(logging.DEBUG, logger="nanoserve")
+    with ServerThread(tiny_model) as s:
+        r = httpx.post(s.url + "/v1/completions", headers={"X-Request-Id": "trace-me"},
+                       json={"prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 200
+    lines = [rec.getMessage() for rec in caplog.records]
+    mine = [line for line in lines if "trace-me" in line]
+    for tag in ("[entry]", "[engine]", "[scheduler]"):
+        assert any(line.startswith(tag) for line in mine), (tag, mine)
+
+
+def test_periodic_stats_line(tiny_model, caplog):
+    caplog.set_level(logging.INFO, logger="nanoserve")
+    flags = [f for f in BASE_FLAGS if f != "--disable-log-stats"]
+    args = parse_args(["--model", str(tiny_model), *flags, "--log-stats-interval", "0.2"])
+    engine = build_engine(args)
+
+    async def run():
+        from nanoserve.entry import log_stats_periodically, ServerState, ServerMetrics
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        state = ServerState(async_llm, ["m"], None, None, 1000, ServerMetrics(async_llm, "m"))
+        task = asyncio.create_task(log_stats_periodically(state, 0.2))
+        async for _ in async_llm.generate("hello", SamplingParams(max_tokens=3), "stats-1"):
+            pass
+        await asyncio.sleep(0.3)
+        task.cancel()
+        await async_llm.shutdown()
+    asyncio.run(run())
+    stats = [rec.getMessage() for rec in caplog.records if "generation throughput" in rec.getMessage()]
+    assert stats and "running" in stats[0] and "KV cache usage" in stats[0] and "prefix cache hit rate" in stats[0]
+
+
+# =========================================================================== CLI, start-up and shutdown
+
+def test_help_is_grouped_with_defaults(capsys):
+    text = make_arg_parser().format_help()
+    for group in ("model:", "scheduler:", "KV cache:", "server:", "logging:"):
+        assert group in text
+    for flag in ("--host", "--port", "--served-model-name", "--dtype", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--block-size", "--kv-cache-memory-bytes", "--num-kv-blocks",
+                 "--no-enable-prefix-caching", "--seed", "--api-key", "--max-queue-len", "--log-level",
+                 "--shutdown-timeout"):
+        assert flag in text, flag
+    assert "(default: 127.0.0.1)" in text and "(default: 8000)" in text and "(default: 30.0)" in text
+    with pytest.raises(SystemExit) as e:
+        parse_args([])
+    assert e.value.code == 2 and "no --model given and no demo model packaged" in capsys.readouterr().err
+    args = parse_args(["--model", "m", "--kv-cache-memory-bytes", "2GiB", "--no-enable-prefix-caching"])
+    assert args.kv_cache_memory_bytes == 2 * 2**30 and args.enable_prefix_caching is False
+    assert args.served_model_name == ["m"]
+
+
+def _start_cli(*flags: str) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    banner = []
+    for line in proc.stdout:
+        banner.append(line)
+        if line.strip().startswith("URL"):
+            return proc, "".join(banner)
+        assert time.monotonic() < deadline
+    proc.kill()
+    raise AssertionError(f"no banner: {''.join(banner)} {proc.stderr.read()}")
+
+
+def test_cli_bad_model_is_a_clear_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "nanoserve", "--model", str(tmp_path / "nope"), "--port", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "does not exist" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_sigterm_drains_the_stream_and_exits_0(tiny_model):
+    proc, banner = _start_cli("--model", str(tiny_model), "--dtype", "float32", "--num-kv-blocks", "64",
+                              "--max-model-len", "512", "--port", "0", "--shutdown-timeout", "20")
+    try:
+        for word in ("Qwen3ForCausalLM", "float32", "cpu", "weights", "64 blocks", "1024 tokens",
+                     "2.00x at max-model-len 512", "http://127.0.0.1:"):
+            assert word in banner, (word, banner)
+        url = banner.split("URL", 1)[1].split()[0]
+        with httpx.stream("POST", url + "/v1/completions", timeout=60, headers={"X-Request-Id": "drain-1"}, json={
+                "prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            proc.send_signal(signal.SIGTERM)
+            raw = first + "\n" + "\n".join(lines) + "\n"
+        payloads = [line[len("data: "):] for line in raw.splitlines() if line]
+        assert payloads[-1] == "[DONE]"
+        assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 480
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+        # the signal came while the request was in flight, and the request finished
+        assert err.index("SIGTERM: no new connections; draining") < err.index("[entry] drain-1: finished"), err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_shutdown_timeout_aborts_the_rest(tiny_model):
+    s = ServerThread(tiny_model, graceful=0.5)
+    with s:
+        s.delay = 0.05
+        with httpx.Client(timeout=10) as c:
+            with c.stream("POST", s.url + "/v1/completions",
+                          json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(lines)
+                t = time.monotonic()
+                threading.Thread(target=s.stop).start()
+                with pytest.raises(httpx.HTTPError):  # cut off at the drain timeout
+                    for line in lines:
+                        assert line != "data: [DONE]"
+                assert time.monotonic() - t < 5
+        s.thread.join(10)
+    st = s.stats()
+    assert st["num_running"] == 0 and st["num_waiting"] == 0 and st["num_free_blocks"] == st["num_total_blocks"]
+    with pytest.raises(httpx.ConnectError):  # no longer accepting
+        httpx.get(s.url + "/health", timeout=2)
