@@ -757,3 +757,33 @@ def test_shutdown_timeout_aborts_the_rest(tiny_model):
     assert st["num_running"] == 0 and st["num_waiting"] == 0 and st["num_free_blocks"] == st["num_total_blocks"]
     with pytest.raises(httpx.ConnectError):  # no longer accepting
         httpx.get(s.url + "/health", timeout=2)
+
+
+def test_fuzzed_bodies_never_5xx(server):
+    """Random values for every known field: a 2xx or a 4xx in the error shape, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.integers(), st.floats(),
+                        st.text(max_size=8))
+    values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(st.text(max_size=3), scalars, max_size=2),
+                       st.lists(st.integers(0, 400), min_size=1, max_size=5))
+    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed", "logprobs",
+              "echo", "logit_bias", "stop_token_ids", "min_tokens", "presence_penalty", "repetition_penalty",
+              "ignore_eos", "stream", "stream_options", "messages", "top_logprobs", "max_completion_tokens"]
+    body_strategy = st.fixed_dictionaries({}, optional={f: values for f in fields})
+
+    @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=body_strategy, chat=st.booleans(), base=st.booleans())
+    def check(body, chat, base):
+        if base:  # mostly valid requests with one odd field, to get past the first check
+            body = {**({"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}),
+                    "max_tokens": 3, **{k: v for k, v in list(body.items())[:1]}}
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        r = httpx.post(server.url + path, content=json.dumps(body), timeout=30)  # Infinity, NaN too
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            _check_error(r, r.status_code, None)
+        elif body.get("stream") is True:
+            sse_events(r.text)
+    check()
+    server.wait_idle()
