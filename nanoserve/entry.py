@@ -218,7 +218,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
             if state.generations:  # what the drain timeout left
                 logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(state.generations))
             for gen in list(state.generations.values()):
-                gen.close()
+                gen.close("shutdown timeout")
             await async_llm.shutdown()
 
     routes = [
@@ -394,12 +394,15 @@ def _request_id(request: Request) -> str:
 
 async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[int, CompletionOutput] | None:
     """Run a non-streaming request to the end, or abort it when the client leaves."""
+    done, why = False, "the server stopped"  # unless we get further
     try:
         done, finals = await until_disconnect(request.receive, gen.collect())
+        why = "" if done else "client disconnected"
     except EngineDeadError as e:
+        why = str(e)
         raise ApiError(503, str(e)) from None
     finally:
-        gen.close()
+        gen.close(why)
     return finals if done else None
 
 
@@ -830,7 +833,8 @@ class _Tracked:
     queue: asyncio.Queue
     started: bool = False           # its AsyncLLM.stream ran (and so cleans up after itself)
     done: bool = False
-    finished_choices: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    num_output_tokens: dict[int, int] = field(default_factory=dict)  # by completion index
     first_token_seen: bool = False
     last_token_time: float | None = None
 
@@ -848,7 +852,6 @@ class Generation:
         self.start = time.monotonic()
         self.tracked: list[_Tracked] = []
         self.closed = False
-        self.disconnected = False
         if request_id in state.generations:
             raise bad_request(f"request id {request_id!r} (X-Request-Id) is already in flight", "X-Request-Id")
         self._admit()
@@ -938,15 +941,16 @@ class Generation:
                 metrics.inter_token_latency.observe(m.last_token_time - t.last_token_time)
             t.last_token_time = m.last_token_time
         for c in out.outputs:
+            t.num_output_tokens[c.index] = len(c.token_ids)
             if c.finish_reason is not None:
-                t.finished_choices += 1
+                t.finish_reasons.append(c.finish_reason)
                 metrics.count_finished(c.finish_reason)
         if out.finished:
             t.done = True
             if m is not None:
                 metrics.e2e_latency.observe(time.monotonic() - m.arrival_time)
 
-    def close(self) -> None:
+    def close(self, why: str = "") -> None:
         """Abort what has not finished (a disconnect, an error, a shutdown)."""
         if self.closed:
             return
@@ -956,15 +960,18 @@ class Generation:
             if not t.done:
                 if not t.started:  # a started stream aborts in its own finally
                     self.state.async_llm.abort(t.engine_id)
-                left = self.spec.params.n - t.finished_choices
+                left = self.spec.params.n - len(t.finish_reasons)
                 aborted += left
                 self.state.metrics.count_finished("abort", left)
         if self.state.generations.get(self.request_id) is self:
             del self.state.generations[self.request_id]
         if self.tracked:
-            how = "aborted (client disconnected)" if self.disconnected else \
-                f"aborted {aborted} choice(s)" if aborted else "finished"
-            logger.info("[entry] %s: %s in %.2f s", self.request_id, how, time.monotonic() - self.start)
+            reasons = sorted({r for t in self.tracked for r in t.finish_reasons})
+            outcome = (f"aborted {aborted} choice(s){f' ({why})' if why else ''}" if aborted
+                       else f"finished ({', '.join(reasons)})")
+            logger.info("[entry] %s: %s in %.2f s, %d prompt + %d completion tokens", self.request_id, outcome,
+                        time.monotonic() - self.start, sum(len(p.token_ids) for p in self.spec.prompts),
+                        sum(sum(t.num_output_tokens.values()) for t in self.tracked))
 
 
 # ---------------------------------------------------------------- logprobs
@@ -1102,9 +1109,9 @@ def _stream_error(gen: Generation, e: Exception) -> dict:
 class EventStream:
     """A text/event-stream response from an async iterator of framed events.
     It stops when the client disconnects, which closes the iterator and so
-    aborts the engine requests behind it; ``on_close`` runs in every case."""
+    aborts the engine requests behind it; ``on_close(why)`` runs in every case."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None] | None = None):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[str], None] | None = None):
         self.events, self.on_close = events, on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -1114,17 +1121,17 @@ class EventStream:
                     await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+        why = "the server stopped"  # unless we get further
         try:
             await send({"type": "http.response.start", "status": 200, "headers": [
                 (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                 (b"x-accel-buffering", b"no")]})
             done, _ = await until_disconnect(receive, pump())
-            if not done:
-                logger.debug("[entry] %s: client disconnected mid-stream", scope.get("nanoserve.request_id"))
+            why = "" if done else "client disconnected mid-stream"
         finally:
             await self.events.aclose()  # a no-op unless pump() never started it
             if self.on_close is not None:
-                self.on_close()
+                self.on_close(why)
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> tuple[bool, Any]:
