@@ -47,7 +47,7 @@ class ServerThread:
             return execute(seqs)
         self.engine.runner.execute = slow_execute
         self.async_llm = AsyncLLM(self.engine)
-        app = build_app(self.async_llm, self.args)
+        app = self.app = build_app(self.async_llm, self.args)
         self.sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", access_log=False,
@@ -75,11 +75,13 @@ class ServerThread:
         return self.engine.stats()
 
     def wait_idle(self, timeout: float = 5.0) -> dict:
-        """Nothing running or waiting, and every KV block free (the invariant)."""
+        """Nothing running or waiting, every KV block free (the invariant), and
+        nothing left behind in the entry layer or AsyncLLM."""
         deadline = time.monotonic() + timeout
         while True:
             s = self.stats()
-            if s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]:
+            if (s["num_running"] == 0 and s["num_waiting"] == 0 and s["num_free_blocks"] == s["num_total_blocks"]
+                    and not self.async_llm.queues and not self.app.state.server.generations):
                 return s
             assert time.monotonic() < deadline, f"engine not idle: {s}"
             time.sleep(0.01)
