@@ -225,7 +225,13 @@ def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int | None, num_kv_blocks: in
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
         return KVCachePlan(num_kv_blocks, per_block, num_kv_blocks * per_block)
     if budget_bytes is None or budget_bytes <= 0:
-        raise ValueError(f"KV cache budget must be > 0 bytes, got {budget_bytes}")
+        raise ValueError(f"KV cache budget must be > 0 bytes, got {budget_bytes}: the weights leave no "
+                         f"room; set --kv-cache-memory-bytes (CPU) or raise --gpu-memory-utilization")
+    if budget_bytes < per_block:  # zero blocks: nothing could ever run
+        raise ValueError(
+            f"KV cache too small: a budget of {budget_bytes} bytes buys no block of "
+            f"{spec.block_size} tokens ({per_block} bytes each). Raise --kv-cache-memory-bytes "
+            f"to at least {per_block} (or set --num-kv-blocks).")
     return KVCachePlan(budget_bytes // per_block, per_block, budget_bytes)
 
 

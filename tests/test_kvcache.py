@@ -234,8 +234,16 @@ def test_plan_from_budget_and_override():
     assert plan_kv_cache(spec, None, 7).num_blocks == 7
     with pytest.raises(ValueError, match="num_kv_blocks"):
         plan_kv_cache(spec, None, 0)
-    with pytest.raises(ValueError, match="budget"):
+    with pytest.raises(ValueError, match="budget.*gpu-memory-utilization"):
         plan_kv_cache(spec, 0, None)
+
+
+def test_budget_below_one_block_is_a_clear_error():
+    # It used to plan 0 blocks, and the start-up log line then divided by zero.
+    spec = KVCacheSpec(2, 2, 32, torch.float32, 16)
+    with pytest.raises(ValueError, match=r"buys no block.*--kv-cache-memory-bytes to at least 16384"):
+        plan_kv_cache(spec, spec.bytes_per_block - 1, None)
+    assert plan_kv_cache(spec, spec.bytes_per_block, None).num_blocks == 1
 
 
 def test_check_fits_names_the_knobs():

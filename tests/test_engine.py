@@ -1,0 +1,281 @@
+"""Offline engine tests: greedy outputs do not depend on how the engine got
+them (preemption, chunked prefill, one sequence at a time, prefix-cache hits
+or none, any block size), every block is free afterwards, outputs come back
+in input order with vLLM's fields, and bad inputs fail with a clear
+ValueError before anything is queued."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_model
+from nanoserve import LLM, RequestOutput, SamplingParams
+
+MAX_LEN = 128
+_rng = torch.Generator().manual_seed(99)
+
+
+def _rand(n: int) -> list[int]:
+    return torch.randint(1, VOCAB, (n,), generator=_rng).tolist()
+
+
+SHARED = _rand(40)  # a long common prefix: 2 full blocks of 16 (5 of 8, 1 of 32)
+PROMPTS = [SHARED + _rand(5), _rand(7), SHARED + _rand(9), _rand(1), _rand(60), SHARED + _rand(2), _rand(23)]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(model_root):
+    return make_model(model_root, "llama")
+
+
+def make_llm(model, **kw) -> LLM:
+    kw = {"dtype": "float32", "max_model_len": MAX_LEN, "num_kv_blocks": 256, **kw}
+    return LLM(str(model), **kw)
+
+
+def token_ids(outs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    s = llm.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    assert s["num_running"] == s["num_waiting"] == 0
+    assert all(b.ref_cnt == 0 for b in llm.engine.block_manager.blocks)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """The unconstrained run: everything fits, one step prefills all prompts."""
+    llm = make_llm(model)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert all(len(t) == 16 for t in token_ids(outs))
+    assert len(set(map(tuple, token_ids(outs)))) > 1  # the prompts do lead to different outputs
+    assert_all_blocks_free(llm)
+    return token_ids(outs), llm.stats()
+
+
+# ---------------------------------------------------------------- output invariance
+
+@pytest.mark.parametrize("kw, forced", [
+    # 8 blocks of 16 hold one max_model_len request: the batch must preempt.
+    ({"num_kv_blocks": 8}, "preempt"),
+    ({"max_num_batched_tokens": 8}, "chunk"),
+    ({"max_num_seqs": 1}, None),
+    ({"enable_prefix_caching": False}, None),
+    ({"block_size": 8}, None),
+    ({"block_size": 32, "num_kv_blocks": 64}, None),
+    # All at once: preemption while chunking, with a small block and few sequences.
+    ({"block_size": 8, "num_kv_blocks": 17, "max_num_batched_tokens": 8, "max_num_seqs": 3}, "preempt"),
+], ids=["preempt", "chunked", "one-seq", "no-prefix-cache", "block8", "block32", "all-constraints"])
+def test_greedy_outputs_do_not_depend_on_scheduling(model, reference, kw, forced):
+    llm = make_llm(model, **kw)
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference[0]
+    assert_all_blocks_free(llm)
+    stats = llm.stats()
+    if forced == "preempt":
+        assert stats["num_preemptions"] > 0
+    if not kw.get("enable_prefix_caching", True):
+        assert stats["prefix_cache_hits"] == 0
+    assert stats["num_finished"] == len(PROMPTS)
+
+
+def test_shared_prefix_hits_the_cache_in_the_same_batch(model, reference):
+    llm = make_llm(model)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == reference[0]
+    assert llm.stats()["prefix_cache_hits"] >= 2 * 32  # the 2nd and 3rd SHARED prompts, 2 blocks each
+    assert outs[0].num_cached_tokens == 0
+    assert outs[2].num_cached_tokens == 32 and outs[5].num_cached_tokens == 32
+    assert_all_blocks_free(llm)
+
+
+def test_a_second_generate_hits_blocks_the_first_left_cached(model, reference):
+    llm = make_llm(model, num_kv_blocks=24)  # small enough that the second run also evicts
+    first = token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    hits = llm.stats()["prefix_cache_hits"]
+    second = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert first == token_ids(second) == reference[0]
+    assert llm.stats()["prefix_cache_hits"] > hits
+    assert second[0].num_cached_tokens == 32  # its own cached prefix from the first run
+    assert_all_blocks_free(llm)
+
+
+def test_prompts_added_one_by_one_match_the_batch(model, reference):
+    # Requests arriving while others decode must not change anyone's tokens.
+    llm = make_llm(model, num_kv_blocks=12)
+    engine, ids, done = llm.engine, [], {}
+    for prompt in PROMPTS:
+        ids.append(engine.add_request(prompt, GREEDY))
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert [done[i].outputs[0].token_ids for i in ids] == reference[0]
+    assert_all_blocks_free(llm)
+
+
+# ---------------------------------------------------------------- outputs and prompt forms
+
+def test_outputs_come_back_in_input_order(model):
+    llm = make_llm(model)
+    # The first prompt runs longest and finishes last; the last finishes first.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 6, 3, 1)]
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == PROMPTS[:4]
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12, 6, 3, 1]
+    assert len({o.request_id for o in outs}) == 4
+
+
+def test_request_output_fields(model):
+    llm = make_llm(model)
+    tok = llm.get_tokenizer()
+    prompt = "The quick brown fox"
+    out, = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert isinstance(out, RequestOutput) and out.finished
+    assert out.prompt == prompt and out.prompt_token_ids == tok.encode(prompt)
+    c, = out.outputs
+    assert c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length"
+    # (equality fails when the output ends in a broken UTF-8 sequence: see the xfail below)
+    assert tok.decode(c.token_ids, skip_special_tokens=True).startswith(c.text) and c.text
+    assert c.cumulative_logprob is None and c.logprobs is None  # not asked for
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "engine bug: IncrementalDetokenizer.step returns '' while its decode window ends in U+FFFD, and "
+    "nothing flushes the held-back text when the request finishes, so a finished "
+    "CompletionOutput.text drops the text of every token since the last complete character "
+    "(here: all of it, '' instead of decode(token_ids))"))
+def test_finished_text_is_the_decode_of_all_its_tokens(model):
+    llm = make_llm(model)
+    tok = llm.get_tokenizer()
+    # A byte-level token that ends in a UTF-8 lead byte: text, then an incomplete character.
+    partial = next(i for i in range(VOCAB) if len(tok.decode([i])) > 1 and tok.decode([i]).endswith("\ufffd"))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={partial: 100.0})
+    c = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == [partial] * 3
+    assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_eos_stops_only_after_min_tokens(model):
+    llm = make_llm(model)
+    eos_always = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, logit_bias={0: 100.0})
+    c = llm.generate([PROMPTS[1]], eos_always, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) == 4 and 0 not in c.token_ids[:3] and c.token_ids[-1] == 0
+    assert c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("prompts, n, first_prompt", [
+    ("The quick brown fox", 1, "The quick brown fox"),
+    ([5, 6, 7], 1, None),
+    (["hello world", [5, 6, 7]], 2, "hello world"),
+    ([[5, 6, 7], [8, 9]], 2, None),
+])
+def test_prompt_forms(model, prompts, n, first_prompt):
+    llm = make_llm(model)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(outs) == n and outs[0].prompt == first_prompt
+    if n == 2:
+        assert outs[1].prompt_token_ids == ([5, 6, 7] if first_prompt else [8, 9])
+    assert_all_blocks_free(llm)
+
+
+def test_greedy_text_prompt_equals_its_token_ids(model):
+    llm = make_llm(model)
+    text = "import os, sys; print('hello world')"
+    by_text, by_ids = llm.generate([text, llm.get_tokenizer().encode(text)], GREEDY, use_tqdm=False)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_text.outputs[0].text == by_ids.outputs[0].text
+
+
+# ---------------------------------------------------------------- bad inputs
+
+@pytest.fixture(scope="module")
+def small(model):
+    return make_llm(model, max_model_len=32, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ([1] * 40, r"too long.*max_model_len is 32"),
+    ([1] * 32, r"too long"),  # exactly max_model_len leaves no room for an output token
+    ([], r"empty"),
+    ("", r"empty"),
+    ([1, VOCAB, 2], rf"\[0, {VOCAB}\)"),
+    ([1, -1], rf"\[0, {VOCAB}\)"),
+])
+def test_bad_prompts_raise_value_error(small, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        small.generate([prompt], use_tqdm=False)
+    assert not small.engine.has_unfinished_requests()
+
+
+def test_longest_allowed_prompt_runs(small):
+    out, = small.generate([[1] * 31], SamplingParams(max_tokens=5), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 1 and out.outputs[0].finish_reason == "length"
+
+
+def test_one_bad_prompt_queues_none_of_the_batch(small):
+    with pytest.raises(ValueError, match="empty"):
+        small.generate([[1, 2, 3], []], use_tqdm=False)
+    assert not small.engine.has_unfinished_requests()
+    assert len(small.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)) == 1
+
+
+def test_empty_prompt_list_raises(small):
+    with pytest.raises(ValueError, match="non-empty"):
+        small.generate([], use_tqdm=False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"max_tokens": 0}, "max_tokens must be >= 1"),
+    ({"max_tokens": -3}, "max_tokens must be >= 1"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+])
+def test_bad_sampling_params_raise_value_error(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_missing_model_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(str(tmp_path / "no-such-model"), dtype="float32")
+
+
+def test_unknown_architecture(model, tmp_path):
+    bad = tmp_path / "gpt2-ish"
+    shutil.copytree(model, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"unsupported architecture 'GPT2LMHeadModel'.*LlamaForCausalLM"):
+        LLM(str(bad), dtype="float32")
+
+
+@pytest.mark.parametrize("kw, knob", [
+    ({"num_kv_blocks": 3}, r"num[-_]kv[-_]blocks to at least 4"),
+    ({"kv_cache_memory_bytes": 3 * 8192}, r"kv[-_]cache[-_]memory[-_]bytes to at least 32768"),  # 8 KiB a block
+])
+def test_kv_cache_too_small_for_max_model_len(model, kw, knob):
+    # max_model_len 64 at block_size 16 needs 4 blocks.
+    with pytest.raises(ValueError, match="KV cache too small") as e:
+        LLM(str(model), dtype="float32", max_model_len=64, **kw)
+    assert "max-model-len" in str(e.value) or "max_model_len" in str(e.value)
+    assert re.search(knob, str(e.value)), str(e.value)
+
+
+def test_kv_budget_below_one_block_without_max_model_len(model):
+    # No max_model_len: the engine sizes it from the blocks, and zero blocks must
+    # be an error that names the knob (it was a ZeroDivisionError).
+    with pytest.raises(ValueError, match=r"buys no block.*kv-cache-memory-bytes"):
+        LLM(str(model), dtype="float32", kv_cache_memory_bytes=4096)

@@ -1,0 +1,228 @@
+"""Parity with Hugging Face transformers, the correctness oracle (DESIGN.md
+"Correctness oracle"): for tiny random fp32 models of every supported
+architecture and config variant, nanoserve's logits match HF's to fp32
+rounding and its greedy tokens equal ``generate(do_sample=False)``'s.
+
+Every model here also gets random norm weights and biases (transformers
+initialises them to ones and zeros, which would hide a norm or bias that is
+loaded wrong or not at all)."""
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ARCHS, VOCAB, hf_model, make_model
+from nanoserve import LLM, SamplingParams
+from nanoserve.model import SeqInput
+
+ATOL = 1e-4
+N_NEW = 12
+_rng = torch.Generator().manual_seed(1234)
+PROMPTS = [torch.randint(1, VOCAB, (n,), generator=_rng).tolist() for n in (1, 7, 16, 23, 40)]
+LONG = torch.randint(1, VOCAB, (57,), generator=_rng).tolist()
+
+
+@functools.lru_cache(maxsize=None)
+def _variant(root: str, arch: str, shard: bool, overrides_json: str) -> Path:
+    src = make_model(Path(root), arch, **json.loads(overrides_json))
+    out = src.with_name(src.name + ("-sharded" if shard else "") + "-p")
+    if (out / "config.json").exists():
+        return out
+    model = hf_model(src)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p) * 0.3 + (0.0 if name.endswith("bias") else 1.0))
+    model.save_pretrained(out, **({"max_shard_size": "40KB"} if shard else {}))
+    for f in src.iterdir():  # the tokenizer files
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def variant(model_root):
+    """variant(arch, shard=False, **hf_config_overrides) -> a saved model directory."""
+    def get(arch: str, shard: bool = False, **overrides) -> Path:
+        return _variant(str(model_root), arch, shard, json.dumps(overrides, sort_keys=True))
+    return get
+
+
+def make_llm(path: Path, **kw) -> LLM:
+    kw = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 256, **kw}
+    return LLM(str(path), **kw)
+
+
+def nanoserve_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
+    """Logits of every token, computed in the given chunks: each chunk attends
+    to the earlier ones through the KV cache, as a prefix-cached prompt does."""
+    bm, runner = llm.engine.block_manager, llm.engine.runner
+    assert sum(chunks) == len(token_ids)
+    assert bm.allocate_slots("parity", token_ids, len(token_ids))
+    table = list(bm.block_table("parity"))
+    out, start = [], 0
+    for n in chunks:
+        out.append(runner.logits([SeqInput(token_ids[start:start + n], start, table, None)]))
+        start += n
+    bm.free("parity")
+    return torch.cat(out)
+
+
+def hf_logits(hf, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    # min_new_tokens bans EOS for n tokens, as nanoserve's min_tokens does; the
+    # prompts run one at a time so HF needs no padding.
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+_CHECKED: dict[Path, LLM] = {}
+
+
+def check_parity(path: Path) -> LLM:
+    """Logits in one pass and over a cached prefix, and greedy tokens of a batch.
+    Once per model directory: tests that look at other facts of the same model
+    reuse the result."""
+    if path in _CHECKED:
+        return _CHECKED[path]
+    llm, hf = make_llm(path), hf_model(path)
+    ref = hf_logits(hf, LONG)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [21, 19, 1, 16]), ref, atol=ATOL, rtol=ATOL)
+    params = SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
+    _CHECKED[path] = llm
+    return llm
+
+
+# ---------------------------------------------------------------- every architecture
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_and_greedy_match_hf(variant, arch):
+    check_parity(variant(arch))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_step_of_prefill_chunk_and_decode_matches_hf(variant, arch):
+    # One step that mixes a continuation chunk over a cached prefix with a
+    # whole second prompt: each row must see only its own sequence's KV.
+    path = variant(arch)
+    llm, hf = make_llm(path), hf_model(path)
+    bm, runner = llm.engine.block_manager, llm.engine.runner
+    a, b = LONG, PROMPTS[3]
+    assert bm.allocate_slots("a", a, len(a)) and bm.allocate_slots("b", b, len(b))
+    runner.logits([SeqInput(a[:30], 0, bm.block_table("a"), None)])
+    got = runner.logits([SeqInput(a[30:], 30, bm.block_table("a"), None),
+                         SeqInput(b, 0, bm.block_table("b"), None)])
+    ref = torch.cat([hf_logits(hf, a)[30:], hf_logits(hf, b)])
+    torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
+
+
+# ---------------------------------------------------------------- config variants
+
+def test_tied_embeddings_llama(variant):
+    path = variant("llama", tie_word_embeddings=True)
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"] is True
+    llm = check_parity(path)
+    assert llm.engine.runner.model.lm_head is None  # the embedding is the head
+
+
+def test_untied_embeddings_qwen3(variant):
+    path = variant("qwen3", tie_word_embeddings=False)
+    llm = check_parity(path)
+    model = llm.engine.runner.model
+    assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_qwen2_attention_bias_is_loaded(variant):
+    path = variant("qwen2")
+    llm = check_parity(path)
+    bias = llm.engine.runner.model.model.layers[0].self_attn.qkv_proj.bias
+    assert bias is not None and bias.abs().sum() > 0  # non-zero, so parity covers it
+
+
+def test_qwen3_qk_norm_and_head_dim_not_hidden_over_heads(variant):
+    path = variant("qwen3")
+    llm = check_parity(path)
+    mc = llm.engine.model_config
+    assert mc.qk_norm and mc.head_dim == 32 != mc.hidden_size // mc.num_heads
+    assert llm.engine.runner.kv_caches[0][0].shape[-1] == 32
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 4])  # MQA and plain multi-head, beside the GQA above
+def test_kv_head_counts(variant, num_kv_heads):
+    check_parity(variant("llama", num_key_value_heads=num_kv_heads))
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+LINEAR = {"rope_type": "linear", "factor": 4.0}
+
+
+def _to_legacy_rope(path: Path) -> Path:
+    """Rewrite config.json in transformers 4's form: top-level rope_theta and
+    rope_scaling (with the old "type" key) instead of rope_parameters."""
+    out = path.with_name(path.name + "-legacy")
+    if not out.exists():
+        shutil.copytree(path, out)
+        cfg = json.loads((out / "config.json").read_text())
+        params = cfg.pop("rope_parameters")
+        cfg["rope_theta"] = params.pop("rope_theta")
+        rope_type = params.pop("rope_type")
+        cfg["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **params}
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+@pytest.mark.parametrize("form", ["rope_parameters", "legacy"])
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3], ids=["linear", "llama3"])
+def test_rope_scaling(variant, scaling, form):
+    path = variant("llama", rope_parameters={**scaling, "rope_theta": 10000.0})
+    if form == "legacy":
+        path = _to_legacy_rope(path)
+    hf = hf_model(path)
+    assert hf.config.rope_parameters["rope_type"] == scaling["rope_type"]  # HF read it as meant
+    # The scaling must matter at these positions, or parity would prove nothing.
+    unscaled = hf_model(variant("llama"))
+    assert not torch.allclose(hf_logits(hf, LONG), hf_logits(unscaled, LONG), atol=1e-3)
+    llm = check_parity(path)
+    assert llm.engine.model_config.rope_scaling["rope_type"] == scaling["rope_type"]
+
+
+@pytest.mark.parametrize("form", ["rope_parameters", "legacy"])
+def test_rope_theta_read_from_both_config_forms(variant, form):
+    path = variant("qwen2", rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    if form == "legacy":
+        path = _to_legacy_rope(path)
+        assert "rope_theta" in json.loads((path / "config.json").read_text())
+    llm = check_parity(path)
+    assert llm.engine.model_config.rope_theta == 500.0
+    assert llm.engine.model_config.rope_scaling is None
+
+
+def test_sharded_checkpoint(variant):
+    path = variant("llama", shard=True)
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) >= 2
+    check_parity(path)
+
+
+def test_dtype_float32_everywhere(variant):
+    llm = make_llm(variant("mistral"))
+    assert llm.engine.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in llm.engine.runner.model.parameters())
+    assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
+    assert llm.engine.runner.logits([SeqInput([1, 2, 3], 0, [0], None)]).dtype == torch.float32
