@@ -399,9 +399,14 @@ def test_greedy_with_penalties_bias_min_tokens_matches_transformers(llm, hf, kw)
         assert len(got) == kw["min_tokens"] + 1
 
 
+@pytest.fixture(scope="module")
+def greedy_two(llm):
+    return tokens(llm, [PROMPT, "def main():"], SamplingParams(temperature=0, max_tokens=10))
+
+
 @pytest.mark.parametrize("kw", [dict(top_k=1), dict(top_p=1e-6), dict(min_p=1.0)])
-def test_single_token_truncation_equals_greedy(llm, kw):
-    greedy = tokens(llm, [PROMPT, "def main():"], SamplingParams(temperature=0, max_tokens=10))
+def test_single_token_truncation_equals_greedy(llm, greedy_two, kw):
+    greedy = greedy_two
     sampled = tokens(llm, [PROMPT, "def main():"], SamplingParams(temperature=1.5, max_tokens=10, **kw))
     assert sampled == greedy
 
