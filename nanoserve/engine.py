@@ -63,17 +63,23 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
     skip_special_tokens: bool = True
+    detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+            setattr(self, name, list(value or []))
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError):
                 raise ValueError("logit_bias must map token ids to numbers") from None
+            if not all(_is_num(v) for v in self.logit_bias.values()):
+                raise ValueError("logit_bias values must be numbers, not NaN")
         self._verify()
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
@@ -117,6 +123,8 @@ class SamplingParams:
             bad("stop", "a string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             bad("stop_token_ids", "a list of token ids")
+        if self.stop and not self.detokenize:
+            bad("stop", "empty when detokenize=False (stop strings need the text)")
 
 
 def _is_num(x: Any) -> bool:
@@ -266,6 +274,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     seed: int = 0
+    skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
 
 
 class LLMEngine:
@@ -277,7 +286,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(path)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         torch.manual_seed(config.seed)
         model, self.weight_bytes = load_model(path, self.dtype, self.device)
         self._init_kv_cache(model)
@@ -321,6 +330,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
+                                 "pass token ids")
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
@@ -366,12 +378,17 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
-                IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens),
+                self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
         return request_id
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None or not params.detokenize:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
 
     def abort_request(self, request_id: str) -> None:
         for rid in self._family(request_id):
@@ -444,28 +461,38 @@ class LLMEngine:
     def _check_stop(self, req: Request) -> RequestStatus | None:
         """The finished status the new token puts the request in, if any."""
         p, token = req.sampling_params, req.output_token_ids[-1]
-        prev_len = len(req.text)
-        req.text += req.detokenizer.step([token])
         done = len(req.output_token_ids) >= p.min_tokens
+        # As vLLM: a stop token's own text is left out unless asked for.
         if done and not p.ignore_eos and token in req.eos_token_ids:
+            self._detokenize(req, token, keep=p.include_stop_str_in_output)
             return RequestStatus.FINISHED_STOPPED
         if done and token in p.stop_token_ids:
+            self._detokenize(req, token, keep=p.include_stop_str_in_output)
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
+        prev_len = len(req.text)
+        self._detokenize(req, token, keep=True)
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    @staticmethod
+    def _detokenize(req: Request, token: int, keep: bool) -> None:
+        if req.detokenizer is not None:
+            delta = req.detokenizer.step([token])
+            if keep:
+                req.text += delta
+
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
-        """Find the earliest stop string that ends in the new text; truncate there."""
+        """Find the earliest stop string that ends in the new text; truncate there.
+        Each is searched only where it could end in the new text, so one that
+        completed before min_tokens was reached is not found again later."""
         p = req.sampling_params
-        longest = max(len(s) for s in p.stop)
-        window_start = max(0, prev_len - longest + 1)
         best = None
         for stop in p.stop:
-            i = req.text.find(stop, window_start)
+            i = req.text.find(stop, max(0, prev_len - len(stop) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:
@@ -498,7 +525,9 @@ class LLMEngine:
         delta = req.text[req.sent_text_len:end] if end > req.sent_text_len else ""
         req.sent_text_len = max(req.sent_text_len, end)
         return CompletionOutput(req.index, req.text[:req.sent_text_len], list(req.output_token_ids),
-                                req.cumulative_logprob, req.logprobs, req.status.finish_reason,
+                                req.cumulative_logprob,
+                                None if req.logprobs is None else list(req.logprobs),
+                                req.status.finish_reason,
                                 req.stop_reason, delta, req.output_token_ids[-1:])
 
     # ---------------------------------------------------------------- stats
@@ -547,7 +576,7 @@ def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         if eos is not None:
             ids = set([eos] if isinstance(eos, int) else eos)
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 

@@ -410,13 +410,24 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, cfg: Mode
     dest.copy_(tensor)
 
 
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
+    fp32 copy of a large model first); the cos/sin tables stay fp32."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = CausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    model.rope.float()
+    return model
+
+
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, int]:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    with torch.device(device):
-        model = CausalLM(cfg)
-    model.to(dtype=dtype)
-    model.rope.float()  # the cos/sin tables stay fp32, as in transformers
+    model = build_model(cfg, dtype, device)
     weight_bytes = load_weights(model, path)
     model.eval()
     logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights",
@@ -642,6 +653,9 @@ class ModelRunner:
         input_ids, positions, meta = self.prepare(seqs)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [i for i, s in enumerate(seqs) if s.sample is not None]
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
+                         input_ids.shape[0], len(rows))
         if not rows:
             return []
         last = meta.query_start_loc[1:].long() - 1

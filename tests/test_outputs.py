@@ -152,9 +152,6 @@ def test_no_logprobs_unless_asked(llm):
     assert c.logprobs is None and c.cumulative_logprob is None
 
 
-@pytest.mark.xfail(reason="BUG: engine.LLMEngine.completion_output passes req.logprobs (the live list) "
-                          "into every streamed CompletionOutput while token_ids is a copy, so an "
-                          "earlier output's logprobs keep growing after later steps", strict=True)
 def test_streamed_logprobs_are_snapshots(llm):
     snaps, final = stream(llm, PROMPT, SamplingParams(logprobs=2, max_tokens=5, temperature=0))
     assert [len(c.token_ids) for c in snaps] == [1, 2, 3, 4, 5]
@@ -283,12 +280,7 @@ def test_stop_string_from_the_models_own_greedy_output(llm, tok):
 
 @pytest.mark.parametrize("stops", [
     ["ab"],
-    pytest.param(["ab", "a much longer stop string"], marks=pytest.mark.xfail(
-        reason="BUG: engine.LLMEngine._check_stop_strings searches every stop string from "
-               "prev_len - max(len(stop)) + 1, so a short stop string that completed while "
-               "min_tokens was not yet reached is found again later; it must search from "
-               "prev_len - len(stop) + 1 per stop string (vLLM: find(stop, 1 - new_chars - len(stop)))",
-        strict=True)),
+    ["ab", "a much longer stop string"],
 ])
 def test_stop_strings_before_min_tokens_are_ignored(llm, tok, stops):
     text = "xab then more words here and ab again"
@@ -308,13 +300,7 @@ def test_max_tokens_is_length_with_no_stop_reason(llm, tok):
 
 # =========================================================================== stop ids and EOS
 
-STOP_ID_XFAIL = pytest.mark.xfail(
-    reason="BUG: engine.LLMEngine._check_stop appends the detokenized text of the token before "
-           "deciding it is a stop token; vLLM leaves the text of a stop token (EOS or "
-           "stop_token_ids) out of the output unless include_stop_str_in_output", strict=True)
-
-
-@pytest.mark.parametrize("include", [pytest.param(False, marks=STOP_ID_XFAIL), True],
+@pytest.mark.parametrize("include", [False, True],
                          ids=["exclude", "include"])
 def test_stop_token_ids(llm, tok, include):
     script = tok.encode(TEXT)
@@ -350,7 +336,6 @@ def test_eos_stops_with_no_stop_reason(llm, tok):
     assert final.token_ids == script[:k + 1] and final.text == "Hello world"
 
 
-@STOP_ID_XFAIL
 def test_eos_text_left_out_even_without_skipping_special_tokens(llm, tok):
     script, k = _eos_script(tok)
     final = run_script(llm, script, SamplingParams(max_tokens=len(script), skip_special_tokens=False))
