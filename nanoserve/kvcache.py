@@ -15,8 +15,11 @@ model runner block tables and KV tensors.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,14 +31,20 @@ logger = logging.getLogger("nanoserve.kvcache")
 class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None  # set once the block is full and cached
+    block_hash: bytes | None = None  # set once the block is full and cached
 
 
-def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of one full block: its parent's hash chained with its tokens. Python's
-    tuple hash of ints is deterministic across runs; a 64-bit collision is
-    negligible next to vLLM's default hashing of the same kind."""
-    return hash((parent_hash, token_ids))
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
+    """Hash of one full block: SHA-256 of its parent's hash chained with its
+    tokens (as vLLM's default, ``prefix_caching_hash_algo="sha256"``). A hit
+    hands one request another's KV, so the hash must resist crafted collisions:
+    Python's ``hash`` does not (it is not cryptographic, reduces ints mod
+    2**61 - 1, and ``hash(None)`` is a constant from Python 3.12), and a prompt
+    built to collide with a popular prefix would poison every request sharing it.
+    Every block has ``block_size`` tokens, so the encoding is unambiguous."""
+    h = hashlib.sha256(parent_hash or b"")
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class BlockManager:
@@ -50,9 +59,9 @@ class BlockManager:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # LRU order: allocation pops from the front; freed cached blocks go to the end.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[int, int] = {}                 # block hash -> block id
+        self.cached: dict[bytes, int] = {}               # block hash -> block id
         self.req_to_blocks: dict[str, list[int]] = {}    # the block tables
-        self.req_hashes: dict[str, list[int]] = {}       # hash chain of each request's full blocks
+        self.req_hashes: dict[str, list[bytes]] = {}     # hash chain of each request's full blocks
         self.prefix_cache_queries = 0                    # in tokens, as vLLM counts them
         self.prefix_cache_hits = 0
 
@@ -82,7 +91,7 @@ class BlockManager:
         parent = None
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             block_id = self.cached.get(parent)
             if block_id is None:
                 break
@@ -168,7 +177,7 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(hashes), min(num_tokens, len(token_ids)) // bs):
             parent = hashes[-1] if hashes else None
-            h = hash_block(parent, tuple(token_ids[i * bs:(i + 1) * bs]))
+            h = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(h)
             block = self.blocks[table[i]]
             if block.block_hash is None:

@@ -85,6 +85,23 @@ def test_greedy_outputs_do_not_depend_on_scheduling(model, reference, kw, forced
     assert stats["num_finished"] == len(PROMPTS)
 
 
+@pytest.mark.parametrize("kw", [{"num_kv_blocks": 8}, {"max_num_batched_tokens": 8},
+                                {"block_size": 8, "num_kv_blocks": 17, "max_num_batched_tokens": 8,
+                                 "max_num_seqs": 3}], ids=["preempt", "chunked", "all-constraints"])
+def test_seeded_sampling_does_not_depend_on_scheduling(model, kw):
+    # A seeded request draws the same tokens however it was batched, chunked or
+    # preempted and recomputed; its logprobs come out the same too.
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=10, ignore_eos=True, logprobs=2)
+              for i in range(len(PROMPTS))]
+    ref = make_llm(model).generate(PROMPTS, params, use_tqdm=False)
+    llm = make_llm(model, **kw)
+    got = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert token_ids(got) == token_ids(ref)
+    assert [o.outputs[0].cumulative_logprob for o in got] == pytest.approx(
+        [o.outputs[0].cumulative_logprob for o in ref], abs=1e-4)
+    assert_all_blocks_free(llm)
+
+
 def test_shared_prefix_hits_the_cache_in_the_same_batch(model, reference):
     llm = make_llm(model)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)

@@ -1,6 +1,9 @@
 """Block manager unit tests: the block pool, ref counts, the prefix-cache hash
 chain and its LRU eviction, slot mapping and KV sizing. Pure Python: requests
 are ids and token lists, as the block manager sees them."""
+import hashlib
+from array import array
+
 import pytest
 import torch
 
@@ -109,6 +112,16 @@ def test_hash_chain_depends_on_the_parent():
     assert bm.get_computed_blocks([2, 2, 2, 2, 0]) == []
     assert hash_block(None, (2, 2, 2, 2)) != hash_block(hash_block(None, (1, 1, 1, 1)), (2, 2, 2, 2))
     assert len(bm.get_computed_blocks([1, 1, 1, 1, 2, 2, 2, 2, 5])) == 2
+
+
+def test_block_hash_is_chained_sha256():
+    # A cryptographic hash, as vLLM's default: Python's hash() collides on
+    # purpose-built inputs (e.g. ints equal mod 2**61 - 1), and a collision would
+    # hand one request another's KV.
+    root = hash_block(None, [1, 2, 3, 4])
+    assert root == hashlib.sha256(array("q", [1, 2, 3, 4]).tobytes()).digest()
+    assert hash_block(root, (5, 6, 7, 8)) == hashlib.sha256(root + array("q", [5, 6, 7, 8]).tobytes()).digest()
+    assert hash_block(None, [5]) != hash_block(None, [5 + 2**61 - 1])
 
 
 def test_blocks_are_cached_when_the_step_fills_them_not_before():
