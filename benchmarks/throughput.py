@@ -1,0 +1,234 @@
+"""Offline throughput, nanoserve side by side with its peers.
+
+Each engine runs in its own process (its own virtualenv for the peers, see
+setup_peers.sh), alternated A B A B for ``--rounds`` rounds. Start-up and one
+warm-up request are timed apart from the measured ``generate`` call, as
+nano-vllm's bench does. Every engine gets the same token-id prompts and the
+same per-request output lengths, greedy, ignore_eos.
+
+    python benchmarks/make_models.py
+    python benchmarks/throughput.py --workloads W1 --engines nanoserve vllm hf --rounds 2
+
+Workers print one JSON line; the parent collects them into
+benchmarks/results/throughput-<workload>.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import workloads  # noqa: E402
+
+PEERS = HERE / ".peers"
+PYTHON = {"nanoserve": sys.executable, "vllm": str(PEERS / "vllm/bin/python"),
+          "hf": str(PEERS / "hf/bin/python")}
+
+
+# ============================================================================ workers
+
+def _digest(token_lists) -> str:
+    h = hashlib.sha256()
+    for t in token_lists:
+        h.update(json.dumps(list(t)).encode())
+    return h.hexdigest()[:16]
+
+
+def run_nanoserve(w: workloads.Workload, model: str, prefix_caching: bool, extra: dict) -> dict:
+    from nanoserve import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model, skip_tokenizer_init=True, enable_prefix_caching=prefix_caching,
+              kv_cache_memory_bytes=int(extra.get("kv_gib", 4) * 2**30))
+    llm.generate([w.prompts[0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    startup = time.perf_counter() - t0
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in w.output_lens]
+    t = time.perf_counter()
+    outs = llm.generate(w.prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    import nanoserve
+    return dict(wall=wall, startup=startup, tokens=_digest(o.outputs[0].token_ids for o in outs),
+                num_out=sum(len(o.outputs[0].token_ids) for o in outs),
+                version=nanoserve.__version__, stats=llm.stats())
+
+
+def run_vllm(w: workloads.Workload, model: str, prefix_caching: bool, extra: dict) -> dict:
+    # PEERS.md: a KV budget is required on the CPU; loopback only; no network; and
+    # both cores for the model worker (its default pins the worker to core 0 and
+    # keeps core 1 for the scheduler process), as nanoserve uses both.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(extra.get("kv_gib", 4))))
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", extra.get("vllm_bind", "0-1"))
+    import vllm
+    from vllm import LLM, SamplingParams
+    t0 = time.perf_counter()
+    llm = LLM(model, skip_tokenizer_init=True, dtype="bfloat16", enable_prefix_caching=prefix_caching,
+              seed=0, max_model_len=2048, enforce_eager=not extra.get("vllm_compile", True))
+    llm.generate([{"prompt_token_ids": w.prompts[0][:16]}],
+                 SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
+    startup = time.perf_counter() - t0
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+              for n in w.output_lens]
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in w.prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    return dict(wall=wall, startup=startup, tokens=_digest(o.outputs[0].token_ids for o in outs),
+                num_out=sum(len(o.outputs[0].token_ids) for o in outs), version=vllm.__version__,
+                settings=dict(torch_compile=extra.get("vllm_compile", True),
+                              omp_bind=os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                              kv_gib=os.environ["VLLM_CPU_KVCACHE_SPACE"], max_model_len=2048))
+
+
+def run_hf(w: workloads.Workload, model: str, prefix_caching: bool, extra: dict) -> dict:
+    import transformers
+    from hf_peer import generate_batch  # benchmarks/hf_peer.py: the working recipe
+    return generate_batch(w, model, extra) | {"version": transformers.__version__}
+
+
+WORKERS = {"nanoserve": run_nanoserve, "vllm": run_vllm, "hf": run_hf}
+
+
+def worker_main(args) -> None:
+    w = workloads.get(args.workload)
+    model = str(Path(args.models) / w.model)
+    result = WORKERS[args.worker](w, model, not args.no_prefix_caching, json.loads(args.extra))
+    result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# ============================================================================ parent
+
+def run_one(engine: str, workload: str, prefix_caching: bool, models: Path, extra: dict,
+            timeout: float) -> dict:
+    cmd = [PYTHON[engine], __file__, "--worker", engine, "--workload", workload,
+           "--models", str(models), "--extra", json.dumps(extra)]
+    if not prefix_caching:
+        cmd.append("--no-prefix-caching")
+    env = dict(os.environ, PYTHONPATH=str(HERE))
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    peak = TreeRss(proc.pid)  # vLLM computes in child processes: count the whole tree
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        peak.stop()
+    proc.stdout, proc.stderr = stdout, stderr
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout)[-3000:]
+        return dict(error=f"exit {proc.returncode}: {tail}", process_s=time.perf_counter() - t)
+    return json.loads(lines[-1][7:]) | dict(process_s=time.perf_counter() - t,
+                                            peak_tree_rss_gib=peak.peak / 2**30)
+
+
+class TreeRss:
+    """Samples the summed RSS of a process and its descendants every 0.2 s."""
+
+    def __init__(self, pid: int):
+        import threading
+        import psutil
+        self.root, self.peak, self.done = psutil.Process(pid), 0, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        import psutil
+        while not self.done.wait(0.2):
+            try:
+                procs = [self.root] + self.root.children(recursive=True)
+                self.peak = max(self.peak, sum(p.memory_info().rss for p in procs if p.is_running()))
+            except psutil.Error:
+                pass
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
+def machine() -> dict:
+    cpu = next((l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
+                if l.startswith("model name")), platform.processor())
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return dict(cpu=cpu, cores=os.cpu_count(), memory_gib=round(mem, 1), python=platform.python_version())
+
+
+def summarize(workload: str, runs: list[dict]) -> list[dict]:
+    w = workloads.get(workload)
+    rows = []
+    for key in dict.fromkeys((r["engine"], r["prefix_caching"]) for r in runs):
+        ok = [r for r in runs if (r["engine"], r["prefix_caching"]) == key and "wall" in r]
+        if not ok:
+            rows.append(dict(engine=key[0], prefix_caching=key[1], error=runs[-1].get("error", "?")[:300]))
+            continue
+        wall = statistics.median(r["wall"] for r in ok)
+        rows.append(dict(engine=key[0], prefix_caching=key[1], runs=len(ok), wall_s=round(wall, 2),
+                         walls=[round(r["wall"], 2) for r in ok],
+                         output_tok_s=round(w.num_output_tokens / wall, 1),
+                         total_tok_s=round((w.num_output_tokens + w.num_prompt_tokens) / wall, 1),
+                         startup_s=round(statistics.median(r["startup"] for r in ok), 1),
+                         peak_rss_gib=round(max(r["peak_tree_rss_gib"] for r in ok), 2),
+                         tokens=sorted({r["tokens"] for r in ok}), version=ok[0].get("version")))
+    base = next((r for r in rows if r["engine"] == "nanoserve" and "wall_s" in r), None)
+    for r in rows:
+        if base and "wall_s" in r:
+            r["time_vs_nanoserve"] = round(r["wall_s"] / base["wall_s"], 2)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", nargs="+", default=["W1"])
+    ap.add_argument("--engines", nargs="+", default=["nanoserve", "vllm", "hf"])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--models", type=Path, default=HERE / "models")
+    ap.add_argument("--kv-gib", type=float, default=4.0)
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--vllm-eager", action="store_true", help="turn vLLM's torch.compile off")
+    ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
+    ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--worker", choices=list(WORKERS))
+    ap.add_argument("--workload", default="W1")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--extra", default="{}")
+    args = ap.parse_args()
+    if args.worker:
+        return worker_main(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    extra = {"kv_gib": args.kv_gib, "vllm_compile": not args.vllm_eager, "vllm_bind": args.vllm_bind}
+    for workload in args.workloads:
+        # W2 is the prefix-caching workload: run each engine with caching on and off.
+        variants = [True, False] if workload == "W2" else [True]
+        runs = []
+        for rnd in range(args.rounds):
+            for engine in args.engines:
+                for pc in variants:
+                    if engine == "hf" and not pc:
+                        continue  # transformers has no prefix cache to turn off
+                    r = run_one(engine, workload, pc, args.models, extra, args.timeout)
+                    r.update(engine=engine, prefix_caching=pc, round=rnd)
+                    runs.append(r)
+                    print(f"[{workload} round {rnd}] {engine} prefix_caching={pc}: "
+                          + (f"{r['wall']:.1f}s (start-up {r['startup']:.1f}s, peak RSS "
+                             f"{r['peak_tree_rss_gib']:.2f} GiB)" if "wall" in r else r["error"][-500:]),
+                          flush=True)
+        summary = summarize(workload, runs)
+        record = dict(workload=workload, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                      command=" ".join(sys.argv), machine=machine(), summary=summary, runs=runs)
+        (args.out / f"throughput-{workload}.json").write_text(json.dumps(record, indent=1))
+        print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
