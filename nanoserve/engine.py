@@ -204,6 +204,14 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]
 
+    def flush(self) -> str:
+        """At the end: whatever is still held back, incomplete character and all."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
 
 # =========================================================================== requests
 
@@ -464,26 +472,28 @@ class LLMEngine:
         done = len(req.output_token_ids) >= p.min_tokens
         # As vLLM: a stop token's own text is left out unless asked for.
         if done and not p.ignore_eos and token in req.eos_token_ids:
-            self._detokenize(req, token, keep=p.include_stop_str_in_output)
-            return RequestStatus.FINISHED_STOPPED
+            return self._finish_text(req, token if p.include_stop_str_in_output else None)
         if done and token in p.stop_token_ids:
-            self._detokenize(req, token, keep=p.include_stop_str_in_output)
             req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
+            return self._finish_text(req, token if p.include_stop_str_in_output else None)
         prev_len = len(req.text)
-        self._detokenize(req, token, keep=True)
+        if req.detokenizer is not None:
+            req.text += req.detokenizer.step([token])
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return self._finish_text(req, None, RequestStatus.FINISHED_LENGTH)
         return None
 
     @staticmethod
-    def _detokenize(req: Request, token: int, keep: bool) -> None:
+    def _finish_text(req: Request, last_token: int | None,
+                     status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> RequestStatus:
+        """Add the last token's text (if kept) and flush what the detokenizer held
+        back waiting for the rest of a UTF-8 character that will never come."""
         if req.detokenizer is not None:
-            delta = req.detokenizer.step([token])
-            if keep:
-                req.text += delta
+            req.text += req.detokenizer.step([] if last_token is None else [last_token])
+            req.text += req.detokenizer.flush()
+        return status
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
         """Find the earliest stop string that ends in the new text; truncate there.

@@ -161,18 +161,12 @@ def test_request_output_fields(model):
     assert out.prompt == prompt and out.prompt_token_ids == tok.encode(prompt)
     c, = out.outputs
     assert c.index == 0 and len(c.token_ids) == 5 and c.finish_reason == "length"
-    # (equality fails when the output ends in a broken UTF-8 sequence: see the xfail below)
-    assert tok.decode(c.token_ids, skip_special_tokens=True).startswith(c.text) and c.text
+    assert tok.decode(c.token_ids, skip_special_tokens=True) == c.text and c.text
     assert c.cumulative_logprob is None and c.logprobs is None  # not asked for
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine bug: IncrementalDetokenizer.step returns '' while its decode window ends in U+FFFD, and "
-    "nothing flushes the held-back text when the request finishes, so a finished "
-    "CompletionOutput.text drops the text of every token since the last complete character "
-    "(here: all of it, '' instead of decode(token_ids))"))
 def test_finished_text_is_the_decode_of_all_its_tokens(model):
     llm = make_llm(model)
     tok = llm.get_tokenizer()
