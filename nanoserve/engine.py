@@ -227,6 +227,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None      # n > 1: the id the caller knows
     index: int = 0
+    cache_salt: str | None = None     # who may share this request's cached blocks
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -384,10 +385,13 @@ class LLMEngine:
             if params.n > 1:  # each child its own seed, else all n would be the same text
                 child = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            # The n children of one prompt always share its blocks: with prefix
+            # caching off, a salt private to the family still lets them.
+            salt = None if self.config.enable_prefix_caching or params.n == 1 else f"n:{request_id}"
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
-                parent_id=request_id if params.n > 1 else None, index=i))
+                parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)

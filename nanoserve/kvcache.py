@@ -34,6 +34,10 @@ class KVCacheBlock:
     block_hash: bytes | None = None  # set once the block is full and cached
 
 
+def _salt_hash(cache_salt: str | None) -> bytes | None:
+    return None if cache_salt is None else hashlib.sha256(cache_salt.encode()).digest()
+
+
 def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """Hash of one full block: SHA-256 of its parent's hash chained with its
     tokens (as vLLM's default, ``prefix_caching_hash_algo="sha256"``). A hit
@@ -62,6 +66,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}               # block hash -> block id
         self.req_to_blocks: dict[str, list[int]] = {}    # the block tables
         self.req_hashes: dict[str, list[bytes]] = {}     # hash chain of each request's full blocks
+        self.req_salts: dict[str, str | None] = {}       # see get_computed_blocks
         self.prefix_cache_queries = 0                    # in tokens, as vLLM counts them
         self.prefix_cache_hits = 0
 
@@ -81,14 +86,21 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---------------------------------------------------------------- prefix cache
-    def get_computed_blocks(self, token_ids: list[int]) -> list[int]:
+    def _caches(self, cache_salt: str | None) -> bool:
+        """Prefix caching off still lets a salted family (the n completions of one
+        prompt) share its own prompt blocks; the salt keeps everyone else out."""
+        return self.enable_prefix_caching or cache_salt is not None
+
+    def get_computed_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
         """The cached blocks that cover a prefix of ``token_ids``. At least the
         last token is always left to compute (its logits are needed), so a
-        prompt that is all cached still recomputes its final block's last token."""
-        if not self.enable_prefix_caching:
+        prompt that is all cached still recomputes its final block's last token.
+        A ``cache_salt`` (as vLLM's) starts the hash chain, so only requests with
+        the same salt can share blocks."""
+        if not self._caches(cache_salt):
             return []
         hits: list[int] = []
-        parent = None
+        parent = _salt_hash(cache_salt)
         bs = self.block_size
         for i in range((len(token_ids) - 1) // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
@@ -104,7 +116,7 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocate / free
     def allocate_slots(self, request_id: str, token_ids: list[int], num_tokens: int,
-                       computed_blocks: list[int] | None = None) -> bool:
+                       computed_blocks: list[int] | None = None, cache_salt: str | None = None) -> bool:
         """Make the request's block table cover its first ``num_tokens`` tokens,
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
         Returns False, changing nothing, when the free blocks do not suffice."""
@@ -125,6 +137,10 @@ class BlockManager:
         for _ in range(max(need, 0)):
             table.append(self._pop_free())
         self.req_to_blocks[request_id] = table
+        self.req_salts.setdefault(request_id, cache_salt)
+        if (need > 0 or computed_blocks) and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("[kvcache] %s: +%d blocks, %d prefix-cache hits, table %d, free %d",
+                         request_id, max(need, 0), len(computed_blocks), len(table), self.num_free_blocks)
         self._cache_full_blocks(request_id, token_ids, num_tokens)
         return True
 
@@ -132,7 +148,12 @@ class BlockManager:
         """Release a request's blocks. The tail is freed first so that, among
         equally old blocks, a prefix outlives its continuation in the LRU."""
         table = self.req_to_blocks.pop(request_id, [])
+        if table and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("[kvcache] free %s: %d blocks back (cached ones stay reusable), free %d",
+                         request_id, len(table), self.num_free_blocks + sum(
+                             1 for b in table if self.blocks[b].ref_cnt == 1))
         self.req_hashes.pop(request_id, None)
+        self.req_salts.pop(request_id, None)
         for b in reversed(table):
             block = self.blocks[b]
             block.ref_cnt -= 1
@@ -170,13 +191,14 @@ class BlockManager:
         are written. Their KV is written in this step before any attention reads
         it (store_kvcache runs before attention in every layer), so a request
         scheduled later in the same step may already hit them."""
-        if not self.enable_prefix_caching:
+        salt = self.req_salts.get(request_id)
+        if not self._caches(salt):
             return
         hashes = self.req_hashes.setdefault(request_id, [])
         table = self.req_to_blocks[request_id]
         bs = self.block_size
         for i in range(len(hashes), min(num_tokens, len(token_ids)) // bs):
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else _salt_hash(salt)
             h = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(h)
             block = self.blocks[table[i]]

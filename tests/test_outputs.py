@@ -445,3 +445,23 @@ def test_chat_without_a_template_is_a_clear_error(tiny_model, tmp_path):
     out = llm.chat(MESSAGES, SamplingParams(max_tokens=2), use_tqdm=False,
                    chat_template="{% for m in messages %}{{ m['content'] }}|{% endfor %}")
     assert out[0].prompt == "be brief|hi 你好|"
+
+
+def test_n4_shares_prompt_blocks_with_prefix_caching_off(tiny_model):
+    # The family's own salt lets the n children share; unrelated requests still do not.
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, block_size=16,
+              enable_prefix_caching=False)
+    engine, bm = llm.engine, llm.engine.block_manager
+    prompt = list(range(3, 43))
+    engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))
+    engine.step()
+    assert bm.num_blocks - bm.num_free_blocks == 2 + 4
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.add_request(prompt, SamplingParams(max_tokens=2))
+    engine.add_request(prompt, SamplingParams(max_tokens=2))
+    engine.step()
+    assert bm.num_blocks - bm.num_free_blocks == 2 * 3      # two unrelated requests: no sharing
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert bm.num_free_blocks == bm.num_blocks

@@ -23,6 +23,7 @@ class FakeRequest:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
