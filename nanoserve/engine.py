@@ -30,7 +30,7 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve.model import (ModelConfig, ModelLoadError, ModelRunner, SampleRequest, SampleResult,
-                             SeqInput, load_model, load_tokenizer, resolve_dtype)
+                             SeqInput, load_model, load_tokenizer, num_parameters, resolve_dtype)
 from nanoserve.scheduler import (RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
 
@@ -297,6 +297,9 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            elem = torch.empty((), dtype=self.dtype).element_size()
+            kvcache.check_cpu_memory(num_parameters(self.model_config) * elem, config.kv_cache_memory_bytes)
         model, self.weight_bytes = load_model(path, self.dtype, self.device)
         self._init_kv_cache(model)
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))

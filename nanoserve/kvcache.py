@@ -289,6 +289,33 @@ def default_cpu_budget(weight_bytes: int) -> int:
     return max(min(4 * 2**30, (total - weight_bytes) // 4), 64 * 2**20)
 
 
+def available_cpu_memory() -> int | None:
+    """MemAvailable from /proc/meminfo (bytes), or None where there is none."""
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_cpu_memory(weight_bytes: int, kv_bytes: int | None) -> None:
+    """Fail before loading, with what to do, when weights (+ an explicit KV
+    budget) cannot fit in this machine's memory: swapping or the OOM killer is
+    a far worse way to find out."""
+    avail = available_cpu_memory()
+    if avail is None:
+        return
+    need = weight_bytes + (kv_bytes or 0)
+    if need > avail:
+        raise ValueError(
+            f"not enough memory: the weights need {weight_bytes / 2**30:.2f} GiB"
+            + (f" and --kv-cache-memory-bytes {kv_bytes / 2**30:.2f} GiB" if kv_bytes else "")
+            + f", but this machine has {avail / 2**30:.2f} GiB available. Use a smaller model, "
+            f"--dtype bfloat16 (half of float32), or a smaller --kv-cache-memory-bytes")
+
+
 def gpu_budget(device: torch.device, gpu_memory_utilization: float, activation_bytes: int) -> int:
     """What the GPU has left under ``gpu_memory_utilization`` after weights and the
     activations measured by a profiling forward."""

@@ -146,6 +146,17 @@ def _active_sliding_window(arch: str, c: dict[str, Any]) -> int | None:
     return int(window)
 
 
+def num_parameters(cfg: ModelConfig) -> int:
+    """Parameter count from the config alone, to check memory before loading."""
+    H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
+    layer = H * qkv + cfg.num_heads * D * H + 3 * H * I + 2 * H
+    layer += qkv if cfg.attention_bias else 0
+    layer += 2 * D if cfg.qk_norm else 0
+    heads = 1 if cfg.tie_word_embeddings else 2
+    return heads * cfg.vocab_size * H + cfg.num_layers * layer + H
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
     """``auto``: the checkpoint's dtype on a GPU, bf16 on the CPU (fp16 matmuls are
     slow there and fp32 doubles the bytes every step reads)."""

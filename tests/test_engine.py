@@ -290,3 +290,9 @@ def test_kv_budget_below_one_block_without_max_model_len(model):
     # be an error that names the knob (it was a ZeroDivisionError).
     with pytest.raises(ValueError, match=r"buys no block.*kv-cache-memory-bytes"):
         LLM(str(model), dtype="float32", kv_cache_memory_bytes=4096)
+
+
+def test_model_larger_than_memory_is_a_clear_error(model):
+    # An explicit KV budget beyond this machine's memory fails before loading, naming the knobs.
+    with pytest.raises(ValueError, match=r"not enough memory.*--kv-cache-memory-bytes"):
+        LLM(str(model), dtype="float32", kv_cache_memory_bytes=2**50)
