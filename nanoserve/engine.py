@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import contextlib
 import itertools
 import logging
@@ -386,7 +387,7 @@ class LLMEngine:
         for i in range(params.n):
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text
-                child = _replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
@@ -574,12 +575,6 @@ def _stop_holdback(req: Request) -> int:
         if any(s.startswith(tail) for s in stops):
             return n
     return 0
-
-
-def _replace(params: SamplingParams, **changes) -> SamplingParams:
-    fields = {f: getattr(params, f) for f in SamplingParams.__dataclass_fields__}
-    fields.update(changes)
-    return SamplingParams(**fields)
 
 
 def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
