@@ -22,9 +22,11 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+import nanoserve
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import AsyncLLM
-from nanoserve.entry import bind_socket, build_app, build_engine, make_arg_parser, parse_args
+from nanoserve.entry import (bind_socket, build_app, build_engine, default_model_path, make_arg_parser,
+                            parse_args)
 
 BASE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--port", "0",
               "--disable-log-stats"]
@@ -671,7 +673,7 @@ def test_periodic_stats_line(tiny_model, caplog):
 
 # =========================================================================== CLI, start-up and shutdown
 
-def test_help_is_grouped_with_defaults(capsys):
+def test_help_is_grouped_with_defaults():
     text = make_arg_parser().format_help()
     for group in ("model:", "scheduler:", "KV cache:", "server:", "logging:"):
         assert group in text
@@ -681,9 +683,12 @@ def test_help_is_grouped_with_defaults(capsys):
                  "--shutdown-timeout"):
         assert flag in text, flag
     assert "(default: 127.0.0.1)" in text and "(default: 8000)" in text and "(default: 30.0)" in text
-    with pytest.raises(SystemExit) as e:
-        parse_args([])
-    assert e.value.code == 2 and "no --model given and no demo model packaged" in capsys.readouterr().err
+    # no --model: the demo model packaged at nanoserve/demo_model, served under its path
+    demo = Path(nanoserve.__file__).resolve().parent / "demo_model"
+    assert (demo / "config.json").is_file()
+    assert default_model_path() == str(demo)
+    args = parse_args([])
+    assert args.model == str(demo) and args.served_model_name == [str(demo)]
     args = parse_args(["--model", "m", "--kv-cache-memory-bytes", "2GiB", "--no-enable-prefix-caching"])
     assert args.kv_cache_memory_bytes == 2 * 2**30 and args.enable_prefix_caching is False
     assert args.served_model_name == ["m"]

@@ -1,0 +1,82 @@
+"""Start-up failures of ``python -m nanoserve`` (issue 6): each is one line that
+says what is wrong and what to change, a non-zero exit, and no traceback. Each
+runs the CLI in a subprocess, as a user would; they fail before the server
+listens, so each takes about the time of an import."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nanoserve.entry import build_engine, parse_args
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def run_cli(*flags: str) -> str:
+    """Run the CLI to its exit; check the exit and the absence of a traceback; return stderr."""
+    out = subprocess.run([sys.executable, "-m", "nanoserve", *flags, "--disable-log-stats"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout, out.stderr
+    assert "URL" not in out.stdout  # no banner: it never served
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, out.stderr
+    return errors[0]
+
+
+def test_no_such_model_directory(tmp_path):
+    missing = tmp_path / "no-such-model"
+    err = run_cli("--model", str(missing), "--port", "0")
+    assert f"model directory '{missing}' does not exist" in err and "--model DIR" in err
+
+
+def test_unsupported_architecture(tiny_model, tmp_path):
+    model = tmp_path / "gpt2-ish"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model / "config.json").write_text(json.dumps(config))
+    err = run_cli("--model", str(model), "--port", "0")
+    assert "unsupported architecture 'GPT2LMHeadModel'" in err
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+        assert arch in err
+
+
+def test_kv_cache_too_small_for_max_model_len_suggests_values_that_fit(tiny_model):
+    flags = ["--model", str(tiny_model), "--port", "0", "--dtype", "float32"]
+    # float32: 16 KiB a block of 16 tokens, so 64 KiB buys 4 blocks, 64 tokens
+    err = run_cli(*flags, "--kv-cache-memory-bytes", "64KiB", "--max-model-len", "256")
+    assert "KV cache too small: 4 blocks hold 64 tokens" in err and "max_model_len=256 needs 16 blocks" in err
+    m = re.search(r"Lower --max-model-len to at most (\d+), or raise --kv-cache-memory-bytes to at least (\d+) "
+                  r"\(or --num-kv-blocks to at least (\d+)\)", err)
+    assert m, err
+    max_len, budget, blocks = m.groups()
+    # each suggestion, taken alone, starts (in-process: the failure above was the subprocess's)
+    for fix in (["--kv-cache-memory-bytes", "64KiB", "--max-model-len", max_len],
+                ["--kv-cache-memory-bytes", budget, "--max-model-len", "256"],
+                ["--num-kv-blocks", blocks, "--max-model-len", "256"]):
+        engine = build_engine(parse_args([*flags, *fix]))
+        assert engine.max_model_len == int(fix[-1]), fix
+
+
+def test_port_already_in_use(tiny_model):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = run_cli("--model", str(tiny_model), "--host", "127.0.0.1", "--port", str(port))
+    assert err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_more_memory_than_the_machine_has(tiny_model):
+    err = run_cli("--model", str(tiny_model), "--port", "0", "--kv-cache-memory-bytes", "1024TiB")
+    assert err.startswith(f"error: cannot serve {tiny_model}: not enough memory: the weights need ")
+    assert "--kv-cache-memory-bytes 1048576.00 GiB" in err and "GiB available" in err
+    assert "a smaller --kv-cache-memory-bytes" in err

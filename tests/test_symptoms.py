@@ -1,0 +1,240 @@
+"""The README's "Symptom -> layer" table, row by row: each test reproduces one
+symptom on the tiny model of conftest and asserts that the log line, /metrics
+series or error message the table names really shows it. A test's docstring is
+its row's symptom; keep the two in step."""
+from __future__ import annotations
+
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve import entry
+from test_server import ServerThread, _metrics
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    """BASE_FLAGS: 64 blocks of 16 tokens, --max-model-len 256."""
+    with ServerThread(tiny_model) as s:
+        yield s
+
+
+@pytest.fixture
+def logs(caplog):
+    """The nanoserve log lines (the server thread's too), as a function that returns them."""
+    caplog.set_level(logging.DEBUG, logger="nanoserve")
+    return lambda: [r.getMessage() for r in caplog.records if r.name.startswith("nanoserve")]
+
+
+def _bucket(url: str, name: str, le: str) -> float:
+    """The cumulative count of histogram ``name`` at bucket ``le``."""
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in family.samples:
+            if sample.name == name + "_bucket" and sample.labels.get("le") == le:
+                return sample.value
+    raise KeyError((name, le))
+
+
+def _poll(url: str, done, timeout: float = 10.0) -> list[dict]:
+    """Scrape /metrics until ``done(all scrapes so far)``; return the scrapes."""
+    seen, deadline = [], time.monotonic() + timeout
+    while True:
+        seen.append(_metrics(url))
+        if done(seen):
+            return seen
+        assert time.monotonic() < deadline, seen[-1]
+        time.sleep(0.02)
+
+
+def _post(url: str, body: dict, request_id: str | None = None) -> httpx.Response:
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=30)
+
+
+# =========================================================================== the rows
+
+def test_server_wont_start_or_out_of_memory_at_startup(tiny_model, monkeypatch, capsys):
+    """Server won't start / out of memory at start-up."""
+    monkeypatch.setattr(entry, "configure_logging", lambda level: None)  # leave pytest's handlers alone
+    base = ["--model", str(tiny_model), "--port", "0", "--disable-log-stats"]
+    # the KV cache cannot hold one request of --max-model-len
+    assert entry.main([*base, "--num-kv-blocks", "4", "--max-model-len", "256"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot serve {tiny_model}: KV cache too small: 4 blocks hold 64 tokens"), err
+    assert "--max-model-len to at most 64" in err and "--num-kv-blocks to at least 16" in err
+    # more memory than this machine has: refused before the weights load
+    assert entry.main([*base, "--kv-cache-memory-bytes", "1024TiB"]) == 1
+    err = capsys.readouterr().err
+    assert "not enough memory" in err and "--kv-cache-memory-bytes" in err and "Traceback" not in err
+
+
+def test_prompt_rejected(server, logs):
+    """Prompt rejected (400)."""
+    # a prompt that alone is as long as --max-model-len
+    r = _post(server.url, {"prompt": list(range(1, 301)), "max_tokens": 1}, "long-prompt-1")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "prompt"
+    assert "the prompt (300 tokens) is too long: max_model_len is 256" in err["message"]
+    # a prompt that fits, but not with max_tokens
+    r = _post(server.url, {"prompt": list(range(1, 201)), "max_tokens": 100}, "long-prompt-2")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_tokens"
+    assert "max-model-len is 256 tokens, but the request needs 300" in err["message"]
+    assert "lower max_tokens to at most 56" in err["message"]
+    lines = logs()
+    assert any(line.startswith("[entry] long-prompt-1: POST /v1/completions -> 400: the prompt (300 tokens)")
+               for line in lines), lines
+    assert any(line.startswith("[entry] long-prompt-2: POST /v1/completions -> 400: this model's max-model-len")
+               for line in lines), lines
+
+
+def test_concurrency_wont_rise(tiny_model, caplog):
+    """Concurrency won't rise."""
+    caplog.set_level(logging.INFO, logger="nanoserve")
+    with ServerThread(tiny_model, "--num-kv-blocks", "16") as s:  # max-num-seqs stays 256
+        plan = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[kvcache] weights")]
+        assert plan and plan[-1].endswith("16 blocks, 256 tokens; max concurrency at max_model_len=256: 1.00x")
+        assert "concurrency  1.00x at max-model-len 256" in entry.banner(s.engine, s.args, s.url)
+        s.delay = 0.05
+        try:
+            with ThreadPoolExecutor(3) as pool:  # 200-token prompts: 13 of the 16 blocks each
+                futures = [pool.submit(_post, s.url, {"prompt": list(range(1 + i, 201 + i)), "max_tokens": 8,
+                                                      "ignore_eos": True}) for i in range(3)]
+                seen = _poll(s.url, lambda m: m[-1]["nanoserve:num_requests_waiting"] == 2
+                             and m[-1]["nanoserve:num_requests_running"] == 1)
+                assert [f.result().status_code for f in futures] == [200] * 3
+        finally:
+            s.delay = 0.0
+        assert seen[-1]["nanoserve:kv_cache_usage_perc"] >= 13 / 16
+        s.wait_idle()
+
+
+def test_requests_wait_long_before_the_first_token(tiny_model):
+    """Requests wait long before the first token."""
+    with ServerThread(tiny_model, "--max-num-seqs", "1") as s:
+        s.delay = 0.05  # each request: a prefill and 5 decodes, 0.3 s
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                futures = [pool.submit(_post, s.url, {"prompt": f"request {i}", "max_tokens": 6, "ignore_eos": True})
+                           for i in range(3)]
+                _poll(s.url, lambda m: m[-1]["nanoserve:num_requests_running"] == 1
+                      and m[-1]["nanoserve:num_requests_waiting"] >= 1)
+                assert [f.result().status_code for f in futures] == [200] * 3
+        finally:
+            s.delay = 0.0
+        s.wait_idle()
+        m = _metrics(s.url)
+        assert m["nanoserve:request_queue_time_seconds_count"] == 3
+        # the last one in line waited for the two before it
+        assert _bucket(s.url, "nanoserve:request_queue_time_seconds", "0.25") <= 2
+        assert _bucket(s.url, "nanoserve:time_to_first_token_seconds", "0.25") <= 2
+
+
+def test_latency_spikes_while_others_prefill_long_prompts(tiny_model, logs):
+    """Latency spikes while others prefill long prompts."""
+    with ServerThread(tiny_model, "--max-num-batched-tokens", "32") as s:
+        s.delay = 0.02
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", headers={"X-Request-Id": "short-1"}, timeout=30,
+                              json={"prompt": "hello", "max_tokens": 40, "ignore_eos": True, "stream": True}) as r:
+                lines = r.iter_lines()
+                next(lines)  # short-1 is decoding
+                assert _post(s.url, {"prompt": list(range(1, 201)), "max_tokens": 2}, "long-1").status_code == 200
+                rest = list(lines)
+        finally:
+            s.delay = 0.0
+        assert "data: [DONE]" in rest  # short-1 ran to its end meanwhile
+        s.wait_idle()
+    admits = [line for line in logs() if line.startswith("[scheduler] admit long-1:")]
+    m = re.fullmatch(r"\[scheduler\] admit long-1: 200 tokens, 0 prefix-cached, chunk (\d+)", admits[0])
+    assert m and int(m.group(1)) < 32  # the first chunk: what the budget leaves after short-1's decode
+    # the decode and a prefill chunk share a step of at most 32 tokens
+    assert "[model] step: 2 sequences, 32 tokens, 1 sampled" in logs()
+
+
+def test_output_cut_short(server, logs):
+    """Output cut short."""
+    before = _metrics(server.url)
+    r = _post(server.url, {"prompt": "hello", "ignore_eos": True}, "cut-default").json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 16  # OpenAI's default
+    r = _post(server.url, {"prompt": "hello", "max_tokens": 5, "ignore_eos": True}, "cut-5").json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 5
+    # chat without max_tokens: what --max-model-len leaves after the prompt
+    messages = [{"role": "user", "content": "the quick brown fox " * 52}]
+    n_prompt = httpx.post(server.url + "/tokenize", json={"messages": messages,
+                                                           "add_generation_prompt": True}).json()["count"]
+    assert 200 < n_prompt < 256
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"X-Request-Id": "cut-chat"}, timeout=30,
+                   json={"messages": messages, "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 256
+    key = "nanoserve:request_success_total{finished_reason=length}"
+    assert _metrics(server.url)[key] == before.get(key, 0) + 3
+    for rid in ("cut-default", "cut-5", "cut-chat"):
+        assert any(line.startswith(f"[entry] {rid}: finished (length) in ") for line in logs()), rid
+
+
+def test_throughput_drops_under_load_preemptions(tiny_model, logs):
+    """Throughput drops under load (preemptions)."""
+    with ServerThread(tiny_model, "--num-kv-blocks", "16") as s:
+        with ThreadPoolExecutor(3) as pool:  # 3 blocks each at admission, 7 each by the end: 21 > 16
+            results = list(pool.map(lambda i: _post(s.url, {"prompt": list(range(1 + i, 41 + i)),
+                                                            "max_tokens": 60, "ignore_eos": True}).json(),
+                                    range(3)))
+        assert all(r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 60
+                   for r in results)  # preempted requests are recomputed, not lost
+        assert _metrics(s.url)["nanoserve:num_preemptions_total"] > 0
+        s.wait_idle()
+    assert any(re.fullmatch(r"\[scheduler\] preempt \S+ \(recompute \d+ tokens later\)", line) for line in logs())
+
+
+def test_memory_keeps_growing(server):
+    """Memory keeps growing."""
+    prompts = ["def main(): return 0", "import os, sys", "def main(): return 0"]  # shared prefixes hit the cache
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: _post(server.url, {"prompt": prompts[i % 3] * (1 + i % 4),
+                                                             "max_tokens": 4 + i % 5, "n": 1 + i % 2}),
+                                range(24)))
+    assert all(r.status_code == 200 for r in results)
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,  # and one left mid-stream
+                      json={"prompt": prompts[0], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+        next(r.iter_lines())
+    s = server.wait_idle()
+    m = _metrics(server.url)
+    assert m["nanoserve:kv_cache_usage_perc"] == 0 and s["num_free_blocks"] == s["num_total_blocks"] == 64
+    assert m["nanoserve:prefix_cache_hits_total"] > 0  # cached blocks stay reusable, yet count as free
+    assert m["nanoserve:num_requests_running"] == m["nanoserve:num_requests_waiting"] == 0
+
+
+def test_streaming_stalls_or_never_ends_after_a_client_leaves(server, logs):
+    """Streaming stalls or never ends after a client leaves."""
+    before = _metrics(server.url).get("nanoserve:request_success_total{finished_reason=abort}", 0)
+    server.delay = 0.02
+    try:
+        with httpx.stream("POST", server.url + "/v1/completions", headers={"X-Request-Id": "leave-1"}, timeout=30,
+                          json={"prompt": "hello", "max_tokens": 240, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()  # (keep it: a dropped iterator closes the response)
+            next(lines)
+            assert _metrics(server.url)["nanoserve:num_requests_running"] == 1
+        with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+            httpx.post(server.url + "/v1/completions", headers={"X-Request-Id": "leave-2"},
+                       json={"prompt": "hello", "max_tokens": 240, "ignore_eos": True},
+                       timeout=httpx.Timeout(5, read=0.3))
+        server.wait_idle(timeout=2)
+    finally:
+        server.delay = 0.0
+    m = _metrics(server.url)
+    assert m["nanoserve:num_requests_running"] == 0 and m["nanoserve:kv_cache_usage_perc"] == 0
+    assert m["nanoserve:request_success_total{finished_reason=abort}"] == before + 2
+    lines = logs()
+    assert any(line.startswith("[entry] leave-1: aborted 1 choice(s) (client disconnected mid-stream) in ")
+               for line in lines), lines
+    assert any(line.startswith("[entry] leave-2: aborted 1 choice(s) (client disconnected) in ")
+               for line in lines), lines
