@@ -299,8 +299,7 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
-            elem = torch.empty((), dtype=self.dtype).element_size()
-            kvcache.check_cpu_memory(num_parameters(self.model_config) * elem, config.kv_cache_memory_bytes)
+            self._check_memory()
         model, self.weight_bytes = load_model(path, self.dtype, self.device)
         self._init_kv_cache(model)
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
@@ -308,6 +307,16 @@ class LLMEngine:
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
 
     # ---------------------------------------------------------------- start-up
+    def _check_memory(self) -> None:
+        """Before loading: do the weights and an explicitly sized KV cache fit?"""
+        cfg, mc = self.config, self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        kv_bytes = cfg.kv_cache_memory_bytes
+        if cfg.num_kv_blocks is not None:
+            spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)
+            kv_bytes = cfg.num_kv_blocks * spec.bytes_per_block
+        kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
+
     def _init_kv_cache(self, model) -> None:
         cfg, mc = self.config, self.model_config
         if cfg.block_size not in (8, 16, 32, 64, 128):

@@ -107,7 +107,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="the name(s) clients pass as `model`; the first is used in responses "
                         "(default: the --model value)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"],
-                   help="weight and KV dtype; auto: the checkpoint's, float32 on a CPU for float16")
+                   help="weight and KV dtype; auto: the checkpoint's on a GPU, bfloat16 on a CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if available, else cpu")
     g.add_argument("--max-model-len", type=int, default=None,

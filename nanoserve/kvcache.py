@@ -238,6 +238,7 @@ class KVCachePlan:
     num_blocks: int
     bytes_per_block: int
     budget_bytes: int
+    from_num_blocks: bool = False  # set by --num-kv-blocks, not by a byte budget
 
     def describe(self, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> str:
         tokens = self.num_blocks * spec.block_size
@@ -254,7 +255,7 @@ def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int | None, num_kv_blocks: in
     if num_kv_blocks is not None:
         if num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {num_kv_blocks}")
-        return KVCachePlan(num_kv_blocks, per_block, num_kv_blocks * per_block)
+        return KVCachePlan(num_kv_blocks, per_block, num_kv_blocks * per_block, from_num_blocks=True)
     if budget_bytes is None or budget_bytes <= 0:
         raise ValueError(f"KV cache budget must be > 0 bytes, got {budget_bytes}: the weights leave no "
                          f"room; set --kv-cache-memory-bytes (CPU) or raise --gpu-memory-utilization")
@@ -274,8 +275,9 @@ def check_fits(plan: KVCachePlan, spec: KVCacheSpec, max_model_len: int) -> None
             f"KV cache too small: {plan.num_blocks} blocks hold {fit_len} tokens, but one request "
             f"of max_model_len={max_model_len} needs {need} blocks "
             f"({need * plan.bytes_per_block} bytes). Lower --max-model-len to at most {fit_len}, "
-            f"or raise --kv-cache-memory-bytes to at least {need * plan.bytes_per_block} "
-            f"(or --num-kv-blocks to at least {need}).")
+            + (f"or raise --num-kv-blocks to at least {need}." if plan.from_num_blocks else
+               f"or raise --kv-cache-memory-bytes to at least {need * plan.bytes_per_block} "
+               f"(or --num-kv-blocks to at least {need})."))
 
 
 def default_cpu_budget(weight_bytes: int) -> int:
@@ -311,7 +313,7 @@ def check_cpu_memory(weight_bytes: int, kv_bytes: int | None) -> None:
     if need > avail:
         raise ValueError(
             f"not enough memory: the weights need {weight_bytes / 2**30:.2f} GiB"
-            + (f" and --kv-cache-memory-bytes {kv_bytes / 2**30:.2f} GiB" if kv_bytes else "")
+            + (f" and the KV cache {kv_bytes / 2**30:.2f} GiB" if kv_bytes else "")
             + f", but this machine has {avail / 2**30:.2f} GiB available. Use a smaller model, "
             f"--dtype bfloat16 (half of float32), or a smaller --kv-cache-memory-bytes")
 

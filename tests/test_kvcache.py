@@ -266,3 +266,14 @@ def test_check_fits_names_the_knobs():
         check_fits(plan_kv_cache(spec, None, 3), spec, 64)
     msg = str(e.value)
     assert "max-model-len" in msg and "at most 48" in msg and "--num-kv-blocks to at least 4" in msg
+
+
+def test_too_small_num_kv_blocks_suggests_only_knobs_that_work():
+    # With --num-kv-blocks set, the byte budget is ignored, so it must not be suggested.
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, block_size=16)
+    plan = plan_kv_cache(spec, None, num_kv_blocks=2)
+    with pytest.raises(ValueError) as e:
+        check_fits(plan, spec, max_model_len=100)
+    msg = str(e.value)
+    assert "--num-kv-blocks to at least 7" in msg and "--max-model-len to at most 32" in msg
+    assert "--kv-cache-memory-bytes" not in msg
