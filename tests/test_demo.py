@@ -1,0 +1,98 @@
+"""The newcomer's path: the embedded demo model and the README's commands, as
+written, against a live server."""
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "nanoserve" / "demo_model"
+
+
+def readme_bash_blocks() -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_has_two_commands_and_ci_runs_the_second():
+    first, second = [b.strip() for b in readme_bash_blocks()[:2]]
+    assert first.endswith("python -m nanoserve") and "pip install" in first
+    assert second.endswith("python -m pytest") and "pip install" in second
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert second in ci.splitlines()
+
+
+def test_demo_model_is_small_and_transformers_greedy_equals_nanoserve():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from nanoserve import LLM, SamplingParams
+    assert sum(f.stat().st_size for f in DEMO.iterdir()) < 25 * 2**20
+    tok = AutoTokenizer.from_pretrained(DEMO)
+    hf = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32).eval()
+    llm = LLM(str(DEMO), dtype="float32", num_kv_blocks=64, max_model_len=512)
+    for prompt in ["import os\n", "def "]:
+        ids = tok.encode(prompt)
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(ids):]
+        got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, min_tokens=24), use_tqdm=False)[0]
+        assert got.outputs[0].token_ids == want.tolist()
+        assert got.outputs[0].text.strip()  # recognisable text, not nothing
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    """The README's server command as written (minus the set-up already done
+    here), with no --model: the demo model. Only the port is chosen, to stay free."""
+    command = readme_bash_blocks()[0].strip().split("&&")[-1].split()
+    assert command == ["python", "-m", "nanoserve"]
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, *command[1:], "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "demo server did not start"
+        time.sleep(0.2)
+    yield port
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+
+
+def test_no_arguments_streams_from_the_demo_model(demo_server):
+    body = {"prompt": "import os\n", "max_tokens": 16, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"http://127.0.0.1:{demo_server}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    import json
+    chunks = [json.loads(e) for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text.strip() and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_readme_curl_example_works_as_written(demo_server):
+    curl = next(b for b in readme_bash_blocks() if b.lstrip().startswith("curl"))
+    out = subprocess.run(["bash", "-c", curl.replace("127.0.0.1:8000", f"127.0.0.1:{demo_server}")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "data: " in out.stdout and out.stdout.rstrip().endswith("data: [DONE]")
