@@ -78,5 +78,5 @@ def test_port_already_in_use(tiny_model):
 def test_more_memory_than_the_machine_has(tiny_model):
     err = run_cli("--model", str(tiny_model), "--port", "0", "--kv-cache-memory-bytes", "1024TiB")
     assert err.startswith(f"error: cannot serve {tiny_model}: not enough memory: the weights need ")
-    assert "--kv-cache-memory-bytes 1048576.00 GiB" in err and "GiB available" in err
+    assert "the KV cache 1048576.00 GiB" in err and "GiB available" in err
     assert "a smaller --kv-cache-memory-bytes" in err
