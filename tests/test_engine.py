@@ -6,8 +6,11 @@ ValueError before anything is queued."""
 from __future__ import annotations
 
 import json
+import os
+import platform
 import re
 import shutil
+import sys
 
 import pytest
 import torch
@@ -296,3 +299,15 @@ def test_model_larger_than_memory_is_a_clear_error(model):
     # An explicit KV budget beyond this machine's memory fails before loading, naming the knobs.
     with pytest.raises(ValueError, match=r"not enough memory.*--kv-cache-memory-bytes"):
         LLM(str(model), dtype="float32", kv_cache_memory_bytes=2**50)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="mallopt is glibc's")
+def test_cpu_allocator_is_tuned_on_glibc():
+    """The W1 speed-up of model.tune_cpu_allocator depends on every mallopt call
+    being accepted; glibc returns 0 for a rejected one."""
+    from nanoserve.model import tune_cpu_allocator
+    import nanoserve
+    assert tune_cpu_allocator() is True
+    assert os.environ.get("THP_MEM_ALLOC_ENABLE") is not None  # set (or kept) on import
+    assert nanoserve.__version__
