@@ -285,6 +285,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
+    enforce_eager: bool = False        # as vLLM: no torch.compile (CPU decode attention runs SDPA)
 
 
 class LLMEngine:
@@ -347,7 +348,12 @@ class LLMEngine:
         batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, batched, max_len),
                                    self.block_manager)
-        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, cfg.seed)
+        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, cfg.seed,
+                                  cfg.enforce_eager)
+        self.compile_time_s = self.runner.warmup()
+        if self.compile_time_s:
+            logger.info("[engine] torch.compile of the decode attention took %.1f s "
+                        "(--enforce-eager skips it)", self.compile_time_s)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

@@ -114,6 +114,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request (default: the model's limit, capped "
                         "by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no torch.compile: CPU decode attention runs eager SDPA (starts faster, decodes slower)")
 
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
@@ -1240,7 +1242,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed))
+        seed=args.seed, enforce_eager=args.enforce_eager))
 
 
 def _fmt_bytes(n: float) -> str:

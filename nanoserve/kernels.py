@@ -13,6 +13,8 @@ Each has a Triton kernel and a pure-torch twin that computes the same function.
 The twin is the test oracle and the CPU execution path; the Triton kernels run
 on CUDA tensors (and on the CPU under ``TRITON_INTERPRET=1`` in the tests).
 ``backend=None`` is the one dispatch point: Triton for CUDA tensors, torch else.
+``backend="inductor"`` is the torch twin with its decode attention compiled by
+``torch.compile`` (the engine's default on the CPU; ``enforce_eager`` turns it off).
 
 Shapes (vLLM's names):
   query            [num_tokens, num_heads, head_dim]
@@ -23,6 +25,9 @@ Shapes (vLLM's names):
   slot_mapping     int64 [num_tokens]    block_id * block_size + offset, -1 = skip
 """
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +42,8 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 def _pick(backend: str | None, t: torch.Tensor) -> str:
     if backend is None:
         return "triton" if t.is_cuda and triton is not None else "torch"
-    if backend not in ("triton", "torch"):
-        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+    if backend not in ("triton", "torch", "inductor"):
+        raise ValueError(f"backend must be 'triton', 'torch', 'inductor' or None, got {backend!r}")
     if backend == "triton" and triton is None:
         raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
     return backend
@@ -66,10 +71,11 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
-                          query_start_loc, scale) -> torch.Tensor:
+                          query_start_loc, scale, compiled: bool = False) -> torch.Tensor:
     """Reference paged attention. Decodes (q_len == 1) run as a few batched SDPA
-    calls over contexts padded within length buckets; each multi-token chunk
-    runs on its own. The Python loop is per bucket or chunk, never per token."""
+    calls over contexts padded within length buckets (``compiled``: as one
+    compiled kernel per bucket, see _decode_attention_fused); each multi-token
+    chunk runs on its own. The Python loop is per bucket or chunk, never per token."""
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -78,7 +84,7 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
     for bucket in _length_buckets(decodes, lens):
         _decode_attention(query, k_cache, v_cache, block_tables, starts, lens,
-                          bucket, scale, block_size, out)
+                          bucket, scale, block_size, out, compiled)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _chunk_attention(query, k_cache, v_cache, block_tables[i], starts[i],
@@ -102,16 +108,21 @@ def _length_buckets(seqs: list[int], lens: list[int], waste: float = 1.25,
 
 
 def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, seqs,
-                      scale, block_size, out) -> None:
+                      scale, block_size, out, compiled: bool) -> None:
     n, num_kv_heads, head_dim = len(seqs), k_cache.shape[2], k_cache.shape[3]
     group = query.shape[1] // num_kv_heads
     idx = torch.tensor(seqs, device=query.device)
-    ctx = torch.tensor([lens[i] for i in seqs], device=query.device)
+    ctx = torch.tensor([lens[i] for i in seqs], dtype=torch.int32, device=query.device)
     n_blocks = (lens[seqs[0]] + block_size - 1) // block_size  # seqs[0] is the longest
     table = block_tables[idx, :n_blocks]
+    rows = torch.tensor([starts[i] for i in seqs], device=query.device)
+    if compiled:
+        o = _run_compiled_decode(query[rows], k_cache, v_cache, table, ctx, scale)
+        if o is not None:
+            out[rows] = o
+            return
     k = _gather_kv(k_cache, table).transpose(1, 2)            # [n, kvh, ctx, d]
     v = _gather_kv(v_cache, table).transpose(1, 2)
-    rows = torch.tensor([starts[i] for i in seqs], device=query.device)
     # Fold each KV head's query-head group into the query-length axis: one query
     # of `group` rows per KV head. CPU SDPA runs this several times faster than
     # with enable_gqa=True, and it never copies K/V per query head.
@@ -120,6 +131,58 @@ def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, seqs,
     mask = (key_pos[None, :] < ctx[:, None])[:, None, None, :]  # [n, 1, 1, ctx]
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
     out[rows] = o.reshape(n, -1, head_dim)
+
+
+def _decode_attention_fused(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Decode attention (one query token per sequence) as plain reductions over the
+    paged cache, written for torch.compile. Run eagerly it would materialise a
+    [seqs, ctx, kv_heads, group, head_dim] product; compiled, inductor turns the
+    block-table lookup into addressing inside its dot-product loops, so K and V are
+    read straight from the cache: no gathered copy and no tiny GEMM per (sequence,
+    head), which is where the SDPA path spends its time in a decode batch. Scores,
+    softmax and the weighted sum stay in fp32 (SDPA rounds the weights to bf16)."""
+    n, width = block_tables.shape
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    blocks = block_tables.long()
+    q = query.view(n, 1, 1, num_kv_heads, -1, head_dim).float()     # [n, 1, 1, kvh, group, d]
+    k = k_cache[blocks].float()                                      # [n, W, bs, kvh, d]
+    s = (q * k[..., None, :]).sum(-1) * scale                        # [n, W, bs, kvh, group]
+    pos = torch.arange(width * block_size, device=query.device).view(width, block_size, 1, 1)
+    s = s.masked_fill(pos >= seq_lens.view(-1, 1, 1, 1, 1), float("-inf"))
+    p = torch.exp(s - s.amax((1, 2), keepdim=True))
+    v = v_cache[blocks].float()
+    o = (p[..., None] * v[..., None, :]).sum((1, 2)) / p.sum((1, 2))[..., None]  # [n, kvh, group, d]
+    return o.to(query.dtype).view(n, -1, head_dim)
+
+
+@functools.cache
+def _compiled_decode():
+    # dynamic=False keeps head_dim, heads and block_size constants: inductor then
+    # unrolls and vectorises the head_dim loop (9.6 ms per W1 layer, against 15.7
+    # with every size symbolic). The batch, table and cache sizes are marked
+    # unbacked in _run_compiled_decode, so one graph serves every batch, 1 included
+    # (dynamo would specialise a size of 1), and scale comes as a tensor so that
+    # it is no constant either: one model shape compiles once.
+    return torch.compile(_decode_attention_fused, dynamic=False, fullgraph=True)
+
+
+def _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    """The compiled decode, or None when dynamo refuses to compile yet another
+    shape (its recompile_limit: a process that has run many different models);
+    the caller then takes the eager path."""
+    import torch._dynamo
+    from torch._dynamo.decorators import mark_unbacked
+    for t, dims in ((query, (0,)), (k_cache, (0,)), (v_cache, (0,)), (block_tables, (0, 1)),
+                    (seq_lens, (0,))):
+        for dim in dims:
+            mark_unbacked(t, dim)
+    scale = torch.tensor(scale, dtype=torch.float32, device=query.device)
+    try:
+        return _compiled_decode()(query, k_cache, v_cache, block_tables, seq_lens, scale)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        warnings.warn("torch.compile's recompile limit is reached: decode attention runs eager "
+                      "SDPA for this model", RuntimeWarning, stacklevel=2)
+        return None
 
 
 def _chunk_attention(query, k_cache, v_cache, block_table, start, q_len, seq_len,
@@ -456,4 +519,4 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, scale)
     return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
-                                 query_start_loc, scale)
+                                 query_start_loc, scale, compiled=backend == "inductor")

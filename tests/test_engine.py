@@ -6,6 +6,7 @@ ValueError before anything is queued."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import re
@@ -309,3 +310,27 @@ def test_cpu_allocator_is_tuned_on_glibc():
     from nanoserve.model import tune_cpu_allocator  # importing nanoserve sets the THP variable
     assert tune_cpu_allocator() is True
     assert os.environ.get("THP_MEM_ALLOC_ENABLE") is not None  # set (or kept) on import
+
+
+# ---------------------------------------------------------------- torch.compile on the CPU
+
+def test_cpu_decode_attention_is_compiled_unless_enforce_eager(model, reference):
+    compiled = make_llm(model)
+    assert compiled.engine.runner.attn_backend == "inductor"
+    eager = make_llm(model, enforce_eager=True)
+    assert eager.engine.runner.attn_backend is None and eager.engine.compile_time_s == 0.0
+    assert token_ids(eager.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference[0]
+
+
+def test_a_failing_compile_falls_back_to_eager(model, reference, monkeypatch, caplog):
+    """No C++ compiler for inductor (say): the engine starts eager and says why."""
+    from nanoserve import kernels
+
+    def broken():
+        raise RuntimeError("InductorError: no working C++ compiler found")
+    monkeypatch.setattr(kernels, "_compiled_decode", broken)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+        llm = make_llm(model)
+    assert llm.engine.runner.attn_backend is None
+    assert "torch.compile of decode attention failed" in caplog.text and "C++ compiler" in caplog.text
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference[0]

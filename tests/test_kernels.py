@@ -259,3 +259,79 @@ def test_bad_shapes_raise():
     cache = torch.randn(3, 8, 3, 32)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         kernels.paged_attention(torch.randn(2, 4, 32), cache, cache, backend="triton", **seq)
+
+
+# --------------------------------------------------------------------------- compiled decode (CPU)
+# backend="inductor" is the torch twin with its decode attention compiled by
+# torch.compile; prefill chunks keep SDPA. dynamo keeps one graph per model shape
+# and stops compiling after its recompile limit, so each test starts from a reset
+# and checks that the compiled kernel itself ran (not the eager fallback).
+
+@pytest.fixture
+def fresh_dynamo():
+    import torch._dynamo
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("config", CONFIGS[:3], ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
+@pytest.mark.parametrize("scenario", ["decode", "mixed", "idle_seq"])
+def test_compiled_decode_attention(fresh_dynamo, config, scenario):
+    torch.manual_seed(7 + CONFIGS.index(config))
+    batch = make_batch(SCENARIOS[scenario], *config, poison=POISON["torch"])
+    check_attention("inductor", batch)
+    # the decodes alone, straight through the compiled kernel
+    query, k_cache, v_cache, block_tables, seq_lens, qsl = batch
+    decodes = [i for i in range(len(seq_lens)) if qsl[i + 1] - qsl[i] == 1]
+    rows = qsl[decodes].long()
+    got = kernels._run_compiled_decode(query[rows], k_cache, v_cache, block_tables[decodes],
+                                       seq_lens[decodes], query.shape[-1] ** -0.5)
+    assert got is not None
+    expected = naive_attention(*batch, query.shape[-1] ** -0.5)[rows]
+    torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=RTOL)
+
+
+def test_compiled_decode_one_graph_for_all_batch_sizes(fresh_dynamo):
+    """Batch and table sizes are symbolic (1 included) and scale is a tensor:
+    one model compiles once, whatever the batch."""
+    from torch._dynamo.utils import counters
+    counters.clear()
+    for specs in ([(4, 1)], [(40, 1), (3, 1), (17, 1)], [(0, 1), (100, 1)]):
+        check_attention("inductor", make_batch(specs, 8, 32, 4, 2, poison=POISON["torch"]))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_compiled_decode_bf16(fresh_dynamo):
+    """bf16, as the engine runs it on the CPU: within bf16 rounding of the float64 truth,
+    and no further from it than the eager SDPA twin."""
+    torch.manual_seed(5)
+    batch = make_batch([(70, 1), (5, 1), (33, 1)], 16, 64, 8, 2, poison=POISON["torch"])
+    batch = (batch[0].bfloat16(), batch[1].bfloat16(), batch[2].bfloat16(), *batch[3:])
+    scale = 64 ** -0.5
+    truth = naive_attention(*batch, scale)
+    got = kernels.paged_attention(*batch, scale, backend="inductor")
+    eager = kernels.paged_attention(*batch, scale, backend="torch")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), truth, atol=2e-2, rtol=2e-2)
+    assert (got.double() - truth).abs().max() <= (eager.double() - truth).abs().max() * 1.01
+
+
+def test_compiled_decode_falls_back_at_recompile_limit(monkeypatch):
+    """When dynamo will not compile another shape the decode runs eager, with a warning."""
+    import torch._dynamo
+
+    def refuse(*args):
+        raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached")
+    monkeypatch.setattr(kernels, "_compiled_decode", lambda: refuse)
+    torch.manual_seed(6)
+    with pytest.warns(RuntimeWarning, match="recompile limit"):
+        check_attention("inductor", make_batch(SCENARIOS["decode"], 8, 32, 4, 2, poison=POISON["torch"]))
+
+
+def test_unknown_backend_is_a_clear_error():
+    cache = torch.randn(3, 8, 2, 32)
+    with pytest.raises(ValueError, match="'triton', 'torch', 'inductor' or None"):
+        kernels.paged_attention(torch.randn(1, 4, 32), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                torch.ones(1, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
+                                1.0, backend="cuda")

@@ -680,7 +680,7 @@ def test_help_is_grouped_with_defaults():
     for flag in ("--host", "--port", "--served-model-name", "--dtype", "--max-model-len", "--max-num-seqs",
                  "--max-num-batched-tokens", "--block-size", "--kv-cache-memory-bytes", "--num-kv-blocks",
                  "--no-enable-prefix-caching", "--seed", "--api-key", "--max-queue-len", "--log-level",
-                 "--shutdown-timeout"):
+                 "--shutdown-timeout", "--enforce-eager"):
         assert flag in text, flag
     assert "(default: 127.0.0.1)" in text and "(default: 8000)" in text and "(default: 30.0)" in text
     # no --model: the demo model packaged at nanoserve/demo_model, served under its path
@@ -692,6 +692,8 @@ def test_help_is_grouped_with_defaults():
     args = parse_args(["--model", "m", "--kv-cache-memory-bytes", "2GiB", "--no-enable-prefix-caching"])
     assert args.kv_cache_memory_bytes == 2 * 2**30 and args.enable_prefix_caching is False
     assert args.served_model_name == ["m"]
+    assert parse_args([]).enforce_eager is False and parse_args(["--enforce-eager"]).enforce_eager is True
+    assert build_engine(parse_args(["--model", str(demo), "--enforce-eager"])).config.enforce_eager is True
 
 
 def _start_cli(*flags: str) -> tuple[subprocess.Popen, str]:
