@@ -334,3 +334,24 @@ def test_a_failing_compile_falls_back_to_eager(model, reference, monkeypatch, ca
     assert llm.engine.runner.attn_backend is None
     assert "torch.compile of decode attention failed" in caplog.text and "C++ compiler" in caplog.text
     assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference[0]
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["llama-untied-head", "qwen3-tied-head"])
+def test_packed_bf16_linear_weights_change_no_bit(model, tiny_model, tied, monkeypatch):
+    """bf16 on the CPU: linear weights are packed for oneDNN once at start-up; the
+    logits and greedy tokens must be bit-identical to plain F.linear's."""
+    from nanoserve import model as model_layer
+    from nanoserve.model import Linear, SeqInput
+    kw = {"dtype": "bfloat16", "enforce_eager": True}
+    model = tiny_model if tied else model
+    packed = make_llm(model, **kw)
+    assert (packed.engine.runner.model.head_packed is not None) == tied
+    linears = [m for m in packed.engine.runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed is not None and m.weight.numel() == 0 for m in linears)
+    monkeypatch.setattr(model_layer, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = make_llm(model, **kw)
+    assert all(m.packed is None for m in plain.engine.runner.model.modules() if isinstance(m, Linear))
+    step = [SeqInput(PROMPTS[0], 0, list(range(1, 5)), None), SeqInput(PROMPTS[4], 0, list(range(5, 10)), None)]
+    assert torch.equal(packed.engine.runner.logits(step), plain.engine.runner.logits(step))
+    assert token_ids(packed.generate(PROMPTS, GREEDY, use_tqdm=False)) == \
+        token_ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
