@@ -55,7 +55,7 @@ from starlette.routing import Route
 
 from nanoserve import __version__
 from nanoserve.engine import (MAX_LOGPROBS, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              LLMEngine, RequestOutput, SamplingParams, apply_chat_template)
+                              LLMEngine, RequestOutput, SamplingParams, apply_chat_template, model_thread)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -1325,14 +1325,16 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1
+    executor = model_thread()  # every torch op of the engine runs here, its loading included
     try:
-        engine = build_engine(args)
+        engine = executor.submit(build_engine, args).result()
     except Exception as e:  # a clear line, not a traceback (which --log-level debug still shows)
         logger.debug("[entry] start-up failed", exc_info=True)
         print(f"error: cannot serve {args.model}: {e}", file=sys.stderr)
         sock.close()
+        executor.shutdown()
         return 1
-    app = build_app(AsyncLLM(engine), args)
+    app = build_app(AsyncLLM(engine, executor), args)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(banner(engine, args, f"http://{host}:{port}"), flush=True)
