@@ -59,7 +59,9 @@ def run_nanoserve(w: workloads.Workload, model: str, prefix_caching: bool, extra
     import nanoserve
     return dict(wall=wall, startup=startup, tokens=_digest(o.outputs[0].token_ids for o in outs),
                 num_out=sum(len(o.outputs[0].token_ids) for o in outs),
-                version=nanoserve.__version__, stats=llm.stats())
+                version=nanoserve.__version__, stats=llm.stats(),
+                settings=dict(torch_compile=llm.engine.runner.attn_backend == "inductor",
+                              compile_s=round(llm.engine.compile_time_s, 1)))
 
 
 def run_vllm(w: workloads.Workload, model: str, prefix_caching: bool, extra: dict) -> dict:
