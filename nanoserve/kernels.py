@@ -74,7 +74,7 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
                           query_start_loc, scale, compiled: bool = False) -> torch.Tensor:
     """Reference paged attention. Decodes (q_len == 1) run as a few batched SDPA
     calls over contexts padded within length buckets (``compiled``: as one
-    compiled kernel per bucket, see _decode_attention_fused); each multi-token
+    call of a compiled kernel, see _decode_attention_fused); each multi-token
     chunk runs on its own. The Python loop is per bucket or chunk, never per token."""
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
@@ -82,7 +82,10 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
     lens = seq_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    for bucket in _length_buckets(decodes, lens):
+    # The compiled kernel takes every decode in one call: each extra call costs
+    # ~0.1 ms per layer, more than its padding saves (W0's decode step of 8
+    # sequences: 13.8 ms with length buckets, 12.2 ms without; no change at 64).
+    for bucket in _length_buckets(decodes, lens, max_buckets=1 if compiled else 4):
         _decode_attention(query, k_cache, v_cache, block_tables, starts, lens,
                           bucket, scale, block_size, out, compiled)
     for i, q_len in enumerate(q_lens):
