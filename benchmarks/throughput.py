@@ -182,6 +182,8 @@ def summarize(workload: str, runs: list[dict]) -> list[dict]:
                          startup_s=round(statistics.median(r["startup"] for r in ok), 1),
                          peak_rss_gib=round(max(r["peak_tree_rss_gib"] for r in ok), 2),
                          tokens=sorted({r["tokens"] for r in ok}), version=ok[0].get("version")))
+        if "stats" in ok[0]:  # nanoserve: the share of held KV slots that stayed empty at the peak
+            rows[-1]["kv_unused_at_peak"] = max(r["stats"]["kv_unused_fraction_at_peak"] for r in ok)
     base = next((r for r in rows if r["engine"] == "nanoserve" and "wall_s" in r), None)
     for r in rows:
         if base and "wall_s" in r:

@@ -575,6 +575,10 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.prefix_cache_queries,
             "prefix_cache_hits": bm.prefix_cache_hits,
+            # When the most blocks were held: how many, and the share of their
+            # slots that held no token (the paging's internal waste).
+            "peak_kv_blocks": bm.peak_used_blocks,
+            "kv_unused_fraction_at_peak": bm.unused_slots_at_peak / max(1, bm.peak_used_blocks * bm.block_size),
             **self.stats_counters,
         }
 

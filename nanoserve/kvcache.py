@@ -69,6 +69,13 @@ class BlockManager:
         self.req_salts: dict[str, str | None] = {}       # see get_computed_blocks
         self.prefix_cache_queries = 0                    # in tokens, as vLLM counts them
         self.prefix_cache_hits = 0
+        # Slots in held blocks that no token fills (each request's last block's
+        # tail; shared prefix blocks are full). Kept as a running total, and
+        # sampled when the held blocks peak: how much the paging wastes then.
+        self.req_unused: dict[str, int] = {}             # per request
+        self.unused_slots = 0
+        self.peak_used_blocks = 0
+        self.unused_slots_at_peak = 0
 
     # ---------------------------------------------------------------- queries
     @property
@@ -137,6 +144,7 @@ class BlockManager:
         for _ in range(max(need, 0)):
             table.append(self._pop_free())
         self.req_to_blocks[request_id] = table
+        self._track_unused(request_id, num_tokens)
         self.req_salts.setdefault(request_id, cache_salt)
         if (need > 0 or computed_blocks) and logger.isEnabledFor(logging.DEBUG):
             logger.debug("[kvcache] %s: +%d blocks, %d prefix-cache hits, table %d, free %d",
@@ -148,6 +156,7 @@ class BlockManager:
         """Release a request's blocks. The tail is freed first so that, among
         equally old blocks, a prefix outlives its continuation in the LRU."""
         table = self.req_to_blocks.pop(request_id, [])
+        self.unused_slots -= self.req_unused.pop(request_id, 0)
         if table and logger.isEnabledFor(logging.DEBUG):
             logger.debug("[kvcache] free %s: %d blocks back (cached ones stay reusable), free %d",
                          request_id, len(table), self.num_free_blocks + sum(
@@ -170,6 +179,14 @@ class BlockManager:
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].block_hash == h}
 
     # ---------------------------------------------------------------- internals
+    def _track_unused(self, request_id: str, num_tokens: int) -> None:
+        unused = len(self.req_to_blocks[request_id]) * self.block_size - num_tokens
+        self.unused_slots += unused - self.req_unused.get(request_id, 0)
+        self.req_unused[request_id] = unused
+        used = self.num_blocks - self.num_free_blocks
+        if used >= self.peak_used_blocks:
+            self.peak_used_blocks, self.unused_slots_at_peak = used, self.unused_slots
+
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_cnt == 0:

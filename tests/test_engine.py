@@ -146,6 +146,20 @@ def test_prompts_added_one_by_one_match_the_batch(model, reference):
 
 # ---------------------------------------------------------------- outputs and prompt forms
 
+def test_stats_report_the_kv_slots_unused_at_the_peak(model):
+    """All prompts fit at once (prefix caching off: no sharing), so the peak is
+    the last decode step, when request i holds ceil((len_i + 15) / 16) blocks
+    and leaves the tail of the last one empty."""
+    llm = make_llm(model, block_size=16, enable_prefix_caching=False)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    s = llm.stats()
+    held = [len(p) + GREEDY.max_tokens - 1 for p in PROMPTS]   # the last token is never written
+    blocks = sum(-(-n // 16) for n in held)
+    assert s["peak_kv_blocks"] == blocks
+    assert s["kv_unused_fraction_at_peak"] == pytest.approx(1 - sum(held) / (16 * blocks))
+    assert llm.engine.block_manager.unused_slots == 0
+
+
 def test_outputs_come_back_in_input_order(model):
     llm = make_llm(model)
     # The first prompt runs longest and finishes last; the last finishes first.

@@ -33,6 +33,27 @@ def test_allocate_covers_tokens_and_counts_refs():
     assert bm.usage == pytest.approx(3 / 8)
 
 
+def test_unused_slots_are_the_last_blocks_tails_sampled_at_the_peak():
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    assert bm.allocate_slots("a", toks(5), 5)           # 2 blocks, 3 slots unused
+    assert bm.allocate_slots("b", toks(4, 100), 4)      # 1 full block
+    assert bm.unused_slots == 3
+    assert (bm.peak_used_blocks, bm.unused_slots_at_peak) == (3, 3)
+    assert bm.allocate_slots("a", toks(7), 7)           # same blocks, 1 slot unused
+    assert bm.unused_slots == 1 and bm.unused_slots_at_peak == 1
+    # A prefix hit shares a's full first block: shared blocks waste nothing.
+    hits = bm.get_computed_blocks(toks(6))
+    assert len(hits) == 1
+    assert bm.allocate_slots("c", toks(6), 6, hits)     # + 1 new block, 2 unused
+    assert bm.unused_slots == 3 and bm.peak_used_blocks == 4
+    bm.free("a")
+    bm.free("c")
+    assert bm.unused_slots == 0
+    assert (bm.peak_used_blocks, bm.unused_slots_at_peak) == (4, 3)  # the peak is kept
+    bm.free("b")
+    assert bm.unused_slots == 0 and bm.req_unused == {}
+
+
 def test_allocate_grows_the_table_one_block_at_a_time():
     bm = BlockManager(8, BS)
     assert bm.allocate_slots("a", toks(4), 4)
