@@ -145,7 +145,7 @@ def _decode_attention_fused(query, k_cache, v_cache, block_tables, seq_lens, sca
     read straight from the cache: no gathered copy and no tiny GEMM per (sequence,
     head), which is where the SDPA path spends its time in a decode batch. Scores,
     softmax and the weighted sum stay in fp32 (SDPA rounds the weights to bf16)."""
-    n, width = block_tables.shape
+    width = block_tables.shape[1]
     block_size = k_cache.shape[1]
     blocks = block_tables.long()
     q = query[:, None, None].float()                                 # [n, 1, 1, kvh, group, d]
