@@ -14,7 +14,9 @@ The twin is the test oracle and the CPU execution path; the Triton kernels run
 on CUDA tensors (and on the CPU under ``TRITON_INTERPRET=1`` in the tests).
 ``backend=None`` is the one dispatch point: Triton for CUDA tensors, torch else.
 ``backend="inductor"`` is the torch twin with its decode attention compiled by
-``torch.compile`` (the engine's default on the CPU; ``enforce_eager`` turns it off).
+``torch.compile``; ``backend="avx512"`` runs the decodes through a small C kernel
+(bf16, a CPU with AVX-512 BF16), built on first use. On the CPU the engine takes
+the C kernel where it builds, else the compiled twin; ``enforce_eager`` turns both off.
 
 Shapes (vLLM's names):
   query            [num_tokens, num_heads, head_dim]
@@ -26,8 +28,16 @@ Shapes (vLLM's names):
 """
 from __future__ import annotations
 
+import ctypes
 import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +52,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 def _pick(backend: str | None, t: torch.Tensor) -> str:
     if backend is None:
         return "triton" if t.is_cuda and triton is not None else "torch"
-    if backend not in ("triton", "torch", "inductor"):
-        raise ValueError(f"backend must be 'triton', 'torch', 'inductor' or None, got {backend!r}")
+    if backend not in ("triton", "torch", "inductor", "avx512"):
+        raise ValueError(f"backend must be 'triton', 'torch', 'inductor', 'avx512' or None, "
+                         f"got {backend!r}")
     if backend == "triton" and triton is None:
         raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
     return backend
@@ -71,23 +82,24 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
-                          query_start_loc, scale, compiled: bool = False) -> torch.Tensor:
+                          query_start_loc, scale, decode_kernel: str | None = None) -> torch.Tensor:
     """Reference paged attention. Decodes (q_len == 1) run as a few batched SDPA
-    calls over contexts padded within length buckets (``compiled``: as one
-    call of a compiled kernel, see _decode_attention_fused); each multi-token
-    chunk runs on its own. The Python loop is per bucket or chunk, never per token."""
+    calls over contexts padded within length buckets, or as one call of a
+    ``decode_kernel``: "inductor" (the compiled _decode_attention_fused) or
+    "avx512" (the C kernel, _run_c_decode); each multi-token chunk runs on its
+    own. The Python loop is per bucket or chunk, never per token."""
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     q_lens = [starts[i + 1] - starts[i] for i in range(len(lens))]
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
-    # The compiled kernel takes every decode in one call: each extra call costs
+    # A decode kernel takes every decode in one call: each extra call costs
     # ~0.1 ms per layer, more than its padding saves (W0's decode step of 8
     # sequences: 13.8 ms with length buckets, 12.2 ms without; no change at 64).
-    for bucket in _length_buckets(decodes, lens, max_buckets=1 if compiled else 4):
+    for bucket in _length_buckets(decodes, lens, max_buckets=1 if decode_kernel else 4):
         _decode_attention(query, k_cache, v_cache, block_tables, starts, lens,
-                          bucket, scale, block_size, out, compiled)
+                          bucket, scale, block_size, out, decode_kernel)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _chunk_attention(query, k_cache, v_cache, block_tables[i], starts[i],
@@ -111,7 +123,7 @@ def _length_buckets(seqs: list[int], lens: list[int], waste: float = 1.25,
 
 
 def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, seqs,
-                      scale, block_size, out, compiled: bool) -> None:
+                      scale, block_size, out, decode_kernel: str | None) -> None:
     n, num_kv_heads, head_dim = len(seqs), k_cache.shape[2], k_cache.shape[3]
     group = query.shape[1] // num_kv_heads
     idx = torch.tensor(seqs, device=query.device)
@@ -119,7 +131,10 @@ def _decode_attention(query, k_cache, v_cache, block_tables, starts, lens, seqs,
     n_blocks = (lens[seqs[0]] + block_size - 1) // block_size  # seqs[0] is the longest
     table = block_tables[idx, :n_blocks]
     rows = torch.tensor([starts[i] for i in seqs], device=query.device)
-    if compiled:
+    if decode_kernel == "avx512":
+        out[rows] = _run_c_decode(query[rows], k_cache, v_cache, table, ctx, scale)
+        return
+    if decode_kernel == "inductor":
         o = _run_compiled_decode(query[rows], k_cache, v_cache, table, ctx, scale)
         if o is not None:
             out[rows] = o
@@ -211,6 +226,203 @@ def _chunk_attention(query, k_cache, v_cache, block_table, start, q_len, seq_len
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
                                            scale=scale, enable_gqa=True)
     out[start:start + q_len] = o[0].transpose(0, 1)
+
+
+# --------------------------------------------------------------------------- C decode kernel (CPU, bf16)
+#
+# A decode step reads every sequence's whole K/V context once per layer, so its
+# speed is memory bandwidth. The compiled twin above reads it at ~11 GB/s on a
+# 2-core EPYC (W1's decode batch: 64 sequences, contexts 164..612, 8.2 ms per
+# layer), where a plain sum reads ~39 GB/s: inductor walks one KV head at a time,
+# and a KV head's rows sit 2 KB apart in the [block, slot, kv_head, d] layout,
+# a stride the hardware prefetcher does not follow. This kernel, ~70 lines of C
+# compiled on first use, does what inductor's loops could not be made to do:
+#   * one task per (sequence, run of kv heads): a token's K row is read once,
+#     contiguously across those heads, for all the query heads that share it;
+#   * each block's rows are prefetched while the previous block is being used
+#     (the blocks of a sequence are scattered; rows inside one are not);
+#   * q.k as AVX-512 BF16 dot products (bf16 pairs, fp32 sums); scores, softmax
+#     and the weighted sum of V in fp32, rounded to bf16 once at the end.
+# Same batch, A B A B: 8.2 -> 3.2 ms per layer (W1 shape), 8.3 -> 2.4 ms (W0
+# shape: 256 sequences, d 64); benchmarks/RESULTS.md has the full-run numbers.
+# It needs a C compiler, bf16 and a CPU with AVX-512 BF16; elsewhere the
+# engine keeps the compiled twin (model.py ModelRunner.warmup). The twin stays
+# the oracle: tests/test_kernels.py checks this kernel against it.
+
+_DECODE_C = r"""
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if !defined(__AVX512F__) || !defined(__AVX512BF16__)
+#error "this CPU has no AVX-512 BF16"
+#endif
+/* GROUP (query heads per kv head) and HEAD_DIM (a multiple of 32) come as -D flags:
+   constant sizes let the compiler keep a K/V row in registers. */
+#define C32 (HEAD_DIM / 32)
+#define C16 (HEAD_DIM / 16)
+
+static inline __m512 load_bf16x16(const uint16_t *p) {  /* bf16 -> fp32: the high half */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's .to() */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline void prefetch_row(const uint16_t *p, int64_t n) {
+    for (int64_t l = 0; l < n; l += 32) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
+}
+
+/* q, out [n, kvh * GROUP, HEAD_DIM]; k_cache, v_cache [blocks, bs, kvh, HEAD_DIM];
+   block_tables [n, bt_stride]; each task owns one sequence and hb kv heads. */
+void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                      uint16_t *out, int64_t n, int64_t kvh, int64_t bs, float scale,
+                      int64_t hb, int nthreads) {
+    const int64_t heads = kvh * GROUP, row = kvh * HEAD_DIM, blk = bs * row, runs = kvh / hb;
+    const int64_t rows = hb * GROUP, width = hb * HEAD_DIM;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *s = NULL, *acc = aligned_alloc(64, rows * HEAD_DIM * sizeof(float));
+        int64_t cap = 0;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < n * runs; task++) {
+            const int64_t i = task / runs, h0 = task % runs * hb, len = seq_lens[i];
+            const int32_t *bt = block_tables + i * bt_stride;
+            const uint16_t *qi = q + (i * heads + h0 * GROUP) * HEAD_DIM;
+            if (rows * len > cap) { free(s); cap = 2 * rows * len; s = malloc(cap * sizeof(float)); }
+            /* pass 1: s[r * len + t] = scale * q_r . k_t, r = head * GROUP + g */
+            for (int64_t t0 = 0; t0 < len; t0 += bs) {
+                const uint16_t *kb = k_cache + bt[t0 / bs] * blk + h0 * HEAD_DIM;
+                const uint16_t *next = t0 + bs < len ? k_cache + bt[t0 / bs + 1] * blk + h0 * HEAD_DIM : NULL;
+                for (int64_t j = 0; j < bs && t0 + j < len; j++) {
+                    if (next) prefetch_row(next + j * row, width);
+                    for (int64_t h = 0; h < hb; h++) {
+                        __m512i k[C32];
+                        for (int c = 0; c < C32; c++) k[c] = _mm512_loadu_si512(kb + j * row + h * HEAD_DIM + 32 * c);
+                        for (int g = 0; g < GROUP; g++) {
+                            const uint16_t *qr = qi + (h * GROUP + g) * HEAD_DIM;
+                            __m512 a = _mm512_setzero_ps();
+                            for (int c = 0; c < C32; c++)
+                                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qr + 32 * c), (__m512bh)k[c]);
+                            s[(h * GROUP + g) * len + t0 + j] = _mm512_reduce_add_ps(a) * scale;
+                        }
+                    }
+                }
+            }
+            /* softmax of each row, left unnormalised: out = acc / sum at the end */
+            float inv[rows];
+            for (int64_t r = 0; r < rows; r++) {
+                float *sr = s + r * len, m = -INFINITY, sum = 0.f;
+                for (int64_t t = 0; t < len; t++) m = sr[t] > m ? sr[t] : m;
+                for (int64_t t = 0; t < len; t++) { sr[t] = expf(sr[t] - m); sum += sr[t]; }
+                inv[r] = 1.f / sum;
+            }
+            /* pass 2: acc[r] = sum_t p[r, t] * v_t */
+            memset(acc, 0, rows * HEAD_DIM * sizeof(float));
+            for (int64_t t0 = 0; t0 < len; t0 += bs) {
+                const uint16_t *vb = v_cache + bt[t0 / bs] * blk + h0 * HEAD_DIM;
+                const uint16_t *next = t0 + bs < len ? v_cache + bt[t0 / bs + 1] * blk + h0 * HEAD_DIM : NULL;
+                for (int64_t j = 0; j < bs && t0 + j < len; j++) {
+                    if (next) prefetch_row(next + j * row, width);
+                    for (int64_t h = 0; h < hb; h++) {
+                        __m512 v[C16];
+                        for (int c = 0; c < C16; c++) v[c] = load_bf16x16(vb + j * row + h * HEAD_DIM + 16 * c);
+                        for (int g = 0; g < GROUP; g++) {
+                            const __m512 p = _mm512_set1_ps(s[(h * GROUP + g) * len + t0 + j]);
+                            float *ar = acc + (h * GROUP + g) * HEAD_DIM;
+                            for (int c = 0; c < C16; c++)
+                                _mm512_store_ps(ar + 16 * c, _mm512_fmadd_ps(p, v[c], _mm512_load_ps(ar + 16 * c)));
+                        }
+                    }
+                }
+            }
+            uint16_t *o = out + (i * heads + h0 * GROUP) * HEAD_DIM;
+            for (int64_t r = 0; r < rows; r++)
+                for (int d = 0; d < HEAD_DIM; d++) o[r * HEAD_DIM + d] = to_bf16(acc[r * HEAD_DIM + d] * inv[r]);
+        }
+        free(s);
+        free(acc);
+    }
+}
+"""
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("NANOSERVE_CACHE_DIR") or Path.home() / ".cache" / "nanoserve")
+
+
+def _cpu_flags() -> str:
+    """-march=native builds for this CPU, so the built library is keyed by it."""
+    try:
+        return next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+@functools.cache
+def _c_decode_library(group: int, head_dim: int):
+    """Build (once per shape and CPU, cached on disk) and load the C kernel.
+    Raises RuntimeError saying why when it cannot be built here."""
+    if head_dim % 32:
+        raise RuntimeError(f"the C decode kernel needs head_dim % 32 == 0, got {head_dim}")
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
+             f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
+    key = hashlib.sha256("\0".join([_DECODE_C, cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"decode_attention_{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            src, so = Path(tmp) / "decode_attention.c", Path(tmp) / "out.so"
+            src.write_text(_DECODE_C)
+            r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"building the C decode kernel failed: {r.stderr.strip()[:500]}")
+            os.replace(so, path)  # atomic: another process may be building the same file
+    # libgomp is already loaded by torch under the same soname, so the kernel's
+    # OpenMP threads are torch's own pool, not a second one competing for cores.
+    lib = ctypes.CDLL(str(path))
+    fn = lib.decode_attention
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+    fn.restype = None
+    return fn
+
+
+def _heads_per_task(num_seqs: int, num_kv_heads: int, threads: int) -> int:
+    """Most kv heads per task (longest contiguous reads) that still leaves every
+    thread a few tasks: a batch of one sequence is split across its heads."""
+    for hb in range(num_kv_heads, 0, -1):
+        if num_kv_heads % hb == 0 and num_seqs * (num_kv_heads // hb) >= 2 * threads:
+            return hb
+    return 1
+
+
+def _run_c_decode(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Decode attention through the C kernel: query [seqs, heads, d] bf16 -> the same."""
+    n, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    if query.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
+        raise ValueError("the avx512 decode kernel takes bf16 query and caches")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the avx512 decode kernel needs contiguous caches")
+    fn = _c_decode_library(num_heads // num_kv_heads, head_dim)
+    query = query.contiguous()
+    table = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    threads = torch.get_num_threads()
+    fn(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
+       lens.data_ptr(), out.data_ptr(), n, num_kv_heads, block_size, float(scale),
+       _heads_per_task(n, num_kv_heads, threads), threads)
+    return out
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -528,5 +740,5 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     if _pick(backend, query) == "triton":
         return paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
                                       query_start_loc, scale)
-    return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
-                                 query_start_loc, scale, compiled=backend == "inductor")
+    return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                 scale, decode_kernel=backend if backend in ("inductor", "avx512") else None)

@@ -702,37 +702,45 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler(seed)
-        # On the CPU, decode attention runs as one torch.compile'd kernel per
-        # length bucket instead of gather + SDPA: 2.4x faster on W1's decode batch
-        # (64 sequences, contexts 164..612: 9.6 vs 23 ms per layer, 2-core EPYC,
-        # bf16; benchmarks/RESULTS.md). On CUDA the Triton kernel is the path.
-        self.attn_backend = "inductor" if device.type == "cpu" and not enforce_eager else None
+        # On the CPU, decode attention runs as one kernel call per step instead of
+        # gather + SDPA: in bf16 the C kernel ("avx512", 2.5-2.9x faster than the
+        # compiled one on W1's and W0's decode batches), else one torch.compile'd
+        # kernel ("inductor", 2.4x faster than SDPA on W1's: 9.6 vs 23 ms per
+        # layer, 2-core EPYC; benchmarks/RESULTS.md). warmup() settles which one
+        # builds here. On CUDA the Triton kernel is the path.
         dtype = model.model.embed_tokens.weight.dtype
+        self.attn_backend = None
+        self._decode_kernels: list[str] = []
+        if device.type == "cpu" and not enforce_eager:
+            self._decode_kernels = (["avx512"] if dtype == torch.bfloat16 else []) + ["inductor"]
+            self.attn_backend = self._decode_kernels[0]
         if can_pack_linear_weights(dtype, device):
             logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
 
     def warmup(self) -> float:
-        """Compile what the first step would compile, before any request waits on
-        it; returns the seconds it took (0.0 when there is nothing to compile).
-        Where compiling fails (no C++ compiler for inductor, say) the runner stays
-        eager and says why, instead of failing its first request."""
-        if self.attn_backend != "inductor":
-            return 0.0
+        """Build what the first step would build (the C kernel, or inductor's
+        graph), before any request waits on it; returns the seconds it took (0.0
+        when there is nothing to build). Where one cannot be built here (no C
+        compiler, no AVX-512 BF16) the runner takes the next one, down to eager
+        SDPA, and says why, instead of failing its first request."""
         t0 = time.perf_counter()
         k_cache, v_cache = self.kv_caches[0]
         cfg = self.model.config
         query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=k_cache.dtype, device=self.device)
         one = torch.ones(1, dtype=torch.int32, device=self.device)
-        try:
-            with torch.inference_mode():  # reads block 0 of layer 0, writes nothing
-                kernels.paged_attention(query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
-                                        one, torch.tensor([0, 1], dtype=torch.int32), 1.0, "inductor")
-        except Exception as e:  # noqa: BLE001 - any compiler failure means: run eager
-            logger.warning("[model] torch.compile of decode attention failed, running eager "
-                           "(--enforce-eager skips the attempt): %s", str(e).splitlines()[0][:300])
-            self.attn_backend = None
-            return 0.0
-        return time.perf_counter() - t0
+        for backend in self._decode_kernels:
+            try:
+                with torch.inference_mode():  # reads block 0 of layer 0, writes nothing
+                    kernels.paged_attention(query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
+                                            one, torch.tensor([0, 1], dtype=torch.int32), 1.0, backend)
+                self.attn_backend = backend
+                return time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - any build failure means: try the next one
+                log = logger.info if backend == "avx512" else logger.warning
+                log("[model] decode attention backend %r is not available here (--enforce-eager skips "
+                    "the attempt): %s", backend, str(e).splitlines()[0][:300])
+        self.attn_backend = None
+        return 0.0
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with

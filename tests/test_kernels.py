@@ -329,9 +329,74 @@ def test_compiled_decode_falls_back_at_recompile_limit(monkeypatch):
         check_attention("inductor", make_batch(SCENARIOS["decode"], 8, 32, 4, 2, poison=POISON["torch"]))
 
 
+# --------------------------------------------------------------------------- C decode kernel (CPU, bf16)
+# backend="avx512": decodes through the C kernel, chunks through the SDPA twin.
+# It is built on first use; on a CPU without AVX-512 BF16 (or with no C compiler)
+# it cannot be, and these tests skip, saying why.
+
+def _c_kernel_or_skip(group=2, head_dim=64):
+    try:
+        kernels._c_decode_library(group, head_dim)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+def _bf16(batch):
+    return (batch[0].bfloat16(), batch[1].bfloat16(), batch[2].bfloat16(), *batch[3:])
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
+@pytest.mark.parametrize("scenario", ["decode", "mixed", "idle_seq"])
+def test_c_decode_attention(config, scenario):
+    """Within bf16 rounding of the float64 truth and no further from it than the
+    eager SDPA twin. In the all-decode batch the caches are poisoned with NaN:
+    the kernel must read nothing past seq_len or outside the block table."""
+    _c_kernel_or_skip(config[2] // config[3], config[1])
+    torch.manual_seed(11 + CONFIGS.index(config))
+    poison = float("nan") if scenario == "decode" else POISON["torch"]
+    batch = _bf16(make_batch(SCENARIOS[scenario], *config, poison=poison))
+    scale = config[1] ** -0.5
+    truth = naive_attention(*batch, scale)
+    got = kernels.paged_attention(*batch, scale, backend="avx512")
+    assert got.dtype == torch.bfloat16 and got.shape == batch[0].shape
+    torch.testing.assert_close(got.double(), truth, atol=2e-2, rtol=2e-2)
+    if scenario != "decode":  # (the SDPA twin reads whole blocks, so NaN poison would reach it)
+        eager = kernels.paged_attention(*batch, scale, backend="torch")
+        assert (got.double() - truth).abs().max() <= (eager.double() - truth).abs().max() * 1.01
+
+
+def test_c_decode_attention_long_contexts_and_many_sequences():
+    """Many blocks per sequence (the prefetch of the next block), more tasks than
+    threads, and a batch of one split across its kv heads."""
+    _c_kernel_or_skip(2, 128)
+    torch.manual_seed(12)
+    for specs in ([(300, 1), (17, 1), (129, 1), (64, 1)] * 4, [(450, 1)]):
+        batch = _bf16(make_batch(specs, 16, 128, 8, 4, poison=float("nan")))
+        truth = naive_attention(*batch, 128 ** -0.5)
+        got = kernels.paged_attention(*batch, 128 ** -0.5, backend="avx512")
+        torch.testing.assert_close(got.double(), truth, atol=2e-2, rtol=2e-2)
+
+
+def test_c_decode_heads_per_task():
+    assert kernels._heads_per_task(64, 8, 2) == 8   # many sequences: a task reads whole K/V rows
+    assert kernels._heads_per_task(2, 8, 2) == 4    # few: split so each thread has two tasks
+    assert kernels._heads_per_task(1, 4, 2) == 1
+    assert kernels._heads_per_task(1, 6, 2) == 1
+    assert kernels._heads_per_task(2, 6, 2) == 3    # only divisors of the kv heads
+
+
+def test_c_decode_rejects_what_it_cannot_run():
+    with pytest.raises(RuntimeError, match="head_dim % 32 == 0"):
+        kernels._c_decode_library(2, 48)
+    _c_kernel_or_skip(2, 32)
+    batch = make_batch(SCENARIOS["decode"], 8, 32, 4, 2, poison=POISON["torch"])
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.paged_attention(*batch, 1.0, backend="avx512")  # fp32
+
+
 def test_unknown_backend_is_a_clear_error():
     cache = torch.randn(3, 8, 2, 32)
-    with pytest.raises(ValueError, match="'triton', 'torch', 'inductor' or None"):
+    with pytest.raises(ValueError, match="'triton', 'torch', 'inductor', 'avx512' or None"):
         kernels.paged_attention(torch.randn(1, 4, 32), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                                 torch.ones(1, dtype=torch.int32), torch.arange(2, dtype=torch.int32),
                                 1.0, backend="cuda")
