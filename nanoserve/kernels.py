@@ -14,8 +14,8 @@ The twin is the test oracle and the CPU execution path; the Triton kernels run
 on CUDA tensors (and on the CPU under ``TRITON_INTERPRET=1`` in the tests).
 ``backend=None`` is the one dispatch point: Triton for CUDA tensors, torch else.
 ``backend="inductor"`` is the torch twin with its decode attention compiled by
-``torch.compile``; ``backend="avx512"`` runs the decodes through a small C kernel
-(bf16, a CPU with AVX-512 BF16), built on first use. On the CPU the engine takes
+``torch.compile``; ``backend="avx512"`` runs decodes and prefill chunks through
+two small C kernels (bf16, a CPU with AVX-512 BF16), built on first use. On the CPU the engine takes
 the C kernel where it builds, else the compiled twin; ``enforce_eager`` turns both off.
 
 Shapes (vLLM's names):
@@ -86,8 +86,11 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
     """Reference paged attention. Decodes (q_len == 1) run as a few batched SDPA
     calls over contexts padded within length buckets, or as one call of a
     ``decode_kernel``: "inductor" (the compiled _decode_attention_fused) or
-    "avx512" (the C kernel, _run_c_decode); each multi-token chunk runs on its
-    own. The Python loop is per bucket or chunk, never per token."""
+    "avx512" (the C kernel, _run_c_decode, which takes the multi-token chunks
+    too); otherwise each multi-token chunk runs through SDPA on its own. The
+    Python loop is per bucket or chunk, never per token."""
+    if decode_kernel == "avx512":
+        query = query.contiguous()  # the C kernel indexes rows directly
     out = torch.empty_like(query)
     block_size = k_cache.shape[1]
     starts = query_start_loc.tolist()
@@ -100,6 +103,9 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens,
     for bucket in _length_buckets(decodes, lens, max_buckets=1 if decode_kernel else 4):
         _decode_attention(query, k_cache, v_cache, block_tables, starts, lens,
                           bucket, scale, block_size, out, decode_kernel)
+    if decode_kernel == "avx512" and any(n > 1 for n in q_lens):  # the C kernel takes them all at once
+        _run_c_chunks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out)
+        return out
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             _chunk_attention(query, k_cache, v_cache, block_tables[i], starts[i],
@@ -228,15 +234,14 @@ def _chunk_attention(query, k_cache, v_cache, block_table, start, q_len, seq_len
     out[start:start + q_len] = o[0].transpose(0, 1)
 
 
-# --------------------------------------------------------------------------- C decode kernel (CPU, bf16)
+# --------------------------------------------------------------------------- C attention kernels (CPU, bf16)
 #
-# A decode step reads every sequence's whole K/V context once per layer, so its
-# speed is memory bandwidth. The compiled twin above reads it at ~11 GB/s on a
-# 2-core EPYC (W1's decode batch: 64 sequences, contexts 164..612, 8.2 ms per
-# layer), where a plain sum reads ~39 GB/s: inductor walks one KV head at a time,
-# and a KV head's rows sit 2 KB apart in the [block, slot, kv_head, d] layout,
-# a stride the hardware prefetcher does not follow. This kernel, ~70 lines of C
-# compiled on first use, does what inductor's loops could not be made to do:
+# Decode: a decode step reads every sequence's whole K/V context once per layer,
+# so its speed is memory bandwidth. The compiled twin above reads it at ~11 GB/s
+# on a 2-core EPYC (W1's decode batch: 64 sequences, contexts 164..612, 8.2 ms
+# per layer), where a plain sum reads ~39 GB/s: inductor walks one KV head at a
+# time, and a KV head's rows sit 2 KB apart in the [block, slot, kv_head, d]
+# layout, a stride the hardware prefetcher does not follow. decode_attention:
 #   * one task per (sequence, run of kv heads): a token's K row is read once,
 #     contiguously across those heads, for all the query heads that share it;
 #   * each block's rows are prefetched while the previous block is being used
@@ -244,12 +249,20 @@ def _chunk_attention(query, k_cache, v_cache, block_table, start, q_len, seq_len
 #   * q.k as AVX-512 BF16 dot products (bf16 pairs, fp32 sums); scores, softmax
 #     and the weighted sum of V in fp32, rounded to bf16 once at the end.
 # Same batch, A B A B: 8.2 -> 3.2 ms per layer (W1 shape), 8.3 -> 2.4 ms (W0
-# shape: 256 sequences, d 64); benchmarks/RESULTS.md has the full-run numbers.
-# It needs a C compiler, bf16 and a CPU with AVX-512 BF16; elsewhere the
-# engine keeps the compiled twin (model.py ModelRunner.warmup). The twin stays
-# the oracle: tests/test_kernels.py checks this kernel against it.
+# shape: 256 sequences, d 64).
+# Prefill: CPU SDPA runs causal attention at ~60 GFLOP/s here, a fifth of a
+# W1 prefill step. chunk_attention is a flash-attention tile loop: 32 query rows
+# (tokens x the heads sharing a kv head) in the lanes of two vectors, keys in
+# tiles of 16 with an online softmax, q.k as bf16 dot products, softmax and P.V
+# in fp32. W1's prompts as one 8076-token step, one layer: 183 -> 38 ms (306
+# GFLOP/s); W0's: 39 -> 9.8 ms; closer to the float64 truth than SDPA (which
+# rounds the softmax weights to bf16).
+# Both are built on first use with the system C compiler (cached on disk) and
+# need bf16 and a CPU with AVX-512 BF16; elsewhere the engine keeps the twin
+# (model.py ModelRunner.warmup). The twin stays the oracle: tests/test_kernels.py
+# checks these kernels against the float64 truth and against it.
 
-_DECODE_C = r"""
+_ATTENTION_C = r"""
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -349,6 +362,146 @@ void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
         free(acc);
     }
 }
+
+/* e^x for 16 lanes: Cephes' expf polynomial on x - n ln2, scaled by 2^n (~1 ulp) */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Prefill chunks: sequence i's q_len = query_start_loc[i+1] - query_start_loc[i]
+   tokens (those with q_len > 1; decodes go to decode_attention) at positions
+   seq_len - q_len .. seq_len - 1, causal over the paged context. A task owns one
+   kv head and a tile of up to 32 / GROUP query tokens: its 32 query rows (token,
+   group head) sit in the lanes of two vectors, so scores, the running max and the
+   softmax are lane-wise, and q.k is a bf16 dot product of each row with a
+   broadcast pair of K values. */
+#define ROWS 32
+#define TILE_Q (ROWS / GROUP)
+#define TILE_K 16
+void chunk_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                     const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                     const int32_t *query_start_loc, uint16_t *out, int64_t n, int64_t kvh,
+                     int64_t bs, float scale, int nthreads) {
+    const int64_t heads = kvh * GROUP, row = kvh * HEAD_DIM, blk = bs * row;
+    int64_t *first = malloc((n + 1) * sizeof(int64_t));   /* first tile of each sequence */
+    first[0] = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t q_len = query_start_loc[i + 1] - query_start_loc[i];
+        first[i + 1] = first[i] + (q_len > 1 ? (q_len + TILE_Q - 1) / TILE_Q : 0);
+    }
+    const int64_t tasks = first[n] * kvh;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        uint32_t *qt = aligned_alloc(64, HEAD_DIM / 2 * ROWS * 4);   /* q pairs, [d/2][row] */
+        float *o = aligned_alloc(64, ROWS * HEAD_DIM * 4);           /* unnormalised output */
+        float *vt = aligned_alloc(64, TILE_K * HEAD_DIM * 4);        /* the tile's V, fp32 */
+        float *pt = aligned_alloc(64, TILE_K * ROWS * 4);            /* softmax weights [key][row] */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            const int64_t tile = task / kvh, h = task % kvh;
+            int64_t i = 0;
+            while (first[i + 1] <= tile) i++;
+            const int64_t len = seq_lens[i], q_len = query_start_loc[i + 1] - query_start_loc[i];
+            const int64_t t0 = (tile - first[i]) * TILE_Q, nq = q_len - t0 < TILE_Q ? q_len - t0 : TILE_Q;
+            const int64_t p0 = len - q_len + t0;                 /* position of the tile's first token */
+            const int32_t *bt = block_tables + i * bt_stride;
+            const uint16_t *qrow0 = q + ((query_start_loc[i] + t0) * heads + h * GROUP) * HEAD_DIM;
+            /* rows r = token * GROUP + g; rows past the tile's tokens get q = 0 and see everything */
+            int32_t pos[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                const int tq = r / GROUP, g = r % GROUP, live = r < TILE_Q * GROUP && tq < nq;
+                pos[r] = live ? (int32_t)(p0 + tq) : (int32_t)len;
+                const uint32_t *qr = (const uint32_t *)(qrow0 + (tq * heads + g) * HEAD_DIM);
+                for (int p = 0; p < HEAD_DIM / 2; p++) qt[p * ROWS + r] = live ? qr[p] : 0;
+            }
+            const __m512i pos0 = _mm512_loadu_si512(pos), pos1 = _mm512_loadu_si512(pos + 16);
+            __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
+            memset(o, 0, ROWS * HEAD_DIM * 4);
+            const int64_t end = p0 + nq;                          /* keys 0 .. end-1 */
+            for (int64_t k0 = 0; k0 < end; k0 += TILE_K) {
+                const int64_t nk = end - k0 < TILE_K ? end - k0 : TILE_K;
+                const uint32_t *kr[TILE_K];
+                for (int j = 0; j < nk; j++) {
+                    const int64_t t = k0 + j, b = bt[t / bs];
+                    kr[j] = (const uint32_t *)(k_cache + b * blk + (t % bs) * row + h * HEAD_DIM);
+                    const uint16_t *vr = v_cache + b * blk + (t % bs) * row + h * HEAD_DIM;
+                    for (int c = 0; c < HEAD_DIM / 16; c++) _mm512_store_ps(vt + j * HEAD_DIM + 16 * c, load_bf16x16(vr + 16 * c));
+                }
+                __m512 s0[TILE_K], s1[TILE_K];
+                for (int j = 0; j < TILE_K; j += 4) {
+                    __m512 a[8];
+                    for (int u = 0; u < 8; u++) a[u] = _mm512_setzero_ps();
+                    if (j < nk) {
+                        const uint32_t *k_a = kr[j], *k_b = kr[j + 1 < nk ? j + 1 : j];
+                        const uint32_t *k_c = kr[j + 2 < nk ? j + 2 : j], *k_d = kr[j + 3 < nk ? j + 3 : j];
+                        for (int p = 0; p < HEAD_DIM / 2; p++) {
+                            const __m512bh qa = (__m512bh)_mm512_load_si512(qt + p * ROWS);
+                            const __m512bh qb = (__m512bh)_mm512_load_si512(qt + p * ROWS + 16);
+                            const __m512bh ka = (__m512bh)_mm512_set1_epi32(k_a[p]), kb = (__m512bh)_mm512_set1_epi32(k_b[p]);
+                            const __m512bh kc = (__m512bh)_mm512_set1_epi32(k_c[p]), kd = (__m512bh)_mm512_set1_epi32(k_d[p]);
+                            a[0] = _mm512_dpbf16_ps(a[0], qa, ka); a[1] = _mm512_dpbf16_ps(a[1], qb, ka);
+                            a[2] = _mm512_dpbf16_ps(a[2], qa, kb); a[3] = _mm512_dpbf16_ps(a[3], qb, kb);
+                            a[4] = _mm512_dpbf16_ps(a[4], qa, kc); a[5] = _mm512_dpbf16_ps(a[5], qb, kc);
+                            a[6] = _mm512_dpbf16_ps(a[6], qa, kd); a[7] = _mm512_dpbf16_ps(a[7], qb, kd);
+                        }
+                    }
+                    for (int u = 0; u < 4; u++) {  /* scale; -inf where the key is in a row's future */
+                        const __m512i kp = _mm512_set1_epi32((int32_t)(k0 + j + u));
+                        const __mmask16 ok0 = j + u < nk ? _mm512_cmple_epi32_mask(kp, pos0) : 0;
+                        const __mmask16 ok1 = j + u < nk ? _mm512_cmple_epi32_mask(kp, pos1) : 0;
+                        s0[j + u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok0, a[2 * u], _mm512_set1_ps(scale));
+                        s1[j + u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok1, a[2 * u + 1], _mm512_set1_ps(scale));
+                    }
+                }
+                __m512 n0 = m0, n1 = m1;  /* online softmax: new running max, rescale what came before */
+                for (int j = 0; j < nk; j++) { n0 = _mm512_max_ps(n0, s0[j]); n1 = _mm512_max_ps(n1, s1[j]); }
+                const __m512 alpha0 = exp16(_mm512_sub_ps(m0, n0)), alpha1 = exp16(_mm512_sub_ps(m1, n1));
+                l0 = _mm512_mul_ps(l0, alpha0); l1 = _mm512_mul_ps(l1, alpha1);
+                for (int j = 0; j < nk; j++) {
+                    const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0[j], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s0[j], n0)));
+                    const __m512 e1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1[j], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s1[j], n1)));
+                    l0 = _mm512_add_ps(l0, e0); l1 = _mm512_add_ps(l1, e1);
+                    _mm512_store_ps(pt + j * ROWS, e0); _mm512_store_ps(pt + j * ROWS + 16, e1);
+                }
+                float al[ROWS];
+                _mm512_storeu_ps(al, alpha0); _mm512_storeu_ps(al + 16, alpha1);
+                m0 = n0; m1 = n1;
+                for (int r = 0; r < ROWS; r++) {
+                    __m512 acc[HEAD_DIM / 16];
+                    const __m512 ar = _mm512_set1_ps(al[r]);
+                    for (int c = 0; c < HEAD_DIM / 16; c++) acc[c] = _mm512_mul_ps(ar, _mm512_load_ps(o + r * HEAD_DIM + 16 * c));
+                    for (int j = 0; j < nk; j++) {
+                        const __m512 pj = _mm512_set1_ps(pt[j * ROWS + r]);
+                        for (int c = 0; c < HEAD_DIM / 16; c++) acc[c] = _mm512_fmadd_ps(pj, _mm512_load_ps(vt + j * HEAD_DIM + 16 * c), acc[c]);
+                    }
+                    for (int c = 0; c < HEAD_DIM / 16; c++) _mm512_store_ps(o + r * HEAD_DIM + 16 * c, acc[c]);
+                }
+            }
+            float lv[ROWS];
+            _mm512_storeu_ps(lv, l0); _mm512_storeu_ps(lv + 16, l1);
+            for (int r = 0; r < TILE_Q * GROUP; r++) {
+                const int tq = r / GROUP, g = r % GROUP;
+                if (tq >= nq) break;
+                uint16_t *orow = out + ((query_start_loc[i] + t0 + tq) * heads + h * GROUP + g) * HEAD_DIM;
+                for (int d = 0; d < HEAD_DIM; d++) orow[d] = to_bf16(o[r * HEAD_DIM + d] / lv[r]);
+            }
+        }
+        free(qt); free(o); free(vt); free(pt);
+    }
+    free(first);
+}
 """
 
 
@@ -365,8 +518,8 @@ def _cpu_flags() -> str:
 
 
 @functools.cache
-def _c_decode_library(group: int, head_dim: int):
-    """Build (once per shape and CPU, cached on disk) and load the C kernel.
+def _c_attention_library(group: int, head_dim: int):
+    """Build (once per shape and CPU, cached on disk) and load the C kernels.
     Raises RuntimeError saying why when it cannot be built here."""
     if head_dim % 32:
         raise RuntimeError(f"the C decode kernel needs head_dim % 32 == 0, got {head_dim}")
@@ -375,13 +528,13 @@ def _c_decode_library(group: int, head_dim: int):
         raise RuntimeError("no C compiler found (set CC)")
     flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC",
              f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"]
-    key = hashlib.sha256("\0".join([_DECODE_C, cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_ATTENTION_C, cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     path = _cache_dir() / f"decode_attention_{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             src, so = Path(tmp) / "decode_attention.c", Path(tmp) / "out.so"
-            src.write_text(_DECODE_C)
+            src.write_text(_ATTENTION_C)
             r = subprocess.run([cc, *flags, str(src), "-o", str(so), "-lm"], capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"building the C decode kernel failed: {r.stderr.strip()[:500]}")
@@ -389,11 +542,11 @@ def _c_decode_library(group: int, head_dim: int):
     # libgomp is already loaded by torch under the same soname, so the kernel's
     # OpenMP threads are torch's own pool, not a second one competing for cores.
     lib = ctypes.CDLL(str(path))
-    fn = lib.decode_attention
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
-    fn.restype = None
-    return fn
+    lib.decode_attention.argtypes = [p, p, p, p, i64, p, p, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+    lib.chunk_attention.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.decode_attention.restype = lib.chunk_attention.restype = None
+    return lib
 
 
 def _heads_per_task(num_seqs: int, num_kv_heads: int, threads: int) -> int:
@@ -405,24 +558,43 @@ def _heads_per_task(num_seqs: int, num_kv_heads: int, threads: int) -> int:
     return 1
 
 
+def _check_c_inputs(query, k_cache, v_cache) -> None:
+    if query.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
+        raise ValueError("the avx512 attention kernels take bf16 query and caches")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the avx512 attention kernels need contiguous caches")
+
+
 def _run_c_decode(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
     """Decode attention through the C kernel: query [seqs, heads, d] bf16 -> the same."""
     n, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    if query.dtype != torch.bfloat16 or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16:
-        raise ValueError("the avx512 decode kernel takes bf16 query and caches")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("the avx512 decode kernel needs contiguous caches")
-    fn = _c_decode_library(num_heads // num_kv_heads, head_dim)
+    _check_c_inputs(query, k_cache, v_cache)
+    lib = _c_attention_library(num_heads // num_kv_heads, head_dim)
     query = query.contiguous()
     table = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(query)
     threads = torch.get_num_threads()
-    fn(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
-       lens.data_ptr(), out.data_ptr(), n, num_kv_heads, block_size, float(scale),
-       _heads_per_task(n, num_kv_heads, threads), threads)
+    lib.decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                         table.stride(0), lens.data_ptr(), out.data_ptr(), n, num_kv_heads, block_size,
+                         float(scale), _heads_per_task(n, num_kv_heads, threads), threads)
     return out
+
+
+def _run_c_chunks(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out) -> None:
+    """The multi-token chunks of a step (q_len > 1) through the C kernel, written into
+    ``out``; query and out [num_tokens, heads, d] bf16, contiguous."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    _check_c_inputs(query, k_cache, v_cache)
+    lib = _c_attention_library(num_heads // num_kv_heads, head_dim)
+    table = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    lib.chunk_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                        table.stride(0), lens.data_ptr(), qsl.data_ptr(), out.data_ptr(), lens.shape[0],
+                        num_kv_heads, block_size, float(scale), torch.get_num_threads())
 
 
 # --------------------------------------------------------------------------- Triton kernels

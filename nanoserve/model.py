@@ -703,11 +703,12 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler(seed)
         # On the CPU, decode attention runs as one kernel call per step instead of
-        # gather + SDPA: in bf16 the C kernel ("avx512", 2.5-2.9x faster than the
-        # compiled one on W1's and W0's decode batches), else one torch.compile'd
-        # kernel ("inductor", 2.4x faster than SDPA on W1's: 9.6 vs 23 ms per
-        # layer, 2-core EPYC; benchmarks/RESULTS.md). warmup() settles which one
-        # builds here. On CUDA the Triton kernel is the path.
+        # gather + SDPA: in bf16 the C kernels ("avx512": decodes 2.5-2.9x faster
+        # than the compiled twin on W1's and W0's decode batches, prefill chunks
+        # 4-5x faster than SDPA), else one torch.compile'd kernel ("inductor", 2.4x
+        # faster than SDPA on W1's decode batch: 9.6 vs 23 ms per layer, 2-core
+        # EPYC; benchmarks/RESULTS.md). warmup() settles which one builds here.
+        # On CUDA the Triton kernel is the path.
         dtype = model.model.embed_tokens.weight.dtype
         self.attn_backend = None
         self._decode_kernels: list[str] = []
@@ -718,7 +719,7 @@ class ModelRunner:
             logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
 
     def warmup(self) -> float:
-        """Build what the first step would build (the C kernel, or inductor's
+        """Build what the first step would build (the C kernels, or inductor's
         graph), before any request waits on it; returns the seconds it took (0.0
         when there is nothing to build). Where one cannot be built here (no C
         compiler, no AVX-512 BF16) the runner takes the next one, down to eager

@@ -351,13 +351,13 @@ def test_a_failing_compile_falls_back_to_eager(model, reference, monkeypatch, ca
 
 
 def test_bf16_cpu_decode_runs_the_c_kernel(tiny_model):
-    """bf16 on the CPU: decodes go through the C kernel. Same engine, same KV
-    cache, one decode step with each decode kernel: the logits agree to bf16
-    rounding."""
+    """bf16 on the CPU: prefills and decodes go through the C kernels. Same
+    engine, same KV cache, one prefill step and one decode step with each
+    attention backend: the logits agree to bf16 rounding."""
     from nanoserve import kernels
     from nanoserve.model import SeqInput
     try:
-        kernels._c_decode_library(2, 32)  # the tiny qwen3: 4 heads on 2 kv heads, head_dim 32
+        kernels._c_attention_library(2, 32)  # the tiny qwen3: 4 heads on 2 kv heads, head_dim 32
     except RuntimeError as e:
         pytest.skip(str(e))
     llm = make_llm(tiny_model, dtype="bfloat16")
@@ -365,15 +365,16 @@ def test_bf16_cpu_decode_runs_the_c_kernel(tiny_model):
     assert runner.attn_backend == "avx512" and llm.engine.compile_time_s > 0
     prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[3]]
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
-    runner.execute([SeqInput(p, 0, t, None) for p, t in zip(prompts, tables)])  # fills the cache
-    step = [SeqInput([7 + i], len(p), t, None) for i, (p, t) in enumerate(zip(prompts, tables))]
-    logits = {}
-    for backend in ("avx512", "inductor", None):
-        runner.attn_backend = backend
-        logits[backend] = runner.logits(step)
-    assert logits["avx512"].shape == (3, VOCAB) and torch.isfinite(logits["avx512"]).all()
-    torch.testing.assert_close(logits["avx512"], logits["inductor"], atol=0.05, rtol=0.02)
-    torch.testing.assert_close(logits["avx512"], logits[None], atol=0.05, rtol=0.02)
+    prefill = [SeqInput(p, 0, t, None) for p, t in zip(prompts, tables)]
+    decode = [SeqInput([7 + i], len(p), t, None) for i, (p, t) in enumerate(zip(prompts, tables))]
+    for step, rows in ((prefill, sum(map(len, prompts))), (decode, 3)):  # the prefill fills the cache
+        logits = {}
+        for backend in ("avx512", "inductor", None):
+            runner.attn_backend = backend
+            logits[backend] = runner.logits(step)
+        assert logits["avx512"].shape == (rows, VOCAB) and torch.isfinite(logits["avx512"]).all()
+        torch.testing.assert_close(logits["avx512"], logits["inductor"], atol=0.05, rtol=0.02)
+        torch.testing.assert_close(logits["avx512"], logits[None], atol=0.05, rtol=0.02)
 
 
 def test_bf16_cpu_decode_falls_back_when_the_c_kernel_cannot_be_built(model, caplog):

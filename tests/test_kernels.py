@@ -336,7 +336,7 @@ def test_compiled_decode_falls_back_at_recompile_limit(monkeypatch):
 
 def _c_kernel_or_skip(group=2, head_dim=64):
     try:
-        kernels._c_decode_library(group, head_dim)
+        kernels._c_attention_library(group, head_dim)
     except RuntimeError as e:
         pytest.skip(str(e))
 
@@ -346,8 +346,8 @@ def _bf16(batch):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
-@pytest.mark.parametrize("scenario", ["decode", "mixed", "idle_seq"])
-def test_c_decode_attention(config, scenario):
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_c_attention(config, scenario):
     """Within bf16 rounding of the float64 truth and no further from it than the
     eager SDPA twin. In the all-decode batch the caches are poisoned with NaN:
     the kernel must read nothing past seq_len or outside the block table."""
@@ -387,11 +387,14 @@ def test_c_decode_heads_per_task():
 
 def test_c_decode_rejects_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="head_dim % 32 == 0"):
-        kernels._c_decode_library(2, 48)
+        kernels._c_attention_library(2, 48)
     _c_kernel_or_skip(2, 32)
     batch = make_batch(SCENARIOS["decode"], 8, 32, 4, 2, poison=POISON["torch"])
     with pytest.raises(ValueError, match="bf16"):
         kernels.paged_attention(*batch, 1.0, backend="avx512")  # fp32
+    batch = make_batch(SCENARIOS["prefill"], 8, 32, 4, 2, poison=POISON["torch"])
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.paged_attention(*batch, 1.0, backend="avx512")  # fp32 chunks
 
 
 def test_unknown_backend_is_a_clear_error():
