@@ -388,6 +388,97 @@ def test_bf16_cpu_decode_falls_back_when_the_c_kernel_cannot_be_built(model, cap
     assert all(len(t) == 16 for t in token_ids(outs))
 
 
+def _elementwise_layers(llm: LLM) -> list:
+    from nanoserve.model import MLP, Attention, RMSNorm
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, (RMSNorm, Attention, MLP))]
+
+
+def test_bf16_cpu_elementwise_ops_are_compiled_unless_enforce_eager(tiny_model):
+    """bf16 on the CPU: the norms, rope and SiLU of every layer are the compiled
+    ops. On a 300-token step (compiled) the logits are eager's to bf16 rounding
+    and the greedy tokens are the same; the attention backend is the same for both."""
+    from nanoserve import model as model_layer
+    from nanoserve.model import EAGER_OPS, SeqInput
+    compiled = make_llm(tiny_model, dtype="bfloat16")
+    eager = make_llm(tiny_model, dtype="bfloat16", enforce_eager=True)
+    assert compiled.engine.runner.compiled_elementwise and compiled.engine.compile_time_s > 0
+    assert all(m.ops is model_layer.compiled_elementwise_ops() for m in _elementwise_layers(compiled))
+    assert not eager.engine.runner.compiled_elementwise
+    assert all(m.ops is EAGER_OPS for m in _elementwise_layers(eager))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (100,), generator=gen).tolist() for _ in range(3)]
+    step = [SeqInput(p, 0, list(range(1 + 8 * i, 9 + 8 * i)), None) for i, p in enumerate(prompts)]
+    compiled.engine.runner.attn_backend = None  # eager's SDPA: only the elementwise ops differ
+    a, b = compiled.engine.runner.logits(step), eager.engine.runner.logits(step)
+    assert a.shape == (300, VOCAB) and torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
+    """_compile_rows: steps from COMPILED_ELEMENTWISE_MIN_ROWS tokens up share one
+    graph (the token axis is unbacked), smaller ones run eager. In bf16, the dtype
+    they serve, the fused SiLU and rope match eager's bit for bit
+    (emulate_precision_casts); in fp32 inductor's exp differs in the last bit;
+    RMSNorm (its sum reduced in another order) matches to rounding."""
+    from torch._dynamo.utils import counters
+    from nanoserve.model import COMPILED_ELEMENTWISE_MIN_ROWS as MIN_ROWS, RotaryEmbedding
+    from nanoserve.model import _compile_rows, qk_norm_rope, rms_norm, silu_and_mul
+
+    def silu_mul_copy(x):  # a fresh code object: a compile of its own, whatever ran before
+        return silu_and_mul(x)
+    def same(a, b):
+        assert torch.equal(a, b) if dtype == torch.bfloat16 else torch.testing.assert_close(a, b) is None
+    fn = _compile_rows(silu_mul_copy, 1)
+    gen = torch.Generator().manual_seed(0)
+    before = counters["stats"]["unique_graphs"]
+    for rows in (MIN_ROWS, MIN_ROWS + 1, 3 * MIN_ROWS + 5, 3):
+        x = torch.randn(rows, 2 * 48, generator=gen).to(dtype)
+        same(fn(x), silu_and_mul(x))
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+    def norm_rope_copy(*args):
+        return qk_norm_rope(*args)
+    rope = RotaryEmbedding(32, 512, 10000.0, None)
+    T = MIN_ROWS + 7
+    qkv = torch.randn(T, (4 + 2 + 2) * 32, generator=gen).to(dtype)  # q, k as views of one projection
+    q, k = qkv[:, :128].view(T, 4, 32), qkv[:, 128:192].view(T, 2, 32)
+    positions = torch.randint(0, 512, (T,), generator=gen)
+    qw, kw = (torch.randn(32, generator=gen).to(dtype) for _ in range(2))
+    fused = _compile_rows(norm_rope_copy, 3)
+    for weights in ((None, None), (qw, kw)):
+        got = fused(q, k, positions, rope.cos, rope.sin, *weights, 1e-6)
+        want = qk_norm_rope(q, k, positions, rope.cos, rope.sin, *weights, 1e-6)
+        for g, w in zip(got, want):
+            if weights[0] is None:
+                same(g, w)
+            else:
+                torch.testing.assert_close(g, w)
+    x = torch.randn(T, 64, generator=gen).to(dtype)
+    w = torch.randn(64, generator=gen).to(dtype)
+    torch.testing.assert_close(_compile_rows(rms_norm, 1)(x, w, 1e-6), rms_norm(x, w, 1e-6))
+
+
+def test_a_failing_elementwise_compile_falls_back_to_eager(tiny_model, monkeypatch, caplog):
+    """No C++ compiler for inductor (say): the layers keep eager ops and the
+    engine says why, instead of failing its first long prompt."""
+    from nanoserve import model as model_layer
+    from nanoserve.model import EAGER_OPS
+
+    def broken(*args):
+        raise RuntimeError("InductorError: no working C++ compiler found")
+    monkeypatch.setattr(model_layer, "compiled_elementwise_ops",
+                        lambda: model_layer.ElementwiseOps(broken, broken, broken))
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+        llm = make_llm(tiny_model, dtype="bfloat16")
+    assert not llm.engine.runner.compiled_elementwise
+    assert all(m.ops is EAGER_OPS for m in _elementwise_layers(llm))
+    assert "compiled elementwise ops are not available" in caplog.text and "C++ compiler" in caplog.text
+    outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    assert all(len(t) == 16 for t in token_ids(outs))
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["llama-untied-head", "qwen3-tied-head"])
 def test_packed_bf16_linear_weights_change_no_bit(model, tiny_model, tied, monkeypatch):
     """bf16 on the CPU: linear weights are packed for oneDNN once at start-up; the
