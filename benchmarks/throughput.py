@@ -60,7 +60,8 @@ def run_nanoserve(w: workloads.Workload, model: str, prefix_caching: bool, extra
     return dict(wall=wall, startup=startup, tokens=_digest(o.outputs[0].token_ids for o in outs),
                 num_out=sum(len(o.outputs[0].token_ids) for o in outs),
                 version=nanoserve.__version__, stats=llm.stats(),
-                settings=dict(torch_compile=llm.engine.runner.attn_backend == "inductor",
+                settings=dict(attn_backend=llm.engine.runner.attn_backend,
+                              compiled_elementwise=llm.engine.runner.compiled_elementwise,
                               compile_s=round(llm.engine.compile_time_s, 1)))
 
 

@@ -181,19 +181,25 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelC
 
 # The pointwise work between the matmuls, written as plain functions so that
 # compile_elementwise() can give the layers inductor-compiled copies of them.
+# RMSNorm is split in two: mean_square (a reduction, always eager) and
+# rms_scale (pointwise, compiled).
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def mean_square(x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm's fp32 mean of squares, always eager (compiled_elementwise_ops says why)."""
+    return x.float().pow(2).mean(-1, keepdim=True)
+
+
+def rms_scale(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers does: normalise in fp32, scale in the model dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return weight * (x.float() * torch.rsqrt(ms + eps)).to(x.dtype)
 
 
-def qk_norm_rope(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps: float):
-    """Qwen3's per-head RMSNorm of q and k (when the weights are given), then the
-    neox-style rotary embedding (rotate halves) at each token's position."""
+def qk_norm_rope(q, k, q_ms, k_ms, positions, cos_cache, sin_cache, q_weight, k_weight, eps: float):
+    """Qwen3's per-head RMSNorm of q and k (when the weights are given, with their
+    mean_square q_ms, k_ms), then the neox-style rotary embedding (rotate halves)
+    at each token's position."""
     if q_weight is not None:
-        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+        q, k = rms_scale(q, q_ms, q_weight, eps), rms_scale(k, k_ms, k_weight, eps)
     cos = cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
     sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -212,28 +218,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class ElementwiseOps:
     """The three elementwise functions every decoder layer calls."""
-    rms_norm: Any
+    rms_scale: Any
     qk_norm_rope: Any
     silu_and_mul: Any
 
 
-EAGER_OPS = ElementwiseOps(rms_norm, qk_norm_rope, silu_and_mul)
+EAGER_OPS = ElementwiseOps(rms_scale, qk_norm_rope, silu_and_mul)
 
 
 @functools.cache
 def compiled_elementwise_ops() -> ElementwiseOps:
     """Inductor's fused copies of the three. Eager torch runs each pointwise op
-    as its own pass over memory (the fp32 upcast, pow, mean, rsqrt, two muls and
-    the downcast of one RMSNorm are six), which at prefill sizes costs more than
-    the arithmetic: measured at 8192 tokens of W1's shapes in bf16 (2-core EPYC),
-    RMSNorm 26.7 -> 1.45 ms, q/k norm + rope 215 -> 23.6 ms, SiLU-and-mul 23 ->
-    8.3 ms; at decode sizes no faster (COMPILED_ELEMENTWISE_MIN_ROWS).
-    emulate_precision_casts rounds each bf16 intermediate where eager torch
-    does, so the outputs stay eager's: without it a quarter of the elements
-    differed in the last bit; with it, the rope and SiLU outputs are identical and
-    RMSNorm's differ in about 5 elements per million (its fp32 sum is reduced in
-    another order)."""
-    return ElementwiseOps(_compile_rows(rms_norm, 1), _compile_rows(qk_norm_rope, 3),
+    as its own pass over memory (RMSNorm's upcast, rsqrt, two muls and downcast
+    are five), which at prefill sizes costs more than the arithmetic. Measured on
+    W1 (2-core EPYC, bf16, 2026-12-04): 57.5 s -> 52.4 s, all of it in the three
+    prefill steps. emulate_precision_casts rounds each bf16 intermediate where
+    eager torch does, so the outputs stay eager's bit for bit (without it a
+    quarter of the elements differed in the last bit). mean_square stays
+    eager, outside: inductor sums the squares in another order than ATen, and
+    compiled whole RMSNorm changed ~5 outputs per million by one bf16 step and
+    W1's greedy tokens with them (50.7 s, but not the same outputs)."""
+    return ElementwiseOps(_compile_rows(rms_scale, 2), _compile_rows(qk_norm_rope, 5),
                           _compile_rows(silu_and_mul, 1))
 
 
@@ -260,7 +265,8 @@ def _compile_rows(fn, row_args: int):
         if args[0].shape[0] < COMPILED_ELEMENTWISE_MIN_ROWS:
             return fn(*args)
         for t in args[:row_args]:
-            mark_unbacked(t, 0)
+            if t is not None:  # q_ms, k_ms of a model without q/k norms
+                mark_unbacked(t, 0)
         try:
             return compiled(*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
@@ -278,7 +284,7 @@ class RMSNorm(nn.Module):
         self.ops = EAGER_OPS  # compile_elementwise may swap in compiled ones
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.rms_scale(x, mean_square(x), self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -400,8 +406,10 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        q, k = self.ops.qk_norm_rope(q, k, positions, rope.cos, rope.sin, q_w, k_w, self.eps)
+        q_ms = k_ms = q_w = k_w = None
+        if self.q_norm is not None:
+            q_ms, k_ms, q_w, k_w = mean_square(q), mean_square(k), self.q_norm.weight, self.k_norm.weight
+        q, k = self.ops.qk_norm_rope(q, k, q_ms, k_ms, positions, rope.cos, rope.sin, q_w, k_w, self.eps)
         k_cache, v_cache = kv_cache
         kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, meta.backend)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
@@ -813,8 +821,9 @@ class ModelRunner:
         if can_pack_linear_weights(dtype, device):
             logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
         # bf16 on the CPU: the norms, rope and SiLU as inductor-fused loops rather
-        # than one eager pass per op (compiled_elementwise_ops; W1's prefill steps
-        # spent ~4 s of 24 in those passes). fp32, the tests' oracle dtype, stays eager.
+        # than one eager pass per op (compiled_elementwise_ops: W1 57.5 -> 52.4 s).
+        # fp32, the tests' oracle dtype, stays eager (there inductor's exp, in SiLU,
+        # differs from ATen's in the last bit).
         self.compiled_elementwise = device.type == "cpu" and dtype == torch.bfloat16 and not enforce_eager
         if self.compiled_elementwise:
             compile_elementwise(model)
