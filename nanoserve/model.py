@@ -180,7 +180,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelC
 # =========================================================================== layers
 
 # The pointwise work between the matmuls, written as plain functions so that
-# compile_elementwise() can give the layers inductor-compiled copies of them.
+# set_elementwise_ops() can give the layers inductor-compiled copies of them.
 # RMSNorm is split in two: mean_square (a reduction, always eager) and
 # rms_scale (pointwise, compiled).
 
@@ -281,7 +281,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
-        self.ops = EAGER_OPS  # compile_elementwise may swap in compiled ones
+        self.ops = EAGER_OPS  # set_elementwise_ops may swap in compiled ones
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.rms_scale(x, mean_square(x), self.weight, self.eps)
@@ -332,16 +332,13 @@ def pack_linear_weights(model: "CausalLM", batch_hint: int = 64) -> int:
     return len(linears) + (model.lm_head is None)
 
 
-def compile_elementwise(model: "CausalLM") -> int:
-    """Give every layer inductor's compiled elementwise ops
-    (compiled_elementwise_ops; they compile on first use, which
-    ModelRunner.warmup makes happen before any request). Returns the number of
-    modules switched."""
-    ops = compiled_elementwise_ops()
-    mods = [m for m in model.modules() if isinstance(m, (RMSNorm, Attention, MLP))]
-    for m in mods:
-        m.ops = ops
-    return len(mods)
+def set_elementwise_ops(model: "CausalLM", ops: ElementwiseOps) -> None:
+    """Give every layer these elementwise ops: compiled_elementwise_ops() (they
+    compile on first use, which ModelRunner.warmup makes happen before any
+    request) or EAGER_OPS."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, Attention, MLP)):
+            m.ops = ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -397,7 +394,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
-        self.ops = EAGER_OPS  # compile_elementwise may swap in compiled ones
+        self.ops = EAGER_OPS  # set_elementwise_ops may swap in compiled ones
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -422,7 +419,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.ops = EAGER_OPS  # compile_elementwise may swap in compiled ones
+        self.ops = EAGER_OPS  # set_elementwise_ops may swap in compiled ones
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -826,7 +823,7 @@ class ModelRunner:
         # differs from ATen's in the last bit).
         self.compiled_elementwise = device.type == "cpu" and dtype == torch.bfloat16 and not enforce_eager
         if self.compiled_elementwise:
-            compile_elementwise(model)
+            set_elementwise_ops(model, compiled_elementwise_ops())
 
     def warmup(self) -> float:
         """Build what the first step would build (the C kernels, or inductor's
@@ -875,9 +872,7 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001 - any compile failure means: run eager
             logger.warning("[model] the compiled elementwise ops are not available here, running "
                            "them eager (--enforce-eager skips the attempt): %s", str(e).splitlines()[0][:300])
-            for m in self.model.modules():
-                if isinstance(m, (RMSNorm, Attention, MLP)):
-                    m.ops = EAGER_OPS
+            set_elementwise_ops(self.model, EAGER_OPS)
             self.compiled_elementwise = False
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
