@@ -611,16 +611,31 @@ def _run_c_chunks(query, k_cache, v_cache, block_tables, seq_lens, query_start_l
 # thus loaded once for all heads of its group, and the same code serves a
 # prefill chunk (many tokens) and a decode (one token, GROUP rows).
 
-_BLOCK_N = 32               # key positions per inner-loop step
+# Tile sizes and split-KV thresholds, measured on an H200 in bf16 (benchmarks/
+# triton_gpu.py, RESULTS.md "Triton kernels on an H200"):
+_BLOCK_N_DECODE = 32        # key positions per inner-loop step, all-decode batches
 _BLOCK_M_DECODE = 16        # rows of a tile when the batch is all decodes (tl.dot minimum)
-_BLOCK_M_PREFILL = 64       # rows of a tile when some sequence has a multi-token chunk
-# Split-KV: an all-decode batch with a long context has only num_seqs * num_kv_heads
-# programs, too few to fill a GPU, each walking the whole context. Splitting the
-# context into partitions multiplies the programs; a reduce kernel merges them.
-# These thresholds are first guesses, not tuned on hardware.
-_SPLIT_KV_MIN_PARTITION = 512   # never split the context finer than this (tokens)
-_SPLIT_KV_MAX_SPLITS = 16
-_SPLIT_KV_MAX_PROGRAMS = 512    # num_seqs * num_kv_heads this large already fills a GPU
+# Batches with multi-token chunks: tiles of 64 rows x 32 keys, or 128 x 64 where
+# the sequences average >= 256 tokens this step. Measured (Qwen3-0.6B heads):
+# 128 x 64 wins on long chunks (a 16k-token prompt 5.02 -> 4.24 ms; 8 x 1024-token
+# chunks 0.82 -> 0.73 ms) but loses where decodes fill the batch, each decode
+# wasting most of a big tile (64 decodes + one 2048-token chunk 0.50 -> 0.62 ms;
+# 256 decodes + one chunk 0.98 -> 1.45 ms); the two tie at ~400 tokens a sequence.
+# head_dim 256 keeps 64 x 32: a 128-row fp32 accumulator would not fit in registers.
+_BLOCK_M_CHUNK, _BLOCK_N_CHUNK = 64, 32
+_BLOCK_M_PREFILL, _BLOCK_N_PREFILL = 128, 64
+_PREFILL_TILE_MIN_TOKENS_PER_SEQ = 256
+# Split-KV: an all-decode batch has only num_seqs * num_kv_heads programs, each
+# walking its whole context; too few leave most of the GPU's 132 SMs idle.
+# Splitting each context into partitions multiplies the programs (a reduce kernel
+# merges them). Measured over 1..256 sequences x 1k..16k contexts, splits 1..32:
+# splitting until there are ~1024 programs (~8 per SM) was within 2% of the best
+# split wherever the batch held >= 268 MB of KV (64 seqs x 16k: 1.36 -> 1.17 ms
+# with 2 splits; 1 seq x 16k: 0.78 -> 0.07 ms with 32), and 256 seqs (2048
+# programs) gain nothing from a split. Below ~0.15 ms a call is launch-bound.
+_SPLIT_KV_MIN_PARTITION = 512   # never split a context finer than this (tokens)
+_SPLIT_KV_MAX_SPLITS = 32
+_SPLIT_KV_TARGET_PROGRAMS = 1024
 
 if triton is not None:
 
@@ -818,18 +833,34 @@ def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
     )
 
 
+def _tile_shape(all_decodes: bool, num_tokens: int, num_seqs: int, head_dim: int,
+                group: int) -> tuple[int, int]:
+    """(BLOCK_M rows, BLOCK_N keys) of the attention tiles for this batch."""
+    if all_decodes:
+        block_m, block_n = _BLOCK_M_DECODE, _BLOCK_N_DECODE
+    elif head_dim <= 128 and num_tokens >= _PREFILL_TILE_MIN_TOKENS_PER_SEQ * num_seqs:
+        block_m, block_n = _BLOCK_M_PREFILL, _BLOCK_N_PREFILL
+    else:
+        block_m, block_n = _BLOCK_M_CHUNK, _BLOCK_N_CHUNK
+    return max(block_m, triton.next_power_of_2(group)), block_n
+
+
 def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
                    max_context: int) -> int:
-    """How many partitions to split each context into (1 = no split-KV).
+    """How many partitions to split each context into (1 = no split-KV): enough
+    for ~_SPLIT_KV_TARGET_PROGRAMS programs, none shorter than the minimum.
     max_context is the block table's capacity, a host-side bound: reading the
     real seq_lens would cost a device sync per layer."""
-    if not all_decodes or num_seqs * num_kv_heads >= _SPLIT_KV_MAX_PROGRAMS:
+    if not all_decodes:
         return 1
-    return max(1, min(_SPLIT_KV_MAX_SPLITS, max_context // _SPLIT_KV_MIN_PARTITION))
+    wanted = -(-_SPLIT_KV_TARGET_PROGRAMS // (num_seqs * num_kv_heads))
+    return max(1, min(wanted, _SPLIT_KV_MAX_SPLITS, max_context // _SPLIT_KV_MIN_PARTITION))
 
 
 def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
-                           query_start_loc, scale) -> torch.Tensor:
+                           query_start_loc, scale, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out``, if given, receives the result (benchmarks/triton_gpu.py passes one
+    filled with NaN to check that every element is written)."""
     _check_kv(None, None, k_cache, v_cache)
     if query.dim() != 3 or query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"query must be [num_tokens, num_heads, {k_cache.shape[3]}], "
@@ -845,29 +876,31 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
         raise ValueError(f"need block_tables [{num_seqs}, max_blocks] and query_start_loc "
                          f"[{num_seqs + 1}], got {tuple(block_tables.shape)} and "
                          f"{tuple(query_start_loc.shape)}")
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
     # num_tokens == num_seqs means every q_len is 1 (each sequence has >= 1 token);
     # the kernel is correct for any tile shape, this only picks the cheaper one.
     all_decodes = num_tokens == num_seqs
-    block_m = max(_BLOCK_M_DECODE if all_decodes else _BLOCK_M_PREFILL,
-                  triton.next_power_of_2(group))
+    block_m, block_n = _tile_shape(all_decodes, num_tokens, num_seqs, head_dim, group)
     block_q = block_m // group
     num_splits = _num_kv_splits(all_decodes, num_seqs, num_kv_heads,
                                 block_tables.shape[1] * block_size)
     return _launch_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                             query_start_loc, scale, out, block_m, block_q, num_splits)
+                             query_start_loc, scale, out, block_m, block_q, num_splits, block_n)
 
 
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                      scale, out, block_m, block_q, num_splits) -> torch.Tensor:
+                      scale, out, block_m, block_q, num_splits, block_n: int = _BLOCK_N_DECODE,
+                      **launch_options) -> torch.Tensor:
+    """``block_n`` and ``launch_options`` (Triton's num_warps, num_stages) are
+    the knobs benchmarks/triton_gpu.py sweeps; the engine keeps the defaults."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     max_context = block_tables.shape[1] * k_cache.shape[1]
     # Partitions are whole BLOCK_N tiles so only the last one has a ragged end.
-    partition = triton.cdiv(triton.cdiv(max_context, num_splits), _BLOCK_N) * _BLOCK_N
+    partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
     if num_splits > 1:
         m_part = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
         l_part = torch.empty_like(m_part)
@@ -883,9 +916,10 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         *block_tables.stride(),
         GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=_BLOCK_N, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
         PRECISION="ieee" if query.dtype == torch.float32 else None,
+        **launch_options,
     )
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](

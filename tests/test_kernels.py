@@ -221,6 +221,41 @@ def test_split_kv_default_thresholds():
     check_attention("triton", batch)
 
 
+def test_split_kv_heuristic():
+    """Split until ~1024 programs, never below 512-token partitions, never for
+    prefill (the thresholds benchmarks/triton_gpu.py measured on an H200)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    assert kernels._num_kv_splits(True, 64, 8, 16384) == 2      # 512 programs -> 1024
+    assert kernels._num_kv_splits(True, 16, 8, 4096) == 8       # capped by 4096 // 512
+    assert kernels._num_kv_splits(True, 1, 8, 16384) == 32      # capped by _SPLIT_KV_MAX_SPLITS
+    assert kernels._num_kv_splits(True, 256, 8, 16384) == 1     # 2048 programs already
+    assert kernels._num_kv_splits(True, 4, 2, 300) == 1         # too short to split
+    assert kernels._num_kv_splits(False, 1, 8, 16384) == 1      # a prefill chunk in the batch
+
+
+def test_tile_shape_heuristic():
+    """Decode tiles for all-decode batches; big tiles only where the sequences
+    average >= 256 tokens and head_dim <= 128 (measured on an H200)."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    assert kernels._tile_shape(True, 64, 64, 128, 2) == (16, 32)
+    assert kernels._tile_shape(True, 4, 4, 64, 32) == (32, 32)       # a 32-head group needs 32 rows
+    assert kernels._tile_shape(False, 2112, 65, 128, 2) == (64, 32)   # 64 decodes + one 2048 chunk
+    assert kernels._tile_shape(False, 8192, 8, 128, 2) == (128, 64)   # long prompts
+    assert kernels._tile_shape(False, 8192, 8, 256, 8) == (64, 32)    # head_dim 256
+
+
+@triton_only
+def test_prefill_tile_long_prompt():
+    """A batch whose sequences average >= 256 tokens takes the 128 x 64 tiles."""
+    torch.manual_seed(8)
+    specs = [(0, 300), (40, 260)]
+    batch = make_batch(specs, 16, 32, 4, 2, POISON["triton"])
+    assert kernels._tile_shape(False, 560, 2, 32, 2) == (128, 64)
+    check_attention("triton", batch)
+
+
 @triton_only
 @pytest.mark.parametrize("num_splits", [2, 5])
 def test_split_kv_any_batch(num_splits):
