@@ -206,6 +206,8 @@ def main() -> None:
     ap.add_argument("--worker", choices=list(WORKERS))
     ap.add_argument("--workload", default="W1")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--w2-caching", choices=["both", "on", "off"], default="both",
+                    help="W2 runs each engine with prefix caching on and off; or only one of them")
     ap.add_argument("--extra", default="{}")
     args = ap.parse_args()
     if args.worker:
@@ -214,7 +216,8 @@ def main() -> None:
     extra = {"kv_gib": args.kv_gib, "vllm_compile": not args.vllm_eager, "vllm_bind": args.vllm_bind}
     for workload in args.workloads:
         # W2 is the prefix-caching workload: run each engine with caching on and off.
-        variants = [True, False] if workload == "W2" else [True]
+        variants = {"both": [True, False], "on": [True], "off": [False]}[args.w2_caching] \
+            if workload == "W2" else [True]
         runs = []
         for rnd in range(args.rounds):
             for engine in args.engines:

@@ -412,6 +412,55 @@ def test_c_decode_attention_long_contexts_and_many_sequences():
         torch.testing.assert_close(got.double(), truth, atol=2e-2, rtol=2e-2)
 
 
+def _share_prefix(batch, blocks: int):
+    """Point every sequence's first `blocks` table entries at sequence 0's, as the
+    prefix cache does for requests that start with the same tokens."""
+    table = batch[3].clone()
+    table[:, :blocks] = table[0, :blocks]
+    return (*batch[:3], table, *batch[4:])
+
+
+@pytest.mark.parametrize("config", [(16, 128, 16, 8), (16, 64, 14, 2), (8, 32, 4, 4)],
+                         ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
+@pytest.mark.parametrize("num_seqs", [4, 19])
+def test_c_cascade_decode(monkeypatch, config, num_seqs):
+    """Decodes that share a prefix take cascade attention (prefix_attention for the
+    shared blocks, decode_attention for each tail, merged): within bf16 rounding of
+    the float64 truth, no further from it than the SDPA twin, and reading nothing
+    outside the tables (NaN everywhere else). Tails of 1 to 40 tokens; 19 sequences
+    leave the last tile of rows part empty."""
+    bs, head_dim, heads, kv_heads = config
+    _c_kernel_or_skip(heads // kv_heads, head_dim)
+    torch.manual_seed(13 + num_seqs)
+    shared = 5
+    specs = [(shared * bs + (i * 7) % 40, 1) for i in range(num_seqs)]
+    monkeypatch.setattr(kernels, "_CASCADE_MIN_SEQS", 2)   # small shapes: always take it
+    monkeypatch.setattr(kernels, "_CASCADE_MIN_TOKENS", 1)
+    calls = []
+    real = kernels._shared_prefix_blocks
+    monkeypatch.setattr(kernels, "_shared_prefix_blocks", lambda *a: calls.append(real(*a)) or calls[-1])
+    batch = _bf16(_share_prefix(make_batch(specs, *config, poison=float("nan")), shared))
+    scale = head_dim ** -0.5
+    truth = naive_attention(*batch, scale)
+    got = kernels.paged_attention(*batch, scale, backend="avx512")
+    assert calls == [shared]  # the cascade path ran, over exactly the shared blocks
+    torch.testing.assert_close(got.double(), truth, atol=2e-2, rtol=2e-2)
+    finite = (batch[0], batch[1].nan_to_num(0.0), batch[2].nan_to_num(0.0), *batch[3:])
+    eager = kernels.paged_attention(*finite, scale, backend="torch")
+    assert (got.double() - truth).abs().max() <= (eager.double() - truth).abs().max() * 1.01
+
+
+def test_shared_prefix_blocks():
+    t = torch.tensor([[4, 5, 6, 9], [4, 5, 6, 7], [4, 5, 8, 1]], dtype=torch.int32)
+    lens = torch.tensor([60, 60, 60], dtype=torch.int32)
+    assert kernels._shared_prefix_blocks(t, lens, 16) == 2
+    assert kernels._shared_prefix_blocks(t[:2], lens[:2], 16) == 3
+    # each sequence keeps at least its last token to itself: a 48-token one shares 2 blocks at most
+    assert kernels._shared_prefix_blocks(t[:2], torch.tensor([48, 60], dtype=torch.int32), 16) == 2
+    t[2, 0] = 3
+    assert kernels._shared_prefix_blocks(t, lens, 16) == 0
+
+
 def test_c_decode_heads_per_task():
     assert kernels._heads_per_task(64, 8, 2) == 8   # many sequences: a task reads whole K/V rows
     assert kernels._heads_per_task(2, 8, 2) == 4    # few: split so each thread has two tasks
