@@ -428,8 +428,7 @@ def end_to_end(device, quick, root: Path) -> dict:
     w = workloads.get("W1")
     model = save_random_qwen3(root / "w1", torch.bfloat16, **MODEL_SHAPES["w1"])
     t0 = time.perf_counter()
-    llm = LLM(str(model), dtype="bfloat16", device=device, skip_tokenizer_init=True,
-              gpu_memory_utilization=0.5)
+    llm = LLM(str(model), dtype="bfloat16", device=device, skip_tokenizer_init=True)  # 0.9 of the GPU
     llm.generate([w.prompts[0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
@@ -440,10 +439,14 @@ def end_to_end(device, quick, root: Path) -> dict:
     wall = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res.update(w1_wall_s=wall, w1_startup_s=startup, w1_output_tok_s=n_out / wall,
-               w1_num_out=n_out, w1_kv_blocks=llm.engine.kv_plan.num_blocks)
+               w1_num_out=n_out, w1_kv_blocks=llm.engine.kv_plan.num_blocks,
+               w1_kv_budget_GiB=llm.engine.kv_plan.budget_bytes / 2**30,
+               w1_peak_allocated_GiB=torch.cuda.max_memory_allocated() / 2**30,
+               gpu_total_GiB=torch.cuda.get_device_properties(0).total_memory / 2**30)
     print(f"## end to end, W1 (64 requests, Qwen3-0.6B shape, random bf16 weights) on the GPU: "
           f"{wall:.2f} s, {n_out / wall:.0f} output tok/s (start-up {startup:.1f} s, "
-          f"{res['w1_kv_blocks']} KV blocks)")
+          f"{res['w1_kv_blocks']} KV blocks = {res['w1_kv_budget_GiB']:.1f} GiB; peak allocated "
+          f"{res['w1_peak_allocated_GiB']:.1f} of {res['gpu_total_GiB']:.1f} GiB)")
     return res
 
 
@@ -463,7 +466,9 @@ def main() -> int:
     if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("on the CPU the Triton kernels need TRITON_INTERPRET=1 (set before the run)")
         return 2
+    import logging
     import triton
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's start-up arithmetic
     env = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), torch=torch.__version__,
                triton=triton.__version__, python=platform.python_version(), device=args.device)
     if args.device == "cuda":

@@ -31,7 +31,8 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve.model import (ModelConfig, ModelLoadError, ModelRunner, SampleRequest, SampleResult,
-                             SeqInput, load_model, load_tokenizer, num_parameters, resolve_dtype)
+                             SeqInput, load_model, load_tokenizer, num_parameters,
+                             profile_activation_bytes, resolve_dtype)
 from nanoserve.scheduler import (RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
 
@@ -323,10 +324,16 @@ class LLMEngine:
         if cfg.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {cfg.block_size}")
         spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)
+        batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
-            budget = kvcache.gpu_budget(self.device, cfg.gpu_memory_utilization, 0)
+            # the KV cache gets what a full step's activations leave under the limit
+            activations = profile_activation_bytes(model, batched, min(cfg.max_num_seqs, batched),
+                                                   cfg.block_size)
+            logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
+                        batched, activations / 2**30)
+            budget = kvcache.gpu_budget(self.device, cfg.gpu_memory_utilization, activations)
         else:
             budget = kvcache.default_cpu_budget(self.weight_bytes)
         plan = kvcache.plan_kv_cache(spec, budget, cfg.num_kv_blocks)
@@ -345,7 +352,6 @@ class LLMEngine:
         self.kv_plan, self.kv_spec = plan, spec
         kv_caches = kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
         self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, batched, max_len),
                                    self.block_manager)
         self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, cfg.seed,

@@ -767,6 +767,42 @@ class SeqInput:
     sample: SampleRequest | None  # None: a prefill chunk that samples nothing
 
 
+def dummy_prompt(cfg: ModelConfig, num_tokens: int, block_size: int, device: torch.device,
+                 backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A throwaway prompt of ``num_tokens`` tokens for warm-up and profiling: its KV
+    slots are all -1 (stored nowhere) and its block table all block 0 (read only)."""
+    T = num_tokens
+    meta = AttentionMetadata(torch.full((T,), -1, dtype=torch.int64, device=device),
+                             torch.zeros(1, -(-T // block_size), dtype=torch.int32, device=device),
+                             torch.tensor([T], dtype=torch.int32, device=device),
+                             torch.tensor([0, T], dtype=torch.int32, device=device), backend)
+    positions = torch.arange(T, device=device) % cfg.max_position_embeddings
+    return torch.zeros(T, dtype=torch.long, device=device), positions, meta
+
+
+@torch.inference_mode()
+def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: int,
+                             block_size: int) -> int:
+    """vLLM's profile run, on a CUDA device: the memory that one step at full budget
+    (a forward of ``num_tokens`` tokens, then ``num_sample_rows`` rows of logits)
+    takes at its peak beyond what is already allocated, so that the KV cache is
+    sized from what is left rather than from all free memory. The attention reads
+    a one-block throwaway cache."""
+    device = model.model.embed_tokens.weight.device
+    cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
+    cache = torch.zeros(1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    hidden = model(*dummy_prompt(cfg, num_tokens, block_size, device), [(cache, cache)] * cfg.num_layers)
+    model.compute_logits(hidden[:num_sample_rows])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del hidden, cache
+    torch.cuda.empty_cache()  # else the freed activations would count as used a second time
+    return peak
+
+
 def tune_cpu_allocator() -> bool:
     """Keep freed activation memory in the process instead of returning it to the OS.
 
@@ -860,15 +896,10 @@ class ModelRunner:
         KV slots -1 (written nowhere) and its block table all block 0 (read only),
         so that they compile now; if they cannot (no C++ compiler for inductor),
         the layers go back to eager ops."""
-        dev, T = self.device, COMPILED_ELEMENTWISE_MIN_ROWS
-        meta = AttentionMetadata(torch.full((T,), -1, dtype=torch.int64, device=dev),
-                                 torch.zeros(1, -(-T // self.block_size), dtype=torch.int32, device=dev),
-                                 torch.tensor([T], dtype=torch.int32, device=dev),
-                                 torch.tensor([0, T], dtype=torch.int32, device=dev), self.attn_backend)
         try:
             with torch.inference_mode():
-                positions = torch.arange(T, device=dev) % self.model.config.max_position_embeddings
-                self.model(torch.zeros(T, dtype=torch.long, device=dev), positions, meta, self.kv_caches)
+                self.model(*dummy_prompt(self.model.config, COMPILED_ELEMENTWISE_MIN_ROWS, self.block_size,
+                                         self.device, self.attn_backend), self.kv_caches)
         except Exception as e:  # noqa: BLE001 - any compile failure means: run eager
             logger.warning("[model] the compiled elementwise ops are not available here, running "
                            "them eager (--enforce-eager skips the attempt): %s", str(e).splitlines()[0][:300])

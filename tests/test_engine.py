@@ -491,3 +491,21 @@ def test_packed_bf16_linear_weights_change_no_bit(model, tiny_model, tied, monke
     assert torch.equal(packed.engine.runner.logits(step), plain.engine.runner.logits(step))
     assert token_ids(packed.generate(PROMPTS, GREEDY, use_tqdm=False)) == \
         token_ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+def test_profile_run_measures_one_full_step(model, monkeypatch):
+    """On a GPU the KV cache gets what a profiling forward of a full step leaves
+    (vLLM's profile run). The CUDA memory counters are faked here; the forward
+    itself runs on the CPU, through the one-block throwaway cache."""
+    from nanoserve.model import load_model, profile_activation_bytes
+    m, _ = load_model(model, torch.float32, torch.device("cpu"))
+    events, rows = [], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: events.append("reset"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 100)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 350)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty"))
+    real = m.compute_logits
+    monkeypatch.setattr(m, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
+    assert profile_activation_bytes(m, MAX_LEN + 50, 7, 16) == 250  # longer than any position: wraps
+    assert events == ["reset", "empty"] and rows == [7]
