@@ -418,6 +418,16 @@ static inline __m512 exp16(__m512 x) {
 #define ROWS 32
 #define TILE_Q (ROWS / GROUP)
 #define TILE_K 16
+/* A tile's query rows r = token * GROUP + g (nq tokens from q0, their heads
+   heads apart) as bf16 pairs in qt, [d/2][ROWS]; rows past them get q = 0. */
+static void pack_rows(uint32_t *qt, const uint16_t *q0, int64_t nq, int64_t heads) {
+    for (int r = 0; r < ROWS; r++) {
+        const int tq = r / GROUP, g = r % GROUP, live = r < TILE_Q * GROUP && tq < nq;
+        const uint32_t *qr = (const uint32_t *)(q0 + (tq * heads + g) * HEAD_DIM);
+        for (int p = 0; p < HEAD_DIM / 2; p++) qt[p * ROWS + r] = live ? qr[p] : 0;
+    }
+}
+
 /* One tile: ROWS query rows (their q as bf16 pairs in qt, [d/2][ROWS]) against keys
    0 .. end-1 of kv head h through a block table, key t visible to row r when
    t <= pos[r]. Leaves each row's unnormalised output in o [ROWS][HEAD_DIM] and its
@@ -521,14 +531,11 @@ void chunk_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
             const int64_t p0 = len - q_len + t0;                 /* position of the tile's first token */
             const int32_t *bt = block_tables + i * bt_stride;
             const uint16_t *qrow0 = q + ((query_start_loc[i] + t0) * heads + h * GROUP) * HEAD_DIM;
-            /* rows r = token * GROUP + g; rows past the tile's tokens get q = 0 and see everything */
+            /* rows past the tile's tokens see everything (their q is 0) */
             int32_t pos[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                const int tq = r / GROUP, g = r % GROUP, live = r < TILE_Q * GROUP && tq < nq;
-                pos[r] = live ? (int32_t)(p0 + tq) : (int32_t)len;
-                const uint32_t *qr = (const uint32_t *)(qrow0 + (tq * heads + g) * HEAD_DIM);
-                for (int p = 0; p < HEAD_DIM / 2; p++) qt[p * ROWS + r] = live ? qr[p] : 0;
-            }
+            for (int r = 0; r < ROWS; r++)
+                pos[r] = r < TILE_Q * GROUP && r / GROUP < nq ? (int32_t)(p0 + r / GROUP) : (int32_t)len;
+            pack_rows(qt, qrow0, nq, heads);
             float mv[ROWS], lv[ROWS];
             attend_tile(qt, pos, k_cache, v_cache, bt, p0 + nq, h, bs, row, scale, o, vt, pt, mv, lv);
             for (int r = 0; r < TILE_Q * GROUP; r++) {
@@ -563,14 +570,10 @@ void prefix_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t s0 = task / kvh * TILE_Q, h = task % kvh, ns = n - s0 < TILE_Q ? n - s0 : TILE_Q;
-            /* rows r = sequence * GROUP + g, every prefix key visible to every row */
+            /* the tile's tokens are ns sequences' decode tokens, each seeing the whole prefix */
             int32_t pos[ROWS];
-            for (int r = 0; r < ROWS; r++) {
-                const int ts = r / GROUP, g = r % GROUP, live = r < TILE_Q * GROUP && ts < ns;
-                pos[r] = (int32_t)prefix_len;
-                const uint32_t *qr = (const uint32_t *)(q + ((s0 + ts) * heads + h * GROUP + g) * HEAD_DIM);
-                for (int p = 0; p < HEAD_DIM / 2; p++) qt[p * ROWS + r] = live ? qr[p] : 0;
-            }
+            for (int r = 0; r < ROWS; r++) pos[r] = (int32_t)prefix_len;
+            pack_rows(qt, q + (s0 * heads + h * GROUP) * HEAD_DIM, ns, heads);
             float mv[ROWS], lv[ROWS];
             attend_tile(qt, pos, k_cache, v_cache, prefix_table, prefix_len, h, bs, row, scale, o, vt, pt, mv, lv);
             for (int r = 0; r < TILE_Q * GROUP && r / GROUP < ns; r++) {
