@@ -327,6 +327,8 @@ class LLMEngine:
         batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
+        elif cfg.num_kv_blocks is not None:
+            budget = None  # the block count decides; nothing to measure
         elif self.device.type == "cuda":
             # the KV cache gets what a full step's activations leave under the limit
             activations = profile_activation_bytes(model, batched, min(cfg.max_num_seqs, batched),
