@@ -467,11 +467,12 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype (the sampler takes fp32 copies where it needs them)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden).float()
+            return self.lm_head(hidden)
         if self.head_packed is not None:
-            return _packed_linear(hidden, self.head_packed, None).float()
-        return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return _packed_linear(hidden, self.head_packed, None)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
 
 # =========================================================================== loading
@@ -636,22 +637,25 @@ class Sampler:
 
     def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
+        self.argmax_backend: str | None = None  # kernels.argmax's; the runner's warmup sets it
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> list[SampleResult]:
+        """logits [rows, vocab] in the model's dtype; every step but a greedy one
+        without bias or penalties works on an fp32 copy."""
         raw = logits
         ps = [r.params for r in rows]
-        logits = self._apply_bias_and_bans(logits, rows)
-        logits = self._apply_penalties(logits, rows)
         greedy = [p.temperature == 0.0 for p in ps]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
+        if all(greedy) and not _has_bias_or_bans(rows) and not _has_penalties(ps):
+            # the common case, and a pass over memory less: argmax of the model's own logits
+            tokens = kernels.argmax(logits, self.argmax_backend)
         else:
-            tokens = self._sample(logits, rows, greedy)
+            logits = self._apply_penalties(self._apply_bias_and_bans(logits.float(), rows), rows)
+            tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
         return self._results(raw, tokens, ps)
 
     def _apply_bias_and_bans(self, logits, rows):
-        if not any(r.params.logit_bias or r.banned_token_ids for r in rows):
+        if not _has_bias_or_bans(rows):
             return logits
         logits = logits.clone()
         for i, r in enumerate(rows):
@@ -664,8 +668,7 @@ class Sampler:
 
     def _apply_penalties(self, logits, rows):
         ps = [r.params for r in rows]
-        if all(p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1
-               for p in ps):
+        if not _has_penalties(ps):
             return logits
         R, V = logits.shape
         counts = torch.zeros(R, V, dtype=logits.dtype)
@@ -732,6 +735,15 @@ class Sampler:
             top = list(zip(top_i[i, :w].tolist(), top_v[i, :w].tolist())) if w else []
             results.append(SampleResult(t, chosen[i], top))
         return results
+
+
+def _has_bias_or_bans(rows: list[SampleRequest]) -> bool:
+    return any(r.params.logit_bias or r.banned_token_ids for r in rows)
+
+
+def _has_penalties(ps: list) -> bool:
+    return any(p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+               for p in ps)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -869,6 +881,7 @@ class ModelRunner:
         torch, and says why, instead of failing its first request."""
         t0 = time.perf_counter()
         self._warmup_attention()
+        self._warmup_argmax()
         if self.compiled_elementwise:
             self._warmup_elementwise()
         return time.perf_counter() - t0 if (self._decode_kernels or self.compiled_elementwise) else 0.0
@@ -890,6 +903,17 @@ class ModelRunner:
                 log("[model] decode attention backend %r is not available here (--enforce-eager skips "
                     "the attempt): %s", backend, str(e).splitlines()[0][:300])
         self.attn_backend = None
+
+    def _warmup_argmax(self) -> None:
+        """Greedy sampling takes the C argmax where the C attention kernels were
+        meant to run (bf16 on the CPU) and it builds; else torch's."""
+        if "avx512" not in self._decode_kernels:
+            return
+        try:
+            kernels.argmax(torch.zeros(1, 16, dtype=torch.bfloat16), "avx512")
+            self.sampler.argmax_backend = "avx512"
+        except Exception as e:  # noqa: BLE001 - any build failure means: torch's argmax
+            logger.info("[model] the C argmax is not available here: %s", str(e).splitlines()[0][:300])
 
     def _warmup_elementwise(self) -> None:
         """One forward of a prompt just long enough to take the compiled ops, its
@@ -947,4 +971,4 @@ class ModelRunner:
         """Logits of every token of the step (tests compare them with transformers')."""
         input_ids, positions, meta = self.prepare(seqs)
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden).cpu()
+        return self.model.compute_logits(hidden).float().cpu()

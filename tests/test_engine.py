@@ -333,6 +333,7 @@ def test_cpu_decode_attention_is_compiled_unless_enforce_eager(model, reference)
     assert compiled.engine.runner.attn_backend == "inductor"
     eager = make_llm(model, enforce_eager=True)
     assert eager.engine.runner.attn_backend is None and eager.engine.compile_time_s == 0.0
+    assert compiled.engine.runner.sampler.argmax_backend is None  # fp32: torch's argmax
     assert token_ids(eager.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference[0]
 
 
@@ -363,6 +364,7 @@ def test_bf16_cpu_decode_runs_the_c_kernel(tiny_model):
     llm = make_llm(tiny_model, dtype="bfloat16")
     runner = llm.engine.runner
     assert runner.attn_backend == "avx512" and llm.engine.compile_time_s > 0
+    assert runner.sampler.argmax_backend == "avx512"  # greedy rows: the C argmax of bf16 logits
     prompts = [PROMPTS[0], PROMPTS[4], PROMPTS[3]]
     tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(len(prompts))]
     prefill = [SeqInput(p, 0, t, None) for p, t in zip(prompts, tables)]

@@ -11,6 +11,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import math  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -479,6 +481,52 @@ def test_c_decode_rejects_what_it_cannot_run():
     batch = make_batch(SCENARIOS["prefill"], 8, 32, 4, 2, poison=POISON["torch"])
     with pytest.raises(ValueError, match="bf16"):
         kernels.paged_attention(*batch, 1.0, backend="avx512")  # fp32 chunks
+
+
+# --------------------------------------------------------------------------- C argmax (CPU, bf16)
+
+def _c_argmax_or_skip():
+    try:
+        kernels._c_argmax_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 32000])
+def test_c_argmax_is_torchs_argmax(width):
+    """Every row's index equals torch's fp32 argmax of the same values, with its
+    rules for ties (the first), NaN (the first NaN) and rows of -inf (index 0);
+    rows may sit in a wider tensor (row stride > width)."""
+    _c_argmax_or_skip()
+    torch.manual_seed(width)
+    wide = torch.randn(12, width + 5).bfloat16()
+    x = wide[:, :width]
+    x[1] = 1.0                                   # all equal: the first
+    x[2] = -math.inf                             # all -inf: index 0
+    x[3, width // 2] = 100.0
+    x[3, -1] = 100.0                             # a tie between a lane and the ragged end
+    x[4, width // 3] = math.inf
+    x[5, -1] = math.nan                          # NaN in the ragged end
+    x[6, width // 2] = math.nan
+    x[6, -1] = math.nan                          # two NaNs: the first
+    x[7] = x[7].round()                          # many ties in a few values
+    x[8, :] = -math.inf
+    x[8, -1] = -1e30                             # the only finite value is the last
+    x[9, 0] = math.nan                           # NaN first
+    x[10] = -0.0
+    x[10, -1] = 0.0                              # -0 == +0: the first
+    got = kernels.argmax(x, "avx512")
+    assert got.dtype == torch.int64
+    assert got.tolist() == x.float().argmax(dim=-1).tolist()
+    assert kernels.argmax(x, "torch").tolist() == got.tolist()
+
+
+def test_c_argmax_rejects_what_it_cannot_run():
+    _c_argmax_or_skip()
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.argmax(torch.randn(2, 40), "avx512")
+    with pytest.raises(ValueError, match="unit stride"):
+        kernels.argmax(torch.randn(40, 2).bfloat16().t(), "avx512")
 
 
 def test_unknown_backend_is_a_clear_error():

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, hf_model
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, kernels
 from nanoserve.engine import Request
 from nanoserve.model import SampleRequest, Sampler, apply_top_k_top_p
 
@@ -177,6 +177,35 @@ def test_logit_bias_decides_greedy_and_sampled_tokens():
     banned = int(logits[0].argmax())  # a bias of -inf bans the argmax
     out = Sampler()(logits[:1].clone(), [row(SamplingParams(temperature=0, logit_bias={banned: -math.inf}))])
     assert out[0].token_id != banned
+
+
+@pytest.mark.parametrize("backend", [None, "avx512"])
+def test_bf16_logits_sample_as_their_fp32_copies(backend):
+    """The runner hands the sampler the model's bf16 logits. Plain greedy rows
+    take kernels.argmax of them (the C kernel where it builds); every other
+    step works on an fp32 copy. Either way the tokens and logprobs are those
+    of the fp32 copy."""
+    if backend == "avx512":
+        try:
+            kernels._c_argmax_library()
+        except RuntimeError as e:
+            pytest.skip(str(e))
+    V = 300
+    logits = rand_logits(4, V, seed=9).bfloat16()
+    logits[1, 7] = logits[1, 250] = 50.0  # a tie: the first index
+    sampler = Sampler()
+    sampler.argmax_backend = backend
+    cases = [[SamplingParams(temperature=0)] * 4,
+             [SamplingParams(temperature=0, logprobs=2)] * 4,
+             [SamplingParams(temperature=0, presence_penalty=1.0)] * 4,
+             [SamplingParams(temperature=0, logit_bias={3: 5.0})] * 4]
+    for params in cases:
+        rows = [row(p, output=[7, 7, 250]) for p in params]
+        got = sampler(logits, rows)
+        want = Sampler()(logits.float(), rows)
+        assert [(r.token_id, r.logprob, r.top_logprobs) for r in got] == \
+            [(r.token_id, r.logprob, r.top_logprobs) for r in want]
+    assert Sampler()(logits, [row(SamplingParams(temperature=0))] * 4)[1].token_id == 7
 
 
 def _request(params, prompt, output, eos=frozenset({0, 5})) -> Request:
