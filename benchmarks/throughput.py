@@ -61,7 +61,7 @@ def run_nanoserve(w: workloads.Workload, model: str, prefix_caching: bool, extra
                 num_out=sum(len(o.outputs[0].token_ids) for o in outs),
                 version=nanoserve.__version__, stats=llm.stats(),
                 settings=dict(attn_backend=llm.engine.runner.attn_backend,
-                              compiled_elementwise=llm.engine.runner.compiled_elementwise,
+                              elementwise=llm.engine.runner.elementwise_backend,
                               compile_s=round(llm.engine.compile_time_s, 1)))
 
 

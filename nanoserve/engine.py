@@ -360,9 +360,9 @@ class LLMEngine:
                                   cfg.enforce_eager)
         self.compile_time_s = self.runner.warmup()
         if self.compile_time_s:
-            logger.info("[engine] building the kernels (attention: %s, compiled elementwise ops: %s) "
+            logger.info("[engine] building the kernels (attention: %s, elementwise ops: %s) "
                         "took %.1f s (--enforce-eager skips it)", self.runner.attn_backend,
-                        self.runner.compiled_elementwise, self.compile_time_s)
+                        self.runner.elementwise_backend, self.compile_time_s)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

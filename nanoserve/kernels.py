@@ -1,6 +1,6 @@
 """Kernels layer: the attention kernels, in Triton and in pure torch.
 
-This module owns three functions and nothing else (no state):
+This module owns these functions and nothing else (no state):
 
 * ``store_kvcache`` writes the step's new K and V into the paged KV cache at
   ``slot_mapping`` (a slot of -1 is padding and is skipped);
@@ -10,6 +10,9 @@ This module owns three functions and nothing else (no state):
   the sequence's block table (causal inside the chunk, full over the prefix).
 * ``argmax`` is greedy sampling's argmax over each row of logits (on the CPU
   in bf16, a small C kernel; elsewhere torch's argmax).
+* ``rms_norm``, ``qk_norm_rope`` and ``silu_and_mul`` are C kernels (CPU, bf16)
+  of the decoder layer's elementwise ops; their oracle, bit for bit, is
+  model.py's eager torch code, which runs wherever they do not.
 
 The first two each have a Triton kernel and a pure-torch twin that computes the same function.
 The twin is the test oracle and the CPU execution path; the Triton kernels run
@@ -737,6 +740,225 @@ def _run_c_chunks(query, k_cache, v_cache, block_tables, seq_lens, query_start_l
     lib.chunk_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
                         table.stride(0), lens.data_ptr(), qsl.data_ptr(), out.data_ptr(), lens.shape[0],
                         num_kv_heads, block_size, float(scale), torch.get_num_threads())
+
+
+# --------------------------------------------------------------------------- C elementwise ops (CPU, bf16)
+#
+# Between the matmuls a decoder layer runs RMSNorms, Qwen3's per-head q/k norms
+# with the rotary embedding, and SiLU-and-mul. model.py writes them as eager
+# torch (rms_scale, qk_norm_rope, silu_and_mul), where each op is its own pass
+# over memory and, at decode sizes, its own ~10 us of dispatch: W1's 64-token
+# decode step spends ~0.7 ms a layer on them, ~20 ms of its ~400. These three C
+# functions do each in one pass and compute bit for bit what the eager ops do
+# (tests/test_kernels.py checks torch.equal), so outputs cannot move:
+#   * every bf16 intermediate eager torch stores is rounded here too (round_bf16);
+#   * RMSNorm's mean of squares adds in the order of ATen's CPU sum over a
+#     contiguous row (aten_row_sum), not in a faster one;
+#   * SiLU looks its value up in a table of torch's own F.silu over all 65536
+#     bf16 values, so it carries torch's exp whatever libm this is.
+
+_ELEMENTWISE_C = _C_PRELUDE + r"""
+/* fp32 -> nearest-even bf16 -> fp32, as ATen converts (a NaN becomes 0xffff) */
+static inline __m512 round_bf16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_castsi512_ps(r);
+}
+static inline void store_bf16x16(uint16_t *p, __m512 exact) {  /* exact: already a bf16 value */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(exact), 16)));
+}
+static inline __m256 square_bf16x8(const uint16_t *p) {  /* exact in fp32 */
+    const __m256 f = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    return _mm256_mul_ps(f, f);
+}
+
+/* The sum of the squares of n bf16 values in ATen's order for a contiguous row
+   (SumKernel.cpp, row_sum/multi_row_sum): 8-lane vectors into four interleaved
+   accumulators, folded every 16 rounds through a cascade of levels, the four
+   added in order, then the tail and the 8 lanes one by one. */
+static float aten_sum_of_squares(const uint16_t *x, int64_t n) {
+    const int64_t nv = n / 8, rounds = nv / 4, step = 16;  /* 16: ATen's level_step below 2^19 rounds */
+    __m256 acc[4][4];
+    for (int j = 0; j < 4; j++)
+        for (int k = 0; k < 4; k++) acc[j][k] = _mm256_setzero_ps();
+    int64_t i = 0;
+    while (i + step <= rounds) {
+        for (int64_t e = i + step; i < e; i++)
+            for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square_bf16x8(x + (4 * i + k) * 8));
+        for (int j = 1; j < 4; j++) {
+            for (int k = 0; k < 4; k++) {
+                acc[j][k] = _mm256_add_ps(acc[j][k], acc[j - 1][k]);
+                acc[j - 1][k] = _mm256_setzero_ps();
+            }
+            if (i & ((step - 1) << (4 * j))) break;
+        }
+    }
+    for (; i < rounds; i++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], square_bf16x8(x + (4 * i + k) * 8));
+    for (int j = 1; j < 4; j++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[j][k]);
+    for (int64_t v = rounds * 4; v < nv; v++) acc[0][0] = _mm256_add_ps(acc[0][0], square_bf16x8(x + v * 8));
+    __m256 sum = acc[0][0];
+    for (int k = 1; k < 4; k++) sum = _mm256_add_ps(sum, acc[0][k]);
+    float total = 0.f, lanes[8];
+    for (int64_t t = nv * 8; t < n; t++) {
+        uint32_t u = (uint32_t)x[t] << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        total += f * f;
+    }
+    _mm256_storeu_ps(lanes, sum);
+    for (int l = 0; l < 8; l++) total += lanes[l];
+    return total;
+}
+
+/* model.py's rms_scale(x, mean_square(x), w, eps) for one row of n (n % 16 == 0):
+   weight * bf16(x * 1/sqrt(mean + eps)), kept as exact bf16 values in fp32 */
+static inline void rms_norm_row(const uint16_t *x, const uint16_t *w, int64_t n, float eps, float *y) {
+    const float r = 1.f / sqrtf(aten_sum_of_squares(x, n) / (float)n + eps);
+    const __m512 vr = _mm512_set1_ps(r);
+    for (int64_t c = 0; c < n; c += 16)
+        _mm512_storeu_ps(y + c, round_bf16(_mm512_mul_ps(load_bf16x16(w + c),
+                                                         round_bf16(_mm512_mul_ps(load_bf16x16(x + c), vr)))));
+}
+
+/* x [rows, n] (row stride ld) -> out [rows, n] contiguous */
+void rms_norm(const uint16_t *x, int64_t ld, const uint16_t *w, uint16_t *out, int64_t rows, int64_t n,
+              float eps, int nthreads) {
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *y = aligned_alloc(64, n * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) {
+            rms_norm_row(x + t * ld, w, n, eps, y);
+            for (int64_t c = 0; c < n; c += 16) store_bf16x16(out + t * n + c, _mm512_loadu_ps(y + c));
+        }
+        free(y);
+    }
+}
+
+/* model.py's qk_norm_rope for q [rows, hq, d] and k [rows, hk, d] (row strides
+   ldq, ldk; heads contiguous) into contiguous outputs: each head's RMSNorm (if
+   qw), then neox rope: out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)),
+   cos and sin rounded to bf16 first, as eager torch does. */
+void qk_norm_rope(const uint16_t *q, int64_t ldq, const uint16_t *k, int64_t ldk, uint16_t *q_out,
+                  uint16_t *k_out, int64_t rows, int64_t hq, int64_t hk, int64_t d, const int64_t *positions,
+                  const float *cos_cache, const float *sin_cache, const uint16_t *qw, const uint16_t *kw,
+                  float eps, int nthreads) {
+    const int64_t half = d / 2;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        float *y = aligned_alloc(64, 3 * d * sizeof(float)), *cs = y + d, *sn = y + 2 * d;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < rows; t++) {
+            for (int64_t c = 0; c < d; c += 16) {  /* this position's cos and sin, as bf16 */
+                _mm512_storeu_ps(cs + c, round_bf16(_mm512_loadu_ps(cos_cache + positions[t] * d + c)));
+                _mm512_storeu_ps(sn + c, round_bf16(_mm512_loadu_ps(sin_cache + positions[t] * d + c)));
+            }
+            for (int64_t h = 0; h < hq + hk; h++) {
+                const int is_q = h < hq;
+                const uint16_t *x = is_q ? q + t * ldq + h * d : k + t * ldk + (h - hq) * d;
+                const uint16_t *w = is_q ? qw : kw;
+                uint16_t *o = is_q ? q_out + (t * hq + h) * d : k_out + (t * hk + h - hq) * d;
+                if (w != NULL) rms_norm_row(x, w, d, eps, y);
+                else for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(y + c, load_bf16x16(x + c));
+                for (int64_t c = 0; c < d; c += 16) {
+                    const __m512 v = _mm512_loadu_ps(y + c);
+                    const __m512 rot = c < half ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(y + c + half))
+                                                : _mm512_loadu_ps(y + c - half);
+                    const __m512 a = round_bf16(_mm512_mul_ps(v, _mm512_loadu_ps(cs + c)));
+                    const __m512 b = round_bf16(_mm512_mul_ps(rot, _mm512_loadu_ps(sn + c)));
+                    store_bf16x16(o + c, round_bf16(_mm512_add_ps(a, b)));
+                }
+            }
+        }
+        free(y);
+    }
+}
+
+/* model.py's silu_and_mul: gate_up [rows, 2n] -> bf16(silu(gate) * up) [rows, n];
+   silu_table[bits] is the fp32 value of torch's bf16 F.silu of those bf16 bits */
+void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t n, const float *silu_table,
+                  int nthreads) {
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *g = gate_up + t * 2 * n, *u = g + n;
+        for (int64_t c = 0; c < n; c += 16) {
+            const __m512i bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + c)));
+            const __m512 s = _mm512_i32gather_ps(bits, silu_table, 4);
+            store_bf16x16(out + t * n + c, round_bf16(_mm512_mul_ps(s, load_bf16x16(u + c))));
+        }
+    }
+}
+"""
+
+
+@functools.cache
+def _c_elementwise_library():
+    lib = _build_c_library("elementwise", _ELEMENTWISE_C, [])
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.rms_norm.argtypes = [p, i64, p, p, i64, i64, f32, i32]
+    lib.qk_norm_rope.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, i64, p, p, p, p, p, f32, i32]
+    lib.silu_and_mul.argtypes = [p, p, i64, i64, p, i32]
+    lib.rms_norm.restype = lib.qk_norm_rope.restype = lib.silu_and_mul.restype = None
+    return lib
+
+
+@functools.cache
+def _silu_table() -> torch.Tensor:
+    """fp32 [65536]: torch's bf16 F.silu of every bf16 bit pattern, by index."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return F.silu(bits).float()
+
+
+def _rows_ok(t: torch.Tensor, n: int) -> bool:
+    """bf16, unit stride within a row of n (a multiple of 16), any row stride."""
+    return t.dtype == torch.bfloat16 and t.stride(-1) == 1 and n % 16 == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """model.py's rms_scale(x, mean_square(x), weight, eps) for x [rows, n], in C."""
+    rows, n = x.shape
+    if not (_rows_ok(x, n) and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+        raise ValueError("the C rms_norm takes bf16 [rows, n] rows with n % 16 == 0")
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    _c_elementwise_library().rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
+                                      eps, torch.get_num_threads())
+    return out
+
+
+def qk_norm_rope(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps: float):
+    """model.py's qk_norm_rope (with mean_square of q and k when the weights are
+    given) for q [rows, hq, d], k [rows, hk, d] whose heads are contiguous, in C."""
+    rows, hq, d = q.shape
+    hk = k.shape[1]
+    if not (_rows_ok(q, d) and _rows_ok(k, d) and q.stride(1) == d and k.stride(1) == d
+            and cos_cache.dtype == torch.float32 and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+        raise ValueError("the C qk_norm_rope takes bf16 q, k with contiguous heads, head_dim % 16 == 0, "
+                         "and fp32 cos/sin tables")
+    q_out = torch.empty(rows, hq, d, dtype=torch.bfloat16)
+    k_out = torch.empty(rows, hk, d, dtype=torch.bfloat16)
+    pos = positions.to(torch.int64).contiguous()
+    qw = q_weight.data_ptr() if q_weight is not None else None
+    kw = k_weight.data_ptr() if k_weight is not None else None
+    _c_elementwise_library().qk_norm_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(),
+                                          k_out.data_ptr(), rows, hq, hk, d, pos.data_ptr(), cos_cache.data_ptr(),
+                                          sin_cache.data_ptr(), qw, kw, eps, torch.get_num_threads())
+    return q_out, k_out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """model.py's silu_and_mul for gate_up [rows, 2n] contiguous, in C."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    if not (_rows_ok(gate_up, n) and gate_up.is_contiguous()):
+        raise ValueError("the C silu_and_mul takes contiguous bf16 [rows, 2n] with n % 16 == 0")
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    _c_elementwise_library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _silu_table().data_ptr(),
+                                          torch.get_num_threads())
+    return out
 
 
 # --------------------------------------------------------------------------- C argmax (CPU, bf16)

@@ -180,9 +180,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelC
 # =========================================================================== layers
 
 # The pointwise work between the matmuls, written as plain functions so that
-# set_elementwise_ops() can give the layers inductor-compiled copies of them.
-# RMSNorm is split in two: mean_square (a reduction, always eager) and
-# rms_scale (pointwise, compiled).
+# set_elementwise_ops() can give the layers other copies of them: inductor-
+# compiled ones, or kernels.py's C ones. RMSNorm is split in two: mean_square
+# (a reduction, always eager where the ops are compiled) and rms_scale (pointwise).
 
 def mean_square(x: torch.Tensor) -> torch.Tensor:
     """RMSNorm's fp32 mean of squares, always eager (compiled_elementwise_ops says why)."""
@@ -194,7 +194,7 @@ def rms_scale(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: floa
     return weight * (x.float() * torch.rsqrt(ms + eps)).to(x.dtype)
 
 
-def qk_norm_rope(q, k, q_ms, k_ms, positions, cos_cache, sin_cache, q_weight, k_weight, eps: float):
+def qk_scale_rope(q, k, q_ms, k_ms, positions, cos_cache, sin_cache, q_weight, k_weight, eps: float):
     """Qwen3's per-head RMSNorm of q and k (when the weights are given, with their
     mean_square q_ms, k_ms), then the neox-style rotary embedding (rotate halves)
     at each token's position."""
@@ -217,13 +217,29 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ElementwiseOps:
-    """The three elementwise functions every decoder layer calls."""
-    rms_scale: Any
+    """The three elementwise functions every decoder layer calls:
+    rms_norm(x, weight, eps), qk_norm_rope(q, k, positions, cos_cache, sin_cache,
+    q_weight, k_weight, eps) -> (q, k), silu_and_mul(gate_up)."""
+    rms_norm: Any
     qk_norm_rope: Any
     silu_and_mul: Any
 
 
-EAGER_OPS = ElementwiseOps(rms_scale, qk_norm_rope, silu_and_mul)
+def with_mean_squares(rms_scale_fn, qk_scale_rope_fn, silu_and_mul_fn) -> ElementwiseOps:
+    """The layers' ops from bodies that take the mean squares, computed here eagerly."""
+    def rms_norm(x, weight, eps):
+        return rms_scale_fn(x, mean_square(x), weight, eps)
+
+    def qk_norm_rope(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps):
+        q_ms, k_ms = (mean_square(q), mean_square(k)) if q_weight is not None else (None, None)
+        return qk_scale_rope_fn(q, k, q_ms, k_ms, positions, cos_cache, sin_cache, q_weight, k_weight, eps)
+    return ElementwiseOps(rms_norm, qk_norm_rope, silu_and_mul_fn)
+
+
+EAGER_OPS = with_mean_squares(rms_scale, qk_scale_rope, silu_and_mul)
+# bf16 on a CPU with AVX-512: one C pass per op, bit for bit eager's (kernels.py
+# says how; W1's 64-token decode step, one layer: ~0.7 -> ~0.2 ms)
+C_OPS = ElementwiseOps(kernels.rms_norm, kernels.qk_norm_rope, kernels.silu_and_mul)
 
 
 @functools.cache
@@ -238,8 +254,8 @@ def compiled_elementwise_ops() -> ElementwiseOps:
     eager, outside: inductor sums the squares in another order than ATen, and
     compiled whole RMSNorm changed ~5 outputs per million by one bf16 step and
     W1's greedy tokens with them (50.7 s, but not the same outputs)."""
-    return ElementwiseOps(_compile_rows(rms_scale, 2), _compile_rows(qk_norm_rope, 5),
-                          _compile_rows(silu_and_mul, 1))
+    return with_mean_squares(_compile_rows(rms_scale, 2), _compile_rows(qk_scale_rope, 5),
+                             _compile_rows(silu_and_mul, 1))
 
 
 # Below this many tokens a compiled call's fixed cost (guards, ~25 us) is more
@@ -281,10 +297,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
-        self.ops = EAGER_OPS  # set_elementwise_ops may swap in compiled ones
+        self.ops = EAGER_OPS  # set_elementwise_ops may swap in others
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_scale(x, mean_square(x), self.weight, self.eps)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -333,9 +349,9 @@ def pack_linear_weights(model: "CausalLM", batch_hint: int = 64) -> int:
 
 
 def set_elementwise_ops(model: "CausalLM", ops: ElementwiseOps) -> None:
-    """Give every layer these elementwise ops: compiled_elementwise_ops() (they
-    compile on first use, which ModelRunner.warmup makes happen before any
-    request) or EAGER_OPS."""
+    """Give every layer these elementwise ops: C_OPS, compiled_elementwise_ops()
+    (they compile on first use, which ModelRunner.warmup makes happen before
+    any request) or EAGER_OPS."""
     for m in model.modules():
         if isinstance(m, (RMSNorm, Attention, MLP)):
             m.ops = ops
@@ -394,7 +410,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim ** -0.5
         self.eps = cfg.rms_norm_eps
-        self.ops = EAGER_OPS  # set_elementwise_ops may swap in compiled ones
+        self.ops = EAGER_OPS  # set_elementwise_ops may swap in others
 
     def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -403,10 +419,8 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q_ms = k_ms = q_w = k_w = None
-        if self.q_norm is not None:
-            q_ms, k_ms, q_w, k_w = mean_square(q), mean_square(k), self.q_norm.weight, self.k_norm.weight
-        q, k = self.ops.qk_norm_rope(q, k, q_ms, k_ms, positions, rope.cos, rope.sin, q_w, k_w, self.eps)
+        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        q, k = self.ops.qk_norm_rope(q, k, positions, rope.cos, rope.sin, q_w, k_w, self.eps)
         k_cache, v_cache = kv_cache
         kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, meta.backend)
         o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
@@ -419,7 +433,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.ops = EAGER_OPS  # set_elementwise_ops may swap in compiled ones
+        self.ops = EAGER_OPS  # set_elementwise_ops may swap in others
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
@@ -779,6 +793,26 @@ class SeqInput:
     sample: SampleRequest | None  # None: a prefill chunk that samples nothing
 
 
+def _check_same_as_eager(ops: ElementwiseOps, model: CausalLM) -> None:
+    """Raise unless ``ops`` compute EAGER_OPS' results bit for bit on random
+    inputs of this model's shapes (q and k as views of one projection, as the
+    layers pass them)."""
+    cfg, gen = model.config, torch.Generator().manual_seed(0)
+    T, hq, hk, d = 37, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 3).bfloat16()  # noqa: E731
+    x, w, gate_up = rand(T, cfg.hidden_size), rand(cfg.hidden_size), rand(T, 2 * cfg.intermediate_size)
+    qkv, qw, kw = rand(T, (hq + 2 * hk) * d), rand(d), rand(d)
+    q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    positions = torch.randint(0, model.rope.cos.shape[0], (T,), generator=gen)
+    rope = (positions, model.rope.cos, model.rope.sin)
+    pairs = [(ops.rms_norm(x, w, 1e-6), EAGER_OPS.rms_norm(x, w, 1e-6)),
+             (ops.silu_and_mul(gate_up), EAGER_OPS.silu_and_mul(gate_up))]
+    for weights in ((qw, kw), (None, None)):
+        pairs += zip(ops.qk_norm_rope(q, k, *rope, *weights, 1e-6), EAGER_OPS.qk_norm_rope(q, k, *rope, *weights, 1e-6))
+    if not all(torch.equal(a, b) for a, b in pairs):
+        raise RuntimeError("their results differ from eager torch's on this machine")
+
+
 def dummy_prompt(cfg: ModelConfig, num_tokens: int, block_size: int, device: torch.device,
                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A throwaway prompt of ``num_tokens`` tokens for warm-up and profiling: its KV
@@ -865,13 +899,15 @@ class ModelRunner:
             self.attn_backend = self._decode_kernels[0]
         if can_pack_linear_weights(dtype, device):
             logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
-        # bf16 on the CPU: the norms, rope and SiLU as inductor-fused loops rather
-        # than one eager pass per op (compiled_elementwise_ops: W1 57.5 -> 52.4 s).
-        # fp32, the tests' oracle dtype, stays eager (there inductor's exp, in SiLU,
-        # differs from ATen's in the last bit).
-        self.compiled_elementwise = device.type == "cpu" and dtype == torch.bfloat16 and not enforce_eager
-        if self.compiled_elementwise:
-            set_elementwise_ops(model, compiled_elementwise_ops())
+        # bf16 on the CPU: the norms, rope and SiLU as one C pass each where they
+        # build and match eager bit for bit (C_OPS), else as inductor-fused loops
+        # (compiled_elementwise_ops: W1 57.5 -> 52.4 s), rather than one eager
+        # pass per op. fp32, the tests' oracle dtype, stays eager (there
+        # inductor's exp, in SiLU, differs from ATen's in the last bit).
+        self._elementwise_kernels: list[str] = []
+        if device.type == "cpu" and dtype == torch.bfloat16 and not enforce_eager:
+            self._elementwise_kernels = ["avx512", "inductor"]
+        self.elementwise_backend: str | None = None  # warmup() settles it; None = eager
 
     def warmup(self) -> float:
         """Build what the first step would build (the C kernels, or inductor's
@@ -882,9 +918,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         self._warmup_attention()
         self._warmup_argmax()
-        if self.compiled_elementwise:
-            self._warmup_elementwise()
-        return time.perf_counter() - t0 if (self._decode_kernels or self.compiled_elementwise) else 0.0
+        self._warmup_elementwise()
+        return time.perf_counter() - t0 if (self._decode_kernels or self._elementwise_kernels) else 0.0
 
     def _warmup_attention(self) -> None:
         k_cache, v_cache = self.kv_caches[0]
@@ -916,19 +951,29 @@ class ModelRunner:
             logger.info("[model] the C argmax is not available here: %s", str(e).splitlines()[0][:300])
 
     def _warmup_elementwise(self) -> None:
-        """One forward of a prompt just long enough to take the compiled ops, its
-        KV slots -1 (written nowhere) and its block table all block 0 (read only),
-        so that they compile now; if they cannot (no C++ compiler for inductor),
-        the layers go back to eager ops."""
-        try:
-            with torch.inference_mode():
-                self.model(*dummy_prompt(self.model.config, COMPILED_ELEMENTWISE_MIN_ROWS, self.block_size,
-                                         self.device, self.attn_backend), self.kv_caches)
-        except Exception as e:  # noqa: BLE001 - any compile failure means: run eager
-            logger.warning("[model] the compiled elementwise ops are not available here, running "
-                           "them eager (--enforce-eager skips the attempt): %s", str(e).splitlines()[0][:300])
-            set_elementwise_ops(self.model, EAGER_OPS)
-            self.compiled_elementwise = False
+        """The first of _elementwise_kernels that works here: the C ops if they
+        build and give eager's results bit for bit on this model's shapes (they
+        copy ATen's summation order, which a future torch might change), else
+        inductor's, compiled now by one forward of a prompt just long enough to
+        take them (its KV slots -1, written nowhere; its block table all block 0,
+        read only); else the layers keep eager ops, and the runner says why."""
+        for backend in self._elementwise_kernels:
+            try:
+                with torch.inference_mode():
+                    if backend == "avx512":
+                        _check_same_as_eager(C_OPS, self.model)
+                        set_elementwise_ops(self.model, C_OPS)
+                    else:
+                        set_elementwise_ops(self.model, compiled_elementwise_ops())
+                        self.model(*dummy_prompt(self.model.config, COMPILED_ELEMENTWISE_MIN_ROWS,
+                                                 self.block_size, self.device, self.attn_backend), self.kv_caches)
+                self.elementwise_backend = backend
+                return
+            except Exception as e:  # noqa: BLE001 - any build failure means: try the next one
+                set_elementwise_ops(self.model, EAGER_OPS)
+                log = logger.info if backend == "avx512" else logger.warning
+                log("[model] elementwise ops %r are not available here (--enforce-eager skips the attempt): %s",
+                    backend, str(e).splitlines()[0][:300])
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with

@@ -395,25 +395,47 @@ def _elementwise_layers(llm: LLM) -> list:
     return [m for m in llm.engine.runner.model.modules() if isinstance(m, (RMSNorm, Attention, MLP))]
 
 
-def test_bf16_cpu_elementwise_ops_are_compiled_unless_enforce_eager(tiny_model):
-    """bf16 on the CPU: the norms, rope and SiLU of every layer are the compiled
-    ops. On a 300-token step (compiled) the logits are eager's bit for bit, the
-    attention backend being the same for both."""
-    from nanoserve import model as model_layer
-    from nanoserve.model import EAGER_OPS, SeqInput
-    compiled = make_llm(tiny_model, dtype="bfloat16")
-    eager = make_llm(tiny_model, dtype="bfloat16", enforce_eager=True)
-    assert compiled.engine.runner.compiled_elementwise and compiled.engine.compile_time_s > 0
-    assert all(m.ops is model_layer.compiled_elementwise_ops() for m in _elementwise_layers(compiled))
-    assert not eager.engine.runner.compiled_elementwise
-    assert all(m.ops is EAGER_OPS for m in _elementwise_layers(eager))
+def _same_logits_as_eager(llm: LLM, eager: LLM) -> None:
+    """A 300-token step (inductor's ops take it) and a 3-token decode step: the
+    logits are eager's bit for bit, the attention backend being the same."""
+    from nanoserve.model import SeqInput
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (100,), generator=gen).tolist() for _ in range(3)]
-    step = [SeqInput(p, 0, list(range(1 + 8 * i, 9 + 8 * i)), None) for i, p in enumerate(prompts)]
-    compiled.engine.runner.attn_backend = None  # eager's SDPA: only the elementwise ops differ
-    a, b = compiled.engine.runner.logits(step), eager.engine.runner.logits(step)
-    assert a.shape == (300, VOCAB) and torch.isfinite(a).all()
-    assert torch.equal(a, b)
+    tables = [list(range(1 + 8 * i, 9 + 8 * i)) for i in range(3)]
+    llm.engine.runner.attn_backend = None  # eager's SDPA: only the elementwise ops differ
+    for step in ([SeqInput(p, 0, t, None) for p, t in zip(prompts, tables)],
+                 [SeqInput([5 + i], 100, t, None) for i, t in enumerate(tables)]):
+        a, b = llm.engine.runner.logits(step), eager.engine.runner.logits(step)
+        assert a.shape == (sum(len(s.token_ids) for s in step), VOCAB) and torch.isfinite(a).all()
+        assert torch.equal(a, b)
+
+
+def test_bf16_cpu_elementwise_ops_are_c_or_compiled_unless_enforce_eager(tiny_model, monkeypatch):
+    """bf16 on the CPU: the norms, rope and SiLU of every layer are the C ops
+    where they build (an AVX-512 CPU), else inductor's compiled ones; either
+    way the logits are eager's bit for bit."""
+    from nanoserve import kernels
+    from nanoserve import model as model_layer
+    from nanoserve.model import C_OPS, EAGER_OPS
+    eager = make_llm(tiny_model, dtype="bfloat16", enforce_eager=True)
+    assert eager.engine.runner.elementwise_backend is None
+    assert all(m.ops is EAGER_OPS for m in _elementwise_layers(eager))
+    try:
+        kernels._c_elementwise_library()
+        c_ops = make_llm(tiny_model, dtype="bfloat16")
+        assert c_ops.engine.runner.elementwise_backend == "avx512"
+        assert all(m.ops is C_OPS for m in _elementwise_layers(c_ops))
+        _same_logits_as_eager(c_ops, eager)
+    except RuntimeError:  # no AVX-512 here: the compiled ops below are what runs
+        pass
+
+    def no_c(ops, model):
+        raise RuntimeError("their results differ from eager torch's on this machine")
+    monkeypatch.setattr(model_layer, "_check_same_as_eager", no_c)
+    compiled = make_llm(tiny_model, dtype="bfloat16")
+    assert compiled.engine.runner.elementwise_backend == "inductor" and compiled.engine.compile_time_s > 0
+    assert all(m.ops is model_layer.compiled_elementwise_ops() for m in _elementwise_layers(compiled))
+    _same_logits_as_eager(compiled, eager)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -424,7 +446,7 @@ def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
     in fp32 inductor's exp (SiLU) differs in the last bit."""
     from torch._dynamo.utils import counters
     from nanoserve.model import COMPILED_ELEMENTWISE_MIN_ROWS as MIN_ROWS, RotaryEmbedding
-    from nanoserve.model import _compile_rows, mean_square, qk_norm_rope, rms_scale, silu_and_mul
+    from nanoserve.model import _compile_rows, mean_square, qk_scale_rope, rms_scale, silu_and_mul
 
     def same(a, b):
         assert torch.equal(a, b) if dtype == torch.bfloat16 else torch.testing.assert_close(a, b) is None
@@ -445,10 +467,10 @@ def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
     q, k = qkv[:, :128].view(T, 4, 32), qkv[:, 128:192].view(T, 2, 32)
     positions = torch.randint(0, 512, (T,), generator=gen)
     qw, kw = (torch.randn(32, generator=gen).to(dtype) for _ in range(2))
-    fused = _compile_rows(qk_norm_rope, 5)
+    fused = _compile_rows(qk_scale_rope, 5)
     for norms in ((None, None, None, None), (mean_square(q), mean_square(k), qw, kw)):
         args = (q, k, *norms[:2], positions, rope.cos, rope.sin, *norms[2:], 1e-6)
-        for got, want in zip(fused(*args), qk_norm_rope(*args)):
+        for got, want in zip(fused(*args), qk_scale_rope(*args)):
             same(got, want)
     x = torch.randn(T, 64, generator=gen).to(dtype)
     w = torch.randn(64, generator=gen).to(dtype)
@@ -456,20 +478,22 @@ def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
 
 
 def test_a_failing_elementwise_compile_falls_back_to_eager(tiny_model, monkeypatch, caplog):
-    """No C++ compiler for inductor (say): the layers keep eager ops and the
-    engine says why, instead of failing its first long prompt."""
+    """No C compiler (say): neither the C ops nor inductor's build, the layers
+    keep eager ops and the engine says why, instead of failing its first prompt."""
     from nanoserve import model as model_layer
     from nanoserve.model import EAGER_OPS
 
     def broken(*args):
         raise RuntimeError("InductorError: no working C++ compiler found")
+    monkeypatch.setattr(model_layer, "_check_same_as_eager", broken)
     monkeypatch.setattr(model_layer, "compiled_elementwise_ops",
                         lambda: model_layer.ElementwiseOps(broken, broken, broken))
-    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
         llm = make_llm(tiny_model, dtype="bfloat16")
-    assert not llm.engine.runner.compiled_elementwise
+    assert llm.engine.runner.elementwise_backend is None
     assert all(m.ops is EAGER_OPS for m in _elementwise_layers(llm))
-    assert "compiled elementwise ops are not available" in caplog.text and "C++ compiler" in caplog.text
+    assert "elementwise ops 'avx512' are not available" in caplog.text
+    assert "elementwise ops 'inductor' are not available" in caplog.text and "C++ compiler" in caplog.text
     outs = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     assert all(len(t) == 16 for t in token_ids(outs))
 

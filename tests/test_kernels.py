@@ -483,6 +483,79 @@ def test_c_decode_rejects_what_it_cannot_run():
         kernels.paged_attention(*batch, 1.0, backend="avx512")  # fp32 chunks
 
 
+# --------------------------------------------------------------------------- C elementwise ops (CPU, bf16)
+# Their oracle is model.py's eager torch, bit for bit (torch.equal): RMSNorm's
+# mean of squares must add in ATen's order, every bf16 intermediate must round
+# where torch rounds, SiLU must carry torch's exp.
+
+def _c_elementwise_or_skip():
+    try:
+        kernels._c_elementwise_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+def _rand_bf16(gen, *shape, scale=3.0):
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+
+@pytest.mark.parametrize("rows, n", [(1, 64), (5, 128), (37, 512), (3, 896), (9, 1024), (4, 4096)])
+def test_c_rms_norm_is_eagers(rows, n):
+    """Row lengths up to 4096 take every branch of ATen's summation cascade (16
+    rounds of 4 x 8 lanes fold into the next level); x may be a strided view."""
+    from nanoserve.model import mean_square, rms_scale
+    _c_elementwise_or_skip()
+    gen = torch.Generator().manual_seed(n)
+    wide, w = _rand_bf16(gen, rows, n + 32), _rand_bf16(gen, n)
+    x = wide[:, 16:16 + n]
+    x[0, : n // 2] = 0.0
+    assert torch.equal(kernels.rms_norm(x, w, 1e-6), rms_scale(x, mean_square(x), w, 1e-6))
+
+
+@pytest.mark.parametrize("hq, hk, d", [(4, 2, 32), (8, 4, 64), (16, 8, 128), (14, 2, 64)])
+@pytest.mark.parametrize("norms", [True, False], ids=["qk-norm", "rope-only"])
+def test_c_qk_norm_rope_is_eagers(hq, hk, d, norms):
+    """q and k as views of one qkv projection, as the attention layer passes them."""
+    from nanoserve.model import RotaryEmbedding, mean_square, qk_scale_rope
+    _c_elementwise_or_skip()
+    gen = torch.Generator().manual_seed(hq * d)
+    T = 29
+    qkv = _rand_bf16(gen, T, (hq + 2 * hk) * d)
+    q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    rope = RotaryEmbedding(d, 4096, 1e6, None)
+    positions = torch.randint(0, 4096, (T,), generator=gen)
+    qw, kw = (_rand_bf16(gen, d), _rand_bf16(gen, d)) if norms else (None, None)
+    ms = (mean_square(q), mean_square(k)) if norms else (None, None)
+    want = qk_scale_rope(q, k, *ms, positions, rope.cos, rope.sin, qw, kw, 1e-6)
+    got = kernels.qk_norm_rope(q, k, positions, rope.cos, rope.sin, qw, kw, 1e-6)
+    assert got[0].shape == (T, hq, d) and got[1].shape == (T, hk, d)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_c_silu_and_mul_is_eagers():
+    """Every bf16 gate value (all 65536 bit patterns but NaNs) times random up
+    values; bit patterns compared, as silu(-inf) is NaN."""
+    from nanoserve.model import silu_and_mul
+    _c_elementwise_or_skip()
+    gen = torch.Generator().manual_seed(1)
+    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(256, 256)
+    gate = torch.where(gate.isnan(), torch.zeros((), dtype=torch.bfloat16), gate)
+    gate_up = torch.cat([gate, _rand_bf16(gen, 256, 256)], dim=1)
+    assert torch.equal(kernels.silu_and_mul(gate_up).view(torch.int16), silu_and_mul(gate_up).view(torch.int16))
+
+
+def test_c_elementwise_ops_reject_what_they_cannot_run():
+    _c_elementwise_or_skip()
+    with pytest.raises(ValueError, match="n % 16 == 0"):
+        kernels.rms_norm(torch.randn(2, 40).bfloat16(), torch.randn(40).bfloat16(), 1e-6)
+    with pytest.raises(ValueError, match="n % 16 == 0"):
+        kernels.silu_and_mul(torch.randn(2, 64))  # fp32
+    q = torch.randn(3, 2, 32)
+    with pytest.raises(ValueError, match="bf16 q, k"):
+        kernels.qk_norm_rope(q, q, torch.zeros(3, dtype=torch.long), torch.ones(8, 32), torch.ones(8, 32),
+                             None, None, 1e-6)
+
+
 # --------------------------------------------------------------------------- C argmax (CPU, bf16)
 
 def _c_argmax_or_skip():
