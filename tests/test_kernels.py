@@ -471,6 +471,28 @@ def test_c_decode_heads_per_task():
     assert kernels._heads_per_task(2, 6, 2) == 3    # only divisors of the kv heads
 
 
+def test_c_softmax_exp_is_libms_expf():
+    """decode_attention's vectorised exp reproduces glibc's expf bit for bit (the
+    softmax called expf once per score before): random scores of every scale,
+    and the edges (0, the overflow and underflow limits, infinities, NaN).
+    All 2^32 inputs were checked once on glibc 2.36 (benchmarks/RESULTS.md)."""
+    import ctypes
+    import ctypes.util
+    _c_kernel_or_skip()
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.cat([-torch.rand(4000, generator=gen) * 10 ** torch.randint(-8, 3, (4000,), generator=gen),
+                   torch.randn(1000, generator=gen) * 30,
+                   torch.tensor([0.0, -0.0, 88.0, 88.72, 89.0, -87.3, -103.0, -103.97, -104.0, -150.0,
+                                 1e-30, -1e-45, math.inf, -math.inf, math.nan])])
+    got = torch.empty_like(x)
+    kernels._c_attention_library(2, 64).expf_glibc(x.data_ptr(), got.data_ptr(), x.numel())
+    want = torch.tensor([libm.expf(v) for v in x.tolist()])
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+    assert same.all(), x[~same][:5].tolist()
+
+
 def test_c_decode_rejects_what_it_cannot_run():
     with pytest.raises(RuntimeError, match="head_dim % 32 == 0"):
         kernels._c_attention_library(2, 48)
