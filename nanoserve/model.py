@@ -929,6 +929,8 @@ class ModelRunner:
         for backend in self._decode_kernels:
             try:
                 with torch.inference_mode():  # reads block 0 of layer 0, writes nothing
+                    kv = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=k_cache.dtype, device=self.device)
+                    kernels.store_kvcache(kv, kv, k_cache, v_cache, -one.long(), backend)  # slot -1: skipped
                     kernels.paged_attention(query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
                                             one, torch.tensor([0, 1], dtype=torch.int32), 1.0, backend)
                 self.attn_backend = backend

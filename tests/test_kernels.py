@@ -471,6 +471,29 @@ def test_c_decode_heads_per_task():
     assert kernels._heads_per_task(2, 6, 2) == 3    # only divisors of the kv heads
 
 
+def test_c_store_kvcache_is_the_twins():
+    """The C store writes what store_kvcache_torch writes, skips slots of -1, and
+    takes value as a strided view of the qkv projection, as the layer passes it."""
+    _c_elementwise_or_skip()
+    gen = torch.Generator().manual_seed(4)
+    T, kvh, d = 11, 2, 32
+    qkv = torch.randn(T, (4 + 2 * kvh) * d, generator=gen).bfloat16()
+    key = torch.randn(T, kvh, d, generator=gen).bfloat16()
+    value = qkv[:, (4 + kvh) * d:].view(T, kvh, d)
+    slots = torch.randperm(6 * 8, generator=gen)[:T]
+    slots[[2, 7]] = -1
+    caches = [torch.randn(6, 8, kvh, d, generator=gen).bfloat16() for _ in range(2)]
+    want = [c.clone() for c in caches]
+    kernels.store_kvcache(key, value, *caches, slots, backend="avx512")
+    kernels.store_kvcache_torch(key, value, *want, slots)
+    assert torch.equal(caches[0], want[0]) and torch.equal(caches[1], want[1])
+    with pytest.raises(ValueError, match="bf16"):
+        kernels.store_kvcache(key.float(), value.float(), *[c.float() for c in caches], slots, backend="avx512")
+    slots[0] = 6 * 8  # one past the end: an error, as the twin's index_copy_ raises, not a write
+    with pytest.raises(IndexError, match="outside the cache"):
+        kernels.store_kvcache(key, value, *caches, slots, backend="avx512")
+
+
 def test_c_softmax_exp_is_libms_expf():
     """decode_attention's vectorised exp reproduces glibc's expf bit for bit (the
     softmax called expf once per score before): random scores of every scale,
