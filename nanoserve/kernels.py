@@ -19,9 +19,9 @@ The twin is the test oracle and the CPU execution path; the Triton kernels run
 on CUDA tensors (and on the CPU under ``TRITON_INTERPRET=1`` in the tests).
 ``backend=None`` is the one dispatch point: Triton for CUDA tensors, torch else.
 ``backend="inductor"`` is the torch twin with its decode attention compiled by
-``torch.compile``; ``backend="avx512"`` runs decodes and prefill chunks through
-small C kernels (bf16, a CPU with AVX-512 BF16; cascade attention for decodes that share a
-prefix), built on first use. On the CPU the engine takes
+``torch.compile``; ``backend="avx512"`` runs decodes, prefill chunks and the KV
+writes through small C kernels (bf16, a CPU with AVX-512 BF16; cascade attention for decodes that
+share a prefix), built on first use. On the CPU the engine takes
 the C kernel where it builds, else the compiled twin; ``enforce_eager`` turns both off.
 
 Shapes (vLLM's names):
