@@ -1293,6 +1293,17 @@ def configure_logging(level: str) -> None:
     root.setLevel(logging.WARNING)  # other libraries stay quiet
     for name in ("nanoserve", "uvicorn"):
         logging.getLogger(name).setLevel(level.upper())
+    logging.getLogger("uvicorn.error").addFilter(_forced_exit_in_one_line)
+
+
+def _forced_exit_in_one_line(record: logging.LogRecord) -> bool:
+    """A second Ctrl-C makes uvicorn cancel the app's lifespan mid-shutdown, and
+    starlette hands it the CancelledError's traceback to log: say it in one line."""
+    message = record.getMessage()
+    if message.startswith("Traceback") and message.rstrip().endswith("CancelledError"):
+        record.msg, record.args = "[entry] forced exit: a second signal cut the shutdown short", ()
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+    return True
 
 
 class _Server(uvicorn.Server):

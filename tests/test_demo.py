@@ -52,8 +52,7 @@ def test_demo_model_is_small_and_transformers_greedy_equals_nanoserve():
         assert got.outputs[0].text.strip()  # recognisable text, not nothing
 
 
-@pytest.fixture(scope="module")
-def demo_server():
+def _start_demo_server() -> tuple[subprocess.Popen, int]:
     """The README's server command as written (minus the set-up already done
     here), with no --model: the demo model. Only the port is chosen, to stay free."""
     command = readme_bash_blocks()[0].strip().split("&&")[-1].split()
@@ -67,14 +66,31 @@ def demo_server():
         assert proc.poll() is None, proc.stdout.read()
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
+                return proc, port
         except httpx.HTTPError:
             pass
         assert time.monotonic() < deadline, "demo server did not start"
         time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def demo_server():
+    proc, port = _start_demo_server()
     yield port
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
+
+
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
+    """Ctrl-C twice: uvicorn cuts the graceful shutdown short, and the log says
+    so in one line instead of the cancelled lifespan's traceback."""
+    proc, _ = _start_demo_server()
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out and "[entry] shut down" in out
 
 
 def test_no_arguments_streams_from_the_demo_model(demo_server):
