@@ -302,6 +302,12 @@ static inline __m512 load_bf16x16(const uint16_t *p) {  /* bf16 -> fp32: the hig
     return _mm512_castsi512_ps(_mm512_slli_epi32(
         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+static inline float bf16_to_f32(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 """
 
 _ATTENTION_C = _C_PRELUDE + r"""
@@ -801,7 +807,7 @@ def _run_c_store(key, value, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError("the avx512 store_kvcache takes bf16 key/value with contiguous heads and contiguous caches")
     slots = slot_mapping.to(torch.int64).contiguous()
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    bad = _c_elementwise_library().store_kvcache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+    bad = _c_row_ops_library().store_kvcache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
                                                  k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
                                                  key.shape[0], num_kv_heads * head_dim, num_slots)
     if bad:
@@ -894,12 +900,7 @@ static float aten_sum_of_squares(const uint16_t *x, int64_t n) {
     __m256 sum = acc[0][0];
     for (int k = 1; k < 4; k++) sum = _mm256_add_ps(sum, acc[0][k]);
     float total = 0.f, lanes[8];
-    for (int64_t t = nv * 8; t < n; t++) {
-        uint32_t u = (uint32_t)x[t] << 16;
-        float f;
-        memcpy(&f, &u, 4);
-        total += f * f;
-    }
+    for (int64_t t = nv * 8; t < n; t++) total += bf16_to_f32(x[t]) * bf16_to_f32(x[t]);
     _mm256_storeu_ps(lanes, sum);
     for (int l = 0; l < 8; l++) total += lanes[l];
     return total;
@@ -1002,9 +1003,13 @@ void silu_and_mul(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t 
 
 
 @functools.cache
-def _c_elementwise_library():
-    lib = _build_c_library("elementwise", _ELEMENTWISE_C, [])
+def _c_row_ops_library():
+    """The shape-free C kernels in one library: the elementwise ops, the KV
+    store (_run_c_store) and argmax."""
+    lib = _build_c_library("row_ops", _ELEMENTWISE_C + _ARGMAX_C, [])
     p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.argmax_rows.argtypes = [p, i64, i64, i64, p, i32]
+    lib.argmax_rows.restype = None
     lib.rms_norm.argtypes = [p, i64, p, p, i64, i64, f32, i32]
     lib.qk_norm_rope.argtypes = [p, i64, p, i64, p, p, i64, i64, i64, i64, p, p, p, p, p, f32, i32]
     lib.silu_and_mul.argtypes = [p, p, i64, i64, p, i32]
@@ -1032,7 +1037,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not (_rows_ok(x, n) and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
         raise ValueError("the C rms_norm takes bf16 [rows, n] rows with n % 16 == 0")
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    _c_elementwise_library().rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
+    _c_row_ops_library().rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), rows, n,
                                       eps, torch.get_num_threads())
     return out
 
@@ -1051,7 +1056,7 @@ def qk_norm_rope(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps:
     pos = positions.to(torch.int64).contiguous()
     qw = q_weight.data_ptr() if q_weight is not None else None
     kw = k_weight.data_ptr() if k_weight is not None else None
-    _c_elementwise_library().qk_norm_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(),
+    _c_row_ops_library().qk_norm_rope(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(),
                                           k_out.data_ptr(), rows, hq, hk, d, pos.data_ptr(), cos_cache.data_ptr(),
                                           sin_cache.data_ptr(), qw, kw, eps, torch.get_num_threads())
     return q_out, k_out
@@ -1063,7 +1068,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if not (_rows_ok(gate_up, n) and gate_up.is_contiguous()):
         raise ValueError("the C silu_and_mul takes contiguous bf16 [rows, 2n] with n % 16 == 0")
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    _c_elementwise_library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _silu_table().data_ptr(),
+    _c_row_ops_library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _silu_table().data_ptr(),
                                           torch.get_num_threads())
     return out
 
@@ -1079,7 +1084,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # Measured (2-core Zen 4, medians, outputs equal): W0's 256 x 32000 logits,
 # .float().argmax() 5.59 ms -> 0.55 ms; W1's 64 x 151936, 6.06 -> 0.64 ms.
 
-_ARGMAX_C = _C_PRELUDE + r"""
+_ARGMAX_C = r"""
 void argmax_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t ld, int64_t *out, int nthreads) {
     #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t r = 0; r < rows; r++) {
@@ -1104,9 +1109,7 @@ void argmax_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t ld, int64_t
                                                    best_i);
         if (m == -INFINITY) arg = 0;  /* no lane moved: every value so far is -inf */
         for (; i < n; i++) {  /* the ragged end */
-            uint32_t u = (uint32_t)p[i] << 16;
-            float f;
-            memcpy(&f, &u, 4);
+            const float f = bf16_to_f32(p[i]);
             if (f != f) { nan = 1; break; }
             if (f > m) { m = f; arg = i; }
         }
@@ -1119,20 +1122,11 @@ void argmax_rows(const uint16_t *x, int64_t rows, int64_t n, int64_t ld, int64_t
 """
 
 
-@functools.cache
-def _c_argmax_library():
-    lib = _build_c_library("argmax", _ARGMAX_C, [])
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.argmax_rows.argtypes = [p, i64, i64, i64, p, ctypes.c_int]
-    lib.argmax_rows.restype = None
-    return lib
-
-
 def _run_c_argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.dtype != torch.bfloat16 or logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError("the avx512 argmax takes a bf16 [rows, vocab] tensor with unit stride over the vocab")
     out = torch.empty(logits.shape[0], dtype=torch.int64)
-    _c_argmax_library().argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+    _c_row_ops_library().argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
                                     out.data_ptr(), torch.get_num_threads())
     return out
 

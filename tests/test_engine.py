@@ -421,7 +421,7 @@ def test_bf16_cpu_elementwise_ops_are_c_or_compiled_unless_enforce_eager(tiny_mo
     assert eager.engine.runner.elementwise_backend is None
     assert all(m.ops is EAGER_OPS for m in _elementwise_layers(eager))
     try:
-        kernels._c_elementwise_library()
+        kernels._c_row_ops_library()
         c_ops = make_llm(tiny_model, dtype="bfloat16")
         assert c_ops.engine.runner.elementwise_backend == "avx512"
         assert all(m.ops is C_OPS for m in _elementwise_layers(c_ops))

@@ -474,7 +474,7 @@ def test_c_decode_heads_per_task():
 def test_c_store_kvcache_is_the_twins():
     """The C store writes what store_kvcache_torch writes, skips slots of -1, and
     takes value as a strided view of the qkv projection, as the layer passes it."""
-    _c_elementwise_or_skip()
+    _c_row_ops_or_skip()
     gen = torch.Generator().manual_seed(4)
     T, kvh, d = 11, 2, 32
     qkv = torch.randn(T, (4 + 2 * kvh) * d, generator=gen).bfloat16()
@@ -533,9 +533,9 @@ def test_c_decode_rejects_what_it_cannot_run():
 # mean of squares must add in ATen's order, every bf16 intermediate must round
 # where torch rounds, SiLU must carry torch's exp.
 
-def _c_elementwise_or_skip():
+def _c_row_ops_or_skip():  # the elementwise ops, the KV store and argmax: one library
     try:
-        kernels._c_elementwise_library()
+        kernels._c_row_ops_library()
     except RuntimeError as e:
         pytest.skip(str(e))
 
@@ -549,7 +549,7 @@ def test_c_rms_norm_is_eagers(rows, n):
     """Row lengths up to 4096 take every branch of ATen's summation cascade (16
     rounds of 4 x 8 lanes fold into the next level); x may be a strided view."""
     from nanoserve.model import mean_square, rms_scale
-    _c_elementwise_or_skip()
+    _c_row_ops_or_skip()
     gen = torch.Generator().manual_seed(n)
     wide, w = _rand_bf16(gen, rows, n + 32), _rand_bf16(gen, n)
     x = wide[:, 16:16 + n]
@@ -562,7 +562,7 @@ def test_c_rms_norm_is_eagers(rows, n):
 def test_c_qk_norm_rope_is_eagers(hq, hk, d, norms):
     """q and k as views of one qkv projection, as the attention layer passes them."""
     from nanoserve.model import RotaryEmbedding, mean_square, qk_scale_rope
-    _c_elementwise_or_skip()
+    _c_row_ops_or_skip()
     gen = torch.Generator().manual_seed(hq * d)
     T = 29
     qkv = _rand_bf16(gen, T, (hq + 2 * hk) * d)
@@ -581,7 +581,7 @@ def test_c_silu_and_mul_is_eagers():
     """Every bf16 gate value (all 65536 bit patterns but NaNs) times random up
     values; bit patterns compared, as silu(-inf) is NaN."""
     from nanoserve.model import silu_and_mul
-    _c_elementwise_or_skip()
+    _c_row_ops_or_skip()
     gen = torch.Generator().manual_seed(1)
     gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(256, 256)
     gate = torch.where(gate.isnan(), torch.zeros((), dtype=torch.bfloat16), gate)
@@ -590,7 +590,7 @@ def test_c_silu_and_mul_is_eagers():
 
 
 def test_c_elementwise_ops_reject_what_they_cannot_run():
-    _c_elementwise_or_skip()
+    _c_row_ops_or_skip()
     with pytest.raises(ValueError, match="n % 16 == 0"):
         kernels.rms_norm(torch.randn(2, 40).bfloat16(), torch.randn(40).bfloat16(), 1e-6)
     with pytest.raises(ValueError, match="n % 16 == 0"):
@@ -603,19 +603,12 @@ def test_c_elementwise_ops_reject_what_they_cannot_run():
 
 # --------------------------------------------------------------------------- C argmax (CPU, bf16)
 
-def _c_argmax_or_skip():
-    try:
-        kernels._c_argmax_library()
-    except RuntimeError as e:
-        pytest.skip(str(e))
-
-
 @pytest.mark.parametrize("width", [1, 15, 16, 17, 100, 32000])
 def test_c_argmax_is_torchs_argmax(width):
     """Every row's index equals torch's fp32 argmax of the same values, with its
     rules for ties (the first), NaN (the first NaN) and rows of -inf (index 0);
     rows may sit in a wider tensor (row stride > width)."""
-    _c_argmax_or_skip()
+    _c_row_ops_or_skip()
     torch.manual_seed(width)
     wide = torch.randn(12, width + 5).bfloat16()
     x = wide[:, :width]
@@ -640,7 +633,7 @@ def test_c_argmax_is_torchs_argmax(width):
 
 
 def test_c_argmax_rejects_what_it_cannot_run():
-    _c_argmax_or_skip()
+    _c_row_ops_or_skip()
     with pytest.raises(ValueError, match="bf16"):
         kernels.argmax(torch.randn(2, 40), "avx512")
     with pytest.raises(ValueError, match="unit stride"):
