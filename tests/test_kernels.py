@@ -30,9 +30,30 @@ def _interpreted() -> bool:
 # collected first), its kernels were compiled for a GPU; on a CPU-only machine
 # they cannot run. That is a setup error: test_triton_runs_interpreted_on_cpu
 # fails and says so, the other Triton cases skip.
-TRITON_RUNNABLE = HAS_TRITON and (_interpreted() or torch.cuda.is_available())
 DEVICE = "cuda" if HAS_TRITON and not _interpreted() and torch.cuda.is_available() else "cpu"
-_NO_TRITON = "triton is not installed" if not HAS_TRITON else \
+
+
+def _interpreter_numpy_clash() -> str | None:
+    """Triton's interpreter before 3.7 turns a loop bound into a Python int with
+    int() of a 1-element array, which numpy 2.4 refuses: every kernel with a
+    runtime loop bound then fails with "only 0-dimensional arrays can be converted
+    to Python scalars" (torch 2.11's CUDA wheels pin Triton 3.6). Compiled on a GPU
+    the kernels are fine."""
+    if not HAS_TRITON or DEVICE == "cuda":
+        return None
+    import numpy
+    import triton
+
+    def version(v):
+        return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
+    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} "
+                "(fixed in Triton 3.7): pip install 'numpy<2.4' to test the Triton kernels on the CPU")
+    return None
+
+
+TRITON_RUNNABLE = HAS_TRITON and (_interpreted() or torch.cuda.is_available()) and not _interpreter_numpy_clash()
+_NO_TRITON = "triton is not installed" if not HAS_TRITON else _interpreter_numpy_clash() or \
     "triton was imported before TRITON_INTERPRET=1 was set and there is no GPU"
 triton_only = pytest.mark.skipif(not TRITON_RUNNABLE, reason=_NO_TRITON)
 BACKENDS = ["torch", pytest.param("triton", marks=triton_only)]
@@ -279,6 +300,13 @@ def test_triton_runs_interpreted_on_cpu():
     assert DEVICE == "cuda" or _interpreted(), (
         "the Triton kernels are compiled for a GPU, not interpreted: set TRITON_INTERPRET=1 "
         "before anything imports triton (e.g. at the top of tests/conftest.py)")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_interpreter_works_with_this_numpy():
+    """One clear failure, with the fix, instead of every Triton case failing inside
+    the interpreter (those skip)."""
+    assert _interpreter_numpy_clash() is None, _interpreter_numpy_clash()
 
 
 @triton_only
