@@ -230,6 +230,7 @@ class Request:
     parent_id: str | None = None      # n > 1: the id the caller knows
     index: int = 0
     cache_salt: str | None = None     # who may share this request's cached blocks
+    final_only: bool = False          # vLLM's RequestOutputKind.FINAL_ONLY: no per-step outputs
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -396,9 +397,10 @@ class LLMEngine:
                 raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, final_only: bool = False) -> str:
         """Validate and queue a request (n > 1 becomes n child requests that share
-        the prompt's blocks through the prefix cache); returns its id."""
+        the prompt's blocks through the prefix cache); returns its id. With
+        ``final_only`` (offline generate), step() reports it only when it finishes."""
         params = params or SamplingParams()
         text, token_ids = self.tokenize(prompt)
         self.validate_prompt(token_ids)
@@ -419,7 +421,8 @@ class LLMEngine:
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
-                parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt))
+                parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
+                final_only=final_only))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
@@ -482,7 +485,11 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            self._collect(outputs, req)
+            # Building an output copies the request's tokens so far, for every
+            # request every step; LLM.generate keeps only the final one. W0's
+            # postprocess: 0.31, 0.34 s -> 0.07, 0.09 s (of a ~15 s run).
+            if not req.final_only or req.is_finished:
+                self._collect(outputs, req)
         return list(outputs.values())
 
     def _append_token(self, req: Request, result: SampleResult, now: float) -> None:
@@ -649,7 +656,7 @@ class LLM:
         for prompt, p in zip(prompts, params):  # validate all before queueing any
             engine.validate_prompt(engine.tokenize(prompt)[1])
             engine.validate_params(p)
-        ids = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,

@@ -144,6 +144,29 @@ def test_prompts_added_one_by_one_match_the_batch(model, reference):
     assert_all_blocks_free(llm)
 
 
+def test_final_only_requests_report_once_when_finished(model):
+    """LLM.generate's requests (vLLM's FINAL_ONLY): no per-step outputs, one final
+    one with every token; n > 1 children each report as they finish."""
+    llm = make_llm(model)
+    engine = llm.engine
+    streamed = engine.add_request(PROMPTS[1], GREEDY)
+    final = engine.add_request(PROMPTS[1], GREEDY, final_only=True)
+    family = engine.add_request(PROMPTS[3], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6),
+                                final_only=True)
+    seen: dict[str, list[RequestOutput]] = {streamed: [], final: [], family: []}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen[out.request_id].append(out)
+    assert len(seen[streamed]) == 16 and [o.finished for o in seen[streamed]] == [False] * 15 + [True]
+    assert len(seen[final]) == 1 and seen[final][0].finished
+    assert seen[final][0].outputs[0].token_ids == seen[streamed][-1].outputs[0].token_ids
+    assert len(seen[final][0].outputs[0].token_ids) == 16
+    kids = [c for o in seen[family] for c in o.outputs]
+    assert sorted(c.index for c in kids) == [0, 1] and all(len(c.token_ids) == 6 for c in kids)
+    assert seen[family][-1].finished and not any(o.finished for o in seen[family][:-1])
+    assert_all_blocks_free(llm)
+
+
 # ---------------------------------------------------------------- outputs and prompt forms
 
 def test_stats_report_the_kv_slots_unused_at_the_peak(model):
