@@ -8,12 +8,47 @@ import os
 
 # The Triton interpreter is chosen when triton is first imported: set it before any test imports nanoserve.
 os.environ.setdefault("TRITON_INTERPRET", "1")
-from pathlib import Path
+from importlib.metadata import PackageNotFoundError, version  # noqa: E402
+from pathlib import Path  # noqa: E402
 
-import pytest
-import torch
+
+def _triton_interpreter_clash() -> str | None:
+    """Triton's interpreter before 3.7 turns a loop bound into a Python int with
+    int() of a 1-element array, which numpy 2.4 refuses: every kernel with a
+    runtime loop bound then fails with "only 0-dimensional arrays can be converted
+    to Python scalars". torch 2.11's CUDA wheels pin Triton 3.6; compiled on a GPU
+    the kernels are fine."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return None
+    try:
+        triton_v, numpy_v = version("triton"), version("numpy")
+    except PackageNotFoundError:
+        return None
+
+    def major_minor(v: str) -> tuple[int, int]:
+        return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
+    if major_minor(triton_v) < (3, 7) and major_minor(numpy_v) >= (2, 4):
+        return (f"Triton {triton_v}'s interpreter cannot run with numpy {numpy_v} (fixed in Triton 3.7): "
+                "pip install 'numpy<2.4' to test the Triton kernels on the CPU")
+    return None
+
+
+TRITON_INTERPRETER_CLASH = _triton_interpreter_clash()
+if TRITON_INTERPRETER_CLASH:
+    # On a GPU machine every engine test would run its Triton kernels through the
+    # broken interpreter; hide the GPU so the suite takes the CPU path, as CI does.
+    # tests/test_kernels.py fails once with the message; its Triton cases skip.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_report_header(config):
+    return f"nanoserve: {TRITON_INTERPRETER_CLASH}; GPU hidden" if TRITON_INTERPRETER_CLASH else None
 
 CORPUS = ("The quick brown fox jumps over the lazy dog. def main(): return 0\n"
           "import os, sys; print('hello world') 你好，世界！ 🙂 emoji and ünïcödé text. " * 8)

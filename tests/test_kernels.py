@@ -16,6 +16,7 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from conftest import TRITON_INTERPRETER_CLASH  # noqa: E402
 from nanoserve import kernels  # noqa: E402
 
 HAS_TRITON = kernels.triton is not None
@@ -33,27 +34,8 @@ def _interpreted() -> bool:
 DEVICE = "cuda" if HAS_TRITON and not _interpreted() and torch.cuda.is_available() else "cpu"
 
 
-def _interpreter_numpy_clash() -> str | None:
-    """Triton's interpreter before 3.7 turns a loop bound into a Python int with
-    int() of a 1-element array, which numpy 2.4 refuses: every kernel with a
-    runtime loop bound then fails with "only 0-dimensional arrays can be converted
-    to Python scalars" (torch 2.11's CUDA wheels pin Triton 3.6). Compiled on a GPU
-    the kernels are fine."""
-    if not HAS_TRITON or DEVICE == "cuda":
-        return None
-    import numpy
-    import triton
-
-    def version(v):
-        return tuple(int(x) for x in v.split("+")[0].split(".")[:2])
-    if version(triton.__version__) < (3, 7) and version(numpy.__version__) >= (2, 4):
-        return (f"Triton {triton.__version__}'s interpreter cannot run with numpy {numpy.__version__} "
-                "(fixed in Triton 3.7): pip install 'numpy<2.4' to test the Triton kernels on the CPU")
-    return None
-
-
-TRITON_RUNNABLE = HAS_TRITON and (_interpreted() or torch.cuda.is_available()) and not _interpreter_numpy_clash()
-_NO_TRITON = "triton is not installed" if not HAS_TRITON else _interpreter_numpy_clash() or \
+TRITON_RUNNABLE = HAS_TRITON and (_interpreted() or torch.cuda.is_available()) and not TRITON_INTERPRETER_CLASH
+_NO_TRITON = "triton is not installed" if not HAS_TRITON else TRITON_INTERPRETER_CLASH or \
     "triton was imported before TRITON_INTERPRET=1 was set and there is no GPU"
 triton_only = pytest.mark.skipif(not TRITON_RUNNABLE, reason=_NO_TRITON)
 BACKENDS = ["torch", pytest.param("triton", marks=triton_only)]
@@ -306,7 +288,7 @@ def test_triton_runs_interpreted_on_cpu():
 def test_triton_interpreter_works_with_this_numpy():
     """One clear failure, with the fix, instead of every Triton case failing inside
     the interpreter (those skip)."""
-    assert _interpreter_numpy_clash() is None, _interpreter_numpy_clash()
+    assert TRITON_INTERPRETER_CLASH is None, TRITON_INTERPRETER_CLASH
 
 
 @triton_only
