@@ -257,9 +257,13 @@ def _chunk_attention(query, k_cache, v_cache, block_table, start, q_len, seq_len
 #     contiguously across those heads, for all the query heads that share it;
 #   * each block's rows are prefetched while the previous block is being used
 #     (the blocks of a sequence are scattered; rows inside one are not), and
-#     the whole block after that into L2, so more reads are in flight: on the
-#     2-core Zen 4, A B A B, bit-identical, 4.09 -> 3.42 and 3.89 -> 3.22 ms per
-#     layer (W0 shape), 6.90 -> 6.33 and 6.97 -> 6.61 ms (W1 shape);
+#     the block after that into L2, so more reads are in flight: on the 2-core
+#     Zen 4, A B A B, bit-identical, 4.09 -> 3.42 and 3.89 -> 3.22 ms per layer
+#     (W0 shape), 6.90 -> 6.33 and 6.97 -> 6.61 ms (W1 shape). The L2 prefetch
+#     goes a row at a time beside the L1 one, not as one burst per block (the
+#     burst stalled the core; with both K and V read from L1 instead of memory the
+#     kernel was only 12-25% faster, so it is not the bandwidth): 5.23 -> 4.06,
+#     5.33 -> 4.19 ms (W1 shape), 2.24 -> 2.13, 2.29 -> 2.03 ms (W0 shape);
 #   * q.k as AVX-512 BF16 dot products (bf16 pairs, fp32 sums); scores, softmax
 #     and the weighted sum of V in fp32, rounded to bf16 once at the end;
 #   * the softmax's exp is glibc's expf in 16 lanes (the same bits for all 2^32
@@ -325,14 +329,16 @@ static inline uint16_t to_bf16(float f) {  /* round to nearest even, as torch's 
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* NaN */
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+/* Blocks sit anywhere in the cache, so the hardware prefetcher cannot guess the
+   next one: while row j of a block is used, row j of the next block is fetched
+   into L1 and row j of the block after that into L2. One row at a time, not a
+   block in one burst: a burst fills the miss queue and the core stalls on the
+   prefetch instructions themselves (perf: a fifth of the kernel's samples). */
 static inline void prefetch_row(const uint16_t *p, int64_t n) {
     for (int64_t l = 0; l < n; l += 32) _mm_prefetch((const char *)(p + l), _MM_HINT_T0);
 }
-/* A whole block's rows of this task's heads into L2, two blocks ahead of the reads:
-   blocks sit anywhere in the cache, so the hardware prefetcher cannot guess them */
-static inline void prefetch_block_l2(const uint16_t *p, int64_t bs, int64_t row, int64_t width) {
-    for (int64_t j = 0; j < bs; j++)
-        for (int64_t l = 0; l < width; l += 32) _mm_prefetch((const char *)(p + j * row + l), _MM_HINT_T1);
+static inline void prefetch_row_l2(const uint16_t *p, int64_t n) {
+    for (int64_t l = 0; l < n; l += 32) _mm_prefetch((const char *)(p + l), _MM_HINT_T1);
 }
 
 /* e^x for 16 lanes, bit for bit glibc's expf (2.28 on, its FMA build: e_expf.c),
@@ -415,9 +421,10 @@ void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
             for (int64_t t0 = start; t0 < len; t0 += bs) {
                 const uint16_t *kb = k_cache + bt[t0 / bs] * blk + h0 * HEAD_DIM;
                 const uint16_t *next = t0 + bs < len ? k_cache + bt[t0 / bs + 1] * blk + h0 * HEAD_DIM : NULL;
-                if (t0 + 2 * bs < len) prefetch_block_l2(k_cache + bt[t0 / bs + 2] * blk + h0 * HEAD_DIM, bs, row, width);
+                const uint16_t *next2 = t0 + 2 * bs < len ? k_cache + bt[t0 / bs + 2] * blk + h0 * HEAD_DIM : NULL;
                 for (int64_t j = 0; j < bs && t0 + j < len; j++) {
                     if (next) prefetch_row(next + j * row, width);
+                    if (next2) prefetch_row_l2(next2 + j * row, width);
                     for (int64_t h = 0; h < hb; h++) {
                         __m512i k[C32];
                         for (int c = 0; c < C32; c++) k[c] = _mm512_loadu_si512(kb + j * row + h * HEAD_DIM + 32 * c);
@@ -451,9 +458,10 @@ void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
             for (int64_t t0 = start; t0 < len; t0 += bs) {
                 const uint16_t *vb = v_cache + bt[t0 / bs] * blk + h0 * HEAD_DIM;
                 const uint16_t *next = t0 + bs < len ? v_cache + bt[t0 / bs + 1] * blk + h0 * HEAD_DIM : NULL;
-                if (t0 + 2 * bs < len) prefetch_block_l2(v_cache + bt[t0 / bs + 2] * blk + h0 * HEAD_DIM, bs, row, width);
+                const uint16_t *next2 = t0 + 2 * bs < len ? v_cache + bt[t0 / bs + 2] * blk + h0 * HEAD_DIM : NULL;
                 for (int64_t j = 0; j < bs && t0 + j < len; j++) {
                     if (next) prefetch_row(next + j * row, width);
+                    if (next2) prefetch_row_l2(next2 + j * row, width);
                     for (int64_t h = 0; h < hb; h++) {
                         __m512 v[C16];
                         for (int c = 0; c < C16; c++) v[c] = load_bf16x16(vb + j * row + h * HEAD_DIM + 16 * c);
