@@ -106,11 +106,17 @@ def _best_seconds(fn, reps: int) -> float:
     return min(ts)
 
 
+def attention_sizes(cfg: dict) -> tuple[int, int, int, int]:
+    """heads, head_dim, and the widths of q and of k (= v) in one token's projection."""
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return heads, head_dim, heads * head_dim, cfg.get("num_key_value_heads", heads) * head_dim
+
+
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
     """(in, out) of one decoder layer's qkv, o, gate+up and down projections."""
-    hidden, inter, heads = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, cfg.get("num_key_value_heads", heads) * head_dim
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    _, _, q, kv = attention_sizes(cfg)
     return [(hidden, q + 2 * kv), (q, hidden), (hidden, 2 * inter), (inter, hidden)]
 
 
@@ -134,12 +140,9 @@ def stream_gbps(gib: float = 1.0, reps: int = 5) -> float:
 
 def count_work(w: workloads.Workload, cfg: dict) -> dict:
     """FLOPs and bytes of one greedy run of ``w`` (every output length reached)."""
-    layers, hidden, inter = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or hidden // heads
-    q, kv = heads * head_dim, kv_heads * head_dim
-    # qkv, o, gate+up, down: multiply-adds per token per layer
-    mac_token = layers * (hidden * (q + 2 * kv) + q * hidden + hidden * 2 * inter + inter * hidden)
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    heads, head_dim, _, kv = attention_sizes(cfg)
+    mac_token = layers * sum(k * n for k, n in linear_shapes(cfg))  # multiply-adds per token
     itemsize = 2  # bf16
     kv_bytes_token = layers * 2 * kv * itemsize  # K and V rows of one token, every layer
     prompt, out = w.num_prompt_tokens, w.num_output_tokens
