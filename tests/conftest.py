@@ -50,6 +50,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def pytest_report_header(config):
     return f"nanoserve: {TRITON_INTERPRETER_CLASH}; GPU hidden" if TRITON_INTERPRETER_CLASH else None
 
+
 CORPUS = ("The quick brown fox jumps over the lazy dog. def main(): return 0\n"
           "import os, sys; print('hello world') 你好，世界！ 🙂 emoji and ünïcödé text. " * 8)
 VOCAB = 384

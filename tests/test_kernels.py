@@ -31,10 +31,8 @@ def _interpreted() -> bool:
 # collected first), its kernels were compiled for a GPU; on a CPU-only machine
 # they cannot run. That is a setup error: test_triton_runs_interpreted_on_cpu
 # fails and says so, the other Triton cases skip.
-DEVICE = "cuda" if HAS_TRITON and not _interpreted() and torch.cuda.is_available() else "cpu"
-
-
 TRITON_RUNNABLE = HAS_TRITON and (_interpreted() or torch.cuda.is_available()) and not TRITON_INTERPRETER_CLASH
+DEVICE = "cuda" if HAS_TRITON and not _interpreted() and torch.cuda.is_available() else "cpu"
 _NO_TRITON = "triton is not installed" if not HAS_TRITON else TRITON_INTERPRETER_CLASH or \
     "triton was imported before TRITON_INTERPRET=1 was set and there is no GPU"
 triton_only = pytest.mark.skipif(not TRITON_RUNNABLE, reason=_NO_TRITON)
