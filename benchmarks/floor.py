@@ -36,9 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import nanoserve  # noqa: F401  (first: it sets THP_MEM_ALLOC_ENABLE before torch allocates)
 import torch
-from nanoserve.model import can_pack_linear_weights, tune_cpu_allocator
+from nanoserve.cpu_backend import can_pack_linear_weights, tune_process
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -167,7 +166,7 @@ def main() -> None:
     cfg = json.loads((args.models / w.model / "config.json").read_text())
     work = count_work(w, cfg)
     threads = torch.get_num_threads()
-    tune_cpu_allocator()
+    tune_process()  # as an engine does at start-up, before anything large is allocated
     rates = dict(bf16_peak_gflops=bf16_peak_gflops(threads), gemm_gflops=gemm_gflops(linear_shapes(cfg)),
                  stream_gbps=stream_gbps())
     peak = rates["bf16_peak_gflops"]

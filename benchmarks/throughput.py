@@ -60,9 +60,7 @@ def run_nanoserve(w: workloads.Workload, model: str, prefix_caching: bool, extra
     return dict(wall=wall, startup=startup, tokens=_digest(o.outputs[0].token_ids for o in outs),
                 num_out=sum(len(o.outputs[0].token_ids) for o in outs),
                 version=nanoserve.__version__, stats=llm.stats(),
-                settings=dict(attn_backend=llm.engine.runner.attn_backend,
-                              elementwise=llm.engine.runner.elementwise_backend,
-                              compile_s=round(llm.engine.compile_time_s, 1)))
+                settings=dict(backend=llm.engine.backend.name, compile_s=round(llm.engine.compile_time_s, 1)))
 
 
 def run_vllm(w: workloads.Workload, model: str, prefix_caching: bool, extra: dict) -> dict:

@@ -125,8 +125,8 @@ def check_store(shape_name, dtype, device, gen) -> dict:
     slots[::7] = -1                                            # padding tokens
     slots = slots.to(device)
     k_twin, v_twin = k_cache.clone(), v_cache.clone()
-    kernels.store_kvcache(key, value, k_cache, v_cache, slots, backend="triton")
-    kernels.store_kvcache(key, value, k_twin, v_twin, slots, backend="torch")
+    kernels.store_kvcache_triton(key, value, k_cache, v_cache, slots)
+    kernels.store_kvcache_torch(key, value, k_twin, v_twin, slots)
     ok = torch.equal(k_cache, k_twin) and torch.equal(v_cache, v_twin)
     return dict(kernel="store_kvcache", shape=shape_name, dtype=str(dtype)[6:], ok=ok)
 
@@ -140,8 +140,8 @@ def check_attention(shape_name, scenario, dtype, device, gen) -> dict:
     out = torch.full_like(query, float("nan"))                  # every element must be written
     got = kernels.paged_attention_triton(*batch, scale, out=out)
     # The twin gathers whole blocks and masks afterwards (NaN * 0 is NaN): it gets zeros.
-    twin = kernels.paged_attention(query, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
-                                   table, seq_lens, qsl, scale, backend="torch")
+    twin = kernels.paged_attention_torch(query, k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0),
+                                         table, seq_lens, qsl, scale)
     if device == "cuda":
         torch.cuda.synchronize()
     e_triton, e_twin = rel_err(got, ref), rel_err(twin, ref)
@@ -404,7 +404,7 @@ def end_to_end(device, quick, root: Path) -> dict:
     n_new = 24
     llm = LLM(str(tiny), dtype="float32", device=device, skip_tokenizer_init=True,
               max_model_len=512, num_kv_blocks=256, max_num_batched_tokens=256)
-    res["tiny_attn_backend"] = str(llm.engine.runner.attn_backend)
+    res["tiny_attn_backend"] = llm.engine.backend.name
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_new, min_tokens=n_new,
                                                 detokenize=False), use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).to(device).eval()

@@ -30,9 +30,10 @@ import torch
 
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, KVCacheSpec
+from nanoserve import cpu_backend
 from nanoserve.model import (ModelConfig, ModelLoadError, ModelRunner, SampleRequest, SampleResult,
                              SeqInput, load_model, load_tokenizer, num_parameters,
-                             profile_activation_bytes, resolve_dtype)
+                             profile_activation_bytes, resolve_dtype, select_backend)
 from nanoserve.scheduler import (RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
 
@@ -287,7 +288,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
-    enforce_eager: bool = False        # as vLLM: no torch.compile (CPU decode attention runs SDPA)
+    enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
+    cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP and glibc malloc, process-wide
 
 
 class LLMEngine:
@@ -303,7 +305,14 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             self._check_memory()
-        model, self.weight_bytes = load_model(path, self.dtype, self.device)
+            if config.cpu_allocator_tuning:  # before the weights load: it applies to later allocations
+                for setting in cpu_backend.tune_process():
+                    logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
+        t0 = time.perf_counter()
+        self.backend = select_backend(self.model_config, self.dtype, self.device, config.block_size,
+                                      config.enforce_eager)
+        self.compile_time_s = time.perf_counter() - t0
+        model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend)
         self._init_kv_cache(model)
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
         self.request_counter = itertools.count()
@@ -357,13 +366,12 @@ class LLMEngine:
         self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, batched, max_len),
                                    self.block_manager)
-        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, cfg.seed,
-                                  cfg.enforce_eager)
-        self.compile_time_s = self.runner.warmup()
-        if self.compile_time_s:
-            logger.info("[engine] building the kernels (attention: %s, elementwise ops: %s) "
-                        "took %.1f s (--enforce-eager skips it)", self.runner.attn_backend,
-                        self.runner.elementwise_backend, self.compile_time_s)
+        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, self.backend, cfg.seed)
+        t0 = time.perf_counter()
+        self.runner.warmup()
+        self.compile_time_s += time.perf_counter() - t0
+        logger.info("[engine] kernels: %s; building them and a warm-up forward took %.1f s",
+                    self.backend.name, self.compile_time_s)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

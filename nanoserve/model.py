@@ -16,15 +16,10 @@ It knows nothing of queues or HTTP. The KV tensors it writes come from
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import itertools
 import json
 import logging
 import math
-import sys
-import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -34,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoserve import kernels
+from nanoserve.kernels import Backend
 from nanoserve.kvcache import slot_mapping as compute_slot_mapping
 
 logger = logging.getLogger("nanoserve.model")
@@ -178,129 +174,21 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelC
 
 
 # =========================================================================== layers
-
-# The pointwise work between the matmuls, written as plain functions so that
-# set_elementwise_ops() can give the layers other copies of them: inductor-
-# compiled ones, or kernels.py's C ones. RMSNorm is split in two: mean_square
-# (a reduction, always eager where the ops are compiled) and rms_scale (pointwise).
-
-def mean_square(x: torch.Tensor) -> torch.Tensor:
-    """RMSNorm's fp32 mean of squares, always eager (compiled_elementwise_ops says why)."""
-    return x.float().pow(2).mean(-1, keepdim=True)
-
-
-def rms_scale(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As transformers does: normalise in fp32, scale in the model dtype.
-    return weight * (x.float() * torch.rsqrt(ms + eps)).to(x.dtype)
-
-
-def qk_scale_rope(q, k, q_ms, k_ms, positions, cos_cache, sin_cache, q_weight, k_weight, eps: float):
-    """Qwen3's per-head RMSNorm of q and k (when the weights are given, with their
-    mean_square q_ms, k_ms), then the neox-style rotary embedding (rotate halves)
-    at each token's position."""
-    if q_weight is not None:
-        q, k = rms_scale(q, q_ms, q_weight, eps), rms_scale(k, k_ms, k_weight, eps)
-    cos = cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-    sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-@dataclass(frozen=True)
-class ElementwiseOps:
-    """The three elementwise functions every decoder layer calls:
-    rms_norm(x, weight, eps), qk_norm_rope(q, k, positions, cos_cache, sin_cache,
-    q_weight, k_weight, eps) -> (q, k), silu_and_mul(gate_up)."""
-    rms_norm: Any
-    qk_norm_rope: Any
-    silu_and_mul: Any
-
-
-def with_mean_squares(rms_scale_fn, qk_scale_rope_fn, silu_and_mul_fn) -> ElementwiseOps:
-    """The layers' ops from bodies that take the mean squares, computed here eagerly."""
-    def rms_norm(x, weight, eps):
-        return rms_scale_fn(x, mean_square(x), weight, eps)
-
-    def qk_norm_rope(q, k, positions, cos_cache, sin_cache, q_weight, k_weight, eps):
-        q_ms, k_ms = (mean_square(q), mean_square(k)) if q_weight is not None else (None, None)
-        return qk_scale_rope_fn(q, k, q_ms, k_ms, positions, cos_cache, sin_cache, q_weight, k_weight, eps)
-    return ElementwiseOps(rms_norm, qk_norm_rope, silu_and_mul_fn)
-
-
-EAGER_OPS = with_mean_squares(rms_scale, qk_scale_rope, silu_and_mul)
-# bf16 on a CPU with AVX-512: one C pass per op, bit for bit eager's (kernels.py
-# says how; W1's 64-token decode step, one layer: ~0.7 -> ~0.2 ms)
-C_OPS = ElementwiseOps(kernels.rms_norm, kernels.qk_norm_rope, kernels.silu_and_mul)
-
-
-@functools.cache
-def compiled_elementwise_ops() -> ElementwiseOps:
-    """Inductor's fused copies of the three. Eager torch runs each pointwise op
-    as its own pass over memory (RMSNorm's upcast, rsqrt, two muls and downcast
-    are five), which at prefill sizes costs more than the arithmetic. Measured on
-    W1 (2-core EPYC, bf16, 2026-12-04): 57.5 s -> 52.4 s, all of it in the three
-    prefill steps. emulate_precision_casts rounds each bf16 intermediate where
-    eager torch does, so the outputs stay eager's bit for bit (without it a
-    quarter of the elements differed in the last bit). mean_square stays
-    eager, outside: inductor sums the squares in another order than ATen, and
-    compiled whole RMSNorm changed ~5 outputs per million by one bf16 step and
-    W1's greedy tokens with them (50.7 s, but not the same outputs)."""
-    return with_mean_squares(_compile_rows(rms_scale, 2), _compile_rows(qk_scale_rope, 5),
-                             _compile_rows(silu_and_mul, 1))
-
-
-# Below this many tokens a compiled call's fixed cost (guards, ~25 us) is more
-# than the passes it saves (W1's shapes: SiLU-and-mul 0.005 ms eager vs 0.029
-# compiled at 1 row, 0.047 vs 0.071 at 64; RMSNorm even at 256), so decode
-# steps of small batches stay eager.
-COMPILED_ELEMENTWISE_MIN_ROWS = 256
-
-
-def _compile_rows(fn, row_args: int):
-    """torch.compile(fn) with dim 0 (the tokens) of its first ``row_args``
-    arguments unbacked: one graph per model shape serves every step size, while
-    the other sizes stay constants for inductor to vectorise. Steps of fewer than
-    COMPILED_ELEMENTWISE_MIN_ROWS tokens, and any call once dynamo's recompile
-    limit is reached (a process that ran many models; with a warning), run
-    ``fn`` eagerly."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True,
-                             options={"emulate_precision_casts": True})
-
-    def run(*args):
-        import torch._dynamo
-        from torch._dynamo.decorators import mark_unbacked
-        if args[0].shape[0] < COMPILED_ELEMENTWISE_MIN_ROWS:
-            return fn(*args)
-        for t in args[:row_args]:
-            if t is not None:  # q_ms, k_ms of a model without q/k norms
-                mark_unbacked(t, 0)
-        try:
-            return compiled(*args)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            warnings.warn(f"torch.compile's recompile limit is reached: {fn.__name__} runs eager "
-                          "for this model", RuntimeWarning, stacklevel=2)
-            return fn(*args)
-    return run
-
+#
+# The decoder as transformers writes it, with two differences: q/k/v and
+# gate/up are fused into one matmul each at load time, and the ops between the
+# matmuls come from the kernels.Backend the runner picked (select_backend),
+# handed to each layer when it is built.
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: Backend):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
-        self.ops = EAGER_OPS  # set_elementwise_ops may swap in others
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.backend.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -311,50 +199,9 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        self.packed: torch.Tensor | None = None  # oneDNN's blocked copy of weight (pack_linear_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return _packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def can_pack_linear_weights(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def pack_linear_weights(model: "CausalLM", batch_hint: int = 64) -> int:
-    """bf16 on the CPU: hand every linear weight to oneDNN in its blocked layout
-    once, instead of F.linear re-packing it on every call (the weight copy then
-    replaces the dense one, so memory stays flat). The results are bit-identical
-    to F.linear's in bf16 (F.linear's fp32 path is MKL's, whose results differ
-    in the last bit, so fp32 stays unpacked). Measured on W1's 113 matmuls of a
-    step (28 layers + lm_head, 2-core EPYC, A B A B): 0.64x the time for 1 row,
-    0.71x for 16, 0.88x for 64, the same for prefill-sized batches. A tied head
-    gets its own packed copy of the embedding (which stays dense for the lookup).
-    Returns the number of weights packed."""
-    reorder = torch.ops.mkldnn._reorder_linear_weight
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    for m in linears:
-        m.packed = reorder(m.weight.detach(), batch_hint)
-        m.weight.data = m.weight.data.new_empty(0)  # free the dense copy
-    if model.lm_head is None:
-        model.head_packed = reorder(model.model.embed_tokens.weight.detach(), batch_hint)
-    return len(linears) + (model.lm_head is None)
-
-
-def set_elementwise_ops(model: "CausalLM", ops: ElementwiseOps) -> None:
-    """Give every layer these elementwise ops: C_OPS, compiled_elementwise_ops()
-    (they compile on first use, which ModelRunner.warmup makes happen before
-    any request) or EAGER_OPS."""
-    for m in model.modules():
-        if isinstance(m, (RMSNorm, Attention, MLP)):
-            m.ops = ops
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -376,16 +223,21 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """The rotary embedding's cos/sin tables, cached for all positions (applied
-    by qk_norm_rope)."""
+    """The rotary embedding, its cos/sin tables cached for every position (fp32).
+    One instance serves all layers, as vLLM's get_rope hands out."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 backend: Backend):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.backend.rotary(q, k, positions, self.cos, self.sin)
 
 
 @dataclass(slots=True)
@@ -395,98 +247,112 @@ class AttentionMetadata:
     block_tables: torch.Tensor     # int32 [num_seqs, max_blocks]
     seq_lens: torch.Tensor         # int32 [num_seqs]
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
-    backend: str | None = None     # kernels' backend: None picks by device (see ModelRunner)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.rotary_emb = rotary_emb
         self.scale = cfg.head_dim ** -0.5
-        self.eps = cfg.rms_norm_eps
-        self.ops = EAGER_OPS  # set_elementwise_ops may swap in others
+        self.backend = backend
 
-    def forward(self, x, positions, rope: RotaryEmbedding, meta: AttentionMetadata,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        q_w, k_w = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-        q, k = self.ops.qk_norm_rope(q, k, positions, rope.cos, rope.sin, q_w, k_w, self.eps)
+        if self.q_norm is not None:  # Qwen3: an RMSNorm over each head of q and of k
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        # The step's new K and V go into the paged cache first, so that attention
+        # reads every position, old and new, through the block tables.
         k_cache, v_cache = kv_cache
-        kernels.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping, meta.backend)
-        o = kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    meta.query_start_loc, self.scale, meta.backend)
+        self.backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
+        o = self.backend.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                         meta.query_start_loc, self.scale)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: Backend):
         super().__init__()
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-        self.ops = EAGER_OPS  # set_elementwise_ops may swap in others
+        self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        # transformers: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up as one matmul
+        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend):
         super().__init__()
-        self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary_emb, backend)
+        self.mlp = MLP(cfg, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
-    def forward(self, x, positions, rope, meta, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+    def forward(self, positions, x, kv_cache, meta):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
     """The body shared by every supported architecture (HF's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: Backend):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
             cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                          cfg.rope_scaling, backend)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, backend: Backend = kernels.TORCH):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.model = DecoderModel(cfg, backend)
+        # None: tied to the embedding (a CPU backend may set a packed copy here)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.head_packed: torch.Tensor | None = None  # a tied head's packed copy (pack_linear_weights)
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                    cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, self.rope, meta, kv_cache)
+            x = layer(positions, x, kv_cache, meta)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler takes fp32 copies where it needs them)."""
         if self.lm_head is not None:
             return self.lm_head(hidden)
-        if self.head_packed is not None:
-            return _packed_linear(hidden, self.head_packed, None)
         return F.linear(hidden, self.model.embed_tokens.weight)
+
+
+def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
+                   enforce_eager: bool = False) -> Backend:
+    """The one place the kernels are chosen, once per engine: Triton on CUDA; on
+    the CPU the fastest that builds and checks out here (cpu_backend.py: C
+    kernels, else torch.compile), unless enforce_eager; else the torch references."""
+    if device.type == "cuda" and kernels.TRITON is not None:
+        return kernels.TRITON
+    if device.type == "cpu" and not enforce_eager:
+        from nanoserve.cpu_backend import build_cpu_backend  # platform code, off the reading path
+        return build_cpu_backend(cfg, dtype, block_size)
+    return kernels.TORCH
 
 
 # =========================================================================== loading
@@ -576,26 +442,32 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, cfg: Mode
     dest.copy_(tensor)
 
 
-def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> CausalLM:
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                backend: Backend = kernels.TORCH) -> CausalLM:
     """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
     fp32 copy of a large model first); the cos/sin tables stay fp32."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg)
+            model = CausalLM(cfg, backend)
     finally:
         torch.set_default_dtype(old)
-    model.rope.float()
+    model.model.rotary_emb.float()
     return model
 
 
-def load_model(path: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, int]:
+def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
+               backend: Backend = kernels.TORCH) -> tuple[CausalLM, int]:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, dtype, device)
+    model = build_model(cfg, dtype, device, backend)
     weight_bytes = load_weights(model, path)
-    model.eval()
+    model.eval().requires_grad_(False)
+    if device.type == "cpu":
+        from nanoserve import cpu_backend  # platform code, off the reading path
+        if cpu_backend.can_pack_linear_weights(dtype, device):
+            logger.debug("[model] %d linear weights packed for oneDNN", cpu_backend.pack_linear_weights(model))
     logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights",
                 cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20)
@@ -649,9 +521,9 @@ class Sampler:
     parameters become tensors; nothing loops over requests on the hot path
     except building those tensors. Logprobs come from the raw logits."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax=kernels.argmax_torch):
         self.generator = torch.Generator().manual_seed(seed)
-        self.argmax_backend: str | None = None  # kernels.argmax's; the runner's warmup sets it
+        self.argmax = argmax  # the backend's: greedy rows' argmax of the model's own logits
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> list[SampleResult]:
@@ -662,7 +534,7 @@ class Sampler:
         greedy = [p.temperature == 0.0 for p in ps]
         if all(greedy) and not _has_bias_or_bans(rows) and not _has_penalties(ps):
             # the common case, and a pass over memory less: argmax of the model's own logits
-            tokens = kernels.argmax(logits, self.argmax_backend)
+            tokens = self.argmax(logits)
         else:
             logits = self._apply_penalties(self._apply_bias_and_bans(logits.float(), rows), rows)
             tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
@@ -793,35 +665,15 @@ class SeqInput:
     sample: SampleRequest | None  # None: a prefill chunk that samples nothing
 
 
-def _check_same_as_eager(ops: ElementwiseOps, model: CausalLM) -> None:
-    """Raise unless ``ops`` compute EAGER_OPS' results bit for bit on random
-    inputs of this model's shapes (q and k as views of one projection, as the
-    layers pass them)."""
-    cfg, gen = model.config, torch.Generator().manual_seed(0)
-    T, hq, hk, d = 37, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 3).bfloat16()  # noqa: E731
-    x, w, gate_up = rand(T, cfg.hidden_size), rand(cfg.hidden_size), rand(T, 2 * cfg.intermediate_size)
-    qkv, qw, kw = rand(T, (hq + 2 * hk) * d), rand(d), rand(d)
-    q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
-    positions = torch.randint(0, model.rope.cos.shape[0], (T,), generator=gen)
-    rope = (positions, model.rope.cos, model.rope.sin)
-    pairs = [(ops.rms_norm(x, w, 1e-6), EAGER_OPS.rms_norm(x, w, 1e-6)),
-             (ops.silu_and_mul(gate_up), EAGER_OPS.silu_and_mul(gate_up))]
-    for weights in ((qw, kw), (None, None)):
-        pairs += zip(ops.qk_norm_rope(q, k, *rope, *weights, 1e-6), EAGER_OPS.qk_norm_rope(q, k, *rope, *weights, 1e-6))
-    if not all(torch.equal(a, b) for a, b in pairs):
-        raise RuntimeError("their results differ from eager torch's on this machine")
-
-
-def dummy_prompt(cfg: ModelConfig, num_tokens: int, block_size: int, device: torch.device,
-                 backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+def dummy_prompt(cfg: ModelConfig, num_tokens: int, block_size: int, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """A throwaway prompt of ``num_tokens`` tokens for warm-up and profiling: its KV
     slots are all -1 (stored nowhere) and its block table all block 0 (read only)."""
     T = num_tokens
     meta = AttentionMetadata(torch.full((T,), -1, dtype=torch.int64, device=device),
                              torch.zeros(1, -(-T // block_size), dtype=torch.int32, device=device),
                              torch.tensor([T], dtype=torch.int32, device=device),
-                             torch.tensor([0, T], dtype=torch.int32, device=device), backend)
+                             torch.tensor([0, T], dtype=torch.int32, device=device))
     positions = torch.arange(T, device=device) % cfg.max_position_embeddings
     return torch.zeros(T, dtype=torch.long, device=device), positions, meta
 
@@ -849,133 +701,34 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     return peak
 
 
-def tune_cpu_allocator() -> bool:
-    """Keep freed activation memory in the process instead of returning it to the OS.
-
-    Every forward step allocates and frees hundreds of MB of activations and KV
-    gathers. glibc serves blocks above 32 MB with fresh mmap()s and trims the heap
-    top on free, so each step page-faults all of them in again. Measured on W1's
-    64 prompts (outputs capped at 32 tokens, 2-core EPYC, bf16): 78.98 s as is,
-    58.82 s with mmap off, one arena and no trimming (MALLOC_MMAP_MAX_=0
-    MALLOC_ARENA_MAX=1 MALLOC_TRIM_THRESHOLD_=huge), 56.45 s adding torch's
-    THP_MEM_ALLOC_ENABLE=1 (set in nanoserve/__init__.py), at +0.5 GB peak RSS.
-    This is process-wide, like those environment variables; it returns False
-    (and changes nothing) where libc is not glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
-    ok = libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_ARENA_MAX, 1)
-    return bool(ok and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+# Warm-up forwards: one prefill long enough to take the compiled elementwise ops
+# (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS), and one decode.
+WARMUP_PREFILL_TOKENS = 256
 
 
 class ModelRunner:
-    """Owns the model and its KV tensors; runs one step at a time."""
+    """Owns the model and its KV tensors; turns one scheduled step (plain lists)
+    into tensors, runs the forward over the flattened tokens of all requests (no
+    padding to a rectangle), computes logits only for the rows that sample, and
+    samples."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, seed: int = 0, enforce_eager: bool = False):
-        if device.type == "cpu" and tune_cpu_allocator():
-            logger.debug("[model] glibc malloc: no mmap, one arena, no trimming")
+                 block_size: int, device: torch.device, backend: Backend, seed: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.sampler = Sampler(seed)
-        # On the CPU, decode attention runs as one kernel call per step instead of
-        # gather + SDPA: in bf16 the C kernels ("avx512": decodes 2.5-2.9x faster
-        # than the compiled twin on W1's and W0's decode batches, prefill chunks
-        # 4-5x faster than SDPA), else one torch.compile'd kernel ("inductor", 2.4x
-        # faster than SDPA on W1's decode batch: 9.6 vs 23 ms per layer, 2-core
-        # EPYC; benchmarks/RESULTS.md). warmup() settles which one builds here.
-        # On CUDA the Triton kernel is the path.
-        dtype = model.model.embed_tokens.weight.dtype
-        self.attn_backend = None
-        self._decode_kernels: list[str] = []
-        if device.type == "cpu" and not enforce_eager:
-            self._decode_kernels = (["avx512"] if dtype == torch.bfloat16 else []) + ["inductor"]
-            self.attn_backend = self._decode_kernels[0]
-        if can_pack_linear_weights(dtype, device):
-            logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
-        # bf16 on the CPU: the norms, rope and SiLU as one C pass each where they
-        # build and match eager bit for bit (C_OPS), else as inductor-fused loops
-        # (compiled_elementwise_ops: W1 57.5 -> 52.4 s), rather than one eager
-        # pass per op. fp32, the tests' oracle dtype, stays eager (there
-        # inductor's exp, in SiLU, differs from ATen's in the last bit).
-        self._elementwise_kernels: list[str] = []
-        if device.type == "cpu" and dtype == torch.bfloat16 and not enforce_eager:
-            self._elementwise_kernels = ["avx512", "inductor"]
-        self.elementwise_backend: str | None = None  # warmup() settles it; None = eager
+        self.backend = backend
+        self.sampler = Sampler(seed, backend.argmax)
 
-    def warmup(self) -> float:
-        """Build what the first step would build (the C kernels, or inductor's
-        graphs), before any request waits on it; returns the seconds it took (0.0
-        when there is nothing to build). Where one cannot be built here (no C
-        compiler, no AVX-512 BF16) the runner takes the next one, down to eager
-        torch, and says why, instead of failing its first request."""
-        t0 = time.perf_counter()
-        self._warmup_attention()
-        self._warmup_argmax()
-        self._warmup_elementwise()
-        return time.perf_counter() - t0 if (self._decode_kernels or self._elementwise_kernels) else 0.0
-
-    def _warmup_attention(self) -> None:
-        k_cache, v_cache = self.kv_caches[0]
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Run what the first steps would build or compile (Triton's kernels,
+        inductor's graphs) before any request waits on it: a prefill and a decode
+        of a throwaway prompt that writes no KV and reads only block 0."""
         cfg = self.model.config
-        query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=k_cache.dtype, device=self.device)
-        one = torch.ones(1, dtype=torch.int32, device=self.device)
-        for backend in self._decode_kernels:
-            try:
-                with torch.inference_mode():  # reads block 0 of layer 0, writes nothing
-                    kv = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=k_cache.dtype, device=self.device)
-                    kernels.store_kvcache(kv, kv, k_cache, v_cache, -one.long(), backend)  # slot -1: skipped
-                    kernels.paged_attention(query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
-                                            one, torch.tensor([0, 1], dtype=torch.int32), 1.0, backend)
-                self.attn_backend = backend
-                return
-            except Exception as e:  # noqa: BLE001 - any build failure means: try the next one
-                log = logger.info if backend == "avx512" else logger.warning
-                log("[model] decode attention backend %r is not available here (--enforce-eager skips "
-                    "the attempt): %s", backend, str(e).splitlines()[0][:300])
-        self.attn_backend = None
-
-    def _warmup_argmax(self) -> None:
-        """Greedy sampling takes the C argmax where the C attention kernels were
-        meant to run (bf16 on the CPU) and it builds; else torch's."""
-        if "avx512" not in self._decode_kernels:
-            return
-        try:
-            kernels.argmax(torch.zeros(1, 16, dtype=torch.bfloat16), "avx512")
-            self.sampler.argmax_backend = "avx512"
-        except Exception as e:  # noqa: BLE001 - any build failure means: torch's argmax
-            logger.info("[model] the C argmax is not available here: %s", str(e).splitlines()[0][:300])
-
-    def _warmup_elementwise(self) -> None:
-        """The first of _elementwise_kernels that works here: the C ops if they
-        build and give eager's results bit for bit on this model's shapes (they
-        copy ATen's summation order, which a future torch might change), else
-        inductor's, compiled now by one forward of a prompt just long enough to
-        take them (its KV slots -1, written nowhere; its block table all block 0,
-        read only); else the layers keep eager ops, and the runner says why."""
-        for backend in self._elementwise_kernels:
-            try:
-                with torch.inference_mode():
-                    if backend == "avx512":
-                        _check_same_as_eager(C_OPS, self.model)
-                        set_elementwise_ops(self.model, C_OPS)
-                    else:
-                        set_elementwise_ops(self.model, compiled_elementwise_ops())
-                        self.model(*dummy_prompt(self.model.config, COMPILED_ELEMENTWISE_MIN_ROWS,
-                                                 self.block_size, self.device, self.attn_backend), self.kv_caches)
-                self.elementwise_backend = backend
-                return
-            except Exception as e:  # noqa: BLE001 - any build failure means: try the next one
-                set_elementwise_ops(self.model, EAGER_OPS)
-                log = logger.info if backend == "avx512" else logger.warning
-                log("[model] elementwise ops %r are not available here (--enforce-eager skips the attempt): %s",
-                    backend, str(e).splitlines()[0][:300])
+        for num_tokens in (min(WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings), 1):
+            self.model(*dummy_prompt(cfg, num_tokens, self.block_size, self.device), self.kv_caches)
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with
@@ -994,8 +747,7 @@ class ModelRunner:
         slots = compute_slot_mapping(block_tables, seq_ids, positions, self.block_size)
         input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)))
         meta = AttentionMetadata(slots.to(dev), block_tables.to(dev),
-                                 (starts + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev),
-                                 self.attn_backend)
+                                 (starts + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev))
         return input_ids.to(dev), positions.to(dev), meta
 
     @torch.inference_mode()
@@ -1012,10 +764,3 @@ class ModelRunner:
         last = meta.query_start_loc[1:].long() - 1
         logits = self.model.compute_logits(hidden[last[rows]]).cpu()
         return self.sampler(logits, [seqs[i].sample for i in rows])
-
-    @torch.inference_mode()
-    def logits(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Logits of every token of the step (tests compare them with transformers')."""
-        input_ids, positions, meta = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
-        return self.model.compute_logits(hidden).float().cpu()

@@ -134,3 +134,12 @@ def tiny_model(model_root) -> Path:
 def hf_model(path: Path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def step_logits(runner, seqs) -> torch.Tensor:
+    """The logits of every token of one step (``SeqInput``s), in fp32 on the CPU:
+    what the parity tests compare with transformers'."""
+    with torch.inference_mode():
+        input_ids, positions, meta = runner.prepare(seqs)
+        hidden = runner.model(input_ids, positions, meta, runner.kv_caches)
+        return runner.model.compute_logits(hidden).float().cpu()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ARCHS, VOCAB, hf_model, make_model
+from conftest import ARCHS, VOCAB, hf_model, make_model, step_logits
 from nanoserve import LLM, SamplingParams
 from nanoserve.model import SeqInput
 
@@ -68,7 +68,7 @@ def nanoserve_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch
     table = list(bm.block_table("parity"))
     out, start = [], 0
     for n in chunks:
-        out.append(runner.logits([SeqInput(token_ids[start:start + n], start, table, None)]))
+        out.append(step_logits(runner, [SeqInput(token_ids[start:start + n], start, table, None)]))
         start += n
     bm.free("parity")
     return torch.cat(out)
@@ -124,8 +124,8 @@ def test_batched_step_of_prefill_chunk_and_decode_matches_hf(variant, arch):
     bm, runner = llm.engine.block_manager, llm.engine.runner
     a, b = LONG, PROMPTS[3]
     assert bm.allocate_slots("a", a, len(a)) and bm.allocate_slots("b", b, len(b))
-    runner.logits([SeqInput(a[:30], 0, bm.block_table("a"), None)])
-    got = runner.logits([SeqInput(a[30:], 30, bm.block_table("a"), None),
+    step_logits(runner, [SeqInput(a[:30], 0, bm.block_table("a"), None)])
+    got = step_logits(runner, [SeqInput(a[30:], 30, bm.block_table("a"), None),
                          SeqInput(b, 0, bm.block_table("b"), None)])
     ref = torch.cat([hf_logits(hf, a)[30:], hf_logits(hf, b)])
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
@@ -225,4 +225,4 @@ def test_dtype_float32_everywhere(variant):
     assert llm.engine.dtype == torch.float32
     assert all(p.dtype == torch.float32 for p in llm.engine.runner.model.parameters())
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
-    assert llm.engine.runner.logits([SeqInput([1, 2, 3], 0, [0], None)]).dtype == torch.float32
+    assert step_logits(llm.engine.runner, [SeqInput([1, 2, 3], 0, [0], None)]).dtype == torch.float32

@@ -179,22 +179,24 @@ def test_logit_bias_decides_greedy_and_sampled_tokens():
     assert out[0].token_id != banned
 
 
-@pytest.mark.parametrize("backend", [None, "avx512"])
+@pytest.mark.parametrize("backend", ["torch", "c"])
 def test_bf16_logits_sample_as_their_fp32_copies(backend):
     """The runner hands the sampler the model's bf16 logits. Plain greedy rows
-    take kernels.argmax of them (the C kernel where it builds); every other
+    take the backend's argmax of them (the C kernel where it builds); every other
     step works on an fp32 copy. Either way the tokens and logprobs are those
     of the fp32 copy."""
-    if backend == "avx512":
+    argmax = kernels.argmax_torch
+    if backend == "c":
+        from nanoserve import cpu_kernels
         try:
-            kernels._c_row_ops_library()
+            cpu_kernels.row_ops_library()
         except RuntimeError as e:
             pytest.skip(str(e))
+        argmax = cpu_kernels.argmax
     V = 300
     logits = rand_logits(4, V, seed=9).bfloat16()
     logits[1, 7] = logits[1, 250] = 50.0  # a tie: the first index
-    sampler = Sampler()
-    sampler.argmax_backend = backend
+    sampler = Sampler(argmax=argmax)
     cases = [[SamplingParams(temperature=0)] * 4,
              [SamplingParams(temperature=0, logprobs=2)] * 4,
              [SamplingParams(temperature=0, presence_penalty=1.0)] * 4,

@@ -1,0 +1,325 @@
+"""CPU backend: the fastest ``kernels.Backend`` this CPU can run, chosen once.
+
+Platform code beside the reading path, as gpt-fast keeps ``quantize.py`` beside
+its ``model.py``: the model runner calls ``build_cpu_backend`` once at start-up
+(model.py ``select_backend``) and hands the result to the layers; nothing else
+here is needed to follow a request. Per op, in order of preference:
+
+* attention and the KV store: the C kernels (``cpu_kernels.py``, bf16 on a CPU
+  with AVX-512 BF16), else decode attention compiled by ``torch.compile``
+  (inductor), else the torch references;
+* RMSNorm, rotary, SiLU-and-mul (bf16 only): the C kernels if they give the
+  torch references' results bit for bit on this model's shapes (checked here,
+  every start-up), else inductor-fused copies (steps of 256+ tokens), else eager;
+* greedy argmax: the C kernel over bf16 logits, else torch's.
+
+A candidate that cannot be built or checked here is logged, with why, and the
+next one is taken. Also here, applied explicitly by the engine at start-up:
+oneDNN's packed layout for bf16 linear weights (``pack_linear_weights``) and the
+process-wide allocator settings (``tune_process``).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+from nanoserve import kernels
+from nanoserve.kernels import Backend
+
+logger = logging.getLogger("nanoserve.model")
+
+# Below this many tokens a compiled call's fixed cost (guards, ~25 us) is more
+# than the memory passes it saves, so decode steps of small batches stay eager.
+COMPILED_ELEMENTWISE_MIN_ROWS = 256
+
+
+def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int) -> Backend:
+    """``cfg`` is the model's ``ModelConfig`` (heads, sizes: the shapes to build
+    and check for)."""
+    attention, store, attend = _pick_attention(cfg, dtype, block_size)
+    elementwise, (rms_norm, rotary, silu_and_mul) = _pick_elementwise(cfg, dtype)
+    argmax_name, argmax = _pick_argmax(dtype)
+    name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
+    return Backend(name, store, attend, rms_norm, rotary, silu_and_mul, argmax)
+
+
+def _first_that_works(what: str, candidates, fallback):
+    """The first (name, make) whose make() returns without raising, else fallback."""
+    for name, make in candidates:
+        try:
+            return name, make()
+        except Exception as e:  # noqa: BLE001 - any build or check failure means: try the next one
+            log = logger.info if name == "c" else logger.warning
+            log("[model] %s %r is not available here (--enforce-eager skips the attempt): %s", what, name,
+                str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+    return fallback
+
+
+# --------------------------------------------------------------------------- attention
+
+def _pick_attention(cfg, dtype, block_size):
+    def c():
+        from nanoserve import cpu_kernels
+        return _smoke(cfg, dtype, block_size, cpu_kernels.store_kvcache, cpu_kernels.paged_attention)
+
+    def inductor():
+        return _smoke(cfg, dtype, block_size, kernels.store_kvcache_torch, paged_attention_compiled)
+    candidates = ([("c", c)] if dtype == torch.bfloat16 else []) + [("inductor", inductor)]
+    name, (store, attend) = _first_that_works(
+        "attention backend", candidates,
+        ("torch", (kernels.store_kvcache_torch, kernels.paged_attention_torch)))
+    return name, store, attend
+
+
+def _smoke(cfg, dtype, block_size, store, attend):
+    """Build (and, for inductor, compile) by one decode over a one-block cache,
+    made as the engine makes its caches (outside inference mode: dynamo guards on it)."""
+    k_cache, v_cache = (torch.zeros(1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype) for _ in "kv")
+    with torch.inference_mode():
+        kv = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+        store(kv, kv, k_cache, v_cache, torch.full((1,), -1, dtype=torch.int64))  # slot -1: written nowhere
+        query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=dtype)
+        one = torch.ones(1, dtype=torch.int32)
+        attend(query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32), one,
+               torch.tensor([0, 1], dtype=torch.int32), 1.0)
+    return store, attend
+
+
+def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+    """All-decode steps through the compiled decode attention; steps with
+    prefill chunks (or once dynamo refuses another graph) through the reference."""
+    num_seqs = seq_lens.shape[0]
+    if torch.equal(query_start_loc, torch.arange(num_seqs + 1, dtype=query_start_loc.dtype)):
+        out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
+        if out is not None:
+            return out
+    return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+def decode_attention_fused(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Decode attention (``query`` [seqs, kv_heads, group, head_dim] -> the same) as
+    plain reductions over the paged cache, written for torch.compile: inductor
+    turns the block-table lookup into addressing inside its dot-product loops, so
+    K and V are read straight from the cache, with no gathered copy and no tiny
+    GEMM per (sequence, head). Eagerly it would materialise a huge product.
+    Scores, softmax and the weighted sum stay in fp32."""
+    width = block_tables.shape[1]
+    block_size = k_cache.shape[1]
+    blocks = block_tables.long()
+    q = query[:, None, None].float()                                 # [n, 1, 1, kvh, group, d]
+    k = k_cache[blocks].float()                                      # [n, W, bs, kvh, d]
+    s = (q * k[..., None, :]).sum(-1) * scale                        # [n, W, bs, kvh, group]
+    pos = torch.arange(width * block_size, device=query.device).view(width, block_size, 1, 1)
+    s = s.masked_fill(pos >= seq_lens.view(-1, 1, 1, 1, 1), float("-inf"))
+    p = torch.exp(s - s.amax((1, 2), keepdim=True))
+    v = v_cache[blocks].float()
+    o = (p[..., None] * v[..., None, :]).sum((1, 2)) / p.sum((1, 2))[..., None]  # [n, kvh, group, d]
+    return o.to(query.dtype)
+
+
+@functools.cache
+def _compiled_decode():
+    # dynamic=False keeps head_dim, heads and block_size constants (inductor then
+    # unrolls and vectorises the head_dim loop); the batch, table and cache sizes
+    # are marked unbacked in _run_compiled_decode, so one graph serves every batch.
+    return torch.compile(decode_attention_fused, dynamic=False, fullgraph=True)
+
+
+def _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale):
+    """The compiled decode, or None when dynamo refuses to compile yet another
+    shape (its recompile_limit: a process that has run many different models)."""
+    import torch._dynamo
+    from torch._dynamo.decorators import mark_unbacked
+    n, num_heads, head_dim = query.shape
+    # [n, kv_heads, group, d]: a static group lets inductor unroll the query heads
+    # that share a K/V row.
+    q = query.reshape(n, k_cache.shape[2], -1, head_dim)
+    width = -(-int(seq_lens.max()) // k_cache.shape[1])
+    table = block_tables[:, :width].contiguous()
+    for t, dims in ((q, (0,)), (k_cache, (0,)), (v_cache, (0,)), (table, (0, 1)), (seq_lens, (0,))):
+        for dim in dims:
+            mark_unbacked(t, dim)
+    scale = torch.tensor(scale, dtype=torch.float32, device=query.device)  # a tensor: no constant to recompile on
+    try:
+        return _compiled_decode()(q, k_cache, v_cache, table, seq_lens, scale).view(n, num_heads, head_dim)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        warnings.warn("torch.compile's recompile limit is reached: decode attention runs eager "
+                      "SDPA for this model", RuntimeWarning, stacklevel=2)
+        return None
+
+
+# --------------------------------------------------------------------------- elementwise ops
+
+def _pick_elementwise(cfg, dtype):
+    references = (kernels.rms_norm_torch, kernels.rotary_torch, kernels.silu_and_mul_torch)
+    if dtype != torch.bfloat16:  # fp32, the tests' oracle dtype, stays eager
+        return "torch", references
+
+    def c():
+        from nanoserve import cpu_kernels
+        return check_same_as_torch((cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul), cfg)
+
+    def inductor():
+        return check_same_as_torch(compiled_elementwise_ops(), cfg)
+    return _first_that_works("elementwise ops", [("c", c), ("inductor", inductor)], ("torch", references))
+
+
+def check_same_as_torch(ops, cfg, num_tokens: int = COMPILED_ELEMENTWISE_MIN_ROWS + 1):
+    """Return ``ops`` (rms_norm, rotary, silu_and_mul) if they compute the torch
+    references' results bit for bit on random bf16 inputs of this model's shapes,
+    laid out as the layers pass them (q and k as views of one projection); raise
+    otherwise. The C kernels copy ATen's summation order, which a future torch
+    might change; this is what keeps outputs from moving then."""
+    rms_norm, rotary, silu_and_mul = ops
+    gen = torch.Generator().manual_seed(0)
+    T, hq, hk, d = num_tokens, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    rand = lambda *shape: (torch.randn(*shape, generator=gen) * 3).bfloat16()  # noqa: E731
+    x, w, gate_up = rand(T, cfg.hidden_size), rand(cfg.hidden_size), rand(T, 2 * cfg.intermediate_size)
+    qkv, qw, kw = rand(T, (hq + 2 * hk) * d), rand(d), rand(d)
+    q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    positions = torch.randint(0, 64, (T,), generator=gen)
+    cos, sin = torch.randn(64, d, generator=gen), torch.randn(64, d, generator=gen)
+    pairs = [(rms_norm(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6)),
+             (silu_and_mul(gate_up), kernels.silu_and_mul_torch(gate_up))]
+    if cfg.qk_norm:  # Qwen3: per-head norms, then rotary of their (contiguous) outputs
+        pairs += [(rms_norm(q, qw, 1e-6), kernels.rms_norm_torch(q, qw, 1e-6)),
+                  (rms_norm(k, kw, 1e-6), kernels.rms_norm_torch(k, kw, 1e-6))]
+        q, k = kernels.rms_norm_torch(q, qw, 1e-6), kernels.rms_norm_torch(k, kw, 1e-6)
+    pairs += zip(rotary(q, k, positions, cos, sin), kernels.rotary_torch(q, k, positions, cos, sin))
+    if not all(torch.equal(a, b) for a, b in pairs):
+        raise RuntimeError("their results differ from the torch references' on this machine")
+    return ops
+
+
+def _mean_square(x: torch.Tensor) -> torch.Tensor:
+    return x.float().pow(2).mean(-1, keepdim=True)
+
+
+def _rms_scale(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * (x.float() * torch.rsqrt(ms + eps)).to(x.dtype)
+
+
+@functools.cache
+def compiled_elementwise_ops():
+    """Inductor's fused copies of (rms_norm, rotary, silu_and_mul). Eager torch
+    runs each pointwise op as its own pass over memory, which at prefill sizes
+    costs more than the arithmetic. emulate_precision_casts rounds each bf16
+    intermediate where eager torch does, so outputs stay eager's bit for bit.
+    RMSNorm's mean of squares stays eager, outside: inductor sums the squares
+    in another order than ATen, which moved outputs."""
+    rms_scale = compile_rows(_rms_scale, 2)
+
+    def rms_norm(x, weight, eps):
+        return rms_scale(x, _mean_square(x), weight, eps)
+    return rms_norm, compile_rows(kernels.rotary_torch, 3), compile_rows(kernels.silu_and_mul_torch, 1)
+
+
+def compile_rows(fn, row_args: int):
+    """torch.compile(fn) with dim 0 (the tokens) of its first ``row_args``
+    arguments unbacked: one graph per model shape serves every step size, while
+    the other sizes stay constants for inductor to vectorise. Short steps, and
+    any call once dynamo's recompile limit is reached, run ``fn`` eagerly."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+
+    def run(*args):
+        import torch._dynamo
+        from torch._dynamo.decorators import mark_unbacked
+        if args[0].shape[0] < COMPILED_ELEMENTWISE_MIN_ROWS:
+            return fn(*args)
+        for t in args[:row_args]:
+            mark_unbacked(t, 0)
+        try:
+            return compiled(*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            warnings.warn(f"torch.compile's recompile limit is reached: {fn.__name__} runs eager "
+                          "for this model", RuntimeWarning, stacklevel=2)
+            return fn(*args)
+    return run
+
+
+# --------------------------------------------------------------------------- argmax
+
+def _pick_argmax(dtype):
+    def c():
+        from nanoserve import cpu_kernels
+        cpu_kernels.argmax(torch.zeros(1, 16, dtype=torch.bfloat16))
+        return cpu_kernels.argmax
+    if dtype != torch.bfloat16:
+        return "torch", kernels.argmax_torch
+    return _first_that_works("argmax", [("c", c)], ("torch", kernels.argmax_torch))
+
+
+# --------------------------------------------------------------------------- model and process
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight oneDNN holds in its own blocked layout, packed
+    once at load instead of by F.linear on every call; bit for bit F.linear's
+    results in bf16."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64):
+        super().__init__()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack_linear_weights(dtype: torch.dtype, device: torch.device) -> bool:
+    # fp32 stays unpacked: F.linear's fp32 path is MKL's, whose results differ in the last bit
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def pack_linear_weights(model: nn.Module) -> int:
+    """Replace every ``model.Linear`` by a PackedLinear (the dense weight is freed);
+    a tied LM head gets a packed copy of the embedding, which stays dense for the
+    lookup. Returns the number of weights packed."""
+    from nanoserve.model import Linear
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Linear):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                count += 1
+    if model.lm_head is None:
+        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+        count += 1
+    return count
+
+
+def tune_process() -> list[str]:
+    """Process-wide memory settings that make CPU steps faster; returns what was set.
+
+    * ``THP_MEM_ALLOC_ENABLE=1`` (unless already set): torch backs its large CPU
+      tensors with transparent huge pages, so fewer page faults and TLB misses.
+      It takes effect for allocations after this, so it runs before the weights load.
+    * glibc malloc: no mmap, one arena, no trimming. Every step allocates and
+      frees hundreds of MB of activations; by default glibc serves each with a
+      fresh mmap() and trims the heap on free, so each step page-faults them in
+      again. The cost: memory freed after a large step stays in the process.
+    The speed-ups are measured in benchmarks/RESULTS.md ("allocator")."""
+    done = []
+    if "THP_MEM_ALLOC_ENABLE" not in os.environ:
+        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
+        done.append("THP_MEM_ALLOC_ENABLE=1")
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            return done
+        M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's <malloc.h>
+        if libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_ARENA_MAX, 1) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1):
+            done.append("glibc malloc: no mmap, one arena, no trimming")
+    return done
+
+
+__all__ = ["build_cpu_backend", "pack_linear_weights", "can_pack_linear_weights", "tune_process",
+           "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]

@@ -1,0 +1,279 @@
+"""CPU kernels: the C sources in ``nanoserve/csrc``, built and called through ctypes.
+
+Platform code behind the kernels layer's seam (``kernels.Backend``): nothing on
+the reading path imports this module; ``cpu_backend.py`` does, when it builds
+the CPU backend. Every function here computes what its torch reference in
+``kernels.py`` computes, on bf16 tensors on a CPU with AVX-512 BF16:
+
+* ``paged_attention`` / ``store_kvcache`` (csrc/attention.c, csrc/row_ops.c):
+  decodes through ``decode_attention`` (cascade attention where many sequences
+  share a long prefix), prefill chunks through ``chunk_attention``;
+* ``rms_norm``, ``rotary``, ``silu_and_mul`` (csrc/row_ops.c): bit for bit the
+  torch references' results;
+* ``argmax``: greedy sampling over bf16 logits, torch's rules.
+
+The libraries are built on first use with the system C compiler (``$CC``),
+``-march=native``, and cached on disk under ``$NANOSERVE_CACHE_DIR`` (default
+``~/.cache/nanoserve``) keyed by the sources, the flags and this CPU. A build
+that fails raises RuntimeError saying why; the caller then takes another backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+
+# Cascade attention pays where many sequences share a long prefix; with few
+# sequences or a short prefix one pass is as fast (RESULTS.md, "cascade").
+CASCADE_MIN_SEQS = 8
+CASCADE_MIN_TOKENS = 256
+
+
+# --------------------------------------------------------------------------- building
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("NANOSERVE_CACHE_DIR") or Path.home() / ".cache" / "nanoserve")
+
+
+def _cpu_flags() -> str:
+    """-march=native builds for this CPU, so the built library is keyed by it."""
+    try:
+        return next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def build_library(source: Path, defines: list[str] = ()) -> ctypes.CDLL:
+    """Build ``source`` (with csrc/ on the include path) once per source, headers,
+    flags and CPU, cache it on disk, and load it."""
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    flags = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", f"-I{CSRC}", *defines]
+    texts = [source.read_text()] + [h.read_text() for h in sorted(CSRC.glob("*.h"))]
+    key = hashlib.sha256("\0".join([*texts, cc, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{source.stem}_{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            so = Path(tmp) / "out.so"
+            r = subprocess.run([cc, *flags, str(source), "-o", str(so), "-lm"], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"building the C kernel {source.name} failed: {r.stderr.strip()[:500]}")
+            os.replace(so, path)  # atomic: another process may be building the same file
+    # libgomp is already loaded by torch under the same soname, so the kernels'
+    # OpenMP threads are torch's own pool, not a second one competing for cores.
+    return ctypes.CDLL(str(path))
+
+
+_P, _I64, _F32, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+
+
+def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ctypes.CDLL:
+    for name, (args, res) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, res
+    return lib
+
+
+@functools.cache
+def attention_library(group: int, head_dim: int) -> ctypes.CDLL:
+    """csrc/attention.c for one head shape (constant sizes keep a K/V row in registers)."""
+    if head_dim % 32:
+        raise RuntimeError(f"the C attention kernels need head_dim % 32 == 0, got {head_dim}")
+    lib = build_library(CSRC / "attention.c", [f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"])
+    return _declare(lib, {
+        "decode_attention": ([_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _P, _P, _P, _I32],
+                             None),
+        "chunk_attention": ([_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
+        "prefix_attention": ([_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
+    })
+
+
+@functools.cache
+def row_ops_library() -> ctypes.CDLL:
+    """csrc/row_ops.c: the shape-free kernels."""
+    return _declare(build_library(CSRC / "row_ops.c"), {
+        "argmax_rows": ([_P, _I64, _I64, _I64, _P, _I32], None),
+        "rms_norm": ([_P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
+        "rotary": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32], None),
+        "silu_and_mul": ([_P, _P, _I64, _I64, _P, _I32], None),
+        "store_kvcache": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], _I64),
+    })
+
+
+# --------------------------------------------------------------------------- attention
+
+def _check_attention_inputs(query, k_cache, v_cache) -> None:
+    if not query.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16:
+        raise ValueError("the C attention kernels take bf16 query and caches")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the C attention kernels need contiguous caches")
+
+
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
+    """kernels.paged_attention_torch in C: the decodes of the step in one
+    decode_attention call, its multi-token chunks in one chunk_attention call."""
+    _check_attention_inputs(query, k_cache, v_cache)
+    query = query.contiguous()  # the kernels index rows directly
+    num_seqs = seq_lens.shape[0]
+    if torch.equal(query_start_loc, torch.arange(num_seqs + 1, dtype=query_start_loc.dtype)):
+        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)  # all decodes
+    out = torch.empty_like(query)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    decodes = torch.nonzero(q_lens == 1).flatten()
+    if decodes.numel():
+        rows = query_start_loc[decodes].long()
+        out[rows] = decode_attention(query[rows], k_cache, v_cache, block_tables[decodes],
+                                     seq_lens[decodes], scale)
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    table = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    qsl = query_start_loc.to(torch.int32).contiguous()
+    attention_library(num_heads // num_kv_heads, head_dim).chunk_attention(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
+        lens.data_ptr(), qsl.data_ptr(), out.data_ptr(), num_seqs, num_kv_heads, block_size, float(scale),
+        torch.get_num_threads())
+    return out
+
+
+def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """One query token per sequence: query [seqs, heads, d] bf16 -> the same.
+    Where the sequences share a long enough prefix, cascade attention: the shared
+    part once for all (prefix_attention), then each one's own tail, merged."""
+    n, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    _check_attention_inputs(query, k_cache, v_cache)
+    lib = attention_library(num_heads // num_kv_heads, head_dim)
+    query = query.contiguous()
+    table = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    threads = torch.get_num_threads()
+    start, partials = 0, (None, None, None)
+    shared = shared_prefix_blocks(table, lens, block_size) if n >= CASCADE_MIN_SEQS else 0
+    if shared * block_size >= CASCADE_MIN_TOKENS:
+        start = shared * block_size
+        o_pre = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
+        m_pre, l_pre = torch.empty(n, num_heads), torch.empty(n, num_heads)
+        prefix_table = table[0, :shared].contiguous()  # held: C reads it through a raw pointer
+        lib.prefix_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), prefix_table.data_ptr(),
+                             start, o_pre.data_ptr(), m_pre.data_ptr(), l_pre.data_ptr(), n, num_kv_heads,
+                             block_size, float(scale), threads)
+        partials = (o_pre.data_ptr(), m_pre.data_ptr(), l_pre.data_ptr())
+    lib.decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+                         table.stride(0), lens.data_ptr(), out.data_ptr(), n, num_kv_heads, block_size,
+                         float(scale), heads_per_task(n, num_kv_heads, threads), start, *partials, threads)
+    return out
+
+
+def heads_per_task(num_seqs: int, num_kv_heads: int, threads: int) -> int:
+    """Most kv heads per task (longest contiguous reads) that still leaves every
+    thread a few tasks: a batch of one sequence is split across its heads."""
+    for hb in range(num_kv_heads, 0, -1):
+        if num_kv_heads % hb == 0 and num_seqs * (num_kv_heads // hb) >= 2 * threads:
+            return hb
+    return 1
+
+
+def shared_prefix_blocks(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
+    """How many leading blocks every sequence's table has in common (the prefix
+    cache hands one physical block to all requests with the same prefix), leaving
+    each sequence at least its last token of its own."""
+    same = (block_tables == block_tables[:1]).all(0)
+    common = int(same.to(torch.int32).cumprod(0).sum())
+    return min(common, (int(seq_lens.min()) - 1) // block_size)
+
+
+def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """kernels.store_kvcache_torch as one memcpy per row and cache."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    if not (key.dtype == value.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and key.stride()[1:] == value.stride()[1:] == (head_dim, 1)):
+        raise ValueError("the C store_kvcache takes bf16 key/value with contiguous heads and contiguous caches")
+    slots = slot_mapping.to(torch.int64).contiguous()
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    bad = row_ops_library().store_kvcache(key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0),
+                                          k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+                                          key.shape[0], num_kv_heads * head_dim, num_slots)
+    if bad:
+        raise IndexError(f"store_kvcache: {bad} slots outside the cache's {num_slots} (or below -1)")
+
+
+# --------------------------------------------------------------------------- row-wise ops
+
+def _rows_ok(t: torch.Tensor, n: int) -> bool:
+    """bf16, unit stride within a row of n (a multiple of 16), any row stride."""
+    return t.dtype == torch.bfloat16 and t.stride(-1) == 1 and n % 16 == 0
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.rms_norm_torch for x [rows, n] or [rows, heads, n] (heads contiguous)."""
+    n = x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    if not (x.dim() in (2, 3) and _rows_ok(x, n) and (x.dim() == 2 or x.stride(1) == n)
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+        raise ValueError("the C rms_norm takes bf16 [rows, n] or [rows, heads, n] with n % 16 == 0")
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    row_ops_library().rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                               heads, n, eps, torch.get_num_threads())
+    return out
+
+
+def rotary(q, k, positions, cos_cache, sin_cache):
+    """kernels.rotary_torch for q [rows, hq, d], k [rows, hk, d] with contiguous heads."""
+    rows, hq, d = q.shape
+    hk = k.shape[1]
+    if not (_rows_ok(q, d) and _rows_ok(k, d) and q.stride(1) == d and k.stride(1) == d
+            and cos_cache.dtype == torch.float32 and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+        raise ValueError("the C rotary takes bf16 q, k with contiguous heads, head_dim % 16 == 0, "
+                         "and fp32 cos/sin tables")
+    q_out = torch.empty(rows, hq, d, dtype=torch.bfloat16)
+    k_out = torch.empty(rows, hk, d, dtype=torch.bfloat16)
+    pos = positions.to(torch.int64).contiguous()
+    row_ops_library().rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(),
+                             k_out.data_ptr(), rows, hq, hk, d, pos.data_ptr(), cos_cache.data_ptr(),
+                             sin_cache.data_ptr(), torch.get_num_threads())
+    return q_out, k_out
+
+
+@functools.cache
+def _silu_table() -> torch.Tensor:
+    """fp32 [65536]: torch's bf16 F.silu of every bf16 bit pattern, by index."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return F.silu(bits).float()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """kernels.silu_and_mul_torch for gate_up [rows, 2n] contiguous."""
+    rows, n = gate_up.shape[0], gate_up.shape[1] // 2
+    if not (_rows_ok(gate_up, n) and gate_up.is_contiguous()):
+        raise ValueError("the C silu_and_mul takes contiguous bf16 [rows, 2n] with n % 16 == 0")
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    row_ops_library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _silu_table().data_ptr(),
+                                   torch.get_num_threads())
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """kernels.argmax_torch of bf16 logits [rows, vocab], read once: the argmax
+    of bf16 values is the argmax of their exact fp32 copies."""
+    if logits.dtype != torch.bfloat16 or logits.dim() != 2 or logits.stride(1) != 1:
+        raise ValueError("the C argmax takes a bf16 [rows, vocab] tensor with unit stride over the vocab")
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    row_ops_library().argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
+                                  out.data_ptr(), torch.get_num_threads())
+    return out

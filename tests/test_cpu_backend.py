@@ -1,0 +1,239 @@
+"""The CPU backend's choice (nanoserve/cpu_backend.py): on the CPU an engine
+takes the C kernels where they build, else torch.compile'd ones, else the torch
+references, says why at each step down, and gets the same tokens whichever it
+took; --enforce-eager takes the references. Also the oneDNN weight packing and
+the process-wide allocator settings."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import platform
+import sys
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_model, step_logits
+from nanoserve import LLM, SamplingParams, cpu_backend, cpu_kernels, kernels
+from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
+from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+_rng = torch.Generator().manual_seed(7)
+PROMPTS = [torch.randint(1, VOCAB, (n,), generator=_rng).tolist() for n in (45, 7, 1, 60, 23)]
+
+
+@pytest.fixture(scope="module")
+def model(model_root):
+    return make_model(model_root, "llama")  # head_dim 16: the C attention kernels take multiples of 32
+
+
+def make_llm(model, **kw) -> LLM:
+    return LLM(str(model), **{"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 64, **kw})
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def runner_with(backend: kernels.Backend, path, dtype=torch.bfloat16) -> ModelRunner:
+    """A runner of its own over ``backend``, as the engine would build it."""
+    cfg = ModelConfig.from_dir(path)
+    model, _ = load_model(path, dtype, torch.device("cpu"), backend)
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, 16)
+    return ModelRunner(model, allocate_kv_cache(spec, 64, torch.device("cpu")), 16, torch.device("cpu"), backend)
+
+
+def two_steps(runner: ModelRunner, prompt_len: int = 100) -> list[torch.Tensor]:
+    """A prefill of three prompts, then a decode of each: the logits of both steps."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (prompt_len,), generator=gen).tolist() for _ in range(3)]
+    n = -(-(prompt_len + 1) // 16)
+    tables = [list(range(1 + n * i, 1 + n * (i + 1))) for i in range(3)]
+    return [step_logits(runner, step) for step in (
+        [SeqInput(p, 0, t, None) for p, t in zip(prompts, tables)],
+        [SeqInput([5 + i], prompt_len, t, None) for i, t in enumerate(tables)])]
+
+
+def _c_or_skip(group=2, head_dim=32):
+    try:
+        cpu_kernels.attention_library(group, head_dim)
+        cpu_kernels.row_ops_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+def _no_c(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no C compiler found (set CC)")
+    monkeypatch.setattr(cpu_kernels, "attention_library", broken)
+    monkeypatch.setattr(cpu_kernels, "row_ops_library", broken)
+
+
+# ---------------------------------------------------------------- which backend
+
+def test_fp32_cpu_compiles_decode_attention_unless_enforce_eager(model):
+    compiled, eager = make_llm(model), make_llm(model, enforce_eager=True)
+    b = compiled.engine.backend
+    assert b.paged_attention is cpu_backend.paged_attention_compiled
+    assert b.rms_norm is kernels.rms_norm_torch and b.argmax is kernels.argmax_torch  # fp32: the references
+    assert eager.engine.backend is kernels.TORCH
+    assert tokens(compiled) == tokens(eager)
+
+
+def test_a_failing_compile_falls_back_to_the_reference(model, monkeypatch, caplog):
+    """No C++ compiler for inductor (say): the engine starts on the references and says why."""
+    def broken():
+        raise RuntimeError("InductorError: no working C++ compiler found")
+    monkeypatch.setattr(cpu_backend, "_compiled_decode", broken)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+        llm = make_llm(model)
+    assert llm.engine.backend.paged_attention is kernels.paged_attention_torch
+    assert "attention backend 'inductor' is not available" in caplog.text and "C++ compiler" in caplog.text
+    assert tokens(llm) == tokens(make_llm(model, enforce_eager=True))
+
+
+def test_bf16_cpu_runs_the_c_kernels(tiny_model):
+    """bf16 on the CPU: attention, the KV store, the elementwise ops and argmax are
+    the C kernels; a prefill and a decode give the references' logits to bf16
+    rounding (attention sums in another order), and greedy tokens run."""
+    _c_or_skip()  # the tiny qwen3: 4 heads on 2 kv heads, head_dim 32
+    llm = make_llm(tiny_model, dtype="bfloat16")
+    b = llm.engine.backend
+    assert (b.paged_attention, b.store_kvcache) == (cpu_kernels.paged_attention, cpu_kernels.store_kvcache)
+    assert (b.rms_norm, b.rotary, b.silu_and_mul, b.argmax) == (
+        cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul, cpu_kernels.argmax)
+    for c, ref in zip(two_steps(runner_with(b, tiny_model)), two_steps(runner_with(kernels.TORCH, tiny_model))):
+        assert torch.isfinite(c).all()
+        torch.testing.assert_close(c, ref, atol=0.05, rtol=0.02)
+    assert all(len(t) == 16 for t in tokens(llm))
+
+
+def test_bf16_cpu_attention_falls_back_when_the_c_kernel_cannot_be_built(model, caplog):
+    """The llama test model's head_dim is 16: the engine takes the compiled
+    attention, and says why at INFO level."""
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        llm = make_llm(model, dtype="bfloat16")
+    assert llm.engine.backend.paged_attention is cpu_backend.paged_attention_compiled
+    assert "attention backend 'c' is not available" in caplog.text and "head_dim % 32 == 0" in caplog.text
+    assert all(len(t) == 16 for t in tokens(llm))
+
+
+def test_bf16_cpu_elementwise_ops_are_c_or_compiled_and_the_references_bit_for_bit(tiny_model, monkeypatch):
+    """The norms, rotary and SiLU are the C ops where they build, else inductor's;
+    either way, with the reference attention beside them, a 100-token prefill
+    (inductor's ops take steps of 256+ tokens: 300 here) and a decode give the
+    references' logits bit for bit."""
+    cfg = ModelConfig.from_dir(tiny_model)
+    reference = two_steps(runner_with(kernels.TORCH, tiny_model), 100)
+
+    def same_as_reference(backend, prompt_len):
+        backend = dataclasses.replace(backend, store_kvcache=kernels.store_kvcache_torch,
+                                      paged_attention=kernels.paged_attention_torch)
+        want = reference if prompt_len == 100 else two_steps(runner_with(kernels.TORCH, tiny_model), prompt_len)
+        for got, ref in zip(two_steps(runner_with(backend, tiny_model), prompt_len), want):
+            assert torch.equal(got, ref)
+    try:
+        cpu_kernels.row_ops_library()
+        backend = cpu_backend.build_cpu_backend(cfg, torch.bfloat16, 16)
+        assert backend.rms_norm is cpu_kernels.rms_norm
+        same_as_reference(backend, 100)
+    except RuntimeError:  # no AVX-512 here: the compiled ops below are what runs
+        pass
+    _no_c(monkeypatch)
+    backend = cpu_backend.build_cpu_backend(cfg, torch.bfloat16, 16)
+    assert "elementwise ops: inductor" in backend.name
+    same_as_reference(backend, 300)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
+    """compile_rows: steps from COMPILED_ELEMENTWISE_MIN_ROWS tokens up share one
+    graph (the token axis is unbacked), smaller ones run eager. In bf16, the dtype
+    they serve, the fused ops match eager's bit for bit (emulate_precision_casts);
+    in fp32 inductor's exp (SiLU) differs in the last bit."""
+    from torch._dynamo.utils import counters
+    MIN_ROWS = cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS
+
+    def same(a, b):
+        assert torch.equal(a, b) if dtype == torch.bfloat16 else torch.testing.assert_close(a, b) is None
+
+    def silu_mul_copy(x):  # a fresh code object: a compile of its own, whatever ran before
+        return kernels.silu_and_mul_torch(x)
+    fn = cpu_backend.compile_rows(silu_mul_copy, 1)
+    gen = torch.Generator().manual_seed(0)
+    before = counters["stats"]["unique_graphs"]
+    for rows in (MIN_ROWS, MIN_ROWS + 1, 3 * MIN_ROWS + 5, 3):
+        x = torch.randn(rows, 2 * 48, generator=gen).to(dtype)
+        same(fn(x), kernels.silu_and_mul_torch(x))
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+    rms_norm, rotary, _ = cpu_backend.compiled_elementwise_ops()
+    T = MIN_ROWS + 7
+    qkv = torch.randn(T, (4 + 2 + 2) * 32, generator=gen).to(dtype)  # q, k as views of one projection
+    q, k = qkv[:, :128].view(T, 4, 32), qkv[:, 128:192].view(T, 2, 32)
+    positions = torch.randint(0, 512, (T,), generator=gen)
+    cos, sin = torch.randn(512, 32, generator=gen), torch.randn(512, 32, generator=gen)
+    for got, want in zip(rotary(q, k, positions, cos, sin), kernels.rotary_torch(q, k, positions, cos, sin)):
+        same(got, want)
+    w = torch.randn(32, generator=gen).to(dtype)
+    same(rms_norm(q, w, 1e-6), kernels.rms_norm_torch(q, w, 1e-6))
+    x, w = torch.randn(T, 64, generator=gen).to(dtype), torch.randn(64, generator=gen).to(dtype)
+    same(rms_norm(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6))
+
+
+def test_a_failing_elementwise_compile_falls_back_to_the_references(tiny_model, monkeypatch, caplog):
+    """No C compiler (say): neither the C ops nor inductor's build, the layers
+    keep the references and the engine says why, instead of failing its first prompt."""
+    def broken(*args):
+        raise RuntimeError("InductorError: no working C++ compiler found")
+    _no_c(monkeypatch)
+    monkeypatch.setattr(cpu_backend, "compiled_elementwise_ops", lambda: (broken, broken, broken))
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        llm = make_llm(tiny_model, dtype="bfloat16")
+    b = llm.engine.backend
+    assert (b.rms_norm, b.rotary, b.silu_and_mul) == (kernels.rms_norm_torch, kernels.rotary_torch,
+                                                       kernels.silu_and_mul_torch)
+    assert "elementwise ops 'c' is not available" in caplog.text
+    assert "elementwise ops 'inductor' is not available" in caplog.text and "C++ compiler" in caplog.text
+    assert all(len(t) == 16 for t in tokens(llm))
+
+
+# ---------------------------------------------------------------- the model and the process
+
+@pytest.mark.parametrize("tied", [False, True], ids=["llama-untied-head", "qwen3-tied-head"])
+def test_packed_bf16_linear_weights_change_no_bit(model, tiny_model, tied, monkeypatch):
+    """bf16 on the CPU: linear weights are packed for oneDNN once at load; the
+    logits and greedy tokens must be bit-identical to plain F.linear's."""
+    from nanoserve.model import Linear
+    path = tiny_model if tied else model
+    packed = runner_with(kernels.TORCH, path)
+    assert isinstance(packed.model.lm_head, cpu_backend.PackedLinear)  # a tied head gets a packed copy
+    assert not any(isinstance(m, Linear) for m in packed.model.modules())
+    monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = runner_with(kernels.TORCH, path)
+    assert not any(isinstance(m, cpu_backend.PackedLinear) for m in plain.model.modules())
+    for a, b in zip(two_steps(packed, 30), two_steps(plain, 30)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="mallopt is glibc's")
+def test_process_tuning_is_explicit_and_can_be_turned_off(model, monkeypatch, caplog):
+    """Importing nanoserve changes nothing process-wide; an engine on the CPU
+    applies the allocator settings at start-up and logs them, unless told not to."""
+    import subprocess
+    code = "import os, nanoserve; print(os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip() == "None"
+    calls = []
+    monkeypatch.setattr(cpu_backend, "tune_process", lambda: calls.append(1) or ["glibc malloc: test"])
+    with caplog.at_level(logging.INFO, logger="nanoserve.engine"):
+        make_llm(model, enforce_eager=True)
+    assert calls == [1] and "process-wide: glibc malloc: test" in caplog.text
+    make_llm(model, enforce_eager=True, cpu_allocator_tuning=False)
+    assert calls == [1]
+    monkeypatch.undo()
+    assert "glibc malloc: no mmap, one arena, no trimming" in cpu_backend.tune_process()  # every mallopt accepted
