@@ -33,7 +33,8 @@ from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve import cpu_backend
 from nanoserve.model import (ModelConfig, ModelLoadError, ModelRunner, SampleRequest, SampleResult,
                              SeqInput, load_model, load_tokenizer, num_parameters,
-                             profile_activation_bytes, resolve_dtype, select_backend)
+                             profile_activation_bytes, resolve_dtype, select_backend,
+                             cudagraph_capture_sizes)
 from nanoserve.scheduler import (RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
 
@@ -290,6 +291,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
     cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP and glibc malloc, process-wide
+    # Decode batch sizes replayed as CUDA graphs (None: vLLM's default list up to
+    # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
+    # path eagerly); enforce_eager turns them off.
+    cudagraph_capture_sizes: list[int] | None = None
 
 
 class LLMEngine:
@@ -308,6 +313,7 @@ class LLMEngine:
             if config.cpu_allocator_tuning:  # before the weights load: it applies to later allocations
                 for setting in cpu_backend.tune_process():
                     logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
+        self.decode_sizes = self._decode_sizes()
         t0 = time.perf_counter()
         self.backend = select_backend(self.model_config, self.dtype, self.device, config.block_size,
                                       config.enforce_eager)
@@ -319,6 +325,18 @@ class LLMEngine:
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
 
     # ---------------------------------------------------------------- start-up
+    def _decode_sizes(self) -> list[int]:
+        cfg = self.config
+        if cfg.enforce_eager:
+            return []
+        if cfg.cudagraph_capture_sizes is not None:
+            sizes = sorted(set(cfg.cudagraph_capture_sizes))
+            if not sizes or sizes[0] < 1:
+                raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got "
+                                 f"{cfg.cudagraph_capture_sizes}")
+            return sizes
+        return cudagraph_capture_sizes(cfg.max_num_seqs) if self.device.type == "cuda" else []
+
     def _check_memory(self) -> None:
         """Before loading: do the weights and an explicitly sized KV cache fit?"""
         cfg, mc = self.config, self.model_config
@@ -345,6 +363,12 @@ class LLMEngine:
                                                    cfg.block_size)
             logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
                         batched, activations / 2**30)
+            if self.decode_sizes:  # the graphs' pool holds one decode forward of the largest size
+                graphs = profile_activation_bytes(model, self.decode_sizes[-1], self.decode_sizes[-1],
+                                                  cfg.block_size)
+                logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
+                            self.decode_sizes[-1], graphs / 2**30)
+                activations += graphs
             budget = kvcache.gpu_budget(self.device, cfg.gpu_memory_utilization, activations)
         else:
             budget = kvcache.default_cpu_budget(self.weight_bytes)
@@ -366,12 +390,20 @@ class LLMEngine:
         self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, batched, max_len),
                                    self.block_manager)
-        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, self.backend, cfg.seed)
+        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, self.backend, cfg.seed,
+                                  self.decode_sizes, max_len)
         t0 = time.perf_counter()
         self.runner.warmup()
         self.compile_time_s += time.perf_counter() - t0
         logger.info("[engine] kernels: %s; building them and a warm-up forward took %.1f s",
                     self.backend.name, self.compile_time_s)
+        if self.device.type == "cuda" and self.decode_sizes:
+            t0, before = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+            self.runner.capture_cudagraphs()
+            logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB "
+                        "(--enforce-eager turns them off)", len(self.decode_sizes),
+                        ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
+                        (torch.cuda.memory_allocated(self.device) - before) / 2**20)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

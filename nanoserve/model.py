@@ -7,12 +7,16 @@ This module owns
 * the Llama / Qwen2 / Qwen3 / Mistral decoder, written once: q/k/v and gate/up
   are fused at load time, Qwen2's q/k/v bias and Qwen3's q/k RMSNorm are flags;
 * loading ``*.safetensors`` (one file or a sharded index) into it;
+* ``select_backend``: the one place the kernels are chosen (a ``kernels.Backend``),
+  handed to every layer when the model is built;
 * ``ModelRunner``: turns one scheduled step (plain lists) into tensors, runs the
   forward over the flattened tokens of all requests (no padding to a
   rectangle), computes logits only for the rows that are sampled, and samples.
 
 It knows nothing of queues or HTTP. The KV tensors it writes come from
-``kvcache``; the attention it runs comes from ``kernels``.
+``kvcache``; the attention and the other per-token ops come from ``kernels``
+(on the CPU, maybe from ``cpu_backend``, which only ``select_backend`` and
+``load_model`` call).
 """
 from __future__ import annotations
 
@@ -517,12 +521,15 @@ class SampleResult:
 
 class Sampler:
     """Batched sampling, in vLLM's order: logit bias and min_tokens -> penalties ->
-    greedy or temperature -> min_p -> top-k/top-p -> sample. Per-request
-    parameters become tensors; nothing loops over requests on the hot path
-    except building those tensors. Logprobs come from the raw logits."""
+    greedy or temperature -> min_p -> top-k/top-p -> sample. It runs where the
+    logits are (the GPU's stay there): per-request parameters become one small
+    tensor each, built on the host and copied once; nothing loops over requests
+    on the device, and only the sampled ids (and requested logprobs) come back,
+    in one copy. Logprobs come from the raw logits."""
 
     def __init__(self, seed: int = 0, argmax=kernels.argmax_torch):
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}  # unseeded rows' draws, per device
         self.argmax = argmax  # the backend's: greedy rows' argmax of the model's own logits
 
     @torch.no_grad()
@@ -544,82 +551,96 @@ class Sampler:
         if not _has_bias_or_bans(rows):
             return logits
         logits = logits.clone()
-        for i, r in enumerate(rows):
-            if r.params.logit_bias:
-                ids = torch.tensor(list(r.params.logit_bias.keys()))
-                logits[i, ids] += torch.tensor(list(r.params.logit_bias.values()), dtype=logits.dtype)
-            if r.banned_token_ids:
-                logits[i, r.banned_token_ids] = float("-inf")
+        dev = logits.device
+        bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
+        if bias:
+            i, t, b = zip(*bias)
+            logits.index_put_((torch.tensor(i, device=dev), torch.tensor(t, device=dev)),
+                              torch.tensor(b, dtype=logits.dtype, device=dev), accumulate=True)
+        bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
+        if bans:
+            i, t = zip(*bans)
+            logits[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = float("-inf")
         return logits
 
     def _apply_penalties(self, logits, rows):
         ps = [r.params for r in rows]
         if not _has_penalties(ps):
             return logits
-        R, V = logits.shape
-        counts = torch.zeros(R, V, dtype=logits.dtype)
-        seen = torch.zeros(R, V, dtype=torch.bool)
-        for i, r in enumerate(rows):
-            if r.output_token_ids:
-                out = torch.tensor(r.output_token_ids)
-                counts[i].index_add_(0, out, torch.ones(len(out), dtype=logits.dtype))
-            if r.prompt_token_ids and ps[i].repetition_penalty != 1:
-                seen[i, torch.tensor(r.prompt_token_ids)] = True
-        seen |= counts > 0
-        rep = torch.tensor([p.repetition_penalty for p in ps], dtype=logits.dtype)[:, None]
+        dev, dtype = logits.device, logits.dtype
+        counts = torch.zeros_like(logits)
+        out = [(i, t) for i, r in enumerate(rows) for t in r.output_token_ids]
+        if out:
+            i, t = zip(*out)
+            counts.index_put_((torch.tensor(i, device=dev), torch.tensor(t, device=dev)),
+                              torch.ones(len(i), dtype=dtype, device=dev), accumulate=True)
+        seen = counts > 0
+        prompt = [(i, t) for i, r in enumerate(rows) if ps[i].repetition_penalty != 1
+                  for t in r.prompt_token_ids]
+        if prompt:
+            i, t = zip(*prompt)
+            seen[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = True
+
+        def column(name):
+            return torch.tensor([getattr(p, name) for p in ps], dtype=dtype, device=dev)[:, None]
+        rep = column("repetition_penalty")
         # repetition (CTRL): divide positive logits, multiply negative ones, for seen tokens
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-        freq = torch.tensor([p.frequency_penalty for p in ps], dtype=logits.dtype)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in ps], dtype=logits.dtype)[:, None]
         # OpenAI's formula: mu - c * alpha_frequency - (c > 0) * alpha_presence
-        return logits - counts * freq - (counts > 0).to(logits.dtype) * pres
+        return logits - counts * column("frequency_penalty") - (counts > 0).to(dtype) * column("presence_penalty")
 
     def _sample(self, logits, rows, greedy):
-        ps = [r.params for r in rows]
+        ps, dev = [r.params for r in rows], logits.device
         argmax = logits.argmax(dim=-1)
-        temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)])[:, None]
+        temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)], device=dev)[:, None]
         logits = logits / temp
         if any(p.min_p > 0 for p in ps):
             probs = logits.softmax(dim=-1)
-            min_p = torch.tensor([p.min_p for p in ps])[:, None]
+            min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
             threshold = probs.amax(dim=-1, keepdim=True) * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         logits = apply_top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
         probs = logits.softmax(dim=-1)
-        q = self._exponentials(rows, probs.shape)
+        q = self._exponentials(rows, probs)
         # The exponential race: argmax(p / q), q ~ Exp(1), draws from p exactly
         # and lets a seeded row own its randomness whatever shares its batch.
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy), argmax, sampled)
+        return torch.where(torch.tensor(greedy, device=dev), argmax, sampled)
 
-    def _exponentials(self, rows, shape):
-        q = torch.empty(shape)
-        q.exponential_(generator=self.generator)
+    def _exponentials(self, rows, like: torch.Tensor) -> torch.Tensor:
+        """Exp(1) noise shaped like ``like``: unseeded rows from the sampler's own
+        generator, a seeded row from one seeded by (seed, output index), so it
+        draws the same however it was batched, chunked or preempted."""
+        dev = like.device
+        if dev not in self.generators:
+            self.generators[dev] = torch.Generator(device=dev).manual_seed(self.seed)
+        q = torch.empty_like(like).exponential_(generator=self.generators[dev])
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                # Seed by (seed, output index): the same draw however the request
-                # was batched, chunked or preempted and recomputed.
-                g = torch.Generator().manual_seed(hash((r.params.seed, len(r.output_token_ids)))
-                                                  & 0x7FFF_FFFF_FFFF_FFFF)
+                g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, len(r.output_token_ids)))
+                                                            & 0x7FFF_FFFF_FFFF_FFFF)
                 q[i].exponential_(generator=g)
         return q
 
     def _results(self, raw, tokens, ps):
-        tokens_list = tokens.tolist()
         want = [p.logprobs for p in ps]
         if all(w is None for w in want):
-            return [SampleResult(t) for t in tokens_list]
+            return [SampleResult(t) for t in tokens.tolist()]
         logprobs = raw.float().log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        chosen = logprobs.gather(1, tokens[:, None])
         k = max(w or 0 for w in want)
-        top_v, top_i = logprobs.topk(k, dim=-1) if k else (None, None)
+        top_v, top_i = logprobs.topk(k, dim=-1)
+        # One copy to the host: ids, the sampled token's logprob, the top-k (float64
+        # holds the int64 ids and the fp32 logprobs exactly).
+        host = torch.cat([tokens[:, None].double(), chosen.double(), top_v.double(), top_i.double()], 1).tolist()
         results = []
-        for i, (t, w) in enumerate(zip(tokens_list, want)):
+        for row, w in zip(host, want):
+            t = int(row[0])
             if w is None:
                 results.append(SampleResult(t))
                 continue
-            top = list(zip(top_i[i, :w].tolist(), top_v[i, :w].tolist())) if w else []
-            results.append(SampleResult(t, chosen[i], top))
+            top = [(int(i), v) for v, i in zip(row[2:2 + w], row[2 + k:2 + k + w])]
+            results.append(SampleResult(t, row[1], top))
         return results
 
 
@@ -635,18 +656,18 @@ def _has_penalties(ps: list) -> bool:
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask all but each row's top-k logits, then all but its top-p nucleus
     (smallest set whose probability reaches top_p; at least one token kept)."""
-    V = logits.shape[-1]
+    V, dev = logits.shape[-1], logits.device
     use_k = any(0 < k < V for k in top_k)
     use_p = any(p < 1.0 for p in top_p)
     if not (use_k or use_p):
         return logits
     sorted_logits, idx = logits.sort(dim=-1, descending=False)
     if use_k:
-        k = torch.tensor([k if 0 < k < V else V for k in top_k])
+        k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)
         kth = sorted_logits.gather(1, (V - k)[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if use_p:
-        p = torch.tensor(top_p, dtype=sorted_logits.dtype)[:, None]
+        p = torch.tensor(top_p, dtype=sorted_logits.dtype, device=dev)[:, None]
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= 1 - p
         drop[:, -1] = False
@@ -706,20 +727,58 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
 WARMUP_PREFILL_TOKENS = 256
 
 
+def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
+    """vLLM's default list of decode batch sizes to capture: 1, 2, 4, then every
+    multiple of 8, up to max_num_seqs (itself included) and ``max_size``."""
+    limit = min(max_num_seqs, max_size)
+    return sorted({s for s in [1, 2, 4, *range(8, limit + 1, 8)] if s <= limit} | {limit})
+
+
 class ModelRunner:
     """Owns the model and its KV tensors; turns one scheduled step (plain lists)
     into tensors, runs the forward over the flattened tokens of all requests (no
     padding to a rectangle), computes logits only for the rows that sample, and
-    samples."""
+    samples.
+
+    Decode-only steps of at most ``decode_sizes[-1]`` sequences take another way
+    in (vLLM's full CUDA graphs): the step is padded to the next of
+    ``decode_sizes`` and written into persistent input buffers, whose padding
+    rows store no KV (slot -1) and attend to one token of block 0; on CUDA,
+    ``capture_cudagraphs`` records one graph per size over those buffers and a
+    step replays it, a few launches instead of hundreds. On the CPU the same
+    padded path runs eagerly (the tests check that it changes no output)."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, backend: Backend, seed: int = 0):
+                 block_size: int, device: torch.device, backend: Backend, seed: int = 0,
+                 decode_sizes: list[int] | None = None, max_model_len: int | None = None):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.backend = backend
         self.sampler = Sampler(seed, backend.argmax)
+        self.decode_sizes = sorted(decode_sizes or [])
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.decode_sizes:
+            max_len = max_model_len or model.config.max_position_embeddings
+            self._allocate_static_buffers(self.decode_sizes[-1], -(-max_len // block_size))
+
+    def _allocate_static_buffers(self, max_bs: int, max_blocks: int) -> None:
+        """The decode path's inputs, at fixed addresses (a captured graph reads
+        them there). The block table is max_model_len wide, so every kernel's
+        launch shape (the Triton split-KV count among them) depends on the
+        batch size alone."""
+        dev, cfg = self.device, self.model.config
+        self.static = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+        )
+        self.static_hidden = torch.zeros(max_bs, cfg.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
+                                         device=dev)
 
     @torch.inference_mode()
     def warmup(self) -> None:
@@ -729,6 +788,56 @@ class ModelRunner:
         cfg = self.model.config
         for num_tokens in (min(WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings), 1):
             self.model(*dummy_prompt(cfg, num_tokens, self.block_size, self.device), self.kv_caches)
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """One CUDA graph per decode size, largest first, all in one memory pool
+        (a smaller graph reuses the larger one's activations). Each size runs
+        once eagerly first, so Triton compiles before the capture."""
+        pool = None
+        for bs in reversed(self.decode_sizes):
+            self._forward_static(bs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.static_hidden[:bs] = self._forward_static(bs)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _forward_static(self, bs: int) -> torch.Tensor:
+        b = self.static
+        meta = AttentionMetadata(b["slot_mapping"][:bs], b["block_tables"][:bs], b["seq_lens"][:bs],
+                                 b["query_start_loc"][:bs + 1])
+        return self.model(b["input_ids"][:bs], b["positions"][:bs], meta, self.kv_caches)
+
+    def _run_decode_padded(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """A decode step through the static buffers, padded to the next decode
+        size: the hidden states of its ``len(seqs)`` real rows."""
+        n = len(seqs)
+        bs = next(s for s in self.decode_sizes if s >= n)
+        b, pad = self.static, bs - n
+        positions = [s.start for s in seqs]
+        slots = [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
+                 for s, p in zip(seqs, positions)]
+        # Only the columns in use are written: kernels never read a table past a
+        # sequence's own blocks, and what an earlier step left there is a valid id.
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
+                              + [[0] * width] * pad, dtype=torch.int32)
+        # host -> device copies into the buffers' fixed addresses
+        b["input_ids"][:bs].copy_(torch.tensor([s.token_ids[0] for s in seqs] + [0] * pad))
+        b["positions"][:bs].copy_(torch.tensor(positions + [0] * pad))
+        b["slot_mapping"][:bs].copy_(torch.tensor(slots + [-1] * pad))
+        b["block_tables"][:bs, :width].copy_(tables)
+        b["seq_lens"][:bs].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
+        if bs in self.graphs:
+            self.graphs[bs].replay()
+            return self.static_hidden[:n]
+        return self._forward_static(bs)[:n]
+
+    def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
+        return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
+            all(len(s.token_ids) == 1 for s in seqs)
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with
@@ -753,14 +862,18 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> list[SampleResult]:
         """Run one step; returns one result per sequence that samples, in order."""
-        input_ids, positions, meta = self.prepare(seqs)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
         rows = [i for i, s in enumerate(seqs) if s.sample is not None]
+        if self._is_padded_decode(seqs):
+            hidden = self._run_decode_padded(seqs)  # one row per sequence
+            last = torch.arange(len(seqs), device=self.device)
+        else:
+            input_ids, positions, meta = self.prepare(seqs)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            last = meta.query_start_loc[1:].long() - 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
-                         input_ids.shape[0], len(rows))
+                         sum(len(s.token_ids) for s in seqs), len(rows))
         if not rows:
             return []
-        last = meta.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last[rows]]).cpu()
+        logits = self.model.compute_logits(hidden[last[rows]])  # stays on its device: the sampler runs there
         return self.sampler(logits, [seqs[i].sample for i in rows])

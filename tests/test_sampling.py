@@ -67,9 +67,9 @@ class _ProbeSampler(Sampler):
         super().__init__(0)
         self.probe = probe
 
-    def _exponentials(self, rows, shape):
-        q = torch.full(shape, 1e30)
-        q[torch.arange(shape[0]), torch.tensor(self.probe)] = 1.0
+    def _exponentials(self, rows, like):
+        q = torch.full_like(like, 1e30)
+        q[torch.arange(like.shape[0]), torch.tensor(self.probe)] = 1.0
         return q
 
 

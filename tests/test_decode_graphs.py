@@ -1,0 +1,131 @@
+"""The decode path that CUDA graphs replay: decode-only steps padded to the next
+captured batch size and run through the runner's persistent input buffers
+(padding rows store no KV and attend to one token of block 0). On the CPU the
+same path runs eagerly: it must give the unpadded path's outputs and write no
+KV slot but the real ones. On a GPU (skipped elsewhere) the captured graphs
+must replay exactly what the eager forward computes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_model
+from nanoserve import LLM, SamplingParams
+from nanoserve.model import SeqInput, cudagraph_capture_sizes
+
+_rng = torch.Generator().manual_seed(5)
+PROMPTS = [torch.randint(1, VOCAB, (n,), generator=_rng).tolist() for n in (40, 7, 19, 1, 60, 3, 23)]
+SIZES = [1, 2, 4, 8]
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def model(request, model_root):
+    return make_model(model_root, request.param)
+
+
+def make_llm(model, **kw) -> LLM:
+    return LLM(str(model), **{"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 96, **kw})
+
+
+def run(llm, params):
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def same_outputs(a, b):
+    for (ta, la), (tb, lb) in zip(a, b):
+        assert ta == tb
+        for ea, eb in zip(la or [], lb or []):
+            assert ea.keys() == eb.keys()
+            assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+
+
+def test_default_sizes_are_vllms():
+    assert cudagraph_capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
+    assert cudagraph_capture_sizes(5) == [1, 2, 4, 5]
+    assert cudagraph_capture_sizes(1000)[-1] == 512
+
+
+@pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 16}],
+                         ids=["plain", "preempt", "chunked"])
+def test_padded_decode_gives_the_unpadded_outputs(model, kw):
+    """Greedy tokens and their logprobs, and seeded samples, are the same with the
+    padded static-buffer path as without it (7 prompts: batches of 7 padded to 8,
+    then smaller ones as requests finish)."""
+    plain, padded = make_llm(model, **kw), make_llm(model, cudagraph_capture_sizes=SIZES, **kw)
+    assert plain.engine.runner.decode_sizes == [] and padded.engine.runner.decode_sizes == SIZES
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    seeded = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    for params in (greedy, seeded):
+        same_outputs(run(plain, params), run(padded, params))
+    for llm in (plain, padded):
+        s = llm.stats()
+        assert s["num_free_blocks"] == s["num_total_blocks"]
+    if kw.get("num_kv_blocks"):
+        assert padded.stats()["num_preemptions"] > 0
+
+
+def test_padding_rows_write_no_kv(model):
+    """A decode step of 3 sequences padded to 4: exactly the 3 real slots of every
+    layer's K and V change."""
+    llm = make_llm(model, cudagraph_capture_sizes=SIZES)
+    runner = llm.engine.runner
+    gen = torch.Generator().manual_seed(0)
+    for k, v in runner.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    tables = [[3, 4], [7], [9, 10, 11]]
+    starts = [20, 5, 40]  # positions of the new tokens
+    seqs = [SeqInput([11 + i], p, t, None) for i, (p, t) in enumerate(zip(starts, tables))]
+    assert runner._is_padded_decode(seqs)
+    runner.execute(seqs)
+    bs = runner.block_size
+    written = sorted(t[p // bs] * bs + p % bs for t, p in zip(tables, starts))
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        for old, new in ((k0, k1), (v0, v1)):
+            changed = (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist()
+            assert changed == written
+
+
+def test_enforce_eager_and_bad_sizes(model):
+    assert make_llm(model, cudagraph_capture_sizes=SIZES, enforce_eager=True).engine.runner.decode_sizes == []
+    with pytest.raises(ValueError, match="cudagraph_capture_sizes"):
+        make_llm(model, cudagraph_capture_sizes=[0, 4])
+
+
+# ---------------------------------------------------------------- on a GPU
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@cuda_only
+def test_graph_replay_equals_eager_for_every_captured_size(model):
+    eager = make_llm(model, device="cuda", enforce_eager=True)
+    graphs = make_llm(model, device="cuda", cudagraph_capture_sizes=SIZES)
+    assert sorted(graphs.engine.runner.graphs) == SIZES
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    for n in range(1, len(PROMPTS) + 1):  # every size, padded or exact
+        prompts = PROMPTS[:n]
+        a = eager.generate(prompts, greedy, use_tqdm=False)
+        b = graphs.generate(prompts, greedy, use_tqdm=False)
+        same_outputs([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in a],
+                     [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in b])
+
+
+@cuda_only
+def test_graph_padding_rows_write_no_kv(model):
+    llm = make_llm(model, device="cuda", cudagraph_capture_sizes=SIZES)
+    runner = llm.engine.runner
+    for k, v in runner.kv_caches:
+        k.normal_()
+        v.normal_()
+    before = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+    seqs = [SeqInput([11], 20, [3, 4], None), SeqInput([12], 5, [7], None), SeqInput([13], 40, [9, 10, 11], None)]
+    runner.execute(seqs)
+    bs = runner.block_size
+    written = sorted([4 * bs + 4, 7 * bs + 5, 11 * bs + 8])
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        for old, new in ((k0, k1), (v0, v1)):
+            assert (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist() == written
