@@ -47,7 +47,7 @@ def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int) -> Backend:
     elementwise, (rms_norm, rotary, silu_and_mul) = _pick_elementwise(cfg, dtype)
     argmax_name, argmax = _pick_argmax(dtype)
     name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
-    return Backend(name, store, attend, rms_norm, rotary, silu_and_mul, argmax)
+    return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul, argmax)
 
 
 def _first_that_works(what: str, candidates, fallback):

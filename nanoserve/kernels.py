@@ -52,6 +52,7 @@ class Backend:
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> out
     rms_norm(x [..., n], weight [n], eps) -> normalised x
+    fused_add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
     rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache) -> (q, k)
     silu_and_mul(gate_up [T, 2n]) -> [T, n]
     argmax(logits [rows, vocab]) -> int64 [rows]
@@ -60,6 +61,7 @@ class Backend:
     store_kvcache: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     rms_norm: Callable[..., torch.Tensor]
+    fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor]
@@ -145,6 +147,15 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     """As transformers' RMSNorm: normalise in fp32, scale in the model's dtype."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
+
+
+def add_rms_norm(rms_norm: Callable[..., torch.Tensor]) -> Callable:
+    """A backend's fused_add_rms_norm from its rms_norm: the residual stream's sum
+    in the model's dtype, then the norm of it (vLLM's fused_add_rms_norm)."""
+    def fused_add_rms_norm(x, residual, weight, eps):
+        residual = x + residual
+        return rms_norm(residual, weight, eps), residual
+    return fused_add_rms_norm
 
 
 def rotary_torch(q, k, positions, cos_cache, sin_cache):
@@ -367,6 +378,60 @@ if triton is not None:
                  o.to(out_ptr.dtype.element_ty))
 
 
+    # The decoder's pointwise work on CUDA: one launch each instead of eager
+    # torch's several, rounding to the model's dtype where torch's ops do.
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, heads, x_stride_t, x_stride_h,
+                         r_stride_t, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """One program per (token, head) row of n: [x + residual ->] RMSNorm."""
+        row = tl.program_id(0).to(tl.int64)
+        t, h = row // heads, row % heads
+        cols = tl.arange(0, BLOCK)
+        ok = cols < n
+        x = tl.load(x_ptr + t * x_stride_t + h * x_stride_h + cols, mask=ok, other=0.0)
+        if HAS_RESIDUAL:  # the sum is rounded to the model's dtype first, as torch's x + residual is
+            x = (x.to(tl.float32) + tl.load(res_ptr + t * r_stride_t + cols, mask=ok, other=0.0).to(tl.float32)
+                 ).to(out_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * n + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        var = tl.sum(xf * xf, 0) / n
+        y = (xf * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
+        tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, heads, x_stride_t, x_stride_h,
+                       HALF: tl.constexpr):
+        """One program per (token, head): out = x * cos + rotate_half(x) * sin (neox)."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        d = tl.arange(0, HALF)
+        dt = out_ptr.dtype.element_ty
+        src = x_ptr + t * x_stride_t + h * x_stride_h
+        x1, x2 = tl.load(src + d).to(tl.float32), tl.load(src + HALF + d).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos1 = tl.load(cos_ptr + pos * 2 * HALF + d).to(dt).to(tl.float32)
+        cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d).to(dt).to(tl.float32)
+        sin1 = tl.load(sin_ptr + pos * 2 * HALF + d).to(dt).to(tl.float32)
+        sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d).to(dt).to(tl.float32)
+        dst = out_ptr + (t * heads + h) * 2 * HALF
+        tl.store(dst + d, ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt))
+        tl.store(dst + HALF + d, ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt))
+
+    @triton.jit
+    def _silu_and_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """Grid (tokens, column blocks): out = silu(gate) * up."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n
+        dt = out_ptr.dtype.element_ty
+        g = tl.load(gate_up_ptr + t * 2 * n + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + t * 2 * n + n + cols, mask=ok, other=0.0).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + t * n + cols, (silu * u).to(dt), mask=ok)
+
+
 def _check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"the Triton kernels need head_dim to be a power of two >= 16 "
@@ -497,10 +562,63 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
     return out
 
 
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """x [T, n] or [T, heads, n] with unit stride along n and contiguous heads:
+    (T, heads, token stride, head stride)."""
+    if x.dim() == 2:
+        return x.shape[0], 1, x.stride(0), x.shape[1]
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        raise ValueError(f"expected heads of unit stride, got strides {x.stride()}")
+    return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    T, heads, stride_t, stride_h = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if T:
+        n = x.shape[-1]
+        _rms_norm_kernel[(T * heads,)](x, x, weight, out, out, heads, stride_t, stride_h, 0, n, eps,
+                                       HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n))
+    return out
+
+
+def fused_add_rms_norm_triton(x, residual, weight, eps):
+    T, n = x.shape
+    if x.stride(1) != 1 or residual.stride(1) != 1:
+        raise ValueError("fused_add_rms_norm takes rows of unit stride")
+    out, res_out = torch.empty_like(x), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if T:
+        _rms_norm_kernel[(T,)](x, residual, weight, out, res_out, 1, x.stride(0), n, residual.stride(0), n, eps,
+                               HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n))
+    return out, res_out
+
+
+def rotary_triton(q, k, positions, cos_cache, sin_cache):
+    outs = []
+    for x in (q, k):
+        T, heads, stride_t, stride_h = _rows(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        if T:
+            _rotary_kernel[(T, heads)](x, out, positions, cos_cache, sin_cache, heads, stride_t, stride_h,
+                                       HALF=x.shape[-1] // 2)
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    gate_up = gate_up.contiguous()
+    T, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_and_mul_kernel[(T, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    return out
+
+
 # =========================================================================== the backends
 
-TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_torch, rotary_torch,
-                silu_and_mul_torch, argmax_torch)
+TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_torch,
+                add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, argmax_torch)
 TRITON = None if triton is None else Backend(
-    "triton", store_kvcache_triton, paged_attention_triton, rms_norm_torch, rotary_torch,
-    silu_and_mul_torch, argmax_torch)
+    "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
+    rotary_triton, silu_and_mul_triton, argmax_torch)

@@ -191,8 +191,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.backend = backend
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """With a residual: (norm(x + residual), x + residual), in one pass where
+        the backend fuses it (vLLM's fused_add_rms_norm)."""
+        if residual is None:
+            return self.backend.rms_norm(x, self.weight, self.eps)
+        return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -306,9 +310,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, kv_cache, meta):
+        """transformers' h = x + attn(norm(x)); out = h + mlp(norm(h)), with the
+        residual stream carried beside x so each add fuses into the next norm;
+        ``residual`` is None before the first layer."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderModel(nn.Module):
@@ -334,10 +346,10 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype (the sampler takes fp32 copies where it needs them)."""

@@ -332,3 +332,64 @@ def test_rms_norm_and_rotary_references_match_transformers():
                                           cos[positions][None], sin[positions][None])
     got_q, got_k = kernels.rotary_torch(q, k, positions, cos, sin)
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+
+
+# --------------------------------------------------------------------------- the decoder's pointwise ops
+
+@triton_only
+@pytest.mark.parametrize("heads", [None, 3])
+def test_triton_rms_norm_and_fused_add(heads):
+    """Rows of a 2-D tensor or heads of a strided 3-D view (q out of a qkv
+    projection), and the residual add fused in front."""
+    torch.manual_seed(21)
+    T, n = 5, 48  # n not a power of two: the masked tail
+    w = torch.randn(n, device=DEVICE)
+    if heads is None:
+        x = torch.randn(T, n, device=DEVICE)
+    else:
+        x = torch.randn(T, (heads + 2) * n, device=DEVICE)[:, :heads * n].view(T, heads, n)
+    torch.testing.assert_close(kernels.rms_norm_triton(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6))
+    if heads is None:
+        r = torch.randn(T, n, device=DEVICE)
+        got, want = kernels.fused_add_rms_norm_triton(x, r, w, 1e-6), kernels.TORCH.fused_add_rms_norm(x, r, w, 1e-6)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+
+
+@triton_only
+def test_triton_rotary_and_silu_and_mul():
+    torch.manual_seed(22)
+    T, hq, hk, d = 6, 4, 2, 32
+    qkv = torch.randn(T, (hq + 2 * hk) * d, device=DEVICE)
+    q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    cos, sin = torch.randn(64, d, device=DEVICE), torch.randn(64, d, device=DEVICE)
+    positions = torch.randint(0, 64, (T,), device=DEVICE)
+    for got, want in zip(kernels.rotary_triton(q, k, positions, cos, sin),
+                         kernels.rotary_torch(q, k, positions, cos, sin)):
+        torch.testing.assert_close(got, want)
+    gate_up = torch.randn(T, 2 * 40, device=DEVICE)
+    torch.testing.assert_close(kernels.silu_and_mul_triton(gate_up), kernels.silu_and_mul_torch(gate_up))
+
+
+@triton_only
+def test_a_decoder_on_the_triton_backend_matches_the_references(tiny_model):
+    """The whole forward (prefill, then a decode of each prompt) with every op
+    from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter)."""
+    from conftest import step_logits
+    from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
+    from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
+    cfg = ModelConfig.from_dir(tiny_model)
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (9, 20)]
+    logits = []
+    for backend in (kernels.TORCH, kernels.TRITON):
+        model, _ = load_model(tiny_model, torch.float32, torch.device(DEVICE), backend)
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 16)
+        runner = ModelRunner(model, allocate_kv_cache(spec, 8, torch.device(DEVICE)), 16, torch.device(DEVICE),
+                             backend)
+        tables = [[1, 2], [3, 4]]
+        logits.append([step_logits(runner, step) for step in (
+            [SeqInput(p, 0, t, None) for p, t in zip(prompts, tables)],
+            [SeqInput([7], len(p), t, None) for p, t in zip(prompts, tables)])])
+    for a, b in zip(*logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
