@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import contextlib
+import dataclasses
 import itertools
+import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,17 +31,25 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (ModelConfig, ModelLoadError, ModelRunner, SampleRequest, SampleResult,
-                             SeqInput, load_model, load_tokenizer, num_parameters,
-                             profile_activation_bytes, resolve_dtype, select_backend,
-                             cudagraph_capture_sizes)
-from nanoserve.scheduler import (RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
-                                 SchedulerOutput)
+from nanoserve.model import (ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
+                             cudagraph_capture_sizes, load_model, load_tokenizer, num_parameters,
+                             profile_activation_bytes, resolve_dtype, select_backend)
+from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
 
 _SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this is greedy
 MAX_LOGPROBS = 20
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is dead: /health 503, the server exits
+
+
+class InvalidInput(ValueError):
+    """Bad input to the engine; ``param`` names what it is about (a SamplingParams
+    field, "prompt", "request_id", "token_ids"), so a front end can name its own field."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 # =========================================================================== parameters
@@ -75,15 +83,15 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
-                raise ValueError(f"{name} must be a list, got {value!r}")
+                raise InvalidInput(name, f"{name} must be a list, got {value!r}")
             setattr(self, name, list(value or []))
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError):
-                raise ValueError("logit_bias must map token ids to numbers") from None
+                raise InvalidInput("logit_bias", "logit_bias must map token ids to numbers") from None
             if not all(_is_num(v) for v in self.logit_bias.values()):
-                raise ValueError("logit_bias values must be numbers, not NaN")
+                raise InvalidInput("logit_bias", "logit_bias values must be numbers, not NaN")
         self._verify()
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
@@ -92,7 +100,7 @@ class SamplingParams:
 
     def _verify(self) -> None:
         def bad(name, rule):
-            raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+            raise InvalidInput(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
         _check_int(self, "n")
         if self.n < 1:
             bad("n", ">= 1")
@@ -138,7 +146,7 @@ def _is_num(x: Any) -> bool:
 def _check_int(p: SamplingParams, name: str) -> None:
     v = getattr(p, name)
     if not isinstance(v, int) or isinstance(v, bool):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
+        raise InvalidInput(name, f"{name} must be an integer, got {v!r}")
 
 
 # =========================================================================== outputs
@@ -272,6 +280,13 @@ class Request:
         return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned)
 
 
+@dataclass(slots=True)
+class TokenizedPrompt:
+    """A prompt after ``LLMEngine.process_prompt``: tokenized and validated."""
+    text: str | None          # None: it was given as token ids
+    token_ids: list[int]
+
+
 # =========================================================================== engine
 
 @dataclass(slots=True)
@@ -297,6 +312,20 @@ class EngineConfig:
     cudagraph_capture_sizes: list[int] | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What a front end may know of a built engine (the banner, /v1/models)."""
+    model: str
+    architecture: str
+    dtype: str
+    device: str
+    weight_bytes: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+    kv_bytes_per_block: int
+
+
 class LLMEngine:
     """Synchronous engine: ``add_request`` then call ``step()`` until done."""
 
@@ -307,7 +336,6 @@ class LLMEngine:
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
-        torch.manual_seed(config.seed)
         if self.device.type == "cpu":
             self._check_memory()
             if config.cpu_allocator_tuning:  # before the weights load: it applies to later allocations
@@ -321,6 +349,7 @@ class LLMEngine:
         model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend)
         self._init_kv_cache(model)
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
+        self.max_prompt_chars = self._max_prompt_chars()
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
 
@@ -371,7 +400,11 @@ class LLMEngine:
                 activations += graphs
             budget = kvcache.gpu_budget(self.device, cfg.gpu_memory_utilization, activations)
         else:
-            budget = kvcache.default_cpu_budget(self.weight_bytes)
+            # No more than max_num_seqs requests of max_model_len tokens could ever
+            # use: a small model need not hold (and zero) gigabytes it cannot fill.
+            longest = cfg.max_model_len or mc.max_position_embeddings
+            usable = cfg.max_num_seqs * -(-longest // cfg.block_size) * spec.bytes_per_block
+            budget = min(kvcache.default_cpu_budget(self.weight_bytes), usable)
         plan = kvcache.plan_kv_cache(spec, budget, cfg.num_kv_blocks)
         max_len = cfg.max_model_len
         if max_len is None:  # as long as the model allows and one request fits
@@ -405,49 +438,95 @@ class LLMEngine:
                         ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
                         (torch.cuda.memory_allocated(self.device) - before) / 2**20)
 
+    def _max_prompt_chars(self) -> int | None:
+        """The longest text that could still fit in max_model_len tokens: a cheap
+        bound checked before tokenizing. No token stands for more characters than
+        the longest string in the vocabulary (byte-level BPE: that many bytes, and
+        a character is at least one byte), so a longer text has at least
+        max_model_len tokens. The factor 4 leaves room for normalizers that merge
+        characters first (NFKC makes one Hangul syllable of up to 3 jamo), so the
+        bound never rejects a prompt that fits."""
+        if self.tokenizer is None:
+            return None
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        return 4 * self.max_model_len * max(longest, 1)
+
+    def describe(self) -> EngineInfo:
+        plan = self.kv_plan
+        return EngineInfo(self.config.model, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
+                          str(self.device), self.weight_bytes, self.max_model_len, self.config.block_size,
+                          plan.num_blocks, plan.bytes_per_block)
+
     # ---------------------------------------------------------------- requests
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; a text longer than any prompt that fits
+        is refused before the tokenizer sees it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
-                                 "pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
+                raise InvalidInput("prompt", "a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
+                                             "pass token ids")
+            if len(prompt) > self.max_prompt_chars:
+                raise InvalidInput("prompt", f"the prompt ({len(prompt)} characters) is too long: no text over "
+                                             f"{self.max_prompt_chars} characters fits in max_model_len="
+                                             f"{self.max_model_len} tokens of this tokenizer")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # the tokenizer would raise TypeError
+                raise InvalidInput("prompt", f"the prompt is not valid Unicode: {e.reason} at "
+                                             f"character {e.start}") from None
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise InvalidInput("prompt", f"a prompt must be a string or a list of token ids, "
+                                         f"got {type(prompt).__name__}")
         return None, list(prompt)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise InvalidInput("token_ids", "this engine runs without a tokenizer (skip_tokenizer_init=True)")
+        self._check_token_ids("token_ids", token_ids)
+        return self.tokenizer.decode(list(token_ids))
+
+    def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt) -> TokenizedPrompt:
+        """Tokenize and validate a prompt (raises InvalidInput). Safe off the
+        loop thread: it reads only what is fixed at start-up."""
+        if isinstance(prompt, TokenizedPrompt):
+            return prompt
+        text, token_ids = self.tokenize(prompt)
+        self.validate_prompt(token_ids)
+        return TokenizedPrompt(text, token_ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidInput("prompt", "the prompt is empty: give at least one token")
+        if len(token_ids) >= self.max_model_len:  # before the per-token checks: they cost as much as the list
+            raise InvalidInput("prompt", f"the prompt ({len(token_ids)} tokens) is too long: max_model_len is "
+                                         f"{self.max_model_len}, which must also leave room for at least one "
+                                         f"output token")
+        self._check_token_ids("prompt", token_ids)
+
+    def validate_params(self, params: SamplingParams) -> None:
+        self._check_token_ids("logit_bias", list(params.logit_bias or {}))
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+
+    def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt ({len(token_ids)} tokens) is too long: max_model_len is "
-                             f"{self.max_model_len}, which must also leave room for at least one "
-                             f"output token")
+            raise InvalidInput(param, f"{param} has token ids outside the vocabulary [0, {vocab}) (or not "
+                                      f"integers): {bad[:5]}")
 
-    def validate_params(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", list(params.logit_bias or {})),
-                          ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
-
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | Sequence[int] | TokenizedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None, final_only: bool = False) -> str:
         """Validate and queue a request (n > 1 becomes n child requests that share
         the prompt's blocks through the prefix cache); returns its id. With
         ``final_only`` (offline generate), step() reports it only when it finishes."""
         params = params or SamplingParams()
-        text, token_ids = self.tokenize(prompt)
-        self.validate_prompt(token_ids)
+        prompt = self.process_prompt(prompt)
+        text, token_ids = prompt.text, prompt.token_ids
         self.validate_params(params)
         request_id = str(next(self.request_counter)) if request_id is None else request_id
-        if request_id in self.scheduler.requests or f"{request_id}#0" in self.scheduler.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if self._family(request_id):
+            raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         for i in range(params.n):
@@ -487,12 +566,33 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> postprocess."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        """One iteration: schedule -> execute -> postprocess. If the model step
+        raises, its requests are ended first (``fail_step``), then it re-raises."""
+        step = self.schedule_step()
+        if step is None:
             return []
-        results = self.runner.execute(self.build_inputs(sched))
-        return self.postprocess(sched, results)
+        sched, inputs = step
+        try:
+            return self.postprocess(sched, self.runner.execute(inputs))
+        except Exception:
+            self.fail_step(sched)
+            raise
+
+    def schedule_step(self) -> tuple[SchedulerOutput, list[SeqInput]] | None:
+        """The next step and its model inputs; None when nothing can run."""
+        sched = self.scheduler.schedule()
+        return None if sched.is_empty else (sched, self.build_inputs(sched))
+
+    def fail_step(self, sched: SchedulerOutput) -> list[str]:
+        """End the requests of a step that raised (whole n-families), free their
+        blocks, and forget the prefix-cache hashes of free blocks: this step's
+        blocks were registered before their KV was written. Returns the ids the
+        callers know (parents of n > 1)."""
+        failed = list(dict.fromkeys(s.request.parent_id or s.request.request_id for s in sched.scheduled))
+        for request_id in failed:
+            self.abort_request(request_id)
+        self.block_manager.reset_prefix_cache()
+        return failed
 
     def build_inputs(self, sched: SchedulerOutput) -> list[SeqInput]:
         """The scheduled step as plain data for the model runner. Token lists are
@@ -525,9 +625,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            # Building an output copies the request's tokens so far, for every
-            # request every step; LLM.generate keeps only the final one. W0's
-            # postprocess: 0.31, 0.34 s -> 0.07, 0.09 s (of a ~15 s run).
+            # An output copies the request's tokens so far: skip it unless asked for.
             if not req.final_only or req.is_finished:
                 self._collect(outputs, req)
         return list(outputs.values())
@@ -656,7 +754,6 @@ def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
     """EOS ids as transformers' generate sees them: generation_config.json's if
     present (chat models often list several), else config.json's; plus the
     tokenizer's own EOS token."""
-    import json
     ids = set(config.eos_token_ids)
     gen = path / "generation_config.json"
     if gen.exists():
@@ -693,10 +790,10 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or SamplingParams() for p in params]
         engine = self.engine
-        for prompt, p in zip(prompts, params):  # validate all before queueing any
-            engine.validate_prompt(engine.tokenize(prompt)[1])
+        inputs = [engine.process_prompt(prompt) for prompt in prompts]  # validate all before queueing any
+        for p in params:
             engine.validate_params(p)
-        ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(prompts, params)]
+        ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(inputs, params)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
@@ -756,30 +853,38 @@ def _progress(total: int):
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
 
 
-def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None) -> str:
+def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
+                        add_generation_prompt: bool = True) -> str:
+    if tokenizer is None:
+        raise InvalidInput("messages", "chat needs a tokenizer, but this engine runs without one")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; pass chat_template=... "
-                         "or use generate() with a plain prompt")
+        raise InvalidInput("messages", "this model's tokenizer has no chat template; pass chat_template=... "
+                                       "or use generate() with a plain prompt")
     try:
         return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=True)
+                                             add_generation_prompt=add_generation_prompt)
     except Exception as e:  # jinja errors, malformed messages
-        raise ValueError(f"cannot apply the chat template: {e}") from None
+        raise InvalidInput("messages", f"cannot apply the chat template: {e}") from None
 
 
 # =========================================================================== async front
 
 class EngineDeadError(RuntimeError):
-    """The engine loop died; every request in flight gets this."""
+    """The engine loop stopped; every request in flight gets this."""
+
+
+class RequestFailedError(RuntimeError):
+    """The model step this request was in raised; the engine carries on."""
+
+
+DEAD_MESSAGE = "the engine stopped after repeated failures of the model step; the server log has the details"
 
 
 def model_thread() -> concurrent.futures.ThreadPoolExecutor:
     """The one worker thread that runs a served engine's torch work. Build the
     engine on it too (``model_thread().submit(LLMEngine, config)``): on the CPU,
-    once two threads have each run OpenMP regions every step costs about twice
-    as much. Measured on W0, one request, eager, 2-core EPYC: 7.9-8.4 ms/token
-    when one thread loads and steps, 15-21 ms when the main thread loads and a
-    worker steps (the server's layout before this)."""
+    stepping on another thread than the one that loaded the model makes every
+    step about twice as slow (two OpenMP pools; benchmarks/RESULTS.md)."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-model")
 
 
@@ -789,28 +894,31 @@ class AsyncLLM:
     and block-manager state need no locks; only the model step runs on a single
     worker thread (``executor``: pass the model_thread() the engine was built
     on), so HTTP keeps flowing while the CPU or GPU computes. Each request's
-    outputs go to its own ``asyncio.Queue``."""
+    outputs go to its own ``asyncio.Queue``.
+
+    A step that raises ends only its own requests (``RequestFailedError``);
+    MAX_CONSECUTIVE_STEP_FAILURES in a row end the loop (``EngineDeadError`` to
+    everyone, ``dead`` is set, ``is_running`` turns False)."""
 
     def __init__(self, engine: LLMEngine, executor: concurrent.futures.ThreadPoolExecutor | None = None):
         self.engine = engine
         self.queues: dict[str, asyncio.Queue] = {}
         self.executor = executor or model_thread()
         self.wakeup: asyncio.Event | None = None
+        self.dead: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
         self.errored: BaseException | None = None
-        self.num_steps = 0
 
     @property
     def is_running(self) -> bool:
         return self.task is not None and not self.task.done() and self.errored is None
 
     def start(self) -> None:
-        self.wakeup = asyncio.Event()
+        self.wakeup, self.dead = asyncio.Event(), asyncio.Event()
         self.task = asyncio.get_running_loop().create_task(self._run_loop(), name="nanoserve-engine")
 
     async def shutdown(self) -> None:
-        for queue in self.queues.values():  # nobody may wait forever on a stopped loop
-            queue.put_nowait(EngineDeadError("the engine is shutting down"))
+        self.fail_all(EngineDeadError("the engine is shutting down"))
         if self.task is not None:
             self.task.cancel()
             try:
@@ -819,23 +927,45 @@ class AsyncLLM:
                 pass
         self.executor.shutdown(wait=True, cancel_futures=True)
 
+    def fail_all(self, error: BaseException) -> None:
+        """End every request in flight now with ``error`` (e.g. a drain timeout)."""
+        for request_id in list(self.queues):
+            self._fail(request_id, error)
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.put_nowait(error)
+        self.engine.abort_request(request_id)
+
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         engine = self.engine
+        failures = 0
         try:
             while True:
-                if not engine.has_unfinished_requests():
+                step = engine.schedule_step()
+                if step is None:  # nothing can run until a request comes (or goes)
                     self.wakeup.clear()
                     await self.wakeup.wait()
                     continue
-                sched = engine.scheduler.schedule()
-                if sched.is_empty:  # everything waits on blocks held by nobody: cannot happen
-                    await asyncio.sleep(0.001)
+                sched, inputs = step
+                try:
+                    results = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
+                    outputs = engine.postprocess(sched, results)
+                except Exception:
+                    failures += 1
+                    failed = engine.fail_step(sched)
+                    logger.exception("[engine] the model step failed (%d in a row); ending its %d request(s): %s",
+                                     failures, len(failed), ", ".join(failed))
+                    for request_id in failed:
+                        self._fail(request_id, RequestFailedError("the model step of this request failed; "
+                                                                  "the server log has the details"))
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise EngineDeadError(DEAD_MESSAGE) from None
                     continue
-                inputs = engine.build_inputs(sched)
-                results = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
-                self.num_steps += 1
-                for out in engine.postprocess(sched, results):
+                failures = 0
+                for out in outputs:
                     queue = self.queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
@@ -843,21 +973,25 @@ class AsyncLLM:
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             raise
-        except BaseException as e:  # the engine is dead: fail every waiting request
-            logger.exception("[engine] the engine loop died")
+        except BaseException as e:  # the engine is dead: fail every request in flight
+            if isinstance(e, EngineDeadError):
+                logger.error("[engine] %s", e)
+            else:
+                logger.exception("[engine] the engine loop died")
             self.errored = e
-            for queue in self.queues.values():
-                queue.put_nowait(EngineDeadError(f"the engine loop died: {e!r}"))
+            self.fail_all(EngineDeadError(DEAD_MESSAGE))
+            for request_id in list(engine.scheduler.requests):
+                engine.abort_request(request_id)
+            self.dead.set()
 
     def add_request(self, prompt, params: SamplingParams, request_id: str) -> asyncio.Queue:
-        """Validate and queue a request (raises ValueError for bad input)."""
+        """Validate and queue a request (raises InvalidInput for bad input)."""
         if not self.is_running:
-            raise EngineDeadError("the engine is not running")
-        if request_id in self.queues:  # finished in the engine, but its stream is not drained yet
-            raise ValueError(f"request id {request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
+            raise EngineDeadError(DEAD_MESSAGE if self.errored else "the engine is not running")
         self.engine.add_request(prompt, params, request_id)
-        self.queues[request_id] = queue
+        # A finished request whose stream is not drained yet may leave a queue
+        # under this id: its stream holds it, and removes only its own.
+        queue = self.queues[request_id] = asyncio.Queue()
         self.wakeup.set()
         return queue
 
@@ -877,15 +1011,17 @@ class AsyncLLM:
             while True:
                 out = await queue.get()
                 if isinstance(out, BaseException):
+                    finished = True  # whoever put it there ended the request
                     raise out
                 finished = out.finished
                 yield out
                 if finished:
                     return
         finally:
-            self.queues.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
+            if self.queues.get(request_id) is queue:
+                del self.queues[request_id]
+                if not finished:
+                    self.engine.abort_request(request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort now: the scheduler frees the blocks at once. A step that is

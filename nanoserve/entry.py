@@ -1,36 +1,38 @@
 """Entry layer: the CLI and the OpenAI-compatible HTTP server.
 
 This module owns
-* the command line (``python -m nanoserve``), with ``vllm serve``'s flag names;
+* the command line (``python -m nanoserve``; its flags are in ``cli_args.py``);
 * the Starlette app: ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
   ``/version``;
-* the OpenAI protocol: parsing and validating request bodies (every error names
-  its field), mapping them onto ``SamplingParams``, and shaping responses and
-  SSE chunks;
+* the OpenAI protocol (its request bodies and error shape are declared in
+  ``protocol.py``): one handler, response and SSE path that completions and
+  chat share;
 * admission: request ids (``X-Request-Id``), the API key, the waiting-queue
-  limit (429), the body-size limit (413), and aborting the engine requests of a
-  client that disconnects;
+  limit (429), the body-size limit (413) and time limits, and aborting the
+  engine requests of a client that disconnects;
 * ``/metrics`` (Prometheus, one registry per app) and the periodic stats line;
-* uvicorn start-up, the banner, and the graceful shutdown on SIGINT/SIGTERM.
+* uvicorn start-up, the banner, connection limits, and the graceful shutdown
+  on SIGINT/SIGTERM.
 
-It hands the engine layer prompts (token ids) and ``SamplingParams`` through
-``AsyncLLM`` and reads back ``RequestOutput``s. It never touches blocks, tensors
-or the scheduler's queues: what it knows of them comes from ``engine.stats()``.
+It hands the engine layer prompts and ``SamplingParams`` through ``AsyncLLM``
+and reads back ``RequestOutput``s. Tokenizing runs on a thread of its own, never
+on the event loop. It never touches blocks, tensors or the scheduler's queues:
+what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
-Read top to bottom: CLI -> app -> handlers -> protocol helpers -> SSE ->
-metrics -> start-up and shutdown.
+Read top to bottom: app -> handlers -> admission -> SSE -> metrics ->
+start-up and shutdown (the flags are in ``cli_args.py``).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
-import json
 import logging
-import os
 import re
+import resource
 import signal
 import socket
 import sys
@@ -38,7 +40,6 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
@@ -46,139 +47,29 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
-from nanoserve.engine import (MAX_LOGPROBS, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              LLMEngine, RequestOutput, SamplingParams, apply_chat_template, model_thread)
+from nanoserve.cli_args import default_model_path, make_arg_parser, parse_args  # noqa: F401 (the CLI's home)
+from nanoserve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                GenerationRequest, OpenAIBaseModel, TokenizeRequest, bad_request, dumps, esc,
+                                json_response, parse_body, parse_json_object, show)
+from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
+                              InvalidInput, LLMEngine, RequestFailedError, RequestOutput, SamplingParams,
+                              TokenizedPrompt, model_thread)
 
 logger = logging.getLogger("nanoserve.entry")
 
-MAX_N = 128                          # completions per prompt (n)
-DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+BODY_TIMEOUT_S = 30.0                # the whole body must arrive within this (else 408)
+HEADER_TIMEOUT_S = 10.0              # a connection must send a request's headers within this
+KEEP_ALIVE_TIMEOUT_S = 5.0           # an idle keep-alive connection is closed after this
+DRAIN_GRACE_S = 5.0                  # after the drain timeout: for streams to send their last event
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
-
-
-# =========================================================================== CLI
-
-def default_model_path() -> str:
-    """The demo model packaged at nanoserve/demo_model, when there is one."""
-    demo = Path(__file__).resolve().parent / "demo_model"
-    if (demo / "config.json").is_file():
-        return str(demo)
-    raise ValueError("no --model given and no demo model packaged: pass --model DIR, "
-                     "a Hugging Face model directory")
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: ...)" unless the help text already says its default."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        help_text = action.help or ""
-        if "default:" in help_text:
-            return help_text
-        return super()._get_help_string(action)
-
-
-def _parse_bytes(text: str) -> int:
-    """'1073741824', '1GiB', '512MiB', '2G', '2GB' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 4294967296 or 4GiB, got {text!r}")
-    number, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
-    base = 1024 if suffix.startswith("i") or suffix == "" else 1000
-    return int(number * base ** " KMGT".index(prefix or " "))
-
-
-def make_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m nanoserve", formatter_class=_HelpFormatter,
-        description="Serve a Hugging Face model (Llama, Qwen2, Qwen3, Mistral) with an OpenAI-compatible API.")
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face model directory (config.json, safetensors, tokenizer) "
-                        "(default: the packaged demo model, if there is one)")
-    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                   help="the name(s) clients pass as `model`; the first is used in responses "
-                        "(default: the --model value)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16", "half", "float"],
-                   help="weight and KV dtype; auto: the checkpoint's on a GPU, bfloat16 on a CPU")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: cuda if available, else cpu")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output tokens per request (default: the model's limit, capped "
-                        "by what the KV cache holds)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="no torch.compile: CPU decode attention runs eager SDPA (starts faster, decodes slower)")
-
-    g = p.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget of one step; longer prompts are prefilled in chunks "
-                        "(default: max(8192, --max-num-seqs))")
-
-    g = p.add_argument_group("KV cache")
-    g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
-                   help="tokens per KV block")
-    g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None, metavar="BYTES",
-                   help="KV cache budget, e.g. 4GiB (default: on a GPU what "
-                        "--gpu-memory-utilization leaves; on a CPU min(4 GiB, a quarter of free RAM))")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="exact number of KV blocks; overrides --kv-cache-memory-bytes "
-                        "(default: as many as the budget buys)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights, activations and KV cache")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV blocks of a shared prompt prefix")
-
-    g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    g.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $NANOSERVE_API_KEY, "
-                        "or no key)")
-    g.add_argument("--max-queue-len", type=int, default=None,
-                   help="answer 429 while this many requests wait for the scheduler (default: no limit)")
-    g.add_argument("--max-request-body-bytes", type=_parse_bytes, default=DEFAULT_MAX_BODY_BYTES,
-                   metavar="BYTES", help="answer 413 to a larger request body")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGINT/SIGTERM, how long in-flight requests may run before they are aborted")
-
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="debug shows each request's path through every layer")
-    g.add_argument("--log-stats-interval", type=float, default=10.0, metavar="SECONDS",
-                   help="how often to log throughput and queue stats while busy")
-    g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
-    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = make_arg_parser()
-    args = parser.parse_args(argv)
-    if args.model is None:
-        try:
-            args.model = default_model_path()
-        except ValueError as e:
-            parser.error(str(e))
-    checks = [("--port", 0 <= args.port <= 65535, "in [0, 65535]"),
-              ("--max-num-seqs", args.max_num_seqs >= 1, ">= 1"),
-              ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
-              ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
-              ("--shutdown-timeout", args.shutdown_timeout >= 0, ">= 0"),
-              ("--log-stats-interval", args.log_stats_interval > 0, "> 0")]
-    for flag, ok, rule in checks:
-        if not ok:
-            parser.error(f"{flag} must be {rule}")
-    args.served_model_name = args.served_model_name or [args.model]
-    return args
 
 
 # =========================================================================== app
@@ -192,11 +83,30 @@ class ServerState:
     max_queue_len: int | None
     max_body_bytes: int
     metrics: "ServerMetrics"
-    generations: dict[str, "Generation"] = field(default_factory=dict)  # in flight, by request id
+    body_timeout: float = BODY_TIMEOUT_S
+    generations: set["Generation"] = field(default_factory=set)  # in flight
+    # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
+    tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
+    exit_code: int = 0                                   # 1 once the engine cannot recover
+    request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
+
+    def __post_init__(self) -> None:
+        self.info = self.async_llm.engine.describe()
 
     @property
     def engine(self) -> LLMEngine:
         return self.async_llm.engine
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    def end_all(self, why: str) -> None:
+        """The drain timeout: what is still in flight ends now, each stream with
+        an error event and [DONE], each other request with a 503."""
+        if self.generations:
+            logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(self.generations))
+        self.async_llm.fail_all(EngineDeadError(why))
 
 
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
@@ -210,18 +120,18 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         async_llm.start()
-        stats_task = (asyncio.create_task(log_stats_periodically(state, stats_interval))
-                      if stats_interval else None)
+        tasks = [asyncio.create_task(_exit_when_dead(state))]
+        if stats_interval:
+            tasks.append(asyncio.create_task(log_stats_periodically(state, stats_interval)))
         try:
             yield
         finally:
-            if stats_task is not None:
-                stats_task.cancel()
-            if state.generations:  # what the drain timeout left
-                logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(state.generations))
-            for gen in list(state.generations.values()):
-                gen.close("shutdown timeout")
+            for task in tasks:
+                task.cancel()
+            for gen in list(state.generations):  # what the drain left
+                gen.close("shutdown")
             await async_llm.shutdown()
+            state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
@@ -241,21 +151,31 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     return app
 
 
+async def _exit_when_dead(state: ServerState) -> None:
+    """An engine that cannot recover: /health is 503 already; drain, exit 1, so
+    that a supervisor restarts the server (as vLLM's does)."""
+    await state.async_llm.dead.wait()
+    logger.error("[entry] the engine cannot recover: /health answers 503; draining, then exiting with status 1")
+    state.exit_code = 1
+    if state.request_shutdown is not None:
+        state.request_shutdown()
+
+
 class EntryMiddleware:
     """Gives every HTTP request its id (X-Request-Id, read or made, echoed in the
-    response) and checks the API key on /v1/*. Plain ASGI, not Starlette's
-    BaseHTTPMiddleware, which would hide client disconnects from the handlers."""
+    response) and checks the API key where work is done. Plain ASGI, not
+    Starlette's BaseHTTPMiddleware, which would hide client disconnects from the
+    handlers."""
 
     def __init__(self, app, state: ServerState):
-        self.app = app
-        self.expected_auth = None if state.api_key is None else b"Bearer " + state.api_key.encode()
+        self.app, self.state = app, state
+        self.api_key = None if state.api_key is None else state.api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        request_id = headers.get("x-request-id")
+        request_id = _header(scope, b"x-request-id").decode("latin-1") or None
         error = None
         if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
             error = ApiError(400, "X-Request-Id must be 1 to 128 characters from A-Z a-z 0-9 . _ : -",
@@ -270,66 +190,51 @@ class EntryMiddleware:
                                                   (b"x-request-id", request_id.encode())]}
             await send(message)
 
-        if error is None and self.expected_auth is not None and _is_api_path(scope["path"]):
-            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected_auth):  # constant time
+        if error is None and self.api_key is not None and _needs_key(scope["path"]):
+            scheme, _, token = _header(scope, b"authorization").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):  # constant time
                 error = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
                                  headers={"WWW-Authenticate": "Bearer"})
         if error is not None:
-            logger.info("[entry] %s: %s %s -> %d: %s", request_id, scope["method"], scope["path"],
+            self.state.metrics.count_rejected(error.status)
+            logger.info("[entry] %s: %s %s -> %d: %s", request_id, scope["method"], esc(scope["path"]),
                         error.status, error.message)
             await error.response()(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
 
 
-def _is_api_path(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+def _header(scope, name: bytes) -> bytes:
+    return next((v for k, v in scope["headers"] if k == name), b"")
+
+
+def _needs_key(path: str) -> bool:
+    """Where work is done; /health, /metrics and /version stay open."""
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 # =========================================================================== handlers
 
 async def create_completion(request: Request) -> Response:
-    state, request_id = _state(request), _request_id(request)
-    body = await read_json(request, state)
-    model = check_model(body, state)
-    spec = parse_completion(body, state, request_id)
-    gen = Generation(state, request_id, spec)
-    if spec.stream:
-        return EventStream(completion_events(gen, model), on_close=gen.close)
-    finals = await _collect_or_disconnect(request, gen)
-    if finals is None:
-        return Response(status_code=499)  # nobody is listening
-    choices = []
-    for idx, c in sorted(finals.items()):
-        prompt = spec.prompts[idx // spec.params.n]
-        text = (_prompt_text(state, prompt) if spec.echo else "") + c.text
-        choices.append({"index": idx, "text": text,
-                        "logprobs": _completion_logprobs(state, c, 0, len(c.token_ids), 0)
-                        if spec.logprobs is not None else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return json_response({"id": gen.response_id, "object": "text_completion", "created": gen.created,
-                          "model": model, "choices": choices, "usage": gen.usage(finals)})
+    return await _generate(request, CompletionRequest)
 
 
 async def create_chat_completion(request: Request) -> Response:
+    return await _generate(request, ChatCompletionRequest)
+
+
+async def _generate(request: Request, schema: type[GenerationRequest]) -> Response:
+    """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
-    body = await read_json(request, state)
-    model = check_model(body, state)
-    spec = parse_chat(body, state, request_id)
-    gen = Generation(state, request_id, spec, prefix="chatcmpl-")
-    if spec.stream:
-        return EventStream(chat_events(gen, model), on_close=gen.close)
+    req = parse_body(schema, await read_json(request, state), request_id)
+    model = check_model(req, state)
+    gen = await Generation.admit(state, request_id, req)
+    if req.stream:
+        return EventStream(stream_events(gen, model), on_close=gen.close)
     finals = await _collect_or_disconnect(request, gen)
     if finals is None:
-        return Response(status_code=499)
-    choices = [{"index": idx, "message": {"role": "assistant", "content": c.text},
-                "logprobs": _chat_logprobs(state, c, 0, len(c.token_ids), spec.logprobs)
-                if spec.logprobs is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-               for idx, c in sorted(finals.items())]
-    return json_response({"id": gen.response_id, "object": "chat.completion", "created": gen.created,
-                          "model": model, "choices": choices, "usage": gen.usage(finals)})
+        return Response(status_code=499)  # nobody is listening
+    return json_response(gen.response(model, finals))
 
 
 async def list_models(request: Request) -> Response:
@@ -337,7 +242,7 @@ async def list_models(request: Request) -> Response:
     created = int(time.time())
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
-         "root": state.engine.config.model, "parent": None, "max_model_len": state.engine.max_model_len}
+         "root": state.info.model, "parent": None, "max_model_len": state.info.max_model_len}
         for name in state.model_names]})
 
 
@@ -345,8 +250,7 @@ async def health(request: Request) -> Response:
     async_llm = _state(request).async_llm
     if async_llm.is_running:
         return Response(status_code=200)
-    reason = f"the engine loop died: {async_llm.errored!r}" if async_llm.errored else "the engine is not running"
-    return ApiError(503, reason).response()
+    return ApiError(503, DEAD_MESSAGE if async_llm.errored else "the engine is not running").response()
 
 
 async def metrics(request: Request) -> Response:
@@ -354,32 +258,24 @@ async def metrics(request: Request) -> Response:
 
 
 async def tokenize(request: Request) -> Response:
-    """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
     state = _state(request)
-    body = await read_json(request, state)
-    check_model(body, state)
-    tokenizer = _tokenizer(state)
-    if body.get("messages") is not None:
-        text = _render_chat(state, parse_messages(body))
-        add_special = get_bool(body, "add_special_tokens", False)
-    else:
-        text = get_str(body, "prompt", None)
-        if text is None:
-            raise ApiError(400, "prompt (a string) or messages is required", param="prompt")
-        add_special = get_bool(body, "add_special_tokens", True)
-    ids = tokenizer.encode(text, add_special_tokens=add_special)
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids}
-    if get_bool(body, "return_token_strs", False):
-        out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    req = parse_body(TokenizeRequest, await read_json(request, state), _request_id(request))
+    check_model(req, state)
+    try:
+        out = await state.off_loop(req.run, state.engine)
+    except InvalidInput as e:
+        raise req.invalid(e) from None
     return json_response(out)
 
 
 async def detokenize(request: Request) -> Response:
     state = _state(request)
-    body = await read_json(request, state)
-    check_model(body, state)
-    ids = get_token_ids(body, "tokens", state, required=True)
-    return json_response({"prompt": _tokenizer(state).decode(ids)})
+    req = parse_body(DetokenizeRequest, await read_json(request, state), _request_id(request))
+    check_model(req, state)
+    try:
+        return json_response({"prompt": await state.off_loop(state.engine.detokenize, req.tokens)})
+    except InvalidInput as e:
+        raise req.invalid(e) from None
 
 
 async def version(request: Request) -> Response:
@@ -394,53 +290,46 @@ def _request_id(request: Request) -> str:
     return request.scope["nanoserve.request_id"]
 
 
+def check_model(req: OpenAIBaseModel, state: ServerState) -> str:
+    """The served name the request asks for (the first one if it names none)."""
+    if req.model is None:
+        return state.model_names[0]
+    if req.model not in state.model_names:
+        raise ApiError(404, f"the model {show(req.model)} does not exist; this server serves "
+                            f"{', '.join(map(repr, state.model_names))}", param="model")
+    return req.model
+
+
 async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[int, CompletionOutput] | None:
     """Run a non-streaming request to the end, or abort it when the client leaves."""
     done, why = False, "the server stopped"  # unless we get further
     try:
         done, finals = await until_disconnect(request.receive, gen.collect())
         why = "" if done else "client disconnected"
-    except EngineDeadError as e:
+    except (EngineDeadError, RequestFailedError) as e:
         why = str(e)
-        raise ApiError(503, str(e)) from None
+        raise _engine_error(e) from None
     finally:
         gen.close(why)
     return finals if done else None
 
 
-# =========================================================================== protocol helpers
+# ---------------------------------------------------------------- errors
 
-class ApiError(Exception):
-    """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             405: "MethodNotAllowedError", 413: "RequestTooLargeError", 429: "RateLimitError",
-             500: "InternalServerError", 503: "ServiceUnavailableError"}
-
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.headers = status, message, param, headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
-                          "param": self.param, "code": self.status}}
-
-    def response(self) -> Response:
-        return json_response(self.body(), self.status, self.headers)
-
-
-def bad_request(message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, message, param)
+def _engine_error(e: Exception) -> ApiError:
+    return ApiError(503 if isinstance(e, EngineDeadError) else 500, str(e))
 
 
 async def _api_error_handler(request: Request, exc: ApiError) -> Response:
+    _state(request).metrics.count_rejected(exc.status)
     logger.info("[entry] %s: %s %s -> %d: %s", request.scope.get("nanoserve.request_id"), request.method,
-                request.url.path, exc.status, exc.message)
+                esc(request.url.path), exc.status, exc.message)
     return exc.response()
 
 
 async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
-    return ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+    _state(request).metrics.count_rejected(exc.status_code)
+    return ApiError(exc.status_code, f"{exc.detail}: {request.method} {esc(request.url.path)}",
                     headers=dict(exc.headers or {})).response()
 
 
@@ -449,22 +338,22 @@ async def _internal_error_handler(request: Request, exc: Exception) -> Response:
     return ApiError(500, "internal server error; the server log has the details").response()
 
 
-def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(_dumps(obj), status, headers, media_type="application/json")
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
 # ---------------------------------------------------------------- reading a body
 
 async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
-    """The body as a JSON object, read no further than the size limit."""
+    """The body as a JSON object, read no further than the size limit and no
+    longer than the body timeout (a client that never sends it holds nothing)."""
     limit = state.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body is {length} bytes; this server takes at most {limit}")
+    try:
+        return parse_json_object(await asyncio.wait_for(_read_body(request, limit), state.body_timeout))
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {state.body_timeout:g} s") from None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     try:
         async for chunk in request.stream():
@@ -474,359 +363,10 @@ async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
             chunks.append(chunk)
     except ClientDisconnect:
         raise bad_request("the client disconnected while sending the body") from None
-    raw = b"".join(chunks)
-    if not raw.strip():
-        raise bad_request("the request body is empty: send a JSON object")
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    return body
+    return b"".join(chunks)
 
 
-def check_model(body: dict[str, Any], state: ServerState) -> str:
-    """The served name the request asks for (the first one if it names none)."""
-    model = get_str(body, "model", None)
-    if model is None:
-        return state.model_names[0]
-    if model not in state.model_names:
-        raise ApiError(404, f"the model `{model}` does not exist; this server serves "
-                            f"{', '.join(map(repr, state.model_names))}", param="model")
-    return model
-
-
-# ---------------------------------------------------------------- typed fields
-# Each getter returns the default for a missing or null field and names the
-# field in its error, as vLLM's (pydantic) errors do.
-
-def _show(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, default=str) if not isinstance(value, float) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _json_type(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_finite_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) != float("inf") and v == v
-
-
-def get_bool(body: dict, name: str, default: bool | None) -> bool | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_request(f"{name} must be true or false, got {_show(v)}", name)
-    return v
-
-
-def get_int(body: dict, name: str, default: int | None, lo: int | None = None,
-            hi: int | None = None) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_int(v):
-        raise bad_request(f"{name} must be an integer, got {_show(v)}", name)
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rule = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
-        raise bad_request(f"{name} must be {rule}, got {v}", name)
-    return v
-
-
-def get_number(body: dict, name: str, default: float | None) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_finite_number(v):
-        raise bad_request(f"{name} must be a finite number, got {_show(v)}", name)
-    return float(v)
-
-
-def get_str(body: dict, name: str, default: str | None) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad_request(f"{name} must be a string, got {_show(v)}", name)
-    return v
-
-
-def get_token_ids(body: dict, name: str, state: ServerState, required: bool = False) -> list[int]:
-    v = body.get(name)
-    if v is None and not required:
-        return []
-    vocab = state.engine.model_config.vocab_size
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise bad_request(f"{name} must be a list of token ids (integers), got {_show(v)}", name)
-    bad = [t for t in v if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"{name} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}", name)
-    return v
-
-
-def _warn_unknown(body: dict, known: frozenset[str], request_id: str) -> None:
-    unknown = sorted(set(body) - known)
-    if unknown:  # as vLLM: ignored, not an error, so newer clients keep working
-        logger.warning("[entry] %s: ignoring unknown field(s): %s", request_id, ", ".join(unknown))
-
-
-# ---------------------------------------------------------------- requests -> SamplingParams
-
-SAMPLING_FIELDS = frozenset({
-    "model", "n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids",
-    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens",
-    "spaces_between_special_tokens", "max_tokens", "logprobs", "stream", "stream_options", "user"})
-COMPLETION_FIELDS = SAMPLING_FIELDS | {"prompt", "echo", "suffix"}
-CHAT_FIELDS = SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
-                                 "tools", "tool_choice", "parallel_tool_calls", "add_generation_prompt"}
-
-
-@dataclass(slots=True)
-class Prompt:
-    text: str | None          # None: the client sent token ids
-    token_ids: list[int]
-
-
-@dataclass(slots=True)
-class GenerationSpec:
-    """What one OpenAI request asks of the engine, validated."""
-    prompts: list[Prompt]
-    params: SamplingParams
-    stream: bool = False
-    include_usage: bool = False
-    echo: bool = False
-    logprobs: int | None = None   # top-N to report, None: no logprobs
-
-
-def parse_completion(body: dict, state: ServerState, request_id: str) -> GenerationSpec:
-    _warn_unknown(body, COMPLETION_FIELDS, request_id)
-    if body.get("suffix") is not None:
-        raise bad_request("suffix is not supported", "suffix")
-    logprobs = get_int(body, "logprobs", None, 0, MAX_LOGPROBS)
-    echo = get_bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise bad_request("echo together with logprobs would need the prompt's logprobs, which nanoserve "
-                          "does not compute; drop one of them", "echo")
-    max_tokens = get_int(body, "max_tokens", 16, lo=1)   # OpenAI's default for completions
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
-    prompts = [_tokenize_prompt(state, p) for p in _completion_prompts(body)]
-    for p in prompts:
-        check_length(state, len(p.token_ids), max_tokens, "prompt")
-    return GenerationSpec(prompts, params, *_stream_flags(body), echo=echo, logprobs=logprobs)
-
-
-def parse_chat(body: dict, state: ServerState, request_id: str) -> GenerationSpec:
-    _warn_unknown(body, CHAT_FIELDS, request_id)
-    messages = parse_messages(body)
-    if body.get("tools"):
-        raise bad_request("tools (function calling) are not supported", "tools")
-    if body.get("tool_choice") not in (None, "none", "auto"):
-        raise bad_request("tool_choice is not supported", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise bad_request('response_format must be {"type": "text"}: structured output is not supported',
-                          "response_format")
-    want_logprobs = get_bool(body, "logprobs", False)
-    top = get_int(body, "top_logprobs", None, 0, MAX_LOGPROBS)
-    if top is not None and not want_logprobs:
-        raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    logprobs = (top or 0) if want_logprobs else None
-    max_tokens = get_int(body, "max_tokens", None, lo=1)
-    max_tokens = get_int(body, "max_completion_tokens", max_tokens, lo=1)  # the newer name wins
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
-    prompt = _tokenize_prompt(state, _render_chat(state, messages))
-    check_length(state, len(prompt.token_ids), max_tokens, "messages")
-    return GenerationSpec([prompt], params, *_stream_flags(body), logprobs=logprobs)
-
-
-def sampling_params(body: dict, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The sampling fields shared by both endpoints (OpenAI's and vLLM's extras).
-    Types are checked here; ranges by SamplingParams, whose errors name the field."""
-    n = get_int(body, "n", 1, 1, MAX_N)
-    best_of = get_int(body, "best_of", None)
-    if best_of is not None and best_of != n:
-        raise bad_request("best_of is not supported: leave it out or make it equal to n", "best_of")
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or
-                                 (isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
-        raise bad_request(f"stop must be a string or a list of strings, got {_show(stop)}", "stop")
-    fields = dict(
-        n=n, max_tokens=max_tokens, logprobs=logprobs, stop=stop,
-        temperature=get_number(body, "temperature", 1.0),
-        top_p=get_number(body, "top_p", 1.0),
-        top_k=get_int(body, "top_k", 0),
-        min_p=get_number(body, "min_p", 0.0),
-        seed=get_int(body, "seed", None),
-        presence_penalty=get_number(body, "presence_penalty", 0.0),
-        frequency_penalty=get_number(body, "frequency_penalty", 0.0),
-        repetition_penalty=get_number(body, "repetition_penalty", 1.0),
-        logit_bias=_logit_bias(body),
-        stop_token_ids=_int_list(body, "stop_token_ids"),
-        include_stop_str_in_output=get_bool(body, "include_stop_str_in_output", False),
-        ignore_eos=get_bool(body, "ignore_eos", False),
-        min_tokens=get_int(body, "min_tokens", 0),
-        skip_special_tokens=get_bool(body, "skip_special_tokens", True),
-    )
-    try:
-        return SamplingParams(**fields)
-    except ValueError as e:
-        raise bad_request(str(e), _param_of(str(e))) from None
-
-
-def _param_of(message: str) -> str | None:
-    """The field an engine error names: its messages start with the field."""
-    name = message.split(" ", 1)[0]
-    return name if name in SamplingParams.__dataclass_fields__ else None
-
-
-def _logit_bias(body: dict) -> dict[int, float] | None:
-    v = body.get("logit_bias")
-    if v is None:
-        return None
-    if not isinstance(v, dict):
-        raise bad_request(f"logit_bias must be an object mapping token ids to numbers, got {_show(v)}",
-                          "logit_bias")
-    out = {}
-    for key, bias in v.items():
-        if not re.fullmatch(r"\d{1,9}", key):
-            raise bad_request(f"logit_bias keys must be token ids, got {_show(key)}", "logit_bias")
-        if not _is_finite_number(bias) or not -100 <= bias <= 100:
-            raise bad_request(f"logit_bias values must be numbers in [-100, 100], got {_show(bias)}",
-                              "logit_bias")
-        out[int(key)] = float(bias)
-    return out
-
-
-def _int_list(body: dict, name: str) -> list[int] | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
-        raise bad_request(f"{name} must be a list of integers, got {_show(v)}", name)
-    return v
-
-
-def _stream_flags(body: dict) -> tuple[bool, bool]:
-    stream = get_bool(body, "stream", False)
-    options = body.get("stream_options")
-    if options is None:
-        return stream, False
-    if not stream:
-        raise bad_request("stream_options needs stream: true", "stream_options")
-    if not isinstance(options, dict):
-        raise bad_request(f"stream_options must be an object, got {_show(options)}", "stream_options")
-    include = options.get("include_usage")
-    if include is not None and not isinstance(include, bool):
-        raise bad_request("stream_options.include_usage must be true or false", "stream_options")
-    return stream, bool(include)
-
-
-def _completion_prompts(body: dict) -> list[str | list[int]]:
-    """prompt: a string, a list of strings, a list of token ids, or a list of those lists."""
-    p = body.get("prompt")
-    rule = "a string, a list of strings, a list of token ids, or a list of token-id lists"
-    if p is None:
-        raise bad_request(f"prompt is required: {rule}", "prompt")
-    if isinstance(p, str):
-        return [p]
-    if not isinstance(p, list) or not p:
-        raise bad_request(f"prompt must be {rule} (and not empty), got {_show(p)}", "prompt")
-    if all(_is_int(t) for t in p):
-        return [p]
-    if all(isinstance(s, str) for s in p):
-        return list(p)
-    if all(isinstance(ids, list) and ids and all(_is_int(t) for t in ids) for ids in p):
-        return list(p)
-    raise bad_request(f"prompt must be {rule}, got {_show(p)}", "prompt")
-
-
-def _tokenize_prompt(state: ServerState, prompt: str | list[int]) -> Prompt:
-    try:
-        text, ids = state.engine.tokenize(prompt)
-        state.engine.validate_prompt(ids)
-    except ValueError as e:
-        raise bad_request(str(e), "prompt") from None
-    return Prompt(text, ids)
-
-
-def check_length(state: ServerState, num_prompt: int, max_tokens: int | None, what: str) -> None:
-    limit = state.engine.max_model_len
-    if max_tokens is not None and num_prompt + max_tokens > limit:
-        raise bad_request(
-            f"this model's max-model-len is {limit} tokens, but the request needs {num_prompt + max_tokens}: "
-            f"{num_prompt} in the {what} and max_tokens={max_tokens}; lower max_tokens to at most "
-            f"{max(limit - num_prompt, 0)} or shorten the {what}", "max_tokens")
-
-
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-
-
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """OpenAI chat messages -> [{role, content}] with text content."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise bad_request("messages must be a non-empty list of {role, content} objects, got "
-                          f"{_show(messages)}", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object with role and content, got {_show(m)}", "messages")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {_show(role)}",
-                              "messages")
-        out.append({"role": role, "content": _message_text(m.get("content"), where)})
-    return out
-
-
-def _message_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
-                raise bad_request(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                  f"are supported, got {_show(part)}", "messages")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise bad_request(f"{where}.content must be a string or a list of text parts, got {_show(content)}",
-                      "messages")
-
-
-def _render_chat(state: ServerState, messages: list[dict[str, str]]) -> str:
-    try:
-        return apply_chat_template(state.engine.tokenizer, messages)
-    except ValueError as e:
-        raise bad_request(str(e), "messages") from None
-
-
-def _tokenizer(state: ServerState):
-    if state.engine.tokenizer is None:
-        raise bad_request("this server runs without a tokenizer (token ids only)")
-    return state.engine.tokenizer
-
-
-def _prompt_text(state: ServerState, prompt: Prompt) -> str:
-    if prompt.text is not None:
-        return prompt.text
-    tokenizer = state.engine.tokenizer
-    return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
-
-
-# ---------------------------------------------------------------- admission and the engine requests
+# =========================================================================== admission and the engine requests
 
 @dataclass(slots=True)
 class _Tracked:
@@ -841,47 +381,64 @@ class _Tracked:
     last_token_time: float | None = None
 
 
-class Generation:
-    """The engine requests behind one HTTP request (one per prompt), admitted
-    at construction (raising 400/429/503), read back as one stream of
-    (prompt index, RequestOutput). ``close()`` aborts whatever has not finished;
-    every path out of a handler calls it."""
+def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
+    """--max-queue-len counts engine requests: prompts x n."""
+    limit = state.max_queue_len
+    if limit is None:
+        return
+    wanted = req.num_prompts() * n
+    if wanted > limit:
+        raise bad_request(f"this request is {wanted} engine requests ({req.num_prompts()} prompt(s) x n={n}), "
+                          f"more than --max-queue-len {limit} lets wait", "n" if n > 1 else req.prompt_field)
+    waiting = state.engine.stats()["num_waiting"]
+    if waiting + wanted > limit:
+        raise ApiError(429, f"the server is busy: {waiting} requests are waiting (--max-queue-len {limit}); "
+                            f"retry later", headers={"Retry-After": "1"})
 
-    def __init__(self, state: ServerState, request_id: str, spec: GenerationSpec, prefix: str = "cmpl-"):
-        self.state, self.request_id, self.spec = state, request_id, spec
-        self.response_id = prefix + request_id
+
+class Generation:
+    """The engine requests behind one HTTP request (one per prompt), read back
+    as one stream of (prompt index, RequestOutput). ``close()`` aborts whatever
+    has not finished; every path out of a handler calls it."""
+
+    @classmethod
+    async def admit(cls, state: ServerState, request_id: str, req: GenerationRequest) -> "Generation":
+        """Cheap bounds first (prompts x n vs the queue; the engine's characters
+        and length bounds before any per-token work), then tokenizing off the
+        loop, then the engine requests. Raises 400/429/503."""
+        try:
+            params = req.sampling_params()
+            check_queue(state, req, params.n)
+            prompts = await state.off_loop(req.process_prompts, state.engine)
+            for prompt in prompts:
+                req.check_length(len(prompt.token_ids), params.max_tokens, state.info.max_model_len)
+            check_queue(state, req, params.n)  # again: others may have queued meanwhile
+            return cls(state, request_id, req, params, prompts)
+        except InvalidInput as e:
+            raise req.invalid(e) from None
+
+    def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams,
+                 prompts: list[TokenizedPrompt]):
+        self.state, self.request_id, self.req, self.params, self.prompts = state, request_id, req, params, prompts
+        self.response_id = req.id_prefix + request_id
         self.created = int(time.time())
         self.start = time.monotonic()
         self.tracked: list[_Tracked] = []
         self.closed = False
-        if request_id in state.generations:
-            raise bad_request(f"request id {request_id!r} (X-Request-Id) is already in flight", "X-Request-Id")
-        self._admit()
-        state.generations[request_id] = self
-
-    def _admit(self) -> None:
-        state, async_llm, spec = self.state, self.state.async_llm, self.spec
-        if not async_llm.is_running:
-            raise ApiError(503, "the engine is not running" + (f": {async_llm.errored!r}" if async_llm.errored else ""))
-        waiting = state.engine.stats()["num_waiting"]
-        if state.max_queue_len is not None and waiting >= state.max_queue_len:
-            raise ApiError(429, f"the server is busy: {waiting} requests are waiting (--max-queue-len "
-                                f"{state.max_queue_len}); retry later", headers={"Retry-After": "1"})
+        state.generations.add(self)
         try:
-            state.engine.validate_params(spec.params)
-            for i, prompt in enumerate(spec.prompts):
-                engine_id = self.request_id if len(spec.prompts) == 1 else f"{self.request_id}-{i}"
-                queue = async_llm.add_request(prompt.token_ids, spec.params, engine_id)
-                self.tracked.append(_Tracked(engine_id, queue))
+            for i, prompt in enumerate(prompts):
+                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                self.tracked.append(_Tracked(engine_id, state.async_llm.add_request(prompt, params, engine_id)))
         except EngineDeadError as e:
             self.close()
             raise ApiError(503, str(e)) from None
-        except ValueError as e:  # the engine's own checks: token ids against the vocabulary, the id
+        except InvalidInput:  # the engine's own checks (a request id in use)
             self.close()
-            raise bad_request(str(e), "X-Request-Id" if "already in use" in str(e) else _param_of(str(e))) from None
-        logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s",
-                     self.request_id, len(spec.prompts), "+".join(str(len(p.token_ids)) for p in spec.prompts),
-                     spec.params.max_tokens, spec.params.n, spec.stream)
+            raise
+        logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s%s",
+                     request_id, len(prompts), "+".join(str(len(p.token_ids)) for p in prompts),
+                     params.max_tokens, params.n, req.stream, f", user {show(req.user)}" if req.user else "")
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The engine requests' outputs as they come, merged."""
@@ -894,7 +451,7 @@ class Generation:
                 async for out in self.state.async_llm.stream(t.engine_id, t.queue):
                     merged.put_nowait((i, out))
                 merged.put_nowait((i, end))
-            except Exception as e:  # EngineDeadError: hand it to the reader
+            except Exception as e:  # EngineDeadError, RequestFailedError: hand it to the reader
                 merged.put_nowait((i, e))
 
         pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(self.tracked)]
@@ -924,12 +481,42 @@ class Generation:
         return finals
 
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
-        return prompt_index * self.spec.params.n + c.index
+        return prompt_index * self.params.n + c.index
+
+    def prompt_text(self, prompt_index: int) -> str:
+        prompt, tokenizer = self.prompts[prompt_index], self.state.engine.tokenizer
+        if prompt.text is not None:
+            return prompt.text
+        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
+
+    def logprobs(self, c: CompletionOutput, start: int, text_offset: int) -> dict | None:
+        """The logprobs of tokens [start:] of a choice, in the endpoint's shape."""
+        if self.params.logprobs is None:
+            return None
+        tokens = []
+        for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+            tokens.append((self._token_text(token_id), _lp(entry.get(token_id)),
+                           [(self._token_text(t), _lp(lp)) for t, lp in ranked]))
+        return self.req.logprobs_body(tokens, text_offset)
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.state.engine.tokenizer
+        return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
     def usage(self, finals: dict[int, CompletionOutput]) -> dict[str, int]:
-        prompt = sum(len(p.token_ids) for p in self.spec.prompts)
+        prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
+        """The non-streaming body."""
+        req, choices = self.req, []
+        for idx, c in sorted(finals.items()):
+            text = (self.prompt_text(idx // self.params.n) if req.wants_echo() else "") + c.text
+            choices.append(req.choice(idx, text, self.logprobs(c, 0, 0), c, stream=False))
+        return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
+                "choices": choices, "usage": self.usage(finals)}
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
@@ -962,25 +549,17 @@ class Generation:
             if not t.done:
                 if not t.started:  # a started stream aborts in its own finally
                     self.state.async_llm.abort(t.engine_id)
-                left = self.spec.params.n - len(t.finish_reasons)
+                left = self.params.n - len(t.finish_reasons)
                 aborted += left
                 self.state.metrics.count_finished("abort", left)
-        if self.state.generations.get(self.request_id) is self:
-            del self.state.generations[self.request_id]
+        self.state.generations.discard(self)
         if self.tracked:
             reasons = sorted({r for t in self.tracked for r in t.finish_reasons})
             outcome = (f"aborted {aborted} choice(s){f' ({why})' if why else ''}" if aborted
                        else f"finished ({', '.join(reasons)})")
             logger.info("[entry] %s: %s in %.2f s, %d prompt + %d completion tokens", self.request_id, outcome,
-                        time.monotonic() - self.start, sum(len(p.token_ids) for p in self.spec.prompts),
+                        time.monotonic() - self.start, sum(len(p.token_ids) for p in self.prompts),
                         sum(sum(t.num_output_tokens.values()) for t in self.tracked))
-
-
-# ---------------------------------------------------------------- logprobs
-
-def _token_text(state: ServerState, token_id: int) -> str:
-    tokenizer = state.engine.tokenizer
-    return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
 
 def _lp(value: float | None) -> float | None:
@@ -988,54 +567,26 @@ def _lp(value: float | None) -> float | None:
     return None if value is None else max(value, -9999.0)
 
 
-def _completion_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int,
-                         text_offset: int) -> dict[str, list]:
-    """The legacy completions shape, for tokens [start, end) of a choice."""
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    entries = c.logprobs or []
-    for token_id, entry in zip(c.token_ids[start:end], entries[start:end]):
-        text = _token_text(state, token_id)
-        tokens.append(text)
-        token_logprobs.append(_lp(entry.get(token_id)))
-        top_logprobs.append({_token_text(state, t): _lp(lp)
-                             for t, lp in sorted(entry.items(), key=lambda kv: -kv[1])})
-        offsets.append(text_offset)
-        text_offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
-
-
-def _chat_logprobs(state: ServerState, c: CompletionOutput, start: int, end: int, top_n: int) -> dict:
-    """The chat shape, {"content": [{token, logprob, bytes, top_logprobs}]}, for tokens [start, end)."""
-    def item(token_id: int, lp: float | None) -> dict:
-        text = _token_text(state, token_id)
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode())}
-    content = []
-    entries = c.logprobs or []
-    for token_id, entry in zip(c.token_ids[start:end], entries[start:end]):
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-        content.append({**item(token_id, entry.get(token_id)),
-                        "top_logprobs": [item(t, lp) for t, lp in ranked]})
-    return {"content": content}
-
-
 # =========================================================================== SSE
 
 def sse(obj: Any) -> str:
     """One server-sent event: `data: <json>` and a blank line."""
-    return f"data: {_dumps(obj)}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 SSE_DONE = "data: [DONE]\n\n"
 
 
-async def completion_events(gen: Generation, model: str) -> AsyncIterator[str]:
-    spec, state = gen.spec, gen.state
-    head = {"id": gen.response_id, "object": "text_completion", "created": gen.created, "model": model}
-    echo_pending = set(range(len(spec.prompts) * spec.params.n)) if spec.echo else set()
+async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
+    """The SSE events of a completion or a chat completion, ending in [DONE]."""
+    req, params = gen.req, gen.params
+    head = {"id": gen.response_id, "object": req.chunk_object, "created": gen.created, "model": model}
+    echo_pending = set(range(len(gen.prompts) * params.n)) if req.wants_echo() else set()
     tokens_sent: dict[int, int] = {}
     text_sent: dict[int, int] = {}
     finals: dict[int, CompletionOutput] = {}
+    for chunk in req.first_chunks(head):
+        yield sse(chunk)
     try:
         async with contextlib.aclosing(gen.outputs()) as outputs:
             async for i, out in outputs:
@@ -1045,53 +596,17 @@ async def completion_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     text = c.delta_text
                     if idx in echo_pending:
                         echo_pending.discard(idx)
-                        text = _prompt_text(state, spec.prompts[i]) + text
-                    start, end = tokens_sent.get(idx, 0), len(c.token_ids)
-                    if not text and c.finish_reason is None and (spec.logprobs is None or start == end):
+                        text = gen.prompt_text(i) + text
+                    start = tokens_sent.get(idx, 0)
+                    if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
                         continue  # nothing new to say (text held back for a possible stop string)
-                    logprobs = None
-                    if spec.logprobs is not None:
-                        logprobs = _completion_logprobs(state, c, start, end, text_sent.get(idx, 0))
-                    tokens_sent[idx] = end
+                    logprobs = gen.logprobs(c, start, text_sent.get(idx, 0))
+                    tokens_sent[idx] = len(c.token_ids)
                     text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                    yield sse({**head, "choices": [{"index": idx, "text": text, "logprobs": logprobs,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}]})
-        if spec.include_usage:
+                    yield sse({**head, "choices": [req.choice(idx, text, logprobs, c, stream=True)]})
+        if req.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(finals)})
     except Exception as e:  # the status line is gone: report in the stream
-        yield sse(_stream_error(gen, e))
-    yield SSE_DONE
-
-
-async def chat_events(gen: Generation, model: str) -> AsyncIterator[str]:
-    spec, state = gen.spec, gen.state
-    head = {"id": gen.response_id, "object": "chat.completion.chunk", "created": gen.created, "model": model}
-    tokens_sent: dict[int, int] = {}
-    finals: dict[int, CompletionOutput] = {}
-    for idx in range(spec.params.n):  # the first delta of each choice carries the role
-        yield sse({**head, "choices": [{"index": idx, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}]})
-    try:
-        async with contextlib.aclosing(gen.outputs()) as outputs:
-            async for i, out in outputs:
-                for c in out.outputs:
-                    idx = gen.choice_index(i, c)
-                    finals[idx] = c
-                    start, end = tokens_sent.get(idx, 0), len(c.token_ids)
-                    if not c.delta_text and c.finish_reason is None and (spec.logprobs is None or start == end):
-                        continue
-                    logprobs = None
-                    if spec.logprobs is not None:
-                        logprobs = _chat_logprobs(state, c, start, end, spec.logprobs)
-                    tokens_sent[idx] = end
-                    delta = {"content": c.delta_text} if c.delta_text else {}
-                    yield sse({**head, "choices": [{"index": idx, "delta": delta, "logprobs": logprobs,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}]})
-        if spec.include_usage:
-            yield sse({**head, "choices": [], "usage": gen.usage(finals)})
-    except Exception as e:
         yield sse(_stream_error(gen, e))
     yield SSE_DONE
 
@@ -1099,8 +614,8 @@ async def chat_events(gen: Generation, model: str) -> AsyncIterator[str]:
 def _stream_error(gen: Generation, e: Exception) -> dict:
     if isinstance(e, ApiError):
         error = e
-    elif isinstance(e, EngineDeadError):
-        error = ApiError(503, str(e))
+    elif isinstance(e, (EngineDeadError, RequestFailedError)):
+        error = _engine_error(e)
     else:
         logger.exception("[entry] %s: the stream failed", gen.request_id)
         error = ApiError(500, "internal server error; the server log has the details")
@@ -1181,10 +696,28 @@ class ServerMetrics:
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens")
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
+        self._rejected = Counter("nanoserve:request_rejected", "Requests answered with an error status "
+                                 "(429: the queue was full)", ["model_name", "code"], registry=self.registry)
 
     def count_finished(self, reason: str, n: int = 1) -> None:
         if n > 0:
             self._request_success.labels(self.model_name, reason).inc(n)
+
+    def count_rejected(self, status: int) -> None:
+        self._rejected.labels(self.model_name, str(status)).inc()
+
+
+_ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running queue", "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", "kv_cache_usage"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
+    (CounterMetricFamily, "num_preemptions", "Preemptions", "num_preemptions"),
+    (CounterMetricFamily, "prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
+    (CounterMetricFamily, "generation_tokens", "Tokens generated", "generation_tokens"),
+]
 
 
 class _EngineStatsCollector:
@@ -1195,23 +728,10 @@ class _EngineStatsCollector:
 
     def collect(self):
         s = self.async_llm.engine.stats()
-
-        def family(kind, name: str, doc: str, value: float):
-            f = kind(f"nanoserve:{name}", doc, labels=["model_name"])
-            f.add_metric([self.model_name], value)
-            return f
-        yield family(GaugeMetricFamily, "num_requests_running", "Requests in the running queue", s["num_running"])
-        yield family(GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled",
-                     s["num_waiting"])
-        yield family(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)",
-                     s["kv_cache_usage"])
-        yield family(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                     s["prefix_cache_queries"])
-        yield family(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache",
-                     s["prefix_cache_hits"])
-        yield family(CounterMetricFamily, "num_preemptions", "Preemptions", s["num_preemptions"])
-        yield family(CounterMetricFamily, "prompt_tokens", "Prompt tokens admitted", s["prompt_tokens"])
-        yield family(CounterMetricFamily, "generation_tokens", "Tokens generated", s["generation_tokens"])
+        for kind, name, doc, key in _ENGINE_SERIES:
+            family = kind(f"nanoserve:{name}", doc, labels=["model_name"])
+            family.add_metric([self.model_name], s[key])
+            yield family
 
 
 async def log_stats_periodically(state: ServerState, interval: float) -> None:
@@ -1255,17 +775,15 @@ def _fmt_bytes(n: float) -> str:
 
 def banner(engine: LLMEngine, args: argparse.Namespace, url: str) -> str:
     """The start-up summary: what is served, on what, with how much KV cache."""
-    mc, plan = engine.model_config, engine.kv_plan
-    block_size, max_len = engine.config.block_size, engine.max_model_len
-    per_request = -(-max_len // block_size)
+    info = engine.describe()
+    blocks, block_size, max_len = info.num_kv_blocks, info.block_size, info.max_model_len
     names = ", ".join(args.served_model_name)
     return "\n".join([
         f"nanoserve {__version__}: serving {args.model} as {names!r}",
-        f"  model        {mc.architecture}, {str(engine.dtype).replace('torch.', '')} on {engine.device}, "
-        f"weights {_fmt_bytes(engine.weight_bytes)}",
-        f"  KV cache     {plan.num_blocks} blocks x {block_size} tokens = {plan.num_blocks * block_size} tokens "
-        f"({_fmt_bytes(plan.bytes_per_block)} per block, {_fmt_bytes(plan.num_blocks * plan.bytes_per_block)})",
-        f"  concurrency  {plan.num_blocks / per_request:.2f}x at max-model-len {max_len} "
+        f"  model        {info.architecture}, {info.dtype} on {info.device}, weights {_fmt_bytes(info.weight_bytes)}",
+        f"  KV cache     {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens "
+        f"({_fmt_bytes(info.kv_bytes_per_block)} per block, {_fmt_bytes(blocks * info.kv_bytes_per_block)})",
+        f"  concurrency  {blocks / -(-max_len // block_size):.2f}x at max-model-len {max_len} "
         f"(max-num-seqs {args.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
         f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''})",
     ])
@@ -1293,22 +811,83 @@ def configure_logging(level: str) -> None:
     root.setLevel(logging.WARNING)  # other libraries stay quiet
     for name in ("nanoserve", "uvicorn"):
         logging.getLogger(name).setLevel(level.upper())
-    logging.getLogger("uvicorn.error").addFilter(_forced_exit_in_one_line)
+    logging.getLogger("uvicorn.error").addFilter(_cancellations_in_one_line)
 
 
-def _forced_exit_in_one_line(record: logging.LogRecord) -> bool:
-    """A second Ctrl-C makes uvicorn cancel the app's lifespan mid-shutdown, and
-    starlette hands it the CancelledError's traceback to log: say it in one line."""
+def _cancellations_in_one_line(record: logging.LogRecord) -> bool:
+    """A request cut off by a forced exit (a second Ctrl-C) gets one line, not
+    its CancelledError's traceback; so does the lifespan that uvicorn cancels."""
+    exc = record.exc_info[1] if record.exc_info else None
     message = record.getMessage()
-    if message.startswith("Traceback") and message.rstrip().endswith("CancelledError"):
-        record.msg, record.args = "[entry] forced exit: a second signal cut the shutdown short", ()
+    if isinstance(exc, asyncio.CancelledError) or (
+            message.startswith("Traceback") and message.rstrip().endswith("CancelledError")):
+        record.msg, record.args, record.exc_info, record.exc_text = (
+            "[entry] forced exit: a second signal cut the shutdown short", (), None, None)
         record.levelno, record.levelname = logging.WARNING, "WARNING"
     return True
 
 
-class _Server(uvicorn.Server):
-    """uvicorn, except that a SIGINT/SIGTERM is not re-raised after the drain:
-    a graceful shutdown exits with status 0."""
+class H11WithTimeouts(H11Protocol):
+    """uvicorn's h11 protocol, plus a deadline for each request's headers
+    (HEADER_TIMEOUT_S): else a client that connects and sends nothing, or
+    trickles its headers (slowloris), holds its connection for ever. uvicorn
+    times out only the idle keep-alive between requests."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._headers_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        if self._headers_timer is None and self._between_requests():  # a keep-alive's next request
+            self._headers_timer = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_timed_out)
+        super().data_received(data)
+        if self._headers_timer is not None and not self._between_requests():  # its headers are in
+            self._headers_timer.cancel()
+            self._headers_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _headers_timed_out(self) -> None:
+        self._headers_timer = None
+        if self._between_requests() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def connection_limit() -> int:
+    """Connections (and requests) served at once; beyond it uvicorn answers 503.
+    It stays under the open-file limit, so accepting never fails for want of one."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return 4096 if soft == resource.RLIM_INFINITY else max(16, min(4096, soft - 128))
+
+
+class Server(uvicorn.Server):
+    """uvicorn, with nanoserve's shutdown: a SIGINT/SIGTERM is not re-raised
+    after the drain (a graceful shutdown exits 0); at ``drain_timeout`` what is
+    still in flight ends with an error (a stream: an error event and [DONE])
+    before uvicorn would cancel it; the app may ask it to stop (a dead engine)."""
+
+    def __init__(self, app: Starlette, args: argparse.Namespace):
+        super().__init__(uvicorn.Config(
+            app, host=args.host, port=args.port, log_config=None, lifespan="on", http=H11WithTimeouts,
+            timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_GRACE_S,
+            timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, limit_concurrency=connection_limit(),
+            access_log=not args.disable_uvicorn_access_log))
+        self.state: ServerState = app.state.server
+        self.state.request_shutdown = self.request_exit
+        self.drain_timeout = args.shutdown_timeout
+
+    def request_exit(self) -> None:
+        self.should_exit = True
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.force_exit or self.state.exit_code else 0
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -1325,8 +904,16 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if not self.should_exit:
             logger.info("[entry] %s: no new connections; draining requests in flight (up to %s s)",
-                        signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+                        signal.Signals(sig).name, self.drain_timeout)
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.drain_timeout, self.state.end_all,
+                                                      "the server is shutting down")
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -1345,16 +932,14 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
         executor.shutdown()
         return 1
-    app = build_app(AsyncLLM(engine, executor), args)
+    server = Server(build_app(AsyncLLM(engine, executor), args), args)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(banner(engine, args, f"http://{host}:{port}"), flush=True)
-    config = uvicorn.Config(app, host=args.host, port=port, log_config=None, lifespan="on",
-                            timeout_graceful_shutdown=args.shutdown_timeout,
-                            access_log=not args.disable_uvicorn_access_log)
-    asyncio.run(_Server(config).serve(sockets=[sock]))
-    logger.info("[entry] shut down")
-    return 0
+    asyncio.run(server.serve(sockets=[sock]))
+    code = server.exit_code
+    logger.info("[entry] shut down%s", f" (exit status {code})" if code else "")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -118,6 +118,8 @@ class BlockManager:
         return hits
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        if not self.enable_prefix_caching:  # n's family sharing is not the prefix cache
+            return
         self.prefix_cache_queries += num_tokens
         self.prefix_cache_hits += num_hit_tokens
 

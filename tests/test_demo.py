@@ -82,15 +82,16 @@ def demo_server():
 
 
 def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
-    """Ctrl-C twice: uvicorn cuts the graceful shutdown short, and the log says
-    so in one line instead of the cancelled lifespan's traceback."""
+    """Ctrl-C twice: uvicorn cuts the graceful shutdown short, the log says so
+    in one line instead of the cancelled lifespan's traceback, and the exit
+    status says it was not a clean shutdown."""
     proc, _ = _start_demo_server()
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
-    assert "Traceback" not in out and "[entry] shut down" in out
+    assert proc.returncode == 1, out
+    assert "Traceback" not in out and "[entry] shut down (exit status 1)" in out
 
 
 def test_no_arguments_streams_from_the_demo_model(demo_server):

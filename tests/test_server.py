@@ -19,13 +19,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 import nanoserve
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import AsyncLLM
-from nanoserve.entry import (bind_socket, build_app, build_engine, default_model_path, make_arg_parser,
+from nanoserve.entry import (Server, bind_socket, build_app, build_engine, default_model_path, make_arg_parser,
                             parse_args)
 
 BASE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--port", "0",
@@ -52,8 +51,11 @@ class ServerThread:
         app = self.app = build_app(self.async_llm, self.args)
         self.sock = bind_socket("127.0.0.1", 0)
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_config=None, lifespan="on", access_log=False,
-                                                    timeout_graceful_shutdown=graceful))
+        if graceful is not None:
+            self.args.shutdown_timeout = graceful
+        self.args.disable_uvicorn_access_log = True
+        self.server = Server(app, self.args)  # as serve() runs it
+        self.server.config.log_config = None
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        daemon=True)
 
@@ -498,6 +500,14 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the quick brown fox " * 80}]},
+     400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+     400, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": 1},
+     400, "add_generation_prompt"),
+    ("/v1/completions", {"prompt": "hi", "spaces_between_special_tokens": False}, 400,
+     "spaces_between_special_tokens"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
@@ -560,31 +570,19 @@ def test_api_key(tiny_model):
         _check_error(httpx.post(url, json=body, headers={"Authorization": "Bearer wrong"}), 401, None)
         _check_error(httpx.get(s.url + "/v1/models", headers={"Authorization": "s3cret"}), 401, None)
         assert httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert httpx.get(s.url + "/health").status_code == 200  # only /v1/* is guarded
+        assert httpx.post(url, json=body, headers={"Authorization": "bearer s3cret"}).status_code == 200
+        # where work is done: /v1/*, /tokenize, /detokenize; /health, /metrics, /version stay open
+        _check_error(httpx.post(s.url + "/tokenize", json={"prompt": "hi"}), 401, None)
+        _check_error(httpx.post(s.url + "/detokenize", json={"tokens": [1]}), 401, None)
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "hi"},
+                          headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        for path in ("/health", "/metrics", "/version"):
+            assert httpx.get(s.url + path).status_code == 200, path
+        assert _metrics(s.url)["nanoserve:request_rejected_total{code=401}"] == 5
         c = openai.OpenAI(base_url=s.url + "/v1", api_key="s3cret", max_retries=0)
         assert c.completions.create(model=str(s.args.model), prompt="hi", max_tokens=2).choices[0].text is not None
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=s.url + "/v1", api_key="nope", max_retries=0).models.list()
-
-
-def test_engine_death_is_503_and_stream_error(tiny_model):
-    with ServerThread(tiny_model) as s:
-        execute = s.engine.runner.execute
-        calls = {"n": 0}
-
-        def dying(seqs):
-            calls["n"] += 1
-            if calls["n"] > 3:
-                raise RuntimeError("simulated device failure")
-            return execute(seqs)
-        s.engine.runner.execute = dying
-        with httpx.stream("POST", s.url + "/v1/completions",
-                          json={"prompt": "hi", "max_tokens": 50, "stream": True}) as r:
-            payloads = sse_events(r.read().decode())
-        error = json.loads(payloads[-2])["error"]
-        assert error["code"] == 503 and "engine" in error["message"] and "Traceback" not in error["message"]
-        _check_error(httpx.get(s.url + "/health"), 503, None)
-        _check_error(httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}), 503, None)
 
 
 # =========================================================================== metrics and logs
@@ -719,14 +717,16 @@ def test_cli_bad_model_is_a_clear_error(tmp_path):
 
 
 def test_sigterm_drains_the_stream_and_exits_0(tiny_model):
+    # The drain waits only as long as the stream needs: a long --shutdown-timeout
+    # keeps a slow, loaded machine from cutting it (that is the next test's case).
     proc, banner = _start_cli("--model", str(tiny_model), "--dtype", "float32", "--num-kv-blocks", "64",
-                              "--max-model-len", "512", "--port", "0", "--shutdown-timeout", "20")
+                              "--max-model-len", "512", "--port", "0", "--shutdown-timeout", "600")
     try:
         for word in ("Qwen3ForCausalLM", "float32", "cpu", "weights", "64 blocks", "1024 tokens",
                      "2.00x at max-model-len 512", "http://127.0.0.1:"):
             assert word in banner, (word, banner)
         url = banner.split("URL", 1)[1].split()[0]
-        with httpx.stream("POST", url + "/v1/completions", timeout=60, headers={"X-Request-Id": "drain-1"}, json={
+        with httpx.stream("POST", url + "/v1/completions", timeout=600, headers={"X-Request-Id": "drain-1"}, json={
                 "prompt": "hello", "max_tokens": 480, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}) as r:
             lines = r.iter_lines()
@@ -736,7 +736,7 @@ def test_sigterm_drains_the_stream_and_exits_0(tiny_model):
         payloads = [line[len("data: "):] for line in raw.splitlines() if line]
         assert payloads[-1] == "[DONE]"
         assert json.loads(payloads[-2])["usage"]["completion_tokens"] == 480
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=600) == 0
         err = proc.stderr.read()
         # the signal came while the request was in flight, and the request finished
         assert err.index("SIGTERM: no new connections; draining") < err.index("[entry] drain-1: finished"), err
@@ -746,24 +746,29 @@ def test_sigterm_drains_the_stream_and_exits_0(tiny_model):
             proc.wait()
 
 
-def test_shutdown_timeout_aborts_the_rest(tiny_model):
+def test_shutdown_timeout_ends_the_rest_with_an_error_event(tiny_model, caplog):
+    """At the drain timeout a stream still running gets an error event and
+    [DONE] (200 tokens at 0.05 s a step cannot finish in the 0.5 s drain)."""
+    caplog.set_level(logging.INFO)
     s = ServerThread(tiny_model, graceful=0.5)
     with s:
         s.delay = 0.05
-        with httpx.Client(timeout=10) as c:
+        with httpx.Client(timeout=60) as c:
             with c.stream("POST", s.url + "/v1/completions",
                           json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
                 lines = r.iter_lines()
                 next(lines)
-                t = time.monotonic()
                 threading.Thread(target=s.stop).start()
-                with pytest.raises(httpx.HTTPError):  # cut off at the drain timeout
-                    for line in lines:
-                        assert line != "data: [DONE]"
-                assert time.monotonic() - t < 5
-        s.thread.join(10)
+                rest = [line for line in lines if line]
+        s.thread.join(30)
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == 503 and "shutting down" in error["message"]
     st = s.stats()
     assert st["num_running"] == 0 and st["num_waiting"] == 0 and st["num_free_blocks"] == st["num_total_blocks"]
+    messages = [rec.getMessage() for rec in caplog.records]
+    assert any("shutdown: aborting 1 request(s) still in flight" in m for m in messages), messages
+    assert not any(rec.exc_info or "Traceback" in rec.getMessage() for rec in caplog.records), messages
     with pytest.raises(httpx.ConnectError):  # no longer accepting
         httpx.get(s.url + "/health", timeout=2)
 

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nanoserve import entry
-from test_server import ServerThread, _metrics
+from test_server import BASE_FLAGS, ServerThread, _metrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -211,6 +211,53 @@ def test_memory_keeps_growing(server):
     assert m["nanoserve:kv_cache_usage_perc"] == 0 and s["num_free_blocks"] == s["num_total_blocks"] == 64
     assert m["nanoserve:prefix_cache_hits_total"] > 0  # cached blocks stay reusable, yet count as free
     assert m["nanoserve:num_requests_running"] == m["nanoserve:num_requests_waiting"] == 0
+
+
+def test_memory_default_kv_cache_is_what_the_limits_can_use(tiny_model, caplog):
+    """Memory keeps growing (the KV cache's share: sized once, by default to
+    what --max-num-seqs requests of --max-model-len can use)."""
+    caplog.set_level(logging.INFO, logger="nanoserve")
+    flags = [f for f in BASE_FLAGS if f not in ("--num-kv-blocks", "64")]
+    engine = entry.build_engine(entry.parse_args(["--model", str(tiny_model), *flags, "--max-num-seqs", "3"]))
+    assert engine.stats()["num_total_blocks"] == 3 * 16  # --max-model-len 256: 16 blocks a request
+    plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[kvcache] weights")]
+    assert plans[-1].endswith("48 blocks, 768 tokens; max concurrency at max_model_len=256: 3.00x"), plans
+
+
+def test_the_first_request_or_a_new_step_size_is_slow(tiny_model, logs):
+    """The first request, or the first step of a new size, is slow. (How slow
+    depends on the machine: what is checked is where to look.)"""
+    with ServerThread(tiny_model) as s:
+        for rid, prompt in (("size-1", list(range(1, 6))), ("size-2", list(range(1, 40)))):
+            assert _post(s.url, {"prompt": prompt, "max_tokens": 2}, rid).status_code == 200
+        m = _metrics(s.url)
+    assert m["nanoserve:time_to_first_token_seconds_count"] == 2
+    steps = [line for line in logs() if line.startswith("[model] step: ")]
+    assert "[model] step: 1 sequences, 5 tokens, 1 sampled" in steps
+    assert "[model] step: 1 sequences, 39 tokens, 1 sampled" in steps  # a new size
+    built = [line for line in logs() if line.startswith("[engine] kernels: ")]
+    assert len(built) == 1 and s.engine.backend.name in built[0]  # at start-up, before any request waits on it
+
+
+def test_a_request_fails_with_500_the_model_step_failed(tiny_model, logs):
+    """A request fails with 500 (the model step failed)."""
+    with ServerThread(tiny_model) as s:
+        execute = s.engine.runner.execute
+
+        def flaky(seqs):
+            if any(x.token_ids[:3] == [9, 9, 9] for x in seqs):
+                raise RuntimeError("simulated device failure")
+            return execute(seqs)
+        s.engine.runner.execute = flaky
+        r = _post(s.url, {"prompt": [9, 9, 9, 9], "max_tokens": 2}, "step-fails-1")
+        assert r.status_code == 500 and "model step" in r.json()["error"]["message"]
+        assert _post(s.url, {"prompt": [1, 2, 3], "max_tokens": 2}, "step-ok-1").status_code == 200
+        m = _metrics(s.url)
+        assert m["nanoserve:request_rejected_total{code=500}"] == 1
+        assert httpx.get(s.url + "/health").status_code == 200
+        s.wait_idle()
+    assert any(line == "[engine] the model step failed (1 in a row); ending its 1 request(s): step-fails-1"
+               for line in logs()), logs()
 
 
 def test_streaming_stalls_or_never_ends_after_a_client_leaves(server, logs):

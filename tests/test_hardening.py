@@ -1,0 +1,315 @@
+"""Issue 23: no input can stall, crash or bloat the server; a failed step costs
+only its own requests; shutdown ends every stream cleanly. Faults are injected
+by patching the model runner or the tokenizer in the test; nothing here waits
+on a clock except with deadlines far beyond what a loaded machine needs."""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams, entry
+from test_server import ServerThread, _check_error, _metrics, offline, sse_events  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with ServerThread(tiny_model, "--max-request-body-bytes", "4MiB") as s:
+        yield s
+
+
+def _post(url: str, body, path: str = "/v1/completions", **kw) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60, **kw)
+
+
+# =========================================================================== bounded work before tokenizing
+
+def test_health_answers_while_a_prompt_is_being_tokenized(server):
+    """Tokenizing runs off the event loop: /health answers while the tokenizer
+    is held (on an Event, not a clock) in the middle of a request."""
+    tokenizer = server.engine.tokenizer
+    entered, release = threading.Event(), threading.Event()
+    encode = tokenizer.encode
+
+    def held_encode(text, **kw):
+        entered.set()
+        assert release.wait(60)
+        return encode(text, **kw)
+    tokenizer.encode = held_encode
+    result = {}
+    try:
+        worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, {
+            "prompt": "hello world", "max_tokens": 2})))
+        worker.start()
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert httpx.get(server.url + "/metrics", timeout=30).status_code == 200
+        assert not release.is_set() and "r" not in result  # the request is still being tokenized
+    finally:
+        release.set()
+        del tokenizer.encode
+    worker.join(60)
+    assert result["r"].status_code == 200
+    server.wait_idle()
+
+
+def test_a_text_longer_than_any_prompt_that_fits_is_refused_untokenized(server):
+    tokenizer = server.engine.tokenizer
+    calls = []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda text, **kw: calls.append(len(text)) or encode(text, **kw)
+    try:
+        bound = server.engine.max_prompt_chars
+        assert 0 < bound < 2**20
+        for path, body, param in [
+                ("/v1/completions", {"prompt": "x" * (bound + 1)}, "prompt"),
+                ("/v1/completions", {"prompt": ["hi", "x" * (bound + 1)]}, "prompt"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (bound + 1)}]}, "messages"),
+                ("/tokenize", {"prompt": "x" * (bound + 1)}, "prompt")]:
+            err = _check_error(_post(server.url, body, path), 400, param)
+            assert f"no text over {bound} characters fits" in err["message"], err
+        assert all(n <= bound for n in calls), calls  # only "hi" was tokenized
+    finally:
+        del tokenizer.encode
+    # a token-id prompt over the limit is refused on its length, before its ids are checked
+    err = _check_error(_post(server.url, {"prompt": [1] + ["a"] * 100_000}), 400, "prompt")
+    assert "too long" in err["message"]
+    server.wait_idle()
+
+
+def test_the_character_bound_never_refuses_a_prompt_that_fits(offline_small):
+    """The bound's argument: a token stands for at most as many characters as
+    the longest string of the vocabulary. Tokens of that longest string, run
+    together, make the densest text there is."""
+    engine = offline_small.engine
+    vocab = engine.tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    text = engine.tokenizer.decode([vocab[longest]]) * (engine.max_model_len - 1)
+    assert len(text) <= engine.max_prompt_chars
+    assert len(engine.tokenize(text)[1]) >= len(text) / max(map(len, vocab))
+
+
+@pytest.fixture(scope="module")
+def offline_small(tiny_model):
+    return LLM(str(tiny_model), dtype="float32", num_kv_blocks=16, max_model_len=64)
+
+
+# =========================================================================== lone surrogates
+
+SURROGATE_BODIES = [  # raw JSON text: "\ud800" is a lone UTF-16 surrogate, which json.loads lets through
+    ("/v1/completions", r'{"prompt": "a\ud800b"}', "prompt"),
+    ("/v1/completions", r'{"prompt": ["ok", "\udfff"]}', "prompt"),
+    ("/v1/completions", r'{"prompt": "hi", "stop": ["\ud800"]}', "stop"),
+    ("/v1/completions", r'{"prompt": "hi", "model": "\ud800"}', "model"),
+    ("/v1/completions", r'{"prompt": "hi", "\ud800": 1}', "\\ud800"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "hi"}]}', "messages"),
+    ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
+]
+
+
+def test_lone_surrogates_are_a_400_naming_the_field_and_keep_the_connection(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        for path, body, param in SURROGATE_BODIES:
+            r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+            err = _check_error(r, 400, param)
+            assert "surrogate" in err["message"], err
+            # the same keep-alive connection still serves the next request
+            assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+        # UTF-8 that encodes a surrogate is not UTF-8
+        _check_error(c.post("/v1/completions", content=b'{"prompt": "\xed\xa0\x80"}'), 400, None)
+        # a pair of escapes is one valid character
+        assert c.post("/v1/completions", content=r'{"prompt": "\ud83d\ude00", "max_tokens": 1}').status_code == 200
+    server.wait_idle()
+
+
+def test_lone_surrogates_offline_are_a_value_error(offline_small):
+    with pytest.raises(ValueError, match="prompt is not valid Unicode"):
+        offline_small.generate(["a\ud800"], use_tqdm=False)
+    assert not offline_small.engine.has_unfinished_requests()
+
+
+# =========================================================================== the queue counts engine requests
+
+def test_max_queue_len_counts_prompts_times_n(tiny_model):
+    with ServerThread(tiny_model, "--max-num-seqs", "1", "--max-queue-len", "4") as s:
+        err = _check_error(_post(s.url, {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 1}), 400, "prompt")
+        assert "5 engine requests" in err["message"] and "--max-queue-len 4" in err["message"]
+        _check_error(_post(s.url, {"prompt": "a", "n": 5, "max_tokens": 1}), 400, "n")
+        assert _post(s.url, {"prompt": ["a", "b"], "n": 2, "max_tokens": 1}).status_code == 200
+        # hold the model step, so that queued requests stay queued
+        release, execute = threading.Event(), s.engine.runner.execute
+        s.engine.runner.execute = lambda seqs: release.wait(60) and execute(seqs)
+        try:
+            with httpx.Client(timeout=60) as c, c.stream("POST", s.url + "/v1/completions", json={
+                    "prompt": ["a", "b", "c", "d"], "max_tokens": 1, "stream": True}) as r:
+                assert r.status_code == 200
+                deadline = time.monotonic() + 30
+                while s.stats()["num_waiting"] < 3:  # one runs (held), three wait
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+                busy = _post(s.url, {"prompt": ["e", "f"], "max_tokens": 1})
+                assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
+                release.set()
+                assert sse_events(r.read().decode())
+        finally:
+            release.set()
+            s.engine.runner.execute = execute
+        assert _metrics(s.url)["nanoserve:request_rejected_total{code=429}"] == 1
+        assert _metrics(s.url)["nanoserve:request_rejected_total{code=400}"] == 2
+        s.wait_idle()
+
+
+# =========================================================================== a failed step
+
+VICTIM = [5, 6, 7, 8] * 10  # 40 tokens: two full blocks, registered in the prefix cache by its prefill
+
+
+def _fail_the_victims_prefill(s: ServerThread):
+    execute = s.engine.runner.execute
+    state = {"armed": True, "failed": 0}
+
+    def flaky(seqs):
+        if state["armed"] and any(x.start == 0 and x.token_ids[:len(VICTIM)] == VICTIM for x in seqs):
+            state["failed"] += 1
+            raise RuntimeError("simulated device failure: secret-internal-detail")
+        return execute(seqs)
+    s.engine.runner.execute = flaky
+    return state
+
+
+def test_a_failed_step_ends_only_its_requests(tiny_model, offline):
+    with ServerThread(tiny_model) as s:
+        state = _fail_the_victims_prefill(s)
+        r = _post(s.url, {"prompt": VICTIM, "max_tokens": 4})
+        err = _check_error(r, 500, None)
+        assert "secret" not in r.text and "RuntimeError" not in r.text and "model step" in err["message"]
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"prompt": VICTIM, "max_tokens": 4, "stream": True}) as stream:
+            payloads = sse_events(stream.read().decode())
+        error = json.loads(payloads[-2])["error"]
+        assert error["code"] == 500 and "secret" not in payloads[-2]
+        assert state["failed"] == 2
+        s.wait_idle()  # their blocks are free
+        # the engine carries on, and the victim's blocks were not left in the prefix cache half written
+        assert httpx.get(s.url + "/health").status_code == 200
+        state["armed"] = False
+        got = _post(s.url, {"prompt": VICTIM, "max_tokens": 8, "temperature": 0}).json()["choices"][0]["text"]
+        want = offline.generate([VICTIM], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+        assert got == want[0].outputs[0].text
+        assert _metrics(s.url)["nanoserve:request_rejected_total{code=500}"] == 1
+        s.wait_idle()
+
+
+def test_repeated_failures_turn_health_503(tiny_model):
+    with ServerThread(tiny_model) as s:
+        s.app.state.server.request_shutdown = None  # keep it up, to ask it (the CLI test sees the exit)
+
+        def broken(seqs):
+            raise RuntimeError("simulated device failure: secret-internal-detail")
+        s.engine.runner.execute = broken
+        for _ in range(3):
+            _check_error(_post(s.url, {"prompt": "hi", "max_tokens": 2}), 500, None)
+        r = httpx.get(s.url + "/health")
+        _check_error(r, 503, None)
+        r2 = _post(s.url, {"prompt": "hi", "max_tokens": 2})
+        _check_error(r2, 503, None)
+        assert "secret" not in r.text + r2.text and "RuntimeError" not in r.text + r2.text
+        st = s.stats()
+        assert st["num_running"] == st["num_waiting"] == 0 and st["num_free_blocks"] == st["num_total_blocks"]
+
+
+BROKEN_CLI = """
+import sys
+import nanoserve.model
+def broken(self, seqs):
+    raise RuntimeError("simulated device failure")
+nanoserve.model.ModelRunner.execute = broken
+from nanoserve.entry import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_engine_that_cannot_recover_exits_1(tiny_model):
+    proc = subprocess.Popen([sys.executable, "-c", BROKEN_CLI, "--model", str(tiny_model), "--dtype", "float32",
+                             "--num-kv-blocks", "64", "--port", "0", "--disable-log-stats"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = next(line for line in proc.stdout if line.strip().startswith("URL")).split()[1]
+        for _ in range(3):
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 500 and "Traceback" not in r.text
+        assert proc.wait(timeout=60) == 1
+        err = proc.stderr.read()
+        assert "the engine cannot recover" in err and "[entry] shut down (exit status 1)" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# =========================================================================== connections
+
+def test_idle_and_slow_connections_are_closed(tiny_model, monkeypatch):
+    monkeypatch.setattr(entry, "HEADER_TIMEOUT_S", 0.3)
+    with ServerThread(tiny_model) as s:
+        s.app.state.server.body_timeout = 0.3
+        assert 16 <= s.server.config.limit_concurrency <= 4096
+        host, port = s.url.rsplit("/", 1)[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=60) as idle:  # sends nothing
+            assert idle.recv(1024) == b""
+        with socket.create_connection((host, int(port)), timeout=60) as slow:  # headers never complete
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            assert slow.recv(1024) == b""
+        with socket.create_connection((host, int(port)), timeout=60) as no_body:  # the body never arrives
+            no_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 100\r\n\r\n{")
+            reply = b""
+            while b"did not arrive" not in reply and (chunk := no_body.recv(65536)):  # headers, body may split
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in reply
+        assert httpx.get(s.url + "/health").status_code == 200
+
+
+# =========================================================================== logs
+
+def test_client_strings_cannot_forge_log_lines(server, caplog):
+    caplog.set_level(logging.INFO, logger="nanoserve")
+    forged = "\n2026-01-01 00:00:00 INFO [entry] forged"
+    assert _post(server.url, {"prompt": "hi", "max_tokens": 1, "frob" + forged: 1}).status_code == 200
+    _check_error(_post(server.url, {"prompt": "hi", "model": "m" + forged}), 404, "model")
+    _check_error(httpx.post(server.url + "/v1/x%0Aforged"), 404, None)
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any("ignoring unknown field" in line for line in lines)
+    assert not any("\n" in line for line in lines), lines
+
+
+# =========================================================================== small fixes
+
+def test_prefix_cache_queries_are_not_counted_with_caching_off(tiny_model):
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128, enable_prefix_caching=False)
+    llm.generate(["hello world", "hello world"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stats()["prefix_cache_queries"] == 0 and llm.stats()["prefix_cache_hits"] == 0
+
+
+def test_default_cpu_kv_cache_is_what_max_num_seqs_requests_can_use(tiny_model):
+    llm = LLM(str(tiny_model), dtype="float32", max_num_seqs=3, max_model_len=100)
+    assert llm.stats()["num_total_blocks"] == 3 * 7  # ceil(100 / 16) blocks a request
+
+
+def test_building_an_engine_leaves_the_global_seed_alone(tiny_model):
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    LLM(str(tiny_model), dtype="float32", num_kv_blocks=16, max_model_len=64, seed=7)
+    assert torch.equal(before, torch.get_rng_state())
