@@ -265,7 +265,6 @@ if triton is not None:
                 hi = mid - 1
         return lo
 
-    @triton.jit
     def _paged_attention_kernel(
         out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -353,6 +352,12 @@ if triton is not None:
             tl.store(l_part_ptr + part, l_i, mask=row_ok)
             tl.store(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
                      mask=row_ok[:, None])
+
+    # Triton compiles a variant per integer argument that is 1 or a multiple of
+    # 16; these three change from step to step, so they stay unspecialised: a new
+    # batch shape compiles nothing during traffic.
+    _paged_attention_kernel = triton.jit(_paged_attention_kernel,
+                                         do_not_specialize=["num_seqs", "partition_size", "bt_stride_s"])
 
     @triton.jit
     def _split_kv_reduce_kernel(

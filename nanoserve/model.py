@@ -698,17 +698,18 @@ class SeqInput:
     sample: SampleRequest | None  # None: a prefill chunk that samples nothing
 
 
-def dummy_prompt(cfg: ModelConfig, num_tokens: int, block_size: int, device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """A throwaway prompt of ``num_tokens`` tokens for warm-up and profiling: its KV
-    slots are all -1 (stored nowhere) and its block table all block 0 (read only)."""
-    T = num_tokens
+def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """A throwaway step for warm-up and profiling: sequence i is a fresh prompt of
+    ``q_lens[i]`` tokens (1: a decode-shaped one); its KV slots are all -1 (stored
+    nowhere) and its block table all block 0 (read only)."""
+    T, width = sum(q_lens), -(-max(q_lens) // block_size)
+    starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
+    positions = torch.cat([torch.arange(n) for n in q_lens]) % cfg.max_position_embeddings
     meta = AttentionMetadata(torch.full((T,), -1, dtype=torch.int64, device=device),
-                             torch.zeros(1, -(-T // block_size), dtype=torch.int32, device=device),
-                             torch.tensor([T], dtype=torch.int32, device=device),
-                             torch.tensor([0, T], dtype=torch.int32, device=device))
-    positions = torch.arange(T, device=device) % cfg.max_position_embeddings
-    return torch.zeros(T, dtype=torch.long, device=device), positions, meta
+                             torch.zeros(len(q_lens), width, dtype=torch.int32, device=device),
+                             torch.tensor(q_lens, dtype=torch.int32, device=device), starts.to(device))
+    return torch.zeros(T, dtype=torch.long, device=device), positions.to(device), meta
 
 
 @torch.inference_mode()
@@ -725,7 +726,7 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    hidden = model(*dummy_prompt(cfg, num_tokens, block_size, device), [(cache, cache)] * cfg.num_layers)
+    hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
     model.compute_logits(hidden[:num_sample_rows])
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
@@ -734,8 +735,9 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     return peak
 
 
-# Warm-up forwards: one prefill long enough to take the compiled elementwise ops
-# (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS), and one decode.
+# Warm-up steps: a prefill long enough for the compiled elementwise ops
+# (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS) and Triton's prefill tiles, a
+# decode, and on CUDA a mixed step (Triton's chunk tiles) and decode batches.
 WARMUP_PREFILL_TOKENS = 256
 
 
@@ -798,8 +800,11 @@ class ModelRunner:
         inductor's graphs) before any request waits on it: a prefill and a decode
         of a throwaway prompt that writes no KV and reads only block 0."""
         cfg = self.model.config
-        for num_tokens in (min(WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings), 1):
-            self.model(*dummy_prompt(cfg, num_tokens, self.block_size, self.device), self.kv_caches)
+        steps = [[min(WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)], [1]]
+        if self.device.type == "cuda":  # each Triton tile shape compiles on its first use
+            steps += [[1, 40], [1] * 3, [1] * 16]
+        for q_lens in steps:
+            self.model(*dummy_step(cfg, q_lens, self.block_size, self.device), self.kv_caches)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
