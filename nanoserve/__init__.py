@@ -3,7 +3,7 @@
 Public API: ``LLM`` (offline), ``SamplingParams``, ``RequestOutput``,
 ``CompletionOutput``. The server is ``python -m nanoserve``.
 """
-from nanoserve.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from nanoserve.engine import LLM, CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"

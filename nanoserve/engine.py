@@ -55,6 +55,33 @@ class InvalidInput(ValueError):
 # =========================================================================== parameters
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: constrain the output to exactly one of a
+    JSON schema, any JSON object, a regex, a choice of strings, or an EBNF grammar."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n)]
+        if len(given) != 1:
+            raise InvalidInput("structured_outputs", "structured_outputs must set exactly one of json, regex, "
+                               f"choice, grammar, json_object; got {given or 'none'}")
+        if self.choice is not None and not (isinstance(self.choice, list) and self.choice
+                                            and all(isinstance(c, str) for c in self.choice)):
+            raise InvalidInput("structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
+
+    def key(self) -> str:
+        """What identifies the compiled grammar (the compile cache's key)."""
+        import json
+        return json.dumps([self.json, self.regex, self.choice, self.grammar, self.json_object,
+                           self.disable_any_whitespace], sort_keys=True, default=str)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """vLLM's SamplingParams: same names, defaults and allowed ranges."""
     n: int = 1
@@ -76,8 +103,11 @@ class SamplingParams:
     logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
     skip_special_tokens: bool = True
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -241,6 +271,7 @@ class Request:
     index: int = 0
     cache_salt: str | None = None     # who may share this request's cached blocks
     final_only: bool = False          # vLLM's RequestOutputKind.FINAL_ONLY: no per-step outputs
+    grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -277,7 +308,8 @@ class Request:
         banned: list[int] = []
         if len(self.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned)
+        allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
+        return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed)
 
 
 @dataclass(slots=True)
@@ -285,6 +317,82 @@ class TokenizedPrompt:
     """A prompt after ``LLMEngine.process_prompt``: tokenized and validated."""
     text: str | None          # None: it was given as token ids
     token_ids: list[int]
+
+
+# =========================================================================== structured outputs
+
+class StructuredOutputManager:
+    """Structured outputs through xgrammar (vLLM's default backend): each
+    constraint is compiled once, cached by its spec; each request gets its own
+    matcher, which says before every step which tokens may come next (a bitmask
+    the sampler applies) and takes each sampled token. EOS is allowed only where
+    the grammar accepts. Preemption keeps a request's tokens, so its matcher
+    stays valid; nothing here runs for unconstrained requests."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.compiler = None
+        self.cache: dict[str, Any] = {}
+
+    def compile(self, spec: StructuredOutputsParams | None):
+        """The compiled grammar of ``spec`` (None for None); InvalidInput naming it
+        when it cannot be compiled. Thread-safe enough to call ahead of time from
+        a worker thread (the server does), so the event loop only hits the cache."""
+        if spec is None:
+            return None
+        key = spec.key()
+        if key not in self.cache:
+            self.cache[key] = self._compile(spec)
+        return self.cache[key]
+
+    def _compile(self, spec: StructuredOutputsParams):
+        import xgrammar as xgr
+        if self.tokenizer is None:
+            raise InvalidInput("structured_outputs", "structured outputs need a tokenizer, but this engine "
+                                                     "runs without one (skip_tokenizer_init)")
+        if self.compiler is None:
+            info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                      stop_token_ids=sorted(self.eos_token_ids))
+            self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+        c, whitespace = self.compiler, not spec.disable_any_whitespace
+        try:
+            if spec.json is not None:
+                import json
+                schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
+                return c.compile_json_schema(schema, any_whitespace=whitespace)
+            if spec.json_object:  # OpenAI's json_object: an object (xgrammar's builtin JSON is any value)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=whitespace)
+            if spec.regex is not None:
+                return c.compile_regex(spec.regex)
+            if spec.choice is not None:  # one alternative per choice, each a JSON-quoted EBNF string
+                import json
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in spec.choice))
+            return c.compile_grammar(spec.grammar)
+        except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
+            what = next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(spec, n))
+            raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
+                                                     f"{str(e).splitlines()[0][:300]}") from None
+
+
+class GrammarState:
+    """One request's matcher over a compiled grammar, and its bitmask buffer."""
+
+    def __init__(self, compiled):
+        import xgrammar as xgr
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+
+    def next_token_bitmask(self) -> torch.Tensor:
+        """int32 [ceil(vocab / 32)]: bit t of word t // 32 set where token t may come next."""
+        self.matcher.fill_next_token_bitmask(self.bitmask, 0)
+        return self.bitmask[0].clone()
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
+            logger.warning("[engine] structured outputs: the grammar refused token %d", token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
 
 
 # =========================================================================== engine
@@ -349,6 +457,8 @@ class LLMEngine:
         model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend)
         self._init_kv_cache(model)
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                          self.eos_token_ids)
         self.max_prompt_chars = self._max_prompt_chars()
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
@@ -529,6 +639,7 @@ class LLMEngine:
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        grammar = self.structured_outputs.compile(params.structured_outputs)
         for i in range(params.n):
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text
@@ -541,7 +652,7 @@ class LLMEngine:
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
-                final_only=final_only))
+                final_only=final_only, grammar=None if grammar is None else GrammarState(grammar)))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
@@ -621,6 +732,8 @@ class LLMEngine:
             if req.is_finished:  # aborted while the step ran
                 continue
             self._append_token(req, result, now)
+            if req.grammar is not None:
+                req.grammar.accept(result.token_id)
             status = self._check_stop(req)
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
@@ -658,6 +771,8 @@ class LLMEngine:
             req.text += req.detokenizer.step([token])
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated():  # the constraint is complete
+            return self._finish_text(req, None)
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return self._finish_text(req, None, RequestStatus.FINISHED_LENGTH)
         return None

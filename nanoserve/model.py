@@ -522,6 +522,7 @@ class SampleRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet
+    allowed_token_bitmask: torch.Tensor | None = None  # structured outputs: int32, bit t = token t allowed
 
 
 @dataclass(slots=True)
@@ -573,6 +574,12 @@ class Sampler:
         if bans:
             i, t = zip(*bans)
             logits[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+        masked = [i for i, r in enumerate(rows) if r.allowed_token_bitmask is not None]
+        if masked:  # structured outputs: unpack each row's bitmask on the device, ban what it does not allow
+            idx = torch.tensor(masked, device=dev)
+            words = torch.stack([rows[i].allowed_token_bitmask for i in masked]).to(dev)
+            allowed = ((words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1).flatten(1)
+            logits[idx] = logits[idx].masked_fill(allowed[:, :logits.shape[1]] == 0, float("-inf"))
         return logits
 
     def _apply_penalties(self, logits, rows):
@@ -657,7 +664,7 @@ class Sampler:
 
 
 def _has_bias_or_bans(rows: list[SampleRequest]) -> bool:
-    return any(r.params.logit_bias or r.banned_token_ids for r in rows)
+    return any(r.params.logit_bias or r.banned_token_ids or r.allowed_token_bitmask is not None for r in rows)
 
 
 def _has_penalties(ps: list) -> bool:

@@ -1,0 +1,109 @@
+"""Structured outputs (xgrammar): with a tiny random model sampling at
+temperature 1, the constraint, not the model, must make every output valid: JSON
+that parses and fits its schema, a regex's full match, one of the choices, a
+sentence of an EBNF grammar; also with n > 1, under preemption, and beside
+unconstrained requests, whose outputs do not change."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from conftest import make_model
+from nanoserve import LLM, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "tag"],
+          "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
+                         "tag": {"enum": ["red", "green", "blue"]}}}
+SEEDS = range(6)
+
+
+def parse(text: str):
+    """JSON as xgrammar's grammar (and so vLLM's) defines it: control characters
+    other than CR and LF may stand unescaped inside strings."""
+    return json.loads(text, strict=False)
+
+
+@pytest.fixture(scope="module")
+def llm(model_root):
+    return LLM(str(make_model(model_root, "qwen3")), dtype="float32", max_model_len=256, num_kv_blocks=128)
+
+
+def sample(llm, spec: StructuredOutputsParams, prompt="The quick brown", n=1, all_stop=True) -> list[str]:
+    """Texts of the outputs that the constraint ended (finish_reason "stop"); with
+    ``all_stop`` every output must have ended so within max_tokens."""
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=120, n=n, structured_outputs=spec)
+              for s in SEEDS]
+    outs = [c for o in llm.generate([prompt] * len(params), params, use_tqdm=False) for c in o.outputs]
+    stopped = [c.text for c in outs if c.finish_reason == "stop"]
+    assert len(stopped) == len(outs) if all_stop else len(stopped) >= 2, [c.finish_reason for c in outs]
+    return stopped
+
+
+def fits_schema(doc) -> bool:
+    return (isinstance(doc, dict) and set(doc) == {"name", "ok", "tag"} and isinstance(doc["name"], str)
+            and len(doc["name"]) <= 6 and isinstance(doc["ok"], bool) and doc["tag"] in ("red", "green", "blue"))
+
+
+def test_json_schema(llm):
+    texts = sample(llm, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    assert all(fits_schema(parse(t)) for t in texts), texts
+    assert len(set(texts)) > 1  # the model did sample: the outputs differ
+
+
+def test_json_object_regex_choice_and_grammar(llm):
+    # any JSON object has no length bound: a random model may still be inside one at max_tokens
+    assert all(isinstance(parse(t), dict) for t in sample(llm, StructuredOutputsParams(json_object=True),
+                                                          all_stop=False))
+    assert all(re.fullmatch(r"[a-c]{2,5}", t) for t in sample(llm, StructuredOutputsParams(regex=r"[a-c]{2,5}")))
+    choices = ["yes", "no", "maybe later"]
+    assert all(t in choices for t in sample(llm, StructuredOutputsParams(choice=choices)))
+    grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [0-9]'
+    assert all(re.fullmatch(r"\(\d(\+\d)*\)", t) for t in sample(llm, StructuredOutputsParams(grammar=grammar)))
+
+
+def test_n_and_the_dict_form(llm):
+    texts = sample(llm, {"json": SCHEMA, "disable_any_whitespace": True}, n=3)
+    assert len(texts) == 3 * len(SEEDS) and all(fits_schema(parse(t)) for t in texts)
+
+
+def test_preempted_constrained_requests_end_valid(model_root):
+    """8 blocks of 16 tokens for 6 requests of ~60: the batch preempts."""
+    small = LLM(str(make_model(model_root, "qwen3")), dtype="float32", max_model_len=128, num_kv_blocks=8)
+    texts = sample(small, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), prompt="x " * 12)
+    assert small.stats()["num_preemptions"] > 0
+    assert all(fits_schema(parse(t)) for t in texts)
+
+
+def test_unconstrained_neighbours_are_unchanged(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = ["hello world", "def main():", "The lazy dog"]
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    constrained = SamplingParams(temperature=1.0, seed=0, max_tokens=60,
+                                 structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    mixed = llm.generate(prompts + ["x"], [greedy] * 3 + [constrained], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == alone
+    assert mixed[3].outputs[0].text in ("a", "b")
+
+
+@pytest.mark.parametrize("spec, match", [
+    (dict(json="{not json"), "structured_outputs.json cannot be compiled"),
+    (dict(grammar="root ::= "), "structured_outputs.grammar cannot be compiled"),
+    (dict(regex="(unclosed"), "structured_outputs.regex cannot be compiled"),
+    (dict(json=SCHEMA, regex="a"), "exactly one of"),
+    (dict(), "exactly one of"),
+    (dict(choice=[]), "exactly one of"),
+])
+def test_bad_specs_are_clear_errors(llm, spec, match):
+    with pytest.raises(ValueError, match=re.escape(match)) as e:
+        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)), use_tqdm=False)
+    assert getattr(e.value, "param", None) == "structured_outputs"
+    assert llm.stats()["num_running"] == llm.stats()["num_waiting"] == 0
+
+
+def test_compiled_grammars_are_cached(llm):
+    spec = StructuredOutputsParams(regex=r"[ab]{3}")
+    first = llm.engine.structured_outputs.compile(spec)
+    assert llm.engine.structured_outputs.compile(StructuredOutputsParams(regex=r"[ab]{3}")) is first
+    assert first is not None and llm.engine.structured_outputs.compile(None) is None
