@@ -4,8 +4,8 @@ decode step, transformers' continuous batching with its CUDA graphs as the
 peer, and the server online. Writes OUT/gpu-w1.json, OUT/gpu-w1.md (a section
 for benchmarks/RESULTS.md) and OUT/gpu-w1-log.txt (every part's output).
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --out DIR     # a CUDA machine, ~5-7 min
-    python benchmarks/gpu.py --dry-run --out /tmp/gpu-dry      # the same parts on a CPU, tiny, ~2 min
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --out DIR   # a CUDA machine: at most 450 s (--budget-s)
+    python benchmarks/gpu.py --dry-run                       # the same parts on a CPU, tiny: 1-2 min
 
 How to run it on the device machine (benchmarks/RESULTS.md, "GPU check: how to
 run it", says the same). Here, in the repository root of the checkout that the
@@ -16,11 +16,14 @@ session started in (the device tool sends that one), once:
       --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \\
       --platform manylinux2014_x86_64 -d .whl uvicorn==0.55.0 starlette==1.10.0 \\
       prometheus_client==0.26.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \\
-      pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.7.0 typing_inspection==0.4.2 \\
-      typing_extensions==4.15.0 click==8.5.1
-    git rev-parse HEAD > .whl/COMMIT    # .git does not travel: the script reads the commit here
+      pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 \\
+      typing_extensions==4.16.0 click==8.5.1
+    { git rev-parse HEAD; git status --porcelain --untracked-files=no; } > .whl/COMMIT
 
-then one call of the device tool's `run`, carry [".whl"], timeout_s 560:
+(.git does not travel to the device machine: the script reads the commit from
+that file, "-dirty" where tracked files differ from it), then one call of the
+device tool's `run` with carry [".whl"] and timeout_s 500 (the script's own
+budget is 450 s):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \\
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \\
@@ -301,10 +304,10 @@ def part_parity(scale: Scale, spec: dict, archs=ARCHS, configs=None) -> dict:
     return res
 
 
-def _w1_llm(scale: Scale, spec: dict, eager: bool):
+def _w1_llm(scale: Scale, spec: dict, eager: bool, **kw):
     from nanoserve import LLM
-    kw = dict(enforce_eager=True) if eager else ({} if scale.device == "cuda" else
-                                                dict(cudagraph_capture_sizes=[1, 2, 4, 8]))
+    kw |= dict(enforce_eager=True) if eager else ({} if scale.device == "cuda" else
+                                                 dict(cudagraph_capture_sizes=[1, 2, 4, 8]))
     if scale.kv_cpu and scale.device == "cpu":
         kw["kv_cache_memory_bytes"] = scale.kv_cpu_bytes
     return LLM(spec["models"]["w1"], dtype="bfloat16", device=scale.device, skip_tokenizer_init=True, **kw)
@@ -313,13 +316,14 @@ def _w1_llm(scale: Scale, spec: dict, eager: bool):
 def part_w1(scale: Scale, spec: dict, eager: bool = False) -> dict:
     """W1 in this fresh process: start-up (with one 2-token warm-up request, as
     benchmarks/throughput.py times it), then the first W1 run (cold), then a
-    second (warm)."""
+    second (warm). Prefix caching is off: W1's random prompts share no prefix,
+    and the warm run would otherwise find every prompt cached by the cold one."""
     import torch
 
     from nanoserve import SamplingParams
     w = w1_workload(scale)
     t0 = time.perf_counter()
-    llm = _w1_llm(scale, spec, eager)
+    llm = _w1_llm(scale, spec, eager, enable_prefix_caching=False)
     engine_s = time.perf_counter() - t0
     llm.generate([w.prompts[0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     startup = time.perf_counter() - t0
@@ -327,7 +331,7 @@ def part_w1(scale: Scale, spec: dict, eager: bool = False) -> dict:
     res = dict(eager=eager, startup_s=_r(startup, 2), engine_init_s=_r(engine_s, 2),
                compile_time_s=_r(llm.engine.compile_time_s, 2), backend=llm.engine.backend.name,
                graphs=len(llm.engine.runner.graphs), decode_sizes=llm.engine.runner.decode_sizes,
-               kv_blocks=llm.engine.kv_plan.num_blocks, requests=len(w.prompts),
+               kv_blocks=llm.engine.kv_plan.num_blocks, requests=len(w.prompts), prefix_caching=False,
                triton_cache=os.environ.get("TRITON_CACHE_DIR"))
     tokens = None
     for run in ("cold", "warm"):
@@ -489,16 +493,17 @@ def part_breakdown(scale: Scale, spec: dict) -> dict:
             t8 = time.perf_counter()
             engine.postprocess(sched, results)
             t9 = time.perf_counter()
+            graphed = bs in runner.graphs
             if step >= skip:
                 for p, a, b in zip(phases, (t0, t1, t2, t3, t4, t5, t6, t7, t8), (t1, t2, t3, t4, t5, t6, t7, t8, t9)):
                     times[p].append((b - a) * 1000)
                 ctx.append(seqs[0].start + 1)
     ms = {p: _r(_mean(v)) for p, v in times.items()}
-    if not runner.graphs:
+    if not graphed:  # the forward above was the eager one
         ms["forward_eager"] = ms["forward"]
     host = ms["schedule"] + ms["build_inputs"] + ms["buffer_copy"] + ms["postprocess"]
     res["per_step"] = dict(batch=scale.bd_batch, steps=len(ctx), context_first=ctx[0] if ctx else None,
-                           context_last=ctx[-1] if ctx else None, forward_is_graph=bool(runner.graphs),
+                           context_last=ctx[-1] if ctx else None, forward_is_graph=graphed,
                            ms=ms, host_ms=_r(host),
                            graph_step_ms=_r(host + ms["forward"] + ms["logits"] + ms["sampler"]))
     # (c) plain steps: what the engine's loop takes, no syncs but the sampler's own
@@ -524,6 +529,9 @@ def _hf_run(mgr, prompts, lens, tag: str, timeout: float) -> list[list[int]]:
         if time.monotonic() > deadline:
             raise TimeoutError(f"transformers gave {len(results)}/{len(prompts)} results in {timeout:.0f} s")
         r = mgr.get_result(timeout=1)
+        if r is None and hasattr(mgr, "is_running") and not mgr.is_running():
+            status = getattr(mgr, "background_thread_status", None)
+            raise RuntimeError(f"transformers' generation thread stopped: {getattr(status, 'fatal_error', '?')}")
         if r is not None and r.is_finished():
             if getattr(r, "error", None):
                 raise RuntimeError(f"transformers request {r.request_id} failed: {r.error}")
@@ -534,7 +542,7 @@ def _hf_run(mgr, prompts, lens, tag: str, timeout: float) -> list[list[int]]:
 def part_hf_cb(scale: Scale, spec: dict) -> dict:
     """transformers' continuous batching on the same W1 (benchmarks/hf_peer.py's
     recipe) with its CUDA graphs on: its defaults on CUDA (the paged cache sized
-    from free memory), use_cuda_graph=True. The config's field names differ
+    from free memory), use_cuda_graph=True, allow_block_sharing=False. The config's field names differ
     between versions (5.17 block_size, later page_size), so only the fields this
     version has are passed. On the CPU: hf_peer's explicit cache, no graphs."""
     import dataclasses
@@ -547,7 +555,8 @@ def part_hf_cb(scale: Scale, spec: dict) -> dict:
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["models"]["w1"], dtype=torch.bfloat16).to(dev).eval()
     fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
-    want = dict(use_cuda_graph=dev == "cuda", auto_switch_to_flash=False)
+    # No block sharing, for the reason part_w1 turns nanoserve's prefix caching off.
+    want = dict(use_cuda_graph=dev == "cuda", auto_switch_to_flash=False, allow_block_sharing=False)
     if dev != "cuda":
         cfg = model.config
         kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
@@ -745,21 +754,22 @@ def run_part(run: Run, name: str, extra_env: dict | None = None) -> dict:
     return res
 
 
-def commit_of(arg: str | None) -> str:
+def commit_of(arg: str | None, root: Path = ROOT) -> str:
     if arg:
         return arg
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=root,
                               timeout=10).stdout.strip()
         if head:
             dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                                   text=True, cwd=ROOT, timeout=10).stdout.strip()
+                                   text=True, cwd=root, timeout=10).stdout.strip()
             return head + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    for f in (ROOT / ".whl" / "COMMIT", HERE / "results" / "gpu-commit.txt"):
-        if f.exists() and f.read_text().strip():
-            return f.read_text().strip().split()[0]
+    f = root / ".whl" / "COMMIT"  # written at prepare time: HEAD, then `git status --porcelain` lines
+    if f.exists() and f.read_text().strip():
+        lines = [x for x in f.read_text().splitlines() if x.strip()]
+        return lines[0].strip() + ("-dirty" if len(lines) > 1 else "")
     return os.environ.get("NANOSERVE_COMMIT", "unknown")
 
 
@@ -818,7 +828,7 @@ def markdown(record: dict) -> str:
     def row(name, value, target=""):
         lines.append(f"| {name} | {value} | {target} |")
     ok = lambda x, t: "" if x is None else (" ✓" if x <= t else " ✗")  # noqa: E731
-    row("W1 warm (second run in the process, CUDA graphs)",
+    row("W1 warm (second run in the process, CUDA graphs; prefix caching off in all W1 runs)",
         f"**{_fmt(g.get('warm_s'), ' s')}**, {_fmt(g.get('warm_output_tok_s'), ' tok/s', 0)}",
         f"≤ {TARGETS['w1_warm_s']} s{ok(g.get('warm_s'), TARGETS['w1_warm_s'])}")
     row("W1 first run in a fresh process (empty Triton cache)",
@@ -878,7 +888,10 @@ def save(run: Run, record: dict) -> None:
             for part in record["parts"]:
                 log = logs / f"{part}.log"
                 if log.exists():
-                    f.write(f"\n===== {part} =====\n" + log.read_text(errors="replace")[-2_000_000:])
+                    f.write(f"\n===== {part} =====\n" + log.read_text(errors="replace")[-1_500_000:])
+            server = run.work / "server.log"
+            if "serve" in record["parts"] and server.exists():
+                f.write("\n===== the server's own log =====\n" + server.read_text(errors="replace")[-1_500_000:])
     results = HERE / "results"
     if not run.dry_run and results.is_dir() and run.out.resolve() != results.resolve():
         (results / f"{name}.json").write_text(text)
@@ -936,7 +949,8 @@ def main() -> int:
                     help="a subset, in this order (models is needed by all but env)")
     ap.add_argument("--budget-s", type=float, default=450, help="total seconds; parts past it are skipped")
     ap.add_argument("--work", type=Path, help="models, logs, caches (default /tmp/nanoserve-gpu[-dry])")
-    ap.add_argument("--commit", help="the commit measured (default: git, else .whl/COMMIT)")
+    ap.add_argument("--commit", help="the commit measured (default: git, else .whl/COMMIT, else "
+                    "$NANOSERVE_COMMIT)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()

@@ -77,6 +77,18 @@ def test_json_and_markdown_from_made_up_results(tmp_path):
     assert data["graphs_eager_same_tokens"] is False and data["gpu"] == "NVIDIA H200"
     md = (tmp_path / "out" / "gpu-w1.md").read_text()
     assert md.startswith("## 2026-12-05 10:00 UTC: issue 22's GPU check on NVIDIA H200")
-    assert "| W1 warm (second run in the process, CUDA graphs) | **1.10 s**" in md
+    assert "| W1 warm (second run in the process, CUDA graphs; prefix caching off in all W1 runs) | **1.10 s**" \
+        in md
     assert "60/64" in md and "`hf_cb`: RuntimeError: boom" in md and "`parity`: a check failed" in md
     assert "online c=64 (64/64 requests)" in md
+
+
+def test_commit_without_git(tmp_path):
+    """On the device machine .git does not travel: the commit comes from the file
+    written at prepare time (RESULTS.md, "GPU check: how to run it")."""
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "COMMIT").write_text("0123abcd\n")
+    assert gpu.commit_of(None, tmp_path) == "0123abcd"
+    (tmp_path / ".whl" / "COMMIT").write_text("0123abcd\n M nanoserve/model.py\n")
+    assert gpu.commit_of(None, tmp_path) == "0123abcd-dirty"
+    assert gpu.commit_of("feed", tmp_path) == "feed"
