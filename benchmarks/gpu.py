@@ -699,6 +699,7 @@ class Run:
     scale: Scale
     dry_run: bool
     budget_s: float
+    copy_to_results: bool = False  # also write benchmarks/results/gpu-w1.json (a real run from the repo)
     t0: float = field(default_factory=time.perf_counter)
     parts: dict = field(default_factory=dict)
     models: dict = field(default_factory=dict)
@@ -893,7 +894,7 @@ def save(run: Run, record: dict) -> None:
             if "serve" in record["parts"] and server.exists():
                 f.write("\n===== the server's own log =====\n" + server.read_text(errors="replace")[-1_500_000:])
     results = HERE / "results"
-    if not run.dry_run and results.is_dir() and run.out.resolve() != results.resolve():
+    if run.copy_to_results and results.is_dir() and run.out.resolve() != results.resolve():
         (results / f"{name}.json").write_text(text)
 
 
@@ -901,7 +902,8 @@ def orchestrate(args) -> int:
     scale = DRY if args.dry_run else GPU
     work = args.work or Path(f"/tmp/nanoserve-gpu{'-dry' if args.dry_run else ''}")
     out = args.out or (work / "out" if args.dry_run else HERE / "results")
-    run = Run(out=out, work=work, scale=scale, dry_run=args.dry_run, budget_s=args.budget_s)
+    run = Run(out=out, work=work, scale=scale, dry_run=args.dry_run, budget_s=args.budget_s,
+              copy_to_results=not args.dry_run)
     run.work.mkdir(parents=True, exist_ok=True)
     record = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), commit=commit_of(args.commit),
                   dry_run=args.dry_run, command=" ".join([sys.executable, *sys.argv]), budget_s=args.budget_s,

@@ -81,6 +81,8 @@ def test_json_and_markdown_from_made_up_results(tmp_path):
         in md
     assert "60/64" in md and "`hf_cb`: RuntimeError: boom" in md and "`parity`: a check failed" in md
     assert "online c=64 (64/64 requests)" in md
+    assert not (gpu.HERE / "results" / "gpu-w1.json").exists() or \
+        json.loads((gpu.HERE / "results" / "gpu-w1.json").read_text())["commit"] != "abc1234"
 
 
 def test_commit_without_git(tmp_path):
