@@ -678,7 +678,7 @@ WORKERS = dict(env=part_env, models=part_models,
                breakdown=part_breakdown, parity=part_parity, hf_cb=part_hf_cb, serve=part_serve)
 # name: (timeout s on the GPU, in the dry run)
 TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), breakdown=(120, 60),
-                parity=(150, 90), hf_cb=(150, 60), serve=(150, 90))
+                parity=(150, 150), hf_cb=(150, 60), serve=(150, 90))
 NEEDS_W1 = ("w1_graphs", "w1_eager", "breakdown", "hf_cb", "serve")
 
 
