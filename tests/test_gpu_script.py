@@ -1,0 +1,96 @@
+"""benchmarks/gpu.py, the GPU check that runs only on a lent device machine:
+here its parity part runs on the CPU with tiny shapes, one part goes through
+the worker protocol (a fresh process that writes its result), and the JSON and
+the RESULTS.md section are written from made-up results, so that the script
+cannot rot between the rare calls that run it for real. No timing is asserted."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import gpu  # noqa: E402
+
+HEADLINE = ("date", "gpu", "torch", "commit", "w1_warm_s", "w1_cold_s", "w1_eager_s", "hf_cb_graph_s",
+            "decode_step_ms_b64")
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    work = tmp_path_factory.mktemp("gpu-work")
+    return dict(work=str(work), models=gpu.part_models(gpu.DRY, dict(work=str(work)), archs=("qwen3",), w1=False))
+
+
+def test_parity_part_on_the_cpu(spec):
+    """transformers' greedy tokens, under preemption and chunking (eager: the
+    padded CPU path compiles, which is test_decode_graphs' business)."""
+    res = gpu.part_parity(gpu.DRY, spec, archs=("qwen3",), configs=["preempt-eager", "chunked-eager"])
+    rows = res["archs"]["qwen3"]
+    assert rows["preempt-eager"]["preemptions"] > 0, rows
+    assert res["ok"], rows
+    assert res["summary"] == "2/2 configs equal"
+
+
+def test_a_part_runs_in_a_fresh_process(tmp_path):
+    run = gpu.Run(out=tmp_path / "out", work=tmp_path, scale=gpu.DRY, dry_run=True, budget_s=120)
+    res = gpu.run_part(run, "env")
+    assert res["ok"], res
+    assert res["device"] == "cpu" and res["torch"]
+
+
+def test_match_rate():
+    assert gpu.match_rate([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 6]]) == dict(
+        requests_identical="1/2", tokens_before_first_difference="4/5", rate=0.8)
+    assert gpu.match_rate(None, [[1]]) is None
+
+
+def fake_record() -> dict:
+    by_batch = {"1": dict(graph_ms=4.1, eager_ms=20.0), "64": dict(graph_ms=2.4, eager_ms=22.0),
+                "256": dict(graph_ms=None, graph_note="no CUDA graph of size 256", eager_ms=23.0)}
+    ms = dict(schedule=0.1, build_inputs=0.05, buffer_copy=0.2, forward=2.5, forward_eager=22.0, prepare=0.6,
+              logits=0.1, sampler=0.2, postprocess=0.1)
+    level = dict(completed=16, num_requests=16, failed=0, output_throughput=210.0,
+                 ttft_ms=dict(p50=12.0, p99=20.0), itl_ms=dict(p50=4.5, p99=6.0), tpot_ms=dict(p50=4.6))
+    return dict(date="2026-12-05 10:00 UTC", commit="abc1234", dry_run=False, parts=dict(
+        env=dict(ok=True, gpu="NVIDIA H200", torch="2.11.0+cu130", triton="3.6.0", transformers="5.17.0"),
+        w1_graphs=dict(ok=True, warm_s=1.1, cold_s=2.9, startup_s=30.0, graphs=35, warm_digest="aa",
+                       warm_output_tok_s=8000.0),
+        w1_eager=dict(ok=True, warm_s=7.0, cold_s=9.0, startup_s=10.0, warm_digest="bb"),
+        breakdown=dict(ok=True, decode_step_ms_b64=2.4, fixed_context=dict(context=400, by_batch=by_batch),
+                       per_step=dict(batch=64, steps=100, context_first=351, context_last=450, ms=ms, host_ms=0.45),
+                       plain_step_ms=dict(mean=3.5)),
+        parity=dict(ok=False, summary="23/24 configs equal"),
+        hf_cb=dict(ok=False, error="RuntimeError: boom"),
+        serve=dict(ok=True, levels={"c=1": level, "c=64": dict(level, completed=64, num_requests=64)})),
+        graphs_eager_match=dict(requests_identical="60/64", tokens_before_first_difference="8000/8859", rate=0.9))
+
+
+def test_json_and_markdown_from_made_up_results(tmp_path):
+    run = gpu.Run(out=tmp_path / "out", work=tmp_path / "work", scale=gpu.GPU, dry_run=False, budget_s=450)
+    gpu.save(run, fake_record())
+    data = json.loads((tmp_path / "out" / "gpu-w1.json").read_text())
+    assert all(k in data for k in HEADLINE)
+    assert data["w1_warm_s"] == 1.1 and data["decode_step_ms_b64"] == 2.4 and data["hf_cb_graph_s"] is None
+    assert data["graphs_eager_same_tokens"] is False and data["gpu"] == "NVIDIA H200"
+    md = (tmp_path / "out" / "gpu-w1.md").read_text()
+    assert md.startswith("## 2026-12-05 10:00 UTC: issue 22's GPU check on NVIDIA H200")
+    assert "| W1 warm (second run in the process, CUDA graphs; prefix caching off in all W1 runs) | **1.10 s**" \
+        in md
+    assert "60/64" in md and "`hf_cb`: RuntimeError: boom" in md and "`parity`: a check failed" in md
+    assert "online c=64 (64/64 requests)" in md
+    assert not (gpu.HERE / "results" / "gpu-w1.json").exists() or \
+        json.loads((gpu.HERE / "results" / "gpu-w1.json").read_text())["commit"] != "abc1234"
+
+
+def test_commit_without_git(tmp_path):
+    """On the device machine .git does not travel: the commit comes from the file
+    written at prepare time (RESULTS.md, "GPU check: how to run it")."""
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "COMMIT").write_text("0123abcd\n")
+    assert gpu.commit_of(None, tmp_path) == "0123abcd"
+    (tmp_path / ".whl" / "COMMIT").write_text("0123abcd\n M nanoserve/model.py\n")
+    assert gpu.commit_of(None, tmp_path) == "0123abcd-dirty"
+    assert gpu.commit_of("feed", tmp_path) == "feed"
