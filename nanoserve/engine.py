@@ -33,7 +33,8 @@ from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve import cpu_backend
 from nanoserve.model import (ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
                              cudagraph_capture_sizes, load_model, load_tokenizer, num_parameters,
-                             profile_activation_bytes, resolve_dtype, select_backend)
+                             profile_activation_bytes, resolve_dtype, resolve_model_dir,
+                             select_backend)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -418,6 +419,7 @@ class EngineConfig:
     # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
     # path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
+    revision: str | None = None        # of a hub id (resolve_model_dir)
 
 
 @dataclass(frozen=True, slots=True)
@@ -439,7 +441,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        path = Path(config.model)
+        path = resolve_model_dir(config.model, config.revision)
         self.model_config = ModelConfig.from_dir(path)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)

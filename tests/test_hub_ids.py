@@ -1,0 +1,42 @@
+"""A Hugging Face hub id (``org/name``), as ``vllm serve`` takes one, is found in
+the local Hugging Face cache with nothing downloaded (a cache laid out here, as
+huggingface_hub lays one out, and HF_HUB_OFFLINE set)."""
+from __future__ import annotations
+
+import importlib
+import shutil
+
+import pytest
+
+from conftest import make_model
+from nanoserve import LLM, SamplingParams
+
+
+@pytest.fixture
+def hub_cache(model_root, tmp_path, monkeypatch):
+    """models--org--tiny/snapshots/<hash>/ holding the tiny model, refs/main naming it."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(make_model(model_root, "qwen3"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+    importlib.reload(huggingface_hub.constants)  # it reads the environment at import
+    yield repo / "snapshots" / commit
+    monkeypatch.undo()
+    importlib.reload(huggingface_hub.constants)
+
+
+def test_a_hub_id_in_the_local_cache_serves_offline(hub_cache):
+    llm = LLM("org/tiny", dtype="float32", max_model_len=64, num_kv_blocks=16, enforce_eager=True)
+    assert llm.engine.config.model == "org/tiny"
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_a_hub_id_not_in_the_cache_offline_is_one_clear_error(hub_cache):
+    with pytest.raises(ValueError, match="'org/missing' is not a directory and not in the local Hugging Face "
+                                         "cache .* HF_HUB_OFFLINE is set"):
+        LLM("org/missing", dtype="float32", enforce_eager=True)
