@@ -420,6 +420,9 @@ class EngineConfig:
     # path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
     revision: str | None = None        # of a hub id (resolve_model_dir)
+    # Sampling defaults as vLLM's --generation-config: "auto" takes the model's
+    # generation_config.json, "vllm" none (vLLM's own defaults), else a directory.
+    generation_config: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -459,6 +462,10 @@ class LLMEngine:
         model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend)
         self._init_kv_cache(model)
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
+        self.default_sampling = generation_defaults(path, config.generation_config)
+        if self.default_sampling:
+            logger.info("[engine] sampling defaults from generation_config.json (--generation-config vllm "
+                        "ignores them; a request's own fields win): %s", self.default_sampling)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                           self.eos_token_ids)
         self.max_prompt_chars = self._max_prompt_chars()
@@ -867,6 +874,30 @@ def _stop_holdback(req: Request) -> int:
     return 0
 
 
+# generation_config.json's sampling fields, as vLLM reads them -> SamplingParams' names
+GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                            "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def generation_defaults(path: Path, source: str = "auto") -> dict[str, Any]:
+    """The sampling defaults a model's generation config sets (vLLM's
+    --generation-config: "auto" = the model directory, "vllm" = none, or a
+    directory), as SamplingParams fields."""
+    if source == "vllm":
+        return {}
+    directory = path if source == "auto" else Path(source)
+    if source != "auto" and not (directory / "generation_config.json").is_file():
+        raise InvalidInput("generation_config", f"--generation-config {source!r}: no generation_config.json there")
+    file = directory / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        cfg = json.loads(file.read_text())
+    except ValueError as e:
+        raise InvalidInput("generation_config", f"{file} is not valid JSON: {e}") from None
+    return {ours: cfg[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if cfg.get(theirs) is not None}
+
+
 def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
     """EOS ids as transformers' generate sees them: generation_config.json's if
     present (chat models often list several), else config.json's; plus the
@@ -905,13 +936,17 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        params = [p or SamplingParams() for p in params]
+        params = [p or self.get_default_sampling_params() for p in params]
         engine = self.engine
         inputs = [engine.process_prompt(prompt) for prompt in prompts]  # validate all before queueing any
         for p in params:
             engine.validate_params(p)
         ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(inputs, params)]
         return self._run(ids, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation-config defaults applied."""
+        return SamplingParams(**self.engine.default_sampling)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None) -> list[RequestOutput]:

@@ -1,0 +1,42 @@
+"""A model's generation_config.json sets the sampling defaults, as in vLLM
+(--generation-config auto); "vllm" ignores it; a request's own fields win."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from conftest import make_model
+from nanoserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_with_defaults(model_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gen") / "qwen3"
+    shutil.copytree(make_model(model_root, "qwen3"), out)
+    (out / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": 0, "do_sample": True, "temperature": 0.7, "top_k": 1, "top_p": 0.8, "max_new_tokens": 7}))
+    return out
+
+
+def make_llm(path, **kw):
+    return LLM(str(path), dtype="float32", max_model_len=128, num_kv_blocks=32, enforce_eager=True, **kw)
+
+
+def test_defaults_come_from_generation_config(model_with_defaults):
+    llm = make_llm(model_with_defaults)
+    p = llm.get_default_sampling_params()
+    assert (p.temperature, p.top_k, p.top_p, p.max_tokens) == (0.7, 1, 0.8, 7)
+    # top_k=1 makes every draw the argmax: three runs give one text, 7 tokens long (or fewer at EOS)
+    outs = [llm.generate(["The quick brown"], use_tqdm=False)[0].outputs[0] for _ in range(3)]
+    assert len({tuple(o.token_ids) for o in outs}) == 1 and len(outs[0].token_ids) <= 7
+    explicit = llm.generate(["The quick brown"], SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len(explicit[0].outputs[0].token_ids) == 12  # the request's own params win
+
+
+def test_vllm_ignores_it_and_a_bad_directory_is_clear(model_with_defaults, tmp_path):
+    p = make_llm(model_with_defaults, generation_config="vllm").get_default_sampling_params()
+    assert (p.temperature, p.top_k, p.max_tokens) == (1.0, 0, 16)
+    with pytest.raises(ValueError, match="no generation_config.json there"):
+        make_llm(model_with_defaults, generation_config=str(tmp_path))
