@@ -923,6 +923,10 @@ class LLM:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0, **kwargs: Any):
+        unknown = sorted(set(kwargs) - set(EngineConfig.__dataclass_fields__))
+        if unknown:  # vLLM has many more engine arguments: say which are not nanoserve's, not a TypeError
+            raise ValueError(f"LLM() got argument(s) nanoserve does not have: {', '.join(unknown)}; it takes "
+                             f"{', '.join(f for f in EngineConfig.__dataclass_fields__ if f != 'model')}")
         self.engine = LLMEngine(EngineConfig(
             str(model), dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens,
             block_size, enable_prefix_caching, kv_cache_memory_bytes, num_kv_blocks, seed=seed, **kwargs))
@@ -991,6 +995,12 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list:
+    """A prompt or a list of them: text, token ids, or vLLM's prompt dicts
+    ({"prompt": text} / {"prompt_token_ids": ids})."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if isinstance(prompts, (list, tuple)):
+        prompts = [_from_prompt_dict(p) if isinstance(p, dict) else p for p in prompts]
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
@@ -998,6 +1008,16 @@ def _as_prompt_list(prompts) -> list:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of either")
     return list(prompts)
+
+
+def _from_prompt_dict(p: dict):
+    keys = set(p)
+    if keys == {"prompt_token_ids"}:
+        return list(p["prompt_token_ids"])
+    if keys == {"prompt"}:
+        return p["prompt"]
+    raise InvalidInput("prompt", f"a prompt dict must be {{'prompt': text}} or {{'prompt_token_ids': ids}}, got "
+                                 f"keys {sorted(p)} (nanoserve takes text only)")
 
 
 def _progress(total: int):

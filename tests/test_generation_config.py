@@ -40,3 +40,15 @@ def test_vllm_ignores_it_and_a_bad_directory_is_clear(model_with_defaults, tmp_p
     assert (p.temperature, p.top_k, p.max_tokens) == (1.0, 0, 16)
     with pytest.raises(ValueError, match="no generation_config.json there"):
         make_llm(model_with_defaults, generation_config=str(tmp_path))
+
+
+def test_vllm_prompt_dicts_and_unknown_llm_arguments(model_with_defaults):
+    llm = make_llm(model_with_defaults)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.get_tokenizer().encode("The quick brown")
+    a = llm.generate([{"prompt_token_ids": ids}, {"prompt": "The quick brown"}, ids], greedy, use_tqdm=False)
+    assert a[0].outputs[0].token_ids == a[1].outputs[0].token_ids == a[2].outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt dict must be"):
+        llm.generate([{"prompt": "x", "extra": 1}], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="nanoserve does not have: speculative_config, tensor_parallel_sizes"):
+        make_llm(model_with_defaults, speculative_config={}, tensor_parallel_sizes=2)
