@@ -142,7 +142,7 @@ def _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
     # that share a K/V row.
     q = query.reshape(n, k_cache.shape[2], -1, head_dim)
     width = -(-int(seq_lens.max()) // k_cache.shape[1])
-    table = block_tables[:, :width].contiguous()
+    table = block_tables[:, :width].clone(memory_format=torch.contiguous_format)  # never a view: one graph
     for t, dims in ((q, (0,)), (k_cache, (0,)), (v_cache, (0,)), (table, (0, 1)), (seq_lens, (0,))):
         for dim in dims:
             mark_unbacked(t, dim)
