@@ -42,8 +42,8 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is dead: /health 503, the s
 
 
 class InvalidInput(ValueError):
-    """Bad input to the engine; ``param`` names what it is about (a SamplingParams
-    field, "prompt", "request_id", "token_ids"), so a front end can name its own field."""
+    """Bad input; ``param`` names what it is about (a SamplingParams field,
+    "prompt", "request_id", "token_ids"), for a front end to name its own field."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
@@ -399,17 +399,13 @@ class LLMEngine:
                         self.runner.elementwise_backend, self.compile_time_s)
 
     def _max_prompt_chars(self) -> int | None:
-        """The longest text that could still fit in max_model_len tokens: a cheap
-        bound checked before tokenizing. No token stands for more characters than
-        the longest string in the vocabulary (byte-level BPE: that many bytes, and
-        a character is at least one byte), so a longer text has at least
-        max_model_len tokens. The factor 4 leaves room for normalizers that merge
-        characters first (NFKC makes one Hangul syllable of up to 3 jamo), so the
-        bound never rejects a prompt that fits."""
+        """The longest text that could fit in max_model_len tokens, checked before
+        tokenizing: no token stands for more characters than the longest vocabulary
+        string (byte-level BPE: bytes, and a character is at least one). The 4 covers
+        normalizers that merge characters (NFKC: 3 Hangul jamo make one syllable)."""
         if self.tokenizer is None:
             return None
-        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-        return 4 * self.max_model_len * max(longest, 1)
+        return 4 * self.max_model_len * max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
 
     def describe(self) -> EngineInfo:
         plan = self.kv_plan
@@ -421,24 +417,23 @@ class LLMEngine:
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt; a text longer than any prompt that fits
         is refused before the tokenizer sees it."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidInput("prompt", "a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
-                                             "pass token ids")
-            if len(prompt) > self.max_prompt_chars:
-                raise InvalidInput("prompt", f"the prompt ({len(prompt)} characters) is too long: no text over "
-                                             f"{self.max_prompt_chars} characters fits in max_model_len="
-                                             f"{self.max_model_len} tokens of this tokenizer")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # the tokenizer would raise TypeError
-                raise InvalidInput("prompt", f"the prompt is not valid Unicode: {e.reason} at "
-                                             f"character {e.start}") from None
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not isinstance(prompt, (list, tuple)):
-            raise InvalidInput("prompt", f"a prompt must be a string or a list of token ids, "
-                                         f"got {type(prompt).__name__}")
-        return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidInput("prompt", f"a prompt must be a string or a list of token ids, got "
+                                         f"{type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise InvalidInput("prompt", "a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
+                                         "pass token ids")
+        if len(prompt) > self.max_prompt_chars:
+            raise InvalidInput("prompt", f"the prompt ({len(prompt)} characters) is too long: no text over "
+                                         f"{self.max_prompt_chars} characters fits in max_model_len="
+                                         f"{self.max_model_len} tokens of this tokenizer")
+        try:
+            prompt.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
+        except UnicodeEncodeError:
+            raise InvalidInput("prompt", "the prompt is not valid Unicode: it holds a lone surrogate") from None
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:

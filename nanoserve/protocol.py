@@ -69,16 +69,19 @@ class Refused(ValueError):
         self.param = param
 
 
-class OpenAIBaseModel(BaseModel):
+class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
-    prompt_field: ClassVar[str] = "prompt"  # where the engine's "prompt" came from
-
-    model: str | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class OpenAIBaseModel(_Strict):
+    prompt_field: ClassVar[str] = "prompt"  # where the engine's "prompt" came from
+
+    model: str | None = None
 
     def param_name(self, engine_param: str) -> str:
         """This body's name for what an engine error calls ``engine_param``."""
@@ -92,8 +95,7 @@ class OpenAIBaseModel(BaseModel):
         return bad_request(message, name)
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
