@@ -73,6 +73,7 @@ KEEP_ALIVE_TIMEOUT_S = 5.0           # an idle keep-alive connection is closed a
 DRAIN_GRACE_S = 5.0                  # after the drain timeout: for streams to send their last event
 MAX_N = 128                          # completions per prompt (n)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
 
@@ -548,7 +549,7 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
     return out
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
+def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
     """A request body as a JSON object of text: a lone surrogate (which JSON's
     \\u escapes can spell, and no tokenizer takes) is a 400 naming its field."""
     try:
@@ -557,8 +558,9 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     if not text.strip():
         raise bad_request("the request body is empty: send a JSON object")
-    try:
-        body = json.loads(text)
+    try:  # yielding: numbers parsed by a Python function, so that the GIL can pass to the loop between them
+        body = json.loads(text, parse_int=(lambda v: int(v)) if yielding else None,
+                          parse_float=(lambda v: float(v)) if yielding else None)
     except (ValueError, RecursionError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
@@ -937,9 +939,12 @@ async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
     if length.isdigit() and int(length) > limit:
         raise ApiError(413, f"the request body is {length} bytes; this server takes at most {limit}")
     try:
-        return parse_json_object(await asyncio.wait_for(_read_body(request, limit), state.body_timeout))
+        raw = await asyncio.wait_for(_read_body(request, limit), state.body_timeout)
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {state.body_timeout:g} s") from None
+    if len(raw) < LARGE_BODY_BYTES:
+        return parse_json_object(raw)
+    return await state.off_loop(parse_json_object, raw, True)  # C's json holds the GIL: see there
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
