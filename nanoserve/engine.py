@@ -45,8 +45,8 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is dead: /health 503, the s
 
 
 class InvalidInput(ValueError):
-    """Bad input to the engine; ``param`` names what it is about (a SamplingParams
-    field, "prompt", "request_id", "token_ids"), so a front end can name its own field."""
+    """Bad input; ``param`` names what it is about (a SamplingParams field,
+    "prompt", "request_id", "token_ids"), for a front end to name its own field."""
 
     def __init__(self, param: str, message: str):
         super().__init__(message)
@@ -239,9 +239,7 @@ class IncrementalDetokenizer:
 
     def step(self, new_token_ids: Iterable[int]) -> str:
         self.ids.extend(new_token_ids)
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        prefix, full = self._window()
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -249,11 +247,14 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end: whatever is still held back, incomplete character and all."""
-        decode = self.tokenizer.decode
-        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip)
-        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=self.skip)
+        prefix, full = self._window()
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):]
+
+    def _window(self) -> tuple[str, str]:
+        decode, ids = self.tokenizer.decode, self.ids
+        return (decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip),
+                decode(ids[self.prefix_offset:], skip_special_tokens=self.skip))
 
 
 # =========================================================================== requests
@@ -462,13 +463,18 @@ class LLMEngine:
         model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend)
         self._init_kv_cache(model)
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
+        # The longest text that could fit in max_model_len tokens, checked before
+        # tokenizing: no token stands for more characters than the longest vocabulary
+        # string (byte-level BPE: bytes, and a character is at least one). The 4 covers
+        # normalizers that merge characters (NFKC: 3 Hangul jamo make one syllable).
+        self.max_prompt_chars = None if self.tokenizer is None else (
+            4 * self.max_model_len * max(1, max(map(len, self.tokenizer.get_vocab()), default=1)))
         self.default_sampling = generation_defaults(path, config.generation_config)
         if self.default_sampling:
             logger.info("[engine] sampling defaults from generation_config.json (--generation-config vllm "
                         "ignores them; a request's own fields win): %s", self.default_sampling)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                           self.eos_token_ids)
-        self.max_prompt_chars = self._max_prompt_chars()
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
 
@@ -557,19 +563,6 @@ class LLMEngine:
                         ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
                         (torch.cuda.memory_allocated(self.device) - before) / 2**20)
 
-    def _max_prompt_chars(self) -> int | None:
-        """The longest text that could still fit in max_model_len tokens: a cheap
-        bound checked before tokenizing. No token stands for more characters than
-        the longest string in the vocabulary (byte-level BPE: that many bytes, and
-        a character is at least one byte), so a longer text has at least
-        max_model_len tokens. The factor 4 leaves room for normalizers that merge
-        characters first (NFKC makes one Hangul syllable of up to 3 jamo), so the
-        bound never rejects a prompt that fits."""
-        if self.tokenizer is None:
-            return None
-        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-        return 4 * self.max_model_len * max(longest, 1)
-
     def describe(self) -> EngineInfo:
         plan = self.kv_plan
         return EngineInfo(self.config.model, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
@@ -580,24 +573,23 @@ class LLMEngine:
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt; a text longer than any prompt that fits
         is refused before the tokenizer sees it."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidInput("prompt", "a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
-                                             "pass token ids")
-            if len(prompt) > self.max_prompt_chars:
-                raise InvalidInput("prompt", f"the prompt ({len(prompt)} characters) is too long: no text over "
-                                             f"{self.max_prompt_chars} characters fits in max_model_len="
-                                             f"{self.max_model_len} tokens of this tokenizer")
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as e:  # the tokenizer would raise TypeError
-                raise InvalidInput("prompt", f"the prompt is not valid Unicode: {e.reason} at "
-                                             f"character {e.start}") from None
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        if not isinstance(prompt, (list, tuple)):
-            raise InvalidInput("prompt", f"a prompt must be a string or a list of token ids, "
-                                         f"got {type(prompt).__name__}")
-        return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        if not isinstance(prompt, str):
+            raise InvalidInput("prompt", f"a prompt must be a string or a list of token ids, got "
+                                         f"{type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise InvalidInput("prompt", "a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
+                                         "pass token ids")
+        if len(prompt) > self.max_prompt_chars:
+            raise InvalidInput("prompt", f"the prompt ({len(prompt)} characters) is too long: no text over "
+                                         f"{self.max_prompt_chars} characters fits in max_model_len="
+                                         f"{self.max_model_len} tokens of this tokenizer")
+        try:
+            prompt.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
+        except UnicodeEncodeError:
+            raise InvalidInput("prompt", "the prompt is not valid Unicode: it holds a lone surrogate") from None
+        return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -606,8 +598,7 @@ class LLMEngine:
         return self.tokenizer.decode(list(token_ids))
 
     def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt) -> TokenizedPrompt:
-        """Tokenize and validate a prompt (raises InvalidInput). Safe off the
-        loop thread: it reads only what is fixed at start-up."""
+        """Tokenize and validate (raises InvalidInput); safe off the loop thread."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
         text, token_ids = self.tokenize(prompt)
@@ -686,8 +677,8 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> postprocess. If the model step
-        raises, its requests are ended first (``fail_step``), then it re-raises."""
+        """One iteration: schedule -> execute -> postprocess (a step that raises
+        ends its requests first: ``fail_step``)."""
         step = self.schedule_step()
         if step is None:
             return []
@@ -704,10 +695,9 @@ class LLMEngine:
         return None if sched.is_empty else (sched, self.build_inputs(sched))
 
     def fail_step(self, sched: SchedulerOutput) -> list[str]:
-        """End the requests of a step that raised (whole n-families), free their
-        blocks, and forget the prefix-cache hashes of free blocks: this step's
-        blocks were registered before their KV was written. Returns the ids the
-        callers know (parents of n > 1)."""
+        """End a failed step's requests (whole n-families) and free their blocks;
+        forget free blocks' prefix hashes, registered before this step wrote KV.
+        Returns the ids the callers know (parents of n > 1)."""
         failed = list(dict.fromkeys(s.request.parent_id or s.request.request_id for s in sched.scheduled))
         for request_id in failed:
             self.abort_request(request_id)
@@ -1050,6 +1040,7 @@ class RequestFailedError(RuntimeError):
 
 
 DEAD_MESSAGE = "the engine stopped after repeated failures of the model step; the server log has the details"
+FAILED_MESSAGE = "the model step of this request failed; the server log has the details"
 
 
 def model_thread() -> concurrent.futures.ThreadPoolExecutor:
@@ -1062,15 +1053,12 @@ def model_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 class AsyncLLM:
     """The engine as one task on the server's asyncio loop (DESIGN.md "One event
-    loop"). Scheduling and postprocessing run on the loop thread, so scheduler
-    and block-manager state need no locks; only the model step runs on a single
-    worker thread (``executor``: pass the model_thread() the engine was built
-    on), so HTTP keeps flowing while the CPU or GPU computes. Each request's
-    outputs go to its own ``asyncio.Queue``.
-
-    A step that raises ends only its own requests (``RequestFailedError``);
-    MAX_CONSECUTIVE_STEP_FAILURES in a row end the loop (``EngineDeadError`` to
-    everyone, ``dead`` is set, ``is_running`` turns False)."""
+    loop"). Scheduling and postprocessing run on the loop thread, so their state
+    needs no locks; only the model step runs on one worker thread (``executor``:
+    the model_thread() the engine was built on). Each request's outputs go to its
+    own ``asyncio.Queue``. A step that raises ends only its own requests
+    (``RequestFailedError``); MAX_CONSECUTIVE_STEP_FAILURES in a row end the loop
+    (``EngineDeadError`` to all, ``dead`` set, ``is_running`` False)."""
 
     def __init__(self, engine: LLMEngine, executor: concurrent.futures.ThreadPoolExecutor | None = None):
         self.engine = engine
@@ -1126,13 +1114,11 @@ class AsyncLLM:
                     results = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
                     outputs = engine.postprocess(sched, results)
                 except Exception:
-                    failures += 1
-                    failed = engine.fail_step(sched)
+                    failures, failed = failures + 1, engine.fail_step(sched)
                     logger.exception("[engine] the model step failed (%d in a row); ending its %d request(s): %s",
                                      failures, len(failed), ", ".join(failed))
                     for request_id in failed:
-                        self._fail(request_id, RequestFailedError("the model step of this request failed; "
-                                                                  "the server log has the details"))
+                        self._fail(request_id, RequestFailedError(FAILED_MESSAGE))
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise EngineDeadError(DEAD_MESSAGE) from None
                     continue

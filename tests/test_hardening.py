@@ -64,6 +64,30 @@ def test_health_answers_while_a_prompt_is_being_tokenized(server):
     server.wait_idle()
 
 
+def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
+    """A body over LARGE_BODY_BYTES is decoded off the event loop too."""
+    entered, release = threading.Event(), threading.Event()
+    parse = entry.parse_json_object
+
+    def held_parse(raw, yielding=False):
+        entered.set()
+        assert release.wait(60) and yielding
+        return parse(raw, yielding)
+    monkeypatch.setattr(entry, "parse_json_object", held_parse)
+    result = {}
+    body = {"prompt": [1] * (entry.LARGE_BODY_BYTES // 3 + 1000), "max_tokens": 1}  # "1, " each
+    worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, body)))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert "r" not in result
+    finally:
+        release.set()
+    worker.join(60)
+    _check_error(result["r"], 400, "prompt")  # too long, found after decoding
+
+
 def test_a_text_longer_than_any_prompt_that_fits_is_refused_untokenized(server):
     tokenizer = server.engine.tokenizer
     calls = []
