@@ -117,6 +117,16 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true",
                    help="no torch.compile: CPU decode attention runs eager SDPA (starts faster, decodes slower)")
 
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model across N ranks, one process (and GPU) each: gloo on the CPU, NCCL on CUDA")
+    g.add_argument("--distributed-init-method", default=None, metavar="URL",
+                   help="where the ranks meet: tcp://HOST:PORT (node 0's address), or env:// under torchrun "
+                        "(default: a free port on this machine)")
+    g.add_argument("--nnodes", type=int, default=1, help="machines the N ranks are spread over, N / nnodes each")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; node 0 serves HTTP, the others only run their ranks")
+
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -1236,13 +1246,18 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
 # =========================================================================== start-up and shutdown
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(EngineConfig(
+    return LLMEngine(engine_config(args))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model, dtype=args.dtype, device=None if args.device == "auto" else args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed, enforce_eager=args.enforce_eager))
+        seed=args.seed, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method, nnodes=args.nnodes, node_rank=args.node_rank)
 
 
 def _fmt_bytes(n: float) -> str:
