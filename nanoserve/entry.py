@@ -55,6 +55,7 @@ from starlette.routing import Route
 
 from nanoserve import __version__
 from nanoserve.engine import (MAX_LOGPROBS, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
+                              local_ranks, run_worker_node,
                               LLMEngine, RequestOutput, SamplingParams, apply_chat_template, model_thread)
 
 logger = logging.getLogger("nanoserve.entry")
@@ -1346,6 +1347,12 @@ class _Server(uvicorn.Server):
 
 def serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    if 0 not in local_ranks(engine_config(args)):  # a node of a tensor-parallel group that only computes
+        try:
+            return run_worker_node(engine_config(args))
+        except Exception as e:  # noqa: BLE001 - a bad configuration: one line, as below
+            print(f"error: cannot run node {args.node_rank} of {args.model}: {e}", file=sys.stderr)
+            return 1
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -1360,16 +1367,45 @@ def serve(args: argparse.Namespace) -> int:
         sock.close()
         executor.shutdown()
         return 1
-    app = build_app(AsyncLLM(engine, executor), args)
+    async_llm = AsyncLLM(engine, executor)
+    app = build_app(async_llm, args)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(banner(engine, args, f"http://{host}:{port}"), flush=True)
     config = uvicorn.Config(app, host=args.host, port=port, log_config=None, lifespan="on",
                             timeout_graceful_shutdown=args.shutdown_timeout,
                             access_log=not args.disable_uvicorn_access_log)
-    asyncio.run(_Server(config).serve(sockets=[sock]))
-    logger.info("[entry] shut down")
-    return 0
+    server = _Server(config)
+    asyncio.run(_serve_while_healthy(server, sock, async_llm))
+    dead = _engine_failure(async_llm)
+    engine.shutdown()
+    logger.info("[entry] shut down" + (" (exit status 1: the engine could not serve)" if dead else ""))
+    return 1 if dead else 0
+
+
+async def _serve_while_healthy(server: uvicorn.Server, sock: socket.socket, async_llm: AsyncLLM) -> None:
+    """uvicorn, told to drain and stop (as on SIGTERM) once the engine cannot
+    serve: its loop died, or a tensor-parallel worker did."""
+    async def watch() -> None:
+        while (failure := _engine_failure(async_llm)) is None:
+            await asyncio.sleep(0.5)
+        logger.error("[entry] the engine cannot serve (%s): shutting down, exit status 1", failure)
+        server.should_exit = True
+    watcher = asyncio.create_task(watch())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        watcher.cancel()
+
+
+def _engine_failure(async_llm: AsyncLLM) -> str | None:
+    if async_llm.errored is not None:
+        return f"the engine loop died: {async_llm.errored}"
+    try:
+        async_llm.engine.check_health()
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the reason
+        return str(e)
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
