@@ -36,7 +36,7 @@ from nanoserve.model import (CacheConfig, ModelConfig, ModelLoadError, ModelRunn
                              SampleResult, SeqInput, TPGroup, WorkerSpec, check_tensor_parallel,
                              init_distributed, load_model, load_tokenizer, log_tensor_parallel,
                              num_parameters, plan_rank_kv_cache, resolve_dtype, run_worker,
-                             select_backend, shard_config)
+                             select_backend, shard_config, tcp_address)
 from nanoserve.scheduler import (RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
 
@@ -686,6 +686,8 @@ def check_parallel_config(config: EngineConfig, model_config: ModelConfig, devic
     if nnodes > 1 and config.distributed_init_method is None:
         raise ValueError(f"nnodes={nnodes}: every node needs distributed_init_method=tcp://HOST:PORT "
                          f"(node 0's address), or env:// under torchrun")
+    if config.distributed_init_method not in (None, "env://"):
+        tcp_address(config.distributed_init_method)  # raises for anything but tcp://HOST:PORT
     if config.distributed_init_method == "env://" and int(os.environ.get("WORLD_SIZE", "-1")) != tp:
         raise ValueError(f"env:// (torchrun) needs WORLD_SIZE={tp} (tensor_parallel_size) and RANK set, "
                          f"got WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}")
@@ -776,7 +778,7 @@ class TPWorkers:
             # Tell the workers to leave their loop; a thread, so that a broken
             # group cannot hold the shutdown up for more than a few seconds.
             import threading
-            t = threading.Thread(target=runner.shutdown_workers, daemon=True)
+            t = threading.Thread(target=_tell_workers_to_stop, args=(runner,), daemon=True)
             t.start()
             t.join(5)
             for p in self.procs:
@@ -785,6 +787,13 @@ class TPWorkers:
         torch.distributed.destroy_process_group()
         torch.set_num_threads(self.threads_before)
         logger.info("[engine] tensor-parallel workers stopped")
+
+
+def _tell_workers_to_stop(runner: ModelRunner) -> None:
+    try:
+        runner.shutdown_workers()
+    except RuntimeError as e:  # they are gone already (torchrun stops every rank at once): nothing to tell
+        logger.debug("[engine] the workers did not get the shutdown message: %s", str(e).splitlines()[0])
 
 
 def _stop(procs: list) -> None:

@@ -272,24 +272,28 @@ class TPGroup:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the group through torch.distributed's own rendezvous (``tcp://HOST:PORT``,
-    or ``env://`` with torchrun's MASTER_ADDR/MASTER_PORT)."""
-    host, port = _rendezvous_address(init_method)
-    # The store waits for slow ranks (another node starting later) as long as
-    # IDLE_TIMEOUT; the forward's collectives get the short COLLECTIVE_TIMEOUT.
-    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=IDLE_TIMEOUT)
+    """Join the group through torch.distributed's own rendezvous: ``tcp://HOST:PORT``
+    (rank 0 hosts the store there), or ``env://`` under torchrun (its agent's store)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    if init_method == "env://":
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    else:
+        # The store waits for slow ranks (another node starting later) as long as
+        # IDLE_TIMEOUT; the forward's collectives get the short COLLECTIVE_TIMEOUT.
+        host, port = tcp_address(init_method)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=IDLE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
     return TPGroup(rank, world_size, cpu_group)
 
 
-def _rendezvous_address(init_method: str) -> tuple[str, int]:
-    if init_method == "env://":
-        return os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
-    if not init_method.startswith("tcp://") or ":" not in init_method[len("tcp://"):]:
+def tcp_address(init_method: str) -> tuple[str, int]:
+    address = init_method[len("tcp://"):] if init_method.startswith("tcp://") else ""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
         raise ValueError(f"distributed_init_method must be tcp://HOST:PORT or env://, got {init_method!r}")
-    host, _, port = init_method[len("tcp://"):].rpartition(":")
     return host.strip("[]"), int(port)
 
 
