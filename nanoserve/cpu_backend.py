@@ -263,13 +263,15 @@ class PackedLinear(nn.Module):
     once at load instead of by F.linear on every call; bit for bit F.linear's
     results in bf16."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, batch_hint: int = 64, tp=None):
         super().__init__()
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
         self.bias = bias
+        self.tp = tp  # a RowParallelLinear's group: its partial products still need their all-reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out if self.tp is None else self.tp.all_reduce(out)
 
 
 def can_pack_linear_weights(dtype: torch.dtype, device: torch.device) -> bool:
@@ -282,12 +284,13 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Replace every ``model.Linear`` by a PackedLinear (the dense weight is freed);
     a tied LM head gets a packed copy of the embedding, which stays dense for the
     lookup. Returns the number of weights packed."""
-    from nanoserve.model import Linear
+    from nanoserve.model import Linear, RowParallelLinear
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                tp = child.tp if isinstance(child, RowParallelLinear) else None
+                setattr(parent, name, PackedLinear(child.weight, child.bias, tp=tp))
                 count += 1
     if model.lm_head is None:
         model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)

@@ -21,7 +21,9 @@ import dataclasses
 import itertools
 import json
 import logging
+import os
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -31,10 +33,11 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
-                             cudagraph_capture_sizes, load_model, load_tokenizer, num_parameters,
-                             profile_activation_bytes, resolve_dtype, resolve_model_dir,
-                             select_backend)
+from nanoserve.model import (CacheConfig, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
+                             TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
+                             init_distributed, load_model, load_tokenizer, log_tensor_parallel, num_parameters,
+                             plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker, select_backend,
+                             shard_config, tcp_address)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -425,6 +428,11 @@ class EngineConfig:
     # generation_config.json, "vllm" none (vLLM's own defaults), else a directory.
     generation_config: str = "auto"
 
+    tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
+    distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
+    nnodes: int = 1                    # machines the ranks are spread over, tensor_parallel_size / nnodes each
+    node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
@@ -455,13 +463,23 @@ class LLMEngine:
             if config.cpu_allocator_tuning:  # before the weights load: it applies to later allocations
                 for setting in cpu_backend.tune_process():
                     logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
-        self.decode_sizes = self._decode_sizes()
-        t0 = time.perf_counter()
-        self.backend = select_backend(self.model_config, self.dtype, self.device, config.block_size,
-                                      config.enforce_eager)
-        self.compile_time_s = time.perf_counter() - t0
-        model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend)
-        self._init_kv_cache(model)
+        self.workers: TPWorkers | None = None
+        tp = TPGroup()
+        if config.tensor_parallel_size != 1:  # ranks 1..N-1 start loading while this one does
+            self.workers = TPWorkers.start(config, self.model_config, self.device, self.dtype)
+            weakref.finalize(self, self.workers.shutdown, None)  # at exit, or when dropped unshut
+            tp = self.workers.tp
+        try:
+            self.decode_sizes = self._decode_sizes()
+            t0 = time.perf_counter()
+            self.backend = select_backend(shard_config(self.model_config, tp.world_size), self.dtype,
+                                          self.device, config.block_size, config.enforce_eager)
+            self.compile_time_s = time.perf_counter() - t0
+            model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp)
+            self._init_kv_cache(model)
+        except BaseException:
+            self.shutdown()
+            raise
         self.eos_token_ids = frozenset(_eos_ids(path, self.model_config, self.tokenizer))
         # The longest text that could fit in max_model_len tokens, checked before
         # tokenizing: no token stands for more characters than the longest vocabulary
@@ -482,6 +500,9 @@ class LLMEngine:
     def _decode_sizes(self) -> list[int]:
         cfg = self.config
         if cfg.enforce_eager:
+            return []
+        if cfg.tensor_parallel_size > 1:  # workers would have to pad and capture in lockstep: not yet
+            logger.info("[engine] no CUDA graphs or padded decode steps under tensor parallelism (yet)")
             return []
         if cfg.cudagraph_capture_sizes is not None:
             sizes = sorted(set(cfg.cudagraph_capture_sizes))
@@ -505,32 +526,9 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         if cfg.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {cfg.block_size}")
-        spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)
         batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif cfg.num_kv_blocks is not None:
-            budget = None  # the block count decides; nothing to measure
-        elif self.device.type == "cuda":
-            # the KV cache gets what a full step's activations leave under the limit
-            activations = profile_activation_bytes(model, batched, min(cfg.max_num_seqs, batched),
-                                                   cfg.block_size)
-            logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
-                        batched, activations / 2**30)
-            if self.decode_sizes:  # the graphs' pool holds one decode forward of the largest size
-                graphs = profile_activation_bytes(model, self.decode_sizes[-1], self.decode_sizes[-1],
-                                                  cfg.block_size)
-                logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
-                            self.decode_sizes[-1], graphs / 2**30)
-                activations += graphs
-            budget = kvcache.gpu_budget(self.device, cfg.gpu_memory_utilization, activations)
-        else:
-            # No more than max_num_seqs requests of max_model_len tokens could ever
-            # use: a small model need not hold (and zero) gigabytes it cannot fill.
-            longest = cfg.max_model_len or mc.max_position_embeddings
-            usable = cfg.max_num_seqs * -(-longest // cfg.block_size) * spec.bytes_per_block
-            budget = min(kvcache.default_cpu_budget(self.weight_bytes), usable)
-        plan = kvcache.plan_kv_cache(spec, budget, cfg.num_kv_blocks)
+        spec, plan = plan_rank_kv_cache(model, self.weight_bytes, cache_config(cfg, self.decode_sizes))
+        log_tensor_parallel(model.tp, self.weight_bytes, spec, plan)
         max_len = cfg.max_model_len
         if max_len is None:  # as long as the model allows and one request fits
             max_len = min(mc.max_position_embeddings, plan.num_blocks * cfg.block_size)
@@ -850,6 +848,17 @@ class LLMEngine:
             **self.stats_counters,
         }
 
+    # ---------------------------------------------------------------- tensor-parallel workers
+    def check_health(self) -> None:
+        """As vLLM's: raise if the engine cannot serve (a tensor-parallel worker died)."""
+        if self.workers is not None and self.workers.failure is not None:
+            raise EngineDeadError(self.workers.failure)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also run at exit)."""
+        if self.workers is not None:
+            self.workers.shutdown(getattr(self, "runner", None))
+
 
 def _stop_holdback(req: Request) -> int:
     """Length of the longest suffix of the text that is a prefix of a stop string."""
@@ -903,6 +912,190 @@ def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
     return ids
 
 
+# =========================================================================== tensor-parallel workers
+
+def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheConfig:
+    batched = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
+    return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
+                       config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
+                       ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
+                       config.max_model_len)
+
+
+def local_ranks(config: EngineConfig) -> list[int]:
+    """The ranks that run on this node: a contiguous share of tensor_parallel_size,
+    or under torchrun (env://) this process's own rank (torchrun starts the others)."""
+    if config.tensor_parallel_size > 1 and config.distributed_init_method == "env://":
+        return [int(os.environ["RANK"])]
+    per_node = ranks_per_node(config)
+    return list(range(config.node_rank * per_node, (config.node_rank + 1) * per_node))
+
+
+def ranks_per_node(config: EngineConfig) -> int:
+    if config.tensor_parallel_size > 1 and config.distributed_init_method == "env://":
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return config.tensor_parallel_size // max(1, config.nnodes)
+
+
+def check_parallel_config(config: EngineConfig, model_config: ModelConfig, device: torch.device) -> None:
+    """Every bad tensor-parallel setting is one ValueError at start-up, naming the numbers."""
+    tp, nnodes = config.tensor_parallel_size, config.nnodes
+    check_tensor_parallel(model_config, tp)
+    if nnodes < 1 or tp % nnodes:
+        raise ValueError(f"nnodes={nnodes} must be >= 1 and divide tensor_parallel_size={tp}")
+    if not 0 <= config.node_rank < nnodes:
+        raise ValueError(f"node_rank={config.node_rank} must be in [0, nnodes={nnodes})")
+    if nnodes > 1 and config.distributed_init_method is None:
+        raise ValueError(f"nnodes={nnodes}: every node needs distributed_init_method=tcp://HOST:PORT "
+                         f"(node 0's address), or env:// under torchrun")
+    if config.distributed_init_method not in (None, "env://"):
+        tcp_address(config.distributed_init_method)  # raises for anything but tcp://HOST:PORT
+    if config.distributed_init_method == "env://" and int(os.environ.get("WORLD_SIZE", "-1")) != tp:
+        raise ValueError(f"env:// (torchrun) needs WORLD_SIZE={tp} (tensor_parallel_size) and RANK set, "
+                         f"got WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}")
+    here = ranks_per_node(config)
+    devices = torch.cuda.device_count() if device.type == "cuda" else (os.cpu_count() or 1)
+    if here > devices:
+        kind = "GPUs" if device.type == "cuda" else "CPU cores"
+        raise ValueError(f"tensor_parallel_size={tp} over nnodes={nnodes} puts {here} ranks on this node, "
+                         f"but it has {devices} {kind}: one rank per device at most")
+
+
+def worker_specs(config: EngineConfig, init_method: str, device: torch.device, dtype: torch.dtype
+                 ) -> list[WorkerSpec]:
+    """One spec per rank on this node (rank 0's too, for its thread count)."""
+    ranks = local_ranks(config)
+    threads = max(1, (os.cpu_count() or 1) // ranks_per_node(config)) if device.type == "cpu" else None
+    torchrun = config.distributed_init_method == "env://"
+    level = logging.getLogger("nanoserve").getEffectiveLevel()
+    return [WorkerSpec(config.model, r, config.tensor_parallel_size,
+                       int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
+                       init_method, device.type, dtype, cache_config(config), config.enforce_eager,
+                       config.seed, threads, config.cpu_allocator_tuning, level)
+            for r in ranks]
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class TPWorkers:
+    """Rank 0's side of tensor parallelism: the workers of this node (ranks
+    1..N-1, spawned with torch.multiprocessing), the group it shares with
+    them, and a watchdog thread that notices a worker dying and says which. A
+    step in flight fails by itself then (the dead rank's connections close; a
+    hung one's collectives time out): the engine loop fails its requests."""
+
+    def __init__(self, tp: TPGroup, procs: list, threads_before: int):
+        self.tp, self.procs, self.threads_before = tp, procs, threads_before
+        self.failure: str | None = None
+        self.stopping = False
+        if procs:
+            import threading
+            threading.Thread(target=self._watch, name="nanoserve-tp-watchdog", daemon=True).start()
+
+    @classmethod
+    def start(cls, config: EngineConfig, model_config: ModelConfig, device: torch.device,
+              dtype: torch.dtype) -> "TPWorkers":
+        check_parallel_config(config, model_config, device)
+        init_method = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
+        specs = worker_specs(config, init_method, device, dtype)
+        ctx = torch.multiprocessing.get_context("spawn")
+        procs = [ctx.Process(target=run_worker, args=(spec,), name=f"nanoserve-tp-rank{spec.rank}", daemon=True)
+                 for spec in specs if spec.rank != 0]
+        for p in procs:
+            p.start()
+        threads_before = torch.get_num_threads()
+        try:
+            if specs[0].num_threads:  # one rank per core: else they take turns on every core
+                torch.set_num_threads(specs[0].num_threads)
+            tp = init_distributed(0, config.tensor_parallel_size, init_method, device)
+        except BaseException:
+            _stop(procs)
+            torch.set_num_threads(threads_before)
+            raise
+        logger.info("[engine] tensor parallel: world size %d over %d node(s), %s; rendezvous %s; this node "
+                    "started ranks %s (pids %s)", tp.world_size, config.nnodes, torch.distributed.get_backend(),
+                    init_method, [s.rank for s in specs[1:]], [p.pid for p in procs])
+        return cls(tp, procs, threads_before)
+
+    def _watch(self) -> None:
+        from multiprocessing.connection import wait
+        wait([p.sentinel for p in self.procs])
+        if self.stopping:
+            return
+        dead = [p for p in self.procs if p.exitcode is not None]
+        self.failure = "tensor-parallel worker " + ", ".join(
+            f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)
+        logger.error("[engine] %s: the engine cannot serve any more", self.failure)
+
+    def shutdown(self, runner: ModelRunner | None) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if runner is not None and self.failure is None:
+            # Tell the workers to leave their loop; a thread, so that a broken
+            # group cannot hold the shutdown up for more than a few seconds.
+            import threading
+            t = threading.Thread(target=_tell_workers_to_stop, args=(runner,), daemon=True)
+            t.start()
+            t.join(5)
+            for p in self.procs:
+                p.join(5)
+        _stop(self.procs)
+        torch.distributed.destroy_process_group()
+        torch.set_num_threads(self.threads_before)
+        logger.info("[engine] tensor-parallel workers stopped")
+
+
+def _tell_workers_to_stop(runner: ModelRunner) -> None:
+    try:
+        runner.shutdown_workers()
+    except RuntimeError as e:  # they are gone already (torchrun stops every rank at once): nothing to tell
+        logger.debug("[engine] the workers did not get the shutdown message: %s", str(e).splitlines()[0])
+
+
+def _stop(procs: list) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(3)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def run_worker_node(config: EngineConfig) -> int:
+    """A node that does not host rank 0 (``--node-rank`` > 0, or a torchrun rank
+    > 0): run this node's ranks, the first in this process, until rank 0 shuts
+    them down. Returns the exit status."""
+    model_config = ModelConfig.from_dir(config.model)
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_parallel_config(config, model_config, device)
+    if config.distributed_init_method is None:
+        raise ValueError("a worker node needs distributed_init_method=tcp://HOST:PORT (node 0's address)")
+    dtype = resolve_dtype(config.dtype, device, model_config)
+    specs = worker_specs(config, config.distributed_init_method, device, dtype)
+    ctx = torch.multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=run_worker, args=(spec,), daemon=True) for spec in specs[1:]]
+    for p in procs:
+        p.start()
+    logger.info("[engine] worker node %d: ranks %s", config.node_rank, [s.rank for s in specs])
+    try:
+        run_worker(specs[0])
+    except Exception as e:  # noqa: BLE001 - rank 0 went away, or start-up failed: say so and exit non-zero
+        logger.error("[engine] rank %d stopped: %s", specs[0].rank, str(e).splitlines()[0][:300] if str(e) else e)
+        _stop(procs)
+        return 1
+    for p in procs:
+        p.join()
+    return 0 if all(p.exitcode == 0 for p in procs) else 1
+
+
 # =========================================================================== offline API
 
 class LLM:
@@ -951,6 +1144,10 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (at exit this happens by itself)."""
+        self.engine.shutdown()
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
@@ -1071,7 +1268,13 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self.task is not None and not self.task.done() and self.errored is None
+        if self.task is None or self.task.done() or self.errored is not None:
+            return False
+        try:
+            self.engine.check_health()  # a tensor-parallel worker may have died
+        except EngineDeadError:
+            return False
+        return True
 
     def start(self) -> None:
         self.wakeup, self.dead = asyncio.Event(), asyncio.Event()

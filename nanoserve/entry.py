@@ -63,7 +63,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
                               InvalidInput, LLMEngine, RequestFailedError, RequestOutput, SamplingParams,
-                              TokenizedPrompt, apply_chat_template, model_thread)
+                              TokenizedPrompt, apply_chat_template, local_ranks, model_thread, run_worker_node)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -130,6 +130,16 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no torch.compile: CPU decode attention runs eager SDPA (starts faster, decodes slower)")
+
+    g = p.add_argument_group("tensor parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model across N ranks, one process (and GPU) each: gloo on the CPU, NCCL on CUDA")
+    g.add_argument("--distributed-init-method", default=None, metavar="URL",
+                   help="where the ranks meet: tcp://HOST:PORT (node 0's address), or env:// under torchrun "
+                        "(default: a free port on this machine)")
+    g.add_argument("--nnodes", type=int, default=1, help="machines the N ranks are spread over, N / nnodes each")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index; node 0 serves HTTP, the others only run their ranks")
 
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
@@ -743,9 +753,20 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
 
 
 async def _exit_when_dead(state: ServerState) -> None:
-    """An engine that cannot recover: /health is 503 already; drain, exit 1, so
-    that a supervisor restarts the server (as vLLM's does)."""
-    await state.async_llm.dead.wait()
+    """An engine that cannot recover (its loop gave up, or a tensor-parallel
+    worker died): /health is 503; drain, exit 1, so that a supervisor restarts
+    the server (as vLLM's does)."""
+    dead = asyncio.ensure_future(state.async_llm.dead.wait())
+    try:
+        while not dead.done():
+            try:
+                state.engine.check_health()
+            except EngineDeadError as e:
+                state.async_llm.fail_all(e)
+                break
+            await asyncio.wait({dead}, timeout=0.5)
+    finally:
+        dead.cancel()
     logger.error("[entry] the engine cannot recover: /health answers 503; draining, then exiting with status 1")
     state.exit_code = 1
     if state.request_shutdown is not None:
@@ -1350,13 +1371,18 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
 # =========================================================================== start-up and shutdown
 
 def build_engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(EngineConfig(
+    return LLMEngine(engine_config(args))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
         model=args.model, dtype=args.dtype, device=None if args.device == "auto" else args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed, enforce_eager=args.enforce_eager))
+        seed=args.seed, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+        distributed_init_method=args.distributed_init_method, nnodes=args.nnodes, node_rank=args.node_rank)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -1512,6 +1538,12 @@ class Server(uvicorn.Server):
 
 def serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
+    if 0 not in local_ranks(engine_config(args)):  # a node of a tensor-parallel group that only computes
+        try:
+            return run_worker_node(engine_config(args))
+        except Exception as e:  # noqa: BLE001 - a bad configuration: one line, as below
+            print(f"error: cannot run node {args.node_rank} of {args.model}: {e}", file=sys.stderr)
+            return 1
     try:
         sock = bind_socket(args.host, args.port)
     except OSError as e:
@@ -1530,7 +1562,10 @@ def serve(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(banner(engine, args, f"http://{host}:{port}"), flush=True)
-    asyncio.run(server.serve(sockets=[sock]))
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        engine.shutdown()  # the tensor-parallel workers, if any
     code = server.exit_code
     logger.info("[entry] shut down%s", f" (exit status {code})" if code else "")
     return code

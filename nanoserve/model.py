@@ -6,7 +6,11 @@ This module owns
   transformers 5's ``rope_parameters``);
 * the Llama / Qwen2 / Qwen3 / Mistral decoder, written once: q/k/v and gate/up
   are fused at load time, Qwen2's q/k/v bias and Qwen3's q/k RMSNorm are flags;
-* loading ``*.safetensors`` (one file or a sharded index) into it;
+* loading ``*.safetensors`` (one file or a sharded index) into it; under
+  tensor parallelism each rank reads only its slices;
+* tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
+  column/row-parallel linears, the vocab-parallel embedding and head, and
+  ``run_worker``, the loop ranks 1..N-1 run;
 * ``select_backend``: the one place the kernels are chosen (a ``kernels.Backend``),
   handed to every layer when the model is built;
 * ``ModelRunner``: turns one scheduled step (plain lists) into tensors, runs the
@@ -20,6 +24,8 @@ It knows nothing of queues or HTTP. The KV tensors it writes come from
 """
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import itertools
 import json
 import logging
@@ -29,11 +35,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve import kernels
+from nanoserve import kernels, kvcache
 from nanoserve.kernels import Backend
+from nanoserve.kvcache import KVCachePlan, KVCacheSpec
 from nanoserve.kvcache import slot_mapping as compute_slot_mapping
 
 logger = logging.getLogger("nanoserve.model")
@@ -234,6 +242,255 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+# --------------------------------------------------------------------------- tensor parallelism
+#
+# Megatron's split with vLLM's names. A column-parallel linear splits its output
+# rows across ranks (q/k/v by heads, gate/up by rows), so each rank goes on with
+# its own heads and needs no communication; the row-parallel linear after it
+# (o_proj, down_proj) splits its input columns the same way, and one all-reduce
+# sums the ranks' partial products. With world_size 1 every layer here is the
+# plain layer: the same shapes, the same math, no collective and no padding.
+
+# A forward's collectives: a peer that died fails them at once (its socket
+# closes); one that hangs fails them after this long.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
+# Step messages, and start-up: a worker waits for the next step as long as the
+# server is idle, and ranks may load their weights at different speeds.
+IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass(slots=True, frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group (vLLM's tp group, as
+    plain data). The forward's collectives run on torch.distributed's default
+    process group (NCCL on CUDA, gloo on the CPU); the step messages on
+    ``cpu_group``, a gloo group as vLLM's ``cpu_group``. World size 1 needs no
+    group: every collective is then the identity."""
+    rank: int = 0
+    world_size: int = 1
+    cpu_group: Any = None
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's ``x`` concatenated along the last dim, on rank 0 (None on the others)."""
+        if self.world_size == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        dist.gather(x, parts, dst=0)
+        return torch.cat(parts, dim=-1) if self.rank == 0 else None
+
+    def min(self, n: int) -> int:
+        """The smallest ``n`` over the ranks (start-up: on the patient cpu group)."""
+        if self.world_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(t)
+
+    def broadcast_step(self, message: Any) -> Any:
+        """Rank 0 sends ``message`` (a step's inputs, or None: shut down); every
+        rank returns it. One pickled object per step, not one per layer."""
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+
+def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join the group through torch.distributed's own rendezvous: ``tcp://HOST:PORT``
+    (rank 0 hosts the store there), or ``env://`` under torchrun (its agent's store)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if init_method == "env://":
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    else:
+        # The store waits for slow ranks (another node starting later) as long as
+        # IDLE_TIMEOUT; the forward's collectives get the short COLLECTIVE_TIMEOUT.
+        host, port = tcp_address(init_method)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=IDLE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    return TPGroup(rank, world_size, cpu_group)
+
+
+def tcp_address(init_method: str) -> tuple[str, int]:
+    address = init_method[len("tcp://"):] if init_method.startswith("tcp://") else ""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"distributed_init_method must be tcp://HOST:PORT or env://, got {init_method!r}")
+    return host.strip("[]"), int(port)
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
+    """One clear start-up error for a model that cannot be split ``tp_size`` ways."""
+    kv = cfg.num_kv_heads
+    problems = []
+    if tp_size < 1:
+        problems.append(f"tensor_parallel_size must be >= 1, got {tp_size}")
+    else:
+        if cfg.num_heads % tp_size:
+            problems.append(f"num_attention_heads={cfg.num_heads} is not divisible by tensor_parallel_size={tp_size}")
+        if (kv % tp_size) if tp_size <= kv else (tp_size % kv):
+            problems.append(f"num_key_value_heads={kv} and tensor_parallel_size={tp_size}: one must divide "
+                            f"the other (KV heads are split, or replicated when there are fewer than ranks)")
+        if cfg.intermediate_size % tp_size:
+            problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by "
+                            f"tensor_parallel_size={tp_size}")
+    if problems:
+        raise ValueError("cannot split this model across ranks: " + "; ".join(problems))
+
+
+def num_kv_heads_per_rank(cfg: ModelConfig, tp_size: int) -> int:
+    """KV heads each rank holds (and caches): split, or one replicated head."""
+    return max(1, cfg.num_kv_heads // tp_size)
+
+
+def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
+    """The shapes one rank computes with (what a backend builds and checks its kernels for)."""
+    return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp_size,
+                               num_kv_heads=num_kv_heads_per_rank(cfg, tp_size),
+                               intermediate_size=cfg.intermediate_size // tp_size)
+
+
+class _ShapeMismatch(Exception):
+    def __init__(self, actual: tuple, expected: tuple):
+        super().__init__(actual, expected)
+        self.actual, self.expected = actual, expected
+
+
+def _read(loaded, full_shape: tuple, dim: int = 0, start: int = 0, size: int | None = None) -> torch.Tensor:
+    """Rows (or, dim=1, columns) [start, start + size) of a checkpoint tensor that must
+    have ``full_shape``; safetensors' get_slice reads only those bytes."""
+    shape = tuple(loaded.get_shape())
+    if shape != tuple(full_shape):
+        raise _ShapeMismatch(shape, tuple(full_shape))
+    size = shape[dim] - start if size is None else size
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def load_replicated(param: torch.Tensor, loaded, shard_id: int) -> None:
+    """Norms and whatever else every rank holds whole."""
+    param.copy_(_read(loaded, param.shape))
+
+
+class ColumnParallelLinear(Linear):
+    """Y = XA with A's output rows split across ranks; ``output_sizes`` lists the
+    logical shards fused side by side (q, k, v or gate, up), each split on its
+    own. No communication: the row-parallel layer after it takes Y split."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool, tp: TPGroup,
+                 local_sizes: list[int] | None = None):
+        self.full_sizes = list(output_sizes)
+        self.local_sizes = local_sizes or [s // tp.world_size for s in output_sizes]
+        super().__init__(in_features, sum(self.local_sizes), bias)
+        self.tp = tp
+
+    def shard_rank(self, shard_id: int) -> int:
+        """Whose slice of shard ``shard_id`` this rank holds."""
+        return self.tp.rank
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        shard_id = max(shard_id, 0)
+        size = self.local_sizes[shard_id]
+        full = (self.full_sizes[shard_id], *param.shape[1:])
+        dest = param.narrow(0, sum(self.local_sizes[:shard_id]), size)
+        dest.copy_(_read(loaded, full, 0, self.shard_rank(shard_id) * size, size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate_proj and up_proj as one matmul, each split by rows: a rank holds its
+    gate rows, then its up rows, so SiLU-and-mul pairs them as before."""
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v fused, split by heads. With more ranks than KV heads, each KV
+    head is replicated on tensor_parallel_size / num_kv_heads ranks (vLLM's
+    rule), so a rank's query heads always find theirs."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPGroup):
+        self.num_heads = num_heads // tp.world_size
+        self.num_kv_heads = max(1, num_kv_heads // tp.world_size)
+        self.num_kv_head_replicas = max(1, tp.world_size // num_kv_heads)
+        q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias, tp,
+                         local_sizes=[q, kv, kv])
+
+    def shard_rank(self, shard_id: int) -> int:
+        return self.tp.rank if shard_id == 0 else self.tp.rank // self.num_kv_head_replicas
+
+
+class RowParallelLinear(Linear):
+    """Y = XA with A's input columns split across ranks: each rank multiplies the
+    slice of X it already holds (a column-parallel layer's output) and one
+    all-reduce sums the partial products."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup):
+        super().__init__(in_features // tp.world_size, out_features)
+        self.full_in_features = in_features
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        n = param.shape[1]
+        param.copy_(_read(loaded, (param.shape[0], self.full_in_features), 1, self.tp.rank * n, n))
+
+
+def vocab_range(vocab_size: int, tp: TPGroup) -> tuple[int, int]:
+    """This rank's vocabulary rows [start, end): equal shares, the last padded
+    when the vocabulary does not divide (one rank: the vocabulary exactly)."""
+    per_rank = -(-vocab_size // tp.world_size)
+    return tp.rank * per_rank, (tp.rank + 1) * per_rank
+
+
+def _load_vocab_rows(param: torch.Tensor, loaded, start: int, vocab_size: int) -> None:
+    rows = max(0, min(param.shape[0], vocab_size - start))
+    param[:rows].copy_(_read(loaded, (vocab_size, param.shape[1]), 0, start, rows))
+    param[rows:].zero_()  # padding: never looked up, its logits cut off before sampling
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The embedding split by vocabulary rows: a rank looks up the ids it holds,
+    zeroes the others' rows, and an all-reduce fills them in (exact: one rank
+    contributes each row, the rest add zeros)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        super().__init__()
+        self.vocab_size, self.tp = vocab_size, tp
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, tp)
+        self.weight = nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        x = F.embedding(torch.where(outside, 0, input_ids - self.vocab_start), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        _load_vocab_rows(param, loaded, self.vocab_start, self.vocab_size)
+
+
+class ParallelLMHead(Linear):
+    """The untied LM head, split by vocabulary rows as VocabParallelEmbedding is:
+    each rank computes its rows' logits; CausalLM.compute_logits gathers them."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup):
+        self.vocab_start, self.vocab_end = vocab_range(vocab_size, tp)
+        super().__init__(hidden_size, self.vocab_end - self.vocab_start)
+        self.vocab_size = vocab_size
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        _load_vocab_rows(param, loaded, self.vocab_start, self.vocab_size)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
@@ -280,13 +537,18 @@ class AttentionMetadata:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend):
+    """Under tensor parallelism a rank computes its own heads: q/k/v come split by
+    heads, its KV cache holds only its KV heads, and o_proj sums the ranks' parts."""
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          cfg.attention_bias, tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -313,10 +575,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend):
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
         self.backend = backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -325,10 +587,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary_emb, backend)
-        self.mlp = MLP(cfg, backend)
+        self.self_attn = Attention(cfg, rotary_emb, backend, tp)
+        self.mlp = MLP(cfg, backend, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
@@ -348,23 +610,24 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The body shared by every supported architecture (HF's ``model.`` prefix)."""
 
-    def __init__(self, cfg: ModelConfig, backend: Backend):
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
-            cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, backend)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend, tp)
+                                    for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend = kernels.TORCH):
+    def __init__(self, cfg: ModelConfig, backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg, backend)
+        self.tp = tp
+        self.model = DecoderModel(cfg, backend, tp)
         # None: tied to the embedding (a CPU backend may set a packed copy here)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -373,11 +636,18 @@ class CausalLM(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.model.norm(x, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype (the sampler takes fp32 copies where it needs them)."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits in the model's dtype (the sampler takes fp32 copies where it needs
+        them). Under tensor parallelism each rank computes its vocabulary rows and
+        rank 0, where the sampler runs, gets them all (the others get None)."""
         if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return F.linear(hidden, self.model.embed_tokens.weight)
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        if self.tp.world_size == 1:
+            return logits
+        logits = self.tp.gather(logits)
+        return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
 
 def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
@@ -423,12 +693,14 @@ def checkpoint_files(path: Path) -> list[Path]:
 
 @torch.no_grad()
 def load_weights(model: CausalLM, path: Path) -> int:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; returns
-    the weight bytes. Every parameter must be filled exactly once."""
+    """Copy every checkpoint tensor into its (possibly fused) parameter, each
+    layer's ``weight_loader`` reading only this rank's slice; returns this rank's
+    weight bytes. Every parameter must be filled exactly once."""
     from safetensors import safe_open
 
     cfg = model.config
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     pending = _expected_shards(params, cfg)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
@@ -438,7 +710,12 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     continue
                 if target not in params:
                     raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
-                _copy_shard(params[target], f.get_tensor(name), shard, cfg, target, name)
+                loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", load_replicated)
+                try:
+                    loader(params[target], f.get_slice(name), shard)
+                except _ShapeMismatch as e:
+                    raise ModelLoadError(f"tensor {name!r} has shape {e.actual}, expected "
+                                         f"{e.expected} from config.json") from None
                 pending.discard((target, max(shard, 0)))
     if pending:
         missing = sorted({n for n, _ in pending})
@@ -467,28 +744,15 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     return name, -1
 
 
-def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: int, cfg: ModelConfig,
-                target: str, name: str) -> None:
-    if shard < 0:
-        dest = param
-    else:
-        sizes = _shard_sizes(cfg, target.split(".")[-2])
-        dest = param.narrow(0, sum(sizes[:shard]), sizes[shard])
-    if dest.shape != tensor.shape:
-        raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected "
-                             f"{tuple(dest.shape)} from config.json")
-    dest.copy_(tensor)
-
-
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                backend: Backend = kernels.TORCH) -> CausalLM:
+                backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()) -> CausalLM:
     """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
     fp32 copy of a large model first); the cos/sin tables stay fp32."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = CausalLM(cfg, backend)
+            model = CausalLM(cfg, backend, tp)
     finally:
         torch.set_default_dtype(old)
     model.model.rotary_emb.float()
@@ -496,19 +760,20 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               backend: Backend = kernels.TORCH) -> tuple[CausalLM, int]:
+               backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()) -> tuple[CausalLM, int]:
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    model = build_model(cfg, dtype, device, backend)
+    model = build_model(cfg, dtype, device, backend, tp)
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
     if device.type == "cpu":
         from nanoserve import cpu_backend  # platform code, off the reading path
         if cpu_backend.can_pack_linear_weights(dtype, device):
             logger.debug("[model] %d linear weights packed for oneDNN", cpu_backend.pack_linear_weights(model))
-    logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights",
+    logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
                 cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20)
+                cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,
+                f" (rank {tp.rank} of {tp.world_size}: its shard)" if tp.world_size > 1 else "")
     return model, weight_bytes
 
 
@@ -751,7 +1016,8 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     a one-block throwaway cache."""
     device = model.model.embed_tokens.weight.device
     cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-    cache = torch.zeros(1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's
+    cache = torch.zeros(1, block_size, kv_heads, cfg.head_dim, dtype=dtype, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
@@ -762,6 +1028,73 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     del hidden, cache
     torch.cuda.empty_cache()  # else the freed activations would count as used a second time
     return peak
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """How every rank sizes its KV cache (EngineConfig's fields, as plain data a
+    worker process can be handed)."""
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None   # per rank
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    profile_tokens: int = 8192                 # the profiling forward: a full step's tokens
+    profile_rows: int = 256                    # and its sampled rows
+    ranks_per_node: int = 1                    # CPU ranks share one machine's default budget
+    graph_tokens: int = 0                      # CUDA graphs' largest decode batch (their pool)
+    max_num_seqs: int = 256                    # with max_model_len: what the CPU default may hold
+    max_model_len: int | None = None
+
+
+def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -> tuple[KVCacheSpec, KVCachePlan]:
+    """This rank's KV cache: its KV heads only, as many blocks as the budget buys
+    here, then the smallest count over the ranks (every rank must hold every
+    block the block manager hands out). Every rank calls this at start-up."""
+    cfg = model.config
+    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
+    spec = KVCacheSpec(cfg.num_layers, num_kv_heads_per_rank(cfg, model.tp.world_size), cfg.head_dim, dtype,
+                       cache.block_size)
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif cache.num_kv_blocks is not None:
+        budget = None  # the block count decides; nothing to measure
+    elif device.type == "cuda":
+        # the KV cache gets what a full step's activations leave under the limit
+        activations = profile_activation_bytes(model, cache.profile_tokens, cache.profile_rows, cache.block_size)
+        logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
+                    cache.profile_tokens, activations / 2**30)
+        if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
+            graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size)
+            logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
+                        cache.graph_tokens, graphs / 2**30)
+            activations += graphs
+        budget = kvcache.gpu_budget(device, cache.gpu_memory_utilization, activations)
+    else:
+        # No more than max_num_seqs requests of max_model_len tokens could ever
+        # use: a small model need not hold (and zero) gigabytes it cannot fill.
+        longest = cache.max_model_len or cfg.max_position_embeddings
+        usable = cache.max_num_seqs * -(-longest // cache.block_size) * spec.bytes_per_block
+        budget = min(kvcache.default_cpu_budget(weight_bytes * cache.ranks_per_node) // cache.ranks_per_node,
+                     usable)
+    plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
+    num_blocks = model.tp.min(plan.num_blocks)
+    if num_blocks < plan.num_blocks:
+        logger.info("[kvcache] rank %d could hold %d blocks; %d, the fewest any rank can",
+                    model.tp.rank, plan.num_blocks, num_blocks)
+        plan = dataclasses.replace(plan, num_blocks=num_blocks)
+    return spec, plan
+
+
+def log_tensor_parallel(tp: TPGroup, weight_bytes: int, spec: KVCacheSpec, plan: KVCachePlan) -> None:
+    if tp.world_size > 1:
+        logger.info("[model] tensor parallel: rank %d of %d (%s), %d KV head(s) per layer: weights "
+                    "%.1f MiB, KV cache %.1f MiB (%d blocks)", tp.rank, tp.world_size, dist.get_backend(),
+                    spec.num_kv_heads, weight_bytes / 2**20, plan.num_blocks * plan.bytes_per_block / 2**20,
+                    plan.num_blocks)
+
+
+class TensorParallelError(RuntimeError):
+    """A collective failed: a worker died, hung, or lost its connection."""
 
 
 # Warm-up steps: a prefill long enough for the compiled elementwise ops
@@ -799,6 +1132,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.backend = backend
+        self.tp = model.tp
         self.sampler = Sampler(seed, backend.argmax)
         self.decode_sizes = sorted(decode_sizes or [])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -907,8 +1241,27 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> list[SampleResult]:
-        """Run one step; returns one result per sequence that samples, in order."""
+        """Run one step; returns one result per sequence that samples, in order.
+        Under tensor parallelism this is rank 0: the step goes to the workers
+        first, in one message, and they join the forward's collectives."""
         rows = [i for i, s in enumerate(seqs) if s.sample is not None]
+        if self.tp.world_size == 1:
+            logits = self.compute_step_logits(seqs, rows)
+        else:
+            try:
+                # the workers need no sampling parameters: they never sample
+                self.tp.broadcast_step(([dataclasses.replace(s, sample=None) for s in seqs], rows))
+                logits = self.compute_step_logits(seqs, rows)
+            except RuntimeError as e:  # gloo's and NCCL's errors: one line that says what happened
+                raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
+                                          f"connection): {str(e).splitlines()[0][:300]}") from e
+        if not rows:
+            return []
+        return self.sampler(logits, [seqs[i].sample for i in rows])  # on the logits' device: the sampler runs there
+
+    def compute_step_logits(self, seqs: list[SeqInput], rows: list[int]) -> torch.Tensor | None:
+        """The forward over the step's tokens, then the logits of the ``rows`` that
+        sample (None when none does, and on ranks other than 0)."""
         if self._is_padded_decode(seqs):
             hidden = self._run_decode_padded(seqs)  # one row per sequence
             last = torch.arange(len(seqs), device=self.device)
@@ -920,6 +1273,68 @@ class ModelRunner:
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
                          sum(len(s.token_ids) for s in seqs), len(rows))
         if not rows:
-            return []
-        logits = self.model.compute_logits(hidden[last[rows]])  # stays on its device: the sampler runs there
-        return self.sampler(logits, [seqs[i].sample for i in rows])
+            return None
+        return self.model.compute_logits(hidden[last[rows]])
+
+    def shutdown_workers(self) -> None:
+        """Rank 0: tell the workers to leave their loop."""
+        self.tp.broadcast_step(None)
+
+    def worker_loop(self) -> None:
+        """Ranks 1..N-1: run each step rank 0 sends until it sends None."""
+        while (message := self.tp.broadcast_step(None)) is not None:
+            with torch.inference_mode():
+                self.compute_step_logits(*message)
+
+
+# =========================================================================== tensor-parallel workers
+
+@dataclass(slots=True)
+class WorkerSpec:
+    """What a worker process needs to build its rank (plain data: it is pickled
+    to a spawned process)."""
+    model: str
+    rank: int
+    world_size: int
+    local_rank: int
+    init_method: str
+    device_type: str
+    dtype: torch.dtype
+    cache: CacheConfig
+    enforce_eager: bool = False
+    seed: int = 0
+    num_threads: int | None = None    # CPU: torch threads of this rank (cores / ranks on the node)
+    cpu_allocator_tuning: bool = True
+    log_level: int = logging.INFO
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Rank 1..N-1: the same start-up as rank 0's engine (the collectives in it
+    must match one for one), then the step loop. Exits non-zero on any error:
+    rank 0 sees its connection drop and fails the step."""
+    if not logging.getLogger().handlers:  # a spawned process: log as the parent does
+        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        logging.getLogger("nanoserve").setLevel(spec.log_level)
+    device = torch.device(spec.device_type, spec.local_rank) if spec.device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    if device.type == "cpu" and spec.cpu_allocator_tuning:
+        from nanoserve import cpu_backend  # platform code, off the reading path
+        cpu_backend.tune_process()
+    torch.manual_seed(spec.seed)
+    tp = init_distributed(spec.rank, spec.world_size, spec.init_method, device)
+    try:
+        cfg = ModelConfig.from_dir(spec.model)
+        backend = select_backend(shard_config(cfg, tp.world_size), spec.dtype, device, spec.cache.block_size,
+                                 spec.enforce_eager)
+        model, weight_bytes = load_model(spec.model, spec.dtype, device, backend, tp)
+        kv_spec, plan = plan_rank_kv_cache(model, weight_bytes, spec.cache)
+        log_tensor_parallel(tp, weight_bytes, kv_spec, plan)
+        runner = ModelRunner(model, kvcache.allocate_kv_cache(kv_spec, plan.num_blocks, device),
+                             spec.cache.block_size, device, backend, spec.seed)
+        runner.warmup()
+        runner.worker_loop()
+    finally:
+        dist.destroy_process_group()
