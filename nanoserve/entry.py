@@ -63,6 +63,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
                               InvalidInput, LLMEngine, RequestFailedError, RequestOutput, SamplingParams,
+                              StructuredOutputsParams,
                               TokenizedPrompt, apply_chat_template, local_ranks, model_thread, run_worker_node)
 
 logger = logging.getLogger("nanoserve.entry")
@@ -114,9 +115,16 @@ def make_arg_parser() -> argparse.ArgumentParser:
         prog="python -m nanoserve", formatter_class=_HelpFormatter,
         description="Serve a Hugging Face model (Llama, Qwen2, Qwen3, Mistral) with an OpenAI-compatible API.")
     g = p.add_argument_group("model")
+    g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     g.add_argument("--model", default=None, metavar="DIR",
-                   help="Hugging Face model directory (config.json, safetensors, tokenizer) "
+                   help="Hugging Face model directory (config.json, safetensors, tokenizer), or a hub id such "
+                        "as Qwen/Qwen3-0.6B (the local Hugging Face cache; a download unless HF_HUB_OFFLINE=1) "
                         "(default: the packaged demo model, if there is one)")
+    g.add_argument("--revision", default=None, help="the hub revision of a hub id (default: main)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults: auto takes the model's generation_config.json, vllm none, or a "
+                        "directory's; a request's own fields win")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; the first is used in responses "
                         "(default: the --model value)")
@@ -129,7 +137,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="no torch.compile: CPU decode attention runs eager SDPA (starts faster, decodes slower)")
+                   help="no CUDA graphs, no torch.compile, no C kernels: the torch references (and Triton "
+                        "on CUDA), eagerly")
+    g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
+                        "--max-num-seqs, at most 512)")
+    g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
+                   help="on the CPU, set transparent huge pages and glibc malloc for speed, process-wide")
 
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -188,6 +202,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_arg_parser()
     args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
     if args.model is None:
         try:
             args.model = default_model_path()
@@ -243,6 +261,10 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
                     "min_tokens", "skip_special_tokens")
+
+
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 class _Strict(BaseModel):
@@ -304,6 +326,14 @@ class GenerationRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description='an object such as {"include_usage": true}')
     user: str | None = None  # the caller's end user: logged with the request
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict | None = Field(None, description='{"type": "text" | "json_object" | "json_schema", ...}')
+    structured_outputs: dict | None = Field(None, description="an object with one of json, regex, choice, "
+                                                              "grammar, json_object")
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -330,11 +360,46 @@ class GenerationRequest(OpenAIBaseModel):
             raise InvalidInput("stream_options", "stream_options needs stream: true")
         return self
 
-    def sampling_params(self) -> SamplingParams:
-        """Raises InvalidInput (SamplingParams checks the ranges)."""
+    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """Raises InvalidInput (SamplingParams checks the ranges). ``defaults``
+        (the model's generation config) fill the fields this body leaves out."""
         bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
-        return SamplingParams(**{name: getattr(self, name) for name in _SAMPLING_FIELDS}, logit_bias=bias,
-                              max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs())
+        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs())
+        given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
+        fields.update({k: v for k, v in (defaults or {}).items() if k not in given})
+        return SamplingParams(**fields, logit_bias=bias, structured_outputs=self.structured_spec())
+
+    def param_name(self, engine_param: str) -> str:
+        if engine_param == "structured_outputs":  # the field this body gave its constraint in
+            return next((n for n in STRUCTURED_FIELDS if getattr(self, n) is not None), engine_param)
+        return super().param_name(engine_param)
+
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        """The one constraint this body asks for, from whichever field it used."""
+        sources = {name: getattr(self, name) for name in STRUCTURED_FIELDS
+                   if getattr(self, name) is not None and getattr(self, name) != {"type": "text"}}
+        if len(sources) > 1:
+            raise InvalidInput(sorted(sources)[1], f"give one structured-output constraint, not {sorted(sources)}")
+        if not sources:
+            return None
+        (name, value), = sources.items()
+        if name.startswith("guided_"):
+            return StructuredOutputsParams(**{name[len("guided_"):]: value})
+        if name == "structured_outputs":
+            unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
+            if unknown:
+                raise InvalidInput("structured_outputs", f"structured_outputs has unknown field(s) {unknown}")
+            return StructuredOutputsParams(**value)
+        kind = value.get("type")
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        if not isinstance(schema, dict):
+            raise InvalidInput("response_format", 'response_format must be {"type": "text"}, {"type": "json_object"} '
+                                                  'or {"type": "json_schema", "json_schema": {"name": ..., "schema": '
+                                                  '{...}}}')
+        return StructuredOutputsParams(json=schema)
 
     @property
     def include_usage(self) -> bool:
@@ -442,7 +507,6 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict | None = Field(None, description='{"type": "text"}: structured output is not supported')
     tools: list | None = Field(None, description="left out: tools (function calling) are not supported")
     tool_choice: typing.Literal["none", "auto"] | None = Field(
         None, description='"none" or "auto": tool_choice is not supported')
@@ -453,9 +517,6 @@ class ChatCompletionRequest(GenerationRequest):
     def _chat_rules(self) -> "ChatCompletionRequest":
         if self.messages is None:
             raise InvalidInput("messages", "messages is required: a non-empty list of {role, content} objects")
-        if self.response_format not in (None, {"type": "text"}):
-            raise InvalidInput("response_format", 'response_format must be {"type": "text"}: structured output '
-                                             "is not supported")
         if self.tools:
             raise InvalidInput("tools", "tools (function calling) are not supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -1022,9 +1083,11 @@ class Generation:
         and length bounds before any per-token work), then tokenizing off the
         loop, then the engine requests. Raises 400/429/503."""
         try:
-            params = req.sampling_params()
+            params = req.sampling_params(state.engine.default_sampling)
             check_queue(state, req, params.n)
             prompts = await state.off_loop(req.process_prompts, state.engine)
+            # compiled here, off the loop; the engine's add_request then finds it in its cache
+            await state.off_loop(state.engine.structured_outputs.compile, params.structured_outputs)
             for prompt in prompts:
                 req.check_length(len(prompt.token_ids), params.max_tokens, state.info.max_model_len)
             check_queue(state, req, params.n)  # again: others may have queued meanwhile
@@ -1382,7 +1445,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         seed=args.seed, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-        distributed_init_method=args.distributed_init_method, nnodes=args.nnodes, node_rank=args.node_rank)
+        distributed_init_method=args.distributed_init_method, nnodes=args.nnodes, node_rank=args.node_rank,
+        cudagraph_capture_sizes=args.cudagraph_capture_sizes, cpu_allocator_tuning=args.cpu_allocator_tuning,
+        revision=args.revision, generation_config=args.generation_config)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -52,3 +52,27 @@ def test_vllm_prompt_dicts_and_unknown_llm_arguments(model_with_defaults):
         llm.generate([{"prompt": "x", "extra": 1}], greedy, use_tqdm=False)
     with pytest.raises(ValueError, match="nanoserve does not have: speculative_config, tensor_parallel_sizes"):
         make_llm(model_with_defaults, speculative_config={}, tensor_parallel_sizes=2)
+
+
+def test_http_requests_get_the_defaults_for_what_they_leave_out(model_with_defaults):
+    import httpx
+    from test_server import ServerThread
+    with ServerThread(model_with_defaults) as s:
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        outs = [httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=60).json() for _ in range(3)]
+        assert len({o["choices"][0]["message"]["content"] for o in outs}) == 1  # top_k=1: greedy
+        assert all(o["usage"]["completion_tokens"] <= 7 for o in outs)       # max_new_tokens=7
+        r = httpx.post(s.url + "/v1/chat/completions", json={**chat, "max_tokens": 12, "ignore_eos": True},
+                       timeout=60)
+        assert r.json()["usage"]["completion_tokens"] == 12
+
+
+def test_vllm_launch_habits_parse():
+    from nanoserve.entry import engine_config, parse_args
+    a = parse_args(["org/model", "--revision", "v1", "--generation-config", "vllm", "--no-cpu-allocator-tuning",
+                    "--cudagraph-capture-sizes", "1", "2", "4"])
+    c = engine_config(a)
+    assert (c.model, c.revision, c.generation_config, c.cpu_allocator_tuning, c.cudagraph_capture_sizes) == (
+        "org/model", "v1", "vllm", False, [1, 2, 4])
+    with pytest.raises(SystemExit):
+        parse_args(["a", "--model", "b"])

@@ -107,3 +107,63 @@ def test_compiled_grammars_are_cached(llm):
     first = llm.engine.structured_outputs.compile(spec)
     assert llm.engine.structured_outputs.compile(StructuredOutputsParams(regex=r"[ab]{3}")) is first
     assert first is not None and llm.engine.structured_outputs.compile(None) is None
+
+
+# ---------------------------------------------------------------- over HTTP
+
+@pytest.fixture(scope="module")
+def server(model_root):
+    from test_server import ServerThread
+    with ServerThread(make_model(model_root, "qwen3")) as s:
+        yield s
+
+
+def _post(server, path: str, body: dict):
+    import httpx
+    return httpx.post(server.url + path, json=body, timeout=120)
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "temperature": 1.0, "max_tokens": 120}
+
+
+def test_http_response_format_json_schema_and_json_object(server):
+    for seed in SEEDS:
+        r = _post(server, "/v1/chat/completions", {**CHAT, "seed": seed, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and fits_schema(parse(choice["message"]["content"]))
+    r = _post(server, "/v1/completions", {"prompt": "x", "seed": 1, "max_tokens": 120, "temperature": 1.0,
+                                          "response_format": {"type": "json_object"}})
+    assert r.status_code == 200, r.text
+    if r.json()["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(parse(r.json()["choices"][0]["text"]), dict)
+
+
+def test_http_vllm_fields_and_a_stream(server):
+    import httpx
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 20, "temperature": 1.0, "seed": 3,
+                                          "structured_outputs": {"regex": "[a-c]{2,5}"}})
+    assert r.status_code == 200 and re.fullmatch(r"[a-c]{2,5}", r.json()["choices"][0]["text"]), r.text
+    r = _post(server, "/v1/chat/completions", {**CHAT, "guided_choice": ["yes", "no"], "n": 3})
+    assert r.status_code == 200 and all(c["message"]["content"] in ("yes", "no") for c in r.json()["choices"])
+    body = {**CHAT, "seed": 2, "stream": True, "structured_outputs": {"json": SCHEMA}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    text = "".join(json.loads(x)["choices"][0]["delta"].get("content", "") for x in lines[:-1]
+                   if json.loads(x)["choices"])
+    assert fits_schema(parse(text))
+
+
+@pytest.mark.parametrize("field, value, param", [
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}},
+     "response_format"),
+    ("response_format", {"type": "json_schema"}, "response_format"),
+    ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs"),
+    ("structured_outputs", {"pattern": "a"}, "structured_outputs"),
+    ("guided_grammar", "root ::= ", "guided_grammar"),
+])
+def test_http_bad_constraints_are_400s_naming_them(server, field, value, param):
+    from test_server import _check_error
+    _check_error(_post(server, "/v1/chat/completions", {**CHAT, field: value}), 400, param)
