@@ -457,12 +457,14 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(path)
         self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
+        if self.device.type == "cpu" and config.cpu_allocator_tuning:
+            # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
+            # first CPU allocation of any size.
+            for setting in cpu_backend.tune_process():
+                logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
         if self.device.type == "cpu":
             self._check_memory()
-            if config.cpu_allocator_tuning:  # before the weights load: it applies to later allocations
-                for setting in cpu_backend.tune_process():
-                    logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
         self.workers: TPWorkers | None = None
         tp = TPGroup()
         if config.tensor_parallel_size != 1:  # ranks 1..N-1 start loading while this one does
