@@ -2,7 +2,7 @@
 in its own process, the same prompts and greedy output lengths as
 throughput.py. Besides wall time it reports what TP costs: the share of rank
 0's step time spent in collectives (all-reduce, the logits gather, the step
-broadcast; waiting for the slower rank counts, as it does in a step), and each
+message; waiting for the slower rank counts, as it does in a step), and each
 rank's peak RSS (VmHWM).
 
     python benchmarks/make_models.py w0
@@ -48,10 +48,12 @@ def _vm_hwm_gib(pid: str | int = "self") -> float:
 def worker(workload: str, models: Path, tp: int, kv_gib: float) -> dict:
     import torch.distributed as dist
     from nanoserve import LLM, SamplingParams
+    from nanoserve.model import TPGroup
     w = workloads.get(workload)
     totals: dict[str, float] = {}
     for name in ("all_reduce", "gather", "broadcast_object_list"):  # model.py looks them up per call
         setattr(dist, name, _timed(getattr(dist, name), totals, name))
+    TPGroup.send_step = _timed(TPGroup.send_step, totals, "send_step")  # the step message (TCPStore)
     t0 = time.perf_counter()
     llm = LLM(str(models / w.model), skip_tokenizer_init=True, tensor_parallel_size=tp,
               kv_cache_memory_bytes=int(kv_gib * 2**30 / tp))

@@ -30,6 +30,8 @@ import itertools
 import json
 import logging
 import math
+import os
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -257,18 +259,24 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=30)
 # Step messages, and start-up: a worker waits for the next step as long as the
 # server is idle, and ranks may load their weights at different speeds.
 IDLE_TIMEOUT = datetime.timedelta(days=365)
+STEP_KEY = "nanoserve/step/{}"
 
 
 @dataclass(slots=True, frozen=True)
 class TPGroup:
     """This process's place in the tensor-parallel group (vLLM's tp group, as
     plain data). The forward's collectives run on torch.distributed's default
-    process group (NCCL on CUDA, gloo on the CPU); the step messages on
-    ``cpu_group``, a gloo group as vLLM's ``cpu_group``. World size 1 needs no
-    group: every collective is then the identity."""
+    process group (NCCL on CUDA, gloo on the CPU); start-up's on ``cpu_group``,
+    a patient gloo group as vLLM's ``cpu_group``. Step messages go through
+    ``store``, the rendezvous TCPStore: rank 0's ``set`` never waits for a
+    worker (a gloo broadcast's root waits for every receiver, so one hung
+    worker would hang it for good), and a hung worker is then caught by the
+    forward's collective timeout. World size 1 needs no group: every
+    collective is then the identity."""
     rank: int = 0
     world_size: int = 1
     cpu_group: Any = None
+    store: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
@@ -292,30 +300,35 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t)
 
-    def broadcast_step(self, message: Any) -> Any:
-        """Rank 0 sends ``message`` (a step's inputs, or None: shut down); every
-        rank returns it. One pickled object per step, not one per layer."""
-        box = [message]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        return box[0]
+    def send_step(self, step: int, message: Any) -> None:
+        """Rank 0: step number ``step``'s inputs (None: shut down), one pickled
+        message. Step ``step - 1``'s is dropped: every worker has read it, since
+        its forward's collectives finished."""
+        self.store.set(STEP_KEY.format(step), pickle.dumps(message))
+        if step > 0:
+            self.store.delete_key(STEP_KEY.format(step - 1))
+
+    def recv_step(self, step: int) -> Any:
+        """Ranks 1..N-1: wait (while the server is idle) for step ``step``'s message."""
+        return pickle.loads(self.store.get(STEP_KEY.format(step)))
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, device: torch.device) -> TPGroup:
     """Join the group through torch.distributed's own rendezvous: ``tcp://HOST:PORT``
-    (rank 0 hosts the store there), or ``env://`` under torchrun (its agent's store)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    (rank 0 hosts the store there), or ``env://`` (MASTER_ADDR/MASTER_PORT; under
+    torchrun its agent hosts the store)."""
     if init_method == "env://":
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500"))
+        hosts_store = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     else:
-        # The store waits for slow ranks (another node starting later) as long as
-        # IDLE_TIMEOUT; the forward's collectives get the short COLLECTIVE_TIMEOUT.
-        host, port = tcp_address(init_method)
-        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=IDLE_TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                timeout=COLLECTIVE_TIMEOUT)
+        (host, port), hosts_store = tcp_address(init_method), rank == 0
+    # The store waits for slow ranks (another node starting later) as long as
+    # IDLE_TIMEOUT; the forward's collectives get the short COLLECTIVE_TIMEOUT.
+    store = dist.TCPStore(host, port, world_size, is_master=hosts_store, timeout=IDLE_TIMEOUT)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     cpu_group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return TPGroup(rank, world_size, cpu_group)
+    return TPGroup(rank, world_size, cpu_group, store)
 
 
 def tcp_address(init_method: str) -> tuple[str, int]:
@@ -1133,6 +1146,7 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         self.tp = model.tp
+        self.num_steps = 0  # under tensor parallelism: the step messages' numbers
         self.sampler = Sampler(seed, backend.argmax)
         self.decode_sizes = sorted(decode_sizes or [])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -1250,7 +1264,8 @@ class ModelRunner:
         else:
             try:
                 # the workers need no sampling parameters: they never sample
-                self.tp.broadcast_step(([dataclasses.replace(s, sample=None) for s in seqs], rows))
+                self.tp.send_step(self.num_steps, ([dataclasses.replace(s, sample=None) for s in seqs], rows))
+                self.num_steps += 1
                 logits = self.compute_step_logits(seqs, rows)
             except RuntimeError as e:  # gloo's and NCCL's errors: one line that says what happened
                 raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
@@ -1278,11 +1293,12 @@ class ModelRunner:
 
     def shutdown_workers(self) -> None:
         """Rank 0: tell the workers to leave their loop."""
-        self.tp.broadcast_step(None)
+        self.tp.send_step(self.num_steps, None)
 
     def worker_loop(self) -> None:
         """Ranks 1..N-1: run each step rank 0 sends until it sends None."""
-        while (message := self.tp.broadcast_step(None)) is not None:
+        while (message := self.tp.recv_step(self.num_steps)) is not None:
+            self.num_steps += 1
             with torch.inference_mode():
                 self.compute_step_logits(*message)
 
