@@ -424,6 +424,7 @@ class EngineConfig:
     # path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
     revision: str | None = None        # of a hub id (resolve_model_dir)
+    tokenizer: str | None = None       # a directory or hub id of its own (default: the model's)
     # Sampling defaults as vLLM's --generation-config: "auto" takes the model's
     # generation_config.json, "vllm" none (vLLM's own defaults), else a directory.
     generation_config: str = "auto"
@@ -462,7 +463,8 @@ class LLMEngine:
             # first CPU allocation of any size.
             for setting in cpu_backend.tune_process():
                 logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
-        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(path)
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            path if config.tokenizer is None else resolve_model_dir(config.tokenizer, config.revision))
         if self.device.type == "cpu":
             self._check_memory()
         self.workers: TPWorkers | None = None

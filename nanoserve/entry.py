@@ -122,6 +122,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "as Qwen/Qwen3-0.6B (the local Hugging Face cache; a download unless HF_HUB_OFFLINE=1) "
                         "(default: the packaged demo model, if there is one)")
     g.add_argument("--revision", default=None, help="the hub revision of a hub id (default: main)")
+    g.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="load the tokenizer from here, a directory or a hub id (default: the model's)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults: auto takes the model's generation_config.json, vllm none, or a "
                         "directory's; a request's own fields win")
@@ -196,6 +198,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="how often to log throughput and queue stats while busy")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
+    g.add_argument("--uvicorn-log-level", default=None, choices=["debug", "info", "warning", "error", "critical"],
+                   help="uvicorn's own log level (default: --log-level), as vLLM's flag")
     return p
 
 
@@ -1447,7 +1451,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
         distributed_init_method=args.distributed_init_method, nnodes=args.nnodes, node_rank=args.node_rank,
         cudagraph_capture_sizes=args.cudagraph_capture_sizes, cpu_allocator_tuning=args.cpu_allocator_tuning,
-        revision=args.revision, generation_config=args.generation_config)
+        revision=args.revision, generation_config=args.generation_config, tokenizer=args.tokenizer)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -1488,14 +1492,14 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def configure_logging(level: str) -> None:
+def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # other libraries stay quiet
-    for name in ("nanoserve", "uvicorn"):
-        logging.getLogger(name).setLevel(level.upper())
+    logging.getLogger("nanoserve").setLevel(level.upper())
+    logging.getLogger("uvicorn").setLevel((uvicorn_level or level).upper())
     logging.getLogger("uvicorn.error").addFilter(_cancellations_in_one_line)
 
 
@@ -1602,7 +1606,7 @@ class Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level)
+    configure_logging(args.log_level, args.uvicorn_log_level)
     if 0 not in local_ranks(engine_config(args)):  # a node of a tensor-parallel group that only computes
         try:
             return run_worker_node(engine_config(args))

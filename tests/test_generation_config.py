@@ -76,3 +76,24 @@ def test_vllm_launch_habits_parse():
         "org/model", "v1", "vllm", False, [1, 2, 4])
     with pytest.raises(SystemExit):
         parse_args(["a", "--model", "b"])
+
+
+def test_a_tokenizer_of_its_own_and_uvicorns_log_level(model_with_defaults, tmp_path):
+    import logging
+    from nanoserve.entry import configure_logging, parse_args
+    tok_dir = tmp_path / "tok"
+    make_llm(model_with_defaults).get_tokenizer().save_pretrained(tok_dir)
+    llm = make_llm(model_with_defaults, tokenizer=str(tok_dir))
+    assert llm.get_tokenizer().encode("The quick brown") == make_llm(model_with_defaults).get_tokenizer().encode(
+        "The quick brown")
+    args = parse_args(["--model", str(model_with_defaults), "--uvicorn-log-level", "warning"])
+    root, saved = logging.getLogger(), {n: logging.getLogger(n).level for n in ("", "nanoserve", "uvicorn")}
+    handlers = list(root.handlers)
+    try:
+        configure_logging(args.log_level, args.uvicorn_log_level)
+        assert logging.getLogger("uvicorn").level == logging.WARNING
+        assert logging.getLogger("nanoserve").level == logging.INFO
+    finally:  # leave the test process's logging as it was
+        root.handlers[:] = handlers
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)

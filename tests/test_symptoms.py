@@ -62,7 +62,7 @@ def _post(url: str, body: dict, request_id: str | None = None) -> httpx.Response
 
 def test_server_wont_start_or_out_of_memory_at_startup(tiny_model, monkeypatch, capsys):
     """Server won't start / out of memory at start-up."""
-    monkeypatch.setattr(entry, "configure_logging", lambda level: None)  # leave pytest's handlers alone
+    monkeypatch.setattr(entry, "configure_logging", lambda *levels: None)  # leave pytest's handlers alone
     base = ["--model", str(tiny_model), "--port", "0", "--disable-log-stats"]
     # the KV cache cannot hold one request of --max-model-len
     assert entry.main([*base, "--num-kv-blocks", "4", "--max-model-len", "256"]) == 1
