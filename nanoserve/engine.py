@@ -58,6 +58,9 @@ class InvalidInput(ValueError):
 
 # =========================================================================== parameters
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # one of them per constraint
+
+
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """vLLM's StructuredOutputsParams: constrain the output to exactly one of a
@@ -70,7 +73,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def __post_init__(self) -> None:
-        given = [n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, n)]
+        given = [n for n in STRUCTURED_KINDS if getattr(self, n)]
         if len(given) != 1:
             raise InvalidInput("structured_outputs", "structured_outputs must set exactly one of json, regex, "
                                f"choice, grammar, json_object; got {given or 'none'}")
@@ -80,9 +83,8 @@ class StructuredOutputsParams:
 
     def key(self) -> str:
         """What identifies the compiled grammar (the compile cache's key)."""
-        import json
-        return json.dumps([self.json, self.regex, self.choice, self.grammar, self.json_object,
-                           self.disable_any_whitespace], sort_keys=True, default=str)
+        return json.dumps([getattr(self, n) for n in (*STRUCTURED_KINDS, "disable_any_whitespace")],
+                          sort_keys=True, default=str)
 
 
 @dataclass(slots=True)
@@ -362,7 +364,6 @@ class StructuredOutputManager:
         c, whitespace = self.compiler, not spec.disable_any_whitespace
         try:
             if spec.json is not None:
-                import json
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
                 return c.compile_json_schema(schema, any_whitespace=whitespace)
             if spec.json_object:  # OpenAI's json_object: an object (xgrammar's builtin JSON is any value)
@@ -370,11 +371,10 @@ class StructuredOutputManager:
             if spec.regex is not None:
                 return c.compile_regex(spec.regex)
             if spec.choice is not None:  # one alternative per choice, each a JSON-quoted EBNF string
-                import json
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in spec.choice))
             return c.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
-            what = next(n for n in ("json", "regex", "choice", "grammar", "json_object") if getattr(spec, n))
+            what = next(n for n in STRUCTURED_KINDS if getattr(spec, n))
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
                                                      f"{str(e).splitlines()[0][:300]}") from None
 
@@ -888,11 +888,10 @@ def generation_defaults(path: Path, source: str = "auto") -> dict[str, Any]:
     directory), as SamplingParams fields."""
     if source == "vllm":
         return {}
-    directory = path if source == "auto" else Path(source)
-    if source != "auto" and not (directory / "generation_config.json").is_file():
-        raise InvalidInput("generation_config", f"--generation-config {source!r}: no generation_config.json there")
-    file = directory / "generation_config.json"
+    file = (path if source == "auto" else Path(source)) / "generation_config.json"
     if not file.is_file():
+        if source != "auto":
+            raise InvalidInput("generation_config", f"--generation-config {source!r}: no generation_config.json there")
         return {}
     try:
         cfg = json.loads(file.read_text())

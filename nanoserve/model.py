@@ -1211,17 +1211,16 @@ class ModelRunner:
         bs = next(s for s in self.decode_sizes if s >= n)
         b, pad = self.static, bs - n
         positions = [s.start for s in seqs]
-        slots = [s.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                 for s, p in zip(seqs, positions)]
         # Only the columns in use are written: kernels never read a table past a
         # sequence's own blocks, and what an earlier step left there is a valid id.
         width = max(len(s.block_table) for s in seqs)
         tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
                               + [[0] * width] * pad, dtype=torch.int32)
+        slots = compute_slot_mapping(tables[:n], torch.arange(n), torch.tensor(positions), self.block_size)
         # host -> device copies into the buffers' fixed addresses
         b["input_ids"][:bs].copy_(torch.tensor([s.token_ids[0] for s in seqs] + [0] * pad))
         b["positions"][:bs].copy_(torch.tensor(positions + [0] * pad))
-        b["slot_mapping"][:bs].copy_(torch.tensor(slots + [-1] * pad))
+        b["slot_mapping"][:bs].copy_(torch.cat([slots, torch.full((pad,), -1, dtype=torch.int64)]))
         b["block_tables"][:bs, :width].copy_(tables)
         b["seq_lens"][:bs].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
         if bs in self.graphs:
