@@ -95,8 +95,7 @@ def _smoke(cfg, dtype, block_size, store, attend):
 def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     """All-decode steps through the compiled decode attention; steps with
     prefill chunks (or once dynamo refuses another graph) through the reference."""
-    num_seqs = seq_lens.shape[0]
-    if torch.equal(query_start_loc, torch.arange(num_seqs + 1, dtype=query_start_loc.dtype)):
+    if kernels.is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nanoserve import kernels
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 # Cascade attention pays where many sequences share a long prefix; with few
@@ -128,7 +130,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     _check_attention_inputs(query, k_cache, v_cache)
     query = query.contiguous()  # the kernels index rows directly
     num_seqs = seq_lens.shape[0]
-    if torch.equal(query_start_loc, torch.arange(num_seqs + 1, dtype=query_start_loc.dtype)):
+    if kernels.is_decode_only(query_start_loc):
         return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)  # all decodes
     out = torch.empty_like(query)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
