@@ -205,6 +205,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_arg_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["serve"]:  # `nanoserve serve MODEL`, as `vllm serve MODEL` (a directory named serve: ./serve)
+        argv = argv[1:]
     args = parser.parse_args(argv)
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

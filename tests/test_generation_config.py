@@ -76,6 +76,9 @@ def test_vllm_launch_habits_parse():
         "org/model", "v1", "vllm", False, [1, 2, 4])
     with pytest.raises(SystemExit):
         parse_args(["a", "--model", "b"])
+    # `nanoserve serve MODEL`, as `vllm serve MODEL`; a directory named serve is ./serve
+    assert parse_args(["serve", "org/model", "--port", "9"]).model == "org/model"
+    assert parse_args(["./serve"]).model == "./serve"
 
 
 def test_a_tokenizer_of_its_own_and_uvicorns_log_level(model_with_defaults, tmp_path):
