@@ -8,6 +8,8 @@ This module owns
 * the OpenAI protocol: request bodies as pydantic models (as vLLM's
   ``protocol.py``; every error names its field), and one handler, response
   and SSE path that completions and chat share;
+* chat's tools: the chat-template settings, and the tool-call parsers that
+  turn a model's output into OpenAI's ``tool_calls`` (vLLM's --tool-call-parser);
 * admission: request ids (``X-Request-Id``), the API key, the waiting-queue
   limit (429), the body-size limit (413) and time limits, and aborting the
   engine requests of a client that disconnects;
@@ -20,7 +22,7 @@ and reads back ``RequestOutput``s. Tokenizing runs on a thread of its own, never
 on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
-Read top to bottom: CLI -> protocol -> app -> handlers -> admission -> SSE ->
+Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> admission -> SSE ->
 metrics -> start-up and shutdown.
 """
 from __future__ import annotations
@@ -584,9 +586,13 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     def param_name(self, engine_param: str) -> str:
         if engine_param == "max_tokens":
             return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
-        if engine_param == "structured_outputs" and self.tool_schema() is not None:
-            return "tools"  # a function's parameters that xgrammar cannot compile
         return "top_logprobs" if engine_param == "logprobs" else super().param_name(engine_param)
+
+    def invalid(self, e: InvalidInput) -> ApiError:
+        if e.param == "structured_outputs" and self.tool_schema() is not None:  # xgrammar refused them
+            return bad_request(f"the tools' parameters are not a JSON schema xgrammar can compile: "
+                               f"{str(e).partition(': ')[2]}", "tools")
+        return super().invalid(e)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
@@ -639,8 +645,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
                 content, calls = self._parser.parse(text, final=True)
                 calls = [tool_call_body(call) for call in calls]
                 content, made = (content or None) if calls else content, bool(calls)
-            if made and finish == "stop" and not isinstance(self.tool_choice, dict):
-                finish = "tool_calls"  # as vLLM: a forced named function finishes with "stop", as OpenAI's does
+            if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
+                finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
         if stream:
             delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
             if not delta and logprobs is None and finish is None:

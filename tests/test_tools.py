@@ -360,7 +360,7 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "cannot be combined"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
-          tool_choice="required"), "tools", "cannot be compiled"),
+          tool_choice="required"), "tools", "xgrammar can compile"),
     (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]),
      "messages", "messages[1].tool_calls[0].function.name"),
     (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": "x"}]), "messages", "messages[1].tool_calls"),
