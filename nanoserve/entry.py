@@ -53,7 +53,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -531,6 +531,34 @@ class CompletionRequest(GenerationRequest):
                 "top_logprobs": [dict(ranked) for _, _, ranked in tokens], "text_offset": offsets}
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_Strict):
+    """An OpenAI function tool."""
+    type: typing.Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"  # JSON text: the engine parses it for the template
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant message."""
+    id: str | None = None
+    type: typing.Literal["function"] = "function"
+    function: FunctionCall
+
+
+_TOOL_CALLS = TypeAdapter(list[ToolCall])
+
+
 class ChatTemplateFields(OpenAIBaseModel):
     """What chat completions and /tokenize share: messages and how the chat template renders them (vLLM's names)."""
     messages: Any = None
@@ -538,10 +566,9 @@ class ChatTemplateFields(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = Field(None, description='an object such as {"enable_thinking": false}')
-    tools: Any = None
+    tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)
 
     _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
-    _tools = field_validator("tools")(classmethod(lambda cls, v: parse_tools(v)))
 
     def render(self, state: "ServerState") -> str:
         """The prompt (on the tokenizer thread; raises InvalidInput)."""
@@ -554,8 +581,9 @@ class ChatTemplateFields(OpenAIBaseModel):
             raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
                                                 "--chat-template FILE (or an inline Jinja template), or send "
                                                 "chat_template in the request")
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
         return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
-                                   self.continue_final_message, self.tools, self.chat_template_kwargs)
+                                   self.continue_final_message, tools, self.chat_template_kwargs)
 
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
@@ -623,7 +651,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
             for name, sub in params.pop("$defs", {}).items():  # one $defs at the root, where "#/$defs/..." points
                 if defs.setdefault(name, sub) != sub:
                     raise InvalidInput("tools", f"tools define $defs.{name} twice, differently")
-            items.append({"properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]},
+            items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                          "parameters": params}, "required": ["name", "parameters"]})
         return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
                 **({"$defs": defs} if defs else {})}
@@ -726,47 +754,19 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         msg = {"role": m["role"], "content": content or ""}
         for key in ("name", "tool_call_id"):
             if m.get(key) is not None:
-                msg[key] = _string(m[key], f"{where}.{key}")
+                if not isinstance(m[key], str):
+                    raise ValueError(f"{where}.{key} must be a string, got {show(m[key])}")
+                msg[key] = m[key]
         if m.get("tool_calls") is not None:
             if m["role"] != "assistant":
                 raise ValueError(f"{where}.tool_calls: only an assistant message has tool_calls")
-            msg["tool_calls"] = [_history_call(c, f"{where}.tool_calls[{j}]")
-                                 for j, c in enumerate(_array(m["tool_calls"], f"{where}.tool_calls"))]
+            try:
+                calls = _TOOL_CALLS.validate_python(m["tool_calls"])
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                raise ValueError(_error_text(err, f"{where}.tool_calls")) from None
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
         out.append(msg)
-    return out
-
-
-def _history_call(call: Any, where: str) -> dict[str, Any]:
-    """A tool call of an earlier assistant turn; the engine parses its JSON arguments for the template."""
-    call = _object(call, where, '{"id": ..., "type": "function", "function": {"name": ..., "arguments": "{...}"}}')
-    fn = _object(call.get("function"), f"{where}.function", '{"name": ..., "arguments": "{...}"}')
-    arguments = fn.get("arguments", "{}")
-    if not isinstance(arguments, (str, dict)):
-        raise ValueError(f"{where}.function.arguments must be a JSON object in a string, got {show(arguments)}")
-    out = {"type": _function_type(call, where), "function": {"name": _name(fn, f"{where}.function"),
-                                                             "arguments": arguments}}
-    return {**({"id": _string(call["id"], f"{where}.id")} if call.get("id") is not None else {}), **out}
-
-
-def parse_tools(tools: Any) -> list[dict[str, Any]]:
-    """OpenAI's function tools: [{"type": "function", "function": {name, description, parameters}}]."""
-    if not isinstance(tools, list) or not tools:
-        raise ValueError(f'tools must be a non-empty list of {{"type": "function", "function": {{...}}}} objects, '
-                         f'got {show(tools)}')
-    out = []
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        tool = _object(tool, where, '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
-        fn = _object(tool.get("function"), f"{where}.function", '{"name": ..., "description": ..., "parameters": '
-                                                                '{...}}')
-        function = {"name": _name(fn, f"{where}.function")}
-        if fn.get("description") is not None:
-            function["description"] = _string(fn["description"], f"{where}.function.description")
-        if fn.get("parameters") is not None:
-            function["parameters"] = _object(fn["parameters"], f"{where}.function.parameters", "a JSON schema")
-        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
-            raise ValueError(f"{where}.function.strict must be true or false, got {show(fn['strict'])}")
-        out.append({"type": _function_type(tool, where), "function": function})
     return out
 
 
@@ -789,43 +789,12 @@ def check_tool_choice(choice: Any, tools: list[dict] | None) -> None:
                                           f"which is not one of the tools")
 
 
-def find_tool(tools: list[dict], name: str) -> dict | None:
-    return next((t for t in tools if t["function"]["name"] == name), None)
+def find_tool(tools: list[ChatCompletionToolsParam], name: str) -> ChatCompletionToolsParam | None:
+    return next((t for t in tools if t.function.name == name), None)
 
 
-def _parameters(tool: dict) -> dict:
-    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
-
-
-def _object(value: Any, where: str, shape: str) -> dict:
-    if not isinstance(value, dict):
-        raise ValueError(f"{where} must be {'an object ' if shape.startswith('{') else ''}{shape}, got {show(value)}")
-    return value
-
-
-def _array(value: Any, where: str) -> list:
-    if not isinstance(value, list):
-        raise ValueError(f"{where} must be a list, got {show(value)}")
-    return value
-
-
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise ValueError(f"{where} must be a string, got {show(value)}")
-    return value
-
-
-def _name(fn: dict, where: str) -> str:
-    name = fn.get("name")
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}.name must be a non-empty string, got {show(name)}")
-    return name
-
-
-def _function_type(obj: dict, where: str) -> str:
-    if obj.get("type", "function") != "function":
-        raise ValueError(f'{where}.type must be "function", got {show(obj.get("type"))}')
-    return "function"
+def _parameters(tool: ChatCompletionToolsParam) -> dict:
+    return tool.function.parameters or {"type": "object", "properties": {}}
 
 
 def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
@@ -887,20 +856,25 @@ def _validation_error(schema: type[BaseModel], body: dict, err: dict) -> "ApiErr
     loc = err["loc"]
     name = str(loc[0]) if loc else None
     info = schema.model_fields.get(name)
-    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    if err["type"] == "missing":
-        return bad_request(f"{path} is required", name)
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, InvalidInput):
         return bad_request(str(cause), cause.param)
     if isinstance(cause, ValueError):
         return bad_request(str(cause), name)
-    if info is not None and (err["type"].endswith(("_type", "_parsing", "literal_error", "none_required"))
-                             or err["type"] in ("finite_number", "int_from_float")):
+    if len(loc) == 1 and info is not None and (  # a field's own type: say what it takes
+            err["type"].endswith(("_type", "_parsing", "literal_error", "none_required"))
+            or err["type"] in ("finite_number", "int_from_float")):
         return bad_request(f"{name} must be {info.description or _describe(info.annotation)}, "
                            f"got {show(body.get(name))}", name)
-    msg = err["msg"][:1].lower() + err["msg"][1:]
-    return bad_request(f"{path}: {msg}, got {show(err.get('input'))}", name)
+    return bad_request(_error_text(err), name)
+
+
+def _error_text(err: dict, where: str = "") -> str:
+    """A pydantic error as a sentence that names the place: 'tools[0].function.name is required'."""
+    path = (where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])).lstrip(".")
+    if err["type"] == "missing":
+        return f"{path} is required"
+    return f"{path}: {err['msg'][:1].lower() + err['msg'][1:]}, got {show(err.get('input'))}"
 
 
 _TYPE_WORDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), bool: ("true or false", "booleans"),

@@ -344,8 +344,9 @@ def test_chat_template_flag_file_and_inline(template_file):
 
 
 BAD = [  # body (over USER), param, words the message must have
-    (dict(tools=[]), "tools", "tools must be a non-empty list"),
-    (dict(tools=[{"type": "function"}]), "tools", "tools[0].function must be"),
+    (dict(tools=[]), "tools", "at least 1 item"),
+    (dict(tools="get_time"), "tools", "tools must be a list of objects"),
+    (dict(tools=[{"type": "function"}]), "tools", "tools[0].function is required"),
     (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools", "tools[0].type"),
     (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools", "tools[0].function.name"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools",
