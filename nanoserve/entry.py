@@ -962,37 +962,19 @@ class Llama3JsonToolParser(ToolParser):
         body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
         if not final:  # a call is whole only at the end: hold back anything that may be one
             return ("", []) if body.startswith("{") or self.TAG.startswith(body) else (text, [])
-        calls, pos, decoder = [], 0, json.JSONDecoder(strict=False)
-        while body.startswith("{", pos):
-            try:
-                obj, pos = decoder.raw_decode(body, pos)
-            except ValueError:
-                break
-            calls.append(_json_call(obj))
-            pos = len(body) - len(body[pos:].lstrip().removeprefix(";").lstrip())
-        if not calls or None in calls or pos < len(body):
-            return text, []
-        return "", calls
+        values, end = _json_values(body, 0, ";")
+        calls = [_json_call(v) for v in values]
+        return (text, []) if not calls or None in calls or body[end:].strip() else ("", calls)
 
 
 class RequiredToolParser(ToolParser):
     """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"}, ...]."""
 
     def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
-        calls, decoder = [], json.JSONDecoder(strict=False)
-        pos = text.find("[") + 1
-        while pos > 0:
-            pos = len(text) - len(text[pos:].lstrip().removeprefix(",").lstrip())
-            try:
-                obj, end = decoder.raw_decode(text, pos)
-            except ValueError:
-                break
-            call = _json_call(obj, "parameters")
-            if call is None:
-                break
-            calls.append(call)
-            pos = end
-        rest = text[max(pos, 0):].strip()
+        start = text.find("[")
+        values, end = _json_values(text, start + 1, ",") if start >= 0 else ([], 0)
+        calls = [c for c in map(_json_call, values) if c is not None]
+        rest = text[end:].strip()
         return ("" if not final or rest == "]" else rest), calls  # what did not parse (cut short): text
 
 
@@ -1018,17 +1000,29 @@ def tool_parser(tool_choice: Any, auto_parser: str | None) -> ToolParser | None:
     return TOOL_PARSERS[auto_parser]() if tool_choice == "auto" else None
 
 
-def _json_call(value: Any, arguments_key: str = "arguments") -> dict[str, str] | None:
-    """{"name": ..., "arguments" (or "parameters"): {...}} (JSON text or parsed) -> a call, else None."""
-    if isinstance(value, str):
-        try:  # not strict: xgrammar's JSON (and so vLLM's) lets control characters stand in strings
-            value = json.loads(value, strict=False)
+def _json_values(text: str, pos: int, sep: str) -> tuple[list[Any], int]:
+    """The whole JSON values in ``text`` from ``pos`` on, ``sep`` between them, and where the last ends."""
+    values, decoder = [], json.JSONDecoder(strict=False)  # xgrammar's JSON lets control characters stand in strings
+    while True:
+        at = len(text) - len(text[pos:].lstrip())
+        if values:
+            at = len(text) - len(text[at:].removeprefix(sep).lstrip())
+        try:
+            value, pos = decoder.raw_decode(text, at)
         except ValueError:
-            return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return values, pos
+        values.append(value)
+
+
+def _json_call(value: Any) -> dict[str, str] | None:
+    """{"name": ..., "arguments" (or "parameters"): {...}}, as JSON text or parsed -> a call, else None."""
+    if isinstance(value, str):
+        values, end = _json_values(value, 0, "")
+        value = values[0] if len(values) == 1 and not value[end:].strip() else None
+    args = value.get("arguments", value.get("parameters", {})) if isinstance(value, dict) else None
+    if not isinstance(args, dict) or not isinstance(value.get("name"), str):
         return None
-    args = value.get(arguments_key, value.get("parameters" if arguments_key == "arguments" else "arguments", {}))
-    return {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)} if isinstance(args, dict) else None
+    return {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
 
 def _join(segments: list[str], tail: str, start_tag: str, final: bool) -> str:
