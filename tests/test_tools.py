@@ -317,6 +317,15 @@ def test_auto_parses_the_calls_the_model_writes(server):
                                          extra_body={"structured_outputs": {"choice": [FORCED]}},
                                          max_tokens=300).choices[0].message
     assert [[c.function.name, c.function.arguments] for c in msg.tool_calls] == want
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(model=server.args.served_model_name[0], messages=USER, tools=TOOLS,
+                                                extra_body={"structured_outputs": {"choice": [FORCED]}},
+                                                max_tokens=300, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = streamed.setdefault(d.index, ["", ""])
+            call[0] += d.function.name or ""
+            call[1] += d.function.arguments or ""
+    assert [streamed[i] for i in sorted(streamed)] == want
     # no call in the text: content as it is
     plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})["choices"][0]
     assert plain["message"] == {"role": "assistant", "content": "No tools <needed>."}
