@@ -18,6 +18,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import json
 import logging
@@ -1139,10 +1140,14 @@ class LLM:
         return SamplingParams(**self.engine.default_sampling)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """Render the tokenizer's chat template (one conversation or a list) and generate."""
+             chat_template: str | None = None, add_generation_prompt: bool | None = None,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render the chat template (one conversation or a list) and generate, as
+        vLLM's ``LLM.chat``; ``add_generation_prompt`` defaults to ``not continue_final_message``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template) for c in conversations]
+        prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt,
+                                       continue_final_message, tools, chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict[str, Any]:
@@ -1216,17 +1221,67 @@ def _progress(total: int):
 
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
-                        add_generation_prompt: bool = True) -> str:
+                        add_generation_prompt: bool | None = None, continue_final_message: bool = False,
+                        tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+    """The conversation rendered by the tokenizer's chat template (or ``chat_template``),
+    as vLLM renders it: ``tools`` and ``chat_template_kwargs`` (e.g. enable_thinking)
+    reach the template; assistant tool calls' JSON ``arguments`` are parsed first, as
+    templates write them with ``| tojson``; ``continue_final_message`` leaves the
+    last message open (``add_generation_prompt`` then defaults to False)."""
     if tokenizer is None:
         raise InvalidInput("messages", "chat needs a tokenizer, but this engine runs without one")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise InvalidInput("messages", "this model's tokenizer has no chat template; pass chat_template=... "
-                                       "or use generate() with a plain prompt")
+        raise InvalidInput("chat_template", "this model's tokenizer has no chat template; pass chat_template=... "
+                                            "or use generate() with a plain prompt")
+    if add_generation_prompt is None:
+        add_generation_prompt = not continue_final_message
+    if add_generation_prompt and continue_final_message:
+        raise InvalidInput("continue_final_message", "continue_final_message (continue the last message) cannot be "
+                                                     "combined with add_generation_prompt=true (start a new one)")
+    kwargs = dict(chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & _template_arguments(tokenizer))
+    if reserved:
+        raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(reserved)}: "
+                                                   "they are the renderer's own arguments")
+    import jinja2
     try:
-        return tokenizer.apply_chat_template(messages, chat_template=chat_template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
-    except Exception as e:  # jinja errors, malformed messages
+        return tokenizer.apply_chat_template(_with_parsed_arguments(messages), tools=tools, chat_template=chat_template,
+                                             tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **kwargs)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidInput("chat_template", f"the chat template is not valid Jinja: {e} (line {e.lineno})") from None
+    except Exception as e:  # the template's own raise_exception, jinja errors, malformed messages
         raise InvalidInput("messages", f"cannot apply the chat template: {e}") from None
+
+
+def _template_arguments(tokenizer) -> set[str]:
+    """What apply_chat_template takes itself (and ``messages``, the conversation's
+    name in templates): chat_template_kwargs must not override them."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages"}
+
+
+def _with_parsed_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls with their JSON-string arguments parsed (vLLM does the same)."""
+    out = []
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if isinstance(calls, list):
+            m = {**m, "tool_calls": [_parsed_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
+        out.append(m)
+    return out
+
+
+def _parsed_call(call: Any, where: str) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
+    except ValueError as e:
+        raise InvalidInput("messages", f"{where}.function.arguments must be a JSON object in a string, got "
+                                       f"{fn['arguments'][:60]!r} ({e})") from None
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 # =========================================================================== async front

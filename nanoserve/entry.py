@@ -8,6 +8,8 @@ This module owns
 * the OpenAI protocol: request bodies as pydantic models (as vLLM's
   ``protocol.py``; every error names its field), and one handler, response
   and SSE path that completions and chat share;
+* chat's tools: the chat-template settings, and the tool-call parsers that
+  turn a model's output into OpenAI's ``tool_calls`` (vLLM's --tool-call-parser);
 * admission: request ids (``X-Request-Id``), the API key, the waiting-queue
   limit (429), the body-size limit (413) and time limits, and aborting the
   engine requests of a client that disconnects;
@@ -20,7 +22,7 @@ and reads back ``RequestOutput``s. Tokenizing runs on a thread of its own, never
 on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
-Read top to bottom: CLI -> protocol -> app -> handlers -> admission -> SSE ->
+Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> admission -> SSE ->
 metrics -> start-up and shutdown.
 """
 from __future__ import annotations
@@ -51,7 +53,8 @@ import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -191,6 +194,17 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGINT/SIGTERM, how long in-flight requests may run before they are aborted")
 
+    g = p.add_argument_group("chat")
+    g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="the chat template, a file or an inline Jinja string (default: the tokenizer's)")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (Jinja run on the server)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": parse tool calls out of the output (needs --tool-call-parser)')
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="the model's tool-call format: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), "
+                        "llama3_json (Llama 3.1+: the output is one JSON object)")
+
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="debug shows each request's path through every layer")
@@ -227,8 +241,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, ok, rule in checks:
         if not ok:
             parser.error(f"{flag} must be {rule}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if args.chat_template is not None:
+        try:
+            args.chat_template = load_chat_template(args.chat_template)
+        except ValueError as e:
+            parser.error(str(e))
     args.served_model_name = args.served_model_name or [args.model]
     return args
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template, as vLLM reads it: a file's text, or the value itself when it is a template."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
 
 
 # =========================================================================== protocol
@@ -419,9 +450,9 @@ class GenerationRequest(OpenAIBaseModel):
     def num_prompts(self) -> int:
         return 1
 
-    def process_prompts(self, engine: LLMEngine) -> list[TokenizedPrompt]:
+    def process_prompts(self, state: "ServerState") -> list[TokenizedPrompt]:
         """On the tokenizer thread: render, tokenize and check every prompt."""
-        return [engine.process_prompt(p) for p in self.prompt_inputs(engine)]
+        return [state.engine.process_prompt(p) for p in self.prompt_inputs(state)]
 
     def check_length(self, num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
         """OpenAI's rule: prompt + max_tokens must fit (the engine alone would cap
@@ -483,7 +514,7 @@ class CompletionRequest(GenerationRequest):
     def num_prompts(self) -> int:
         return len(self.prompt)
 
-    def prompt_inputs(self, engine: LLMEngine) -> list[str | list[int]]:
+    def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
         return self.prompt
 
     def wants_echo(self) -> bool:
@@ -503,31 +534,84 @@ class CompletionRequest(GenerationRequest):
                 "top_logprobs": [dict(ranked) for _, _, ranked in tokens], "text_offset": offsets}
 
 
-class ChatCompletionRequest(GenerationRequest):
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(_Strict):
+    """An OpenAI function tool."""
+    type: typing.Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionCall(_Strict):
+    name: str = Field(min_length=1)
+    arguments: str | dict = "{}"  # JSON text: the engine parses it for the template
+
+
+class ToolCall(_Strict):
+    """A tool call of an earlier assistant message."""
+    id: str | None = None
+    type: typing.Literal["function"] = "function"
+    function: FunctionCall
+
+
+_TOOL_CALLS = TypeAdapter(list[ToolCall])
+
+
+class ChatTemplateFields(OpenAIBaseModel):
+    """What chat completions and /tokenize share: messages and how the chat template renders them (vLLM's names)."""
+    messages: Any = None
+    add_generation_prompt: bool | None = None  # left out: true, unless continue_final_message
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict | None = Field(None, description='an object such as {"enable_thinking": false}')
+    tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)
+
+    _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
+
+    def render(self, state: "ServerState") -> str:
+        """The prompt (on the tokenizer thread; raises InvalidInput)."""
+        tokenizer = state.engine.tokenizer
+        if self.chat_template is not None and not state.trust_request_chat_template:
+            raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
+                                                "--trust-request-chat-template, or use --chat-template FILE")
+        template = self.chat_template or state.chat_template
+        if template is None and tokenizer is not None and not tokenizer.chat_template:
+            raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
+                                                "--chat-template FILE (or an inline Jinja template), or send "
+                                                "chat_template in the request")
+        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
+                                   self.continue_final_message, tools, self.chat_template_kwargs)
+
+
+class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     object_name: ClassVar[str] = "chat.completion"
     chunk_object: ClassVar[str] = "chat.completion.chunk"
     id_prefix: ClassVar[str] = "chatcmpl-"
     prompt_field: ClassVar[str] = "messages"
 
-    messages: Any = None
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    tools: list | None = Field(None, description="left out: tools (function calling) are not supported")
-    tool_choice: typing.Literal["none", "auto"] | None = Field(
-        None, description='"none" or "auto": tool_choice is not supported')
-
-    _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
+    tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
+                                               '{"name": ...}}')
+    _parser: "ToolParser | None" = PrivateAttr(None)  # set by prompt_inputs when tool calls are parsed
+    _streams: dict = PrivateAttr(default_factory=dict)  # choice index -> ToolStream
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
         if self.messages is None:
             raise InvalidInput("messages", "messages is required: a non-empty list of {role, content} objects")
-        if self.tools:
-            raise InvalidInput("tools", "tools (function calling) are not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidInput("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.tool_choice is None and self.tools is not None:
+            self.tool_choice = "auto"  # as OpenAI and vLLM
+        check_tool_choice(self.tool_choice, self.tools)
         return self
 
     def param_name(self, engine_param: str) -> str:
@@ -535,21 +619,73 @@ class ChatCompletionRequest(GenerationRequest):
             return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         return "top_logprobs" if engine_param == "logprobs" else super().param_name(engine_param)
 
+    def invalid(self, e: InvalidInput) -> ApiError:
+        if e.param == "structured_outputs" and self.tool_schema() is not None:  # xgrammar refused them
+            return bad_request(f"the tools' parameters are not a JSON schema xgrammar can compile: "
+                               f"{str(e).partition(': ')[2]}", "tools")
+        return super().invalid(e)
+
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def prompt_inputs(self, engine: LLMEngine) -> list[str | list[int]]:
-        return [apply_chat_template(engine.tokenizer, self.messages,
-                                    add_generation_prompt=self.add_generation_prompt)]
+    def structured_spec(self) -> StructuredOutputsParams | None:
+        schema = self.tool_schema()
+        if schema is None:
+            return super().structured_spec()
+        if super().structured_spec() is not None:
+            raise InvalidInput("tool_choice", f"tool_choice {show(self.tool_choice)} constrains the output to tool "
+                                              "calls: it cannot be combined with another structured-output field")
+        return StructuredOutputsParams(json=schema)
 
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool) -> dict:
-        body = ({"delta": {"content": text} if text else {}} if stream
-                else {"message": {"role": "assistant", "content": text}})
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+    def tool_schema(self) -> dict | None:
+        """vLLM's constraint for a forced call: a named function's parameters, or for
+        "required" an array of {name, parameters} objects, each of one of the tools."""
+        if isinstance(self.tool_choice, dict):
+            return _parameters(find_tool(self.tools, self.tool_choice["function"]["name"]))
+        if self.tool_choice != "required":
+            return None
+        defs: dict[str, Any] = {}
+        items = []
+        for tool in self.tools:
+            params = dict(_parameters(tool))
+            for name, sub in params.pop("$defs", {}).items():  # one $defs at the root, where "#/$defs/..." points
+                if defs.setdefault(name, sub) != sub:
+                    raise InvalidInput("tools", f"tools define $defs.{name} twice, differently")
+            items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
+                                         "parameters": params}, "required": ["name", "parameters"]})
+        return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
+                **({"$defs": defs} if defs else {})}
+
+    def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
+        if self.tool_choice == "auto" and state.tool_parser is None:
+            raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
+                                              '--tool-call-parser to be set')
+        self._parser = tool_parser(self.tool_choice, state.tool_parser)
+        return [self.render(state)]
+
+    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool) -> dict | None:
+        content, calls, finish = text, [], c.finish_reason
+        if self._parser is not None:
+            if stream:
+                content, calls, made = self._streams.setdefault(index, ToolStream(self._parser)).feed(
+                    text, finish is not None)
+            else:
+                content, calls = self._parser.parse(text, final=True)
+                calls = [tool_call_body(call) for call in calls]
+                content, made = (content or None) if calls else content, bool(calls)
+            if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
+                finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
+        if stream:
+            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+            if not delta and logprobs is None and finish is None:
+                return None  # all of it held back: nothing to send yet
+            body = {"delta": delta}
+        else:
+            body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason}
 
     def logprobs_body(self, tokens, text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
@@ -563,15 +699,11 @@ class ChatCompletionRequest(GenerationRequest):
                                       "finish_reason": None}]} for i in range(self.n)]
 
 
-class TokenizeRequest(OpenAIBaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a prompt, or chat messages rendered by the chat template."""
     prompt: str | None = None
-    messages: Any = None
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (as vLLM)
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
-
-    _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeRequest":
@@ -582,12 +714,10 @@ class TokenizeRequest(OpenAIBaseModel):
     def param_name(self, engine_param: str) -> str:
         return "messages" if engine_param == "prompt" and self.messages is not None else engine_param
 
-    def run(self, engine: LLMEngine) -> dict[str, Any]:
+    def run(self, state: "ServerState") -> dict[str, Any]:
         """The response (on the tokenizer thread; raises InvalidInput)."""
-        text = self.prompt
-        if self.messages is not None:
-            text = apply_chat_template(engine.tokenizer, self.messages,
-                                       add_generation_prompt=self.add_generation_prompt)
+        engine = state.engine
+        text = self.prompt if self.messages is None else self.render(state)
         special = self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
         _, ids = engine.tokenize(text, add_special_tokens=special)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -603,8 +733,9 @@ class DetokenizeRequest(OpenAIBaseModel):
         return "tokens" if engine_param == "token_ids" else engine_param
 
 
-def parse_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages -> [{role, content}] with text content."""
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> [{role, content}] with text content, and what the
+    templates read besides: name, an assistant's tool_calls, a tool's tool_call_id."""
     if not isinstance(messages, list) or not messages:
         raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {show(messages)}")
     out = []
@@ -623,8 +754,50 @@ def parse_messages(messages: Any) -> list[dict[str, str]]:
             content = "\n".join(p["text"] for p in content)
         elif content is not None and not isinstance(content, str):
             raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
-        out.append({"role": m["role"], "content": content or ""})
+        msg = {"role": m["role"], "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None:
+                if not isinstance(m[key], str):
+                    raise ValueError(f"{where}.{key} must be a string, got {show(m[key])}")
+                msg[key] = m[key]
+        if m.get("tool_calls") is not None:
+            if m["role"] != "assistant":
+                raise ValueError(f"{where}.tool_calls: only an assistant message has tool_calls")
+            try:
+                calls = _TOOL_CALLS.validate_python(m["tool_calls"])
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                raise ValueError(_error_text(err, f"{where}.tool_calls")) from None
+            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
+        out.append(msg)
     return out
+
+
+def check_tool_choice(choice: Any, tools: list[dict] | None) -> None:
+    """vLLM's rules: "none" always goes; any other choice needs tools, and a named one one of them."""
+    usage = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    if choice is None or choice == "none":
+        return
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise InvalidInput("tool_choice", f"tool_choice must be {usage}, got {show(choice)}")
+    elif choice not in ("auto", "required"):
+        raise InvalidInput("tool_choice", f"tool_choice must be {usage}, got {show(choice)}")
+    if tools is None:
+        raise InvalidInput("tool_choice", f"tool_choice {show(choice)} needs tools: the functions it may call")
+    if isinstance(choice, dict) and find_tool(tools, choice["function"]["name"]) is None:
+        raise InvalidInput("tool_choice", f"tool_choice names the function {show(choice['function']['name'])}, "
+                                          f"which is not one of the tools")
+
+
+def find_tool(tools: list[ChatCompletionToolsParam], name: str) -> ChatCompletionToolsParam | None:
+    return next((t for t in tools if t.function.name == name), None)
+
+
+def _parameters(tool: ChatCompletionToolsParam) -> dict:
+    return tool.function.parameters or {"type": "object", "properties": {}}
 
 
 def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
@@ -686,20 +859,25 @@ def _validation_error(schema: type[BaseModel], body: dict, err: dict) -> "ApiErr
     loc = err["loc"]
     name = str(loc[0]) if loc else None
     info = schema.model_fields.get(name)
-    path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
-    if err["type"] == "missing":
-        return bad_request(f"{path} is required", name)
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, InvalidInput):
         return bad_request(str(cause), cause.param)
     if isinstance(cause, ValueError):
         return bad_request(str(cause), name)
-    if info is not None and (err["type"].endswith(("_type", "_parsing", "literal_error", "none_required"))
-                             or err["type"] in ("finite_number", "int_from_float")):
+    if len(loc) == 1 and info is not None and (  # a field's own type: say what it takes
+            err["type"].endswith(("_type", "_parsing", "literal_error", "none_required"))
+            or err["type"] in ("finite_number", "int_from_float")):
         return bad_request(f"{name} must be {info.description or _describe(info.annotation)}, "
                            f"got {show(body.get(name))}", name)
-    msg = err["msg"][:1].lower() + err["msg"][1:]
-    return bad_request(f"{path}: {msg}, got {show(err.get('input'))}", name)
+    return bad_request(_error_text(err), name)
+
+
+def _error_text(err: dict, where: str = "") -> str:
+    """A pydantic error as a sentence that names the place: 'tools[0].function.name is required'."""
+    path = (where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])).lstrip(".")
+    if err["type"] == "missing":
+        return f"{path} is required"
+    return f"{path}: {err['msg'][:1].lower() + err['msg'][1:]}, got {show(err.get('input'))}"
 
 
 _TYPE_WORDS = {int: ("an integer", "integers"), float: ("a number", "numbers"), bool: ("true or false", "booleans"),
@@ -741,6 +919,158 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
+# =========================================================================== tool calls
+# A parser finds the tool calls in a model's output (vLLM's --tool-call-parser):
+# parse(text, final) gives the content to show and the calls, {name, arguments
+# as a JSON string}, found in the text so far. Before the end it holds back what
+# may still turn into a call, so that a stream sends what both grew by: content
+# only ever grows, and so does a call's arguments (only the last call's can).
+
+class ToolParser:
+    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        raise NotImplementedError
+
+
+class HermesToolParser(ToolParser):
+    """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any
+    number of them, text around them; a block that is not such JSON stays text."""
+    START, END = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        segments, calls, pos, tail = [""], [], 0, None  # segments: the text between calls
+        while (start := text.find(self.START, pos)) >= 0:
+            end = text.find(self.END, start)
+            if end < 0 and not final:  # a call still open: hold back from its start
+                tail = text[pos:start]
+                break
+            stop = len(text) if end < 0 else end + len(self.END)
+            call = _json_call(text[start + len(self.START):end if end >= 0 else len(text)])
+            if call is None:
+                segments[-1] += text[pos:stop]
+            else:
+                segments[-1] += text[pos:start]
+                calls.append(call)
+                segments.append("")
+            pos = stop
+        return _join(segments, text[pos:] if tail is None else tail, self.START, final), calls
+
+
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1+ JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
+    joined by ";"), maybe after <|python_tag|>; anything else is content."""
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        body = text.strip()
+        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        if not final:  # a call is whole only at the end: hold back anything that may be one
+            return ("", []) if body.startswith("{") or self.TAG.startswith(body) else (text, [])
+        values, end = _json_values(body, 0, ";")
+        calls = [_json_call(v) for v in values]
+        return (text, []) if not calls or None in calls or body[end:].strip() else ("", calls)
+
+
+class RequiredToolParser(ToolParser):
+    """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"}, ...]."""
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        start = text.find("[")
+        values, end = _json_values(text, start + 1, ",") if start >= 0 else ([], 0)
+        calls = [c for c in map(_json_call, values) if c is not None]
+        rest = text[end:].strip()
+        return ("" if not final or rest == "]" else rest), calls  # what did not parse (cut short): text
+
+
+class NamedToolParser(ToolParser):
+    """A named tool_choice: the output is that function's arguments."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        return "", [{"name": self.name, "arguments": text}] if text or final else []
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+
+
+def tool_parser(tool_choice: Any, auto_parser: str | None) -> ToolParser | None:
+    """How this request's output is read: not at all for "none" (or no tools)."""
+    if isinstance(tool_choice, dict):
+        return NamedToolParser(tool_choice["function"]["name"])
+    if tool_choice == "required":
+        return RequiredToolParser()
+    return TOOL_PARSERS[auto_parser]() if tool_choice == "auto" else None
+
+
+def _json_values(text: str, pos: int, sep: str) -> tuple[list[Any], int]:
+    """The whole JSON values in ``text`` from ``pos`` on, ``sep`` between them, and where the last ends."""
+    values, decoder = [], json.JSONDecoder(strict=False)  # xgrammar's JSON lets control characters stand in strings
+    while True:
+        at = len(text) - len(text[pos:].lstrip())
+        if values:
+            at = len(text) - len(text[at:].removeprefix(sep).lstrip())
+        try:
+            value, pos = decoder.raw_decode(text, at)
+        except ValueError:
+            return values, pos
+        values.append(value)
+
+
+def _json_call(value: Any) -> dict[str, str] | None:
+    """{"name": ..., "arguments" (or "parameters"): {...}}, as JSON text or parsed -> a call, else None."""
+    if isinstance(value, str):
+        values, end = _json_values(value, 0, "")
+        value = values[0] if len(values) == 1 and not value[end:].strip() else None
+    args = value.get("arguments", value.get("parameters", {})) if isinstance(value, dict) else None
+    if not isinstance(args, dict) or not isinstance(value.get("name"), str):
+        return None
+    return {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+
+
+def _join(segments: list[str], tail: str, start_tag: str, final: bool) -> str:
+    """The content: the text between calls, trimmed where it meets one; before the
+    end, a tail that may be the start of a call tag, or whitespace before one, waits."""
+    if not final:
+        tail = tail[:len(tail) - max((k for k in range(1, len(start_tag)) if tail.endswith(start_tag[:k])),
+                                     default=0)].rstrip()
+    segments[-1] += tail
+    if len(segments) > 1:
+        last = len(segments) - 1
+        segments = [seg.rstrip() if i == 0 else seg.lstrip() if i == last else seg.strip()
+                    for i, seg in enumerate(segments)]
+    return "".join(segments)
+
+
+class ToolStream:
+    """One streamed choice's tool calls: the text so far, and what of its content and
+    of each call's arguments was sent; ``feed`` gives the next delta's parts."""
+
+    def __init__(self, parser: ToolParser):
+        self.parser, self.text, self.content_sent, self.args_sent = parser, "", 0, []
+
+    def feed(self, delta_text: str, final: bool) -> tuple[str, list[dict], bool]:
+        """(new content, OpenAI tool-call deltas, whether any call was made)."""
+        self.text += delta_text
+        content, calls = self.parser.parse(self.text, final)
+        new_content, self.content_sent = content[self.content_sent:], len(content)
+        deltas = []
+        for i, call in enumerate(calls):
+            if i == len(self.args_sent):  # a new call: its first delta names it
+                deltas.append({"index": i, **tool_call_body(call)})
+                self.args_sent.append(len(call["arguments"]))
+            elif len(call["arguments"]) > self.args_sent[i]:
+                deltas.append({"index": i, "function": {"arguments": call["arguments"][self.args_sent[i]:]}})
+                self.args_sent[i] = len(call["arguments"])
+        return new_content, deltas, bool(calls)
+
+
+def tool_call_body(call: dict[str, str]) -> dict[str, Any]:
+    """A call in OpenAI's shape."""
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": call["name"], "arguments": call["arguments"]}}
+
+
 # =========================================================================== app
 
 @dataclass(eq=False)
@@ -757,6 +1087,9 @@ class ServerState:
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
+    chat_template: str | None = None                     # --chat-template
+    trust_request_chat_template: bool = False
+    tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
     exit_code: int = 0                                   # 1 once the engine cannot recover
     request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
 
@@ -783,7 +1116,9 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     starts it on uvicorn's loop and stops it at shutdown."""
     names = list(args.served_model_name or [args.model])
     state = ServerState(async_llm, names, args.api_key, args.max_queue_len, args.max_request_body_bytes,
-                        ServerMetrics(async_llm, names[0]))
+                        ServerMetrics(async_llm, names[0]), chat_template=args.chat_template,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     stats_interval = None if args.disable_log_stats else args.log_stats_interval
 
     @contextlib.asynccontextmanager
@@ -942,7 +1277,7 @@ async def tokenize(request: Request) -> Response:
     req = parse_body(TokenizeRequest, await read_json(request, state), _request_id(request))
     check_model(req, state)
     try:
-        out = await state.off_loop(req.run, state.engine)
+        out = await state.off_loop(req.run, state)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
@@ -1092,7 +1427,7 @@ class Generation:
         try:
             params = req.sampling_params(state.engine.default_sampling)
             check_queue(state, req, params.n)
-            prompts = await state.off_loop(req.process_prompts, state.engine)
+            prompts = await state.off_loop(req.process_prompts, state)
             # compiled here, off the loop; the engine's add_request then finds it in its cache
             await state.off_loop(state.engine.structured_outputs.compile, params.structured_outputs)
             for prompt in prompts:
@@ -1288,7 +1623,9 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     logprobs = gen.logprobs(c, start, text_sent.get(idx, 0))
                     tokens_sent[idx] = len(c.token_ids)
                     text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                    yield sse({**head, "choices": [req.choice(idx, text, logprobs, c, stream=True)]})
+                    choice = req.choice(idx, text, logprobs, c, stream=True)
+                    if choice is not None:  # None: all of it held back (a tool call's text)
+                        yield sse({**head, "choices": [choice]})
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(finals)})
     except Exception as e:  # the status line is gone: report in the stream

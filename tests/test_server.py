@@ -500,7 +500,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "tools": [{"type": "function", "function": {"name": 5}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the quick brown fox " * 80}]},
      400, "messages"),

@@ -1,0 +1,443 @@
+"""Tool calling and chat-template control on the chat endpoint, as vLLM has them
+(issue 25): the tool-call parsers on crafted texts; tools, tool-call history and
+chat_template_kwargs reaching a real Jinja template; tool_choice "required" and a
+named function enforced by the structured-outputs grammar on a tiny random model
+sampling at temperature 1 (the constraint, not the model, makes every call valid);
+"auto" end to end with the output forced into a call by a structured-outputs
+choice (the random model would never write one); --chat-template, the request's
+chat_template, continue_final_message; and a 400 naming the field for each bad shape."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, NamedToolParser, RequiredToolParser,
+                            ToolStream, load_chat_template, parse_args)
+from test_server import ServerThread, _check_error, sse_events
+
+# Prints what a Qwen-style template prints: the tools, each past call with its arguments as JSON, tool results.
+TEMPLATE = (
+    '{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}'
+    '({{ t.function.parameters.required | join(",") }}){% endfor %}<|im_end|>\n{% endif %}'
+    '{% for m in messages %}<|im_start|>{{ m.role }}{% if m.role == "tool" %} [{{ m.tool_call_id }}]{% endif %}'
+    '{{ "\\n" }}{{ m.content }}{% for tc in m.tool_calls or [] %}<tool_call>{"name": "{{ tc.function.name }}", '
+    '"arguments": {{ tc.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>{{ "\\n" }}{% endfor %}'
+    '{% if add_generation_prompt %}<|im_start|>assistant{{ "\\n" }}'
+    '{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}')
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1,
+                                                                              "maximum": 9}}}
+CLOCK = {"type": "object", "additionalProperties": False, "required": ["tz"],
+         "properties": {"tz": {"enum": ["utc", "cet"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+USER = [{"role": "user", "content": "weather in Paris?"}]
+HISTORY = [{"role": "user", "content": "weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+RENDERED_HISTORY = ('<|im_start|>system\nTools: get_weather(city,days) get_time(tz)'
+                    '<|im_end|>\n<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\n'
+                    '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
+                    '<|im_end|>\n<|im_start|>tool [call_1]\nsunny<|im_end|>\n<|im_start|>assistant\n')
+SEEDS = range(4)
+
+
+def parse(text: str):
+    """JSON as xgrammar's grammar (and so vLLM's) defines it: control characters other than CR and
+    LF may stand unescaped inside strings. A named function's arguments are the output as it is."""
+    return json.loads(text, strict=False)
+
+
+def fits(name: str, args) -> bool:
+    """A hand-written check of the two parameter schemas above."""
+    if name == "get_weather":
+        return (isinstance(args, dict) and set(args) == {"city", "days"} and isinstance(args["city"], str)
+                and len(args["city"]) <= 8 and type(args["days"]) is int and 1 <= args["days"] <= 9)
+    return name == "get_time" and args in ({"tz": "utc"}, {"tz": "cet"})
+
+
+# =========================================================================== parsers, on crafted texts
+
+def stream_by_chars(parser, text: str) -> tuple[str, list[list[str]], bool]:
+    """Feed ``text`` a character at a time, as a stream would: the concatenated content and calls."""
+    stream, content, calls, made = ToolStream(parser), "", [], False
+    for i, ch in enumerate(text):
+        delta, deltas, made = stream.feed(ch, i == len(text) - 1)
+        content += delta
+        for d in deltas:
+            if "id" in d:  # a call's first delta names it
+                assert d["index"] == len(calls) and d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
+                calls.append([d["function"]["name"], d["function"]["arguments"]])
+            else:
+                assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
+                calls[d["index"]][1] += d["function"]["arguments"]
+    return content, calls, made
+
+
+HERMES_CASES = [  # text -> (content, [(name, arguments)])
+    ("Just text, no <tools>.", "Just text, no <tools>.", []),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>', "",
+     [("get_time", '{"tz": "utc"}')]),
+    ('Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": "é"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "b", "arguments": {}}\n</tool_call>\n', "Sure.", [("a", '{"x": "é"}'), ("b", "{}")]),
+    ('text <tool_call>{"name": broken}</tool_call> more', 'text <tool_call>{"name": broken}</tool_call> more', []),
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
+    ('ok <tool_call>{"name": "a", "arguments": {"x": 1}}', "ok", [("a", '{"x": 1}')]),  # closed by the end
+    ("cut short <tool", "cut short <tool", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", HERMES_CASES)
+def test_hermes_parser(text, content, calls):
+    got_content, got_calls = HermesToolParser().parse(text, final=True)
+    assert got_content == content and [(c["name"], c["arguments"]) for c in got_calls] == calls
+    s_content, s_calls, made = stream_by_chars(HermesToolParser(), text)
+    assert s_content == content and [tuple(c) for c in s_calls] == calls and made == bool(calls)
+
+
+def test_hermes_holds_back_only_what_may_be_a_call():
+    p = HermesToolParser()
+    assert p.parse("Hello <tool_c", final=False) == ("Hello", [])          # maybe a tag: wait
+    assert p.parse('Hi <tool_call>{"name": "a"', final=False) == ("Hi", [])  # an open call: wait
+    assert p.parse("Hello <b>", final=False) == ("Hello <b>", [])          # not a tag: send
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ('{"name": "get_time", "parameters": {"tz": "cet"}}', "", [("get_time", '{"tz": "cet"}')]),
+    ('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b", "arguments": {}}', "",
+     [("a", '{"x": 1}'), ("b", "{}")]),
+    ('Here: {"name": "a", "parameters": {}}', 'Here: {"name": "a", "parameters": {}}', []),
+    ('{"name": "a", "parameters": {}} and more', '{"name": "a", "parameters": {}} and more', []),
+    ('{"name": "a", "param', '{"name": "a", "param', []),
+    ('{"no_name": 1}', '{"no_name": 1}', []),
+])
+def test_llama3_json_parser(text, content, calls):
+    got_content, got_calls = Llama3JsonToolParser().parse(text, final=True)
+    assert got_content == content and [(c["name"], c["arguments"]) for c in got_calls] == calls
+    s_content, s_calls, _ = stream_by_chars(Llama3JsonToolParser(), text)
+    assert s_content == content and [tuple(c) for c in s_calls] == calls
+
+
+def test_required_and_named_parsers_stream_as_they_parse():
+    text = '[{"name": "get_time", "parameters": {"tz": "utc"}}, {"name": "a", "parameters": {}}]'
+    content, calls = RequiredToolParser().parse(text, final=True)
+    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_time", '{"tz": "utc"}'),
+                                                                              ("a", "{}")]
+    assert len(RequiredToolParser().parse(text[:60], final=False)[1]) == 1  # the first call is out already
+    assert stream_by_chars(RequiredToolParser(), text)[1] == [["get_time", '{"tz": "utc"}'], ["a", "{}"]]
+    # a named function: the whole output is its arguments, streamed as it comes (one delta a character here)
+    assert stream_by_chars(NamedToolParser("f"), '{"x": 1}')[1] == [["f", '{"x": 1}']]
+    assert NamedToolParser("f").parse("", final=False) == ("", [])
+
+
+# =========================================================================== offline: LLM.chat
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, max_model_len=256)
+
+
+def test_llm_chat_renders_tools_history_and_template_kwargs(llm):
+    p = SamplingParams(max_tokens=2)
+    out = llm.chat(HISTORY, p, chat_template=TEMPLATE, tools=TOOLS, use_tqdm=False)
+    assert out[0].prompt == RENDERED_HISTORY
+    thinking_off = llm.chat(USER, p, chat_template=TEMPLATE, chat_template_kwargs={"enable_thinking": False},
+                            use_tqdm=False)
+    assert thinking_off[0].prompt.endswith("<|im_start|>assistant\n<think></think>")
+    no_prompt = llm.chat(USER, p, chat_template=TEMPLATE, add_generation_prompt=False, use_tqdm=False)
+    assert no_prompt[0].prompt == "<|im_start|>user\nweather in Paris?<|im_end|>\n"
+    # continue_final_message: the last (assistant) message stays open, with no generation prompt after it
+    prefill = USER + [{"role": "assistant", "content": "It is"}]
+    cont = llm.chat(prefill, p, chat_template=TEMPLATE, continue_final_message=True, use_tqdm=False)
+    assert cont[0].prompt == "<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\nIt is"
+    with pytest.raises(ValueError, match="continue_final_message"):
+        llm.chat(prefill, p, continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
+    with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
+        llm.chat(USER, p, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
+        bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
+        llm.chat(bad, p, chat_template=TEMPLATE, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+# =========================================================================== the server
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("templates") / "tools.jinja"
+    path.write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, template_file):
+    """The tiny model with the tool template, auto tool choice (hermes), and request templates allowed."""
+    with ServerThread(tiny_model, "--chat-template", str(template_file), "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes", "--trust-request-chat-template", "--max-model-len", "512") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def bare_server(tiny_model, tmp_path_factory):
+    """No flags, and a tokenizer without a chat template."""
+    bare = tmp_path_factory.mktemp("bare") / "no-template"
+    shutil.copytree(tiny_model, bare)
+    (bare / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((bare / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (bare / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with ServerThread(bare) as s:
+        yield s
+
+
+def chat(server, **body) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat_stream(server, **body) -> tuple[list[dict], str, list[list[str]], str]:
+    """The chunks, the content and the calls their deltas add up to, and the finish reason."""
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "stream": True, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    chunks = [json.loads(e) for e in sse_events(r.text)[:-1]]
+    content, calls, finish = "", [], None
+    for ch in chunks:
+        (choice,) = ch["choices"]
+        delta = choice["delta"]
+        content += delta.get("content") or ""
+        for d in delta.get("tool_calls", []):
+            if "id" in d:
+                assert d["index"] == len(calls) and d["type"] == "function"
+                calls.append([d["function"]["name"], d["function"]["arguments"]])
+            else:
+                calls[d["index"]][1] += d["function"]["arguments"]
+        finish = choice["finish_reason"] or finish
+    return chunks, content, calls, finish
+
+
+def calls_of(message: dict) -> list[list[str]]:
+    calls = message.get("tool_calls") or []
+    for c in calls:
+        assert set(c) == {"id", "type", "function"} and c["type"] == "function"
+        assert c["id"].startswith("chatcmpl-tool-") and isinstance(c["function"]["arguments"], str)
+    return [[c["function"]["name"], c["function"]["arguments"]] for c in calls]
+
+
+def render(server, **body) -> str:
+    """The prompt the server renders for ``body`` (its /tokenize, then /detokenize)."""
+    r = httpx.post(server.url + "/tokenize", json={"messages": USER, **body})
+    assert r.status_code == 200, r.text
+    return httpx.post(server.url + "/detokenize", json={"tokens": r.json()["tokens"]}).json()["prompt"]
+
+
+def test_history_tools_and_kwargs_reach_the_server_template(server):
+    assert render(server, messages=HISTORY, tools=TOOLS) == RENDERED_HISTORY
+    assert render(server, chat_template_kwargs={"enable_thinking": False}).endswith("assistant\n<think></think>")
+    prefill = USER + [{"role": "assistant", "content": "It is"}]
+    assert render(server, messages=prefill, continue_final_message=True).endswith("<|im_start|>assistant\nIt is")
+    assert render(server, add_generation_prompt=False).endswith("weather in Paris?<|im_end|>\n")
+    assert render(server, chat_template="{% for m in messages %}[{{ m.content }}]{% endfor %}") == \
+        "[weather in Paris?]"
+    # the chat endpoint renders the same prompt: its usage counts those tokens
+    n = httpx.post(server.url + "/tokenize", json={"messages": HISTORY, "tools": TOOLS}).json()["count"]
+    body = chat(server, messages=HISTORY, tools=TOOLS, tool_choice="none", max_tokens=2)
+    assert body["usage"]["prompt_tokens"] == n
+
+
+@pytest.fixture(scope="module")
+def no_blanks(tiny_model) -> dict[str, float]:
+    """A logit_bias against the whitespace tokens: the grammar allows free whitespace in JSON (as vLLM's
+    does), where a random model could wander until max_tokens; the bias, not the grammar, keeps it out."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return {str(i): -100 for i in range(len(tok)) if not tok.decode([i]).strip()}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_makes_valid_calls(server, no_blanks, stream):
+    for seed in SEEDS:
+        body = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200,
+                    logit_bias=no_blanks)
+        if stream:
+            _, content, calls, finish = chat_stream(server, **body)
+            assert content == ""
+        else:
+            (choice,) = chat(server, **body)["choices"]
+            calls, finish = calls_of(choice["message"]), choice["finish_reason"]
+            assert choice["message"]["content"] is None
+            # the same seed streamed gives the same calls
+            assert chat_stream(server, **body)[2] == calls
+        assert finish == "tool_calls" and calls, (finish, calls)
+        assert all(fits(name, json.loads(args)) for name, args in calls), calls  # re-encoded: strict JSON
+
+
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+def test_named_function_makes_a_valid_call(server, no_blanks, name):
+    named = {"type": "function", "function": {"name": name}}
+    for seed in SEEDS:
+        body = dict(tools=TOOLS, tool_choice=named, temperature=1.0, seed=seed, max_tokens=200, logit_bias=no_blanks)
+        (choice,) = chat(server, **body)["choices"]
+        (call,) = calls_of(choice["message"])
+        assert call[0] == name and fits(name, parse(call[1])), call
+        assert choice["message"]["content"] is None
+        assert choice["finish_reason"] == "stop"  # as OpenAI and vLLM finish a forced function
+        chunks, content, calls, finish = chat_stream(server, **body)
+        assert content == "" and calls == [call] and finish == "stop"
+        if len(call[1]) > 1:  # the arguments came in fragments after the call's first delta
+            assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 1
+
+
+FORCED = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>')
+
+
+def test_auto_parses_the_calls_the_model_writes(server):
+    """The output is forced by a structured-outputs choice, then read by the hermes parser."""
+    body = dict(tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_tokens=300)
+    (choice,) = chat(server, **body)["choices"]
+    want = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
+    assert calls_of(choice["message"]) == want
+    assert choice["message"]["content"] == "I will check." and choice["finish_reason"] == "tool_calls"
+    _, content, calls, finish = chat_stream(server, **body)
+    assert (content, calls, finish) == ("I will check.", want, "tool_calls")
+    # the same model through the openai SDK
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    msg = client.chat.completions.create(model=server.args.served_model_name[0], messages=USER, tools=TOOLS,
+                                         extra_body={"structured_outputs": {"choice": [FORCED]}},
+                                         max_tokens=300).choices[0].message
+    assert [[c.function.name, c.function.arguments] for c in msg.tool_calls] == want
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(model=server.args.served_model_name[0], messages=USER, tools=TOOLS,
+                                                extra_body={"structured_outputs": {"choice": [FORCED]}},
+                                                max_tokens=300, stream=True):
+        for d in chunk.choices[0].delta.tool_calls or []:
+            call = streamed.setdefault(d.index, ["", ""])
+            call[0] += d.function.name or ""
+            call[1] += d.function.arguments or ""
+    assert [streamed[i] for i in sorted(streamed)] == want
+    # no call in the text: content as it is
+    plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "No tools <needed>."}
+    assert plain["finish_reason"] == "stop"
+    assert chat_stream(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})[1:] == \
+        ("No tools <needed>.", [], "stop")
+    # tool_choice "none": the tools reach the template, the output is not parsed
+    none = chat(server, tools=TOOLS, tool_choice="none", structured_outputs={"choice": [FORCED]}, max_tokens=300)
+    assert none["choices"][0]["message"] == {"role": "assistant", "content": FORCED}
+    server.wait_idle()
+
+
+def test_chat_template_flag_file_and_inline(template_file):
+    base = ["--dtype", "float32"]
+    assert parse_args([*base, "--chat-template", str(template_file)]).chat_template == TEMPLATE
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert parse_args([*base, "--chat-template", inline]).chat_template == inline
+    assert load_chat_template(inline) == inline
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--chat-template", "no/such/file.jinja"])
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--enable-auto-tool-choice"])  # needs --tool-call-parser
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--tool-call-parser", "nope"])
+
+
+BAD = [  # body (over USER), param, words the message must have
+    (dict(tools=[]), "tools", "at least 1 item"),
+    (dict(tools="get_time"), "tools", "tools must be a list of objects"),
+    (dict(tools=[{"type": "function"}]), "tools", "tools[0].function is required"),
+    (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools", "tools[0].type"),
+    (dict(tools=[{"type": "function", "function": {"name": ""}}]), "tools", "tools[0].function.name"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": "x"}}]), "tools",
+     "tools[0].function.parameters"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "description": 3}}]), "tools",
+     "tools[0].function.description"),
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(tools=TOOLS, tool_choice="sometimes"), "tool_choice", '"required"'),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+     "not one of the tools"),
+    (dict(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice", "tool_choice must be"),
+    (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
+     "cannot be combined"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+          tool_choice="required"), "tools", "xgrammar can compile"),
+    (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]),
+     "messages", "messages[1].tool_calls[0].function.name"),
+    (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": "x"}]), "messages", "messages[1].tool_calls"),
+    (dict(messages=[{"role": "user", "content": "hi", "tool_calls": []}]), "messages", "messages[0].tool_calls"),
+    (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
+     "messages", "messages[1].tool_calls[0].function.arguments"),
+    (dict(messages=[HISTORY[0], {"role": "tool", "tool_call_id": 5, "content": "x"}]), "messages",
+     "messages[1].tool_call_id"),
+    (dict(chat_template_kwargs="x"), "chat_template_kwargs", "chat_template_kwargs"),
+    (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs", "tokenize"),
+    (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message", "add_generation_prompt"),
+    (dict(continue_final_message="yes"), "continue_final_message", "continue_final_message"),
+    (dict(chat_template="{% for m in messages %}"), "chat_template", "not valid Jinja"),
+    (dict(chat_template="{{ raise_exception('no tools here') }}"), "messages", "no tools here"),
+    (dict(chat_template="{{ messages[5].content }}"), "messages", "chat template"),
+    (dict(chat_template=7), "chat_template", "chat_template"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
+def test_bad_shapes_are_400s_naming_the_field(server, body, param, words):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        if path == "/tokenize" and "tool_choice" in body:
+            continue  # /tokenize has no tool_choice
+        r = httpx.post(server.url + path, json={"messages": USER, **body})
+        err = _check_error(r, 400, param)
+        assert words in err["message"], err
+
+
+def test_flags_and_templates_the_server_lacks(bare_server):
+    """vLLM's answers without --enable-auto-tool-choice, and HTTP advice for a model without a template."""
+    for body in (dict(tools=TOOLS), dict(tools=TOOLS, tool_choice="auto")):  # tools alone mean "auto"
+        err = _check_error(httpx.post(bare_server.url + "/v1/chat/completions", json={"messages": USER, **body}),
+                           400, "tool_choice")
+        assert err["message"] == '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = _check_error(httpx.post(bare_server.url + path, json={"messages": USER}), 400, "chat_template")
+        assert "--chat-template" in err["message"] and "chat_template=" not in err["message"], err
+        err = _check_error(httpx.post(bare_server.url + path, json={"messages": USER, "chat_template": "{{ 1 }}"}),
+                           400, "chat_template")
+        assert "--trust-request-chat-template" in err["message"]
+    bare_server.wait_idle()
+
+
+def test_tool_fields_fuzzed_never_5xx(server):
+    """Random values for the fields of this feature: a 2xx or a 4xx in the error shape, never a 5xx."""
+    from hypothesis import HealthCheck, given, settings, strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.text(max_size=6),
+                        st.sampled_from(["auto", "none", "required", "function", "get_time", "{}", '{"a": 1}']))
+    values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(
+        st.sampled_from(["type", "function", "name", "arguments", "parameters", "tool_calls", "role", "content",
+                         "tool_call_id", "enable_thinking"]), inner, max_size=3)), max_leaves=8)
+    fields = ["tools", "tool_choice", "chat_template_kwargs", "continue_final_message", "add_generation_prompt",
+              "messages", "chat_template"]
+
+    @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "60")), deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=st.fixed_dictionaries({}, optional={f: values for f in fields}), stream=st.booleans())
+    def check(body, stream):
+        body = {"messages": HISTORY, "tools": TOOLS, "max_tokens": 3, "stream": stream, **body}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code < 500, (body, r.text)
+        if r.status_code >= 400:
+            _check_error(r, r.status_code, None)
+        elif stream:
+            sse_events(r.text)
+    check()
+    server.wait_idle()
