@@ -34,7 +34,7 @@ from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve import cpu_backend
 from nanoserve.model import (CacheConfig, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
-                             TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
+                             TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
                              init_distributed, load_model, load_tokenizer, log_tensor_parallel, num_parameters,
                              plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker, select_backend,
                              shard_config, tcp_address)
@@ -107,6 +107,7 @@ class SamplingParams:
     max_tokens: int | None = 16     # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
+    prompt_logprobs: int | None = None  # None, or 0..20: each prompt token's logprob + the top-N
     skip_special_tokens: bool = True
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
     structured_outputs: StructuredOutputsParams | None = None
@@ -163,10 +164,11 @@ class SamplingParams:
         _check_int(self, "min_tokens")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None:
-            _check_int(self, "logprobs")
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                bad("logprobs", f"None or in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(self, name)
+                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                    bad(name, f"None or in [0, {MAX_LOGPROBS}]")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             bad("stop", "a string or a list of non-empty strings")
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
@@ -186,6 +188,18 @@ def _check_int(p: SamplingParams, name: str) -> None:
 
 
 # =========================================================================== outputs
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: a token's raw logprob, its rank in the distribution
+    (1 = the most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first is None (nothing predicts it)
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -223,6 +237,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # =========================================================================== detokenizer
@@ -278,6 +293,8 @@ class Request:
     index: int = 0
     cache_salt: str | None = None     # who may share this request's cached blocks
     final_only: bool = False          # vLLM's RequestOutputKind.FINAL_ONLY: no per-step outputs
+    # prompt_logprobs need every prompt position computed: no prefix-cache hits (as vLLM)
+    skip_reading_prefix_cache: bool = False
     grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -288,6 +305,9 @@ class Request:
     sent_text_len: int = 0            # how much of text was already streamed
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # Filled chunk by chunk while the prompt is prefilled, by the one request that
+    # skips the prefix cache (n > 1: the family shares one list, the first child fills it)
+    prompt_logprobs: PromptLogprobs | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -317,6 +337,15 @@ class Request:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
         return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed)
+
+    def prompt_logprob_ids(self, start: int, num_new_tokens: int) -> list[int] | None:
+        """The prompt tokens whose logprobs a chunk of ``num_new_tokens`` from
+        ``start`` computes (its row at position p predicts token p + 1); None when
+        none are asked for or all are known (a preempted request recomputing)."""
+        n = self.num_prompt_tokens
+        if not self.skip_reading_prefix_cache or len(self.prompt_logprobs) >= n:
+            return None
+        return self.prompt_token_ids[start + 1:min(start + num_new_tokens, n - 1) + 1] or None
 
 
 @dataclass(slots=True)
@@ -642,6 +671,7 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         grammar = self.structured_outputs.compile(params.structured_outputs)
+        prompt_logprobs = None if params.prompt_logprobs is None else [None]
         for i in range(params.n):
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text
@@ -654,7 +684,8 @@ class LLMEngine:
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
-                final_only=final_only, grammar=None if grammar is None else GrammarState(grammar)))
+                final_only=final_only, grammar=None if grammar is None else GrammarState(grammar),
+                skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
@@ -686,7 +717,8 @@ class LLMEngine:
             return []
         sched, inputs = step
         try:
-            return self.postprocess(sched, self.runner.execute(inputs))
+            out = self.runner.execute(inputs)
+            return self.postprocess(sched, out.sampled, out.prompt_logprobs)
         except Exception:
             self.fail_step(sched)
             raise
@@ -719,14 +751,21 @@ class LLMEngine:
                 req.first_scheduled_time = now
             seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start,
                                  list(bm.block_table(req.request_id)),
-                                 req.sample_request() if s.samples else None))
+                                 req.sample_request() if s.samples else None,
+                                 req.prompt_logprob_ids(s.start, s.num_new_tokens),
+                                 req.sampling_params.prompt_logprobs or 0))
         return seqs
 
-    def postprocess(self, sched: SchedulerOutput, results: list[SampleResult]) -> list[RequestOutput]:
+    def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
+                    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
+        """A step's results into the requests: sampled tokens (``results``, one per
+        sequence that samples) and prompt logprobs (by the sequence's index)."""
         outputs: dict[str, RequestOutput] = {}
         sampled = iter(results)
         now = time.monotonic()
-        for s in sched.scheduled:
+        for i, s in enumerate(sched.scheduled):
+            if prompt_logprobs and i in prompt_logprobs:
+                self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
             if not s.samples:
                 continue
             req, result = s.request, next(sampled)
@@ -743,6 +782,27 @@ class LLMEngine:
             if not req.final_only or req.is_finished:
                 self._collect(outputs, req)
         return list(outputs.values())
+
+    def _append_prompt_logprobs(self, req: Request, start: int, rows: list[TokenLogprobs]) -> None:
+        """Positions start + 1 ... of the prompt (a recomputed chunk replaces what
+        it covers): the prompt token first, then the top ones, each with its rank
+        (1 + how many are strictly likelier: ties share one)."""
+        del req.prompt_logprobs[start + 1:]
+        ids = [[r.token_id, *(t for t, _ in r.top)] for r in rows]
+        texts = iter(self._decode_each([t for row in ids for t in row]))
+        for r, row in zip(rows, ids):
+            text = [next(texts) for _ in row]
+            entry = {r.token_id: Logprob(r.logprob, r.rank, text[0])}
+            values = [lp for _, lp in r.top]
+            for (t, lp), s in zip(r.top, text[1:]):
+                entry.setdefault(t, Logprob(lp, values.index(lp) + 1, s))
+            req.prompt_logprobs.append(entry)
+
+    def _decode_each(self, token_ids: list[int]) -> list[str | None]:
+        """Each token's own text (None without a tokenizer), in one call."""
+        if self.tokenizer is None or not token_ids:
+            return [None] * len(token_ids)
+        return self.tokenizer.batch_decode([[t] for t in token_ids])
 
     def _append_token(self, req: Request, result: SampleResult, now: float) -> None:
         req.token_ids.append(result.token_id)
@@ -813,6 +873,8 @@ class LLMEngine:
                                                req.num_cached_tokens, RequestMetrics(
                                                    req.arrival_time, req.first_scheduled_time,
                                                    req.first_token_time, req.last_token_time))
+        if req.prompt_logprobs is not None:  # complete once a request samples; never changed after
+            out.prompt_logprobs = req.prompt_logprobs
         out.outputs.append(self.completion_output(req))
         out.finished = all(r.is_finished for r in self._siblings(req))
 
@@ -1317,8 +1379,8 @@ class AsyncLLM:
                     continue
                 sched, inputs = step
                 try:
-                    results = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
-                    outputs = engine.postprocess(sched, results)
+                    out = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
+                    outputs = engine.postprocess(sched, out.sampled, out.prompt_logprobs)
                 except Exception:
                     failures, failed = failures + 1, engine.fail_step(sched)
                     logger.exception("[engine] the model step failed (%d in a row); ending its %d request(s): %s",
