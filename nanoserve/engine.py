@@ -108,6 +108,9 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
     prompt_logprobs: int | None = None  # None, or 0..20: each prompt token's logprob + the top-N
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     skip_special_tokens: bool = True
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
     structured_outputs: StructuredOutputsParams | None = None
@@ -117,7 +120,7 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
                 raise InvalidInput(name, f"{name} must be a list, got {value!r}")
@@ -171,8 +174,17 @@ class SamplingParams:
                     bad(name, f"None or in [0, {MAX_LOGPROBS}]")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             bad("stop", "a string or a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            bad("stop_token_ids", "a list of token ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in getattr(self, name) or ()):
+                bad(name, "a list of token ids")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "None or a non-empty list of token ids")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None:
+            _check_int(self, "truncate_prompt_tokens")
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                bad("truncate_prompt_tokens", "None, -1 (max_model_len) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
 
@@ -296,6 +308,7 @@ class Request:
     # prompt_logprobs need every prompt position computed: no prefix-cache hits (as vLLM)
     skip_reading_prefix_cache: bool = False
     grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -335,6 +348,10 @@ class Request:
         banned: list[int] = []
         if len(self.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        out = self.output_token_ids
+        # bad_words: a word's last token is banned once the output ends in the rest of it
+        banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
+                   (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
         allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
         return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed)
 
@@ -353,6 +370,7 @@ class TokenizedPrompt:
     """A prompt after ``LLMEngine.process_prompt``: tokenized and validated."""
     text: str | None          # None: it was given as token ids
     token_ids: list[int]
+    cache_salt: str | None = None  # as vLLM's: only prompts with the same salt share cached blocks
 
 
 # =========================================================================== structured outputs
@@ -628,11 +646,18 @@ class LLMEngine:
         self._check_token_ids("token_ids", token_ids)
         return self.tokenizer.decode(list(token_ids))
 
-    def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt) -> TokenizedPrompt:
-        """Tokenize and validate (raises InvalidInput); safe off the loop thread."""
+    def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, truncate_prompt_tokens: int | None = None,
+                       add_special_tokens: bool = True, truncation_side: str = "left") -> TokenizedPrompt:
+        """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
+        or the first with truncation_side "right"; -1: max_model_len) and
+        validate (raises InvalidInput); safe off the loop thread."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize(prompt, add_special_tokens)
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep is not None and len(token_ids) > keep:
+            token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
+            text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
         self.validate_prompt(token_ids)
         return TokenizedPrompt(text, token_ids)
 
@@ -648,6 +673,9 @@ class LLMEngine:
     def validate_params(self, params: SamplingParams) -> None:
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidInput("bad_words", "bad_words need a tokenizer, but skip_tokenizer_init=True")
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -672,6 +700,7 @@ class LLMEngine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         grammar = self.structured_outputs.compile(params.structured_outputs)
         prompt_logprobs = None if params.prompt_logprobs is None else [None]
+        bad_words = self._bad_words_token_ids(params.bad_words)
         for i in range(params.n):
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text
@@ -679,17 +708,29 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
-            salt = None if self.config.enable_prefix_caching or params.n == 1 else f"n:{request_id}"
+            salt = prompt.cache_salt if self.config.enable_prefix_caching else None if params.n == 1 \
+                else f"n:{request_id}"
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
                 final_only=final_only, grammar=None if grammar is None else GrammarState(grammar),
-                skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs))
+                skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
+                bad_words_token_ids=bad_words))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
         return request_id
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as vLLM finds them: the word as given, and with a
+        leading space where that tokenizes differently but as long."""
+        out = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return out
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not params.detokenize:
@@ -1190,7 +1231,8 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or self.get_default_sampling_params() for p in params]
         engine = self.engine
-        inputs = [engine.process_prompt(prompt) for prompt in prompts]  # validate all before queueing any
+        inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
+                  for prompt, p in zip(prompts, params)]
         for p in params:
             engine.validate_params(p)
         ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(inputs, params)]

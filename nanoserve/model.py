@@ -813,6 +813,7 @@ class SamplingOptions(Protocol):
     repetition_penalty: float
     logit_bias: dict[int, float] | None
     logprobs: int | None
+    allowed_token_ids: list[int] | None
 
 
 @dataclass(slots=True)
@@ -874,6 +875,10 @@ class Sampler:
         if bans:
             i, t = zip(*bans)
             logits[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+        for i, r in enumerate(rows):  # allowed_token_ids: every other token banned (rare: a row at a time)
+            if r.params.allowed_token_ids:
+                keep = torch.tensor(r.params.allowed_token_ids, device=dev)
+                logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(0, keep, logits[i, keep])
         masked = [i for i, r in enumerate(rows) if r.allowed_token_bitmask is not None]
         if masked:  # structured outputs: unpack each row's bitmask on the device, ban what it does not allow
             idx = torch.tensor(masked, device=dev)
@@ -975,7 +980,8 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> li
 
 
 def _has_bias_or_bans(rows: list[SampleRequest]) -> bool:
-    return any(r.params.logit_bias or r.banned_token_ids or r.allowed_token_bitmask is not None for r in rows)
+    return any(r.params.logit_bias or r.banned_token_ids or r.allowed_token_bitmask is not None
+               or r.params.allowed_token_ids for r in rows)
 
 
 def _has_penalties(ps: list) -> bool:
