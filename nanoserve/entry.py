@@ -510,7 +510,7 @@ class GenerationRequest(OpenAIBaseModel):
         out = {}
         if self.return_token_ids:
             out.update({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}, token_ids=token_ids)
-        if prompt_logprobs is not None and self.prompt_logprobs is not None:
+        if prompt_logprobs is not None:  # asked for, or by echo (as vLLM's)
             out["prompt_logprobs"] = [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
                                                                        "decoded_token": lp.decoded_token}
                                                               for t, lp in e.items()} for e in prompt_logprobs]
@@ -982,8 +982,8 @@ class EntryMiddleware:
                                  headers={"WWW-Authenticate": "Bearer"})
         if error is not None:
             self.state.metrics.count_rejected(error.status)
-            logger.info("[entry] %s: %s %s -> %d: %s", scope["nanoserve.request_id"], scope["method"], esc(scope["path"]),
-                        error.status, error.message)
+            logger.info("[entry] %s: %s %s -> %d: %s", scope["nanoserve.request_id"], scope["method"],
+                        esc(scope["path"]), error.status, error.message)
             await error.response()(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)

@@ -1336,11 +1336,11 @@ class ModelRunner:
         k = max(s.num_prompt_logprobs for s in seqs)
         out: dict[int, list[TokenLogprobs]] = {}
         for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):
-            logits = self.model.compute_logits(hidden[torch.tensor(rows[a:a + PROMPT_LOGPROB_ROWS], device=self.device)])
+            b = a + PROMPT_LOGPROB_ROWS
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[a:b], device=self.device)])
             if logits is None:  # a rank other than 0
                 continue
-            got = gather_logprobs(logits, torch.tensor(targets[a:a + PROMPT_LOGPROB_ROWS], device=self.device), k)
-            for i, r in zip(owners[a:a + PROMPT_LOGPROB_ROWS], got):
+            for i, r in zip(owners[a:b], gather_logprobs(logits, torch.tensor(targets[a:b], device=self.device), k)):
                 r.top = r.top[:seqs[i].num_prompt_logprobs]
                 out.setdefault(i, []).append(r)
         return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, hf_model, make_model
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, model
 from nanoserve.engine import Logprob
 
 _rng = torch.Generator().manual_seed(7)
@@ -48,8 +48,10 @@ def check(ref: torch.Tensor, ids: list[int], got, k: int, tok=None) -> None:
                                                                            if tid in top)
 
 
-@pytest.mark.parametrize("budget", [None, 8], ids=["one-prefill", "chunks-of-8"])
-def test_prompt_logprobs_equal_transformers(tiny_model, hf, budget):
+@pytest.mark.parametrize("budget,slice_rows", [(None, 256), (8, 256), (None, 5)],
+                         ids=["one-prefill", "chunks-of-8", "head-slices-of-5"])
+def test_prompt_logprobs_equal_transformers(tiny_model, hf, budget, slice_rows, monkeypatch):
+    monkeypatch.setattr(model, "PROMPT_LOGPROB_ROWS", slice_rows)
     llm = LLM(str(tiny_model), max_num_batched_tokens=budget, **BASE)
     for k in (0, 3):
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k), use_tqdm=False)
