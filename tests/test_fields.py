@@ -12,6 +12,8 @@ import re
 import httpx
 import pytest
 
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine import Request
 from nanoserve.entry import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from test_server import ServerThread, sse_events  # noqa: F401
 
@@ -282,3 +284,50 @@ def test_echo_with_logprobs_has_openais_legacy_shape(server):
     assert scored["text"] == PROMPT and scored["logprobs"]["tokens"] == lp["tokens"][:n_prompt]
     assert scored["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n_prompt]
     server.wait_idle()
+
+
+def test_cache_salt_keeps_the_prefix_cache_apart(server):
+    """As vLLM's: a salt starts the block hash chain, so only requests with the same salt share blocks."""
+    prompt = list(range(10, 60))  # 3 full blocks of 16
+    body = {"prompt": prompt, "max_tokens": 1}
+
+    def hits(**kw) -> int:
+        before = server.stats()["prefix_cache_hits"]
+        assert send(server, "completions", {**body, **kw}).status == 200
+        return server.stats()["prefix_cache_hits"] - before
+    assert hits(cache_salt="a") == 0 and hits(cache_salt="a") == 48
+    assert hits(cache_salt="b") == 0 and hits() == 0 and hits() == 48
+    server.wait_idle()
+
+
+def test_sampling_fields_offline(tiny_model):
+    """allowed_token_ids, bad_words and truncate_prompt_tokens as SamplingParams (LLM's way in)."""
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128)
+    tok = llm.get_tokenizer()
+    word = tok.encode(" main", add_special_tokens=False)
+    assert len(word) == len(tok.encode("main", add_special_tokens=False)) == 1, "one token each, in the test vocabulary"
+
+    def run(**kw):
+        params = SamplingParams(**{"temperature": 0, "max_tokens": 4, "ignore_eos": True,
+                                   "logit_bias": {word[0]: 100}, **kw})
+        return llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert run().outputs[0].token_ids == word * 4  # the bias forces it...
+    assert word[0] not in run(bad_words=["main"]).outputs[0].token_ids  # ...a bad word bans it, spaced too
+    assert set(run(allowed_token_ids=[7, 8]).outputs[0].token_ids) <= {7, 8}
+    ids = tok.encode(PROMPT)
+    out = run(truncate_prompt_tokens=2)
+    assert out.prompt_token_ids == ids[-2:] and out.prompt == tok.decode(ids[-2:])
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+
+
+def test_bad_words_ban_a_words_last_token_after_the_rest():
+    """vLLM's rule: a one-token word is always banned; a longer one's last token once the output ends in the rest."""
+    req = Request("r", None, [1, 2], SamplingParams(), 10, frozenset(), None, bad_words_token_ids=[[283, 90], [5]])
+    assert req.sample_request().banned_token_ids == [5]
+    req.output_token_ids += [283, 7]
+    assert req.sample_request().banned_token_ids == [5]
+    req.output_token_ids.append(283)
+    assert sorted(req.sample_request().banned_token_ids) == [5, 90]
