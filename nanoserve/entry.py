@@ -234,8 +234,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # types and defaults here, strictly (no "1" for 1, no 1 for true); value ranges
 # where SamplingParams checks them, so that the offline LLM and the server share
 # one rule, and an engine error is reported under the body's own field name
-# (param_name). Every declared field is used or refused; unknown fields are
-# ignored with a warning, as vLLM does, so newer clients keep working.
+# (param_name). Every declared field is used or refused, and so is every other
+# field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
+# nothing); fields unknown to vLLM too are ignored with a warning, as vLLM does,
+# so newer clients keep working (tests/test_fields.py holds vLLM's list).
 
 class ApiError(Exception):
     """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
