@@ -438,6 +438,8 @@ class GenerationRequest(OpenAIBaseModel):
     def param_name(self, engine_param: str) -> str:
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
             return next((n for n in STRUCTURED_FIELDS if getattr(self, n) is not None), engine_param)
+        if engine_param == "request_id" and self.request_id is not None:
+            return "request_id"
         return super().param_name(engine_param)
 
     def structured_spec(self) -> StructuredOutputsParams | None:
@@ -1014,8 +1016,11 @@ async def _generate(request: Request, schema: type[GenerationRequest]) -> Respon
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
     req = parse_body(schema, await read_json(request, state), request_id)
-    if req.request_id is not None and not request.scope["nanoserve.request_id_given"]:  # vLLM's body field
-        request.scope["nanoserve.request_id"] = request_id = req.request_id
+    if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
+        if request.scope["nanoserve.request_id_given"]:
+            req.request_id = None
+        else:
+            request.scope["nanoserve.request_id"] = request_id = req.request_id
     model = check_model(req, state)
     gen = await Generation.admit(state, request_id, req)
     if req.stream:

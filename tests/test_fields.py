@@ -5,9 +5,11 @@ prompt the engine received, reflect it) or refused with a 400 naming it.
 Fields OpenAI or vLLM document as changing nothing here are accepted."""
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
-import re
+import threading
+import time
 
 import httpx
 import pytest
@@ -331,3 +333,29 @@ def test_bad_words_ban_a_words_last_token_after_the_rest():
     assert req.sample_request().banned_token_ids == [5]
     req.output_token_ids.append(283)
     assert sorted(req.sample_request().banned_token_ids) == [5, 90]
+
+
+def test_request_id_in_the_body(server):
+    """vLLM's request_id field names the request unless X-Request-Id does; a duplicate is a 400 naming it."""
+    body = {**BASE["completions"], "request_id": "body-id"}
+    r = httpx.post(server.url + "/v1/completions", json=body, headers={"X-Request-Id": "header-id"}, timeout=60)
+    assert r.json()["id"] == "cmpl-header-id" and r.headers["x-request-id"] == "header-id"
+    release, execute = threading.Event(), server.engine.runner.execute
+    server.engine.runner.execute = lambda seqs: release.wait(60) and execute(seqs)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, server.url + "/v1/completions", json={**body, "request_id": "dup"},
+                                timeout=60)
+            deadline = time.monotonic() + 10
+            while not server.async_llm.queues and time.monotonic() < deadline:
+                time.sleep(0.01)
+            r = httpx.post(server.url + "/v1/completions", json={**body, "request_id": "dup"}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", r.text
+            release.set()
+            assert first.result().json()["id"] == "cmpl-dup"
+    finally:
+        release.set()
+        server.engine.runner.execute = execute
+    bad = httpx.post(server.url + "/v1/completions", json={**body, "request_id": "a b"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+    server.wait_idle()
