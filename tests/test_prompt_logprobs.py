@@ -117,3 +117,33 @@ def test_prompt_logprobs_under_tensor_parallelism(model_root):
     hf = hf_model(path)
     for ids, out in zip(PROMPTS[:2], outs):
         check(hf_prompt_logprobs(hf, ids), ids, out.prompt_logprobs, 2)
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model, hf):
+    """Few blocks for five requests prefilled in chunks: some are preempted and
+    recomputed; each prompt's logprobs still come out whole and right."""
+    prompts = [torch.randint(1, VOCAB - 1, (n,), generator=_rng).tolist() for n in (1, 7, 16, 23, 40)]
+    llm = LLM(str(tiny_model), **{**BASE, "num_kv_blocks": 10, "max_model_len": 128},
+              max_num_batched_tokens=32, max_num_seqs=5)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, min_tokens=20, prompt_logprobs=1),
+                        use_tqdm=False)
+    assert llm.stats()["num_preemptions"] > 0
+    for ids, out in zip(prompts, outs):
+        check(hf_prompt_logprobs(hf, ids), ids, out.prompt_logprobs, 1)
+
+
+def test_a_prompt_preempted_mid_prefill_recomputes_its_logprobs(tiny_model, hf):
+    """Preempted after its first chunk, the request starts over from position 0:
+    the chunks it recomputes replace what they cover, nothing is doubled."""
+    from nanoserve.scheduler import SchedulerOutput
+    engine = LLM(str(tiny_model), max_num_batched_tokens=16, **BASE).engine
+    ids = PROMPTS[0]
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), final_only=True)
+    engine.step()
+    req = engine.scheduler.requests[rid]
+    assert len(req.prompt_logprobs) == 17  # positions 0..16 after the first chunk of 16
+    engine.scheduler._preempt(req, SchedulerOutput())
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    check(hf_prompt_logprobs(hf, ids), ids, outs[-1].prompt_logprobs, 2)
