@@ -830,7 +830,7 @@ class LLMEngine:
         (1 + how many are strictly likelier: ties share one)."""
         del req.prompt_logprobs[start + 1:]
         ids = [[r.token_id, *(t for t, _ in r.top)] for r in rows]
-        texts = iter(self._decode_each([t for row in ids for t in row]))
+        texts = iter(self._decode_each([t for row in ids for t in row], req.sampling_params.detokenize))
         for r, row in zip(rows, ids):
             text = [next(texts) for _ in row]
             entry = {r.token_id: Logprob(r.logprob, r.rank, text[0])}
@@ -839,9 +839,9 @@ class LLMEngine:
                 entry.setdefault(t, Logprob(lp, values.index(lp) + 1, s))
             req.prompt_logprobs.append(entry)
 
-    def _decode_each(self, token_ids: list[int]) -> list[str | None]:
-        """Each token's own text (None without a tokenizer), in one call."""
-        if self.tokenizer is None or not token_ids:
+    def _decode_each(self, token_ids: list[int], detokenize: bool = True) -> list[str | None]:
+        """Each token's own text (None without a tokenizer or detokenize), in one call."""
+        if self.tokenizer is None or not detokenize or not token_ids:
             return [None] * len(token_ids)
         return self.tokenizer.batch_decode([[t] for t in token_ids])
 
