@@ -359,3 +359,20 @@ def test_request_id_in_the_body(server):
     bad = httpx.post(server.url + "/v1/completions", json={**body, "request_id": "a b"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
     server.wait_idle()
+
+
+def test_chat_echo_streams_the_last_message_first(server):
+    """As vLLM: with echo, the reply starts with the last message's content when
+    it has the reply's role; a stream sends it in each choice's first content."""
+    body = {**CHAT_ONLY["echo"][1], "max_tokens": 3, "temperature": 0, "echo": True, "stream": True, "n": 2}
+    r = send(server, "chat", body)
+    assert r.params[0].prompt_logprobs is None  # a stream has no room for them
+    firsts = {}
+    for e in r.events[:-1]:
+        for c in json.loads(e)["choices"]:
+            if c["delta"].get("content"):
+                firsts.setdefault(c["index"], c["delta"]["content"])
+    assert sorted(firsts) == [0, 1] and all(t.startswith("Sure,") for t in firsts.values())
+    plain = send(server, "chat", {**BASE["chat"], "echo": True})  # a user message last: nothing to echo
+    assert plain.status == 200 and plain.text == send(server, "chat", BASE["chat"]).text
+    server.wait_idle()
