@@ -35,7 +35,7 @@ from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, KVCacheSpec
 from nanoserve import cpu_backend
 from nanoserve.model import (CacheConfig, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
-                             TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
+                             TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
                              init_distributed, load_model, load_tokenizer, log_tensor_parallel, num_parameters,
                              plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker, select_backend,
                              shard_config, tcp_address)
@@ -108,6 +108,10 @@ class SamplingParams:
     max_tokens: int | None = 16     # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
+    prompt_logprobs: int | None = None  # None, or 0..20: each prompt token's logprob + the top-N
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     skip_special_tokens: bool = True
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
     structured_outputs: StructuredOutputsParams | None = None
@@ -117,7 +121,7 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
                 raise InvalidInput(name, f"{name} must be a list, got {value!r}")
@@ -164,14 +168,24 @@ class SamplingParams:
         _check_int(self, "min_tokens")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"in [0, max_tokens={self.max_tokens}]")
-        if self.logprobs is not None:
-            _check_int(self, "logprobs")
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                bad("logprobs", f"None or in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(self, name)
+                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
+                    bad(name, f"None or in [0, {MAX_LOGPROBS}]")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             bad("stop", "a string or a list of non-empty strings")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
-            bad("stop_token_ids", "a list of token ids")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in getattr(self, name) or ()):
+                bad(name, "a list of token ids")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "None or a non-empty list of token ids")
+        if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", "a list of non-empty strings")
+        if self.truncate_prompt_tokens is not None:
+            _check_int(self, "truncate_prompt_tokens")
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                bad("truncate_prompt_tokens", "None, -1 (max_model_len) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
 
@@ -187,6 +201,18 @@ def _check_int(p: SamplingParams, name: str) -> None:
 
 
 # =========================================================================== outputs
+
+@dataclass(slots=True)
+class Logprob:
+    """vLLM's Logprob: a token's raw logprob, its rank in the distribution
+    (1 = the most likely) and its text."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first is None (nothing predicts it)
+
 
 @dataclass(slots=True)
 class CompletionOutput:
@@ -224,6 +250,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 # =========================================================================== detokenizer
@@ -279,7 +306,10 @@ class Request:
     index: int = 0
     cache_salt: str | None = None     # who may share this request's cached blocks
     final_only: bool = False          # vLLM's RequestOutputKind.FINAL_ONLY: no per-step outputs
+    # prompt_logprobs need every prompt position computed: no prefix-cache hits (as vLLM)
+    skip_reading_prefix_cache: bool = False
     grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
@@ -289,6 +319,9 @@ class Request:
     sent_text_len: int = 0            # how much of text was already streamed
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    # Filled chunk by chunk while the prompt is prefilled, by the one request that
+    # skips the prefix cache (n > 1: the family shares one list, the first child fills it)
+    prompt_logprobs: PromptLogprobs | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -316,8 +349,21 @@ class Request:
         banned: list[int] = []
         if len(self.output_token_ids) < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+        out = self.output_token_ids
+        # bad_words: a word's last token is banned once the output ends in the rest of it
+        banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
+                   (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
         allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
         return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed)
+
+    def prompt_logprob_ids(self, start: int, num_new_tokens: int) -> list[int] | None:
+        """The prompt tokens whose logprobs a chunk of ``num_new_tokens`` from
+        ``start`` computes (its row at position p predicts token p + 1); None when
+        none are asked for or all are known (a preempted request recomputing)."""
+        n = self.num_prompt_tokens
+        if not self.skip_reading_prefix_cache or len(self.prompt_logprobs) >= n:
+            return None
+        return self.prompt_token_ids[start + 1:min(start + num_new_tokens, n - 1) + 1] or None
 
 
 @dataclass(slots=True)
@@ -325,6 +371,7 @@ class TokenizedPrompt:
     """A prompt after ``LLMEngine.process_prompt``: tokenized and validated."""
     text: str | None          # None: it was given as token ids
     token_ids: list[int]
+    cache_salt: str | None = None  # as vLLM's: only prompts with the same salt share cached blocks
 
 
 # =========================================================================== structured outputs
@@ -600,11 +647,18 @@ class LLMEngine:
         self._check_token_ids("token_ids", token_ids)
         return self.tokenizer.decode(list(token_ids))
 
-    def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt) -> TokenizedPrompt:
-        """Tokenize and validate (raises InvalidInput); safe off the loop thread."""
+    def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, truncate_prompt_tokens: int | None = None,
+                       add_special_tokens: bool = True, truncation_side: str = "left") -> TokenizedPrompt:
+        """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
+        or the first with truncation_side "right"; -1: max_model_len) and
+        validate (raises InvalidInput); safe off the loop thread."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
-        text, token_ids = self.tokenize(prompt)
+        text, token_ids = self.tokenize(prompt, add_special_tokens)
+        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        if keep is not None and len(token_ids) > keep:
+            token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
+            text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
         self.validate_prompt(token_ids)
         return TokenizedPrompt(text, token_ids)
 
@@ -620,6 +674,9 @@ class LLMEngine:
     def validate_params(self, params: SamplingParams) -> None:
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidInput("bad_words", "bad_words need a tokenizer, but skip_tokenizer_init=True")
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -643,6 +700,8 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         grammar = self.structured_outputs.compile(params.structured_outputs)
+        prompt_logprobs = None if params.prompt_logprobs is None else [None]
+        bad_words = self._bad_words_token_ids(params.bad_words)
         for i in range(params.n):
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text
@@ -650,16 +709,29 @@ class LLMEngine:
             rid = request_id if params.n == 1 else f"{request_id}#{i}"
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
-            salt = None if self.config.enable_prefix_caching or params.n == 1 else f"n:{request_id}"
+            salt = prompt.cache_salt if self.config.enable_prefix_caching else None if params.n == 1 \
+                else f"n:{request_id}"
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
-                final_only=final_only, grammar=None if grammar is None else GrammarState(grammar)))
+                final_only=final_only, grammar=None if grammar is None else GrammarState(grammar),
+                skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
+                bad_words_token_ids=bad_words))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
         return request_id
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's tokens as vLLM finds them: the word as given, and with a
+        leading space where that tokenizes differently but as long."""
+        out = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return out
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not params.detokenize:
@@ -687,7 +759,8 @@ class LLMEngine:
             return []
         sched, inputs = step
         try:
-            return self.postprocess(sched, self.runner.execute(inputs))
+            out = self.runner.execute(inputs)
+            return self.postprocess(sched, out.sampled, out.prompt_logprobs)
         except Exception:
             self.fail_step(sched)
             raise
@@ -720,14 +793,21 @@ class LLMEngine:
                 req.first_scheduled_time = now
             seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start,
                                  list(bm.block_table(req.request_id)),
-                                 req.sample_request() if s.samples else None))
+                                 req.sample_request() if s.samples else None,
+                                 req.prompt_logprob_ids(s.start, s.num_new_tokens),
+                                 req.sampling_params.prompt_logprobs or 0))
         return seqs
 
-    def postprocess(self, sched: SchedulerOutput, results: list[SampleResult]) -> list[RequestOutput]:
+    def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
+                    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
+        """A step's results into the requests: sampled tokens (``results``, one per
+        sequence that samples) and prompt logprobs (by the sequence's index)."""
         outputs: dict[str, RequestOutput] = {}
         sampled = iter(results)
         now = time.monotonic()
-        for s in sched.scheduled:
+        for i, s in enumerate(sched.scheduled):
+            if prompt_logprobs and i in prompt_logprobs:
+                self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
             if not s.samples:
                 continue
             req, result = s.request, next(sampled)
@@ -744,6 +824,27 @@ class LLMEngine:
             if not req.final_only or req.is_finished:
                 self._collect(outputs, req)
         return list(outputs.values())
+
+    def _append_prompt_logprobs(self, req: Request, start: int, rows: list[TokenLogprobs]) -> None:
+        """Positions start + 1 ... of the prompt (a recomputed chunk replaces what
+        it covers): the prompt token first, then the top ones, each with its rank
+        (1 + how many are strictly likelier: ties share one)."""
+        del req.prompt_logprobs[start + 1:]
+        ids = [[r.token_id, *(t for t, _ in r.top)] for r in rows]
+        texts = iter(self._decode_each([t for row in ids for t in row], req.sampling_params.detokenize))
+        for r, row in zip(rows, ids):
+            text = [next(texts) for _ in row]
+            entry = {r.token_id: Logprob(r.logprob, r.rank, text[0])}
+            values = [lp for _, lp in r.top]
+            for (t, lp), s in zip(r.top, text[1:]):
+                entry.setdefault(t, Logprob(lp, values.index(lp) + 1, s))
+            req.prompt_logprobs.append(entry)
+
+    def _decode_each(self, token_ids: list[int], detokenize: bool = True) -> list[str | None]:
+        """Each token's own text (None without a tokenizer or detokenize), in one call."""
+        if self.tokenizer is None or not detokenize or not token_ids:
+            return [None] * len(token_ids)
+        return self.tokenizer.batch_decode([[t] for t in token_ids])
 
     def _append_token(self, req: Request, result: SampleResult, now: float) -> None:
         req.token_ids.append(result.token_id)
@@ -814,6 +915,8 @@ class LLMEngine:
                                                req.num_cached_tokens, RequestMetrics(
                                                    req.arrival_time, req.first_scheduled_time,
                                                    req.first_token_time, req.last_token_time))
+        if req.prompt_logprobs is not None:  # complete once a request samples; never changed after
+            out.prompt_logprobs = req.prompt_logprobs
         out.outputs.append(self.completion_output(req))
         out.finished = all(r.is_finished for r in self._siblings(req))
 
@@ -1129,7 +1232,8 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or self.get_default_sampling_params() for p in params]
         engine = self.engine
-        inputs = [engine.process_prompt(prompt) for prompt in prompts]  # validate all before queueing any
+        inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
+                  for prompt, p in zip(prompts, params)]
         for p in params:
             engine.validate_params(p)
         ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(inputs, params)]
@@ -1372,8 +1476,8 @@ class AsyncLLM:
                     continue
                 sched, inputs = step
                 try:
-                    results = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
-                    outputs = engine.postprocess(sched, results)
+                    out = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
+                    outputs = engine.postprocess(sched, out.sampled, out.prompt_logprobs)
                 except Exception:
                     failures, failed = failures + 1, engine.fail_step(sched)
                     logger.exception("[engine] the model step failed (%d in a row); ending its %d request(s): %s",

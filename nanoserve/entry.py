@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -267,8 +268,10 @@ def load_chat_template(value: str) -> str:
 # types and defaults here, strictly (no "1" for 1, no 1 for true); value ranges
 # where SamplingParams checks them, so that the offline LLM and the server share
 # one rule, and an engine error is reported under the body's own field name
-# (param_name). Every declared field is used or refused; unknown fields are
-# ignored with a warning, as vLLM does, so newer clients keep working.
+# (param_name). Every declared field is used or refused, and so is every other
+# field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
+# nothing); fields unknown to vLLM too are ignored with a warning, as vLLM does,
+# so newer clients keep working (tests/test_fields.py holds vLLM's list).
 
 class ApiError(Exception):
     """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
@@ -298,7 +301,30 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # SamplingParams fields that the request bodies carry under the same name
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                    "min_tokens", "skip_special_tokens")
+                    "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+_UNSET = (None,)
+# vLLM request fields that nanoserve does not implement: a 400 naming the field,
+# unless it is left at a value that asks for nothing (vLLM's default).
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
+    "use_beam_search": ((None, False), "beam search is not implemented"),
+    "length_penalty": ((None, 1, 1.0), "it applies to beam search, which is not implemented"),
+    "priority": ((None, 0), "requests are served first come, first served (no priority scheduling)"),
+    "watermarking": ((None, False), "watermarking is not implemented"),
+    "logits_processors": (_UNSET, "custom logits processors are not supported"),
+    "logprob_token_ids": (_UNSET, "logprobs of chosen token ids are not implemented (use logprobs)"),
+    "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
+    "kv_transfer_params": (_UNSET, "disaggregated serving (KV transfer) is not supported"),
+    "ec_transfer_params": (_UNSET, "disaggregated serving (encoder-cache transfer) is not supported"),
+    "vllm_xargs": (_UNSET, "there are no custom extensions to take extra arguments"),
+    "repetition_detection": (_UNSET, "repetition detection is not implemented"),
+    "max_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
+    "min_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
+    "repetition_min_count": ((None, 0), "repetition detection is not implemented"),
+    "thinking_token_budget": ((None, -1), "thinking-token budgets are not implemented"),
+    "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
+    "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
+    "media_io_kwargs": (_UNSET, "multimodal inputs are not supported"),
+}
 
 
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -312,6 +338,14 @@ class _Strict(BaseModel):
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+def _refuse_unsupported(data: Any) -> Any:
+    for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
+        if isinstance(data, dict) and name in data and not any(data[name] == v and type(data[name]) is type(v)
+                                                                 for v in harmless):
+            raise InvalidInput(name, f"{name} is not supported: {why}")
+    return data
 
 
 class OpenAIBaseModel(_Strict):
@@ -364,6 +398,21 @@ class GenerationRequest(OpenAIBaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description='an object such as {"include_usage": true}')
     user: str | None = None  # the caller's end user: logged with the request
+    session_id: str | None = None  # as user: a label (vLLM routes by it; one server has nowhere to route)
+    return_token_offsets: bool = False  # vLLM's render endpoints only, ignored on these as vLLM does
+    return_mm_kwargs: bool = True       # likewise
+    echo: bool = False
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: typing.Literal["left", "right"] = Field("left", description='"left" (keep the last tokens) '
+                                                                                  'or "right" (the first)')
+    return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
+    request_id: str | None = Field(None, description="1 to 128 characters from A-Z a-z 0-9 . _ : -")
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024,
+                                   description="a string of 1 to 1024 characters")
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict | None = Field(None, description='{"type": "text" | "json_object" | "json_schema", ...}')
     structured_outputs: dict | None = Field(None, description="an object with one of json, regex, choice, "
@@ -383,6 +432,15 @@ class GenerationRequest(OpenAIBaseModel):
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {show(bias)}")
         return v
 
+    _unsupported = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_unsupported(data)))
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, v: str) -> str:
+        if not _REQUEST_ID.fullmatch(v):
+            raise ValueError(f"request_id must be 1 to 128 characters from A-Z a-z 0-9 . _ : -, got {show(v)}")
+        return v
+
     @field_validator("spaces_between_special_tokens")
     @classmethod
     def _spaces(cls, v: bool) -> bool:
@@ -396,6 +454,8 @@ class GenerationRequest(OpenAIBaseModel):
             raise InvalidInput("best_of", "best_of is not supported: leave it out or make it equal to n")
         if self.stream_options is not None and not self.stream:
             raise InvalidInput("stream_options", "stream_options needs stream: true")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise InvalidInput("prompt_logprobs", "prompt_logprobs are not available when stream=true")
         return self
 
     def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
@@ -403,7 +463,8 @@ class GenerationRequest(OpenAIBaseModel):
         (the model's generation config) fill the fields this body leaves out."""
         bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
-        fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs())
+        fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
+                      prompt_logprobs=self.requested_prompt_logprobs())
         given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
         fields.update({k: v for k, v in (defaults or {}).items() if k not in given})
         return SamplingParams(**fields, logit_bias=bias, structured_outputs=self.structured_spec())
@@ -411,6 +472,8 @@ class GenerationRequest(OpenAIBaseModel):
     def param_name(self, engine_param: str) -> str:
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
             return next((n for n in STRUCTURED_FIELDS if getattr(self, n) is not None), engine_param)
+        if engine_param == "request_id" and self.request_id is not None:
+            return "request_id"
         return super().param_name(engine_param)
 
     def structured_spec(self) -> StructuredOutputsParams | None:
@@ -452,7 +515,11 @@ class GenerationRequest(OpenAIBaseModel):
 
     def process_prompts(self, state: "ServerState") -> list[TokenizedPrompt]:
         """On the tokenizer thread: render, tokenize and check every prompt."""
-        return [state.engine.process_prompt(p) for p in self.prompt_inputs(state)]
+        prompts = [state.engine.process_prompt(p, self.truncate_prompt_tokens, self.add_special_tokens,
+                                               self.truncation_side) for p in self.prompt_inputs(state)]
+        for p in prompts:
+            p.cache_salt = self.cache_salt
+        return prompts
 
     def check_length(self, num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
         """OpenAI's rule: prompt + max_tokens must fit (the engine alone would cap
@@ -464,11 +531,28 @@ class GenerationRequest(OpenAIBaseModel):
                 f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
                 f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
 
-    def wants_echo(self) -> bool:
-        return False
-
     def first_chunks(self, head: dict) -> list[dict]:
         return []
+
+    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
+        return {}
+
+    def echo_only(self) -> bool:
+        """Completions' echo with max_tokens 0 (scoring a prompt): one token is
+        generated, as in vLLM, and left out of the response."""
+        return False
+
+    def token_ids_body(self, prompt_ids: list[int] | None, token_ids: list[int], prompt_logprobs) -> dict:
+        """return_token_ids and prompt_logprobs, as vLLM adds them to a choice (a
+        stream's first chunk carries the prompt's)."""
+        out = {}
+        if self.return_token_ids:
+            out.update({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}, token_ids=token_ids)
+        if prompt_logprobs is not None:  # asked for, or by echo (as vLLM's)
+            out["prompt_logprobs"] = [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                                                       "decoded_token": lp.decoded_token}
+                                                              for t, lp in e.items()} for e in prompt_logprobs]
+        return out
 
 
 class CompletionRequest(GenerationRequest):
@@ -479,8 +563,8 @@ class CompletionRequest(GenerationRequest):
     prompt: Any = Field(None, description="a string, a list of strings, a list of token ids, "
                                           "or a list of token-id lists")
     max_tokens: int = 16  # OpenAI's default for completions
-    echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True
     suffix: None = Field(None, description="left out: suffix is not supported")
 
     @field_validator("prompt")
@@ -503,13 +587,24 @@ class CompletionRequest(GenerationRequest):
         if self.prompt is None:
             raise InvalidInput("prompt", "prompt is required: a string, a list of strings, a list of token ids, "
                                     "or a list of token-id lists")
-        if self.echo and self.logprobs is not None:
-            raise InvalidInput("echo", "echo together with logprobs would need the prompt's logprobs, which "
-                                  "nanoserve does not compute; drop one of them")
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidInput("max_tokens", "max_tokens must be >= 1 (0 only with echo: true, to score the prompt)")
         return self
+
+    def requested_max_tokens(self) -> int | None:
+        return 1 if self.echo_only() else self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:  # as vLLM: echo's logprobs include the prompt's
+        return self.logprobs if self.prompt_logprobs is None and self.echo else self.prompt_logprobs
+
+    def echo_only(self) -> bool:
+        return self.echo and self.max_tokens == 0
+
+    def echo_text(self, gen: "Generation", prompt_index: int) -> str:
+        return gen.prompt_text(prompt_index)
 
     def num_prompts(self) -> int:
         return len(self.prompt)
@@ -517,12 +612,10 @@ class CompletionRequest(GenerationRequest):
     def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
         return self.prompt
 
-    def wants_echo(self) -> bool:
-        return self.echo
-
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool) -> dict:
+    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
+               extra: dict) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason}
+                "stop_reason": c.stop_reason, **extra}
 
     def logprobs_body(self, tokens, text_offset: int) -> dict:
         """The legacy shape: parallel lists, top_logprobs keyed by token text."""
@@ -531,7 +624,8 @@ class CompletionRequest(GenerationRequest):
             offsets.append(text_offset)
             text_offset += len(text)
         return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens],
-                "top_logprobs": [dict(ranked) for _, _, ranked in tokens], "text_offset": offsets}
+                "top_logprobs": [None if ranked is None else dict(ranked) for _, _, ranked in tokens],
+                "text_offset": offsets}
 
 
 class FunctionDefinition(_Strict):
@@ -598,6 +692,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
     logprobs: bool = False
     top_logprobs: int | None = None
+    add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
+    return_prompt_text: bool = False
     tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
                                                '{"name": ...}}')
     _parser: "ToolParser | None" = PrivateAttr(None)  # set by prompt_inputs when tool calls are parsed
@@ -666,7 +762,20 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         self._parser = tool_parser(self.tool_choice, state.tool_parser)
         return [self.render(state)]
 
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool) -> dict | None:
+    def requested_prompt_logprobs(self) -> int | None:  # as vLLM: echo asks for them (a stream has no room for them)
+        if self.prompt_logprobs is None and self.echo and not self.stream:
+            return self.top_logprobs or 0
+        return self.prompt_logprobs
+
+    def echo_text(self, gen: "Generation", prompt_index: int) -> str:
+        """As vLLM: the last message's content, if it has the role the reply takes."""
+        opens_reply = self.add_generation_prompt if self.add_generation_prompt is not None \
+            else not self.continue_final_message
+        last = self.messages[-1]
+        return (last["content"] or "") if last["role"] == ("assistant" if opens_reply else last["role"]) else ""
+
+    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
+               extra: dict) -> dict | None:
         content, calls, finish = text, [], c.finish_reason
         if self._parser is not None:
             if stream:
@@ -680,12 +789,18 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
                 finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
         if stream:
             delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-            if not delta and logprobs is None and finish is None:
+            if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
                 return None  # all of it held back: nothing to send yet
             body = {"delta": delta}
         else:
             body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
+                **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
+
+    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
+        """What vLLM puts beside a chat response's choices rather than in them."""
+        out = {k: v for k, v in extra.items() if k in ("prompt_token_ids", "prompt_logprobs")}
+        return {**out, "prompt_text": prompt_text} if self.return_prompt_text and prompt_text is not None else out
 
     def logprobs_body(self, tokens, text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
@@ -849,9 +964,9 @@ def parse_body(schema: type[OpenAIBaseModel], body: dict[str, Any], request_id: 
         req = schema.model_validate(body)
     except ValidationError as e:
         raise _validation_error(schema, body, e.errors(include_url=False)[0]) from None
-    if req.model_extra:
-        logger.warning("[entry] %s: ignoring unknown field(s): %s", request_id,
-                       ", ".join(show(k) for k in sorted(req.model_extra)))
+    unknown = sorted(set(req.model_extra or ()) - set(UNSUPPORTED_FIELDS))  # those were refused unless harmless
+    if unknown:
+        logger.warning("[entry] %s: ignoring unknown field(s): %s", request_id, ", ".join(map(show, unknown)))
     return req
 
 
@@ -1196,13 +1311,13 @@ class EntryMiddleware:
             error = ApiError(400, "X-Request-Id must be 1 to 128 characters from A-Z a-z 0-9 . _ : -",
                              param="X-Request-Id")
             request_id = None
-        request_id = request_id or uuid.uuid4().hex
-        scope["nanoserve.request_id"] = request_id
+        scope["nanoserve.request_id_given"] = request_id is not None  # else a body's request_id may name it
+        scope["nanoserve.request_id"] = request_id or uuid.uuid4().hex
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", request_id.encode())]}
+                                                  (b"x-request-id", scope["nanoserve.request_id"].encode())]}
             await send(message)
 
         if error is None and self.api_key is not None and _needs_key(scope["path"]):
@@ -1212,8 +1327,8 @@ class EntryMiddleware:
                                  headers={"WWW-Authenticate": "Bearer"})
         if error is not None:
             self.state.metrics.count_rejected(error.status)
-            logger.info("[entry] %s: %s %s -> %d: %s", request_id, scope["method"], esc(scope["path"]),
-                        error.status, error.message)
+            logger.info("[entry] %s: %s %s -> %d: %s", scope["nanoserve.request_id"], scope["method"],
+                        esc(scope["path"]), error.status, error.message)
             await error.response()(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
@@ -1242,6 +1357,11 @@ async def _generate(request: Request, schema: type[GenerationRequest]) -> Respon
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
     req = parse_body(schema, await read_json(request, state), request_id)
+    if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
+        if request.scope["nanoserve.request_id_given"]:
+            req.request_id = None
+        else:
+            request.scope["nanoserve.request_id"] = request_id = req.request_id
     model = check_model(req, state)
     gen = await Generation.admit(state, request_id, req)
     if req.stream:
@@ -1444,6 +1564,7 @@ class Generation:
         self.created = int(time.time())
         self.start = time.monotonic()
         self.tracked: list[_Tracked] = []
+        self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
         state.generations.add(self)
         try:
@@ -1485,6 +1606,12 @@ class Generation:
                     raise item
                 else:
                     self._observe(self.tracked[i], item)
+                    if item.prompt_logprobs is not None:
+                        self.prompt_logprobs[i] = item.prompt_logprobs
+                    if self.req.echo_only():  # the one generated token is not shown
+                        item.outputs = [dataclasses.replace(c, text="", token_ids=[], delta_text="",
+                                                            delta_token_ids=[], logprobs=c.logprobs and [])
+                                        for c in item.outputs]
                     yield i, item
         finally:  # cancelling a pump cancels its stream, which aborts that engine request
             for p in pumps:
@@ -1509,20 +1636,38 @@ class Generation:
             return prompt.text
         return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
 
-    def logprobs(self, c: CompletionOutput, start: int, text_offset: int) -> dict | None:
-        """The logprobs of tokens [start:] of a choice, in the endpoint's shape."""
+    def logprobs(self, c: CompletionOutput, start: int, text_offset: int, echo: int | None = None) -> dict | None:
+        """The logprobs of tokens [start:] of a choice, in the endpoint's shape;
+        with ``echo`` (completions), those of that prompt's tokens first."""
         if self.params.logprobs is None:
             return None
         tokens = []
+        if echo is not None and isinstance(self.req, CompletionRequest):
+            entries = self.prompt_logprobs.get(echo) or [None]
+            for token_id, entry in zip(self.prompts[echo].token_ids, entries):  # the first one has none
+                tokens.append(self._logprob_item(token_id, None if entry is None else
+                                                 {t: lp.logprob for t, lp in entry.items()}))
         for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-            tokens.append((self._token_text(token_id), _lp(entry.get(token_id)),
-                           [(self._token_text(t), _lp(lp)) for t, lp in ranked]))
+            tokens.append(self._logprob_item(token_id, entry))
         return self.req.logprobs_body(tokens, text_offset)
+
+    def _logprob_item(self, token_id: int, entry: dict[int, float] | None) -> tuple:
+        if entry is None:
+            return self._token_text(token_id), None, None
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        return (self._token_text(token_id), _lp(entry.get(token_id)),
+                [(self._token_text(t), _lp(lp)) for t, lp in ranked])
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = self.state.engine.tokenizer
-        return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+        if tokenizer is None or self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return tokenizer.decode([token_id])
+
+    def extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
+        """return_token_ids and prompt_logprobs (the prompt's only in a choice's first chunk)."""
+        return self.req.token_ids_body(self.prompts[prompt_index].token_ids if first else None, token_ids,
+                                       self.prompt_logprobs.get(prompt_index) if first else None)
 
     def usage(self, finals: dict[int, CompletionOutput]) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.prompts)
@@ -1531,12 +1676,15 @@ class Generation:
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         """The non-streaming body."""
-        req, choices = self.req, []
+        req, choices, extra = self.req, [], {}
         for idx, c in sorted(finals.items()):
-            text = (self.prompt_text(idx // self.params.n) if req.wants_echo() else "") + c.text
-            choices.append(req.choice(idx, text, self.logprobs(c, 0, 0), c, stream=False))
+            i = idx // self.params.n
+            text = (req.echo_text(self, i) if req.echo else "") + c.text
+            extra = self.extra(i, c.token_ids, first=True)
+            choices.append(req.choice(idx, text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra))
         return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
-                "choices": choices, "usage": self.usage(finals)}
+                "choices": choices, "usage": self.usage(finals),
+                **req.response_extra(extra, self.prompts[0].text if self.prompts else None)}
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
@@ -1601,7 +1749,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     """The SSE events of a completion or a chat completion, ending in [DONE]."""
     req, params = gen.req, gen.params
     head = {"id": gen.response_id, "object": req.chunk_object, "created": gen.created, "model": model}
-    echo_pending = set(range(len(gen.prompts) * params.n)) if req.wants_echo() else set()
+    unsent = set(range(len(gen.prompts) * params.n))  # choices whose first chunk is still to come
     tokens_sent: dict[int, int] = {}
     text_sent: dict[int, int] = {}
     finals: dict[int, CompletionOutput] = {}
@@ -1613,19 +1761,20 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 for c in out.outputs:
                     idx = gen.choice_index(i, c)
                     finals[idx] = c
-                    text = c.delta_text
-                    if idx in echo_pending:
-                        echo_pending.discard(idx)
-                        text = gen.prompt_text(i) + text
+                    first = idx in unsent
+                    text = (req.echo_text(gen, i) if first and req.echo else "") + c.delta_text
                     start = tokens_sent.get(idx, 0)
                     if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
                         continue  # nothing new to say (text held back for a possible stop string)
-                    logprobs = gen.logprobs(c, start, text_sent.get(idx, 0))
+                    unsent.discard(idx)
+                    logprobs = gen.logprobs(c, start, text_sent.get(idx, 0), i if first and req.echo else None)
                     tokens_sent[idx] = len(c.token_ids)
                     text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                    choice = req.choice(idx, text, logprobs, c, stream=True)
-                    if choice is not None:  # None: all of it held back (a tool call's text)
-                        yield sse({**head, "choices": [choice]})
+                    extra = gen.extra(i, c.token_ids[start:], first)
+                    choice = req.choice(idx, text, logprobs, c, True, extra)
+                    top = req.response_extra(extra, gen.prompts[i].text) if first else {}
+                    if choice is not None or top:  # None: all of it held back (a tool call's text)
+                        yield sse({**head, "choices": [choice] if choice is not None else [], **top})
         if req.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(finals)})
     except Exception as e:  # the status line is gone: report in the stream

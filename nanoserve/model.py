@@ -813,6 +813,7 @@ class SamplingOptions(Protocol):
     repetition_penalty: float
     logit_bias: dict[int, float] | None
     logprobs: int | None
+    allowed_token_ids: list[int] | None
 
 
 @dataclass(slots=True)
@@ -874,6 +875,10 @@ class Sampler:
         if bans:
             i, t = zip(*bans)
             logits[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+        for i, r in enumerate(rows):  # allowed_token_ids: every other token banned (rare: a row at a time)
+            if r.params.allowed_token_ids:
+                keep = torch.tensor(r.params.allowed_token_ids, device=dev)
+                logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(0, keep, logits[i, keep])
         masked = [i for i, r in enumerate(rows) if r.allowed_token_bitmask is not None]
         if masked:  # structured outputs: unpack each row's bitmask on the device, ban what it does not allow
             idx = torch.tensor(masked, device=dev)
@@ -945,26 +950,38 @@ class Sampler:
         want = [p.logprobs for p in ps]
         if all(w is None for w in want):
             return [SampleResult(t) for t in tokens.tolist()]
-        logprobs = raw.float().log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None])
-        k = max(w or 0 for w in want)
-        top_v, top_i = logprobs.topk(k, dim=-1)
-        # One copy to the host: ids, the sampled token's logprob, the top-k (float64
-        # holds the int64 ids and the fp32 logprobs exactly).
-        host = torch.cat([tokens[:, None].double(), chosen.double(), top_v.double(), top_i.double()], 1).tolist()
-        results = []
-        for row, w in zip(host, want):
-            t = int(row[0])
-            if w is None:
-                results.append(SampleResult(t))
-                continue
-            top = [(int(i), v) for v, i in zip(row[2:2 + w], row[2 + k:2 + k + w])]
-            results.append(SampleResult(t, row[1], top))
-        return results
+        rows = gather_logprobs(raw, tokens, max(w or 0 for w in want))
+        return [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w])
+                for r, w in zip(rows, want)]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One row's raw logprob of a given token, its rank (1 + the number of
+    tokens with a strictly greater logprob) and the row's top tokens."""
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """Each row's log-softmax of the raw logits at ``token_ids[row]`` (vLLM's
+    ``raw_logprobs``), its rank and the row's top ``k``, in one copy to the host
+    (float64 holds the int64 ids and the fp32 logprobs exactly)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+    top_v, top_i = logprobs.topk(k, dim=-1)
+    host = torch.cat([token_ids[:, None].double(), chosen.double(), ranks.double(), top_v.double(),
+                      top_i.double()], 1).tolist()
+    return [TokenLogprobs(int(row[0]), row[1], int(row[2]), [(int(i), v) for v, i in zip(row[3:3 + k], row[3 + k:])])
+            for row in host]
 
 
 def _has_bias_or_bans(rows: list[SampleRequest]) -> bool:
-    return any(r.params.logit_bias or r.banned_token_ids or r.allowed_token_bitmask is not None for r in rows)
+    return any(r.params.logit_bias or r.banned_token_ids or r.allowed_token_bitmask is not None
+               or r.params.allowed_token_ids for r in rows)
 
 
 def _has_penalties(ps: list) -> bool:
@@ -1003,6 +1020,18 @@ class SeqInput:
     start: int                    # position of token_ids[0]
     block_table: list[int]
     sample: SampleRequest | None  # None: a prefill chunk that samples nothing
+    # prompt_logprobs: the prompt tokens that rows 0, 1, ... of this chunk predict
+    # (each row's logprob of its next token), and how many top tokens to report
+    prompt_logprob_ids: list[int] | None = None
+    num_prompt_logprobs: int = 0
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """One step's results: a SampleResult per sequence that samples, in order,
+    and the prompt logprobs of the sequences that asked, by their index in the step."""
+    sampled: list[SampleResult]
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: torch.device
@@ -1114,6 +1143,7 @@ class TensorParallelError(RuntimeError):
 # (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS) and Triton's prefill tiles, a
 # decode, and on CUDA a mixed step (Triton's chunk tiles) and decode batches.
 WARMUP_PREFILL_TOKENS = 256
+PROMPT_LOGPROB_ROWS = 256  # rows of prompt logprobs computed at once (as many as the profiled sample rows)
 
 
 def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
@@ -1253,29 +1283,32 @@ class ModelRunner:
         return input_ids.to(dev), positions.to(dev), meta
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput]) -> list[SampleResult]:
-        """Run one step; returns one result per sequence that samples, in order.
-        Under tensor parallelism this is rank 0: the step goes to the workers
-        first, in one message, and they join the forward's collectives."""
+    def execute(self, seqs: list[SeqInput]) -> ModelRunnerOutput:
+        """Run one step; returns one result per sequence that samples, in order,
+        and the prompt logprobs asked for. Under tensor parallelism this is rank
+        0: the step goes to the workers first, in one message, and they join the
+        forward's collectives."""
         rows = [i for i, s in enumerate(seqs) if s.sample is not None]
         if self.tp.world_size == 1:
-            logits = self.compute_step_logits(seqs, rows)
+            logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
         else:
             try:
                 # the workers need no sampling parameters: they never sample
                 self.tp.send_step(self.num_steps, ([dataclasses.replace(s, sample=None) for s in seqs], rows))
                 self.num_steps += 1
-                logits = self.compute_step_logits(seqs, rows)
+                logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
             except RuntimeError as e:  # gloo's and NCCL's errors: one line that says what happened
                 raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
                                           f"connection): {str(e).splitlines()[0][:300]}") from e
-        if not rows:
-            return []
-        return self.sampler(logits, [seqs[i].sample for i in rows])  # on the logits' device: the sampler runs there
+        # on the logits' device: the sampler runs there
+        sampled = self.sampler(logits, [seqs[i].sample for i in rows]) if rows else []
+        return ModelRunnerOutput(sampled, prompt_logprobs)
 
-    def compute_step_logits(self, seqs: list[SeqInput], rows: list[int]) -> torch.Tensor | None:
+    def compute_step_logits(self, seqs: list[SeqInput], rows: list[int]
+                            ) -> tuple[torch.Tensor | None, dict[int, list[TokenLogprobs]]]:
         """The forward over the step's tokens, then the logits of the ``rows`` that
-        sample (None when none does, and on ranks other than 0)."""
+        sample (None when none does, and on ranks other than 0) and the prompt
+        logprobs the sequences ask for (empty on ranks other than 0)."""
         if self._is_padded_decode(seqs):
             hidden = self._run_decode_padded(seqs)  # one row per sequence
             last = torch.arange(len(seqs), device=self.device)
@@ -1286,9 +1319,31 @@ class ModelRunner:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
                          sum(len(s.token_ids) for s in seqs), len(rows))
-        if not rows:
-            return None
-        return self.model.compute_logits(hidden[last[rows]])
+        prompt_logprobs = self._prompt_logprobs(seqs, hidden) if any(s.prompt_logprob_ids for s in seqs) else {}
+        return (self.model.compute_logits(hidden[last[rows]]) if rows else None), prompt_logprobs
+
+    def _prompt_logprobs(self, seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
+        """The rows' logprobs of the prompt tokens they predict, for the sequences
+        that ask, PROMPT_LOGPROB_ROWS rows at a time (full-vocabulary fp32 rows are
+        large). Every rank joins each slice's gather; rank 0 gets the values."""
+        rows, owners, targets, start = [], [], [], 0
+        for i, s in enumerate(seqs):
+            for j, token_id in enumerate(s.prompt_logprob_ids or ()):
+                rows.append(start + j)
+                owners.append(i)
+                targets.append(token_id)
+            start += len(s.token_ids)
+        k = max(s.num_prompt_logprobs for s in seqs)
+        out: dict[int, list[TokenLogprobs]] = {}
+        for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):
+            b = a + PROMPT_LOGPROB_ROWS
+            logits = self.model.compute_logits(hidden[torch.tensor(rows[a:b], device=self.device)])
+            if logits is None:  # a rank other than 0
+                continue
+            for i, r in zip(owners[a:b], gather_logprobs(logits, torch.tensor(targets[a:b], device=self.device), k)):
+                r.top = r.top[:seqs[i].num_prompt_logprobs]
+                out.setdefault(i, []).append(r)
+        return out
 
     def shutdown_workers(self) -> None:
         """Rank 0: tell the workers to leave their loop."""

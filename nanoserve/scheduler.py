@@ -164,7 +164,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            hits = bm.get_computed_blocks(req.token_ids, req.cache_salt)
+            hits = [] if req.skip_reading_prefix_cache else bm.get_computed_blocks(req.token_ids, req.cache_salt)
             num_computed = len(hits) * bm.block_size
             num_new = min(req.num_tokens - num_computed, budget)
             if not bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits,

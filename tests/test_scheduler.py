@@ -24,6 +24,7 @@ class FakeRequest:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     cache_salt: str | None = None
+    skip_reading_prefix_cache: bool = False
 
     @property
     def num_tokens(self) -> int:
