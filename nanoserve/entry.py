@@ -990,7 +990,7 @@ class RequiredToolParser(ToolParser):
         start = text.find("[")
         values, end = _json_values(text, start + 1, ",") if start >= 0 else ([], 0)
         calls = [c for c in map(_json_call, values) if c is not None]
-        rest = text[end:].strip()
+        rest = text[end:].strip().removeprefix(",").lstrip() if calls else text.strip()  # the "[" too, if no call
         return ("" if not final or rest == "]" else rest), calls  # what did not parse (cut short): text
 
 

@@ -135,6 +135,10 @@ def test_required_and_named_parsers_stream_as_they_parse():
                                                                               ("a", "{}")]
     assert len(RequiredToolParser().parse(text[:60], final=False)[1]) == 1  # the first call is out already
     assert stream_by_chars(RequiredToolParser(), text)[1] == [["get_time", '{"tz": "utc"}'], ["a", "{}"]]
+    # cut short (max_tokens): what the calls do not account for is content, as the model wrote it
+    assert RequiredToolParser().parse(text[:60], final=True)[0] == '{"name":'
+    assert RequiredToolParser().parse(text[:30], final=True) == (text[:30], [])
+    assert stream_by_chars(RequiredToolParser(), text[:60])[:2] == ('{"name":', [["get_time", '{"tz": "utc"}']])
     # a named function: the whole output is its arguments, streamed as it comes (one delta a character here)
     assert stream_by_chars(NamedToolParser("f"), '{"x": 1}')[1] == [["f", '{"x": 1}']]
     assert NamedToolParser("f").parse("", final=False) == ("", [])
