@@ -205,6 +205,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), "
                         "llama3_json (Llama 3.1+: the output is one JSON object)")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='with tool_choice "none", the tools are not passed to the chat template')
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -678,9 +680,13 @@ class ChatTemplateFields(OpenAIBaseModel):
             raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
                                                 "--chat-template FILE (or an inline Jinja template), or send "
                                                 "chat_template in the request")
-        tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+        tools = None if not self.template_tools(state) else [t.model_dump(exclude_none=True) for t in self.tools]
         return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
                                    self.continue_final_message, tools, self.chat_template_kwargs)
+
+    def template_tools(self, state: "ServerState") -> bool:
+        """Whether the template sees the tools."""
+        return self.tools is not None
 
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
@@ -696,6 +702,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     return_prompt_text: bool = False
     tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
                                                '{"name": ...}}')
+    parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
     _parser: "ToolParser | None" = PrivateAttr(None)  # set by prompt_inputs when tool calls are parsed
     _streams: dict = PrivateAttr(default_factory=dict)  # choice index -> ToolStream
 
@@ -755,6 +762,10 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
                 **({"$defs": defs} if defs else {})}
 
+    def template_tools(self, state: "ServerState") -> bool:
+        return super().template_tools(state) and not (self.tool_choice == "none"
+                                                      and state.exclude_tools_when_tool_choice_none)
+
     def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
         if self.tool_choice == "auto" and state.tool_parser is None:
             raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
@@ -785,6 +796,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
                 content, calls = self._parser.parse(text, final=True)
                 calls = [tool_call_body(call) for call in calls]
                 content, made = (content or None) if calls else content, bool(calls)
+            if self.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
+                calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
             if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
                 finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
         if stream:
@@ -1092,7 +1105,7 @@ class RequiredToolParser(ToolParser):
         start = text.find("[")
         values, end = _json_values(text, start + 1, ",") if start >= 0 else ([], 0)
         calls = [c for c in map(_json_call, values) if c is not None]
-        rest = text[end:].strip()
+        rest = text[end:].strip().removeprefix(",").lstrip() if calls else text.strip()  # the "[" too, if no call
         return ("" if not final or rest == "]" else rest), calls  # what did not parse (cut short): text
 
 
@@ -1205,6 +1218,7 @@ class ServerState:
     chat_template: str | None = None                     # --chat-template
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
+    exclude_tools_when_tool_choice_none: bool = False
     exit_code: int = 0                                   # 1 once the engine cannot recover
     request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
 
@@ -1233,7 +1247,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     state = ServerState(async_llm, names, args.api_key, args.max_queue_len, args.max_request_body_bytes,
                         ServerMetrics(async_llm, names[0]), chat_template=args.chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
-                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                        tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
     stats_interval = None if args.disable_log_stats else args.log_stats_interval
 
     @contextlib.asynccontextmanager

@@ -135,6 +135,10 @@ def test_required_and_named_parsers_stream_as_they_parse():
                                                                               ("a", "{}")]
     assert len(RequiredToolParser().parse(text[:60], final=False)[1]) == 1  # the first call is out already
     assert stream_by_chars(RequiredToolParser(), text)[1] == [["get_time", '{"tz": "utc"}'], ["a", "{}"]]
+    # cut short (max_tokens): what the calls do not account for is content, as the model wrote it
+    assert RequiredToolParser().parse(text[:60], final=True)[0] == '{"name":'
+    assert RequiredToolParser().parse(text[:30], final=True) == (text[:30], [])
+    assert stream_by_chars(RequiredToolParser(), text[:60])[:2] == ('{"name":', [["get_time", '{"tz": "utc"}']])
     # a named function: the whole output is its arguments, streamed as it comes (one delta a character here)
     assert stream_by_chars(NamedToolParser("f"), '{"x": 1}')[1] == [["f", '{"x": 1}']]
     assert NamedToolParser("f").parse("", final=False) == ("", [])
@@ -338,6 +342,45 @@ def test_auto_parses_the_calls_the_model_writes(server):
     server.wait_idle()
 
 
+def test_parallel_tool_calls_false_keeps_the_first_call(server):
+    """As vLLM: the calls are parsed, then all but the first dropped; true (or absent) keeps them all."""
+    body = dict(tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_tokens=300)
+    first = [["get_weather", '{"city": "Paris", "days": 3}']]
+    (choice,) = chat(server, **body, parallel_tool_calls=False)["choices"]
+    assert calls_of(choice["message"]) == first
+    assert choice["message"]["content"] == "I will check." and choice["finish_reason"] == "tool_calls"
+    chunks, content, calls, finish = chat_stream(server, **body, parallel_tool_calls=False)
+    assert (content, calls, finish) == ("I will check.", first, "tool_calls")
+    assert all(d["index"] == 0 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", []))
+    assert len(calls_of(chat(server, **body, parallel_tool_calls=True)["choices"][0]["message"])) == 2
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    msg = client.chat.completions.create(model=server.args.served_model_name[0], messages=USER, tools=TOOLS,
+                                         parallel_tool_calls=False, max_tokens=300,
+                                         extra_body={"structured_outputs": {"choice": [FORCED]}}).choices[0].message
+    assert [[c.function.name, c.function.arguments] for c in msg.tool_calls] == first
+    server.wait_idle()
+
+
+def test_exclude_tools_when_tool_choice_none(server):
+    """vLLM's --exclude-tools-when-tool-choice-none: "none" renders no tools; other choices still do."""
+    assert parse_args(["--dtype", "float32", "--exclude-tools-when-tool-choice-none"]) \
+        .exclude_tools_when_tool_choice_none
+    state = server.app.state.server
+    assert state.exclude_tools_when_tool_choice_none is False  # off by default: the tools are rendered
+    count = {key: httpx.post(server.url + "/tokenize", json={"messages": HISTORY, **tools}).json()["count"]
+             for key, tools in (("plain", {}), ("tools", {"tools": TOOLS}))}
+    assert count["plain"] < count["tools"]
+    state.exclude_tools_when_tool_choice_none = True
+    try:
+        for choice, tokens in (("none", count["plain"]), ("auto", count["tools"])):
+            body = chat(server, messages=HISTORY, tools=TOOLS, tool_choice=choice, max_tokens=1,
+                        structured_outputs={"choice": ["x"]})
+            assert body["usage"]["prompt_tokens"] == tokens, choice
+    finally:
+        state.exclude_tools_when_tool_choice_none = False
+    server.wait_idle()
+
+
 def test_chat_template_flag_file_and_inline(template_file):
     base = ["--dtype", "float32"]
     assert parse_args([*base, "--chat-template", str(template_file)]).chat_template == TEMPLATE
@@ -367,6 +410,7 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
      "not one of the tools"),
     (dict(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice", "tool_choice must be"),
+    (dict(tools=TOOLS, parallel_tool_calls="no"), "parallel_tool_calls", "parallel_tool_calls"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "cannot be combined"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
@@ -394,8 +438,8 @@ BAD = [  # body (over USER), param, words the message must have
 @pytest.mark.parametrize("body,param,words", BAD, ids=[f"{i}-{row[1]}" for i, row in enumerate(BAD)])
 def test_bad_shapes_are_400s_naming_the_field(server, body, param, words):
     for path in ("/v1/chat/completions", "/tokenize"):
-        if path == "/tokenize" and "tool_choice" in body:
-            continue  # /tokenize has no tool_choice
+        if path == "/tokenize" and {"tool_choice", "parallel_tool_calls"} & set(body):
+            continue  # chat-only fields
         r = httpx.post(server.url + path, json={"messages": USER, **body})
         err = _check_error(r, 400, param)
         assert words in err["message"], err
