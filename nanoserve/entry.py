@@ -613,8 +613,8 @@ class CompletionRequest(GenerationRequest):
         return self.prompt
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+               extra: dict, echo: str = "") -> dict:
+        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason, **extra}
 
     def logprobs_body(self, tokens, text_offset: int) -> dict:
@@ -775,7 +775,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return (last["content"] or "") if last["role"] == ("assistant" if opens_reply else last["role"]) else ""
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict) -> dict | None:
+               extra: dict, echo: str = "") -> dict | None:
+        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
         content, calls, finish = text, [], c.finish_reason
         if self._parser is not None:
             if stream:
@@ -784,16 +785,18 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
             else:
                 content, calls = self._parser.parse(text, final=True)
                 calls = [tool_call_body(call) for call in calls]
-                content, made = (content or None) if calls else content, bool(calls)
+                made = bool(calls)
             if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
                 finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
+        content = echo + content
         if stream:
             delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
             if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
                 return None  # all of it held back: nothing to send yet
             body = {"delta": delta}
         else:
-            body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
+            body = {"message": {"role": "assistant", "content": content or (None if calls else ""),
+                                **({"tool_calls": calls} if calls else {})}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
                 **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
 
@@ -1679,9 +1682,10 @@ class Generation:
         req, choices, extra = self.req, [], {}
         for idx, c in sorted(finals.items()):
             i = idx // self.params.n
-            text = (req.echo_text(self, i) if req.echo else "") + c.text
+            echo = req.echo_text(self, i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
-            choices.append(req.choice(idx, text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra))
+            choices.append(req.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
+                                      echo))
         return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
                 "choices": choices, "usage": self.usage(finals),
                 **req.response_extra(extra, self.prompts[0].text if self.prompts else None)}
@@ -1762,7 +1766,8 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     idx = gen.choice_index(i, c)
                     finals[idx] = c
                     first = idx in unsent
-                    text = (req.echo_text(gen, i) if first and req.echo else "") + c.delta_text
+                    echo = req.echo_text(gen, i) if first and req.echo else ""
+                    text = echo + c.delta_text
                     start = tokens_sent.get(idx, 0)
                     if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
                         continue  # nothing new to say (text held back for a possible stop string)
@@ -1771,7 +1776,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     tokens_sent[idx] = len(c.token_ids)
                     text_sent[idx] = text_sent.get(idx, 0) + len(text)
                     extra = gen.extra(i, c.token_ids[start:], first)
-                    choice = req.choice(idx, text, logprobs, c, True, extra)
+                    choice = req.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
                     top = req.response_extra(extra, gen.prompts[i].text) if first else {}
                     if choice is not None or top:  # None: all of it held back (a tool call's text)
                         yield sse({**head, "choices": [choice] if choice is not None else [], **top})

@@ -298,6 +298,19 @@ def test_named_function_makes_a_valid_call(server, no_blanks, name):
             assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 1
 
 
+def test_echo_leads_the_content_and_is_no_part_of_a_call(server, no_blanks):
+    """As vLLM: chat echo (here the continued assistant message) is content put before the parsed output,
+    never text the tool parser reads: the named function's arguments stay the model's JSON alone."""
+    body = dict(messages=USER + [{"role": "assistant", "content": "Sure"}], continue_final_message=True, echo=True,
+                tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0,
+                max_tokens=200, logit_bias=no_blanks)
+    (choice,) = chat(server, **body)["choices"]
+    (call,) = calls_of(choice["message"])
+    assert choice["message"]["content"] == "Sure" and call[0] == "get_time" and fits("get_time", parse(call[1])), call
+    _, content, calls, finish = chat_stream(server, **body)
+    assert (content, calls, finish) == ("Sure", [call], choice["finish_reason"])
+
+
 FORCED = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>')
 
