@@ -747,7 +747,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         items = []
         for tool in self.tools:
             params = dict(_parameters(tool))
-            for name, sub in params.pop("$defs", {}).items():  # one $defs at the root, where "#/$defs/..." points
+            local = params.pop("$defs") if isinstance(params.get("$defs"), dict) else {}  # else xgrammar judges it
+            for name, sub in local.items():  # one $defs at the root, where "#/$defs/..." points
                 if defs.setdefault(name, sub) != sub:
                     raise InvalidInput("tools", f"tools define $defs.{name} twice, differently")
             items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},

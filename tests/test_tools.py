@@ -311,6 +311,17 @@ def test_echo_leads_the_content_and_is_no_part_of_a_call(server, no_blanks):
     assert (content, calls, finish) == ("Sure", [call], choice["finish_reason"])
 
 
+def test_required_hands_xgrammar_a_defs_that_is_not_an_object(server):
+    """Only an object $defs is gathered at the root; any other is left where it is, for xgrammar to judge
+    (as a named function's is), never a 500."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": 1}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"messages": USER, "tools": tools, "tool_choice": choice, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 or r.json()["error"]["param"] == "tools", r.text
+    server.wait_idle()
+
+
 FORCED = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>')
 
