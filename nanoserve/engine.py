@@ -1326,10 +1326,11 @@ def _progress(total: int):
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
                         add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                        tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                        tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                        documents: list[dict] | None = None) -> str:
     """The conversation rendered by the tokenizer's chat template (or ``chat_template``),
-    as vLLM renders it: ``tools`` and ``chat_template_kwargs`` (e.g. enable_thinking)
-    reach the template; assistant tool calls' JSON ``arguments`` are parsed first, as
+    as vLLM renders it: ``tools``, ``documents`` (RAG) and ``chat_template_kwargs`` (e.g.
+    enable_thinking) reach the template; assistant tool calls' JSON ``arguments`` are parsed first, as
     templates write them with ``| tojson``; ``continue_final_message`` leaves the
     last message open (``add_generation_prompt`` then defaults to False)."""
     if tokenizer is None:
@@ -1349,8 +1350,9 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
                                                    "they are the renderer's own arguments")
     import jinja2
     try:
-        return tokenizer.apply_chat_template(_with_parsed_arguments(messages), tools=tools, chat_template=chat_template,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(_with_parsed_arguments(messages), tools=tools, documents=documents,
+                                             chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
     except jinja2.TemplateSyntaxError as e:
         raise InvalidInput("chat_template", f"the chat template is not valid Jinja: {e} (line {e.lineno})") from None

@@ -324,6 +324,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
     "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
     "media_io_kwargs": (_UNSET, "multimodal inputs are not supported"),
+    "mm_processor_kwargs": (_UNSET, "multimodal inputs are not supported"),
 }
 
 
@@ -664,6 +665,7 @@ class ChatTemplateFields(OpenAIBaseModel):
     chat_template: str | None = None
     chat_template_kwargs: dict | None = Field(None, description='an object such as {"enable_thinking": false}')
     tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)
+    documents: list[dict[str, str]] | None = None  # for a RAG template, as vLLM: e.g. [{"title": ..., "text": ...}]
 
     _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
 
@@ -680,7 +682,7 @@ class ChatTemplateFields(OpenAIBaseModel):
                                                 "chat_template in the request")
         tools = None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
         return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
-                                   self.continue_final_message, tools, self.chat_template_kwargs)
+                                   self.continue_final_message, tools, self.chat_template_kwargs, self.documents)
 
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
@@ -694,6 +696,10 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     top_logprobs: int | None = None
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
+    parallel_tool_calls: bool | None = None  # accepted and ignored, as vLLM does: the model decides
+    # these steer a reasoning parser; there is none here (vLLM without one ignores them too)
+    include_reasoning: bool = True
+    reasoning_effort: typing.Literal["low", "medium", "high"] | None = None
     tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
                                                '{"name": ...}}')
     _parser: "ToolParser | None" = PrivateAttr(None)  # set by prompt_inputs when tool calls are parsed
