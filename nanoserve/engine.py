@@ -1349,8 +1349,9 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
         raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(reserved)}: "
                                                    "they are the renderer's own arguments")
     import jinja2
+    messages = _with_parsed_arguments(messages)  # its own error names the message: not the template's
     try:
-        return tokenizer.apply_chat_template(_with_parsed_arguments(messages), tools=tools, documents=documents,
+        return tokenizer.apply_chat_template(messages, tools=tools, documents=documents,
                                              chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
@@ -1384,7 +1385,7 @@ def _parsed_call(call: Any, where: str) -> Any:
         return call
     try:
         args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise InvalidInput("messages", f"{where}.function.arguments must be a JSON object in a string, got "
                                        f"{fn['arguments'][:60]!r} ({e})") from None
     return {**call, "function": {**fn, "arguments": args}}

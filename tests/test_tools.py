@@ -164,7 +164,7 @@ def test_llm_chat_renders_tools_history_and_template_kwargs(llm):
         llm.chat(prefill, p, continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
         llm.chat(USER, p, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
+    with pytest.raises(ValueError, match=r"^messages\[1\].tool_calls\[0\].function.arguments must be"):
         bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
         llm.chat(bad, p, chat_template=TEMPLATE, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -402,6 +402,9 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
      "messages", "messages[1].tool_calls[0].function.arguments"),
+    (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]),
+     "messages", "messages[1].tool_calls[0].function.arguments must be"),
     (dict(messages=[HISTORY[0], {"role": "tool", "tool_call_id": 5, "content": "x"}]), "messages",
      "messages[1].tool_call_id"),
     (dict(chat_template_kwargs="x"), "chat_template_kwargs", "chat_template_kwargs"),
