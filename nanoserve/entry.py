@@ -1018,6 +1018,8 @@ def _describe(tp: Any, plural: bool = False) -> str:
         return " or ".join(_describe(a, plural) for a in args)
     if origin is list:
         return "lists" if plural else f"a list of {_describe(args[0], True)}"
+    if origin is typing.Literal:
+        return " or ".join(map(show, args))
     return _TYPE_WORDS.get(tp, ("an object", "objects"))[plural]
 
 

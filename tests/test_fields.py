@@ -253,6 +253,12 @@ def test_the_table_covers_every_field_and_none_is_ignored():
     assert set(UNSUPPORTED_FIELDS) <= set(REFUSED)
 
 
+def test_a_literal_fields_error_names_its_values(server):
+    r = send(server, "chat", {**BASE["chat"], "reasoning_effort": "max"})
+    assert r.status == 400 and r.body["error"]["param"] == "reasoning_effort", r.body
+    assert r.body["error"]["message"] == 'reasoning_effort must be "low" or "medium" or "high", got "max"', r.body
+
+
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_refused_fields_at_their_default_are_accepted(server, endpoint):
     """A client that sends vLLM's defaults (beam search off, priority 0, ...) asks for nothing nanoserve lacks."""
