@@ -1326,10 +1326,11 @@ def _progress(total: int):
 
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
                         add_generation_prompt: bool | None = None, continue_final_message: bool = False,
-                        tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                        tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+                        documents: list[dict] | None = None) -> str:
     """The conversation rendered by the tokenizer's chat template (or ``chat_template``),
-    as vLLM renders it: ``tools`` and ``chat_template_kwargs`` (e.g. enable_thinking)
-    reach the template; assistant tool calls' JSON ``arguments`` are parsed first, as
+    as vLLM renders it: ``tools``, ``documents`` (RAG) and ``chat_template_kwargs`` (e.g.
+    enable_thinking) reach the template; assistant tool calls' JSON ``arguments`` are parsed first, as
     templates write them with ``| tojson``; ``continue_final_message`` leaves the
     last message open (``add_generation_prompt`` then defaults to False)."""
     if tokenizer is None:
@@ -1348,9 +1349,11 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
         raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(reserved)}: "
                                                    "they are the renderer's own arguments")
     import jinja2
+    messages = _with_parsed_arguments(messages)  # its own error names the message: not the template's
     try:
-        return tokenizer.apply_chat_template(_with_parsed_arguments(messages), tools=tools, chat_template=chat_template,
-                                             tokenize=False, add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(messages, tools=tools, documents=documents,
+                                             chat_template=chat_template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
     except jinja2.TemplateSyntaxError as e:
         raise InvalidInput("chat_template", f"the chat template is not valid Jinja: {e} (line {e.lineno})") from None
@@ -1382,7 +1385,7 @@ def _parsed_call(call: Any, where: str) -> Any:
         return call
     try:
         args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise InvalidInput("messages", f"{where}.function.arguments must be a JSON object in a string, got "
                                        f"{fn['arguments'][:60]!r} ({e})") from None
     return {**call, "function": {**fn, "arguments": args}}

@@ -326,6 +326,7 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
     "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
     "media_io_kwargs": (_UNSET, "multimodal inputs are not supported"),
+    "mm_processor_kwargs": (_UNSET, "multimodal inputs are not supported"),
 }
 
 
@@ -615,8 +616,8 @@ class CompletionRequest(GenerationRequest):
         return self.prompt
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+               extra: dict, echo: str = "") -> dict:
+        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason, **extra}
 
     def logprobs_body(self, tokens, text_offset: int) -> dict:
@@ -666,6 +667,7 @@ class ChatTemplateFields(OpenAIBaseModel):
     chat_template: str | None = None
     chat_template_kwargs: dict | None = Field(None, description='an object such as {"enable_thinking": false}')
     tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)
+    documents: list[dict[str, str]] | None = None  # for a RAG template, as vLLM: e.g. [{"title": ..., "text": ...}]
 
     _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
 
@@ -682,7 +684,7 @@ class ChatTemplateFields(OpenAIBaseModel):
                                                 "chat_template in the request")
         tools = None if not self.template_tools(state) else [t.model_dump(exclude_none=True) for t in self.tools]
         return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
-                                   self.continue_final_message, tools, self.chat_template_kwargs)
+                                   self.continue_final_message, tools, self.chat_template_kwargs, self.documents)
 
     def template_tools(self, state: "ServerState") -> bool:
         """Whether the template sees the tools."""
@@ -700,6 +702,9 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     top_logprobs: int | None = None
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
+    # these steer a reasoning parser; there is none here (vLLM without one ignores them too)
+    include_reasoning: bool = True
+    reasoning_effort: typing.Literal["low", "medium", "high"] | None = None
     tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
                                                '{"name": ...}}')
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
@@ -754,7 +759,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         items = []
         for tool in self.tools:
             params = dict(_parameters(tool))
-            for name, sub in params.pop("$defs", {}).items():  # one $defs at the root, where "#/$defs/..." points
+            local = params.pop("$defs") if isinstance(params.get("$defs"), dict) else {}  # else xgrammar judges it
+            for name, sub in local.items():  # one $defs at the root, where "#/$defs/..." points
                 if defs.setdefault(name, sub) != sub:
                     raise InvalidInput("tools", f"tools define $defs.{name} twice, differently")
             items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
@@ -786,7 +792,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return (last["content"] or "") if last["role"] == ("assistant" if opens_reply else last["role"]) else ""
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict) -> dict | None:
+               extra: dict, echo: str = "") -> dict | None:
+        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
         content, calls, finish = text, [], c.finish_reason
         if self._parser is not None:
             if stream:
@@ -795,18 +802,20 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
             else:
                 content, calls = self._parser.parse(text, final=True)
                 calls = [tool_call_body(call) for call in calls]
-                content, made = (content or None) if calls else content, bool(calls)
+                made = bool(calls)
             if self.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
                 calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
             if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
                 finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
+        content = echo + content
         if stream:
             delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
             if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
                 return None  # all of it held back: nothing to send yet
             body = {"delta": delta}
         else:
-            body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}}
+            body = {"message": {"role": "assistant", "content": content or (None if calls else ""),
+                                **({"tool_calls": calls} if calls else {})}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
                 **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
 
@@ -1021,6 +1030,8 @@ def _describe(tp: Any, plural: bool = False) -> str:
         return " or ".join(_describe(a, plural) for a in args)
     if origin is list:
         return "lists" if plural else f"a list of {_describe(args[0], True)}"
+    if origin is typing.Literal:
+        return " or ".join(map(show, args))
     return _TYPE_WORDS.get(tp, ("an object", "objects"))[plural]
 
 
@@ -1694,9 +1705,10 @@ class Generation:
         req, choices, extra = self.req, [], {}
         for idx, c in sorted(finals.items()):
             i = idx // self.params.n
-            text = (req.echo_text(self, i) if req.echo else "") + c.text
+            echo = req.echo_text(self, i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
-            choices.append(req.choice(idx, text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra))
+            choices.append(req.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
+                                      echo))
         return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
                 "choices": choices, "usage": self.usage(finals),
                 **req.response_extra(extra, self.prompts[0].text if self.prompts else None)}
@@ -1777,7 +1789,8 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     idx = gen.choice_index(i, c)
                     finals[idx] = c
                     first = idx in unsent
-                    text = (req.echo_text(gen, i) if first and req.echo else "") + c.delta_text
+                    echo = req.echo_text(gen, i) if first and req.echo else ""
+                    text = echo + c.delta_text
                     start = tokens_sent.get(idx, 0)
                     if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
                         continue  # nothing new to say (text held back for a possible stop string)
@@ -1786,7 +1799,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     tokens_sent[idx] = len(c.token_ids)
                     text_sent[idx] = text_sent.get(idx, 0) + len(text)
                     extra = gen.extra(i, c.token_ids[start:], first)
-                    choice = req.choice(idx, text, logprobs, c, True, extra)
+                    choice = req.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
                     top = req.response_extra(extra, gen.prompts[i].text) if first else {}
                     if choice is not None or top:  # None: all of it held back (a tool call's text)
                         yield sse({**head, "choices": [choice] if choice is not None else [], **top})

@@ -17,6 +17,7 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import Request
 from nanoserve.entry import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+import test_tools
 from test_server import ServerThread, sse_events  # noqa: F401
 
 # vLLM's request fields, pinned: the union of CompletionRequest and
@@ -51,12 +52,12 @@ CHAT_FIELDS = [
     "return_token_offsets", "return_prompt_text", "return_mm_kwargs", "cache_salt", "kv_transfer_params",
     "ec_transfer_params", "vllm_xargs", "max_repetition_pattern_size", "min_repetition_pattern_size",
     "repetition_min_count", "repetition_detection", "stream_interval"]
-# Built on the tool-calling / chat-template branch (issue 25); the lead enables these rows after the merge.
-TOOL_TEMPLATE_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs",
-                        "continue_final_message", "add_generation_prompt", "documents", "mm_processor_kwargs",
-                        "reasoning_effort", "include_reasoning"}
-# Accepted, and change nothing: in OpenAI's words or vLLM's (a label; render endpoints only).
-NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "return_mm_kwargs": False}
+# Accepted, and change nothing: in OpenAI's words or vLLM's (a label; render endpoints only; the
+# reasoning fields without a reasoning parser).
+NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "return_mm_kwargs": False,
+          "include_reasoning": False, "reasoning_effort": "low"}
+# Honoured, and its effect checked by a test of its own (it needs a tool-call parser this server lacks).
+TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
 # Refused with these values (each asks for something nanoserve does not do).
 REFUSED = {"suffix": " tail", "spaces_between_special_tokens": False, "use_beam_search": True,
            "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
@@ -64,17 +65,18 @@ REFUSED = {"suffix": " tail", "spaces_between_special_tokens": False, "use_beam_
            "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": "v"}, "repetition_detection": {"max_pattern_size": 4},
            "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2, "repetition_min_count": 3,
            "thinking_token_budget": 10, "routed_experts_prompt_start": 1, "stream_interval": 4,
-           "media_io_kwargs": {"image": {}}}
+           "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"num_crops": 4}}
 
 PROMPT = "The quick brown"
 BASE = {"completions": {"prompt": PROMPT, "max_tokens": 4, "temperature": 0},
         "chat": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}}
+TOOL = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
 SAMPLED = {"temperature": 1.0, "seed": 1}  # truncations only stay in SamplingParams when not greedy
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model):
-    with ServerThread(tiny_model) as s:
+    with ServerThread(tiny_model, "--trust-request-chat-template") as s:
         yield s
 
 
@@ -204,6 +206,17 @@ CHAT_ONLY = {
     "return_token_ids": (True, {}, lambda r, v: len(r.choice["token_ids"]) == r.body["usage"]["completion_tokens"]
                          and len(r.body["prompt_token_ids"]) == r.body["usage"]["prompt_tokens"]),
     "return_prompt_text": (True, {}, lambda r, v: r.body["prompt_text"].startswith("<|im_start|>user\nhi")),
+    "tools": (TOOL, {"tool_choice": "required"}, lambda r, v: r.sp.structured_outputs.json["type"] == "array"),
+    "tool_choice": ({"type": "function", "function": {"name": "f"}}, {"tools": TOOL},
+                    lambda r, v: r.sp.structured_outputs.json == TOOL[0]["function"]["parameters"]),
+    "chat_template": ("[{{ messages[0].content }}]", {}, lambda r, v: r.process[0][1] == "[hi]"),
+    "chat_template_kwargs": ({"who": "me"}, {"chat_template": "{{ who }}"}, lambda r, v: r.process[0][1] == "me"),
+    "documents": ([{"title": "t", "text": "x"}], {"chat_template": "{{ documents[0].title }}"},
+                  lambda r, v: r.process[0][1] == "t"),
+    "add_generation_prompt": (False, {}, lambda r, v: r.process[0][1] == "<|im_start|>user\nhi<|im_end|>\n"),
+    "continue_final_message": (True, {"messages": [{"role": "user", "content": "hi"},
+                                                   {"role": "assistant", "content": "Sure,"}]},
+                               lambda r, v: r.process[0][1].endswith("assistant\nSure,")),
 }
 CASES = {"completions": (COMPLETION_FIELDS, {**HONOURED, **COMPLETION_ONLY}),
          "chat": (CHAT_FIELDS, {**HONOURED, **CHAT_ONLY})}
@@ -212,8 +225,6 @@ ROWS = [(endpoint, f) for endpoint, (fields, _) in CASES.items() for f in fields
 
 @pytest.mark.parametrize("endpoint,field", ROWS, ids=[f"{e}-{f}" for e, f in ROWS])
 def test_every_vllm_field_is_honoured_or_refused(server, endpoint, field):
-    if field in TOOL_TEMPLATE_FIELDS:
-        pytest.skip("the tool-calling / chat-template branch's field (issue 25): enabled after its merge")
     base = BASE[endpoint]
     if field in REFUSED:
         r = send(server, endpoint, {**base, field: REFUSED[field]})
@@ -221,8 +232,8 @@ def test_every_vllm_field_is_honoured_or_refused(server, endpoint, field):
         err = r.body["error"]
         assert err["param"] == field or field in err["message"], err
         return
-    if field in NO_OPS:
-        r = send(server, endpoint, {**base, field: NO_OPS[field]})
+    if field in NO_OPS or field in TESTED_ELSEWHERE:
+        r = send(server, endpoint, {**base, field: NO_OPS[field] if field in NO_OPS else TESTED_ELSEWHERE[field][0]})
         assert r.status == 200 and r.params, r.body
         return
     value, extra, check = CASES[endpoint][1][field]
@@ -239,11 +250,16 @@ def test_the_table_covers_every_field_and_none_is_ignored():
     for endpoint, (fields, cases) in CASES.items():
         schema = CompletionRequest if endpoint == "completions" else ChatCompletionRequest
         for f in fields:
-            kinds = [f in TOOL_TEMPLATE_FIELDS, f in REFUSED, f in NO_OPS, f in cases]
+            kinds = [f in REFUSED, f in NO_OPS, f in cases, f in TESTED_ELSEWHERE]
             assert sum(kinds) == 1, (endpoint, f, kinds)
-            if f not in TOOL_TEMPLATE_FIELDS:
-                assert f in schema.model_fields or f in UNSUPPORTED_FIELDS, (endpoint, f)
+            assert f in schema.model_fields or f in UNSUPPORTED_FIELDS, (endpoint, f)
     assert set(UNSUPPORTED_FIELDS) <= set(REFUSED)
+
+
+def test_a_literal_fields_error_names_its_values(server):
+    r = send(server, "chat", {**BASE["chat"], "reasoning_effort": "max"})
+    assert r.status == 400 and r.body["error"]["param"] == "reasoning_effort", r.body
+    assert r.body["error"]["message"] == 'reasoning_effort must be "low" or "medium" or "high", got "max"', r.body
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

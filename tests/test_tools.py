@@ -168,7 +168,7 @@ def test_llm_chat_renders_tools_history_and_template_kwargs(llm):
         llm.chat(prefill, p, continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
         llm.chat(USER, p, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"messages\[1\].tool_calls\[0\].function.arguments"):
+    with pytest.raises(ValueError, match=r"^messages\[1\].tool_calls\[0\].function.arguments must be"):
         bad = [HISTORY[0], {**HISTORY[1], "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]
         llm.chat(bad, p, chat_template=TEMPLATE, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
@@ -302,6 +302,30 @@ def test_named_function_makes_a_valid_call(server, no_blanks, name):
             assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 1
 
 
+def test_echo_leads_the_content_and_is_no_part_of_a_call(server, no_blanks):
+    """As vLLM: chat echo (here the continued assistant message) is content put before the parsed output,
+    never text the tool parser reads: the named function's arguments stay the model's JSON alone."""
+    body = dict(messages=USER + [{"role": "assistant", "content": "Sure"}], continue_final_message=True, echo=True,
+                tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0,
+                max_tokens=200, logit_bias=no_blanks)
+    (choice,) = chat(server, **body)["choices"]
+    (call,) = calls_of(choice["message"])
+    assert choice["message"]["content"] == "Sure" and call[0] == "get_time" and fits("get_time", parse(call[1])), call
+    _, content, calls, finish = chat_stream(server, **body)
+    assert (content, calls, finish) == ("Sure", [call], choice["finish_reason"])
+
+
+def test_required_hands_xgrammar_a_defs_that_is_not_an_object(server):
+    """Only an object $defs is gathered at the root; any other is left where it is, for xgrammar to judge
+    (as a named function's is), never a 500."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "$defs": 1}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx.post(server.url + "/v1/chat/completions",
+                       json={"messages": USER, "tools": tools, "tool_choice": choice, "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 or r.json()["error"]["param"] == "tools", r.text
+    server.wait_idle()
+
+
 FORCED = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
           '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>')
 
@@ -422,6 +446,9 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]),
      "messages", "messages[1].tool_calls[0].function.arguments"),
+    (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]),
+     "messages", "messages[1].tool_calls[0].function.arguments must be"),
     (dict(messages=[HISTORY[0], {"role": "tool", "tool_call_id": 5, "content": "x"}]), "messages",
      "messages[1].tool_call_id"),
     (dict(chat_template_kwargs="x"), "chat_template_kwargs", "chat_template_kwargs"),
