@@ -691,7 +691,7 @@ class LLMEngine:
         the prompt's blocks through the prefix cache); returns its id. With
         ``final_only`` (offline generate), step() reports it only when it finishes."""
         params = params or SamplingParams()
-        prompt = self.process_prompt(prompt)
+        prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
         text, token_ids = prompt.text, prompt.token_ids
         self.validate_params(params)
         request_id = str(next(self.request_counter)) if request_id is None else request_id

@@ -319,6 +319,9 @@ def test_sampling_fields_offline(tiny_model):
     ids = tok.encode(PROMPT)
     out = run(truncate_prompt_tokens=2)
     assert out.prompt_token_ids == ids[-2:] and out.prompt == tok.decode(ids[-2:])
+    rid = llm.engine.add_request(PROMPT, SamplingParams(max_tokens=1, truncate_prompt_tokens=2))  # vLLM's engine way in
+    assert llm.engine.scheduler.requests[rid].prompt_token_ids == ids[-2:]
+    llm.engine.abort_request(rid)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="allowed_token_ids"):
