@@ -677,6 +677,11 @@ class LLMEngine:
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if params.bad_words and self.tokenizer is None:
             raise InvalidInput("bad_words", "bad_words need a tokenizer, but skip_tokenizer_init=True")
+        for word in params.bad_words:
+            try:
+                word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
+            except UnicodeEncodeError:
+                raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size

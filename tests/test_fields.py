@@ -326,6 +326,9 @@ def test_sampling_fields_offline(tiny_model):
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words"):  # not the tokenizer's TypeError, and before queueing any
+        llm.generate([PROMPT] * 2, [SamplingParams(), SamplingParams(bad_words=["a\ud800"])], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bad_words_ban_a_words_last_token_after_the_rest():
