@@ -677,6 +677,11 @@ class LLMEngine:
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
         if params.bad_words and self.tokenizer is None:
             raise InvalidInput("bad_words", "bad_words need a tokenizer, but skip_tokenizer_init=True")
+        for word in params.bad_words:
+            try:
+                word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
+            except UnicodeEncodeError:
+                raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -691,7 +696,7 @@ class LLMEngine:
         the prompt's blocks through the prefix cache); returns its id. With
         ``final_only`` (offline generate), step() reports it only when it finishes."""
         params = params or SamplingParams()
-        prompt = self.process_prompt(prompt)
+        prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
         text, token_ids = prompt.text, prompt.token_ids
         self.validate_params(params)
         request_id = str(next(self.request_counter)) if request_id is None else request_id

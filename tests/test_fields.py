@@ -335,10 +335,16 @@ def test_sampling_fields_offline(tiny_model):
     ids = tok.encode(PROMPT)
     out = run(truncate_prompt_tokens=2)
     assert out.prompt_token_ids == ids[-2:] and out.prompt == tok.decode(ids[-2:])
+    rid = llm.engine.add_request(PROMPT, SamplingParams(max_tokens=1, truncate_prompt_tokens=2))  # vLLM's engine way in
+    assert llm.engine.scheduler.requests[rid].prompt_token_ids == ids[-2:]
+    llm.engine.abort_request(rid)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words"):  # not the tokenizer's TypeError, and before queueing any
+        llm.generate([PROMPT] * 2, [SamplingParams(), SamplingParams(bad_words=["a\ud800"])], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_bad_words_ban_a_words_last_token_after_the_rest():
