@@ -682,6 +682,7 @@ class LLMEngine:
                 word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
+        self.structured_outputs.compile(params.structured_outputs)  # cached: add_request finds it compiled
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size

@@ -96,8 +96,9 @@ def test_unconstrained_neighbours_are_unchanged(llm):
     (dict(choice=[]), "exactly one of"),
 ])
 def test_bad_specs_are_clear_errors(llm, spec, match):
-    with pytest.raises(ValueError, match=re.escape(match)) as e:
-        llm.generate(["hi"], SamplingParams(structured_outputs=StructuredOutputsParams(**spec)), use_tqdm=False)
+    with pytest.raises(ValueError, match=re.escape(match)) as e:  # behind a good request: nothing is queued
+        llm.generate(["ok", "hi"], [SamplingParams(max_tokens=2),
+                                    SamplingParams(structured_outputs=StructuredOutputsParams(**spec))], use_tqdm=False)
     assert getattr(e.value, "param", None) == "structured_outputs"
     assert llm.stats()["num_running"] == llm.stats()["num_waiting"] == 0
 
