@@ -608,13 +608,17 @@ class LLMEngine:
         return TokenizedPrompt(text, token_ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
+        self.check_prompt_length(len(token_ids))  # before the per-token checks: they cost as much as the list
+        self._check_token_ids("prompt", token_ids)
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """Also before there is a list: the server counts a huge body's token ids in its bytes."""
+        if not num_tokens:
             raise InvalidInput("prompt", "the prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:  # before the per-token checks: they cost as much as the list
-            raise InvalidInput("prompt", f"the prompt ({len(token_ids)} tokens) is too long: max_model_len is "
+        if num_tokens >= self.max_model_len:
+            raise InvalidInput("prompt", f"the prompt ({num_tokens} tokens) is too long: max_model_len is "
                                          f"{self.max_model_len}, which must also leave room for at least one "
                                          f"output token")
-        self._check_token_ids("prompt", token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))

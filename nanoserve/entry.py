@@ -77,6 +77,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
+_IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # a prompt of token ids
 
 
 # =========================================================================== CLI
@@ -416,6 +417,10 @@ class GenerationRequest(OpenAIBaseModel):
     def num_prompts(self) -> int:
         return 1
 
+    @classmethod
+    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
+        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
+
     def process_prompts(self, engine: LLMEngine) -> list[TokenizedPrompt]:
         """On the tokenizer thread: render, tokenize and check every prompt."""
         return [engine.process_prompt(p) for p in self.prompt_inputs(engine)]
@@ -463,6 +468,21 @@ class CompletionRequest(GenerationRequest):
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x for x in p):
             return list(p)
         raise ValueError(f"prompt must be {rule}, got {show(p)}")
+
+    @classmethod
+    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
+        """A huge body's token-id prompt too long for the model is refused from its bytes,
+        before decoding millions of numbers. Only where the count is certain: no \\u escape
+        (so "prompt" has one spelling), one "prompt" key, its list opening with a number: the
+        commas before the first "]" count its ids (any element not an id is a 400 as well)."""
+        at = raw.find(b'"prompt"')
+        if at < 0 or b"\\u" in raw or raw.count(b'"prompt"') != 1 or not (ids := _IDS_LIST.match(raw, at)):
+            return
+        end = raw.find(b"]", ids.end())
+        try:
+            engine.check_prompt_length(raw.count(b",", ids.end(), end if end >= 0 else len(raw)) + 1)
+        except InvalidInput as e:
+            raise bad_request(str(e), e.param) from None
 
     @model_validator(mode="after")
     def _completion_rules(self) -> "CompletionRequest":
@@ -903,7 +923,7 @@ async def create_chat_completion(request: Request) -> Response:
 async def _generate(request: Request, schema: type[GenerationRequest]) -> Response:
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
-    req = parse_body(schema, await read_json(request, state), request_id)
+    req = parse_body(schema, await read_json(request, state, schema.check_raw), request_id)
     model = check_model(req, state)
     gen = await Generation.admit(state, request_id, req)
     if req.stream:
@@ -1017,9 +1037,11 @@ async def _internal_error_handler(request: Request, exc: Exception) -> Response:
 
 # ---------------------------------------------------------------- reading a body
 
-async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
+async def read_json(request: Request, state: ServerState,
+                    check_raw: Callable[[bytes, LLMEngine], None] | None = None) -> dict[str, Any]:
     """The body as a JSON object, read no further than the size limit and no
-    longer than the body timeout (a client that never sends it holds nothing)."""
+    longer than the body timeout (a client that never sends it holds nothing);
+    a large one is decoded off the loop, after ``check_raw`` looked at its bytes."""
     limit = state.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -1030,6 +1052,8 @@ async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
         raise ApiError(408, f"the request body did not arrive within {state.body_timeout:g} s") from None
     if len(raw) < LARGE_BODY_BYTES:
         return parse_json_object(raw)
+    if check_raw is not None:
+        await state.off_loop(check_raw, raw, state.engine)
     return await state.off_loop(parse_json_object, raw, True)  # C's json holds the GIL: see there
 
 

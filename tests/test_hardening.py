@@ -75,7 +75,8 @@ def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
         return parse(raw, yielding)
     monkeypatch.setattr(entry, "parse_json_object", held_parse)
     result = {}
-    body = {"prompt": [1] * (entry.LARGE_BODY_BYTES // 3 + 1000), "max_tokens": 1}  # "1, " each
+    too_long = [1] * (server.engine.max_model_len + 1)
+    body = {"prompt": [too_long] * (entry.LARGE_BODY_BYTES // (3 * len(too_long)) + 1), "max_tokens": 1}
     worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, body)))
     worker.start()
     try:
@@ -86,6 +87,29 @@ def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
         release.set()
     worker.join(60)
     _check_error(result["r"], 400, "prompt")  # too long, found after decoding
+
+
+def test_a_huge_token_id_prompt_is_refused_from_its_bytes(server, monkeypatch):
+    """Millions of token ids in one prompt: the 400 is the engine's own, counted in
+    the raw body before any number is decoded; where the count is not certain (an
+    escape, a second "prompt", a list of lists) the body is decoded as before."""
+    decoded = []
+    parse = entry.parse_json_object
+    monkeypatch.setattr(entry, "parse_json_object", lambda raw, yielding=False: decoded.append(1) or parse(raw, yielding))
+    num = entry.LARGE_BODY_BYTES // 3 + 1000
+    raw = '{"model": "m",  "prompt" :\n [ 7,' + " 1," * (num - 2) + ' 3 ], "max_tokens": 1}'
+    err = _check_error(_post(server.url, raw), 400, "prompt")
+    assert err["message"].startswith(f"the prompt ({num} tokens) is too long: max_model_len is "
+                                      f"{server.engine.max_model_len}")
+    assert decoded == []
+    pad = " " * entry.LARGE_BODY_BYTES  # JSON whitespace: large, and a prompt that fits
+    assert _post(server.url, '{"prompt": [5, 6, 7],' + pad + '"max_tokens": 1}').status_code == 200
+    assert decoded == [1]
+    for body in ({"prompt": [1] * num, "stop": ["prompt"]}, {"prompt": [1] * num, "user": "é"},
+                 {"prompt": [[1] * num]}):
+        _check_error(_post(server.url, json.dumps(body)), 400, "prompt")
+    assert decoded == [1] * 4
+    server.wait_idle()
 
 
 def test_a_text_longer_than_any_prompt_that_fits_is_refused_untokenized(server):
