@@ -333,5 +333,15 @@ def tune_process() -> list[str]:
     return done
 
 
-__all__ = ["build_cpu_backend", "pack_linear_weights", "can_pack_linear_weights", "tune_process",
+def trim_heap() -> bool:
+    """glibc's malloc_trim: the heap's free pages back to the system. tune_process
+    turned glibc's own trimming off for the steps' sake; the server's engine calls
+    this when it goes idle, so a transient big step does not keep its memory."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+__all__ = ["build_cpu_backend", "pack_linear_weights", "can_pack_linear_weights", "tune_process", "trim_heap",
            "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]

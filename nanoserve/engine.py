@@ -418,7 +418,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
-    cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP and glibc malloc, process-wide
+    cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP, glibc malloc, oneDNN's caches
     # Decode batch sizes replayed as CUDA graphs (None: vLLM's default list up to
     # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
     # path eagerly); enforce_eager turns them off.
@@ -1311,10 +1311,16 @@ class AsyncLLM:
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         engine = self.engine
-        failures = 0
+        failures, stepped = 0, False
+        # glibc keeps freed memory while steps run (tune_process): going idle, it gives it back
+        trims = engine.device.type == "cpu" and engine.config.cpu_allocator_tuning
         try:
             while True:
                 step = engine.schedule_step()
+                if step is None and stepped and trims:
+                    stepped = False
+                    await loop.run_in_executor(self.executor, cpu_backend.trim_heap)
+                    continue  # a request may have come meanwhile
                 if step is None:  # nothing can run until a request comes (or goes)
                     self.wakeup.clear()
                     await self.wakeup.wait()
@@ -1332,7 +1338,7 @@ class AsyncLLM:
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise EngineDeadError(DEAD_MESSAGE) from None
                     continue
-                failures = 0
+                failures, stepped = 0, True
                 for out in outputs:
                     queue = self.queues.get(out.request_id)
                     if queue is not None:

@@ -146,7 +146,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
                         "--max-num-seqs, at most 512)")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
-                   help="on the CPU, set transparent huge pages and glibc malloc for speed, process-wide")
+                   help="on the CPU, set transparent huge pages and glibc malloc for speed, and cap oneDNN's "
+                        "GEMM caches for memory, process-wide")
 
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",

@@ -282,3 +282,25 @@ def test_process_tuning_bounds_onednn_caches():
     settings, default = run(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
     assert "CACHE_CAPACITY" not in settings  # the user's values are left alone
     assert capped * 3 < default, (capped, default)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="malloc_trim is glibc's")
+def test_trim_heap_gives_back_what_tune_process_keeps():
+    """With glibc's trimming off, 256 MiB freed stay resident; trim_heap returns them."""
+    import subprocess
+    code = """
+import torch
+from nanoserve import cpu_backend
+rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) >> 10
+cpu_backend.tune_process()
+x = torch.ones(2**28, dtype=torch.uint8)
+before = rss()
+del x
+kept = rss()
+cpu_backend.trim_heap()
+print(before - kept, kept - rss())
+"""
+    freed, trimmed = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                             check=True).stdout.split())
+    assert freed < 64 and trimmed > 192, (freed, trimmed)

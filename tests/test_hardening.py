@@ -361,3 +361,38 @@ def test_building_an_engine_leaves_the_global_seed_alone(tiny_model):
     before = torch.get_rng_state()
     LLM(str(tiny_model), dtype="float32", num_kv_blocks=16, max_model_len=64, seed=7)
     assert torch.equal(before, torch.get_rng_state())
+
+
+# =========================================================================== memory
+
+@pytest.mark.parametrize("tuning", [True, False])
+def test_the_engine_trims_the_heap_each_time_it_goes_idle(tiny_model, monkeypatch, tuning):
+    """glibc's own trimming is off while steps run (tune_process); the server's engine
+    gives the freed memory back once each time it goes idle after steps, on its model
+    thread, and never when the process settings are off."""
+    import asyncio
+    from nanoserve import cpu_backend
+    from nanoserve.engine import AsyncLLM, EngineConfig, LLMEngine
+    trims = []
+    monkeypatch.setattr(cpu_backend, "trim_heap", lambda: trims.append(threading.current_thread().name))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128,
+                                    cpu_allocator_tuning=tuning))
+
+    async def run():
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        try:
+            for i in range(2):
+                async for _ in async_llm.generate("hello", SamplingParams(max_tokens=2), f"idle-{i}"):
+                    pass
+                for _ in range(1000):  # the engine trims after its last step: a deadline, not a timing
+                    if not tuning or len(trims) > i:
+                        break
+                    await asyncio.sleep(0.01)
+        finally:
+            await async_llm.shutdown()
+    asyncio.run(run())
+    if tuning:
+        assert len(trims) == 2 and trims[0] == trims[1] != threading.current_thread().name, trims
+    else:
+        assert trims == []
