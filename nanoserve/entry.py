@@ -479,9 +479,10 @@ class CompletionRequest(GenerationRequest):
         at = raw.find(b'"prompt"')
         if at < 0 or b"\\u" in raw or raw.count(b'"prompt"') != 1 or not (ids := _IDS_LIST.match(raw, at)):
             return
-        end = raw.find(b"]", ids.end())
+        end = raw.find(b"]", ids.end())  # none: not JSON, which the decoder says
         try:
-            engine.check_prompt_length(raw.count(b",", ids.end(), end if end >= 0 else len(raw)) + 1)
+            if end > 0:
+                engine.check_prompt_length(raw.count(b",", ids.end(), end) + 1)
         except InvalidInput as e:
             raise bad_request(str(e), e.param) from None
 
@@ -1655,6 +1656,7 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(build_app(AsyncLLM(engine, executor), args), args)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
+    sock.listen()  # the banner's URL takes connections (they wait for uvicorn's start-up, not refused)
     print(banner(engine, args, f"http://{host}:{port}"), flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))

@@ -95,7 +95,8 @@ def test_a_huge_token_id_prompt_is_refused_from_its_bytes(server, monkeypatch):
     escape, a second "prompt", a list of lists) the body is decoded as before."""
     decoded = []
     parse = entry.parse_json_object
-    monkeypatch.setattr(entry, "parse_json_object", lambda raw, yielding=False: decoded.append(1) or parse(raw, yielding))
+    monkeypatch.setattr(entry, "parse_json_object",
+                        lambda raw, yielding=False: decoded.append(1) or parse(raw, yielding))
     num = entry.LARGE_BODY_BYTES // 3 + 1000
     raw = '{"model": "m",  "prompt" :\n [ 7,' + " 1," * (num - 2) + ' 3 ], "max_tokens": 1}'
     err = _check_error(_post(server.url, raw), 400, "prompt")
@@ -108,7 +109,8 @@ def test_a_huge_token_id_prompt_is_refused_from_its_bytes(server, monkeypatch):
     for body in ({"prompt": [1] * num, "stop": ["prompt"]}, {"prompt": [1] * num, "user": "é"},
                  {"prompt": [[1] * num]}):
         _check_error(_post(server.url, json.dumps(body)), 400, "prompt")
-    assert decoded == [1] * 4
+    assert "not valid JSON" in _check_error(_post(server.url, '{"prompt": [' + "1, " * num), 400, None)["message"]
+    assert decoded == [1] * 5
     server.wait_idle()
 
 
@@ -328,6 +330,22 @@ def test_idle_and_slow_connections_are_closed(tiny_model, monkeypatch):
                 reply += chunk
             assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in reply
         assert httpx.get(s.url + "/health").status_code == 200
+
+
+def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model, monkeypatch, capsys):
+    """A client that connects as soon as it reads the URL line waits for the server, never refused."""
+    monkeypatch.setattr(entry, "configure_logging", lambda *levels: None)  # leave pytest's handlers alone
+    connected = []
+
+    async def serve(self, sockets):  # in place of uvicorn's: nothing accepts yet
+        url = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("URL"))
+        host, port = url.split()[1].rsplit("/", 1)[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=60):
+            connected.append(port)
+    monkeypatch.setattr(entry.Server, "serve", serve)
+    assert entry.main(["--model", str(tiny_model), "--port", "0", "--disable-log-stats", "--dtype", "float32",
+                       "--num-kv-blocks", "16", "--max-model-len", "64"]) == 0
+    assert len(connected) == 1
 
 
 # =========================================================================== logs
