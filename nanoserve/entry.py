@@ -473,11 +473,11 @@ class CompletionRequest(GenerationRequest):
     @classmethod
     def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
         """A huge body's token-id prompt too long for the model is refused from its bytes,
-        before decoding millions of numbers. Only where the count is certain: no \\u escape
-        (so "prompt" has one spelling), one "prompt" key, its list opening with a number: the
+        before decoding millions of numbers. Only where the count is certain: a "prompt" list
+        opening with a number, no escape (so "prompt" has one spelling), one "prompt" key: the
         commas before the first "]" count its ids (any element not an id is a 400 as well)."""
-        at = raw.find(b'"prompt"')
-        if at < 0 or b"\\u" in raw or raw.count(b'"prompt"') != 1 or not (ids := _IDS_LIST.match(raw, at)):
+        ids = _IDS_LIST.match(raw, max(raw.find(b'"prompt"'), 0))
+        if ids is None or b"\\" in raw or raw.count(b'"prompt"') != 1:  # C scans: the GIL passes between
             return
         end = raw.find(b"]", ids.end())  # none: not JSON, which the decoder says
         try:
