@@ -5,7 +5,8 @@ requests of varied lengths, after one big transient request, and idle after it.
 
 Starts `python -m nanoserve` (the packaged demo model, default flags unless given
 after `--`) and reads the server's VmRSS from /proc. `--no-trim-off` starts it with
-model.tune_cpu_allocator patched out, so glibc's malloc keeps its default trimming;
+cpu_backend.tune_process patched out, so glibc's malloc keeps its default trimming (and
+oneDNN its default caches);
 `--no-pack` without oneDNN-packed linear weights; `--fixed` sends one small request
 over and over (one step shape). Runs side by side say what each costs in memory. Prints one JSON
 record."""
@@ -24,11 +25,11 @@ import httpx
 
 LAUNCH = """
 import sys
-import nanoserve.model
-if "no-trim-off" in sys.argv[1]:
-    nanoserve.model.tune_cpu_allocator = lambda: False
+import nanoserve.cpu_backend
+if "no-trim-off" in sys.argv[1]:  # none of the process-wide settings, as --no-cpu-allocator-tuning
+    nanoserve.cpu_backend.tune_process = lambda: []
 if "no-pack" in sys.argv[1]:
-    nanoserve.model.can_pack_linear_weights = lambda dtype, device: False
+    nanoserve.cpu_backend.can_pack_linear_weights = lambda dtype, device: False
 if "trim-every-2s" in sys.argv[1]:  # does free memory stay mapped? glibc's malloc_trim returns it
     import ctypes, threading, time
     def trim():
@@ -74,7 +75,7 @@ async def load(url: str, n: int, seed: int, concurrency: int, fixed: bool) -> No
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=2000)
-    p.add_argument("--no-trim-off", action="store_true", help="leave glibc's malloc trimming on")
+    p.add_argument("--no-trim-off", action="store_true", help="no cpu_backend.tune_process (glibc trims)")
     p.add_argument("--no-pack", action="store_true", help="no oneDNN-packed linear weights")
     p.add_argument("--trim-every-2s", action="store_true", help="call glibc's malloc_trim(0) every 2 s")
     p.add_argument("--fixed", action="store_true", help="the same small request every time, one at a time")

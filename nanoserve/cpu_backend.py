@@ -38,6 +38,9 @@ logger = logging.getLogger("nanoserve.model")
 # Below this many tokens a compiled call's fixed cost (guards, ~25 us) is more
 # than the memory passes it saves, so decode steps of small batches stay eager.
 COMPILED_ELEMENTWISE_MIN_ROWS = 256
+# GEMM primitives oneDNN (and ideep, again) keep: a step's ~5 weight shapes for the last
+# couple of dozen step sizes; building one that fell out costs ~0.3 ms.
+ONEDNN_CACHE_CAPACITY = 128
 
 
 def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int) -> Backend:
@@ -307,11 +310,18 @@ def tune_process() -> list[str]:
       frees hundreds of MB of activations; by default glibc serves each with a
       fresh mmap() and trims the heap on free, so each step page-faults them in
       again. The cost: memory freed after a large step stays in the process.
-    The speed-ups are measured in benchmarks/RESULTS.md ("allocator")."""
+    * oneDNN's primitive cache and ideep's LRU cache of them (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
+      ``LRU_CACHE_CAPACITY``, unless already set) hold ONEDNN_CACHE_CAPACITY entries, not
+      1,024 each: every new step size builds new GEMM primitives, and 2 x 1,024 of them
+      are hundreds of MB that a server keeps for ever. Both are read at the process's
+      first oneDNN call, so this runs before the weights are packed.
+    The speed-ups and memory are measured in benchmarks/RESULTS.md ("allocator", issue 23)."""
     done = []
-    if "THP_MEM_ALLOC_ENABLE" not in os.environ:
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
-        done.append("THP_MEM_ALLOC_ENABLE=1")
+    for name, value in (("THP_MEM_ALLOC_ENABLE", 1), ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY),
+                        ("LRU_CACHE_CAPACITY", ONEDNN_CACHE_CAPACITY)):
+        if name not in os.environ:
+            os.environ[name] = str(value)
+            done.append(f"{name}={value}")
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6")
@@ -323,5 +333,15 @@ def tune_process() -> list[str]:
     return done
 
 
-__all__ = ["build_cpu_backend", "pack_linear_weights", "can_pack_linear_weights", "tune_process",
+def trim_heap() -> bool:
+    """glibc's malloc_trim: the heap's free pages back to the system. tune_process
+    turned glibc's own trimming off for the steps' sake; the server's engine calls
+    this when it goes idle, so a transient big step does not keep its memory."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
+__all__ = ["build_cpu_backend", "pack_linear_weights", "can_pack_linear_weights", "tune_process", "trim_heap",
            "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]

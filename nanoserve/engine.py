@@ -466,7 +466,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
-    cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP and glibc malloc, process-wide
+    cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP, glibc malloc, oneDNN's caches
     # Decode batch sizes replayed as CUDA graphs (None: vLLM's default list up to
     # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
     # path eagerly); enforce_eager turns them off.
@@ -663,13 +663,17 @@ class LLMEngine:
         return TokenizedPrompt(text, token_ids)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
+        self.check_prompt_length(len(token_ids))  # before the per-token checks: they cost as much as the list
+        self._check_token_ids("prompt", token_ids)
+
+    def check_prompt_length(self, num_tokens: int) -> None:
+        """Also before there is a list: the server counts a huge body's token ids in its bytes."""
+        if not num_tokens:
             raise InvalidInput("prompt", "the prompt is empty: give at least one token")
-        if len(token_ids) >= self.max_model_len:  # before the per-token checks: they cost as much as the list
-            raise InvalidInput("prompt", f"the prompt ({len(token_ids)} tokens) is too long: max_model_len is "
+        if num_tokens >= self.max_model_len:
+            raise InvalidInput("prompt", f"the prompt ({num_tokens} tokens) is too long: max_model_len is "
                                          f"{self.max_model_len}, which must also leave room for at least one "
                                          f"output token")
-        self._check_token_ids("prompt", token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
@@ -1475,10 +1479,16 @@ class AsyncLLM:
     async def _run_loop(self) -> None:
         loop = asyncio.get_running_loop()
         engine = self.engine
-        failures = 0
+        failures, stepped = 0, False
+        # glibc keeps freed memory while steps run (tune_process): going idle, it gives it back
+        trims = engine.device.type == "cpu" and engine.config.cpu_allocator_tuning
         try:
             while True:
                 step = engine.schedule_step()
+                if step is None and stepped and trims:
+                    stepped = False
+                    await loop.run_in_executor(self.executor, cpu_backend.trim_heap)
+                    continue  # a request may have come meanwhile
                 if step is None:  # nothing can run until a request comes (or goes)
                     self.wakeup.clear()
                     await self.wakeup.wait()
@@ -1496,7 +1506,7 @@ class AsyncLLM:
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise EngineDeadError(DEAD_MESSAGE) from None
                     continue
-                failures = 0
+                failures, stepped = 0, True
                 for out in outputs:
                     queue = self.queues.get(out.request_id)
                     if queue is not None:

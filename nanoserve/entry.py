@@ -81,6 +81,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
+_IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # a prompt of token ids
 
 
 # =========================================================================== CLI
@@ -149,7 +150,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
                         "--max-num-seqs, at most 512)")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
-                   help="on the CPU, set transparent huge pages and glibc malloc for speed, process-wide")
+                   help="on the CPU, set transparent huge pages and glibc malloc for speed, and cap oneDNN's "
+                        "GEMM caches for memory, process-wide")
 
     g = p.add_argument_group("tensor parallelism")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -516,6 +518,10 @@ class GenerationRequest(OpenAIBaseModel):
     def num_prompts(self) -> int:
         return 1
 
+    @classmethod
+    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
+        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
+
     def process_prompts(self, state: "ServerState") -> list[TokenizedPrompt]:
         """On the tokenizer thread: render, tokenize and check every prompt."""
         prompts = [state.engine.process_prompt(p, self.truncate_prompt_tokens, self.add_special_tokens,
@@ -584,6 +590,25 @@ class CompletionRequest(GenerationRequest):
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x for x in p):
             return list(p)
         raise ValueError(f"prompt must be {rule}, got {show(p)}")
+
+    @classmethod
+    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
+        """A huge body's token-id prompt too long for the model is refused from its bytes,
+        before decoding millions of numbers. Only where the count is certain: a "prompt" list
+        opening with a number, no escape (so "prompt" has one spelling), one "prompt" key, no
+        truncate_prompt_tokens: the commas before the first "]" count its ids (any element not
+        an id is a 400 as well)."""
+        ids = _IDS_LIST.match(raw, max(raw.find(b'"prompt"'), 0))
+        if ids is None or b"\\" in raw or raw.count(b'"prompt"') != 1:  # C scans: the GIL passes between
+            return
+        if b'"truncate_prompt_tokens"' in raw:  # a truncated prompt may fit: the engine judges it
+            return
+        end = raw.find(b"]", ids.end())  # none: not JSON, which the decoder says
+        try:
+            if end > 0:
+                engine.check_prompt_length(raw.count(b",", ids.end(), end) + 1)
+        except InvalidInput as e:
+            raise bad_request(str(e), e.param) from None
 
     @model_validator(mode="after")
     def _completion_rules(self) -> "CompletionRequest":
@@ -1382,7 +1407,7 @@ async def create_chat_completion(request: Request) -> Response:
 async def _generate(request: Request, schema: type[GenerationRequest]) -> Response:
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
-    req = parse_body(schema, await read_json(request, state), request_id)
+    req = parse_body(schema, await read_json(request, state, schema.check_raw), request_id)
     if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
         if request.scope["nanoserve.request_id_given"]:
             req.request_id = None
@@ -1501,9 +1526,11 @@ async def _internal_error_handler(request: Request, exc: Exception) -> Response:
 
 # ---------------------------------------------------------------- reading a body
 
-async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
+async def read_json(request: Request, state: ServerState,
+                    check_raw: Callable[[bytes, LLMEngine], None] | None = None) -> dict[str, Any]:
     """The body as a JSON object, read no further than the size limit and no
-    longer than the body timeout (a client that never sends it holds nothing)."""
+    longer than the body timeout (a client that never sends it holds nothing);
+    a large one is decoded off the loop, after ``check_raw`` looked at its bytes."""
     limit = state.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -1514,6 +1541,8 @@ async def read_json(request: Request, state: ServerState) -> dict[str, Any]:
         raise ApiError(408, f"the request body did not arrive within {state.body_timeout:g} s") from None
     if len(raw) < LARGE_BODY_BYTES:
         return parse_json_object(raw)
+    if check_raw is not None:
+        await state.off_loop(check_raw, raw, state.engine)
     return await state.off_loop(parse_json_object, raw, True)  # C's json holds the GIL: see there
 
 
@@ -2147,6 +2176,7 @@ def serve(args: argparse.Namespace) -> int:
     server = Server(build_app(AsyncLLM(engine, executor), args), args)
     port = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
+    sock.listen()  # the banner's URL takes connections (they wait for uvicorn's start-up, not refused)
     print(banner(engine, args, f"http://{host}:{port}"), flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))

@@ -237,3 +237,71 @@ def test_process_tuning_is_explicit_and_can_be_turned_off(model, monkeypatch, ca
     assert calls == [1]
     monkeypatch.undo()
     assert "glibc malloc: no mmap, one arena, no trimming" in cpu_backend.tune_process()  # every mallopt accepted
+
+
+_GEMM_CACHE_PROBE = """
+import ctypes, sys, torch
+from nanoserve import cpu_backend
+print(cpu_backend.tune_process())
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t)
+                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+def in_use():
+    m = libc.mallinfo2()
+    return m.uordblks + m.hblkhd
+linears = [cpu_backend.PackedLinear(torch.randn(o, 256, dtype=torch.bfloat16), None) for o in (512, 256)]
+before = in_use()
+with torch.inference_mode():
+    for rows in range(1, 301):  # 300 step sizes: 600 GEMM primitives
+        for linear in linears:
+            linear(torch.randn(rows, 256, dtype=torch.bfloat16))
+print((in_use() - before) >> 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc"
+                    or not cpu_backend.can_pack_linear_weights(torch.bfloat16, torch.device("cpu")),
+                    reason="mallinfo2 is glibc's; packed weights need oneDNN's bf16")
+def test_process_tuning_bounds_onednn_caches():
+    """Every new step size builds GEMM primitives that oneDNN and ideep cache (1,024
+    each by default): tune_process caps both before the first oneDNN call, so a
+    server's malloc'd memory stops growing with the step sizes it has seen; a
+    value the user set wins."""
+    import subprocess
+
+    def run(**env):
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+        out = subprocess.run([sys.executable, "-c", _GEMM_CACHE_PROBE], env={**base, **env}, capture_output=True,
+                             text=True, check=True).stdout.split("\n")
+        return out[0], int(out[1])
+    settings, capped = run()
+    assert f"ONEDNN_PRIMITIVE_CACHE_CAPACITY={cpu_backend.ONEDNN_CACHE_CAPACITY}" in settings
+    assert f"LRU_CACHE_CAPACITY={cpu_backend.ONEDNN_CACHE_CAPACITY}" in settings
+    settings, default = run(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024", LRU_CACHE_CAPACITY="1024")
+    assert "CACHE_CAPACITY" not in settings  # the user's values are left alone
+    assert capped * 3 < default, (capped, default)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                    reason="malloc_trim is glibc's")
+def test_trim_heap_gives_back_what_tune_process_keeps():
+    """With glibc's trimming off, 256 MiB freed stay resident; trim_heap returns them."""
+    import subprocess
+    code = """
+import torch
+from nanoserve import cpu_backend
+rss = lambda: int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS:")).split()[1]) >> 10
+cpu_backend.tune_process()
+x = torch.ones(2**28, dtype=torch.uint8)
+before = rss()
+del x
+kept = rss()
+cpu_backend.trim_heap()
+print(before - kept, kept - rss())
+"""
+    freed, trimmed = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                             check=True).stdout.split())
+    assert freed < 64 and trimmed > 192, (freed, trimmed)

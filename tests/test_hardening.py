@@ -75,7 +75,8 @@ def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
         return parse(raw, yielding)
     monkeypatch.setattr(entry, "parse_json_object", held_parse)
     result = {}
-    body = {"prompt": [1] * (entry.LARGE_BODY_BYTES // 3 + 1000), "max_tokens": 1}  # "1, " each
+    too_long = [1] * (server.engine.max_model_len + 1)
+    body = {"prompt": [too_long] * (entry.LARGE_BODY_BYTES // (3 * len(too_long)) + 1), "max_tokens": 1}
     worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, body)))
     worker.start()
     try:
@@ -86,6 +87,35 @@ def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
         release.set()
     worker.join(60)
     _check_error(result["r"], 400, "prompt")  # too long, found after decoding
+
+
+def test_a_huge_token_id_prompt_is_refused_from_its_bytes(server, monkeypatch):
+    """Millions of token ids in one prompt: the 400 is the engine's own, counted in
+    the raw body before any number is decoded; where the count is not certain (an
+    escape, a second "prompt", a list of lists) the body is decoded as before."""
+    decoded = []
+    parse = entry.parse_json_object
+    monkeypatch.setattr(entry, "parse_json_object",
+                        lambda raw, yielding=False: decoded.append(1) or parse(raw, yielding))
+    num = entry.LARGE_BODY_BYTES // 3 + 1000
+    raw = '{"model": "m",  "prompt" :\n [ 7,' + " 1," * (num - 2) + ' 3 ], "max_tokens": 1}'
+    err = _check_error(_post(server.url, raw), 400, "prompt")
+    assert err["message"].startswith(f"the prompt ({num} tokens) is too long: max_model_len is "
+                                      f"{server.engine.max_model_len}")
+    assert decoded == []
+    pad = " " * entry.LARGE_BODY_BYTES  # JSON whitespace: large, and a prompt that fits
+    assert _post(server.url, '{"prompt": [5, 6, 7],' + pad + '"max_tokens": 1}').status_code == 200
+    assert decoded == [1]
+    for body in ({"prompt": [1] * num, "stop": ["prompt"]}, {"prompt": [1] * num, "user": "é"},
+                 {"prompt": [[1] * num]}):
+        _check_error(_post(server.url, json.dumps(body)), 400, "prompt")
+    assert "not valid JSON" in _check_error(_post(server.url, '{"prompt": [' + "1, " * num), 400, None)["message"]
+    assert decoded == [1] * 5
+    # truncated to what fits, a huge prompt is a good request: decoded, and served
+    r = _post(server.url, json.dumps({"prompt": [1] * num, "truncate_prompt_tokens": 4, "max_tokens": 1}))
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 4, r.text
+    assert decoded == [1] * 6
+    server.wait_idle()
 
 
 def test_a_text_longer_than_any_prompt_that_fits_is_refused_untokenized(server):
@@ -306,6 +336,22 @@ def test_idle_and_slow_connections_are_closed(tiny_model, monkeypatch):
         assert httpx.get(s.url + "/health").status_code == 200
 
 
+def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model, monkeypatch, capsys):
+    """A client that connects as soon as it reads the URL line waits for the server, never refused."""
+    monkeypatch.setattr(entry, "configure_logging", lambda *levels: None)  # leave pytest's handlers alone
+    connected = []
+
+    async def serve(self, sockets):  # in place of uvicorn's: nothing accepts yet
+        url = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("URL"))
+        host, port = url.split()[1].rsplit("/", 1)[1].split(":")
+        with socket.create_connection((host, int(port)), timeout=60):
+            connected.append(port)
+    monkeypatch.setattr(entry.Server, "serve", serve)
+    assert entry.main(["--model", str(tiny_model), "--port", "0", "--disable-log-stats", "--dtype", "float32",
+                       "--num-kv-blocks", "16", "--max-model-len", "64"]) == 0
+    assert len(connected) == 1
+
+
 # =========================================================================== logs
 
 def test_client_strings_cannot_forge_log_lines(server, caplog):
@@ -337,3 +383,38 @@ def test_building_an_engine_leaves_the_global_seed_alone(tiny_model):
     before = torch.get_rng_state()
     LLM(str(tiny_model), dtype="float32", num_kv_blocks=16, max_model_len=64, seed=7)
     assert torch.equal(before, torch.get_rng_state())
+
+
+# =========================================================================== memory
+
+@pytest.mark.parametrize("tuning", [True, False])
+def test_the_engine_trims_the_heap_each_time_it_goes_idle(tiny_model, monkeypatch, tuning):
+    """glibc's own trimming is off while steps run (tune_process); the server's engine
+    gives the freed memory back once each time it goes idle after steps, on its model
+    thread, and never when the process settings are off."""
+    import asyncio
+    from nanoserve import cpu_backend
+    from nanoserve.engine import AsyncLLM, EngineConfig, LLMEngine
+    trims = []
+    monkeypatch.setattr(cpu_backend, "trim_heap", lambda: trims.append(threading.current_thread().name))
+    engine = LLMEngine(EngineConfig(model=str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128,
+                                    cpu_allocator_tuning=tuning))
+
+    async def run():
+        async_llm = AsyncLLM(engine)
+        async_llm.start()
+        try:
+            for i in range(2):
+                async for _ in async_llm.generate("hello", SamplingParams(max_tokens=2), f"idle-{i}"):
+                    pass
+                for _ in range(1000):  # the engine trims after its last step: a deadline, not a timing
+                    if not tuning or len(trims) > i:
+                        break
+                    await asyncio.sleep(0.01)
+        finally:
+            await async_llm.shutdown()
+    asyncio.run(run())
+    if tuning:
+        assert len(trims) == 2 and trims[0] == trims[1] != threading.current_thread().name, trims
+    else:
+        assert trims == []
