@@ -838,16 +838,16 @@ class LLMEngine:
     def _append_prompt_logprobs(self, req: Request, start: int, rows: list[TokenLogprobs]) -> None:
         """Positions start + 1 ... of the prompt (a recomputed chunk replaces what
         it covers): the prompt token first, then the top ones, each with its rank
-        (1 + how many are strictly likelier: ties share one)."""
+        (as vLLM: the prompt token's is how many are at least as likely; the top
+        ones are ranked 1, 2, ... in order)."""
         del req.prompt_logprobs[start + 1:]
         ids = [[r.token_id, *(t for t, _ in r.top)] for r in rows]
         texts = iter(self._decode_each([t for row in ids for t in row], req.sampling_params.detokenize))
         for r, row in zip(rows, ids):
             text = [next(texts) for _ in row]
             entry = {r.token_id: Logprob(r.logprob, r.rank, text[0])}
-            values = [lp for _, lp in r.top]
-            for (t, lp), s in zip(r.top, text[1:]):
-                entry.setdefault(t, Logprob(lp, values.index(lp) + 1, s))
+            for i, ((t, lp), s) in enumerate(zip(r.top, text[1:])):
+                entry.setdefault(t, Logprob(lp, i + 1, s))
             req.prompt_logprobs.append(entry)
 
     def _decode_each(self, token_ids: list[int], detokenize: bool = True) -> list[str | None]:

@@ -957,8 +957,8 @@ class Sampler:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """One row's raw logprob of a given token, its rank (1 + the number of
-    tokens with a strictly greater logprob) and the row's top tokens."""
+    """One row's raw logprob of a given token, its rank (vLLM's: the number of
+    tokens with a logprob at least as great) and the row's top tokens."""
     token_id: int
     logprob: float
     rank: int
@@ -971,7 +971,7 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> li
     (float64 holds the int64 ids and the fp32 logprobs exactly)."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])
-    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+    ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True)  # as vLLM: a tie takes the worse rank
     top_v, top_i = logprobs.topk(k, dim=-1)
     host = torch.cat([token_ids[:, None].double(), chosen.double(), ranks.double(), top_v.double(),
                       top_i.double()], 1).tolist()

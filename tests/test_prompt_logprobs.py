@@ -40,7 +40,7 @@ def check(ref: torch.Tensor, ids: list[int], got, k: int, tok=None) -> None:
         assert list(entry)[0] == t and set(entry) == set(top) | {t}  # the prompt token first, then the top k
         for tid, lp in entry.items():
             assert isinstance(lp, Logprob) and lp.logprob == pytest.approx(float(row[tid]), abs=1e-5)
-            # rank: 1 + the tokens strictly likelier (with fp32 rounding room either way)
+            # rank (vLLM's): how many are at least as likely; the top k by position (fp32 rounding room either way)
             assert int((row > row[tid] + 1e-4).sum()) + 1 <= lp.rank <= int((row > row[tid] - 1e-4).sum()) + 1
             if tok is not None:
                 assert lp.decoded_token == tok.decode([tid])
@@ -147,3 +147,12 @@ def test_a_prompt_preempted_mid_prefill_recomputes_its_logprobs(tiny_model, hf):
     while engine.has_unfinished_requests():
         outs += engine.step()
     check(hf_prompt_logprobs(hf, ids), ids, outs[-1].prompt_logprobs, 2)
+
+
+def test_ranks_on_ties_are_vllms():
+    """vLLM counts the tokens at least as likely (a tie takes the worse rank), and
+    numbers the top k by position: bf16 logits tie often."""
+    (row,) = model.gather_logprobs(torch.tensor([[1.0, 2.0, 2.0, 0.5]]), torch.tensor([2]), k=3)
+    assert (row.token_id, row.rank) == (2, 2) and [t for t, _ in row.top][0] in (1, 2)
+    all_tied = model.gather_logprobs(torch.tensor([[0.0, 0.0, 0.0]]), torch.tensor([0]), k=0)
+    assert all_tied[0].rank == 3
