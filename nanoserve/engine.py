@@ -1334,6 +1334,12 @@ def _progress(total: int):
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
 
 
+def opens_reply(add_generation_prompt: bool | None, continue_final_message: bool) -> bool:
+    """Whether the rendered prompt opens the reply's turn: ``add_generation_prompt``,
+    left out (None) true unless the last message is continued."""
+    return not continue_final_message if add_generation_prompt is None else add_generation_prompt
+
+
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
                         add_generation_prompt: bool | None = None, continue_final_message: bool = False,
                         tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
@@ -1348,8 +1354,7 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidInput("chat_template", "this model's tokenizer has no chat template; pass chat_template=... "
                                             "or use generate() with a plain prompt")
-    if add_generation_prompt is None:
-        add_generation_prompt = not continue_final_message
+    add_generation_prompt = opens_reply(add_generation_prompt, continue_final_message)
     if add_generation_prompt and continue_final_message:
         raise InvalidInput("continue_final_message", "continue_final_message (continue the last message) cannot be "
                                                      "combined with add_generation_prompt=true (start a new one)")

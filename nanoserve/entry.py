@@ -68,7 +68,8 @@ from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
                               InvalidInput, LLMEngine, RequestFailedError, RequestOutput, SamplingParams,
                               StructuredOutputsParams,
-                              TokenizedPrompt, apply_chat_template, local_ranks, model_thread, run_worker_node)
+                              TokenizedPrompt, apply_chat_template, local_ranks, model_thread, opens_reply,
+                              run_worker_node)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -811,10 +812,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
 
     def echo_text(self, gen: "Generation", prompt_index: int) -> str:
         """As vLLM: the last message's content, if it has the role the reply takes."""
-        opens_reply = self.add_generation_prompt if self.add_generation_prompt is not None \
-            else not self.continue_final_message
-        last = self.messages[-1]
-        return (last["content"] or "") if last["role"] == ("assistant" if opens_reply else last["role"]) else ""
+        last, opens = self.messages[-1], opens_reply(self.add_generation_prompt, self.continue_final_message)
+        return (last["content"] or "") if last["role"] == ("assistant" if opens else last["role"]) else ""
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
                extra: dict, echo: str = "") -> dict | None:
