@@ -32,6 +32,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -734,7 +735,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
                                                '{"name": ...}}')
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
-    _parser: "ToolParser | None" = PrivateAttr(None)  # set by prompt_inputs when tool calls are parsed
+    _parser: "Callable[[], ToolParser] | None" = PrivateAttr(None)  # set by prompt_inputs when calls are parsed
     _streams: dict = PrivateAttr(default_factory=dict)  # choice index -> ToolStream
 
     @model_validator(mode="after")
@@ -820,13 +821,11 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
         content, calls, finish = text, [], c.finish_reason
         if self._parser is not None:
-            if stream:
-                content, calls, made = self._streams.setdefault(index, ToolStream(self._parser)).feed(
-                    text, finish is not None)
-            else:
-                content, calls = self._parser.parse(text, final=True)
-                calls = [tool_call_body(call) for call in calls]
-                made = bool(calls)
+            if index not in self._streams:  # a choice's parser keeps its place from chunk to chunk
+                self._streams[index] = ToolStream(self._parser())
+            content, calls, made = self._streams[index].feed(text, finish is not None or not stream)
+            if not stream:  # one feed: each call whole in its first delta
+                calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
             if self.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
                 calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
             if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
@@ -1083,96 +1082,170 @@ def dumps(obj: Any) -> str:
 
 
 # =========================================================================== tool calls
-# A parser finds the tool calls in a model's output (vLLM's --tool-call-parser):
-# parse(text, final) gives the content to show and the calls, {name, arguments
-# as a JSON string}, found in the text so far. Before the end it holds back what
-# may still turn into a call, so that a stream sends what both grew by: content
-# only ever grows, and so does a call's arguments (only the last call's can).
+# A parser finds the tool calls in a model's output (vLLM's --tool-call-parser). One
+# parser reads one choice, fed its text as it comes: feed(text, final) gives the content
+# that is out and what the calls gained, each {"name", "arguments"} for a new call or
+# {"arguments"} for more of the last one's. It keeps its place between feeds, so a
+# feed costs what its own text does and a call's JSON is read once, when it is whole:
+# a long response never re-reads its past. A response that is not streamed is one feed.
 
 class ToolParser:
-    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
         raise NotImplementedError
 
 
 class HermesToolParser(ToolParser):
-    """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any
-    number of them, text around them; a block that is not such JSON stays text."""
+    """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number
+    of them. As vLLM's, the content is the text before the first call (the text between and after
+    calls is dropped); a block that is not such JSON is text."""
     START, END = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
-        segments, calls, pos, tail = [""], [], 0, None  # segments: the text between calls
-        while (start := text.find(self.START, pos)) >= 0:
-            end = text.find(self.END, start)
-            if end < 0 and not final:  # a call still open: hold back from its start
-                tail = text[pos:start]
+    def __init__(self):
+        self.held, self.body, self.called = "", None, False  # held: may start a tag; body: an open call's text
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        text, pos, content, calls = self.held + text, 0, [], []
+        while True:  # each turn finds the next tag: a call's start outside one, its end inside
+            tag = self.START if self.body is None else self.END
+            at = text.find(tag, pos)
+            cut = at if at >= 0 else max(pos, len(text) - (0 if final else _tag_start(text, tag)))
+            if self.body is not None:
+                self.body.append(text[pos:cut])
+            elif not self.called:
+                content.append(text[pos:cut])
+            if at < 0:
                 break
-            stop = len(text) if end < 0 else end + len(self.END)
-            call = _json_call(text[start + len(self.START):end if end >= 0 else len(text)])
-            if call is None:
-                segments[-1] += text[pos:stop]
+            pos = at + len(tag)
+            if self.body is None:
+                self.body = []
             else:
-                segments[-1] += text[pos:start]
-                calls.append(call)
-                segments.append("")
-            pos = stop
-        return _join(segments, text[pos:] if tail is None else tail, self.START, final), calls
+                content += self._close(calls, closed=True)
+        self.held = text[cut:]
+        if final and self.body is not None:  # closed by the end of the output
+            content += self._close(calls, closed=False)
+        return "".join(content), calls
+
+    def _close(self, calls: list, closed: bool) -> list[str]:
+        """The open call is whole: a call, or (if not one) text."""
+        body, self.body = "".join(self.body), None
+        if (call := _json_call(body)) is not None:
+            self.called = True
+            calls.append(call)
+            return []
+        return [] if self.called else [self.START + body + (self.END if closed else "")]
+
+
+def _tag_start(text: str, tag: str) -> int:
+    """How much of ``text``'s end may be the start of ``tag``: held back until the next text says."""
+    return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
 class Llama3JsonToolParser(ToolParser):
     """Llama 3.1+ JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
-    joined by ";"), maybe after <|python_tag|>; anything else is content."""
+    joined by ";"), maybe after <|python_tag|>; anything else is content. Its first characters
+    decide: text streams as it comes, a call is held to the end and read there."""
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+    def __init__(self):
+        self.parts, self.head, self.is_call = [], "", None  # head: the output's start, blanks dropped
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.is_call is False:
+            return text, []
+        self.parts.append(text)
+        if self.is_call is None:
+            head = (self.head + text).lstrip()
+            body = head[len(self.TAG):].lstrip() if head.startswith(self.TAG) else head
+            self.head = head[:len(head) - len(body)].rstrip() + body  # blanks after the tag say nothing
+            if body.startswith("{") or (body and not self.TAG.startswith(body)):
+                self.is_call = body.startswith("{")
+        if not final:
+            return ("", []) if self.is_call is not False else ("".join(self.parts), [])
+        text = "".join(self.parts)
         body = text.strip()
         body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
-        if not final:  # a call is whole only at the end: hold back anything that may be one
-            return ("", []) if body.startswith("{") or self.TAG.startswith(body) else (text, [])
         values, end = _json_values(body, 0, ";")
         calls = [_json_call(v) for v in values]
         return (text, []) if not calls or None in calls or body[end:].strip() else ("", calls)
 
 
 class RequiredToolParser(ToolParser):
-    """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"}, ...]."""
+    """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"},
+    ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once."""
+    MARKS = re.compile(r'[][{}"\\]')
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
-        start = text.find("[")
-        values, end = _json_values(text, start + 1, ",") if start >= 0 else ([], 0)
-        calls = [c for c in map(_json_call, values) if c is not None]
-        rest = text[end:].strip().removeprefix(",").lstrip() if calls else text.strip()  # the "[" too, if no call
-        return ("" if not final or rest == "]" else rest), calls  # what did not parse (cut short): text
+    def __init__(self):
+        self.parts, self.size, self.end, self.called = [], 0, 0, False  # end: where the last call ends
+        self.depth, self.in_str, self.skip, self.value = 0, False, -1, None  # value: an open call's text
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        base, start, calls = self.size, 0, []
+        self.parts.append(text)
+        self.size += len(text)
+        for m in self.MARKS.finditer(text):
+            ch, at = m.group(), base + m.start()
+            if at == self.skip:  # escaped
+                continue
+            if self.in_str:
+                self.skip = at + 1 if ch == "\\" else self.skip
+                self.in_str = ch != '"'
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "[{":
+                self.depth += 1
+                if self.depth == 2:  # a value of the array starts
+                    self.value, start = [], m.start()
+            else:
+                self.depth -= 1
+                if self.depth == 1 and self.value is not None:
+                    body, self.value = "".join(self.value) + text[start:m.end()], None
+                    if (call := _json_call(body)) is not None:
+                        calls.append(call)
+                        self.end, self.called = base + m.end(), True
+        if self.value is not None:
+            self.value.append(text[start:])
+        if not final:
+            return "", calls
+        rest = "".join(self.parts)[self.end:].strip()  # what the calls do not account for (cut short): text
+        rest = rest.removeprefix(",").lstrip() if self.called else rest
+        return ("" if rest == "]" else rest), calls
 
 
 class NamedToolParser(ToolParser):
-    """A named tool_choice: the output is that function's arguments."""
+    """A named tool_choice: the output is that function's arguments, streamed as they come."""
 
     def __init__(self, name: str):
-        self.name = name
+        self.name, self.begun = name, False
 
-    def parse(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
-        return "", [{"name": self.name, "arguments": text}] if text or final else []
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.begun or not (text or final):
+            return "", [{"arguments": text}] if text else []
+        self.begun = True
+        return "", [{"name": self.name, "arguments": text}]
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 
 
-def tool_parser(tool_choice: Any, auto_parser: str | None) -> ToolParser | None:
-    """How this request's output is read: not at all for "none" (or no tools)."""
+def tool_parser(tool_choice: Any, auto_parser: str | None) -> Callable[[], ToolParser] | None:
+    """What makes a parser for each of this request's choices: none for "none" (or no tools)."""
     if isinstance(tool_choice, dict):
-        return NamedToolParser(tool_choice["function"]["name"])
+        return functools.partial(NamedToolParser, tool_choice["function"]["name"])
     if tool_choice == "required":
-        return RequiredToolParser()
-    return TOOL_PARSERS[auto_parser]() if tool_choice == "auto" else None
+        return RequiredToolParser
+    return TOOL_PARSERS[auto_parser] if tool_choice == "auto" else None
+
+
+_BLANKS = re.compile(r"\s*")
 
 
 def _json_values(text: str, pos: int, sep: str) -> tuple[list[Any], int]:
     """The whole JSON values in ``text`` from ``pos`` on, ``sep`` between them, and where the last ends."""
     values, decoder = [], json.JSONDecoder(strict=False)  # xgrammar's JSON lets control characters stand in strings
     while True:
-        at = len(text) - len(text[pos:].lstrip())
-        if values:
-            at = len(text) - len(text[at:].removeprefix(sep).lstrip())
+        at = _BLANKS.match(text, pos).end()
+        if values and text.startswith(sep, at):
+            at = _BLANKS.match(text, at + len(sep)).end()
         try:
             value, pos = decoder.raw_decode(text, at)
         except ValueError:
@@ -1191,41 +1264,24 @@ def _json_call(value: Any) -> dict[str, str] | None:
     return {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)}
 
 
-def _join(segments: list[str], tail: str, start_tag: str, final: bool) -> str:
-    """The content: the text between calls, trimmed where it meets one; before the
-    end, a tail that may be the start of a call tag, or whitespace before one, waits."""
-    if not final:
-        tail = tail[:len(tail) - max((k for k in range(1, len(start_tag)) if tail.endswith(start_tag[:k])),
-                                     default=0)].rstrip()
-    segments[-1] += tail
-    if len(segments) > 1:
-        last = len(segments) - 1
-        segments = [seg.rstrip() if i == 0 else seg.lstrip() if i == last else seg.strip()
-                    for i, seg in enumerate(segments)]
-    return "".join(segments)
-
-
 class ToolStream:
-    """One streamed choice's tool calls: the text so far, and what of its content and
-    of each call's arguments was sent; ``feed`` gives the next delta's parts."""
+    """One choice's tool calls: its parser, and how many calls it began; ``feed`` gives
+    a delta's parts in OpenAI's shape. A response that is not streamed is one feed."""
 
     def __init__(self, parser: ToolParser):
-        self.parser, self.text, self.content_sent, self.args_sent = parser, "", 0, []
+        self.parser, self.calls = parser, 0
 
     def feed(self, delta_text: str, final: bool) -> tuple[str, list[dict], bool]:
         """(new content, OpenAI tool-call deltas, whether any call was made)."""
-        self.text += delta_text
-        content, calls = self.parser.parse(self.text, final)
-        new_content, self.content_sent = content[self.content_sent:], len(content)
+        content, found = self.parser.feed(delta_text, final)
         deltas = []
-        for i, call in enumerate(calls):
-            if i == len(self.args_sent):  # a new call: its first delta names it
-                deltas.append({"index": i, **tool_call_body(call)})
-                self.args_sent.append(len(call["arguments"]))
-            elif len(call["arguments"]) > self.args_sent[i]:
-                deltas.append({"index": i, "function": {"arguments": call["arguments"][self.args_sent[i]:]}})
-                self.args_sent[i] = len(call["arguments"])
-        return new_content, deltas, bool(calls)
+        for call in found:
+            if "name" in call:  # a new call: its first delta names it
+                deltas.append({"index": self.calls, **tool_call_body(call)})
+                self.calls += 1
+            else:
+                deltas.append({"index": self.calls - 1, "function": {"arguments": call["arguments"]}})
+        return content, deltas, self.calls > 0
 
 
 def tool_call_body(call: dict[str, str]) -> dict[str, Any]:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import httpx
 import openai
 import pytest
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, entry
 from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, NamedToolParser, RequiredToolParser,
                             ToolStream, load_chat_template, parse_args)
 from test_server import ServerThread, _check_error, sse_events
@@ -68,11 +69,18 @@ def fits(name: str, args) -> bool:
 
 # =========================================================================== parsers, on crafted texts
 
-def stream_by_chars(parser, text: str) -> tuple[str, list[list[str]], bool]:
-    """Feed ``text`` a character at a time, as a stream would: the concatenated content and calls."""
+def parse_once(parser, text: str, final: bool = True) -> tuple[str, list[tuple[str, str]]]:
+    """As a response that is not streamed reads it: the whole text in one feed."""
+    content, deltas, made = ToolStream(parser).feed(text, final)
+    assert all("id" in d for d in deltas) and made == bool(deltas)  # each call whole in its first delta
+    return content, [(d["function"]["name"], d["function"]["arguments"]) for d in deltas]
+
+
+def stream_by_pieces(parser, pieces: list[str]) -> tuple[str, list[tuple[str, str]], bool]:
+    """Feed ``pieces`` one by one, as a stream would: the concatenated content and calls."""
     stream, content, calls, made = ToolStream(parser), "", [], False
-    for i, ch in enumerate(text):
-        delta, deltas, made = stream.feed(ch, i == len(text) - 1)
+    for i, piece in enumerate(pieces):
+        delta, deltas, made = stream.feed(piece, i == len(pieces) - 1)
         content += delta
         for d in deltas:
             if "id" in d:  # a call's first delta names it
@@ -81,7 +89,11 @@ def stream_by_chars(parser, text: str) -> tuple[str, list[list[str]], bool]:
             else:
                 assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
                 calls[d["index"]][1] += d["function"]["arguments"]
-    return content, calls, made
+    return content, [tuple(c) for c in calls], made
+
+
+def stream_by_chars(parser, text: str) -> tuple[str, list[tuple[str, str]], bool]:
+    return stream_by_pieces(parser, list(text))
 
 
 HERMES_CASES = [  # text -> (content, [(name, arguments)])
@@ -89,27 +101,29 @@ HERMES_CASES = [  # text -> (content, [(name, arguments)])
     ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>', "",
      [("get_time", '{"tz": "utc"}')]),
     ('Sure.\n<tool_call>\n{"name": "a", "arguments": {"x": "é"}}\n</tool_call>\n<tool_call>\n'
-     '{"name": "b", "arguments": {}}\n</tool_call>\n', "Sure.", [("a", '{"x": "é"}'), ("b", "{}")]),
+     '{"name": "b", "arguments": {}}\n</tool_call>\n', "Sure.\n", [("a", '{"x": "é"}'), ("b", "{}")]),
     ('text <tool_call>{"name": broken}</tool_call> more', 'text <tool_call>{"name": broken}</tool_call> more', []),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
-    ('ok <tool_call>{"name": "a", "arguments": {"x": 1}}', "ok", [("a", '{"x": 1}')]),  # closed by the end
+    ('ok <tool_call>{"name": "a", "arguments": {"x": 1}}', "ok ", [("a", '{"x": 1}')]),  # closed by the end
     ("cut short <tool", "cut short <tool", []),
+    # as vLLM's: the content is the text before the first call, as written; text between and after calls is not
+    ('Hi <tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b", "arguments": {}}'
+     '</tool_call> bye <tool_call>{"name": broken}</tool_call> <tool_call>{"oops', "Hi ", [("a", "{}"), ("b", "{}")]),
+    ('<tool_call>[1]</tool_call> <tool_call>{"name": "a"}</tool_call>\n', "<tool_call>[1]</tool_call> ",
+     [("a", "{}")]),  # a block that is no call before the first call is text
 ]
 
 
 @pytest.mark.parametrize("text,content,calls", HERMES_CASES)
 def test_hermes_parser(text, content, calls):
-    got_content, got_calls = HermesToolParser().parse(text, final=True)
-    assert got_content == content and [(c["name"], c["arguments"]) for c in got_calls] == calls
-    s_content, s_calls, made = stream_by_chars(HermesToolParser(), text)
-    assert s_content == content and [tuple(c) for c in s_calls] == calls and made == bool(calls)
+    assert parse_once(HermesToolParser(), text) == (content, calls)
+    assert stream_by_chars(HermesToolParser(), text) == (content, calls, bool(calls))
 
 
 def test_hermes_holds_back_only_what_may_be_a_call():
-    p = HermesToolParser()
-    assert p.parse("Hello <tool_c", final=False) == ("Hello", [])          # maybe a tag: wait
-    assert p.parse('Hi <tool_call>{"name": "a"', final=False) == ("Hi", [])  # an open call: wait
-    assert p.parse("Hello <b>", final=False) == ("Hello <b>", [])          # not a tag: send
+    assert parse_once(HermesToolParser(), "Hello <tool_c", final=False) == ("Hello ", [])      # maybe a tag: wait
+    assert parse_once(HermesToolParser(), 'Hi <tool_call>{"name": "a"', final=False) == ("Hi ", [])  # open: wait
+    assert parse_once(HermesToolParser(), "Hello <b>", final=False) == ("Hello <b>", [])      # not a tag: send
 
 
 @pytest.mark.parametrize("text,content,calls", [
@@ -122,26 +136,100 @@ def test_hermes_holds_back_only_what_may_be_a_call():
     ('{"no_name": 1}', '{"no_name": 1}', []),
 ])
 def test_llama3_json_parser(text, content, calls):
-    got_content, got_calls = Llama3JsonToolParser().parse(text, final=True)
-    assert got_content == content and [(c["name"], c["arguments"]) for c in got_calls] == calls
-    s_content, s_calls, _ = stream_by_chars(Llama3JsonToolParser(), text)
-    assert s_content == content and [tuple(c) for c in s_calls] == calls
+    assert parse_once(Llama3JsonToolParser(), text) == (content, calls)
+    assert stream_by_chars(Llama3JsonToolParser(), text)[:2] == (content, calls)
 
 
 def test_required_and_named_parsers_stream_as_they_parse():
     text = '[{"name": "get_time", "parameters": {"tz": "utc"}}, {"name": "a", "parameters": {}}]'
-    content, calls = RequiredToolParser().parse(text, final=True)
-    assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("get_time", '{"tz": "utc"}'),
-                                                                              ("a", "{}")]
-    assert len(RequiredToolParser().parse(text[:60], final=False)[1]) == 1  # the first call is out already
-    assert stream_by_chars(RequiredToolParser(), text)[1] == [["get_time", '{"tz": "utc"}'], ["a", "{}"]]
+    assert parse_once(RequiredToolParser(), text) == ("", [("get_time", '{"tz": "utc"}'), ("a", "{}")])
+    assert len(parse_once(RequiredToolParser(), text[:60], final=False)[1]) == 1  # the first call is out already
+    assert stream_by_chars(RequiredToolParser(), text)[1] == [("get_time", '{"tz": "utc"}'), ("a", "{}")]
+    # brackets, braces and escaped quotes inside strings do not end a call
+    tricky = r'[{"name": "f", "parameters": {"s": "}]\\\"{["}}]'
+    assert stream_by_chars(RequiredToolParser(), tricky)[1] == [("f", json.dumps({"s": '}]\\"{['}))]
     # cut short (max_tokens): what the calls do not account for is content, as the model wrote it
-    assert RequiredToolParser().parse(text[:60], final=True)[0] == '{"name":'
-    assert RequiredToolParser().parse(text[:30], final=True) == (text[:30], [])
-    assert stream_by_chars(RequiredToolParser(), text[:60])[:2] == ('{"name":', [["get_time", '{"tz": "utc"}']])
+    assert parse_once(RequiredToolParser(), text[:60])[0] == '{"name":'
+    assert parse_once(RequiredToolParser(), text[:30]) == (text[:30], [])
+    assert stream_by_chars(RequiredToolParser(), text[:60])[:2] == ('{"name":', [("get_time", '{"tz": "utc"}')])
     # a named function: the whole output is its arguments, streamed as it comes (one delta a character here)
-    assert stream_by_chars(NamedToolParser("f"), '{"x": 1}')[1] == [["f", '{"x": 1}']]
-    assert NamedToolParser("f").parse("", final=False) == ("", [])
+    assert stream_by_chars(NamedToolParser("f"), '{"x": 1}')[1] == [("f", '{"x": 1}')]
+    assert parse_once(NamedToolParser("f"), "", final=False) == ("", [])
+    assert parse_once(NamedToolParser("f"), "") == ("", [("f", "")])
+
+
+PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "required": RequiredToolParser,
+           "named": lambda: NamedToolParser("f")}
+
+
+def test_a_stream_adds_up_to_the_response_however_it_is_cut():
+    """The deltas of any cut of the text into pieces add up to what one feed gives (the response that is
+    not streamed), for texts built from tags, calls, brackets, escapes and their fragments."""
+    from hypothesis import given, settings, strategies as st
+
+    frags = ["<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "a", "arguments": {"x": [1]}}',
+             '{"name": "b", "parameters": {}}', '{"name": "c", "arguments": {"s": "}]\\"{"}}', "<|python_tag|>",
+             "[", "]", "{", "}", '"', "\\", ",", ";", " ", "\n", "x", "é", "<"]
+
+    @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "300")), deadline=None)
+    @given(st.lists(st.sampled_from(frags), max_size=12), st.lists(st.integers(0, 200), max_size=12),
+           st.sampled_from(sorted(PARSERS)))
+    def check(parts, cuts, name):
+        text = "".join(parts)
+        cuts = sorted({c for c in cuts if c <= len(text)})
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        content, calls = parse_once(PARSERS[name](), text)
+        assert stream_by_pieces(PARSERS[name](), pieces)[:2] == (content, calls)
+    check()
+
+
+def test_reading_a_stream_is_linear_in_its_text(monkeypatch):
+    """A feed looks at its own text (and a tag's length before it), and a call's JSON is read once, when it is
+    whole: the work of reading N calls fed a few characters at a time grows as the text does. (Re-reading the
+    whole text every token was quadratic: 400 hermes calls held the server's one loop thread for seconds.)
+    Work is counted, not timed: the lines of entry.py that run, and the characters the JSON decoder reads."""
+    decoded = [0]
+    raw_decode = json.JSONDecoder.raw_decode
+
+    def counting(self, s, idx=0):
+        try:
+            value, end = raw_decode(self, s, idx)
+        except json.JSONDecodeError as e:
+            decoded[0] += e.pos - idx + 1
+            raise
+        decoded[0] += end - idx
+        return value, end
+    monkeypatch.setattr(json.JSONDecoder, "raw_decode", counting)
+
+    def work(name: str, n: int) -> tuple[float, float]:
+        """(lines run, characters decoded), each per character of a text of ``n`` calls."""
+        call = '{"name": "get_weather", "%s": {"city": "Paris \\"%d\\"", "days": [3, {"x": "}"}]}}'
+        text = {"hermes": "Sure.\n" + "".join(f"<tool_call>\n{call % ('arguments', i)}\n</tool_call>\n"
+                                              for i in range(n)),
+                "required": "[" + ", ".join(call % ("parameters", i) for i in range(n)) + "]",
+                "llama3_json": "; ".join(call % ("parameters", i) for i in range(n)),
+                "named": "[" + ", ".join(call % ("parameters", i) for i in range(n)) + "]"}[name]
+        lines, decoded[0] = 0, 0
+
+        def trace(frame, event, arg):  # count the lines run in entry.py's frames only
+            def line(frame, event, arg):
+                nonlocal lines
+                lines += event == "line"
+                return line
+            return line if frame.f_code.co_filename == entry.__file__ else None
+        old = sys.gettrace()
+        sys.settrace(trace)
+        try:
+            content, calls, _ = stream_by_pieces(PARSERS[name](), [text[i:i + 3] for i in range(0, len(text), 3)])
+        finally:
+            sys.settrace(old)
+        assert len(calls) == (1 if name == "named" else n)
+        return lines / len(text), decoded[0] / len(text)
+
+    for name in PARSERS:
+        (lines_small, decoded_small), (lines_big, decoded_big) = work(name, 20), work(name, 400)
+        assert lines_big < 1.25 * lines_small, (name, lines_small, lines_big)  # quadratic: ~20x
+        assert decoded_big <= 2.5 and decoded_small <= 2.5, (name, decoded_small, decoded_big)
 
 
 # =========================================================================== offline: LLM.chat
@@ -327,7 +415,8 @@ def test_required_hands_xgrammar_a_defs_that_is_not_an_object(server):
 
 
 FORCED = ('I will check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n'
-          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>')
+          '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "cet"}}\n</tool_call>\nDone.')
+TOLD = "I will check. "  # as vLLM's hermes parser: the text before the first call, as written; none after it
 
 
 def test_auto_parses_the_calls_the_model_writes(server):
@@ -336,9 +425,9 @@ def test_auto_parses_the_calls_the_model_writes(server):
     (choice,) = chat(server, **body)["choices"]
     want = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
     assert calls_of(choice["message"]) == want
-    assert choice["message"]["content"] == "I will check." and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == TOLD and choice["finish_reason"] == "tool_calls"
     _, content, calls, finish = chat_stream(server, **body)
-    assert (content, calls, finish) == ("I will check.", want, "tool_calls")
+    assert (content, calls, finish) == (TOLD, want, "tool_calls")
     # the same model through the openai SDK
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
     msg = client.chat.completions.create(model=server.args.served_model_name[0], messages=USER, tools=TOOLS,
@@ -372,9 +461,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(server):
     first = [["get_weather", '{"city": "Paris", "days": 3}']]
     (choice,) = chat(server, **body, parallel_tool_calls=False)["choices"]
     assert calls_of(choice["message"]) == first
-    assert choice["message"]["content"] == "I will check." and choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == TOLD and choice["finish_reason"] == "tool_calls"
     chunks, content, calls, finish = chat_stream(server, **body, parallel_tool_calls=False)
-    assert (content, calls, finish) == ("I will check.", first, "tool_calls")
+    assert (content, calls, finish) == (TOLD, first, "tool_calls")
     assert all(d["index"] == 0 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", []))
     assert len(calls_of(chat(server, **body, parallel_tool_calls=True)["choices"][0]["message"])) == 2
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
