@@ -464,7 +464,7 @@ class GenerationRequest(OpenAIBaseModel):
             raise InvalidInput("prompt_logprobs", "prompt_logprobs are not available when stream=true")
         return self
 
-    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """Raises InvalidInput (SamplingParams checks the ranges). ``defaults``
         (the model's generation config) fill the fields this body leaves out."""
         bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
@@ -472,7 +472,7 @@ class GenerationRequest(OpenAIBaseModel):
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
                       prompt_logprobs=self.requested_prompt_logprobs())
         given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
-        fields.update({k: v for k, v in (defaults or {}).items() if k not in given})
+        fields.update({k: v for k, v in defaults.items() if k not in given})
         return SamplingParams(**fields, logit_bias=bias, structured_outputs=self.structured_spec())
 
     def param_name(self, engine_param: str) -> str:
@@ -513,9 +513,6 @@ class GenerationRequest(OpenAIBaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     # what differs between the two endpoints
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
     def num_prompts(self) -> int:
         return 1
 
@@ -1278,20 +1275,19 @@ class ServerState:
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     """The HTTP app over an AsyncLLM that is not started yet: the app's lifespan
     starts it on uvicorn's loop and stops it at shutdown."""
-    names = list(args.served_model_name or [args.model])
-    state = ServerState(async_llm, names, args.api_key, args.max_queue_len, args.max_request_body_bytes,
-                        ServerMetrics(async_llm, names[0]), chat_template=args.chat_template,
+    state = ServerState(async_llm, args.served_model_name, args.api_key, args.max_queue_len,
+                        args.max_request_body_bytes, ServerMetrics(async_llm, args.served_model_name[0]),
+                        chat_template=args.chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
-    stats_interval = None if args.disable_log_stats else args.log_stats_interval
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         async_llm.start()
         tasks = [asyncio.create_task(_exit_when_dead(state))]
-        if stats_interval:
-            tasks.append(asyncio.create_task(log_stats_periodically(state, stats_interval)))
+        if not args.disable_log_stats:
+            tasks.append(asyncio.create_task(log_stats_periodically(state, args.log_stats_interval)))
         try:
             yield
         finally:
@@ -1486,8 +1482,8 @@ def check_model(req: OpenAIBaseModel, state: ServerState) -> str:
 
 
 async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[int, CompletionOutput] | None:
-    """Run a non-streaming request to the end, or abort it when the client leaves."""
-    done, why = False, "the server stopped"  # unless we get further
+    """Run a non-streaming request to the end, or abort it (and give None) when the client leaves."""
+    why = "the server stopped"  # unless we get further
     try:
         done, finals = await until_disconnect(request.receive, gen.collect())
         why = "" if done else "client disconnected"
@@ -1496,7 +1492,7 @@ async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[in
         raise _engine_error(e) from None
     finally:
         gen.close(why)
-    return finals if done else None
+    return finals
 
 
 # ---------------------------------------------------------------- errors
@@ -1569,8 +1565,7 @@ class _Tracked:
     done: bool = False
     finish_reasons: list[str] = field(default_factory=list)
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # by completion index
-    first_token_seen: bool = False
-    last_token_time: float | None = None
+    last_token_time: float | None = None  # None until the first token
 
 
 def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
@@ -1744,12 +1739,11 @@ class Generation:
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
         if m is not None and m.first_token_time is not None:
-            if not t.first_token_seen:
-                t.first_token_seen = True
+            if t.last_token_time is None:
                 metrics.time_to_first_token.observe(m.first_token_time - m.arrival_time)
                 if m.first_scheduled_time is not None:
                     metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-            elif t.last_token_time is not None and m.last_token_time > t.last_token_time:
+            elif m.last_token_time > t.last_token_time:
                 metrics.inter_token_latency.observe(m.last_token_time - t.last_token_time)
             t.last_token_time = m.last_token_time
         for c in out.outputs:
@@ -1855,7 +1849,7 @@ class EventStream:
     It stops when the client disconnects, which closes the iterator and so
     aborts the engine requests behind it; ``on_close(why)`` runs in every case."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[str], None] | None = None):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[str], None]):
         self.events, self.on_close = events, on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -1874,8 +1868,7 @@ class EventStream:
             why = "" if done else "client disconnected mid-stream"
         finally:
             await self.events.aclose()  # a no-op unless pump() never started it
-            if self.on_close is not None:
-                self.on_close(why)
+            self.on_close(why)
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> tuple[bool, Any]:
