@@ -549,17 +549,8 @@ class GenerationRequest(OpenAIBaseModel):
         generated, as in vLLM, and left out of the response."""
         return False
 
-    def token_ids_body(self, prompt_ids: list[int] | None, token_ids: list[int], prompt_logprobs) -> dict:
-        """return_token_ids and prompt_logprobs, as vLLM adds them to a choice (a
-        stream's first chunk carries the prompt's)."""
-        out = {}
-        if self.return_token_ids:
-            out.update({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}, token_ids=token_ids)
-        if prompt_logprobs is not None:  # asked for, or by echo (as vLLM's)
-            out["prompt_logprobs"] = [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
-                                                                       "decoded_token": lp.decoded_token}
-                                                              for t, lp in e.items()} for e in prompt_logprobs]
-        return out
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
 class CompletionRequest(GenerationRequest):
@@ -567,8 +558,7 @@ class CompletionRequest(GenerationRequest):
     chunk_object: ClassVar[str] = "text_completion"
     id_prefix: ClassVar[str] = "cmpl-"
 
-    prompt: Any = Field(None, description="a string, a list of strings, a list of token ids, "
-                                          "or a list of token-id lists")
+    prompt: Any = None  # one of PROMPT_SHAPES
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = None
     add_special_tokens: bool = True
@@ -578,16 +568,15 @@ class CompletionRequest(GenerationRequest):
     @classmethod
     def _prompts(cls, p: Any) -> list[str | list[int]]:
         """Only the shape: the engine checks the token ids, after the cheap length bound."""
-        rule = "a string, a list of strings, a list of token ids, or a list of token-id lists"
         if isinstance(p, str):
             return [p]
         if not isinstance(p, list) or not p:
-            raise ValueError(f"prompt must be {rule} (and not empty), got {show(p)}")
+            raise ValueError(f"prompt must be {PROMPT_SHAPES} (and not empty), got {show(p)}")
         if isinstance(p[0], int) and not isinstance(p[0], bool):
             return [p]
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x for x in p):
             return list(p)
-        raise ValueError(f"prompt must be {rule}, got {show(p)}")
+        raise ValueError(f"prompt must be {PROMPT_SHAPES}, got {show(p)}")
 
     @classmethod
     def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
@@ -611,8 +600,7 @@ class CompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _completion_rules(self) -> "CompletionRequest":
         if self.prompt is None:
-            raise InvalidInput("prompt", "prompt is required: a string, a list of strings, a list of token ids, "
-                                    "or a list of token-id lists")
+            raise InvalidInput("prompt", f"prompt is required: {PROMPT_SHAPES}")
         if self.max_tokens == 0 and not self.echo:
             raise InvalidInput("max_tokens", "max_tokens must be >= 1 (0 only with echo: true, to score the prompt)")
         return self
@@ -1372,10 +1360,7 @@ class EntryMiddleware:
                 error = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
                                  headers={"WWW-Authenticate": "Bearer"})
         if error is not None:
-            self.state.metrics.count_rejected(error.status)
-            logger.info("[entry] %s: %s %s -> %d: %s", scope["nanoserve.request_id"], scope["method"],
-                        esc(scope["path"]), error.status, error.message)
-            await error.response()(scope, receive, send_with_id)
+            await _reject(self.state, scope, error)(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
 
@@ -1502,10 +1487,15 @@ def _engine_error(e: Exception) -> ApiError:
 
 
 async def _api_error_handler(request: Request, exc: ApiError) -> Response:
-    _state(request).metrics.count_rejected(exc.status)
-    logger.info("[entry] %s: %s %s -> %d: %s", request.scope.get("nanoserve.request_id"), request.method,
-                esc(request.url.path), exc.status, exc.message)
-    return exc.response()
+    return _reject(_state(request), request.scope, exc)
+
+
+def _reject(state: ServerState, scope, error: ApiError) -> Response:
+    """An error answer, counted and logged."""
+    state.metrics.count_rejected(error.status)
+    logger.info("[entry] %s: %s %s -> %d: %s", scope.get("nanoserve.request_id"), scope["method"],
+                esc(scope["path"]), error.status, error.message)
+    return error.response()
 
 
 async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
@@ -1622,7 +1612,7 @@ class Generation:
                 self.tracked.append(_Tracked(engine_id, state.async_llm.add_request(prompt, params, engine_id)))
         except EngineDeadError as e:
             self.close()
-            raise ApiError(503, str(e)) from None
+            raise _engine_error(e) from None
         except InvalidInput:  # the engine's own checks (a request id in use)
             self.close()
             raise
@@ -1714,9 +1704,17 @@ class Generation:
         return tokenizer.decode([token_id])
 
     def extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
-        """return_token_ids and prompt_logprobs (the prompt's only in a choice's first chunk)."""
-        return self.req.token_ids_body(self.prompts[prompt_index].token_ids if first else None, token_ids,
-                                       self.prompt_logprobs.get(prompt_index) if first else None)
+        """return_token_ids and prompt_logprobs, as vLLM adds them to a choice (the
+        prompt's only in a choice's first chunk)."""
+        out = {}
+        if self.req.return_token_ids:
+            out.update({"prompt_token_ids": self.prompts[prompt_index].token_ids} if first else {}, token_ids=token_ids)
+        prompt_logprobs = self.prompt_logprobs.get(prompt_index) if first else None
+        if prompt_logprobs is not None:  # asked for, or by echo (as vLLM's)
+            out["prompt_logprobs"] = [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                                                       "decoded_token": lp.decoded_token}
+                                                              for t, lp in e.items()} for e in prompt_logprobs]
+        return out
 
     def usage(self, finals: dict[int, CompletionOutput]) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.prompts)
