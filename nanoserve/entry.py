@@ -962,26 +962,14 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    if _SURROGATE_ESCAPE.search(text):  # rare: only then walk the body to name the field
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then look for the field that holds it
         for key, value in body.items():
-            if not (_is_text(key) and _is_text(value)):
+            try:
+                json.dumps({key: value}, ensure_ascii=False).encode("utf-8")  # UTF-8 cannot encode a lone one
+            except UnicodeEncodeError:
                 raise bad_request(f"{esc(key)} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
-                                  f"text", esc(key))
+                                  f"text", esc(key)) from None
     return body
-
-
-def _is_text(value: Any) -> bool:
-    """No lone surrogate anywhere in it (UTF-8 cannot encode one)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-    elif isinstance(value, list):
-        return all(map(_is_text, value))
-    elif isinstance(value, dict):
-        return all(_is_text(k) and _is_text(v) for k, v in value.items())
-    return True
 
 
 def _json_type(value: Any) -> str:
