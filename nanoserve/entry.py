@@ -346,14 +346,6 @@ class _Strict(BaseModel):
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-def _refuse_unsupported(data: Any) -> Any:
-    for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
-        if isinstance(data, dict) and name in data and not any(data[name] == v and type(data[name]) is type(v)
-                                                                 for v in harmless):
-            raise InvalidInput(name, f"{name} is not supported: {why}")
-    return data
-
-
 class OpenAIBaseModel(_Strict):
     prompt_field: ClassVar[str] = "prompt"  # where the engine's "prompt" came from
 
@@ -438,7 +430,14 @@ class GenerationRequest(OpenAIBaseModel):
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {show(bias)}")
         return v
 
-    _unsupported = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_unsupported(data)))
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
+            if isinstance(data, dict) and name in data and not any(data[name] == v and type(data[name]) is type(v)
+                                                                     for v in harmless):
+                raise InvalidInput(name, f"{name} is not supported: {why}")
+        return data
 
     @field_validator("request_id")
     @classmethod
@@ -507,10 +506,6 @@ class GenerationRequest(OpenAIBaseModel):
                                                   'or {"type": "json_schema", "json_schema": {"name": ..., "schema": '
                                                   '{...}}}')
         return StructuredOutputsParams(json=schema)
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
 
     # what differs between the two endpoints
     def num_prompts(self) -> int:
@@ -1773,11 +1768,7 @@ def _lp(value: float | None) -> float | None:
 # =========================================================================== SSE
 
 def sse(obj: Any) -> str:
-    """One server-sent event: `data: <json>` and a blank line."""
     return f"data: {dumps(obj)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
@@ -1811,11 +1802,11 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     top = req.response_extra(extra, gen.prompts[i].text) if first else {}
                     if choice is not None or top:  # None: all of it held back (a tool call's text)
                         yield sse({**head, "choices": [choice] if choice is not None else [], **top})
-        if req.include_usage:
+        if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(finals)})
     except Exception as e:  # the status line is gone: report in the stream
         yield sse(_stream_error(gen, e))
-    yield SSE_DONE
+    yield "data: [DONE]\n\n"
 
 
 def _stream_error(gen: Generation, e: Exception) -> dict:
@@ -1881,6 +1872,17 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitab
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
+_ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running queue", "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", "kv_cache_usage"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
+    (CounterMetricFamily, "num_preemptions", "Preemptions", "num_preemptions"),
+    (CounterMetricFamily, "prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
+    (CounterMetricFamily, "generation_tokens", "Tokens generated", "generation_tokens"),
+]
 
 
 class ServerMetrics:
@@ -1889,13 +1891,13 @@ class ServerMetrics:
     scrape time; latency histograms are fed by each request's timestamps."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str):
+        self.async_llm, self.model_name = async_llm, model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(async_llm, model_name))
+        self.registry.register(self)  # collect(): the engine's own series, at scrape time
 
         def histogram(name: str, doc: str):
             return Histogram(f"nanoserve:{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS,
                              registry=self.registry).labels(model_name)
-        self.model_name = model_name
         self._request_success = Counter("nanoserve:request_success", "Finished requests (choices), by reason",
                                         ["model_name", "finished_reason"], registry=self.registry)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first output token")
@@ -1911,26 +1913,6 @@ class ServerMetrics:
 
     def count_rejected(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
-
-
-_ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
-    (GaugeMetricFamily, "num_requests_running", "Requests in the running queue", "num_running"),
-    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
-    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", "kv_cache_usage"),
-    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-     "prefix_cache_queries"),
-    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
-    (CounterMetricFamily, "num_preemptions", "Preemptions", "num_preemptions"),
-    (CounterMetricFamily, "prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
-    (CounterMetricFamily, "generation_tokens", "Tokens generated", "generation_tokens"),
-]
-
-
-class _EngineStatsCollector:
-    """Gauges and counters that the engine already keeps, read at scrape time."""
-
-    def __init__(self, async_llm: AsyncLLM, model_name: str):
-        self.async_llm, self.model_name = async_llm, model_name
 
     def collect(self):
         s = self.async_llm.engine.stats()
