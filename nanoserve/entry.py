@@ -306,7 +306,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # SamplingParams fields that the request bodies carry under the same name
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                    "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+                    "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                    "logit_bias")
 _UNSET = (None,)
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
@@ -466,13 +467,12 @@ class GenerationRequest(OpenAIBaseModel):
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """Raises InvalidInput (SamplingParams checks the ranges). ``defaults``
         (the model's generation config) fill the fields this body leaves out."""
-        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
                       prompt_logprobs=self.requested_prompt_logprobs())
         given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
         fields.update({k: v for k, v in defaults.items() if k not in given})
-        return SamplingParams(**fields, logit_bias=bias, structured_outputs=self.structured_spec())
+        return SamplingParams(**fields, structured_outputs=self.structured_spec())
 
     def param_name(self, engine_param: str) -> str:
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
@@ -688,7 +688,7 @@ class ChatTemplateFields(OpenAIBaseModel):
             raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
                                                 "--chat-template FILE (or an inline Jinja template), or send "
                                                 "chat_template in the request")
-        tools = None if not self.template_tools(state) else [t.model_dump(exclude_none=True) for t in self.tools]
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.template_tools(state) else None
         return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
                                    self.continue_final_message, tools, self.chat_template_kwargs, self.documents)
 
@@ -919,17 +919,15 @@ def check_tool_choice(choice: Any, tools: list[dict] | None) -> None:
     usage = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
     if choice is None or choice == "none":
         return
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidInput("tool_choice", f"tool_choice must be {usage}, got {show(choice)}")
-    elif choice not in ("auto", "required"):
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    named = (isinstance(fn, dict) and choice.get("type", "function") == "function"
+             and isinstance(fn.get("name"), str) and fn["name"] != "")
+    if not named and choice not in ("auto", "required"):
         raise InvalidInput("tool_choice", f"tool_choice must be {usage}, got {show(choice)}")
     if tools is None:
         raise InvalidInput("tool_choice", f"tool_choice {show(choice)} needs tools: the functions it may call")
-    if isinstance(choice, dict) and find_tool(tools, choice["function"]["name"]) is None:
-        raise InvalidInput("tool_choice", f"tool_choice names the function {show(choice['function']['name'])}, "
+    if named and find_tool(tools, fn["name"]) is None:
+        raise InvalidInput("tool_choice", f"tool_choice names the function {show(fn['name'])}, "
                                           f"which is not one of the tools")
 
 
