@@ -1223,9 +1223,6 @@ class ServerState:
     exit_code: int = 0                                   # 1 once the engine cannot recover
     request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
 
-    def __post_init__(self) -> None:
-        self.info = self.async_llm.engine.describe()
-
     @property
     def engine(self) -> LLMEngine:
         return self.async_llm.engine
@@ -1386,10 +1383,10 @@ async def _generate(request: Request, schema: type[GenerationRequest]) -> Respon
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    created = int(time.time())
+    created, info = int(time.time()), state.engine.describe()
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
-         "root": state.info.model, "parent": None, "max_model_len": state.info.max_model_len}
+         "root": info.model, "parent": None, "max_model_len": info.max_model_len}
         for name in state.model_names]})
 
 
@@ -1571,7 +1568,7 @@ class Generation:
             # compiled here, off the loop; the engine's add_request then finds it in its cache
             await state.off_loop(state.engine.structured_outputs.compile, params.structured_outputs)
             for prompt in prompts:
-                req.check_length(len(prompt.token_ids), params.max_tokens, state.info.max_model_len)
+                req.check_length(len(prompt.token_ids), params.max_tokens, state.engine.max_model_len)
             check_queue(state, req, params.n)  # again: others may have queued meanwhile
             return cls(state, request_id, req, params, prompts)
         except InvalidInput as e:
@@ -1713,7 +1710,7 @@ class Generation:
                                       echo))
         return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
                 "choices": choices, "usage": self.usage(finals),
-                **req.response_extra(extra, self.prompts[0].text if self.prompts else None)}
+                **req.response_extra(extra, self.prompts[0].text)}
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
