@@ -88,7 +88,6 @@ _IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # 
 # =========================================================================== CLI
 
 def default_model_path() -> str:
-    """The demo model packaged at nanoserve/demo_model, when there is one."""
     demo = Path(__file__).resolve().parent / "demo_model"
     if (demo / "config.json").is_file():
         return str(demo)
@@ -507,14 +506,6 @@ class GenerationRequest(OpenAIBaseModel):
                                                   '{...}}}')
         return StructuredOutputsParams(json=schema)
 
-    # what differs between the two endpoints
-    def num_prompts(self) -> int:
-        return 1
-
-    @classmethod
-    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
-        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
-
     def process_prompts(self, state: "ServerState") -> list[TokenizedPrompt]:
         """On the tokenizer thread: render, tokenize and check every prompt."""
         prompts = [state.engine.process_prompt(p, self.truncate_prompt_tokens, self.add_special_tokens,
@@ -532,6 +523,14 @@ class GenerationRequest(OpenAIBaseModel):
                 f"this model's max-model-len is {max_model_len} tokens, but the request needs "
                 f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
                 f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
+
+    # what differs between the two endpoints
+    def num_prompts(self) -> int:
+        return 1
+
+    @classmethod
+    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
+        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
 
     def first_chunks(self, head: dict) -> list[dict]:
         return []
