@@ -1572,6 +1572,8 @@ class Generation:
             return cls(state, request_id, req, params, prompts)
         except InvalidInput as e:
             raise req.invalid(e) from None
+        except EngineDeadError as e:
+            raise _engine_error(e) from None
 
     def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams,
                  prompts: list[TokenizedPrompt]):
@@ -1587,11 +1589,8 @@ class Generation:
             for i, prompt in enumerate(prompts):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 self.tracked.append(_Tracked(engine_id, state.async_llm.add_request(prompt, params, engine_id)))
-        except EngineDeadError as e:
-            self.close()
-            raise _engine_error(e) from None
-        except InvalidInput:  # the engine's own checks (a request id in use)
-            self.close()
+        except (InvalidInput, EngineDeadError):  # the engine's own checks (a request id in use), or a dead engine
+            self.close()  # aborts the prompts already queued
             raise
         logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s%s",
                      request_id, len(prompts), "+".join(str(len(p.token_ids)) for p in prompts),
