@@ -612,7 +612,10 @@ class CompletionRequest(GenerationRequest):
         return self.echo and self.max_tokens == 0
 
     def echo_text(self, gen: "Generation", prompt_index: int) -> str:
-        return gen.prompt_text(prompt_index)
+        prompt, tokenizer = gen.prompts[prompt_index], gen.state.engine.tokenizer
+        if prompt.text is not None:
+            return prompt.text
+        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
 
     def num_prompts(self) -> int:
         return len(self.prompt)
@@ -1644,12 +1647,6 @@ class Generation:
 
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.params.n + c.index
-
-    def prompt_text(self, prompt_index: int) -> str:
-        prompt, tokenizer = self.prompts[prompt_index], self.state.engine.tokenizer
-        if prompt.text is not None:
-            return prompt.text
-        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
 
     def logprobs(self, c: CompletionOutput, start: int, text_offset: int, echo: int | None = None) -> dict | None:
         """The logprobs of tokens [start:] of a choice, in the endpoint's shape;
