@@ -89,7 +89,6 @@ _IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # 
 # =========================================================================== CLI
 
 def default_model_path() -> str:
-    """The demo model packaged at nanoserve/demo_model, when there is one."""
     demo = Path(__file__).resolve().parent / "demo_model"
     if (demo / "config.json").is_file():
         return str(demo)
@@ -307,7 +306,8 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # SamplingParams fields that the request bodies carry under the same name
 _SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                    "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens")
+                    "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
+                    "logit_bias")
 _UNSET = (None,)
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
@@ -345,14 +345,6 @@ class _Strict(BaseModel):
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
         return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
-
-
-def _refuse_unsupported(data: Any) -> Any:
-    for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
-        if isinstance(data, dict) and name in data and not any(data[name] == v and type(data[name]) is type(v)
-                                                                 for v in harmless):
-            raise InvalidInput(name, f"{name} is not supported: {why}")
-    return data
 
 
 class OpenAIBaseModel(_Strict):
@@ -439,7 +431,14 @@ class GenerationRequest(OpenAIBaseModel):
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {show(bias)}")
         return v
 
-    _unsupported = model_validator(mode="before")(classmethod(lambda cls, data: _refuse_unsupported(data)))
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
+            if isinstance(data, dict) and name in data and not any(data[name] == v and type(data[name]) is type(v)
+                                                                     for v in harmless):
+                raise InvalidInput(name, f"{name} is not supported: {why}")
+        return data
 
     @field_validator("request_id")
     @classmethod
@@ -465,16 +464,15 @@ class GenerationRequest(OpenAIBaseModel):
             raise InvalidInput("prompt_logprobs", "prompt_logprobs are not available when stream=true")
         return self
 
-    def sampling_params(self, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """Raises InvalidInput (SamplingParams checks the ranges). ``defaults``
         (the model's generation config) fill the fields this body leaves out."""
-        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
                       prompt_logprobs=self.requested_prompt_logprobs())
         given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
-        fields.update({k: v for k, v in (defaults or {}).items() if k not in given})
-        return SamplingParams(**fields, logit_bias=bias, structured_outputs=self.structured_spec())
+        fields.update({k: v for k, v in defaults.items() if k not in given})
+        return SamplingParams(**fields, structured_outputs=self.structured_spec())
 
     def param_name(self, engine_param: str) -> str:
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
@@ -509,21 +507,6 @@ class GenerationRequest(OpenAIBaseModel):
                                                   '{...}}}')
         return StructuredOutputsParams(json=schema)
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    # what differs between the two endpoints
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
-
-    def num_prompts(self) -> int:
-        return 1
-
-    @classmethod
-    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
-        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
-
     def process_prompts(self, state: "ServerState") -> list[TokenizedPrompt]:
         """On the tokenizer thread: render, tokenize and check every prompt."""
         prompts = [state.engine.process_prompt(p, self.truncate_prompt_tokens, self.add_special_tokens,
@@ -542,6 +525,14 @@ class GenerationRequest(OpenAIBaseModel):
                 f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
                 f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
 
+    # what differs between the two endpoints
+    def num_prompts(self) -> int:
+        return 1
+
+    @classmethod
+    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
+        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
+
     def first_chunks(self, head: dict) -> list[dict]:
         return []
 
@@ -553,17 +544,8 @@ class GenerationRequest(OpenAIBaseModel):
         generated, as in vLLM, and left out of the response."""
         return False
 
-    def token_ids_body(self, prompt_ids: list[int] | None, token_ids: list[int], prompt_logprobs) -> dict:
-        """return_token_ids and prompt_logprobs, as vLLM adds them to a choice (a
-        stream's first chunk carries the prompt's)."""
-        out = {}
-        if self.return_token_ids:
-            out.update({} if prompt_ids is None else {"prompt_token_ids": prompt_ids}, token_ids=token_ids)
-        if prompt_logprobs is not None:  # asked for, or by echo (as vLLM's)
-            out["prompt_logprobs"] = [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
-                                                                       "decoded_token": lp.decoded_token}
-                                                              for t, lp in e.items()} for e in prompt_logprobs]
-        return out
+
+PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of token-id lists"
 
 
 class CompletionRequest(GenerationRequest):
@@ -571,8 +553,7 @@ class CompletionRequest(GenerationRequest):
     chunk_object: ClassVar[str] = "text_completion"
     id_prefix: ClassVar[str] = "cmpl-"
 
-    prompt: Any = Field(None, description="a string, a list of strings, a list of token ids, "
-                                          "or a list of token-id lists")
+    prompt: Any = None  # one of PROMPT_SHAPES
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = None
     add_special_tokens: bool = True
@@ -582,16 +563,15 @@ class CompletionRequest(GenerationRequest):
     @classmethod
     def _prompts(cls, p: Any) -> list[str | list[int]]:
         """Only the shape: the engine checks the token ids, after the cheap length bound."""
-        rule = "a string, a list of strings, a list of token ids, or a list of token-id lists"
         if isinstance(p, str):
             return [p]
         if not isinstance(p, list) or not p:
-            raise ValueError(f"prompt must be {rule} (and not empty), got {show(p)}")
+            raise ValueError(f"prompt must be {PROMPT_SHAPES} (and not empty), got {show(p)}")
         if isinstance(p[0], int) and not isinstance(p[0], bool):
             return [p]
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x for x in p):
             return list(p)
-        raise ValueError(f"prompt must be {rule}, got {show(p)}")
+        raise ValueError(f"prompt must be {PROMPT_SHAPES}, got {show(p)}")
 
     @classmethod
     def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
@@ -615,8 +595,7 @@ class CompletionRequest(GenerationRequest):
     @model_validator(mode="after")
     def _completion_rules(self) -> "CompletionRequest":
         if self.prompt is None:
-            raise InvalidInput("prompt", "prompt is required: a string, a list of strings, a list of token ids, "
-                                    "or a list of token-id lists")
+            raise InvalidInput("prompt", f"prompt is required: {PROMPT_SHAPES}")
         if self.max_tokens == 0 and not self.echo:
             raise InvalidInput("max_tokens", "max_tokens must be >= 1 (0 only with echo: true, to score the prompt)")
         return self
@@ -634,7 +613,10 @@ class CompletionRequest(GenerationRequest):
         return self.echo and self.max_tokens == 0
 
     def echo_text(self, gen: "Generation", prompt_index: int) -> str:
-        return gen.prompt_text(prompt_index)
+        prompt, tokenizer = gen.prompts[prompt_index], gen.state.engine.tokenizer
+        if prompt.text is not None:
+            return prompt.text
+        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
 
     def num_prompts(self) -> int:
         return len(self.prompt)
@@ -709,7 +691,7 @@ class ChatTemplateFields(OpenAIBaseModel):
             raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
                                                 "--chat-template FILE (or an inline Jinja template), or send "
                                                 "chat_template in the request")
-        tools = None if not self.template_tools(state) else [t.model_dump(exclude_none=True) for t in self.tools]
+        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.template_tools(state) else None
         return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
                                    self.continue_final_message, tools, self.chat_template_kwargs, self.documents)
 
@@ -938,17 +920,15 @@ def check_tool_choice(choice: Any, tools: list[dict] | None) -> None:
     usage = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
     if choice is None or choice == "none":
         return
-    if isinstance(choice, dict):
-        fn = choice.get("function")
-        if choice.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise InvalidInput("tool_choice", f"tool_choice must be {usage}, got {show(choice)}")
-    elif choice not in ("auto", "required"):
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    named = (isinstance(fn, dict) and choice.get("type", "function") == "function"
+             and isinstance(fn.get("name"), str) and fn["name"] != "")
+    if not named and choice not in ("auto", "required"):
         raise InvalidInput("tool_choice", f"tool_choice must be {usage}, got {show(choice)}")
     if tools is None:
         raise InvalidInput("tool_choice", f"tool_choice {show(choice)} needs tools: the functions it may call")
-    if isinstance(choice, dict) and find_tool(tools, choice["function"]["name"]) is None:
-        raise InvalidInput("tool_choice", f"tool_choice names the function {show(choice['function']['name'])}, "
+    if named and find_tool(tools, fn["name"]) is None:
+        raise InvalidInput("tool_choice", f"tool_choice names the function {show(fn['name'])}, "
                                           f"which is not one of the tools")
 
 
@@ -976,26 +956,14 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    if _SURROGATE_ESCAPE.search(text):  # rare: only then walk the body to name the field
+    if _SURROGATE_ESCAPE.search(text):  # rare: only then look for the field that holds it
         for key, value in body.items():
-            if not (_is_text(key) and _is_text(value)):
+            try:
+                json.dumps({key: value}, ensure_ascii=False).encode("utf-8")  # UTF-8 cannot encode a lone one
+            except UnicodeEncodeError:
                 raise bad_request(f"{esc(key)} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
-                                  f"text", esc(key))
+                                  f"text", esc(key)) from None
     return body
-
-
-def _is_text(value: Any) -> bool:
-    """No lone surrogate anywhere in it (UTF-8 cannot encode one)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return False
-    elif isinstance(value, list):
-        return all(map(_is_text, value))
-    elif isinstance(value, dict):
-        return all(_is_text(k) and _is_text(v) for k, v in value.items())
-    return True
 
 
 def _json_type(value: Any) -> str:
@@ -1313,9 +1281,6 @@ class ServerState:
     exit_code: int = 0                                   # 1 once the engine cannot recover
     request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
 
-    def __post_init__(self) -> None:
-        self.info = self.async_llm.engine.describe()
-
     @property
     def engine(self) -> LLMEngine:
         return self.async_llm.engine
@@ -1334,20 +1299,19 @@ class ServerState:
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     """The HTTP app over an AsyncLLM that is not started yet: the app's lifespan
     starts it on uvicorn's loop and stops it at shutdown."""
-    names = list(args.served_model_name or [args.model])
-    state = ServerState(async_llm, names, args.api_key, args.max_queue_len, args.max_request_body_bytes,
-                        ServerMetrics(async_llm, names[0]), chat_template=args.chat_template,
+    state = ServerState(async_llm, args.served_model_name, args.api_key, args.max_queue_len,
+                        args.max_request_body_bytes, ServerMetrics(async_llm, args.served_model_name[0]),
+                        chat_template=args.chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
-    stats_interval = None if args.disable_log_stats else args.log_stats_interval
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         async_llm.start()
         tasks = [asyncio.create_task(_exit_when_dead(state))]
-        if stats_interval:
-            tasks.append(asyncio.create_task(log_stats_periodically(state, stats_interval)))
+        if not args.disable_log_stats:
+            tasks.append(asyncio.create_task(log_stats_periodically(state, args.log_stats_interval)))
         try:
             yield
         finally:
@@ -1432,10 +1396,7 @@ class EntryMiddleware:
                 error = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
                                  headers={"WWW-Authenticate": "Bearer"})
         if error is not None:
-            self.state.metrics.count_rejected(error.status)
-            logger.info("[entry] %s: %s %s -> %d: %s", scope["nanoserve.request_id"], scope["method"],
-                        esc(scope["path"]), error.status, error.message)
-            await error.response()(scope, receive, send_with_id)
+            await _reject(self.state, scope, error)(scope, receive, send_with_id)
             return
         await self.app(scope, receive, send_with_id)
 
@@ -1480,10 +1441,10 @@ async def _generate(request: Request, schema: type[GenerationRequest]) -> Respon
 
 async def list_models(request: Request) -> Response:
     state = _state(request)
-    created = int(time.time())
+    created, info = int(time.time()), state.engine.describe()
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
-         "root": state.info.model, "parent": None, "max_model_len": state.info.max_model_len}
+         "root": info.model, "parent": None, "max_model_len": info.max_model_len}
         for name in state.model_names]})
 
 
@@ -1542,8 +1503,8 @@ def check_model(req: OpenAIBaseModel, state: ServerState) -> str:
 
 
 async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[int, CompletionOutput] | None:
-    """Run a non-streaming request to the end, or abort it when the client leaves."""
-    done, why = False, "the server stopped"  # unless we get further
+    """Run a non-streaming request to the end, or abort it (and give None) when the client leaves."""
+    why = "the server stopped"  # unless we get further
     try:
         done, finals = await until_disconnect(request.receive, gen.collect())
         why = "" if done else "client disconnected"
@@ -1552,7 +1513,7 @@ async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[in
         raise _engine_error(e) from None
     finally:
         gen.close(why)
-    return finals if done else None
+    return finals
 
 
 # ---------------------------------------------------------------- errors
@@ -1562,10 +1523,15 @@ def _engine_error(e: Exception) -> ApiError:
 
 
 async def _api_error_handler(request: Request, exc: ApiError) -> Response:
-    _state(request).metrics.count_rejected(exc.status)
-    logger.info("[entry] %s: %s %s -> %d: %s", request.scope.get("nanoserve.request_id"), request.method,
-                esc(request.url.path), exc.status, exc.message)
-    return exc.response()
+    return _reject(_state(request), request.scope, exc)
+
+
+def _reject(state: ServerState, scope, error: ApiError) -> Response:
+    """An error answer, counted and logged."""
+    state.metrics.count_rejected(error.status)
+    logger.info("[entry] %s: %s %s -> %d: %s", scope.get("nanoserve.request_id"), scope["method"],
+                esc(scope["path"]), error.status, error.message)
+    return error.response()
 
 
 async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
@@ -1625,8 +1591,7 @@ class _Tracked:
     done: bool = False
     finish_reasons: list[str] = field(default_factory=list)
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # by completion index
-    first_token_seen: bool = False
-    last_token_time: float | None = None
+    last_token_time: float | None = None  # None until the first token
 
 
 def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
@@ -1661,11 +1626,13 @@ class Generation:
             # compiled here, off the loop; the engine's add_request then finds it in its cache
             await state.off_loop(state.engine.structured_outputs.compile, params.structured_outputs)
             for prompt in prompts:
-                req.check_length(len(prompt.token_ids), params.max_tokens, state.info.max_model_len)
+                req.check_length(len(prompt.token_ids), params.max_tokens, state.engine.max_model_len)
             check_queue(state, req, params.n)  # again: others may have queued meanwhile
             return cls(state, request_id, req, params, prompts)
         except InvalidInput as e:
             raise req.invalid(e) from None
+        except EngineDeadError as e:
+            raise _engine_error(e) from None
 
     def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams,
                  prompts: list[TokenizedPrompt]):
@@ -1681,11 +1648,8 @@ class Generation:
             for i, prompt in enumerate(prompts):
                 engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 self.tracked.append(_Tracked(engine_id, state.async_llm.add_request(prompt, params, engine_id)))
-        except EngineDeadError as e:
-            self.close()
-            raise ApiError(503, str(e)) from None
-        except InvalidInput:  # the engine's own checks (a request id in use)
-            self.close()
+        except (InvalidInput, EngineDeadError):  # the engine's own checks (a request id in use), or a dead engine
+            self.close()  # aborts the prompts already queued
             raise
         logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s%s",
                      request_id, len(prompts), "+".join(str(len(p.token_ids)) for p in prompts),
@@ -1740,12 +1704,6 @@ class Generation:
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.params.n + c.index
 
-    def prompt_text(self, prompt_index: int) -> str:
-        prompt, tokenizer = self.prompts[prompt_index], self.state.engine.tokenizer
-        if prompt.text is not None:
-            return prompt.text
-        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
-
     def logprobs(self, c: CompletionOutput, start: int, text_offset: int, echo: int | None = None) -> dict | None:
         """The logprobs of tokens [start:] of a choice, in the endpoint's shape;
         with ``echo`` (completions), those of that prompt's tokens first."""
@@ -1775,9 +1733,17 @@ class Generation:
         return tokenizer.decode([token_id])
 
     def extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
-        """return_token_ids and prompt_logprobs (the prompt's only in a choice's first chunk)."""
-        return self.req.token_ids_body(self.prompts[prompt_index].token_ids if first else None, token_ids,
-                                       self.prompt_logprobs.get(prompt_index) if first else None)
+        """return_token_ids and prompt_logprobs, as vLLM adds them to a choice (the
+        prompt's only in a choice's first chunk)."""
+        out = {}
+        if self.req.return_token_ids:
+            out.update({"prompt_token_ids": self.prompts[prompt_index].token_ids} if first else {}, token_ids=token_ids)
+        prompt_logprobs = self.prompt_logprobs.get(prompt_index) if first else None
+        if prompt_logprobs is not None:  # asked for, or by echo (as vLLM's)
+            out["prompt_logprobs"] = [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
+                                                                       "decoded_token": lp.decoded_token}
+                                                              for t, lp in e.items()} for e in prompt_logprobs]
+        return out
 
     def usage(self, finals: dict[int, CompletionOutput]) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.prompts)
@@ -1795,17 +1761,16 @@ class Generation:
                                       echo))
         return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
                 "choices": choices, "usage": self.usage(finals),
-                **req.response_extra(extra, self.prompts[0].text if self.prompts else None)}
+                **req.response_extra(extra, self.prompts[0].text)}
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
         if m is not None and m.first_token_time is not None:
-            if not t.first_token_seen:
-                t.first_token_seen = True
+            if t.last_token_time is None:
                 metrics.time_to_first_token.observe(m.first_token_time - m.arrival_time)
                 if m.first_scheduled_time is not None:
                     metrics.queue_time.observe(m.first_scheduled_time - m.arrival_time)
-            elif t.last_token_time is not None and m.last_token_time > t.last_token_time:
+            elif m.last_token_time > t.last_token_time:
                 metrics.inter_token_latency.observe(m.last_token_time - t.last_token_time)
             t.last_token_time = m.last_token_time
         for c in out.outputs:
@@ -1849,11 +1814,7 @@ def _lp(value: float | None) -> float | None:
 # =========================================================================== SSE
 
 def sse(obj: Any) -> str:
-    """One server-sent event: `data: <json>` and a blank line."""
     return f"data: {dumps(obj)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
@@ -1887,11 +1848,11 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     top = req.response_extra(extra, gen.prompts[i].text) if first else {}
                     if choice is not None or top:  # None: all of it held back (a tool call's text)
                         yield sse({**head, "choices": [choice] if choice is not None else [], **top})
-        if req.include_usage:
+        if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(finals)})
     except Exception as e:  # the status line is gone: report in the stream
         yield sse(_stream_error(gen, e))
-    yield SSE_DONE
+    yield "data: [DONE]\n\n"
 
 
 def _stream_error(gen: Generation, e: Exception) -> dict:
@@ -1911,7 +1872,7 @@ class EventStream:
     It stops when the client disconnects, which closes the iterator and so
     aborts the engine requests behind it; ``on_close(why)`` runs in every case."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[str], None] | None = None):
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[str], None]):
         self.events, self.on_close = events, on_close
 
     async def __call__(self, scope, receive, send) -> None:
@@ -1930,8 +1891,7 @@ class EventStream:
             why = "" if done else "client disconnected mid-stream"
         finally:
             await self.events.aclose()  # a no-op unless pump() never started it
-            if self.on_close is not None:
-                self.on_close(why)
+            self.on_close(why)
 
 
 async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> tuple[bool, Any]:
@@ -1958,6 +1918,17 @@ async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitab
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
+_ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
+    (GaugeMetricFamily, "num_requests_running", "Requests in the running queue", "num_running"),
+    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
+    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", "kv_cache_usage"),
+    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+     "prefix_cache_queries"),
+    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
+    (CounterMetricFamily, "num_preemptions", "Preemptions", "num_preemptions"),
+    (CounterMetricFamily, "prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
+    (CounterMetricFamily, "generation_tokens", "Tokens generated", "generation_tokens"),
+]
 
 
 class ServerMetrics:
@@ -1966,13 +1937,13 @@ class ServerMetrics:
     scrape time; latency histograms are fed by each request's timestamps."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str):
+        self.async_llm, self.model_name = async_llm, model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(async_llm, model_name))
+        self.registry.register(self)  # collect(): the engine's own series, at scrape time
 
         def histogram(name: str, doc: str):
             return Histogram(f"nanoserve:{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS,
                              registry=self.registry).labels(model_name)
-        self.model_name = model_name
         self._request_success = Counter("nanoserve:request_success", "Finished requests (choices), by reason",
                                         ["model_name", "finished_reason"], registry=self.registry)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first output token")
@@ -1988,26 +1959,6 @@ class ServerMetrics:
 
     def count_rejected(self, status: int) -> None:
         self._rejected.labels(self.model_name, str(status)).inc()
-
-
-_ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
-    (GaugeMetricFamily, "num_requests_running", "Requests in the running queue", "num_running"),
-    (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
-    (GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", "kv_cache_usage"),
-    (CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-     "prefix_cache_queries"),
-    (CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
-    (CounterMetricFamily, "num_preemptions", "Preemptions", "num_preemptions"),
-    (CounterMetricFamily, "prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
-    (CounterMetricFamily, "generation_tokens", "Tokens generated", "generation_tokens"),
-]
-
-
-class _EngineStatsCollector:
-    """Gauges and counters that the engine already keeps, read at scrape time."""
-
-    def __init__(self, async_llm: AsyncLLM, model_name: str):
-        self.async_llm, self.model_name = async_llm, model_name
 
     def collect(self):
         s = self.async_llm.engine.stats()

@@ -170,6 +170,7 @@ SURROGATE_BODIES = [  # raw JSON text: "\ud800" is a lone UTF-16 surrogate, whic
     ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages"),
     ("/v1/chat/completions", r'{"messages": [{"role": "\ud800", "content": "hi"}]}', "messages"),
     ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
+    ("/v1/completions", '{"prompt": ' + "[" * 900 + r'"\ud800"' + "]" * 900 + "}", "prompt"),  # deep: no recursion
 ]
 
 
