@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -1541,16 +1540,6 @@ class AsyncLLM:
         queue = self.queues[request_id] = asyncio.Queue()
         self.wakeup.set()
         return queue
-
-    async def generate(self, prompt, params: SamplingParams, request_id: str):
-        """Async iterator of RequestOutputs for one request. If the consumer stops
-        early (a client disconnects), the request is aborted and its blocks freed."""
-        queue = self.add_request(prompt, params, request_id)
-        # aclosing: an early exit closes the inner stream now (and so aborts),
-        # not whenever the garbage collector finalizes it.
-        async with contextlib.aclosing(self.stream(request_id, queue)) as outputs:
-            async for out in outputs:
-                yield out
 
     async def stream(self, request_id: str, queue: asyncio.Queue):
         finished = False
