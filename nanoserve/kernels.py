@@ -12,15 +12,16 @@ last resort, and where it pays as a Triton kernel:
   the sequence's block table (causal inside the chunk, full over the prefix);
   GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
 * ``rms_norm``, ``rotary``, ``silu_and_mul``: the pointwise work between the
-  decoder's matmuls (torch references only; faster ones live behind the seam);
+  decoder's matmuls (torch references and Triton kernels; the CPU's live behind the seam);
 * ``argmax``: greedy sampling.
 
-The seam is ``Backend``: one object holding one implementation of each op. The
-model runner picks one at start-up (model.py ``select_backend``) and hands it
-to the layers; nothing else chooses. ``TORCH`` is the references, ``TRITON``
-the Triton kernels (CUDA tensors; on the CPU under ``TRITON_INTERPRET=1`` in
-the tests). The CPU's speed-ups (C kernels, torch.compile'd twins) are other
-``Backend`` instances, built in ``cpu_backend.py``; this file never needs them.
+The seam is ``Backend``: one object holding one implementation of each op.
+model.py's ``select_backend`` picks one, called once at start-up by the engine
+(and by each tensor-parallel worker); the model hands it to its layers; nothing
+else chooses. ``TORCH`` is the references, ``TRITON`` the Triton kernels (CUDA
+tensors; on the CPU under ``TRITON_INTERPRET=1`` in the tests). The CPU's
+speed-ups (C kernels, torch.compile'd twins) are other ``Backend`` instances,
+built in ``cpu_backend.py``; this file never needs them.
 
 Shapes (vLLM's names):
   query            [num_tokens, num_heads, head_dim]
