@@ -4,9 +4,12 @@ This module owns
 * ``SamplingParams`` (vLLM's names, defaults and validation), ``Request`` and
   the output types ``RequestOutput`` / ``CompletionOutput``;
 * tokenizing prompts and detokenizing outputs incrementally, stop conditions;
+* chat templates (``apply_chat_template``); the sampling defaults of generation_config.json;
+* structured outputs: xgrammar grammars compiled once, a matcher per request;
 * ``LLMEngine.step()``: schedule -> execute -> postprocess, the loop every
   front end drives; the offline ``LLM`` class drives it in a plain loop, and
   ``AsyncLLM`` drives it as one task on the server's asyncio loop;
+* tensor parallelism's processes: rank 0's workers (``TPWorkers``), other nodes' (``run_worker_node``);
 * the counters behind ``stats()`` and ``/metrics``.
 
 It does not decide who runs in a step (the scheduler does) and never indexes
