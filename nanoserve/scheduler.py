@@ -142,23 +142,28 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # req itself was preempted: nothing after it is left to schedule
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # req itself was preempted: nothing after it is left to schedule
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
         return budget
+
+    def _allocate_or_preempt(self, req: "Request", num_new: int, out: SchedulerOutput) -> bool:
+        """Slots for ``num_new`` more tokens of ``req``, preempting the most recently
+        admitted running requests (never one already scheduled: they come first)
+        until they fit; False when ``req`` itself had to go."""
+        while not self.block_manager.allocate_slots(req.request_id, req.token_ids,
+                                                    req.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
