@@ -34,7 +34,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nanoserve import kvcache
-from nanoserve.kvcache import BlockManager, KVCacheSpec
+from nanoserve.kvcache import BlockManager, KVCachePlan, KVCacheSpec
 from nanoserve import cpu_backend
 from nanoserve.model import (CacheConfig, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
                              TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
@@ -530,7 +530,15 @@ class LLMEngine:
                                           self.device, config.block_size, config.enforce_eager)
             self.compile_time_s = time.perf_counter() - t0
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp)
-            self._init_kv_cache(model)
+            self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
+            self.block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size,
+                                              config.enable_prefix_caching)
+            batched = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
+            self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, batched, self.max_model_len),
+                                       self.block_manager)
+            self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
+                                      self.decode_sizes, self.max_model_len)
+            self._warm_up()
         except BaseException:
             self.shutdown()
             raise
@@ -576,11 +584,12 @@ class LLMEngine:
             kv_bytes = cfg.num_kv_blocks * spec.bytes_per_block
         kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
 
-    def _init_kv_cache(self, model) -> None:
+    def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Size the KV cache from what the weights leave, settle max_model_len, and
+        allocate the KV tensors: (max_model_len, the plan, per layer K and V)."""
         cfg, mc = self.config, self.model_config
         if cfg.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {cfg.block_size}")
-        batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
         spec, plan = plan_rank_kv_cache(model, self.weight_bytes, cache_config(cfg, self.decode_sizes))
         log_tensor_parallel(model.tp, self.weight_bytes, spec, plan)
         max_len = cfg.max_model_len
@@ -594,14 +603,10 @@ class LLMEngine:
         mc.check_max_model_len(max_len)
         kvcache.check_fits(plan, spec, max_len)
         kvcache.log_plan(plan, spec, self.weight_bytes, max_len)
-        self.max_model_len = max_len
-        self.kv_plan, self.kv_spec = plan, spec
-        kv_caches = kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
-        self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, batched, max_len),
-                                   self.block_manager)
-        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, self.backend, cfg.seed,
-                                  self.decode_sizes, max_len)
+        return max_len, plan, kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
+
+    def _warm_up(self) -> None:
+        """Build what the first steps would (a warm-up forward; on CUDA the decode graphs)."""
         t0 = time.perf_counter()
         self.runner.warmup()
         self.compile_time_s += time.perf_counter() - t0
