@@ -226,7 +226,6 @@ class CompletionOutput:
     finish_reason: str | None = None                # "stop", "length", "abort" or None
     stop_reason: int | str | None = None
     delta_text: str = ""                            # what this step added (for streaming)
-    delta_token_ids: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -952,7 +951,7 @@ class LLMEngine:
                                 req.cumulative_logprob,
                                 None if req.logprobs is None else list(req.logprobs),
                                 req.status.finish_reason,
-                                req.stop_reason, delta, req.output_token_ids[-1:])
+                                req.stop_reason, delta)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:

@@ -1664,7 +1664,7 @@ class Generation:
                         self.prompt_logprobs[i] = item.prompt_logprobs
                     if self.req.echo_only():  # the one generated token is not shown
                         item.outputs = [dataclasses.replace(c, text="", token_ids=[], delta_text="",
-                                                            delta_token_ids=[], logprobs=c.logprobs and [])
+                                                            logprobs=c.logprobs and [])
                                         for c in item.outputs]
                     yield i, item
         finally:  # cancelling a pump cancels its stream, which aborts that engine request

@@ -80,7 +80,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -138,7 +137,6 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
