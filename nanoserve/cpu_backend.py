@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from nanoserve import kernels
+from nanoserve.cpu_kernels import is_decode_only
 from nanoserve.kernels import Backend
 
 logger = logging.getLogger("nanoserve.model")
@@ -98,7 +99,7 @@ def _smoke(cfg, dtype, block_size, store, attend):
 def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     """All-decode steps through the compiled decode attention; steps with
     prefill chunks (or once dynamo refuses another graph) through the reference."""
-    if kernels.is_decode_only(query_start_loc):
+    if is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out

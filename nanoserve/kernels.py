@@ -108,13 +108,6 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
     return out
 
 
-def is_decode_only(query_start_loc: torch.Tensor) -> bool:
-    """Every sequence of the step has exactly one query token (its next decode).
-    A host-side check: the CPU paths take it to pick a decode-only kernel."""
-    return torch.equal(query_start_loc, torch.arange(query_start_loc.shape[0], dtype=query_start_loc.dtype,
-                                                     device=query_start_loc.device))
-
-
 def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
     """query [seqs, heads, d], one token per sequence at its last position: every
     context padded to the longest, the padding masked."""
