@@ -458,7 +458,7 @@ class EngineConfig:
     device: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs) (__post_init__)
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
@@ -483,6 +483,14 @@ class EngineConfig:
     nnodes: int = 1                    # machines the ranks are spread over, tensor_parallel_size / nnodes each
     node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
 
+    def __post_init__(self) -> None:
+        self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``device``, or where it is left out CUDA if there is a GPU, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
@@ -505,7 +513,7 @@ class LLMEngine:
         self.config = config
         path = resolve_model_dir(config.model, config.revision)
         self.model_config = ModelConfig.from_dir(path)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         if self.device.type == "cpu" and config.cpu_allocator_tuning:
             # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
@@ -532,9 +540,8 @@ class LLMEngine:
             self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
             self.block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size,
                                               config.enable_prefix_caching)
-            batched = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
-            self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, batched, self.max_model_len),
-                                       self.block_manager)
+            self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                       self.max_model_len), self.block_manager)
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len)
             self._warm_up()
@@ -1038,7 +1045,7 @@ def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
 # =========================================================================== tensor-parallel workers
 
 def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheConfig:
-    batched = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
+    batched = config.max_num_batched_tokens
     return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
                        config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
                        ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
@@ -1197,7 +1204,7 @@ def run_worker_node(config: EngineConfig) -> int:
     > 0): run this node's ranks, the first in this process, until rank 0 shuts
     them down. Returns the exit status."""
     model_config = ModelConfig.from_dir(config.model)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(config.device)
     check_parallel_config(config, model_config, device)
     if config.distributed_init_method is None:
         raise ValueError("a worker node needs distributed_init_method=tcp://HOST:PORT (node 0's address)")
