@@ -688,7 +688,10 @@ class LLMEngine:
                                          f"{self.max_model_len}, which must also leave room for at least one "
                                          f"output token")
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams) -> Any:
+        """Check ``params`` against this model (raises InvalidInput); returns the
+        compiled grammar of its structured outputs (None without), from the cache
+        when the server compiled it ahead on its tokenizer thread."""
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
@@ -699,7 +702,7 @@ class LLMEngine:
                 word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
-        self.structured_outputs.compile(params.structured_outputs)  # cached: add_request finds it compiled
+        return self.structured_outputs.compile(params.structured_outputs)
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -715,14 +718,17 @@ class LLMEngine:
         ``final_only`` (offline generate), step() reports it only when it finishes."""
         params = params or SamplingParams()
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
+        return self._add_validated(prompt, params, self.validate_params(params), request_id, final_only)
+
+    def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
+                       request_id: str | None, final_only: bool) -> str:
+        """add_request's second half, for a prompt and params already checked."""
         text, token_ids = prompt.text, prompt.token_ids
-        self.validate_params(params)
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         if self._family(request_id):
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        grammar = self.structured_outputs.compile(params.structured_outputs)
         prompt_logprobs = None if params.prompt_logprobs is None else [None]
         bad_words = self._bad_words_token_ids(params.bad_words)
         for i in range(params.n):
@@ -1257,9 +1263,8 @@ class LLM:
         engine = self.engine
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
                   for prompt, p in zip(prompts, params)]
-        for p in params:
-            engine.validate_params(p)
-        ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(inputs, params)]
+        grammars = [engine.validate_params(p) for p in params]
+        ids = [engine._add_validated(prompt, p, g, None, True) for prompt, p, g in zip(inputs, params, grammars)]
         return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
