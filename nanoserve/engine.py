@@ -894,30 +894,32 @@ class LLMEngine:
         done = len(req.output_token_ids) >= p.min_tokens
         # As vLLM: a stop token's own text is left out unless asked for.
         if done and not p.ignore_eos and token in req.eos_token_ids:
-            return self._finish_text(req, token if p.include_stop_str_in_output else None)
+            self._flush_text(req, token if p.include_stop_str_in_output else None)
+            return RequestStatus.FINISHED_STOPPED
         if done and token in p.stop_token_ids:
             req.stop_reason = token
-            return self._finish_text(req, token if p.include_stop_str_in_output else None)
+            self._flush_text(req, token if p.include_stop_str_in_output else None)
+            return RequestStatus.FINISHED_STOPPED
         prev_len = len(req.text)
         if req.detokenizer is not None:
             req.text += req.detokenizer.step([token])
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.is_terminated():  # the constraint is complete
-            return self._finish_text(req, None)
+            self._flush_text(req, None)
+            return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return self._finish_text(req, None, RequestStatus.FINISHED_LENGTH)
+            self._flush_text(req, None)
+            return RequestStatus.FINISHED_LENGTH
         return None
 
     @staticmethod
-    def _finish_text(req: Request, last_token: int | None,
-                     status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> RequestStatus:
+    def _flush_text(req: Request, last_token: int | None) -> None:
         """Add the last token's text (if kept) and flush what the detokenizer held
         back waiting for the rest of a UTF-8 character that will never come."""
         if req.detokenizer is not None:
             req.text += req.detokenizer.step([] if last_token is None else [last_token])
             req.text += req.detokenizer.flush()
-        return status
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
         """Find the earliest stop string that ends in the new text; truncate there.
