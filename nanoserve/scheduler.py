@@ -26,10 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nanoserve.kvcache import BlockManager
-
-if TYPE_CHECKING:  # the engine owns Request; the scheduler only reads and moves it
+if TYPE_CHECKING:  # type hints only: the scheduler imports neither the engine nor (through kvcache) torch
     from nanoserve.engine import Request
+    from nanoserve.kvcache import BlockManager
 
 logger = logging.getLogger("nanoserve.scheduler")
 
