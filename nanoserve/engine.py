@@ -1443,8 +1443,8 @@ FAILED_MESSAGE = "the model step of this request failed; the server log has the 
 def model_thread() -> concurrent.futures.ThreadPoolExecutor:
     """The one worker thread that runs a served engine's torch work. Build the
     engine on it too (``model_thread().submit(LLMEngine, config)``): on the CPU,
-    stepping on another thread than the one that loaded the model makes every
-    step about twice as slow (two OpenMP pools; benchmarks/RESULTS.md)."""
+    stepping on another thread than the one that loaded the model is slower
+    (two OpenMP pools; benchmarks/RESULTS.md)."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-model")
 
 

@@ -356,7 +356,3 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device
 
 def log_plan(plan: KVCachePlan, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> None:
     logger.info("[kvcache] %s", plan.describe(spec, weight_bytes, max_model_len))
-
-
-__all__ = ["BlockManager", "KVCacheSpec", "KVCachePlan", "plan_kv_cache", "check_fits",
-           "allocate_kv_cache", "slot_mapping", "hash_block", "default_cpu_budget"]
