@@ -46,9 +46,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 
+def weights_as_loaded(model: torch.nn.Module) -> None:
+    """The references' and Triton's ``prepare_model``: nothing to change."""
+
+
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of every op a model step calls. Signatures:
+    """One implementation of every op a model step calls, and what it needs of
+    the loaded weights (``prepare_model``, once, after loading). Signatures:
 
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> out
@@ -66,6 +71,7 @@ class Backend:
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor]
+    prepare_model: Callable[[torch.nn.Module], None] = weights_as_loaded
 
 
 # =========================================================================== torch references

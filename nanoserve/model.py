@@ -20,7 +20,7 @@ This module owns
 It knows nothing of queues or HTTP. The KV tensors it writes come from
 ``kvcache``; the attention and the other per-token ops come from ``kernels``
 (on the CPU, maybe from ``cpu_backend``, which only ``select_backend`` and
-``load_model`` call).
+``run_worker``'s process settings call).
 """
 from __future__ import annotations
 
@@ -667,12 +667,13 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
                    enforce_eager: bool = False) -> Backend:
     """The one place the kernels are chosen, once per engine: Triton on CUDA; on
     the CPU the fastest that builds and checks out here (cpu_backend.py: C
-    kernels, else torch.compile), unless enforce_eager; else the torch references."""
+    kernels, else torch.compile), unless enforce_eager (the references, bf16
+    weights still packed); else the torch references."""
     if device.type == "cuda" and kernels.TRITON is not None:
         return kernels.TRITON
-    if device.type == "cpu" and not enforce_eager:
+    if device.type == "cpu":
         from nanoserve.cpu_backend import build_cpu_backend  # platform code, off the reading path
-        return build_cpu_backend(cfg, dtype, block_size)
+        return build_cpu_backend(cfg, dtype, block_size, enforce_eager)
     return kernels.TORCH
 
 
@@ -779,10 +780,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model = build_model(cfg, dtype, device, backend, tp)
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
-    if device.type == "cpu":
-        from nanoserve import cpu_backend  # platform code, off the reading path
-        if cpu_backend.can_pack_linear_weights(dtype, device):
-            logger.debug("[model] %d linear weights packed for oneDNN", cpu_backend.pack_linear_weights(model))
+    backend.prepare_model(model)  # on the CPU: bf16 linear weights packed for oneDNN
     logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
                 cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,
