@@ -626,6 +626,12 @@ class LLMEngine:
                         ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
                         (torch.cuda.memory_allocated(self.device) - before) / 2**20)
 
+    def release_memory(self) -> None:
+        """Going idle after steps (the server's loop calls it on the model thread): on
+        the CPU, the heap glibc kept for the steps (tune_process) goes back to the system."""
+        if self.device.type == "cpu" and self.config.cpu_allocator_tuning:
+            cpu_backend.trim_heap()
+
     def describe(self) -> EngineInfo:
         plan = self.kv_plan
         return EngineInfo(self.config.model, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
@@ -1505,14 +1511,12 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         engine = self.engine
         failures, stepped = 0, False
-        # glibc keeps freed memory while steps run (tune_process): going idle, it gives it back
-        trims = engine.device.type == "cpu" and engine.config.cpu_allocator_tuning
         try:
             while True:
                 step = engine.schedule_step()
-                if step is None and stepped and trims:
+                if step is None and stepped:  # going idle after steps
                     stepped = False
-                    await loop.run_in_executor(self.executor, cpu_backend.trim_heap)
+                    await loop.run_in_executor(self.executor, engine.release_memory)
                     continue  # a request may have come meanwhile
                 if step is None:  # nothing can run until a request comes (or goes)
                     self.wakeup.clear()
