@@ -271,7 +271,7 @@ def load_chat_template(value: str) -> str:
 # =========================================================================== protocol
 # OpenAI's request bodies as pydantic models, as vLLM's protocol.py has them:
 # types and defaults here, strictly (no "1" for 1, no 1 for true); value ranges
-# where SamplingParams checks them, so that the offline LLM and the server share
+# in SamplingParams, except the server's own (logit_bias in [-100, 100], n <= MAX_N: here), so both share
 # one rule, and an engine error is reported under the body's own field name
 # (param_name). Every declared field is used or refused, and so is every other
 # field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
