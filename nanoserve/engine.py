@@ -34,9 +34,9 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nanoserve import kvcache
-from nanoserve.kvcache import BlockManager, KVCachePlan, KVCacheSpec
+from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (CacheConfig, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
+from nanoserve.model import (ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
                              TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
                              init_distributed, load_model, load_tokenizer, log_tensor_parallel, num_parameters,
                              plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker, select_backend,
