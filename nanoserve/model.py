@@ -1198,6 +1198,7 @@ class ModelRunner:
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         )
+        self.written_tables: list[list[int]] = [[0]] * max_bs  # what block_tables' rows hold (a copy, on the host)
         self.static_hidden = torch.zeros(max_bs, cfg.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
                                          device=dev)
 
@@ -1239,24 +1240,34 @@ class ModelRunner:
         size: the hidden states of its ``len(seqs)`` real rows."""
         n = len(seqs)
         bs = next(s for s in self.decode_sizes if s >= n)
-        b, pad = self.static, bs - n
+        b, pad, size = self.static, bs - n, self.block_size
         positions = [s.start for s in seqs]
-        # Only the columns in use are written: kernels never read a table past a
-        # sequence's own blocks, and what an earlier step left there is a valid id.
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-                              + [[0] * width] * pad, dtype=torch.int32)
-        slots = compute_slot_mapping(tables[:n], torch.arange(n), torch.tensor(positions), self.block_size)
-        # host -> device copies into the buffers' fixed addresses
-        b["input_ids"][:bs].copy_(torch.tensor([s.token_ids[0] for s in seqs] + [0] * pad))
-        b["positions"][:bs].copy_(torch.tensor(positions + [0] * pad))
-        b["slot_mapping"][:bs].copy_(torch.cat([slots, torch.full((pad,), -1, dtype=torch.int64)]))
-        b["block_tables"][:bs, :width].copy_(tables)
-        b["seq_lens"][:bs].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
+        # kvcache.slot_mapping's formula, one token a row: cheaper on lists than as tensors
+        slots = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
+        # the rows' integers as one host tensor, then host -> device copies into the buffers' fixed addresses
+        rows = torch.tensor([[s.token_ids[0] for s in seqs] + [0] * pad, positions + [0] * pad,
+                             slots + [-1] * pad, [p + 1 for p in positions] + [1] * pad])
+        for name, row in zip(("input_ids", "positions", "slot_mapping", "seq_lens"), rows):
+            b[name][:bs].copy_(row)
+        self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
         if bs in self.graphs:
             self.graphs[bs].replay()
             return self.static_hidden[:n]
         return self._forward_static(bs)[:n]
+
+    def _write_block_tables(self, tables: list[list[int]]) -> None:
+        """Rewrite only the buffer's rows whose table changed since they were last
+        written (a decoding row gains a block every block_size steps), and only the
+        columns in use: kernels never read a table past a sequence's own blocks, and
+        what an earlier step left there is a valid id."""
+        changed = [i for i, t in enumerate(tables) if t != self.written_tables[i]]
+        if not changed:
+            return
+        width = max(len(tables[i]) for i in changed)
+        new = torch.tensor([tables[i] + [0] * (width - len(tables[i])) for i in changed], dtype=torch.int32)
+        self.static["block_tables"][torch.tensor(changed, device=self.device), :width] = new.to(self.device)
+        for i in changed:
+            self.written_tables[i] = tables[i]
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
