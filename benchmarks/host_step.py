@@ -13,6 +13,8 @@ Two setups (--setup): "w1" is W1's way (token ids in, no tokenizer, detokenize
 off) with W1's vocabulary of 151936; "detok" loads the demo model's tokenizer
 (its vocabulary of 4096 sets the model's) and detokenizes every token, as a
 server does. The model is Qwen3-shaped, hidden 64, 2 layers, bf16, greedy.
+torch runs one thread (--threads): on a few busy cores, the host's small tensor
+ops would otherwise wait on OpenMP workers and the times would be mostly noise.
 
     python benchmarks/host_step.py                        # one JSON line
     python benchmarks/host_step.py --compare /work/main .  # A B A B in fresh processes: medians, B/A
@@ -116,6 +118,7 @@ def measure(args) -> dict:
     import nanoserve
     from nanoserve import LLM, SamplingParams
     setup = SETUPS[args.setup]
+    torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp), setup["vocab"], setup["tokenizer"])
         # every prompt prefilled in one step, so that all contexts are equal
@@ -139,7 +142,8 @@ def compare(args) -> dict:
     on PYTHONPATH; per tree the median of each number over the rounds, and B / A."""
     trees = [str(Path(t).resolve()) for t in args.compare]
     cmd = [sys.executable, __file__, "--setup", args.setup, "--batch", str(args.batch), "--prompt-len",
-           str(args.prompt_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--runs", str(args.runs)]
+           str(args.prompt_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--runs", str(args.runs),
+           "--threads", str(args.threads)]
     got: dict[str, list[dict]] = {t: [] for t in trees}
     for _ in range(args.rounds):
         for t in trees:
@@ -162,6 +166,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per run")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--runs", type=int, default=3, help="runs (fresh requests) per process; medians over them")
+    ap.add_argument("--threads", type=int, default=1, help="torch's intra-op threads")
     ap.add_argument("--compare", nargs=2, metavar=("TREE_A", "TREE_B"),
                     help="two checkouts: A B A B in fresh processes")
     ap.add_argument("--rounds", type=int, default=3, help="with --compare")
