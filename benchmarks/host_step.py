@@ -9,10 +9,13 @@ an eager step builds instead), logits, sampler, postprocess. Host work is
 schedule + build_inputs + buffer_copy + postprocess, as gpu.py counts it; on a GPU
 buffer_copy also pays the host-to-device copies that here are memcpys.
 
-Two setups (--setup): "w1" is W1's way (token ids in, no tokenizer, detokenize
-off) with W1's vocabulary of 151936; "detok" loads the demo model's tokenizer
-(its vocabulary of 4096 sets the model's) and detokenizes every token, as a
-server does. The model is Qwen3-shaped, hidden 64, 2 layers, bf16, greedy.
+The model is Qwen3-shaped, hidden 64, 2 layers, bf16, greedy, with a vocabulary
+of 4096 (--vocab): on a GPU host the forward and the logits do not pass through
+the CPU's caches, while here W1's 151936 (64 rows of logits are 19 MB) would
+evict the engine's own data between the phases and inflate every host phase.
+By default it runs as W1 does (token ids in, no tokenizer, detokenize off);
+--detokenize loads the demo model's tokenizer (whose vocabulary is 4096) and
+detokenizes every token, as a server does.
 torch runs one thread (--threads): on a few busy cores, the host's small tensor
 ops would otherwise wait on OpenMP workers and the times would be mostly noise.
 
@@ -36,7 +39,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 PHASES = ("schedule", "build_inputs", "buffer_copy", "forward", "prepare", "logits", "sampler", "postprocess")
 HOST = ("schedule", "build_inputs", "buffer_copy", "postprocess")
-SETUPS = {"w1": dict(vocab=151936, tokenizer=False), "detok": dict(vocab=4096, tokenizer=True)}
 
 
 class _NoReplay:
@@ -48,6 +50,8 @@ class _NoReplay:
 
 
 def make_model(root: Path, vocab: int, tokenizer: bool) -> Path:
+    if tokenizer and vocab != 4096:
+        raise SystemExit("--detokenize needs --vocab 4096, the demo tokenizer's")
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
     torch.manual_seed(0)
@@ -117,20 +121,19 @@ def measure(args) -> dict:
 
     import nanoserve
     from nanoserve import LLM, SamplingParams
-    setup = SETUPS[args.setup]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_model(Path(tmp), setup["vocab"], setup["tokenizer"])
+        path = make_model(Path(tmp), args.vocab, args.detokenize)
         # every prompt prefilled in one step, so that all contexts are equal
         llm = LLM(str(path), dtype="bfloat16", device="cpu", max_model_len=1024, max_num_seqs=args.batch,
-                  max_num_batched_tokens=args.batch * args.prompt_len, skip_tokenizer_init=not setup["tokenizer"],
+                  max_num_batched_tokens=args.batch * args.prompt_len, skip_tokenizer_init=not args.detokenize,
                   cudagraph_capture_sizes=[args.batch], enable_prefix_caching=True)
-    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True, detokenize=setup["tokenizer"])
+    params = SamplingParams(temperature=0, max_tokens=10**6, ignore_eos=True, detokenize=args.detokenize)
     rng = random.Random(0)
     runs = [run_once(llm.engine, params, args.batch, args.prompt_len, args.steps, args.warmup, rng)
             for _ in range(args.runs)]
     ms = {k: round(statistics.median(r[k] for r in runs), 4) for k in (*PHASES, "plain_step")}
-    return dict(setup=args.setup, vocab=setup["vocab"], batch=args.batch, context=f"{args.prompt_len}-"
+    return dict(detokenize=args.detokenize, vocab=args.vocab, batch=args.batch, context=f"{args.prompt_len}-"
                 f"{runs[0]['context_last']}", runs=args.runs, steps=args.steps, torch_threads=torch.get_num_threads(),
                 nanoserve=str(Path(nanoserve.__file__).parent), ms=ms,
                 host_ms=round(sum(ms[p] for p in HOST), 4),
@@ -141,9 +144,10 @@ def compare(args) -> dict:
     """A B A B: this script in fresh processes, each with one tree's nanoserve first
     on PYTHONPATH; per tree the median of each number over the rounds, and B / A."""
     trees = [str(Path(t).resolve()) for t in args.compare]
-    cmd = [sys.executable, __file__, "--setup", args.setup, "--batch", str(args.batch), "--prompt-len",
-           str(args.prompt_len), "--steps", str(args.steps), "--warmup", str(args.warmup), "--runs", str(args.runs),
-           "--threads", str(args.threads)]
+    opts = {"--vocab": args.vocab, "--batch": args.batch, "--prompt-len": args.prompt_len, "--steps": args.steps,
+            "--warmup": args.warmup, "--runs": args.runs, "--threads": args.threads}
+    cmd = [sys.executable, __file__, *(["--detokenize"] if args.detokenize else []),
+           *(x for k, v in opts.items() for x in (k, str(v)))]
     got: dict[str, list[dict]] = {t: [] for t in trees}
     for _ in range(args.rounds):
         for t in trees:
@@ -153,14 +157,15 @@ def compare(args) -> dict:
     med = {t: {k: round(statistics.median(r["ms"][k] if k in r["ms"] else r[k] for r in rs), 4)
                for k in (*PHASES, "plain_step", "host_ms", "host_eager_ms")} for t, rs in got.items()}
     a, b = trees
-    return dict(setup=args.setup, rounds=args.rounds, A=a, B=b, A_ms=med[a], B_ms=med[b],
+    return dict(detokenize=args.detokenize, vocab=args.vocab, rounds=args.rounds, A=a, B=b, A_ms=med[a], B_ms=med[b],
                 ratio_B_over_A={k: round(med[b][k] / med[a][k], 3) for k in med[a] if med[a][k]},
                 host_ms_each_round={t: [r["host_ms"] for r in rs] for t, rs in got.items()})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--setup", choices=sorted(SETUPS), default="w1")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--detokenize", action="store_true", help="the demo tokenizer, every token detokenized")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=400)
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per run")
