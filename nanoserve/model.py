@@ -32,10 +32,10 @@ import logging
 import math
 import os
 import pickle
-from dataclasses import dataclass, field
-from pathlib import Path
 from array import array
 from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -1260,10 +1260,12 @@ class ModelRunner:
         positions = [s.start for s in seqs]
         # kvcache.slot_mapping's formula, one token a row: cheaper on lists than as tensors
         slots = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
-        # the rows' integers as one host tensor, then host -> device copies into the buffers' fixed addresses
-        rows = host_ints([*(s.token_ids[0] for s in seqs), *[0] * pad, *positions, *[0] * pad,
-                          *slots, *[-1] * pad, *(p + 1 for p in positions), *[1] * pad]).view(4, bs)
-        for name, row in zip(("input_ids", "positions", "slot_mapping", "seq_lens"), rows):
+        # each buffer's values and padding: one host tensor for all, then host -> device copies
+        # into the buffers' fixed addresses
+        rows = {"input_ids": ([s.token_ids[0] for s in seqs], 0), "positions": (positions, 0),
+                "slot_mapping": (slots, -1), "seq_lens": ([p + 1 for p in positions], 1)}
+        host = host_ints(itertools.chain.from_iterable(v + [fill] * pad for v, fill in rows.values()))
+        for name, row in zip(rows, host.view(len(rows), bs)):
             b[name][:bs].copy_(row)
         self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
         if bs in self.graphs:
@@ -1282,7 +1284,7 @@ class ModelRunner:
         new = block_table_tensor([tables[i] for i in changed])
         self.static["block_tables"][host_ints(changed).to(self.device), :new.shape[1]] = new.to(self.device)
         for i in changed:
-            self.written_tables[i] = tables[i]
+            self.written_tables[i] = list(tables[i])  # a copy: the caller's list may grow
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
