@@ -955,7 +955,7 @@ class LLMEngine:
         if req.prompt_logprobs is not None:  # complete once a request samples; never changed after
             out.prompt_logprobs = req.prompt_logprobs
         out.outputs.append(self.completion_output(req))
-        out.finished = all(r.is_finished for r in self._siblings(req))
+        out.finished = req.is_finished and all(r.is_finished for r in self._siblings(req))
 
     def _siblings(self, req: Request) -> list[Request]:
         if req.parent_id is None:

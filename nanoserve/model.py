@@ -32,6 +32,8 @@ import logging
 import math
 import os
 import pickle
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -1011,6 +1013,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 
 # =========================================================================== the runner
 
+def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A 1-D host tensor of Python ints by way of the stdlib's array: several
+    times faster than torch.tensor, which converts a list element by element."""
+    data = array({torch.int64: "q", torch.int32: "i"}[dtype], values)
+    return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+
+def block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one int32 host tensor, each padded with block 0 to the longest."""
+    width = max(map(len, tables))
+    rows = itertools.chain.from_iterable(t + [0] * (width - len(t)) for t in tables)
+    return host_ints(rows, torch.int32).view(len(tables), width)
+
+
 @dataclass(slots=True)
 class SeqInput:
     """One request's share of a step, as the engine hands it over (plain data)."""
@@ -1175,6 +1191,7 @@ class ModelRunner:
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         )
+        self.written_tables: list[list[int]] = [[0]] * max_bs  # what block_tables' rows hold (a copy, on the host)
         self.static_hidden = torch.zeros(max_bs, cfg.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
                                          device=dev)
 
@@ -1216,24 +1233,35 @@ class ModelRunner:
         size: the hidden states of its ``len(seqs)`` real rows."""
         n = len(seqs)
         bs = next(s for s in self.decode_sizes if s >= n)
-        b, pad = self.static, bs - n
+        b, pad, size = self.static, bs - n, self.block_size
         positions = [s.start for s in seqs]
-        # Only the columns in use are written: kernels never read a table past a
-        # sequence's own blocks, and what an earlier step left there is a valid id.
-        width = max(len(s.block_table) for s in seqs)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs]
-                              + [[0] * width] * pad, dtype=torch.int32)
-        slots = compute_slot_mapping(tables[:n], torch.arange(n), torch.tensor(positions), self.block_size)
-        # host -> device copies into the buffers' fixed addresses
-        b["input_ids"][:bs].copy_(torch.tensor([s.token_ids[0] for s in seqs] + [0] * pad))
-        b["positions"][:bs].copy_(torch.tensor(positions + [0] * pad))
-        b["slot_mapping"][:bs].copy_(torch.cat([slots, torch.full((pad,), -1, dtype=torch.int64)]))
-        b["block_tables"][:bs, :width].copy_(tables)
-        b["seq_lens"][:bs].copy_(torch.tensor([p + 1 for p in positions] + [1] * pad, dtype=torch.int32))
+        # kvcache.slot_mapping's formula, one token a row: cheaper on lists than as tensors
+        slots = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
+        # each buffer's values and padding: one host tensor for all, then host -> device copies
+        # into the buffers' fixed addresses
+        rows = {"input_ids": ([s.token_ids[0] for s in seqs], 0), "positions": (positions, 0),
+                "slot_mapping": (slots, -1), "seq_lens": ([p + 1 for p in positions], 1)}
+        host = host_ints(itertools.chain.from_iterable(v + [fill] * pad for v, fill in rows.values()))
+        for name, row in zip(rows, host.view(len(rows), bs)):
+            b[name][:bs].copy_(row)
+        self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
         if bs in self.graphs:
             self.graphs[bs].replay()
             return self.static_hidden[:n]
         return self._forward_static(bs)[:n]
+
+    def _write_block_tables(self, tables: list[list[int]]) -> None:
+        """Rewrite only the buffer's rows whose table changed since they were last
+        written (a decoding row gains a block every block_size steps), and only the
+        columns in use: kernels never read a table past a sequence's own blocks, and
+        what an earlier step left there is a valid id."""
+        changed = [i for i, t in enumerate(tables) if t != self.written_tables[i]]
+        if not changed:
+            return
+        new = block_table_tensor([tables[i] for i in changed])
+        self.static["block_tables"][host_ints(changed).to(self.device), :new.shape[1]] = new.to(self.device)
+        for i in changed:
+            self.written_tables[i] = list(tables[i])  # a copy: the caller's list may grow
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
@@ -1243,18 +1271,16 @@ class ModelRunner:
         """Flatten a step into input_ids, positions and attention metadata, with
         tensor ops rather than a Python loop per token."""
         dev = self.device
-        q_lens = torch.tensor([len(s.token_ids) for s in seqs])
-        starts = torch.tensor([s.start for s in seqs])
+        q_lens = host_ints(len(s.token_ids) for s in seqs)
+        starts = host_ints(s.start for s in seqs)
         query_start_loc = torch.zeros(len(seqs) + 1, dtype=torch.int32)
         torch.cumsum(q_lens, 0, out=query_start_loc[1:])
         T = int(query_start_loc[-1])
         seq_ids = torch.repeat_interleave(torch.arange(len(seqs)), q_lens)
         positions = torch.arange(T) - query_start_loc[:-1].long()[seq_ids] + starts[seq_ids]
-        width = max(len(s.block_table) for s in seqs)
-        block_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in seqs],
-                                    dtype=torch.int32)
+        block_tables = block_table_tensor([s.block_table for s in seqs])
         slots = compute_slot_mapping(block_tables, seq_ids, positions, self.block_size)
-        input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in seqs)))
+        input_ids = host_ints(itertools.chain.from_iterable(s.token_ids for s in seqs))
         meta = AttentionMetadata(slots.to(dev), block_tables.to(dev),
                                  (starts + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev))
         return input_ids.to(dev), positions.to(dev), meta

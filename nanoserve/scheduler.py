@@ -34,21 +34,22 @@ logger = logging.getLogger("nanoserve.scheduler")
 
 
 class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    PREEMPTED = "preempted"  # back in the waiting queue, to be recomputed
-    FINISHED_STOPPED = "finished_stopped"
-    FINISHED_LENGTH = "finished_length"
-    FINISHED_ABORTED = "finished_aborted"
+    """Each member's value, and its OpenAI finish_reason (None while not finished).
+    ``finish_reason`` and ``is_finished`` are plain attributes: every step reads
+    them for every request."""
+    WAITING = "waiting", None
+    RUNNING = "running", None
+    PREEMPTED = "preempted", None  # back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = "finished_stopped", "stop"
+    FINISHED_LENGTH = "finished_length", "length"
+    FINISHED_ABORTED = "finished_aborted", "abort"
 
-    @property
-    def is_finished(self) -> bool:
-        return self.name.startswith("FINISHED")
-
-    @property
-    def finish_reason(self) -> str | None:
-        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+    def __new__(cls, value: str, finish_reason: str | None):
+        member = object.__new__(cls)
+        member._value_ = value
+        member.finish_reason = finish_reason
+        member.is_finished = finish_reason is not None
+        return member
 
 
 @dataclass(slots=True)
