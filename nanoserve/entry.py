@@ -303,11 +303,6 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# SamplingParams fields that the request bodies carry under the same name
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                    "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-                    "logit_bias")
 _UNSET = (None,)
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
@@ -467,12 +462,13 @@ class GenerationRequest(OpenAIBaseModel):
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """Raises InvalidInput (SamplingParams checks the ranges). ``defaults``
         (the model's generation config) fill the fields this body leaves out."""
-        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        fields = {name: getattr(self, name) for name in SamplingParams.__dataclass_fields__  # same name, same meaning
+                  if name in GenerationRequest.model_fields}
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
-                      prompt_logprobs=self.requested_prompt_logprobs())
+                      prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
         given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
         fields.update({k: v for k, v in defaults.items() if k not in given})
-        return SamplingParams(**fields, structured_outputs=self.structured_spec())
+        return SamplingParams(**fields)
 
     def param_name(self, engine_param: str) -> str:
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
@@ -1994,16 +1990,10 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=None if args.device == "auto" else args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-        distributed_init_method=args.distributed_init_method, nnodes=args.nnodes, node_rank=args.node_rank,
-        cudagraph_capture_sizes=args.cudagraph_capture_sizes, cpu_allocator_tuning=args.cpu_allocator_tuning,
-        revision=args.revision, generation_config=args.generation_config, tokenizer=args.tokenizer)
+    """The flags named as EngineConfig's fields (--device auto: None, the engine's choice). No flag sets
+    skip_tokenizer_init: the server always has a tokenizer."""
+    flags = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__}
+    return EngineConfig(**{**flags, "device": None if args.device == "auto" else args.device})
 
 
 def _fmt_bytes(n: float) -> str:
