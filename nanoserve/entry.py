@@ -674,7 +674,46 @@ class ChatTemplateFields(OpenAIBaseModel):
     tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)
     documents: list[dict[str, str]] | None = None  # for a RAG template, as vLLM: e.g. [{"title": ..., "text": ...}]
 
-    _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: Any) -> list[dict[str, Any]]:
+        """OpenAI chat messages -> [{role, content}] with text content, and what the
+        templates read besides: name, an assistant's tool_calls, a tool's tool_call_id."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {show(messages)}")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise ValueError(f"{where} must be an object with role and content, got {show(m)}")
+            if m.get("role") not in ROLES:
+                raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
+            content = m.get("content")
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                     f"are supported, got {show(content)}")
+                content = "\n".join(p["text"] for p in content)
+            elif content is not None and not isinstance(content, str):
+                raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
+            msg = {"role": m["role"], "content": content or ""}
+            for key in ("name", "tool_call_id"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise ValueError(f"{where}.{key} must be a string, got {show(m[key])}")
+                    msg[key] = m[key]
+            if m.get("tool_calls") is not None:
+                if m["role"] != "assistant":
+                    raise ValueError(f"{where}.tool_calls: only an assistant message has tool_calls")
+                try:
+                    calls = _TOOL_CALLS.validate_python(m["tool_calls"])
+                except ValidationError as e:
+                    err = e.errors(include_url=False)[0]
+                    raise ValueError(_error_text(err, f"{where}.tool_calls")) from None
+                msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
+            out.append(msg)
+        return out
 
     def render(self, state: "ServerState") -> str:
         """The prompt (on the tokenizer thread; raises InvalidInput)."""
@@ -710,8 +749,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     # these steer a reasoning parser; there is none here (vLLM without one ignores them too)
     include_reasoning: bool = True
     reasoning_effort: typing.Literal["low", "medium", "high"] | None = None
-    tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
-                                               '{"name": ...}}')
+    tool_choice: Any = None  # check_tool_choice says what it takes
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
     _parser: "Callable[[], ToolParser] | None" = PrivateAttr(None)  # set by prompt_inputs when calls are parsed
     _streams: dict = PrivateAttr(default_factory=dict)  # choice index -> ToolStream
@@ -869,46 +907,6 @@ class DetokenizeRequest(OpenAIBaseModel):
 
     def param_name(self, engine_param: str) -> str:
         return "tokens" if engine_param == "token_ids" else engine_param
-
-
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages -> [{role, content}] with text content, and what the
-    templates read besides: name, an assistant's tool_calls, a tool's tool_call_id."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {show(messages)}")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object with role and content, got {show(m)}")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                 f"are supported, got {show(content)}")
-            content = "\n".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
-        msg = {"role": m["role"], "content": content or ""}
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise ValueError(f"{where}.{key} must be a string, got {show(m[key])}")
-                msg[key] = m[key]
-        if m.get("tool_calls") is not None:
-            if m["role"] != "assistant":
-                raise ValueError(f"{where}.tool_calls: only an assistant message has tool_calls")
-            try:
-                calls = _TOOL_CALLS.validate_python(m["tool_calls"])
-            except ValidationError as e:
-                err = e.errors(include_url=False)[0]
-                raise ValueError(_error_text(err, f"{where}.tool_calls")) from None
-            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
-        out.append(msg)
-    return out
 
 
 def check_tool_choice(choice: Any, tools: list[dict] | None) -> None:
