@@ -22,8 +22,8 @@ and reads back ``RequestOutput``s. Tokenizing runs on a thread of its own, never
 on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
-Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> admission -> SSE ->
-metrics -> start-up and shutdown.
+Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> serving (admission, the
+engine requests, the response) -> SSE -> metrics -> start-up and shutdown.
 """
 from __future__ import annotations
 
@@ -55,8 +55,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -365,9 +364,6 @@ class StreamOptions(_Strict):
 
 class GenerationRequest(OpenAIBaseModel):
     """The fields completions and chat share (OpenAI's, and vLLM's extras)."""
-    object_name: ClassVar[str]
-    chunk_object: ClassVar[str]
-    id_prefix: ClassVar[str]
 
     n: int = Field(1, le=MAX_N)
     best_of: int | None = None
@@ -503,37 +499,9 @@ class GenerationRequest(OpenAIBaseModel):
                                                   '{...}}}')
         return StructuredOutputsParams(json=schema)
 
-    def process_prompts(self, state: "ServerState") -> list[TokenizedPrompt]:
-        """On the tokenizer thread: render, tokenize and check every prompt."""
-        prompts = [state.engine.process_prompt(p, self.truncate_prompt_tokens, self.add_special_tokens,
-                                               self.truncation_side) for p in self.prompt_inputs(state)]
-        for p in prompts:
-            p.cache_salt = self.cache_salt
-        return prompts
-
-    def check_length(self, num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
-        """OpenAI's rule: prompt + max_tokens must fit (the engine alone would cap
-        max_tokens). A prompt too long by itself is the engine's error, raised first."""
-        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-            name, what = self.param_name("max_tokens"), self.prompt_field
-            raise bad_request(
-                f"this model's max-model-len is {max_model_len} tokens, but the request needs "
-                f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
-                f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
-
     # what differs between the two endpoints
     def num_prompts(self) -> int:
         return 1
-
-    @classmethod
-    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
-        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
-
-    def first_chunks(self, head: dict) -> list[dict]:
-        return []
-
-    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
-        return {}
 
     def echo_only(self) -> bool:
         """Completions' echo with max_tokens 0 (scoring a prompt): one token is
@@ -545,10 +513,6 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 
 
 class CompletionRequest(GenerationRequest):
-    object_name: ClassVar[str] = "text_completion"
-    chunk_object: ClassVar[str] = "text_completion"
-    id_prefix: ClassVar[str] = "cmpl-"
-
     prompt: Any = None  # one of PROMPT_SHAPES
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = None
@@ -568,25 +532,6 @@ class CompletionRequest(GenerationRequest):
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x for x in p):
             return list(p)
         raise ValueError(f"prompt must be {PROMPT_SHAPES}, got {show(p)}")
-
-    @classmethod
-    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
-        """A huge body's token-id prompt too long for the model is refused from its bytes,
-        before decoding millions of numbers. Only where the count is certain: a "prompt" list
-        opening with a number, no escape (so "prompt" has one spelling), one "prompt" key, no
-        truncate_prompt_tokens: the commas before the first "]" count its ids (any element not
-        an id is a 400 as well)."""
-        ids = _IDS_LIST.match(raw, max(raw.find(b'"prompt"'), 0))
-        if ids is None or b"\\" in raw or raw.count(b'"prompt"') != 1:  # C scans: the GIL passes between
-            return
-        if b'"truncate_prompt_tokens"' in raw:  # a truncated prompt may fit: the engine judges it
-            return
-        end = raw.find(b"]", ids.end())  # none: not JSON, which the decoder says
-        try:
-            if end > 0:
-                engine.check_prompt_length(raw.count(b",", ids.end(), end) + 1)
-        except InvalidInput as e:
-            raise bad_request(str(e), e.param) from None
 
     @model_validator(mode="after")
     def _completion_rules(self) -> "CompletionRequest":
@@ -608,32 +553,8 @@ class CompletionRequest(GenerationRequest):
     def echo_only(self) -> bool:
         return self.echo and self.max_tokens == 0
 
-    def echo_text(self, gen: "Generation", prompt_index: int) -> str:
-        prompt, tokenizer = gen.prompts[prompt_index], gen.state.engine.tokenizer
-        if prompt.text is not None:
-            return prompt.text
-        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
-
     def num_prompts(self) -> int:
         return len(self.prompt)
-
-    def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
-        return self.prompt
-
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict:
-        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, **extra}
-
-    def logprobs_body(self, tokens, text_offset: int) -> dict:
-        """The legacy shape: parallel lists, top_logprobs keyed by token text."""
-        offsets = []
-        for text, _, _ in tokens:
-            offsets.append(text_offset)
-            text_offset += len(text)
-        return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens],
-                "top_logprobs": [None if ranked is None else dict(ranked) for _, _, ranked in tokens],
-                "text_offset": offsets}
 
 
 class FunctionDefinition(_Strict):
@@ -715,30 +636,8 @@ class ChatTemplateFields(OpenAIBaseModel):
             out.append(msg)
         return out
 
-    def render(self, state: "ServerState") -> str:
-        """The prompt (on the tokenizer thread; raises InvalidInput)."""
-        tokenizer = state.engine.tokenizer
-        if self.chat_template is not None and not state.trust_request_chat_template:
-            raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
-                                                "--trust-request-chat-template, or use --chat-template FILE")
-        template = self.chat_template or state.chat_template
-        if template is None and tokenizer is not None and not tokenizer.chat_template:
-            raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
-                                                "--chat-template FILE (or an inline Jinja template), or send "
-                                                "chat_template in the request")
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.template_tools(state) else None
-        return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
-                                   self.continue_final_message, tools, self.chat_template_kwargs, self.documents)
-
-    def template_tools(self, state: "ServerState") -> bool:
-        """Whether the template sees the tools."""
-        return self.tools is not None
-
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
-    object_name: ClassVar[str] = "chat.completion"
-    chunk_object: ClassVar[str] = "chat.completion.chunk"
-    id_prefix: ClassVar[str] = "chatcmpl-"
     prompt_field: ClassVar[str] = "messages"
 
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
@@ -751,8 +650,6 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     reasoning_effort: typing.Literal["low", "medium", "high"] | None = None
     tool_choice: Any = None  # check_tool_choice says what it takes
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
-    _parser: "Callable[[], ToolParser] | None" = PrivateAttr(None)  # set by prompt_inputs when calls are parsed
-    _streams: dict = PrivateAttr(default_factory=dict)  # choice index -> ToolStream
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
@@ -811,68 +708,10 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
                 **({"$defs": defs} if defs else {})}
 
-    def template_tools(self, state: "ServerState") -> bool:
-        return super().template_tools(state) and not (self.tool_choice == "none"
-                                                      and state.exclude_tools_when_tool_choice_none)
-
-    def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
-        if self.tool_choice == "auto" and state.tool_parser is None:
-            raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
-                                              '--tool-call-parser to be set')
-        self._parser = tool_parser(self.tool_choice, state.tool_parser)
-        return [self.render(state)]
-
     def requested_prompt_logprobs(self) -> int | None:  # as vLLM: echo asks for them (a stream has no room for them)
         if self.prompt_logprobs is None and self.echo and not self.stream:
             return self.top_logprobs or 0
         return self.prompt_logprobs
-
-    def echo_text(self, gen: "Generation", prompt_index: int) -> str:
-        """As vLLM: the last message's content, if it has the role the reply takes."""
-        last, opens = self.messages[-1], opens_reply(self.add_generation_prompt, self.continue_final_message)
-        return (last["content"] or "") if last["role"] == ("assistant" if opens else last["role"]) else ""
-
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict | None:
-        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
-        content, calls, finish = text, [], c.finish_reason
-        if self._parser is not None:
-            if index not in self._streams:  # a choice's parser keeps its place from chunk to chunk
-                self._streams[index] = ToolStream(self._parser())
-            content, calls, made = self._streams[index].feed(text, finish is not None or not stream)
-            if not stream:  # one feed: each call whole in its first delta
-                calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
-            if self.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
-                calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
-            if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
-                finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
-        content = echo + content
-        if stream:
-            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-            if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
-                return None  # all of it held back: nothing to send yet
-            body = {"delta": delta}
-        else:
-            body = {"message": {"role": "assistant", "content": content or (None if calls else ""),
-                                **({"tool_calls": calls} if calls else {})}}
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
-                **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
-
-    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
-        """What vLLM puts beside a chat response's choices rather than in them."""
-        out = {k: v for k, v in extra.items() if k in ("prompt_token_ids", "prompt_logprobs")}
-        return {**out, "prompt_text": prompt_text} if self.return_prompt_text and prompt_text is not None else out
-
-    def logprobs_body(self, tokens, text_offset: int) -> dict:
-        def item(text: str, lp: float | None) -> dict:
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        top = self.top_logprobs or 0
-        return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
-                            for text, lp, ranked in tokens]}
-
-    def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
-        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]} for i in range(self.n)]
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -889,17 +728,6 @@ class TokenizeRequest(ChatTemplateFields):
 
     def param_name(self, engine_param: str) -> str:
         return "messages" if engine_param == "prompt" and self.messages is not None else engine_param
-
-    def run(self, state: "ServerState") -> dict[str, Any]:
-        """The response (on the tokenizer thread; raises InvalidInput)."""
-        engine = state.engine
-        text = self.prompt if self.messages is None else self.render(state)
-        special = self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
-        _, ids = engine.tokenize(text, add_special_tokens=special)
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if self.return_token_strs:
-            out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-        return out
 
 
 class DetokenizeRequest(OpenAIBaseModel):
@@ -1407,24 +1235,24 @@ def _needs_key(path: str) -> bool:
 # =========================================================================== handlers
 
 async def create_completion(request: Request) -> Response:
-    return await _generate(request, CompletionRequest)
+    return await _generate(request, CompletionGeneration)
 
 
 async def create_chat_completion(request: Request) -> Response:
-    return await _generate(request, ChatCompletionRequest)
+    return await _generate(request, ChatGeneration)
 
 
-async def _generate(request: Request, schema: type[GenerationRequest]) -> Response:
+async def _generate(request: Request, kind: type["Generation"]) -> Response:
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
-    req = parse_body(schema, await read_json(request, state, schema.check_raw), request_id)
+    req = parse_body(kind.schema, await read_json(request, state, kind.check_raw), request_id)
     if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
         if request.scope["nanoserve.request_id_given"]:
             req.request_id = None
         else:
             request.scope["nanoserve.request_id"] = request_id = req.request_id
     model = check_model(req, state)
-    gen = await Generation.admit(state, request_id, req)
+    gen = await kind.admit(state, request_id, req)
     if req.stream:
         return EventStream(stream_events(gen, model), on_close=gen.close)
     finals = await _collect_or_disconnect(request, gen)
@@ -1458,10 +1286,22 @@ async def tokenize(request: Request) -> Response:
     req = parse_body(TokenizeRequest, await read_json(request, state), _request_id(request))
     check_model(req, state)
     try:
-        out = await state.off_loop(req.run, state)
+        out = await state.off_loop(_tokenize, state, req)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
+
+
+def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
+    """/tokenize's response (on the tokenizer thread; raises InvalidInput)."""
+    engine = state.engine
+    text = req.prompt if req.messages is None else render_chat(state, req, req.tools)
+    special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
+    _, ids = engine.tokenize(text, add_special_tokens=special)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+    return out
 
 
 async def detokenize(request: Request) -> Response:
@@ -1574,7 +1414,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-# =========================================================================== admission and the engine requests
+# =========================================================================== serving
+# What a body becomes, as vLLM's serving_*.py: admission (the queue limit), the
+# engine requests, and the response or chunks built from their outputs.
 
 @dataclass(slots=True)
 class _Tracked:
@@ -1605,8 +1447,16 @@ def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
 
 class Generation:
     """The engine requests behind one HTTP request (one per prompt), read back
-    as one stream of (prompt index, RequestOutput). ``close()`` aborts whatever
-    has not finished; every path out of a handler calls it."""
+    as one stream of (prompt index, RequestOutput), and the response or chunks
+    they make. ``close()`` aborts whatever has not finished; every path out of a
+    handler calls it. What differs between the endpoints is in the subclasses
+    (CompletionGeneration, ChatGeneration), as vLLM's serving_completion.py and
+    serving_chat.py: the schema, the prompt, the shape of a choice and its logprobs."""
+    schema: ClassVar[type[GenerationRequest]]
+    object_name: ClassVar[str]
+    chunk_object: ClassVar[str]
+    id_prefix: ClassVar[str]
+    check_raw: ClassVar[Callable[[bytes, LLMEngine], None] | None] = None  # a large body's bytes, before decoding
 
     @classmethod
     async def admit(cls, state: ServerState, request_id: str, req: GenerationRequest) -> "Generation":
@@ -1614,40 +1464,66 @@ class Generation:
         and length bounds before any per-token work), then tokenizing off the
         loop, then the engine requests. Raises 400/429/503."""
         try:
-            params = req.sampling_params(state.engine.default_sampling)
-            check_queue(state, req, params.n)
-            prompts = await state.off_loop(req.process_prompts, state)
+            gen = cls(state, request_id, req, req.sampling_params(state.engine.default_sampling))
+            check_queue(state, req, gen.params.n)
+            prompts = await state.off_loop(gen.process_prompts)
             # compiled here, off the loop; the engine's add_request then finds it in its cache
-            await state.off_loop(state.engine.structured_outputs.compile, params.structured_outputs)
+            await state.off_loop(state.engine.structured_outputs.compile, gen.params.structured_outputs)
             for prompt in prompts:
-                req.check_length(len(prompt.token_ids), params.max_tokens, state.engine.max_model_len)
-            check_queue(state, req, params.n)  # again: others may have queued meanwhile
-            return cls(state, request_id, req, params, prompts)
+                gen.check_length(len(prompt.token_ids))
+            check_queue(state, req, gen.params.n)  # again: others may have queued meanwhile
+            gen.add_requests(prompts)
+            return gen
         except InvalidInput as e:
             raise req.invalid(e) from None
         except EngineDeadError as e:
             raise _engine_error(e) from None
 
-    def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams,
-                 prompts: list[TokenizedPrompt]):
-        self.state, self.request_id, self.req, self.params, self.prompts = state, request_id, req, params, prompts
-        self.response_id = req.id_prefix + request_id
+    def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams):
+        self.state, self.request_id, self.req, self.params = state, request_id, req, params
+        self.response_id = self.id_prefix + request_id
         self.created = int(time.time())
         self.start = time.monotonic()
+        self.prompts: list[TokenizedPrompt] = []
         self.tracked: list[_Tracked] = []
         self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
-        state.generations.add(self)
+
+    def process_prompts(self) -> list[TokenizedPrompt]:
+        """On the tokenizer thread: render, tokenize and check every prompt."""
+        req = self.req
+        prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
+                                                    req.truncation_side) for p in self.prompt_inputs()]
+        for p in prompts:
+            p.cache_salt = req.cache_salt
+        return prompts
+
+    def check_length(self, num_prompt: int) -> None:
+        """OpenAI's rule: prompt + max_tokens must fit (the engine alone would cap
+        max_tokens). A prompt too long by itself is the engine's error, raised first."""
+        max_tokens, max_model_len = self.params.max_tokens, self.state.engine.max_model_len
+        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+            name, what = self.req.param_name("max_tokens"), self.req.prompt_field
+            raise bad_request(
+                f"this model's max-model-len is {max_model_len} tokens, but the request needs "
+                f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
+                f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
+
+    def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
+        self.prompts = prompts
+        self.state.generations.add(self)
         try:
             for i, prompt in enumerate(prompts):
-                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self.tracked.append(_Tracked(engine_id, state.async_llm.add_request(prompt, params, engine_id)))
+                engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
+                self.tracked.append(_Tracked(engine_id, self.state.async_llm.add_request(prompt, self.params,
+                                                                                         engine_id)))
         except (InvalidInput, EngineDeadError):  # the engine's own checks (a request id in use), or a dead engine
             self.close()  # aborts the prompts already queued
             raise
         logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s%s",
-                     request_id, len(prompts), "+".join(str(len(p.token_ids)) for p in prompts),
-                     params.max_tokens, params.n, req.stream, f", user {show(req.user)}" if req.user else "")
+                     self.request_id, len(prompts), "+".join(str(len(p.token_ids)) for p in prompts),
+                     self.params.max_tokens, self.params.n, self.req.stream,
+                     f", user {show(self.req.user)}" if self.req.user else "")
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """The engine requests' outputs as they come, merged."""
@@ -1703,15 +1579,10 @@ class Generation:
         with ``echo`` (completions), those of that prompt's tokens first."""
         if self.params.logprobs is None:
             return None
-        tokens = []
-        if echo is not None and isinstance(self.req, CompletionRequest):
-            entries = self.prompt_logprobs.get(echo) or [None]
-            for token_id, entry in zip(self.prompts[echo].token_ids, entries):  # the first one has none
-                tokens.append(self._logprob_item(token_id, None if entry is None else
-                                                 {t: lp.logprob for t, lp in entry.items()}))
+        tokens = [] if echo is None else self.echo_logprobs(echo)
         for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
             tokens.append(self._logprob_item(token_id, entry))
-        return self.req.logprobs_body(tokens, text_offset)
+        return self.logprobs_body(tokens, text_offset)
 
     def _logprob_item(self, token_id: int, entry: dict[int, float] | None) -> tuple:
         if entry is None:
@@ -1749,13 +1620,12 @@ class Generation:
         req, choices, extra = self.req, [], {}
         for idx, c in sorted(finals.items()):
             i = idx // self.params.n
-            echo = req.echo_text(self, i) if req.echo else ""
+            echo = self.echo_text(i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
-            choices.append(req.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
-                                      echo))
-        return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
-                "choices": choices, "usage": self.usage(finals),
-                **req.response_extra(extra, self.prompts[0].text)}
+            choices.append(self.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
+                                       echo))
+        return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
+                "choices": choices, "usage": self.usage(finals), **self.response_extra(extra, self.prompts[0].text)}
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
@@ -1799,10 +1669,159 @@ class Generation:
                         time.monotonic() - self.start, sum(len(p.token_ids) for p in self.prompts),
                         sum(sum(t.num_output_tokens.values()) for t in self.tracked))
 
+    # what differs between the endpoints (the subclasses' own: prompt_inputs, echo_text, choice, logprobs_body)
+    def echo_logprobs(self, prompt_index: int) -> list[tuple]:
+        """The logprobs that lead a choice's with echo: none of chat's."""
+        return []
+
+    def first_chunks(self, head: dict) -> list[dict]:
+        return []
+
+    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
+        return {}
+
 
 def _lp(value: float | None) -> float | None:
     # JSON has no -inf; vLLM reports such a logprob as -9999.0
     return None if value is None else max(value, -9999.0)
+
+
+class CompletionGeneration(Generation):
+    schema = CompletionRequest
+    object_name = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def check_raw(raw: bytes, engine: LLMEngine) -> None:
+        """A huge body's token-id prompt too long for the model is refused from its bytes,
+        before decoding millions of numbers. Only where the count is certain: a "prompt" list
+        opening with a number, no escape (so "prompt" has one spelling), one "prompt" key, no
+        truncate_prompt_tokens: the commas before the first "]" count its ids (any element not
+        an id is a 400 as well)."""
+        ids = _IDS_LIST.match(raw, max(raw.find(b'"prompt"'), 0))
+        if ids is None or b"\\" in raw or raw.count(b'"prompt"') != 1:  # C scans: the GIL passes between
+            return
+        if b'"truncate_prompt_tokens"' in raw:  # a truncated prompt may fit: the engine judges it
+            return
+        end = raw.find(b"]", ids.end())  # none: not JSON, which the decoder says
+        try:
+            if end > 0:
+                engine.check_prompt_length(raw.count(b",", ids.end(), end) + 1)
+        except InvalidInput as e:
+            raise bad_request(str(e), e.param) from None
+
+    def prompt_inputs(self) -> list[str | list[int]]:
+        return self.req.prompt
+
+    def echo_text(self, prompt_index: int) -> str:
+        prompt, tokenizer = self.prompts[prompt_index], self.state.engine.tokenizer
+        if prompt.text is not None:
+            return prompt.text
+        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
+
+    def echo_logprobs(self, prompt_index: int) -> list[tuple]:
+        """The prompt's tokens lead the logprobs as its text leads the choice's."""
+        entries = self.prompt_logprobs.get(prompt_index) or [None]
+        return [self._logprob_item(token_id, None if entry is None else {t: lp.logprob for t, lp in entry.items()})
+                for token_id, entry in zip(self.prompts[prompt_index].token_ids, entries)]  # the first has none
+
+    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
+               extra: dict, echo: str = "") -> dict:
+        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, **extra}
+
+    def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
+        """The legacy shape: parallel lists, top_logprobs keyed by token text."""
+        offsets = []
+        for text, _, _ in tokens:
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens],
+                "top_logprobs": [None if ranked is None else dict(ranked) for _, _, ranked in tokens],
+                "text_offset": offsets}
+
+
+class ChatGeneration(Generation):
+    schema = ChatCompletionRequest
+    object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
+        super().__init__(state, request_id, req, params)
+        if req.tool_choice == "auto" and state.tool_parser is None:
+            raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
+                                              '--tool-call-parser to be set')
+        self.parser = tool_parser(req.tool_choice, state.tool_parser)  # None: no calls to parse
+        self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
+
+    def prompt_inputs(self) -> list[str | list[int]]:
+        req = self.req
+        hidden = req.tool_choice == "none" and self.state.exclude_tools_when_tool_choice_none
+        return [render_chat(self.state, req, None if hidden else req.tools)]
+
+    def echo_text(self, prompt_index: int) -> str:
+        """As vLLM: the last message's content, if it has the role the reply takes."""
+        req = self.req
+        last, opens = req.messages[-1], opens_reply(req.add_generation_prompt, req.continue_final_message)
+        return (last["content"] or "") if last["role"] == ("assistant" if opens else last["role"]) else ""
+
+    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
+               extra: dict, echo: str = "") -> dict | None:
+        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
+        content, calls, finish = text, [], c.finish_reason
+        if self.parser is not None:
+            if index not in self.tool_streams:
+                self.tool_streams[index] = ToolStream(self.parser())
+            content, calls, made = self.tool_streams[index].feed(text, finish is not None or not stream)
+            if not stream:  # one feed: each call whole in its first delta
+                calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+            if self.req.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
+                calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
+            if made and finish == "stop" and not isinstance(self.req.tool_choice, dict):  # a forced named function
+                finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
+        content = echo + content
+        if stream:
+            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+            if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
+                return None  # all of it held back: nothing to send yet
+            body = {"delta": delta}
+        else:
+            body = {"message": {"role": "assistant", "content": content or (None if calls else ""),
+                                **({"tool_calls": calls} if calls else {})}}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
+                **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
+
+    def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
+        def item(text: str, lp: float | None) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        top = self.req.top_logprobs or 0
+        return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
+                            for text, lp, ranked in tokens]}
+
+    def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
+        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]} for i in range(self.req.n)]
+
+    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
+        """What vLLM puts beside a chat response's choices rather than in them."""
+        out = {k: v for k, v in extra.items() if k in ("prompt_token_ids", "prompt_logprobs")}
+        return {**out, "prompt_text": prompt_text} if self.req.return_prompt_text and prompt_text is not None else out
+
+
+def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCompletionToolsParam] | None) -> str:
+    """Chat's prompt, and /tokenize's of messages: ``tools`` as the template sees them
+    (on the tokenizer thread; raises InvalidInput)."""
+    tokenizer = state.engine.tokenizer
+    if req.chat_template is not None and not state.trust_request_chat_template:
+        raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
+                                            "--trust-request-chat-template, or use --chat-template FILE")
+    template = req.chat_template or state.chat_template
+    if template is None and tokenizer is not None and not tokenizer.chat_template:
+        raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
+                                            "--chat-template FILE (or an inline Jinja template), or send "
+                                            "chat_template in the request")
+    tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+    return apply_chat_template(tokenizer, req.messages, template, req.add_generation_prompt,
+                               req.continue_final_message, tools, req.chat_template_kwargs, req.documents)
 
 
 # =========================================================================== SSE
@@ -1814,12 +1833,12 @@ def sse(obj: Any) -> str:
 async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     """The SSE events of a completion or a chat completion, ending in [DONE]."""
     req, params = gen.req, gen.params
-    head = {"id": gen.response_id, "object": req.chunk_object, "created": gen.created, "model": model}
+    head = {"id": gen.response_id, "object": gen.chunk_object, "created": gen.created, "model": model}
     unsent = set(range(len(gen.prompts) * params.n))  # choices whose first chunk is still to come
     tokens_sent: dict[int, int] = {}
     text_sent: dict[int, int] = {}
     finals: dict[int, CompletionOutput] = {}
-    for chunk in req.first_chunks(head):
+    for chunk in gen.first_chunks(head):
         yield sse(chunk)
     try:
         async with contextlib.aclosing(gen.outputs()) as outputs:
@@ -1828,7 +1847,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     idx = gen.choice_index(i, c)
                     finals[idx] = c
                     first = idx in unsent
-                    echo = req.echo_text(gen, i) if first and req.echo else ""
+                    echo = gen.echo_text(i) if first and req.echo else ""
                     text = echo + c.delta_text
                     start = tokens_sent.get(idx, 0)
                     if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
@@ -1838,8 +1857,8 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                     tokens_sent[idx] = len(c.token_ids)
                     text_sent[idx] = text_sent.get(idx, 0) + len(text)
                     extra = gen.extra(i, c.token_ids[start:], first)
-                    choice = req.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
-                    top = req.response_extra(extra, gen.prompts[i].text) if first else {}
+                    choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
+                    top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
                     if choice is not None or top:  # None: all of it held back (a tool call's text)
                         yield sse({**head, "choices": [choice] if choice is not None else [], **top})
         if req.stream_options is not None and req.stream_options.include_usage:
