@@ -14,13 +14,15 @@ here is needed to follow a request. Per op, in order of preference:
 * greedy argmax: the C kernel over bf16 logits, else torch's.
 
 A candidate that cannot be built or checked here is logged, with why, and the
-next one is taken. Also here, applied explicitly by the engine at start-up:
-oneDNN's packed layout for bf16 linear weights (``pack_linear_weights``) and the
-process-wide allocator settings (``tune_process``).
+next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weights
+in oneDNN's layout (``pack_linear_weights``; also under --enforce-eager: a layout
+with F.linear's results, not another kernel). Also here, applied by the engine:
+the process-wide allocator settings (``tune_process``) and ``trim_heap``.
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -31,6 +33,7 @@ import torch
 from torch import nn
 
 from nanoserve import kernels
+from nanoserve.cpu_kernels import is_decode_only
 from nanoserve.kernels import Backend
 
 logger = logging.getLogger("nanoserve.model")
@@ -43,14 +46,18 @@ COMPILED_ELEMENTWISE_MIN_ROWS = 256
 ONEDNN_CACHE_CAPACITY = 128
 
 
-def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int) -> Backend:
+def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: bool = False) -> Backend:
     """``cfg`` is the model's ``ModelConfig`` (heads, sizes: the shapes to build
-    and check for)."""
+    and check for); ``enforce_eager``: the torch references, nothing built."""
+    if enforce_eager:
+        packs = can_pack_linear_weights(dtype, torch.device("cpu"))
+        return dataclasses.replace(kernels.TORCH, prepare_model=prepare_model) if packs else kernels.TORCH
     attention, store, attend = _pick_attention(cfg, dtype, block_size)
     elementwise, (rms_norm, rotary, silu_and_mul) = _pick_elementwise(cfg, dtype)
     argmax_name, argmax = _pick_argmax(dtype)
     name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
-    return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul, argmax)
+    return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul, argmax,
+                   prepare_model)
 
 
 def _first_that_works(what: str, candidates, fallback):
@@ -98,7 +105,7 @@ def _smoke(cfg, dtype, block_size, store, attend):
 def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     """All-decode steps through the compiled decode attention; steps with
     prefill chunks (or once dynamo refuses another graph) through the reference."""
-    if kernels.is_decode_only(query_start_loc):
+    if is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out
@@ -282,6 +289,13 @@ def can_pack_linear_weights(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+def prepare_model(model: nn.Module) -> None:
+    """The CPU backends' ``prepare_model``: bf16 linear weights packed, where oneDNN can."""
+    weight = model.model.embed_tokens.weight
+    if can_pack_linear_weights(weight.dtype, weight.device):
+        logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Replace every ``model.Linear`` by a PackedLinear (the dense weight is freed);
     a tied LM head gets a packed copy of the embedding, which stays dense for the
@@ -343,5 +357,5 @@ def trim_heap() -> bool:
         return False
 
 
-__all__ = ["build_cpu_backend", "pack_linear_weights", "can_pack_linear_weights", "tune_process", "trim_heap",
+__all__ = ["build_cpu_backend", "prepare_model", "pack_linear_weights", "can_pack_linear_weights", "tune_process", "trim_heap",
            "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]

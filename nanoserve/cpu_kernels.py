@@ -32,8 +32,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve import kernels
-
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 # Cascade attention pays where many sequences share a long prefix; with few
@@ -124,13 +122,19 @@ def _check_attention_inputs(query, k_cache, v_cache) -> None:
         raise ValueError("the C attention kernels need contiguous caches")
 
 
+def is_decode_only(query_start_loc: torch.Tensor) -> bool:
+    """Every sequence of the step has exactly one query token (its next decode)."""
+    return torch.equal(query_start_loc, torch.arange(query_start_loc.shape[0], dtype=query_start_loc.dtype,
+                                                     device=query_start_loc.device))
+
+
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
     """kernels.paged_attention_torch in C: the decodes of the step in one
     decode_attention call, its multi-token chunks in one chunk_attention call."""
     _check_attention_inputs(query, k_cache, v_cache)
     query = query.contiguous()  # the kernels index rows directly
     num_seqs = seq_lens.shape[0]
-    if kernels.is_decode_only(query_start_loc):
+    if is_decode_only(query_start_loc):
         return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)  # all decodes
     out = torch.empty_like(query)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]

@@ -4,9 +4,12 @@ This module owns
 * ``SamplingParams`` (vLLM's names, defaults and validation), ``Request`` and
   the output types ``RequestOutput`` / ``CompletionOutput``;
 * tokenizing prompts and detokenizing outputs incrementally, stop conditions;
+* chat templates (``apply_chat_template``); the sampling defaults of generation_config.json;
+* structured outputs: xgrammar grammars compiled once, a matcher per request;
 * ``LLMEngine.step()``: schedule -> execute -> postprocess, the loop every
   front end drives; the offline ``LLM`` class drives it in a plain loop, and
   ``AsyncLLM`` drives it as one task on the server's asyncio loop;
+* tensor parallelism's processes: rank 0's workers (``TPWorkers``), other nodes' (``run_worker_node``);
 * the counters behind ``stats()`` and ``/metrics``.
 
 It does not decide who runs in a step (the scheduler does) and never indexes
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -32,9 +34,9 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from nanoserve import kvcache
-from nanoserve.kvcache import BlockManager, KVCacheSpec
+from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (CacheConfig, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
+from nanoserve.model import (ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
                              TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
                              init_distributed, load_model, load_tokenizer, log_tensor_parallel, num_parameters,
                              plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker, select_backend,
@@ -224,7 +226,6 @@ class CompletionOutput:
     finish_reason: str | None = None                # "stop", "length", "abort" or None
     stop_reason: int | str | None = None
     delta_text: str = ""                            # what this step added (for streaming)
-    delta_token_ids: list[int] = field(default_factory=list)
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -457,7 +458,7 @@ class EngineConfig:
     device: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
+    max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs) (__post_init__)
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
@@ -482,6 +483,14 @@ class EngineConfig:
     nnodes: int = 1                    # machines the ranks are spread over, tensor_parallel_size / nnodes each
     node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
 
+    def __post_init__(self) -> None:
+        self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``device``, or where it is left out CUDA if there is a GPU, else the CPU."""
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
 
 @dataclass(frozen=True, slots=True)
 class EngineInfo:
@@ -504,7 +513,7 @@ class LLMEngine:
         self.config = config
         path = resolve_model_dir(config.model, config.revision)
         self.model_config = ModelConfig.from_dir(path)
-        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         if self.device.type == "cpu" and config.cpu_allocator_tuning:
             # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
@@ -528,7 +537,14 @@ class LLMEngine:
                                           self.device, config.block_size, config.enforce_eager)
             self.compile_time_s = time.perf_counter() - t0
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp)
-            self._init_kv_cache(model)
+            self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
+            self.block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size,
+                                              config.enable_prefix_caching)
+            self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                       self.max_model_len), self.block_manager)
+            self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
+                                      self.decode_sizes, self.max_model_len)
+            self._warm_up()
         except BaseException:
             self.shutdown()
             raise
@@ -574,11 +590,12 @@ class LLMEngine:
             kv_bytes = cfg.num_kv_blocks * spec.bytes_per_block
         kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
 
-    def _init_kv_cache(self, model) -> None:
+    def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Size the KV cache from what the weights leave, settle max_model_len, and
+        allocate the KV tensors: (max_model_len, the plan, per layer K and V)."""
         cfg, mc = self.config, self.model_config
         if cfg.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {cfg.block_size}")
-        batched = cfg.max_num_batched_tokens or max(8192, cfg.max_num_seqs)
         spec, plan = plan_rank_kv_cache(model, self.weight_bytes, cache_config(cfg, self.decode_sizes))
         log_tensor_parallel(model.tp, self.weight_bytes, spec, plan)
         max_len = cfg.max_model_len
@@ -592,14 +609,10 @@ class LLMEngine:
         mc.check_max_model_len(max_len)
         kvcache.check_fits(plan, spec, max_len)
         kvcache.log_plan(plan, spec, self.weight_bytes, max_len)
-        self.max_model_len = max_len
-        self.kv_plan, self.kv_spec = plan, spec
-        kv_caches = kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
-        self.block_manager = BlockManager(plan.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, batched, max_len),
-                                   self.block_manager)
-        self.runner = ModelRunner(model, kv_caches, cfg.block_size, self.device, self.backend, cfg.seed,
-                                  self.decode_sizes, max_len)
+        return max_len, plan, kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
+
+    def _warm_up(self) -> None:
+        """Build what the first steps would (a warm-up forward; on CUDA the decode graphs)."""
         t0 = time.perf_counter()
         self.runner.warmup()
         self.compile_time_s += time.perf_counter() - t0
@@ -612,6 +625,12 @@ class LLMEngine:
                         "(--enforce-eager turns them off)", len(self.decode_sizes),
                         ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
                         (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+
+    def release_memory(self) -> None:
+        """Going idle after steps (the server's loop calls it on the model thread): on
+        the CPU, the heap glibc kept for the steps (tune_process) goes back to the system."""
+        if self.device.type == "cpu" and self.config.cpu_allocator_tuning:
+            cpu_backend.trim_heap()
 
     def describe(self) -> EngineInfo:
         plan = self.kv_plan
@@ -675,7 +694,10 @@ class LLMEngine:
                                          f"{self.max_model_len}, which must also leave room for at least one "
                                          f"output token")
 
-    def validate_params(self, params: SamplingParams) -> None:
+    def validate_params(self, params: SamplingParams) -> Any:
+        """Check ``params`` against this model (raises InvalidInput); returns the
+        compiled grammar of its structured outputs (None without), from the cache
+        when the server compiled it ahead on its tokenizer thread."""
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
@@ -686,7 +708,7 @@ class LLMEngine:
                 word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
-        self.structured_outputs.compile(params.structured_outputs)  # cached: add_request finds it compiled
+        return self.structured_outputs.compile(params.structured_outputs)
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -702,14 +724,17 @@ class LLMEngine:
         ``final_only`` (offline generate), step() reports it only when it finishes."""
         params = params or SamplingParams()
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
+        return self._add_validated(prompt, params, self.validate_params(params), request_id, final_only)
+
+    def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
+                       request_id: str | None, final_only: bool) -> str:
+        """add_request's second half, for a prompt and params already checked."""
         text, token_ids = prompt.text, prompt.token_ids
-        self.validate_params(params)
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         if self._family(request_id):
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        grammar = self.structured_outputs.compile(params.structured_outputs)
         prompt_logprobs = None if params.prompt_logprobs is None else [None]
         bad_words = self._bad_words_token_ids(params.bad_words)
         for i in range(params.n):
@@ -875,30 +900,32 @@ class LLMEngine:
         done = len(req.output_token_ids) >= p.min_tokens
         # As vLLM: a stop token's own text is left out unless asked for.
         if done and not p.ignore_eos and token in req.eos_token_ids:
-            return self._finish_text(req, token if p.include_stop_str_in_output else None)
+            self._flush_text(req, token if p.include_stop_str_in_output else None)
+            return RequestStatus.FINISHED_STOPPED
         if done and token in p.stop_token_ids:
             req.stop_reason = token
-            return self._finish_text(req, token if p.include_stop_str_in_output else None)
+            self._flush_text(req, token if p.include_stop_str_in_output else None)
+            return RequestStatus.FINISHED_STOPPED
         prev_len = len(req.text)
         if req.detokenizer is not None:
             req.text += req.detokenizer.step([token])
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.is_terminated():  # the constraint is complete
-            return self._finish_text(req, None)
+            self._flush_text(req, None)
+            return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return self._finish_text(req, None, RequestStatus.FINISHED_LENGTH)
+            self._flush_text(req, None)
+            return RequestStatus.FINISHED_LENGTH
         return None
 
     @staticmethod
-    def _finish_text(req: Request, last_token: int | None,
-                     status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> RequestStatus:
+    def _flush_text(req: Request, last_token: int | None) -> None:
         """Add the last token's text (if kept) and flush what the detokenizer held
         back waiting for the rest of a UTF-8 character that will never come."""
         if req.detokenizer is not None:
             req.text += req.detokenizer.step([] if last_token is None else [last_token])
             req.text += req.detokenizer.flush()
-        return status
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
         """Find the earliest stop string that ends in the new text; truncate there.
@@ -945,7 +972,7 @@ class LLMEngine:
                                 req.cumulative_logprob,
                                 None if req.logprobs is None else list(req.logprobs),
                                 req.status.finish_reason,
-                                req.stop_reason, delta, req.output_token_ids[-1:])
+                                req.stop_reason, delta)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
@@ -1032,7 +1059,7 @@ def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
 # =========================================================================== tensor-parallel workers
 
 def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheConfig:
-    batched = config.max_num_batched_tokens or max(8192, config.max_num_seqs)
+    batched = config.max_num_batched_tokens
     return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
                        config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
                        ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
@@ -1191,7 +1218,7 @@ def run_worker_node(config: EngineConfig) -> int:
     > 0): run this node's ranks, the first in this process, until rank 0 shuts
     them down. Returns the exit status."""
     model_config = ModelConfig.from_dir(config.model)
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(config.device)
     check_parallel_config(config, model_config, device)
     if config.distributed_init_method is None:
         raise ValueError("a worker node needs distributed_init_method=tcp://HOST:PORT (node 0's address)")
@@ -1244,9 +1271,8 @@ class LLM:
         engine = self.engine
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
                   for prompt, p in zip(prompts, params)]
-        for p in params:
-            engine.validate_params(p)
-        ids = [engine.add_request(prompt, p, final_only=True) for prompt, p in zip(inputs, params)]
+        grammars = [engine.validate_params(p) for p in params]
+        ids = [engine._add_validated(prompt, p, g, None, True) for prompt, p, g in zip(inputs, params, grammars)]
         return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -1423,8 +1449,8 @@ FAILED_MESSAGE = "the model step of this request failed; the server log has the 
 def model_thread() -> concurrent.futures.ThreadPoolExecutor:
     """The one worker thread that runs a served engine's torch work. Build the
     engine on it too (``model_thread().submit(LLMEngine, config)``): on the CPU,
-    stepping on another thread than the one that loaded the model makes every
-    step about twice as slow (two OpenMP pools; benchmarks/RESULTS.md)."""
+    stepping on another thread than the one that loaded the model is slower
+    (two OpenMP pools; benchmarks/RESULTS.md)."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-model")
 
 
@@ -1485,14 +1511,12 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         engine = self.engine
         failures, stepped = 0, False
-        # glibc keeps freed memory while steps run (tune_process): going idle, it gives it back
-        trims = engine.device.type == "cpu" and engine.config.cpu_allocator_tuning
         try:
             while True:
                 step = engine.schedule_step()
-                if step is None and stepped and trims:
+                if step is None and stepped:  # going idle after steps
                     stepped = False
-                    await loop.run_in_executor(self.executor, cpu_backend.trim_heap)
+                    await loop.run_in_executor(self.executor, engine.release_memory)
                     continue  # a request may have come meanwhile
                 if step is None:  # nothing can run until a request comes (or goes)
                     self.wakeup.clear()
@@ -1541,16 +1565,6 @@ class AsyncLLM:
         queue = self.queues[request_id] = asyncio.Queue()
         self.wakeup.set()
         return queue
-
-    async def generate(self, prompt, params: SamplingParams, request_id: str):
-        """Async iterator of RequestOutputs for one request. If the consumer stops
-        early (a client disconnects), the request is aborted and its blocks freed."""
-        queue = self.add_request(prompt, params, request_id)
-        # aclosing: an early exit closes the inner stream now (and so aborts),
-        # not whenever the garbage collector finalizes it.
-        async with contextlib.aclosing(self.stream(request_id, queue)) as outputs:
-            async for out in outputs:
-                yield out
 
     async def stream(self, request_id: str, queue: asyncio.Queue):
         finished = False

@@ -145,7 +145,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no torch.compile, no C kernels: the torch references (and Triton "
-                        "on CUDA), eagerly")
+                        "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
                         "--max-num-seqs, at most 512)")
@@ -270,7 +270,7 @@ def load_chat_template(value: str) -> str:
 # =========================================================================== protocol
 # OpenAI's request bodies as pydantic models, as vLLM's protocol.py has them:
 # types and defaults here, strictly (no "1" for 1, no 1 for true); value ranges
-# where SamplingParams checks them, so that the offline LLM and the server share
+# in SamplingParams, except the server's own (logit_bias in [-100, 100], n <= MAX_N: here), so both share
 # one rule, and an engine error is reported under the body's own field name
 # (param_name). Every declared field is used or refused, and so is every other
 # field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
@@ -1554,7 +1554,7 @@ class Generation:
                         self.prompt_logprobs[i] = item.prompt_logprobs
                     if self.req.echo_only():  # the one generated token is not shown
                         item.outputs = [dataclasses.replace(c, text="", token_ids=[], delta_text="",
-                                                            delta_token_ids=[], logprobs=c.logprobs and [])
+                                                            logprobs=c.logprobs and [])
                                         for c in item.outputs]
                     yield i, item
         finally:  # cancelling a pump cancels its stream, which aborts that engine request

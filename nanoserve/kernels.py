@@ -12,15 +12,16 @@ last resort, and where it pays as a Triton kernel:
   the sequence's block table (causal inside the chunk, full over the prefix);
   GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
 * ``rms_norm``, ``rotary``, ``silu_and_mul``: the pointwise work between the
-  decoder's matmuls (torch references only; faster ones live behind the seam);
+  decoder's matmuls (torch references and Triton kernels; the CPU's live behind the seam);
 * ``argmax``: greedy sampling.
 
-The seam is ``Backend``: one object holding one implementation of each op. The
-model runner picks one at start-up (model.py ``select_backend``) and hands it
-to the layers; nothing else chooses. ``TORCH`` is the references, ``TRITON``
-the Triton kernels (CUDA tensors; on the CPU under ``TRITON_INTERPRET=1`` in
-the tests). The CPU's speed-ups (C kernels, torch.compile'd twins) are other
-``Backend`` instances, built in ``cpu_backend.py``; this file never needs them.
+The seam is ``Backend``: one object holding one implementation of each op.
+model.py's ``select_backend`` picks one, called once at start-up by the engine
+(and by each tensor-parallel worker); the model hands it to its layers; nothing
+else chooses. ``TORCH`` is the references, ``TRITON`` the Triton kernels (CUDA
+tensors; on the CPU under ``TRITON_INTERPRET=1`` in the tests). The CPU's
+speed-ups (C kernels, torch.compile'd twins) are other ``Backend`` instances,
+built in ``cpu_backend.py``; this file never needs them.
 
 Shapes (vLLM's names):
   query            [num_tokens, num_heads, head_dim]
@@ -45,9 +46,14 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 
+def weights_as_loaded(model: torch.nn.Module) -> None:
+    """The references' and Triton's ``prepare_model``: nothing to change."""
+
+
 @dataclass(frozen=True)
 class Backend:
-    """One implementation of every op a model step calls. Signatures:
+    """One implementation of every op a model step calls, and what it needs of
+    the loaded weights (``prepare_model``, once, after loading). Signatures:
 
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> out
@@ -65,6 +71,7 @@ class Backend:
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor]
+    prepare_model: Callable[[torch.nn.Module], None] = weights_as_loaded
 
 
 # =========================================================================== torch references
@@ -105,13 +112,6 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
             out[chunk] = chunk_attention_torch(query[chunk], k_cache, v_cache, block_tables[i],
                                                lens[i], scale)
     return out
-
-
-def is_decode_only(query_start_loc: torch.Tensor) -> bool:
-    """Every sequence of the step has exactly one query token (its next decode).
-    A host-side check: the CPU paths take it to pick a decode-only kernel."""
-    return torch.equal(query_start_loc, torch.arange(query_start_loc.shape[0], dtype=query_start_loc.dtype,
-                                                     device=query_start_loc.device))
 
 
 def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:

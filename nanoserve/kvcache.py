@@ -19,7 +19,7 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -345,6 +345,41 @@ def gpu_budget(device: torch.device, gpu_memory_utilization: float, activation_b
     return int(total * gpu_memory_utilization - used - activation_bytes)
 
 
+@dataclass(slots=True)
+class CacheConfig:
+    """How every rank sizes its KV cache (EngineConfig's fields, as plain data a
+    worker process can be handed)."""
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None   # per rank
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    profile_tokens: int = 8192                 # the profiling forward: a full step's tokens
+    profile_rows: int = 256                    # and its sampled rows
+    ranks_per_node: int = 1                    # CPU ranks share one machine's default budget
+    graph_tokens: int = 0                      # CUDA graphs' largest decode batch (their pool)
+    max_num_seqs: int = 256                    # with max_model_len: what the CPU default may hold
+    max_model_len: int | None = None
+
+
+def kv_budget(cache: CacheConfig, spec: KVCacheSpec, weight_bytes: int, device: torch.device,
+              max_position_embeddings: int, activation_bytes: Callable[[], int]) -> int | None:
+    """The bytes one rank's KV cache may take (None: ``num_kv_blocks`` decides):
+    ``kv_cache_memory_bytes`` if given; on a GPU what ``gpu_memory_utilization``
+    leaves after the weights and ``activation_bytes()`` (the model's profiling
+    forward, run only here); on the CPU the default budget (default_cpu_budget)."""
+    if cache.kv_cache_memory_bytes is not None:
+        return cache.kv_cache_memory_bytes
+    if cache.num_kv_blocks is not None:
+        return None  # the block count decides; nothing to measure
+    if device.type == "cuda":
+        return gpu_budget(device, cache.gpu_memory_utilization, activation_bytes())
+    # No more than max_num_seqs requests of max_model_len tokens could ever
+    # use: a small model need not hold (and zero) gigabytes it cannot fill.
+    longest = cache.max_model_len or max_position_embeddings
+    usable = cache.max_num_seqs * -(-longest // cache.block_size) * spec.bytes_per_block
+    return min(default_cpu_budget(weight_bytes * cache.ranks_per_node) // cache.ranks_per_node, usable)
+
+
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
@@ -356,7 +391,3 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device
 
 def log_plan(plan: KVCachePlan, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> None:
     logger.info("[kvcache] %s", plan.describe(spec, weight_bytes, max_model_len))
-
-
-__all__ = ["BlockManager", "KVCacheSpec", "KVCachePlan", "plan_kv_cache", "check_fits",
-           "allocate_kv_cache", "slot_mapping", "hash_block", "default_cpu_budget"]

@@ -20,7 +20,7 @@ This module owns
 It knows nothing of queues or HTTP. The KV tensors it writes come from
 ``kvcache``; the attention and the other per-token ops come from ``kernels``
 (on the CPU, maybe from ``cpu_backend``, which only ``select_backend`` and
-``load_model`` call).
+``run_worker``'s process settings call).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from torch import nn
 
 from nanoserve import kernels, kvcache
 from nanoserve.kernels import Backend
-from nanoserve.kvcache import KVCachePlan, KVCacheSpec
+from nanoserve.kvcache import CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.kvcache import slot_mapping as compute_slot_mapping
 
 logger = logging.getLogger("nanoserve.model")
@@ -667,12 +667,13 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
                    enforce_eager: bool = False) -> Backend:
     """The one place the kernels are chosen, once per engine: Triton on CUDA; on
     the CPU the fastest that builds and checks out here (cpu_backend.py: C
-    kernels, else torch.compile), unless enforce_eager; else the torch references."""
+    kernels, else torch.compile), unless enforce_eager (the references, bf16
+    weights still packed); else the torch references."""
     if device.type == "cuda" and kernels.TRITON is not None:
         return kernels.TRITON
-    if device.type == "cpu" and not enforce_eager:
+    if device.type == "cpu":
         from nanoserve.cpu_backend import build_cpu_backend  # platform code, off the reading path
-        return build_cpu_backend(cfg, dtype, block_size)
+        return build_cpu_backend(cfg, dtype, block_size, enforce_eager)
     return kernels.TORCH
 
 
@@ -779,10 +780,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model = build_model(cfg, dtype, device, backend, tp)
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
-    if device.type == "cpu":
-        from nanoserve import cpu_backend  # platform code, off the reading path
-        if cpu_backend.can_pack_linear_weights(dtype, device):
-            logger.debug("[model] %d linear weights packed for oneDNN", cpu_backend.pack_linear_weights(model))
+    backend.prepare_model(model)  # on the CPU: bf16 linear weights packed for oneDNN
     logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
                 cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,
@@ -1072,52 +1070,31 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     return peak
 
 
-@dataclass(slots=True)
-class CacheConfig:
-    """How every rank sizes its KV cache (EngineConfig's fields, as plain data a
-    worker process can be handed)."""
-    block_size: int = 16
-    kv_cache_memory_bytes: int | None = None   # per rank
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    profile_tokens: int = 8192                 # the profiling forward: a full step's tokens
-    profile_rows: int = 256                    # and its sampled rows
-    ranks_per_node: int = 1                    # CPU ranks share one machine's default budget
-    graph_tokens: int = 0                      # CUDA graphs' largest decode batch (their pool)
-    max_num_seqs: int = 256                    # with max_model_len: what the CPU default may hold
-    max_model_len: int | None = None
+def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
+    """On CUDA, what the KV cache must leave free: a full step's activations
+    (the profiling forward) and the CUDA graphs' pool."""
+    activations = profile_activation_bytes(model, cache.profile_tokens, cache.profile_rows, cache.block_size)
+    logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
+                cache.profile_tokens, activations / 2**30)
+    if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
+        graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size)
+        logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
+                    cache.graph_tokens, graphs / 2**30)
+        activations += graphs
+    return activations
 
 
 def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -> tuple[KVCacheSpec, KVCachePlan]:
-    """This rank's KV cache: its KV heads only, as many blocks as the budget buys
-    here, then the smallest count over the ranks (every rank must hold every
-    block the block manager hands out). Every rank calls this at start-up."""
+    """This rank's KV cache: its KV heads only, as many blocks as its budget
+    (kvcache.kv_budget) buys here, then the smallest count over the ranks (every
+    rank must hold every block the block manager hands out). Every rank calls
+    this at start-up."""
     cfg = model.config
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     spec = KVCacheSpec(cfg.num_layers, num_kv_heads_per_rank(cfg, model.tp.world_size), cfg.head_dim, dtype,
                        cache.block_size)
-    if cache.kv_cache_memory_bytes is not None:
-        budget = cache.kv_cache_memory_bytes
-    elif cache.num_kv_blocks is not None:
-        budget = None  # the block count decides; nothing to measure
-    elif device.type == "cuda":
-        # the KV cache gets what a full step's activations leave under the limit
-        activations = profile_activation_bytes(model, cache.profile_tokens, cache.profile_rows, cache.block_size)
-        logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
-                    cache.profile_tokens, activations / 2**30)
-        if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
-            graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size)
-            logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
-                        cache.graph_tokens, graphs / 2**30)
-            activations += graphs
-        budget = kvcache.gpu_budget(device, cache.gpu_memory_utilization, activations)
-    else:
-        # No more than max_num_seqs requests of max_model_len tokens could ever
-        # use: a small model need not hold (and zero) gigabytes it cannot fill.
-        longest = cache.max_model_len or cfg.max_position_embeddings
-        usable = cache.max_num_seqs * -(-longest // cache.block_size) * spec.bytes_per_block
-        budget = min(kvcache.default_cpu_budget(weight_bytes * cache.ranks_per_node) // cache.ranks_per_node,
-                     usable)
+    budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
+                               lambda: step_activation_bytes(model, cache))
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
     num_blocks = model.tp.min(plan.num_blocks)
     if num_blocks < plan.num_blocks:

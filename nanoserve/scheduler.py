@@ -26,10 +26,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nanoserve.kvcache import BlockManager
-
-if TYPE_CHECKING:  # the engine owns Request; the scheduler only reads and moves it
+if TYPE_CHECKING:  # type hints only: the scheduler imports neither the engine nor (through kvcache) torch
     from nanoserve.engine import Request
+    from nanoserve.kvcache import BlockManager
 
 logger = logging.getLogger("nanoserve.scheduler")
 
@@ -80,7 +79,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
-    num_batched_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -138,27 +136,31 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        bm = self.block_manager
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            else:
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
-                budget -= num_new
-                i += 1
-                continue
-            break  # req itself was preempted: nothing after it is left to schedule
+            if not self._allocate_or_preempt(req, num_new, out):
+                break  # req itself was preempted: nothing after it is left to schedule
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+            budget -= num_new
+            i += 1
         return budget
+
+    def _allocate_or_preempt(self, req: "Request", num_new: int, out: SchedulerOutput) -> bool:
+        """Slots for ``num_new`` more tokens of ``req``, preempting the most recently
+        admitted running requests (never one already scheduled: they come first)
+        until they fit; False when ``req`` itself had to go."""
+        while not self.block_manager.allocate_slots(req.request_id, req.token_ids,
+                                                    req.num_computed_tokens + num_new):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager

@@ -143,3 +143,10 @@ def step_logits(runner, seqs) -> torch.Tensor:
         input_ids, positions, meta = runner.prepare(seqs)
         hidden = runner.model(input_ids, positions, meta, runner.kv_caches)
         return runner.model.compute_logits(hidden).float().cpu()
+
+
+async def run_request(async_llm, prompt, params, request_id: str) -> list:
+    """One request through ``AsyncLLM`` as the server drives it (add_request, then
+    stream), drained to its end: its RequestOutputs."""
+    queue = async_llm.add_request(prompt, params, request_id)
+    return [out async for out in async_llm.stream(request_id, queue)]

@@ -38,7 +38,9 @@ def tokens(llm: LLM) -> list[list[int]]:
 
 
 def runner_with(backend: kernels.Backend, path, dtype=torch.bfloat16) -> ModelRunner:
-    """A runner of its own over ``backend``, as the engine would build it."""
+    """A runner of its own over ``backend``, as the engine would build it (on the
+    CPU every backend packs bf16 linear weights: cpu_backend.prepare_model)."""
+    backend = dataclasses.replace(backend, prepare_model=cpu_backend.prepare_model)
     cfg = ModelConfig.from_dir(path)
     model, _ = load_model(path, dtype, torch.device("cpu"), backend)
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype, 16)
@@ -80,6 +82,19 @@ def test_fp32_cpu_compiles_decode_attention_unless_enforce_eager(model):
     assert b.rms_norm is kernels.rms_norm_torch and b.argmax is kernels.argmax_torch  # fp32: the references
     assert eager.engine.backend is kernels.TORCH
     assert tokens(compiled) == tokens(eager)
+
+
+@pytest.mark.skipif(not cpu_backend.can_pack_linear_weights(torch.bfloat16, torch.device("cpu")),
+                    reason="packed weights need oneDNN's bf16")
+def test_enforce_eager_takes_the_references_over_packed_bf16_weights(model):
+    """--enforce-eager chooses kernels (the references, nothing built); the bf16
+    weights are packed all the same: a layout, with F.linear's results."""
+    from nanoserve.model import Linear
+    llm = make_llm(model, dtype="bfloat16", enforce_eager=True)
+    b, m = llm.engine.backend, llm.engine.runner.model
+    assert b.name == "torch" and (b.paged_attention, b.rms_norm) == (kernels.paged_attention_torch,
+                                                                    kernels.rms_norm_torch)
+    assert isinstance(m.lm_head, cpu_backend.PackedLinear) and not any(isinstance(x, Linear) for x in m.modules())
 
 
 def test_a_failing_compile_falls_back_to_the_reference(model, monkeypatch, caplog):

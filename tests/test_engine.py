@@ -250,6 +250,20 @@ def test_greedy_text_prompt_equals_its_token_ids(model):
     assert by_text.outputs[0].text == by_ids.outputs[0].text
 
 
+def test_skip_tokenizer_init_gives_the_same_tokens_and_no_text(model, reference):
+    """vLLM's skip_tokenizer_init (the benchmarks run with it): no tokenizer is
+    loaded; token-id prompts get the tokens a run with one gets, and no text;
+    a text prompt is a clear error."""
+    llm = make_llm(model, skip_tokenizer_init=True)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert llm.get_tokenizer() is None
+    assert token_ids(outs) == reference[0]
+    assert all(o.prompt is None and o.outputs[0].text == "" for o in outs)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        llm.generate("hello", use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
 # ---------------------------------------------------------------- bad inputs
 
 @pytest.fixture(scope="module")

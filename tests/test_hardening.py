@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams, entry
+from conftest import run_request
 from test_server import ServerThread, _check_error, _metrics, offline, sse_events  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -406,8 +407,7 @@ def test_the_engine_trims_the_heap_each_time_it_goes_idle(tiny_model, monkeypatc
         async_llm.start()
         try:
             for i in range(2):
-                async for _ in async_llm.generate("hello", SamplingParams(max_tokens=2), f"idle-{i}"):
-                    pass
+                await run_request(async_llm, "hello", SamplingParams(max_tokens=2), f"idle-{i}")
                 for _ in range(1000):  # the engine trims after its last step: a deadline, not a timing
                     if not tuning or len(trims) > i:
                         break

@@ -18,8 +18,8 @@ def test_each_layer_is_one_module():
 
 
 def test_platform_code_stays_off_the_reading_path():
-    """Only model.py (select_backend, load_model) and engine.py (the start-up
-    process settings) may reach the CPU platform files."""
+    """Only model.py (select_backend, run_worker's process settings) and engine.py
+    (the process settings) may reach the CPU platform files."""
     for name in LAYERS - {"model.py", "engine.py"}:
         text = (PACKAGE / name).read_text()
         assert "cpu_backend" not in text.replace("cpu_backend.py", "") or name == "kernels.py", name

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import nanoserve
+from conftest import run_request
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import AsyncLLM
 from nanoserve.entry import (Server, bind_socket, build_app, build_engine, default_model_path, make_arg_parser,
@@ -661,8 +662,7 @@ def test_periodic_stats_line(tiny_model, caplog):
         async_llm.start()
         state = ServerState(async_llm, ["m"], None, None, 1000, ServerMetrics(async_llm, "m"))
         task = asyncio.create_task(log_stats_periodically(state, 0.2))
-        async for _ in async_llm.generate("hello", SamplingParams(max_tokens=3), "stats-1"):
-            pass
+        await run_request(async_llm, "hello", SamplingParams(max_tokens=3), "stats-1")
         await asyncio.sleep(0.3)
         task.cancel()
         await async_llm.shutdown()
