@@ -1254,7 +1254,7 @@ async def _generate(request: Request, kind: type["Generation"]) -> Response:
     model = check_model(req, state)
     gen = await kind.admit(state, request_id, req)
     if req.stream:
-        return EventStream(stream_events(gen, model), on_close=gen.close)
+        return EventStream(gen, model)
     finals = await _collect_or_disconnect(request, gen)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
@@ -1340,14 +1340,18 @@ async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[in
     """Run a non-streaming request to the end, or abort it (and give None) when the client leaves."""
     why = "the server stopped"  # unless we get further
     try:
-        done, finals = await until_disconnect(request.receive, gen.collect())
-        why = "" if done else "client disconnected"
+        async with watch_disconnect(request.receive, gen):
+            finals = await gen.collect()
+        why = ""
+        return finals
+    except ClientDisconnect:
+        why = "client disconnected"
+        return None
     except (EngineDeadError, RequestFailedError) as e:
         why = str(e)
         raise _engine_error(e) from None
     finally:
         gen.close(why)
-    return finals
 
 
 # ---------------------------------------------------------------- errors
@@ -1422,8 +1426,7 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class _Tracked:
     """One engine request's progress, for metrics and clean-up."""
     engine_id: str
-    queue: asyncio.Queue
-    started: bool = False           # its AsyncLLM.stream ran (and so cleans up after itself)
+    index: int                      # its prompt's
     done: bool = False
     finish_reasons: list[str] = field(default_factory=list)
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # by completion index
@@ -1447,8 +1450,8 @@ def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
 
 class Generation:
     """The engine requests behind one HTTP request (one per prompt), read back
-    as one stream of (prompt index, RequestOutput), and the response or chunks
-    they make. ``close()`` aborts whatever has not finished; every path out of a
+    from one queue that the engine loop fills, and the response or chunks they
+    make. ``close()`` aborts whatever has not finished; every path out of a
     handler calls it. What differs between the endpoints is in the subclasses
     (CompletionGeneration, ChatGeneration), as vLLM's serving_completion.py and
     serving_chat.py: the schema, the prompt, the shape of a choice and its logprobs."""
@@ -1485,7 +1488,8 @@ class Generation:
         self.created = int(time.time())
         self.start = time.monotonic()
         self.prompts: list[TokenizedPrompt] = []
-        self.tracked: list[_Tracked] = []
+        self.queue: asyncio.Queue = asyncio.Queue()  # outputs of all its engine requests, each naming its own
+        self.tracked: dict[str, _Tracked] = {}  # by engine request id
         self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
 
@@ -1515,8 +1519,8 @@ class Generation:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
-                self.tracked.append(_Tracked(engine_id, self.state.async_llm.add_request(prompt, self.params,
-                                                                                         engine_id)))
+                self.state.async_llm.add_request(prompt, self.params, engine_id, self.queue)
+                self.tracked[engine_id] = _Tracked(engine_id, i)
         except (InvalidInput, EngineDeadError):  # the engine's own checks (a request id in use), or a dead engine
             self.close()  # aborts the prompts already queued
             raise
@@ -1526,49 +1530,29 @@ class Generation:
                      f", user {show(self.req.user)}" if self.req.user else "")
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The engine requests' outputs as they come, merged."""
-        merged: asyncio.Queue = asyncio.Queue()
-        end = object()
-
-        async def pump(i: int, t: _Tracked) -> None:
-            t.started = True
-            try:
-                async for out in self.state.async_llm.stream(t.engine_id, t.queue):
-                    merged.put_nowait((i, out))
-                merged.put_nowait((i, end))
-            except Exception as e:  # EngineDeadError, RequestFailedError: hand it to the reader
-                merged.put_nowait((i, e))
-
-        pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(self.tracked)]
-        try:
-            remaining = len(pumps)
-            while remaining:
-                i, item = await merged.get()
-                if item is end:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    self._observe(self.tracked[i], item)
-                    if item.prompt_logprobs is not None:
-                        self.prompt_logprobs[i] = item.prompt_logprobs
-                    if self.req.echo_only():  # the one generated token is not shown
-                        item.outputs = [dataclasses.replace(c, text="", token_ids=[], delta_text="",
-                                                            logprobs=c.logprobs and [])
-                                        for c in item.outputs]
-                    yield i, item
-        finally:  # cancelling a pump cancels its stream, which aborts that engine request
-            for p in pumps:
-                p.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+        """(prompt index, output) as they come, until every engine request finished. What
+        ended one first is raised: the engine's error, or the client's ClientDisconnect."""
+        remaining = len(self.tracked)
+        while remaining:
+            out = await self.queue.get()
+            if isinstance(out, Exception):
+                raise out
+            t = self.tracked[out.request_id]
+            self._observe(t, out)
+            remaining -= out.finished
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs[t.index] = out.prompt_logprobs
+            if self.req.echo_only():  # the one generated token is not shown
+                out.outputs = [dataclasses.replace(c, text="", token_ids=[], delta_text="", logprobs=c.logprobs and [])
+                               for c in out.outputs]
+            yield t.index, out
 
     async def collect(self) -> dict[int, CompletionOutput]:
         """Every choice's final output, by choice index."""
         finals: dict[int, CompletionOutput] = {}
-        async with contextlib.aclosing(self.outputs()) as outputs:
-            async for i, out in outputs:
-                for c in out.outputs:
-                    finals[self.choice_index(i, c)] = c
+        async for i, out in self.outputs():
+            for c in out.outputs:
+                finals[self.choice_index(i, c)] = c
         return finals
 
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
@@ -1653,21 +1637,20 @@ class Generation:
             return
         self.closed = True
         aborted = 0
-        for t in self.tracked:
+        for t in self.tracked.values():
             if not t.done:
-                if not t.started:  # a started stream aborts in its own finally
-                    self.state.async_llm.abort(t.engine_id)
+                self.state.async_llm.abort(t.engine_id, self.queue)
                 left = self.params.n - len(t.finish_reasons)
                 aborted += left
                 self.state.metrics.count_finished("abort", left)
         self.state.generations.discard(self)
         if self.tracked:
-            reasons = sorted({r for t in self.tracked for r in t.finish_reasons})
+            reasons = sorted({r for t in self.tracked.values() for r in t.finish_reasons})
             outcome = (f"aborted {aborted} choice(s){f' ({why})' if why else ''}" if aborted
                        else f"finished ({', '.join(reasons)})")
             logger.info("[entry] %s: %s in %.2f s, %d prompt + %d completion tokens", self.request_id, outcome,
                         time.monotonic() - self.start, sum(len(p.token_ids) for p in self.prompts),
-                        sum(sum(t.num_output_tokens.values()) for t in self.tracked))
+                        sum(sum(t.num_output_tokens.values()) for t in self.tracked.values()))
 
     # what differs between the endpoints (the subclasses' own: prompt_inputs, echo_text, choice, logprobs_body)
     def echo_logprobs(self, prompt_index: int) -> list[tuple]:
@@ -1841,28 +1824,29 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     for chunk in gen.first_chunks(head):
         yield sse(chunk)
     try:
-        async with contextlib.aclosing(gen.outputs()) as outputs:
-            async for i, out in outputs:
-                for c in out.outputs:
-                    idx = gen.choice_index(i, c)
-                    finals[idx] = c
-                    first = idx in unsent
-                    echo = gen.echo_text(i) if first and req.echo else ""
-                    text = echo + c.delta_text
-                    start = tokens_sent.get(idx, 0)
-                    if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
-                        continue  # nothing new to say (text held back for a possible stop string)
-                    unsent.discard(idx)
-                    logprobs = gen.logprobs(c, start, text_sent.get(idx, 0), i if first and req.echo else None)
-                    tokens_sent[idx] = len(c.token_ids)
-                    text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                    extra = gen.extra(i, c.token_ids[start:], first)
-                    choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
-                    top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
-                    if choice is not None or top:  # None: all of it held back (a tool call's text)
-                        yield sse({**head, "choices": [choice] if choice is not None else [], **top})
+        async for i, out in gen.outputs():
+            for c in out.outputs:
+                idx = gen.choice_index(i, c)
+                finals[idx] = c
+                first = idx in unsent
+                echo = gen.echo_text(i) if first and req.echo else ""
+                text = echo + c.delta_text
+                start = tokens_sent.get(idx, 0)
+                if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
+                    continue  # nothing new to say (text held back for a possible stop string)
+                unsent.discard(idx)
+                logprobs = gen.logprobs(c, start, text_sent.get(idx, 0), i if first and req.echo else None)
+                tokens_sent[idx] = len(c.token_ids)
+                text_sent[idx] = text_sent.get(idx, 0) + len(text)
+                extra = gen.extra(i, c.token_ids[start:], first)
+                choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
+                top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
+                if choice is not None or top:  # None: all of it held back (a tool call's text)
+                    yield sse({**head, "choices": [choice] if choice is not None else [], **top})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(finals)})
+    except ClientDisconnect:
+        raise  # nobody to tell
     except Exception as e:  # the status line is gone: report in the stream
         yield sse(_stream_error(gen, e))
     yield "data: [DONE]\n\n"
@@ -1881,50 +1865,44 @@ def _stream_error(gen: Generation, e: Exception) -> dict:
 
 
 class EventStream:
-    """A text/event-stream response from an async iterator of framed events.
-    It stops when the client disconnects, which closes the iterator and so
-    aborts the engine requests behind it; ``on_close(why)`` runs in every case."""
+    """A Generation's SSE events as a text/event-stream response, each sent as it
+    comes. A client that disconnects ends it, which aborts the engine requests
+    behind it: ``gen.close(why)`` runs in every case."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[str], None]):
-        self.events, self.on_close = events, on_close
+    def __init__(self, gen: Generation, model: str):
+        self.gen, self.model = gen, model
 
     async def __call__(self, scope, receive, send) -> None:
-        async def pump() -> None:
-            async with contextlib.aclosing(self.events) as events:
-                async for event in events:
-                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
         why = "the server stopped"  # unless we get further
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]})
-            done, _ = await until_disconnect(receive, pump())
-            why = "" if done else "client disconnected mid-stream"
+            async with watch_disconnect(receive, self.gen):
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no")]})
+                async for event in stream_events(self.gen, self.model):
+                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            why = ""
+        except ClientDisconnect:
+            why = "client disconnected mid-stream"
         finally:
-            await self.events.aclose()  # a no-op unless pump() never started it
-            self.on_close(why)
+            self.gen.close(why)
 
 
-async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Run ``work`` unless the client disconnects first, in which case it is
-    cancelled. Returns (True, its result) or (False, None)."""
-    async def wait_for_disconnect() -> None:
+@contextlib.asynccontextmanager
+async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generation) -> AsyncIterator[None]:
+    """A task of its own listens for the client leaving, since the handler waits on
+    the Generation's queue, not on the client: it puts ClientDisconnect there."""
+    async def watch() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        gen.queue.put_nowait(ClientDisconnect())
 
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(wait_for_disconnect())
+    task = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return True, task.result()
-        return False, None
+        yield
     finally:  # also when we are cancelled ourselves (the shutdown timeout)
-        for t in (task, watch):
-            t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+        task.cancel()
 
 
 # =========================================================================== metrics
