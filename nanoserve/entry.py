@@ -1576,10 +1576,9 @@ class Generation:
                 [(self._token_text(t), _lp(lp)) for t, lp in ranked])
 
     def _token_text(self, token_id: int) -> str:
-        tokenizer = self.state.engine.tokenizer
-        if tokenizer is None or self.req.return_tokens_as_token_ids:
+        if self.req.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
-        return tokenizer.decode([token_id])
+        return self.state.engine.tokenizer.decode([token_id])
 
     def extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
         """return_token_ids and prompt_logprobs, as vLLM adds them to a choice (the
@@ -1697,10 +1696,8 @@ class CompletionGeneration(Generation):
         return self.req.prompt
 
     def echo_text(self, prompt_index: int) -> str:
-        prompt, tokenizer = self.prompts[prompt_index], self.state.engine.tokenizer
-        if prompt.text is not None:
-            return prompt.text
-        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
+        prompt = self.prompts[prompt_index]
+        return prompt.text if prompt.text is not None else self.state.engine.tokenizer.decode(prompt.token_ids)
 
     def echo_logprobs(self, prompt_index: int) -> list[tuple]:
         """The prompt's tokens lead the logprobs as its text leads the choice's."""
