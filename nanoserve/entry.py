@@ -636,6 +636,13 @@ class ChatTemplateFields(OpenAIBaseModel):
             out.append(msg)
         return out
 
+    def invalid(self, e: InvalidInput) -> ApiError:
+        if e.param == "chat_template" and "has no chat template" in str(e):  # the engine's advice is the offline API's
+            return bad_request("this model's tokenizer has no chat template: start the server with --chat-template "
+                               "FILE (or an inline Jinja template), or send chat_template in the request",
+                               "chat_template")
+        return super().invalid(e)
+
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     prompt_field: ClassVar[str] = "messages"
@@ -1790,18 +1797,13 @@ class ChatGeneration(Generation):
 def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCompletionToolsParam] | None) -> str:
     """Chat's prompt, and /tokenize's of messages: ``tools`` as the template sees them
     (on the tokenizer thread; raises InvalidInput)."""
-    tokenizer = state.engine.tokenizer
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
                                             "--trust-request-chat-template, or use --chat-template FILE")
-    template = req.chat_template or state.chat_template
-    if template is None and tokenizer is not None and not tokenizer.chat_template:
-        raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
-                                            "--chat-template FILE (or an inline Jinja template), or send "
-                                            "chat_template in the request")
     tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
-    return apply_chat_template(tokenizer, req.messages, template, req.add_generation_prompt,
-                               req.continue_final_message, tools, req.chat_template_kwargs, req.documents)
+    return apply_chat_template(state.engine.tokenizer, req.messages, req.chat_template or state.chat_template,
+                               req.add_generation_prompt, req.continue_final_message, tools, req.chat_template_kwargs,
+                               req.documents)
 
 
 # =========================================================================== SSE
