@@ -5,9 +5,10 @@ This module owns
 * the Starlette app: ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
   ``/version``;
-* the OpenAI protocol: request bodies as pydantic models (as vLLM's
-  ``protocol.py``; every error names its field), and one handler, response
-  and SSE path that completions and chat share;
+* the OpenAI protocol: request bodies as declarative pydantic models (as
+  vLLM's ``protocol.py``; every error names its field), and one handler,
+  serving path (``Generation``, as vLLM's ``serving_*.py``) and SSE stream
+  that completions and chat share;
 * chat's tools: the chat-template settings, and the tool-call parsers that
   turn a model's output into OpenAI's ``tool_calls`` (vLLM's --tool-call-parser);
 * admission: request ids (``X-Request-Id``), the API key, the waiting-queue
@@ -18,7 +19,7 @@ This module owns
   on SIGINT/SIGTERM.
 
 It hands the engine layer prompts and ``SamplingParams`` through ``AsyncLLM``
-and reads back ``RequestOutput``s. Tokenizing runs on a thread of its own, never
+and reads back ``RequestOutput``s from one queue per HTTP request. Tokenizing runs on a thread of its own, never
 on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
@@ -1521,6 +1522,7 @@ class Generation:
                 f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
 
     def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
+        """One engine request per prompt, each putting its outputs in ``self.queue``."""
         self.prompts = prompts
         self.state.generations.add(self)
         try:
