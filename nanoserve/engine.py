@@ -1458,10 +1458,11 @@ class AsyncLLM:
     """The engine as one task on the server's asyncio loop (DESIGN.md "One event
     loop"). Scheduling and postprocessing run on the loop thread, so their state
     needs no locks; only the model step runs on one worker thread (``executor``:
-    the model_thread() the engine was built on). Each request's outputs go to its
-    own ``asyncio.Queue``. A step that raises ends only its own requests
-    (``RequestFailedError``); MAX_CONSECUTIVE_STEP_FAILURES in a row end the loop
-    (``EngineDeadError`` to all, ``dead`` set, ``is_running`` False)."""
+    the model_thread() the engine was built on). Each request's outputs go to the
+    ``asyncio.Queue`` its caller gave (a server request's prompts share one). A
+    step that raises ends only its own requests (``RequestFailedError``);
+    MAX_CONSECUTIVE_STEP_FAILURES in a row end the loop (``EngineDeadError`` to
+    all, ``dead`` set, ``is_running`` False)."""
 
     def __init__(self, engine: LLMEngine, executor: concurrent.futures.ThreadPoolExecutor | None = None):
         self.engine = engine
@@ -1536,8 +1537,8 @@ class AsyncLLM:
                         raise EngineDeadError(DEAD_MESSAGE) from None
                     continue
                 failures, stepped = 0, True
-                for out in outputs:
-                    queue = self.queues.get(out.request_id)
+                for out in outputs:  # a finished request's queue is dropped with its last output
+                    queue = self.queues.pop(out.request_id, None) if out.finished else self.queues.get(out.request_id)
                     if queue is not None:
                         queue.put_nowait(out)
                 # Yield once so handlers can drain their queues before the next step.
@@ -1555,39 +1556,23 @@ class AsyncLLM:
                 engine.abort_request(request_id)
             self.dead.set()
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str) -> asyncio.Queue:
-        """Validate and queue a request (raises InvalidInput for bad input)."""
+    def add_request(self, prompt, params: SamplingParams, request_id: str, queue: asyncio.Queue) -> None:
+        """Validate and queue a request (raises InvalidInput for bad input). Its
+        outputs go to ``queue`` (each names its request), then the error if the
+        engine ends it early: a caller may read several requests from one queue."""
         if not self.is_running:
             raise EngineDeadError(DEAD_MESSAGE if self.errored else "the engine is not running")
         self.engine.add_request(prompt, params, request_id)
-        # A finished request whose stream is not drained yet may leave a queue
-        # under this id: its stream holds it, and removes only its own.
-        queue = self.queues[request_id] = asyncio.Queue()
+        self.queues[request_id] = queue
         self.wakeup.set()
-        return queue
 
-    async def stream(self, request_id: str, queue: asyncio.Queue):
-        finished = False
-        try:
-            while True:
-                out = await queue.get()
-                if isinstance(out, BaseException):
-                    finished = True  # whoever put it there ended the request
-                    raise out
-                finished = out.finished
-                yield out
-                if finished:
-                    return
-        finally:
-            if self.queues.get(request_id) is queue:
-                del self.queues[request_id]
-                if not finished:
-                    self.engine.abort_request(request_id)
-
-    def abort(self, request_id: str) -> None:
-        """Abort now: the scheduler frees the blocks at once. A step that is
-        running on the worker thread may still write KV into them, which is
-        harmless: nothing can allocate them before the next schedule()."""
-        self.queues.pop(request_id, None)  # also when its stream was never started
-        self.engine.abort_request(request_id)
-        logger.debug("[engine] aborted %s", request_id)
+    def abort(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Abort now, unless the request ended already (its queue is gone, or is
+        a new request's under the same id): the scheduler frees the blocks at
+        once. A step that is running on the worker thread may still write KV
+        into them, which is harmless: nothing can allocate them before the next
+        schedule()."""
+        if self.queues.get(request_id) is queue:
+            del self.queues[request_id]
+            self.engine.abort_request(request_id)
+            logger.debug("[engine] aborted %s", request_id)

@@ -5,9 +5,10 @@ This module owns
 * the Starlette app: ``/v1/completions``, ``/v1/chat/completions``,
   ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
   ``/version``;
-* the OpenAI protocol: request bodies as pydantic models (as vLLM's
-  ``protocol.py``; every error names its field), and one handler, response
-  and SSE path that completions and chat share;
+* the OpenAI protocol: request bodies as declarative pydantic models (as
+  vLLM's ``protocol.py``; every error names its field), and one handler,
+  serving path (``Generation``, as vLLM's ``serving_*.py``) and SSE stream
+  that completions and chat share;
 * chat's tools: the chat-template settings, and the tool-call parsers that
   turn a model's output into OpenAI's ``tool_calls`` (vLLM's --tool-call-parser);
 * admission: request ids (``X-Request-Id``), the API key, the waiting-queue
@@ -18,12 +19,12 @@ This module owns
   on SIGINT/SIGTERM.
 
 It hands the engine layer prompts and ``SamplingParams`` through ``AsyncLLM``
-and reads back ``RequestOutput``s. Tokenizing runs on a thread of its own, never
+and reads back ``RequestOutput``s from one queue per HTTP request. Tokenizing runs on a thread of its own, never
 on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
-Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> admission -> SSE ->
-metrics -> start-up and shutdown.
+Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> serving (admission, the
+engine requests, the response) -> SSE -> metrics -> start-up and shutdown.
 """
 from __future__ import annotations
 
@@ -55,8 +56,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -303,11 +303,6 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# SamplingParams fields that the request bodies carry under the same name
-_SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos",
-                    "min_tokens", "skip_special_tokens", "allowed_token_ids", "bad_words", "truncate_prompt_tokens",
-                    "logit_bias")
 _UNSET = (None,)
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
@@ -370,9 +365,6 @@ class StreamOptions(_Strict):
 
 class GenerationRequest(OpenAIBaseModel):
     """The fields completions and chat share (OpenAI's, and vLLM's extras)."""
-    object_name: ClassVar[str]
-    chunk_object: ClassVar[str]
-    id_prefix: ClassVar[str]
 
     n: int = Field(1, le=MAX_N)
     best_of: int | None = None
@@ -467,12 +459,13 @@ class GenerationRequest(OpenAIBaseModel):
     def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         """Raises InvalidInput (SamplingParams checks the ranges). ``defaults``
         (the model's generation config) fill the fields this body leaves out."""
-        fields = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        fields = {name: getattr(self, name) for name in SamplingParams.__dataclass_fields__  # same name, same meaning
+                  if name in GenerationRequest.model_fields}
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
-                      prompt_logprobs=self.requested_prompt_logprobs())
+                      prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
         given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
         fields.update({k: v for k, v in defaults.items() if k not in given})
-        return SamplingParams(**fields, structured_outputs=self.structured_spec())
+        return SamplingParams(**fields)
 
     def param_name(self, engine_param: str) -> str:
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
@@ -507,37 +500,9 @@ class GenerationRequest(OpenAIBaseModel):
                                                   '{...}}}')
         return StructuredOutputsParams(json=schema)
 
-    def process_prompts(self, state: "ServerState") -> list[TokenizedPrompt]:
-        """On the tokenizer thread: render, tokenize and check every prompt."""
-        prompts = [state.engine.process_prompt(p, self.truncate_prompt_tokens, self.add_special_tokens,
-                                               self.truncation_side) for p in self.prompt_inputs(state)]
-        for p in prompts:
-            p.cache_salt = self.cache_salt
-        return prompts
-
-    def check_length(self, num_prompt: int, max_tokens: int | None, max_model_len: int) -> None:
-        """OpenAI's rule: prompt + max_tokens must fit (the engine alone would cap
-        max_tokens). A prompt too long by itself is the engine's error, raised first."""
-        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-            name, what = self.param_name("max_tokens"), self.prompt_field
-            raise bad_request(
-                f"this model's max-model-len is {max_model_len} tokens, but the request needs "
-                f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
-                f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
-
     # what differs between the two endpoints
     def num_prompts(self) -> int:
         return 1
-
-    @classmethod
-    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
-        """A large body's bytes, before it is decoded: a 400 for what is certain to get one."""
-
-    def first_chunks(self, head: dict) -> list[dict]:
-        return []
-
-    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
-        return {}
 
     def echo_only(self) -> bool:
         """Completions' echo with max_tokens 0 (scoring a prompt): one token is
@@ -549,10 +514,6 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 
 
 class CompletionRequest(GenerationRequest):
-    object_name: ClassVar[str] = "text_completion"
-    chunk_object: ClassVar[str] = "text_completion"
-    id_prefix: ClassVar[str] = "cmpl-"
-
     prompt: Any = None  # one of PROMPT_SHAPES
     max_tokens: int = 16  # OpenAI's default for completions
     logprobs: int | None = None
@@ -572,25 +533,6 @@ class CompletionRequest(GenerationRequest):
         if all(isinstance(x, str) for x in p) or all(isinstance(x, list) and x for x in p):
             return list(p)
         raise ValueError(f"prompt must be {PROMPT_SHAPES}, got {show(p)}")
-
-    @classmethod
-    def check_raw(cls, raw: bytes, engine: LLMEngine) -> None:
-        """A huge body's token-id prompt too long for the model is refused from its bytes,
-        before decoding millions of numbers. Only where the count is certain: a "prompt" list
-        opening with a number, no escape (so "prompt" has one spelling), one "prompt" key, no
-        truncate_prompt_tokens: the commas before the first "]" count its ids (any element not
-        an id is a 400 as well)."""
-        ids = _IDS_LIST.match(raw, max(raw.find(b'"prompt"'), 0))
-        if ids is None or b"\\" in raw or raw.count(b'"prompt"') != 1:  # C scans: the GIL passes between
-            return
-        if b'"truncate_prompt_tokens"' in raw:  # a truncated prompt may fit: the engine judges it
-            return
-        end = raw.find(b"]", ids.end())  # none: not JSON, which the decoder says
-        try:
-            if end > 0:
-                engine.check_prompt_length(raw.count(b",", ids.end(), end) + 1)
-        except InvalidInput as e:
-            raise bad_request(str(e), e.param) from None
 
     @model_validator(mode="after")
     def _completion_rules(self) -> "CompletionRequest":
@@ -612,32 +554,8 @@ class CompletionRequest(GenerationRequest):
     def echo_only(self) -> bool:
         return self.echo and self.max_tokens == 0
 
-    def echo_text(self, gen: "Generation", prompt_index: int) -> str:
-        prompt, tokenizer = gen.prompts[prompt_index], gen.state.engine.tokenizer
-        if prompt.text is not None:
-            return prompt.text
-        return "" if tokenizer is None else tokenizer.decode(prompt.token_ids)
-
     def num_prompts(self) -> int:
         return len(self.prompt)
-
-    def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
-        return self.prompt
-
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict:
-        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, **extra}
-
-    def logprobs_body(self, tokens, text_offset: int) -> dict:
-        """The legacy shape: parallel lists, top_logprobs keyed by token text."""
-        offsets = []
-        for text, _, _ in tokens:
-            offsets.append(text_offset)
-            text_offset += len(text)
-        return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens],
-                "top_logprobs": [None if ranked is None else dict(ranked) for _, _, ranked in tokens],
-                "text_offset": offsets}
 
 
 class FunctionDefinition(_Strict):
@@ -678,32 +596,56 @@ class ChatTemplateFields(OpenAIBaseModel):
     tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)
     documents: list[dict[str, str]] | None = None  # for a RAG template, as vLLM: e.g. [{"title": ..., "text": ...}]
 
-    _messages = field_validator("messages")(classmethod(lambda cls, v: parse_messages(v)))
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: Any) -> list[dict[str, Any]]:
+        """OpenAI chat messages -> [{role, content}] with text content, and what the
+        templates read besides: name, an assistant's tool_calls, a tool's tool_call_id."""
+        if not isinstance(messages, list) or not messages:
+            raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {show(messages)}")
+        out = []
+        for i, m in enumerate(messages):
+            where = f"messages[{i}]"
+            if not isinstance(m, dict):
+                raise ValueError(f"{where} must be an object with role and content, got {show(m)}")
+            if m.get("role") not in ROLES:
+                raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
+            content = m.get("content")
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                     f"are supported, got {show(content)}")
+                content = "\n".join(p["text"] for p in content)
+            elif content is not None and not isinstance(content, str):
+                raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
+            msg = {"role": m["role"], "content": content or ""}
+            for key in ("name", "tool_call_id"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise ValueError(f"{where}.{key} must be a string, got {show(m[key])}")
+                    msg[key] = m[key]
+            if m.get("tool_calls") is not None:
+                if m["role"] != "assistant":
+                    raise ValueError(f"{where}.tool_calls: only an assistant message has tool_calls")
+                try:
+                    calls = _TOOL_CALLS.validate_python(m["tool_calls"])
+                except ValidationError as e:
+                    err = e.errors(include_url=False)[0]
+                    raise ValueError(_error_text(err, f"{where}.tool_calls")) from None
+                msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
+            out.append(msg)
+        return out
 
-    def render(self, state: "ServerState") -> str:
-        """The prompt (on the tokenizer thread; raises InvalidInput)."""
-        tokenizer = state.engine.tokenizer
-        if self.chat_template is not None and not state.trust_request_chat_template:
-            raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
-                                                "--trust-request-chat-template, or use --chat-template FILE")
-        template = self.chat_template or state.chat_template
-        if template is None and tokenizer is not None and not tokenizer.chat_template:
-            raise InvalidInput("chat_template", "this model's tokenizer has no chat template: start the server with "
-                                                "--chat-template FILE (or an inline Jinja template), or send "
-                                                "chat_template in the request")
-        tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.template_tools(state) else None
-        return apply_chat_template(tokenizer, self.messages, template, self.add_generation_prompt,
-                                   self.continue_final_message, tools, self.chat_template_kwargs, self.documents)
-
-    def template_tools(self, state: "ServerState") -> bool:
-        """Whether the template sees the tools."""
-        return self.tools is not None
+    def invalid(self, e: InvalidInput) -> ApiError:
+        if e.param == "chat_template" and "has no chat template" in str(e):  # the engine's advice is the offline API's
+            return bad_request("this model's tokenizer has no chat template: start the server with --chat-template "
+                               "FILE (or an inline Jinja template), or send chat_template in the request",
+                               "chat_template")
+        return super().invalid(e)
 
 
 class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
-    object_name: ClassVar[str] = "chat.completion"
-    chunk_object: ClassVar[str] = "chat.completion.chunk"
-    id_prefix: ClassVar[str] = "chatcmpl-"
     prompt_field: ClassVar[str] = "messages"
 
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
@@ -714,11 +656,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     # these steer a reasoning parser; there is none here (vLLM without one ignores them too)
     include_reasoning: bool = True
     reasoning_effort: typing.Literal["low", "medium", "high"] | None = None
-    tool_choice: Any = Field(None, description='"none", "auto", "required" or {"type": "function", "function": '
-                                               '{"name": ...}}')
+    tool_choice: Any = None  # check_tool_choice says what it takes
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
-    _parser: "Callable[[], ToolParser] | None" = PrivateAttr(None)  # set by prompt_inputs when calls are parsed
-    _streams: dict = PrivateAttr(default_factory=dict)  # choice index -> ToolStream
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
@@ -777,68 +716,10 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
                 **({"$defs": defs} if defs else {})}
 
-    def template_tools(self, state: "ServerState") -> bool:
-        return super().template_tools(state) and not (self.tool_choice == "none"
-                                                      and state.exclude_tools_when_tool_choice_none)
-
-    def prompt_inputs(self, state: "ServerState") -> list[str | list[int]]:
-        if self.tool_choice == "auto" and state.tool_parser is None:
-            raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
-                                              '--tool-call-parser to be set')
-        self._parser = tool_parser(self.tool_choice, state.tool_parser)
-        return [self.render(state)]
-
     def requested_prompt_logprobs(self) -> int | None:  # as vLLM: echo asks for them (a stream has no room for them)
         if self.prompt_logprobs is None and self.echo and not self.stream:
             return self.top_logprobs or 0
         return self.prompt_logprobs
-
-    def echo_text(self, gen: "Generation", prompt_index: int) -> str:
-        """As vLLM: the last message's content, if it has the role the reply takes."""
-        last, opens = self.messages[-1], opens_reply(self.add_generation_prompt, self.continue_final_message)
-        return (last["content"] or "") if last["role"] == ("assistant" if opens else last["role"]) else ""
-
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict | None:
-        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
-        content, calls, finish = text, [], c.finish_reason
-        if self._parser is not None:
-            if index not in self._streams:  # a choice's parser keeps its place from chunk to chunk
-                self._streams[index] = ToolStream(self._parser())
-            content, calls, made = self._streams[index].feed(text, finish is not None or not stream)
-            if not stream:  # one feed: each call whole in its first delta
-                calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
-            if self.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
-                calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
-            if made and finish == "stop" and not isinstance(self.tool_choice, dict):  # a forced named function
-                finish = "tool_calls"                             # ends with "stop", as OpenAI's and vLLM's do
-        content = echo + content
-        if stream:
-            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-            if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
-                return None  # all of it held back: nothing to send yet
-            body = {"delta": delta}
-        else:
-            body = {"message": {"role": "assistant", "content": content or (None if calls else ""),
-                                **({"tool_calls": calls} if calls else {})}}
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
-                **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
-
-    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
-        """What vLLM puts beside a chat response's choices rather than in them."""
-        out = {k: v for k, v in extra.items() if k in ("prompt_token_ids", "prompt_logprobs")}
-        return {**out, "prompt_text": prompt_text} if self.return_prompt_text and prompt_text is not None else out
-
-    def logprobs_body(self, tokens, text_offset: int) -> dict:
-        def item(text: str, lp: float | None) -> dict:
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        top = self.top_logprobs or 0
-        return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
-                            for text, lp, ranked in tokens]}
-
-    def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
-        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]} for i in range(self.n)]
 
 
 class TokenizeRequest(ChatTemplateFields):
@@ -856,63 +737,12 @@ class TokenizeRequest(ChatTemplateFields):
     def param_name(self, engine_param: str) -> str:
         return "messages" if engine_param == "prompt" and self.messages is not None else engine_param
 
-    def run(self, state: "ServerState") -> dict[str, Any]:
-        """The response (on the tokenizer thread; raises InvalidInput)."""
-        engine = state.engine
-        text = self.prompt if self.messages is None else self.render(state)
-        special = self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
-        _, ids = engine.tokenize(text, add_special_tokens=special)
-        out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-        if self.return_token_strs:
-            out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-        return out
-
 
 class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[int]
 
     def param_name(self, engine_param: str) -> str:
         return "tokens" if engine_param == "token_ids" else engine_param
-
-
-def parse_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages -> [{role, content}] with text content, and what the
-    templates read besides: name, an assistant's tool_calls, a tool's tool_call_id."""
-    if not isinstance(messages, list) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {show(messages)}")
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object with role and content, got {show(m)}")
-        if m.get("role") not in ROLES:
-            raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                 f"are supported, got {show(content)}")
-            content = "\n".join(p["text"] for p in content)
-        elif content is not None and not isinstance(content, str):
-            raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
-        msg = {"role": m["role"], "content": content or ""}
-        for key in ("name", "tool_call_id"):
-            if m.get(key) is not None:
-                if not isinstance(m[key], str):
-                    raise ValueError(f"{where}.{key} must be a string, got {show(m[key])}")
-                msg[key] = m[key]
-        if m.get("tool_calls") is not None:
-            if m["role"] != "assistant":
-                raise ValueError(f"{where}.tool_calls: only an assistant message has tool_calls")
-            try:
-                calls = _TOOL_CALLS.validate_python(m["tool_calls"])
-            except ValidationError as e:
-                err = e.errors(include_url=False)[0]
-                raise ValueError(_error_text(err, f"{where}.tool_calls")) from None
-            msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
-        out.append(msg)
-    return out
 
 
 def check_tool_choice(choice: Any, tools: list[dict] | None) -> None:
@@ -1413,26 +1243,26 @@ def _needs_key(path: str) -> bool:
 # =========================================================================== handlers
 
 async def create_completion(request: Request) -> Response:
-    return await _generate(request, CompletionRequest)
+    return await _generate(request, CompletionGeneration)
 
 
 async def create_chat_completion(request: Request) -> Response:
-    return await _generate(request, ChatCompletionRequest)
+    return await _generate(request, ChatGeneration)
 
 
-async def _generate(request: Request, schema: type[GenerationRequest]) -> Response:
+async def _generate(request: Request, kind: type["Generation"]) -> Response:
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
-    req = parse_body(schema, await read_json(request, state, schema.check_raw), request_id)
+    req = parse_body(kind.schema, await read_json(request, state, kind.check_raw), request_id)
     if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
         if request.scope["nanoserve.request_id_given"]:
             req.request_id = None
         else:
             request.scope["nanoserve.request_id"] = request_id = req.request_id
     model = check_model(req, state)
-    gen = await Generation.admit(state, request_id, req)
+    gen = await kind.admit(state, request_id, req)
     if req.stream:
-        return EventStream(stream_events(gen, model), on_close=gen.close)
+        return EventStream(gen, model)
     finals = await _collect_or_disconnect(request, gen)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
@@ -1464,10 +1294,22 @@ async def tokenize(request: Request) -> Response:
     req = parse_body(TokenizeRequest, await read_json(request, state), _request_id(request))
     check_model(req, state)
     try:
-        out = await state.off_loop(req.run, state)
+        out = await state.off_loop(_tokenize, state, req)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
+
+
+def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
+    """/tokenize's response (on the tokenizer thread; raises InvalidInput)."""
+    engine = state.engine
+    text = req.prompt if req.messages is None else render_chat(state, req, req.tools)
+    special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
+    _, ids = engine.tokenize(text, add_special_tokens=special)
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+    return out
 
 
 async def detokenize(request: Request) -> Response:
@@ -1506,14 +1348,18 @@ async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[in
     """Run a non-streaming request to the end, or abort it (and give None) when the client leaves."""
     why = "the server stopped"  # unless we get further
     try:
-        done, finals = await until_disconnect(request.receive, gen.collect())
-        why = "" if done else "client disconnected"
+        async with watch_disconnect(request.receive, gen):
+            finals = await gen.collect()
+        why = ""
+        return finals
+    except ClientDisconnect:
+        why = "client disconnected"
+        return None
     except (EngineDeadError, RequestFailedError) as e:
         why = str(e)
         raise _engine_error(e) from None
     finally:
         gen.close(why)
-    return finals
 
 
 # ---------------------------------------------------------------- errors
@@ -1580,14 +1426,15 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-# =========================================================================== admission and the engine requests
+# =========================================================================== serving
+# What a body becomes, as vLLM's serving_*.py: admission (the queue limit), the
+# engine requests, and the response or chunks built from their outputs.
 
 @dataclass(slots=True)
 class _Tracked:
     """One engine request's progress, for metrics and clean-up."""
     engine_id: str
-    queue: asyncio.Queue
-    started: bool = False           # its AsyncLLM.stream ran (and so cleans up after itself)
+    index: int                      # its prompt's
     done: bool = False
     finish_reasons: list[str] = field(default_factory=list)
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # by completion index
@@ -1611,8 +1458,16 @@ def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
 
 class Generation:
     """The engine requests behind one HTTP request (one per prompt), read back
-    as one stream of (prompt index, RequestOutput). ``close()`` aborts whatever
-    has not finished; every path out of a handler calls it."""
+    from one queue that the engine loop fills, and the response or chunks they
+    make. ``close()`` aborts whatever has not finished; every path out of a
+    handler calls it. What differs between the endpoints is in the subclasses
+    (CompletionGeneration, ChatGeneration), as vLLM's serving_completion.py and
+    serving_chat.py: the schema, the prompt, the shape of a choice and its logprobs."""
+    schema: ClassVar[type[GenerationRequest]]
+    object_name: ClassVar[str]
+    chunk_object: ClassVar[str]
+    id_prefix: ClassVar[str]
+    check_raw: ClassVar[Callable[[bytes, LLMEngine], None] | None] = None  # a large body's bytes, before decoding
 
     @classmethod
     async def admit(cls, state: ServerState, request_id: str, req: GenerationRequest) -> "Generation":
@@ -1620,85 +1475,93 @@ class Generation:
         and length bounds before any per-token work), then tokenizing off the
         loop, then the engine requests. Raises 400/429/503."""
         try:
-            params = req.sampling_params(state.engine.default_sampling)
-            check_queue(state, req, params.n)
-            prompts = await state.off_loop(req.process_prompts, state)
+            gen = cls(state, request_id, req, req.sampling_params(state.engine.default_sampling))
+            check_queue(state, req, gen.params.n)
+            prompts = await state.off_loop(gen.process_prompts)
             # compiled here, off the loop; the engine's add_request then finds it in its cache
-            await state.off_loop(state.engine.structured_outputs.compile, params.structured_outputs)
+            await state.off_loop(state.engine.structured_outputs.compile, gen.params.structured_outputs)
             for prompt in prompts:
-                req.check_length(len(prompt.token_ids), params.max_tokens, state.engine.max_model_len)
-            check_queue(state, req, params.n)  # again: others may have queued meanwhile
-            return cls(state, request_id, req, params, prompts)
+                gen.check_length(len(prompt.token_ids))
+            check_queue(state, req, gen.params.n)  # again: others may have queued meanwhile
+            gen.add_requests(prompts)
+            return gen
         except InvalidInput as e:
             raise req.invalid(e) from None
         except EngineDeadError as e:
             raise _engine_error(e) from None
 
-    def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams,
-                 prompts: list[TokenizedPrompt]):
-        self.state, self.request_id, self.req, self.params, self.prompts = state, request_id, req, params, prompts
-        self.response_id = req.id_prefix + request_id
+    def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams):
+        self.state, self.request_id, self.req, self.params = state, request_id, req, params
+        self.response_id = self.id_prefix + request_id
         self.created = int(time.time())
         self.start = time.monotonic()
-        self.tracked: list[_Tracked] = []
+        self.prompts: list[TokenizedPrompt] = []
+        self.queue: asyncio.Queue = asyncio.Queue()  # outputs of all its engine requests, each naming its own
+        self.tracked: dict[str, _Tracked] = {}  # by engine request id
         self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
-        state.generations.add(self)
+
+    def process_prompts(self) -> list[TokenizedPrompt]:
+        """On the tokenizer thread: render, tokenize and check every prompt."""
+        req = self.req
+        prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
+                                                    req.truncation_side) for p in self.prompt_inputs()]
+        for p in prompts:
+            p.cache_salt = req.cache_salt
+        return prompts
+
+    def check_length(self, num_prompt: int) -> None:
+        """OpenAI's rule: prompt + max_tokens must fit (the engine alone would cap
+        max_tokens). A prompt too long by itself is the engine's error, raised first."""
+        max_tokens, max_model_len = self.params.max_tokens, self.state.engine.max_model_len
+        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
+            name, what = self.req.param_name("max_tokens"), self.req.prompt_field
+            raise bad_request(
+                f"this model's max-model-len is {max_model_len} tokens, but the request needs "
+                f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
+                f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
+
+    def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
+        """One engine request per prompt, each putting its outputs in ``self.queue``."""
+        self.prompts = prompts
+        self.state.generations.add(self)
         try:
             for i, prompt in enumerate(prompts):
-                engine_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                self.tracked.append(_Tracked(engine_id, state.async_llm.add_request(prompt, params, engine_id)))
+                engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
+                self.state.async_llm.add_request(prompt, self.params, engine_id, self.queue)
+                self.tracked[engine_id] = _Tracked(engine_id, i)
         except (InvalidInput, EngineDeadError):  # the engine's own checks (a request id in use), or a dead engine
             self.close()  # aborts the prompts already queued
             raise
         logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s%s",
-                     request_id, len(prompts), "+".join(str(len(p.token_ids)) for p in prompts),
-                     params.max_tokens, params.n, req.stream, f", user {show(req.user)}" if req.user else "")
+                     self.request_id, len(prompts), "+".join(str(len(p.token_ids)) for p in prompts),
+                     self.params.max_tokens, self.params.n, self.req.stream,
+                     f", user {show(self.req.user)}" if self.req.user else "")
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """The engine requests' outputs as they come, merged."""
-        merged: asyncio.Queue = asyncio.Queue()
-        end = object()
-
-        async def pump(i: int, t: _Tracked) -> None:
-            t.started = True
-            try:
-                async for out in self.state.async_llm.stream(t.engine_id, t.queue):
-                    merged.put_nowait((i, out))
-                merged.put_nowait((i, end))
-            except Exception as e:  # EngineDeadError, RequestFailedError: hand it to the reader
-                merged.put_nowait((i, e))
-
-        pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(self.tracked)]
-        try:
-            remaining = len(pumps)
-            while remaining:
-                i, item = await merged.get()
-                if item is end:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    self._observe(self.tracked[i], item)
-                    if item.prompt_logprobs is not None:
-                        self.prompt_logprobs[i] = item.prompt_logprobs
-                    if self.req.echo_only():  # the one generated token is not shown
-                        item.outputs = [dataclasses.replace(c, text="", token_ids=[], delta_text="",
-                                                            logprobs=c.logprobs and [])
-                                        for c in item.outputs]
-                    yield i, item
-        finally:  # cancelling a pump cancels its stream, which aborts that engine request
-            for p in pumps:
-                p.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+        """(prompt index, output) as they come, until every engine request finished. What
+        ended one first is raised: the engine's error, or the client's ClientDisconnect."""
+        remaining = len(self.tracked)
+        while remaining:
+            out = await self.queue.get()
+            if isinstance(out, Exception):
+                raise out
+            t = self.tracked[out.request_id]
+            self._observe(t, out)
+            remaining -= out.finished
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs[t.index] = out.prompt_logprobs
+            if self.req.echo_only():  # the one generated token is not shown
+                out.outputs = [dataclasses.replace(c, text="", token_ids=[], delta_text="", logprobs=c.logprobs and [])
+                               for c in out.outputs]
+            yield t.index, out
 
     async def collect(self) -> dict[int, CompletionOutput]:
         """Every choice's final output, by choice index."""
         finals: dict[int, CompletionOutput] = {}
-        async with contextlib.aclosing(self.outputs()) as outputs:
-            async for i, out in outputs:
-                for c in out.outputs:
-                    finals[self.choice_index(i, c)] = c
+        async for i, out in self.outputs():
+            for c in out.outputs:
+                finals[self.choice_index(i, c)] = c
         return finals
 
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
@@ -1709,15 +1572,10 @@ class Generation:
         with ``echo`` (completions), those of that prompt's tokens first."""
         if self.params.logprobs is None:
             return None
-        tokens = []
-        if echo is not None and isinstance(self.req, CompletionRequest):
-            entries = self.prompt_logprobs.get(echo) or [None]
-            for token_id, entry in zip(self.prompts[echo].token_ids, entries):  # the first one has none
-                tokens.append(self._logprob_item(token_id, None if entry is None else
-                                                 {t: lp.logprob for t, lp in entry.items()}))
+        tokens = [] if echo is None else self.echo_logprobs(echo)
         for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
             tokens.append(self._logprob_item(token_id, entry))
-        return self.req.logprobs_body(tokens, text_offset)
+        return self.logprobs_body(tokens, text_offset)
 
     def _logprob_item(self, token_id: int, entry: dict[int, float] | None) -> tuple:
         if entry is None:
@@ -1727,10 +1585,9 @@ class Generation:
                 [(self._token_text(t), _lp(lp)) for t, lp in ranked])
 
     def _token_text(self, token_id: int) -> str:
-        tokenizer = self.state.engine.tokenizer
-        if tokenizer is None or self.req.return_tokens_as_token_ids:
+        if self.req.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
-        return tokenizer.decode([token_id])
+        return self.state.engine.tokenizer.decode([token_id])
 
     def extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
         """return_token_ids and prompt_logprobs, as vLLM adds them to a choice (the
@@ -1755,13 +1612,12 @@ class Generation:
         req, choices, extra = self.req, [], {}
         for idx, c in sorted(finals.items()):
             i = idx // self.params.n
-            echo = req.echo_text(self, i) if req.echo else ""
+            echo = self.echo_text(i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
-            choices.append(req.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
-                                      echo))
-        return {"id": self.response_id, "object": req.object_name, "created": self.created, "model": model,
-                "choices": choices, "usage": self.usage(finals),
-                **req.response_extra(extra, self.prompts[0].text)}
+            choices.append(self.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
+                                       echo))
+        return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
+                "choices": choices, "usage": self.usage(finals), **self.response_extra(extra, self.prompts[0].text)}
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
@@ -1789,26 +1645,167 @@ class Generation:
             return
         self.closed = True
         aborted = 0
-        for t in self.tracked:
+        for t in self.tracked.values():
             if not t.done:
-                if not t.started:  # a started stream aborts in its own finally
-                    self.state.async_llm.abort(t.engine_id)
+                self.state.async_llm.abort(t.engine_id, self.queue)
                 left = self.params.n - len(t.finish_reasons)
                 aborted += left
                 self.state.metrics.count_finished("abort", left)
         self.state.generations.discard(self)
         if self.tracked:
-            reasons = sorted({r for t in self.tracked for r in t.finish_reasons})
+            reasons = sorted({r for t in self.tracked.values() for r in t.finish_reasons})
             outcome = (f"aborted {aborted} choice(s){f' ({why})' if why else ''}" if aborted
                        else f"finished ({', '.join(reasons)})")
             logger.info("[entry] %s: %s in %.2f s, %d prompt + %d completion tokens", self.request_id, outcome,
                         time.monotonic() - self.start, sum(len(p.token_ids) for p in self.prompts),
-                        sum(sum(t.num_output_tokens.values()) for t in self.tracked))
+                        sum(sum(t.num_output_tokens.values()) for t in self.tracked.values()))
+
+    # what differs between the endpoints (the subclasses' own: prompt_inputs, echo_text, choice, logprobs_body)
+    def echo_logprobs(self, prompt_index: int) -> list[tuple]:
+        """The logprobs that lead a choice's with echo: none of chat's."""
+        return []
+
+    def first_chunks(self, head: dict) -> list[dict]:
+        return []
+
+    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
+        return {}
 
 
 def _lp(value: float | None) -> float | None:
     # JSON has no -inf; vLLM reports such a logprob as -9999.0
     return None if value is None else max(value, -9999.0)
+
+
+class CompletionGeneration(Generation):
+    schema = CompletionRequest
+    object_name = chunk_object = "text_completion"
+    id_prefix = "cmpl-"
+
+    @staticmethod
+    def check_raw(raw: bytes, engine: LLMEngine) -> None:
+        """A huge body's token-id prompt too long for the model is refused from its bytes,
+        before decoding millions of numbers. Only where the count is certain: a "prompt" list
+        opening with a number, no escape (so "prompt" has one spelling), one "prompt" key, no
+        truncate_prompt_tokens: the commas before the first "]" count its ids (any element not
+        an id is a 400 as well)."""
+        ids = _IDS_LIST.match(raw, max(raw.find(b'"prompt"'), 0))
+        if ids is None or b"\\" in raw or raw.count(b'"prompt"') != 1:  # C scans: the GIL passes between
+            return
+        if b'"truncate_prompt_tokens"' in raw:  # a truncated prompt may fit: the engine judges it
+            return
+        end = raw.find(b"]", ids.end())  # none: not JSON, which the decoder says
+        try:
+            if end > 0:
+                engine.check_prompt_length(raw.count(b",", ids.end(), end) + 1)
+        except InvalidInput as e:
+            raise bad_request(str(e), e.param) from None
+
+    def prompt_inputs(self) -> list[str | list[int]]:
+        return self.req.prompt
+
+    def echo_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        return prompt.text if prompt.text is not None else self.state.engine.tokenizer.decode(prompt.token_ids)
+
+    def echo_logprobs(self, prompt_index: int) -> list[tuple]:
+        """The prompt's tokens lead the logprobs as its text leads the choice's."""
+        entries = self.prompt_logprobs.get(prompt_index) or [None]
+        return [self._logprob_item(token_id, None if entry is None else {t: lp.logprob for t, lp in entry.items()})
+                for token_id, entry in zip(self.prompts[prompt_index].token_ids, entries)]  # the first has none
+
+    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
+               extra: dict, echo: str = "") -> dict:
+        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, **extra}
+
+    def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
+        """The legacy shape: parallel lists, top_logprobs keyed by token text."""
+        offsets = []
+        for text, _, _ in tokens:
+            offsets.append(text_offset)
+            text_offset += len(text)
+        return {"tokens": [t for t, _, _ in tokens], "token_logprobs": [lp for _, lp, _ in tokens],
+                "top_logprobs": [None if ranked is None else dict(ranked) for _, _, ranked in tokens],
+                "text_offset": offsets}
+
+
+class ChatGeneration(Generation):
+    schema = ChatCompletionRequest
+    object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
+        super().__init__(state, request_id, req, params)
+        if req.tool_choice == "auto" and state.tool_parser is None:
+            raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
+                                              '--tool-call-parser to be set')
+        self.parser = tool_parser(req.tool_choice, state.tool_parser)  # None: no calls to parse
+        self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
+
+    def prompt_inputs(self) -> list[str | list[int]]:
+        req = self.req
+        hidden = req.tool_choice == "none" and self.state.exclude_tools_when_tool_choice_none
+        return [render_chat(self.state, req, None if hidden else req.tools)]
+
+    def echo_text(self, prompt_index: int) -> str:
+        """As vLLM: the last message's content, if it has the role the reply takes."""
+        req = self.req
+        last, opens = req.messages[-1], opens_reply(req.add_generation_prompt, req.continue_final_message)
+        return (last["content"] or "") if last["role"] == ("assistant" if opens else last["role"]) else ""
+
+    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
+               extra: dict, echo: str = "") -> dict | None:
+        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
+        content, calls, finish = text, [], c.finish_reason
+        if self.parser is not None:
+            if index not in self.tool_streams:
+                self.tool_streams[index] = ToolStream(self.parser())
+            content, calls, made = self.tool_streams[index].feed(text, finish is not None or not stream)
+            if not stream:  # one feed: each call whole in its first delta
+                calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
+            if self.req.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
+                calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
+            if made and finish == "stop" and not isinstance(self.req.tool_choice, dict):  # a forced named function
+                finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
+        content = echo + content
+        if stream:
+            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+            if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
+                return None  # all of it held back: nothing to send yet
+            body = {"delta": delta}
+        else:
+            body = {"message": {"role": "assistant", "content": content or (None if calls else ""),
+                                **({"tool_calls": calls} if calls else {})}}
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
+                **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
+
+    def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
+        def item(text: str, lp: float | None) -> dict:
+            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+        top = self.req.top_logprobs or 0
+        return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
+                            for text, lp, ranked in tokens]}
+
+    def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
+        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}]} for i in range(self.req.n)]
+
+    def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
+        """What vLLM puts beside a chat response's choices rather than in them."""
+        out = {k: v for k, v in extra.items() if k in ("prompt_token_ids", "prompt_logprobs")}
+        return {**out, "prompt_text": prompt_text} if self.req.return_prompt_text and prompt_text is not None else out
+
+
+def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCompletionToolsParam] | None) -> str:
+    """Chat's prompt, and /tokenize's of messages: ``tools`` as the template sees them
+    (on the tokenizer thread; raises InvalidInput)."""
+    if req.chat_template is not None and not state.trust_request_chat_template:
+        raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
+                                            "--trust-request-chat-template, or use --chat-template FILE")
+    tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+    return apply_chat_template(state.engine.tokenizer, req.messages, req.chat_template or state.chat_template,
+                               req.add_generation_prompt, req.continue_final_message, tools, req.chat_template_kwargs,
+                               req.documents)
 
 
 # =========================================================================== SSE
@@ -1820,36 +1817,37 @@ def sse(obj: Any) -> str:
 async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     """The SSE events of a completion or a chat completion, ending in [DONE]."""
     req, params = gen.req, gen.params
-    head = {"id": gen.response_id, "object": req.chunk_object, "created": gen.created, "model": model}
+    head = {"id": gen.response_id, "object": gen.chunk_object, "created": gen.created, "model": model}
     unsent = set(range(len(gen.prompts) * params.n))  # choices whose first chunk is still to come
     tokens_sent: dict[int, int] = {}
     text_sent: dict[int, int] = {}
     finals: dict[int, CompletionOutput] = {}
-    for chunk in req.first_chunks(head):
+    for chunk in gen.first_chunks(head):
         yield sse(chunk)
     try:
-        async with contextlib.aclosing(gen.outputs()) as outputs:
-            async for i, out in outputs:
-                for c in out.outputs:
-                    idx = gen.choice_index(i, c)
-                    finals[idx] = c
-                    first = idx in unsent
-                    echo = req.echo_text(gen, i) if first and req.echo else ""
-                    text = echo + c.delta_text
-                    start = tokens_sent.get(idx, 0)
-                    if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
-                        continue  # nothing new to say (text held back for a possible stop string)
-                    unsent.discard(idx)
-                    logprobs = gen.logprobs(c, start, text_sent.get(idx, 0), i if first and req.echo else None)
-                    tokens_sent[idx] = len(c.token_ids)
-                    text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                    extra = gen.extra(i, c.token_ids[start:], first)
-                    choice = req.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
-                    top = req.response_extra(extra, gen.prompts[i].text) if first else {}
-                    if choice is not None or top:  # None: all of it held back (a tool call's text)
-                        yield sse({**head, "choices": [choice] if choice is not None else [], **top})
+        async for i, out in gen.outputs():
+            for c in out.outputs:
+                idx = gen.choice_index(i, c)
+                finals[idx] = c
+                first = idx in unsent
+                echo = gen.echo_text(i) if first and req.echo else ""
+                text = echo + c.delta_text
+                start = tokens_sent.get(idx, 0)
+                if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
+                    continue  # nothing new to say (text held back for a possible stop string)
+                unsent.discard(idx)
+                logprobs = gen.logprobs(c, start, text_sent.get(idx, 0), i if first and req.echo else None)
+                tokens_sent[idx] = len(c.token_ids)
+                text_sent[idx] = text_sent.get(idx, 0) + len(text)
+                extra = gen.extra(i, c.token_ids[start:], first)
+                choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
+                top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
+                if choice is not None or top:  # None: all of it held back (a tool call's text)
+                    yield sse({**head, "choices": [choice] if choice is not None else [], **top})
         if req.stream_options is not None and req.stream_options.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(finals)})
+    except ClientDisconnect:
+        raise  # nobody to tell
     except Exception as e:  # the status line is gone: report in the stream
         yield sse(_stream_error(gen, e))
     yield "data: [DONE]\n\n"
@@ -1868,50 +1866,44 @@ def _stream_error(gen: Generation, e: Exception) -> dict:
 
 
 class EventStream:
-    """A text/event-stream response from an async iterator of framed events.
-    It stops when the client disconnects, which closes the iterator and so
-    aborts the engine requests behind it; ``on_close(why)`` runs in every case."""
+    """A Generation's SSE events as a text/event-stream response, each sent as it
+    comes. A client that disconnects ends it, which aborts the engine requests
+    behind it: ``gen.close(why)`` runs in every case."""
 
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[str], None]):
-        self.events, self.on_close = events, on_close
+    def __init__(self, gen: Generation, model: str):
+        self.gen, self.model = gen, model
 
     async def __call__(self, scope, receive, send) -> None:
-        async def pump() -> None:
-            async with contextlib.aclosing(self.events) as events:
-                async for event in events:
-                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
         why = "the server stopped"  # unless we get further
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": [
-                (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]})
-            done, _ = await until_disconnect(receive, pump())
-            why = "" if done else "client disconnected mid-stream"
+            async with watch_disconnect(receive, self.gen):
+                await send({"type": "http.response.start", "status": 200, "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no")]})
+                async for event in stream_events(self.gen, self.model):
+                    await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            why = ""
+        except ClientDisconnect:
+            why = "client disconnected mid-stream"
         finally:
-            await self.events.aclose()  # a no-op unless pump() never started it
-            self.on_close(why)
+            self.gen.close(why)
 
 
-async def until_disconnect(receive: Callable[[], Awaitable[dict]], work: Awaitable[Any]) -> tuple[bool, Any]:
-    """Run ``work`` unless the client disconnects first, in which case it is
-    cancelled. Returns (True, its result) or (False, None)."""
-    async def wait_for_disconnect() -> None:
+@contextlib.asynccontextmanager
+async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generation) -> AsyncIterator[None]:
+    """A task of its own listens for the client leaving, since the handler waits on
+    the Generation's queue, not on the client: it puts ClientDisconnect there."""
+    async def watch() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
+        gen.queue.put_nowait(ClientDisconnect())
 
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(wait_for_disconnect())
+    task = asyncio.ensure_future(watch())
     try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if task.done():
-            return True, task.result()
-        return False, None
+        yield
     finally:  # also when we are cancelled ourselves (the shutdown timeout)
-        for t in (task, watch):
-            t.cancel()
-        await asyncio.gather(task, watch, return_exceptions=True)
+        task.cancel()
 
 
 # =========================================================================== metrics
@@ -1994,16 +1986,10 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=None if args.device == "auto" else args.device,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=args.seed, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-        distributed_init_method=args.distributed_init_method, nnodes=args.nnodes, node_rank=args.node_rank,
-        cudagraph_capture_sizes=args.cudagraph_capture_sizes, cpu_allocator_tuning=args.cpu_allocator_tuning,
-        revision=args.revision, generation_config=args.generation_config, tokenizer=args.tokenizer)
+    """The flags named as EngineConfig's fields (--device auto: None, the engine's choice). No flag sets
+    skip_tokenizer_init: the server always has a tokenizer."""
+    flags = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__}
+    return EngineConfig(**{**flags, "device": None if args.device == "auto" else args.device})
 
 
 def _fmt_bytes(n: float) -> str:

@@ -3,6 +3,7 @@ built from transformers' config classes and saved with save_pretrained, plus a
 byte-level BPE tokenizer trained here. Nothing is downloaded."""
 from __future__ import annotations
 
+import asyncio
 import functools
 import os
 
@@ -146,7 +147,12 @@ def step_logits(runner, seqs) -> torch.Tensor:
 
 
 async def run_request(async_llm, prompt, params, request_id: str) -> list:
-    """One request through ``AsyncLLM`` as the server drives it (add_request, then
-    stream), drained to its end: its RequestOutputs."""
-    queue = async_llm.add_request(prompt, params, request_id)
-    return [out async for out in async_llm.stream(request_id, queue)]
+    """One request through ``AsyncLLM`` as the server drives it (add_request with a
+    queue, read to its last output): its RequestOutputs."""
+    queue, outs = asyncio.Queue(), []
+    async_llm.add_request(prompt, params, request_id, queue)
+    while not (outs and outs[-1].finished):
+        outs.append(await queue.get())
+        if isinstance(outs[-1], BaseException):  # the engine ended it
+            raise outs[-1]
+    return outs
