@@ -158,10 +158,9 @@ def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = c.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
-    if params is None:
-        params = dict(c.get("rope_scaling") or {})
-        params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-    params = dict(params)
+    if params is None:  # transformers 4: rope_scaling, and rope_theta beside it
+        params = c.get("rope_scaling") or {}
+    params = dict(params)  # a copy: rope_theta is popped from it
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"unsupported rope type {rope_type!r}; nanoserve supports "
