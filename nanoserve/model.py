@@ -24,6 +24,7 @@ It knows nothing of queues or HTTP. The KV tensors it writes come from
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import itertools
@@ -683,12 +684,6 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-def _shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
-    if fused == "qkv_proj":
-        return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-    return [cfg.intermediate_size] * 2
-
-
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
@@ -714,7 +709,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     cfg = model.config
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    pending = _expected_shards(params, cfg)
+    pending = _expected_shards(params)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -737,13 +732,10 @@ def load_weights(model: CausalLM, path: Path) -> int:
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
-def _expected_shards(params: dict[str, torch.Tensor], cfg: ModelConfig) -> set[tuple[str, int]]:
-    want = set()
-    for name in params:
-        fused = name.split(".")[-2]
-        n = len(_shard_sizes(cfg, fused)) if fused in ("qkv_proj", "gate_up_proj") else 1
-        want |= {(name, s) for s in range(n)}
-    return want
+def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, int]]:
+    """(parameter, shard index) for every checkpoint tensor the parameters need."""
+    num_shards = collections.Counter(fused for fused, _ in _FUSED.values())  # qkv_proj: 3, gate_up_proj: 2
+    return {(name, s) for name in params for s in range(num_shards.get(name.split(".")[-2], 1))}
 
 
 def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
