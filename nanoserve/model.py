@@ -408,7 +408,6 @@ class ColumnParallelLinear(Linear):
         return self.tp.rank
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
-        shard_id = max(shard_id, 0)
         size = self.local_sizes[shard_id]
         full = (self.full_sizes[shard_id], *param.shape[1:])
         dest = param.narrow(0, sum(self.local_sizes[:shard_id]), size)
@@ -724,7 +723,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 except _ShapeMismatch as e:
                     raise ModelLoadError(f"tensor {name!r} has shape {e.actual}, expected "
                                          f"{e.expected} from config.json") from None
-                pending.discard((target, max(shard, 0)))
+                pending.discard((target, shard))
     if pending:
         missing = sorted({n for n, _ in pending})
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(missing[:5])}"
@@ -739,14 +738,16 @@ def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, int]]:
 
 
 def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
+    """The parameter a checkpoint tensor goes into (None: skipped) and its shard
+    index there (0 for a tensor that fills its parameter whole)."""
     if "rotary_emb" in name:
-        return None, -1
+        return None, 0
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return None, -1  # tied: the embedding is the head
+        return None, 0  # tied: the embedding is the head
     for part, (fused, shard) in _FUSED.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
-    return name, -1
+    return name, 0
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
