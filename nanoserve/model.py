@@ -386,7 +386,7 @@ def _read(loaded, full_shape: tuple, dim: int = 0, start: int = 0, size: int | N
     return loaded[(slice(None),) * dim + (slice(start, start + size),)]
 
 
-def load_replicated(param: torch.Tensor, loaded, shard_id: int) -> None:
+def default_weight_loader(param: torch.Tensor, loaded, shard_id: int) -> None:
     """Norms and whatever else every rank holds whole."""
     param.copy_(_read(loaded, param.shape))
 
@@ -717,7 +717,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     continue
                 if target not in params:
                     raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
-                loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", load_replicated)
+                loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", default_weight_loader)
                 try:
                     loader(params[target], f.get_slice(name), shard)
                 except _ShapeMismatch as e:
