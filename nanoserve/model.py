@@ -753,7 +753,7 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()) -> CausalLM:
     """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
-    fp32 copy of a large model first); the cos/sin tables stay fp32."""
+    fp32 copy of a large model first); RotaryEmbedding's tables are fp32 whatever the default."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -761,7 +761,6 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             model = CausalLM(cfg, backend, tp)
     finally:
         torch.set_default_dtype(old)
-    model.model.rotary_emb.float()
     return model
 
 
