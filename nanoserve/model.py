@@ -656,8 +656,6 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
-        if self.tp.world_size == 1:
-            return logits
         logits = self.tp.gather(logits)
         return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
