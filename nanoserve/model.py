@@ -358,15 +358,15 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
         raise ValueError("cannot split this model across ranks: " + "; ".join(problems))
 
 
-def num_kv_heads_per_rank(cfg: ModelConfig, tp_size: int) -> int:
+def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads each rank holds (and caches): split, or one replicated head."""
-    return max(1, cfg.num_kv_heads // tp_size)
+    return max(1, num_kv_heads // tp_size)
 
 
 def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     """The shapes one rank computes with (what a backend builds and checks its kernels for)."""
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp_size,
-                               num_kv_heads=num_kv_heads_per_rank(cfg, tp_size),
+                               num_kv_heads=num_kv_heads_per_rank(cfg.num_kv_heads, tp_size),
                                intermediate_size=cfg.intermediate_size // tp_size)
 
 
@@ -427,7 +427,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, tp: TPGroup):
         self.num_heads = num_heads // tp.world_size
-        self.num_kv_heads = max(1, num_kv_heads // tp.world_size)
+        self.num_kv_heads = num_kv_heads_per_rank(num_kv_heads, tp.world_size)
         self.num_kv_head_replicas = max(1, tp.world_size // num_kv_heads)
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         super().__init__(hidden_size, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias, tp,
@@ -1045,7 +1045,7 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     a one-block throwaway cache."""
     device = model.model.embed_tokens.weight.device
     cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-    kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's
+    kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
     cache = torch.zeros(1, block_size, kv_heads, cfg.head_dim, dtype=dtype, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -1080,8 +1080,8 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     this at start-up."""
     cfg = model.config
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
-    spec = KVCacheSpec(cfg.num_layers, num_kv_heads_per_rank(cfg, model.tp.world_size), cfg.head_dim, dtype,
-                       cache.block_size)
+    kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
+    spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size)
     budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
                                lambda: step_activation_bytes(model, cache))
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
