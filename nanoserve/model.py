@@ -631,6 +631,13 @@ class DecoderModel(nn.Module):
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()):
@@ -643,10 +650,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
-        return self.model.norm(x, residual)[0]
+        """The final hidden states of every token; logits are compute_logits' (only the rows that need them)."""
+        return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits in the model's dtype (the sampler takes fp32 copies where it needs
