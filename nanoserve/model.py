@@ -503,6 +503,8 @@ class ParallelLMHead(Linear):
         _load_vocab_rows(param, loaded, self.vocab_start, self.vocab_size)
 
 
+# --------------------------------------------------------------------------- the decoder
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
