@@ -858,7 +858,7 @@ class Sampler:
     def _apply_bias_and_bans(self, logits, rows):
         if not _has_bias_or_bans(rows):
             return logits
-        logits = logits.clone()
+        logits = logits.clone()  # written in place below; fp32 logits' .float() is the raw tensor logprobs read
         dev = logits.device
         bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
         if bias:
