@@ -1116,7 +1116,7 @@ class TensorParallelError(RuntimeError):
 # (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS) and Triton's prefill tiles, a
 # decode, and on CUDA a mixed step (Triton's chunk tiles) and decode batches.
 WARMUP_PREFILL_TOKENS = 256
-PROMPT_LOGPROB_ROWS = 256  # rows of prompt logprobs computed at once (as many as the profiled sample rows)
+PROMPT_LOGPROB_ROWS = 256  # rows of prompt logprobs computed at once (as many as a default step samples)
 
 
 def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
