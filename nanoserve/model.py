@@ -642,7 +642,7 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()):
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -756,7 +756,7 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()) -> CausalLM:
+                backend: Backend, tp: TPGroup) -> CausalLM:
     """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
     fp32 copy of a large model first); RotaryEmbedding's tables are fp32 whatever the default."""
     old = torch.get_default_dtype()
