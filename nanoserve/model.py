@@ -1343,11 +1343,11 @@ class WorkerSpec:
     device_type: str
     dtype: torch.dtype
     cache: CacheConfig
-    enforce_eager: bool = False
-    seed: int = 0
-    num_threads: int | None = None    # CPU: torch threads of this rank (cores / ranks on the node)
-    cpu_allocator_tuning: bool = True
-    log_level: int = logging.INFO
+    enforce_eager: bool
+    seed: int
+    num_threads: int | None    # CPU: torch threads of this rank (cores / ranks on the node)
+    cpu_allocator_tuning: bool
+    log_level: int
 
 
 def run_worker(spec: WorkerSpec) -> None:
