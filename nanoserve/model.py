@@ -1025,7 +1025,7 @@ class ModelRunnerOutput:
     """One step's results: a SampleResult per sequence that samples, in order,
     and the prompt logprobs of the sequences that asked, by their index in the step."""
     sampled: list[SampleResult]
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]]
 
 
 def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: torch.device
