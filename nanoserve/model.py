@@ -103,7 +103,7 @@ class ModelConfig:
     qk_norm: bool                 # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None    # only set when the checkpoint would really use it
     checkpoint_dtype: str
-    eos_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: list[int]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
