@@ -739,7 +739,11 @@ def load_weights(model: CausalLM, path: Path) -> int:
 def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, int]]:
     """(parameter, shard index) for every checkpoint tensor the parameters need."""
     num_shards = collections.Counter(fused for fused, _ in _FUSED.values())  # qkv_proj: 3, gate_up_proj: 2
-    return {(name, s) for name in params for s in range(num_shards.get(name.split(".")[-2], 1))}
+    want = set()
+    for name in params:
+        module = name.split(".")[-2]  # "model.layers.0.self_attn.qkv_proj.weight" -> "qkv_proj"
+        want |= {(name, s) for s in range(num_shards.get(module, 1))}
+    return want
 
 
 def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
