@@ -24,6 +24,7 @@ It knows nothing of queues or HTTP. The KV tensors it writes come from
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import itertools
@@ -67,21 +68,21 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
     """A model directory, or a Hugging Face hub id (``Qwen/Qwen3-0.6B``) as vLLM takes
     one: found in the local Hugging Face cache, downloaded only when the hub is
     reachable and ``HF_HUB_OFFLINE`` is not set."""
-    path = Path(model)
-    if path.is_dir() or str(model).count("/") != 1 or str(model).startswith((".", "/", "~")):
+    path, repo_id = Path(model), str(model)
+    if path.is_dir() or repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
         return path
     from huggingface_hub import constants, snapshot_download
     try:  # the local cache first: no network for a model already there
-        return Path(snapshot_download(str(model), revision=revision, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached (huggingface_hub raises several kinds)
         if constants.HF_HUB_OFFLINE:
-            raise ModelLoadError(f"model {str(model)!r} is not a directory and not in the local Hugging Face "
+            raise ModelLoadError(f"model {repo_id!r} is not a directory and not in the local Hugging Face "
                                  f"cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set") from None
     try:
-        return Path(snapshot_download(str(model), revision=revision,
+        return Path(snapshot_download(repo_id, revision=revision,
                                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as e:  # noqa: BLE001 - no network, no such repo, gated: say which
-        raise ModelLoadError(f"model {str(model)!r} is not a directory, and downloading it from the Hugging "
+        raise ModelLoadError(f"model {repo_id!r} is not a directory, and downloading it from the Hugging "
                              f"Face hub failed: {str(e).splitlines()[0][:200]}") from None
 
 
@@ -104,7 +105,7 @@ class ModelConfig:
     qk_norm: bool                 # Qwen3: RMSNorm on q and k per head
     sliding_window: int | None    # only set when the checkpoint would really use it
     checkpoint_dtype: str
-    eos_token_ids: list[int] = field(default_factory=list)
+    eos_token_ids: list[int]
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
@@ -160,10 +161,9 @@ def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     params = c.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
-    if params is None:
-        params = dict(c.get("rope_scaling") or {})
-        params.setdefault("rope_theta", c.get("rope_theta", 10000.0))
-    params = dict(params)
+    if params is None:  # transformers 4: rope_scaling, and rope_theta beside it
+        params = c.get("rope_scaling") or {}
+    params = dict(params)  # a copy: rope_theta is popped from it
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"unsupported rope type {rope_type!r}; nanoserve supports "
@@ -360,15 +360,15 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
         raise ValueError("cannot split this model across ranks: " + "; ".join(problems))
 
 
-def num_kv_heads_per_rank(cfg: ModelConfig, tp_size: int) -> int:
+def num_kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
     """KV heads each rank holds (and caches): split, or one replicated head."""
-    return max(1, cfg.num_kv_heads // tp_size)
+    return max(1, num_kv_heads // tp_size)
 
 
 def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     """The shapes one rank computes with (what a backend builds and checks its kernels for)."""
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp_size,
-                               num_kv_heads=num_kv_heads_per_rank(cfg, tp_size),
+                               num_kv_heads=num_kv_heads_per_rank(cfg.num_kv_heads, tp_size),
                                intermediate_size=cfg.intermediate_size // tp_size)
 
 
@@ -388,7 +388,7 @@ def _read(loaded, full_shape: tuple, dim: int = 0, start: int = 0, size: int | N
     return loaded[(slice(None),) * dim + (slice(start, start + size),)]
 
 
-def load_replicated(param: torch.Tensor, loaded, shard_id: int) -> None:
+def default_weight_loader(param: torch.Tensor, loaded, shard_id: int) -> None:
     """Norms and whatever else every rank holds whole."""
     param.copy_(_read(loaded, param.shape))
 
@@ -410,7 +410,6 @@ class ColumnParallelLinear(Linear):
         return self.tp.rank
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
-        shard_id = max(shard_id, 0)
         size = self.local_sizes[shard_id]
         full = (self.full_sizes[shard_id], *param.shape[1:])
         dest = param.narrow(0, sum(self.local_sizes[:shard_id]), size)
@@ -430,7 +429,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
                  bias: bool, tp: TPGroup):
         self.num_heads = num_heads // tp.world_size
-        self.num_kv_heads = max(1, num_kv_heads // tp.world_size)
+        self.num_kv_heads = num_kv_heads_per_rank(num_kv_heads, tp.world_size)
         self.num_kv_head_replicas = max(1, tp.world_size // num_kv_heads)
         q, kv = self.num_heads * head_dim, self.num_kv_heads * head_dim
         super().__init__(hidden_size, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias, tp,
@@ -505,6 +504,8 @@ class ParallelLMHead(Linear):
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
         _load_vocab_rows(param, loaded, self.vocab_start, self.vocab_size)
 
+
+# --------------------------------------------------------------------------- the decoder
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -634,9 +635,16 @@ class DecoderModel(nn.Module):
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()):
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
         self.config = cfg
         self.tp = tp
@@ -646,10 +654,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
-        return self.model.norm(x, residual)[0]
+        """The final hidden states of every token; logits are compute_logits' (only the rows that need them)."""
+        return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits in the model's dtype (the sampler takes fp32 copies where it needs
@@ -659,8 +665,6 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
-        if self.tp.world_size == 1:
-            return logits
         logits = self.tp.gather(logits)
         return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
@@ -684,12 +688,6 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-
-
-def _shard_sizes(cfg: ModelConfig, fused: str) -> list[int]:
-    if fused == "qkv_proj":
-        return [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
-    return [cfg.intermediate_size] * 2
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -717,7 +715,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     cfg = model.config
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    pending = _expected_shards(params, cfg)
+    pending = _expected_shards(params)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -726,13 +724,13 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     continue
                 if target not in params:
                     raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
-                loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", load_replicated)
+                loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", default_weight_loader)
                 try:
                     loader(params[target], f.get_slice(name), shard)
                 except _ShapeMismatch as e:
                     raise ModelLoadError(f"tensor {name!r} has shape {e.actual}, expected "
                                          f"{e.expected} from config.json") from None
-                pending.discard((target, max(shard, 0)))
+                pending.discard((target, shard))
     if pending:
         missing = sorted({n for n, _ in pending})
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(missing[:5])}"
@@ -740,30 +738,33 @@ def load_weights(model: CausalLM, path: Path) -> int:
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
-def _expected_shards(params: dict[str, torch.Tensor], cfg: ModelConfig) -> set[tuple[str, int]]:
+def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, int]]:
+    """(parameter, shard index) for every checkpoint tensor the parameters need."""
+    num_shards = collections.Counter(fused for fused, _ in _FUSED.values())  # qkv_proj: 3, gate_up_proj: 2
     want = set()
     for name in params:
-        fused = name.split(".")[-2]
-        n = len(_shard_sizes(cfg, fused)) if fused in ("qkv_proj", "gate_up_proj") else 1
-        want |= {(name, s) for s in range(n)}
+        module = name.split(".")[-2]  # "model.layers.0.self_attn.qkv_proj.weight" -> "qkv_proj"
+        want |= {(name, s) for s in range(num_shards.get(module, 1))}
     return want
 
 
 def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
+    """The parameter a checkpoint tensor goes into (None: skipped) and its shard
+    index there (0 for a tensor that fills its parameter whole)."""
     if "rotary_emb" in name:
-        return None, -1
+        return None, 0
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
-        return None, -1  # tied: the embedding is the head
+        return None, 0  # tied: the embedding is the head
     for part, (fused, shard) in _FUSED.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
-    return name, -1
+    return name, 0
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()) -> CausalLM:
+                backend: Backend, tp: TPGroup) -> CausalLM:
     """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
-    fp32 copy of a large model first); the cos/sin tables stay fp32."""
+    fp32 copy of a large model first); RotaryEmbedding's tables are fp32 whatever the default."""
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -771,7 +772,6 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             model = CausalLM(cfg, backend, tp)
     finally:
         torch.set_default_dtype(old)
-    model.model.rotary_emb.float()
     return model
 
 
@@ -864,7 +864,7 @@ class Sampler:
     def _apply_bias_and_bans(self, logits, rows):
         if not _has_bias_or_bans(rows):
             return logits
-        logits = logits.clone()
+        logits = logits.clone()  # written in place below; fp32 logits' .float() is the raw tensor logprobs read
         dev = logits.device
         bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
         if bias:
@@ -1045,7 +1045,7 @@ class ModelRunnerOutput:
     """One step's results: a SampleResult per sequence that samples, in order,
     and the prompt logprobs of the sequences that asked, by their index in the step."""
     sampled: list[SampleResult]
-    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[TokenLogprobs]]
 
 
 def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: torch.device
@@ -1072,7 +1072,7 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     a one-block throwaway cache."""
     device = model.model.embed_tokens.weight.device
     cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
-    kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's
+    kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
     cache = torch.zeros(1, block_size, kv_heads, cfg.head_dim, dtype=dtype, device=device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
@@ -1107,8 +1107,8 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     this at start-up."""
     cfg = model.config
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
-    spec = KVCacheSpec(cfg.num_layers, num_kv_heads_per_rank(cfg, model.tp.world_size), cfg.head_dim, dtype,
-                       cache.block_size)
+    kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
+    spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size)
     budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
                                lambda: step_activation_bytes(model, cache))
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
@@ -1136,7 +1136,7 @@ class TensorParallelError(RuntimeError):
 # (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS) and Triton's prefill tiles, a
 # decode, and on CUDA a mixed step (Triton's chunk tiles) and decode batches.
 WARMUP_PREFILL_TOKENS = 256
-PROMPT_LOGPROB_ROWS = 256  # rows of prompt logprobs computed at once (as many as the profiled sample rows)
+PROMPT_LOGPROB_ROWS = 256  # rows of prompt logprobs computed at once (as many as a default step samples)
 
 
 def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
@@ -1167,7 +1167,6 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.backend = backend
         self.tp = model.tp
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
         self.sampler = Sampler(seed, backend.argmax)
@@ -1374,11 +1373,11 @@ class WorkerSpec:
     device_type: str
     dtype: torch.dtype
     cache: CacheConfig
-    enforce_eager: bool = False
-    seed: int = 0
-    num_threads: int | None = None    # CPU: torch threads of this rank (cores / ranks on the node)
-    cpu_allocator_tuning: bool = True
-    log_level: int = logging.INFO
+    enforce_eager: bool
+    seed: int
+    num_threads: int | None    # CPU: torch threads of this rank (cores / ranks on the node)
+    cpu_allocator_tuning: bool
+    log_level: int
 
 
 def run_worker(spec: WorkerSpec) -> None:
