@@ -1089,7 +1089,9 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
 def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
     """On CUDA, what the KV cache must leave free: a full step's activations
     (the profiling forward) and the CUDA graphs' pool."""
-    activations = profile_activation_bytes(model, cache.profile_tokens, cache.profile_rows, cache.block_size)
+    # a step's logits: its sampled rows, or a prompt-logprobs slice if that is larger
+    rows = min(max(cache.profile_rows, PROMPT_LOGPROB_ROWS), cache.profile_tokens)
+    activations = profile_activation_bytes(model, cache.profile_tokens, rows, cache.block_size)
     logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
                 cache.profile_tokens, activations / 2**30)
     if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
