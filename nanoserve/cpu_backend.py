@@ -32,8 +32,7 @@ import warnings
 import torch
 from torch import nn
 
-from nanoserve import kernels
-from nanoserve.cpu_kernels import is_decode_only
+from nanoserve import cpu_kernels, kernels
 from nanoserve.kernels import Backend
 
 logger = logging.getLogger("nanoserve.model")
@@ -76,7 +75,6 @@ def _first_that_works(what: str, candidates, fallback):
 
 def _pick_attention(cfg, dtype, block_size):
     def c():
-        from nanoserve import cpu_kernels
         return _smoke(cfg, dtype, block_size, cpu_kernels.store_kvcache, cpu_kernels.paged_attention)
 
     def inductor():
@@ -105,7 +103,7 @@ def _smoke(cfg, dtype, block_size, store, attend):
 def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     """All-decode steps through the compiled decode attention; steps with
     prefill chunks (or once dynamo refuses another graph) through the reference."""
-    if is_decode_only(query_start_loc):
+    if cpu_kernels.is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out
@@ -172,7 +170,6 @@ def _pick_elementwise(cfg, dtype):
         return "torch", references
 
     def c():
-        from nanoserve import cpu_kernels
         return check_same_as_torch((cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul), cfg)
 
     def inductor():
@@ -257,7 +254,6 @@ def compile_rows(fn, row_args: int):
 
 def _pick_argmax(dtype):
     def c():
-        from nanoserve import cpu_kernels
         cpu_kernels.argmax(torch.zeros(1, 16, dtype=torch.bfloat16))
         return cpu_kernels.argmax
     if dtype != torch.bfloat16:

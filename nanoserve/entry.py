@@ -895,7 +895,8 @@ class ToolParser:
 class HermesToolParser(ToolParser):
     """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number
     of them. As vLLM's, the content is the text before the first call (the text between and after
-    calls is dropped); a block that is not such JSON is text."""
+    calls is dropped); a block that is not such JSON is text before the first call and dropped after
+    it (vLLM's non-streamed parser then returns the whole output as text, which a stream cannot)."""
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self):
