@@ -228,10 +228,14 @@ class BlockManager:
 
 # ---------------------------------------------------------------- slot mapping
 
+def slot(block_table: list[int], position: int, block_size: int) -> int:
+    """Where the token at ``position`` of a sequence lives in the flat KV cache."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 def slot_mapping(block_tables: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
                  block_size: int) -> torch.Tensor:
-    """Slot of each token: ``block_table[p // block_size] * block_size + p % block_size``,
-    for all tokens of a step at once (no Python loop per token)."""
+    """``slot`` of each token of a step, for all of them at once (no Python loop per token)."""
     block_ids = block_tables[seq_ids, positions // block_size].long()
     return block_ids * block_size + positions % block_size
 

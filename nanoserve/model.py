@@ -1236,8 +1236,7 @@ class ModelRunner:
         bs = next(s for s in self.decode_sizes if s >= n)
         b, pad, size = self.static, bs - n, self.block_size
         positions = [s.start for s in seqs]
-        # kvcache.slot_mapping's formula, one token a row: cheaper on lists than as tensors
-        slots = [s.block_table[p // size] * size + p % size for s, p in zip(seqs, positions)]
+        slots = [kvcache.slot(s.block_table, p, size) for s, p in zip(seqs, positions)]  # one token a row: on lists
         # each buffer's values and padding: one host tensor for all, then host -> device copies
         # into the buffers' fixed addresses
         rows = {"input_ids": ([s.token_ids[0] for s in seqs], 0), "positions": (positions, 0),
