@@ -13,7 +13,8 @@ This module owns
 * the counters behind ``stats()`` and ``/metrics``.
 
 It does not decide who runs in a step (the scheduler does) and never indexes
-the KV cache (the block manager and the model runner do).
+the KV cache (the block manager and the model runner do): it talks to the
+scheduler only, whose output carries each scheduled request's block table.
 """
 from __future__ import annotations
 
@@ -538,10 +539,10 @@ class LLMEngine:
             self.compile_time_s = time.perf_counter() - t0
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp)
             self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
-            self.block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size,
-                                              config.enable_prefix_caching)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                       self.max_model_len), self.block_manager)
+                                                       self.max_model_len),
+                                       BlockManager(self.kv_plan.num_blocks, config.block_size,
+                                                    config.enable_prefix_caching))
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len)
             self._warm_up()
@@ -812,22 +813,20 @@ class LLMEngine:
         failed = list(dict.fromkeys(s.request.parent_id or s.request.request_id for s in sched.scheduled))
         for request_id in failed:
             self.abort_request(request_id)
-        self.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
         return failed
 
     def build_inputs(self, sched: SchedulerOutput) -> list[SeqInput]:
         """The scheduled step as plain data for the model runner. Token lists are
         sliced (copied) here so the model can run on another thread while the
         loop thread appends to requests."""
-        bm = self.block_manager
         seqs = []
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                                 list(bm.block_table(req.request_id)),
+            seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table,
                                  req.sample_request() if s.samples else None,
                                  req.prompt_logprob_ids(s.start, s.num_new_tokens),
                                  req.sampling_params.prompt_logprobs or 0))
@@ -976,22 +975,9 @@ class LLMEngine:
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        bm = self.block_manager
-        return {
-            "num_total_blocks": bm.num_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "kv_cache_usage": bm.usage,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            # When the most blocks were held: how many, and the share of their
-            # slots that held no token (the paging's internal waste).
-            "peak_kv_blocks": bm.peak_used_blocks,
-            "kv_unused_fraction_at_peak": bm.unused_slots_at_peak / max(1, bm.peak_used_blocks * bm.block_size),
-            **self.stats_counters,
-        }
+        s = self.scheduler.make_stats()
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_preemptions": s.num_preemptions,
+                **dataclasses.asdict(s.kv_cache), **self.stats_counters}
 
     # ---------------------------------------------------------------- tensor-parallel workers
     def check_health(self) -> None:

@@ -10,8 +10,9 @@ This module owns
 * sizing and allocating the KV tensors themselves from a memory budget.
 
 It knows nothing of HTTP, text or sampling: requests are ids and token lists.
-It hands the scheduler "can this request have these slots?" answers and the
-model runner block tables and KV tensors.
+It hands the scheduler "can this request have these slots?" answers, the block
+tables (which reach the model runner in the scheduler's output) and its stats;
+the model runner gets the KV tensors.
 """
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     h = hashlib.sha256(parent_hash or b"")
     h.update(array("q", token_ids).tobytes())
     return h.digest()
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    """The block pool's numbers, named as engine.stats() reports them."""
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # in tokens, as vLLM counts them
+    prefix_cache_hits: int
+    # When the most blocks were held: how many, and the share of their slots
+    # that held no token (the paging's internal waste).
+    peak_kv_blocks: int
+    kv_unused_fraction_at_peak: float
 
 
 class BlockManager:
@@ -91,6 +106,12 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def make_stats(self) -> KVCacheStats:
+        peak = self.peak_used_blocks
+        return KVCacheStats(self.num_blocks, self.num_free_blocks, self.usage, self.prefix_cache_queries,
+                            self.prefix_cache_hits, peak,
+                            self.unused_slots_at_peak / max(1, peak * self.block_size))
 
     # ---------------------------------------------------------------- prefix cache
     def _caches(self, cache_salt: str | None) -> bool:

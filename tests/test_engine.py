@@ -50,7 +50,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
     assert s["num_running"] == s["num_waiting"] == 0
-    assert all(b.ref_cnt == 0 for b in llm.engine.block_manager.blocks)
+    assert all(b.ref_cnt == 0 for b in llm.engine.scheduler.block_manager.blocks)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +180,7 @@ def test_stats_report_the_kv_slots_unused_at_the_peak(model):
     blocks = sum(-(-n // 16) for n in held)
     assert s["peak_kv_blocks"] == blocks
     assert s["kv_unused_fraction_at_peak"] == pytest.approx(1 - sum(held) / (16 * blocks))
-    assert llm.engine.block_manager.unused_slots == 0
+    assert llm.engine.scheduler.block_manager.unused_slots == 0
 
 
 def test_outputs_come_back_in_input_order(model):

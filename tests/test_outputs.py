@@ -370,14 +370,14 @@ def test_real_model_eos_stops(llm, tok):
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3 and out.token_ids[-1] == EOS
     assert out.finish_reason == "stop" and out.stop_reason is None
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_blocks
 
 
 # =========================================================================== n > 1
 
 def test_n4_shares_prompt_blocks_and_frees_them(tiny_model):
     llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, block_size=16)
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
     prompt = list(range(3, 43))                     # 40 tokens: 2 full blocks + a partial one
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
 
@@ -455,7 +455,7 @@ def test_n4_shares_prompt_blocks_with_prefix_caching_off(tiny_model):
     # The family's own salt lets the n children share; unrelated requests still do not.
     llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, block_size=16,
               enable_prefix_caching=False)
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
     prompt = list(range(3, 43))
     engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))
     engine.step()
