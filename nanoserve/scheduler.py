@@ -162,13 +162,14 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+        bm, i = self.block_manager, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left to schedule
-            out.scheduled.append(self._scheduled(req, req.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,
+                                                  list(bm.block_table(req.request_id))))
             budget -= num_new
             i += 1
         return budget
@@ -202,13 +203,10 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(self._scheduled(req, num_computed, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, list(bm.block_table(req.request_id))))
             budget -= num_new
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
                          req.request_id, req.num_tokens, num_computed, num_new)
-
-    def _scheduled(self, req: "Request", start: int, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(req, start, num_new, list(self.block_manager.block_table(req.request_id)))
 
     def _preempt(self, req: "Request", out: SchedulerOutput) -> None:
         self.running.remove(req)
