@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import enum
 import inspect
 import itertools
 import json
@@ -217,8 +218,17 @@ class Logprob:
 PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first is None (nothing predicts it)
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what each output of a request carries."""
+    CUMULATIVE = 0  # everything so far, every step (step()'s default)
+    DELTA = 1       # only what is new since the previous output (the server's: O(1) a step, not O(output))
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything (offline generate)
+
+
 @dataclass(slots=True)
 class CompletionOutput:
+    """One completion's text, token ids and logprobs: all of them so far, or under
+    RequestOutputKind.DELTA only this output's new ones (merge_deltas adds them up)."""
     index: int
     text: str
     token_ids: list[int]
@@ -230,6 +240,14 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merge_deltas(deltas: list[CompletionOutput]) -> CompletionOutput:
+    """A completion's DELTA outputs, in order, as the one cumulative output they make."""
+    last = deltas[-1]
+    return dataclasses.replace(last, text="".join(c.text for c in deltas),
+                               token_ids=[t for c in deltas for t in c.token_ids],
+                               logprobs=None if last.logprobs is None else [e for c in deltas for e in c.logprobs])
 
 
 @dataclass(slots=True)
@@ -307,7 +325,7 @@ class Request:
     parent_id: str | None = None      # n > 1: the id the caller knows
     index: int = 0
     cache_salt: str | None = None     # who may share this request's cached blocks
-    final_only: bool = False          # vLLM's RequestOutputKind.FINAL_ONLY: no per-step outputs
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # prompt_logprobs need every prompt position computed: no prefix-cache hits (as vLLM)
     skip_reading_prefix_cache: bool = False
     grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
@@ -319,6 +337,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""                    # detokenized output, stop string handled
     sent_text_len: int = 0            # how much of text was already streamed
+    sent_token_len: int = 0           # DELTA: how many output tokens earlier outputs carried
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     # Filled chunk by chunk while the prompt is prefilled, by the one request that
@@ -719,16 +738,17 @@ class LLMEngine:
                                       f"integers): {bad[:5]}")
 
     def add_request(self, prompt: str | Sequence[int] | TokenizedPrompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, final_only: bool = False) -> str:
+                    request_id: str | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Validate and queue a request (n > 1 becomes n child requests that share
-        the prompt's blocks through the prefix cache); returns its id. With
-        ``final_only`` (offline generate), step() reports it only when it finishes."""
+        the prompt's blocks through the prefix cache); returns its id. ``output_kind``
+        says what step() reports of it (RequestOutputKind)."""
         params = params or SamplingParams()
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
-        return self._add_validated(prompt, params, self.validate_params(params), request_id, final_only)
+        return self._add_validated(prompt, params, self.validate_params(params), request_id, output_kind)
 
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
-                       request_id: str | None, final_only: bool) -> str:
+                       request_id: str | None, output_kind: RequestOutputKind) -> str:
         """add_request's second half, for a prompt and params already checked."""
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
@@ -751,7 +771,7 @@ class LLMEngine:
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
-                final_only=final_only, grammar=None if grammar is None else GrammarState(grammar),
+                output_kind=output_kind, grammar=None if grammar is None else GrammarState(grammar),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
                 bad_words_token_ids=bad_words))
         self.stats_counters["prompt_tokens"] += len(token_ids)
@@ -854,8 +874,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            # An output copies the request's tokens so far: skip it unless asked for.
-            if not req.final_only or req.is_finished:
+            if req.output_kind is not RequestOutputKind.FINAL_ONLY or req.is_finished:
                 self._collect(outputs, req)
         return list(outputs.values())
 
@@ -962,16 +981,21 @@ class LLMEngine:
         return [req] + [r for r in self.scheduler.requests.values() if r.parent_id == req.parent_id]
 
     def completion_output(self, req: Request) -> CompletionOutput:
-        """The request's output so far. While it runs, text that could still turn
-        out to be the start of a stop string is held back from the stream."""
+        """The request's output so far (under DELTA: what is new since its last
+        one, a cost that does not grow with the output). While it runs, text that
+        could still turn out to be the start of a stop string is held back."""
         end = len(req.text) if req.is_finished else len(req.text) - _stop_holdback(req)
         delta = req.text[req.sent_text_len:end] if end > req.sent_text_len else ""
         req.sent_text_len = max(req.sent_text_len, end)
-        return CompletionOutput(req.index, req.text[:req.sent_text_len], list(req.output_token_ids),
-                                req.cumulative_logprob,
-                                None if req.logprobs is None else list(req.logprobs),
-                                req.status.finish_reason,
-                                req.stop_reason, delta)
+        if req.output_kind is RequestOutputKind.DELTA:
+            first, req.sent_token_len = req.sent_token_len, len(req.output_token_ids)
+            text, token_ids = delta, req.output_token_ids[first:]
+            logprobs = None if req.logprobs is None else req.logprobs[first:]
+        else:
+            text, token_ids = req.text[:req.sent_text_len], list(req.output_token_ids)
+            logprobs = None if req.logprobs is None else list(req.logprobs)
+        return CompletionOutput(req.index, text, token_ids, req.cumulative_logprob, logprobs,
+                                req.status.finish_reason, req.stop_reason, delta)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
@@ -1258,7 +1282,8 @@ class LLM:
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
                   for prompt, p in zip(prompts, params)]
         grammars = [engine.validate_params(p) for p in params]
-        ids = [engine._add_validated(prompt, p, g, None, True) for prompt, p, g in zip(inputs, params, grammars)]
+        ids = [engine._add_validated(prompt, p, g, None, RequestOutputKind.FINAL_ONLY)
+               for prompt, p, g in zip(inputs, params, grammars)]
         return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -1541,11 +1566,12 @@ class AsyncLLM:
                 engine.abort_request(request_id)
             self.dead.set()
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str) -> asyncio.Queue:
+    def add_request(self, prompt, params: SamplingParams, request_id: str,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> asyncio.Queue:
         """Validate and queue a request (raises InvalidInput for bad input)."""
         if not self.is_running:
             raise EngineDeadError(DEAD_MESSAGE if self.errored else "the engine is not running")
-        self.engine.add_request(prompt, params, request_id)
+        self.engine.add_request(prompt, params, request_id, output_kind)
         # A finished request whose stream is not drained yet may leave a queue
         # under this id: its stream holds it, and removes only its own.
         queue = self.queues[request_id] = asyncio.Queue()

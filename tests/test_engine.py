@@ -18,6 +18,7 @@ import torch
 
 from conftest import VOCAB, make_model
 from nanoserve import LLM, RequestOutput, SamplingParams
+from nanoserve.engine import RequestOutputKind
 
 MAX_LEN = 128
 _rng = torch.Generator().manual_seed(99)
@@ -150,9 +151,9 @@ def test_final_only_requests_report_once_when_finished(model):
     llm = make_llm(model)
     engine = llm.engine
     streamed = engine.add_request(PROMPTS[1], GREEDY)
-    final = engine.add_request(PROMPTS[1], GREEDY, final_only=True)
+    final = engine.add_request(PROMPTS[1], GREEDY, output_kind=RequestOutputKind.FINAL_ONLY)
     family = engine.add_request(PROMPTS[3], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6),
-                                final_only=True)
+                                output_kind=RequestOutputKind.FINAL_ONLY)
     seen: dict[str, list[RequestOutput]] = {streamed: [], final: [], family: []}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -1,6 +1,7 @@
 """Output tests: logprobs against transformers, incremental detokenization of
 multi-byte text, stop strings / stop ids / EOS with vLLM's finish_reason and
-stop_reason, streamed text (delta_text from LLMEngine.step()), n > 1 sharing the
+stop_reason, streamed text (delta_text from LLMEngine.step(); DELTA outputs, which
+carry only each step's new text, tokens and logprobs), n > 1 sharing the
 prompt's blocks, and LLM.chat.
 
 A random model's text is not controllable, so most stop and detokenizer tests
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 
 from conftest import hf_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine import IncrementalDetokenizer
+from nanoserve.engine import IncrementalDetokenizer, RequestOutputKind, merge_deltas
 from nanoserve.model import SampleResult
 
 EOS = 0  # conftest: the tokenizer's <|endoftext|> and the config's eos_token_id
@@ -68,12 +69,12 @@ def scripted(llm, prompt: str, script: list[int]):
         runner.sampler = real
 
 
-def stream(llm, prompt, params):
+def stream(llm, prompt, params, kind=RequestOutputKind.CUMULATIVE):
     """Drive LLMEngine.step() for one request; return every streamed
     CompletionOutput and the final one."""
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    rid = engine.add_request(prompt, params)
+    rid = engine.add_request(prompt, params, output_kind=kind)
     snaps, final = [], None
     for _ in range(1000):
         if not engine.has_unfinished_requests():
@@ -98,10 +99,22 @@ def check_stream(snaps, final) -> None:
     assert acc == final.text
 
 
+def check_deltas(deltas, snaps) -> None:
+    """DELTA outputs carry only what their cumulative twins added (the step's
+    text, its one token and its logprobs), and add up to the final output."""
+    assert [d.text for d in deltas] == [d.delta_text for d in deltas] == [c.delta_text for c in snaps]
+    assert [d.token_ids for d in deltas] == [c.token_ids[-1:] for c in snaps]
+    assert [d.logprobs for d in deltas] == [None if c.logprobs is None else c.logprobs[-1:] for c in snaps]
+    assert merge_deltas(deltas) == snaps[-1]
+
+
 def run_script(llm, script, params, prompt=PROMPT):
+    """The scripted request streamed twice: cumulative outputs, then DELTA ones."""
     with scripted(llm, prompt, script):
         snaps, final = stream(llm, prompt, params)
+        deltas, _ = stream(llm, prompt, params, RequestOutputKind.DELTA)
     check_stream(snaps, final)
+    check_deltas(deltas, snaps)
     return final
 
 
@@ -156,6 +169,31 @@ def test_streamed_logprobs_are_snapshots(llm):
     snaps, final = stream(llm, PROMPT, SamplingParams(logprobs=2, max_tokens=5, temperature=0))
     assert [len(c.token_ids) for c in snaps] == [1, 2, 3, 4, 5]
     assert [len(c.logprobs) for c in snaps] == [1, 2, 3, 4, 5]
+
+
+def test_delta_outputs_stay_the_same_size_as_the_output_grows(llm):
+    """The server's outputs (DELTA): however long the output, each step's carries
+    one token, its logprobs and its text, where a cumulative one carries (copies)
+    everything so far; they add up to the same final output."""
+    params = SamplingParams(logprobs=2, max_tokens=300, ignore_eos=True, temperature=1.0, seed=7)
+    snaps, final = stream(llm, PROMPT, params)
+    deltas, _ = stream(llm, PROMPT, params, RequestOutputKind.DELTA)
+    assert [len(c.token_ids) for c in snaps] == list(range(1, 301))
+    assert all(len(d.token_ids) == len(d.logprobs) == 1 for d in deltas)
+    assert sum(len(d.text) for d in deltas) == len(final.text) and final.finish_reason == "length"
+    assert deltas[-1].finish_reason == "length" and deltas[-1].cumulative_logprob == final.cumulative_logprob
+    check_deltas(deltas, snaps)
+
+
+def test_delta_outputs_of_n_children_add_up(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, logprobs=1, stop=["e "])
+    got = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        for c in stream(llm, PROMPT, params, kind)[0]:
+            got.setdefault(kind, {}).setdefault(c.index, []).append(c)
+    cumulative, deltas = got[RequestOutputKind.CUMULATIVE], got[RequestOutputKind.DELTA]
+    assert sorted(deltas) == [0, 1, 2] and len({tuple(cs[-1].token_ids) for cs in cumulative.values()}) > 1
+    assert {i: merge_deltas(cs) for i, cs in deltas.items()} == {i: cs[-1] for i, cs in cumulative.items()}
 
 
 # =========================================================================== detokenization
