@@ -279,7 +279,12 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas. It decodes a short
     window (a few tokens of context + the new ones) and emits only what the
     window adds, holding back a trailing incomplete UTF-8 character (U+FFFD), so
-    the deltas concatenate to the final text and never split a character."""
+    the deltas concatenate to the final text and never split a character.
+
+    A fast tokenizer's window is kept in Rust by tokenizers' DecodeStream (as
+    vLLM's FastIncrementalDetokenizer): one call a token instead of two decodes.
+    The offsets here move with it, so flush() and any window DecodeStream refuses
+    (decoded here from then on) see the same window."""
 
     CONTEXT = 5  # prompt tokens kept as context, so a leading space decodes right
 
@@ -289,14 +294,15 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.backend = _rust_tokenizer(tokenizer)
+        self.stream = None if self.backend is None else self._decode_stream()
 
     def step(self, new_token_ids: Iterable[int]) -> str:
-        self.ids.extend(new_token_ids)
-        prefix, full = self._window()
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        text = ""
+        for token_id in new_token_ids:
+            self.ids.append(token_id)
+            text += self._next()
+        return text
 
     def flush(self) -> str:
         """At the end: whatever is still held back, incomplete character and all."""
@@ -304,10 +310,51 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):]
 
+    def _next(self) -> str:
+        """The text the last token completes, if any."""
+        if self.stream is not None:
+            try:
+                piece = self.stream.step(self.backend, self.ids[-1])
+            except Exception:  # noqa: BLE001 - its only error: a window whose text changed under it
+                self.stream = None
+            else:
+                if piece is not None:
+                    self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                return piece or ""
+        prefix, full = self._window()
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def _decode_stream(self):
+        """A DecodeStream that has read the context; None where the context ends
+        inside a character (it would hand the prompt's bytes out as output)."""
+        from tokenizers.decoders import DecodeStream
+        if self.tokenizer.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
+            return None
+        stream = DecodeStream(skip_special_tokens=self.skip)
+        try:
+            for token_id in self.ids:
+                stream.step(self.backend, token_id)
+        except Exception:  # noqa: BLE001 - as in _next
+            return None
+        return stream
+
     def _window(self) -> tuple[str, str]:
         decode, ids = self.tokenizer.decode, self.ids
         return (decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip),
                 decode(ids[self.prefix_offset:], skip_special_tokens=self.skip))
+
+
+def _rust_tokenizer(tokenizer):
+    """The tokenizers.Tokenizer that a transformers fast tokenizer's decode() is
+    (its _decode not overridden, no clean-up of spaces after it); else None."""
+    from transformers import PreTrainedTokenizerFast
+    if getattr(type(tokenizer), "_decode", None) is not PreTrainedTokenizerFast._decode \
+            or tokenizer.clean_up_tokenization_spaces:
+        return None
+    return tokenizer.backend_tokenizer
 
 
 # =========================================================================== requests

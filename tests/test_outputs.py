@@ -13,14 +13,17 @@ own greedy output instead.
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import hf_model
+import nanoserve
+from conftest import CORPUS, hf_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import IncrementalDetokenizer, RequestOutputKind, merge_deltas
 from nanoserve.model import SampleResult
@@ -232,6 +235,47 @@ def test_incremental_detokenizer_property(tok, text, prompt):
     assert "".join(deltas) == tok.decode(ids)
     if "\ufffd" not in tok.decode(ids):  # else the text itself has one to emit
         assert not any("\ufffd" in d for d in deltas)
+
+
+def _llama_style_tokenizer(root: Path):
+    """Llama 2's kind of tokenizer: spaces as U+2581, byte fallback, and a Strip
+    decoder, whose windows DecodeStream sometimes refuses (random byte tokens)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator([CORPUS] * 4, trainers.BpeTrainer(vocab_size=700, special_tokens=special))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(root)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(root)
+
+
+@pytest.mark.parametrize("name", ["test", "demo", "llama-style"])
+def test_decode_stream_deltas_equal_the_windows(tok, tmp_path, name):
+    """IncrementalDetokenizer's DecodeStream path gives the very deltas (and flush)
+    of its two-decodes window, over random token sequences heavy in partial UTF-8
+    characters and special tokens, with and without skip_special_tokens."""
+    from transformers import AutoTokenizer
+    tokenizer = {"test": lambda: tok, "llama-style": lambda: _llama_style_tokenizer(tmp_path),
+                 "demo": lambda: AutoTokenizer.from_pretrained(Path(nanoserve.__file__).parent / "demo_model")}[name]()
+    vocab = range(len(tokenizer))
+    partial = [t for t in vocab if "\ufffd" in tokenizer.decode([t])]
+    pools = [vocab, partial + tokenizer.all_special_ids, partial]
+    rng, streamed, refused = random.Random(0), 0, 0
+    for _ in range(400):
+        pool = rng.choice(pools)
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 25))]
+        prompt, skip = [rng.choice(vocab) for _ in range(rng.randrange(0, 8))], rng.random() < 0.5
+        fast, window = IncrementalDetokenizer(tokenizer, prompt, skip), IncrementalDetokenizer(tokenizer, prompt, skip)
+        window.stream = None
+        started = fast.stream is not None
+        assert [fast.step([t]) for t in ids] + [fast.flush()] == [window.step([t]) for t in ids] + [window.flush()]
+        streamed += fast.stream is not None
+        refused += started and fast.stream is None
+    assert streamed > 200 and (refused > 0) == (name == "llama-style"), (streamed, refused)
 
 
 @pytest.mark.parametrize("text", MULTIBYTE[:2], ids=["zh-emoji", "emoji"])
