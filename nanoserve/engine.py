@@ -219,10 +219,16 @@ PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first 
 
 
 class RequestOutputKind(enum.Enum):
-    """vLLM's: what each output of a request carries."""
-    CUMULATIVE = 0  # everything so far, every step (step()'s default)
-    DELTA = 1       # only what is new since the previous output (the server's: O(1) a step, not O(output))
-    FINAL_ONLY = 2  # nothing until the request finishes, then everything (offline generate)
+    """vLLM's: what each output of a request carries. ``every_step`` and ``is_delta``
+    are plain attributes, as RequestStatus's: every step reads them for every request."""
+    CUMULATIVE = 0, True, False   # everything so far, every step (step()'s default)
+    DELTA = 1, True, True         # only what is new since the previous output (the server's: O(1) a step)
+    FINAL_ONLY = 2, False, False  # nothing until the request finishes, then everything (offline generate)
+
+    def __new__(cls, value: int, every_step: bool, is_delta: bool):
+        member = object.__new__(cls)
+        member._value_, member.every_step, member.is_delta = value, every_step, is_delta
+        return member
 
 
 @dataclass(slots=True)
@@ -921,7 +927,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            if req.output_kind is not RequestOutputKind.FINAL_ONLY or req.is_finished:
+            if req.output_kind.every_step or req.is_finished:
                 self._collect(outputs, req)
         return list(outputs.values())
 
@@ -1034,7 +1040,7 @@ class LLMEngine:
         end = len(req.text) if req.is_finished else len(req.text) - _stop_holdback(req)
         delta = req.text[req.sent_text_len:end] if end > req.sent_text_len else ""
         req.sent_text_len = max(req.sent_text_len, end)
-        if req.output_kind is RequestOutputKind.DELTA:
+        if req.output_kind.is_delta:
             first, req.sent_token_len = req.sent_token_len, len(req.output_token_ids)
             text, token_ids = delta, req.output_token_ids[first:]
             logprobs = None if req.logprobs is None else req.logprobs[first:]

@@ -102,6 +102,8 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids. Never changed in place (a table that grows is a
+        new list), so whoever holds one (a step's inputs, on the model's thread) may keep it."""
         return self.req_to_blocks.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -150,10 +152,8 @@ class BlockManager:
         """Make the request's block table cover its first ``num_tokens`` tokens,
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
         Returns False, changing nothing, when the free blocks do not suffice."""
-        table = self.req_to_blocks.get(request_id)
+        table = self.req_to_blocks.get(request_id, [])
         computed_blocks = computed_blocks or []
-        if table is None:
-            table = []
         # Hits that are on the free list are about to be taken out of it.
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
         need = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
@@ -161,11 +161,10 @@ class BlockManager:
             return False
         for b in computed_blocks:
             self._touch(b)
-            table.append(b)
         if computed_blocks:
             self.req_hashes[request_id] = [self.blocks[b].block_hash for b in computed_blocks]
-        for _ in range(max(need, 0)):
-            table.append(self._pop_free())
+        if computed_blocks or need > 0:  # a new list: see block_table
+            table = table + computed_blocks + [self._pop_free() for _ in range(need)]
         self.req_to_blocks[request_id] = table
         self._track_unused(request_id, num_tokens)
         self.req_salts.setdefault(request_id, cache_salt)

@@ -71,8 +71,8 @@ class ScheduledRequest:
     request: "Request"
     start: int            # num_computed_tokens before this step: the chunk's first position
     num_new_tokens: int
-    # A copy (vLLM's NewRequestData.block_ids), so the model can read it on its
-    # own thread whatever the block manager does meanwhile.
+    # As vLLM's NewRequestData.block_ids: the runner needs nothing from the block
+    # manager. The block manager's own list, which it never changes in place.
     block_table: list[int]
 
     @property
@@ -169,7 +169,7 @@ class Scheduler:
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left to schedule
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,
-                                                  list(bm.block_table(req.request_id))))
+                                                  bm.block_table(req.request_id)))
             budget -= num_new
             i += 1
         return budget
@@ -203,7 +203,7 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, list(bm.block_table(req.request_id))))
+            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, bm.block_table(req.request_id)))
             budget -= num_new
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
                          req.request_id, req.num_tokens, num_computed, num_new)

@@ -134,7 +134,7 @@ def test_waiting_head_that_does_not_fit_blocks_those_behind_it():
 
 def test_scheduled_requests_carry_their_block_tables_and_stats_come_from_the_scheduler():
     """The engine needs nothing from the block manager: each scheduled request
-    carries its block table (a copy the next steps do not change), and the KV
+    carries its block table (which the next steps do not change), and the KV
     numbers come with the scheduler's own."""
     sched = make(block_size=4)
     add(sched, "a", 4)
@@ -340,8 +340,8 @@ class EngineSim:
             assert req.num_computed_tokens == s.start + s.num_new_tokens <= req.num_tokens
             if s.start and s.request.num_cached_tokens:
                 event("prefix hit")
-            table = s.block_table  # what the model runner gets: the table in force, as a copy
-            assert table == bm.block_table(req.request_id) and table is not bm.block_table(req.request_id)
+            table = s.block_table  # what the model runner gets: the table in force
+            assert table == bm.block_table(req.request_id)
             for p in range(s.start, s.start + s.num_new_tokens):  # store_kvcache
                 self.kv[(table[p // bs], p % bs)] = tuple(req.token_ids[:p + 1])
         check_invariants(sched, self.kv)  # attention: every scheduled request reads only its own KV
