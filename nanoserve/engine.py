@@ -13,13 +13,15 @@ This module owns
 * the counters behind ``stats()`` and ``/metrics``.
 
 It does not decide who runs in a step (the scheduler does) and never indexes
-the KV cache (the block manager and the model runner do).
+the KV cache (the block manager and the model runner do): it talks to the
+scheduler only, whose output carries each scheduled request's block table.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import dataclasses
+import enum
 import inspect
 import itertools
 import json
@@ -216,8 +218,23 @@ class Logprob:
 PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first is None (nothing predicts it)
 
 
+class RequestOutputKind(enum.Enum):
+    """vLLM's: what each output of a request carries. ``every_step`` and ``is_delta``
+    are plain attributes, as RequestStatus's: every step reads them for every request."""
+    CUMULATIVE = 0, True, False   # everything so far, every step (step()'s default)
+    DELTA = 1, True, True         # only what is new since the previous output (the server's: O(1) a step)
+    FINAL_ONLY = 2, False, False  # nothing until the request finishes, then everything (offline generate)
+
+    def __new__(cls, value: int, every_step: bool, is_delta: bool):
+        member = object.__new__(cls)
+        member._value_, member.every_step, member.is_delta = value, every_step, is_delta
+        return member
+
+
 @dataclass(slots=True)
 class CompletionOutput:
+    """One completion's text, token ids and logprobs: all of them so far, or under
+    RequestOutputKind.DELTA only this output's new ones (merge_deltas adds them up)."""
     index: int
     text: str
     token_ids: list[int]
@@ -229,6 +246,14 @@ class CompletionOutput:
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def merge_deltas(deltas: list[CompletionOutput]) -> CompletionOutput:
+    """A completion's DELTA outputs, in order, as the one cumulative output they make."""
+    last = deltas[-1]
+    return dataclasses.replace(last, text="".join(c.text for c in deltas),
+                               token_ids=[t for c in deltas for t in c.token_ids],
+                               logprobs=None if last.logprobs is None else [e for c in deltas for e in c.logprobs])
 
 
 @dataclass(slots=True)
@@ -260,7 +285,12 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas. It decodes a short
     window (a few tokens of context + the new ones) and emits only what the
     window adds, holding back a trailing incomplete UTF-8 character (U+FFFD), so
-    the deltas concatenate to the final text and never split a character."""
+    the deltas concatenate to the final text and never split a character.
+
+    A fast tokenizer's window is kept in Rust by tokenizers' DecodeStream (as
+    vLLM's FastIncrementalDetokenizer): one call a token instead of two decodes.
+    The offsets here move with it, so flush() and any window DecodeStream refuses
+    (decoded here from then on) see the same window."""
 
     CONTEXT = 5  # prompt tokens kept as context, so a leading space decodes right
 
@@ -270,14 +300,15 @@ class IncrementalDetokenizer:
         self.ids = list(prompt_token_ids[-self.CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
+        self.backend = _rust_tokenizer(tokenizer)
+        self.stream = None if self.backend is None else self._decode_stream()
 
     def step(self, new_token_ids: Iterable[int]) -> str:
-        self.ids.extend(new_token_ids)
-        prefix, full = self._window()
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        text = ""
+        for token_id in new_token_ids:
+            self.ids.append(token_id)
+            text += self._next()
+        return text
 
     def flush(self) -> str:
         """At the end: whatever is still held back, incomplete character and all."""
@@ -285,10 +316,51 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):]
 
+    def _next(self) -> str:
+        """The text the last token completes, if any."""
+        if self.stream is not None:
+            try:
+                piece = self.stream.step(self.backend, self.ids[-1])
+            except Exception:  # noqa: BLE001 - its only error: a window whose text changed under it
+                self.stream = None
+            else:
+                if piece is not None:
+                    self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+                return piece or ""
+        prefix, full = self._window()
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def _decode_stream(self):
+        """A DecodeStream that has read the context; None where the context ends
+        inside a character (it would hand the prompt's bytes out as output)."""
+        from tokenizers.decoders import DecodeStream
+        if self.tokenizer.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
+            return None
+        stream = DecodeStream(skip_special_tokens=self.skip)
+        try:
+            for token_id in self.ids:
+                stream.step(self.backend, token_id)
+        except Exception:  # noqa: BLE001 - as in _next
+            return None
+        return stream
+
     def _window(self) -> tuple[str, str]:
         decode, ids = self.tokenizer.decode, self.ids
         return (decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip),
                 decode(ids[self.prefix_offset:], skip_special_tokens=self.skip))
+
+
+def _rust_tokenizer(tokenizer):
+    """The tokenizers.Tokenizer that a transformers fast tokenizer's decode() is
+    (its _decode not overridden, no clean-up of spaces after it); else None."""
+    from transformers import PreTrainedTokenizerFast
+    if getattr(type(tokenizer), "_decode", None) is not PreTrainedTokenizerFast._decode \
+            or tokenizer.clean_up_tokenization_spaces:
+        return None
+    return tokenizer.backend_tokenizer
 
 
 # =========================================================================== requests
@@ -306,7 +378,7 @@ class Request:
     parent_id: str | None = None      # n > 1: the id the caller knows
     index: int = 0
     cache_salt: str | None = None     # who may share this request's cached blocks
-    final_only: bool = False          # vLLM's RequestOutputKind.FINAL_ONLY: no per-step outputs
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # prompt_logprobs need every prompt position computed: no prefix-cache hits (as vLLM)
     skip_reading_prefix_cache: bool = False
     grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
@@ -318,6 +390,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""                    # detokenized output, stop string handled
     sent_text_len: int = 0            # how much of text was already streamed
+    sent_token_len: int = 0           # DELTA: how many output tokens earlier outputs carried
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
     # Filled chunk by chunk while the prompt is prefilled, by the one request that
@@ -538,10 +611,10 @@ class LLMEngine:
             self.compile_time_s = time.perf_counter() - t0
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp)
             self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
-            self.block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size,
-                                              config.enable_prefix_caching)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                       self.max_model_len), self.block_manager)
+                                                       self.max_model_len),
+                                       BlockManager(self.kv_plan.num_blocks, config.block_size,
+                                                    config.enable_prefix_caching))
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len)
             self._warm_up()
@@ -718,16 +791,17 @@ class LLMEngine:
                                       f"integers): {bad[:5]}")
 
     def add_request(self, prompt: str | Sequence[int] | TokenizedPrompt, params: SamplingParams | None = None,
-                    request_id: str | None = None, final_only: bool = False) -> str:
+                    request_id: str | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
         """Validate and queue a request (n > 1 becomes n child requests that share
-        the prompt's blocks through the prefix cache); returns its id. With
-        ``final_only`` (offline generate), step() reports it only when it finishes."""
+        the prompt's blocks through the prefix cache); returns its id. ``output_kind``
+        says what step() reports of it (RequestOutputKind)."""
         params = params or SamplingParams()
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
-        return self._add_validated(prompt, params, self.validate_params(params), request_id, final_only)
+        return self._add_validated(prompt, params, self.validate_params(params), request_id, output_kind)
 
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
-                       request_id: str | None, final_only: bool) -> str:
+                       request_id: str | None, output_kind: RequestOutputKind) -> str:
         """add_request's second half, for a prompt and params already checked."""
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
@@ -750,7 +824,7 @@ class LLMEngine:
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
-                final_only=final_only, grammar=None if grammar is None else GrammarState(grammar),
+                output_kind=output_kind, grammar=None if grammar is None else GrammarState(grammar),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
                 bad_words_token_ids=bad_words))
         self.stats_counters["prompt_tokens"] += len(token_ids)
@@ -812,22 +886,20 @@ class LLMEngine:
         failed = list(dict.fromkeys(s.request.parent_id or s.request.request_id for s in sched.scheduled))
         for request_id in failed:
             self.abort_request(request_id)
-        self.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
         return failed
 
     def build_inputs(self, sched: SchedulerOutput) -> list[SeqInput]:
         """The scheduled step as plain data for the model runner. Token lists are
         sliced (copied) here so the model can run on another thread while the
         loop thread appends to requests."""
-        bm = self.block_manager
         seqs = []
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start,
-                                 list(bm.block_table(req.request_id)),
+            seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table,
                                  req.sample_request() if s.samples else None,
                                  req.prompt_logprob_ids(s.start, s.num_new_tokens),
                                  req.sampling_params.prompt_logprobs or 0))
@@ -855,8 +927,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            # An output copies the request's tokens so far: skip it unless asked for.
-            if not req.final_only or req.is_finished:
+            if req.output_kind.every_step or req.is_finished:
                 self._collect(outputs, req)
         return list(outputs.values())
 
@@ -963,35 +1034,27 @@ class LLMEngine:
         return [req] + [r for r in self.scheduler.requests.values() if r.parent_id == req.parent_id]
 
     def completion_output(self, req: Request) -> CompletionOutput:
-        """The request's output so far. While it runs, text that could still turn
-        out to be the start of a stop string is held back from the stream."""
+        """The request's output so far (under DELTA: what is new since its last
+        one, a cost that does not grow with the output). While it runs, text that
+        could still turn out to be the start of a stop string is held back."""
         end = len(req.text) if req.is_finished else len(req.text) - _stop_holdback(req)
         delta = req.text[req.sent_text_len:end] if end > req.sent_text_len else ""
         req.sent_text_len = max(req.sent_text_len, end)
-        return CompletionOutput(req.index, req.text[:req.sent_text_len], list(req.output_token_ids),
-                                req.cumulative_logprob,
-                                None if req.logprobs is None else list(req.logprobs),
-                                req.status.finish_reason,
-                                req.stop_reason, delta)
+        if req.output_kind.is_delta:
+            first, req.sent_token_len = req.sent_token_len, len(req.output_token_ids)
+            text, token_ids = delta, req.output_token_ids[first:]
+            logprobs = None if req.logprobs is None else req.logprobs[first:]
+        else:
+            text, token_ids = req.text[:req.sent_text_len], list(req.output_token_ids)
+            logprobs = None if req.logprobs is None else list(req.logprobs)
+        return CompletionOutput(req.index, text, token_ids, req.cumulative_logprob, logprobs,
+                                req.status.finish_reason, req.stop_reason, delta)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
-        bm = self.block_manager
-        return {
-            "num_total_blocks": bm.num_blocks,
-            "num_free_blocks": bm.num_free_blocks,
-            "kv_cache_usage": bm.usage,
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": bm.prefix_cache_queries,
-            "prefix_cache_hits": bm.prefix_cache_hits,
-            # When the most blocks were held: how many, and the share of their
-            # slots that held no token (the paging's internal waste).
-            "peak_kv_blocks": bm.peak_used_blocks,
-            "kv_unused_fraction_at_peak": bm.unused_slots_at_peak / max(1, bm.peak_used_blocks * bm.block_size),
-            **self.stats_counters,
-        }
+        s = self.scheduler.make_stats()
+        return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_preemptions": s.num_preemptions,
+                **dataclasses.asdict(s.kv_cache), **self.stats_counters}
 
     # ---------------------------------------------------------------- tensor-parallel workers
     def check_health(self) -> None:
@@ -1272,7 +1335,8 @@ class LLM:
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
                   for prompt, p in zip(prompts, params)]
         grammars = [engine.validate_params(p) for p in params]
-        ids = [engine._add_validated(prompt, p, g, None, True) for prompt, p, g in zip(inputs, params, grammars)]
+        ids = [engine._add_validated(prompt, p, g, None, RequestOutputKind.FINAL_ONLY)
+               for prompt, p, g in zip(inputs, params, grammars)]
         return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -1556,13 +1620,15 @@ class AsyncLLM:
                 engine.abort_request(request_id)
             self.dead.set()
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str, queue: asyncio.Queue) -> None:
+    def add_request(self, prompt, params: SamplingParams, request_id: str, queue: asyncio.Queue,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         """Validate and queue a request (raises InvalidInput for bad input). Its
-        outputs go to ``queue`` (each names its request), then the error if the
-        engine ends it early: a caller may read several requests from one queue."""
+        outputs go to ``queue``, each naming its request; if the engine ends it
+        early, an exception follows, which names none: a caller reading several
+        requests from one queue ends them all."""
         if not self.is_running:
             raise EngineDeadError(DEAD_MESSAGE if self.errored else "the engine is not running")
-        self.engine.add_request(prompt, params, request_id)
+        self.engine.add_request(prompt, params, request_id, output_kind)
         self.queues[request_id] = queue
         self.wakeup.set()
 

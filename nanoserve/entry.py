@@ -50,7 +50,7 @@ import typing
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterable
 
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -67,10 +67,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, RequestFailedError, RequestOutput, SamplingParams,
-                              StructuredOutputsParams,
-                              TokenizedPrompt, apply_chat_template, local_ranks, model_thread, opens_reply,
-                              run_worker_node)
+                              InvalidInput, LLMEngine, RequestFailedError, RequestOutput, RequestOutputKind,
+                              SamplingParams, StructuredOutputsParams,
+                              TokenizedPrompt, apply_chat_template, local_ranks, merge_deltas, model_thread,
+                              opens_reply, run_worker_node)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -1529,7 +1529,8 @@ class Generation:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
-                self.state.async_llm.add_request(prompt, self.params, engine_id, self.queue)
+                self.state.async_llm.add_request(prompt, self.params, engine_id, self.queue,
+                                                 RequestOutputKind.DELTA)  # O(1) a step, not O(output)
                 self.tracked[engine_id] = _Tracked(engine_id, i)
         except (InvalidInput, EngineDeadError):  # the engine's own checks (a request id in use), or a dead engine
             self.close()  # aborts the prompts already queued
@@ -1559,11 +1560,11 @@ class Generation:
 
     async def collect(self) -> dict[int, CompletionOutput]:
         """Every choice's final output, by choice index."""
-        finals: dict[int, CompletionOutput] = {}
+        deltas: dict[int, list[CompletionOutput]] = {}
         async for i, out in self.outputs():
             for c in out.outputs:
-                finals[self.choice_index(i, c)] = c
-        return finals
+                deltas.setdefault(self.choice_index(i, c), []).append(c)
+        return {idx: merge_deltas(cs) for idx, cs in deltas.items()}
 
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.params.n + c.index
@@ -1603,9 +1604,9 @@ class Generation:
                                                               for t, lp in e.items()} for e in prompt_logprobs]
         return out
 
-    def usage(self, finals: dict[int, CompletionOutput]) -> dict[str, int]:
+    def usage(self, num_output_tokens: Iterable[int]) -> dict[str, int]:
         prompt = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(len(c.token_ids) for c in finals.values())
+        completion = sum(num_output_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
@@ -1618,7 +1619,8 @@ class Generation:
             choices.append(self.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
                                        echo))
         return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
-                "choices": choices, "usage": self.usage(finals), **self.response_extra(extra, self.prompts[0].text)}
+                "choices": choices, "usage": self.usage(len(c.token_ids) for c in finals.values()),
+                **self.response_extra(extra, self.prompts[0].text)}
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
@@ -1631,7 +1633,7 @@ class Generation:
                 metrics.inter_token_latency.observe(m.last_token_time - t.last_token_time)
             t.last_token_time = m.last_token_time
         for c in out.outputs:
-            t.num_output_tokens[c.index] = len(c.token_ids)
+            t.num_output_tokens[c.index] = t.num_output_tokens.get(c.index, 0) + len(c.token_ids)
             if c.finish_reason is not None:
                 t.finish_reasons.append(c.finish_reason)
                 metrics.count_finished(c.finish_reason)
@@ -1820,33 +1822,31 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     req, params = gen.req, gen.params
     head = {"id": gen.response_id, "object": gen.chunk_object, "created": gen.created, "model": model}
     unsent = set(range(len(gen.prompts) * params.n))  # choices whose first chunk is still to come
-    tokens_sent: dict[int, int] = {}
+    num_tokens: dict[int, int] = {}  # each choice's output tokens so far (its usage)
     text_sent: dict[int, int] = {}
-    finals: dict[int, CompletionOutput] = {}
     for chunk in gen.first_chunks(head):
         yield sse(chunk)
     try:
         async for i, out in gen.outputs():
-            for c in out.outputs:
+            for c in out.outputs:  # DELTA outputs: only what this step added
                 idx = gen.choice_index(i, c)
-                finals[idx] = c
+                num_tokens[idx] = num_tokens.get(idx, 0) + len(c.token_ids)
                 first = idx in unsent
                 echo = gen.echo_text(i) if first and req.echo else ""
                 text = echo + c.delta_text
-                start = tokens_sent.get(idx, 0)
-                if not text and c.finish_reason is None and (params.logprobs is None or start == len(c.token_ids)):
+                if not text and c.finish_reason is None and (
+                        not c.token_ids or (params.logprobs is None and not req.return_token_ids)):
                     continue  # nothing new to say (text held back for a possible stop string)
                 unsent.discard(idx)
-                logprobs = gen.logprobs(c, start, text_sent.get(idx, 0), i if first and req.echo else None)
-                tokens_sent[idx] = len(c.token_ids)
+                logprobs = gen.logprobs(c, 0, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                extra = gen.extra(i, c.token_ids[start:], first)
+                extra = gen.extra(i, c.token_ids, first)
                 choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
                 top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
                 if choice is not None or top:  # None: all of it held back (a tool call's text)
                     yield sse({**head, "choices": [choice] if choice is not None else [], **top})
         if req.stream_options is not None and req.stream_options.include_usage:
-            yield sse({**head, "choices": [], "usage": gen.usage(finals)})
+            yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values())})
     except ClientDisconnect:
         raise  # nobody to tell
     except Exception as e:  # the status line is gone: report in the stream

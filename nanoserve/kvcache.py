@@ -10,8 +10,9 @@ This module owns
 * sizing and allocating the KV tensors themselves from a memory budget.
 
 It knows nothing of HTTP, text or sampling: requests are ids and token lists.
-It hands the scheduler "can this request have these slots?" answers and the
-model runner block tables and KV tensors.
+It hands the scheduler "can this request have these slots?" answers, the block
+tables (which reach the model runner in the scheduler's output) and its stats;
+the model runner gets the KV tensors.
 """
 from __future__ import annotations
 
@@ -51,6 +52,20 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+@dataclass(slots=True)
+class KVCacheStats:
+    """The block pool's numbers, named as engine.stats() reports them."""
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int  # in tokens, as vLLM counts them
+    prefix_cache_hits: int
+    # When the most blocks were held: how many, and the share of their slots
+    # that held no token (the paging's internal waste).
+    peak_kv_blocks: int
+    kv_unused_fraction_at_peak: float
+
+
 class BlockManager:
     """vLLM's KVCacheManager + BlockPool in one: who owns which block."""
 
@@ -87,10 +102,18 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids. Never changed in place (a table that grows is a
+        new list), so whoever holds one (a step's inputs, on the model's thread) may keep it."""
         return self.req_to_blocks.get(request_id, [])
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def make_stats(self) -> KVCacheStats:
+        peak = self.peak_used_blocks
+        return KVCacheStats(self.num_blocks, self.num_free_blocks, self.usage, self.prefix_cache_queries,
+                            self.prefix_cache_hits, peak,
+                            self.unused_slots_at_peak / max(1, peak * self.block_size))
 
     # ---------------------------------------------------------------- prefix cache
     def _caches(self, cache_salt: str | None) -> bool:
@@ -129,10 +152,8 @@ class BlockManager:
         """Make the request's block table cover its first ``num_tokens`` tokens,
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
         Returns False, changing nothing, when the free blocks do not suffice."""
-        table = self.req_to_blocks.get(request_id)
+        table = self.req_to_blocks.get(request_id, [])
         computed_blocks = computed_blocks or []
-        if table is None:
-            table = []
         # Hits that are on the free list are about to be taken out of it.
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
         need = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
@@ -140,11 +161,10 @@ class BlockManager:
             return False
         for b in computed_blocks:
             self._touch(b)
-            table.append(b)
         if computed_blocks:
             self.req_hashes[request_id] = [self.blocks[b].block_hash for b in computed_blocks]
-        for _ in range(max(need, 0)):
-            table.append(self._pop_free())
+        if computed_blocks or need > 0:  # a new list: see block_table
+            table = table + computed_blocks + [self._pop_free() for _ in range(need)]
         self.req_to_blocks[request_id] = table
         self._track_unused(request_id, num_tokens)
         self.req_salts.setdefault(request_id, cache_salt)

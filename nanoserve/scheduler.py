@@ -4,7 +4,9 @@ This module owns the waiting and running queues, the request states, the token
 budget of a step, chunked prefill, preemption, and admission against KV
 capacity (by asking the block manager). It is vLLM v1's scheduler in small:
 every step is a list of (request, num_new_tokens) in which decodes (1 token)
-and prefill chunks (many) share one forward pass.
+and prefill chunks (many) share one forward pass. Each scheduled request
+carries its block table, so the engine hands the model runner its inputs
+without ever asking the block manager itself.
 
 Rules (DESIGN.md "Scheduling"):
 * running requests first, in admission order, then waiting ones in arrival order,
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # type hints only: the scheduler imports neither the engine nor (through kvcache) torch
     from nanoserve.engine import Request
-    from nanoserve.kvcache import BlockManager
+    from nanoserve.kvcache import BlockManager, KVCacheStats
 
 logger = logging.getLogger("nanoserve.scheduler")
 
@@ -69,6 +71,9 @@ class ScheduledRequest:
     request: "Request"
     start: int            # num_computed_tokens before this step: the chunk's first position
     num_new_tokens: int
+    # As vLLM's NewRequestData.block_ids: the runner needs nothing from the block
+    # manager. The block manager's own list, which it never changes in place.
+    block_table: list[int]
 
     @property
     def samples(self) -> bool:
@@ -84,6 +89,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv_cache: KVCacheStats
 
 
 class Scheduler:
@@ -128,6 +141,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
+                              self.block_manager.make_stats())
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the hashes of the free blocks (a failed step may have left KV
+        unwritten in blocks it registered)."""
+        self.block_manager.reset_prefix_cache()
+
     # ---------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -140,13 +162,14 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
+        bm, i = self.block_manager, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left to schedule
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,
+                                                  bm.block_table(req.request_id)))
             budget -= num_new
             i += 1
         return budget
@@ -180,7 +203,7 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_computed, num_new))
+            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, bm.block_table(req.request_id)))
             budget -= num_new
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
                          req.request_id, req.num_tokens, num_computed, num_new)

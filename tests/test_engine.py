@@ -18,6 +18,7 @@ import torch
 
 from conftest import VOCAB, make_model
 from nanoserve import LLM, RequestOutput, SamplingParams
+from nanoserve.engine import RequestOutputKind
 
 MAX_LEN = 128
 _rng = torch.Generator().manual_seed(99)
@@ -50,7 +51,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
     s = llm.stats()
     assert s["num_free_blocks"] == s["num_total_blocks"]
     assert s["num_running"] == s["num_waiting"] == 0
-    assert all(b.ref_cnt == 0 for b in llm.engine.block_manager.blocks)
+    assert all(b.ref_cnt == 0 for b in llm.engine.scheduler.block_manager.blocks)
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +151,9 @@ def test_final_only_requests_report_once_when_finished(model):
     llm = make_llm(model)
     engine = llm.engine
     streamed = engine.add_request(PROMPTS[1], GREEDY)
-    final = engine.add_request(PROMPTS[1], GREEDY, final_only=True)
+    final = engine.add_request(PROMPTS[1], GREEDY, output_kind=RequestOutputKind.FINAL_ONLY)
     family = engine.add_request(PROMPTS[3], SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=6),
-                                final_only=True)
+                                output_kind=RequestOutputKind.FINAL_ONLY)
     seen: dict[str, list[RequestOutput]] = {streamed: [], final: [], family: []}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -180,7 +181,7 @@ def test_stats_report_the_kv_slots_unused_at_the_peak(model):
     blocks = sum(-(-n // 16) for n in held)
     assert s["peak_kv_blocks"] == blocks
     assert s["kv_unused_fraction_at_peak"] == pytest.approx(1 - sum(held) / (16 * blocks))
-    assert llm.engine.block_manager.unused_slots == 0
+    assert llm.engine.scheduler.block_manager.unused_slots == 0
 
 
 def test_outputs_come_back_in_input_order(model):

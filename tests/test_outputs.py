@@ -1,6 +1,7 @@
 """Output tests: logprobs against transformers, incremental detokenization of
 multi-byte text, stop strings / stop ids / EOS with vLLM's finish_reason and
-stop_reason, streamed text (delta_text from LLMEngine.step()), n > 1 sharing the
+stop_reason, streamed text (delta_text from LLMEngine.step(); DELTA outputs, which
+carry only each step's new text, tokens and logprobs), n > 1 sharing the
 prompt's blocks, and LLM.chat.
 
 A random model's text is not controllable, so most stop and detokenizer tests
@@ -12,16 +13,19 @@ own greedy output instead.
 from __future__ import annotations
 
 import contextlib
+import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import hf_model
+import nanoserve
+from conftest import CORPUS, hf_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine import IncrementalDetokenizer
+from nanoserve.engine import IncrementalDetokenizer, RequestOutputKind, merge_deltas
 from nanoserve.model import SampleResult
 
 EOS = 0  # conftest: the tokenizer's <|endoftext|> and the config's eos_token_id
@@ -68,12 +72,12 @@ def scripted(llm, prompt: str, script: list[int]):
         runner.sampler = real
 
 
-def stream(llm, prompt, params):
+def stream(llm, prompt, params, kind=RequestOutputKind.CUMULATIVE):
     """Drive LLMEngine.step() for one request; return every streamed
     CompletionOutput and the final one."""
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    rid = engine.add_request(prompt, params)
+    rid = engine.add_request(prompt, params, output_kind=kind)
     snaps, final = [], None
     for _ in range(1000):
         if not engine.has_unfinished_requests():
@@ -98,10 +102,22 @@ def check_stream(snaps, final) -> None:
     assert acc == final.text
 
 
+def check_deltas(deltas, snaps) -> None:
+    """DELTA outputs carry only what their cumulative twins added (the step's
+    text, its one token and its logprobs), and add up to the final output."""
+    assert [d.text for d in deltas] == [d.delta_text for d in deltas] == [c.delta_text for c in snaps]
+    assert [d.token_ids for d in deltas] == [c.token_ids[-1:] for c in snaps]
+    assert [d.logprobs for d in deltas] == [None if c.logprobs is None else c.logprobs[-1:] for c in snaps]
+    assert merge_deltas(deltas) == snaps[-1]
+
+
 def run_script(llm, script, params, prompt=PROMPT):
+    """The scripted request streamed twice: cumulative outputs, then DELTA ones."""
     with scripted(llm, prompt, script):
         snaps, final = stream(llm, prompt, params)
+        deltas, _ = stream(llm, prompt, params, RequestOutputKind.DELTA)
     check_stream(snaps, final)
+    check_deltas(deltas, snaps)
     return final
 
 
@@ -158,6 +174,31 @@ def test_streamed_logprobs_are_snapshots(llm):
     assert [len(c.logprobs) for c in snaps] == [1, 2, 3, 4, 5]
 
 
+def test_delta_outputs_stay_the_same_size_as_the_output_grows(llm):
+    """The server's outputs (DELTA): however long the output, each step's carries
+    one token, its logprobs and its text, where a cumulative one carries (copies)
+    everything so far; they add up to the same final output."""
+    params = SamplingParams(logprobs=2, max_tokens=300, ignore_eos=True, temperature=1.0, seed=7)
+    snaps, final = stream(llm, PROMPT, params)
+    deltas, _ = stream(llm, PROMPT, params, RequestOutputKind.DELTA)
+    assert [len(c.token_ids) for c in snaps] == list(range(1, 301))
+    assert all(len(d.token_ids) == len(d.logprobs) == 1 for d in deltas)
+    assert sum(len(d.text) for d in deltas) == len(final.text) and final.finish_reason == "length"
+    assert deltas[-1].finish_reason == "length" and deltas[-1].cumulative_logprob == final.cumulative_logprob
+    check_deltas(deltas, snaps)
+
+
+def test_delta_outputs_of_n_children_add_up(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, logprobs=1, stop=["e "])
+    got = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA):
+        for c in stream(llm, PROMPT, params, kind)[0]:
+            got.setdefault(kind, {}).setdefault(c.index, []).append(c)
+    cumulative, deltas = got[RequestOutputKind.CUMULATIVE], got[RequestOutputKind.DELTA]
+    assert sorted(deltas) == [0, 1, 2] and len({tuple(cs[-1].token_ids) for cs in cumulative.values()}) > 1
+    assert {i: merge_deltas(cs) for i, cs in deltas.items()} == {i: cs[-1] for i, cs in cumulative.items()}
+
+
 # =========================================================================== detokenization
 
 def _deltas(tok, ids, prompt_ids=()):
@@ -194,6 +235,47 @@ def test_incremental_detokenizer_property(tok, text, prompt):
     assert "".join(deltas) == tok.decode(ids)
     if "\ufffd" not in tok.decode(ids):  # else the text itself has one to emit
         assert not any("\ufffd" in d for d in deltas)
+
+
+def _llama_style_tokenizer(root: Path):
+    """Llama 2's kind of tokenizer: spaces as U+2581, byte fallback, and a Strip
+    decoder, whose windows DecodeStream sometimes refuses (random byte tokens)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator([CORPUS] * 4, trainers.BpeTrainer(vocab_size=700, special_tokens=special))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(root)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(root)
+
+
+@pytest.mark.parametrize("name", ["test", "demo", "llama-style"])
+def test_decode_stream_deltas_equal_the_windows(tok, tmp_path, name):
+    """IncrementalDetokenizer's DecodeStream path gives the very deltas (and flush)
+    of its two-decodes window, over random token sequences heavy in partial UTF-8
+    characters and special tokens, with and without skip_special_tokens."""
+    from transformers import AutoTokenizer
+    tokenizer = {"test": lambda: tok, "llama-style": lambda: _llama_style_tokenizer(tmp_path),
+                 "demo": lambda: AutoTokenizer.from_pretrained(Path(nanoserve.__file__).parent / "demo_model")}[name]()
+    vocab = range(len(tokenizer))
+    partial = [t for t in vocab if "\ufffd" in tokenizer.decode([t])]
+    pools = [vocab, partial + tokenizer.all_special_ids, partial]
+    rng, streamed, refused = random.Random(0), 0, 0
+    for _ in range(400):
+        pool = rng.choice(pools)
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 25))]
+        prompt, skip = [rng.choice(vocab) for _ in range(rng.randrange(0, 8))], rng.random() < 0.5
+        fast, window = IncrementalDetokenizer(tokenizer, prompt, skip), IncrementalDetokenizer(tokenizer, prompt, skip)
+        window.stream = None
+        started = fast.stream is not None
+        assert [fast.step([t]) for t in ids] + [fast.flush()] == [window.step([t]) for t in ids] + [window.flush()]
+        streamed += fast.stream is not None
+        refused += started and fast.stream is None
+    assert streamed > 200 and (refused > 0) == (name == "llama-style"), (streamed, refused)
 
 
 @pytest.mark.parametrize("text", MULTIBYTE[:2], ids=["zh-emoji", "emoji"])
@@ -370,14 +452,14 @@ def test_real_model_eos_stops(llm, tok):
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3 and out.token_ids[-1] == EOS
     assert out.finish_reason == "stop" and out.stop_reason is None
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_blocks
 
 
 # =========================================================================== n > 1
 
 def test_n4_shares_prompt_blocks_and_frees_them(tiny_model):
     llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, block_size=16)
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
     prompt = list(range(3, 43))                     # 40 tokens: 2 full blocks + a partial one
     params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=6, ignore_eos=True)
 
@@ -455,7 +537,7 @@ def test_n4_shares_prompt_blocks_with_prefix_caching_off(tiny_model):
     # The family's own salt lets the n children share; unrelated requests still do not.
     llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, block_size=16,
               enable_prefix_caching=False)
-    engine, bm = llm.engine, llm.engine.block_manager
+    engine, bm = llm.engine, llm.engine.scheduler.block_manager
     prompt = list(range(3, 43))
     engine.add_request(prompt, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=4, ignore_eos=True))
     engine.step()

@@ -62,7 +62,7 @@ def make_llm(path: Path, **kw) -> LLM:
 def nanoserve_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch.Tensor:
     """Logits of every token, computed in the given chunks: each chunk attends
     to the earlier ones through the KV cache, as a prefix-cached prompt does."""
-    bm, runner = llm.engine.block_manager, llm.engine.runner
+    bm, runner = llm.engine.scheduler.block_manager, llm.engine.runner
     assert sum(chunks) == len(token_ids)
     assert bm.allocate_slots("parity", token_ids, len(token_ids))
     table = list(bm.block_table("parity"))
@@ -121,7 +121,7 @@ def test_batched_step_of_prefill_chunk_and_decode_matches_hf(variant, arch):
     # whole second prompt: each row must see only its own sequence's KV.
     path = variant(arch)
     llm, hf = make_llm(path), hf_model(path)
-    bm, runner = llm.engine.block_manager, llm.engine.runner
+    bm, runner = llm.engine.scheduler.block_manager, llm.engine.runner
     a, b = LONG, PROMPTS[3]
     assert bm.allocate_slots("a", a, len(a)) and bm.allocate_slots("b", b, len(b))
     step_logits(runner, [SeqInput(a[:30], 0, bm.block_table("a"), None)])

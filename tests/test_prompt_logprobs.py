@@ -13,7 +13,7 @@ import torch
 
 from conftest import VOCAB, hf_model, make_model
 from nanoserve import LLM, SamplingParams, model
-from nanoserve.engine import Logprob
+from nanoserve.engine import Logprob, RequestOutputKind
 
 _rng = torch.Generator().manual_seed(7)
 PREFIX = torch.randint(1, VOCAB - 1, (40,), generator=_rng).tolist()  # 2 full blocks of 16 + 8
@@ -138,7 +138,8 @@ def test_a_prompt_preempted_mid_prefill_recomputes_its_logprobs(tiny_model, hf):
     from nanoserve.scheduler import SchedulerOutput
     engine = LLM(str(tiny_model), max_num_batched_tokens=16, **BASE).engine
     ids = PROMPTS[0]
-    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), final_only=True)
+    rid = engine.add_request(ids, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                             output_kind=RequestOutputKind.FINAL_ONLY)
     engine.step()
     req = engine.scheduler.requests[rid]
     assert len(req.prompt_logprobs) == 17  # positions 0..16 after the first chunk of 16

@@ -132,6 +132,23 @@ def test_waiting_head_that_does_not_fit_blocks_those_behind_it():
     assert [r.request_id for r in sched.waiting] == ["big", "small"]
 
 
+def test_scheduled_requests_carry_their_block_tables_and_stats_come_from_the_scheduler():
+    """The engine needs nothing from the block manager: each scheduled request
+    carries its block table (which the next steps do not change), and the KV
+    numbers come with the scheduler's own."""
+    sched = make(block_size=4)
+    add(sched, "a", 4)
+    first = sched.schedule()
+    assert first.scheduled[0].block_table == sched.block_manager.block_table("a") == [0]
+    decode(first)
+    second = sched.schedule()  # the 5th token needs a second block
+    assert second.scheduled[0].block_table == [0, 1] and first.scheduled[0].block_table == [0]
+    stats = sched.make_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (1, 0, 0)
+    assert stats.kv_cache.num_total_blocks == 64 and stats.kv_cache.num_free_blocks == 62
+    assert stats.kv_cache.peak_kv_blocks == 2 and stats.kv_cache.kv_unused_fraction_at_peak == 3 / 8
+
+
 def test_prefix_hit_skips_cached_tokens_but_computes_the_last():
     sched = make(block_size=4)
     a = add(sched, "a", 8)
@@ -323,7 +340,8 @@ class EngineSim:
             assert req.num_computed_tokens == s.start + s.num_new_tokens <= req.num_tokens
             if s.start and s.request.num_cached_tokens:
                 event("prefix hit")
-            table = bm.block_table(req.request_id)
+            table = s.block_table  # what the model runner gets: the table in force
+            assert table == bm.block_table(req.request_id)
             for p in range(s.start, s.start + s.num_new_tokens):  # store_kvcache
                 self.kv[(table[p // bs], p % bs)] = tuple(req.token_ids[:p + 1])
         check_invariants(sched, self.kv)  # attention: every scheduled request reads only its own KV

@@ -249,6 +249,31 @@ def test_logprobs_shapes(server):
     assert len(items) == 5
 
 
+@pytest.mark.parametrize("logprobs", [1, None])
+def test_stream_of_deltas_adds_up_to_the_response(server, logprobs):
+    """Streams are built from DELTA outputs (each step's new text, token ids and
+    logprobs only): per choice they add up to the non-streamed response, also
+    while a stop string that never completes holds all the text back (the token
+    ids and logprobs still come step by step, in chunks with empty text)."""
+    body = {"prompt": "The quick brown", "max_tokens": 8, "temperature": 0, "n": 2, "logprobs": logprobs,
+            "return_token_ids": True}
+    text = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
+    body["stop"] = [text + "\ue000"]  # the whole text is a prefix of it until the end
+    whole = httpx.post(server.url + "/v1/completions", json=body).json()
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+        chunks = [json.loads(p) for p in sse_events(s.read().decode())[:-1]]
+    assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 16
+    for want in whole["choices"]:
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == want["index"]]
+        assert "".join(c["text"] for c in mine) == want["text"] == text
+        assert [t for c in mine for t in c["token_ids"]] == want["token_ids"]
+        if logprobs:
+            assert [t for c in mine for t in c["logprobs"]["tokens"]] == want["logprobs"]["tokens"]
+        assert [c["text"] for c in mine[:-1]] == [""] * 7 and mine[-1]["finish_reason"] == "length"
+    server.wait_idle()
+
+
 # =========================================================================== raw SSE
 
 def test_sse_framing_with_httpx(server):
