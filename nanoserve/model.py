@@ -1261,7 +1261,7 @@ class ModelRunner:
         new = block_table_tensor([tables[i] for i in changed])
         self.static["block_tables"][host_ints(changed).to(self.device), :new.shape[1]] = new.to(self.device)
         for i in changed:
-            self.written_tables[i] = list(tables[i])  # a copy: the caller's list may grow
+            self.written_tables[i] = list(tables[i])  # a copy, so no caller can change what we compare against
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
