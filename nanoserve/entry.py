@@ -1569,13 +1569,13 @@ class Generation:
     def choice_index(self, prompt_index: int, c: CompletionOutput) -> int:
         return prompt_index * self.params.n + c.index
 
-    def logprobs(self, c: CompletionOutput, start: int, text_offset: int, echo: int | None = None) -> dict | None:
-        """The logprobs of tokens [start:] of a choice, in the endpoint's shape;
-        with ``echo`` (completions), those of that prompt's tokens first."""
+    def logprobs(self, c: CompletionOutput, text_offset: int, echo: int | None = None) -> dict | None:
+        """The logprobs of a choice's tokens (a stream's: this step's), in the endpoint's
+        shape; with ``echo`` (completions), those of that prompt's tokens first."""
         if self.params.logprobs is None:
             return None
         tokens = [] if echo is None else self.echo_logprobs(echo)
-        for token_id, entry in zip(c.token_ids[start:], (c.logprobs or [])[start:]):
+        for token_id, entry in zip(c.token_ids, c.logprobs or []):
             tokens.append(self._logprob_item(token_id, entry))
         return self.logprobs_body(tokens, text_offset)
 
@@ -1616,7 +1616,7 @@ class Generation:
             i = idx // self.params.n
             echo = self.echo_text(i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
-            choices.append(self.choice(idx, c.text, self.logprobs(c, 0, 0, i if req.echo else None), c, False, extra,
+            choices.append(self.choice(idx, c.text, self.logprobs(c, 0, i if req.echo else None), c, False, extra,
                                        echo))
         return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
                 "choices": choices, "usage": self.usage(len(c.token_ids) for c in finals.values()),
@@ -1838,7 +1838,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                         not c.token_ids or (params.logprobs is None and not req.return_token_ids)):
                     continue  # nothing new to say (text held back for a possible stop string)
                 unsent.discard(idx)
-                logprobs = gen.logprobs(c, 0, text_sent.get(idx, 0), i if first and req.echo else None)
+                logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
                 extra = gen.extra(i, c.token_ids, first)
                 choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
