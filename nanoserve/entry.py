@@ -29,6 +29,7 @@ engine requests, the response) -> SSE -> metrics -> start-up and shutdown.
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import concurrent.futures
 import contextlib
@@ -207,7 +208,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help='tool_choice "auto": parse tool calls out of the output (needs --tool-call-parser)')
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), "
-                        "llama3_json (Llama 3.1+: the output is one JSON object)")
+                        "llama3_json (Llama 3.1+: the output is one JSON object), "
+                        "pythonic (Llama 3.2/4: the output is a Python list of calls)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", the tools are not passed to the chat template')
 
@@ -939,11 +941,11 @@ def _tag_start(text: str, tag: str) -> int:
     return next((k for k in range(min(len(tag) - 1, len(text)), 0, -1) if text.endswith(tag[:k])), 0)
 
 
-class Llama3JsonToolParser(ToolParser):
-    """Llama 3.1+ JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
-    joined by ";"), maybe after <|python_tag|>; anything else is content. Its first characters
-    decide: text streams as it comes, a call is held to the end and read there."""
-    TAG = "<|python_tag|>"
+class WholeOutputToolParser(ToolParser):
+    """A format where the whole output is the calls (maybe after TAG) or else content, as vLLM's
+    llama3_json and pythonic: its first characters decide (OPEN starts calls), text streams as it
+    comes, calls are held to the end and read there by ``read`` (None: not calls, so content)."""
+    TAG, OPEN = "", ""
 
     def __init__(self):
         self.parts, self.head, self.is_call = [], "", None  # head: the output's start, blanks dropped
@@ -956,16 +958,52 @@ class Llama3JsonToolParser(ToolParser):
             head = (self.head + text).lstrip()
             body = head[len(self.TAG):].lstrip() if head.startswith(self.TAG) else head
             self.head = head[:len(head) - len(body)].rstrip() + body  # blanks after the tag say nothing
-            if body.startswith("{") or (body and not self.TAG.startswith(body)):
-                self.is_call = body.startswith("{")
+            if body.startswith(self.OPEN) or (body and not self.TAG.startswith(body)):
+                self.is_call = body.startswith(self.OPEN)
         if not final:
             return ("", []) if self.is_call is not False else ("".join(self.parts), [])
         text = "".join(self.parts)
         body = text.strip()
-        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        calls = self.read(body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body)
+        return (text, []) if not calls else ("", calls)
+
+    def read(self, body: str) -> list[dict[str, str]] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonToolParser(WholeOutputToolParser):
+    """Llama 3.1+ JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
+    joined by ";"), maybe after <|python_tag|>; anything else is content."""
+    TAG, OPEN = "<|python_tag|>", "{"
+
+    def read(self, body: str) -> list[dict[str, str]] | None:
         values, end = _json_values(body, 0, ";")
         calls = [_json_call(v) for v in values]
-        return (text, []) if not calls or None in calls or body[end:].strip() else ("", calls)
+        return None if None in calls or body[end:].strip() else calls
+
+
+class PythonicToolParser(WholeOutputToolParser):
+    """Llama 3.2/3.3/4 pythonic tool calls: the whole output is a Python list of calls with literal
+    keyword arguments, [get_weather(city="Paris", days=3), f()], maybe within <|python_start|> and
+    <|python_end|> (Llama 4); anything else (a positional argument, a name, an expression) is content."""
+    TAG, OPEN, END = "<|python_start|>", "[", "<|python_end|>"
+
+    def read(self, body: str) -> list[dict[str, str]] | None:
+        try:
+            tree = ast.parse(body.removesuffix(self.END), mode="eval").body
+            if not isinstance(tree, ast.List) or not all(_python_call(c) for c in tree.elts):
+                return None
+            return [{"name": c.func.id, "arguments": json.dumps(
+                {k.arg: ast.literal_eval(k.value) for k in c.keywords}, ensure_ascii=False, allow_nan=False)}
+                for c in tree.elts]
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not Python, or not literals
+            return None
+
+
+def _python_call(node: ast.expr) -> bool:
+    """f(a=..., b=...): a plain name called with keyword arguments only."""
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+            and all(k.arg is not None for k in node.keywords))
 
 
 class RequiredToolParser(ToolParser):
@@ -1023,7 +1061,8 @@ class NamedToolParser(ToolParser):
         return "", [{"name": self.name, "arguments": text}]
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
+                                              "pythonic": PythonicToolParser}
 
 
 def tool_parser(tool_choice: Any, auto_parser: str | None) -> Callable[[], ToolParser] | None:

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams, entry
-from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, NamedToolParser, RequiredToolParser,
-                            ToolStream, load_chat_template, parse_args)
+from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, NamedToolParser, PythonicToolParser,
+                            RequiredToolParser, ToolStream, load_chat_template, parse_args)
 from test_server import ServerThread, _check_error, sse_events
 
 # Prints what a Qwen-style template prints: the tools, each past call with its arguments as JSON, tool results.
@@ -140,6 +140,29 @@ def test_llama3_json_parser(text, content, calls):
     assert stream_by_chars(Llama3JsonToolParser(), text)[:2] == (content, calls)
 
 
+@pytest.mark.parametrize("text,content,calls", [
+    ('[get_weather(city="Paris", days=3), f()]', "", [("get_weather", '{"city": "Paris", "days": 3}'), ("f", "{}")]),
+    ("  <|python_start|>[g(x=[1, {'k': None}], y=True, s='é')]<|python_end|>", "",
+     [("g", '{"x": [1, {"k": null}], "y": true, "s": "é"}')]),
+    ("[f(x=-1.5, t=(1, 2))]\n", "", [("f", '{"x": -1.5, "t": [1, 2]}')]),
+    ("It is sunny.", "It is sunny.", []),
+    ("<|python_start|> plain words", "<|python_start|> plain words", []),
+    ("[1, 2]", "[1, 2]", []),                             # a list, not of calls
+    ("[]", "[]", []),
+    ("[f(x=y)]", "[f(x=y)]", []),                         # a name, not a literal
+    ("[f(1)]", "[f(1)]", []),                             # positional
+    ("[f(**kw)]", "[f(**kw)]", []),
+    ("[a.b(x=1)]", "[a.b(x=1)]", []),                     # not a plain name
+    ("[f(x={1, 2})]", "[f(x={1, 2})]", []),               # a set is no JSON
+    ("[f(x=1e999)]", "[f(x=1e999)]", []),                 # nor is infinity
+    ("[f(x=1)] and more", "[f(x=1)] and more", []),
+    ('[f(x="cut', '[f(x="cut', []),
+])
+def test_pythonic_parser(text, content, calls):
+    assert parse_once(PythonicToolParser(), text) == (content, calls)
+    assert stream_by_chars(PythonicToolParser(), text)[:2] == (content, calls)
+
+
 def test_required_and_named_parsers_stream_as_they_parse():
     text = '[{"name": "get_time", "parameters": {"tz": "utc"}}, {"name": "a", "parameters": {}}]'
     assert parse_once(RequiredToolParser(), text) == ("", [("get_time", '{"tz": "utc"}'), ("a", "{}")])
@@ -158,8 +181,8 @@ def test_required_and_named_parsers_stream_as_they_parse():
     assert parse_once(NamedToolParser("f"), "") == ("", [("f", "")])
 
 
-PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "required": RequiredToolParser,
-           "named": lambda: NamedToolParser("f")}
+PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
+           "required": RequiredToolParser, "named": lambda: NamedToolParser("f")}
 
 
 def test_a_stream_adds_up_to_the_response_however_it_is_cut():
@@ -169,7 +192,8 @@ def test_a_stream_adds_up_to_the_response_however_it_is_cut():
 
     frags = ["<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "a", "arguments": {"x": [1]}}',
              '{"name": "b", "parameters": {}}', '{"name": "c", "arguments": {"s": "}]\\"{"}}', "<|python_tag|>",
-             "[", "]", "{", "}", '"', "\\", ",", ";", " ", "\n", "x", "é", "<"]
+             "[", "]", "{", "}", '"', "\\", ",", ";", " ", "\n", "x", "é", "<", "<|python_start|>", "<|python_end|>",
+             "f(x=1)", "g(s='}]\\'')", "(", ")", "="]
 
     @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "300")), deadline=None)
     @given(st.lists(st.sampled_from(frags), max_size=12), st.lists(st.integers(0, 200), max_size=12),
@@ -208,6 +232,8 @@ def test_reading_a_stream_is_linear_in_its_text(monkeypatch):
                                               for i in range(n)),
                 "required": "[" + ", ".join(call % ("parameters", i) for i in range(n)) + "]",
                 "llama3_json": "; ".join(call % ("parameters", i) for i in range(n)),
+                "pythonic": "[" + ", ".join(f"get_weather(city='Paris \\'{i}\\'', days=[3, {{'x': '}}'}}])"
+                                            for i in range(n)) + "]",
                 "named": "[" + ", ".join(call % ("parameters", i) for i in range(n)) + "]"}[name]
         lines, decoded[0] = 0, 0
 
@@ -452,6 +478,31 @@ def test_auto_parses_the_calls_the_model_writes(server):
     # tool_choice "none": the tools reach the template, the output is not parsed
     none = chat(server, tools=TOOLS, tool_choice="none", structured_outputs={"choice": [FORCED]}, max_tokens=300)
     assert none["choices"][0]["message"] == {"role": "assistant", "content": FORCED}
+    server.wait_idle()
+
+
+WRITTEN = {  # --tool-call-parser -> (an output in its format, the content it leaves)
+    "pythonic": ('[get_weather(city="Paris", days=3), get_time(tz="cet")]', ""),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_auto_reads_each_parsers_format(server, name):
+    """The same forced calls, written in each --tool-call-parser's format, come out as the same tool_calls."""
+    assert parse_args(["--enable-auto-tool-choice", "--tool-call-parser", name]).tool_call_parser == name
+    state, (text, told) = server.app.state.server, WRITTEN[name]
+    want = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
+    state.tool_parser = name
+    try:
+        body = dict(tools=TOOLS, structured_outputs={"choice": [text]}, max_tokens=300)
+        (choice,) = chat(server, **body)["choices"]
+        assert calls_of(choice["message"]) == want and choice["finish_reason"] == "tool_calls"
+        assert (choice["message"]["content"] or "") == told
+        assert chat_stream(server, **body)[1:] == (told, want, "tool_calls")
+        plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools [needed]."]})["choices"][0]
+        assert plain["message"] == {"role": "assistant", "content": "No tools [needed]."}
+    finally:
+        state.tool_parser = "hermes"
     server.wait_idle()
 
 
