@@ -209,7 +209,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                    help="the model's tool-call format: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), "
                         "llama3_json (Llama 3.1+: the output is one JSON object), "
-                        "pythonic (Llama 3.2/4: the output is a Python list of calls)")
+                        "pythonic (Llama 3.2/4: the output is a Python list of calls), "
+                        "mistral (Mistral: [TOOL_CALLS] then the calls)")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", the tools are not passed to the chat template')
 
@@ -1006,6 +1007,48 @@ def _python_call(node: ast.expr) -> bool:
             and all(k.arg is not None for k in node.keywords))
 
 
+class MistralToolParser(ToolParser):
+    """Mistral: content, then [TOOL_CALLS] and the calls in either form vLLM reads: a JSON array
+    [{"name": ..., "arguments": {...}}, ...] (tokenizers before v11), or name{...} after each call's
+    own [TOOL_CALLS] (v11+; name[ARGS]{...} from HF tokenizers). The content streams as it comes,
+    the calls are held to the end and read there; if they are not calls, all the output is content."""
+    TAG = "[TOOL_CALLS]"
+
+    def __init__(self):
+        self.held, self.rest = "", None  # held: may start the tag; rest: the text after it
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        content = ""
+        if self.rest is None:
+            text, self.held = self.held + text, ""
+            at = text.find(self.TAG)
+            if at < 0:
+                cut = len(text) - (0 if final else _tag_start(text, self.TAG))
+                self.held = text[cut:]
+                return text[:cut], []
+            content, text, self.rest = text[:at], text[at + len(self.TAG):], []
+        self.rest.append(text)
+        if not final:
+            return content, []
+        rest = "".join(self.rest)
+        calls = self.read(rest.strip())
+        return (content, calls) if calls else (content + self.TAG + rest, [])
+
+    def read(self, body: str) -> list[dict[str, str]] | None:
+        if body.startswith("["):  # as vLLM's, what follows the array is dropped
+            values, _ = _json_values(body, 0, "")
+            calls = [_json_call(v) for v in values[0]] if values and isinstance(values[0], list) else [None]
+        else:
+            calls = []
+            for piece in body.split(self.TAG):
+                name, brace, args = piece.partition("{")
+                values, end = _json_values(brace + args, 0, "")
+                whole = len(values) == 1 and not (brace + args)[end:].strip()
+                calls.append(_json_call({"name": name.replace("[ARGS]", "").strip() or None,
+                                         "arguments": values[0]}) if whole else None)
+        return None if None in calls else calls
+
+
 class RequiredToolParser(ToolParser):
     """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"},
     ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once."""
@@ -1062,7 +1105,7 @@ class NamedToolParser(ToolParser):
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                                              "pythonic": PythonicToolParser}
+                                              "mistral": MistralToolParser, "pythonic": PythonicToolParser}
 
 
 def tool_parser(tool_choice: Any, auto_parser: str | None) -> Callable[[], ToolParser] | None:
@@ -1782,6 +1825,8 @@ class ChatGeneration(Generation):
             raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
                                               '--tool-call-parser to be set')
         self.parser = tool_parser(req.tool_choice, state.tool_parser)  # None: no calls to parse
+        if self.parser is MistralToolParser:  # as vLLM's: [TOOL_CALLS] is a special token the text must keep
+            params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
 
     def prompt_inputs(self) -> list[str | list[int]]:

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams, entry
-from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, NamedToolParser, PythonicToolParser,
-                            RequiredToolParser, ToolStream, load_chat_template, parse_args)
+from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, MistralToolParser, NamedToolParser,
+                            PythonicToolParser, RequiredToolParser, ToolStream, load_chat_template, parse_args)
 from test_server import ServerThread, _check_error, sse_events
 
 # Prints what a Qwen-style template prints: the tools, each past call with its arguments as JSON, tool results.
@@ -163,6 +163,25 @@ def test_pythonic_parser(text, content, calls):
     assert stream_by_chars(PythonicToolParser(), text)[:2] == (content, calls)
 
 
+@pytest.mark.parametrize("text,content,calls", [
+    ('Sure. [TOOL_CALLS] [{"name": "get_time", "arguments": {"tz": "utc"}}, {"name": "f"}]', "Sure. ",
+     [("get_time", '{"tz": "utc"}'), ("f", "{}")]),
+    ('[TOOL_CALLS][{"name": "a", "arguments": {"x": "é"}}]</s> junk', "", [("a", '{"x": "é"}')]),  # as vLLM's
+    ('[TOOL_CALLS]get_time{"tz": "cet"}[TOOL_CALLS]f[ARGS]{}', "", [("get_time", '{"tz": "cet"}'), ("f", "{}")]),
+    ("No call [TOOL here.", "No call [TOOL here.", []),
+    ('Hi [TOOL_CALLS] [{"name": "a", "argu', 'Hi [TOOL_CALLS] [{"name": "a", "argu', []),  # cut short
+    ('[TOOL_CALLS] [{"arguments": {}}]', '[TOOL_CALLS] [{"arguments": {}}]', []),       # no name
+    ("[TOOL_CALLS] []", "[TOOL_CALLS] []", []),
+    ('x [TOOL_CALLS]f{"a": 1} and more', 'x [TOOL_CALLS]f{"a": 1} and more', []),
+    ("[TOOL_CALLS]{}", "[TOOL_CALLS]{}", []),                                          # no name
+    ("[TOOL_CALLS]", "[TOOL_CALLS]", []),
+])
+def test_mistral_parser(text, content, calls):
+    assert parse_once(MistralToolParser(), text) == (content, calls)
+    assert stream_by_chars(MistralToolParser(), text)[:2] == (content, calls)
+    assert parse_once(MistralToolParser(), "Hello [TOOL", final=False) == ("Hello ", [])  # maybe the tag: wait
+
+
 def test_required_and_named_parsers_stream_as_they_parse():
     text = '[{"name": "get_time", "parameters": {"tz": "utc"}}, {"name": "a", "parameters": {}}]'
     assert parse_once(RequiredToolParser(), text) == ("", [("get_time", '{"tz": "utc"}'), ("a", "{}")])
@@ -182,7 +201,7 @@ def test_required_and_named_parsers_stream_as_they_parse():
 
 
 PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
-           "required": RequiredToolParser, "named": lambda: NamedToolParser("f")}
+           "mistral": MistralToolParser, "required": RequiredToolParser, "named": lambda: NamedToolParser("f")}
 
 
 def test_a_stream_adds_up_to_the_response_however_it_is_cut():
@@ -193,7 +212,7 @@ def test_a_stream_adds_up_to_the_response_however_it_is_cut():
     frags = ["<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "a", "arguments": {"x": [1]}}',
              '{"name": "b", "parameters": {}}', '{"name": "c", "arguments": {"s": "}]\\"{"}}', "<|python_tag|>",
              "[", "]", "{", "}", '"', "\\", ",", ";", " ", "\n", "x", "é", "<", "<|python_start|>", "<|python_end|>",
-             "f(x=1)", "g(s='}]\\'')", "(", ")", "="]
+             "f(x=1)", "g(s='}]\\'')", "(", ")", "=", "[TOOL_CALLS]", "[TOOL", "[ARGS]", "f{}", "g"]
 
     @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", "300")), deadline=None)
     @given(st.lists(st.sampled_from(frags), max_size=12), st.lists(st.integers(0, 200), max_size=12),
@@ -234,6 +253,7 @@ def test_reading_a_stream_is_linear_in_its_text(monkeypatch):
                 "llama3_json": "; ".join(call % ("parameters", i) for i in range(n)),
                 "pythonic": "[" + ", ".join(f"get_weather(city='Paris \\'{i}\\'', days=[3, {{'x': '}}'}}])"
                                             for i in range(n)) + "]",
+                "mistral": "Sure. [TOOL_CALLS][" + ", ".join(call % ("arguments", i) for i in range(n)) + "]",
                 "named": "[" + ", ".join(call % ("parameters", i) for i in range(n)) + "]"}[name]
         lines, decoded[0] = 0, 0
 
@@ -483,14 +503,21 @@ def test_auto_parses_the_calls_the_model_writes(server):
 
 WRITTEN = {  # --tool-call-parser -> (an output in its format, the content it leaves)
     "pythonic": ('[get_weather(city="Paris", days=3), get_time(tz="cet")]', ""),
+    "mistral": ('Let me see. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                '{"name": "get_time", "arguments": {"tz": "cet"}}]', "Let me see. "),
 }
 
 
 @pytest.mark.parametrize("name", sorted(WRITTEN))
-def test_auto_reads_each_parsers_format(server, name):
-    """The same forced calls, written in each --tool-call-parser's format, come out as the same tool_calls."""
+def test_auto_reads_each_parsers_format(server, name, monkeypatch):
+    """The same forced calls, written in each --tool-call-parser's format, come out as the same tool_calls.
+    As vLLM's, mistral keeps special tokens in the text: its [TOOL_CALLS] is one."""
     assert parse_args(["--enable-auto-tool-choice", "--tool-call-parser", name]).tool_call_parser == name
     state, (text, told) = server.app.state.server, WRITTEN[name]
+    skips, add_request = set(), state.async_llm.add_request
+    monkeypatch.setattr(state.async_llm, "add_request",
+                        lambda prompt, params, *a, **k: skips.add(params.skip_special_tokens) or
+                        add_request(prompt, params, *a, **k))
     want = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
     state.tool_parser = name
     try:
@@ -501,6 +528,7 @@ def test_auto_reads_each_parsers_format(server, name):
         assert chat_stream(server, **body)[1:] == (told, want, "tool_calls")
         plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools [needed]."]})["choices"][0]
         assert plain["message"] == {"role": "assistant", "content": "No tools [needed]."}
+        assert skips == {name != "mistral"}
     finally:
         state.tool_parser = "hermes"
     server.wait_idle()
