@@ -38,7 +38,7 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
+from nanoserve.model import (MAX_LOGPROBS, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
                              TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
                              init_distributed, load_model, load_tokenizer, log_tensor_parallel, num_parameters,
                              plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker, select_backend,
@@ -48,7 +48,6 @@ from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sched
 logger = logging.getLogger("nanoserve.engine")
 
 _SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this is greedy
-MAX_LOGPROBS = 20
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is dead: /health 503, the server exits
 
 

@@ -37,6 +37,7 @@ from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
@@ -800,6 +801,9 @@ def load_tokenizer(path: str | Path):
 
 # =========================================================================== sampling
 
+MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (the engine validates against it)
+
+
 class SamplingOptions(Protocol):
     """The fields of engine.SamplingParams the sampler reads (model.py does not
     import the engine layer)."""
@@ -1062,14 +1066,24 @@ def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: tor
     return torch.zeros(T, dtype=torch.long, device=device), positions.to(device), meta
 
 
+# The sampling that takes the most memory a row: fp32 copies for penalties, min-p,
+# the top-k/top-p sort (values and int64 indices) and logprobs. A profile run
+# samples with it, as vLLM's runs a dummy sampler: with a 150k vocabulary and
+# 256 rows that is more than a GiB beyond the logits.
+PROFILE_SAMPLING = SimpleNamespace(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=None,
+                                   presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
+                                   logit_bias=None, logprobs=MAX_LOGPROBS, allowed_token_ids=None)
+
+
 @torch.inference_mode()
 def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: int,
-                             block_size: int) -> int:
+                             block_size: int, sample: bool = True) -> int:
     """vLLM's profile run, on a CUDA device: the memory that one step at full budget
-    (a forward of ``num_tokens`` tokens, then ``num_sample_rows`` rows of logits)
-    takes at its peak beyond what is already allocated, so that the KV cache is
-    sized from what is left rather than from all free memory. The attention reads
-    a one-block throwaway cache."""
+    (a forward of ``num_tokens`` tokens, then ``num_sample_rows`` rows of logits,
+    sampled with PROFILE_SAMPLING unless ``sample`` is False) takes at its peak
+    beyond what is already allocated, so that the KV cache is sized from what is
+    left rather than from all free memory. The attention reads a one-block
+    throwaway cache."""
     device = model.model.embed_tokens.weight.device
     cfg, dtype = model.config, model.model.embed_tokens.weight.dtype
     kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
@@ -1078,7 +1092,11 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
-    model.compute_logits(hidden[:num_sample_rows])
+    logits = model.compute_logits(hidden[:num_sample_rows])
+    if sample and logits is not None:  # None: a tensor-parallel rank other than 0, which never samples
+        rows = [SampleRequest(PROFILE_SAMPLING, [0], [0]) for _ in range(logits.shape[0])]
+        Sampler()(logits, rows)
+    del logits
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - before
     del hidden, cache
@@ -1095,7 +1113,8 @@ def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
     logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
                 cache.profile_tokens, activations / 2**30)
     if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
-        graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size)
+        graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size,
+                                          sample=False)  # a graph holds the forward only
         logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
                     cache.graph_tokens, graphs / 2**30)
         activations += graphs

@@ -360,6 +360,7 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
     """On a GPU the KV cache gets what a profiling forward of a full step leaves
     (vLLM's profile run). The CUDA memory counters are faked here; the forward
     itself runs on the CPU, through the one-block throwaway cache."""
+    from nanoserve import model as model_mod
     from nanoserve.model import load_model, profile_activation_bytes
     m, _ = load_model(model, torch.float32, torch.device("cpu"))
     events, rows = [], []
@@ -370,5 +371,15 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty"))
     real = m.compute_logits
     monkeypatch.setattr(m, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
+    # the profile samples its rows the costliest way: the top-k/top-p sort, penalties, top logprobs
+    sorts, logprobs = [], []
+    real_sort, real_logprobs = model_mod.apply_top_k_top_p, model_mod.gather_logprobs
+    monkeypatch.setattr(model_mod, "apply_top_k_top_p", lambda x, k, p: sorts.append((x.shape, k[0], p[0]))
+                        or real_sort(x, k, p))
+    monkeypatch.setattr(model_mod, "gather_logprobs", lambda x, t, k: logprobs.append((x.shape[0], k))
+                        or real_logprobs(x, t, k))
     assert profile_activation_bytes(m, MAX_LEN + 50, 7, 16) == 250  # longer than any position: wraps
     assert events == ["reset", "empty"] and rows == [7]
+    assert sorts == [((7, m.config.vocab_size), 50, 0.9)] and logprobs == [(7, model_mod.MAX_LOGPROBS)]
+    # the CUDA graphs' pool holds a forward only: no sampling counted
+    assert profile_activation_bytes(m, 8, 8, 16, sample=False) == 250 and len(sorts) == 1
