@@ -383,6 +383,7 @@ def part_breakdown(scale: Scale, spec: dict) -> dict:
     import torch
 
     from nanoserve import SamplingParams
+    from nanoserve.engine import RequestOutputKind
     dev = scale.device
     big = max(scale.bd_sizes)
     # A token budget that prefills every prompt in one step: else the requests admitted
@@ -459,7 +460,8 @@ def part_breakdown(scale: Scale, spec: dict) -> dict:
         engine.step()
 
     # (b) instrumented decode steps, batch bd_batch at ~400 context
-    rids = [engine.add_request([rng.randrange(vocab) for _ in range(scale.bd_prompt)], params)
+    rids = [engine.add_request([rng.randrange(vocab) for _ in range(scale.bd_prompt)], params,
+                               output_kind=RequestOutputKind.FINAL_ONLY)  # as W1 (LLM.generate) asks
             for _ in range(scale.bd_batch)]
     _prefill_all(engine, rids)
     phases = ("schedule", "build_inputs", "buffer_copy", "forward", "forward_eager", "prepare", "logits",

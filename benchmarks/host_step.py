@@ -13,9 +13,10 @@ The model is Qwen3-shaped, hidden 64, 2 layers, bf16, greedy, with a vocabulary
 of 4096 (--vocab): on a GPU host the forward and the logits do not pass through
 the CPU's caches, while here W1's 151936 (64 rows of logits are 19 MB) would
 evict the engine's own data between the phases and inflate every host phase.
-By default it runs as W1 does (token ids in, no tokenizer, detokenize off);
---detokenize loads the demo model's tokenizer (whose vocabulary is 4096) and
-detokenizes every token, as a server does.
+By default it runs as W1 does (token ids in, no tokenizer, detokenize off, outputs
+only when a request finishes: LLM.generate's FINAL_ONLY); --detokenize loads the
+demo model's tokenizer (whose vocabulary is 4096), detokenizes every token and
+builds an output a step for each request (DELTA), as a streaming server does.
 torch runs one thread (--threads): on a few busy cores, the host's small tensor
 ops would otherwise wait on OpenMP workers and the times would be mostly noise.
 
@@ -71,8 +72,13 @@ def run_once(engine, params, batch: int, prompt_len: int, steps: int, warmup: in
     """Prefill ``batch`` requests, then time ``steps`` decode steps phase by phase;
     each phase's median over the steps, in ms."""
     import torch
+
+    from nanoserve.engine import RequestOutputKind
     runner, vocab = engine.runner, engine.model_config.vocab_size
-    rids = [engine.add_request([rng.randrange(1, vocab) for _ in range(prompt_len)], params) for _ in range(batch)]
+    # outputs as W1 (LLM.generate) asks for them: at the end; detokenizing, as a server streams them
+    kind = RequestOutputKind.DELTA if params.detokenize else RequestOutputKind.FINAL_ONLY
+    rids = [engine.add_request([rng.randrange(1, vocab) for _ in range(prompt_len)], params, output_kind=kind)
+            for _ in range(batch)]
     reqs = [engine.scheduler.requests[r] for r in rids]
     while not all(r.output_token_ids for r in reqs):
         engine.step()
