@@ -603,11 +603,11 @@ class LLMEngine:
             weakref.finalize(self, self.workers.shutdown, None)  # at exit, or when dropped unshut
             tp = self.workers.tp
         try:
-            self.decode_sizes = self._decode_sizes()
             t0 = time.perf_counter()
             self.backend = select_backend(shard_config(self.model_config, tp.world_size), self.dtype,
                                           self.device, config.block_size, config.enforce_eager)
             self.compile_time_s = time.perf_counter() - t0
+            self.decode_sizes = self._decode_sizes()
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp)
             self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
@@ -643,6 +643,10 @@ class LLMEngine:
             return []
         if cfg.tensor_parallel_size > 1:  # workers would have to pad and capture in lockstep: not yet
             logger.info("[engine] no CUDA graphs or padded decode steps under tensor parallelism (yet)")
+            return []
+        if self.device.type == "cuda" and not self.backend.capture_safe:
+            logger.warning("[engine] no CUDA graphs: the %s kernels sync with the host, which a graph "
+                           "cannot capture (Triton's can: install triton)", self.backend.name)
             return []
         if cfg.cudagraph_capture_sizes is not None:
             sizes = sorted(set(cfg.cudagraph_capture_sizes))
@@ -691,12 +695,14 @@ class LLMEngine:
         logger.info("[engine] kernels: %s; building them and a warm-up forward took %.1f s",
                     self.backend.name, self.compile_time_s)
         if self.device.type == "cuda" and self.decode_sizes:
-            t0, before = time.perf_counter(), torch.cuda.memory_allocated(self.device)
+            # reserved, not allocated: the graphs' pool keeps its memory while the
+            # tensors in it count as freed once capture ends
+            t0, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
             self.runner.capture_cudagraphs()
             logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB "
                         "(--enforce-eager turns them off)", len(self.decode_sizes),
                         ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
-                        (torch.cuda.memory_allocated(self.device) - before) / 2**20)
+                        (torch.cuda.memory_reserved(self.device) - before) / 2**20)
 
     def release_memory(self) -> None:
         """Going idle after steps (the server's loop calls it on the model thread): on

@@ -62,6 +62,9 @@ class Backend:
     rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache) -> (q, k)
     silu_and_mul(gate_up [T, 2n]) -> [T, n]
     argmax(logits [rows, vocab]) -> int64 [rows]
+
+    ``capture_safe``: no op syncs with the host or allocates by the data, so a CUDA
+    graph can capture a forward (the torch references read seq_lens on the host).
     """
     name: str
     store_kvcache: Callable[..., None]
@@ -72,6 +75,7 @@ class Backend:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor]
     prepare_model: Callable[[torch.nn.Module], None] = weights_as_loaded
+    capture_safe: bool = False
 
 
 # =========================================================================== torch references
@@ -633,4 +637,4 @@ TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_to
                 add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, argmax_torch)
 TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
-    rotary_triton, silu_and_mul_triton, argmax_torch)
+    rotary_triton, silu_and_mul_triton, argmax_torch, capture_safe=True)

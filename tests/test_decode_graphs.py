@@ -6,6 +6,9 @@ KV slot but the real ones. On a GPU (skipped elsewhere) the captured graphs
 must replay exactly what the eager forward computes."""
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
@@ -24,7 +27,8 @@ def model(request, model_root):
 
 
 def make_llm(model, **kw) -> LLM:
-    return LLM(str(model), **{"dtype": "float32", "max_model_len": 128, "num_kv_blocks": 96, **kw})
+    # the CPU unless a test asks for CUDA: on a GPU machine the default device is the GPU
+    return LLM(str(model), **{"dtype": "float32", "device": "cpu", "max_model_len": 128, "num_kv_blocks": 96, **kw})
 
 
 def run(llm, params):
@@ -44,6 +48,21 @@ def test_default_sizes_are_vllms():
     assert cudagraph_capture_sizes(256) == [1, 2, 4, *range(8, 257, 8)]
     assert cudagraph_capture_sizes(5) == [1, 2, 4, 5]
     assert cudagraph_capture_sizes(1000)[-1] == 512
+
+
+def test_no_graphs_on_cuda_with_kernels_that_sync():
+    """On CUDA, only a capture-safe backend (Triton's) gets graphs, asked for or by
+    default: the torch references read seq_lens on the host, which capture forbids."""
+    from types import SimpleNamespace
+
+    from nanoserve import kernels
+    from nanoserve.engine import EngineConfig, LLMEngine
+    for sizes in (None, [1, 2]):
+        config = EngineConfig("unused", max_num_seqs=16, cudagraph_capture_sizes=sizes)
+        engine = SimpleNamespace(config=config, device=torch.device("cuda"), backend=kernels.TORCH)
+        assert not kernels.TORCH.capture_safe and LLMEngine._decode_sizes(engine) == []
+        engine.backend = dataclasses.replace(kernels.TORCH, capture_safe=True)  # as Triton's
+        assert LLMEngine._decode_sizes(engine) == (sizes or cudagraph_capture_sizes(16))
 
 
 @pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 16}],
@@ -97,7 +116,10 @@ def test_enforce_eager_and_bad_sizes(model):
 
 # ---------------------------------------------------------------- on a GPU
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+# TRITON_INTERPRET=1 (conftest's default) copies every kernel argument to the host,
+# which graph capture forbids: on a GPU, run these with TRITON_INTERPRET=0.
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="CUDA graphs need a GPU and compiled Triton (TRITON_INTERPRET=0)")
 
 
 @cuda_only
