@@ -17,7 +17,8 @@ session started in (the device tool sends that one), once:
       --platform manylinux2014_x86_64 -d .whl uvicorn==0.55.0 starlette==1.10.0 \\
       prometheus_client==0.26.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \\
       pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 \\
-      typing_extensions==4.16.0 click==8.5.1
+      typing_extensions==4.16.0 click==8.5.1 pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 \\
+      iniconfig==2.3.1 pygments==2.21.0 packaging==26.4
     { git rev-parse HEAD; git status --porcelain --untracked-files=no; } > .whl/COMMIT
 
 (.git does not travel to the device machine: the script reads the commit from
@@ -31,8 +32,9 @@ budget is 450 s):
 
 and copy files_at/gpu-w1.json to benchmarks/results/gpu-w1.json, and gpu-w1.md
 into RESULTS.md. The device image (torch 2.11+cu130, Triton 3.6, transformers
-5.17) lacks uvicorn, starlette and pydantic (the server's); the other wheels pin
-what those need to the versions this repository is tested with.
+5.17) lacks uvicorn, starlette and pydantic (the server's) and pytest (the
+cuda_tests part's); the other wheels pin what those need to the versions this
+repository is tested with.
 
 Every part runs in a fresh process of its own (an exception, a CUDA error or a
 hang ends that part only: its error goes into the JSON and the next part runs),
@@ -673,14 +675,37 @@ def part_serve(scale: Scale, spec: dict) -> dict:
     return res
 
 
-# The run's order: the headline figures first, the server (the most to go wrong) last.
+def part_cuda_tests(scale: Scale, spec: dict) -> dict:
+    """The test suite's CUDA-only tests (tests/test_decode_graphs.py: graph replay ==
+    eager for every captured size, padding rows write no KV) with compiled Triton
+    (the suite's default TRITON_INTERPRET=1 skips them). Needs pytest, carried in
+    .whl; in the dry run they skip, and the part checks only that pytest ran."""
+    import importlib.util
+    if importlib.util.find_spec("pytest") is None or importlib.util.find_spec("pytest_timeout") is None:
+        raise RuntimeError("pytest or pytest-timeout is not installed (RESULTS.md, 'GPU check: how to run it')")
+    cmd = [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "tests/test_decode_graphs.py",
+           "-k", "graph_replay or graph_padding"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True)
+    print(proc.stdout[-20000:], proc.stderr[-5000:], flush=True)
+    summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
+    counts = {k: int(n) for n, k in
+              (w.split() for w in summary.split(" in ")[0].split(", ") if w.split()[0].isdigit())}
+    passed = counts.get("passed", 0)
+    ok = proc.returncode == 0 and (passed > 0 if scale.device == "cuda" else True)
+    return dict(ok=ok, summary=summary, returncode=proc.returncode, passed=passed, failed=counts.get("failed", 0),
+                skipped=counts.get("skipped", 0))
+
+
+# The run's order: the headline figures first, then correctness, then the server
+# (the most to go wrong) before the peer, whose time is the least predictable.
 WORKERS = dict(env=part_env, models=part_models,
                w1_graphs=lambda s, spec: part_w1(s, spec, eager=False),
                w1_eager=lambda s, spec: part_w1(s, spec, eager=True),
-               breakdown=part_breakdown, parity=part_parity, hf_cb=part_hf_cb, serve=part_serve)
+               breakdown=part_breakdown, parity=part_parity, cuda_tests=part_cuda_tests, serve=part_serve,
+               hf_cb=part_hf_cb)
 # name: (timeout s on the GPU, in the dry run)
 TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), breakdown=(120, 60),
-                parity=(150, 150), hf_cb=(150, 60), serve=(150, 90))
+                parity=(150, 150), cuda_tests=(90, 90), serve=(150, 90), hf_cb=(150, 60))
 NEEDS_W1 = ("w1_graphs", "w1_eager", "breakdown", "hf_cb", "serve")
 
 
@@ -870,6 +895,9 @@ def markdown(record: dict) -> str:
     par = p.get("parity") or {}
     row("greedy parity with transformers (fp32, 4 archs × plain/preempt/chunked × graphs/eager)",
         par.get("summary") or par.get("error") or "—")
+    ct = p.get("cuda_tests") or {}
+    row("the suite's CUDA tests (graph replay == eager per captured size; padding writes no KV)",
+        ct.get("summary") or ct.get("error") or "—")
     for label, lv in (sv.get("levels") or {}).items():
         def q(k, st="p50"):
             return (lv.get(k) or {}).get(st)
