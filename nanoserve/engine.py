@@ -31,18 +31,18 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Generator, Iterable, Sequence
 
 import torch
 
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (MAX_LOGPROBS, ModelConfig, ModelRunner, SampleRequest, SampleResult, SeqInput,
-                             TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes,
-                             init_distributed, load_model, load_tokenizer, log_tensor_parallel, num_parameters,
-                             plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker, select_backend,
-                             shard_config, tcp_address)
+from nanoserve.model import (MAX_LOGPROBS, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
+                             SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
+                             cudagraph_capture_sizes, init_distributed, load_model, load_tokenizer, log_tensor_parallel,
+                             num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker,
+                             select_backend, shard_config, tcp_address)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -385,6 +385,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
+    num_output_placeholders: int = 0  # sampled tokens still on the device (steps launched, not landed)
     token_ids: list[int] = field(default_factory=list)          # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""                    # detokenized output, stop string handled
@@ -417,17 +418,31 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
+    @property
+    def max_num_tokens(self) -> int:
+        """The length at which _check_stop ends it (max_tokens is resolved against max_model_len)."""
+        return len(self.prompt_token_ids) + self.max_tokens
+
+    @property
+    def can_run_ahead(self) -> bool:
+        """Whether its next token may be sampled while the last is still on the device
+        (async scheduling): only if sampling reads no output token from the host."""
+        p = self.sampling_params
+        return self.grammar is None and not self.bad_words_token_ids and \
+            p.presence_penalty == p.frequency_penalty == 0 and p.repetition_penalty == 1
+
     def sample_request(self) -> SampleRequest:
         p = self.sampling_params
         banned: list[int] = []
-        if len(self.output_token_ids) < p.min_tokens:
+        if len(self.output_token_ids) + self.num_output_placeholders < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
         out = self.output_token_ids
         # bad_words: a word's last token is banned once the output ends in the rest of it
         banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
                    (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
         allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
-        return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed)
+        return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
+                             self.num_output_placeholders)
 
     def prompt_logprob_ids(self, start: int, num_new_tokens: int) -> list[int] | None:
         """The prompt tokens whose logprobs a chunk of ``num_new_tokens`` from
@@ -549,6 +564,9 @@ class EngineConfig:
     # Sampling defaults as vLLM's --generation-config: "auto" takes the model's
     # generation_config.json, "vllm" none (vLLM's own defaults), else a directory.
     generation_config: str = "auto"
+    # As vLLM's --async-scheduling: schedule and launch step N+1 before step N's
+    # sampled ids reach the host (a GPU's win; the outputs are the same).
+    async_scheduling: bool = False
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -557,6 +575,18 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
+                             "would need the previous step's sampled token ids, which stay on rank 0's device")
+
+
+@dataclass(slots=True)
+class StepInFlight:
+    """A launched step that has not landed: its schedule and the runner's output
+    (a ModelRunnerOutput already, or an AsyncModelRunnerOutput still on the device)."""
+    sched: SchedulerOutput
+    may_run_ahead: bool  # the next step may be scheduled before this one lands
+    output: Any = None
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -635,6 +665,7 @@ class LLMEngine:
                                                           self.eos_token_ids)
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
+        self.in_flight: list[StepInFlight] = []
 
     # ---------------------------------------------------------------- start-up
     def _decode_sizes(self) -> list[int]:
@@ -862,33 +893,82 @@ class LLMEngine:
         return [rid for rid, r in self.scheduler.requests.items() if r.parent_id == request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> execute -> postprocess (a step that raises
-        ends its requests first: ``fail_step``)."""
-        step = self.schedule_step()
-        if step is None:
-            return []
-        sched, inputs = step
+        """One iteration: schedule -> execute -> postprocess (``step_work``, its
+        model work run here; a step that raises ends its requests first: ``fail_step``)."""
+        work, result = self.step_work(), None
         try:
-            out = self.runner.execute(inputs)
-            return self.postprocess(sched, out.sampled, out.prompt_logprobs)
-        except Exception:
-            self.fail_step(sched)
+            while True:
+                fn, *args = work.send(result)
+                result = fn(*args)
+        except StopIteration as done:
+            return done.value
+        except BaseException:  # Ctrl-C too: no step may stay half-launched
+            self.fail_step()
             raise
+
+    def step_work(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
+        """One step as a generator that yields its model work, (function, *args) to
+        run, and is sent each result: step() runs it in place, the server's loop on
+        its model thread. Schedule, launch, land (postprocess). With async_scheduling
+        the step launched here lands in the next call, after that call launched its
+        own: the host schedules step N+1 while the device runs step N. A step in
+        flight lands first when the next cannot run ahead of it (StepInFlight)."""
+        outputs = []
+        if self.in_flight and not self.in_flight[0].may_run_ahead:
+            outputs += yield from self._land()
+        step = self.schedule_step()
+        if step is not None:
+            sched, inputs = step
+            flight = StepInFlight(sched, self.config.async_scheduling and self._may_run_ahead(sched, inputs))
+            self.in_flight.append(flight)  # before the launch: if it fails, fail_step ends its requests
+            for s in sched.scheduled:
+                s.request.num_output_placeholders += s.samples
+            launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
+            flight.output = yield launch, inputs
+        while len(self.in_flight) > (step is not None and self.config.async_scheduling):
+            outputs += yield from self._land()
+        return outputs
+
+    def _land(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
+        """The oldest step in flight: its results to the host, then into its requests
+        (also those aborted, finished or preempted since it was launched)."""
+        flight = self.in_flight[0]
+        out = flight.output
+        if isinstance(out, AsyncModelRunnerOutput):
+            out = yield out.get,
+        for s in flight.sched.scheduled:
+            s.request.num_output_placeholders -= s.samples
+        outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs)
+        self.in_flight.pop(0)  # only now: if postprocess raised, fail_step ends its requests
+        return outputs
+
+    @staticmethod
+    def _may_run_ahead(sched: SchedulerOutput, inputs: list[SeqInput]) -> bool:
+        """Whether the next step may be scheduled before this one lands: none of its
+        requests that sample needs its output on the host to sample the next token,
+        and it brings back no prompt logprobs (the next chunk's depend on them)."""
+        return all(s.request.can_run_ahead for s in sched.scheduled if s.samples) and \
+            not any(seq.prompt_logprob_ids for seq in inputs)
 
     def schedule_step(self) -> tuple[SchedulerOutput, list[SeqInput]] | None:
         """The next step and its model inputs; None when nothing can run."""
         sched = self.scheduler.schedule()
         return None if sched.is_empty else (sched, self.build_inputs(sched))
 
-    def fail_step(self, sched: SchedulerOutput) -> list[str]:
-        """End a failed step's requests (whole n-families) and free their blocks;
-        forget free blocks' prefix hashes, registered before this step wrote KV.
-        Returns the ids the callers know (parents of n > 1)."""
-        failed = list(dict.fromkeys(s.request.parent_id or s.request.request_id for s in sched.scheduled))
+    def fail_step(self) -> list[str]:
+        """End the requests of the steps in flight (the failed one, and under async
+        scheduling the one beside it: whole n-families) and free their blocks; forget
+        free blocks' prefix hashes, registered before these steps wrote KV. Returns
+        the ids the callers know (parents of n > 1)."""
+        if not self.in_flight:
+            return []
+        failed = list(dict.fromkeys(s.request.parent_id or s.request.request_id
+                                    for f in self.in_flight for s in f.sched.scheduled))
+        self.in_flight.clear()
         for request_id in failed:
             self.abort_request(request_id)
         self.scheduler.reset_prefix_cache()
@@ -898,16 +978,20 @@ class LLMEngine:
         """The scheduled step as plain data for the model runner. Token lists are
         sliced (copied) here so the model can run on another thread while the
         loop thread appends to requests."""
-        seqs = []
+        seqs, prev_rows = [], None
         now = time.monotonic()
         for s in sched.scheduled:
             req = s.request
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            seqs.append(SeqInput(req.token_ids[s.start:s.start + s.num_new_tokens], s.start, s.block_table,
-                                 req.sample_request() if s.samples else None,
+            token_ids, prev_row = req.token_ids[s.start:s.start + s.num_new_tokens], None
+            if not token_ids:  # async scheduling: its input is the token the step in flight samples
+                prev_rows = prev_rows or {x.request: i for i, x in enumerate(
+                    x for x in self.in_flight[-1].sched.scheduled if x.samples)}
+                token_ids, prev_row = [0], prev_rows[req]
+            seqs.append(SeqInput(token_ids, s.start, s.block_table, req.sample_request() if s.samples else None,
                                  req.prompt_logprob_ids(s.start, s.num_new_tokens),
-                                 req.sampling_params.prompt_logprobs or 0))
+                                 req.sampling_params.prompt_logprobs or 0, prev_row))
         return seqs
 
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
@@ -923,7 +1007,7 @@ class LLMEngine:
             if not s.samples:
                 continue
             req, result = s.request, next(sampled)
-            if req.is_finished:  # aborted while the step ran
+            if req.is_finished:  # aborted while the step ran (or, async, finished by the step before)
                 continue
             self._append_token(req, result, now)
             if req.grammar is not None:
@@ -1583,27 +1667,24 @@ class AsyncLLM:
         failures, stepped = 0, False
         try:
             while True:
-                step = engine.schedule_step()
-                if step is None and stepped:  # going idle after steps
-                    stepped = False
-                    await loop.run_in_executor(self.executor, engine.release_memory)
-                    continue  # a request may have come meanwhile
-                if step is None:  # nothing can run until a request comes (or goes)
-                    self.wakeup.clear()
-                    await self.wakeup.wait()
-                    continue
-                sched, inputs = step
                 try:
-                    out = await loop.run_in_executor(self.executor, engine.runner.execute, inputs)
-                    outputs = engine.postprocess(sched, out.sampled, out.prompt_logprobs)
+                    outputs = await self._step(loop)
                 except Exception:
-                    failures, failed = failures + 1, engine.fail_step(sched)
+                    failures, failed = failures + 1, engine.fail_step()
                     logger.exception("[engine] the model step failed (%d in a row); ending its %d request(s): %s",
                                      failures, len(failed), ", ".join(failed))
                     for request_id in failed:
                         self._fail(request_id, RequestFailedError(FAILED_MESSAGE))
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise EngineDeadError(DEAD_MESSAGE) from None
+                    continue
+                if outputs is None and stepped:  # going idle after steps
+                    stepped = False
+                    await loop.run_in_executor(self.executor, engine.release_memory)
+                    continue  # a request may have come meanwhile
+                if outputs is None:  # nothing can run until a request comes (or goes)
+                    self.wakeup.clear()
+                    await self.wakeup.wait()
                     continue
                 failures, stepped = 0, True
                 for out in outputs:  # a finished request's queue is dropped with its last output
@@ -1624,6 +1705,16 @@ class AsyncLLM:
             for request_id in list(engine.scheduler.requests):
                 engine.abort_request(request_id)
             self.dead.set()
+
+    async def _step(self, loop: asyncio.AbstractEventLoop) -> list[RequestOutput] | None:
+        """engine.step_work() with its model work on the model thread; None when nothing ran."""
+        work, result, ran = self.engine.step_work(), None, False
+        try:
+            while True:
+                fn, *args = work.send(result)
+                result, ran = await loop.run_in_executor(self.executor, fn, *args), True
+        except StopIteration as done:
+            return done.value if ran else None
 
     def add_request(self, prompt, params: SamplingParams, request_id: str, queue: asyncio.Queue,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:

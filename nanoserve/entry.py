@@ -170,6 +170,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default: max(8192, --max-num-seqs))")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule and launch step N+1 before step N's tokens reach the host, hiding host work "
+                        "behind the GPU's (same outputs; not with --tensor-parallel-size > 1)")
 
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],

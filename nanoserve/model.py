@@ -828,6 +828,24 @@ class SampleRequest:
     output_token_ids: list[int]
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet
     allowed_token_bitmask: torch.Tensor | None = None  # structured outputs: int32, bit t = token t allowed
+    num_output_placeholders: int = 0  # async scheduling: sampled tokens not on the host yet
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """A step's samples where the logits are: ``token_ids`` (the next step's
+    placeholder inputs read them there) and ``packed``, what ``results()`` reads on
+    the host in one copy: the ids, or each row's logprob_rows when a row asked."""
+    token_ids: torch.Tensor
+    packed: torch.Tensor
+    num_logprobs: list[int | None]
+
+    def results(self) -> list[SampleResult]:
+        host = self.packed.tolist()
+        if self.packed.dim() == 1:
+            return [SampleResult(t) for t in host]
+        return [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w])
+                for r, w in zip(unpack_logprob_rows(host), self.num_logprobs)]
 
 
 @dataclass(slots=True)
@@ -850,8 +868,11 @@ class Sampler:
         self.generators: dict[torch.device, torch.Generator] = {}  # unseeded rows' draws, per device
         self.argmax = argmax  # the backend's: greedy rows' argmax of the model's own logits
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> list[SampleResult]:
+        return self.sample(logits, rows).results()
+
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
         """logits [rows, vocab] in the model's dtype; every step but a greedy one
         without bias or penalties works on an fp32 copy."""
         raw = logits
@@ -863,7 +884,10 @@ class Sampler:
         else:
             logits = self._apply_penalties(self._apply_bias_and_bans(logits.float(), rows), rows)
             tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
-        return self._results(raw, tokens, ps)
+        want = [p.logprobs for p in ps]
+        if all(w is None for w in want):
+            return SamplerOutput(tokens, tokens, want)
+        return SamplerOutput(tokens, logprob_rows(raw, tokens, max(w or 0 for w in want)), want)
 
     def _apply_bias_and_bans(self, logits, rows):
         if not _has_bias_or_bans(rows):
@@ -873,20 +897,19 @@ class Sampler:
         bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
         if bias:
             i, t, b = zip(*bias)
-            logits.index_put_((torch.tensor(i, device=dev), torch.tensor(t, device=dev)),
-                              torch.tensor(b, dtype=logits.dtype, device=dev), accumulate=True)
+            logits.index_put_((to_device(i, dev), to_device(t, dev)), to_device(b, dev, logits.dtype), accumulate=True)
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if bans:
             i, t = zip(*bans)
-            logits[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = float("-inf")
+            logits[to_device(i, dev), to_device(t, dev)] = float("-inf")
         for i, r in enumerate(rows):  # allowed_token_ids: every other token banned (rare: a row at a time)
             if r.params.allowed_token_ids:
-                keep = torch.tensor(r.params.allowed_token_ids, device=dev)
+                keep = to_device(r.params.allowed_token_ids, dev)
                 logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(0, keep, logits[i, keep])
         masked = [i for i, r in enumerate(rows) if r.allowed_token_bitmask is not None]
         if masked:  # structured outputs: unpack each row's bitmask on the device, ban what it does not allow
-            idx = torch.tensor(masked, device=dev)
-            words = torch.stack([rows[i].allowed_token_bitmask for i in masked]).to(dev)
+            idx = to_device(masked, dev)
+            words = to_device(torch.stack([rows[i].allowed_token_bitmask for i in masked]), dev)
             allowed = ((words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1).flatten(1)
             logits[idx] = logits[idx].masked_fill(allowed[:, :logits.shape[1]] == 0, float("-inf"))
         return logits
@@ -900,17 +923,17 @@ class Sampler:
         out = [(i, t) for i, r in enumerate(rows) for t in r.output_token_ids]
         if out:
             i, t = zip(*out)
-            counts.index_put_((torch.tensor(i, device=dev), torch.tensor(t, device=dev)),
+            counts.index_put_((to_device(i, dev), to_device(t, dev)),
                               torch.ones(len(i), dtype=dtype, device=dev), accumulate=True)
         seen = counts > 0
         prompt = [(i, t) for i, r in enumerate(rows) if ps[i].repetition_penalty != 1
                   for t in r.prompt_token_ids]
         if prompt:
             i, t = zip(*prompt)
-            seen[torch.tensor(i, device=dev), torch.tensor(t, device=dev)] = True
+            seen[to_device(i, dev), to_device(t, dev)] = True
 
         def column(name):
-            return torch.tensor([getattr(p, name) for p in ps], dtype=dtype, device=dev)[:, None]
+            return to_device([getattr(p, name) for p in ps], dev, dtype)[:, None]
         rep = column("repetition_penalty")
         # repetition (CTRL): divide positive logits, multiply negative ones, for seen tokens
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
@@ -920,11 +943,11 @@ class Sampler:
     def _sample(self, logits, rows, greedy):
         ps, dev = [r.params for r in rows], logits.device
         argmax = logits.argmax(dim=-1)
-        temp = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, ps)], device=dev)[:, None]
+        temp = to_device([1.0 if g else p.temperature for g, p in zip(greedy, ps)], dev)[:, None]
         logits = logits / temp
         if any(p.min_p > 0 for p in ps):
             probs = logits.softmax(dim=-1)
-            min_p = torch.tensor([p.min_p for p in ps], device=dev)[:, None]
+            min_p = to_device([p.min_p for p in ps], dev)[:, None]
             threshold = probs.amax(dim=-1, keepdim=True) * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         logits = apply_top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
@@ -933,7 +956,7 @@ class Sampler:
         # The exponential race: argmax(p / q), q ~ Exp(1), draws from p exactly
         # and lets a seeded row own its randomness whatever shares its batch.
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(torch.tensor(greedy, device=dev), argmax, sampled)
+        return torch.where(to_device(greedy, dev), argmax, sampled)
 
     def _exponentials(self, rows, like: torch.Tensor) -> torch.Tensor:
         """Exp(1) noise shaped like ``like``: unseeded rows from the sampler's own
@@ -945,18 +968,10 @@ class Sampler:
         q = torch.empty_like(like).exponential_(generator=self.generators[dev])
         for i, r in enumerate(rows):
             if r.params.seed is not None:
-                g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, len(r.output_token_ids)))
-                                                            & 0x7FFF_FFFF_FFFF_FFFF)
+                index = len(r.output_token_ids) + r.num_output_placeholders  # the token this row samples
+                g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
                 q[i].exponential_(generator=g)
         return q
-
-    def _results(self, raw, tokens, ps):
-        want = [p.logprobs for p in ps]
-        if all(w is None for w in want):
-            return [SampleResult(t) for t in tokens.tolist()]
-        rows = gather_logprobs(raw, tokens, max(w or 0 for w in want))
-        return [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w])
-                for r, w in zip(rows, want)]
 
 
 @dataclass(slots=True)
@@ -971,14 +986,22 @@ class TokenLogprobs:
 
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[TokenLogprobs]:
     """Each row's log-softmax of the raw logits at ``token_ids[row]`` (vLLM's
-    ``raw_logprobs``), its rank and the row's top ``k``, in one copy to the host
-    (float64 holds the int64 ids and the fp32 logprobs exactly)."""
+    ``raw_logprobs``), its rank and the row's top ``k``, in one copy to the host."""
+    return unpack_logprob_rows(logprob_rows(logits, token_ids, k).tolist())
+
+
+def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """gather_logprobs' values where the logits are, one float64 row each (it holds
+    the int64 ids and the fp32 logprobs exactly): id, logprob, rank, top k values, their ids."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])
     ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True)  # as vLLM: a tie takes the worse rank
     top_v, top_i = logprobs.topk(k, dim=-1)
-    host = torch.cat([token_ids[:, None].double(), chosen.double(), ranks.double(), top_v.double(),
-                      top_i.double()], 1).tolist()
+    return torch.cat([token_ids[:, None].double(), chosen.double(), ranks.double(), top_v.double(), top_i.double()], 1)
+
+
+def unpack_logprob_rows(host: list[list[float]]) -> list[TokenLogprobs]:
+    k = (len(host[0]) - 3) // 2 if host else 0
     return [TokenLogprobs(int(row[0]), row[1], int(row[2]), [(int(i), v) for v, i in zip(row[3:3 + k], row[3 + k:])])
             for row in host]
 
@@ -1003,11 +1026,11 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         return logits
     sorted_logits, idx = logits.sort(dim=-1, descending=False)
     if use_k:
-        k = torch.tensor([k if 0 < k < V else V for k in top_k], device=dev)
+        k = to_device([k if 0 < k < V else V for k in top_k], dev)
         kth = sorted_logits.gather(1, (V - k)[:, None])
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if use_p:
-        p = torch.tensor(top_p, dtype=sorted_logits.dtype, device=dev)[:, None]
+        p = to_device(top_p, dev, sorted_logits.dtype)[:, None]
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum <= 1 - p
         drop[:, -1] = False
@@ -1022,6 +1045,15 @@ def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.
     times faster than torch.tensor, which converts a list element by element."""
     data = array({torch.int64: "q", torch.int32: "i"}[dtype], values)
     return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+
+
+def to_device(data: torch.Tensor | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor (or a list, as torch.tensor takes it) on ``device``. On CUDA by way of
+    pinned memory, non-blocking: a pageable copy waits for the stream to drain, which would
+    hold step N+1's launch behind step N (async scheduling). The caching host allocator
+    keeps a freed pinned block until its copy has run."""
+    t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
@@ -1042,6 +1074,9 @@ class SeqInput:
     # (each row's logprob of its next token), and how many top tokens to report
     prompt_logprob_ids: list[int] | None = None
     num_prompt_logprobs: int = 0
+    # async scheduling: its one input token is the one the previous step sampled in
+    # this row (not on the host yet); token_ids holds a stand-in
+    prev_sample_row: int | None = None
 
 
 @dataclass(slots=True)
@@ -1050,6 +1085,25 @@ class ModelRunnerOutput:
     and the prompt logprobs of the sequences that asked, by their index in the step."""
     sampled: list[SampleResult]
     prompt_logprobs: dict[int, list[TokenLogprobs]]
+
+
+class AsyncModelRunnerOutput:
+    """A launched step's results, still on the device (vLLM's AsyncGPUModelRunnerOutput).
+    On CUDA their copy to pinned host memory is queued now, right behind the sampler,
+    so the next step launched after it does not hold it up; ``get()`` waits for that
+    copy, the step's only device -> host sync, and returns the ModelRunnerOutput."""
+
+    def __init__(self, sampled: SamplerOutput | None, prompt_logprobs: dict[int, list[TokenLogprobs]]):
+        self.sampled, self.prompt_logprobs, self.copied = sampled, prompt_logprobs, None
+        if sampled is not None and sampled.packed.is_cuda:
+            sampled.packed = sampled.packed.to("cpu", non_blocking=True)  # into pinned memory
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+
+    def get(self) -> ModelRunnerOutput:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return ModelRunnerOutput(self.sampled.results() if self.sampled is not None else [], self.prompt_logprobs)
 
 
 def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: torch.device
@@ -1193,6 +1247,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, backend.argmax)
         self.decode_sizes = sorted(decode_sizes or [])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prev_sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device
         if self.decode_sizes:
             max_len = max_model_len or model.config.max_position_embeddings
             self._allocate_static_buffers(self.decode_sizes[-1], -(-max_len // block_size))
@@ -1261,8 +1316,9 @@ class ModelRunner:
         rows = {"input_ids": ([s.token_ids[0] for s in seqs], 0), "positions": (positions, 0),
                 "slot_mapping": (slots, -1), "seq_lens": ([p + 1 for p in positions], 1)}
         host = host_ints(itertools.chain.from_iterable(v + [fill] * pad for v, fill in rows.values()))
-        for name, row in zip(rows, host.view(len(rows), bs)):
+        for name, row in zip(rows, to_device(host, self.device).view(len(rows), bs)):
             b[name][:bs].copy_(row)
+        self._write_prev_sampled(b["input_ids"], seqs)
         self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
         if bs in self.graphs:
             self.graphs[bs].replay()
@@ -1278,7 +1334,8 @@ class ModelRunner:
         if not changed:
             return
         new = block_table_tensor([tables[i] for i in changed])
-        self.static["block_tables"][host_ints(changed).to(self.device), :new.shape[1]] = new.to(self.device)
+        self.static["block_tables"][to_device(host_ints(changed), self.device), :new.shape[1]] = \
+            to_device(new, self.device)
         for i in changed:
             self.written_tables[i] = list(tables[i])  # a copy, so no caller can change what we compare against
 
@@ -1299,17 +1356,34 @@ class ModelRunner:
         positions = torch.arange(T) - query_start_loc[:-1].long()[seq_ids] + starts[seq_ids]
         block_tables = block_table_tensor([s.block_table for s in seqs])
         slots = compute_slot_mapping(block_tables, seq_ids, positions, self.block_size)
-        input_ids = host_ints(itertools.chain.from_iterable(s.token_ids for s in seqs))
-        meta = AttentionMetadata(slots.to(dev), block_tables.to(dev),
-                                 (starts + q_lens).to(torch.int32).to(dev), query_start_loc.to(dev))
-        return input_ids.to(dev), positions.to(dev), meta
+        input_ids = to_device(host_ints(itertools.chain.from_iterable(s.token_ids for s in seqs)), dev)
+        self._write_prev_sampled(input_ids, seqs, query_start_loc)
+        meta = AttentionMetadata(to_device(slots, dev), to_device(block_tables, dev),
+                                 to_device((starts + q_lens).to(torch.int32), dev), to_device(query_start_loc, dev))
+        return input_ids, to_device(positions, dev), meta
+
+    def _write_prev_sampled(self, input_ids: torch.Tensor, seqs: list[SeqInput],
+                            query_start_loc: torch.Tensor | None = None) -> None:
+        """Async scheduling: the sequences whose input token the previous step sampled read
+        it from that step's ids on the device, in one index op (its token is the first of
+        the sequence's tokens in ``input_ids``: at query_start_loc, or one row each)."""
+        moves = [(i, s.prev_sample_row) for i, s in enumerate(seqs) if s.prev_sample_row is not None]
+        if moves:
+            seq, row = (host_ints(x) for x in zip(*moves))
+            dst = seq if query_start_loc is None else query_start_loc[seq].long()
+            input_ids[to_device(dst, self.device)] = self.prev_sampled[to_device(row, self.device)]
+
+    def execute(self, seqs: list[SeqInput]) -> ModelRunnerOutput:
+        """Run one step and wait for its results: execute_model, then get()."""
+        return self.execute_model(seqs).get()
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput]) -> ModelRunnerOutput:
-        """Run one step; returns one result per sequence that samples, in order,
-        and the prompt logprobs asked for. Under tensor parallelism this is rank
-        0: the step goes to the workers first, in one message, and they join the
-        forward's collectives."""
+    def execute_model(self, seqs: list[SeqInput]) -> AsyncModelRunnerOutput:
+        """Launch one step; its results (one per sequence that samples, in order, and
+        the prompt logprobs asked for) come from the returned object's get(). On CUDA
+        nothing here waits for the device but prompt logprobs. Under tensor parallelism
+        this is rank 0: the step goes to the workers first, in one message, and they
+        join the forward's collectives."""
         rows = [i for i, s in enumerate(seqs) if s.sample is not None]
         if self.tp.world_size == 1:
             logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
@@ -1323,8 +1397,9 @@ class ModelRunner:
                 raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
                                           f"connection): {str(e).splitlines()[0][:300]}") from e
         # on the logits' device: the sampler runs there
-        sampled = self.sampler(logits, [seqs[i].sample for i in rows]) if rows else []
-        return ModelRunnerOutput(sampled, prompt_logprobs)
+        sampled = self.sampler.sample(logits, [seqs[i].sample for i in rows]) if rows else None
+        self.prev_sampled = None if sampled is None else sampled.token_ids
+        return AsyncModelRunnerOutput(sampled, prompt_logprobs)
 
     def compute_step_logits(self, seqs: list[SeqInput], rows: list[int]
                             ) -> tuple[torch.Tensor | None, dict[int, list[TokenLogprobs]]]:
@@ -1342,7 +1417,8 @@ class ModelRunner:
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
                          sum(len(s.token_ids) for s in seqs), len(rows))
         prompt_logprobs = self._prompt_logprobs(seqs, hidden) if any(s.prompt_logprob_ids for s in seqs) else {}
-        return (self.model.compute_logits(hidden[last[rows]]) if rows else None), prompt_logprobs
+        return (self.model.compute_logits(hidden[last[to_device(host_ints(rows), self.device)]]) if rows else None), \
+            prompt_logprobs
 
     def _prompt_logprobs(self, seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
         """The rows' logprobs of the prompt tokens they predict, for the sequences

@@ -74,11 +74,13 @@ class ScheduledRequest:
     # As vLLM's NewRequestData.block_ids: the runner needs nothing from the block
     # manager. The block manager's own list, which it never changes in place.
     block_table: list[int]
+    samples: bool = field(init=False)  # fixed here: the request's tokens grow before an async step lands
 
-    @property
-    def samples(self) -> bool:
-        """A step samples a token only when it reaches the end of the known tokens."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        # A step samples a token only when it reaches the end of the tokens, those
+        # still on the device included (async scheduling's placeholders).
+        req = self.request
+        self.samples = self.start + self.num_new_tokens == req.num_tokens + req.num_output_placeholders
 
 
 @dataclass(slots=True)
@@ -165,7 +167,13 @@ class Scheduler:
         bm, i = self.block_manager, 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            # As vLLM's num_output_placeholders: a token still on the device is computed
+            # next, but never past the last position the request needs.
+            end = min(req.num_tokens + req.num_output_placeholders, req.max_num_tokens - 1)
+            num_new = min(end - req.num_computed_tokens, budget)
+            if num_new <= 0:  # its token in flight is its last: nothing more to compute
+                i += 1
+                continue
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left to schedule
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,

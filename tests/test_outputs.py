@@ -26,7 +26,7 @@ import nanoserve
 from conftest import CORPUS, hf_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import IncrementalDetokenizer, RequestOutputKind, merge_deltas
-from nanoserve.model import SampleResult
+from nanoserve.model import SamplerOutput
 
 EOS = 0  # conftest: the tokenizer's <|endoftext|> and the config's eos_token_id
 PROMPT = "The quick brown fox jumps over"
@@ -57,8 +57,9 @@ class ScriptedSampler:
     def __init__(self, scripts: dict[tuple[int, ...], list[int]]):
         self.scripts = scripts
 
-    def __call__(self, logits, rows):
-        return [SampleResult(self.scripts[tuple(r.prompt_token_ids)][len(r.output_token_ids)]) for r in rows]
+    def sample(self, logits, rows):
+        ids = torch.tensor([self.scripts[tuple(r.prompt_token_ids)][len(r.output_token_ids)] for r in rows])
+        return SamplerOutput(ids, ids, [None] * len(rows))
 
 
 @contextlib.contextmanager

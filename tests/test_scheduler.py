@@ -25,6 +25,8 @@ class FakeRequest:
     num_cached_tokens: int = 0
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    num_output_placeholders: int = 0
+    max_num_tokens: int = 10**9
 
     @property
     def num_tokens(self) -> int:
