@@ -110,6 +110,30 @@ def test_chunked_prefill_samples_only_on_the_last_chunk():
     assert req.num_computed_tokens == 20
 
 
+def test_output_placeholders_are_computed_up_to_the_last_needed_position():
+    """Async scheduling: a request whose sampled token is still on the device is
+    scheduled for that token (one, sampling) before it lands, never past
+    max_num_tokens - 1 (the token in flight is then its last), and a block that the
+    unknown token completes is hashed only once the token is known."""
+    sched = make(block_size=4)
+    a = add(sched, "a", 7)
+    a.max_num_tokens = 10
+    assert plan(out := sched.schedule()) == [("a", 7)] and out.scheduled[0].samples
+    a.num_output_placeholders = 1  # step 1 launched: its token (position 7) on the device
+    out = sched.schedule()
+    assert plan(out) == [("a", 1)] and out.scheduled[0].samples and out.scheduled[0].start == 7
+    hashes = sched.block_manager.req_hashes["a"]
+    assert len(hashes) == 1  # block 1 (positions 4-7) is full, but position 7's token is not known yet
+    a.token_ids.append(70)  # step 2 launched, then step 1 lands
+    out = sched.schedule()
+    assert plan(out) == [("a", 1)] and out.scheduled[0].samples and out.scheduled[0].start == 8
+    assert len(hashes) == 2  # known now: hashed
+    a.token_ids.append(71)  # step 3 launched, then step 2 lands: step 3's token will be the 10th
+    assert plan(sched.schedule()) == []  # so nothing more to compute (max_num_tokens - 1 = 9 computed)
+    b = add(sched, "b", 3)  # normal mode: no placeholders, the cap never binds
+    assert plan(sched.schedule()) == [("b", 3)]
+
+
 def test_max_num_seqs_is_respected():
     sched = make(max_num_seqs=2)
     for i in range(4):
