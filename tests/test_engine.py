@@ -373,10 +373,10 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
     monkeypatch.setattr(m, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
     # the profile samples its rows the costliest way: the top-k/top-p sort, penalties, top logprobs
     sorts, logprobs = [], []
-    real_sort, real_logprobs = model_mod.apply_top_k_top_p, model_mod.gather_logprobs
+    real_sort, real_logprobs = model_mod.apply_top_k_top_p, model_mod.logprob_rows
     monkeypatch.setattr(model_mod, "apply_top_k_top_p", lambda x, k, p: sorts.append((x.shape, k[0], p[0]))
                         or real_sort(x, k, p))
-    monkeypatch.setattr(model_mod, "gather_logprobs", lambda x, t, k: logprobs.append((x.shape[0], k))
+    monkeypatch.setattr(model_mod, "logprob_rows", lambda x, t, k: logprobs.append((x.shape[0], k))
                         or real_logprobs(x, t, k))
     assert profile_activation_bytes(m, MAX_LEN + 50, 7, 16) == 250  # longer than any position: wraps
     assert events == ["reset", "empty"] and rows == [7]
