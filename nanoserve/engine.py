@@ -582,8 +582,7 @@ class EngineConfig:
 
 @dataclass(slots=True)
 class StepInFlight:
-    """A launched step that has not landed: its schedule and the runner's output
-    (a ModelRunnerOutput already, or an AsyncModelRunnerOutput still on the device)."""
+    """A launched step not landed yet; ``output``: a ModelRunnerOutput, or async an AsyncModelRunnerOutput."""
     sched: SchedulerOutput
     may_run_ahead: bool  # the next step may be scheduled before this one lands
     output: Any = None
@@ -911,19 +910,21 @@ class LLMEngine:
             raise
 
     def step_work(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
-        """One step as a generator that yields its model work, (function, *args) to
-        run, and is sent each result: step() runs it in place, the server's loop on
-        its model thread. Schedule, launch, land (postprocess). With async_scheduling
-        the step launched here lands in the next call, after that call launched its
-        own: the host schedules step N+1 while the device runs step N. A step in
-        flight lands first when the next cannot run ahead of it (StepInFlight)."""
+        """Schedule, launch, land (postprocess), as a generator that yields its model
+        work, (function, *args), and is sent each result: step() runs it in place, the
+        server's loop on its model thread. With async_scheduling a step lands in the
+        next call, after that call launched its own: the host schedules step N+1 while
+        the device runs step N."""
         outputs = []
         if self.in_flight and not self.in_flight[0].may_run_ahead:
             outputs += yield from self._land()
         step = self.schedule_step()
         if step is not None:
             sched, inputs = step
-            flight = StepInFlight(sched, self.config.async_scheduling and self._may_run_ahead(sched, inputs))
+            # The next step may be scheduled before this one lands unless a request that samples here
+            # needs its output on the host for its next token, or prompt logprobs (the next chunk's) come back.
+            flight = StepInFlight(sched, self.config.async_scheduling and not any(i.prompt_logprob_ids for i in inputs)
+                                  and all(s.request.can_run_ahead for s in sched.scheduled if s.samples))
             self.in_flight.append(flight)  # before the launch: if it fails, fail_step ends its requests
             for s in sched.scheduled:
                 s.request.num_output_placeholders += s.samples
@@ -945,14 +946,6 @@ class LLMEngine:
         outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs)
         self.in_flight.pop(0)  # only now: if postprocess raised, fail_step ends its requests
         return outputs
-
-    @staticmethod
-    def _may_run_ahead(sched: SchedulerOutput, inputs: list[SeqInput]) -> bool:
-        """Whether the next step may be scheduled before this one lands: none of its
-        requests that sample needs its output on the host to sample the next token,
-        and it brings back no prompt logprobs (the next chunk's depend on them)."""
-        return all(s.request.can_run_ahead for s in sched.scheduled if s.samples) and \
-            not any(seq.prompt_logprob_ids for seq in inputs)
 
     def schedule_step(self) -> tuple[SchedulerOutput, list[SeqInput]] | None:
         """The next step and its model inputs; None when nothing can run."""

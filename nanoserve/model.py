@@ -833,9 +833,8 @@ class SampleRequest:
 
 @dataclass(slots=True)
 class SamplerOutput:
-    """A step's samples where the logits are: ``token_ids`` (the next step's
-    placeholder inputs read them there) and ``packed``, what ``results()`` reads on
-    the host in one copy: the ids, or each row's logprob_rows when a row asked."""
+    """A step's samples where the logits are: the ids (the next step's placeholders read them
+    there) and what results() reads on the host in one copy: the ids, or logprob_rows if asked."""
     token_ids: torch.Tensor
     packed: torch.Tensor
     num_logprobs: list[int | None]
@@ -1048,10 +1047,9 @@ def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.
 
 
 def to_device(data: torch.Tensor | list, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A host tensor (or a list, as torch.tensor takes it) on ``device``. On CUDA by way of
-    pinned memory, non-blocking: a pageable copy waits for the stream to drain, which would
-    hold step N+1's launch behind step N (async scheduling). The caching host allocator
-    keeps a freed pinned block until its copy has run."""
+    """A host tensor (or a list, as torch.tensor takes it) on ``device``. On CUDA from pinned memory,
+    non-blocking: a pageable copy waits for the stream to drain, which would hold step N+1's launch
+    behind step N. (The caching host allocator keeps a freed pinned block until its copy has run.)"""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
@@ -1088,10 +1086,9 @@ class ModelRunnerOutput:
 
 
 class AsyncModelRunnerOutput:
-    """A launched step's results, still on the device (vLLM's AsyncGPUModelRunnerOutput).
-    On CUDA their copy to pinned host memory is queued now, right behind the sampler,
-    so the next step launched after it does not hold it up; ``get()`` waits for that
-    copy, the step's only device -> host sync, and returns the ModelRunnerOutput."""
+    """A launched step's results, still on the device (vLLM's AsyncGPUModelRunnerOutput). On CUDA
+    their copy to pinned host memory is queued now, behind the sampler and before the next step;
+    ``get()`` waits for it (the step's only device -> host sync) and returns the ModelRunnerOutput."""
 
     def __init__(self, sampled: SamplerOutput | None, prompt_logprobs: dict[int, list[TokenLogprobs]]):
         self.sampled, self.prompt_logprobs, self.copied = sampled, prompt_logprobs, None
@@ -1364,9 +1361,8 @@ class ModelRunner:
 
     def _write_prev_sampled(self, input_ids: torch.Tensor, seqs: list[SeqInput],
                             query_start_loc: torch.Tensor | None = None) -> None:
-        """Async scheduling: the sequences whose input token the previous step sampled read
-        it from that step's ids on the device, in one index op (its token is the first of
-        the sequence's tokens in ``input_ids``: at query_start_loc, or one row each)."""
+        """Async scheduling: sequences whose input the previous step sampled read it from that step's
+        ids on the device, in one index op (into their first token: at query_start_loc, or row i)."""
         moves = [(i, s.prev_sample_row) for i, s in enumerate(seqs) if s.prev_sample_row is not None]
         if moves:
             seq, row = (host_ints(x) for x in zip(*moves))
@@ -1379,11 +1375,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, seqs: list[SeqInput]) -> AsyncModelRunnerOutput:
-        """Launch one step; its results (one per sequence that samples, in order, and
-        the prompt logprobs asked for) come from the returned object's get(). On CUDA
-        nothing here waits for the device but prompt logprobs. Under tensor parallelism
-        this is rank 0: the step goes to the workers first, in one message, and they
-        join the forward's collectives."""
+        """Launch one step; get() of what it returns gives one result per sequence that samples,
+        in order, and the prompt logprobs asked for (on CUDA only those wait for the device here).
+        Under tensor parallelism this is rank 0: the step goes to the workers first, in one
+        message, and they join the forward's collectives."""
         rows = [i for i, s in enumerate(seqs) if s.sample is not None]
         if self.tp.world_size == 1:
             logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
