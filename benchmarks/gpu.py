@@ -315,22 +315,23 @@ def _w1_llm(scale: Scale, spec: dict, eager: bool, **kw):
     return LLM(spec["models"]["w1"], dtype="bfloat16", device=scale.device, skip_tokenizer_init=True, **kw)
 
 
-def part_w1(scale: Scale, spec: dict, eager: bool = False) -> dict:
+def part_w1(scale: Scale, spec: dict, eager: bool = False, async_scheduling: bool = False) -> dict:
     """W1 in this fresh process: start-up (with one 2-token warm-up request, as
     benchmarks/throughput.py times it), then the first W1 run (cold), then a
     second (warm). Prefix caching is off: W1's random prompts share no prefix,
-    and the warm run would otherwise find every prompt cached by the cold one."""
+    and the warm run would otherwise find every prompt cached by the cold one.
+    ``async_scheduling``: vLLM's --async-scheduling (w1_async)."""
     import torch
 
     from nanoserve import SamplingParams
     w = w1_workload(scale)
     t0 = time.perf_counter()
-    llm = _w1_llm(scale, spec, eager, enable_prefix_caching=False)
+    llm = _w1_llm(scale, spec, eager, enable_prefix_caching=False, async_scheduling=async_scheduling)
     engine_s = time.perf_counter() - t0
     llm.generate([w.prompts[0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False) for n in w.output_lens]
-    res = dict(eager=eager, startup_s=_r(startup, 2), engine_init_s=_r(engine_s, 2),
+    res = dict(eager=eager, async_scheduling=async_scheduling, startup_s=_r(startup, 2), engine_init_s=_r(engine_s, 2),
                compile_time_s=_r(llm.engine.compile_time_s, 2), backend=llm.engine.backend.name,
                graphs=len(llm.engine.runner.graphs), decode_sizes=llm.engine.runner.decode_sizes,
                kv_blocks=llm.engine.kv_plan.num_blocks, requests=len(w.prompts), prefix_caching=False,
@@ -349,7 +350,7 @@ def part_w1(scale: Scale, spec: dict, eager: bool = False) -> dict:
         res[f"{run}_digest"] = digest(toks)
         res["num_out"] = n_out
         tokens = toks
-        print(f"[w1] {'eager' if eager else 'graphs'} {run}: {wall:.2f} s, {n_out / wall:.0f} tok/s, "
+        print(f"[w1] {'eager' if eager else 'graphs'}{' async' if async_scheduling else ''} {run}: {wall:.2f} s, {n_out / wall:.0f} tok/s, "
               f"digest {res[f'{run}_digest']}", flush=True)
     res["cold_warm_same_tokens"] = res["cold_digest"] == res["warm_digest"]
     res["stats"] = llm.stats()
@@ -701,12 +702,13 @@ def part_cuda_tests(scale: Scale, spec: dict) -> dict:
 WORKERS = dict(env=part_env, models=part_models,
                w1_graphs=lambda s, spec: part_w1(s, spec, eager=False),
                w1_eager=lambda s, spec: part_w1(s, spec, eager=True),
+               w1_async=lambda s, spec: part_w1(s, spec, async_scheduling=True),
                breakdown=part_breakdown, parity=part_parity, cuda_tests=part_cuda_tests, serve=part_serve,
                hf_cb=part_hf_cb)
 # name: (timeout s on the GPU, in the dry run)
-TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), breakdown=(120, 60),
-                parity=(150, 150), cuda_tests=(90, 90), serve=(150, 90), hf_cb=(150, 60))
-NEEDS_W1 = ("w1_graphs", "w1_eager", "breakdown", "hf_cb", "serve")
+TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), w1_async=(90, 60),
+                breakdown=(120, 60), parity=(150, 150), cuda_tests=(90, 90), serve=(150, 90), hf_cb=(120, 60))
+NEEDS_W1 = ("w1_graphs", "w1_eager", "w1_async", "breakdown", "hf_cb", "serve")
 
 
 def worker_main(name: str, spec_path: Path) -> int:
@@ -824,7 +826,7 @@ def match_rate(a: list[list[int]] | None, b: list[list[int]] | None) -> dict | N
 def summarize(record: dict) -> dict:
     """The headline keys from the parts' results (None where a part failed)."""
     p = record["parts"]
-    g, e, hf, bd = (p.get(k) or {} for k in ("w1_graphs", "w1_eager", "hf_cb", "breakdown"))
+    g, e, hf, bd, a = (p.get(k) or {} for k in ("w1_graphs", "w1_eager", "hf_cb", "breakdown", "w1_async"))
     env = p.get("env") or {}
     out = dict(gpu=env.get("gpu"), torch=env.get("torch"), triton=env.get("triton"),
                transformers=env.get("transformers"),
@@ -832,6 +834,7 @@ def summarize(record: dict) -> dict:
                w1_eager_s=e.get("warm_s"), w1_eager_cold_s=e.get("cold_s"), w1_eager_startup_s=e.get("startup_s"),
                w1_output_tok_s=g.get("warm_output_tok_s"),
                w1_digest=g.get("warm_digest"), w1_eager_digest=e.get("warm_digest"),
+               w1_async_warm_s=a.get("warm_s"), w1_async_digest=a.get("warm_digest"),
                hf_cb_graph_s=hf.get("second_s"), hf_cb_graph_first_s=hf.get("first_s"),
                decode_step_ms_b64=bd.get("decode_step_ms_b64"),
                decode_step_eager_ms_b64=bd.get("decode_step_eager_ms_b64"),
@@ -841,6 +844,8 @@ def summarize(record: dict) -> dict:
         out["graphs_eager_same_tokens"] = g["warm_digest"] == e["warm_digest"]
         if not out["graphs_eager_same_tokens"]:
             out["graphs_eager_match"] = record.get("graphs_eager_match")
+    if g.get("warm_digest") and a.get("warm_digest"):  # async scheduling must not change a token
+        out["async_graphs_same_tokens"] = g["warm_digest"] == a["warm_digest"]
     return out
 
 
@@ -851,7 +856,8 @@ def _fmt(x, unit="", nd=2) -> str:
 def markdown(record: dict) -> str:
     """A section for benchmarks/RESULTS.md."""
     s, p = record, record["parts"]
-    g, e, hf, bd, sv = (p.get(k) or {} for k in ("w1_graphs", "w1_eager", "hf_cb", "breakdown", "serve"))
+    g, e, hf, bd, sv, a = (p.get(k) or {} for k in ("w1_graphs", "w1_eager", "hf_cb", "breakdown", "serve",
+                                                     "w1_async"))
     dry = " (DRY RUN on a CPU, tiny shapes: no figure here is a GPU measurement)" if s.get("dry_run") else ""
     lines = [f"## {s['date']}: issue 22's GPU check on {s.get('gpu')}{dry}", "",
              f"`benchmarks/gpu.py`, commit `{s['commit']}`; torch {s.get('torch')}, Triton {s.get('triton')}, "
@@ -869,6 +875,10 @@ def markdown(record: dict) -> str:
         f"{g.get('graphs', '?')} graphs)", f"≤ {TARGETS['w1_cold_s']} s{ok(g.get('cold_s'), TARGETS['w1_cold_s'])}")
     row("W1 `enforce_eager=True`: warm / first", f"{_fmt(e.get('warm_s'), ' s')} / {_fmt(e.get('cold_s'), ' s')} "
         f"(start-up {_fmt(e.get('startup_s'), ' s', 1)})")
+    am = s.get("async_graphs_same_tokens")
+    row("W1 `async_scheduling=True` (CUDA graphs): warm / first",
+        f"{_fmt(a.get('warm_s'), ' s')} / {_fmt(a.get('cold_s'), ' s')}, tokens "
+        f"{'—' if am is None else 'identical to' if am else 'DIFFER from'} the graphs run's")
     gm = s.get("graphs_eager_same_tokens")
     row("greedy tokens, graphs vs eager", "—" if gm is None else ("identical" if gm else
         f"differ: {s.get('graphs_eager_match')}") + f" (digests {g.get('warm_digest')} / {e.get('warm_digest')})")
@@ -969,7 +979,8 @@ def orchestrate(args) -> int:
     final = json.loads((run.out / f"{'gpu-w1-dry' if args.dry_run else 'gpu-w1'}.json").read_text())
     print("\n" + markdown(final), flush=True)
     print(json.dumps({k: final.get(k) for k in ("date", "gpu", "torch", "commit", "w1_warm_s", "w1_cold_s",
-                                                "w1_eager_s", "hf_cb_graph_s", "decode_step_ms_b64")}), flush=True)
+                                                "w1_eager_s", "w1_async_warm_s", "hf_cb_graph_s",
+                                                "decode_step_ms_b64")}), flush=True)
     failed = [k for k, v in record["parts"].items() if not v.get("ok")]
     print(f"[gpu] wrote {run.out}; {len(failed)} parts failed or skipped{': ' + ', '.join(failed) if failed else ''}",
           flush=True)

@@ -59,6 +59,7 @@ def fake_record() -> dict:
         w1_graphs=dict(ok=True, warm_s=1.1, cold_s=2.9, startup_s=30.0, graphs=35, warm_digest="aa",
                        warm_output_tok_s=8000.0),
         w1_eager=dict(ok=True, warm_s=7.0, cold_s=9.0, startup_s=10.0, warm_digest="bb"),
+        w1_async=dict(ok=True, warm_s=1.0, cold_s=2.0, startup_s=20.0, warm_digest="aa"),
         breakdown=dict(ok=True, decode_step_ms_b64=2.4, fixed_context=dict(context=400, by_batch=by_batch),
                        per_step=dict(batch=64, steps=100, context_first=351, context_last=450, ms=ms, host_ms=0.45),
                        plain_step_ms=dict(mean=3.5)),
@@ -75,12 +76,14 @@ def test_json_and_markdown_from_made_up_results(tmp_path):
     assert all(k in data for k in HEADLINE)
     assert data["w1_warm_s"] == 1.1 and data["decode_step_ms_b64"] == 2.4 and data["hf_cb_graph_s"] is None
     assert data["graphs_eager_same_tokens"] is False and data["gpu"] == "NVIDIA H200"
+    assert data["w1_async_warm_s"] == 1.0 and data["async_graphs_same_tokens"] is True
     md = (tmp_path / "out" / "gpu-w1.md").read_text()
     assert md.startswith("## 2026-12-05 10:00 UTC: issue 22's GPU check on NVIDIA H200")
     assert "| W1 warm (second run in the process, CUDA graphs; prefix caching off in all W1 runs) | **1.10 s**" \
         in md
     assert "60/64" in md and "`hf_cb`: RuntimeError: boom" in md and "`parity`: a check failed" in md
     assert "online c=64 (64/64 requests)" in md
+    assert "| W1 `async_scheduling=True` (CUDA graphs): warm / first | 1.00 s / 2.00 s, tokens identical" in md
     assert not (gpu.HERE / "results" / "gpu-w1.json").exists() or \
         json.loads((gpu.HERE / "results" / "gpu-w1.json").read_text())["commit"] != "abc1234"
 
