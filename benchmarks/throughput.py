@@ -48,7 +48,8 @@ def run_nanoserve(w: workloads.Workload, model: str, prefix_caching: bool, extra
     from nanoserve import LLM, SamplingParams
     t0 = time.perf_counter()
     llm = LLM(model, skip_tokenizer_init=True, enable_prefix_caching=prefix_caching,
-              kv_cache_memory_bytes=int(extra.get("kv_gib", 4) * 2**30))
+              kv_cache_memory_bytes=int(extra.get("kv_gib", 4) * 2**30),
+              **({"async_scheduling": True} if extra.get("async_scheduling") else {}))
     llm.generate([w.prompts[0][:16]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     startup = time.perf_counter() - t0
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
@@ -211,12 +212,14 @@ def main() -> None:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--w2-caching", choices=["both", "on", "off"], default="both",
                     help="W2 runs each engine with prefix caching on and off; or only one of them")
+    ap.add_argument("--async-scheduling", action="store_true", help="nanoserve with async_scheduling=True")
     ap.add_argument("--extra", default="{}")
     args = ap.parse_args()
     if args.worker:
         return worker_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    extra = {"kv_gib": args.kv_gib, "vllm_compile": not args.vllm_eager, "vllm_bind": args.vllm_bind}
+    extra = {"kv_gib": args.kv_gib, "vllm_compile": not args.vllm_eager, "vllm_bind": args.vllm_bind,
+             "async_scheduling": args.async_scheduling}
     for workload in args.workloads:
         # W2 is the prefix-caching workload: run each engine with caching on and off.
         variants = {"both": [True, False], "on": [True], "off": [False]}[args.w2_caching] \

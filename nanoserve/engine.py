@@ -1726,7 +1726,7 @@ class AsyncLLM:
         a new request's under the same id): the scheduler frees the blocks at
         once. A step that is running on the worker thread may still write KV
         into them, which is harmless: nothing can allocate them before the next
-        schedule()."""
+        schedule() (async scheduling: whose step comes after it on the device)."""
         if self.queues.get(request_id) is queue:
             del self.queues[request_id]
             self.engine.abort_request(request_id)

@@ -29,9 +29,9 @@ _llms: dict = {}
 
 
 def make(model, async_scheduling: bool, **kw) -> LLM:
-    """One LLM per (mode, settings) for the whole module; an async one records, at
-    each launch, how many steps were in flight (the one launched included) and
-    which requests the one before it samples for."""
+    """One LLM per (mode, settings) for the whole module. Each records, at each
+    launch, how many steps were in flight (the one launched included) and which
+    requests the one before it samples for."""
     key = (async_scheduling, tuple(sorted(kw.items())))
     if key not in _llms:
         kw = {k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}
@@ -73,8 +73,9 @@ def assert_same(a, b) -> None:
     for x, y in zip(a, b):
         assert len(x.outputs) == len(y.outputs)
         assert (x.prompt_logprobs is None) == (y.prompt_logprobs is None)
-        for px, py in zip(x.prompt_logprobs or [], y.prompt_logprobs or []):
-            assert (px is None and py is None) or px.keys() == py.keys()
+        for px, py in zip(x.prompt_logprobs or [], y.prompt_logprobs or [], strict=True):
+            assert (px is None) == (py is None) and (px or {}).keys() == (py or {}).keys()
+            assert all(abs(px[t].logprob - py[t].logprob) < 1e-4 and px[t].rank == py[t].rank for t in px or {})
         for c, d in zip(x.outputs, y.outputs):
             assert (c.index, c.token_ids, c.text, c.finish_reason, c.stop_reason) == \
                 (d.index, d.token_ids, d.text, d.finish_reason, d.stop_reason)
