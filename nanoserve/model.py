@@ -1051,7 +1051,7 @@ def to_device(data: torch.Tensor | list, device: torch.device, dtype: torch.dtyp
     non-blocking: a pageable copy waits for the stream to drain, which would hold step N+1's launch
     behind step N. (The caching host allocator keeps a freed pinned block until its copy has run.)"""
     t = data if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
 
 
 def block_table_tensor(tables: list[list[int]]) -> torch.Tensor:

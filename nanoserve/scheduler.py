@@ -74,13 +74,9 @@ class ScheduledRequest:
     # As vLLM's NewRequestData.block_ids: the runner needs nothing from the block
     # manager. The block manager's own list, which it never changes in place.
     block_table: list[int]
-    samples: bool = field(init=False)  # fixed here: the request's tokens grow before an async step lands
-
-    def __post_init__(self) -> None:
-        # A step samples a token only when it reaches the end of the tokens, those
-        # still on the device included (async scheduling's placeholders).
-        req = self.request
-        self.samples = self.start + self.num_new_tokens == req.num_tokens + req.num_output_placeholders
+    # Whether it reaches the end of the tokens (those still on the device included), so
+    # samples one: fixed here, as the request's tokens grow before an async step lands.
+    samples: bool
 
 
 @dataclass(slots=True)
@@ -166,10 +162,10 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm, i = self.block_manager, 0
         while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            # As vLLM's num_output_placeholders: a token still on the device is computed
-            # next, but never past the last position the request needs.
-            end = min(req.num_tokens + req.num_output_placeholders, req.max_num_tokens - 1)
+            req, end = self.running[i], self.running[i].num_tokens
+            if req.num_output_placeholders:  # async scheduling (vLLM's num_output_placeholders): the token
+                # still on the device is computed next, but no position past the last one the request needs
+                end = min(end + req.num_output_placeholders, req.max_num_tokens - 1)
             num_new = min(end - req.num_computed_tokens, budget)
             if num_new <= 0:  # its token in flight is its last: nothing more to compute
                 i += 1
@@ -177,7 +173,8 @@ class Scheduler:
             if not self._allocate_or_preempt(req, num_new, out):
                 break  # req itself was preempted: nothing after it is left to schedule
             out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,
-                                                  bm.block_table(req.request_id)))
+                                                  bm.block_table(req.request_id),
+                                                  req.num_computed_tokens + num_new == end))
             budget -= num_new
             i += 1
         return budget
@@ -211,7 +208,8 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, bm.block_table(req.request_id)))
+            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, bm.block_table(req.request_id),
+                                                  num_computed + num_new == req.num_tokens))
             budget -= num_new
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
                          req.request_id, req.num_tokens, num_computed, num_new)
