@@ -162,7 +162,8 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         bm, i = self.block_manager, 0
         while i < len(self.running) and budget > 0:
-            req, end = self.running[i], self.running[i].num_tokens
+            req = self.running[i]
+            end = req.num_tokens
             if req.num_output_placeholders:  # async scheduling (vLLM's num_output_placeholders): the token
                 # still on the device is computed next, but no position past the last one the request needs
                 end = min(end + req.num_output_placeholders, req.max_num_tokens - 1)
