@@ -7,7 +7,8 @@ This module owns
 * chat templates (``apply_chat_template``); the sampling defaults of generation_config.json;
 * structured outputs: xgrammar grammars compiled once, a matcher per request;
 * ``LLMEngine.step()``: schedule -> execute -> postprocess, the loop every
-  front end drives; the offline ``LLM`` class drives it in a plain loop, and
+  front end drives (``step_work``; with async scheduling step N+1 is launched
+  before step N lands); the offline ``LLM`` class drives it in a plain loop, and
   ``AsyncLLM`` drives it as one task on the server's asyncio loop;
 * tensor parallelism's processes: rank 0's workers (``TPWorkers``), other nodes' (``run_worker_node``);
 * the counters behind ``stats()`` and ``/metrics``.
