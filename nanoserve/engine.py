@@ -915,23 +915,20 @@ class LLMEngine:
         work, (function, *args), and is sent each result: step() runs it in place, the
         server's loop on its model thread. With async_scheduling a step lands in the
         next call, after that call launched its own: the host schedules step N+1 while
-        the device runs step N."""
+        the device runs step N. Between calls at most one step is in flight (none
+        without async_scheduling)."""
         outputs = []
         if self.in_flight and not self.in_flight[0].may_run_ahead:
             outputs += yield from self._land()
         step = self.schedule_step()
         if step is not None:
-            sched, inputs = step
-            # The next step may be scheduled before this one lands unless a request that samples here
-            # needs its output on the host for its next token, or prompt logprobs (the next chunk's) come back.
-            flight = StepInFlight(sched, self.config.async_scheduling and not any(i.prompt_logprob_ids for i in inputs)
-                                  and all(s.request.can_run_ahead for s in sched.scheduled if s.samples))
-            self.in_flight.append(flight)  # before the launch: if it fails, fail_step ends its requests
-            for s in sched.scheduled:
+            flight, inputs = step
+            for s in flight.sched.scheduled:
                 s.request.num_output_placeholders += s.samples
             launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
             flight.output = yield launch, inputs
-        while len(self.in_flight) > (step is not None and self.config.async_scheduling):
+        keep = 1 if step is not None and self.config.async_scheduling else 0  # this call's step, left running
+        while len(self.in_flight) > keep:
             outputs += yield from self._land()
         return outputs
 
@@ -941,17 +938,30 @@ class LLMEngine:
         flight = self.in_flight[0]
         out = flight.output
         if isinstance(out, AsyncModelRunnerOutput):
-            out = yield out.get,
+            out = yield (out.get,)
         for s in flight.sched.scheduled:
             s.request.num_output_placeholders -= s.samples
         outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs)
         self.in_flight.pop(0)  # only now: if postprocess raised, fail_step ends its requests
         return outputs
 
-    def schedule_step(self) -> tuple[SchedulerOutput, list[SeqInput]] | None:
-        """The next step and its model inputs; None when nothing can run."""
+    def schedule_step(self) -> tuple[StepInFlight, list[SeqInput]] | None:
+        """The next step, in flight from here on, and its model inputs; None when
+        nothing can run."""
         sched = self.scheduler.schedule()
-        return None if sched.is_empty else (sched, self.build_inputs(sched))
+        if sched.is_empty:
+            return None
+        # In flight before its inputs are built: its requests moved on in the scheduler,
+        # so if anything below or in the launch raises, fail_step must end them.
+        before = self.in_flight[-1].sched if self.in_flight else None  # async: its tokens are inputs here
+        flight = StepInFlight(sched, False)
+        self.in_flight.append(flight)
+        inputs = self.build_inputs(sched, before)
+        # The next step may be scheduled before this one lands unless a request that samples here
+        # needs its output on the host for its next token, or prompt logprobs (the next chunk's) come back.
+        flight.may_run_ahead = self.config.async_scheduling and not any(i.prompt_logprob_ids for i in inputs) \
+            and all(s.request.can_run_ahead for s in sched.scheduled if s.samples)
+        return flight, inputs
 
     def fail_step(self) -> list[str]:
         """End the requests of the steps in flight (the failed one, and under async
@@ -968,10 +978,11 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
         return failed
 
-    def build_inputs(self, sched: SchedulerOutput) -> list[SeqInput]:
+    def build_inputs(self, sched: SchedulerOutput, in_flight: SchedulerOutput | None = None) -> list[SeqInput]:
         """The scheduled step as plain data for the model runner. Token lists are
         sliced (copied) here so the model can run on another thread while the
-        loop thread appends to requests."""
+        loop thread appends to requests. ``in_flight``: the step launched before
+        this one and not landed (async scheduling), whose sampled ids some inputs are."""
         seqs, prev_rows = [], None
         now = time.monotonic()
         for s in sched.scheduled:
@@ -981,7 +992,7 @@ class LLMEngine:
             token_ids, prev_row = req.token_ids[s.start:s.start + s.num_new_tokens], None
             if not token_ids:  # async scheduling: its input is the token the step in flight samples
                 prev_rows = prev_rows or {x.request: i for i, x in enumerate(
-                    x for x in self.in_flight[-1].sched.scheduled if x.samples)}
+                    x for x in in_flight.scheduled if x.samples)}
                 token_ids, prev_row = [0], prev_rows[req]
             seqs.append(SeqInput(token_ids, s.start, s.block_table, req.sample_request() if s.samples else None,
                                  req.prompt_logprob_ids(s.start, s.num_new_tokens),
@@ -1466,6 +1477,7 @@ class LLM:
                                                 f"gen {gen_toks / dt:.0f} tok/s")
                             bar.update(1)
         except BaseException:
+            self.engine.fail_step()  # a step still in flight (async scheduling) with them
             for rid in ids:  # leave no request half-run behind (e.g. Ctrl-C)
                 if rid not in final:
                     self.engine.abort_request(rid)
@@ -1607,7 +1619,8 @@ class AsyncLLM:
     needs no locks; only the model step runs on one worker thread (``executor``:
     the model_thread() the engine was built on). Each request's outputs go to the
     ``asyncio.Queue`` its caller gave (a server request's prompts share one). A
-    step that raises ends only its own requests (``RequestFailedError``);
+    step that raises ends only its own requests (``RequestFailedError``; under
+    async scheduling those of the step still in flight too);
     MAX_CONSECUTIVE_STEP_FAILURES in a row end the loop (``EngineDeadError`` to
     all, ``dead`` set, ``is_running`` False)."""
 

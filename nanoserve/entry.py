@@ -255,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{flag} must be {rule}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser NAME")
+    if args.async_scheduling and args.tensor_parallel_size > 1:
+        parser.error("--async-scheduling does not work with --tensor-parallel-size > 1 (yet)")
     if args.chat_template is not None:
         try:
             args.chat_template = load_chat_template(args.chat_template)

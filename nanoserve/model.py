@@ -900,7 +900,8 @@ class Sampler:
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if bans:
             i, t = zip(*bans)
-            logits[to_device(i, dev), to_device(t, dev)] = float("-inf")
+            # a 0-d tensor made on the device: torch would copy a Python scalar there, a host sync
+            logits.index_put_((to_device(i, dev), to_device(t, dev)), logits.new_full((), float("-inf")))
         for i, r in enumerate(rows):  # allowed_token_ids: every other token banned (rare: a row at a time)
             if r.params.allowed_token_ids:
                 keep = to_device(r.params.allowed_token_ids, dev)
@@ -1093,9 +1094,10 @@ class AsyncModelRunnerOutput:
     def __init__(self, sampled: SamplerOutput | None, prompt_logprobs: dict[int, list[TokenLogprobs]]):
         self.sampled, self.prompt_logprobs, self.copied = sampled, prompt_logprobs, None
         if sampled is not None and sampled.packed.is_cuda:
+            stream = torch.cuda.current_stream(sampled.packed.device)  # the copy's, whatever device is current
             sampled.packed = sampled.packed.to("cpu", non_blocking=True)  # into pinned memory
             self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(stream)
 
     def get(self) -> ModelRunnerOutput:
         if self.copied is not None:

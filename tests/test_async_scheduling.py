@@ -238,11 +238,60 @@ def test_a_failed_step_ends_the_requests_of_both_steps(model):
     assert_same(ref, asyn.generate(PROMPTS[:3], params, use_tqdm=False))
 
 
-def test_flag_and_tensor_parallel_refusal(model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_step_that_fails_while_built_ends_its_requests(model, async_scheduling, monkeypatch):
+    """A step whose inputs cannot be built (here one request's sampling row raises):
+    its requests had moved on in the scheduler, so they must end with an error too,
+    not stay running with nothing left to compute (the server's client would wait
+    forever). Offline the error reaches the caller; the server's clients get it."""
+    from nanoserve.engine import AsyncLLM, Request, RequestFailedError
+    real, armed = Request.sample_request, [True]
+
+    def flaky(req):  # once armed, the first sampling row of PROMPTS[1] raises
+        if armed and req.prompt_token_ids == PROMPTS[1]:
+            armed.clear()
+            raise RuntimeError("boom while building the step")
+        return real(req)
+    monkeypatch.setattr(Request, "sample_request", flaky)
+    llm = make(model, async_scheduling)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+    async def serve():
+        front = AsyncLLM(engine)
+        front.start()
+        try:
+            qa, qb = asyncio.Queue(), asyncio.Queue()
+            front.add_request(PROMPTS[0], params, "a", qa)
+            front.add_request(PROMPTS[1], params, "b", qb)
+            results = []
+            for q in (qa, qb):
+                while not isinstance(item := await asyncio.wait_for(q.get(), 60), BaseException) \
+                        and not item.finished:
+                    pass
+                results.append(item)
+            return results
+        finally:
+            await front.shutdown()
+    a, b = asyncio.run(serve())
+    assert not armed and isinstance(b, RequestFailedError)
+    assert isinstance(a, RequestFailedError) or len(a.outputs[0].token_ids) == 6  # in b's step, or done before
+    assert_idle(llm)
+    armed.append(True)  # offline: the error reaches generate's caller, and nothing is left running
+    with pytest.raises(RuntimeError, match="boom while building"):
+        llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert not armed
+    assert_idle(llm)
+
+
+def test_flag_and_tensor_parallel_refusal(model, capsys):
     assert engine_config(parse_args(["--model", str(model), "--async-scheduling"])).async_scheduling
     assert not engine_config(parse_args(["--model", str(model)])).async_scheduling
     with pytest.raises(ValueError, match="tensor_parallel_size > 1.*sampled token ids"):
         EngineConfig(str(model), tensor_parallel_size=2, async_scheduling=True)
+    with pytest.raises(SystemExit):  # the CLI's one-line error, not a traceback
+        parse_args(["--model", str(model), "--async-scheduling", "--tensor-parallel-size", "2"])
+    assert "--async-scheduling does not work with --tensor-parallel-size > 1" in capsys.readouterr().err
 
 
 def test_server_streams_the_same(model):

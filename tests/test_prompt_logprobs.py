@@ -82,7 +82,8 @@ def test_a_step_samples_the_same_with_prompt_logprobs_in_it(tiny_model):
     engine = LLM(str(tiny_model), **BASE).engine
     engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=1, logprobs=3, prompt_logprobs=2))
     engine.add_request(PROMPTS[1], SamplingParams(temperature=1.0, seed=5, max_tokens=1, logprobs=3))
-    sched, inputs = engine.schedule_step()
+    flight, inputs = engine.schedule_step()
+    sched = flight.sched
     assert [len(s.prompt_logprob_ids or ()) for s in inputs] == [len(PROMPTS[0]) - 1, 0]
     asked = engine.runner.execute(inputs)
     plain = engine.runner.execute([dataclasses.replace(s, prompt_logprob_ids=None) for s in inputs])
