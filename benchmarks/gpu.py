@@ -353,11 +353,48 @@ def part_w1(scale: Scale, spec: dict, eager: bool = False, async_scheduling: boo
         print(f"[w1] {'eager' if eager else 'graphs'}{' async' if async_scheduling else ''} {run}: {wall:.2f} s, {n_out / wall:.0f} tok/s, "
               f"digest {res[f'{run}_digest']}", flush=True)
     res["cold_warm_same_tokens"] = res["cold_digest"] == res["warm_digest"]
+    if async_scheduling and scale.device == "cuda":
+        res["launch_syncs"] = _launch_syncs(llm, w.prompts[:16])
     res["stats"] = llm.stats()
     if scale.device == "cuda":
         res["peak_allocated_GiB"] = _r(torch.cuda.max_memory_allocated() / 2**30, 2)
     res["tokens"] = tokens  # the orchestrator compares graphs with eager, then drops them
     return res
+
+
+def _launch_syncs(llm, prompts) -> dict:
+    """Async scheduling overlaps only if launching a step never waits for the GPU:
+    each launch of a short run under torch's sync debug mode, counting the host
+    syncs it makes, over the kinds of requests that run ahead (greedy; seeded
+    top-k/top-p with logprobs; min_tokens; logit_bias). Expected: none."""
+    import warnings
+
+    import torch
+
+    from nanoserve import SamplingParams
+    kinds = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1, logprobs=2, max_tokens=24, ignore_eos=True),
+             SamplingParams(temperature=0, min_tokens=12, max_tokens=24),
+             SamplingParams(temperature=0, logit_bias={5: 2.0}, max_tokens=24, ignore_eos=True)]
+    runner, counts = llm.engine.runner, []
+    launch = runner.execute_model
+
+    def checked(seqs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return launch(seqs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counts.append([str(c.message)[:200] for c in caught])
+    runner.execute_model = checked
+    try:
+        llm.generate(prompts, [kinds[i % len(kinds)] for i in range(len(prompts))], use_tqdm=False)
+    finally:
+        runner.execute_model = launch
+    return dict(launches=len(counts), launches_that_synced=sum(map(bool, counts)),
+                first=next((c for c in counts if c), None))
 
 
 class _NoReplay:
@@ -876,9 +913,11 @@ def markdown(record: dict) -> str:
     row("W1 `enforce_eager=True`: warm / first", f"{_fmt(e.get('warm_s'), ' s')} / {_fmt(e.get('cold_s'), ' s')} "
         f"(start-up {_fmt(e.get('startup_s'), ' s', 1)})")
     am = s.get("async_graphs_same_tokens")
+    ls = a.get("launch_syncs") or {}
     row("W1 `async_scheduling=True` (CUDA graphs): warm / first",
         f"{_fmt(a.get('warm_s'), ' s')} / {_fmt(a.get('cold_s'), ' s')}, tokens "
-        f"{'—' if am is None else 'identical to' if am else 'DIFFER from'} the graphs run's")
+        f"{'—' if am is None else 'identical to' if am else 'DIFFER from'} the graphs run's; launches that "
+        f"synced the host: {ls.get('launches_that_synced', '—')} of {ls.get('launches', '—')}")
     gm = s.get("graphs_eager_same_tokens")
     row("greedy tokens, graphs vs eager", "—" if gm is None else ("identical" if gm else
         f"differ: {s.get('graphs_eager_match')}") + f" (digests {g.get('warm_digest')} / {e.get('warm_digest')})")
