@@ -1656,6 +1656,7 @@ class AsyncLLM:
             except (asyncio.CancelledError, Exception):
                 pass
         self.executor.shutdown(wait=True, cancel_futures=True)
+        self.engine.fail_step()  # a step the cancelled loop left in flight: the engine may be driven again
 
     def fail_all(self, error: BaseException) -> None:
         """End every request in flight now with ``error`` (e.g. a drain timeout)."""

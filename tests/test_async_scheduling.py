@@ -284,6 +284,43 @@ def test_a_step_that_fails_while_built_ends_its_requests(model, async_scheduling
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_shutdown_mid_step_leaves_the_engine_reusable(model, async_scheduling):
+    """The server's engine loop cancelled while a step runs on the model thread
+    (shutdown): no step stays in flight, so the engine can be driven again."""
+    import threading
+
+    from nanoserve.engine import AsyncLLM
+    llm = make(model, async_scheduling)
+    engine, launch = llm.engine, llm.engine.runner.execute_model
+    entered, release = threading.Event(), threading.Event()
+
+    def held(seqs):
+        entered.set()
+        release.wait(60)  # until shutdown has cancelled the loop
+        return launch(seqs)
+
+    async def serve():
+        front = AsyncLLM(engine)
+        front.start()
+        front.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=6), "a", asyncio.Queue())
+        await asyncio.get_running_loop().run_in_executor(None, entered.wait, 60)
+        closing = asyncio.ensure_future(front.shutdown())
+        await asyncio.sleep(0)  # the loop task is cancelled; the launch still holds the model thread
+        release.set()
+        await closing
+    engine.runner.execute_model = held
+    try:
+        asyncio.run(serve())
+    finally:
+        engine.runner.execute_model = launch
+    assert entered.is_set()
+    assert_idle(llm)
+    ref = make(model, not async_scheduling).generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5),
+                                                     use_tqdm=False)
+    assert_same(ref, llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=5), use_tqdm=False))
+
+
 def test_flag_and_tensor_parallel_refusal(model, capsys):
     assert engine_config(parse_args(["--model", str(model), "--async-scheduling"])).async_scheduling
     assert not engine_config(parse_args(["--model", str(model)])).async_scheduling
