@@ -193,6 +193,8 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # No waiting request has a token in flight (async scheduling): one preempted with
+        # a token in flight is not admitted in that schedule, and the token lands before the next.
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
