@@ -153,6 +153,11 @@ class BlockManager:
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
         Returns False, changing nothing, when the free blocks do not suffice."""
         table = self.req_to_blocks.get(request_id, [])
+        if not computed_blocks and num_tokens <= len(table) * self.block_size:
+            # most decode steps: the new token fits the last block held, nothing to take
+            self._track_unused(request_id, num_tokens)
+            self._cache_full_blocks(request_id, token_ids, num_tokens)
+            return True
         computed_blocks = computed_blocks or []
         # Hits that are on the free list are about to be taken out of it.
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
