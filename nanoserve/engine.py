@@ -799,9 +799,10 @@ class LLMEngine:
         if not num_tokens:
             raise InvalidInput("prompt", "the prompt is empty: give at least one token")
         if num_tokens >= self.max_model_len:
-            raise InvalidInput("prompt", f"the prompt ({num_tokens} tokens) is too long: max_model_len is "
-                                         f"{self.max_model_len}, which must also leave room for at least one "
-                                         f"output token")
+            # vLLM's wording: clients match "maximum context length" to detect an overflow
+            raise InvalidInput("prompt", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                         f"However, your request has {num_tokens} input tokens. Please reduce the "
+                                         f"length of the prompt (at least one output token must also fit).")
 
     def validate_params(self, params: SamplingParams) -> Any:
         """Check ``params`` against this model (raises InvalidInput); returns the

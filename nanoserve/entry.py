@@ -1604,10 +1604,11 @@ class Generation:
         max_tokens, max_model_len = self.params.max_tokens, self.state.engine.max_model_len
         if max_tokens is not None and num_prompt + max_tokens > max_model_len:
             name, what = self.req.param_name("max_tokens"), self.req.prompt_field
-            raise bad_request(
-                f"this model's max-model-len is {max_model_len} tokens, but the request needs "
-                f"{num_prompt + max_tokens}: {num_prompt} in the {what} and {name}={max_tokens}; lower {name} "
-                f"to at most {max(max_model_len - num_prompt, 0)} or shorten the {what}", name)
+            raise bad_request(  # vLLM's wording, which clients match, then what to do
+                f"'{name}' is too large: {max_tokens}. This model's maximum context length is {max_model_len} "
+                f"tokens and your request has {num_prompt} input tokens ({max_tokens} > {max_model_len} - "
+                f"{num_prompt}). Lower {name} to at most {max(max_model_len - num_prompt, 0)} or shorten the "
+                f"{what}.", name)
 
     def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
         """One engine request per prompt, each putting its outputs in ``self.queue``."""

@@ -273,8 +273,8 @@ def small(model):
 
 
 @pytest.mark.parametrize("prompt, match", [
-    ([1] * 40, r"too long.*max_model_len is 32"),
-    ([1] * 32, r"too long"),  # exactly max_model_len leaves no room for an output token
+    ([1] * 40, r"maximum context length is 32 tokens. However, your request has 40 input tokens"),
+    ([1] * 32, r"maximum context length is 32 tokens.*32 input tokens.*one output token"),  # exactly max_model_len leaves no room for an output token
     ([], r"empty"),
     ("", r"empty"),
     ([1, VOCAB, 2], rf"\[0, {VOCAB}\)"),

@@ -101,8 +101,8 @@ def test_a_huge_token_id_prompt_is_refused_from_its_bytes(server, monkeypatch):
     num = entry.LARGE_BODY_BYTES // 3 + 1000
     raw = '{"model": "m",  "prompt" :\n [ 7,' + " 1," * (num - 2) + ' 3 ], "max_tokens": 1}'
     err = _check_error(_post(server.url, raw), 400, "prompt")
-    assert err["message"].startswith(f"the prompt ({num} tokens) is too long: max_model_len is "
-                                      f"{server.engine.max_model_len}")
+    assert err["message"].startswith(f"This model's maximum context length is {server.engine.max_model_len} "
+                                      f"tokens. However, your request has {num} input tokens.")
     assert decoded == []
     pad = " " * entry.LARGE_BODY_BYTES  # JSON whitespace: large, and a prompt that fits
     assert _post(server.url, '{"prompt": [5, 6, 7],' + pad + '"max_tokens": 1}').status_code == 200
@@ -139,7 +139,7 @@ def test_a_text_longer_than_any_prompt_that_fits_is_refused_untokenized(server):
         del tokenizer.encode
     # a token-id prompt over the limit is refused on its length, before its ids are checked
     err = _check_error(_post(server.url, {"prompt": [1] + ["a"] * 100_000}), 400, "prompt")
-    assert "too long" in err["message"]
+    assert "maximum context length" in err["message"]
     server.wait_idle()
 
 

@@ -81,17 +81,19 @@ def test_prompt_rejected(server, logs):
     r = _post(server.url, {"prompt": list(range(1, 301)), "max_tokens": 1}, "long-prompt-1")
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "prompt"
-    assert "the prompt (300 tokens) is too long: max_model_len is 256" in err["message"]
+    assert "This model's maximum context length is 256 tokens. However, your request has 300 input tokens" \
+        in err["message"]
     # a prompt that fits, but not with max_tokens
     r = _post(server.url, {"prompt": list(range(1, 201)), "max_tokens": 100}, "long-prompt-2")
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "max_tokens"
-    assert "max-model-len is 256 tokens, but the request needs 300" in err["message"]
-    assert "lower max_tokens to at most 56" in err["message"]
+    assert err["message"].startswith("'max_tokens' is too large: 100. This model's maximum context length is 256 "
+                                     "tokens and your request has 200 input tokens (100 > 256 - 200).")
+    assert "Lower max_tokens to at most 56" in err["message"]
     lines = logs()
-    assert any(line.startswith("[entry] long-prompt-1: POST /v1/completions -> 400: the prompt (300 tokens)")
+    assert any(line.startswith("[entry] long-prompt-1: POST /v1/completions -> 400: This model's maximum context length")
                for line in lines), lines
-    assert any(line.startswith("[entry] long-prompt-2: POST /v1/completions -> 400: this model's max-model-len")
+    assert any(line.startswith("[entry] long-prompt-2: POST /v1/completions -> 400: 'max_tokens' is too large")
                for line in lines), lines
 
 
