@@ -368,7 +368,8 @@ class OpenAIBaseModel(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default: a stream_options object asks for the usage chunk unless it says not
+    continuous_usage_stats: bool = False  # with include_usage: each chunk carries its choice's usage so far
 
 
 class GenerationRequest(OpenAIBaseModel):
@@ -1692,8 +1693,9 @@ class Generation:
                                                               for t, lp in e.items()} for e in prompt_logprobs]
         return out
 
-    def usage(self, num_output_tokens: Iterable[int]) -> dict[str, int]:
-        prompt = sum(len(p.token_ids) for p in self.prompts)
+    def usage(self, num_output_tokens: Iterable[int], prompt_index: int | None = None) -> dict[str, int]:
+        """Of every prompt, or (a stream's continuous usage) of one prompt's choice."""
+        prompt = sum(len(p.token_ids) for i, p in enumerate(self.prompts) if prompt_index in (None, i))
         completion = sum(num_output_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -1834,6 +1836,9 @@ class ChatGeneration(Generation):
         if self.parser is MistralToolParser:  # as vLLM's: [TOOL_CALLS] is a special token the text must keep
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
+        # as vLLM's get_chat_request_role: the reply's turn, or the last message's when it is continued
+        self.role = "assistant" if opens_reply(req.add_generation_prompt, req.continue_final_message) \
+            else req.messages[-1]["role"]
 
     def prompt_inputs(self) -> list[str | list[int]]:
         req = self.req
@@ -1842,9 +1847,8 @@ class ChatGeneration(Generation):
 
     def echo_text(self, prompt_index: int) -> str:
         """As vLLM: the last message's content, if it has the role the reply takes."""
-        req = self.req
-        last, opens = req.messages[-1], opens_reply(req.add_generation_prompt, req.continue_final_message)
-        return (last["content"] or "") if last["role"] == ("assistant" if opens else last["role"]) else ""
+        last = self.req.messages[-1]
+        return (last["content"] or "") if last["role"] == self.role else ""
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
                extra: dict, echo: str = "") -> dict | None:
@@ -1867,8 +1871,8 @@ class ChatGeneration(Generation):
                 return None  # all of it held back: nothing to send yet
             body = {"delta": delta}
         else:
-            body = {"message": {"role": "assistant", "content": content or (None if calls else ""),
-                                **({"tool_calls": calls} if calls else {})}}
+            # tool_calls always, [] for none, as vLLM's ChatMessage: clients read its length
+            body = {"message": {"role": self.role, "content": content or (None if calls else ""), "tool_calls": calls}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
                 **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
 
@@ -1880,7 +1884,7 @@ class ChatGeneration(Generation):
                             for text, lp, ranked in tokens]}
 
     def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
-        return [{**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        return [{**head, "choices": [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                                       "finish_reason": None}]} for i in range(self.req.n)]
 
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
@@ -1914,8 +1918,10 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     unsent = set(range(len(gen.prompts) * params.n))  # choices whose first chunk is still to come
     num_tokens: dict[int, int] = {}  # each choice's output tokens so far (its usage)
     text_sent: dict[int, int] = {}
+    opts = req.stream_options
+    continuous = opts is not None and opts.include_usage and opts.continuous_usage_stats
     for chunk in gen.first_chunks(head):
-        yield sse(chunk)
+        yield sse({**chunk, "usage": gen.usage([0], 0)} if continuous else chunk)
     try:
         async for i, out in gen.outputs():
             for c in out.outputs:  # DELTA outputs: only what this step added
@@ -1934,8 +1940,9 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
                 top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
                 if choice is not None or top:  # None: all of it held back (a tool call's text)
-                    yield sse({**head, "choices": [choice] if choice is not None else [], **top})
-        if req.stream_options is not None and req.stream_options.include_usage:
+                    usage = {"usage": gen.usage([num_tokens[idx]], i)} if continuous else {}
+                    yield sse({**head, "choices": [choice] if choice is not None else [], **top, **usage})
+        if opts is not None and opts.include_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values())})
     except ClientDisconnect:
         raise  # nobody to tell

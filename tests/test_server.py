@@ -274,6 +274,48 @@ def test_stream_of_deltas_adds_up_to_the_response(server, logprobs):
     server.wait_idle()
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": ["The quick brown", "import os"], "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "n": 2}),
+])
+def test_stream_options_usage_as_vllm(server, path, body):
+    """vLLM's StreamOptions: an object asks for the final usage chunk unless include_usage
+    is false; continuous_usage_stats puts each choice's usage so far on every chunk."""
+    body = {**body, "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True}
+
+    def chunks(opts):
+        with httpx.stream("POST", server.url + path, json={**body, "stream_options": opts}) as s:
+            return [json.loads(p) for p in sse_events(s.read().decode())[:-1]]
+    plain = chunks({})
+    total = len(body.get("prompt", [None])) * 2 * 5  # prompts x n x max_tokens
+    assert plain[-1]["choices"] == [] and plain[-1]["usage"]["completion_tokens"] == total
+    assert all("usage" not in c for c in plain[:-1])
+    assert all("usage" not in c for c in chunks({"include_usage": False}))
+    each = chunks({"continuous_usage_stats": True})
+    assert each[-1]["usage"] == plain[-1]["usage"]
+    counts: dict[int, int] = {}
+    for c in each[:-1]:
+        (choice,), usage = c["choices"], c["usage"]
+        counts[choice["index"]] = usage["completion_tokens"]  # never falls, ends at max_tokens
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    assert counts == {i: 5 for i in range(total // 5)}
+    server.wait_idle()
+
+
+def test_chat_message_shape_and_role_as_vllm(server):
+    """A chat message always carries tool_calls ([] for none); with add_generation_prompt
+    false the reply takes the last message's role (vLLM's get_chat_request_role)."""
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}
+    message = httpx.post(server.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["role"] == "assistant" and message["tool_calls"] == []
+    body["add_generation_prompt"] = False
+    message = httpx.post(server.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert message["role"] == "user"
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}) as s:
+        first = json.loads(sse_events(s.read().decode())[0])
+    assert first["choices"][0]["delta"]["role"] == "user"
+
+
 # =========================================================================== raw SSE
 
 def test_sse_framing_with_httpx(server):

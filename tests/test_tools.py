@@ -491,13 +491,13 @@ def test_auto_parses_the_calls_the_model_writes(server):
     assert [streamed[i] for i in sorted(streamed)] == want
     # no call in the text: content as it is
     plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})["choices"][0]
-    assert plain["message"] == {"role": "assistant", "content": "No tools <needed>."}
+    assert plain["message"] == {"role": "assistant", "content": "No tools <needed>.", "tool_calls": []}
     assert plain["finish_reason"] == "stop"
     assert chat_stream(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})[1:] == \
         ("No tools <needed>.", [], "stop")
     # tool_choice "none": the tools reach the template, the output is not parsed
     none = chat(server, tools=TOOLS, tool_choice="none", structured_outputs={"choice": [FORCED]}, max_tokens=300)
-    assert none["choices"][0]["message"] == {"role": "assistant", "content": FORCED}
+    assert none["choices"][0]["message"] == {"role": "assistant", "content": FORCED, "tool_calls": []}
     server.wait_idle()
 
 
@@ -527,7 +527,7 @@ def test_auto_reads_each_parsers_format(server, name, monkeypatch):
         assert (choice["message"]["content"] or "") == told
         assert chat_stream(server, **body)[1:] == (told, want, "tool_calls")
         plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools [needed]."]})["choices"][0]
-        assert plain["message"] == {"role": "assistant", "content": "No tools [needed]."}
+        assert plain["message"] == {"role": "assistant", "content": "No tools [needed].", "tool_calls": []}
         assert skips == {name != "mistral"}
     finally:
         state.tool_parser = "hermes"
