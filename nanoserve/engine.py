@@ -165,6 +165,8 @@ class SamplingParams:
             bad("repetition_penalty", "> 0")
         if self.seed is not None:
             _check_int(self, "seed")
+            if not -2**63 <= self.seed < 2**63:  # vLLM's range (a torch.long)
+                bad("seed", "in [-2**63, 2**63 - 1]")
         if self.max_tokens is not None:
             _check_int(self, "max_tokens")
             if self.max_tokens < 1:
@@ -842,7 +844,8 @@ class LLMEngine:
         """add_request's second half, for a prompt and params already checked."""
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
-        if self._family(request_id):
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if self._family(request_id) or any(rid in self.scheduler.requests for rid in ids):  # "a#0" vs a's children
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -850,9 +853,10 @@ class LLMEngine:
         bad_words = self._bad_words_token_ids(params.bad_words)
         for i in range(params.n):
             child = params
-            if params.n > 1:  # each child its own seed, else all n would be the same text
-                child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            if params.n > 1:  # each child its own seed, else all n would be the same text (wrapped in int64)
+                seed = None if params.seed is None else (params.seed + i + 2**63) % 2**64 - 2**63
+                child = dataclasses.replace(params, n=1, seed=seed)
+            rid = ids[i]
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
             salt = prompt.cache_salt if self.config.enable_prefix_caching else None if params.n == 1 \

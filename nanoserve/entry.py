@@ -278,9 +278,10 @@ def load_chat_template(value: str) -> str:
 
 # =========================================================================== protocol
 # OpenAI's request bodies as pydantic models, as vLLM's protocol.py has them:
-# types and defaults here, strictly (no "1" for 1, no 1 for true); value ranges
-# in SamplingParams, except the server's own (logit_bias in [-100, 100], n <= MAX_N: here), so both share
-# one rule, and an engine error is reported under the body's own field name
+# types and defaults here, in pydantic's lax mode as vLLM's ("5" and 5.0 are 5,
+# 1 and "true" are true; 2.5 is no integer; numbers finite; null is the default);
+# value ranges in SamplingParams, except the server's own (logit_bias in [-100, 100], n <= MAX_N: here), so
+# both share one rule, and an engine error is reported under the body's own field name
 # (param_name). Every declared field is used or refused, and so is every other
 # field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
 # nothing); fields unknown to vLLM too are ignored with a warning, as vLLM does,
@@ -310,7 +311,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
-ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_REQUEST_ID = 1024  # a body's request_id, in characters (vLLM sets no bound; this one is logged and echoed)
 _UNSET = (None,)
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
@@ -334,7 +335,20 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
     "media_io_kwargs": (_UNSET, "multimodal inputs are not supported"),
     "mm_processor_kwargs": (_UNSET, "multimodal inputs are not supported"),
+    "structural_tag": (_UNSET, "structural tags are not implemented (structured_outputs takes json, regex, choice "
+                               "or grammar)"),  # vLLM v0.10's chat field
 }
+_LAX = {t: TypeAdapter(t) for t in (bool, int, float)}
+
+
+def _coerces_to(value: Any, harmless: Any) -> bool:
+    """``value`` is ``harmless`` once pydantic's lax mode makes it that type (0 and "false" are false)."""
+    if harmless is None or value is None:
+        return value is harmless
+    try:
+        return _LAX[type(harmless)].validate_python(value) == harmless
+    except ValidationError:
+        return False
 
 
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
@@ -342,12 +356,16 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    """A body's model: lax types (as vLLM's), finite numbers, and null as the field's default."""
+    model_config = ConfigDict(extra="allow")
+    null_kept: ClassVar[frozenset[str]] = frozenset()  # fields whose null means something else than the default
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_the_default(cls, data: Any) -> Any:
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k in cls.null_kept}
 
 
 class OpenAIBaseModel(_Strict):
@@ -393,7 +411,7 @@ class GenerationRequest(OpenAIBaseModel):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # fast tokenizers decode as they do (vLLM's detokenizer too)
     max_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description='an object such as {"include_usage": true}')
@@ -402,7 +420,7 @@ class GenerationRequest(OpenAIBaseModel):
     return_token_offsets: bool = False  # vLLM's render endpoints only, ignored on these as vLLM does
     return_mm_kwargs: bool = True       # likewise
     echo: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
@@ -410,7 +428,7 @@ class GenerationRequest(OpenAIBaseModel):
                                                                                   'or "right" (the first)')
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = False
-    request_id: str | None = Field(None, description="1 to 128 characters from A-Z a-z 0-9 . _ : -")
+    request_id: str | None = Field(None, description=f"a string of 1 to {MAX_REQUEST_ID} printable characters")
     cache_salt: str | None = Field(None, min_length=1, max_length=1024,
                                    description="a string of 1 to 1024 characters")
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
@@ -436,23 +454,17 @@ class GenerationRequest(OpenAIBaseModel):
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         for name, (harmless, why) in UNSUPPORTED_FIELDS.items():
-            if isinstance(data, dict) and name in data and not any(data[name] == v and type(data[name]) is type(v)
-                                                                     for v in harmless):
+            if isinstance(data, dict) and name in data and not any(_coerces_to(data[name], v) for v in harmless):
                 raise InvalidInput(name, f"{name} is not supported: {why}")
         return data
 
     @field_validator("request_id")
     @classmethod
     def _request_id(cls, v: str) -> str:
-        if not _REQUEST_ID.fullmatch(v):
-            raise ValueError(f"request_id must be 1 to 128 characters from A-Z a-z 0-9 . _ : -, got {show(v)}")
-        return v
-
-    @field_validator("spaces_between_special_tokens")
-    @classmethod
-    def _spaces(cls, v: bool) -> bool:
-        if not v:  # fast tokenizers decode as they do, like vLLM's detokenizer does for them
-            raise ValueError("spaces_between_special_tokens=false is not supported")
+        """Any string, as vLLM's, but one that can be logged and sent back in X-Request-Id as it is."""
+        if not (0 < len(v) <= MAX_REQUEST_ID and v.isprintable() and v.strip(" ") == v):
+            raise ValueError(f"request_id must be 1 to {MAX_REQUEST_ID} printable characters (no control characters, "
+                             f"no leading or trailing space), got {show(v)}")
         return v
 
     @model_validator(mode="after")
@@ -461,7 +473,7 @@ class GenerationRequest(OpenAIBaseModel):
             raise InvalidInput("best_of", "best_of is not supported: leave it out or make it equal to n")
         if self.stream_options is not None and not self.stream:
             raise InvalidInput("stream_options", "stream_options needs stream: true")
-        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+        if self.prompt_logprobs and self.stream:  # as vLLM: 0 goes
             raise InvalidInput("prompt_logprobs", "prompt_logprobs are not available when stream=true")
         return self
 
@@ -472,7 +484,8 @@ class GenerationRequest(OpenAIBaseModel):
                   if name in GenerationRequest.model_fields}
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
                       prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
-        given = self.model_fields_set | ({"max_tokens"} if "max_completion_tokens" in self.model_fields_set else set())
+        given = {name for name in self.model_fields_set if getattr(self, name) is not None}  # a kept null: not given
+        given |= {"max_tokens"} if "max_completion_tokens" in given else set()
         fields.update({k: v for k, v in defaults.items() if k not in given})
         return SamplingParams(**fields)
 
@@ -523,8 +536,9 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 
 
 class CompletionRequest(GenerationRequest):
+    null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: Any = None  # one of PROMPT_SHAPES
-    max_tokens: int = 16  # OpenAI's default for completions
+    max_tokens: int | None = 16  # OpenAI's default for completions; null: up to the context's end (as vLLM)
     logprobs: int | None = None
     add_special_tokens: bool = True
     suffix: None = Field(None, description="left out: suffix is not supported")
@@ -532,7 +546,8 @@ class CompletionRequest(GenerationRequest):
     @field_validator("prompt")
     @classmethod
     def _prompts(cls, p: Any) -> list[str | list[int]]:
-        """Only the shape: the engine checks the token ids, after the cheap length bound."""
+        """Only the shape: the engine checks the token ids, after the cheap length bound (so
+        unlike vLLM's lax union, no 1.0 or true for an id: coercing each would come first)."""
         if isinstance(p, str):
             return [p]
         if not isinstance(p, list) or not p:
@@ -558,7 +573,9 @@ class CompletionRequest(GenerationRequest):
         return self.logprobs
 
     def requested_prompt_logprobs(self) -> int | None:  # as vLLM: echo's logprobs include the prompt's
-        return self.logprobs if self.prompt_logprobs is None and self.echo else self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            return self.logprobs if self.prompt_logprobs is None else self.prompt_logprobs
+        return None if self.stream else self.prompt_logprobs  # (0) as vLLM's, a stream's chunks have none
 
     def echo_only(self) -> bool:
         return self.echo and self.max_tokens == 0
@@ -595,6 +612,19 @@ class ToolCall(_Strict):
 _TOOL_CALLS = TypeAdapter(list[ToolCall])
 
 
+# the content parts vLLM's chat_utils reads as text: part type -> the key that holds the text
+_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+               "thinking": "thinking"}
+
+
+def _part_text(part: Any) -> str | None:
+    """A content part's text where vLLM reads it as text (a plain string too); else None."""
+    if isinstance(part, str):
+        return part
+    key = _TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) and isinstance(part.get("type"), str) else None
+    return part[key] if key is not None and isinstance(part.get(key), str) else None
+
+
 class ChatTemplateFields(OpenAIBaseModel):
     """What chat completions and /tokenize share: messages and how the chat template renders them (vLLM's names)."""
     messages: Any = None
@@ -602,7 +632,7 @@ class ChatTemplateFields(OpenAIBaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict | None = Field(None, description='an object such as {"enable_thinking": false}')
-    tools: list[ChatCompletionToolsParam] | None = Field(None, min_length=1)
+    tools: list[ChatCompletionToolsParam] | None = None
     documents: list[dict[str, str]] | None = None  # for a RAG template, as vLLM: e.g. [{"title": ..., "text": ...}]
 
     @field_validator("messages")
@@ -617,15 +647,15 @@ class ChatTemplateFields(OpenAIBaseModel):
             where = f"messages[{i}]"
             if not isinstance(m, dict):
                 raise ValueError(f"{where} must be an object with role and content, got {show(m)}")
-            if m.get("role") not in ROLES:
-                raise ValueError(f"{where}.role must be one of {', '.join(ROLES)}, got {show(m.get('role'))}")
+            if not isinstance(m.get("role"), str):  # any role, as vLLM: the chat template decides
+                raise ValueError(f"{where}.role must be a string such as \"user\", got {show(m.get('role'))}")
             content = m.get("content")
             if isinstance(content, list):
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                     f"are supported, got {show(content)}")
-                content = "\n".join(p["text"] for p in content)
+                texts = [_part_text(p) for p in content]
+                if None in texts:
+                    raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}, or "
+                                     f"{', '.join(list(_TEXT_PARTS)[1:])}) are supported, got {show(content)}")
+                content = "\n".join(texts)
             elif content is not None and not isinstance(content, str):
                 raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
             msg = {"role": m["role"], "content": content or ""}
@@ -659,7 +689,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
 
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
     # these steer a reasoning parser; there is none here (vLLM without one ignores them too)
@@ -672,10 +702,12 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     def _chat_rules(self) -> "ChatCompletionRequest":
         if self.messages is None:
             raise InvalidInput("messages", "messages is required: a non-empty list of {role, content} objects")
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # as vLLM: 0 asks for nothing
             raise InvalidInput("top_logprobs", "top_logprobs needs logprobs: true")
         if self.tool_choice is None and self.tools is not None:
-            self.tool_choice = "auto"  # as OpenAI and vLLM
+            self.tool_choice = "auto" if self.tools else "none"  # as OpenAI and vLLM
+        if self.tool_choice == "required" and self.tools == []:  # vLLM's (and OpenAI's) rule
+            self.tool_choice, self.tools = "none", None
         check_tool_choice(self.tool_choice, self.tools)
         return self
 
@@ -728,7 +760,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     def requested_prompt_logprobs(self) -> int | None:  # as vLLM: echo asks for them (a stream has no room for them)
         if self.prompt_logprobs is None and self.echo and not self.stream:
             return self.top_logprobs or 0
-        return self.prompt_logprobs
+        return None if self.stream else self.prompt_logprobs  # (0) vLLM's stream chunks have none
 
 
 class TokenizeRequest(ChatTemplateFields):

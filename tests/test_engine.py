@@ -298,6 +298,23 @@ def test_one_bad_prompt_queues_none_of_the_batch(small):
     assert len(small.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)) == 1
 
 
+def test_a_request_id_cannot_take_a_childs(small):
+    """Any string names a request (as vLLM), "#" too: n's children are id#i, so a request
+    "a#0" and a family "a" (n=2) cannot both be in flight, whichever came first."""
+    engine = small.engine
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), "a#1")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, n=2), "a")
+    assert list(engine.scheduler.requests) == ["a#1"]  # no child "a#0" left behind
+    engine.abort_request("a#1")
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=1, n=2, seed=2**63 - 1), "a")  # the seeds wrap
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=1), "a#1")
+    assert sorted(engine.scheduler.requests) == ["a#0", "a#1"]
+    engine.abort_request("a")
+    assert not engine.has_unfinished_requests()
+
+
 def test_empty_prompt_list_raises(small):
     with pytest.raises(ValueError, match="non-empty"):
         small.generate([], use_tqdm=False)
@@ -308,6 +325,8 @@ def test_empty_prompt_list_raises(small):
     ({"max_tokens": -3}, "max_tokens must be >= 1"),
     ({"temperature": -1.0}, "temperature"),
     ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"seed": 2**63}, r"seed must be in \[-2\*\*63"),  # vLLM's range: a torch.long
+    ({"seed": -2**63 - 1}, "seed"),
 ])
 def test_bad_sampling_params_raise_value_error(kw, match):
     with pytest.raises(ValueError, match=match):

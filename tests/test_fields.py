@@ -51,15 +51,17 @@ CHAT_FIELDS = [
     "logits_processors", "return_tokens_as_token_ids", "return_token_ids", "routed_experts_prompt_start",
     "return_token_offsets", "return_prompt_text", "return_mm_kwargs", "cache_salt", "kv_transfer_params",
     "ec_transfer_params", "vllm_xargs", "max_repetition_pattern_size", "min_repetition_pattern_size",
-    "repetition_min_count", "repetition_detection", "stream_interval"]
+    "repetition_min_count", "repetition_detection", "stream_interval",
+    "structural_tag"]  # vLLM v0.10's (at 0052bed36509c7a5a2d8e48265334e40cf2f5a0e), later in structured_outputs
 # Accepted, and change nothing: in OpenAI's words or vLLM's (a label; render endpoints only; the
 # reasoning fields without a reasoning parser).
 NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "return_mm_kwargs": False,
-          "include_reasoning": False, "reasoning_effort": "low"}
+          "include_reasoning": False, "reasoning_effort": "low",
+          "spaces_between_special_tokens": False}  # fast tokenizers decode as they do (vLLM's detokenizer too)
 # Honoured, and its effect checked by a test of its own (it needs a tool-call parser this server lacks).
 TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
 # Refused with these values (each asks for something nanoserve does not do).
-REFUSED = {"suffix": " tail", "spaces_between_special_tokens": False, "use_beam_search": True,
+REFUSED = {"suffix": " tail", "structural_tag": '{"structures": [], "triggers": []}', "use_beam_search": True,
            "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
            "logprob_token_ids": [1, 2], "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
            "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": "v"}, "repetition_detection": {"max_pattern_size": 4},
@@ -378,8 +380,12 @@ def test_request_id_in_the_body(server):
     finally:
         release.set()
         server.engine.runner.execute = execute
-    bad = httpx.post(server.url + "/v1/completions", json={**body, "request_id": "a b"}, timeout=60)
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id"
+    for bad_id in ("a\nb", "a\x1b[31mb", " a", "x" * 1025, ""):  # what a log line or X-Request-Id cannot carry
+        bad = httpx.post(server.url + "/v1/completions", json={**body, "request_id": bad_id}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id", (bad_id, bad.text)
+    for any_id in ("a b", "résumé#1/x", "y" * 1024):  # any other string, as vLLM
+        r = httpx.post(server.url + "/v1/completions", json={**body, "request_id": any_id}, timeout=60)
+        assert r.json()["id"] == "cmpl-" + any_id and dict(r.headers.raw)[b"x-request-id"] == any_id.encode()
     server.wait_idle()
 
 
@@ -397,4 +403,90 @@ def test_chat_echo_streams_the_last_message_first(server):
     assert sorted(firsts) == [0, 1] and all(t.startswith("Sure,") for t in firsts.values())
     plain = send(server, "chat", {**BASE["chat"], "echo": True})  # a user message last: nothing to echo
     assert plain.status == 200 and plain.text == send(server, "chat", BASE["chat"]).text
+    server.wait_idle()
+
+
+# vLLM's pydantic models are lax: a value that stands for the field's type is that value.
+LAX = [  # endpoint, fields, check(result)
+    ("completions", {"max_tokens": 5.0}, lambda r: r.sp.max_tokens == 5),
+    ("completions", {"max_tokens": "5"}, lambda r: r.sp.max_tokens == 5),
+    ("completions", {"temperature": "0.5", "seed": "7"}, lambda r: (r.sp.temperature, r.sp.seed) == (0.5, 7)),
+    ("completions", {"stream": 1}, lambda r: r.events[-1] == "[DONE]"),
+    ("completions", {"logprobs": True}, lambda r: r.sp.logprobs == 1 and r.choice["logprobs"] is not None),
+    ("completions", {"stop_token_ids": ["7"], "logit_bias": {"5": "1.5"}},
+     lambda r: r.sp.stop_token_ids == [7] and r.sp.logit_bias == {5: 1.5}),
+    ("completions", {"use_beam_search": "false", "priority": 0.0, "length_penalty": "1"}, lambda r: r.sp),
+    ("chat", {"logprobs": "true", "top_logprobs": "2", "echo": 0}, lambda r: r.sp.logprobs == 2),
+]
+
+
+@pytest.mark.parametrize("endpoint,fields,check", LAX, ids=[f"{e}-{'-'.join(f)}" for e, f, _ in LAX])
+def test_lax_types_as_vllms_pydantic(server, endpoint, fields, check):
+    r = send(server, endpoint, {**BASE[endpoint], **fields})
+    assert r.status == 200, r.body
+    assert check(r), r.body or r.events
+    server.wait_idle()
+
+
+def test_lax_types_still_refuse_what_is_not_the_type(server):
+    for endpoint, fields in (("completions", {"n": 2.5}), ("completions", {"max_tokens": "5.5"}),
+                             ("completions", {"stream": "maybe"}), ("completions", {"stop_token_ids": True}),
+                             ("completions", {"prompt": [1, "a"]}), ("completions", {"temperature": "inf"}),
+                             ("completions", {"user": 5}), ("completions", {"priority": True}),
+                             ("chat", {"logprobs": 2})):
+        r = send(server, endpoint, {**BASE[endpoint], **fields})
+        assert r.status == 400 and r.body["error"]["param"] == next(iter(fields)), (fields, r.body)
+
+
+def test_max_tokens_null(server):
+    """As vLLM (get_max_tokens): completions' explicit null runs to the context's end, where a left-out
+    max_tokens is OpenAI's 16; chat's null or absence both mean up to the context."""
+    prompt = list(range(10, 246))  # 236 of max_model_len 256: room for 20
+    r = send(server, "completions", {"prompt": prompt, "max_tokens": None, "ignore_eos": True})
+    assert r.status == 200 and r.sp.max_tokens is None and r.body["usage"]["completion_tokens"] == 20, r.body
+    r = send(server, "completions", {"prompt": prompt, "ignore_eos": True})
+    assert r.sp.max_tokens == 16 and r.body["usage"]["completion_tokens"] == 16, r.body
+    r = send(server, "completions", {"prompt": prompt, "max_tokens": None, "echo": True, "ignore_eos": True})
+    assert r.body["usage"]["completion_tokens"] == 20 and r.text.startswith(r.body["choices"][0]["text"][:5])
+    for body in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
+        assert send(server, "chat", {"messages": BASE["chat"]["messages"], **body}).sp.max_tokens is None
+    server.wait_idle()
+
+
+def test_logprob_rules_as_vllms(server):
+    """vLLM refuses only top_logprobs > 0 without logprobs, and prompt_logprobs > 0 in a stream; a stream
+    with prompt_logprobs 0 carries none (as vLLM's chunks), and computes none."""
+    r = send(server, "chat", {**BASE["chat"], "logprobs": False, "top_logprobs": 0})
+    assert r.status == 200 and r.sp.logprobs is None and r.choice["logprobs"] is None, r.body
+    for endpoint in ("completions", "chat"):
+        r = send(server, endpoint, {**BASE[endpoint], "prompt_logprobs": 0, "stream": True})
+        assert r.status == 200 and r.events[-1] == "[DONE]" and r.sp.prompt_logprobs is None
+        assert not any("prompt_logprobs" in e for e in r.events)
+        for value in (1, -1):
+            r = send(server, endpoint, {**BASE[endpoint], "prompt_logprobs": value, "stream": True})
+            assert r.status == 400 and r.body["error"]["param"] == "prompt_logprobs", r.body
+    for fields in ({"top_logprobs": 1}, {"top_logprobs": -1}, {"logprobs": True, "top_logprobs": -1}):
+        r = send(server, "chat", {**BASE["chat"], **fields})
+        assert r.status == 400 and r.body["error"]["param"] == "top_logprobs", (fields, r.body)
+    server.wait_idle()
+
+
+def test_messages_as_vllms_chat_utils(server):
+    """Any role reaches the chat template (which decides); parts vLLM reads as text are text, joined by
+    newlines; a part without a type, or of another type, is a 400 naming messages (as vLLM's "Missing
+    'type' field")."""
+    parts = [{"type": "input_text", "text": "a"}, {"type": "refusal", "refusal": "b"}, "c",
+             {"type": "thinking", "thinking": "d"}, {"type": "output_text", "text": "e"}, {"type": "text", "text": "f"}]
+    r = send(server, "chat", {**BASE["chat"], "messages": [{"role": "function", "name": "f", "content": "x"},
+                                                           {"role": "user", "content": parts}]})
+    assert r.status == 200 and r.process[0][1].startswith("<|im_start|>function\nx<|im_end|>\n<|im_start|>user\n"
+                                                          "a\nb\nc\nd\ne\nf<|im_end|>"), r.body or r.process
+    template = '{% if messages[0].role not in ["user", "assistant"] %}{{ raise_exception("bad role") }}{% endif %}'
+    r = send(server, "chat", {**BASE["chat"], "chat_template": template,
+                              "messages": [{"role": "narrator", "content": "x"}]})
+    assert r.status == 400 and "bad role" in r.body["error"]["message"], r.body
+    for content in ([{"text": "a"}], [{"type": "image_url", "image_url": {"url": "http://x"}}], [{"type": "text"}],
+                    [{"type": ["text"], "text": "a"}]):
+        r = send(server, "chat", {**BASE["chat"], "messages": [{"role": "user", "content": content}]})
+        assert r.status == 400 and r.body["error"]["param"] == "messages", (content, r.body)
     server.wait_idle()

@@ -573,6 +573,24 @@ def test_exclude_tools_when_tool_choice_none(server):
     server.wait_idle()
 
 
+def test_an_empty_tools_list_calls_nothing(server):
+    """As vLLM's check_tool_usage: tools [] leaves tool_choice "none" (nothing is parsed out of the text), and
+    "required" with no tools becomes "none" too; an explicit "auto" stays "auto"; a named function must be
+    one of the tools."""
+    body = dict(structured_outputs={"choice": [FORCED]}, max_tokens=300)
+    for extra in ({}, {"tool_choice": "required"}):
+        (choice,) = chat(server, tools=[], **extra, **body)["choices"]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (FORCED, "stop"), extra
+        assert not choice["message"].get("tool_calls"), extra
+    assert render(server, tools=[]) == render(server)  # the template's {% if tools %} sees none
+    (choice,) = chat(server, tools=[], tool_choice="auto", **body)["choices"]
+    assert len(calls_of(choice["message"])) == 2
+    named = {"type": "function", "function": {"name": "get_time"}}
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "tools": [], "tool_choice": named})
+    assert "not one of the tools" in _check_error(r, 400, "tool_choice")["message"]
+    server.wait_idle()
+
+
 def test_chat_template_flag_file_and_inline(template_file):
     base = ["--dtype", "float32"]
     assert parse_args([*base, "--chat-template", str(template_file)]).chat_template == TEMPLATE
@@ -588,7 +606,6 @@ def test_chat_template_flag_file_and_inline(template_file):
 
 
 BAD = [  # body (over USER), param, words the message must have
-    (dict(tools=[]), "tools", "at least 1 item"),
     (dict(tools="get_time"), "tools", "tools must be a list of objects"),
     (dict(tools=[{"type": "function"}]), "tools", "tools[0].function is required"),
     (dict(tools=[{"type": "retrieval", "function": {"name": "f"}}]), "tools", "tools[0].type"),
@@ -602,7 +619,7 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
      "not one of the tools"),
     (dict(tools=TOOLS, tool_choice={"type": "function"}), "tool_choice", "tool_choice must be"),
-    (dict(tools=TOOLS, parallel_tool_calls="no"), "parallel_tool_calls", "parallel_tool_calls"),
+    (dict(tools=TOOLS, parallel_tool_calls="maybe"), "parallel_tool_calls", "parallel_tool_calls"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "cannot be combined"),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
@@ -622,7 +639,7 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(chat_template_kwargs="x"), "chat_template_kwargs", "chat_template_kwargs"),
     (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs", "tokenize"),
     (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message", "add_generation_prompt"),
-    (dict(continue_final_message="yes"), "continue_final_message", "continue_final_message"),
+    (dict(continue_final_message="maybe"), "continue_final_message", "continue_final_message"),
     (dict(chat_template="{% for m in messages %}"), "chat_template", "not valid Jinja"),
     (dict(chat_template="{{ raise_exception('no tools here') }}"), "messages", "no tools here"),
     (dict(chat_template="{{ messages[5].content }}"), "messages", "chat template"),
