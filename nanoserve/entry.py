@@ -485,8 +485,9 @@ class GenerationRequest(OpenAIBaseModel):
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
                       prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
         given = {name for name in self.model_fields_set if getattr(self, name) is not None}  # a kept null: not given
-        given |= {"max_tokens"} if "max_completion_tokens" in given else set()
-        fields.update({k: v for k, v in defaults.items() if k not in given})
+        # the model's max_tokens caps the body's (or completions' default 16), as vLLM's get_max_tokens
+        caps = [v for v in (fields["max_tokens"], defaults.get("max_tokens")) if v is not None]
+        fields.update({k: v for k, v in defaults.items() if k not in given}, max_tokens=min(caps, default=None))
         return SamplingParams(**fields)
 
     def param_name(self, engine_param: str) -> str:

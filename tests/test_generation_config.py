@@ -62,9 +62,13 @@ def test_http_requests_get_the_defaults_for_what_they_leave_out(model_with_defau
         outs = [httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=60).json() for _ in range(3)]
         assert len({o["choices"][0]["message"]["content"] for o in outs}) == 1  # top_k=1: greedy
         assert all(o["usage"]["completion_tokens"] <= 7 for o in outs)       # max_new_tokens=7
-        r = httpx.post(s.url + "/v1/chat/completions", json={**chat, "max_tokens": 12, "ignore_eos": True},
-                       timeout=60)
-        assert r.json()["usage"]["completion_tokens"] == 12
+        # as vLLM's server (get_max_tokens): the model's max_new_tokens caps the request's own max_tokens,
+        # a lower one wins, and it replaces completions' default of 16 only where it is lower
+        for body, want in [({**chat, "max_tokens": 12}, 7), ({**chat, "max_completion_tokens": 3}, 3),
+                           ({"prompt": "hi"}, 7), ({"prompt": "hi", "max_tokens": None}, 7)]:
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = httpx.post(s.url + path, json={**body, "ignore_eos": True}, timeout=60)
+            assert r.json()["usage"]["completion_tokens"] == want, body
 
 
 def test_vllm_launch_habits_parse():
@@ -100,3 +104,15 @@ def test_a_tokenizer_of_its_own_and_uvicorns_log_level(model_with_defaults, tmp_
         root.handlers[:] = handlers
         for name, level in saved.items():
             logging.getLogger(name).setLevel(level)
+
+
+def test_the_models_max_tokens_only_lowers_a_requests():
+    from nanoserve.entry import ChatCompletionRequest, CompletionRequest
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    cases = [(CompletionRequest(prompt="x"), 40, 16), (CompletionRequest(prompt="x"), 9, 9),
+             (CompletionRequest(prompt="x", max_tokens=None), 40, 40), (CompletionRequest(prompt="x"), None, 16),
+             (ChatCompletionRequest(**chat), 40, 40), (ChatCompletionRequest(**chat), None, None),
+             (ChatCompletionRequest(**chat, max_tokens=50), 40, 40)]
+    for req, model_max, want in cases:
+        defaults = {} if model_max is None else {"max_tokens": model_max}
+        assert req.sampling_params(defaults).max_tokens == want, (req, model_max)
