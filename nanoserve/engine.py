@@ -175,8 +175,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(self, name)
-                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
-                    bad(name, f"None or in [0, {MAX_LOGPROBS}]")
+                if getattr(self, name) < 0:  # the upper bound is the engine's max_logprobs
+                    bad(name, "None or >= 0")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             bad("stop", "a string or a list of non-empty strings")
         for name in ("stop_token_ids", "allowed_token_ids"):
@@ -568,6 +568,7 @@ class EngineConfig:
     # As vLLM's --async-scheduling: schedule and launch step N+1 before step N's
     # sampled ids reach the host (a GPU's win; the outputs are the same).
     async_scheduling: bool = False
+    max_logprobs: int = MAX_LOGPROBS  # as vLLM's: the most (prompt) logprobs a request may ask for
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -807,6 +808,11 @@ class LLMEngine:
         """Check ``params`` against this model (raises InvalidInput); returns the
         compiled grammar of its structured outputs (None without), from the cache
         when the server compiled it ahead on its tokenizer thread."""
+        limit = min(self.config.max_logprobs, self.model_config.vocab_size)  # more would be none to rank
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > limit:
+                raise InvalidInput(name, f"{name} must be None or in [0, {limit}] (the engine's max_logprobs), "
+                                         f"got {getattr(params, name)}")
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
@@ -841,7 +847,9 @@ class LLMEngine:
         """add_request's second half, for a prompt and params already checked."""
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
-        if self._family(request_id):
+        rids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        # an id may hold "#" (X-Request-Id is taken as it is): a child's id may be a request's own
+        if self._family(request_id) or any(rid in self.scheduler.requests for rid in rids):
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -851,13 +859,12 @@ class LLMEngine:
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text
                 child = dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
             salt = prompt.cache_salt if self.config.enable_prefix_caching else None if params.n == 1 \
                 else f"n:{request_id}"
             self.scheduler.add_request(Request(
-                rid, text, token_ids, child, max_tokens, self.eos_token_ids,
+                rids[i], text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
                 output_kind=output_kind, grammar=None if grammar is None else GrammarState(grammar),
