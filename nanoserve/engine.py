@@ -177,8 +177,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(self, name)
-                if not 0 <= getattr(self, name) <= MAX_LOGPROBS:
-                    bad(name, f"None or in [0, {MAX_LOGPROBS}]")
+                if getattr(self, name) < 0:  # the upper bound is the engine's max_logprobs
+                    bad(name, "None or >= 0")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             bad("stop", "a string or a list of non-empty strings")
         for name in ("stop_token_ids", "allowed_token_ids"):
@@ -570,6 +570,7 @@ class EngineConfig:
     # As vLLM's --async-scheduling: schedule and launch step N+1 before step N's
     # sampled ids reach the host (a GPU's win; the outputs are the same).
     async_scheduling: bool = False
+    max_logprobs: int = MAX_LOGPROBS  # as vLLM's: the most (prompt) logprobs a request may ask for
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -810,6 +811,11 @@ class LLMEngine:
         """Check ``params`` against this model (raises InvalidInput); returns the
         compiled grammar of its structured outputs (None without), from the cache
         when the server compiled it ahead on its tokenizer thread."""
+        limit = min(self.config.max_logprobs, self.model_config.vocab_size)  # more would be none to rank
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > limit:
+                raise InvalidInput(name, f"{name} must be None or in [0, {limit}] (the engine's max_logprobs), "
+                                         f"got {getattr(params, name)}")
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])

@@ -3,8 +3,8 @@
 This module owns
 * the command line (``python -m nanoserve``), with ``vllm serve``'s flag names;
 * the Starlette app: ``/v1/completions``, ``/v1/chat/completions``,
-  ``/v1/models``, ``/health``, ``/metrics``, ``/tokenize``, ``/detokenize``,
-  ``/version``;
+  ``/v1/models``, ``/health`` (and ``/ping``), ``/metrics``, ``/tokenize``,
+  ``/detokenize``, ``/version``, behind CORS;
 * the OpenAI protocol: request bodies as declarative pydantic models (as
   vLLM's ``protocol.py``; every error names its field), and one handler,
   serving path (``Generation``, as vLLM's ``serving_*.py``) and SSE stream
@@ -61,6 +61,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError,
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -117,8 +118,54 @@ def _parse_bytes(text: str) -> int:
     return int(number * base ** " KMGT".index(prefix or " "))
 
 
+def _json_list(text: str) -> list[str]:
+    """--allowed-origins and its kin, as vLLM takes them: a JSON list of strings."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
+    return value
+
+
+_ON_OFF = {"action": argparse.BooleanOptionalAction}
+# vLLM flags that a copied `vllm serve` line carries and nanoserve takes without acting on
+# them: the flag, its argparse keywords, the values taken (None: any), and what nanoserve
+# does instead, logged when the flag is given. Any other value stops start-up with that
+# line, since taking it would change what is served.
+VLLM_FLAGS: list[tuple[str, dict[str, Any], tuple | None, str]] = [
+    ("--trust-remote-code", _ON_OFF, None,
+     "nanoserve runs no code from a checkpoint: it implements each architecture it serves itself"),
+    ("--enable-chunked-prefill", _ON_OFF, None, "prompts are always prefilled in chunks of at most "
+     "--max-num-batched-tokens, which changes no output (raise it to prefill whole prompts in one step)"),
+    ("--kv-cache-dtype", {"metavar": "DTYPE"}, ("auto",), "the KV cache has the model's --dtype (no fp8 KV cache)"),
+    ("--quantization", {"flags": ["-q"], "metavar": "METHOD"}, (),
+     "nanoserve serves unquantized checkpoints only (bf16, fp16 or fp32 safetensors)"),
+    ("--load-format", {"metavar": "FORMAT"}, ("auto", "safetensors"), "nanoserve loads safetensors weights only"),
+    ("--pipeline-parallel-size", {"flags": ["-pp"], "type": int, "metavar": "N"}, (1,),
+     "nanoserve has no pipeline parallelism; --tensor-parallel-size splits a model"),
+    ("--distributed-executor-backend", {"metavar": "BACKEND"}, ("mp", "uni"),
+     "nanoserve starts a process per rank itself (across machines: --nnodes, --node-rank, --distributed-init-method)"),
+    ("--disable-custom-all-reduce", _ON_OFF, None, "tensor parallelism all-reduces with torch.distributed"),
+    ("--swap-space", {"type": float, "metavar": "GiB"}, None,
+     "a preempted request is recomputed, never swapped to CPU memory"),
+    ("--disable-log-requests", _ON_OFF, None, "prompts are logged only with --enable-log-requests; the "
+     "line per finished request (its id and token counts) stays"),
+    ("--disable-fastapi-docs", _ON_OFF, None, "nanoserve serves no /docs, /redoc or /openapi.json"),
+    ("--enable-request-id-headers", _ON_OFF, None, "X-Request-Id is always echoed"),
+    ("--disable-frontend-multiprocessing", _ON_OFF, None, "the HTTP server and the engine share one process"),
+]
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        """One line (argparse's usage of every flag would bury it)."""
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def make_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _ArgumentParser(
         prog="python -m nanoserve", formatter_class=_HelpFormatter,
         description="Serve a Hugging Face model (Llama, Qwen2, Qwen3, Mistral) with an OpenAI-compatible API.")
     g = p.add_argument_group("model")
@@ -145,6 +192,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request (default: the model's limit, capped "
                         "by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
+    g.add_argument("--max-logprobs", type=int, default=20,
+                   help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no torch.compile, no C kernels: the torch references (and Triton "
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
@@ -191,9 +240,17 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    g.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+    g.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
-                        "(default: $NANOSERVE_API_KEY, or no key)")
+                        "(default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
+    g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: the origins whose pages may call the API, a JSON list")
+    g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: the methods they may use, a JSON list")
+    g.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON",
+                   help="CORS: the headers they may send, a JSON list")
+    g.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                   help="CORS: let them send cookies and Authorization")
     g.add_argument("--max-queue-len", type=int, default=None,
                    help="answer 429 while this many engine requests (prompts x n) wait for the "
                         "scheduler (default: no limit)")
@@ -214,6 +271,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "llama3_json (Llama 3.1+: the output is one JSON object), "
                         "pythonic (Llama 3.2/4: the output is a Python list of calls), "
                         "mistral (Mistral: [TOOL_CALLS] then the calls)")
+    g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
+                   help="logprobs name tokens as token_id:N, unless a request's return_tokens_as_token_ids says")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", the tools are not passed to the chat template')
 
@@ -224,8 +283,22 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="how often to log throughput and queue stats while busy")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
-    g.add_argument("--uvicorn-log-level", default=None, choices=["debug", "info", "warning", "error", "critical"],
+    g.add_argument("--uvicorn-log-level", default=None,
+                   choices=["trace", "debug", "info", "warning", "error", "critical"],
                    help="uvicorn's own log level (default: --log-level), as vLLM's flag")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each request's prompt, its token ids and sampling parameters as it is admitted")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="the most prompt characters and token ids a --enable-log-requests line shows "
+                        "(default: all)")
+
+    g = p.add_argument_group("vLLM flags taken without effect",
+                             "so that a `vllm serve` command line runs: each given one logs what nanoserve "
+                             "does instead; a value it does not take stops start-up")
+    for flag, kwargs, taken, note in VLLM_FLAGS:
+        kwargs = dict(kwargs)
+        only = "" if taken is None else f" (takes only: {', '.join(map(str, taken))})" if taken else " (refused)"
+        g.add_argument(*kwargs.pop("flags", []), flag, default=argparse.SUPPRESS, help=note + only, **kwargs)
     return p
 
 
@@ -249,6 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
               ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
               ("--shutdown-timeout", args.shutdown_timeout >= 0, ">= 0"),
+              ("--max-logprobs", args.max_logprobs >= 0, ">= 0"),
+              ("--max-log-len", args.max_log_len is None or args.max_log_len >= 0, ">= 0"),
               ("--log-stats-interval", args.log_stats_interval > 0, "> 0")]
     for flag, ok, rule in checks:
         if not ok:
@@ -263,6 +338,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             parser.error(str(e))
     args.served_model_name = args.served_model_name or [args.model]
+    args.vllm_notes = []  # logged at start-up
+    for flag, _, taken, note in VLLM_FLAGS:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value is not None:
+            given = flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
+            if taken is not None and value not in taken:
+                parser.error(f"{given} is not supported: {note}")
+            args.vllm_notes.append(f"{given} (a vLLM flag) does nothing here: {note}")
+    args.api_key, args.api_key_from = next(  # as vLLM, the flag wins; empty is unset
+        ((key, src) for key, src in ((args.api_key, "--api-key"),
+                                     (os.environ.get("NANOSERVE_API_KEY"), "$NANOSERVE_API_KEY"),
+                                     (os.environ.get("VLLM_API_KEY"), "$VLLM_API_KEY")) if key), (None, None))
     return args
 
 
@@ -1230,6 +1317,9 @@ class ServerState:
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
     exclude_tools_when_tool_choice_none: bool = False
+    return_tokens_as_token_ids: bool = False             # what a request that does not say gets
+    log_requests: bool = False                           # --enable-log-requests
+    max_log_len: int | None = None
     exit_code: int = 0                                   # 1 once the engine cannot recover
     request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
 
@@ -1256,7 +1346,9 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         chat_template=args.chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none)
+                        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -1279,13 +1371,18 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check, as vLLM serves it
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/version", version, methods=["GET"]),
     ]
+    # CORS outermost (vLLM has it inside its API-key check): a preflight never meets
+    # the key check, and every answer a browser reads, a 401 included, has its headers.
+    cors = Middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                      allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(EntryMiddleware, state=state)],
+                    middleware=[cors, Middleware(EntryMiddleware, state=state)],
                     exception_handlers={ApiError: _api_error_handler, HTTPException: _http_error_handler,
                                         Exception: _internal_error_handler})
     app.state.server = state
@@ -1327,29 +1424,26 @@ class EntryMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = _header(scope, b"x-request-id").decode("latin-1") or None
-        error = None
-        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
-            error = ApiError(400, "X-Request-Id must be 1 to 128 characters from A-Z a-z 0-9 . _ : -",
-                             param="X-Request-Id")
-            request_id = None
-        scope["nanoserve.request_id_given"] = request_id is not None  # else a body's request_id may name it
-        scope["nanoserve.request_id"] = request_id or uuid.uuid4().hex
+        # Any value, as vLLM takes it (a trace id such as Root=1-abc;x=y, a/b): echoed as sent,
+        # and in the engine and the logs escaped where it is not printable (no forged log line).
+        given = _header(scope, b"x-request-id")
+        scope["nanoserve.request_id_given"] = bool(given)  # else a body's request_id may name it
+        scope["nanoserve.request_id"] = esc(given.decode("latin-1")) if given else uuid.uuid4().hex
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()),
-                                                  (b"x-request-id", scope["nanoserve.request_id"].encode())]}
+                echo = given or scope["nanoserve.request_id"].encode()  # or the id made, or the body's
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", echo)]}
             await send(message)
 
-        if error is None and self.api_key is not None and _needs_key(scope["path"]):
+        # OPTIONS passes, as in vLLM: a browser's CORS preflight never carries the key
+        if self.api_key is not None and scope["method"] != "OPTIONS" and _needs_key(scope["path"]):
             scheme, _, token = _header(scope, b"authorization").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):  # constant time
                 error = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
                                  headers={"WWW-Authenticate": "Bearer"})
-        if error is not None:
-            await _reject(self.state, scope, error)(scope, receive, send_with_id)
-            return
+                await _reject(self.state, scope, error)(scope, receive, send_with_id)
+                return
         await self.app(scope, receive, send_with_id)
 
 
@@ -1358,7 +1452,7 @@ def _header(scope, name: bytes) -> bytes:
 
 
 def _needs_key(path: str) -> bool:
-    """Where work is done; /health, /metrics and /version stay open."""
+    """Where work is done; /health, /ping, /metrics and /version stay open."""
     return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
@@ -1380,15 +1474,29 @@ async def _generate(request: Request, kind: type["Generation"]) -> Response:
         if request.scope["nanoserve.request_id_given"]:
             req.request_id = None
         else:
-            request.scope["nanoserve.request_id"] = request_id = req.request_id
+            request.scope["nanoserve.request_id"] = request_id = esc(req.request_id)
+    if "return_tokens_as_token_ids" not in req.model_fields_set:  # a request that does not say: the server's
+        req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
     model = check_model(req, state)
     gen = await kind.admit(state, request_id, req)
+    if state.log_requests:
+        log_inputs(gen, state.max_log_len)
     if req.stream:
         return EventStream(gen, model)
     finals = await _collect_or_disconnect(request, gen)
     if finals is None:
         return Response(status_code=499)  # nobody is listening
     return json_response(gen.response(model, finals))
+
+
+def log_inputs(gen: "Generation", max_log_len: int | None) -> None:
+    """--enable-log-requests, as vLLM's request logger: each prompt (its first
+    ``max_log_len`` characters and token ids) and the sampling parameters."""
+    for i, prompt in enumerate(gen.prompts):
+        text = json.dumps(None if prompt.text is None else prompt.text[:max_log_len], ensure_ascii=False)
+        logger.info("[entry] %s: prompt %d: %s, prompt_token_ids: %s, params: %r", gen.request_id, i,
+                    text if text.isprintable() else text.encode("ascii", "backslashreplace").decode(),
+                    prompt.token_ids[:max_log_len], gen.params)
 
 
 async def list_models(request: Request) -> Response:
@@ -2168,7 +2276,7 @@ def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # other libraries stay quiet
     logging.getLogger("nanoserve").setLevel(level.upper())
-    logging.getLogger("uvicorn").setLevel((uvicorn_level or level).upper())
+    logging.getLogger("uvicorn").setLevel(uvicorn.config.LOG_LEVELS[uvicorn_level or level])  # trace: 5
     logging.getLogger("uvicorn.error").addFilter(_cancellations_in_one_line)
 
 
@@ -2276,6 +2384,11 @@ class Server(uvicorn.Server):
 
 def serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_level, args.uvicorn_log_level)
+    for note in args.vllm_notes:
+        logger.warning("[entry] %s", note)
+    if args.api_key is not None:  # which source, never the key
+        logger.info("[entry] an API key (from %s) is required on /v1/*, /tokenize and /detokenize",
+                    args.api_key_from)
     if 0 not in local_ranks(engine_config(args)):  # a node of a tensor-parallel group that only computes
         try:
             return run_worker_node(engine_config(args))

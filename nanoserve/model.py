@@ -126,6 +126,11 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ModelLoadError(f"unsupported architecture {arch!r}; nanoserve supports "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        quant = c.get("quantization_config")
+        if quant:  # else its packed weights would fail to load as "unexpected tensors"
+            method = quant.get("quant_method") if isinstance(quant, dict) else quant
+            raise ModelLoadError(f"the checkpoint is quantized (quant_method {method!r}); nanoserve serves "
+                                 "unquantized checkpoints only (bf16, fp16 or fp32 safetensors)")
         num_heads = c["num_attention_heads"]
         theta, scaling = _rope_from_config(c)
         eos = c.get("eos_token_id")
@@ -801,7 +806,7 @@ def load_tokenizer(path: str | Path):
 
 # =========================================================================== sampling
 
-MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (the engine validates against it)
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs (EngineConfig's), and what a GPU profile run samples with
 
 
 class SamplingOptions(Protocol):

@@ -527,7 +527,7 @@ INVALID = [
     ("max_tokens", dict(max_tokens=0)), ("max_tokens", dict(max_tokens=-3)), ("max_tokens", dict(max_tokens=2.0)),
     ("min_tokens", dict(min_tokens=5, max_tokens=4)), ("min_tokens", dict(min_tokens=-1)),
     ("min_tokens", dict(min_tokens=1.5)),
-    ("logprobs", dict(logprobs=21)), ("logprobs", dict(logprobs=-1)), ("logprobs", dict(logprobs=2.5)),
+    ("logprobs", dict(logprobs=-1)), ("logprobs", dict(logprobs=2.5)),
     ("seed", dict(seed="1")), ("seed", dict(seed=1.5)),
 ]
 
@@ -551,7 +551,9 @@ def test_valid_edges_are_accepted():
 
 @pytest.mark.parametrize("name,kw", [("logit_bias", dict(logit_bias={VOCAB: 1.0})),
                                      ("logit_bias", dict(logit_bias={-1: 1.0})),
-                                     ("stop_token_ids", dict(stop_token_ids=[VOCAB + 5]))])
+                                     ("stop_token_ids", dict(stop_token_ids=[VOCAB + 5])),
+                                     ("logprobs", dict(logprobs=21)),  # the engine's max_logprobs (20)
+                                     ("prompt_logprobs", dict(prompt_logprobs=21))])
 def test_out_of_vocab_ids_rejected_by_generate(llm, name, kw):
     with pytest.raises(ValueError, match=name):
         llm.generate([PROMPT, "ok"], [SamplingParams(), SamplingParams(**kw)], use_tqdm=False)

@@ -620,10 +620,6 @@ def test_more_bad_requests(server):
     _check_error(r, 413, None)
     _check_error(httpx.get(server.url + "/v1/completions"), 405, None)
     _check_error(httpx.get(server.url + "/no/such/path"), 404, None)
-    _check_error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
-                            headers={"X-Request-Id": "x" * 500}), 400, "X-Request-Id")
-    _check_error(httpx.post(server.url + "/v1/completions", json={"prompt": "hi"},
-                            headers={"X-Request-Id": "has space"}), 400, "X-Request-Id")
     # unknown fields are ignored (and logged), as vLLM does
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "frobnicate": 1})
     assert r.status_code == 200

@@ -80,3 +80,15 @@ def test_more_memory_than_the_machine_has(tiny_model):
     assert err.startswith(f"error: cannot serve {tiny_model}: not enough memory: the weights need ")
     assert "the KV cache 1048576.00 GiB" in err and "GiB available" in err
     assert "a smaller --kv-cache-memory-bytes" in err
+
+
+def test_a_quantized_checkpoint_is_refused_by_name(tiny_model, tmp_path):
+    """Not "unexpected tensor ...weight_scale" from deep in the loader: its config says what it is."""
+    model = tmp_path / "fp8-ish"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (model / "config.json").write_text(json.dumps(config))
+    err = run_cli("--model", str(model), "--port", "0")
+    assert err == (f"error: cannot serve {model}: the checkpoint is quantized (quant_method 'fp8'); nanoserve "
+                   "serves unquantized checkpoints only (bf16, fp16 or fp32 safetensors)")

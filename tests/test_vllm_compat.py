@@ -1,0 +1,314 @@
+"""A `vllm serve` command line and deployment against nanoserve: vLLM's flags
+(taken, taken without effect and logged, or refused in one line), the API key
+from $VLLM_API_KEY, CORS, X-Request-Id taken as it is sent, and /ping. Servers
+are the tiny random Qwen3 of conftest on a loopback port (tests/test_server.py's
+ServerThread)."""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from nanoserve import entry
+from nanoserve.entry import VLLM_FLAGS, configure_logging, parse_args
+from test_server import ServerThread, _check_error, server, sse_events  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY, ORIGIN = "vllm-s3cret", "https://ok.example"
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tiny_model):
+    """The key from $VLLM_API_KEY, one allowed origin with credentials, vLLM's request
+    logging, logprobs up to 1000 (capped by the 384-token vocabulary), token ids as
+    logprobs' tokens, and one request running with two waiting at most."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("NANOSERVE_API_KEY", raising=False)
+        mp.setenv("VLLM_API_KEY", KEY)
+        s = ServerThread(tiny_model, "--allowed-origins", f'["{ORIGIN}"]', "--allow-credentials",
+                         "--enable-log-requests", "--max-log-len", "5", "--max-logprobs", "1000",
+                         "--return-tokens-as-token-ids", "--max-num-seqs", "1", "--max-queue-len", "2")
+    with s:
+        yield s
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _post(url: str, body: dict, path: str = "/v1/completions", **headers) -> httpx.Response:
+    return httpx.post(url + path, json=body, headers=headers, timeout=60)
+
+
+# =========================================================================== the API key
+
+def test_api_key_precedence_flag_then_nanoserve_then_vllm(monkeypatch):
+    monkeypatch.delenv("NANOSERVE_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert parse_args([]).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    assert (parse_args([]).api_key, parse_args([]).api_key_from) == ("v", "$VLLM_API_KEY")
+    monkeypatch.setenv("NANOSERVE_API_KEY", "")  # empty is unset, as vLLM treats it
+    assert parse_args([]).api_key == "v"
+    monkeypatch.setenv("NANOSERVE_API_KEY", "n")
+    assert (parse_args([]).api_key, parse_args([]).api_key_from) == ("n", "$NANOSERVE_API_KEY")
+    args = parse_args(["--api-key", "f"])
+    assert (args.api_key, args.api_key_from) == ("f", "--api-key")
+
+
+def test_vllm_api_key_is_required(vllm_server):
+    url = vllm_server.url
+    _check_error(_post(url, {"prompt": "hi", "max_tokens": 1}), 401, None)
+    _check_error(httpx.get(url + "/v1/models"), 401, None)
+    assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    for path in ("/health", "/ping", "/metrics", "/version"):
+        assert httpx.get(url + path).status_code == 200, path
+
+
+# =========================================================================== CORS
+
+def _preflight(url: str, origin: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    return httpx.options(url + path, headers={"Origin": origin, "Access-Control-Request-Method": "POST",
+                                              "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_cors_preflight_and_headers_by_default(server):
+    r = _preflight(server.url, "https://any.example")
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    r = httpx.get(server.url + "/v1/models", headers={"Origin": "https://any.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    r = _post(server.url, {"prompt": 5}, Origin="https://any.example")
+    _check_error(r, 400, "prompt")
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models").headers  # no Origin
+
+
+def test_cors_with_an_api_key_and_one_allowed_origin(vllm_server):
+    url = vllm_server.url
+    r = _preflight(url, ORIGIN)  # no key: a browser's preflight never has one
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    assert r.headers["access-control-allow-credentials"] == "true"
+    assert _preflight(url, "https://evil.example").status_code == 400
+    # the 401 of a request without the key carries the CORS headers, so that a page can read it
+    r = _post(url, {"prompt": "hi", "max_tokens": 1}, Origin=ORIGIN)
+    _check_error(r, 401, None)
+    assert r.headers["access-control-allow-origin"] == ORIGIN and r.headers["x-request-id"]
+    r = _post(url, {"prompt": "hi", "logprobs": "x"}, Origin=ORIGIN, **AUTH)
+    _check_error(r, 400, "logprobs")
+    assert r.headers["access-control-allow-origin"] == ORIGIN
+    r = _post(url, {"prompt": "hi", "max_tokens": 1}, Origin=ORIGIN, **AUTH)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
+    r = _post(url, {"prompt": "hi", "max_tokens": 1}, Origin="https://evil.example", **AUTH)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    # an OPTIONS that is not a preflight passes the key check too, as in vLLM: the route has no OPTIONS
+    _check_error(httpx.options(url + "/v1/completions"), 405, None)
+
+
+def test_cors_headers_on_a_429(vllm_server):
+    """Of two prompts one runs (its step held), one waits: two more do not fit."""
+    s = vllm_server
+    release, execute = threading.Event(), s.engine.runner.execute
+    s.engine.runner.execute = lambda seqs: release.wait(60) and execute(seqs)
+    try:
+        with httpx.Client(timeout=60) as c, c.stream("POST", s.url + "/v1/completions", headers=AUTH, json={
+                "prompt": ["a", "b"], "max_tokens": 1, "stream": True}) as r:
+            deadline = time.monotonic() + 30
+            while s.stats()["num_waiting"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            busy = _post(s.url, {"prompt": ["c", "d"], "max_tokens": 1}, Origin=ORIGIN, **AUTH)
+            _check_error(busy, 429, None)
+            assert busy.headers["access-control-allow-origin"] == ORIGIN
+            release.set()
+            assert sse_events(r.read().decode())
+    finally:
+        release.set()
+        s.engine.runner.execute = execute
+    s.wait_idle()
+
+
+# =========================================================================== X-Request-Id
+
+ODD_IDS = [b"a/b", b"abc#1", b"Root=1-65f0a1b2-abc;Parent=53995c3f;Sampled=1", b"x" * 500, b"has space",
+           "\u00fcn\u00efc\u00f6d\u00e9".encode("latin-1"), b"\x1b[31mred\x85"]
+
+
+@pytest.mark.parametrize("given", ODD_IDS, ids=range(len(ODD_IDS)))
+def test_any_x_request_id_is_taken_and_echoed(server, given, caplog):
+    caplog.set_level(logging.DEBUG, logger="nanoserve")
+    headers = {b"X-Request-Id": given}
+    for path in ("/health", "/ping", "/metrics", "/v1/models", "/version"):
+        r = httpx.get(server.url + path, headers=headers)
+        assert r.status_code == 200 and dict(r.headers.raw)[b"x-request-id"] == given, (path, r.headers.raw)
+    r = httpx.post(server.url + "/v1/completions", headers=headers, json={"prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert dict(r.headers.raw)[b"x-request-id"] == given
+    shown = entry.esc(given.decode("latin-1"))  # what the engine and the logs name it
+    assert r.json()["id"] == "cmpl-" + shown
+    lines = [rec.getMessage() for rec in caplog.records]
+    assert any(shown in line and "finished" in line for line in lines), lines
+    assert all(line.isprintable() for line in lines), [line for line in lines if not line.isprintable()]
+    server.wait_idle()
+
+
+def test_an_id_with_hash_cannot_take_a_childs_place(server):
+    """The engine names n's children id#i: "fam#1" running, "fam" with n=2 is a 400, not a 500, and leaves
+    nothing behind."""
+    server.delay = 0.01
+    try:
+        with httpx.Client(timeout=60) as c, c.stream("POST", server.url + "/v1/completions", headers={
+                "X-Request-Id": "fam#1"}, json={"prompt": "hi", "max_tokens": 200, "ignore_eos": True,
+                                                "stream": True}) as first:
+            lines = first.iter_lines()
+            next(lines)  # in flight now
+            r = _post(server.url, {"prompt": "hi", "max_tokens": 2, "n": 2}, **{"X-Request-Id": "fam"})
+            err = _check_error(r, 400, None)
+            assert "fam" in err["message"] and "in use" in err["message"]
+    finally:
+        server.delay = 0.0
+    server.wait_idle()
+    assert _post(server.url, {"prompt": "hi", "max_tokens": 2, "n": 2}, **{"X-Request-Id": "fam"}).status_code == 200
+
+
+# =========================================================================== /ping
+
+def test_ping_get_and_post(vllm_server):
+    for method in ("GET", "POST"):
+        r = httpx.request(method, vllm_server.url + "/ping")
+        assert r.status_code == 200, (method, r.text)
+
+
+# =========================================================================== flags that act
+
+def test_max_logprobs_is_the_servers_limit_capped_by_the_vocabulary(vllm_server, server):
+    r = _post(vllm_server.url, {"prompt": "hi", "max_tokens": 2, "logprobs": 25}, **AUTH)
+    assert r.status_code == 200, r.text
+    assert all(len(top) in (25, 26) for top in r.json()["choices"][0]["logprobs"]["top_logprobs"])  # + the chosen
+    r = _post(vllm_server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                "logprobs": True, "top_logprobs": 30}, path="/v1/chat/completions", **AUTH)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 30
+    err = _check_error(_post(vllm_server.url, {"prompt": "hi", "logprobs": 500}, **AUTH), 400, "logprobs")
+    assert "384" in err["message"]  # the vocabulary: there are no more tokens to rank
+    err = _check_error(_post(vllm_server.url, {"prompt": "hi", "prompt_logprobs": 385}, **AUTH), 400,
+                       "prompt_logprobs")
+    err = _check_error(_post(server.url, {"prompt": "hi", "logprobs": 21}), 400, "logprobs")
+    assert "20" in err["message"]  # vLLM's default
+    vllm_server.wait_idle()
+
+
+def test_return_tokens_as_token_ids_is_the_default_a_request_may_change(vllm_server):
+    body = {"prompt": "hi", "max_tokens": 3, "logprobs": 2}
+    tokens = _post(vllm_server.url, body, **AUTH).json()["choices"][0]["logprobs"]["tokens"]
+    assert tokens and all(t.startswith("token_id:") for t in tokens), tokens
+    tokens = _post(vllm_server.url, {**body, "return_tokens_as_token_ids": False},
+                   **AUTH).json()["choices"][0]["logprobs"]["tokens"]
+    assert not any(t.startswith("token_id:") for t in tokens), tokens
+
+
+def test_enable_log_requests_logs_the_prompt_up_to_max_log_len(vllm_server, caplog):
+    caplog.set_level(logging.INFO, logger="nanoserve")
+    r = _post(vllm_server.url, {"prompt": "hello world\nforged", "max_tokens": 1, "temperature": 0.5},
+              **{**AUTH, "X-Request-Id": "logged-1"})
+    assert r.status_code == 200
+    line = next(rec.getMessage() for rec in caplog.records if "logged-1: prompt 0" in rec.getMessage())
+    assert '"hello"' in line and "world" not in line and "temperature=0.5" in line, line
+    assert "prompt_token_ids: [" in line
+
+
+def test_uvicorn_trace_level():
+    configure_logging("info", parse_args(["--uvicorn-log-level", "trace"]).uvicorn_log_level)
+    try:
+        assert logging.getLogger("uvicorn").level == 5
+    finally:
+        configure_logging("info")
+
+
+# =========================================================================== flags taken without effect, or refused
+
+TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked-prefill"],
+         ["--no-enable-chunked-prefill"], ["--kv-cache-dtype", "auto"], ["--load-format", "safetensors"],
+         ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"], ["--disable-custom-all-reduce"],
+         ["--swap-space", "4.5"], ["--disable-log-requests"], ["--disable-fastapi-docs"],
+         ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"]]
+REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
+           ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
+           ["--distributed-executor-backend", "ray"]]
+
+
+def test_every_vllm_flag_of_the_table_is_tested():
+    tested = {f for flags in TAKEN + REFUSED for f in flags if f.startswith("-")}
+    assert {flag for flag, *_ in VLLM_FLAGS} <= tested
+
+
+@pytest.mark.parametrize("flags", TAKEN, ids=[" ".join(f) for f in TAKEN])
+def test_vllm_flags_taken_with_a_note(flags):
+    args = parse_args(flags)
+    assert len(args.vllm_notes) == 1 and args.vllm_notes[0].startswith(" ".join(flags) + " (a vLLM flag) does "
+                                                                       "nothing here: "), args.vllm_notes
+
+
+@pytest.mark.parametrize("flags", REFUSED, ids=[" ".join(f) for f in REFUSED])
+def test_vllm_flags_refused_in_one_line(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"{flags[1]} is not supported: " in err, err
+
+
+def test_vllm_flags_that_act_or_already_exist_parse():
+    args = parse_args(["--enable-prefix-caching", "--generation-config", "vllm", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--uvicorn-log-level", "warning", "--max-logprobs", "5",
+                       "--return-tokens-as-token-ids", "--enable-log-requests", "--max-log-len", "100",
+                       "--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
+                       "--allowed-headers", '["*"]', "--allow-credentials"])
+    assert args.vllm_notes == [] and args.max_logprobs == 5 and args.allowed_methods == ["GET", "POST"]
+    assert entry.engine_config(args).max_logprobs == 5
+
+
+@pytest.mark.parametrize("flags", [["--allowed-origins", "*"], ["--allowed-origins", '"*"'],
+                                   ["--allowed-headers", "[1]"], ["--max-logprobs", "-1"]])
+def test_bad_values_are_one_line_errors(flags, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(flags)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flags[0] in err, err
+
+
+def test_a_copied_vllm_serve_line_runs(tiny_model):
+    """As a deployment runs it: `serve MODEL` and vLLM's flags, the key in $VLLM_API_KEY."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": KEY}
+    env.pop("NANOSERVE_API_KEY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nanoserve", "serve", str(tiny_model), "--host", "127.0.0.1", "--port", "0",
+         "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--trust-remote-code",
+         "--disable-log-requests", "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--swap-space", "4",
+         "--gpu-memory-utilization", "0.9", "--uvicorn-log-level", "warning", "--disable-log-stats"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        for line in proc.stdout:
+            if line.strip().startswith("URL"):
+                url = line.split()[1]
+                break
+        assert url, proc.stderr.read()
+        assert httpx.get(url + "/ping").status_code == 200
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "an API key (from $VLLM_API_KEY) is required" in err and KEY not in err
+    for flag in ("--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill",
+                 "--kv-cache-dtype auto", "--swap-space 4.0"):
+        assert f"WARNING [entry] {flag} (a vLLM flag) does nothing here" in err, (flag, err)
