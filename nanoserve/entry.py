@@ -273,6 +273,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "mistral (Mistral: [TOOL_CALLS] then the calls)")
     g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help="logprobs name tokens as token_id:N, unless a request's return_tokens_as_token_ids says")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", the tools are not passed to the chat template')
 
@@ -1318,6 +1320,7 @@ class ServerState:
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
     exclude_tools_when_tool_choice_none: bool = False
     return_tokens_as_token_ids: bool = False             # what a request that does not say gets
+    enable_prompt_tokens_details: bool = False
     log_requests: bool = False                           # --enable-log-requests
     max_log_len: int | None = None
     exit_code: int = 0                                   # 1 once the engine cannot recover
@@ -1348,6 +1351,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
 
     @contextlib.asynccontextmanager
@@ -1669,6 +1673,7 @@ class _Tracked:
     finish_reasons: list[str] = field(default_factory=list)
     num_output_tokens: dict[int, int] = field(default_factory=dict)  # by completion index
     last_token_time: float | None = None  # None until the first token
+    num_cached_tokens: int = 0            # of its prompt, found in the prefix cache
 
 
 def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
@@ -1834,11 +1839,15 @@ class Generation:
                                                               for t, lp in e.items()} for e in prompt_logprobs]
         return out
 
-    def usage(self, num_output_tokens: Iterable[int], prompt_index: int | None = None) -> dict[str, int]:
+    def usage(self, num_output_tokens: Iterable[int], prompt_index: int | None = None) -> dict[str, Any]:
         """Of every prompt, or (a stream's continuous usage) of one prompt's choice."""
         prompt = sum(len(p.token_ids) for i, p in enumerate(self.prompts) if prompt_index in (None, i))
         completion = sum(num_output_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(t.num_cached_tokens for t in self.tracked.values())
+        if self.state.enable_prompt_tokens_details and cached and prompt_index is None:  # as vLLM: only when some
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         """The non-streaming body."""
@@ -1863,6 +1872,7 @@ class Generation:
             elif m.last_token_time > t.last_token_time:
                 metrics.inter_token_latency.observe(m.last_token_time - t.last_token_time)
             t.last_token_time = m.last_token_time
+        t.num_cached_tokens = out.num_cached_tokens
         for c in out.outputs:
             t.num_output_tokens[c.index] = t.num_output_tokens.get(c.index, 0) + len(c.token_ids)
             if c.finish_reason is not None:

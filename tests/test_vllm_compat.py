@@ -5,6 +5,7 @@ are the tiny random Qwen3 of conftest on a loopback port (tests/test_server.py's
 ServerThread)."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -29,13 +30,15 @@ KEY, ORIGIN = "vllm-s3cret", "https://ok.example"
 def vllm_server(tiny_model):
     """The key from $VLLM_API_KEY, one allowed origin with credentials, vLLM's request
     logging, logprobs up to 1000 (capped by the 384-token vocabulary), token ids as
-    logprobs' tokens, and one request running with two waiting at most."""
+    logprobs' tokens, one request running with two waiting at most, and usage's
+    prompt_tokens_details."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("NANOSERVE_API_KEY", raising=False)
         mp.setenv("VLLM_API_KEY", KEY)
         s = ServerThread(tiny_model, "--allowed-origins", f'["{ORIGIN}"]', "--allow-credentials",
                          "--enable-log-requests", "--max-log-len", "5", "--max-logprobs", "1000",
-                         "--return-tokens-as-token-ids", "--max-num-seqs", "1", "--max-queue-len", "2")
+                         "--return-tokens-as-token-ids", "--max-num-seqs", "1", "--max-queue-len", "2",
+                         "--enable-prompt-tokens-details")
     with s:
         yield s
 
@@ -213,6 +216,23 @@ def test_return_tokens_as_token_ids_is_the_default_a_request_may_change(vllm_ser
     tokens = _post(vllm_server.url, {**body, "return_tokens_as_token_ids": False},
                    **AUTH).json()["choices"][0]["logprobs"]["tokens"]
     assert not any(t.startswith("token_id:") for t in tokens), tokens
+
+
+def test_prompt_tokens_details_count_the_prefix_cache_hits(vllm_server, server):
+    """As vLLM's --enable-prompt-tokens-details: cached_tokens, when some prompt tokens were
+    cached (whole blocks of 16); without the flag, never."""
+    body = {"prompt": list(range(1, 41)), "max_tokens": 2}
+    first = _post(vllm_server.url, body, **AUTH).json()["usage"]
+    assert first["prompt_tokens"] == 40 and "prompt_tokens_details" not in first
+    again = _post(vllm_server.url, body, **AUTH).json()["usage"]
+    assert again["prompt_tokens_details"] == {"cached_tokens": 32}
+    with httpx.stream("POST", vllm_server.url + "/v1/completions", headers=AUTH,
+                      json={**body, "stream": True, "stream_options": {}}) as s:
+        last = json.loads(sse_events(s.read().decode())[-2])
+    assert last["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    for _ in range(2):
+        assert "prompt_tokens_details" not in _post(server.url, body).json()["usage"]
+    vllm_server.wait_idle()
 
 
 def test_enable_log_requests_logs_the_prompt_up_to_max_log_len(vllm_server, caplog):
