@@ -55,7 +55,7 @@ from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar,
 
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 from starlette.applications import Starlette
@@ -1520,7 +1520,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(generate_latest(_state(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(_state(request).metrics.exposed), media_type=CONTENT_TYPE_LATEST)
 
 
 async def tokenize(request: Request) -> Response:
@@ -2174,13 +2174,17 @@ _ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
 
 class ServerMetrics:
     """/metrics: vLLM's metric names under ``nanoserve:``, in this app's own
-    registry. Gauges and engine counters are read from ``engine.stats()`` at
-    scrape time; latency histograms are fed by each request's timestamps."""
+    registry, and each again under ``vllm:`` (``exposed``), so that dashboards and
+    autoscalers built for vLLM read them. Gauges and engine counters are read from
+    ``engine.stats()`` at scrape time; latency histograms are fed by each request's timestamps."""
 
     def __init__(self, async_llm: AsyncLLM, model_name: str):
         self.async_llm, self.model_name = async_llm, model_name
         self.registry = CollectorRegistry()
         self.registry.register(self)  # collect(): the engine's own series, at scrape time
+        self.exposed = CollectorRegistry()
+        self.exposed.register(self.registry)
+        self.exposed.register(_Renamed(self.registry, "nanoserve:", "vllm:"))
 
         def histogram(name: str, doc: str):
             return Histogram(f"nanoserve:{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS,
@@ -2207,6 +2211,19 @@ class ServerMetrics:
             family = kind(f"nanoserve:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], s[key])
             yield family
+
+
+class _Renamed:
+    """A registry's series under another prefix (the same values, read at the same scrape)."""
+
+    def __init__(self, registry: CollectorRegistry, old: str, new: str):
+        self.registry, self.old, self.new = registry, old, new
+
+    def collect(self):
+        for m in self.registry.collect():
+            copy = Metric(m.name.replace(self.old, self.new, 1), m.documentation, m.type, m.unit)
+            copy.samples = [s._replace(name=s.name.replace(self.old, self.new, 1)) for s in m.samples]
+            yield copy
 
 
 async def log_stats_periodically(state: ServerState, interval: float) -> None:

@@ -701,6 +701,10 @@ def test_metrics_move(server):
     assert after["nanoserve:time_to_first_token_seconds_count"] == before["nanoserve:time_to_first_token_seconds_count"] + 2
     assert after["nanoserve:inter_token_latency_seconds_count"] >= before["nanoserve:inter_token_latency_seconds_count"] + 6
     assert after["nanoserve:e2e_request_latency_seconds_count"] == before["nanoserve:e2e_request_latency_seconds_count"] + 1
+    # each series again under vLLM's prefix, for dashboards and autoscalers built for vLLM
+    ours = {k: v for k, v in after.items() if k.startswith("nanoserve:")}
+    assert len(ours) > 20 and {k.replace("nanoserve:", "vllm:", 1): v for k, v in ours.items()} == \
+        {k: v for k, v in after.items() if k.startswith("vllm:")}
 
 
 def test_debug_logs_follow_the_request_through_the_layers(tiny_model, caplog):
