@@ -901,7 +901,7 @@ class LLMEngine:
     def _family(self, request_id: str) -> list[str]:
         if request_id in self.scheduler.requests:
             return [request_id]
-        return [rid for rid, r in self.scheduler.requests.items() if r.parent_id == request_id]
+        return list(self.scheduler.families.get(request_id, ()))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -1136,7 +1136,7 @@ class LLMEngine:
     def _siblings(self, req: Request) -> list[Request]:
         if req.parent_id is None:
             return [req]
-        return [req] + [r for r in self.scheduler.requests.values() if r.parent_id == req.parent_id]
+        return [req] + [self.scheduler.requests[rid] for rid in self.scheduler.families.get(req.parent_id, ())]
 
     def completion_output(self, req: Request) -> CompletionOutput:
         """The request's output so far (under DELTA: what is new since its last

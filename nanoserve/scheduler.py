@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -101,9 +101,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Request] = deque()
+        # A queue keyed by request id: an aborted waiting request leaves it in O(1), not a scan
+        # (one HTTP request may queue prompts x n of them, and a disconnect aborts them all).
+        self.waiting: OrderedDict[str, Request] = OrderedDict()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.families: dict[str, dict[str, None]] = {}  # n > 1: the live children's ids, by parent id
         self.num_preemptions = 0
 
     # ---------------------------------------------------------------- queue ops
@@ -111,8 +114,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        self.waiting[request.request_id] = request
         self.requests[request.request_id] = request
+        if request.parent_id is not None:
+            self.families.setdefault(request.parent_id, {})[request.request_id] = None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         """Remove a request from its queue and free its blocks (finish or abort)."""
@@ -120,9 +125,14 @@ class Scheduler:
         if request is None:
             return
         if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
+            self.running.remove(request)  # at most max_num_seqs long
         else:
-            self.waiting.remove(request)
+            del self.waiting[request_id]
+        family = self.families.get(request.parent_id)
+        if family is not None:
+            del family[request_id]
+            if not family:
+                del self.families[request.parent_id]
         request.status = status
         self.block_manager.free(request_id)
         logger.debug("[scheduler] %s finished (%s), free blocks %d", request_id, status.value,
@@ -197,7 +207,7 @@ class Scheduler:
         # a token in flight is not admitted in that schedule, and the token lands before the next.
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            req = next(iter(self.waiting.values()))
             hits = [] if req.skip_reading_prefix_cache else bm.get_computed_blocks(req.token_ids, req.cache_salt)
             num_computed = len(hits) * bm.block_size
             num_new = min(req.num_tokens - num_computed, budget)
@@ -205,7 +215,7 @@ class Scheduler:
                                      req.cache_salt):
                 break  # no room: it waits, and so does everyone behind it (FCFS)
             bm.record_prefix_query(req.num_tokens, num_computed)
-            self.waiting.popleft()
+            self.waiting.popitem(last=False)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_computed  # reported for the first admission
             req.num_computed_tokens = num_computed
@@ -222,7 +232,8 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        self.waiting[req.request_id] = req
+        self.waiting.move_to_end(req.request_id, last=False)  # to the front
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
         logger.debug("[scheduler] preempt %s (recompute %d tokens later)", req.request_id, req.num_tokens)

@@ -27,6 +27,7 @@ class FakeRequest:
     skip_reading_prefix_cache: bool = False
     num_output_placeholders: int = 0
     max_num_tokens: int = 10**9
+    parent_id: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -155,7 +156,7 @@ def test_waiting_head_that_does_not_fit_blocks_those_behind_it():
     add(sched, "small", 1, 200)
     out = sched.schedule()
     assert plan(out) == [("a", 8)]
-    assert [r.request_id for r in sched.waiting] == ["big", "small"]
+    assert [r.request_id for r in sched.waiting.values()] == ["big", "small"]
 
 
 def test_scheduled_requests_carry_their_block_tables_and_stats_come_from_the_scheduler():
@@ -223,7 +224,7 @@ def test_preempts_the_most_recently_admitted_when_blocks_run_out():
     assert plan(out) == [("a", 1), ("b", 1)]
     assert out.preempted == ["c"]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
-    assert list(sched.waiting) == [c] and sched.running == [a, b]
+    assert list(sched.waiting.values()) == [c] and sched.running == [a, b]
     assert sched.block_manager.block_table("c") == []
     assert sched.num_preemptions == 1
 
@@ -235,7 +236,7 @@ def test_a_request_preempts_itself_when_it_is_the_newest():
     out = sched.schedule()
     assert plan(out) == [("a", 1)]  # a needs no new block (its 4th slot is free)
     assert out.preempted == ["b"]   # b is the newest running request: it yields itself
-    assert b.status == RequestStatus.PREEMPTED and list(sched.waiting) == [b]
+    assert b.status == RequestStatus.PREEMPTED and list(sched.waiting.values()) == [b]
     assert sched.block_manager.num_free_blocks == 2
 
 
@@ -247,7 +248,7 @@ def test_preempted_request_goes_to_the_front_of_the_waiting_queue():
     add(sched, "new", 1, 300)
     out = sched.schedule()
     assert out.preempted == ["b"]
-    assert [r.request_id for r in sched.waiting] == ["b", "new"]
+    assert [r.request_id for r in sched.waiting.values()] == ["b", "new"]
 
 
 def test_no_admission_in_a_step_that_preempted():
@@ -315,10 +316,16 @@ def check_invariants(sched: Scheduler, kv: dict[tuple[int, int], tuple[int, ...]
         # Every computed token's KV in the (simulated) cache is this request's.
         for p in range(req.num_computed_tokens):
             assert kv.get((table[p // bs], p % bs)) == tuple(req.token_ids[:p + 1]), (req.request_id, p)
-    for req in sched.waiting:
+    for req in sched.waiting.values():
         assert req.request_id not in bm.req_to_blocks and req.num_computed_tokens == 0
     assert len(sched.running) <= sched.config.max_num_seqs
-    assert set(sched.requests) == {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting}
+    assert set(sched.requests) == {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting.values()}
+    assert list(sched.waiting) == [r.request_id for r in sched.waiting.values()]
+    families: dict[str, set[str]] = {}
+    for rid, r in sched.requests.items():
+        if r.parent_id is not None:
+            families.setdefault(r.parent_id, set()).add(rid)
+    assert {p: set(ids) for p, ids in sched.families.items()} == families
 
 
 class EngineSim:
@@ -337,7 +344,9 @@ class EngineSim:
 
     def add(self, tokens: list[int]) -> None:
         tokens = tokens[:self.config["max_model_len"] - 1] or [0]
-        self.sched.add_request(FakeRequest(f"r{self.counter}", tokens))
+        request = FakeRequest(f"r{self.counter}", tokens)
+        request.parent_id = f"p{self.counter % 6}" if self.counter % 2 else None  # families of n > 1 requests
+        self.sched.add_request(request)
         self.counter += 1
 
     def kill(self, kind: str, k: int) -> None:
