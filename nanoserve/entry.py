@@ -271,6 +271,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "llama3_json (Llama 3.1+: the output is one JSON object), "
                         "pythonic (Llama 3.2/4: the output is a Python list of calls), "
                         "mistral (Mistral: [TOOL_CALLS] then the calls)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split chat output into reasoning_content (<think>...</think>) and content: deepseek_r1 "
+                        "(the output starts thinking), qwen3 (both tags needed); tool calls are read from the content")
     g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help="logprobs name tokens as token_id:N, unless a request's return_tokens_as_token_ids says")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -782,8 +785,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     top_logprobs: int | None = Field(None, ge=0)
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
-    # these steer a reasoning parser; there is none here (vLLM without one ignores them too)
-    include_reasoning: bool = True
+    include_reasoning: bool = True  # false: --reasoning-parser drops the reasoning (without one: nothing to drop)
+    # only vLLM's gpt-oss (harmony) path reads it: accepted, unused here
     reasoning_effort: typing.Literal["low", "medium", "high"] | None = None
     tool_choice: Any = None  # check_tool_choice says what it takes
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
@@ -1299,6 +1302,49 @@ def tool_call_body(call: dict[str, str]) -> dict[str, Any]:
             "function": {"name": call["name"], "arguments": call["arguments"]}}
 
 
+# =========================================================================== reasoning
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+
+
+class ReasoningParser:
+    """vLLM's --reasoning-parser for one choice (as vLLM v0.10-0.11: vllm/reasoning/basic_parsers.py,
+    deepseek_r1_reasoning_parser.py and qwen3_reasoning_parser.py at 693e2a48, serving_chat.py at 003fe593):
+    the text between <think> and </think> is the reasoning, the rest the content. deepseek_r1 starts in
+    the reasoning (R1's template opens <think> in the prompt); qwen3 only at a <think>. Chat only."""
+    START, END = "<think>", "</think>"
+
+    def __init__(self, name: str):
+        self.name, self.held = name, ""
+        self.state = "reasoning" if name == "deepseek_r1" else "before"  # -> "reasoning" -> "content"
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        """A whole output (vLLM's extract_reasoning_content): (reasoning, content), None for none."""
+        before, start, rest = text.partition(self.START)
+        if self.name == "qwen3" and not (start and self.END in rest):  # qwen3 needs both tags, else all is content
+            return None, text
+        reasoning, end, content = (rest if start else before).partition(self.END)
+        return reasoning, (content or None) if end else None  # R1 without </think>: all reasoning (cut short)
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        """A stream's delta -> (reasoning, content); a possible tag's start is held until the next says.
+        As vLLM's streamed parsers, a <think> is dropped and qwen3's reasoning needs no </think>."""
+        text, pos, out = self.held + text, 0, {"reasoning": [], "content": []}
+        while self.state != "content":
+            tags = (self.START,) if self.state == "before" else (self.START, self.END)
+            at, tag = min(((a, t) for t in tags if (a := text.find(t, pos)) >= 0), default=(-1, ""))
+            cut = at if at >= 0 else len(text) - (0 if final else max(_tag_start(text[pos:], t) for t in tags))
+            out["content" if self.state == "before" else "reasoning"].append(text[pos:cut])
+            pos = cut + len(tag)
+            if at < 0:
+                break
+            self.state = "content" if tag == self.END else "reasoning"
+        if self.state == "content":
+            out["content"].append(text[pos:])
+            pos = len(text)
+        self.held = text[pos:]
+        return "".join(out["reasoning"]), "".join(out["content"])
+
+
 # =========================================================================== app
 
 @dataclass(eq=False)
@@ -1318,6 +1364,7 @@ class ServerState:
     chat_template: str | None = None                     # --chat-template
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
+    reasoning_parser: str | None = None                  # --reasoning-parser
     exclude_tools_when_tool_choice_none: bool = False
     return_tokens_as_token_ids: bool = False             # what a request that does not say gets
     enable_prompt_tokens_details: bool = False
@@ -1349,6 +1396,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         chat_template=args.chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        reasoning_parser=args.reasoning_parser,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
@@ -1987,6 +2035,7 @@ class ChatGeneration(Generation):
         if self.parser is MistralToolParser:  # as vLLM's: [TOOL_CALLS] is a special token the text must keep
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
+        self.reasoners: dict[int, ReasoningParser] = {}  # likewise, with --reasoning-parser
         # as vLLM's get_chat_request_role: the reply's turn, or the last message's when it is continued
         self.role = "assistant" if opens_reply(req.add_generation_prompt, req.continue_final_message) \
             else req.messages[-1]["role"]
@@ -2003,12 +2052,18 @@ class ChatGeneration(Generation):
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
                extra: dict, echo: str = "") -> dict | None:
-        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's)."""
-        content, calls, finish = text, [], c.finish_reason
+        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's);
+        with --reasoning-parser only the content part is (as vLLM's)."""
+        content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
+        if (name := self.state.reasoning_parser) is not None:
+            parser = self.reasoners.setdefault(index, ReasoningParser(name))
+            reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
+            blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
+            reasoning, content = reasoning if self.req.include_reasoning else None, content or ""
         if self.parser is not None:
             if index not in self.tool_streams:
                 self.tool_streams[index] = ToolStream(self.parser())
-            content, calls, made = self.tool_streams[index].feed(text, finish is not None or not stream)
+            content, calls, made = self.tool_streams[index].feed(content, finish is not None or not stream)
             if not stream:  # one feed: each call whole in its first delta
                 calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
             if self.req.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
@@ -2017,13 +2072,15 @@ class ChatGeneration(Generation):
                 finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
         content = echo + content
         if stream:
-            delta = {**({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
+            delta = {**({"reasoning_content": reasoning} if reasoning else {}),
+                     **({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
             if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
                 return None  # all of it held back: nothing to send yet
             body = {"delta": delta}
         else:
             # tool_calls always, [] for none, as vLLM's ChatMessage: clients read its length
-            body = {"message": {"role": self.role, "content": content or (None if calls else ""), "tool_calls": calls}}
+            body = {"message": {"role": self.role, "content": content or (None if calls else blank),
+                                **({"reasoning_content": reasoning} if name else {}), "tool_calls": calls}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
                 **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
 

@@ -5,7 +5,8 @@ named function enforced by the structured-outputs grammar on a tiny random model
 sampling at temperature 1 (the constraint, not the model, makes every call valid);
 "auto" end to end with the output forced into a call by a structured-outputs
 choice (the random model would never write one); --chat-template, the request's
-chat_template, continue_final_message; and a 400 naming the field for each bad shape."""
+chat_template, continue_final_message; --reasoning-parser (the thought forced the same way) splitting
+reasoning_content from the content the tool parser reads; and a 400 naming the field for each bad shape."""
 from __future__ import annotations
 
 import json
@@ -696,4 +697,130 @@ def test_tool_fields_fuzzed_never_5xx(server):
         elif stream:
             sse_events(r.text)
     check()
+    server.wait_idle()
+
+
+# =========================================================================== --reasoning-parser
+
+REASONING_CASES = [  # text -> {parser: (reasoning, content) as vLLM v0.10-0.11's parsers split a whole output}
+    ("<think>\nLet me see.\n</think>\n\nHello.", {"deepseek_r1": ("\nLet me see.\n", "\n\nHello."),
+                                                 "qwen3": ("\nLet me see.\n", "\n\nHello.")}),
+    ("Let me see.</think>Hello.", {"deepseek_r1": ("Let me see.", "Hello."),  # R1: its template opened <think>
+                                   "qwen3": (None, "Let me see.</think>Hello.")}),  # qwen3: needs both tags
+    ("Thinking, cut short <thi", {"deepseek_r1": ("Thinking, cut short <thi", None),
+                                  "qwen3": (None, "Thinking, cut short <thi")}),
+    ("<think>a</think>", {"deepseek_r1": ("a", None), "qwen3": ("a", None)}),
+    ("</think></thin", {"deepseek_r1": ("", "</thin"), "qwen3": (None, "</think></thin")}),
+]
+
+
+def stream_reasoning(name: str, pieces: list[str]) -> tuple[str, str]:
+    parser, reasoning, content = entry.ReasoningParser(name), "", ""
+    for i, piece in enumerate(pieces):
+        r, c = parser.feed(piece, i == len(pieces) - 1)
+        reasoning, content = reasoning + r, content + c
+    return reasoning, content
+
+
+@pytest.mark.parametrize("text,want", REASONING_CASES)
+def test_reasoning_parsers(text, want):
+    """Whole and streamed a character at a time (every tag split across deltas): where vLLM's streamed
+    parser agrees with its whole-output one, the stream adds up to the same fields and leaks no tag."""
+    for name, (reasoning, content) in want.items():
+        assert entry.ReasoningParser(name).extract(text) == (reasoning, content), name
+        if reasoning is not None:
+            assert stream_reasoning(name, list(text)) == (reasoning, content or ""), name
+    assert stream_reasoning("qwen3", list("Let me see.</think>Hello.")) == ("", "Let me see.</think>Hello.")
+    # as vLLM's streamed parsers: reasoning after <think> needs no </think> (qwen3), a later <think> is dropped
+    assert stream_reasoning("qwen3", list("<think>cut <think>short")) == ("cut short", "")
+    assert stream_reasoning("deepseek_r1", ["<thi", "nk>a</th", "ink", ">b"]) == ("a", "b")
+
+
+THOUGHT = "<think>\nThe user wants the weather.\n</think>\n\n"
+
+
+def chat_reasoning_stream(server, **body) -> tuple[list[dict], str, str, list[list[str]], str]:
+    """chat_stream's, with the reasoning the deltas add up to: (chunks, reasoning, content, calls, finish)."""
+    chunks, content, calls, finish = chat_stream(server, **body)
+    reasoning = "".join(ch["choices"][0]["delta"].get("reasoning_content", "") for ch in chunks)
+    return chunks, reasoning, content, calls, finish
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_reasoning_parser_on_chat(server, name, monkeypatch):
+    """The forced output's <think> part is message.reasoning_content and the rest its content, whole and
+    streamed (reasoning deltas first, the tags split across token deltas never in either); the hermes
+    parser reads calls from the content only; include_reasoning false drops the reasoning."""
+    tok = server.engine.tokenizer
+    assert len(tok.encode("</think>", add_special_tokens=False)) > 1  # so the tag comes over several deltas
+    monkeypatch.setattr(server.app.state.server, "reasoning_parser", name)
+    text = THOUGHT + "It is sunny."
+    (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
+    assert choice["message"] == {"role": "assistant", "reasoning_content": "\nThe user wants the weather.\n",
+                                 "content": "\n\nIt is sunny.", "tool_calls": []}
+    chunks, reasoning, content, _, finish = chat_reasoning_stream(server, structured_outputs={"choice": [text]},
+                                                                  max_tokens=300)
+    assert (reasoning, content, finish) == ("\nThe user wants the weather.\n", "\n\nIt is sunny.", "stop")
+    kinds = [k for ch in chunks[1:] for k in ch["choices"][0]["delta"] if k in ("reasoning_content", "content")]
+    assert kinds == sorted(kinds, reverse=True) and len(kinds) > 2  # reasoning, then content, token by token
+    # a call after the thought is a call; one written inside it is reasoning
+    body = dict(tools=TOOLS, structured_outputs={"choice": [THOUGHT + FORCED]}, max_tokens=400)
+    want = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
+    (choice,) = chat(server, **body)["choices"]
+    assert choice["message"]["reasoning_content"] == "\nThe user wants the weather.\n"
+    assert (choice["message"]["content"], calls_of(choice["message"]), choice["finish_reason"]) == \
+        ("\n\n" + TOLD, want, "tool_calls")
+    assert chat_reasoning_stream(server, **body)[1:] == ("\nThe user wants the weather.\n", "\n\n" + TOLD, want,
+                                                         "tool_calls")
+    inner = "<think>" + FORCED + "</think>No call."
+    (choice,) = chat(server, tools=TOOLS, structured_outputs={"choice": [inner]}, max_tokens=400)["choices"]
+    assert choice["message"] == {"role": "assistant", "reasoning_content": FORCED, "content": "No call.",
+                                 "tool_calls": []} and choice["finish_reason"] == "stop"
+    (choice,) = chat(server, include_reasoning=False, structured_outputs={"choice": [text]})["choices"]
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (None, "\n\nIt is sunny.")
+    assert chat_reasoning_stream(server, include_reasoning=False, structured_outputs={"choice": [text]})[1:3] == \
+        ("", "\n\nIt is sunny.")
+    # the completions endpoint does not split (as vLLM's)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "structured_outputs": {"choice": [text]},
+                                                          "max_tokens": 300}, timeout=60)
+    assert r.json()["choices"][0]["text"] == text
+    server.wait_idle()
+
+
+def test_reasoning_parser_without_a_closing_tag(server, monkeypatch):
+    """No </think>: deepseek_r1's output is all reasoning (cut short while thinking), content null; qwen3's
+    is all content, as is its output under enable_thinking false (its template closes the thought in the
+    prompt, so the output has no tags)."""
+    state = server.app.state.server
+    text = "Still thinking about it"
+    monkeypatch.setattr(state, "reasoning_parser", "deepseek_r1")
+    (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (text, None)
+    assert chat_reasoning_stream(server, structured_outputs={"choice": [text]}, max_tokens=300)[1:3] == (text, "")
+    monkeypatch.setattr(state, "reasoning_parser", "qwen3")
+    for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+        (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300, **kwargs)["choices"]
+        assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (None, text)
+        assert chat_reasoning_stream(server, structured_outputs={"choice": [text]}, max_tokens=300,
+                                     **kwargs)[1:3] == ("", text)
+    assert render(server, chat_template_kwargs={"enable_thinking": False}).endswith("assistant\n<think></think>")
+    server.wait_idle()
+
+
+def test_no_reasoning_parser_splits_nothing(server):
+    """Without the flag (the default) the thought is content, as it is written, and no field is added."""
+    assert parse_args(["--dtype", "float32"]).reasoning_parser is None
+    for name in ("deepseek_r1", "qwen3"):
+        assert parse_args(["--dtype", "float32", "--reasoning-parser", name]).reasoning_parser == name
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "float32", "--reasoning-parser", "granite"])
+    args = parse_args(["--model", str(server.args.model), "--dtype", "float32", "--reasoning-parser", "qwen3"])
+    assert entry.build_app(server.async_llm, args).state.server.reasoning_parser == "qwen3"
+    assert server.app.state.server.reasoning_parser is None
+    text = THOUGHT + "It is sunny."
+    (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": text, "tool_calls": []}
+    chunks, reasoning, content, _, _ = chat_reasoning_stream(server, structured_outputs={"choice": [text]},
+                                                             max_tokens=300)
+    assert (reasoning, content) == ("", text)
     server.wait_idle()
