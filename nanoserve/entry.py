@@ -2071,8 +2071,10 @@ class ChatGeneration(Generation):
             if made and finish == "stop" and not isinstance(self.req.tool_choice, dict):  # a forced named function
                 finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
         content = echo + content
+        # vLLM v0.10's field, and the name vLLM renamed it to later (clients read one or the other)
+        thought = {"reasoning_content": reasoning, "reasoning": reasoning}
         if stream:
-            delta = {**({"reasoning_content": reasoning} if reasoning else {}),
+            delta = {**(thought if reasoning else {}),
                      **({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
             if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
                 return None  # all of it held back: nothing to send yet
@@ -2080,7 +2082,7 @@ class ChatGeneration(Generation):
         else:
             # tool_calls always, [] for none, as vLLM's ChatMessage: clients read its length
             body = {"message": {"role": self.role, "content": content or (None if calls else blank),
-                                **({"reasoning_content": reasoning} if name else {}), "tool_calls": calls}}
+                                **(thought if name else {}), "tool_calls": calls}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
                 **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
 

@@ -743,6 +743,8 @@ def chat_reasoning_stream(server, **body) -> tuple[list[dict], str, str, list[li
     """chat_stream's, with the reasoning the deltas add up to: (chunks, reasoning, content, calls, finish)."""
     chunks, content, calls, finish = chat_stream(server, **body)
     reasoning = "".join(ch["choices"][0]["delta"].get("reasoning_content", "") for ch in chunks)
+    assert all(ch["choices"][0]["delta"].get("reasoning") == ch["choices"][0]["delta"].get("reasoning_content")
+               for ch in chunks if ch["choices"])  # the later vLLM name, the same text
     return chunks, reasoning, content, calls, finish
 
 
@@ -756,7 +758,8 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
     monkeypatch.setattr(server.app.state.server, "reasoning_parser", name)
     text = THOUGHT + "It is sunny."
     (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
-    assert choice["message"] == {"role": "assistant", "reasoning_content": "\nThe user wants the weather.\n",
+    thought = "\nThe user wants the weather.\n"
+    assert choice["message"] == {"role": "assistant", "reasoning_content": thought, "reasoning": thought,
                                  "content": "\n\nIt is sunny.", "tool_calls": []}
     chunks, reasoning, content, _, finish = chat_reasoning_stream(server, structured_outputs={"choice": [text]},
                                                                   max_tokens=300)
@@ -774,8 +777,8 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
                                                          "tool_calls")
     inner = "<think>" + FORCED + "</think>No call."
     (choice,) = chat(server, tools=TOOLS, structured_outputs={"choice": [inner]}, max_tokens=400)["choices"]
-    assert choice["message"] == {"role": "assistant", "reasoning_content": FORCED, "content": "No call.",
-                                 "tool_calls": []} and choice["finish_reason"] == "stop"
+    assert choice["message"] == {"role": "assistant", "reasoning_content": FORCED, "reasoning": FORCED,
+                                 "content": "No call.", "tool_calls": []} and choice["finish_reason"] == "stop"
     (choice,) = chat(server, include_reasoning=False, structured_outputs={"choice": [text]})["choices"]
     assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (None, "\n\nIt is sunny.")
     assert chat_reasoning_stream(server, include_reasoning=False, structured_outputs={"choice": [text]})[1:3] == \
