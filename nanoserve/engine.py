@@ -78,7 +78,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def __post_init__(self) -> None:
-        given = [n for n in STRUCTURED_KINDS if getattr(self, n)]
+        given = self.given()
         if len(given) != 1:
             raise InvalidInput("structured_outputs", "structured_outputs must set exactly one of json, regex, "
                                f"choice, grammar, json_object; got {given or 'none'}")
@@ -86,10 +86,9 @@ class StructuredOutputsParams:
                                             and all(isinstance(c, str) for c in self.choice)):
             raise InvalidInput("structured_outputs", "structured_outputs.choice must be a non-empty list of strings")
 
-    def key(self) -> str:
-        """What identifies the compiled grammar (the compile cache's key)."""
-        return json.dumps([getattr(self, n) for n in (*STRUCTURED_KINDS, "disable_any_whitespace")],
-                          sort_keys=True, default=str)
+    def given(self) -> list[str]:
+        """The kinds set: as vLLM, an empty one counts ({} is any JSON, "" matches the empty text)."""
+        return [n for n in STRUCTURED_KINDS if getattr(self, n) is not None and getattr(self, n) is not False]
 
 
 @dataclass(slots=True)
@@ -467,31 +466,30 @@ class TokenizedPrompt:
 
 # =========================================================================== structured outputs
 
+GRAMMAR_CACHE_BYTES = 512 << 20  # compiled grammars kept, least recently used dropped (vLLM's default)
+
+
 class StructuredOutputManager:
     """Structured outputs through xgrammar (vLLM's default backend): each
-    constraint is compiled once, cached by its spec; each request gets its own
+    constraint is compiled once while it stays in xgrammar's cache (bounded in
+    bytes: each distinct schema costs memory); each request gets its own
     matcher, which says before every step which tokens may come next (a bitmask
     the sampler applies) and takes each sampled token. EOS is allowed only where
     the grammar accepts. Preemption keeps a request's tokens, so its matcher
     stays valid; nothing here runs for unconstrained requests."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self.cache_bytes = cache_bytes
         self.compiler = None
-        self.cache: dict[str, Any] = {}
 
     def compile(self, spec: StructuredOutputsParams | None):
         """The compiled grammar of ``spec`` (None for None); InvalidInput naming it
-        when it cannot be compiled. Thread-safe enough to call ahead of time from
-        a worker thread (the server does), so the event loop only hits the cache."""
+        when it cannot be compiled. The server calls it ahead of time on a thread of
+        its own, so the event loop's call (add_request's) finds it in the cache."""
         if spec is None:
             return None
-        key = spec.key()
-        if key not in self.cache:
-            self.cache[key] = self._compile(spec)
-        return self.cache[key]
-
-    def _compile(self, spec: StructuredOutputsParams):
         import xgrammar as xgr
         if self.tokenizer is None:
             raise InvalidInput("structured_outputs", "structured outputs need a tokenizer, but this engine "
@@ -499,7 +497,7 @@ class StructuredOutputManager:
         if self.compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(self.eos_token_ids))
-            self.compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
         c, whitespace = self.compiler, not spec.disable_any_whitespace
         try:
             if spec.json is not None:
@@ -513,7 +511,7 @@ class StructuredOutputManager:
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in spec.choice))
             return c.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
-            what = next(n for n in STRUCTURED_KINDS if getattr(spec, n))
+            what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
                                                      f"{str(e).splitlines()[0][:300]}") from None
 

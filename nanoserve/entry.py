@@ -1361,6 +1361,10 @@ class ServerState:
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
+    # Structured-output grammars compile here: a large one takes seconds, and tokenizing the
+    # requests behind it must not wait for it.
+    grammar_thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar"))
     chat_template: str | None = None                     # --chat-template
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
@@ -1377,8 +1381,8 @@ class ServerState:
     def engine(self) -> LLMEngine:
         return self.async_llm.engine
 
-    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+    async def off_loop(self, fn: Callable[..., Any], *args: Any, pool: str = "tokenizer_thread") -> Any:
+        return await asyncio.get_running_loop().run_in_executor(getattr(self, pool), fn, *args)
 
     def end_all(self, why: str) -> None:
         """The drain timeout: what is still in flight ends now, each stream with
@@ -1417,6 +1421,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                 gen.close("shutdown")
             await async_llm.shutdown()
             state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            state.grammar_thread.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
@@ -1761,8 +1766,9 @@ class Generation:
             gen = cls(state, request_id, req, req.sampling_params(state.engine.default_sampling))
             check_queue(state, req, gen.params.n)
             prompts = await state.off_loop(gen.process_prompts)
-            # compiled here, off the loop; the engine's add_request then finds it in its cache
-            await state.off_loop(state.engine.structured_outputs.compile, gen.params.structured_outputs)
+            if gen.params.structured_outputs is not None:  # compiled here, off the loop; the engine's
+                await state.off_loop(state.engine.structured_outputs.compile,  # add_request finds it cached
+                                     gen.params.structured_outputs, pool="grammar_thread")
             for prompt in prompts:
                 gen.check_length(len(prompt.token_ids))
             check_queue(state, req, gen.params.n)  # again: others may have queued meanwhile

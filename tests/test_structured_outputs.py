@@ -93,7 +93,7 @@ def test_unconstrained_neighbours_are_unchanged(llm):
     (dict(regex="(unclosed"), "structured_outputs.regex cannot be compiled"),
     (dict(json=SCHEMA, regex="a"), "exactly one of"),
     (dict(), "exactly one of"),
-    (dict(choice=[]), "exactly one of"),
+    (dict(choice=[]), "choice must be a non-empty list of strings"),
 ])
 def test_bad_specs_are_clear_errors(llm, spec, match):
     with pytest.raises(ValueError, match=re.escape(match)) as e:  # behind a good request: nothing is queued
@@ -103,11 +103,27 @@ def test_bad_specs_are_clear_errors(llm, spec, match):
     assert llm.stats()["num_running"] == llm.stats()["num_waiting"] == 0
 
 
-def test_compiled_grammars_are_cached(llm):
-    spec = StructuredOutputsParams(regex=r"[ab]{3}")
-    first = llm.engine.structured_outputs.compile(spec)
-    assert llm.engine.structured_outputs.compile(StructuredOutputsParams(regex=r"[ab]{3}")) is first
-    assert first is not None and llm.engine.structured_outputs.compile(None) is None
+def test_empty_constraints_are_constraints_as_in_vllm(llm):
+    """vLLM tests each kind for None: json {} is any JSON value, regex "" the empty text."""
+    texts = sample(llm, StructuredOutputsParams(json={}), all_stop=False)
+    assert all(parse(t) is not None or t == "null" for t in texts)
+    assert sample(llm, StructuredOutputsParams(regex="")) == [""] * len(SEEDS)
+
+
+def test_compiled_grammars_are_cached_within_a_byte_bound(model_root):
+    """Each distinct schema costs memory: the cache keeps the most recent ones up to its bound."""
+    from nanoserve.engine import StructuredOutputManager
+    llm = LLM(str(make_model(model_root, "qwen3")), dtype="float32", max_model_len=64, num_kv_blocks=8)
+    so = StructuredOutputManager(llm.engine.tokenizer, llm.engine.model_config.vocab_size, frozenset([0]),
+                                 cache_bytes=100_000)
+    assert so.compile(None) is None
+    so.compile(StructuredOutputsParams(regex=r"[ab]{3}"))
+    size = so.compiler.get_cache_size_bytes()
+    so.compile(StructuredOutputsParams(regex=r"[ab]{3}"))  # a hit: nothing new kept
+    assert 0 < size == so.compiler.get_cache_size_bytes()
+    for i in range(60):
+        so.compile(StructuredOutputsParams(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}}))
+    assert so.compiler.get_cache_size_bytes() <= 110_000  # xgrammar's bound may be passed a little
 
 
 # ---------------------------------------------------------------- over HTTP
@@ -168,3 +184,32 @@ def test_http_vllm_fields_and_a_stream(server):
 def test_http_bad_constraints_are_400s_naming_them(server, field, value, param):
     from test_server import _check_error
     _check_error(_post(server, "/v1/chat/completions", {**CHAT, field: value}), 400, param)
+
+
+def test_a_slow_compile_does_not_hold_up_other_requests(server, monkeypatch):
+    """A grammar compiles on a thread of its own: a request without one is tokenized and
+    answered while a large constraint is still compiling."""
+    import threading
+    so, entered, release = server.engine.structured_outputs, threading.Event(), threading.Event()
+    compile_ = so.compile
+
+    def slow(spec):  # slow on the server's grammar thread (the engine's own call then hits the cache)
+        if spec is not None and spec.regex == "slow[0-9]" and threading.current_thread().name.startswith(
+                "nanoserve-grammar"):
+            entered.set()
+            assert release.wait(60)
+        return compile_(spec)
+    monkeypatch.setattr(so, "compile", slow)
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("r", _post(server, "/v1/completions", {
+        "prompt": "hi", "structured_outputs": {"regex": "slow[0-9]"}, "max_tokens": 10})))
+    t.start()
+    try:
+        assert entered.wait(60)
+        r = _post(server, "/v1/completions", {"prompt": "hello there", "max_tokens": 3})  # while it compiles
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert t.is_alive(), result["r"].text  # still compiling
+    finally:
+        release.set()
+        t.join(60)
+    assert re.fullmatch("slow[0-9]", result["r"].json()["choices"][0]["text"])
