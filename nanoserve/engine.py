@@ -20,6 +20,7 @@ scheduler only, whose output carries each scheduled request's block table.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import dataclasses
 import enum
@@ -28,6 +29,7 @@ import itertools
 import json
 import logging
 import os
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -89,6 +91,11 @@ class StructuredOutputsParams:
     def given(self) -> list[str]:
         """The kinds set: as vLLM, an empty one counts ({} is any JSON, "" matches the empty text)."""
         return [n for n in STRUCTURED_KINDS if getattr(self, n) is not None and getattr(self, n) is not False]
+
+    def key(self) -> str:
+        """What identifies the compiled grammar."""
+        return json.dumps([getattr(self, n) for n in (*STRUCTURED_KINDS, "disable_any_whitespace")],
+                          sort_keys=True, default=str)
 
 
 @dataclass(slots=True)
@@ -467,6 +474,7 @@ class TokenizedPrompt:
 # =========================================================================== structured outputs
 
 GRAMMAR_CACHE_BYTES = 512 << 20  # compiled grammars kept, least recently used dropped (vLLM's default)
+RECENT_GRAMMARS = 8  # also held here: the server's compile ahead must still be there when add_request asks
 
 
 class StructuredOutputManager:
@@ -483,13 +491,30 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.cache_bytes = cache_bytes
         self.compiler = None
+        self.recent: collections.OrderedDict[str, Any] = collections.OrderedDict()  # by spec.key()
+        self.lock = threading.Lock()  # the server's grammar thread and the event loop both call compile
 
     def compile(self, spec: StructuredOutputsParams | None):
         """The compiled grammar of ``spec`` (None for None); InvalidInput naming it
         when it cannot be compiled. The server calls it ahead of time on a thread of
-        its own, so the event loop's call (add_request's) finds it in the cache."""
+        its own, so that the event loop's call (add_request's) finds it here: xgrammar's
+        own cache could have dropped it meanwhile for others, under its byte bound."""
         if spec is None:
             return None
+        key = spec.key()
+        with self.lock:
+            if key in self.recent:
+                self.recent.move_to_end(key)
+                return self.recent[key]
+            compiler = self._compiler()
+        compiled = self._compile(compiler, spec)
+        with self.lock:
+            self.recent[key] = compiled
+            if len(self.recent) > RECENT_GRAMMARS:
+                self.recent.popitem(last=False)
+        return compiled
+
+    def _compiler(self):
         import xgrammar as xgr
         if self.tokenizer is None:
             raise InvalidInput("structured_outputs", "structured outputs need a tokenizer, but this engine "
@@ -498,7 +523,10 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(self.eos_token_ids))
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
-        c, whitespace = self.compiler, not spec.disable_any_whitespace
+        return self.compiler
+
+    def _compile(self, c, spec: StructuredOutputsParams):
+        whitespace = not spec.disable_any_whitespace
         try:
             if spec.json is not None:
                 schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)

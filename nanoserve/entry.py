@@ -403,7 +403,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 
 
 Number = Annotated[float, Field(allow_inf_nan=False)]
-MAX_REQUEST_ID = 1024  # a body's request_id, in characters (vLLM sets no bound; this one is logged and echoed)
+MAX_REQUEST_ID = 1024  # a request id, body's or X-Request-Id's, in characters (vLLM sets no bound; it is logged)
 _UNSET = (None,)
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
@@ -478,8 +478,13 @@ class OpenAIBaseModel(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = True  # vLLM's default: a stream_options object asks for the usage chunk unless it says not
-    continuous_usage_stats: bool = False  # with include_usage: each chunk carries its choice's usage so far
+    include_usage: bool | None = True  # vLLM's default: a stream_options object asks for the usage chunk
+    continuous_usage_stats: bool | None = False  # with include_usage: each chunk carries its choice's usage so far
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        return data  # as vLLM's: an explicit null is kept, and asks for nothing
 
 
 class GenerationRequest(OpenAIBaseModel):
@@ -1310,17 +1315,19 @@ class ReasoningParser:
     """vLLM's --reasoning-parser for one choice (as vLLM v0.10-0.11: vllm/reasoning/basic_parsers.py,
     deepseek_r1_reasoning_parser.py and qwen3_reasoning_parser.py at 693e2a48, serving_chat.py at 003fe593):
     the text between <think> and </think> is the reasoning, the rest the content. deepseek_r1 starts in
-    the reasoning (R1's template opens <think> in the prompt); qwen3 only at a <think>. Chat only."""
+    the reasoning (R1's template opens <think> in the prompt); qwen3 only at a <think>. Chat only.
+    A constrained output (structured outputs, a forced tool call) starts as content with either parser:
+    its grammar holds from the first token, so it is the answer (vLLM constrains only after </think>)."""
     START, END = "<think>", "</think>"
 
-    def __init__(self, name: str):
-        self.name, self.held = name, ""
-        self.state = "reasoning" if name == "deepseek_r1" else "before"  # -> "reasoning" -> "content"
+    def __init__(self, name: str, constrained: bool = False):
+        self.name, self.held, self.needs_both = name, "", name == "qwen3" or constrained
+        self.state = "before" if self.needs_both else "reasoning"  # -> "reasoning" -> "content"
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """A whole output (vLLM's extract_reasoning_content): (reasoning, content), None for none."""
         before, start, rest = text.partition(self.START)
-        if self.name == "qwen3" and not (start and self.END in rest):  # qwen3 needs both tags, else all is content
+        if self.needs_both and not (start and self.END in rest):  # qwen3 needs both tags, else all is content
             return None, text
         reasoning, end, content = (rest if start else before).partition(self.END)
         return reasoning, (content or None) if end else None  # R1 without </think>: all reasoning (cut short)
@@ -1392,6 +1399,15 @@ class ServerState:
         self.async_llm.fail_all(EngineDeadError(why))
 
 
+def cors_middleware(args: argparse.Namespace) -> Middleware:
+    """vLLM's CORS flags as starlette's middleware."""
+    if args.allow_credentials and "*" in args.allowed_origins:  # starlette then echoes any Origin back
+        logger.warning("[entry] --allow-credentials with --allowed-origins '[\"*\"]': any web site may make "
+                       "credentialed requests here and read the answers (as with vLLM); name the origins")
+    return Middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+                      allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+
+
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     """The HTTP app over an AsyncLLM that is not started yet: the app's lifespan
     starts it on uvicorn's loop and stops it at shutdown."""
@@ -1436,10 +1452,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     ]
     # CORS outermost (vLLM has it inside its API-key check): a preflight never meets
     # the key check, and every answer a browser reads, a 401 included, has its headers.
-    cors = Middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
-                      allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[cors, Middleware(EntryMiddleware, state=state)],
+                    middleware=[cors_middleware(args), Middleware(EntryMiddleware, state=state)],
                     exception_handlers={ApiError: _api_error_handler, HTTPException: _http_error_handler,
                                         Exception: _internal_error_handler})
     app.state.server = state
@@ -1484,6 +1498,8 @@ class EntryMiddleware:
         # Any value, as vLLM takes it (a trace id such as Root=1-abc;x=y, a/b): echoed as sent,
         # and in the engine and the logs escaped where it is not printable (no forged log line).
         given = _header(scope, b"x-request-id")
+        too_long = len(given) > MAX_REQUEST_ID  # it would stand in every log line of the request: refused below
+        given = b"" if too_long else given
         scope["nanoserve.request_id_given"] = bool(given)  # else a body's request_id may name it
         scope["nanoserve.request_id"] = esc(given.decode("latin-1")) if given else uuid.uuid4().hex
 
@@ -1493,6 +1509,10 @@ class EntryMiddleware:
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", echo)]}
             await send(message)
 
+        if too_long:
+            error = bad_request(f"X-Request-Id is longer than {MAX_REQUEST_ID} characters", "X-Request-Id")
+            await _reject(self.state, scope, error)(scope, receive, send_with_id)
+            return
         # OPTIONS passes, as in vLLM: a browser's CORS preflight never carries the key
         if self.api_key is not None and scope["method"] != "OPTIONS" and _needs_key(scope["path"]):
             scheme, _, token = _header(scope, b"authorization").partition(b" ")
@@ -1800,13 +1820,15 @@ class Generation:
         return prompts
 
     def check_length(self, num_prompt: int) -> None:
-        """OpenAI's rule: prompt + max_tokens must fit (the engine alone would cap
-        max_tokens). A prompt too long by itself is the engine's error, raised first."""
-        max_tokens, max_model_len = self.params.max_tokens, self.state.engine.max_model_len
+        """OpenAI's rule: prompt + the body's max_tokens must fit (a cap from the model's generation
+        config is the engine's to apply to the room left, as vLLM's get_max_tokens does). A prompt too
+        long by itself is the engine's error, raised first."""
+        max_tokens, max_model_len = self.req.requested_max_tokens(), self.state.engine.max_model_len
         if max_tokens is not None and num_prompt + max_tokens > max_model_len:
             name, what = self.req.param_name("max_tokens"), self.req.prompt_field
             raise bad_request(  # vLLM's wording, which clients match, then what to do
-                f"'{name}' is too large: {max_tokens}. This model's maximum context length is {max_model_len} "
+                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                f"context length is {max_model_len} "
                 f"tokens and your request has {num_prompt} input tokens ({max_tokens} > {max_model_len} - "
                 f"{num_prompt}). Lower {name} to at most {max(max_model_len - num_prompt, 0)} or shorten the "
                 f"{what}.", name)
@@ -2062,7 +2084,7 @@ class ChatGeneration(Generation):
         with --reasoning-parser only the content part is (as vLLM's)."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
         if (name := self.state.reasoning_parser) is not None:
-            parser = self.reasoners.setdefault(index, ReasoningParser(name))
+            parser = self.reasoners.setdefault(index, ReasoningParser(name, self.params.structured_outputs is not None))
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""

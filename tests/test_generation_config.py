@@ -69,6 +69,12 @@ def test_http_requests_get_the_defaults_for_what_they_leave_out(model_with_defau
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             r = httpx.post(s.url + path, json={**body, "ignore_eos": True}, timeout=60)
             assert r.json()["usage"]["completion_tokens"] == want, body
+        # the model's cap is not the body's: near the end of the context it takes the room left, no 400
+        long = {"prompt": list(range(1, 253)), "ignore_eos": True}  # 252 of --max-model-len 256
+        r = httpx.post(s.url + "/v1/completions", json={**long, "max_tokens": None}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        r = httpx.post(s.url + "/v1/completions", json=long, timeout=60)  # the body's own 16 is checked, as vLLM
+        assert r.status_code == 400 and "too large: 16." in r.json()["error"]["message"]
 
 
 def test_vllm_launch_habits_parse():

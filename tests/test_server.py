@@ -291,6 +291,7 @@ def test_stream_options_usage_as_vllm(server, path, body):
     assert plain[-1]["choices"] == [] and plain[-1]["usage"]["completion_tokens"] == total
     assert all("usage" not in c for c in plain[:-1])
     assert all("usage" not in c for c in chunks({"include_usage": False}))
+    assert all("usage" not in c for c in chunks({"include_usage": None}))  # vLLM keeps the null: no usage
     each = chunks({"continuous_usage_stats": True})
     assert each[-1]["usage"] == plain[-1]["usage"]
     counts: dict[int, int] = {}

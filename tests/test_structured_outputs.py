@@ -112,18 +112,23 @@ def test_empty_constraints_are_constraints_as_in_vllm(llm):
 
 def test_compiled_grammars_are_cached_within_a_byte_bound(model_root):
     """Each distinct schema costs memory: the cache keeps the most recent ones up to its bound."""
-    from nanoserve.engine import StructuredOutputManager
+    from nanoserve.engine import RECENT_GRAMMARS, StructuredOutputManager
     llm = LLM(str(make_model(model_root, "qwen3")), dtype="float32", max_model_len=64, num_kv_blocks=8)
     so = StructuredOutputManager(llm.engine.tokenizer, llm.engine.model_config.vocab_size, frozenset([0]),
                                  cache_bytes=100_000)
     assert so.compile(None) is None
-    so.compile(StructuredOutputsParams(regex=r"[ab]{3}"))
+    first = so.compile(StructuredOutputsParams(regex=r"[ab]{3}"))
     size = so.compiler.get_cache_size_bytes()
-    so.compile(StructuredOutputsParams(regex=r"[ab]{3}"))  # a hit: nothing new kept
+    assert so.compile(StructuredOutputsParams(regex=r"[ab]{3}")) is first  # a hit: nothing new kept
     assert 0 < size == so.compiler.get_cache_size_bytes()
     for i in range(60):
         so.compile(StructuredOutputsParams(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}}}))
     assert so.compiler.get_cache_size_bytes() <= 110_000  # xgrammar's bound may be passed a little
+    # the few most recent are held here too, whatever xgrammar's cache dropped (the server compiles
+    # ahead on its grammar thread; the event loop's add_request must then find it, not compile again)
+    assert len(so.recent) == RECENT_GRAMMARS and first not in so.recent.values()
+    last = StructuredOutputsParams(json={"type": "object", "properties": {"k59": {"type": "integer"}}})
+    assert so.compile(last) is so.recent[last.key()]
 
 
 # ---------------------------------------------------------------- over HTTP

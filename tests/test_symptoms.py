@@ -87,13 +87,14 @@ def test_prompt_rejected(server, logs):
     r = _post(server.url, {"prompt": list(range(1, 201)), "max_tokens": 100}, "long-prompt-2")
     err = r.json()["error"]
     assert r.status_code == 400 and err["param"] == "max_tokens"
-    assert err["message"].startswith("'max_tokens' is too large: 100. This model's maximum context length is 256 "
+    assert err["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 100. This model's "
+                                     "maximum context length is 256 "
                                      "tokens and your request has 200 input tokens (100 > 256 - 200).")
     assert "Lower max_tokens to at most 56" in err["message"]
     lines = logs()
     assert any(line.startswith("[entry] long-prompt-1: POST /v1/completions -> 400: This model's maximum context length")
                for line in lines), lines
-    assert any(line.startswith("[entry] long-prompt-2: POST /v1/completions -> 400: 'max_tokens' is too large")
+    assert any(line.startswith("[entry] long-prompt-2: POST /v1/completions -> 400: 'max_tokens' or")
                for line in lines), lines
 
 

@@ -791,15 +791,22 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
 
 
 def test_reasoning_parser_without_a_closing_tag(server, monkeypatch):
-    """No </think>: deepseek_r1's output is all reasoning (cut short while thinking), content null; qwen3's
-    is all content, as is its output under enable_thinking false (its template closes the thought in the
-    prompt, so the output has no tags)."""
+    """No </think>: deepseek_r1's output is all reasoning (cut short while thinking: the parser's own
+    tests), but a constrained one is the answer, whole in content or tool_calls (vLLM constrains only
+    after </think>, so there the answer lands in content too); qwen3's is all content, as is its output
+    under enable_thinking false (its template closes the thought in the prompt, so the output has no tags)."""
     state = server.app.state.server
     text = "Still thinking about it"
+    assert entry.ReasoningParser("deepseek_r1").extract(text) == (text, None)
+    assert stream_reasoning("deepseek_r1", list(text)) == (text, "")
     monkeypatch.setattr(state, "reasoning_parser", "deepseek_r1")
     (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
-    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (text, None)
-    assert chat_reasoning_stream(server, structured_outputs={"choice": [text]}, max_tokens=300)[1:3] == (text, "")
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (None, text)
+    assert chat_reasoning_stream(server, structured_outputs={"choice": [text]}, max_tokens=300)[1:3] == ("", text)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    (choice,) = chat(server, tools=TOOLS, tool_choice=named, max_tokens=300)["choices"]
+    (call,) = choice["message"]["tool_calls"]
+    assert choice["message"]["reasoning_content"] is None and json.loads(call["function"]["arguments"])
     monkeypatch.setattr(state, "reasoning_parser", "qwen3")
     for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
         (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300, **kwargs)["choices"]

@@ -95,6 +95,14 @@ def test_cors_preflight_and_headers_by_default(server):
     assert "access-control-allow-origin" not in httpx.get(server.url + "/v1/models").headers  # no Origin
 
 
+def test_credentials_for_every_origin_are_warned_of(caplog):
+    caplog.set_level(logging.WARNING, logger="nanoserve")
+    entry.cors_middleware(parse_args(["--allow-credentials", "--allowed-origins", '["https://ok.example"]']))
+    assert not caplog.records
+    entry.cors_middleware(parse_args(["--allow-credentials"]))  # "*", the default
+    assert "any web site may make credentialed requests" in caplog.text
+
+
 def test_cors_with_an_api_key_and_one_allowed_origin(vllm_server):
     url = vllm_server.url
     r = _preflight(url, ORIGIN)  # no key: a browser's preflight never has one
@@ -162,6 +170,16 @@ def test_any_x_request_id_is_taken_and_echoed(server, given, caplog):
     assert any(shown in line and "finished" in line for line in lines), lines
     assert all(line.isprintable() for line in lines), [line for line in lines if not line.isprintable()]
     server.wait_idle()
+
+
+def test_an_x_request_id_over_1024_characters_is_a_400(server):
+    """It would stand in every log line of the request: refused, naming the header, on any path."""
+    assert httpx.get(server.url + "/health", headers={"X-Request-Id": "x" * entry.MAX_REQUEST_ID}).status_code == 200
+    for path in ("/health", "/v1/completions"):
+        r = httpx.request("GET" if path == "/health" else "POST", server.url + path, json={"prompt": "hi"},
+                          headers={"X-Request-Id": "x" * (entry.MAX_REQUEST_ID + 1)})
+        _check_error(r, 400, "X-Request-Id")
+        assert len(r.headers["x-request-id"]) == 32  # one made for it, not the one refused
 
 
 def test_an_id_with_hash_cannot_take_a_childs_place(server):
