@@ -480,7 +480,8 @@ class OpenAIBaseModel(_Strict):
 class StreamOptions(_Strict):
     include_usage: bool | None = True  # vLLM's default: a stream_options object asks for the usage chunk
     continuous_usage_stats: bool | None = False  # with include_usage: each chunk carries its choice's usage so far
-    null_kept: ClassVar[frozenset[str]] = frozenset({"include_usage", "continuous_usage_stats"})  # as vLLM's: a null asks for nothing
+    # as vLLM's: a null is kept, and asks for nothing
+    null_kept: ClassVar[frozenset[str]] = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 class GenerationRequest(OpenAIBaseModel):
