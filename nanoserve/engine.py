@@ -1257,7 +1257,7 @@ def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheCon
     return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
                        config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
                        ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
-                       config.max_model_len)
+                       config.max_model_len, config.max_logprobs)
 
 
 def local_ranks(config: EngineConfig) -> list[int]:

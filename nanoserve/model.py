@@ -1135,10 +1135,10 @@ PROFILE_SAMPLING = SimpleNamespace(temperature=1.0, top_p=0.9, top_k=50, min_p=0
 
 @torch.inference_mode()
 def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: int,
-                             block_size: int, sample: bool = True) -> int:
+                             block_size: int, sample: bool = True, logprobs: int = MAX_LOGPROBS) -> int:
     """vLLM's profile run, on a CUDA device: the memory that one step at full budget
     (a forward of ``num_tokens`` tokens, then ``num_sample_rows`` rows of logits,
-    sampled with PROFILE_SAMPLING unless ``sample`` is False) takes at its peak
+    sampled with PROFILE_SAMPLING and ``logprobs`` top logprobs unless ``sample`` is False) takes at its peak
     beyond what is already allocated, so that the KV cache is sized from what is
     left rather than from all free memory. The attention reads a one-block
     throwaway cache."""
@@ -1152,7 +1152,8 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
     logits = model.compute_logits(hidden[:num_sample_rows])
     if sample and logits is not None:  # None: a tensor-parallel rank other than 0, which never samples
-        rows = [SampleRequest(PROFILE_SAMPLING, [0], [0]) for _ in range(logits.shape[0])]
+        params = SimpleNamespace(**{**vars(PROFILE_SAMPLING), "logprobs": min(logprobs, logits.shape[1])})
+        rows = [SampleRequest(params, [0], [0]) for _ in range(logits.shape[0])]
         Sampler()(logits, rows)
     del logits
     torch.cuda.synchronize(device)
@@ -1167,7 +1168,8 @@ def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
     (the profiling forward) and the CUDA graphs' pool."""
     # a step's logits: its sampled rows, or a prompt-logprobs slice if that is larger
     rows = min(max(cache.profile_rows, PROMPT_LOGPROB_ROWS), cache.profile_tokens)
-    activations = profile_activation_bytes(model, cache.profile_tokens, rows, cache.block_size)
+    activations = profile_activation_bytes(model, cache.profile_tokens, rows, cache.block_size,
+                                           logprobs=cache.profile_logprobs)  # --max-logprobs: its top-k's memory
     logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
                 cache.profile_tokens, activations / 2**30)
     if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size

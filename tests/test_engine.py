@@ -402,3 +402,8 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
     assert sorts == [((7, m.config.vocab_size), 50, 0.9)] and logprobs == [(7, model_mod.MAX_LOGPROBS)]
     # the CUDA graphs' pool holds a forward only: no sampling counted
     assert profile_activation_bytes(m, 8, 8, 16, sample=False) == 250 and len(sorts) == 1
+    # --max-logprobs raised: the profile's rows ask for that many (at most the vocabulary)
+    profile_activation_bytes(m, 8, 3, 16, logprobs=10**6)
+    assert logprobs[-1] == (3, m.config.vocab_size)
+    from nanoserve.engine import EngineConfig, cache_config
+    assert cache_config(EngineConfig(model="m", max_logprobs=100)).profile_logprobs == 100
