@@ -1442,6 +1442,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check, as vLLM serves it
+        Route("/invocations", invocations, methods=["POST"]),  # and its inference endpoint
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
@@ -1527,7 +1528,7 @@ def _header(scope, name: bytes) -> bytes:
 
 def _needs_key(path: str) -> bool:
     """Where work is done; /health, /ping, /metrics and /version stay open."""
-    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/invocations")
 
 
 # =========================================================================== handlers
@@ -1540,10 +1541,20 @@ async def create_chat_completion(request: Request) -> Response:
     return await _generate(request, ChatGeneration)
 
 
-async def _generate(request: Request, kind: type["Generation"]) -> Response:
+async def invocations(request: Request) -> Response:
+    """SageMaker's one endpoint, as vLLM serves it: a chat body (messages) or a completion's (prompt)."""
+    body = await read_json(request, _state(request))
+    kind = ChatGeneration if "messages" in body else CompletionGeneration if "prompt" in body else None
+    if kind is None:
+        raise bad_request("an /invocations body is a chat completion's (messages) or a completion's (prompt)")
+    return await _generate(request, kind, body)
+
+
+async def _generate(request: Request, kind: type["Generation"], body: dict[str, Any] | None = None) -> Response:
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
-    req = parse_body(kind.schema, await read_json(request, state, kind.check_raw), request_id)
+    body = await read_json(request, state, kind.check_raw) if body is None else body
+    req = parse_body(kind.schema, body, request_id)
     if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
         if request.scope["nanoserve.request_id_given"]:
             req.request_id = None

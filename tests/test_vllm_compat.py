@@ -209,6 +209,21 @@ def test_ping_get_and_post(vllm_server):
         assert r.status_code == 200, (method, r.text)
 
 
+def test_invocations_serve_chat_and_completions_behind_the_key(vllm_server):
+    """SageMaker's /invocations, as vLLM's: the body says which endpoint it is."""
+    url = vllm_server.url + "/invocations"
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+    r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "temperature": 0}, headers=AUTH)
+    assert r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] == 2
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(url, json=chat, headers=AUTH)
+    assert r.json()["object"] == "chat.completion" and r.json()["usage"]["completion_tokens"] == 2
+    with httpx.stream("POST", url, json={**chat, "stream": True}, headers=AUTH) as s:
+        assert sse_events(s.read().decode())[-1] == "[DONE]"
+    _check_error(httpx.post(url, json={"input": "hi"}, headers=AUTH), 400, None)
+    vllm_server.wait_idle()
+
+
 # =========================================================================== flags that act
 
 def test_max_logprobs_is_the_servers_limit_capped_by_the_vocabulary(vllm_server, server):
