@@ -1800,7 +1800,7 @@ class Generation:
             for prompt in prompts:
                 gen.check_length(len(prompt.token_ids))
             check_queue(state, req, gen.params.n)  # again: others may have queued meanwhile
-            gen.add_requests(prompts)
+            await gen.add_requests(prompts)
             return gen
         except InvalidInput as e:
             raise req.invalid(e) from None
@@ -1841,17 +1841,22 @@ class Generation:
                 f"{num_prompt}). Lower {name} to at most {max(max_model_len - num_prompt, 0)} or shorten the "
                 f"{what}.", name)
 
-    def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
-        """One engine request per prompt, each putting its outputs in ``self.queue``."""
+    async def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
+        """One engine request per prompt, each putting its outputs in ``self.queue``. Between
+        prompts the loop serves others: one body may hold thousands of prompts x n."""
         self.prompts = prompts
         self.state.generations.add(self)
         try:
             for i, prompt in enumerate(prompts):
+                if i:
+                    await asyncio.sleep(0)
+                    if self.closed:  # the server shut down meanwhile
+                        raise EngineDeadError("the server is shutting down")
                 engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
                 self.state.async_llm.add_request(prompt, self.params, engine_id, self.queue,
                                                  RequestOutputKind.DELTA)  # O(1) a step, not O(output)
                 self.tracked[engine_id] = _Tracked(engine_id, i)
-        except (InvalidInput, EngineDeadError):  # the engine's own checks (a request id in use), or a dead engine
+        except BaseException:  # the engine's checks (a request id in use), a dead engine, a cancelled handler
             self.close()  # aborts the prompts already queued
             raise
         logger.debug("[entry] %s: admitted %d prompt(s) of %s tokens, max_tokens %s, n %d, stream %s%s",

@@ -873,3 +873,30 @@ def test_fuzzed_bodies_never_5xx(server):
             sse_events(r.text)
     check()
     server.wait_idle()
+
+
+def test_a_body_of_many_prompts_lets_the_loop_serve_others_between_them(server, monkeypatch):
+    """Prompts x n engine requests are queued a prompt at a time with the loop free in between
+    (a body of thousands of prompts once held it for seconds): a ticker task on the loop runs
+    between any two of them."""
+    ticks, seen, stop = [], [], []
+    add = server.async_llm.add_request
+
+    async def ticker():
+        while not stop:
+            ticks.append(1)
+            await asyncio.sleep(0)
+
+    def add_request(*args, **kwargs):
+        if not seen:
+            asyncio.get_running_loop().create_task(ticker())
+        seen.append(len(ticks))
+        return add(*args, **kwargs)
+    monkeypatch.setattr(server.async_llm, "add_request", add_request)
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": ["a", "b", "c", "d"], "max_tokens": 1})
+    finally:
+        stop.append(1)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 4
+    assert len(seen) == 4 and all(b > a for a, b in zip(seen, seen[1:])), seen
+    server.wait_idle()
