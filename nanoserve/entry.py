@@ -1933,9 +1933,10 @@ class Generation:
         prompt = sum(len(p.token_ids) for i, p in enumerate(self.prompts) if prompt_index in (None, i))
         completion = sum(num_output_tokens)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-        cached = sum(t.num_cached_tokens for t in self.tracked.values())
-        if self.state.enable_prompt_tokens_details and cached and prompt_index is None:  # as vLLM: only when some
-            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        if self.state.enable_prompt_tokens_details and prompt_index is None:
+            cached = sum(t.num_cached_tokens for t in self.tracked.values())
+            if cached:  # as vLLM: only when some were
+                usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
