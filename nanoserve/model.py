@@ -1127,10 +1127,9 @@ def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: tor
 # The sampling that takes the most memory a row: fp32 copies for penalties, min-p,
 # the top-k/top-p sort (values and int64 indices) and logprobs. A profile run
 # samples with it, as vLLM's runs a dummy sampler: with a 150k vocabulary and
-# 256 rows that is more than a GiB beyond the logits.
-PROFILE_SAMPLING = SimpleNamespace(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=None,
-                                   presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                                   logit_bias=None, logprobs=MAX_LOGPROBS, allowed_token_ids=None)
+# 256 rows that is more than a GiB beyond the logits. (Its logprobs: the server's max_logprobs.)
+PROFILE_SAMPLING = dict(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=None, presence_penalty=0.5,
+                        frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=None, allowed_token_ids=None)
 
 
 @torch.inference_mode()
@@ -1152,7 +1151,7 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
     logits = model.compute_logits(hidden[:num_sample_rows])
     if sample and logits is not None:  # None: a tensor-parallel rank other than 0, which never samples
-        params = SimpleNamespace(**{**vars(PROFILE_SAMPLING), "logprobs": min(logprobs, logits.shape[1])})
+        params = SimpleNamespace(**PROFILE_SAMPLING, logprobs=min(logprobs, logits.shape[1]))
         rows = [SampleRequest(params, [0], [0]) for _ in range(logits.shape[0])]
         Sampler()(logits, rows)
     del logits
