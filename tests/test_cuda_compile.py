@@ -1,0 +1,193 @@
+"""The Triton kernels compiled for the GPUs nanoserve is measured on (sm_90: H100,
+H200), on this CPU-only machine.
+
+The other kernel tests run the kernels through Triton's interpreter, which only
+does fp32 and never compiles: a kernel that cannot be lowered for a GPU, does not
+take bf16, or asks for more shared memory than an SM has would first fail on a
+GPU. Triton compiles ahead of time for a target it is given (``triton.compile``
+with a ``GPUTarget``), with the ptxas it ships, and no driver. So this file calls
+each Triton wrapper of kernels.py with the shapes of the models that
+benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16) and of a
+model whose query-head group is not a power of two (Qwen2.5-0.5B), at every
+decode batch the engine captures in a CUDA graph and at its chunk and prefill
+tiles, records each launch instead of running it, and compiles the distinct
+variants to cubins: all of them, except that of the variants that differ only in
+their split-KV count it compiles the one with the most splits (the count changes
+a loop's trip count and the reduce's tile, nothing else).
+
+The compile runs in a child process: the test session has switched Triton's
+interpreter on (conftest.py), under which ``triton.jit`` makes no compilable
+kernels. Integer arguments are specialised as Triton's launcher does (1 becomes
+a constant), but without its divisibility hints, which change vectorisation and
+not whether a kernel compiles or fits."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SM90_SHARED_BYTES = 232_448  # an sm_90 block's most shared memory (227 KiB, opted in)
+# (name, dtype, hidden, heads, kv_heads, head_dim, intermediate, qk_norm, max_model_len)
+MODELS = [
+    ("tiny-llama", "float32", 64, 4, 2, 16, 128, False, 512),   # gpu.py's parity models
+    ("tiny-qwen3", "float32", 64, 4, 2, 32, 128, True, 512),
+    ("w1-qwen3-0.6b", "bfloat16", 1024, 16, 8, 128, 3072, True, 40960),  # its max_position_embeddings
+    ("qwen2.5-0.5b", "bfloat16", 896, 14, 2, 64, 4864, False, 4096),  # 7 query heads a KV head
+]
+MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: graphs are captured up to it
+
+
+def _variants() -> dict[tuple, tuple]:
+    """Call kernels.py's Triton wrappers as the engine does, with every kernel
+    replaced by a recorder: {(kernel, signature, constants): (signature, constants)}."""
+    import torch
+    from nanoserve import kernels
+    from nanoserve.model import cudagraph_capture_sizes
+
+    found = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.fn = name, getattr(kernels, name)
+
+        def __getitem__(self, grid):
+            return self.launch
+
+        def launch(self, *args, **kwargs):
+            sig, consts = {}, {}
+            for param, value in zip(self.fn.params, [*args, *(kwargs[p.name] for p in self.fn.params[len(args):])]):
+                if param.is_constexpr:
+                    sig[param.name], consts[param.name] = "constexpr", value
+                elif isinstance(value, torch.Tensor):
+                    sig[param.name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                                             torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+                elif isinstance(value, float):
+                    sig[param.name] = "fp32"
+                elif value == 1 and not param.do_not_specialize:  # as Triton's launcher specialises
+                    sig[param.name], consts[param.name] = "constexpr", 1
+                else:
+                    sig[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
+            key = (self.name, json.dumps(sig, sort_keys=True), json.dumps(consts, sort_keys=True))
+            found[key] = (sig, consts)
+
+    names = [n for n in vars(kernels) if n.endswith("_kernel") and n.startswith("_")]
+    saved = {n: getattr(kernels, n) for n in names}
+    try:
+        for n in names:
+            setattr(kernels, n, Recorder(n))
+        for model in MODELS:
+            _launch_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
+    finally:
+        for n, fn in saved.items():
+            setattr(kernels, n, fn)
+    return found
+
+
+def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
+    """One layer's launches (model.py's Attention, MLP, RMSNorm) for each kind of step."""
+    _, dtype, hidden, heads, kv_heads, head_dim, inter, qk_norm, max_len = model
+    dt = getattr(torch, dtype)
+    num_blocks = 64
+    k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=dt)
+    cos = sin = torch.empty(max_len, head_dim, dtype=torch.float32)
+    width = max_len // block_size  # the graphs' block tables span max_model_len
+    steps = [[1] * n for n in decode_sizes]          # every captured decode batch
+    steps += [[600, 700], [1, 1, 37, 1], [5000 // 8] * 8]  # prefill tiles, a mixed step, many chunks
+    for q_lens in steps:
+        T, n = sum(q_lens), len(q_lens)
+        qkv = torch.empty(T, (heads + 2 * kv_heads) * head_dim, dtype=dt)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = (x.view(T, -1, head_dim) for x in (q, k, v))
+        if qk_norm:
+            q, k = b.rms_norm(q, torch.empty(head_dim, dtype=dt), 1e-6), b.rms_norm(k, torch.empty(head_dim, dtype=dt), 1e-6)
+        q, k = b.rotary(q, k, torch.empty(T, dtype=torch.int64), cos, sin)
+        b.store_kvcache(k, v, k_cache, k_cache, torch.empty(T, dtype=torch.int64))
+        b.paged_attention(q, k_cache, k_cache, torch.empty(n, width, dtype=torch.int32),
+                          torch.empty(n, dtype=torch.int32), torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5)
+        x = torch.empty(T, hidden, dtype=dt)
+        b.rms_norm(x, torch.empty(hidden, dtype=dt), 1e-6)
+        b.fused_add_rms_norm(x, x, torch.empty(hidden, dtype=dt), 1e-6)
+        b.silu_and_mul(torch.empty(T, 2 * inter, dtype=dt))
+
+
+def _compile(item):
+    from triton import compile
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from nanoserve import kernels
+    name, sig, consts = item
+    try:
+        k = compile(ASTSource(getattr(kernels, name), sig, consts), target=GPUTarget("cuda", 90, 32))
+    except Exception as e:  # say which variant: the compiler's message names only a line of the kernel
+        raise RuntimeError(f"{name} {sig} {consts}: {e}") from None
+    return {"kernel": name, "constants": {c: v for c, v in consts.items() if c.isupper()},
+            "dtype": next(t for t in sig.values() if t.startswith("*")), "shared": k.metadata.shared,
+            "cubin_bytes": len(k.asm["cubin"])}
+
+
+def main() -> None:
+    """Child process: print one JSON line per compiled variant."""
+    from concurrent.futures import ProcessPoolExecutor
+    most_splits = {}
+    for (name, sig_key, _), (sig, consts) in _variants().items():
+        splits = consts.get("NUM_SPLITS", 1)
+        kind = (name, sig_key, json.dumps({c: v for c, v in consts.items() if c not in ("NUM_SPLITS", "SPLITS_PAD")},
+                                          sort_keys=True), splits > 1)
+        if splits >= most_splits.get(kind, (0,))[0]:
+            most_splits[kind] = (splits, name, sig, consts)
+    items = [item[1:] for item in most_splits.values()]
+    with ProcessPoolExecutor(max(1, min(2, os.cpu_count() or 1))) as pool:
+        for result in pool.map(_compile, items):
+            print(json.dumps(result), flush=True)
+
+
+def _cuda_compiler_missing() -> str | None:
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        return f"no Triton with ahead-of-time compilation: {e}"
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return None if os.path.exists(ptxas) else "Triton's wheel has no ptxas"
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    # A cache of its own: ~13 MB of sm_90 cubins this machine cannot run should not stay in ~/.triton.
+    env = dict(os.environ, TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1",
+               TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-sm90")))
+    run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=500,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, f"compiling for sm_90 failed:\n{run.stderr[-4000:]}"
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+pytestmark = pytest.mark.skipif(_cuda_compiler_missing() is not None, reason=str(_cuda_compiler_missing()))
+
+
+def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
+    kinds = {(v["kernel"], v["dtype"]) for v in compiled}
+    for kernel in ("_store_kvcache_kernel", "_paged_attention_kernel", "_rms_norm_kernel", "_rotary_kernel",
+                   "_silu_and_mul_kernel"):
+        assert {(kernel, "*bf16"), (kernel, "*fp32")} <= kinds, f"{kernel} was not compiled in bf16 and fp32"
+    # the tiny fp32 models' 512-token contexts are never split
+    assert ("_split_kv_reduce_kernel", "*bf16") in kinds
+    attention = [v["constants"] for v in compiled if v["kernel"] == "_paged_attention_kernel"]
+    # decode, chunk and prefill tiles, unsplit and split: what the engine picks on a GPU
+    assert {(a["BLOCK_M"], a["BLOCK_N"]) for a in attention} >= {(16, 32), (64, 32), (128, 64)}
+    assert {a["NUM_SPLITS"] for a in attention} >= {1, 8, 32}  # 32: the most (kernels._SPLIT_KV_MAX_SPLITS)
+    assert all(v["cubin_bytes"] > 0 for v in compiled)
+
+
+def test_every_variant_fits_an_sm90_block(compiled):
+    over = [v for v in compiled if v["shared"] > SM90_SHARED_BYTES]
+    assert not over, f"more shared memory than an sm_90 block has: {over}"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())
+    main()
