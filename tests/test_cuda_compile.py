@@ -19,7 +19,9 @@ The compile runs in a child process: the test session has switched Triton's
 interpreter on (conftest.py), under which ``triton.jit`` makes no compilable
 kernels. Integer arguments are specialised as Triton's launcher does (1 becomes
 a constant), but without its divisibility hints, which change vectorisation and
-not whether a kernel compiles or fits."""
+not whether a kernel compiles or fits. To check another Triton, e.g. the device
+image's: ``pip install --no-deps --target /tmp/t36 triton==3.6.0`` and
+``PYTHONPATH=/tmp/t36 python tests/test_cuda_compile.py`` (one JSON line a variant)."""
 from __future__ import annotations
 
 import json
@@ -190,4 +192,5 @@ def test_every_variant_fits_an_sm90_block(compiled):
 
 if __name__ == "__main__":
     sys.path.insert(0, os.getcwd())
+    os.environ.update(TRITON_INTERPRET="0", CUDA_VISIBLE_DEVICES="", TRITON_DEFAULT_FP_FUSION="1")
     main()
