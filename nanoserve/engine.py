@@ -66,6 +66,8 @@ class InvalidInput(ValueError):
 # =========================================================================== parameters
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # one of them per constraint
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser names nanoserve has
+THINK_TAGS = ("<think>", "</think>")  # what both of them read the reasoning between
 
 
 @dataclass(slots=True)
@@ -484,13 +486,23 @@ class StructuredOutputManager:
     matcher, which says before every step which tokens may come next (a bitmask
     the sampler applies) and takes each sampled token. EOS is allowed only where
     the grammar accepts. Preemption keeps a request's tokens, so its matcher
-    stays valid; nothing here runs for unconstrained requests."""
+    stays valid; nothing here runs for unconstrained requests. With a reasoning
+    parser (as vLLM's reasoner here) each grammar waits for the reasoning to end."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int],
-                 cache_bytes: int = GRAMMAR_CACHE_BYTES):
+                 cache_bytes: int = GRAMMAR_CACHE_BYTES, reasoning_parser: str | None = None):
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self.cache_bytes = cache_bytes
         self.compiler = None
+        self.think_ids: tuple[int, int] | None = None  # (<think>, </think>): grammars start after the reasoning
+        if reasoning_parser is not None and tokenizer is not None:
+            vocab = tokenizer.get_vocab()
+            if all(tag in vocab for tag in THINK_TAGS):
+                self.think_ids = tuple(vocab[tag] for tag in THINK_TAGS)
+            else:  # vLLM's parsers refuse such a tokenizer; here the text is still split, the grammar is not held
+                logger.warning("[engine] --reasoning-parser %s: the tokenizer has no %s token, so structured "
+                               "outputs hold from the first token (not after the reasoning)", reasoning_parser,
+                               " and ".join(THINK_TAGS))
         self.recent: collections.OrderedDict[str, Any] = collections.OrderedDict()  # by spec.key()
         self.lock = threading.Lock()  # the server's grammar thread and the event loop both call compile
 
@@ -513,6 +525,15 @@ class StructuredOutputManager:
             if len(self.recent) > RECENT_GRAMMARS:
                 self.recent.popitem(last=False)
         return compiled
+
+    def grammar_state(self, compiled, prompt_token_ids: list[int]) -> GrammarState:
+        """A request's matcher: with a reasoning parser it waits for </think> unless the prompt already
+        ended the reasoning, as vLLM's BaseThinkingReasoningParser.is_reasoning_end (basic_parsers.py)
+        reads it: its last think tag is </think> (Qwen3's template with enable_thinking false writes one)."""
+        if self.think_ids is None:
+            return GrammarState(compiled)
+        last = next((t for t in reversed(prompt_token_ids) if t in self.think_ids), None)
+        return GrammarState(compiled, None if last == self.think_ids[1] else self.think_ids[1])
 
     def _compiler(self):
         import xgrammar as xgr
@@ -545,19 +566,30 @@ class StructuredOutputManager:
 
 
 class GrammarState:
-    """One request's matcher over a compiled grammar, and its bitmask buffer."""
+    """One request's matcher over a compiled grammar, and its bitmask buffer. While the request
+    reasons (``reasoning_end``: the </think> id it waits for) the grammar is neither applied nor
+    advanced, nor fed </think> itself: it holds from the token after (vLLM's StructuredOutputManager
+    should_fill_bitmask / should_advance, v1/structured_output/__init__.py, with one token a step
+    as here). A thought that never ends is never constrained."""
 
-    def __init__(self, compiled):
+    def __init__(self, compiled, reasoning_end: int | None = None):
         import xgrammar as xgr
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+        self.reasoning_end = reasoning_end
 
-    def next_token_bitmask(self) -> torch.Tensor:
-        """int32 [ceil(vocab / 32)]: bit t of word t // 32 set where token t may come next."""
+    def next_token_bitmask(self) -> torch.Tensor | None:
+        """int32 [ceil(vocab / 32)]: bit t of word t // 32 set where token t may come next (None: any)."""
+        if self.reasoning_end is not None:
+            return None
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
         return self.bitmask[0].clone()
 
     def accept(self, token_id: int) -> None:
+        if self.reasoning_end is not None:
+            if token_id == self.reasoning_end:
+                self.reasoning_end = None
+            return
         if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
             logger.warning("[engine] structured outputs: the grammar refused token %d", token_id)
 
@@ -597,6 +629,9 @@ class EngineConfig:
     # sampled ids reach the host (a GPU's win; the outputs are the same).
     async_scheduling: bool = False
     max_logprobs: int = MAX_LOGPROBS  # as vLLM's: the most (prompt) logprobs a request may ask for
+    # As vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): structured
+    # outputs start after the reasoning (GrammarState)
+    reasoning_parser: str | None = None
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -605,6 +640,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
+                             f"got {self.reasoning_parser!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
@@ -691,7 +729,7 @@ class LLMEngine:
             logger.info("[engine] sampling defaults from generation_config.json (--generation-config vllm "
                         "ignores them; a request's own fields win): %s", self.default_sampling)
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                          self.eos_token_ids)
+                                                          self.eos_token_ids, reasoning_parser=config.reasoning_parser)
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
         self.in_flight: list[StepInFlight] = []
@@ -897,7 +935,8 @@ class LLMEngine:
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer(token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
-                output_kind=output_kind, grammar=None if grammar is None else GrammarState(grammar),
+                output_kind=output_kind,
+                grammar=None if grammar is None else self.structured_outputs.grammar_state(grammar, token_ids),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
                 bad_words_token_ids=bad_words))
         self.stats_counters["prompt_tokens"] += len(token_ids)

@@ -69,8 +69,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, RequestFailedError, RequestOutput, RequestOutputKind,
-                              SamplingParams, StructuredOutputsParams,
+                              InvalidInput, LLMEngine, REASONING_PARSERS, RequestFailedError, RequestOutput,
+                              RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
                               TokenizedPrompt, apply_chat_template, local_ranks, merge_deltas, model_thread,
                               opens_reply, run_worker_node)
 
@@ -273,7 +273,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "mistral (Mistral: [TOOL_CALLS] then the calls)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split chat output into reasoning_content (<think>...</think>) and content: deepseek_r1 "
-                        "(the output starts thinking), qwen3 (both tags needed); tool calls are read from the content")
+                        "(the output starts thinking), qwen3 (both tags needed); tool calls are read from the content, "
+                        "and structured outputs start after </think>")
     g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help="logprobs name tokens as token_id:N, unless a request's return_tokens_as_token_ids says")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -1305,17 +1306,16 @@ def tool_call_body(call: dict[str, str]) -> dict[str, Any]:
 
 
 # =========================================================================== reasoning
-REASONING_PARSERS = ("deepseek_r1", "qwen3")
-
 
 class ReasoningParser:
     """vLLM's --reasoning-parser for one choice (as vLLM v0.10-0.11: vllm/reasoning/basic_parsers.py,
     deepseek_r1_reasoning_parser.py and qwen3_reasoning_parser.py at 693e2a48, serving_chat.py at 003fe593):
     the text between <think> and </think> is the reasoning, the rest the content. deepseek_r1 starts in
     the reasoning (R1's template opens <think> in the prompt); qwen3 only at a <think>. Chat only.
-    A constrained output (structured outputs, a forced tool call) starts as content with either parser:
-    its grammar holds from the first token, so it is the answer (vLLM constrains only after </think>)."""
-    START, END = "<think>", "</think>"
+    A constraint (structured outputs, a forced tool call) starts after </think> (the engine's GrammarState),
+    so its reply is split as any other; only where the tokenizer has no </think> token does the grammar hold
+    from the first token: then (``constrained``) the reply starts as content with either parser."""
+    START, END = THINK_TAGS
 
     def __init__(self, name: str, constrained: bool = False):
         self.name, self.held, self.needs_both = name, "", name == "qwen3" or constrained
@@ -2098,7 +2098,8 @@ class ChatGeneration(Generation):
         with --reasoning-parser only the content part is (as vLLM's)."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
         if (name := self.state.reasoning_parser) is not None:
-            parser = self.reasoners.setdefault(index, ReasoningParser(name, self.params.structured_outputs is not None))
+            held = self.params.structured_outputs is not None and self.state.engine.structured_outputs.think_ids is None
+            parser = self.reasoners.setdefault(index, ReasoningParser(name, held))
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""

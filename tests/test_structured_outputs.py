@@ -2,16 +2,19 @@
 temperature 1, the constraint, not the model, must make every output valid: JSON
 that parses and fits its schema, a regex's full match, one of the choices, a
 sentence of an EBNF grammar; also with n > 1, under preemption, and beside
-unconstrained requests, whose outputs do not change."""
+unconstrained requests, whose outputs do not change. With a reasoning parser the
+constraint starts after </think>, as vLLM's."""
 from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
 from conftest import make_model
 from nanoserve import LLM, SamplingParams, StructuredOutputsParams
+from nanoserve.engine import THINK_TAGS, StructuredOutputManager
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok", "tag"],
           "properties": {"name": {"type": "string", "maxLength": 6}, "ok": {"type": "boolean"},
@@ -218,3 +221,156 @@ def test_a_slow_compile_does_not_hold_up_other_requests(server, monkeypatch):
         release.set()
         t.join(60)
     assert re.fullmatch("slow[0-9]", result["r"].json()["choices"][0]["text"])
+
+
+# ---------------------------------------------------------------- after the reasoning (--reasoning-parser)
+
+TAGGED = {"type": "object", "additionalProperties": False, "required": ["tag"],
+          "properties": {"tag": {"enum": ["red", "blue"]}}}
+YES_NO = StructuredOutputsParams(choice=["yes", "no"])
+TAGGED_SPEC = StructuredOutputsParams(json=TAGGED, disable_any_whitespace=True)
+
+
+@pytest.fixture(scope="module")
+def think_model(model_root):
+    """The tiny model with <think> and </think> as tokens of their own (added, not special: the text keeps
+    them, as Qwen3's tokenizer does) and a template that closes the thought in the prompt when
+    enable_thinking is false, as Qwen3's."""
+    from transformers import AutoTokenizer
+    out = model_root / "qwen3-think"
+    if not out.exists():
+        shutil.copytree(make_model(model_root, "qwen3"), out)
+        tok = AutoTokenizer.from_pretrained(out)
+        tok.add_tokens(list(THINK_TAGS))
+        assert len(tok) <= 384  # the model's vocab_size: its embedding has rows for them already
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking "
+                             "is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+        tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def think_llm(think_model):
+    return LLM(str(think_model), dtype="float32", max_model_len=256, num_kv_blocks=64, reasoning_parser="deepseek_r1")
+
+
+def tag_ids(engine) -> tuple[int, int]:
+    """(</think>, x): logit_bias {x: 60, </think>: 30} with frequency_penalty 2 makes a greedy thought of
+    x's (each one lowers the next x's score by 2) that ends with </think> once x falls under it."""
+    tok = engine.tokenizer
+    return tok.convert_tokens_to_ids(THINK_TAGS[1]), tok.encode("x")[0]
+
+
+def greedy(llm, spec, bias, prompt="hello world", **kw):
+    params = SamplingParams(**{"temperature": 0, "max_tokens": 60, "logit_bias": bias, "structured_outputs": spec, **kw})
+    return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+
+
+def test_the_grammar_waits_for_the_end_of_the_reasoning(think_llm, model_root):
+    """The engine's hook: no bitmask and nothing fed to the grammar until </think> (itself not fed); the
+    prompt's last think tag says whether it has already ended; without a parser, or without the tags
+    as tokens, the grammar holds from the first token."""
+    so, tok = think_llm.engine.structured_outputs, think_llm.get_tokenizer()
+    start, end = so.think_ids
+    compiled = so.compile(YES_NO)
+    state = so.grammar_state(compiled, tok.encode("hi"))
+    for t in tok.encode("hello <think>no"):  # text the grammar would refuse, and its own words: not fed
+        assert state.next_token_bitmask() is None
+        state.accept(t)
+    state.accept(end)
+    mask = state.next_token_bitmask()
+
+    def allowed(t: int) -> bool:
+        return bool(mask[t // 32] >> (t % 32) & 1)
+    assert allowed(tok.encode("yes")[0]) and allowed(tok.encode("no")[0])
+    assert not allowed(end) and not allowed(tok.encode("x")[0])
+    for t in tok.encode("yes") + [tok.eos_token_id]:
+        assert not state.is_terminated()
+        state.accept(t)
+    assert state.is_terminated()
+    for prompt, waits in [("hi", True), ("<think>\n\n</think>\n\n", False), ("a</think>b<think>c", True),
+                          ("<think>a</think>b", False)]:
+        assert (so.grammar_state(compiled, tok.encode(prompt)).next_token_bitmask() is None) == waits, prompt
+    vocab, eos = think_llm.engine.model_config.vocab_size, think_llm.engine.eos_token_ids
+    assert StructuredOutputManager(tok, vocab, eos).grammar_state(compiled, [1]).next_token_bitmask() is not None
+    from transformers import AutoTokenizer
+    untagged = AutoTokenizer.from_pretrained(make_model(model_root, "qwen3"))
+    assert StructuredOutputManager(untagged, vocab, eos, reasoning_parser="qwen3").think_ids is None
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'granite'"):
+        LLM(str(make_model(model_root, "qwen3")), reasoning_parser="granite")
+
+
+def test_reasoning_then_the_constrained_answer(think_llm, think_model):
+    """deepseek_r1: the model thinks unconstrained, the answer after </think> fits the constraint (its mask
+    beats the bias); a thought that never ends ends with length; a prompt that ended the thought is
+    constrained from its first token. Without a parser the same requests are constrained throughout."""
+    end, x = tag_ids(think_llm.engine)
+    out = greedy(think_llm, YES_NO, {end: 100})
+    assert out.token_ids[0] == end and out.text.partition(THINK_TAGS[1])[2] in ("yes", "no")
+    for spec, fits in ((YES_NO, lambda t: t in ("yes", "no")), (TAGGED_SPEC, lambda t: parse(t)["tag"] in
+                                                                    ("red", "blue"))):
+        out = greedy(think_llm, spec, {x: 60, end: 30}, frequency_penalty=2.0)
+        thought, tag, answer = out.text.partition(THINK_TAGS[1])
+        assert re.fullmatch("x+", thought) and tag and fits(answer) and out.finish_reason == "stop", out.text
+    out = greedy(think_llm, YES_NO, {x: 100}, max_tokens=5)
+    assert (out.text, out.finish_reason) == ("xxxxx", "length")
+    chat = SamplingParams(temperature=0, max_tokens=30, logit_bias={end: 100}, structured_outputs=YES_NO)
+    (o,) = think_llm.chat([{"role": "user", "content": "hi"}], chat, chat_template_kwargs={"enable_thinking": False},
+                          use_tqdm=False)
+    assert end in o.prompt_token_ids and o.outputs[0].text in ("yes", "no")
+    plain = LLM(str(think_model), dtype="float32", max_model_len=256, num_kv_blocks=64)
+    assert greedy(plain, YES_NO, {end: 100}).text in ("yes", "no")
+    assert greedy(plain, YES_NO, {x: 60, end: 30}, frequency_penalty=2.0).text in ("yes", "no")
+    free = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)  # unconstrained: as without a parser
+    assert [o.outputs[0].token_ids for o in think_llm.generate(["hi", "def main():"], free, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in plain.generate(["hi", "def main():"], free, use_tqdm=False)]
+
+
+def test_a_preempted_thought_resumes_where_it_was(think_llm, think_model):
+    """8 blocks of 16 tokens for 6 requests of ~50: the batch preempts, mid-thought or mid-answer; each
+    recomputed request goes on from its state: the same tokens as with room for all."""
+    small = LLM(str(think_model), dtype="float32", max_model_len=128, num_kv_blocks=8, reasoning_parser="deepseek_r1")
+    end, x = tag_ids(small.engine)
+    prompts = [f"x {i} " * 8 for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=60, logit_bias={x: 60, end: 30}, frequency_penalty=2.0,
+                            structured_outputs=TAGGED_SPEC)
+    outs = [o.outputs[0] for o in small.generate(prompts, params, use_tqdm=False)]
+    assert small.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == [o.outputs[0].token_ids for o in think_llm.generate(prompts, params,
+                                                                                             use_tqdm=False)]
+    assert all(re.fullmatch(r'x+</think>\{"tag": ?"(red|blue)"\}', o.text) for o in outs), [o.text for o in outs]
+
+
+@pytest.fixture(scope="module")
+def think_server(think_model):
+    from test_server import ServerThread
+    with ServerThread(think_model, "--reasoning-parser", "deepseek_r1") as s:
+        yield s
+
+
+def test_http_reasoning_content_then_constrained_content(think_server):
+    """reasoning_content holds the thought, content (or a forced call's arguments) the constrained answer,
+    whole and streamed alike."""
+    import httpx
+    end, x = tag_ids(think_server.engine)
+    thinking = {**CHAT, "temperature": 0, "max_tokens": 60, "logit_bias": {str(x): 60, str(end): 30},
+                "frequency_penalty": 2.0}
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TAGGED}}}
+    tool = {"tools": [{"type": "function", "function": {"name": "paint", "parameters": TAGGED}}],
+            "tool_choice": {"type": "function", "function": {"name": "paint"}}}
+    for extra in (schema, {"guided_choice": ["yes", "no"]}, tool):
+        r = _post(think_server, "/v1/chat/completions", {**thinking, **extra})
+        assert r.status_code == 200, r.text
+        (choice,) = r.json()["choices"]
+        msg = choice["message"]
+        answer = msg["tool_calls"][0]["function"]["arguments"] if extra is tool else msg["content"]
+        assert re.fullmatch("x+", msg["reasoning_content"]) and choice["finish_reason"] == "stop", msg
+        assert answer in ("yes", "no") if "guided_choice" in extra else parse(answer)["tag"] in ("red", "blue")
+        with httpx.stream("POST", think_server.url + "/v1/chat/completions", json={**thinking, **extra, "stream": True},
+                          timeout=120) as r:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                      if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+        streamed = ["".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")]
+        args = "".join(c["function"].get("arguments") or "" for d in deltas for c in d.get("tool_calls") or [])
+        assert streamed == [msg["reasoning_content"], msg["content"] or ""] and args == (answer if extra is tool else "")

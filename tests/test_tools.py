@@ -792,8 +792,9 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
 
 def test_reasoning_parser_without_a_closing_tag(server, monkeypatch):
     """No </think>: deepseek_r1's output is all reasoning (cut short while thinking: the parser's own
-    tests), but a constrained one is the answer, whole in content or tool_calls (vLLM constrains only
-    after </think>, so there the answer lands in content too); qwen3's is all content, as is its output
+    tests), but a constrained one is the answer, whole in content or tool_calls, where the tokenizer has
+    no </think> token, so the grammar holds from the first token (with one it starts after </think>:
+    test_structured_outputs.py); qwen3's is all content, as is its output
     under enable_thinking false (its template closes the thought in the prompt, so the output has no tags)."""
     state = server.app.state.server
     text = "Still thinking about it"
