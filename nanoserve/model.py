@@ -935,7 +935,8 @@ class Sampler:
                   for t in r.prompt_token_ids]
         if prompt:
             i, t = zip(*prompt)
-            seen[to_device(i, dev), to_device(t, dev)] = True
+            # a device scalar: `= True` would copy a host one with a blocking copy (a sync per step)
+            seen.index_put_((to_device(i, dev), to_device(t, dev)), seen.new_ones(()))
 
         def column(name):
             return to_device([getattr(p, name) for p in ps], dev, dtype)[:, None]
