@@ -1645,12 +1645,15 @@ def _template_arguments(tokenizer) -> set[str]:
 
 
 def _with_parsed_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls with their JSON-string arguments parsed (vLLM does the same)."""
+    """Assistant tool calls with their JSON-string arguments parsed, and a null content made "" (vLLM
+    does both; the server's messages come so already): some transformers versions render None as "None"."""
     out = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if isinstance(calls, list):
             m = {**m, "tool_calls": [_parsed_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
+        if isinstance(m, dict) and "content" in m and m["content"] is None:
+            m = {**m, "content": ""}
         out.append(m)
     return out
 

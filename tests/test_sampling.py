@@ -155,7 +155,7 @@ def test_logit_bias_matches_transformers_sequence_bias():
     from transformers import SequenceBiasLogitsProcessor
     R, V = 3, 40
     logits = rand_logits(R, V, seed=4)
-    biases = [{3: 5.0, 17: -2.5, 39: 100.0}, {}, {0: -100.0, 1: 0.25}]
+    biases = [{3: 5.0, 17: -2.5, 39: 100.0}, {}, {2: -100.0, 1: 0.25}]  # transformers 5.17 refuses id 0
     rows = [row(SamplingParams(logit_bias=b or None)) for b in biases]
     got = Sampler()._apply_bias_and_bans(logits.clone(), rows)
     for i, b in enumerate(biases):

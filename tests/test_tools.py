@@ -286,6 +286,18 @@ def llm(tiny_model):
     return LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, max_model_len=256)
 
 
+def test_llm_chat_gives_templates_a_null_content_as_empty_text(llm, monkeypatch):
+    """As vLLM and the server do: transformers 5.17 would render a None as "None" (later ones make it "")."""
+    tok, given = llm.engine.tokenizer, []
+    render = tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda messages, **kw: given.append(messages) or render(messages, **kw))
+    messages = [USER[0], {"role": "assistant", "content": None}, USER[0]]
+    out = llm.chat(messages, SamplingParams(max_tokens=1), chat_template="{% for m in messages %}[{{ m.content }}]"
+                   "{% endfor %}", use_tqdm=False)
+    assert [m["content"] for m in given[0]] == ["weather in Paris?", "", "weather in Paris?"]
+    assert out[0].prompt == "[weather in Paris?][][weather in Paris?]"
+
+
 def test_llm_chat_renders_tools_history_and_template_kwargs(llm):
     p = SamplingParams(max_tokens=2)
     out = llm.chat(HISTORY, p, chat_template=TEMPLATE, tools=TOOLS, use_tqdm=False)
