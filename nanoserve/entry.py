@@ -2,8 +2,8 @@
 
 This module owns
 * the command line (``python -m nanoserve``), with ``vllm serve``'s flag names;
-* the Starlette app: ``/v1/completions``, ``/v1/chat/completions``,
-  ``/v1/models``, ``/health`` (and ``/ping``), ``/metrics``, ``/tokenize``,
+* the Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
+  (served as chat), ``/v1/models``, ``/health`` (and ``/ping``), ``/metrics``, ``/tokenize``,
   ``/detokenize``, ``/version``, behind CORS;
 * the OpenAI protocol: request bodies as declarative pydantic models (as
   vLLM's ``protocol.py``; every error names its field), and one handler,
@@ -24,7 +24,7 @@ on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
 Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> serving (admission, the
-engine requests, the response) -> SSE -> metrics -> start-up and shutdown.
+engine requests, the response) -> SSE -> the Responses API -> metrics -> start-up and shutdown.
 """
 from __future__ import annotations
 
@@ -2269,170 +2269,136 @@ async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generati
 
 
 # =========================================================================== the Responses API
-# OpenAI's newer API, POST /v1/responses, as vLLM serves it (vllm/entrypoints/openai/responses/)
-# without its response store (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default). A body
-# becomes a chat request (input items -> messages, flat function tools -> chat tools, text.format
-# -> response_format) that ChatGeneration serves: chat template, structured outputs, tool-call
-# and reasoning parsers, admission and metrics are the chat path's. Its choice is read back as
-# output items (reasoning, message, function_call), and a stream's deltas as the events that build them.
+# OpenAI's newer API, POST /v1/responses, as vLLM serves it (vllm/entrypoints/openai/responses/) without
+# its response store (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default). A body becomes a chat
+# request (input items -> messages, flat function tools -> chat's, text.format -> response_format) that
+# ChatGeneration serves: the chat template, structured outputs, the tool-call and reasoning parsers,
+# admission and metrics are chat's. Its choice is read back as output items (reasoning, message,
+# function_call), and a stream's chat deltas as the events that build them.
 
-RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields, handed to the chat request (which checks them) as they are
+RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields: handed to the chat request, which checks them
     "top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
     "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs"})
 RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
-                   "response_format": "text", "truncate_prompt_tokens": "truncation", "chat_template_kwargs": "reasoning"}
-RESPONSES_INCLUDES = ("code_interpreter_call.outputs", "computer_call_output.output.image_url", "file_search_call.results",
-                      "message.input_image.image_url", "message.output_text.logprobs", "reasoning.encrypted_content")
+                   "response_format": "text", "truncate_prompt_tokens": "truncation"}  # chat's name -> the body's
 NO_STORE = "this server keeps no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1)"
-RESPONSES_REFUSED: dict[str, tuple[tuple, str]] = {  # as UNSUPPORTED_FIELDS: vLLM's answer too is a 400
-    "background": ((None, False), f"background mode needs a response store: {NO_STORE}"),
-    "prompt": (_UNSET, "prompt templates are not supported"),
-    "enable_response_messages": ((None, False), "vLLM returns response messages for gpt-oss (harmony) models only"),
-    "previous_input_messages": (_UNSET, "previous_input_messages are vLLM's for gpt-oss (harmony) models only"),
-    "previous_response": (_UNSET, "previous_response carries gpt-oss (harmony) state, which this server does not read"),
-}
+HARMONY_ONLY = "vLLM reads it for gpt-oss (harmony) models only"
 
 
-class FunctionTool(_Strict):
+class FunctionTool(FunctionDefinition):
     """A Responses function tool: flat, where chat nests it under "function"."""
     type: typing.Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema
-    strict: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, tool: Any) -> Any:
+        if isinstance(tool, dict) and tool.get("type", "function") != "function":
+            raise ValueError(f"tools of type {show(tool['type'])} are not supported, only function tools (built-in "
+                             f"ones such as web_search, file_search, code_interpreter or mcp need a tool server)")
+        return tool
 
 
 class ResponsesRequest(OpenAIBaseModel):
     """OpenAI's Responses body (vLLM's ResponsesRequest); ``chat_body`` is the chat request it becomes."""
-    input: Any = None  # a string, or a list of input items: input_messages reads it
+    input: Any = None  # input_messages reads it
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: Number | None = None
     top_p: Number | None = None
     stream: bool = False
-    text: dict | None = Field(None, description='an object such as {"format": {"type": "json_schema", "name": ..., '
-                                                '"schema": {...}}}')
+    text: dict | None = Field(None, description='an object such as {"format": {"type": "json_schema", ...}}')
     tools: list[FunctionTool] | None = None
     tool_choice: Any = "auto"
     parallel_tool_calls: bool = True
     max_tool_calls: int | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
-    store: bool = True  # as vLLM's without its store: taken and ignored
+    store: bool = True  # taken and ignored, as by vLLM without its store
     previous_response_id: str | None = None
     truncation: typing.Literal["auto", "disabled"] = "disabled"
     reasoning: dict | None = Field(None, description='an object such as {"effort": "low"}')
-    include: list[str] | None = None
+    include: list[typing.Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                                 "file_search_call.results", "message.input_image.image_url",
+                                 "message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: int | None = Field(None, ge=0)
     service_tier: typing.Literal["auto", "default", "flex", "scale", "priority"] = "auto"
-    prompt_cache_key: str | None = None  # vLLM ignores it too
-
-    @model_validator(mode="before")
-    @classmethod
-    def _refuse(cls, data: Any) -> Any:
-        for name, (harmless, why) in RESPONSES_REFUSED.items():
-            if isinstance(data, dict) and name in data and not any(_coerces_to(data[name], v) for v in harmless):
-                raise InvalidInput(name, f"{name} is not supported: {why}")
-        return data
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _function_tools(cls, tools: Any) -> Any:
-        for i, tool in enumerate(tools if isinstance(tools, list) else []):
-            if isinstance(tool, dict) and tool.get("type", "function") != "function":
-                raise ValueError(f"tools[{i}].type {show(tool['type'])} is not supported: only function tools are "
-                                 f"(built-in tools such as web_search, file_search, code_interpreter or mcp need a "
-                                 f"tool server, which nanoserve does not have)")
-        return tools
+    prompt_cache_key: str | None = None  # ignored, as by vLLM
+    # what vLLM refuses too (a 400 naming the field)
+    background: typing.Literal[False] = Field(False, description=f"false: background mode needs a response store, "
+                                                                 f"and {NO_STORE}")
+    prompt: None = Field(None, description="left out: prompt templates are not supported")
+    enable_response_messages: typing.Literal[False] = Field(False, description=f"false: {HARMONY_ONLY}")
+    previous_input_messages: None = Field(None, description=f"left out: {HARMONY_ONLY}")
+    previous_response: None = Field(None, description=f"left out: {HARMONY_ONLY}")
 
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, choice: Any) -> Any:
-        named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
-        if not named and choice not in ("auto", "none", "required"):
-            raise ValueError(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}} '
-                             f'(built-in and MCP tools are not supported), got {show(choice)}')
-        return choice
+        if choice in ("auto", "none", "required") or isinstance(choice, dict) and choice.get("type") == "function" \
+                and isinstance(choice.get("name"), str):
+            return choice
+        raise ValueError(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}} '
+                         f'(built-in and MCP tools are not supported), got {show(choice)}')
 
     @field_validator("text")
     @classmethod
     def _text_format(cls, text: dict) -> dict:
         fmt = text.get("format", {"type": "text"})
         kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind not in ("text", "json_object", "json_schema") or (
-                kind == "json_schema" and not isinstance(fmt.get("schema"), dict)):
+        if kind not in ("text", "json_object", "json_schema") or kind == "json_schema" and not isinstance(
+                fmt.get("schema"), dict):
             raise ValueError('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
                              f'"name": ..., "schema": {{...}}}}, got {show(fmt)}')
         return text
 
-    @field_validator("include")
-    @classmethod
-    def _include(cls, include: list[str]) -> list[str]:
-        if unknown := [v for v in include if v not in RESPONSES_INCLUDES]:
-            raise ValueError(f"include takes {', '.join(RESPONSES_INCLUDES)}; got {show(unknown[0])}")
-        return include
-
     def chat_body(self, request_id: str) -> dict[str, Any]:
-        """The chat request's body: vLLM's extra fields pass as they are; chat's own fields that a
-        Responses body does not have are ignored (with a warning), as vLLM ignores unknown fields."""
+        """The chat request's body. vLLM's extra fields pass as they are; chat's own fields that a Responses
+        body does not have are ignored with a warning, as vLLM ignores fields it does not know."""
         extra = self.model_extra or {}
         ignored = sorted(k for k in extra if k in ChatCompletionRequest.model_fields and k not in RESPONSES_PASSED_ON)
         if ignored:
             logger.warning("[entry] %s: ignoring field(s) the Responses API does not have: %s", request_id,
                            ", ".join(map(show, ignored)))
         messages, continued = input_messages(self.input)
-        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                 for t in self.tools or []]
-        choice = self.tool_choice
-        if isinstance(choice, dict):
-            choice = {"type": "function", "function": {"name": choice["name"]}}
-        elif not tools:  # "auto", the default, or "required" (made "none", as vLLM) with no tools: nothing to call
-            tools, choice = None, None
+                 for t in self.tools or []] or None
+        choice = {"type": "function", "function": {"name": self.tool_choice["name"]}} \
+            if isinstance(self.tool_choice, dict) else self.tool_choice if tools else None  # no tools: nothing to call
         logprobs = "message.output_text.logprobs" in (self.include or ())
         effort = (self.reasoning or {}).get("effort")
+        fmt = (self.text or {}).get("format", {"type": "text"})
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return {**{k: v for k, v in extra.items() if k not in ignored}, "model": self.model, "stream": self.stream,
                 "messages": system + messages,
                 "continue_final_message": continued, "max_completion_tokens": self.max_output_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "tools": tools, "tool_choice": choice,
-                "parallel_tool_calls": self.parallel_tool_calls, "user": self.user, "logprobs": logprobs,
-                "top_logprobs": self.top_logprobs if logprobs else None,
+                "temperature": self.temperature, "top_p": self.top_p, "tools": tools if choice else None,
+                "tool_choice": choice, "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
+                "logprobs": logprobs, "top_logprobs": self.top_logprobs if logprobs else None,
                 "truncate_prompt_tokens": -1 if self.truncation == "auto" else None,
-                "chat_template_kwargs": {"reasoning_effort": effort} if effort else None,  # as vLLM's build_chat_params
-                "response_format": self.response_format()}
-
-    def response_format(self) -> dict | None:
-        """text.format as chat's response_format."""
-        fmt = (self.text or {}).get("format", {"type": "text"})
-        if fmt["type"] != "json_schema":
-            return None if fmt["type"] == "text" else {"type": "json_object"}
-        return {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict")}}
+                "chat_template_kwargs": {"reasoning_effort": effort} if effort else None,  # as vLLM's
+                "response_format": None if fmt["type"] == "text" else fmt if fmt["type"] == "json_object" else
+                {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict")}}}
 
 
 def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
-    """A Responses input as chat messages (as vLLM's construct_input_messages: a function_call joins the
-    assistant message before it, a function_call_output is a tool message, a reasoning item is dropped),
-    and whether the last one is an unfinished assistant message, to continue (vLLM's partial completion)."""
+    """A Responses input as chat messages, as vLLM's construct_input_messages: a function_call joins the
+    assistant message before it, a function_call_output is a tool message, a reasoning item is dropped;
+    and whether the last is an unfinished assistant message, to continue (vLLM's partial completion)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}], False
     if not isinstance(value, list) or not value:
-        raise InvalidInput("input", f"input must be a string or a non-empty list of input items (messages, function_call, "
-                                    f"function_call_output), got {show(value)}")
+        raise InvalidInput("input", f"input must be a string or a non-empty list of input items, got {show(value)}")
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where, kind = f"input[{i}]", item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and isinstance(item.get("role"), str):
             messages.append({"role": item["role"], "content": _item_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-            try:
-                args = json.loads(item["arguments"])
-            except ValueError:
-                args = None
-            if not isinstance(args, dict):
+            args, end = _json_values(item["arguments"], 0, "")
+            if len(args) != 1 or not isinstance(args[0], dict) or item["arguments"][end:].strip():
                 raise InvalidInput("input", f"{where}.arguments must be a JSON object's text, got "
                                             f"{show(item['arguments'])}")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
@@ -2441,20 +2407,18 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _item_text(item.get("output"), f"{where}.output")})
         elif kind != "reasoning":
-            raise InvalidInput("input", f"{where} must be a message ({{role, content}}), a function_call ({{call_id, "
-                                        f"name, arguments}}), a function_call_output ({{call_id, output}}) or a reasoning "
+            raise InvalidInput("input", f"{where} must be a message {{role, content}}, a function_call {{call_id, "
+                                        f"name, arguments}}, a function_call_output {{call_id, output}} or a reasoning "
                                         f"item, got {show(item)}")
     if not messages:
         raise InvalidInput("input", "input has no message (reasoning items are dropped)")
-    last = value[-1]
-    continued = last.get("role") == "assistant" and last.get("status") in ("in_progress", "incomplete")
-    return messages, continued
+    return messages, value[-1].get("role") == "assistant" and value[-1].get("status") in ("in_progress", "incomplete")
 
 
 def _item_text(content: Any, where: str) -> str:
     """A message's content (or a tool's output): a string, or text parts (input_text, output_text)."""
     texts = [_part_text(p) for p in content] if isinstance(content, list) else [content]
-    if None in texts or not all(isinstance(t, str) for t in texts):
+    if not all(isinstance(t, str) for t in texts):
         raise InvalidInput("input", f"{where} must be a string or a list of text parts ({{\"type\": \"input_text\", "
                                     f"\"text\": ...}}); images, files and audio are not supported, got {show(content)}")
     return "\n".join(texts)
@@ -2476,10 +2440,10 @@ class ResponseOutput:
 
     def __init__(self):
         self.items: list[dict] = []       # the finished ones
-        self.item: dict | None = None     # the one being built
-        self.texts: list[str] = []        # its text so far
-        self.logprobs: list[dict] = []    # a message's logprobs so far
-        self.unsent: list[dict] = []      # those of tokens whose text no delta carried yet
+        self.item: dict | None = None     # the one being built, and its text
+        self.texts: list[str] = []
+        self.logprobs: list[dict] = []    # a message's logprobs, and those of tokens no text delta carried yet
+        self.unsent: list[dict] = []
 
     def feed(self, part: dict, logprobs: list[dict] | None) -> list[tuple[str, dict]]:
         """A chat delta (or message): its reasoning, content and tool calls, in that order."""
@@ -2497,7 +2461,7 @@ class ResponseOutput:
         return events
 
     def close(self) -> list[tuple[str, dict]]:
-        """The open item is done: its done events."""
+        """The item being built is done: its done events."""
         item, self.item = self.item, None
         if item is None:
             return []
@@ -2506,12 +2470,10 @@ class ResponseOutput:
             events = [("response.function_call_arguments.done", {**where, "name": item["name"],
                                                                   "arguments": item["arguments"]})]
         else:
-            part = self._part(item["type"], "".join(self.texts))
-            kind = "output_text" if item["type"] == "message" else "reasoning_text"
-            done = {k: v for k, v in part.items() if k in ("text", "logprobs")}
-            events = [(f"response.{kind}.done", {**where, "content_index": 0, **done}),
+            item["content"] = [part := self._part(item["type"], "".join(self.texts))]
+            done = {**where, "content_index": 0, **{k: v for k, v in part.items() if k in ("text", "logprobs")}}
+            events = [(f"response.{part['type']}.done", done),
                       ("response.content_part.done", {**where, "content_index": 0, "part": part})]
-            item["content"] = [part]
         item["status"] = "completed"
         self.items.append(item)
         return events + [("response.output_item.done", {"output_index": where["output_index"], "item": item})]
@@ -2524,20 +2486,18 @@ class ResponseOutput:
     def _text(self, kind: str, delta: str) -> list[tuple[str, dict]]:
         events = []
         if self.item is None or self.item["type"] != kind:
-            hex_id = uuid.uuid4().hex
-            events = self._open({"id": f"msg_{hex_id}", "type": "message", "role": "assistant", "status": "in_progress",
-                                 "content": []} if kind == "message" else
-                                {"id": f"rs_{hex_id}", "type": "reasoning", "status": "in_progress", "summary": [],
-                                 "content": []})
+            events = self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
+                                 "status": "in_progress", "content": [],
+                                 **({"role": "assistant"} if kind == "message" else {"summary": []})})
             events.append(("response.content_part.added", {**self._where(), "content_index": 0,
                                                            "part": self._part(kind, "")}))
         self.texts.append(delta)
+        fields = {**self._where(), "content_index": 0, "delta": delta}
         if kind == "reasoning":
-            return events + [("response.reasoning_text.delta", {**self._where(), "content_index": 0, "delta": delta})]
+            return events + [("response.reasoning_text.delta", fields)]
         sent, self.unsent = self.unsent, []
         self.logprobs = self.logprobs + sent
-        return events + [("response.output_text.delta", {**self._where(), "content_index": 0, "delta": delta,
-                                                         "logprobs": sent})]
+        return events + [("response.output_text.delta", {**fields, "logprobs": sent})]
 
     def _where(self) -> dict:
         return {"item_id": self.item["id"], "output_index": len(self.items)}
@@ -2559,8 +2519,8 @@ class ResponsesGeneration(ChatGeneration):
         except ValidationError as e:
             raise _validation_error(ResponsesRequest, body, e.errors(include_url=False)[0]) from None
         if src.previous_response_id is not None:  # vLLM's answer when its store does not hold it
-            raise ApiError(404, f"Response with id {show(src.previous_response_id)} not found: {NO_STORE}, so "
-                                f"send the conversation in input", "previous_response_id")
+            raise ApiError(404, f"Response with id {show(src.previous_response_id)} not found: {NO_STORE}; send the "
+                                f"conversation in input", "previous_response_id")
         try:
             req = parse_body(ResponsesChatRequest, src.chat_body(request_id), request_id)
         except InvalidInput as e:
@@ -2572,23 +2532,22 @@ class ResponsesGeneration(ChatGeneration):
         return req
 
     def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
-        if req.tool_choice == "auto" and state.tool_parser is None:  # as vLLM's: the tools reach the template
-            req.tool_choice = "none"  # and the text is not parsed (chat's "auto" would be a 400)
+        if req.tool_choice == "auto" and state.tool_parser is None:  # as vLLM's: the tools reach the template and
+            req.tool_choice = "none"  # the text is not parsed (chat answers 400)
         super().__init__(state, request_id, req, params)
         self.src: ResponsesRequest = req._source
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
-        choice = self.choice(0, c.text, self.logprobs(c, 0), c, False, {})
-        out = ResponseOutput()
+        choice, out = self.choice(0, c.text, self.logprobs(c, 0), c, False, {}), ResponseOutput()
         out.feed(choice["message"], (choice["logprobs"] or {}).get("content"))
         out.close()
         return self.body(model, out.items, c.finish_reason)
 
     async def stream(self, model: str) -> AsyncIterator[str]:
         """vLLM's events: response.created and .in_progress, each output item's added, delta and done
-        events, then response.completed with the whole response (status "incomplete" if cut short, as
-        vLLM's); each an SSE event named by its type and numbered; no [DONE] (vLLM and OpenAI send none)."""
+        events, then response.completed with the whole response (its status "incomplete" if cut short, as
+        vLLM's); each an SSE event named by its type, numbered; no [DONE] (vLLM and OpenAI send none)."""
         numbers = itertools.count()
 
         def event(kind: str, **fields: Any) -> str:
@@ -2601,10 +2560,9 @@ class ResponsesGeneration(ChatGeneration):
             async for _, output in self.outputs():
                 for c in output.outputs:
                     finish = c.finish_reason
-                    choice = self.choice(0, c.delta_text, self.logprobs(c, 0), c, True, {})
-                    for kind, fields in out.feed(choice["delta"], (choice["logprobs"] or {}).get("content")) \
-                            if choice is not None else ():
-                        yield event(kind, **fields)
+                    if (choice := self.choice(0, c.delta_text, self.logprobs(c, 0), c, True, {})) is not None:
+                        for kind, fields in out.feed(choice["delta"], (choice["logprobs"] or {}).get("content")):
+                            yield event(kind, **fields)
             for kind, fields in out.close():
                 yield event(kind, **fields)
             yield event("response.completed", response=self.body(model, out.items, finish))
@@ -2615,29 +2573,24 @@ class ResponsesGeneration(ChatGeneration):
             yield event("error", code=str(error["code"]), message=error["message"], param=error["param"])
 
     def body(self, model: str, output: list[dict], finish_reason: str | None) -> dict[str, Any]:
-        """The response object (in progress while ``finish_reason`` is None): the request's parameters, as vLLM's
-        ResponsesResponse.from_request echoes them, the sampling ones as they were applied."""
-        src, params, num_prompt = self.src, self.params, len(self.prompts[0].token_ids)
+        """The response (in progress while ``finish_reason`` is None), with the request's parameters as vLLM's
+        from_request echoes them (the sampling ones as applied); the usage's details always, as vLLM's."""
+        src, params, prompt = self.src, self.params, len(self.prompts[0].token_ids)
         status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
-        room = self.state.engine.max_model_len - num_prompt
+        room, output_tokens = self.state.engine.max_model_len - prompt, sum(
+            n for t in self.tracked.values() for n in t.num_output_tokens.values())
+        usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
+                 "input_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in self.tracked.values()),
+                                          "cache_write_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
-                "background": False, "error": None,
+                "background": False, "error": None, "model": model, "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "instructions": src.instructions, "max_output_tokens": min(params.max_tokens or room, room),
-                "max_tool_calls": src.max_tool_calls, "metadata": src.metadata, "model": model, "output": output,
-                "parallel_tool_calls": src.parallel_tool_calls, "previous_response_id": None,
-                "reasoning": src.reasoning, "service_tier": src.service_tier, "temperature": params.temperature,
-                "text": src.text or {"format": {"type": "text"}}, "tool_choice": src.tool_choice,
-                "tools": [t.model_dump() for t in src.tools or []], "top_logprobs": params.logprobs,
-                "top_p": params.top_p, "truncation": src.truncation, "user": src.user,
-                "usage": None if finish_reason is None else self.response_usage(num_prompt)}
-
-    def response_usage(self, num_prompt: int) -> dict[str, Any]:
-        output = sum(n for t in self.tracked.values() for n in t.num_output_tokens.values())
-        cached = sum(t.num_cached_tokens for t in self.tracked.values())  # always: the field is not optional here
-        return {"input_tokens": num_prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-                "output_tokens": output, "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": num_prompt + output}
+                "max_output_tokens": min(params.max_tokens or room, room), "temperature": params.temperature,
+                "top_p": params.top_p, "top_logprobs": params.logprobs, "previous_response_id": None,
+                "text": src.text or {"format": {"type": "text"}}, "tools": [t.model_dump() for t in src.tools or []],
+                **{k: getattr(src, k) for k in ("instructions", "max_tool_calls", "metadata", "parallel_tool_calls",
+                                                "reasoning", "service_tier", "tool_choice", "truncation", "user")},
+                "usage": None if finish_reason is None else usage}
 
 
 async def create_response(request: Request) -> Response:
