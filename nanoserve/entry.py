@@ -2269,12 +2269,10 @@ async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generati
 
 
 # =========================================================================== the Responses API
-# OpenAI's newer API, POST /v1/responses, as vLLM serves it (vllm/entrypoints/openai/responses/) without
-# its response store (VLLM_ENABLE_RESPONSES_API_STORE unset, vLLM's default). A body becomes a chat
-# request (input items -> messages, flat function tools -> chat's, text.format -> response_format) that
-# ChatGeneration serves: the chat template, structured outputs, the tool-call and reasoning parsers,
-# admission and metrics are chat's. Its choice is read back as output items (reasoning, message,
-# function_call), and a stream's chat deltas as the events that build them.
+# POST /v1/responses as vLLM serves it (vllm/entrypoints/openai/responses/) without its response store
+# (VLLM_ENABLE_RESPONSES_API_STORE unset, its default): the body becomes a chat request that ChatGeneration
+# serves (template, structured outputs, tool and reasoning parsers, admission, metrics), whose choice is read
+# back as output items (reasoning, message, function_call) and a stream's deltas as the events building them.
 
 RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields: handed to the chat request, which checks them
     "top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
@@ -2282,7 +2280,6 @@ RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields: handed to the chat req
 RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text", "truncate_prompt_tokens": "truncation"}  # chat's name -> the body's
 NO_STORE = "this server keeps no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1)"
-HARMONY_ONLY = "vLLM reads it for gpt-oss (harmony) models only"
 
 
 class FunctionTool(FunctionDefinition):
@@ -2307,8 +2304,8 @@ class ResponsesRequest(OpenAIBaseModel):
     top_p: Number | None = None
     stream: bool = False
     text: dict | None = Field(None, description='an object such as {"format": {"type": "json_schema", ...}}')
-    tools: list[FunctionTool] | None = None
     tool_choice: Any = "auto"
+    tools: list[FunctionTool] | None = None
     parallel_tool_calls: bool = True
     max_tool_calls: int | None = None
     user: str | None = None
@@ -2322,34 +2319,10 @@ class ResponsesRequest(OpenAIBaseModel):
                                  "message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
     top_logprobs: int | None = Field(None, ge=0)
     service_tier: typing.Literal["auto", "default", "flex", "scale", "priority"] = "auto"
-    prompt_cache_key: str | None = None  # ignored, as by vLLM
-    # what vLLM refuses too (a 400 naming the field)
     background: typing.Literal[False] = Field(False, description=f"false: background mode needs a response store, "
-                                                                 f"and {NO_STORE}")
-    prompt: None = Field(None, description="left out: prompt templates are not supported")
-    enable_response_messages: typing.Literal[False] = Field(False, description=f"false: {HARMONY_ONLY}")
-    previous_input_messages: None = Field(None, description=f"left out: {HARMONY_ONLY}")
-    previous_response: None = Field(None, description=f"left out: {HARMONY_ONLY}")
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice(cls, choice: Any) -> Any:
-        if choice in ("auto", "none", "required") or isinstance(choice, dict) and choice.get("type") == "function" \
-                and isinstance(choice.get("name"), str):
-            return choice
-        raise ValueError(f'tool_choice must be "auto", "none", "required" or {{"type": "function", "name": ...}} '
-                         f'(built-in and MCP tools are not supported), got {show(choice)}')
-
-    @field_validator("text")
-    @classmethod
-    def _text_format(cls, text: dict) -> dict:
-        fmt = text.get("format", {"type": "text"})
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if kind not in ("text", "json_object", "json_schema") or kind == "json_schema" and not isinstance(
-                fmt.get("schema"), dict):
-            raise ValueError('text.format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
-                             f'"name": ..., "schema": {{...}}}}, got {show(fmt)}')
-        return text
+                                                                 f"and {NO_STORE}")  # vLLM's answer too
+    prompt: None = Field(None, description="left out: prompt templates are not supported")  # likewise
+    enable_response_messages: typing.Literal[False] = Field(False, description="false: vLLM has them for gpt-oss only")
 
     def chat_body(self, request_id: str) -> dict[str, Any]:
         """The chat request's body. vLLM's extra fields pass as they are; chat's own fields that a Responses
@@ -2362,11 +2335,20 @@ class ResponsesRequest(OpenAIBaseModel):
         messages, continued = input_messages(self.input)
         tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                  for t in self.tools or []] or None
-        choice = {"type": "function", "function": {"name": self.tool_choice["name"]}} \
-            if isinstance(self.tool_choice, dict) else self.tool_choice if tools else None  # no tools: nothing to call
+        choice = self.tool_choice
+        named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
+        if choice not in ("auto", "none", "required") and not named:
+            raise InvalidInput("tool_choice", f'tool_choice must be "auto", "none", "required" or {{"type": '
+                                              f'"function", "name": ...}} (built-in and MCP tools are not '
+                                              f'supported), got {show(choice)}')
+        choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
+        fmt = (self.text or {}).get("format", {"type": "text"})
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or (
+                fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict)):
+            raise InvalidInput("text", 'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                                       f'"json_schema", "name": ..., "schema": {{...}}}}, got {show(fmt)}')
         logprobs = "message.output_text.logprobs" in (self.include or ())
         effort = (self.reasoning or {}).get("effort")
-        fmt = (self.text or {}).get("format", {"type": "text"})
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return {**{k: v for k, v in extra.items() if k not in ignored}, "model": self.model, "stream": self.stream,
                 "messages": system + messages,
@@ -2394,10 +2376,6 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
         if kind == "message" and isinstance(item.get("role"), str):
             messages.append({"role": item["role"], "content": _item_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-            args, end = _json_values(item["arguments"], 0, "")
-            if len(args) != 1 or not isinstance(args[0], dict) or item["arguments"][end:].strip():
-                raise InvalidInput("input", f"{where}.arguments must be a JSON object's text, got "
-                                            f"{show(item['arguments'])}")
             call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -2439,18 +2417,31 @@ class ResponseOutput:
     ``feed`` and ``close`` give the events that build them, as (type, fields) pairs."""
 
     def __init__(self):
-        self.items: list[dict] = []       # the finished ones
-        self.item: dict | None = None     # the one being built, and its text
-        self.texts: list[str] = []
-        self.logprobs: list[dict] = []    # a message's logprobs, and those of tokens no text delta carried yet
-        self.unsent: list[dict] = []
+        self.items: list[dict] = []     # the finished ones
+        self.item: dict | None = None   # the one being built (a text item's text is in its part)
+        self.part: dict = {}
+        self.unsent: list[dict] = []    # logprobs of tokens no text delta carried yet
 
     def feed(self, part: dict, logprobs: list[dict] | None) -> list[tuple[str, dict]]:
         """A chat delta (or message): its reasoning, content and tool calls, in that order."""
         events, self.unsent = [], self.unsent + (logprobs or [])
         for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
-            if part.get(key):
-                events += self._text(kind, part[key])
+            if not (delta := part.get(key)):
+                continue
+            if self.item is None or self.item["type"] != kind:
+                events += self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
+                                      "status": "in_progress", "content": [],
+                                      **({"role": "assistant"} if kind == "message" else {"summary": []})})
+                self.part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
+                    if kind == "message" else {"type": "reasoning_text", "text": ""}
+                events.append(("response.content_part.added", {**self._where(), "content_index": 0,
+                                                               "part": dict(self.part)}))
+            self.part["text"] += delta
+            fields = {**self._where(), "content_index": 0, "delta": delta}
+            if kind == "message":
+                fields["logprobs"], self.unsent = self.unsent, []
+                self.part["logprobs"] = self.part["logprobs"] + fields["logprobs"]
+            events.append((f"response.{self.part['type']}.delta", fields))
         for call in part.get("tool_calls") or []:
             if "id" in call:  # a new call
                 events += self._open({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
@@ -2470,7 +2461,7 @@ class ResponseOutput:
             events = [("response.function_call_arguments.done", {**where, "name": item["name"],
                                                                   "arguments": item["arguments"]})]
         else:
-            item["content"] = [part := self._part(item["type"], "".join(self.texts))]
+            item["content"] = [part := self.part]
             done = {**where, "content_index": 0, **{k: v for k, v in part.items() if k in ("text", "logprobs")}}
             events = [(f"response.{part['type']}.done", done),
                       ("response.content_part.done", {**where, "content_index": 0, "part": part})]
@@ -2479,36 +2470,15 @@ class ResponseOutput:
         return events + [("response.output_item.done", {"output_index": where["output_index"], "item": item})]
 
     def _open(self, item: dict) -> list[tuple[str, dict]]:
-        events = self.close()
-        self.item, self.texts, self.logprobs = item, [], []
+        events, self.item = self.close(), item
         return events + [("response.output_item.added", {"output_index": len(self.items), "item": dict(item)})]
-
-    def _text(self, kind: str, delta: str) -> list[tuple[str, dict]]:
-        events = []
-        if self.item is None or self.item["type"] != kind:
-            events = self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
-                                 "status": "in_progress", "content": [],
-                                 **({"role": "assistant"} if kind == "message" else {"summary": []})})
-            events.append(("response.content_part.added", {**self._where(), "content_index": 0,
-                                                           "part": self._part(kind, "")}))
-        self.texts.append(delta)
-        fields = {**self._where(), "content_index": 0, "delta": delta}
-        if kind == "reasoning":
-            return events + [("response.reasoning_text.delta", fields)]
-        sent, self.unsent = self.unsent, []
-        self.logprobs = self.logprobs + sent
-        return events + [("response.output_text.delta", {**fields, "logprobs": sent})]
 
     def _where(self) -> dict:
         return {"item_id": self.item["id"], "output_index": len(self.items)}
 
-    def _part(self, kind: str, text: str) -> dict:
-        if kind == "reasoning":
-            return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": self.logprobs}
-
 
 class ResponsesGeneration(ChatGeneration):
+    """A chat generation whose response and stream are the Responses API's."""
     schema = ResponsesChatRequest
     object_name, id_prefix = "response", "resp_"
 

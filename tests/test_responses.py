@@ -346,7 +346,7 @@ BAD = [  # body, param, words the message must have
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "input[0] must be"),
     ({"input": [{"role": "user", "content": 3}]}, "input", "input[0].content"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input",
-     "input[0].arguments"),
+     "arguments must be a JSON object"),
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "\"web_search\" are not supported"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools", "tools[0].name"),
