@@ -16,7 +16,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from test_server import ServerThread, _check_error
+from test_server import ServerThread, _check_error, _metrics
 from test_tools import CLOCK, FORCED, RENDERED_HISTORY, TEMPLATE, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the forecast", "parameters": WEATHER},
@@ -299,11 +299,16 @@ def test_logprobs_when_included(server):
 
 # =========================================================================== the rest of the HTTP contract
 
-def test_request_id_auth_and_disconnect(server):
-    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 1},
+def test_request_id_metrics_auth_and_disconnect(server):
+    """The other /v1 routes' wrappers: X-Request-Id, the finished-request counters, a disconnect aborting the
+    engine request, the API key."""
+    length, abort = (f"nanoserve:request_success_total{{finished_reason={r}}}" for r in ("length", "abort"))
+    before = _metrics(server.url)
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 1, "ignore_eos": True},
                    headers={"X-Request-Id": "abc-1"})
     assert r.headers["x-request-id"] == "abc-1" and r.json()["id"] == "resp_abc-1"
-    before = server.stats()["generation_tokens"]
+    assert _metrics(server.url)[length] == before.get(length, 0) + 1
+    before, before_abort = server.stats()["generation_tokens"], _metrics(server.url).get(abort, 0)
     server.delay = 0.05
     try:
         with httpx.Client() as c:
@@ -314,6 +319,7 @@ def test_request_id_auth_and_disconnect(server):
     finally:
         server.delay = 0.0
     assert server.stats()["generation_tokens"] - before < 200
+    assert _metrics(server.url)[abort] == before_abort + 1
     with ServerThread(server.args.model, "--api-key", "s3cret") as s:
         assert httpx.post(s.url + "/v1/responses", json={"input": "hi"}).status_code == 401
         assert httpx.get(s.url + "/v1/responses/resp_1").status_code == 401
