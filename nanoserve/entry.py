@@ -2,8 +2,8 @@
 
 This module owns
 * the command line (``python -m nanoserve``), with ``vllm serve``'s flag names;
-* the Starlette app: ``/v1/completions``, ``/v1/chat/completions``,
-  ``/v1/models``, ``/health`` (and ``/ping``), ``/metrics``, ``/tokenize``,
+* the Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
+  (served as chat), ``/v1/models``, ``/health`` (and ``/ping``), ``/metrics``, ``/tokenize``,
   ``/detokenize``, ``/version``, behind CORS;
 * the OpenAI protocol: request bodies as declarative pydantic models (as
   vLLM's ``protocol.py``; every error names its field), and one handler,
@@ -24,7 +24,7 @@ on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
 Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> serving (admission, the
-engine requests, the response) -> SSE -> metrics -> start-up and shutdown.
+engine requests, the response) -> SSE -> the Responses API -> metrics -> start-up and shutdown.
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import functools
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -57,7 +58,8 @@ import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
+                      model_validator)
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -1439,6 +1441,9 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/responses", create_response, methods=["POST"]),
+        Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", retrieve_response, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check, as vLLM serves it
@@ -1554,7 +1559,7 @@ async def _generate(request: Request, kind: type["Generation"], body: dict[str, 
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
     body = await read_json(request, state, kind.check_raw) if body is None else body
-    req = parse_body(kind.schema, body, request_id)
+    req = kind.parse(body, request_id)
     if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
         if request.scope["nanoserve.request_id_given"]:
             req.request_id = None
@@ -1786,6 +1791,10 @@ class Generation:
     check_raw: ClassVar[Callable[[bytes, LLMEngine], None] | None] = None  # a large body's bytes, before decoding
 
     @classmethod
+    def parse(cls, body: dict[str, Any], request_id: str) -> GenerationRequest:
+        return parse_body(cls.schema, body, request_id)
+
+    @classmethod
     async def admit(cls, state: ServerState, request_id: str, req: GenerationRequest) -> "Generation":
         """Cheap bounds first (prompts x n vs the queue; the engine's characters
         and length bounds before any per-token work), then tokenizing off the
@@ -2001,6 +2010,9 @@ class Generation:
 
     def first_chunks(self, head: dict) -> list[dict]:
         return []
+
+    def stream(self, model: str) -> AsyncIterator[str]:
+        return stream_events(self, model)
 
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
         return {}
@@ -2231,7 +2243,7 @@ class EventStream:
                 await send({"type": "http.response.start", "status": 200, "headers": [
                     (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no")]})
-                async for event in stream_events(self.gen, self.model):
+                async for event in self.gen.stream(self.model):
                     await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             why = ""
@@ -2255,6 +2267,311 @@ async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generati
         yield
     finally:  # also when we are cancelled ourselves (the shutdown timeout)
         task.cancel()
+
+
+# =========================================================================== the Responses API
+# POST /v1/responses as vLLM serves it (vllm/entrypoints/openai/responses/) without its response store
+# (VLLM_ENABLE_RESPONSES_API_STORE unset, its default): the body becomes a chat request that ChatGeneration
+# serves (template, structured outputs, tool and reasoning parsers, admission, metrics), whose choice is read
+# back as output items (reasoning, message, function_call) and a stream's deltas as the events building them.
+
+RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields: handed to the chat request, which checks them
+    "top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
+    "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs"})
+RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                   "response_format": "text", "truncate_prompt_tokens": "truncation"}  # chat's name -> the body's
+NO_STORE = "this server keeps no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1)"
+
+
+class FunctionTool(FunctionDefinition):
+    """A Responses function tool: flat, where chat nests it under "function"."""
+    type: typing.Literal["function"]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _functions_only(cls, tool: Any) -> Any:
+        if isinstance(tool, dict) and tool.get("type", "function") != "function":
+            raise ValueError(f"tools of type {show(tool['type'])} are not supported, only function tools (built-in "
+                             f"ones such as web_search, file_search, code_interpreter or mcp need a tool server)")
+        return tool
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    """OpenAI's Responses body (vLLM's ResponsesRequest); ``chat_body`` is the chat request it becomes."""
+    input: Any = None  # input_messages reads it
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stream: bool = False
+    text: dict | None = Field(None, description='an object such as {"format": {"type": "json_schema", ...}}')
+    tool_choice: Any = "auto"
+    tools: list[FunctionTool] | None = None
+    parallel_tool_calls: bool = True
+    max_tool_calls: int | None = None
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = True  # taken and ignored, as by vLLM without its store
+    previous_response_id: str | None = None
+    truncation: typing.Literal["auto", "disabled"] = "disabled"
+    reasoning: dict | None = Field(None, description='an object such as {"effort": "low"}')
+    include: list[typing.Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
+                                 "file_search_call.results", "message.input_image.image_url",
+                                 "message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+    service_tier: typing.Literal["auto", "default", "flex", "scale", "priority"] = "auto"
+    background: typing.Literal[False] = Field(False, description=f"false: background mode needs a response store, "
+                                                                 f"and {NO_STORE}")  # vLLM's answer too
+    prompt: None = Field(None, description="left out: prompt templates are not supported")  # likewise
+    enable_response_messages: typing.Literal[False] = Field(False, description="false: vLLM has them for gpt-oss only")
+
+    def chat_body(self, request_id: str) -> dict[str, Any]:
+        """The chat request's body. vLLM's extra fields pass as they are; chat's own fields that a Responses
+        body does not have are ignored with a warning, as vLLM ignores fields it does not know."""
+        extra = self.model_extra or {}
+        ignored = sorted(k for k in extra if k in ChatCompletionRequest.model_fields and k not in RESPONSES_PASSED_ON)
+        if ignored:
+            logger.warning("[entry] %s: ignoring field(s) the Responses API does not have: %s", request_id,
+                           ", ".join(map(show, ignored)))
+        messages, continued = input_messages(self.input)
+        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                 for t in self.tools or []] or None
+        choice = self.tool_choice
+        named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
+        if choice not in ("auto", "none", "required") and not named:
+            raise InvalidInput("tool_choice", f'tool_choice must be "auto", "none", "required" or {{"type": '
+                                              f'"function", "name": ...}} (built-in and MCP tools are not '
+                                              f'supported), got {show(choice)}')
+        choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
+        fmt = (self.text or {}).get("format", {"type": "text"})
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or (
+                fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict)):
+            raise InvalidInput("text", 'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                                       f'"json_schema", "name": ..., "schema": {{...}}}}, got {show(fmt)}')
+        logprobs = "message.output_text.logprobs" in (self.include or ())
+        effort = (self.reasoning or {}).get("effort")
+        system = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return {**{k: v for k, v in extra.items() if k not in ignored}, "model": self.model, "stream": self.stream,
+                "messages": system + messages,
+                "continue_final_message": continued, "max_completion_tokens": self.max_output_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "tools": tools if choice else None,
+                "tool_choice": choice, "parallel_tool_calls": self.parallel_tool_calls, "user": self.user,
+                "logprobs": logprobs, "top_logprobs": self.top_logprobs if logprobs else None,
+                "truncate_prompt_tokens": -1 if self.truncation == "auto" else None,
+                "chat_template_kwargs": {"reasoning_effort": effort} if effort else None,  # as vLLM's
+                "response_format": None if fmt["type"] == "text" else fmt if fmt["type"] == "json_object" else
+                {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict")}}}
+
+
+def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
+    """A Responses input as chat messages, as vLLM's construct_input_messages: a function_call joins the
+    assistant message before it, a function_call_output is a tool message, a reasoning item is dropped;
+    and whether the last is an unfinished assistant message, to continue (vLLM's partial completion)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}], False
+    if not isinstance(value, list) or not value:
+        raise InvalidInput("input", f"input must be a string or a non-empty list of input items, got {show(value)}")
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(value):
+        where, kind = f"input[{i}]", item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and isinstance(item.get("role"), str):
+            messages.append({"role": item["role"], "content": _item_text(item.get("content"), f"{where}.content")})
+        elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+            call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output" and isinstance(item.get("call_id"), str):
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _item_text(item.get("output"), f"{where}.output")})
+        elif kind != "reasoning":
+            raise InvalidInput("input", f"{where} must be a message {{role, content}}, a function_call {{call_id, "
+                                        f"name, arguments}}, a function_call_output {{call_id, output}} or a reasoning "
+                                        f"item, got {show(item)}")
+    if not messages:
+        raise InvalidInput("input", "input has no message (reasoning items are dropped)")
+    return messages, value[-1].get("role") == "assistant" and value[-1].get("status") in ("in_progress", "incomplete")
+
+
+def _item_text(content: Any, where: str) -> str:
+    """A message's content (or a tool's output): a string, or text parts (input_text, output_text)."""
+    texts = [_part_text(p) for p in content] if isinstance(content, list) else [content]
+    if not all(isinstance(t, str) for t in texts):
+        raise InvalidInput("input", f"{where} must be a string or a list of text parts ({{\"type\": \"input_text\", "
+                                    f"\"text\": ...}}); images, files and audio are not supported, got {show(content)}")
+    return "\n".join(texts)
+
+
+class ResponsesChatRequest(ChatCompletionRequest):
+    """The chat request a Responses body becomes; its errors use the Responses body's names."""
+    prompt_field: ClassVar[str] = "input"
+    _source: ResponsesRequest | None = PrivateAttr(None)
+
+    def param_name(self, engine_param: str) -> str:
+        name = super().param_name(engine_param)
+        return RESPONSES_NAMES.get(name, name)
+
+
+class ResponseOutput:
+    """One response's output items, built from chat deltas (a stream's, or a whole message as one):
+    ``feed`` and ``close`` give the events that build them, as (type, fields) pairs."""
+
+    def __init__(self):
+        self.items: list[dict] = []     # the finished ones
+        self.item: dict | None = None   # the one being built (a text item's text is in its part)
+        self.part: dict = {}
+        self.unsent: list[dict] = []    # logprobs of tokens no text delta carried yet
+
+    def feed(self, part: dict, logprobs: list[dict] | None) -> list[tuple[str, dict]]:
+        """A chat delta (or message): its reasoning, content and tool calls, in that order."""
+        events, self.unsent = [], self.unsent + (logprobs or [])
+        for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
+            if not (delta := part.get(key)):
+                continue
+            if self.item is None or self.item["type"] != kind:
+                events += self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
+                                      "status": "in_progress", "content": [],
+                                      **({"role": "assistant"} if kind == "message" else {"summary": []})})
+                self.part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
+                    if kind == "message" else {"type": "reasoning_text", "text": ""}
+                events.append(("response.content_part.added", {**self._where(), "content_index": 0,
+                                                               "part": dict(self.part)}))
+            self.part["text"] += delta
+            fields = {**self._where(), "content_index": 0, "delta": delta}
+            if kind == "message":
+                fields["logprobs"], self.unsent = self.unsent, []
+                self.part["logprobs"] = self.part["logprobs"] + fields["logprobs"]
+            events.append((f"response.{self.part['type']}.delta", fields))
+        for call in part.get("tool_calls") or []:
+            if "id" in call:  # a new call
+                events += self._open({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
+                                      "call_id": call["id"], "name": call["function"]["name"], "arguments": ""})
+            if delta := call["function"].get("arguments"):
+                self.item["arguments"] += delta
+                events.append(("response.function_call_arguments.delta", {**self._where(), "delta": delta}))
+        return events
+
+    def close(self) -> list[tuple[str, dict]]:
+        """The item being built is done: its done events."""
+        item, self.item = self.item, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        if item["type"] == "function_call":
+            events = [("response.function_call_arguments.done", {**where, "name": item["name"],
+                                                                  "arguments": item["arguments"]})]
+        else:
+            item["content"] = [part := self.part]
+            done = {**where, "content_index": 0, **{k: v for k, v in part.items() if k in ("text", "logprobs")}}
+            events = [(f"response.{part['type']}.done", done),
+                      ("response.content_part.done", {**where, "content_index": 0, "part": part})]
+        item["status"] = "completed"
+        self.items.append(item)
+        return events + [("response.output_item.done", {"output_index": where["output_index"], "item": item})]
+
+    def _open(self, item: dict) -> list[tuple[str, dict]]:
+        events, self.item = self.close(), item
+        return events + [("response.output_item.added", {"output_index": len(self.items), "item": dict(item)})]
+
+    def _where(self) -> dict:
+        return {"item_id": self.item["id"], "output_index": len(self.items)}
+
+
+class ResponsesGeneration(ChatGeneration):
+    """A chat generation whose response and stream are the Responses API's."""
+    schema = ResponsesChatRequest
+    object_name, id_prefix = "response", "resp_"
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], request_id: str) -> ResponsesChatRequest:
+        try:
+            src = ResponsesRequest.model_validate(body)
+        except ValidationError as e:
+            raise _validation_error(ResponsesRequest, body, e.errors(include_url=False)[0]) from None
+        if src.previous_response_id is not None:  # vLLM's answer when its store does not hold it
+            raise ApiError(404, f"Response with id {show(src.previous_response_id)} not found: {NO_STORE}; send the "
+                                f"conversation in input", "previous_response_id")
+        try:
+            req = parse_body(ResponsesChatRequest, src.chat_body(request_id), request_id)
+        except InvalidInput as e:
+            raise bad_request(str(e), e.param) from None
+        except ApiError as e:
+            e.param = RESPONSES_NAMES.get(e.param, e.param)
+            raise
+        req._source = src
+        return req
+
+    def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
+        if req.tool_choice == "auto" and state.tool_parser is None:  # as vLLM's: the tools reach the template and
+            req.tool_choice = "none"  # the text is not parsed (chat answers 400)
+        super().__init__(state, request_id, req, params)
+        self.src: ResponsesRequest = req._source
+
+    def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
+        (c,) = finals.values()
+        choice, out = self.choice(0, c.text, self.logprobs(c, 0), c, False, {}), ResponseOutput()
+        out.feed(choice["message"], (choice["logprobs"] or {}).get("content"))
+        out.close()
+        return self.body(model, out.items, c.finish_reason)
+
+    async def stream(self, model: str) -> AsyncIterator[str]:
+        """vLLM's events: response.created and .in_progress, each output item's added, delta and done
+        events, then response.completed with the whole response (its status "incomplete" if cut short, as
+        vLLM's); each an SSE event named by its type, numbered; no [DONE] (vLLM and OpenAI send none)."""
+        numbers = itertools.count()
+
+        def event(kind: str, **fields: Any) -> str:
+            return f"event: {kind}\ndata: {dumps({'type': kind, 'sequence_number': next(numbers), **fields})}\n\n"
+        head = self.body(model, [], None)
+        yield event("response.created", response=head)
+        yield event("response.in_progress", response=head)
+        out, finish = ResponseOutput(), None
+        try:
+            async for _, output in self.outputs():
+                for c in output.outputs:
+                    finish = c.finish_reason
+                    if (choice := self.choice(0, c.delta_text, self.logprobs(c, 0), c, True, {})) is not None:
+                        for kind, fields in out.feed(choice["delta"], (choice["logprobs"] or {}).get("content")):
+                            yield event(kind, **fields)
+            for kind, fields in out.close():
+                yield event(kind, **fields)
+            yield event("response.completed", response=self.body(model, out.items, finish))
+        except ClientDisconnect:
+            raise
+        except Exception as e:  # the status line is gone: report in the stream
+            error = _stream_error(self, e)["error"]
+            yield event("error", code=str(error["code"]), message=error["message"], param=error["param"])
+
+    def body(self, model: str, output: list[dict], finish_reason: str | None) -> dict[str, Any]:
+        """The response (in progress while ``finish_reason`` is None), with the request's parameters as vLLM's
+        from_request echoes them (the sampling ones as applied); the usage's details always, as vLLM's."""
+        src, params, prompt = self.src, self.params, len(self.prompts[0].token_ids)
+        status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
+        room, output_tokens = self.state.engine.max_model_len - prompt, sum(
+            n for t in self.tracked.values() for n in t.num_output_tokens.values())
+        usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
+                 "input_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in self.tracked.values()),
+                                          "cache_write_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+        return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
+                "background": False, "error": None, "model": model, "output": output,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "max_output_tokens": min(params.max_tokens or room, room), "temperature": params.temperature,
+                "top_p": params.top_p, "top_logprobs": params.logprobs, "previous_response_id": None,
+                "text": src.text or {"format": {"type": "text"}}, "tools": [t.model_dump() for t in src.tools or []],
+                **{k: getattr(src, k) for k in ("instructions", "max_tool_calls", "metadata", "parallel_tool_calls",
+                                                "reasoning", "service_tier", "tool_choice", "truncation", "user")},
+                "usage": None if finish_reason is None else usage}
+
+
+async def create_response(request: Request) -> Response:
+    return await _generate(request, ResponsesGeneration)
+
+
+async def retrieve_response(request: Request) -> Response:
+    """GET /v1/responses/{id} and its /cancel, as vLLM answers them without its store."""
+    raise ApiError(404, f"Response with id {show(request.path_params['response_id'])} not found: {NO_STORE}",
+                   "response_id")
 
 
 # =========================================================================== metrics

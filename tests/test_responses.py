@@ -1,0 +1,400 @@
+"""OpenAI's Responses API (POST /v1/responses) as vLLM serves it without its response store: the
+openai SDK's client.responses.create, plain and streamed, read into its types (and the raw JSON
+validated against them strictly); string and list input, instructions and function-call history
+rendered by the chat template as the chat endpoint renders them; text.format json_schema;
+function tools read by the hermes parser (the output forced by structured_outputs, as
+tests/test_tools.py does) and forced by tool_choice; --reasoning-parser items; logprobs;
+max_output_tokens -> status "incomplete"; a client that leaves; and a 400 (or vLLM's 404)
+naming the field for each request it does not take."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from test_server import ServerThread, _check_error, _metrics
+from test_tools import CLOCK, FORCED, RENDERED_HISTORY, TEMPLATE, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
+
+TOOLS = [{"type": "function", "name": "get_weather", "description": "the forecast", "parameters": WEATHER},
+         {"type": "function", "name": "get_time", "parameters": CLOCK}]
+CALLS = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
+EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    template = tmp_path_factory.mktemp("responses") / "tools.jinja"
+    template.write_text(TEMPLATE)
+    with ServerThread(tiny_model, "--chat-template", str(template), "--enable-auto-tool-choice",
+                      "--tool-call-parser", "hermes", "--max-model-len", "512") as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def create(server, **body) -> dict:
+    """A response, its JSON checked against the SDK's Response type strictly (the SDK's own parse does not check)."""
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    Response.model_validate(r.json())
+    return r.json()
+
+
+def stream(server, **body) -> tuple[list[dict], dict]:
+    """A stream's events (each an SSE event named by its type, numbered from 0, and strictly of an SDK event
+    type), replayed to check that they build the response that response.completed carries: returns both."""
+    r = httpx.post(server.url + "/v1/responses", json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    assert r.text.endswith("\n\n") and "[DONE]" not in r.text  # as vLLM's and OpenAI's
+    events = []
+    for frame in r.text[:-2].split("\n\n"):
+        name, data = frame.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert name == "event: " + events[-1]["type"]
+        EVENT.validate_python(events[-1])
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed"  # vLLM's, also when the status is "incomplete"
+    items, texts = [], {}
+    for e in events[2:-1]:
+        if e["type"] == "response.output_item.added":
+            assert e["output_index"] == len(items)
+            items.append(e["item"])
+        elif e["type"] == "response.output_item.done":
+            assert e["output_index"] == len(items) - 1 and e["item"]["id"] == items[-1]["id"]
+            assert e["item"] == final["output"][e["output_index"]]
+        else:
+            assert e["output_index"] == len(items) - 1 and e["item_id"] == items[-1]["id"], e
+        if e["type"].endswith(".delta"):
+            texts[e["item_id"]] = texts.get(e["item_id"], "") + e["delta"]
+        elif e["type"] in ("response.output_text.done", "response.reasoning_text.done"):
+            assert e["text"] == texts.pop(e["item_id"], "")
+        elif e["type"] == "response.function_call_arguments.done":
+            assert e["arguments"] == texts.pop(e["item_id"], "")
+    assert len(items) == len(final["output"]) and not texts
+    return events, final
+
+
+def output_text(response: dict) -> str:
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message"
+                   for part in item["content"])
+
+
+def chat(server, **body) -> dict:
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.fixture
+def prompts(server, monkeypatch) -> list[str]:
+    """The prompts the server renders, as the engine gets them."""
+    seen, add_request = [], server.async_llm.add_request
+    monkeypatch.setattr(server.async_llm, "add_request",
+                        lambda prompt, *a, **k: seen.append(prompt.text) or add_request(prompt, *a, **k))
+    return seen
+
+
+# =========================================================================== text
+
+def test_sdk_response_and_stream_match_chat(server, client):
+    """The same tokens as the chat endpoint for the same message; cut short by max_output_tokens: status
+    "incomplete" (vLLM's reason), in the SDK's types, plain, streamed and through its stream helper."""
+    model = server.args.served_model_name[0]
+    body = dict(input="hello", max_output_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    r = client.responses.create(model=model, **body)
+    want = chat(server, messages=[{"role": "user", "content": "hello"}], max_completion_tokens=6, temperature=0,
+                ignore_eos=True)
+    assert r.output_text == want["choices"][0]["message"]["content"] and r.id.startswith("resp_")
+    assert (r.status, r.incomplete_details.reason, r.object, r.model) == ("incomplete", "max_output_tokens",
+                                                                          "response", model)
+    assert (r.usage.input_tokens, r.usage.output_tokens, r.usage.total_tokens) == \
+        (want["usage"]["prompt_tokens"], 6, want["usage"]["prompt_tokens"] + 6)
+    (item,) = r.output
+    assert (item.type, item.role, item.status, item.content[0].type) == ("message", "assistant", "completed",
+                                                                         "output_text")
+    assert (r.max_output_tokens, r.temperature, r.top_p, r.tool_choice, r.tools, r.parallel_tool_calls) == \
+        (6, 0.0, 1.0, "auto", [], True)
+    events = list(client.responses.create(model=model, stream=True, **body))
+    assert [e.type for e in events[:4]] == ["response.created", "response.in_progress", "response.output_item.added",
+                                            "response.content_part.added"]
+    assert [e.type for e in events[-4:]] == ["response.output_text.done", "response.content_part.done",
+                                             "response.output_item.done", "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text and events[-1].response.status == "incomplete"
+    with client.responses.stream(model=model, input="hello", max_output_tokens=6, temperature=0,
+                                 extra_body={"ignore_eos": True}) as s:
+        assert s.get_final_response().output_text == r.output_text  # its checks of items, indices and ids pass
+    raw = create(server, input="hello", max_output_tokens=6, temperature=0, ignore_eos=True)
+    assert stream(server, input="hello", max_output_tokens=6, temperature=0, ignore_eos=True)[1]["output"][0][
+        "content"] == raw["output"][0]["content"]
+    server.wait_idle()
+
+
+def test_a_whole_answer_is_completed(server):
+    body = dict(input="hi", structured_outputs={"choice": ["Hello there."]}, max_output_tokens=50)
+    r = create(server, **body)
+    assert (output_text(r), r["status"], r["incomplete_details"]) == ("Hello there.", "completed", None)
+    events, final = stream(server, **body)
+    assert output_text(final) == "Hello there." and final["status"] == "completed"
+    assert final["usage"] == {**r["usage"], "input_tokens_details": final["usage"]["input_tokens_details"]}
+    server.wait_idle()
+
+
+def test_input_items_and_instructions_render_as_chat_messages(server, prompts):
+    """instructions first as a system message; text parts joined; an earlier output message as the assistant's;
+    reasoning items dropped (as vLLM); an unfinished assistant message last is continued."""
+    create(server, input="hi", max_output_tokens=1)
+    assert prompts[-1] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    items = [{"role": "user", "content": "hi"},
+             {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+             {"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
+              "content": [{"type": "output_text", "text": "Hello.", "annotations": []}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]
+    r = create(server, input=items, instructions="Be brief.", max_output_tokens=1)
+    assert prompts[-1] == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                           "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\na\nb<|im_end|>\n"
+                           "<|im_start|>assistant\n")
+    assert r["instructions"] == "Be brief."
+    create(server, input=[*items, {"role": "assistant", "content": "It is", "status": "incomplete"}],
+           max_output_tokens=1)
+    assert prompts[-1].endswith("<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\nIt is")
+    server.wait_idle()
+
+
+def test_function_call_output_round_trip(server, prompts):
+    """A function_call and its function_call_output reach the template as chat's assistant tool_calls and tool
+    message: the prompt is the one the chat endpoint renders for that history (tests/test_tools.py)."""
+    items = [{"role": "user", "content": "weather in Paris?"},
+             {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+              "arguments": '{"city": "Paris", "days": 2}'},
+             {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}]
+    create(server, input=items, tools=TOOLS, tool_choice="none", max_output_tokens=1)
+    assert prompts[-1] == RENDERED_HISTORY
+    # a function_call after the assistant's text joins that message, as vLLM's
+    create(server, input=[items[0], {"role": "assistant", "content": "Let me see."}, *items[1:]], tools=TOOLS,
+           tool_choice="none", max_output_tokens=1)
+    assert "<|im_start|>assistant\nLet me see.<tool_call>" in prompts[-1]
+    server.wait_idle()
+
+
+def test_json_schema_text_format(server, client, monkeypatch):
+    schema = {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}}
+    text = {"format": {"type": "json_schema", "name": "count", "schema": schema, "strict": True}}
+    for seed in range(3):
+        r = create(server, input="a number", text=text, temperature=1.0, seed=seed, max_output_tokens=100)
+        value = json.loads(output_text(r))
+        assert set(value) == {"n"} and type(value["n"]) is int and 1 <= value["n"] <= 9, value
+        assert r["text"] == text and r["status"] == "completed"
+    # json_object: a random model writes endless keys, so look at the constraint the engine gets
+    seen, add_request = [], server.async_llm.add_request
+    monkeypatch.setattr(server.async_llm, "add_request",
+                        lambda prompt, params, *a, **k: seen.append(params) or add_request(prompt, params, *a, **k))
+    r = client.responses.create(model=server.args.served_model_name[0], input="x", max_output_tokens=3,
+                                text={"format": {"type": "json_object"}})
+    assert r.output_text.startswith("{") and seen[-1].structured_outputs.json_object is True
+    server.wait_idle()
+
+
+# =========================================================================== tools
+
+def test_hermes_calls_become_function_call_items(server, client):
+    """The model's <tool_call>s (forced, as tests/test_tools.py does) are function_call items after the message
+    of the text before them; streamed, their arguments arrive in function_call_arguments events."""
+    body = dict(input="weather in Paris?", tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300)
+    r = create(server, **body)
+    (message, *calls) = r["output"]
+    assert message["type"] == "message" and output_text(r) == TOLD and r["status"] == "completed"
+    assert [[c["name"], c["arguments"]] for c in calls] == CALLS
+    assert all(c["type"] == "function_call" and c["status"] == "completed" and c["id"].startswith("fc_")
+               and c["call_id"] for c in calls) and len({c["call_id"] for c in calls}) == 2
+    assert r["tools"] == [{"description": None, **TOOLS[0], "strict": None},
+                          {"description": None, **TOOLS[1], "strict": None}]
+    events, final = stream(server, **body)
+    assert output_text(final) == TOLD
+    assert [[c["name"], c["arguments"]] for c in final["output"][1:]] == CALLS
+    assert [e["type"] for e in events].count("response.function_call_arguments.done") == 2
+    sdk = client.responses.create(model=server.args.served_model_name[0], input="weather in Paris?", tools=TOOLS,
+                                  max_output_tokens=300, extra_body={"structured_outputs": {"choice": [FORCED]}})
+    assert [[c.name, c.arguments] for c in sdk.output if c.type == "function_call"] == CALLS
+    # parallel_tool_calls false keeps the first call; tool_choice "none" leaves the text as it is
+    assert [c["name"] for c in create(server, **body, parallel_tool_calls=False)["output"][1:]] == ["get_weather"]
+    assert output_text(create(server, **body, tool_choice="none")) == FORCED
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}])
+def test_forced_tool_choice_makes_valid_calls(server, no_blanks, choice):
+    """tool_choice "required" or a named function: the chat path's grammar makes the call valid (vLLM's
+    Responses path parses such output unconstrained)."""
+    for seed in range(3):
+        body = dict(input="time?", tools=TOOLS, tool_choice=choice, temperature=1.0, seed=seed, max_output_tokens=200,
+                    logit_bias=no_blanks)
+        r = create(server, **body)
+        calls = [c for c in r["output"] if c["type"] == "function_call"]
+        assert calls and all(fits(c["name"], json.loads(c["arguments"], strict=False)) for c in calls), r["output"]
+        assert r["tool_choice"] == choice and r["status"] == "completed"
+        if isinstance(choice, dict):
+            assert [c["name"] for c in calls] == ["get_time"]
+        assert [[c["name"], c["arguments"]] for c in stream(server, **body)[1]["output"]] == \
+            [[c["name"], c["arguments"]] for c in calls]
+    server.wait_idle()
+
+
+def test_auto_without_a_parser_leaves_the_text(server, monkeypatch):
+    """As vLLM's Responses path: without --enable-auto-tool-choice the tools reach the template and the text is
+    not parsed (chat completions answers 400 there)."""
+    monkeypatch.setattr(server.app.state.server, "tool_parser", None)
+    r = create(server, input="x", tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300)
+    assert output_text(r) == FORCED and [i["type"] for i in r["output"]] == ["message"]
+    server.wait_idle()
+
+
+# =========================================================================== reasoning, logprobs
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch, name):
+    monkeypatch.setattr(server.app.state.server, "reasoning_parser", name)
+    body = dict(input="weather?", tools=TOOLS, structured_outputs={"choice": [THOUGHT + FORCED]}, max_output_tokens=400,
+                reasoning={"effort": "low"})
+    r = create(server, **body)
+    assert [i["type"] for i in r["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": "\nThe user wants the weather.\n"}]
+    assert output_text(r) == "\n\n" + TOLD and r["reasoning"] == {"effort": "low"}
+    events, final = stream(server, **body)
+    assert final["output"][0]["content"] == r["output"][0]["content"] and output_text(final) == output_text(r)
+    kinds = [e["type"] for e in events]
+    assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+    assert sum(k == "response.reasoning_text.delta" for k in kinds) > 1  # token by token
+    server.wait_idle()
+
+
+def test_logprobs_when_included(server):
+    body = dict(input="hello", max_output_tokens=5, temperature=0, ignore_eos=True, top_logprobs=2,
+                include=["message.output_text.logprobs"])
+    r = create(server, **body)
+    (part,) = r["output"][0]["content"]
+    assert len(part["logprobs"]) == 5 and all(len(lp["top_logprobs"]) == 2 for lp in part["logprobs"])
+    assert "".join(lp["token"] for lp in part["logprobs"]) == part["text"] and r["top_logprobs"] == 2
+    events, final = stream(server, **body)
+
+    def tokens(logprobs: list[dict]) -> list:  # a prefix-cache hit may change the logprobs in their last digits
+        return [(lp["token"], pytest.approx(lp["logprob"], abs=1e-4)) for lp in logprobs]
+    assert tokens(final["output"][0]["content"][0]["logprobs"]) == tokens(part["logprobs"])
+    assert tokens([lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]) == \
+        tokens(part["logprobs"])
+    assert create(server, input="hello", max_output_tokens=2)["output"][0]["content"][0]["logprobs"] == []
+    server.wait_idle()
+
+
+# =========================================================================== the rest of the HTTP contract
+
+def test_request_id_metrics_auth_and_disconnect(server):
+    """The other /v1 routes' wrappers: X-Request-Id, the finished-request counters, a disconnect aborting the
+    engine request, the API key."""
+    length, abort = (f"nanoserve:request_success_total{{finished_reason={r}}}" for r in ("length", "abort"))
+    before = _metrics(server.url)
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 1, "ignore_eos": True},
+                   headers={"X-Request-Id": "abc-1"})
+    assert r.headers["x-request-id"] == "abc-1" and r.json()["id"] == "resp_abc-1"
+    assert _metrics(server.url)[length] == before.get(length, 0) + 1
+    before, before_abort = server.stats()["generation_tokens"], _metrics(server.url).get(abort, 0)
+    server.delay = 0.05
+    try:
+        with httpx.Client() as c:
+            with c.stream("POST", server.url + "/v1/responses", json={"input": "hi", "max_output_tokens": 200,
+                                                                     "ignore_eos": True, "stream": True}) as r:
+                next(r.iter_lines())
+        server.wait_idle(timeout=5)  # aborted: its blocks are back
+    finally:
+        server.delay = 0.0
+    assert server.stats()["generation_tokens"] - before < 200
+    assert _metrics(server.url)[abort] == before_abort + 1
+    with ServerThread(server.args.model, "--api-key", "s3cret") as s:
+        assert httpx.post(s.url + "/v1/responses", json={"input": "hi"}).status_code == 401
+        assert httpx.get(s.url + "/v1/responses/resp_1").status_code == 401
+
+
+def test_no_store_as_vllm(server, client):
+    """Without vLLM's store (VLLM_ENABLE_RESPONSES_API_STORE unset): store is taken and ignored, a previous
+    response or a stored one is not found (404, vLLM's answer), background mode is a 400."""
+    r = create(server, input="hi", store=True, max_output_tokens=1)
+    err = _check_error(httpx.get(f"{server.url}/v1/responses/{r['id']}"), 404, "response_id")
+    assert r["id"] in err["message"] and "VLLM_ENABLE_RESPONSES_API_STORE" in err["message"]
+    _check_error(httpx.post(f"{server.url}/v1/responses/{r['id']}/cancel"), 404, "response_id")
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model=server.args.served_model_name[0], input="and then?",
+                                previous_response_id=r["id"])
+    _check_error(httpx.post(server.url + "/v1/responses", json={"input": "x", "previous_response_id": r["id"]}),
+                 404, "previous_response_id")
+    for store in (True, False):
+        _check_error(httpx.post(server.url + "/v1/responses", json={"input": "x", "background": True,
+                                                                    "store": store}), 400, "background")
+    server.wait_idle()
+
+
+BAD = [  # body, param, words the message must have
+    ({}, "input", "input must be"),
+    ({"input": []}, "input", "non-empty"),
+    ({"input": 3}, "input", "input must be"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:x"}]}]}, "input",
+     "images"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "input[0] must be"),
+    ({"input": [{"role": "user", "content": 3}]}, "input", "input[0].content"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input",
+     "arguments must be a JSON object"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "\"web_search\" are not supported"),
+    ({"input": "x", "tools": [{"type": "function"}]}, "tools", "tools[0].name"),
+    ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools", "tools[0].parameters"),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "tool_choice must be"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
+     "not one of the tools"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text", "text.format"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text", "text.format"),
+    ({"input": "x", "include": ["everything"]}, "include", "message.output_text.logprobs"),
+    ({"input": "x", "truncation": "sometimes"}, "truncation", "truncation"),
+    ({"input": "x", "temperature": "hot"}, "temperature", "temperature"),
+    ({"input": "x", "temperature": -1}, "temperature", "temperature"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"input": "x", "max_output_tokens": 10000}, "max_output_tokens", "Lower max_output_tokens to at most"),
+    ({"input": "x" * 4000}, "input", "maximum context length"),
+    ({"input": "x", "top_logprobs": -1}, "top_logprobs", "top_logprobs"),
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs", ""),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
+    ({"input": "x", "enable_response_messages": True}, "enable_response_messages", "gpt-oss"),
+    ({"input": "x", "background": True}, "background", "response store"),
+    ({"input": "x", "priority": 3}, "priority", "priority"),
+    ({"input": "x", "seed": 2.5}, "seed", "seed"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata", "metadata"),
+    ({"input": "x", "model": "gpt-5"}, "model", "does not exist"),
+    ({"input": "x", "structured_outputs": {"regex": "a"}, "text": {"format": {"type": "json_object"}}}, None,
+     "one structured-output constraint"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", BAD)
+def test_bad_requests_name_the_field(server, body, param, words):
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    err = _check_error(r, 404 if param == "model" else 400, param)
+    assert words in err["message"], err
+
+
+def test_chat_only_fields_are_ignored(server, caplog):
+    """A chat field the Responses API does not have (here n) is ignored with a warning, as vLLM ignores unknown
+    fields: one output, not n."""
+    with caplog.at_level("WARNING", logger="nanoserve.entry"):
+        r = create(server, input="hi", n=3, max_output_tokens=2, ignore_eos=True, temperature=0)
+    assert r["usage"]["output_tokens"] == 2 and len(r["output"]) == 1
+    assert any("does not have" in m and '"n"' in m for m in caplog.messages)
+    server.wait_idle()
