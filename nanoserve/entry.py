@@ -1130,9 +1130,8 @@ class PythonicToolParser(WholeOutputToolParser):
             tree = ast.parse(body.removesuffix(self.END), mode="eval").body
             if not isinstance(tree, ast.List) or not all(_python_call(c) for c in tree.elts):
                 return None
-            return [{"name": c.func.id, "arguments": json.dumps(
-                {k.arg: ast.literal_eval(k.value) for k in c.keywords}, ensure_ascii=False, allow_nan=False)}
-                for c in tree.elts]
+            return [{"name": c.func.id, "arguments": arguments_json({k.arg: ast.literal_eval(k.value)
+                                                                     for k in c.keywords})} for c in tree.elts]
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # not Python, or not literals
             return None
 
@@ -1278,7 +1277,21 @@ def _json_call(value: Any) -> dict[str, str] | None:
     args = value.get("arguments", value.get("parameters", {})) if isinstance(value, dict) else None
     if not isinstance(args, dict) or not isinstance(value.get("name"), str):
         return None
-    return {"name": value["name"], "arguments": json.dumps(args, ensure_ascii=False)}
+    try:
+        return {"name": value["name"], "arguments": arguments_json(args)}
+    except ValueError:  # NaN or Infinity (the model wrote 1e999): not JSON, so not a call
+        return None
+
+
+def arguments_json(args: dict) -> str:
+    """A call's arguments as JSON text that goes out as UTF-8: a lone surrogate the model wrote
+    escaped ("\\ud800") stays escaped. ValueError where they are not JSON (NaN, Infinity)."""
+    text = json.dumps(args, ensure_ascii=False, allow_nan=False)
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(args, allow_nan=False)
+    return text
 
 
 class ToolStream:

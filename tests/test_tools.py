@@ -112,6 +112,10 @@ HERMES_CASES = [  # text -> (content, [(name, arguments)])
      '</tool_call> bye <tool_call>{"name": broken}</tool_call> <tool_call>{"oops', "Hi ", [("a", "{}"), ("b", "{}")]),
     ('<tool_call>[1]</tool_call> <tool_call>{"name": "a"}</tool_call>\n', "<tool_call>[1]</tool_call> ",
      [("a", "{}")]),  # a block that is no call before the first call is text
+    # arguments that must go out as UTF-8 JSON: a lone surrogate stays escaped; Infinity is no JSON, so no call
+    ('<tool_call>{"name": "a", "arguments": {"c": "\\ud800é"}}</tool_call>', "", [("a", '{"c": "\\ud800\\u00e9"}')]),
+    ('<tool_call>{"name": "a", "arguments": {"c": 1e999}}</tool_call>',
+     '<tool_call>{"name": "a", "arguments": {"c": 1e999}}</tool_call>', []),
 ]
 
 
