@@ -532,8 +532,16 @@ class StructuredOutputManager:
         reads it: its last think tag is </think> (Qwen3's template with enable_thinking false writes one)."""
         if self.think_ids is None:
             return GrammarState(compiled)
+        return GrammarState(compiled, None if self.prompt_reasoning(prompt_token_ids) == "ended" else self.think_ids[1])
+
+    def prompt_reasoning(self, prompt_token_ids: list[int]) -> str | None:
+        """Where the prompt leaves the reasoning, by its last think tag: "open" (<think>: the template opened
+        the thought), "ended" (</think>), None (no tag, or no reasoning parser). The server's reasoning
+        parser starts from the same answer, so the text is split where the grammar starts."""
+        if self.think_ids is None:
+            return None
         last = next((t for t in reversed(prompt_token_ids) if t in self.think_ids), None)
-        return GrammarState(compiled, None if last == self.think_ids[1] else self.think_ids[1])
+        return None if last is None else "open" if last == self.think_ids[0] else "ended"
 
     def _compiler(self):
         import xgrammar as xgr

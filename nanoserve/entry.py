@@ -1332,12 +1332,18 @@ class ReasoningParser:
     from the first token: then (``constrained``) the reply starts as content with either parser."""
     START, END = THINK_TAGS
 
-    def __init__(self, name: str, constrained: bool = False):
-        self.name, self.held, self.needs_both = name, "", name == "qwen3" or constrained
+    def __init__(self, name: str, constrained: bool = False, prompt: str | None = None):
+        """``prompt``: where the prompt left the reasoning (the engine's prompt_reasoning), as current vLLM
+        reads it: "ended" makes the whole reply content, "open" starts it in the reasoning with either parser."""
+        self.name, self.held, self.needs_both = name, "", (name == "qwen3" and prompt != "open") or constrained
         self.state = "before" if self.needs_both else "reasoning"  # -> "reasoning" -> "content"
+        if prompt == "ended" and not constrained:
+            self.state = "content"
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """A whole output (vLLM's extract_reasoning_content): (reasoning, content), None for none."""
+        if self.state == "content":
+            return None, text
         before, start, rest = text.partition(self.START)
         if self.needs_both and not (start and self.END in rest):  # qwen3 needs both tags, else all is content
             return None, text
@@ -2123,8 +2129,11 @@ class ChatGeneration(Generation):
         with --reasoning-parser only the content part is (as vLLM's)."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
         if (name := self.state.reasoning_parser) is not None:
-            held = self.params.structured_outputs is not None and self.state.engine.structured_outputs.think_ids is None
-            parser = self.reasoners.setdefault(index, ReasoningParser(name, held))
+            manager = self.state.engine.structured_outputs
+            held = self.params.structured_outputs is not None and manager.think_ids is None
+            if index not in self.reasoners:
+                self.reasoners[index] = ReasoningParser(name, held, manager.prompt_reasoning(self.prompts[0].token_ids))
+            parser = self.reasoners[index]
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""

@@ -374,3 +374,28 @@ def test_http_reasoning_content_then_constrained_content(think_server):
         streamed = ["".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")]
         args = "".join(c["function"].get("arguments") or "" for d in deltas for c in d.get("tool_calls") or [])
         assert streamed == [msg["reasoning_content"], msg["content"] or ""] and args == (answer if extra is tool else "")
+
+
+def test_http_a_prompt_that_ended_the_thought_gives_content(think_server):
+    """deepseek_r1 starts a reply in the reasoning, but where the prompt's last think tag is </think> (Qwen3's
+    template with enable_thinking false) the grammar holds from the first token and the reply is content, as
+    current vLLM reads it: not a JSON answer filed as reasoning with no content."""
+    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": TAGGED}}}
+    body = {**CHAT, "temperature": 0, "max_tokens": 60, "frequency_penalty": 2.0,  # no whitespace run
+            "chat_template_kwargs": {"enable_thinking": False}, **schema}
+    msg = _post(think_server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] is None and parse(msg["content"])["tag"] in ("red", "blue"), msg
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
+def test_the_reasoning_parser_starts_where_the_prompt_left_the_thought(name):
+    """As the engine's prompt_reasoning says: "open" (a template that opens <think>, as Qwen3-Thinking-2507's)
+    starts in the reasoning with either parser, "ended" makes all content; whole and streamed alike."""
+    from nanoserve.entry import ReasoningParser
+    text = 'plan</think>{"tag": "red"}'
+    for prompt, want in (("open", ("plan", '{"tag": "red"}')), ("ended", (None, text))):
+        assert ReasoningParser(name, prompt=prompt).extract(text) == want
+        parser, parts = ReasoningParser(name, prompt=prompt), []
+        parts = [parser.feed(text[i:i + 3], i + 3 >= len(text)) for i in range(0, len(text), 3)]
+        assert ["".join(p[k] for p in parts) for k in (0, 1)] == [want[0] or "", want[1]]
+    assert ReasoningParser("qwen3").extract(text) == (None, text)  # no tag in the prompt: qwen3 needs both
