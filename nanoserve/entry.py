@@ -2318,6 +2318,13 @@ class FunctionTool(FunctionDefinition):
         return tool
 
 
+class ReasoningOptions(BaseModel):
+    """OpenAI's ``reasoning`` object: its effort reaches the chat template; all of it is echoed back."""
+    model_config = ConfigDict(extra="allow")
+    effort: typing.Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: typing.Literal["auto", "concise", "detailed"] | None = None
+
+
 class ResponsesRequest(OpenAIBaseModel):
     """OpenAI's Responses body (vLLM's ResponsesRequest); ``chat_body`` is the chat request it becomes."""
     input: Any = None  # input_messages reads it
@@ -2336,7 +2343,7 @@ class ResponsesRequest(OpenAIBaseModel):
     store: bool = True  # taken and ignored, as by vLLM without its store
     previous_response_id: str | None = None
     truncation: typing.Literal["auto", "disabled"] = "disabled"
-    reasoning: dict | None = Field(None, description='an object such as {"effort": "low"}')
+    reasoning: ReasoningOptions | None = None
     include: list[typing.Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
                                  "file_search_call.results", "message.input_image.image_url",
                                  "message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
@@ -2367,11 +2374,12 @@ class ResponsesRequest(OpenAIBaseModel):
         choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
         fmt = (self.text or {}).get("format", {"type": "text"})
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or (
-                fmt["type"] == "json_schema" and not isinstance(fmt.get("schema"), dict)):
+                fmt["type"] == "json_schema" and not (isinstance(fmt.get("schema"), dict) and isinstance(
+                    fmt.get("name"), str) and fmt.get("strict") in (None, True, False))):  # as OpenAI's type
             raise InvalidInput("text", 'text.format must be {"type": "text"}, {"type": "json_object"} or {"type": '
                                        f'"json_schema", "name": ..., "schema": {{...}}}}, got {show(fmt)}')
         logprobs = "message.output_text.logprobs" in (self.include or ())
-        effort = (self.reasoning or {}).get("effort")
+        effort = self.reasoning and self.reasoning.effort
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         return {**{k: v for k, v in extra.items() if k not in ignored}, "model": self.model, "stream": self.stream,
                 "messages": system + messages,
@@ -2485,6 +2493,8 @@ class ResponseOutput:
                                                                   "arguments": item["arguments"]})]
         else:
             item["content"] = [part := self.part]
+            if item["type"] == "message":  # a last token without text (EOS): its logprob, as a whole response has it
+                part["logprobs"], self.unsent = part["logprobs"] + self.unsent, []
             done = {**where, "content_index": 0, **{k: v for k, v in part.items() if k in ("text", "logprobs")}}
             events = [(f"response.{part['type']}.done", done),
                       ("response.content_part.done", {**where, "content_index": 0, "part": part})]
@@ -2582,7 +2592,8 @@ class ResponsesGeneration(ChatGeneration):
                 "top_p": params.top_p, "top_logprobs": params.logprobs, "previous_response_id": None,
                 "text": src.text or {"format": {"type": "text"}}, "tools": [t.model_dump() for t in src.tools or []],
                 **{k: getattr(src, k) for k in ("instructions", "max_tool_calls", "metadata", "parallel_tool_calls",
-                                                "reasoning", "service_tier", "tool_choice", "truncation", "user")},
+                                                "service_tier", "tool_choice", "truncation", "user")},
+                "reasoning": src.reasoning and src.reasoning.model_dump(exclude_unset=True),  # as sent
                 "usage": None if finish_reason is None else usage}
 
 

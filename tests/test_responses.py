@@ -294,6 +294,13 @@ def test_logprobs_when_included(server):
     assert tokens([lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]) == \
         tokens(part["logprobs"])
     assert create(server, input="hello", max_output_tokens=2)["output"][0]["content"][0]["logprobs"] == []
+    # an answer that ends on EOS (the grammar allows nothing else after "yes"): its last logprob has no text
+    # delta to ride on, yet the streamed response has it, as the whole one does
+    body = dict(input="hello", temperature=0, structured_outputs={"choice": ["yes"]},
+                include=["message.output_text.logprobs"])
+    whole = create(server, **body)["output"][0]["content"][0]["logprobs"]
+    events, final = stream(server, **body)
+    assert len(whole) > 1 and tokens(final["output"][0]["content"][0]["logprobs"]) == tokens(whole)
     server.wait_idle()
 
 
@@ -362,6 +369,12 @@ BAD = [  # body, param, words the message must have
      "not one of the tools"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text", "text.format"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text", "text.format"),
+    # what the SDK's Response type would refuse when the request is echoed back: refused here, as by vLLM
+    ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "text.format"),  # no name
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {}, "strict": "yes"}}}, "text",
+     "text.format"),
+    ({"input": "x", "reasoning": {"effort": "bogus"}}, "reasoning", "reasoning.effort"),
+    ({"input": "x", "reasoning": {"effort": 5}}, "reasoning", "reasoning.effort"),
     ({"input": "x", "include": ["everything"]}, "include", "message.output_text.logprobs"),
     ({"input": "x", "truncation": "sometimes"}, "truncation", "truncation"),
     ({"input": "x", "temperature": "hot"}, "temperature", "temperature"),
