@@ -2537,6 +2537,8 @@ class ResponsesGeneration(ChatGeneration):
     def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
         if req.tool_choice == "auto" and state.tool_parser is None:  # as vLLM's: the tools reach the template and
             req.tool_choice = "none"  # the text is not parsed (chat answers 400)
+        if req._source.truncation == "auto":  # as vLLM's: the prompt's last tokens that leave max_output_tokens
+            req.truncate_prompt_tokens = max(1, state.engine.max_model_len - (req.max_completion_tokens or 1))
         super().__init__(state, request_id, req, params)
         self.src: ResponsesRequest = req._source
 

@@ -411,3 +411,14 @@ def test_chat_only_fields_are_ignored(server, caplog):
     assert r["usage"]["output_tokens"] == 2 and len(r["output"]) == 1
     assert any("does not have" in m and '"n"' in m for m in caplog.messages)
     server.wait_idle()
+
+
+def test_truncation_auto_leaves_room_for_the_answer(server):
+    """As vLLM's: truncation "auto" keeps the input's last tokens that leave max_output_tokens; "disabled" (the
+    default) refuses an input too long for the context."""
+    room = server.engine.max_model_len
+    body = dict(input="x " * room, max_output_tokens=5, temperature=0, ignore_eos=True)
+    assert httpx.post(server.url + "/v1/responses", json=body, timeout=60).status_code == 400
+    r = create(server, **body, truncation="auto")
+    assert r["usage"]["input_tokens"] == room - 5 and r["usage"]["output_tokens"] == 5, r["usage"]
+    server.wait_idle()
