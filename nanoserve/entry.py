@@ -2535,12 +2535,18 @@ class ResponsesGeneration(ChatGeneration):
         return req
 
     def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
-        if req.tool_choice == "auto" and state.tool_parser is None:  # as vLLM's: the tools reach the template and
-            req.tool_choice = "none"  # the text is not parsed (chat answers 400)
+        # as vLLM's: the tools reach the template (even with --exclude-tools-when-tool-choice-none) and the
+        # text is not parsed (chat answers 400)
+        self.unparsed_auto = req.tool_choice == "auto" and state.tool_parser is None
+        if self.unparsed_auto:
+            req.tool_choice = "none"
         if req._source.truncation == "auto":  # as vLLM's: the prompt's last tokens that leave max_output_tokens
             req.truncate_prompt_tokens = max(1, state.engine.max_model_len - (req.max_completion_tokens or 1))
         super().__init__(state, request_id, req, params)
         self.src: ResponsesRequest = req._source
+
+    def prompt_inputs(self) -> list[str | list[int]]:
+        return [render_chat(self.state, self.req, self.req.tools)] if self.unparsed_auto else super().prompt_inputs()
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()

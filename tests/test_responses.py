@@ -257,6 +257,11 @@ def test_auto_without_a_parser_leaves_the_text(server, monkeypatch):
     monkeypatch.setattr(server.app.state.server, "tool_parser", None)
     r = create(server, input="x", tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300)
     assert output_text(r) == FORCED and [i["type"] for i in r["output"]] == ["message"]
+    # the tools are in the prompt, also with --exclude-tools-when-tool-choice-none (only "none" hides them)
+    monkeypatch.setattr(server.app.state.server, "exclude_tools_when_tool_choice_none", True)
+    used = {choice: create(server, input="x", tools=TOOLS, tool_choice=choice, max_output_tokens=1)["usage"]
+            for choice in ("auto", "none")}
+    assert used["auto"]["input_tokens"] == r["usage"]["input_tokens"] > used["none"]["input_tokens"], used
     server.wait_idle()
 
 
