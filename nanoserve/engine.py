@@ -1155,13 +1155,15 @@ class LLMEngine:
             req.stop_reason = token
             self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
+        if req.grammar is not None and req.grammar.is_terminated():
+            # The constraint is complete: it ends on an EOS it accepted (ignore_eos or min_tokens kept the branch
+            # above from seeing it), whose text stays out as an EOS's does.
+            self._flush_text(req, token if p.include_stop_str_in_output else None)
+            return RequestStatus.FINISHED_STOPPED
         prev_len = len(req.text)
         if req.detokenizer is not None:
             req.text += req.detokenizer.step([token])
         if done and p.stop and self._check_stop_strings(req, prev_len):
-            return RequestStatus.FINISHED_STOPPED
-        if req.grammar is not None and req.grammar.is_terminated():  # the constraint is complete
-            self._flush_text(req, None)
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._flush_text(req, None)

@@ -66,6 +66,18 @@ def test_json_object_regex_choice_and_grammar(llm):
     assert all(re.fullmatch(r"\(\d(\+\d)*\)", t) for t in sample(llm, StructuredOutputsParams(grammar=grammar)))
 
 
+def test_the_eos_that_completes_a_grammar_stays_out_of_the_text(llm):
+    """Also where ignore_eos keeps the EOS from stopping the request: the grammar's end stops it, and the
+    EOS's text (kept special tokens) stays out as it does when the EOS stops it."""
+    texts = {}
+    for kw in ({}, {"ignore_eos": True}):
+        p = SamplingParams(temperature=0, max_tokens=20, skip_special_tokens=False,
+                           structured_outputs=StructuredOutputsParams(choice=["yes", "no"]), **kw)
+        (c,) = llm.generate(["hello"], p, use_tqdm=False)[0].outputs
+        texts[str(kw)] = (c.text, c.finish_reason, c.token_ids[-1] in llm.engine.eos_token_ids)
+    assert set(texts.values()) == {(texts["{}"][0], "stop", True)} and texts["{}"][0] in ("yes", "no"), texts
+
+
 def test_n_and_the_dict_form(llm):
     texts = sample(llm, {"json": SCHEMA, "disable_any_whitespace": True}, n=3)
     assert len(texts) == 3 * len(SEEDS) and all(fits_schema(parse(t)) for t in texts)
