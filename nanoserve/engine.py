@@ -1635,7 +1635,7 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
         raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(reserved)}: "
                                                    "they are the renderer's own arguments")
     import jinja2
-    messages = _with_parsed_arguments(messages)  # its own error names the message: not the template's
+    messages = _template_messages(messages)  # its own error names the message: not the template's
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, documents=documents,
                                              chat_template=chat_template, tokenize=False,
@@ -1654,9 +1654,9 @@ def _template_arguments(tokenizer) -> set[str]:
     return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages"}
 
 
-def _with_parsed_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls with their JSON-string arguments parsed, and a null content made "" (vLLM
-    does both; the server's messages come so already): some transformers versions render None as "None"."""
+def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as vLLM hands them to a template: assistant tool calls with their JSON-string arguments
+    parsed, and a null content made "" (the server's come so already; transformers 5.17 renders None as "None")."""
     out = []
     for i, m in enumerate(messages):
         calls = m.get("tool_calls") if isinstance(m, dict) else None
