@@ -1249,7 +1249,7 @@ def tool_parser(tool_choice: Any, auto_parser: str | None) -> Callable[[], ToolP
         return functools.partial(NamedToolParser, tool_choice["function"]["name"])
     if tool_choice == "required":
         return RequiredToolParser
-    return TOOL_PARSERS[auto_parser] if tool_choice == "auto" else None
+    return TOOL_PARSERS.get(auto_parser) if tool_choice == "auto" else None  # no --tool-call-parser: none
 
 
 _BLANKS = re.compile(r"\s*")
@@ -2098,10 +2098,11 @@ class CompletionGeneration(Generation):
 class ChatGeneration(Generation):
     schema = ChatCompletionRequest
     object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    auto_needs_parser: ClassVar[bool] = True  # "auto" without --enable-auto-tool-choice: a 400, as vLLM's chat
 
     def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
         super().__init__(state, request_id, req, params)
-        if req.tool_choice == "auto" and state.tool_parser is None:
+        if req.tool_choice == "auto" and state.tool_parser is None and self.auto_needs_parser:
             raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
                                               '--tool-call-parser to be set')
         self.parser = tool_parser(req.tool_choice, state.tool_parser)  # None: no calls to parse
@@ -2514,6 +2515,7 @@ class ResponsesGeneration(ChatGeneration):
     """A chat generation whose response and stream are the Responses API's."""
     schema = ResponsesChatRequest
     object_name, id_prefix = "response", "resp_"
+    auto_needs_parser = False  # as vLLM's Responses path: the tools reach the template, the text is not parsed
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> ResponsesChatRequest:
@@ -2535,18 +2537,10 @@ class ResponsesGeneration(ChatGeneration):
         return req
 
     def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
-        # as vLLM's: the tools reach the template (even with --exclude-tools-when-tool-choice-none) and the
-        # text is not parsed (chat answers 400)
-        self.unparsed_auto = req.tool_choice == "auto" and state.tool_parser is None
-        if self.unparsed_auto:
-            req.tool_choice = "none"
         if req._source.truncation == "auto":  # as vLLM's: the prompt's last tokens that leave max_output_tokens
             req.truncate_prompt_tokens = max(1, state.engine.max_model_len - (req.max_completion_tokens or 1))
         super().__init__(state, request_id, req, params)
         self.src: ResponsesRequest = req._source
-
-    def prompt_inputs(self) -> list[str | list[int]]:
-        return [render_chat(self.state, self.req, self.req.tools)] if self.unparsed_auto else super().prompt_inputs()
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
