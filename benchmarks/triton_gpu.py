@@ -248,8 +248,9 @@ def time_decode(device, quick, gen) -> list[dict]:
             out = torch.empty_like(query)
             block_m = max(kernels._BLOCK_M_DECODE, h // kvh)
             for splits in ([1, 2] if quick else [1, 2, 4, 8, 16, 32]):
+                # min_partition=1: exactly `splits` partitions, even below the engine's minimum
                 row[f"splits{splits}_ms"] = bench(lambda: kernels._launch_attention(
-                    *args, out, block_m, block_m // (h // kvh), splits), device)
+                    *args, out, block_m, block_m // (h // kvh), splits, min_partition=1), device)
             row["twin_ms"] = bench(lambda: kernels.paged_attention_torch(*args), device)
             row["triton_GBps"] = nbytes / (row["triton_ms"] * 1e-3) / 1e9
             best = min((k for k in row if k.startswith("splits")), key=lambda k: row[k])

@@ -50,6 +50,10 @@ def weights_as_loaded(model: torch.nn.Module) -> None:
     """The references' and Triton's ``prepare_model``: nothing to change."""
 
 
+def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_context: int) -> None:
+    """The references' ``warm_up``: eager torch compiles nothing."""
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of every op a model step calls, and what it needs of
@@ -63,6 +67,9 @@ class Backend:
     silu_and_mul(gate_up [T, 2n]) -> [T, n]
     argmax(logits [rows, vocab]) -> int64 [rows]
 
+    ``warm_up(num_heads, k_cache, v_cache, max_context)`` builds, before traffic,
+    the attention variants that a step's shape alone would not reach in a
+    throwaway step (Triton's split-KV counts, which grow with the context).
     ``capture_safe``: no op syncs with the host or allocates by the data, so a CUDA
     graph can capture a forward (the torch references read seq_lens on the host).
     """
@@ -75,6 +82,7 @@ class Backend:
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor]
     prepare_model: Callable[[torch.nn.Module], None] = weights_as_loaded
+    warm_up: Callable[..., None] = nothing_to_compile
     capture_safe: bool = False
 
 
@@ -221,7 +229,8 @@ _PREFILL_TILE_MIN_TOKENS_PER_SEQ = 256
 # Split-KV: an all-decode batch has only num_seqs * num_kv_heads programs, each
 # walking its whole context; too few leave most SMs idle. Splitting each context
 # into partitions multiplies the programs (a reduce kernel merges them): split
-# until there are ~1024 programs, never finer than 512 tokens a partition.
+# until there are ~1024 programs, never finer than 512 tokens a partition. Split
+# counts are powers of two, so warm-up can compile every one before traffic.
 _SPLIT_KV_MIN_PARTITION = 512   # never split a context finer than this (tokens)
 _SPLIT_KV_MAX_SPLITS = 32
 _SPLIT_KV_TARGET_PROGRAMS = 1024
@@ -280,7 +289,7 @@ if triton is not None:
         out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         m_part_ptr, l_part_ptr, acc_part_ptr,
-        scale, num_seqs, num_heads, block_size, partition_size,
+        scale, num_seqs, num_heads, block_size, min_partition,
         q_stride_t, q_stride_h, q_stride_d,
         o_stride_t, o_stride_h, o_stride_d,
         kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
@@ -292,8 +301,8 @@ if triton is not None:
     ):
         """Grid (query tiles, kv heads, splits). With NUM_SPLITS == 1 a program
         walks its tile's whole visible context and writes the output; otherwise it
-        walks partition `split` only and writes its running max / sum / accumulator
-        for _split_kv_reduce_kernel to merge."""
+        walks partition `split` of it only and writes its running max / sum /
+        accumulator for _split_kv_reduce_kernel to merge."""
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -318,8 +327,12 @@ if triton is not None:
 
         # Keys 0 .. (last query of the tile's position) are visible to some row.
         num_keys = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-        lo = split * partition_size
-        hi = tl.minimum(num_keys, lo + partition_size)
+        # Each tile splits its own keys evenly (whole BLOCK_N steps, at least
+        # min_partition): a CUDA graph's block table spans max_model_len, and a
+        # split of that width would leave a short context wholly in split 0.
+        partition = tl.maximum(tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_partition)
+        lo = split * partition
+        hi = tl.minimum(num_keys, lo + partition)
 
         qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp2 is cheaper than exp
         # A finite floor instead of -inf keeps fully masked rows at exp2(-inf - m) = 0
@@ -365,10 +378,9 @@ if triton is not None:
                      mask=row_ok[:, None])
 
     # Triton compiles a variant per integer argument that is 1 or a multiple of
-    # 16; these three change from step to step, so they stay unspecialised: a new
+    # 16; these two change from step to step, so they stay unspecialised: a new
     # batch shape compiles nothing during traffic.
-    _paged_attention_kernel = triton.jit(_paged_attention_kernel,
-                                         do_not_specialize=["num_seqs", "partition_size", "bt_stride_s"])
+    _paged_attention_kernel = triton.jit(_paged_attention_kernel, do_not_specialize=["num_seqs", "bt_stride_s"])
 
     @triton.jit
     def _split_kv_reduce_kernel(
@@ -495,14 +507,16 @@ def _tile_shape(all_decodes: bool, num_tokens: int, num_seqs: int, head_dim: int
 
 def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
                    max_context: int) -> int:
-    """How many partitions to split each context into (1 = no split-KV): enough
-    for ~_SPLIT_KV_TARGET_PROGRAMS programs, none shorter than the minimum.
+    """How many partitions to split each context into (1 = no split-KV), a
+    power of two: enough for ~_SPLIT_KV_TARGET_PROGRAMS programs, and no more
+    than the longest context could fill with minimum-size partitions.
     max_context is the block table's capacity, a host-side bound: reading the
     real seq_lens would cost a device sync per layer."""
     if not all_decodes:
         return 1
-    wanted = -(-_SPLIT_KV_TARGET_PROGRAMS // (num_seqs * num_kv_heads))
-    return max(1, min(wanted, _SPLIT_KV_MAX_SPLITS, max_context // _SPLIT_KV_MIN_PARTITION))
+    wanted = triton.next_power_of_2(-(-_SPLIT_KV_TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
+    fits = 1 << max(0, (max_context // _SPLIT_KV_MIN_PARTITION).bit_length() - 1)  # largest power of 2 <=
+    return min(wanted, _SPLIT_KV_MAX_SPLITS, fits)
 
 
 def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
@@ -539,16 +553,34 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
                              query_start_loc, scale, out, block_m, block_q, num_splits, block_n)
 
 
+def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context: int) -> None:
+    """Compile every attention variant a step can launch (Triton compiles one on
+    its first launch, in the middle of traffic otherwise): the decode tile at
+    each split-KV count a table of max_context tokens allows, and the chunk and
+    prefill tiles. One sequence of one token, reading block 0, does for each."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group, dev = num_heads // num_kv_heads, k_cache.device
+    query = torch.zeros(1, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    most = _num_kv_splits(True, 1, 1, max_context)  # one sequence of one head: the most splits
+    variants = [(_tile_shape(True, 1, 1, head_dim, group), 1 << i) for i in range(most.bit_length())]
+    variants += [(_tile_shape(False, n, 1, head_dim, group), 1) for n in (2, _PREFILL_TILE_MIN_TOKENS_PER_SEQ)]
+    for (block_m, block_n), num_splits in variants:
+        _launch_attention(query, k_cache, v_cache, table, seq_lens, query_start_loc, 1.0,
+                          torch.empty_like(query), block_m, block_m // group, num_splits, block_n)
+
+
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       scale, out, block_m, block_q, num_splits, block_n: int = _BLOCK_N_DECODE,
-                      **launch_options) -> torch.Tensor:
+                      min_partition: int | None = None, **launch_options) -> torch.Tensor:
     """``block_n`` and ``launch_options`` (Triton's num_warps, num_stages) are
     the knobs benchmarks/triton_gpu.py sweeps; the engine keeps the defaults."""
     num_tokens, num_heads, head_dim = query.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
-    max_context = block_tables.shape[1] * k_cache.shape[1]
-    # Partitions are whole BLOCK_N tiles so only the last one has a ragged end.
-    partition = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    if min_partition is None:
+        min_partition = _SPLIT_KV_MIN_PARTITION
     if num_splits > 1:
         m_part = query.new_empty((num_tokens, num_heads, num_splits), dtype=torch.float32)
         l_part = torch.empty_like(m_part)
@@ -560,7 +592,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         m_part, l_part, acc_part,
-        float(scale), num_seqs, num_heads, k_cache.shape[1], partition,
+        float(scale), num_seqs, num_heads, k_cache.shape[1], min_partition,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         *block_tables.stride(),
         GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
@@ -637,4 +669,4 @@ TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_to
                 add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, argmax_torch)
 TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
-    rotary_triton, silu_and_mul_triton, argmax_torch, capture_safe=True)
+    rotary_triton, silu_and_mul_triton, argmax_torch, warm_up=warm_up_paged_attention_triton, capture_safe=True)

@@ -1214,8 +1214,8 @@ class TensorParallelError(RuntimeError):
 
 
 # Warm-up steps: a prefill long enough for the compiled elementwise ops
-# (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS) and Triton's prefill tiles, a
-# decode, and on CUDA a mixed step (Triton's chunk tiles) and decode batches.
+# (cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS), and a decode; then on CUDA the
+# backend's own warm-up (Triton's other attention tiles and split-KV counts).
 WARMUP_PREFILL_TOKENS = 256
 PROMPT_LOGPROB_ROWS = 256  # rows of prompt logprobs computed at once (as many as a default step samples)
 
@@ -1251,12 +1251,13 @@ class ModelRunner:
         self.tp = model.tp
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
         self.sampler = Sampler(seed, backend.argmax)
+        self.backend = backend
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
         self.decode_sizes = sorted(decode_sizes or [])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prev_sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device
         if self.decode_sizes:
-            max_len = max_model_len or model.config.max_position_embeddings
-            self._allocate_static_buffers(self.decode_sizes[-1], -(-max_len // block_size))
+            self._allocate_static_buffers(self.decode_sizes[-1], -(-self.max_model_len // block_size))
 
     def _allocate_static_buffers(self, max_bs: int, max_blocks: int) -> None:
         """The decode path's inputs, at fixed addresses (a captured graph reads
@@ -1282,11 +1283,12 @@ class ModelRunner:
         inductor's graphs) before any request waits on it: a prefill and a decode
         of a throwaway prompt that writes no KV and reads only block 0."""
         cfg = self.model.config
-        steps = [[min(WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)], [1]]
-        if self.device.type == "cuda":  # each Triton tile shape compiles on its first use
-            steps += [[1, 40], [1] * 3, [1] * 16]
-        for q_lens in steps:
+        for q_lens in [[min(WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)], [1]]:
             self.model(*dummy_step(cfg, q_lens, self.block_size, self.device), self.kv_caches)
+        if self.device.type == "cuda":  # the attention variants longer contexts launch
+            attention = self.model.model.layers[0].self_attn
+            self.backend.warm_up(attention.num_heads, *self.kv_caches[0],
+                                 -(-self.max_model_len // self.block_size) * self.block_size)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

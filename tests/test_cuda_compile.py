@@ -24,6 +24,7 @@ image's: ``pip install --no-deps --target /tmp/t36 triton==3.6.0`` and
 ``PYTHONPATH=/tmp/t36 python tests/test_cuda_compile.py`` (one JSON line a variant)."""
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -49,6 +50,20 @@ def _variants() -> dict[tuple, tuple]:
     from nanoserve import kernels
     from nanoserve.model import cudagraph_capture_sizes
 
+    def engine_launches():
+        for model in MODELS:
+            _launch_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
+    return {key[:3]: value for key, value in record_launches(engine_launches).items()}
+
+
+def record_launches(run) -> dict[tuple, tuple]:
+    """Call ``run()`` with every Triton kernel of kernels.py replaced by a
+    recorder: {(kernel, signature, constants, alignment): (signature, constants)}.
+    ``alignment`` says which integers and pointers are multiples of 16 (of
+    bytes, for pointers), on which Triton's launcher also picks a variant."""
+    import torch
+    from nanoserve import kernels
+
     found = {}
 
     class Recorder:
@@ -59,20 +74,23 @@ def _variants() -> dict[tuple, tuple]:
             return self.launch
 
         def launch(self, *args, **kwargs):
-            sig, consts = {}, {}
-            for param, value in zip(self.fn.params, [*args, *(kwargs[p.name] for p in self.fn.params[len(args):])]):
-                if param.is_constexpr:
-                    sig[param.name], consts[param.name] = "constexpr", value
+            sig, consts, aligned = {}, {}, []
+            params = _params(self.fn)
+            for (name, is_constexpr, fixed), value in zip(params, [*args, *(kwargs[p[0]] for p in params[len(args):])]):
+                if is_constexpr:
+                    sig[name], consts[name] = "constexpr", value
                 elif isinstance(value, torch.Tensor):
-                    sig[param.name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+                    sig[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
                                              torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+                    aligned.append(value.data_ptr() % 16 == 0)
                 elif isinstance(value, float):
-                    sig[param.name] = "fp32"
-                elif value == 1 and not param.do_not_specialize:  # as Triton's launcher specialises
-                    sig[param.name], consts[param.name] = "constexpr", 1
+                    sig[name] = "fp32"
+                elif value == 1 and not fixed:  # as Triton's launcher specialises
+                    sig[name], consts[name] = "constexpr", 1
                 else:
-                    sig[param.name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            key = (self.name, json.dumps(sig, sort_keys=True), json.dumps(consts, sort_keys=True))
+                    sig[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                    aligned.append(not fixed and value % 16 == 0)
+            key = (self.name, json.dumps(sig, sort_keys=True), json.dumps(consts, sort_keys=True), tuple(aligned))
             found[key] = (sig, consts)
 
     names = [n for n in vars(kernels) if n.endswith("_kernel") and n.startswith("_")]
@@ -80,12 +98,21 @@ def _variants() -> dict[tuple, tuple]:
     try:
         for n in names:
             setattr(kernels, n, Recorder(n))
-        for model in MODELS:
-            _launch_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
+        run()
     finally:
         for n, fn in saved.items():
             setattr(kernels, n, fn)
     return found
+
+
+def _params(kernel) -> list[tuple[str, bool, bool]]:
+    """(name, is constexpr, do_not_specialize) of each parameter of a Triton
+    kernel, compiled (a JITFunction) or under the interpreter."""
+    if hasattr(kernel, "params"):
+        return [(p.name, p.is_constexpr, p.do_not_specialize) for p in kernel.params]
+    fixed = kernel.kwargs.get("do_not_specialize") or ()
+    return [(name, "constexpr" in str(p.annotation), name in fixed)
+            for name, p in inspect.signature(kernel.fn).parameters.items()]
 
 
 def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
@@ -168,9 +195,10 @@ def compiled(tmp_path_factory):
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
-pytestmark = pytest.mark.skipif(_cuda_compiler_missing() is not None, reason=str(_cuda_compiler_missing()))
+needs_ptxas = pytest.mark.skipif(_cuda_compiler_missing() is not None, reason=str(_cuda_compiler_missing()))
 
 
+@needs_ptxas
 def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     kinds = {(v["kernel"], v["dtype"]) for v in compiled}
     for kernel in ("_store_kvcache_kernel", "_paged_attention_kernel", "_rms_norm_kernel", "_rotary_kernel",
@@ -185,9 +213,48 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     assert all(v["cubin_bytes"] > 0 for v in compiled)
 
 
+@needs_ptxas
 def test_every_variant_fits_an_sm90_block(compiled):
     over = [v for v in compiled if v["shared"] > SM90_SHARED_BYTES]
     assert not over, f"more shared memory than an sm_90 block has: {over}"
+
+
+@pytest.mark.parametrize("model", MODELS, ids=[m[0] for m in MODELS])
+def test_warm_up_builds_every_attention_variant_that_traffic_launches(model):
+    """No Triton compile in the middle of traffic: the variants of the attention
+    kernels that any decode batch (1 to 2 x max_num_seqs sequences, eager with
+    tables as wide as their longest context, or in a captured graph with tables
+    max_model_len wide), prefill or mixed step launches are all among those the
+    backend's warm-up launched."""
+    torch = pytest.importorskip("torch")
+    from nanoserve import kernels
+    if kernels.TRITON is None:
+        pytest.skip("triton is not installed")
+    _, dtype, _, heads, kv_heads, head_dim, _, _, max_len = model
+    block_size = 16
+    k_cache = torch.empty(4, block_size, kv_heads, head_dim, dtype=getattr(torch, dtype))
+    max_blocks = -(-max_len // block_size)
+
+    def attend(q_lens, width):
+        T, n = sum(q_lens), len(q_lens)
+        kernels.TRITON.paged_attention(torch.empty(T, heads, head_dim, dtype=k_cache.dtype), k_cache, k_cache,
+                                       torch.empty(n, width, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
+                                       torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5)
+
+    def traffic():
+        widths = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)} | {3, max_blocks})
+        for n in range(1, 2 * MAX_NUM_SEQS + 1):
+            for width in widths:
+                attend([1] * n, width)
+        for q_lens in ([600, 700], [1, 1, 37, 1], [5000 // 8] * 8, [1] * 64 + [2048]):
+            attend(q_lens, max_blocks)
+
+    attention = ("_paged_attention_kernel", "_split_kv_reduce_kernel")
+    launched = {k for k in record_launches(traffic) if k[0] in attention}
+    warm = record_launches(lambda: kernels.TRITON.warm_up(heads, k_cache, k_cache, max_blocks * block_size))
+    assert launched, "the recorder saw no attention launch"
+    missing = sorted(launched - set(warm))
+    assert not missing, f"traffic would compile {len(missing)} variant(s) the warm-up did not: {missing[:3]}"
 
 
 if __name__ == "__main__":

@@ -226,15 +226,20 @@ def test_split_kv_default_thresholds():
 
 def test_split_kv_heuristic():
     """Split until ~1024 programs, never below 512-token partitions, never for
-    prefill (the thresholds benchmarks/triton_gpu.py measured on an H200)."""
+    prefill (the thresholds benchmarks/triton_gpu.py measured on an H200), and
+    only into a power of two (the variants warm-up compiles)."""
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
     assert kernels._num_kv_splits(True, 64, 8, 16384) == 2      # 512 programs -> 1024
     assert kernels._num_kv_splits(True, 16, 8, 4096) == 8       # capped by 4096 // 512
+    assert kernels._num_kv_splits(True, 16, 8, 3000) == 4       # 5 partitions fit: the power of 2 below
+    assert kernels._num_kv_splits(True, 24, 8, 16384) == 8      # 6 wanted: the power of 2 above
     assert kernels._num_kv_splits(True, 1, 8, 16384) == 32      # capped by _SPLIT_KV_MAX_SPLITS
     assert kernels._num_kv_splits(True, 256, 8, 16384) == 1     # 2048 programs already
     assert kernels._num_kv_splits(True, 4, 2, 300) == 1         # too short to split
     assert kernels._num_kv_splits(False, 1, 8, 16384) == 1      # a prefill chunk in the batch
+    counts = {kernels._num_kv_splits(True, n, h, c) for n in range(1, 300) for h in (1, 2, 8) for c in (1, 700, 5000, 40960)}
+    assert counts == {1, 2, 4, 8, 16, 32}
 
 
 def test_tile_shape_heuristic():
@@ -269,7 +274,36 @@ def test_split_kv_any_batch(num_splits):
     query = batch[0]
     scale = query.shape[-1] ** -0.5
     got = kernels._launch_attention(*batch, scale, torch.empty_like(query), block_m=16,
-                                    block_q=8, num_splits=num_splits)
+                                    block_q=8, num_splits=num_splits, block_n=8, min_partition=8)
+    torch.testing.assert_close(got.double(), naive_attention(*batch, scale), atol=ATOL, rtol=RTOL)
+
+
+@triton_only
+def test_triton_warm_up_runs_every_variant_and_writes_no_kv():
+    """The backend's warm-up launches each tile and split count (here run by the
+    interpreter) on one token of block 0, and leaves the KV cache as it was."""
+    torch.manual_seed(5)
+    k_cache, v_cache = (torch.randn(3, 8, 2, 32, device=DEVICE) for _ in range(2))
+    before = k_cache.clone(), v_cache.clone()
+    kernels.TRITON.warm_up(4, k_cache, v_cache, 4096)
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+    kernels.TORCH.warm_up(4, k_cache, v_cache, 4096)  # the references compile nothing
+
+
+@triton_only
+@pytest.mark.parametrize("num_splits", [2, 8])
+def test_split_kv_splits_each_context_of_a_graph_wide_table(num_splits):
+    """A captured graph's block tables span max_model_len; each sequence still
+    splits its own context (short ones into fewer, minimum-size partitions),
+    and the poisoned blocks past every context are never read."""
+    torch.manual_seed(6)
+    batch = list(make_batch([(95, 1), (1, 1), (30, 1), (63, 1)], 8, 32, 4, 2, POISON["triton"]))
+    width = 64  # 512 tokens of table, most of it block 0
+    batch[3] = torch.cat([batch[3], batch[3].new_zeros(4, width - batch[3].shape[1])], 1)
+    query = batch[0]
+    scale = query.shape[-1] ** -0.5
+    got = kernels._launch_attention(*batch, scale, torch.empty_like(query), block_m=16, block_q=8,
+                                    num_splits=num_splits, block_n=8, min_partition=16)
     torch.testing.assert_close(got.double(), naive_attention(*batch, scale), atol=ATOL, rtol=RTOL)
 
 
