@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_model
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, kernels
 from nanoserve.model import SeqInput, cudagraph_capture_sizes
 
 _rng = torch.Generator().manual_seed(5)
@@ -172,3 +172,31 @@ def test_async_scheduling_with_graphs_gives_the_normal_outputs(model, kw):
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
                      for o in llm.generate(PROMPTS, params, use_tqdm=False)])
     same_outputs(*runs)
+
+
+
+@pytest.mark.skipif(kernels.TRITON is None, reason="triton is not installed")
+def test_padded_decode_on_triton_splits_each_long_context(tiny_model, monkeypatch):
+    """The GPU's decode path on the CPU: Triton's attention (interpreted) through
+    the padded buffers, whose block tables span max_model_len. With partitions of
+    at least 32 tokens (512 on a GPU; fewer keep the interpreter quick) a decode
+    padded to 4 rows splits each context into up to 4 of its own; greedy tokens
+    and logprobs are the torch references' on the unpadded path. (The pointwise
+    ops stay the references': interpreted, they would take most of a minute.)"""
+    from nanoserve import engine
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    triton_attention = dataclasses.replace(kernels.TORCH, name="triton-attention",
+                                           store_kvcache=kernels.TRITON.store_kvcache,
+                                           paged_attention=kernels.TRITON.paged_attention)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+               for n in (100, 50, 3)]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
+    outs = []
+    for backend, sizes in ((kernels.TORCH, None), (triton_attention, [1, 2, 4])):
+        monkeypatch.setattr(engine, "select_backend", lambda *a, backend=backend, **k: backend)
+        llm = make_llm(tiny_model, cudagraph_capture_sizes=sizes)
+        assert llm.engine.runner.backend is backend
+        outs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs)
+                     for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert kernels._num_kv_splits(True, 4, 2, llm.engine.runner.static["block_tables"].shape[1] * 16) == 4
+    same_outputs(*outs)
