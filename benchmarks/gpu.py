@@ -567,7 +567,50 @@ def part_breakdown(scale: Scale, spec: dict) -> dict:
     for r in rids:
         engine.abort_request(r)
     print(f"[breakdown] per step at batch {scale.bd_batch}: {ms}; plain step {res['plain_step_ms']}", flush=True)
+    # (d) decode attention alone at long contexts: an eager step's block table against a graph's
+    cases = ((1, 16384), (16, 4096), (64, 4096)) if dev == "cuda" else ((1, 96), (2, 64))
+    res["attention_by_table_width"] = [_attention_by_table_width(runner, dev, n, ctx, scale.bd_reps // 5 or 1)
+                                       for n, ctx in cases if ctx <= runner.max_model_len]
+    print(f"[breakdown] attention by table width: {res['attention_by_table_width']}", flush=True)
     return res
+
+
+def _attention_by_table_width(runner, dev: str, n: int, ctx: int, reps: int) -> dict:
+    """The model's decode attention (its heads and dtype, the engine's backend) of
+    ``n`` sequences at ``ctx`` tokens, with a block table as wide as the context
+    (an eager step's) and one max_model_len wide (a captured graph's). Split-KV
+    partitions are sized per sequence, so the two should take the same time."""
+    import torch
+
+    from nanoserve import kernels
+    heads = runner.model.model.layers[0].self_attn.num_heads
+    like = runner.kv_caches[0][0]
+    block_size, kv_heads, head_dim = like.shape[1:]
+    width = -(-ctx // block_size)
+    k_cache, v_cache = (torch.randn(n * width + 1, *like.shape[1:], dtype=like.dtype, device=dev) for _ in "kv")
+    narrow = torch.arange(1, n * width + 1, dtype=torch.int32, device=dev).view(n, width)  # block 0 unused
+    wide = torch.zeros(n, -(-runner.max_model_len // block_size), dtype=torch.int32, device=dev)
+    wide[:, :width] = narrow
+    query = torch.randn(n, heads, head_dim, dtype=like.dtype, device=dev)
+    seq_lens = torch.full((n,), ctx, dtype=torch.int32, device=dev)
+    query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+    row, outs = dict(seqs=n, context=ctx), []
+    for name, table in (("eager_table", narrow), ("graph_table", wide)):
+        def attend():
+            return runner.backend.paged_attention(query, k_cache, v_cache, table, seq_lens, query_start_loc,
+                                                  head_dim ** -0.5)
+        for _ in range(3):
+            attend()
+        _sync(dev)
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = attend()
+        _sync(dev)
+        row[f"{name}_us"] = _r((time.perf_counter() - t) / reps * 1e6, 1)
+        row[f"{name}_splits"] = kernels._num_kv_splits(True, n, kv_heads, table.shape[1] * block_size)
+        outs.append(out.float())
+    row["max_abs_diff"] = float((outs[0] - outs[1]).abs().max())
+    return row
 
 
 def _hf_run(mgr, prompts, lens, tag: str, timeout: float) -> list[list[int]]:
@@ -937,6 +980,11 @@ def markdown(record: dict) -> str:
             f" / {_fmt(r.get('eager_ms'), ' ms', 3)}",
             f"≤ {TARGETS['decode_step_ms_b64']} ms{ok(r.get('graph_ms'), TARGETS['decode_step_ms_b64'])}"
             if str(bs) == "64" else "")
+    for r in bd.get("attention_by_table_width") or []:
+        row(f"decode attention alone, {r['seqs']} × {r['context']} context: table as wide as the context / as "
+            f"max_model_len (a graph's)", f"{_fmt(r.get('eager_table_us'), ' µs', 1)} ({r.get('eager_table_splits')} "
+            f"splits) / {_fmt(r.get('graph_table_us'), ' µs', 1)} ({r.get('graph_table_splits')} splits), "
+            f"max diff {_fmt(r.get('max_abs_diff'), '', 4)}")
     ps = bd.get("per_step") or {}
     if ps:
         m = ps["ms"]
