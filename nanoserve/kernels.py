@@ -429,23 +429,31 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, heads, x_stride_t, x_stride_h,
-                       HALF: tl.constexpr):
-        """One program per (token, head): out = x * cos + rotate_half(x) * sin (neox)."""
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
+    def _rotate_head(src, dst, cos_row, sin_row, HALF: tl.constexpr):
+        """One head: dst = src * cos + rotate_half(src) * sin (neox)."""
         d = tl.arange(0, HALF)
-        dt = out_ptr.dtype.element_ty
-        src = x_ptr + t * x_stride_t + h * x_stride_h
+        dt = dst.dtype.element_ty
         x1, x2 = tl.load(src + d).to(tl.float32), tl.load(src + HALF + d).to(tl.float32)
-        pos = tl.load(pos_ptr + t).to(tl.int64)
-        cos1 = tl.load(cos_ptr + pos * 2 * HALF + d).to(dt).to(tl.float32)
-        cos2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + d).to(dt).to(tl.float32)
-        sin1 = tl.load(sin_ptr + pos * 2 * HALF + d).to(dt).to(tl.float32)
-        sin2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + d).to(dt).to(tl.float32)
-        dst = out_ptr + (t * heads + h) * 2 * HALF
+        cos1, cos2 = tl.load(cos_row + d).to(dt).to(tl.float32), tl.load(cos_row + HALF + d).to(dt).to(tl.float32)
+        sin1, sin2 = tl.load(sin_row + d).to(dt).to(tl.float32), tl.load(sin_row + HALF + d).to(dt).to(tl.float32)
         tl.store(dst + d, ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt))
         tl.store(dst + HALF + d, ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt))
+
+    @triton.jit
+    def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, q_heads, k_heads,
+                       q_stride_t, q_stride_h, k_stride_t, k_stride_h, HALF: tl.constexpr):
+        """One program per (token, head), q's heads then k's: both in one launch."""
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos_row, sin_row = cos_ptr + pos * 2 * HALF, sin_ptr + pos * 2 * HALF
+        if h < q_heads:
+            _rotate_head(q_ptr + t * q_stride_t + h * q_stride_h, q_out_ptr + (t * q_heads + h) * 2 * HALF,
+                         cos_row, sin_row, HALF)
+        else:
+            h -= q_heads
+            _rotate_head(k_ptr + t * k_stride_t + h * k_stride_h, k_out_ptr + (t * k_heads + h) * 2 * HALF,
+                         cos_row, sin_row, HALF)
 
     @triton.jit
     def _silu_and_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -642,15 +650,12 @@ def fused_add_rms_norm_triton(x, residual, weight, eps):
 
 
 def rotary_triton(q, k, positions, cos_cache, sin_cache):
-    outs = []
-    for x in (q, k):
-        T, heads, stride_t, stride_h = _rows(x)
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        if T:
-            _rotary_kernel[(T, heads)](x, out, positions, cos_cache, sin_cache, heads, stride_t, stride_h,
-                                       HALF=x.shape[-1] // 2)
-        outs.append(out)
-    return outs[0], outs[1]
+    (T, q_heads, q_stride_t, q_stride_h), (_, k_heads, k_stride_t, k_stride_h) = _rows(q), _rows(k)
+    q_out, k_out = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
+    if T:
+        _rotary_kernel[(T, q_heads + k_heads)](q, k, q_out, k_out, positions, cos_cache, sin_cache, q_heads, k_heads,
+                                               q_stride_t, q_stride_h, k_stride_t, k_stride_h, HALF=q.shape[-1] // 2)
+    return q_out, k_out
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
