@@ -70,6 +70,7 @@ class Backend:
     ``warm_up(num_heads, k_cache, v_cache, max_context)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
     throwaway step (Triton's split-KV counts, which grow with the context).
+
     ``capture_safe``: no op syncs with the host or allocates by the data, so a CUDA
     graph can capture a forward (the torch references read seq_lens on the host).
     """
