@@ -2351,9 +2351,11 @@ class FunctionTool(FunctionDefinition):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, tool: Any) -> Any:
-        if isinstance(tool, dict) and tool.get("type", "function") != "function":
-            raise ValueError(f"tools of type {show(tool['type'])} are not supported, only function tools (built-in "
-                             f"ones such as web_search, file_search, code_interpreter or mcp need a tool server)")
+        if isinstance(tool, dict) and tool.get("type", "function") != "function":  # a 400, not vLLM's silence:
+            raise ValueError(f"tools of type {show(tool['type'])} are not supported, only function tools: this "
+                             f"server has no tool server to run built-in ones (vLLM without --tool-server takes "
+                             f"web_search, file_search, code_interpreter, mcp or custom tools but neither runs them "
+                             f"nor shows them to the model)")
         return tool
 
 
@@ -2407,9 +2409,11 @@ class ResponsesRequest(OpenAIBaseModel):
         choice = self.tool_choice
         named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
         if choice not in ("auto", "none", "required") and not named:
-            raise InvalidInput("tool_choice", f'tool_choice must be "auto", "none", "required" or {{"type": '
-                                              f'"function", "name": ...}} (built-in and MCP tools are not '
-                                              f'supported), got {show(choice)}')
+            kind = choice.get("type") if isinstance(choice, dict) else None
+            what = f"a tool_choice of type {show(kind)} is not supported (vLLM takes it but applies neither its " \
+                   f"tools nor its mode); " if isinstance(kind, str) and kind != "function" else ""
+            raise InvalidInput("tool_choice", f'{what}tool_choice must be "auto", "none", "required" or {{"type": '
+                                              f'"function", "name": ...}}, got {show(choice)}')
         choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
         fmt = (self.text or {}).get("format", {"type": "text"})
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or (
