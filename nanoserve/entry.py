@@ -2194,8 +2194,7 @@ class ChatGeneration(Generation):
         """With --reasoning-parser, the final usage has completion_tokens_details, as vLLM's (where the
         tokenizer has the think tags as tokens: vLLM's parsers refuse one without)."""
         usage = super().usage(num_output_tokens, prompt_index)
-        counted = self.state.reasoning_parser is not None and self.state.engine.structured_outputs.think_ids is not None
-        if counted and prompt_index is None:
+        if prompt_index is None and self.state.reasoning_parser and self.state.engine.structured_outputs.think_ids:
             usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
         return usage
 
@@ -2351,7 +2350,7 @@ class FunctionTool(FunctionDefinition):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, tool: Any) -> Any:
-        if isinstance(tool, dict) and tool.get("type", "function") != "function":  # a 400, not vLLM's silence:
+        if isinstance(tool, dict) and tool.get("type", "function") != "function":  # a 400 where vLLM says nothing
             raise ValueError(f"tools of type {show(tool['type'])} are not supported, only function tools: this "
                              f"server has no tool server to run built-in ones (vLLM without --tool-server takes "
                              f"web_search, file_search, code_interpreter, mcp or custom tools but neither runs them "
