@@ -501,8 +501,8 @@ class StructuredOutputManager:
                 self.think_ids = tuple(vocab[tag] for tag in THINK_TAGS)
             else:  # vLLM's parsers refuse such a tokenizer; here the text is still split, the grammar is not held
                 logger.warning("[engine] --reasoning-parser %s: the tokenizer has no %s token, so structured "
-                               "outputs hold from the first token (not after the reasoning)", reasoning_parser,
-                               " and ".join(THINK_TAGS))
+                               "outputs hold from the first token (not after the reasoning) and reasoning tokens "
+                               "are not counted in the usage", reasoning_parser, " and ".join(THINK_TAGS))
         self.recent: collections.OrderedDict[str, Any] = collections.OrderedDict()  # by spec.key()
         self.lock = threading.Lock()  # the server's grammar thread and the event loop both call compile
 

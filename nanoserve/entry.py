@@ -1027,6 +1027,8 @@ def dumps(obj: Any) -> str:
 # a long response never re-reads its past. A response that is not streamed is one feed.
 
 class ToolParser:
+    CONTENT_AFTER_CALLS: ClassVar[bool] = False  # where a response's content stands: before its calls, or after
+
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
         raise NotImplementedError
 
@@ -1188,6 +1190,7 @@ class RequiredToolParser(ToolParser):
     """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"},
     ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once."""
     MARKS = re.compile(r'[][{}"\\]')
+    CONTENT_AFTER_CALLS = True  # its content is what the calls leave over at the end (cut short)
 
     def __init__(self):
         self.parts, self.size, self.end, self.called = [], 0, 0, False  # end: where the last call ends
@@ -1332,13 +1335,25 @@ class ReasoningParser:
     from the first token: then (``constrained``) the reply starts as content with either parser."""
     START, END = THINK_TAGS
 
-    def __init__(self, name: str, constrained: bool = False, prompt: str | None = None):
+    def __init__(self, name: str, constrained: bool = False, prompt: str | None = None,
+                 think_ids: tuple[int, int] | None = None):
         """``prompt``: where the prompt left the reasoning (the engine's prompt_reasoning), as current vLLM
-        reads it: "ended" makes the whole reply content, "open" starts it in the reasoning with either parser."""
+        reads it: "ended" makes the whole reply content, "open" starts it in the reasoning with either parser.
+        ``think_ids``: the tags' token ids, which ``count`` reads (None: the tokenizer has no such tokens)."""
         self.name, self.held, self.needs_both = name, "", (name == "qwen3" and prompt != "open") or constrained
         self.state = "before" if self.needs_both else "reasoning"  # -> "reasoning" -> "content"
         if prompt == "ended" and not constrained:
             self.state = "content"
+        self.think_ids, self.token_state, self.num_reasoning_tokens = think_ids, self.state, 0
+
+    def count(self, token_ids: list[int]) -> None:
+        """vLLM's count_reasoning_tokens (responses' usage, chat's completion_tokens_details), token by token:
+        the output tokens inside the reasoning as this parser splits it, the tags themselves not counted."""
+        for t in token_ids if self.think_ids is not None else ():
+            if t not in self.think_ids:
+                self.num_reasoning_tokens += self.token_state == "reasoning"
+            elif (self.token_state, t) in (("before", self.think_ids[0]), ("reasoning", self.think_ids[1])):
+                self.token_state = "reasoning" if self.token_state == "before" else "content"
 
     def extract(self, text: str) -> tuple[str | None, str | None]:
         """A whole output (vLLM's extract_reasoning_content): (reasoning, content), None for none."""
@@ -2130,11 +2145,7 @@ class ChatGeneration(Generation):
         with --reasoning-parser only the content part is (as vLLM's)."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
         if (name := self.state.reasoning_parser) is not None:
-            manager = self.state.engine.structured_outputs
-            held = self.params.structured_outputs is not None and manager.think_ids is None
-            if index not in self.reasoners:
-                self.reasoners[index] = ReasoningParser(name, held, manager.prompt_reasoning(self.prompts[0].token_ids))
-            parser = self.reasoners[index]
+            parser = self.reasoner(index)
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""
@@ -2163,6 +2174,32 @@ class ChatGeneration(Generation):
                                 **(thought if name else {}), "tool_calls": calls}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
                 **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
+
+    def reasoner(self, index: int) -> ReasoningParser:
+        """Choice ``index``'s reasoning parser (with --reasoning-parser): it splits the text and counts the tokens."""
+        if index not in self.reasoners:
+            manager = self.state.engine.structured_outputs
+            held = self.params.structured_outputs is not None and manager.think_ids is None
+            self.reasoners[index] = ReasoningParser(self.state.reasoning_parser, held, manager.prompt_reasoning(
+                self.prompts[0].token_ids), manager.think_ids)
+        return self.reasoners[index]
+
+    def _observe(self, t: _Tracked, out: RequestOutput) -> None:
+        super()._observe(t, out)
+        if self.state.reasoning_parser is not None:  # every token, also those whose text a stream holds back
+            for c in out.outputs:
+                self.reasoner(self.choice_index(t.index, c)).count(c.token_ids)
+
+    def usage(self, num_output_tokens: Iterable[int], prompt_index: int | None = None) -> dict[str, Any]:
+        """With --reasoning-parser, the final usage has completion_tokens_details, as vLLM's (where the
+        tokenizer has the think tags as tokens: vLLM's parsers refuse one without)."""
+        usage = super().usage(num_output_tokens, prompt_index)
+        if prompt_index is None and self.state.reasoning_parser and self.state.engine.structured_outputs.think_ids:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
+        return usage
+
+    def reasoning_tokens(self) -> int:
+        return sum(r.num_reasoning_tokens for r in self.reasoners.values())
 
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
@@ -2313,9 +2350,11 @@ class FunctionTool(FunctionDefinition):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, tool: Any) -> Any:
-        if isinstance(tool, dict) and tool.get("type", "function") != "function":
-            raise ValueError(f"tools of type {show(tool['type'])} are not supported, only function tools (built-in "
-                             f"ones such as web_search, file_search, code_interpreter or mcp need a tool server)")
+        if isinstance(tool, dict) and tool.get("type", "function") != "function":  # a 400 where vLLM says nothing
+            raise ValueError(f"tools of type {show(tool['type'])} are not supported, only function tools: this "
+                             f"server has no tool server to run built-in ones (vLLM without --tool-server takes "
+                             f"web_search, file_search, code_interpreter, mcp or custom tools but neither runs them "
+                             f"nor shows them to the model)")
         return tool
 
 
@@ -2369,9 +2408,11 @@ class ResponsesRequest(OpenAIBaseModel):
         choice = self.tool_choice
         named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
         if choice not in ("auto", "none", "required") and not named:
-            raise InvalidInput("tool_choice", f'tool_choice must be "auto", "none", "required" or {{"type": '
-                                              f'"function", "name": ...}} (built-in and MCP tools are not '
-                                              f'supported), got {show(choice)}')
+            kind = choice.get("type") if isinstance(choice, dict) else None
+            what = f"a tool_choice of type {show(kind)} is not supported (vLLM takes it but applies neither its " \
+                   f"tools nor its mode); " if isinstance(kind, str) and kind != "function" else ""
+            raise InvalidInput("tool_choice", f'{what}tool_choice must be "auto", "none", "required" or {{"type": '
+                                              f'"function", "name": ...}}, got {show(choice)}')
         choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
         fmt = (self.text or {}).get("format", {"type": "text"})
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or (
@@ -2454,27 +2495,38 @@ class ResponseOutput:
         self.part: dict = {}
         self.unsent: list[dict] = []    # logprobs of tokens no text delta carried yet
 
-    def feed(self, part: dict, logprobs: list[dict] | None) -> list[tuple[str, dict]]:
-        """A chat delta (or message): its reasoning, content and tool calls, in that order."""
+    def feed(self, part: dict, logprobs: list[dict] | None, calls_first: bool = False) -> list[tuple[str, dict]]:
+        """A chat delta (or message): its reasoning, content and tool calls, in the output's order (``calls_first``:
+        the tool parser's content follows its calls), so that a whole message is read as its stream is."""
         events, self.unsent = [], self.unsent + (logprobs or [])
-        for kind, key in (("reasoning", "reasoning_content"), ("message", "content")):
-            if not (delta := part.get(key)):
-                continue
-            if self.item is None or self.item["type"] != kind:
-                events += self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
-                                      "status": "in_progress", "content": [],
-                                      **({"role": "assistant"} if kind == "message" else {"summary": []})})
-                self.part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
-                    if kind == "message" else {"type": "reasoning_text", "text": ""}
-                events.append(("response.content_part.added", {**self._where(), "content_index": 0,
-                                                               "part": dict(self.part)}))
-            self.part["text"] += delta
-            fields = {**self._where(), "content_index": 0, "delta": delta}
-            if kind == "message":
-                fields["logprobs"], self.unsent = self.unsent, []
-                self.part["logprobs"] = self.part["logprobs"] + fields["logprobs"]
-            events.append((f"response.{self.part['type']}.delta", fields))
-        for call in part.get("tool_calls") or []:
+        for key in ("reasoning_content", "tool_calls", "content") if calls_first else \
+                ("reasoning_content", "content", "tool_calls"):
+            events += self._calls(part.get(key) or []) if key == "tool_calls" else self._text(key, part.get(key))
+        return events
+
+    def _text(self, key: str, delta: str | None) -> list[tuple[str, dict]]:
+        """Reasoning or content text: to the item of its kind being built, else to a new one."""
+        events, kind = [], "message" if key == "content" else "reasoning"
+        if not delta:
+            return events
+        if self.item is None or self.item["type"] != kind:
+            events += self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
+                                  "status": "in_progress", "content": [],
+                                  **({"role": "assistant"} if kind == "message" else {"summary": []})})
+            self.part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
+                if kind == "message" else {"type": "reasoning_text", "text": ""}
+            events.append(("response.content_part.added", {**self._where(), "content_index": 0,
+                                                           "part": dict(self.part)}))
+        self.part["text"] += delta
+        fields = {**self._where(), "content_index": 0, "delta": delta}
+        if kind == "message":
+            fields["logprobs"], self.unsent = self.unsent, []
+            self.part["logprobs"] = self.part["logprobs"] + fields["logprobs"]
+        return events + [(f"response.{self.part['type']}.delta", fields)]
+
+    def _calls(self, calls: list[dict]) -> list[tuple[str, dict]]:
+        events = []
+        for call in calls:
             if "id" in call:  # a new call
                 events += self._open({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
                                       "call_id": call["id"], "name": call["function"]["name"], "arguments": ""})
@@ -2544,8 +2596,8 @@ class ResponsesGeneration(ChatGeneration):
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
-        choice, out = self.choice(0, c.text, self.logprobs(c, 0), c, False, {}), ResponseOutput()
-        out.feed(choice["message"], (choice["logprobs"] or {}).get("content"))
+        out = ResponseOutput()
+        self.feed(out, self.choice(0, c.text, self.logprobs(c, 0), c, False, {}), "message")
         out.close()
         return self.body(model, out.items, c.finish_reason)
 
@@ -2566,7 +2618,7 @@ class ResponsesGeneration(ChatGeneration):
                 for c in output.outputs:
                     finish = c.finish_reason
                     if (choice := self.choice(0, c.delta_text, self.logprobs(c, 0), c, True, {})) is not None:
-                        for kind, fields in out.feed(choice["delta"], (choice["logprobs"] or {}).get("content")):
+                        for kind, fields in self.feed(out, choice, "delta"):
                             yield event(kind, **fields)
             for kind, fields in out.close():
                 yield event(kind, **fields)
@@ -2577,6 +2629,12 @@ class ResponsesGeneration(ChatGeneration):
             error = _stream_error(self, e)["error"]
             yield event("error", code=str(error["code"]), message=error["message"], param=error["param"])
 
+    def feed(self, out: ResponseOutput, choice: dict, key: str) -> list[tuple[str, dict]]:
+        """A choice's message (or delta) into ``out``: its tool parser says whether its content follows its calls."""
+        tools = self.tool_streams.get(choice["index"])
+        return out.feed(choice[key], (choice["logprobs"] or {}).get("content"),
+                        tools is not None and tools.parser.CONTENT_AFTER_CALLS)
+
     def body(self, model: str, output: list[dict], finish_reason: str | None) -> dict[str, Any]:
         """The response (in progress while ``finish_reason`` is None), with the request's parameters as vLLM's
         from_request echoes them (the sampling ones as applied); the usage's details always, as vLLM's."""
@@ -2586,7 +2644,8 @@ class ResponsesGeneration(ChatGeneration):
             n for t in self.tracked.values() for n in t.num_output_tokens.values())
         usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
                  "input_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in self.tracked.values()),
-                                          "cache_write_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                                          "cache_write_tokens": 0},
+                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()}}
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
                 "background": False, "error": None, "model": model, "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,

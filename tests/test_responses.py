@@ -18,6 +18,8 @@ from pydantic import TypeAdapter
 
 from test_server import ServerThread, _check_error, _metrics
 from test_tools import CLOCK, FORCED, RENDERED_HISTORY, TEMPLATE, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
+from test_tools import TOOLS as CHAT_TOOLS
+from test_tools import calls_of, chat_stream
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the forecast", "parameters": WEATHER},
          {"type": "function", "name": "get_time", "parameters": CLOCK}]
@@ -265,6 +267,138 @@ def test_auto_without_a_parser_leaves_the_text(server, monkeypatch):
     server.wait_idle()
 
 
+def comparable(output: list[dict]) -> list[dict]:
+    """Output items as two responses to one greedy request share them: without ids, logprobs to 1e-4 (a
+    prefix-cache hit may change their last digits)."""
+    if isinstance(output, list):
+        return [comparable(v) for v in output]
+    if not isinstance(output, dict):
+        return output
+    return {k: pytest.approx(v, abs=1e-4) if k == "logprob" else comparable(v) for k, v in output.items()
+            if k not in ("id", "call_id")}
+
+
+LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=1)
+
+
+@pytest.mark.parametrize("reasoning", [None, "deepseek_r1"])
+@pytest.mark.parametrize("choice", ["auto", "none", "required", {"type": "function", "name": "get_weather"}])
+def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blanks, choice, reasoning):
+    """response.completed carries the non-streamed body's output: the same items in the same order (only their
+    ids differ), with their logprobs, whole and cut short (e.g. "required" cut inside a call: the calls made,
+    then the text left over, in both), with and without a reasoning parser (the cuts fall after the thought:
+    one cut inside it is split as vLLM's parsers split it, which differs between a stream and a whole text)."""
+    monkeypatch.setattr(server.app.state.server, "reasoning_parser", reasoning)
+    body = dict(input="weather?", tools=TOOLS, tool_choice=choice, temperature=0, **LOGPROBS)
+    if choice in ("auto", "none"):  # the hermes text the model writes: forced
+        body["structured_outputs"] = {"choice": [(THOUGHT if reasoning else "") + FORCED]}
+    else:
+        body["logit_bias"] = no_blanks
+    full = create(server, **body, max_output_tokens=300)["usage"]["output_tokens"]
+    kinds = set()
+    for limit in (300, full // 2, full - 8):
+        whole = create(server, **body, max_output_tokens=limit)
+        final = stream(server, **body, max_output_tokens=limit)[1]
+        for r in (whole, final):  # a text before calls: its logprobs differ (test_logprobs_of_a_text_before_calls)
+            for item, after in zip(r["output"], r["output"][1:]):
+                if item["type"] == "message" and after["type"] == "function_call":
+                    item["content"][0]["logprobs"] = []
+        assert comparable(final["output"]) == comparable(whole["output"]), limit
+        assert (final["status"], final["usage"]["output_tokens"]) == (whole["status"], whole["usage"]["output_tokens"])
+        kinds.add(tuple(item["type"] for item in whole["output"]))
+    if choice == "required":  # a cut inside a call: the calls before it, then its text
+        assert ("function_call", "message") in kinds or ("function_call", "function_call", "message") in kinds, kinds
+    server.wait_idle()
+
+
+def test_logprobs_of_a_text_before_calls(server):
+    """A message followed by function calls: the whole response's logprobs are all the output's (as vLLM's whole
+    response, and chat's logprobs.content); a stream's message is done when the first call begins, so its
+    logprobs are those of the tokens up to there: a prefix."""
+    body = dict(input="weather?", tools=TOOLS, structured_outputs={"choice": [FORCED]}, temperature=0,
+                max_output_tokens=300, **LOGPROBS)
+    whole, final = create(server, **body)["output"], stream(server, **body)[1]["output"]
+    assert [i["type"] for i in whole] == [i["type"] for i in final] == ["message", "function_call", "function_call"]
+    want = chat(server, messages=[{"role": "user", "content": "weather?"}], tools=CHAT_TOOLS, temperature=0,
+                structured_outputs={"choice": [FORCED]}, max_tokens=300, logprobs=True, top_logprobs=1)
+    (lps,), (streamed,) = ([part["logprobs"] for part in r[0]["content"]] for r in (whole, final))
+    assert comparable(lps) == comparable(want["choices"][0]["logprobs"]["content"])
+    assert len(TOLD) < len(streamed) < len(lps) and comparable(streamed) == comparable(lps[:len(streamed)])
+    server.wait_idle()
+
+
+ASK = [{"role": "user", "content": "weather?"}]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["n"],
+          "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}}
+NAMED = ({"type": "function", "name": "get_time"}, {"type": "function", "function": {"name": "get_time"}})
+SHAPES = {  # a Responses body, and the chat body that asks the same (both greedy, logprobs added to both)
+    "text": (dict(input="hello", max_output_tokens=8, ignore_eos=True),
+             dict(messages=[{"role": "user", "content": "hello"}], max_tokens=8, ignore_eos=True)),
+    "instructions": (dict(input=ASK, instructions="Be brief.", max_output_tokens=8),
+                     dict(messages=[{"role": "system", "content": "Be brief."}, *ASK], max_tokens=8)),
+    "json_schema": (dict(input=ASK, text={"format": {"type": "json_schema", "name": "n", "schema": SCHEMA}},
+                         max_output_tokens=60),
+                    dict(messages=ASK, response_format={"type": "json_schema", "json_schema": {"name": "n",
+                                                                                             "schema": SCHEMA}},
+                         max_tokens=60)),
+    "auto": (dict(input=ASK, tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300),
+             dict(messages=ASK, tools=CHAT_TOOLS, structured_outputs={"choice": [FORCED]}, max_tokens=300)),
+    "none": (dict(input=ASK, tools=TOOLS, tool_choice="none", max_output_tokens=8),
+             dict(messages=ASK, tools=CHAT_TOOLS, tool_choice="none", max_tokens=8)),
+    "required": (dict(input=ASK, tools=TOOLS, tool_choice="required", max_output_tokens=80),  # cut in a call
+                 dict(messages=ASK, tools=CHAT_TOOLS, tool_choice="required", max_tokens=80)),
+    "named": (dict(input=ASK, tools=TOOLS, tool_choice=NAMED[0], max_output_tokens=80),
+              dict(messages=ASK, tools=CHAT_TOOLS, tool_choice=NAMED[1], max_tokens=80)),
+    "truncation": (dict(input="x " * 600, truncation="auto", max_output_tokens=5, ignore_eos=True),
+                   dict(messages=[{"role": "user", "content": "x " * 600}], truncate_prompt_tokens=512 - 5,
+                        max_tokens=5, ignore_eos=True)),
+}
+
+
+def answer(message: dict, logprobs: list[dict]) -> dict:
+    """A message's text and calls, and its logprobs where it has text (a response has none to put them on)."""
+    content = message.get("content") or ""
+    return {"content": content, "calls": [[n, a] for n, a in message["calls"]],
+            "logprobs": comparable(logprobs) if content else []}
+
+
+def responses_answer(response: dict) -> dict:
+    """A response's output read as a chat message: its text, its calls, the logprobs of its text."""
+    parts = [part for item in response["output"] if item["type"] == "message" for part in item["content"]]
+    calls = [[c["name"], c["arguments"]] for c in response["output"] if c["type"] == "function_call"]
+    return answer({"content": "".join(p["text"] for p in parts), "calls": calls},
+                  [lp for p in parts for lp in p["logprobs"]])
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_same_answer_as_chat(server, no_blanks, shape):
+    """Each request shape against the chat completion it means, for the same greedy request: the same text,
+    tool calls and logprobs, token counts and finish, whole and streamed (a streamed text before calls has the
+    logprobs up to the first call: test_logprobs_of_a_text_before_calls)."""
+    body, chat_body = SHAPES[shape]
+    bias = {"logit_bias": no_blanks} if shape in ("required", "named") else {}
+    body = {**body, **bias, "temperature": 0, **LOGPROBS}
+    chat_body = {**chat_body, **bias, "temperature": 0, "logprobs": True, "top_logprobs": 1}
+    (choice,), usage = (want := chat(server, **chat_body))["choices"], want["usage"]
+    message = {**choice["message"], "calls": calls_of(choice["message"])}
+    whole = create(server, **body)
+    assert responses_answer(whole) == answer(message, choice["logprobs"]["content"])
+    assert (whole["usage"]["input_tokens"], whole["usage"]["output_tokens"]) == (usage["prompt_tokens"],
+                                                                                usage["completion_tokens"])
+    assert whole["status"] == ("incomplete" if choice["finish_reason"] == "length" else "completed")
+    chunks, content, calls, finish = chat_stream(server, **chat_body)
+    streamed = [lp for ch in chunks for c in ch["choices"] for lp in (c["logprobs"] or {}).get("content") or []]
+    final = stream(server, **body)[1]
+    got, want = responses_answer(final), answer({"content": content, "calls": calls}, streamed)
+    if got["content"] and got["calls"] and final["output"][0]["type"] == "message":  # a text before calls
+        want["logprobs"] = want["logprobs"][:len(got["logprobs"])]
+    assert got == want and finish == choice["finish_reason"]
+    assert (final["usage"]["output_tokens"], final["status"]) == (usage["completion_tokens"], whole["status"])
+    if shape in ("auto", "required", "named"):
+        assert got["calls"], got  # the shape makes calls
+    server.wait_idle()
+
+
 # =========================================================================== reasoning, logprobs
 
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
@@ -369,7 +503,17 @@ BAD = [  # body, param, words the message must have
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "\"web_search\" are not supported"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools", "tools[0].name"),
     ({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": 3}]}, "tools", "tools[0].parameters"),
-    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "tool_choice must be"),
+    ({"input": "x", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools",
+     "\"file_search\" are not supported"),
+    ({"input": "x", "tools": [{"type": "custom", "name": "f"}]}, "tools", "\"custom\" are not supported"),
+    ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice",
+     'type "web_search_preview" is not supported'),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                                    "tools": [{"type": "function", "name": "get_time"}]}},
+     "tool_choice", 'type "allowed_tools" is not supported'),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "custom", "name": "f"}}, "tool_choice",
+     'type "custom" is not supported'),
+    ({"input": "x", "tool_choice": "any"}, "tool_choice", "tool_choice must be"),
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "not one of the tools"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text", "text.format"),

@@ -399,6 +399,59 @@ def test_http_a_prompt_that_ended_the_thought_gives_content(think_server):
     assert msg["reasoning_content"] is None and parse(msg["content"])["tag"] in ("red", "blue"), msg
 
 
+def test_http_reasoning_tokens_are_counted(think_server):
+    """As vLLM's count_reasoning_tokens: the output tokens inside the thought (here the three before </think>;
+    the tag itself not counted) are chat's completion_tokens_details.reasoning_tokens and the Responses API's
+    output_tokens_details.reasoning_tokens, whole and streamed; without a parser chat has no such details."""
+    import httpx
+    end, x = tag_ids(think_server.engine)
+    y, z = (think_server.engine.tokenizer.encode(c)[0] for c in "yz")
+    # each token once (repetition_penalty halves a seen one's biased logit): x, y, z, </think>, then the answer
+    bias = {str(x): 70, str(y): 65, str(z): 60, str(end): 50}
+    same = {"temperature": 0, "logit_bias": bias, "repetition_penalty": 2.0,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    body = {**CHAT, **same, "max_tokens": 60}
+    r = _post(think_server, "/v1/chat/completions", {**body, "return_token_ids": True}).json()
+    ids, usage = r["choices"][0]["token_ids"], r["usage"]
+    assert ids[:4] == [x, y, z, end] and len(ids) > 4, ids
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 3}
+    with httpx.stream("POST", think_server.url + "/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[-1]["usage"] == usage
+    responses = {"input": "hi", **same, "max_output_tokens": 60}
+    whole = _post(think_server, "/v1/responses", responses).json()
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    streamed = _post(think_server, "/v1/responses", {**responses, "stream": True}).text
+    final = json.loads(streamed.rstrip().rpartition("data: ")[2])
+    assert final["type"] == "response.completed" and final["response"]["usage"] == whole["usage"]
+    state = think_server.app.state.server
+    state.reasoning_parser = None
+    try:
+        assert "completion_tokens_details" not in _post(think_server, "/v1/chat/completions", body).json()["usage"]
+    finally:
+        state.reasoning_parser = "deepseek_r1"
+
+
+@pytest.mark.parametrize("name,prompt,tokens,want", [
+    ("deepseek_r1", None, "xx/yy", 2), ("qwen3", None, "xx/yy", 0),  # R1 starts in the thought, qwen3 at <think>
+    ("qwen3", None, "a<xx/y", 2), ("deepseek_r1", None, "<xx/y<z/", 2),  # after </think> all is content
+    ("qwen3", "open", "xx/y", 2), ("deepseek_r1", "ended", "xx/y", 0), ("qwen3", None, "<x<x", 2),
+    ("deepseek_r1", None, "", 0)])
+def test_reasoning_tokens_as_the_parser_splits(name, prompt, tokens, want):
+    """"<" and "/" stand for the <think> and </think> token ids: the tags are not counted, a <think> inside the
+    thought changes nothing, the prompt's state is where counting starts; fed all at once or a token at a time."""
+    from nanoserve.entry import ReasoningParser
+    ids = [{"<": 1, "/": 2}.get(t, 3) for t in tokens]
+    whole, stepped = (ReasoningParser(name, prompt=prompt, think_ids=(1, 2)) for _ in range(2))
+    whole.count(ids)
+    for t in ids:
+        stepped.count([t])
+    assert whole.num_reasoning_tokens == stepped.num_reasoning_tokens == want
+    assert ReasoningParser(name, think_ids=None).num_reasoning_tokens == 0
+
+
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_r1"])
 def test_the_reasoning_parser_starts_where_the_prompt_left_the_thought(name):
     """As the engine's prompt_reasoning says: "open" (a template that opens <think>, as Qwen3-Thinking-2507's)
