@@ -807,6 +807,7 @@ def load_tokenizer(path: str | Path):
 # =========================================================================== sampling
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (EngineConfig's), and what a GPU profile run samples with
+NO_TOKEN = -1  # a result's id where the row's bans, bias and bitmask left no token to sample
 
 
 class SamplingOptions(Protocol):
@@ -831,7 +832,7 @@ class SampleRequest:
     params: SamplingOptions
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet
+    banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet, bad_words
     allowed_token_bitmask: torch.Tensor | None = None  # structured outputs: int32, bit t = token t allowed
     num_output_placeholders: int = 0  # async scheduling: sampled tokens not on the host yet
 
@@ -839,7 +840,8 @@ class SampleRequest:
 @dataclass(slots=True)
 class SamplerOutput:
     """A step's samples where the logits are: the ids (the next step's placeholders read them
-    there) and what results() reads on the host in one copy: the ids, or logprob_rows if asked."""
+    there) and what results() reads on the host in one copy: the ids, or logprob_rows if asked,
+    with NO_TOKEN for a row that had none to sample (its placeholder keeps a valid id)."""
     token_ids: torch.Tensor
     packed: torch.Tensor
     num_logprobs: list[int | None]
@@ -879,7 +881,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
         """logits [rows, vocab] in the model's dtype; every step but a greedy one
         without bias or penalties works on an fp32 copy."""
-        raw = logits
+        raw, none_left = logits, None
         ps = [r.params for r in rows]
         greedy = [p.temperature == 0.0 for p in ps]
         if all(greedy) and not _has_bias_or_bans(rows) and not _has_penalties(ps):
@@ -887,11 +889,17 @@ class Sampler:
             tokens = self.argmax(logits)
         else:
             logits = self._apply_penalties(self._apply_bias_and_bans(logits.float(), rows), rows)
+            if _has_bias_or_bans(rows):  # a row they left all -inf would "sample" id 0: flag it, on the device
+                none_left = logits.amax(dim=-1).isneginf()
             tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
+        ids = tokens if none_left is None else tokens.masked_fill(none_left, NO_TOKEN)
         want = [p.logprobs for p in ps]
         if all(w is None for w in want):
-            return SamplerOutput(tokens, tokens, want)
-        return SamplerOutput(tokens, logprob_rows(raw, tokens, max(w or 0 for w in want)), want)
+            return SamplerOutput(tokens, ids, want)
+        packed = logprob_rows(raw, tokens, max(w or 0 for w in want))
+        if none_left is not None:
+            packed[:, 0] = ids  # the flag rides in the one copy to the host
+        return SamplerOutput(tokens, packed, want)
 
     def _apply_bias_and_bans(self, logits, rows):
         if not _has_bias_or_bans(rows):
@@ -915,8 +923,7 @@ class Sampler:
         if masked:  # structured outputs: unpack each row's bitmask on the device, ban what it does not allow
             idx = to_device(masked, dev)
             words = to_device(torch.stack([rows[i].allowed_token_bitmask for i in masked]), dev)
-            allowed = ((words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1).flatten(1)
-            logits[idx] = logits[idx].masked_fill(allowed[:, :logits.shape[1]] == 0, float("-inf"))
+            logits[idx] = logits[idx].masked_fill(~bitmask_allows(words, logits.shape[1]), float("-inf"))
         return logits
 
     def _apply_penalties(self, logits, rows):
@@ -1010,6 +1017,12 @@ def unpack_logprob_rows(host: list[list[float]]) -> list[TokenLogprobs]:
     k = (len(host[0]) - 3) // 2 if host else 0
     return [TokenLogprobs(int(row[0]), row[1], int(row[2]), [(int(i), v) for v, i in zip(row[3:3 + k], row[3 + k:])])
             for row in host]
+
+
+def bitmask_allows(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A grammar bitmask (int32 [..., ceil(vocab / 32)], bit t of word t // 32: token t) as bool [..., vocab]."""
+    bits = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int32)) & 1
+    return bits.flatten(-2)[..., :vocab_size] == 1
 
 
 def _has_bias_or_bans(rows: list[SampleRequest]) -> bool:
