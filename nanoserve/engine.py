@@ -43,9 +43,9 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner,
-                             SampleRequest, SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, bitmask_allows,
-                             check_tensor_parallel, cudagraph_capture_sizes, init_distributed, load_model, load_tokenizer, log_tensor_parallel,
+from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
+                             SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
+                             cudagraph_capture_sizes, init_distributed, load_model, load_tokenizer, log_tensor_parallel,
                              num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker,
                              select_backend, shard_config, tcp_address)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
@@ -929,16 +929,16 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         pool = _token_bits(p.allowed_token_ids, vocab) if p.allowed_token_ids else (1 << vocab) - 1
         if grammar is not None:  # the bitmask's bytes, little-endian, are the same bits: token t is bit t
-            pool &= int.from_bytes(array("i", GrammarState(grammar).next_token_bitmask().tolist()).tobytes(), "little")
+            words = GrammarState(grammar).next_token_bitmask().tolist()
+            pool &= int.from_bytes(array("i", words).tobytes(), "little")
         if pool & ~_token_bits(itertools.chain(*bans.values()), vocab):
             return
         # named in the request's own words (its structured-output field has a name per API: left out)
         hit = [n for n, ids in bans.items() if pool & _token_bits(ids, vocab)]
-        names = ["allowed_token_ids"] * bool(p.allowed_token_ids) + hit
+        names = ["allowed_token_ids"] * bool(p.allowed_token_ids) + hit or ["structured_outputs"]
         why = " (which holds back EOS and stop_token_ids)" if "min_tokens" in hit else ""
-        raise InvalidInput((names or ["structured_outputs"])[0],
-                           f"{' and '.join(names or ['structured_outputs'])}{why} leave no token to sample as the "
-                           f"first one{' that the structured output allows' if grammar is not None else ''}")
+        raise InvalidInput(names[0], f"{' and '.join(names)}{why} leave no token to sample as the first one"
+                                     f"{' that the structured output allows' if grammar is not None else ''}")
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size

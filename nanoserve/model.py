@@ -923,7 +923,8 @@ class Sampler:
         if masked:  # structured outputs: unpack each row's bitmask on the device, ban what it does not allow
             idx = to_device(masked, dev)
             words = to_device(torch.stack([rows[i].allowed_token_bitmask for i in masked]), dev)
-            logits[idx] = logits[idx].masked_fill(~bitmask_allows(words, logits.shape[1]), float("-inf"))
+            allowed = ((words[:, :, None] >> torch.arange(32, device=dev, dtype=torch.int32)) & 1).flatten(1)
+            logits[idx] = logits[idx].masked_fill(allowed[:, :logits.shape[1]] == 0, float("-inf"))
         return logits
 
     def _apply_penalties(self, logits, rows):
@@ -1017,12 +1018,6 @@ def unpack_logprob_rows(host: list[list[float]]) -> list[TokenLogprobs]:
     k = (len(host[0]) - 3) // 2 if host else 0
     return [TokenLogprobs(int(row[0]), row[1], int(row[2]), [(int(i), v) for v, i in zip(row[3:3 + k], row[3 + k:])])
             for row in host]
-
-
-def bitmask_allows(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """A grammar bitmask (int32 [..., ceil(vocab / 32)], bit t of word t // 32: token t) as bool [..., vocab]."""
-    bits = (words[..., None] >> torch.arange(32, device=words.device, dtype=torch.int32)) & 1
-    return bits.flatten(-2)[..., :vocab_size] == 1
 
 
 def _has_bias_or_bans(rows: list[SampleRequest]) -> bool:
