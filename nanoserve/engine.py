@@ -28,10 +28,12 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
 import weakref
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterable, Sequence
@@ -41,7 +43,7 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve import cpu_backend
-from nanoserve.model import (MAX_LOGPROBS, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
+from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
                              cudagraph_capture_sizes, init_distributed, load_model, load_tokenizer, log_tensor_parallel,
                              num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker,
@@ -51,6 +53,7 @@ from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sched
 logger = logging.getLogger("nanoserve.engine")
 
 _SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this is greedy
+_FP32_MAX = torch.finfo(torch.float32).max  # the sampler adds logit_bias to fp32 logits
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is dead: /health 503, the server exits
 
 
@@ -143,8 +146,10 @@ class SamplingParams:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except (TypeError, ValueError, AttributeError):
                 raise InvalidInput("logit_bias", "logit_bias must map token ids to numbers") from None
-            if not all(_is_num(v) for v in self.logit_bias.values()):
-                raise InvalidInput("logit_bias", "logit_bias values must be numbers, not NaN")
+            # +inf (or past fp32's range) would turn a row into NaN, which samples garbage; -inf bans the token
+            if not all(_is_num(v) and (v == -math.inf or abs(v) <= _FP32_MAX) for v in self.logit_bias.values()):
+                raise InvalidInput("logit_bias", "logit_bias values must be numbers within fp32's range, or -inf "
+                                                 "(a ban); not NaN or +inf")
         self._verify()
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
@@ -202,6 +207,15 @@ class SamplingParams:
                 bad("truncate_prompt_tokens", "None, -1 (max_model_len) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
+
+
+def _token_bits(token_ids: Iterable[int], vocab_size: int) -> int:
+    """Token ids as one int's bits (bit t: token t), to intersect sets of the vocabulary's size at once."""
+    bits = bytearray((vocab_size + 7) // 8)
+    for t in token_ids:
+        if t < vocab_size:  # a tokenizer's id past the model's vocabulary is never sampled anyway
+            bits[t >> 3] |= 1 << (t & 7)
+    return int.from_bytes(bits, "little")
 
 
 def _is_num(x: Any) -> bool:
@@ -898,7 +912,33 @@ class LLMEngine:
                 word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
-        return self.structured_outputs.compile(params.structured_outputs)
+        grammar = self.structured_outputs.compile(params.structured_outputs)
+        self._check_first_token(params, grammar)
+        return grammar
+
+    def _check_first_token(self, p: SamplingParams, grammar: Any) -> None:
+        """Refuse a request whose own fields leave no token to sample at its first step (the sampler would
+        end it there, empty): allowed_token_ids and the grammar's first tokens, less the bans that hold from
+        the start. Dead ends that come later (a finished grammar under min_tokens) end it where they come."""
+        bans = {"bad_words": [w[0] for w in self._bad_words_token_ids(p.bad_words) if len(w) == 1],
+                "logit_bias": [t for t, b in (p.logit_bias or {}).items() if b == -math.inf],
+                "min_tokens": p.stop_token_ids + ([] if p.ignore_eos else list(self.eos_token_ids))
+                if p.min_tokens else []}
+        if not any(bans.values()) and not (p.allowed_token_ids and grammar is not None):
+            return
+        vocab = self.model_config.vocab_size
+        pool = _token_bits(p.allowed_token_ids, vocab) if p.allowed_token_ids else (1 << vocab) - 1
+        if grammar is not None:  # the bitmask's bytes, little-endian, are the same bits: token t is bit t
+            words = GrammarState(grammar).next_token_bitmask().tolist()
+            pool &= int.from_bytes(array("i", words).tobytes(), "little")
+        if pool & ~_token_bits(itertools.chain(*bans.values()), vocab):
+            return
+        # named in the request's own words (its structured-output field has a name per API: left out)
+        hit = [n for n, ids in bans.items() if pool & _token_bits(ids, vocab)]
+        names = ["allowed_token_ids"] * bool(p.allowed_token_ids) + hit or ["structured_outputs"]
+        why = " (which holds back EOS and stop_token_ids)" if "min_tokens" in hit else ""
+        raise InvalidInput(names[0], f"{' and '.join(names)}{why} leave no token to sample as the first one"
+                                     f"{' that the structured output allows' if grammar is not None else ''}")
 
     def _check_token_ids(self, param: str, token_ids: Sequence[int]) -> None:
         vocab = self.model_config.vocab_size
@@ -1098,10 +1138,13 @@ class LLMEngine:
             req, result = s.request, next(sampled)
             if req.is_finished:  # aborted while the step ran (or, async, finished by the step before)
                 continue
-            self._append_token(req, result, now)
-            if req.grammar is not None:
-                req.grammar.accept(result.token_id)
-            status = self._check_stop(req)
+            if result.token_id == NO_TOKEN:
+                status = self._end_without_token(req)
+            else:
+                self._append_token(req, result, now)
+                if req.grammar is not None:
+                    req.grammar.accept(result.token_id)
+                status = self._check_stop(req)
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
@@ -1169,6 +1212,18 @@ class LLMEngine:
             self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _end_without_token(self, req: Request) -> RequestStatus:
+        """The sampler found no token this request may sample (its bans, bias, allowed_token_ids and
+        grammar left none): it stops where it is, as vLLM ends a finished grammar that min_tokens holds
+        open, rather than emit a token nothing allowed. stop_reason None: no stop string or token did it."""
+        done = req.grammar is not None and req.grammar.matcher.is_completed()  # the grammar's end: expected
+        (logger.debug if done else logger.warning)(
+            "[engine] %s: no token is left to sample after %d output tokens (%s); it stops there",
+            req.request_id, len(req.output_token_ids), "its structured output is complete" if done else
+            "allowed_token_ids, bad_words, logit_bias, min_tokens and its structured output leave none")
+        self._flush_text(req, None)
+        return RequestStatus.FINISHED_STOPPED
 
     @staticmethod
     def _flush_text(req: Request, last_token: int | None) -> None:

@@ -807,6 +807,7 @@ def load_tokenizer(path: str | Path):
 # =========================================================================== sampling
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (EngineConfig's), and what a GPU profile run samples with
+NO_TOKEN = -1  # a result's id where the row's bans, bias and bitmask left no token to sample
 
 
 class SamplingOptions(Protocol):
@@ -831,7 +832,7 @@ class SampleRequest:
     params: SamplingOptions
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet
+    banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet, bad_words
     allowed_token_bitmask: torch.Tensor | None = None  # structured outputs: int32, bit t = token t allowed
     num_output_placeholders: int = 0  # async scheduling: sampled tokens not on the host yet
 
@@ -839,7 +840,8 @@ class SampleRequest:
 @dataclass(slots=True)
 class SamplerOutput:
     """A step's samples where the logits are: the ids (the next step's placeholders read them
-    there) and what results() reads on the host in one copy: the ids, or logprob_rows if asked."""
+    there) and what results() reads on the host in one copy: the ids, or logprob_rows if asked,
+    with NO_TOKEN for a row that had none to sample (its placeholder keeps a valid id)."""
     token_ids: torch.Tensor
     packed: torch.Tensor
     num_logprobs: list[int | None]
@@ -879,7 +881,7 @@ class Sampler:
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
         """logits [rows, vocab] in the model's dtype; every step but a greedy one
         without bias or penalties works on an fp32 copy."""
-        raw = logits
+        raw, none_left = logits, None
         ps = [r.params for r in rows]
         greedy = [p.temperature == 0.0 for p in ps]
         if all(greedy) and not _has_bias_or_bans(rows) and not _has_penalties(ps):
@@ -887,11 +889,17 @@ class Sampler:
             tokens = self.argmax(logits)
         else:
             logits = self._apply_penalties(self._apply_bias_and_bans(logits.float(), rows), rows)
+            if _has_bias_or_bans(rows):  # a row they left all -inf would "sample" id 0: flag it, on the device
+                none_left = logits.amax(dim=-1).isneginf()
             tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
+        ids = tokens if none_left is None else tokens.masked_fill(none_left, NO_TOKEN)
         want = [p.logprobs for p in ps]
         if all(w is None for w in want):
-            return SamplerOutput(tokens, tokens, want)
-        return SamplerOutput(tokens, logprob_rows(raw, tokens, max(w or 0 for w in want)), want)
+            return SamplerOutput(tokens, ids, want)
+        packed = logprob_rows(raw, tokens, max(w or 0 for w in want))
+        if none_left is not None:
+            packed[:, 0] = ids  # the flag rides in the one copy to the host
+        return SamplerOutput(tokens, packed, want)
 
     def _apply_bias_and_bans(self, logits, rows):
         if not _has_bias_or_bans(rows):

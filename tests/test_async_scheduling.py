@@ -183,6 +183,23 @@ def test_requests_that_need_the_host_land_first(model, monkeypatch):
     assert overlapped(asyn) >= 5  # once they finished, the plain request ran ahead
 
 
+def test_requests_left_without_a_token_end_alike(model):
+    """A request its constraints leave without a token (a finished grammar under min_tokens;
+    allowed_token_ids whose next token completes a bad word) stops in the step that finds it, in
+    both modes; the requests that run ahead beside it get the normal mode's tokens."""
+    pytest.importorskip("xgrammar")
+    tok = make(model, False).get_tokenizer()
+    (x,) = tok.encode("x", add_special_tokens=False)
+    stuck = [SamplingParams(temperature=0, max_tokens=9, min_tokens=7, structured_outputs={"json": {"enum": ["a"]}}),
+             SamplingParams(temperature=1.0, seed=2, max_tokens=8, allowed_token_ids=[x], bad_words=["xx"])]
+    plain = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1),
+             SamplingParams(temperature=1.0, seed=6, max_tokens=20, ignore_eos=True)]
+    a, b, asyn = both(model, TEXTS, stuck + plain)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in a[:2]] == \
+        [(tok.encode('"a"', add_special_tokens=False), "stop"), ([x], "stop")]
+    assert overlapped(asyn) >= 5  # once they ended, the plain ones ran ahead
+
+
 def test_chunked_prefill_arrivals_and_aborts(model):
     """The engine driven by hand, as the server does: requests arrive and are
     aborted between steps, prompts prefill in chunks of 16 tokens. The aborted

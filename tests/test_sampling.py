@@ -19,15 +19,17 @@ by one that makes token j win iff its final probability is > 0.
 """
 from __future__ import annotations
 
+import logging
 import math
+import re
 
 import pytest
 import torch
 
 from conftest import VOCAB, hf_model
-from nanoserve import LLM, SamplingParams, kernels
+from nanoserve import LLM, SamplingParams, StructuredOutputsParams, kernels
 from nanoserve.engine import Request
-from nanoserve.model import SampleRequest, Sampler, apply_top_k_top_p
+from nanoserve.model import NO_TOKEN, SampleRequest, Sampler, apply_top_k_top_p
 
 try:
     from scipy.stats import chi2 as _scipy_chi2
@@ -177,6 +179,34 @@ def test_logit_bias_decides_greedy_and_sampled_tokens():
     banned = int(logits[0].argmax())  # a bias of -inf bans the argmax
     out = Sampler()(logits[:1].clone(), [row(SamplingParams(temperature=0, logit_bias={banned: -math.inf}))])
     assert out[0].token_id != banned
+
+
+def test_a_row_left_without_a_token_is_flagged_not_given_id_0():
+    """Rows whose bans cover their allowed_token_ids, whose bitmask allows only a banned token, or
+    whose bias is -inf everywhere come back NO_TOKEN, greedy or sampled, with logprobs or not; their
+    ids on the device (the next step's input under async scheduling) stay real ids. The rows beside
+    them sample what they sample without them."""
+    V = 40
+    logits = rand_logits(6, V, seed=11)
+    only_5 = torch.tensor([1 << 5, 0], dtype=torch.int32)  # a grammar's bitmask: token 5 alone
+    stuck = [row(SamplingParams(temperature=0, allowed_token_ids=[3, 4]), banned=[3, 4]),
+             SampleRequest(SamplingParams(temperature=1.0, seed=2, logprobs=2), [], [], [5], only_5),
+             row(SamplingParams(temperature=0.7, logit_bias={t: -math.inf for t in range(V)}))]
+    fine = [row(SamplingParams(temperature=0, logprobs=1)), row(SamplingParams(temperature=1.0, seed=9), banned=[7]),
+            row(SamplingParams(temperature=0, allowed_token_ids=[3, 4]))]
+    for with_logprobs in (True, False):
+        if not with_logprobs:
+            fine[0], stuck[1] = row(SamplingParams(temperature=0)), SampleRequest(
+                SamplingParams(temperature=1.0, seed=2), [], [], [5], only_5)
+        out = Sampler().sample(logits.clone(), [fine[0], stuck[0], fine[1], stuck[1], fine[2], stuck[2]])
+        got = out.results()
+        assert [got[i].token_id for i in (1, 3, 5)] == [NO_TOKEN] * 3
+        assert bool(((out.token_ids >= 0) & (out.token_ids < V)).all())
+        alone = Sampler()(logits[[0, 2, 4]].clone(), fine)
+        assert [r.token_id for r in alone] == [got[i].token_id for i in (0, 2, 4)]
+        assert (alone[0].logprob is None) == (not with_logprobs)
+        if with_logprobs:
+            assert got[0].logprob == pytest.approx(alone[0].logprob) and len(got[0].top_logprobs) == 1
 
 
 @pytest.mark.parametrize("backend", ["torch", "c"])
@@ -502,6 +532,85 @@ def test_seeded_sampling_same_under_chunked_prefill(tiny_model, llm):
     assert got[1] == tokens(llm, [PROMPT], OTHER_SEEDED)[0]
 
 
+# =========================================================================== no token left to sample
+
+EOS = 0  # conftest: the config's eos_token_id and the tokenizer's <|endoftext|>
+
+
+def one_token(llm, word: str) -> int:
+    (t,) = llm.get_tokenizer().encode(word, add_special_tokens=False)
+    return t
+
+
+def test_a_request_its_constraints_leave_without_a_token_stops_there(llm, caplog):
+    """Where the constraints leave nothing to sample after some tokens, the request ends there with
+    finish_reason "stop" (stop_reason None: no stop string or token did it), never with a token they
+    ban: a finished grammar under min_tokens (EOS held back: the grammar wins), allowed_token_ids
+    whose next token would complete a bad word, a grammar whose next token is a bad word. Greedy,
+    seeded, with logprobs; the requests in the same batch get what they get alone."""
+    x = one_token(llm, "x")
+    enum_a = StructuredOutputsParams(json={"enum": ["a"]})
+    quoted_a = llm.get_tokenizer().encode('"a"', add_special_tokens=False)
+    stuck = [  # (params, the output's tokens)
+        (SamplingParams(temperature=0, max_tokens=9, min_tokens=6, structured_outputs=enum_a), quoted_a),
+        (SamplingParams(temperature=1.0, seed=4, max_tokens=9, min_tokens=9, logprobs=1, structured_outputs=enum_a),
+         quoted_a),
+        (SamplingParams(temperature=0, max_tokens=8, allowed_token_ids=[x], bad_words=["xx"]), [x]),
+        (SamplingParams(temperature=0.8, seed=1, max_tokens=8, allowed_token_ids=[x], bad_words=["xx"], logprobs=2),
+         [x]),
+        (SamplingParams(temperature=0, max_tokens=8, bad_words=["a"], structured_outputs=StructuredOutputsParams(
+            choice=["xa"])), [x]),
+    ]
+    neighbours = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1),
+                  SamplingParams(temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)]
+    alone = llm.generate([PROMPT, "def main():"], neighbours, use_tqdm=False)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.engine"):
+        outs = llm.generate([PROMPT] + ["hello"] * len(stuck) + ["def main():"],
+                            [neighbours[0]] + [p for p, _ in stuck] + [neighbours[1]], use_tqdm=False)
+    for out, (p, want) in zip(outs[1:-1], stuck):
+        (c,) = out.outputs
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == (want, "stop", None), p
+        assert c.text == llm.get_tokenizer().decode(want) and (c.logprobs is None or len(c.logprobs) == len(want))
+    for a, b in zip(alone, [outs[0], outs[-1]]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].text == b.outputs[0].text
+    # the unexpected dead ends say why in the log; a grammar that has ended is no news
+    assert len([r for r in caplog.records if "no token is left to sample" in r.message]) == 3
+    assert not llm.engine.has_unfinished_requests() and llm.stats()["num_free_blocks"] == 96
+
+
+def test_constraints_that_leave_no_first_token_are_refused_naming_them(llm):
+    """Knowable from the request: a ValueError naming the fields (param: the first), before anything
+    is queued. Near misses are served."""
+    x, hello = one_token(llm, "x"), one_token(llm, "hello")
+    yes_no = StructuredOutputsParams(choice=["yes", "no"])
+    refused = [
+        (dict(allowed_token_ids=[hello], bad_words=["hello"]), "allowed_token_ids and bad_words leave"),
+        (dict(allowed_token_ids=[EOS], min_tokens=2), "allowed_token_ids and min_tokens (which holds back EOS"),
+        (dict(allowed_token_ids=[x, 7], stop_token_ids=[7], min_tokens=1, logit_bias={x: -math.inf}),
+         "allowed_token_ids and logit_bias and min_tokens"),
+        (dict(allowed_token_ids=[hello, x], bad_words=["hello", "x"], min_tokens=1),  # min_tokens bans neither
+         "allowed_token_ids and bad_words leave"),
+        (dict(min_tokens=1, logit_bias={t: -math.inf for t in range(1, VOCAB)}), "logit_bias and min_tokens"),
+        (dict(allowed_token_ids=[x], structured_outputs=yes_no),
+         "allowed_token_ids leave no token to sample as the first one that the structured output allows"),
+        (dict(allowed_token_ids=[x, EOS], structured_outputs=StructuredOutputsParams(regex="x?"), bad_words=["x"],
+              min_tokens=1), "allowed_token_ids and bad_words and min_tokens"),
+    ]
+    for kw, message in refused:
+        with pytest.raises(ValueError, match=re.escape(message)) as e:
+            llm.generate([PROMPT, "ok"], [SamplingParams(max_tokens=2), SamplingParams(max_tokens=4, **kw)],
+                         use_tqdm=False)
+        assert e.value.param == message.split()[0]
+        assert not llm.engine.has_unfinished_requests()
+    served = [dict(allowed_token_ids=[hello, x], bad_words=["hello"]),  # x is left
+              dict(allowed_token_ids=[EOS], min_tokens=1, ignore_eos=True),  # EOS is not held back
+              dict(allowed_token_ids=[x, EOS], min_tokens=1, structured_outputs=StructuredOutputsParams(regex="x?")),
+              dict(allowed_token_ids=[x], logit_bias={x: -1e30})]  # a bias in fp32's range is no ban
+    for kw in served:
+        (c,) = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=3, **kw), use_tqdm=False)[0].outputs
+        assert c.token_ids and set(c.token_ids) <= set(kw["allowed_token_ids"]), kw
+
+
 # =========================================================================== validation
 
 INVALID = [
@@ -517,7 +626,8 @@ INVALID = [
     ("repetition_penalty", dict(repetition_penalty=0)), ("repetition_penalty", dict(repetition_penalty=-1.0)),
     ("logit_bias", dict(logit_bias={"a": 1.0})), ("logit_bias", dict(logit_bias={1: "x"})),
     ("logit_bias", dict(logit_bias={1: None})), ("logit_bias", dict(logit_bias=[1, 2])),
-    ("logit_bias", dict(logit_bias={1: math.nan})),
+    ("logit_bias", dict(logit_bias={1: math.nan})), ("logit_bias", dict(logit_bias={1: math.inf})),
+    ("logit_bias", dict(logit_bias={1: 1e39})), ("logit_bias", dict(logit_bias={1: -1e39})),
     ("stop", dict(stop="")), ("stop", dict(stop=[""])), ("stop", dict(stop=["ok", ""])),
     ("stop", dict(stop=[1])),
     ("stop", dict(stop=5)),
@@ -542,7 +652,7 @@ def test_invalid_sampling_params_name_the_parameter(name, kw):
 def test_valid_edges_are_accepted():
     for kw in (dict(n=3), dict(temperature=0), dict(top_p=1.0), dict(top_k=-1), dict(top_k=0),
                dict(min_p=1.0), dict(presence_penalty=-2, frequency_penalty=2), dict(repetition_penalty=0.1),
-               dict(logit_bias={"5": "1.5"}), dict(stop="x"), dict(stop_token_ids=[0]), dict(max_tokens=None),
+               dict(logit_bias={"5": "1.5"}), dict(logit_bias={5: -math.inf, 6: -3e38}), dict(stop="x"), dict(stop_token_ids=[0]), dict(max_tokens=None),
                dict(min_tokens=4, max_tokens=4), dict(logprobs=0), dict(logprobs=20), dict(seed=-5)):
         SamplingParams(**kw)
     assert SamplingParams(logit_bias={"5": "1.5"}).logit_bias == {5: 1.5}

@@ -206,6 +206,56 @@ def test_http_bad_constraints_are_400s_naming_them(server, field, value, param):
     _check_error(_post(server, "/v1/chat/completions", {**CHAT, field: value}), 400, param)
 
 
+def _streamed(server, path: str, body: dict) -> tuple[str, list[int], str, dict]:
+    """A stream's text (or content), token ids (return_token_ids), last finish_reason and usage."""
+    import httpx
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True, "stream_options": {
+            "include_usage": True}}, timeout=120) as r:
+        assert r.status_code == 200
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    text = "".join(c.get("text") or c.get("delta", {}).get("content") or "" for c in choices)
+    return text, [t for c in choices for t in c.get("token_ids") or []], choices[-1]["finish_reason"], \
+        chunks[-1]["usage"]
+
+
+def test_http_a_request_left_without_a_token_stops_there(server):
+    """Over HTTP, streamed and not: a grammar that has ended under min_tokens (chat), and
+    allowed_token_ids whose next token would complete a bad word (completions), end with "stop"
+    and only the tokens they allow: no EOS (id 0) before min_tokens, no token outside the list."""
+    tok = server.engine.tokenizer
+    (x,) = tok.encode("x", add_special_tokens=False)
+    enum_a = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["a"]}}}
+    cases = [("/v1/chat/completions", {**CHAT, "temperature": 0, "max_tokens": 10, "min_tokens": 8,
+                                       "response_format": enum_a}, tok.encode('"a"', add_special_tokens=False)),
+             ("/v1/completions", {"prompt": "hello", "temperature": 0, "max_tokens": 8, "allowed_token_ids": [x],
+                                  "bad_words": ["xx"]}, [x])]
+    for path, body, want in cases:
+        r = _post(server, path, {**body, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if "message" in choice else choice["text"]
+        got = (text, choice["token_ids"], choice["finish_reason"], r.json()["usage"]["completion_tokens"])
+        assert got == (tok.decode(want), want, "stop", len(want)), path
+        text, ids, finish, usage = _streamed(server, path, {**body, "return_token_ids": True})
+        assert (text, ids, finish, usage["completion_tokens"]) == got, path
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": "x", "bad_words": ["x"]}),
+    ("/v1/completions", {"prompt": "hi", "allowed_token_ids": [0], "min_tokens": 2}),
+    ("/v1/chat/completions", {**CHAT, "allowed_token_ids": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "a", "schema": {"enum": ["a"]}}}}),
+])
+def test_http_constraints_that_leave_no_first_token_are_400s(server, path, body):
+    from test_server import _check_error
+    if body["allowed_token_ids"] == "x":
+        body = {**body, "allowed_token_ids": server.engine.tokenizer.encode("x", add_special_tokens=False)}
+    err = _check_error(_post(server, path, body), 400, "allowed_token_ids")
+    assert "leave no token to sample" in err["message"]
+    assert server.engine.stats()["num_running"] == server.engine.stats()["num_waiting"] == 0
+
+
 def test_a_slow_compile_does_not_hold_up_other_requests(server, monkeypatch):
     """A grammar compiles on a thread of its own: a request without one is tokenized and
     answered while a large constraint is still compiling."""

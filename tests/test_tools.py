@@ -823,7 +823,7 @@ def test_reasoning_parser_without_a_closing_tag(server, monkeypatch):
     named = {"type": "function", "function": {"name": "get_weather"}}
     (choice,) = chat(server, tools=TOOLS, tool_choice=named, max_tokens=300)["choices"]
     (call,) = choice["message"]["tool_calls"]
-    assert choice["message"]["reasoning_content"] is None and json.loads(call["function"]["arguments"])
+    assert choice["message"]["reasoning_content"] is None and parse(call["function"]["arguments"])
     monkeypatch.setattr(state, "reasoning_parser", "qwen3")
     for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
         (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300, **kwargs)["choices"]
