@@ -235,13 +235,16 @@ class BlockManager:
         are written. Their KV is written in this step before any attention reads
         it (store_kvcache runs before attention in every layer), so a request
         scheduled later in the same step may already hit them."""
+        hashes = self.req_hashes.setdefault(request_id, [])
+        num_full = min(num_tokens, len(token_ids)) // self.block_size
+        if num_full <= len(hashes):  # most decode steps: no block filled up
+            return
         salt = self.req_salts.get(request_id)
         if not self._caches(salt):
             return
-        hashes = self.req_hashes.setdefault(request_id, [])
         table = self.req_to_blocks[request_id]
         bs = self.block_size
-        for i in range(len(hashes), min(num_tokens, len(token_ids)) // bs):
+        for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else _salt_hash(salt)
             h = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
             hashes.append(h)
