@@ -461,10 +461,10 @@ class Request:
         banned: list[int] = []
         if len(self.output_token_ids) + self.num_output_placeholders < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
-        out = self.output_token_ids
-        # bad_words: a word's last token is banned once the output ends in the rest of it
-        banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
-                   (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
+        if self.bad_words_token_ids:  # a word's last token is banned once the output ends in the rest of it
+            out = self.output_token_ids
+            banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
+                       (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
         allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
         return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
                              self.num_output_placeholders)
@@ -473,9 +473,9 @@ class Request:
         """The prompt tokens whose logprobs a chunk of ``num_new_tokens`` from
         ``start`` computes (its row at position p predicts token p + 1); None when
         none are asked for or all are known (a preempted request recomputing)."""
-        n = self.num_prompt_tokens
-        if not self.skip_reading_prefix_cache or len(self.prompt_logprobs) >= n:
+        if not self.skip_reading_prefix_cache or len(self.prompt_logprobs) >= self.num_prompt_tokens:
             return None
+        n = self.num_prompt_tokens
         return self.prompt_token_ids[start + 1:min(start + num_new_tokens, n - 1) + 1] or None
 
 
