@@ -1056,8 +1056,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
 
 def host_ints(values: Iterable[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """A 1-D host tensor of Python ints by way of the stdlib's array: several
-    times faster than torch.tensor, which converts a list element by element."""
-    data = array({torch.int64: "q", torch.int32: "i"}[dtype], values)
+    times faster than torch.tensor, which converts a list element by element.
+    (array() grows item by item from an iterator, but sizes itself once from a list.)"""
+    data = array({torch.int64: "q", torch.int32: "i"}[dtype], values if isinstance(values, list) else list(values))
     return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
 
 
@@ -1345,15 +1346,17 @@ class ModelRunner:
         """Rewrite only the buffer's rows whose table changed since they were last
         written (a decoding row gains a block every block_size steps), and only the
         columns in use: kernels never read a table past a sequence's own blocks, and
-        what an earlier step left there is a valid id."""
-        changed = [i for i, t in enumerate(tables) if t != self.written_tables[i]]
+        what an earlier step left there is a valid id. The block manager never changes a
+        table in place, so the same list is the same table: an unchanged row's ids go unread."""
+        written = self.written_tables
+        changed = [i for i, t in enumerate(tables) if t is not written[i] and t != written[i]]
         if not changed:
             return
         new = block_table_tensor([tables[i] for i in changed])
         self.static["block_tables"][to_device(host_ints(changed), self.device), :new.shape[1]] = \
             to_device(new, self.device)
         for i in changed:
-            self.written_tables[i] = list(tables[i])  # a copy, so no caller can change what we compare against
+            written[i] = tables[i]
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
