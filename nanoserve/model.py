@@ -1274,15 +1274,17 @@ class ModelRunner:
         launch shape (the Triton split-KV count among them) depends on the
         batch size alone."""
         dev, cfg = self.device, self.model.config
+        # input_ids, positions and slot_mapping: the rows of one buffer, which a step fills in one
+        # copy (every torch op costs the host microseconds, and a launch on a GPU)
+        self.static_token_inputs = torch.tensor([[0], [0], [-1]], device=dev).repeat(1, max_bs)
         self.static = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.long, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.long, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            input_ids=self.static_token_inputs[0], positions=self.static_token_inputs[1],
+            slot_mapping=self.static_token_inputs[2],
             block_tables=torch.zeros(max_bs, max_blocks, dtype=torch.int32, device=dev),
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         )
-        self.written_tables: list[list[int]] = [[0]] * max_bs  # what block_tables' rows hold (a copy, on the host)
+        self.written_tables: list[list[int]] = [[0]] * max_bs  # the tables block_tables' rows hold (on the host)
         self.static_hidden = torch.zeros(max_bs, cfg.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
                                          device=dev)
 
@@ -1328,13 +1330,13 @@ class ModelRunner:
         b, pad, size = self.static, bs - n, self.block_size
         positions = [s.start for s in seqs]
         slots = [kvcache.slot(s.block_table, p, size) for s, p in zip(seqs, positions)]  # one token a row: on lists
-        # each buffer's values and padding: one host tensor for all, then host -> device copies
-        # into the buffers' fixed addresses
-        rows = {"input_ids": ([s.token_ids[0] for s in seqs], 0), "positions": (positions, 0),
-                "slot_mapping": (slots, -1), "seq_lens": ([p + 1 for p in positions], 1)}
-        host = host_ints(itertools.chain.from_iterable(v + [fill] * pad for v, fill in rows.values()))
-        for name, row in zip(rows, to_device(host, self.device).view(len(rows), bs)):
-            b[name][:bs].copy_(row)
+        # input_ids, positions, slot_mapping and seq_lens with their padding: one host tensor, then
+        # one copy into the buffers' fixed addresses for the first three (one buffer) and one for seq_lens
+        rows = [([s.token_ids[0] for s in seqs], 0), (positions, 0), (slots, -1), ([p + 1 for p in positions], 1)]
+        host = to_device(host_ints(itertools.chain.from_iterable(v + [fill] * pad for v, fill in rows)),
+                         self.device).view(len(rows), bs)
+        self.static_token_inputs[:, :bs].copy_(host[:3])
+        b["seq_lens"][:bs].copy_(host[3])
         self._write_prev_sampled(b["input_ids"], seqs)
         self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
         if bs in self.graphs:
