@@ -327,24 +327,12 @@ class IncrementalDetokenizer:
         self.backend = _rust_tokenizer(tokenizer)
         self.stream = None if self.backend is None else self._decode_stream()
 
-    def step(self, new_token_ids: Iterable[int]) -> str:
-        text = ""
-        for token_id in new_token_ids:
-            self.ids.append(token_id)
-            text += self._next()
-        return text
-
-    def flush(self) -> str:
-        """At the end: whatever is still held back, incomplete character and all."""
-        prefix, full = self._window()
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return full[len(prefix):]
-
-    def _next(self) -> str:
-        """The text the last token completes, if any."""
+    def step(self, token_id: int) -> str:
+        """The text the new token completes, if any."""
+        self.ids.append(token_id)
         if self.stream is not None:
             try:
-                piece = self.stream.step(self.backend, self.ids[-1])
+                piece = self.stream.step(self.backend, token_id)
             except Exception:  # noqa: BLE001 - its only error: a window whose text changed under it
                 self.stream = None
             else:
@@ -355,6 +343,12 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back, incomplete character and all."""
+        prefix, full = self._window()
+        self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):]
 
     def _decode_stream(self):
@@ -1205,7 +1199,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         prev_len = len(req.text)
         if req.detokenizer is not None:
-            req.text += req.detokenizer.step([token])
+            req.text += req.detokenizer.step(token)
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
@@ -1230,7 +1224,8 @@ class LLMEngine:
         """Add the last token's text (if kept) and flush what the detokenizer held
         back waiting for the rest of a UTF-8 character that will never come."""
         if req.detokenizer is not None:
-            req.text += req.detokenizer.step([] if last_token is None else [last_token])
+            if last_token is not None:
+                req.text += req.detokenizer.step(last_token)
             req.text += req.detokenizer.flush()
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:

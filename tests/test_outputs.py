@@ -205,7 +205,7 @@ def test_delta_outputs_of_n_children_add_up(llm):
 def _deltas(tok, ids, prompt_ids=()):
     """One delta per token, then the flush the engine does when the request finishes."""
     detok = IncrementalDetokenizer(tok, list(prompt_ids), skip_special_tokens=True)
-    return [detok.step([t]) for t in ids] + [detok.flush()]
+    return [detok.step(t) for t in ids] + [detok.flush()]
 
 
 @pytest.mark.parametrize("text", MULTIBYTE + [TEXT], ids=["zh-emoji", "emoji", "latin-math", "zh-mixed", "text"])
@@ -273,7 +273,7 @@ def test_decode_stream_deltas_equal_the_windows(tok, tmp_path, name):
         fast, window = IncrementalDetokenizer(tokenizer, prompt, skip), IncrementalDetokenizer(tokenizer, prompt, skip)
         window.stream = None
         started = fast.stream is not None
-        assert [fast.step([t]) for t in ids] + [fast.flush()] == [window.step([t]) for t in ids] + [window.flush()]
+        assert [fast.step(t) for t in ids] + [fast.flush()] == [window.step(t) for t in ids] + [window.flush()]
         streamed += fast.stream is not None
         refused += started and fast.stream is None
     assert streamed > 200 and (refused > 0) == (name == "llama-style"), (streamed, refused)
