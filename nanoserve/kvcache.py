@@ -210,7 +210,7 @@ class BlockManager:
         unused = len(self.req_to_blocks[request_id]) * self.block_size - num_tokens
         self.unused_slots += unused - self.req_unused.get(request_id, 0)
         self.req_unused[request_id] = unused
-        used = self.num_blocks - self.num_free_blocks
+        used = self.num_blocks - len(self.free_blocks)
         if used >= self.peak_used_blocks:
             self.peak_used_blocks, self.unused_slots_at_peak = used, self.unused_slots
 
@@ -235,13 +235,13 @@ class BlockManager:
         are written. Their KV is written in this step before any attention reads
         it (store_kvcache runs before attention in every layer), so a request
         scheduled later in the same step may already hit them."""
-        hashes = self.req_hashes.setdefault(request_id, [])
         num_full = min(num_tokens, len(token_ids)) // self.block_size
-        if num_full <= len(hashes):  # most decode steps: no block filled up
+        if num_full <= len(self.req_hashes.get(request_id, ())):  # most decode steps: no block filled up
             return
         salt = self.req_salts.get(request_id)
         if not self._caches(salt):
             return
+        hashes = self.req_hashes.setdefault(request_id, [])
         table = self.req_to_blocks[request_id]
         bs = self.block_size
         for i in range(len(hashes), num_full):
