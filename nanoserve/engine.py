@@ -209,6 +209,11 @@ class SamplingParams:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
 
 
+def held_back_by_min_tokens(p: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
+    """The ids min_tokens bans until it is reached: stop_token_ids, and EOS unless ignore_eos."""
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
+
+
 def _token_bits(token_ids: Iterable[int], vocab_size: int) -> int:
     """Token ids as one int's bits (bit t: token t), to intersect sets of the vocabulary's size at once."""
     bits = bytearray((vocab_size + 7) // 8)
@@ -454,7 +459,7 @@ class Request:
         p = self.sampling_params
         banned: list[int] = []
         if len(self.output_token_ids) + self.num_output_placeholders < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(self.eos_token_ids))
+            banned = held_back_by_min_tokens(p, self.eos_token_ids)
         if self.bad_words_token_ids:  # a word's last token is banned once the output ends in the rest of it
             out = self.output_token_ids
             banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
@@ -916,8 +921,7 @@ class LLMEngine:
         the start. Dead ends that come later (a finished grammar under min_tokens) end it where they come."""
         bans = {"bad_words": [w[0] for w in self._bad_words_token_ids(p.bad_words) if len(w) == 1],
                 "logit_bias": [t for t, b in (p.logit_bias or {}).items() if b == -math.inf],
-                "min_tokens": p.stop_token_ids + ([] if p.ignore_eos else list(self.eos_token_ids))
-                if p.min_tokens else []}
+                "min_tokens": held_back_by_min_tokens(p, self.eos_token_ids) if p.min_tokens else []}
         if not any(bans.values()) and not (p.allowed_token_ids and grammar is not None):
             return
         vocab = self.model_config.vocab_size
