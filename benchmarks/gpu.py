@@ -570,7 +570,7 @@ def part_breakdown(scale: Scale, spec: dict) -> dict:
     # (d) decode attention alone at long contexts: an eager step's block table against a graph's
     cases = ((1, 16384), (16, 4096), (64, 4096)) if dev == "cuda" else ((1, 96), (2, 64))
     res["attention_by_table_width"] = [_attention_by_table_width(runner, dev, n, ctx, scale.bd_reps // 5 or 1)
-                                       for n, ctx in cases if ctx <= runner.max_model_len]
+                                       for n, ctx in cases if ctx <= runner.max_blocks * runner.block_size]
     print(f"[breakdown] attention by table width: {res['attention_by_table_width']}", flush=True)
     return res
 
@@ -589,7 +589,7 @@ def _attention_by_table_width(runner, dev: str, n: int, ctx: int, reps: int) -> 
     width = -(-ctx // block_size)
     k_cache, v_cache = (torch.randn(n * width + 1, *like.shape[1:], dtype=like.dtype, device=dev) for _ in "kv")
     narrow = torch.arange(1, n * width + 1, dtype=torch.int32, device=dev).view(n, width)  # block 0 unused
-    wide = torch.zeros(n, -(-runner.max_model_len // block_size), dtype=torch.int32, device=dev)
+    wide = torch.zeros(n, runner.max_blocks, dtype=torch.int32, device=dev)
     wide[:, :width] = narrow
     query = torch.randn(n, heads, head_dim, dtype=like.dtype, device=dev)
     seq_lens = torch.full((n,), ctx, dtype=torch.int32, device=dev)

@@ -1261,12 +1261,12 @@ class ModelRunner:
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
         self.sampler = Sampler(seed, backend.argmax)
         self.backend = backend
-        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.prev_sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device
         if self.decode_sizes:
-            self._allocate_static_buffers(self.decode_sizes[-1], -(-self.max_model_len // block_size))
+            self._allocate_static_buffers(self.decode_sizes[-1], self.max_blocks)
 
     def _allocate_static_buffers(self, max_bs: int, max_blocks: int) -> None:
         """The decode path's inputs, at fixed addresses (a captured graph reads
@@ -1298,8 +1298,7 @@ class ModelRunner:
             self.model(*dummy_step(cfg, q_lens, self.block_size, self.device), self.kv_caches)
         if self.device.type == "cuda":  # the attention variants longer contexts launch
             attention = self.model.model.layers[0].self_attn
-            self.backend.warm_up(attention.num_heads, *self.kv_caches[0],
-                                 -(-self.max_model_len // self.block_size) * self.block_size)
+            self.backend.warm_up(attention.num_heads, *self.kv_caches[0], self.max_blocks * self.block_size)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
