@@ -128,14 +128,18 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # taken as vLLM's: fast tokenizers decode as they do anyway
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None  # as vLLM's: kept for custom code, read by nothing here
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.seed == -1:  # as vLLM's: -1 asks for a random seed (UIs send it for "regenerate")
+            self.seed = None
         for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
@@ -162,8 +166,8 @@ class SamplingParams:
         _check_int(self, "n")
         if self.n < 1:
             bad("n", ">= 1")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            bad("temperature", "a number >= 0")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= 2:
+            bad("temperature", "in [0, 2]")  # as vLLM's and OpenAI's
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "in (0, 1]")
         _check_int(self, "top_k")
@@ -646,6 +650,9 @@ class EngineConfig:
     # Sampling defaults as vLLM's --generation-config: "auto" takes the model's
     # generation_config.json, "vllm" none (vLLM's own defaults), else a directory.
     generation_config: str = "auto"
+    # As vLLM's --override-generation-config: generation_config.json fields laid over
+    # (also over "vllm"); its max_new_tokens caps every request's max_tokens.
+    override_generation_config: dict[str, Any] | None = None
     # As vLLM's --async-scheduling: schedule and launch step N+1 before step N's
     # sampled ids reach the host (a GPU's win; the outputs are the same).
     async_scheduling: bool = False
@@ -745,7 +752,11 @@ class LLMEngine:
         # normalizers that merge characters (NFKC: 3 Hangul jamo make one syllable).
         self.max_prompt_chars = None if self.tokenizer is None else (
             4 * self.max_model_len * max(1, max(map(len, self.tokenizer.get_vocab()), default=1)))
-        self.default_sampling = generation_defaults(path, config.generation_config)
+        self.default_sampling = generation_defaults(path, config.generation_config, config.override_generation_config)
+        # vLLM's override_max_tokens: a named directory's (or the override's) max_new_tokens caps
+        # a request's max_tokens; the model's own is only the default of a request without one
+        self.override_max_tokens = (config.override_generation_config or {}).get("max_new_tokens") \
+            if config.generation_config in ("auto", "vllm") else self.default_sampling.get("max_tokens")
         if self.default_sampling:
             logger.info("[engine] sampling defaults from generation_config.json (--generation-config vllm "
                         "ignores them; a request's own fields win): %s", self.default_sampling)
@@ -1320,22 +1331,25 @@ GENERATION_CONFIG_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top
                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def generation_defaults(path: Path, source: str = "auto") -> dict[str, Any]:
+def generation_defaults(path: Path, source: str = "auto", override: dict[str, Any] | None = None) -> dict[str, Any]:
     """The sampling defaults a model's generation config sets (vLLM's
     --generation-config: "auto" = the model directory, "vllm" = none, or a
-    directory), as SamplingParams fields."""
-    if source == "vllm":
-        return {}
+    directory; then --override-generation-config's fields over it), as SamplingParams fields."""
+    cfg = {} if source == "vllm" else _read_generation_config(path, source)
+    cfg.update(override or {})
+    return {ours: cfg[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if cfg.get(theirs) is not None}
+
+
+def _read_generation_config(path: Path, source: str) -> dict[str, Any]:
     file = (path if source == "auto" else Path(source)) / "generation_config.json"
     if not file.is_file():
         if source != "auto":
             raise InvalidInput("generation_config", f"--generation-config {source!r}: no generation_config.json there")
         return {}
     try:
-        cfg = json.loads(file.read_text())
+        return json.loads(file.read_text())
     except ValueError as e:
         raise InvalidInput("generation_config", f"{file} is not valid JSON: {e}") from None
-    return {ours: cfg[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items() if cfg.get(theirs) is not None}
 
 
 def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
@@ -1547,6 +1561,8 @@ class LLM:
                  max_num_batched_tokens: int | None = None, block_size: int = 16,
                  enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
                  num_kv_blocks: int | None = None, seed: int = 0, **kwargs: Any):
+        if kwargs.pop("trust_remote_code", False):  # as the CLI flag: taken, with nothing to trust
+            logger.info("[engine] trust_remote_code does nothing here: nanoserve runs no code from a checkpoint")
         unknown = sorted(set(kwargs) - set(EngineConfig.__dataclass_fields__))
         if unknown:  # vLLM has many more engine arguments: say which are not nanoserve's, not a TypeError
             raise ValueError(f"LLM() got argument(s) nanoserve does not have: {', '.join(unknown)}; it takes "
@@ -1559,7 +1575,9 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: None = None) -> list[RequestOutput]:
+        if lora_request is not None:  # vLLM code passes lora_request=None; a real one cannot be honoured
+            raise ValueError("nanoserve has no LoRA support: lora_request must be None")
         prompts = _as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -1645,13 +1663,13 @@ def _as_prompt_list(prompts) -> list:
 
 
 def _from_prompt_dict(p: dict):
-    keys = set(p)
+    keys = {k for k, v in p.items() if v is not None}  # vLLM code may pass multi_modal_data=None and the like
     if keys == {"prompt_token_ids"}:
         return list(p["prompt_token_ids"])
     if keys == {"prompt"}:
         return p["prompt"]
     raise InvalidInput("prompt", f"a prompt dict must be {{'prompt': text}} or {{'prompt_token_ids': ids}}, got "
-                                 f"keys {sorted(p)} (nanoserve takes text only)")
+                                 f"keys {sorted(keys)} (nanoserve takes text only)")
 
 
 def _progress(total: int):

@@ -131,6 +131,38 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """--override-generation-config and its kin: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r}")
+    return value
+
+
+def _token_count(text: str) -> int | None:
+    """--max-model-len and --max-num-batched-tokens, as vLLM's human_readable_int: 4096, 32k (32,000),
+    32K (32,768), 1.5M; also auto or -1, the default (None)."""
+    if text.strip() in ("auto", "-1"):
+        return None
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)([kmgtKMGT]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens such as 4096, 32k or 32K, got {text!r}")
+    number, unit = m.groups()
+    scale = (1000 if unit.islower() else 1024) ** ("kmgt".index(unit.lower()) + 1) if unit else 1
+    return int(float(number) * scale)
+
+
+def _dashes(arg: str) -> str:
+    """--max_model_len[=N] -> --max-model-len[=N]: vLLM's parser takes both spellings."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
 _ON_OFF = {"action": argparse.BooleanOptionalAction}
 # vLLM flags that a copied `vllm serve` line carries and nanoserve takes without acting on
 # them: the flag, its argparse keywords, the values taken (None: any), and what nanoserve
@@ -157,6 +189,15 @@ VLLM_FLAGS: list[tuple[str, dict[str, Any], tuple | None, str]] = [
     ("--disable-fastapi-docs", _ON_OFF, None, "nanoserve serves no /docs, /redoc or /openapi.json"),
     ("--enable-request-id-headers", _ON_OFF, None, "X-Request-Id is always echoed"),
     ("--disable-frontend-multiprocessing", _ON_OFF, None, "the HTTP server and the engine share one process"),
+    ("--tokenizer-mode", {"metavar": "MODE"}, ("auto", "hf"), "the tokenizer is Hugging Face's (tokenizer.json)"),
+    ("--chat-template-content-format", {"metavar": "FORMAT"}, ("auto", "string"),
+     "a message's text parts reach the template joined into one string"),
+    ("--response-role", {"metavar": "ROLE"}, ("assistant",), "replies have the role assistant"),
+    ("--data-parallel-size", {"flags": ["-dp"], "type": int, "metavar": "N"}, (1,),
+     "one engine serves; start more servers behind a load balancer"),
+    ("--api-server-count", {"type": int, "metavar": "N"}, (1,), "one process serves HTTP"),
+    ("--scheduling-policy", {"metavar": "POLICY"}, ("fcfs",), "requests are scheduled first come, first served"),
+    ("--enable-log-outputs", _ON_OFF, None, "outputs are not logged (--enable-log-requests logs the prompts)"),
 ]
 
 
@@ -182,7 +223,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="load the tokenizer from here, a directory or a hub id (default: the model's)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults: auto takes the model's generation_config.json, vllm none, or a "
-                        "directory's; a request's own fields win")
+                        "directory's; a request's own fields win (a directory's max_new_tokens caps them)")
+    g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
+                   help="generation_config fields laid over those, e.g. '{\"temperature\": 0.5}'; its "
+                        "max_new_tokens caps every request's max_tokens")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; the first is used in responses "
                         "(default: the --model value)")
@@ -190,9 +234,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="weight and KV dtype; auto: the checkpoint's on a GPU, bfloat16 on a CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if available, else cpu")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="prompt + output tokens per request (default: the model's limit, capped "
-                        "by what the KV cache holds)")
+    g.add_argument("--max-model-len", type=_token_count, default=None,
+                   help="prompt + output tokens per request, e.g. 4096 or 32k (default, or auto: the model's "
+                        "limit, capped by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--max-logprobs", type=int, default=20,
                    help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for")
@@ -218,7 +262,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("scheduler")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default: max(8192, --max-num-seqs))")
     g.add_argument("--async-scheduling", action="store_true",
@@ -240,11 +284,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="reuse the KV blocks of a shared prompt prefix")
 
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all interfaces)")
+    g.add_argument("--host", default="0.0.0.0",
+                   help="address to listen on: all interfaces, as vLLM's (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize "
-                        "(default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
+    g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` (any of the keys) on /v1/*, /tokenize and "
+                        "/detokenize (default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
     g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                    help="CORS: the origins whose pages may call the API, a JSON list")
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
@@ -283,6 +328,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="usage carries prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache held")
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                    help='with tool_choice "none", the tools are not passed to the chat template')
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="chat_template_kwargs every chat request gets, under its own, e.g. "
+                        "'{\"enable_thinking\": false}'")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream carries usage, in each chunk and at the end, as if its stream_options "
+                        "asked for both")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
@@ -312,7 +363,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_arg_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = [_dashes(a) for a in (sys.argv[1:] if argv is None else argv)]
     if argv[:1] == ["serve"]:  # `nanoserve serve MODEL`, as `vllm serve MODEL` (a directory named serve: ./serve)
         argv = argv[1:]
     args = parser.parse_args(argv)
@@ -354,11 +405,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if taken is not None and value not in taken:
                 parser.error(f"{given} is not supported: {note}")
             args.vllm_notes.append(f"{given} (a vLLM flag) does nothing here: {note}")
-    args.api_key, args.api_key_from = next(  # as vLLM, the flag wins; empty is unset
-        ((key, src) for key, src in ((args.api_key, "--api-key"),
-                                     (os.environ.get("NANOSERVE_API_KEY"), "$NANOSERVE_API_KEY"),
-                                     (os.environ.get("VLLM_API_KEY"), "$VLLM_API_KEY")) if key), (None, None))
+    args.api_key, args.api_key_from = api_keys(args.api_key)
     return args
+
+
+def api_keys(flag: list[str] | None) -> tuple[list[str] | None, str | None]:
+    """The keys a request may bring, and where they came from: as vLLM, --api-key's (a list)
+    wins, then $NANOSERVE_API_KEY, then $VLLM_API_KEY; an empty key is unset."""
+    for keys, source in ((flag or [], "--api-key"), ([os.environ.get("NANOSERVE_API_KEY")], "$NANOSERVE_API_KEY"),
+                         ([os.environ.get("VLLM_API_KEY")], "$VLLM_API_KEY")):
+        keys = [k for k in keys if k]
+        if keys:
+            return keys, source
+    return None, None
 
 
 def load_chat_template(value: str) -> str:
@@ -375,7 +434,7 @@ def load_chat_template(value: str) -> str:
 # OpenAI's request bodies as pydantic models, as vLLM's protocol.py has them:
 # types and defaults here, in pydantic's lax mode as vLLM's ("5" and 5.0 are 5,
 # 1 and "true" are true; 2.5 is no integer; numbers finite; null is the default);
-# value ranges in SamplingParams, except the server's own (logit_bias in [-100, 100], n <= MAX_N: here), so
+# value ranges in SamplingParams, except the server's own (logit_bias clamped to [-100, 100], n <= MAX_N: here), so
 # both share one rule, and an engine error is reported under the body's own field name
 # (param_name). Every declared field is used or refused, and so is every other
 # field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
@@ -501,7 +560,7 @@ class GenerationRequest(OpenAIBaseModel):
     frequency_penalty: Number = 0.0
     repetition_penalty: Number = 1.0
     logit_bias: dict[str, Number] | None = Field(
-        None, description="an object mapping token ids to numbers in [-100, 100]")
+        None, description="an object mapping token ids to numbers (clamped to [-100, 100])")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -540,12 +599,10 @@ class GenerationRequest(OpenAIBaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v: dict[str, float]) -> dict[str, float]:
-        for key, bias in v.items():
+        for key in v:
             if not re.fullmatch(r"\d{1,9}", key):
                 raise ValueError(f"logit_bias keys must be token ids, got {show(key)}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {show(bias)}")
-        return v
+        return {key: min(100.0, max(-100.0, bias)) for key, bias in v.items()}  # clamped, as vLLM's from_optional
 
     @model_validator(mode="before")
     @classmethod
@@ -568,22 +625,24 @@ class GenerationRequest(OpenAIBaseModel):
     def _shared_rules(self) -> "GenerationRequest":
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidInput("best_of", "best_of is not supported: leave it out or make it equal to n")
-        if self.stream_options is not None and not self.stream:
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:  # {} goes
             raise InvalidInput("stream_options", "stream_options needs stream: true")
         if self.prompt_logprobs and self.stream:  # as vLLM: 0 goes
             raise InvalidInput("prompt_logprobs", "prompt_logprobs are not available when stream=true")
         return self
 
-    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+    def sampling_params(self, defaults: dict[str, Any], override_max_tokens: int | None = None) -> SamplingParams:
         """Raises InvalidInput (SamplingParams checks the ranges). ``defaults``
-        (the model's generation config) fill the fields this body leaves out."""
+        (the model's generation config) fill the fields this body leaves out;
+        ``override_max_tokens`` (the engine's) caps max_tokens."""
         fields = {name: getattr(self, name) for name in SamplingParams.__dataclass_fields__  # same name, same meaning
                   if name in GenerationRequest.model_fields}
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
                       prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
         given = {name for name in self.model_fields_set if getattr(self, name) is not None}  # a kept null: not given
-        # the model's max_tokens caps the body's (or completions' default 16), as vLLM's get_max_tokens
-        caps = [v for v in (fields["max_tokens"], defaults.get("max_tokens")) if v is not None]
+        # as vLLM's get_max_tokens: the body's max_tokens (completions': 16 unless given), else the model's
+        max_tokens = fields["max_tokens"] if fields["max_tokens"] is not None else defaults.get("max_tokens")
+        caps = [v for v in (max_tokens, override_max_tokens) if v is not None]
         fields.update({k: v for k, v in defaults.items() if k not in given}, max_tokens=min(caps, default=None))
         return SamplingParams(**fields)
 
@@ -634,9 +693,8 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 
 
 class CompletionRequest(GenerationRequest):
-    null_kept: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
     prompt: Any = None  # one of PROMPT_SHAPES
-    max_tokens: int | None = 16  # OpenAI's default for completions; null: up to the context's end (as vLLM)
+    max_tokens: int | None = 16  # OpenAI's default for completions, also for a null (vLLM's normalize_null_max_tokens)
     logprobs: int | None = None
     add_special_tokens: bool = True
     suffix: None = Field(None, description="left out: suffix is not supported")
@@ -737,7 +795,7 @@ class ChatTemplateFields(OpenAIBaseModel):
     @classmethod
     def _messages(cls, messages: Any) -> list[dict[str, Any]]:
         """OpenAI chat messages -> [{role, content}] with text content, and what the
-        templates read besides: name, an assistant's tool_calls, a tool's tool_call_id."""
+        templates read besides: name, an assistant's tool_calls and reasoning, a tool's tool_call_id."""
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {show(messages)}")
         out = []
@@ -762,6 +820,11 @@ class ChatTemplateFields(OpenAIBaseModel):
                     if not isinstance(m[key], str):
                         raise ValueError(f"{where}.{key} must be a string, got {show(m[key])}")
                     msg[key] = m[key]
+            reasoning = m.get("reasoning", m.get("reasoning_content"))
+            if reasoning is not None and m["role"] == "assistant":  # as vLLM's: templates read either name
+                if not isinstance(reasoning, str):
+                    raise ValueError(f"{where}.reasoning must be a string, got {show(reasoning)}")
+                msg["reasoning"] = msg["reasoning_content"] = reasoning
             if m.get("tool_calls") is not None:
                 if m["role"] != "assistant":
                     raise ValueError(f"{where}.tool_calls: only an assistant message has tool_calls")
@@ -773,6 +836,10 @@ class ChatTemplateFields(OpenAIBaseModel):
                 msg["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls]
             out.append(msg)
         return out
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What reaches the template besides messages, tools and documents."""
+        return dict(self.chat_template_kwargs or {})
 
     def invalid(self, e: InvalidInput) -> ApiError:
         if e.param == "chat_template" and "has no chat template" in str(e):  # the engine's advice is the offline API's
@@ -791,8 +858,9 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
     include_reasoning: bool = True  # false: --reasoning-parser drops the reasoning (without one: nothing to drop)
-    # only vLLM's gpt-oss (harmony) path reads it: accepted, unused here
-    reasoning_effort: typing.Literal["low", "medium", "high"] | None = None
+    # reaches the template, as vLLM's; "none" also turns thinking off (enable_thinking), unless
+    # chat_template_kwargs say otherwise
+    reasoning_effort: typing.Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     tool_choice: Any = None  # check_tool_choice says what it takes
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
 
@@ -802,12 +870,18 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
             raise InvalidInput("messages", "messages is required: a non-empty list of {role, content} objects")
         if self.top_logprobs and not self.logprobs:  # as vLLM: 0 asks for nothing
             raise InvalidInput("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.tools == []:  # as vLLM's check_tool_usage (and OpenAI)
+            raise InvalidInput("tools", "tools must not be an empty array: give at least one tool or leave it out")
         if self.tool_choice is None and self.tools is not None:
-            self.tool_choice = "auto" if self.tools else "none"  # as OpenAI and vLLM
-        if self.tool_choice == "required" and self.tools == []:  # vLLM's (and OpenAI's) rule
-            self.tool_choice, self.tools = "none", None
+            self.tool_choice = "auto"  # as OpenAI and vLLM
         check_tool_choice(self.tool_choice, self.tools)
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        if self.reasoning_effort is None:
+            return super().template_kwargs()
+        return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none",
+                **super().template_kwargs()}
 
     def param_name(self, engine_param: str) -> str:
         if engine_param == "max_tokens":
@@ -1392,7 +1466,7 @@ class ServerState:
     """What the handlers share: one per app, no module-level state."""
     async_llm: AsyncLLM
     model_names: list[str]
-    api_key: str | None
+    api_key: list[str] | None  # any of them
     max_queue_len: int | None
     max_body_bytes: int
     metrics: "ServerMetrics"
@@ -1410,6 +1484,8 @@ class ServerState:
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None                  # --reasoning-parser
     exclude_tools_when_tool_choice_none: bool = False
+    default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under a request's own
+    force_include_usage: bool = False                    # --enable-force-include-usage
     return_tokens_as_token_ids: bool = False             # what a request that does not say gets
     enable_prompt_tokens_details: bool = False
     log_requests: bool = False                           # --enable-log-requests
@@ -1451,6 +1527,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                         reasoning_parser=args.reasoning_parser,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+                        force_include_usage=args.enable_force_include_usage,
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
@@ -1526,7 +1604,7 @@ class EntryMiddleware:
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
-        self.api_key = None if state.api_key is None else state.api_key.encode()
+        self.api_keys = None if state.api_key is None else [k.encode() for k in state.api_key]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -1551,9 +1629,10 @@ class EntryMiddleware:
             await _reject(self.state, scope, error)(scope, receive, send_with_id)
             return
         # OPTIONS passes, as in vLLM: a browser's CORS preflight never carries the key
-        if self.api_key is not None and scope["method"] != "OPTIONS" and _needs_key(scope["path"]):
+        if self.api_keys is not None and scope["method"] != "OPTIONS" and _needs_key(scope["path"]):
             scheme, _, token = _header(scope, b"authorization").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):  # constant time
+            known = [hmac.compare_digest(token.strip(), key) for key in self.api_keys]  # constant time: all of them
+            if scheme.lower() != b"bearer" or not any(known):
                 error = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
                                  headers={"WWW-Authenticate": "Bearer"})
                 await _reject(self.state, scope, error)(scope, receive, send_with_id)
@@ -1689,13 +1768,12 @@ def _request_id(request: Request) -> str:
 
 
 def check_model(req: OpenAIBaseModel, state: ServerState) -> str:
-    """The served name the request asks for (the first one if it names none)."""
-    if req.model is None:
-        return state.model_names[0]
-    if req.model not in state.model_names:
+    """The name responses carry: the first served one, whichever the request named (or none, or
+    "": unset, as vLLM's check_model)."""
+    if req.model and req.model not in state.model_names:
         raise ApiError(404, f"the model {show(req.model)} does not exist; this server serves "
                             f"{', '.join(map(repr, state.model_names))}", param="model")
-    return req.model
+    return state.model_names[0]
 
 
 async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[int, CompletionOutput] | None:
@@ -1834,7 +1912,8 @@ class Generation:
         and length bounds before any per-token work), then tokenizing off the
         loop, then the engine requests. Raises 400/429/503."""
         try:
-            gen = cls(state, request_id, req, req.sampling_params(state.engine.default_sampling))
+            params = req.sampling_params(state.engine.default_sampling, state.engine.override_max_tokens)
+            gen = cls(state, request_id, req, params)
             check_queue(state, req, gen.params.n)
             prompts = await state.off_loop(gen.process_prompts)
             if gen.params.structured_outputs is not None:  # compiled here, off the loop; the engine's
@@ -2169,9 +2248,9 @@ class ChatGeneration(Generation):
                 return None  # all of it held back: nothing to send yet
             body = {"delta": delta}
         else:
-            # tool_calls always, [] for none, as vLLM's ChatMessage: clients read its length
+            # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
             body = {"message": {"role": self.role, "content": content or (None if calls else blank),
-                                **(thought if name else {}), "tool_calls": calls}}
+                                **(thought if name else {}), **({"tool_calls": calls} if calls else {})}}
         return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
                 **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
 
@@ -2225,9 +2304,9 @@ def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCom
         raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
                                             "--trust-request-chat-template, or use --chat-template FILE")
     tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+    kwargs = {**state.default_chat_template_kwargs, **req.template_kwargs()}  # the request's win, as vLLM's
     return apply_chat_template(state.engine.tokenizer, req.messages, req.chat_template or state.chat_template,
-                               req.add_generation_prompt, req.continue_final_message, tools, req.chat_template_kwargs,
-                               req.documents)
+                               req.add_generation_prompt, req.continue_final_message, tools, kwargs, req.documents)
 
 
 # =========================================================================== SSE
@@ -2244,7 +2323,9 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     num_tokens: dict[int, int] = {}  # each choice's output tokens so far (its usage)
     text_sent: dict[int, int] = {}
     opts = req.stream_options
-    continuous = opts is not None and opts.include_usage and opts.continuous_usage_stats
+    force = gen.state.force_include_usage  # as vLLM's should_include_usage
+    final_usage = force or (opts is not None and opts.include_usage)
+    continuous = force or (final_usage and opts.continuous_usage_stats)
     for chunk in gen.first_chunks(head):
         yield sse({**chunk, "usage": gen.usage([0], 0)} if continuous else chunk)
     try:
@@ -2267,7 +2348,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 if choice is not None or top:  # None: all of it held back (a tool call's text)
                     usage = {"usage": gen.usage([num_tokens[idx]], i)} if continuous else {}
                     yield sse({**head, "choices": [choice] if choice is not None else [], **top, **usage})
-        if opts is not None and opts.include_usage:
+        if final_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values())})
     except ClientDisconnect:
         raise  # nobody to tell
@@ -2791,7 +2872,8 @@ def banner(engine: LLMEngine, args: argparse.Namespace, url: str) -> str:
         f"({_fmt_bytes(info.kv_bytes_per_block)} per block, {_fmt_bytes(blocks * info.kv_bytes_per_block)})",
         f"  concurrency  {blocks / -(-max_len // block_size):.2f}x at max-model-len {max_len} "
         f"(max-num-seqs {args.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
-        f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''})",
+        f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''}"
+        f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') else ''})",
     ])
 
 
@@ -2951,7 +3033,8 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     server = Server(build_app(AsyncLLM(engine, executor), args), args)
     port = sock.getsockname()[1]
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)  # all interfaces: this machine's URL
+    host = f"[{shown}]" if ":" in shown else shown
     sock.listen()  # the banner's URL takes connections (they wait for uvicorn's start-up, not refused)
     print(banner(engine, args, f"http://{host}:{port}"), flush=True)
     try:

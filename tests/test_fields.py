@@ -56,7 +56,7 @@ CHAT_FIELDS = [
 # Accepted, and change nothing: in OpenAI's words or vLLM's (a label; render endpoints only; the
 # reasoning fields without a reasoning parser).
 NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "return_mm_kwargs": False,
-          "include_reasoning": False, "reasoning_effort": "low",
+          "include_reasoning": False,
           "spaces_between_special_tokens": False}  # fast tokenizers decode as they do (vLLM's detokenizer too)
 # Honoured, and its effect checked by a test of its own (it needs a tool-call parser this server lacks).
 TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
@@ -213,6 +213,9 @@ CHAT_ONLY = {
                     lambda r, v: r.sp.structured_outputs.json == TOOL[0]["function"]["parameters"]),
     "chat_template": ("[{{ messages[0].content }}]", {}, lambda r, v: r.process[0][1] == "[hi]"),
     "chat_template_kwargs": ({"who": "me"}, {"chat_template": "{{ who }}"}, lambda r, v: r.process[0][1] == "me"),
+    # as vLLM's build_chat_params: the effort reaches the template, and "none" turns thinking off
+    "reasoning_effort": ("none", {"chat_template": "{{ reasoning_effort }} {{ enable_thinking }}"},
+                         lambda r, v: r.process[0][1] == "none False"),
     "documents": ([{"title": "t", "text": "x"}], {"chat_template": "{{ documents[0].title }}"},
                   lambda r, v: r.process[0][1] == "t"),
     "add_generation_prompt": (False, {}, lambda r, v: r.process[0][1] == "<|im_start|>user\nhi<|im_end|>\n"),
@@ -259,9 +262,10 @@ def test_the_table_covers_every_field_and_none_is_ignored():
 
 
 def test_a_literal_fields_error_names_its_values(server):
-    r = send(server, "chat", {**BASE["chat"], "reasoning_effort": "max"})
+    r = send(server, "chat", {**BASE["chat"], "reasoning_effort": "maximal"})
     assert r.status == 400 and r.body["error"]["param"] == "reasoning_effort", r.body
-    assert r.body["error"]["message"] == 'reasoning_effort must be "low" or "medium" or "high", got "max"', r.body
+    assert r.body["error"]["message"] == ('reasoning_effort must be "none" or "minimal" or "low" or "medium" or '
+                                          '"high" or "xhigh" or "max", got "maximal"'), r.body
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
@@ -438,16 +442,42 @@ def test_lax_types_still_refuse_what_is_not_the_type(server):
         assert r.status == 400 and r.body["error"]["param"] == next(iter(fields)), (fields, r.body)
 
 
+def test_what_vllm_takes_and_the_template_sees(server):
+    """vLLM's ways with a chat body: "model": "" is unset and a response names the first served
+    name; logit_bias is clamped to [-100, 100]; stream_options {} without stream asks for nothing;
+    tools [] is refused; an assistant's reasoning (or reasoning_content) reaches the template under
+    both names; the request's chat_template_kwargs win over what reasoning_effort sets."""
+    names = server.app.state.server.model_names
+    names.append("alias")
+    try:
+        for model in ("", "alias"):
+            r = send(server, "chat", {**BASE["chat"], "model": model})
+            assert r.status == 200 and r.body["model"] == names[0], r.body
+    finally:
+        names.remove("alias")
+    r = send(server, "chat", {**BASE["chat"], **SAMPLED, "logit_bias": {"5": 150, "6": -1e9}})
+    assert r.status == 200 and r.sp.logit_bias == {5: 100.0, 6: -100.0}, r.body
+    assert send(server, "completions", {**BASE["completions"], "stream_options": {}}).status == 200
+    r = send(server, "chat", {**BASE["chat"], "tools": []})
+    assert r.status == 400 and r.body["error"]["param"] == "tools", r.body
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a", "reasoning_content": "r"},
+               {"role": "assistant", "content": "b", "reasoning": "s"}, {"role": "user", "content": "q"}]
+    template = "{% for m in messages %}{{ m.reasoning }}{{ m.reasoning_content }},{% endfor %}{{ enable_thinking }}"
+    r = send(server, "chat", {**BASE["chat"], "messages": history, "chat_template": template,
+                              "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": True}})
+    assert r.status == 200 and r.process[0][1] == ",rr,ss,,True", (r.body, r.process)
+    r = send(server, "chat", {**BASE["chat"], "messages": [{"role": "assistant", "content": "", "reasoning": 5}]})
+    assert r.status == 400 and "messages[0].reasoning must be a string" in r.body["error"]["message"], r.body
+    server.wait_idle()
+
+
 def test_max_tokens_null(server):
-    """As vLLM (get_max_tokens): completions' explicit null runs to the context's end, where a left-out
-    max_tokens is OpenAI's 16; chat's null or absence both mean up to the context."""
+    """As vLLM: completions' explicit null is its default 16 (normalize_null_max_tokens), as a
+    left-out max_tokens is; chat's null or absence both mean up to the context."""
     prompt = list(range(10, 246))  # 236 of max_model_len 256: room for 20
-    r = send(server, "completions", {"prompt": prompt, "max_tokens": None, "ignore_eos": True})
-    assert r.status == 200 and r.sp.max_tokens is None and r.body["usage"]["completion_tokens"] == 20, r.body
-    r = send(server, "completions", {"prompt": prompt, "ignore_eos": True})
-    assert r.sp.max_tokens == 16 and r.body["usage"]["completion_tokens"] == 16, r.body
-    r = send(server, "completions", {"prompt": prompt, "max_tokens": None, "echo": True, "ignore_eos": True})
-    assert r.body["usage"]["completion_tokens"] == 20 and r.text.startswith(r.body["choices"][0]["text"][:5])
+    for body in ({"max_tokens": None}, {}, {"max_tokens": None, "echo": True}):
+        r = send(server, "completions", {"prompt": prompt, "ignore_eos": True, **body})
+        assert r.status == 200 and r.sp.max_tokens == 16 and r.body["usage"]["completion_tokens"] == 16, r.body
     for body in ({}, {"max_tokens": None}, {"max_completion_tokens": None}):
         assert send(server, "chat", {"messages": BASE["chat"]["messages"], **body}).sp.max_tokens is None
     server.wait_idle()

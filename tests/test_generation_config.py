@@ -50,6 +50,17 @@ def test_vllm_prompt_dicts_and_unknown_llm_arguments(model_with_defaults):
     assert a[0].outputs[0].token_ids == a[1].outputs[0].token_ids == a[2].outputs[0].token_ids
     with pytest.raises(ValueError, match="prompt dict must be"):
         llm.generate([{"prompt": "x", "extra": 1}], greedy, use_tqdm=False)
+    # what vLLM code passes by habit: empty multimodal fields, lora_request=None, trust_remote_code
+    b = llm.generate({"prompt": "The quick brown", "multi_modal_data": None}, greedy, use_tqdm=False,
+                     lora_request=None)
+    assert b[0].outputs[0].token_ids == a[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="no LoRA"):
+        llm.generate("x", greedy, lora_request=object())
+    assert make_llm(model_with_defaults, trust_remote_code=True).engine is not None
+    # seed -1 is vLLM's "no seed": each run draws anew; temperature above 2 is refused, as vLLM's
+    assert SamplingParams(seed=-1).seed is None
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
+        SamplingParams(temperature=2.5)
     with pytest.raises(ValueError, match="nanoserve does not have: speculative_config, tensor_parallel_sizes"):
         make_llm(model_with_defaults, speculative_config={}, tensor_parallel_sizes=2)
 
@@ -62,19 +73,17 @@ def test_http_requests_get_the_defaults_for_what_they_leave_out(model_with_defau
         outs = [httpx.post(s.url + "/v1/chat/completions", json=chat, timeout=60).json() for _ in range(3)]
         assert len({o["choices"][0]["message"]["content"] for o in outs}) == 1  # top_k=1: greedy
         assert all(o["usage"]["completion_tokens"] <= 7 for o in outs)       # max_new_tokens=7
-        # as vLLM's server (get_max_tokens): the model's max_new_tokens caps the request's own max_tokens,
-        # a lower one wins, and it replaces completions' default of 16 only where it is lower
-        for body, want in [({**chat, "max_tokens": 12}, 7), ({**chat, "max_completion_tokens": 3}, 3),
-                           ({"prompt": "hi"}, 7), ({"prompt": "hi", "max_tokens": None}, 7)]:
+        # as vLLM's server (get_max_tokens, --generation-config auto): the model's max_new_tokens is
+        # only the default of a chat request that gives none; completions' 16 (also for a null) wins
+        for body, want in [({**chat, "max_tokens": 12}, 12), ({**chat, "max_completion_tokens": 3}, 3),
+                           ({"prompt": "hi"}, 16), ({"prompt": "hi", "max_tokens": None}, 16)]:
             path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
             r = httpx.post(s.url + path, json={**body, "ignore_eos": True}, timeout=60)
             assert r.json()["usage"]["completion_tokens"] == want, body
-        # the model's cap is not the body's: near the end of the context it takes the room left, no 400
         long = {"prompt": list(range(1, 253)), "ignore_eos": True}  # 252 of --max-model-len 256
-        r = httpx.post(s.url + "/v1/completions", json={**long, "max_tokens": None}, timeout=60)
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-        r = httpx.post(s.url + "/v1/completions", json=long, timeout=60)  # the body's own 16 is checked, as vLLM
-        assert r.status_code == 400 and "too large: 16." in r.json()["error"]["message"]
+        for body in (long, {**long, "max_tokens": None}):  # completions' 16 is the body's: checked, as vLLM
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 400 and "too large: 16." in r.json()["error"]["message"], r.text
 
 
 def test_vllm_launch_habits_parse():
@@ -112,13 +121,22 @@ def test_a_tokenizer_of_its_own_and_uvicorns_log_level(model_with_defaults, tmp_
             logging.getLogger(name).setLevel(level)
 
 
-def test_the_models_max_tokens_only_lowers_a_requests():
+def test_max_tokens_as_vllms_get_max_tokens(model_with_defaults):
+    """The body's max_tokens, else the model's default (chat only: completions' is 16, also for a
+    null); a --generation-config directory's or --override-generation-config's max_new_tokens caps it."""
     from nanoserve.entry import ChatCompletionRequest, CompletionRequest
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    cases = [(CompletionRequest(prompt="x"), 40, 16), (CompletionRequest(prompt="x"), 9, 9),
-             (CompletionRequest(prompt="x", max_tokens=None), 40, 40), (CompletionRequest(prompt="x"), None, 16),
-             (ChatCompletionRequest(**chat), 40, 40), (ChatCompletionRequest(**chat), None, None),
-             (ChatCompletionRequest(**chat, max_tokens=50), 40, 40)]
-    for req, model_max, want in cases:
+    cases = [(CompletionRequest(prompt="x"), 40, None, 16), (CompletionRequest(prompt="x"), 9, None, 16),
+             (CompletionRequest(prompt="x", max_tokens=None), 40, None, 16), (CompletionRequest(prompt="x"), 9, 9, 9),
+             (ChatCompletionRequest(**chat), 40, None, 40), (ChatCompletionRequest(**chat), None, None, None),
+             (ChatCompletionRequest(**chat, max_tokens=50), 40, None, 50),
+             (ChatCompletionRequest(**chat, max_tokens=50), 40, 30, 30), (ChatCompletionRequest(**chat), 40, 30, 30)]
+    for req, model_max, cap, want in cases:
         defaults = {} if model_max is None else {"max_tokens": model_max}
-        assert req.sampling_params(defaults).max_tokens == want, (req, model_max)
+        assert req.sampling_params(defaults, cap).max_tokens == want, (req, model_max, cap)
+    assert make_llm(model_with_defaults).engine.override_max_tokens is None
+    assert make_llm(model_with_defaults, generation_config=str(model_with_defaults)).engine.override_max_tokens == 7
+    llm = make_llm(model_with_defaults, generation_config="vllm",
+                   override_generation_config={"max_new_tokens": 5, "temperature": 0.5})
+    p = llm.get_default_sampling_params()
+    assert (llm.engine.override_max_tokens, p.max_tokens, p.temperature, p.top_k) == (5, 5, 0.5, 0)

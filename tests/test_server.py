@@ -304,11 +304,12 @@ def test_stream_options_usage_as_vllm(server, path, body):
 
 
 def test_chat_message_shape_and_role_as_vllm(server):
-    """A chat message always carries tool_calls ([] for none); with add_generation_prompt
-    false the reply takes the last message's role (vLLM's get_chat_request_role)."""
+    """A chat message without tool calls has no tool_calls key (vLLM's ChatMessage drops an empty
+    list); with add_generation_prompt false the reply takes the last message's role (vLLM's
+    get_chat_request_role)."""
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "temperature": 0}
     message = httpx.post(server.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
-    assert message["role"] == "assistant" and message["tool_calls"] == []
+    assert message["role"] == "assistant" and "tool_calls" not in message
     body["add_generation_prompt"] = False
     message = httpx.post(server.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
     assert message["role"] == "user"
@@ -535,7 +536,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [100000]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 500}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": [1]}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "seed": "x"}, 400, "seed"),
@@ -632,7 +632,7 @@ def test_more_bad_requests(server):
 
 
 def test_api_key(tiny_model):
-    with ServerThread(tiny_model, "--api-key", "s3cret") as s:
+    with ServerThread(tiny_model, "--api-key", "s3cret", "other") as s:  # vLLM's list: any of them
         url = s.url + "/v1/completions"
         body = {"prompt": "hi", "max_tokens": 2}
         _check_error(httpx.post(url, json=body), 401, None)
@@ -640,6 +640,7 @@ def test_api_key(tiny_model):
         _check_error(httpx.get(s.url + "/v1/models", headers={"Authorization": "s3cret"}), 401, None)
         assert httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.post(url, json=body, headers={"Authorization": "bearer s3cret"}).status_code == 200
+        assert httpx.post(url, json=body, headers={"Authorization": "Bearer other"}).status_code == 200
         # where work is done: /v1/*, /tokenize, /detokenize; /health, /metrics, /version stay open
         _check_error(httpx.post(s.url + "/tokenize", json={"prompt": "hi"}), 401, None)
         _check_error(httpx.post(s.url + "/detokenize", json={"tokens": [1]}), 401, None)
@@ -752,7 +753,7 @@ def test_help_is_grouped_with_defaults():
                  "--no-enable-prefix-caching", "--seed", "--api-key", "--max-queue-len", "--log-level",
                  "--shutdown-timeout", "--enforce-eager"):
         assert flag in text, flag
-    assert "(default: 127.0.0.1)" in text and "(default: 8000)" in text and "(default: 30.0)" in text
+    assert "(default: 0.0.0.0)" in text and "(default: 8000)" in text and "(default: 30.0)" in text
     # no --model: the demo model packaged at nanoserve/demo_model, served under its path
     demo = Path(nanoserve.__file__).resolve().parent / "demo_model"
     assert (demo / "config.json").is_file()

@@ -508,13 +508,13 @@ def test_auto_parses_the_calls_the_model_writes(server):
     assert [streamed[i] for i in sorted(streamed)] == want
     # no call in the text: content as it is
     plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})["choices"][0]
-    assert plain["message"] == {"role": "assistant", "content": "No tools <needed>.", "tool_calls": []}
+    assert plain["message"] == {"role": "assistant", "content": "No tools <needed>."}
     assert plain["finish_reason"] == "stop"
     assert chat_stream(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})[1:] == \
         ("No tools <needed>.", [], "stop")
     # tool_choice "none": the tools reach the template, the output is not parsed
     none = chat(server, tools=TOOLS, tool_choice="none", structured_outputs={"choice": [FORCED]}, max_tokens=300)
-    assert none["choices"][0]["message"] == {"role": "assistant", "content": FORCED, "tool_calls": []}
+    assert none["choices"][0]["message"] == {"role": "assistant", "content": FORCED}
     server.wait_idle()
 
 
@@ -544,7 +544,7 @@ def test_auto_reads_each_parsers_format(server, name, monkeypatch):
         assert (choice["message"]["content"] or "") == told
         assert chat_stream(server, **body)[1:] == (told, want, "tool_calls")
         plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools [needed]."]})["choices"][0]
-        assert plain["message"] == {"role": "assistant", "content": "No tools [needed].", "tool_calls": []}
+        assert plain["message"] == {"role": "assistant", "content": "No tools [needed]."}
         assert skips == {name != "mistral"}
     finally:
         state.tool_parser = "hermes"
@@ -590,22 +590,14 @@ def test_exclude_tools_when_tool_choice_none(server):
     server.wait_idle()
 
 
-def test_an_empty_tools_list_calls_nothing(server):
-    """As vLLM's check_tool_usage: tools [] leaves tool_choice "none" (nothing is parsed out of the text), and
-    "required" with no tools becomes "none" too; an explicit "auto" stays "auto"; a named function must be
-    one of the tools."""
-    body = dict(structured_outputs={"choice": [FORCED]}, max_tokens=300)
-    for extra in ({}, {"tool_choice": "required"}):
-        (choice,) = chat(server, tools=[], **extra, **body)["choices"]
-        assert (choice["message"]["content"], choice["finish_reason"]) == (FORCED, "stop"), extra
-        assert not choice["message"].get("tool_calls"), extra
-    assert render(server, tools=[]) == render(server)  # the template's {% if tools %} sees none
-    (choice,) = chat(server, tools=[], tool_choice="auto", **body)["choices"]
-    assert len(calls_of(choice["message"])) == 2
+def test_an_empty_tools_list_is_refused(server):
+    """As vLLM's check_tool_usage (and OpenAI): tools [] is a 400 naming tools, whatever the
+    tool_choice; /tokenize renders it as no tools (the template's {% if tools %} sees none)."""
     named = {"type": "function", "function": {"name": "get_time"}}
-    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "tools": [], "tool_choice": named})
-    assert "not one of the tools" in _check_error(r, 400, "tool_choice")["message"]
-    server.wait_idle()
+    for extra in ({}, {"tool_choice": "required"}, {"tool_choice": "auto"}, {"tool_choice": named}):
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "tools": [], **extra})
+        assert "must not be an empty array" in _check_error(r, 400, "tools")["message"], extra
+    assert render(server, tools=[]) == render(server)
 
 
 def test_chat_template_flag_file_and_inline(template_file):
@@ -776,7 +768,7 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
     (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
     thought = "\nThe user wants the weather.\n"
     assert choice["message"] == {"role": "assistant", "reasoning_content": thought, "reasoning": thought,
-                                 "content": "\n\nIt is sunny.", "tool_calls": []}
+                                 "content": "\n\nIt is sunny."}
     chunks, reasoning, content, _, finish = chat_reasoning_stream(server, structured_outputs={"choice": [text]},
                                                                   max_tokens=300)
     assert (reasoning, content, finish) == ("\nThe user wants the weather.\n", "\n\nIt is sunny.", "stop")
@@ -794,7 +786,7 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
     inner = "<think>" + FORCED + "</think>No call."
     (choice,) = chat(server, tools=TOOLS, structured_outputs={"choice": [inner]}, max_tokens=400)["choices"]
     assert choice["message"] == {"role": "assistant", "reasoning_content": FORCED, "reasoning": FORCED,
-                                 "content": "No call.", "tool_calls": []} and choice["finish_reason"] == "stop"
+                                 "content": "No call."} and choice["finish_reason"] == "stop"
     (choice,) = chat(server, include_reasoning=False, structured_outputs={"choice": [text]})["choices"]
     assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (None, "\n\nIt is sunny.")
     assert chat_reasoning_stream(server, include_reasoning=False, structured_outputs={"choice": [text]})[1:3] == \
@@ -846,7 +838,7 @@ def test_no_reasoning_parser_splits_nothing(server):
     assert server.app.state.server.reasoning_parser is None
     text = THOUGHT + "It is sunny."
     (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
-    assert choice["message"] == {"role": "assistant", "content": text, "tool_calls": []}
+    assert choice["message"] == {"role": "assistant", "content": text}
     chunks, reasoning, content, _, _ = chat_reasoning_stream(server, structured_outputs={"choice": [text]},
                                                              max_tokens=300)
     assert (reasoning, content) == ("", text)

@@ -57,13 +57,14 @@ def test_api_key_precedence_flag_then_nanoserve_then_vllm(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert parse_args([]).api_key is None
     monkeypatch.setenv("VLLM_API_KEY", "v")
-    assert (parse_args([]).api_key, parse_args([]).api_key_from) == ("v", "$VLLM_API_KEY")
+    assert (parse_args([]).api_key, parse_args([]).api_key_from) == (["v"], "$VLLM_API_KEY")
     monkeypatch.setenv("NANOSERVE_API_KEY", "")  # empty is unset, as vLLM treats it
-    assert parse_args([]).api_key == "v"
+    assert parse_args([]).api_key == ["v"]
     monkeypatch.setenv("NANOSERVE_API_KEY", "n")
-    assert (parse_args([]).api_key, parse_args([]).api_key_from) == ("n", "$NANOSERVE_API_KEY")
+    assert (parse_args([]).api_key, parse_args([]).api_key_from) == (["n"], "$NANOSERVE_API_KEY")
     args = parse_args(["--api-key", "f"])
-    assert (args.api_key, args.api_key_from) == ("f", "--api-key")
+    assert (args.api_key, args.api_key_from) == (["f"], "--api-key")
+    assert parse_args(["--api-key", "f", "g"]).api_key == ["f", "g"]  # vLLM's list: any of them
 
 
 def test_vllm_api_key_is_required(vllm_server):
@@ -292,10 +293,15 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--no-enable-chunked-prefill"], ["--kv-cache-dtype", "auto"], ["--load-format", "safetensors"],
          ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"], ["--disable-custom-all-reduce"],
          ["--swap-space", "4.5"], ["--disable-log-requests"], ["--disable-fastapi-docs"],
-         ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"]]
+         ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"], ["--tokenizer-mode", "auto"],
+         ["--chat-template-content-format", "string"], ["--response-role", "assistant"],
+         ["--data-parallel-size", "1"], ["--api-server-count", "1"], ["--scheduling-policy", "fcfs"],
+         ["--enable-log-outputs"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
-           ["--distributed-executor-backend", "ray"]]
+           ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
+           ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
+           ["--api-server-count", "4"], ["--scheduling-policy", "priority"]]
 
 
 def test_every_vllm_flag_of_the_table_is_tested():
@@ -328,8 +334,38 @@ def test_vllm_flags_that_act_or_already_exist_parse():
     assert entry.engine_config(args).max_logprobs == 5
 
 
+def test_vllm_spellings_of_flags_and_token_counts():
+    """vLLM's parser takes --a_b for --a-b, and token counts as human_readable_int: 32k is 32,000,
+    32K is 32,768; --max-model-len auto (or -1) is the default."""
+    a = parse_args(["--max_model_len=32k", "--max_num_batched_tokens", "2K", "--override-generation-config",
+                    '{"temperature": 0.5}', "--default_chat_template_kwargs", '{"enable_thinking": false}',
+                    "--enable-force-include-usage"])
+    assert (a.max_model_len, a.max_num_batched_tokens, a.enable_force_include_usage) == (32000, 2048, True)
+    assert entry.engine_config(a).override_generation_config == {"temperature": 0.5}
+    assert a.default_chat_template_kwargs == {"enable_thinking": False} and a.host == "0.0.0.0"  # vLLM's: all
+    for text, want in (("4096", 4096), ("1.5M", 1572864), ("25.6k", 25600), ("auto", None), ("-1", None)):
+        assert parse_args(["--max-model-len", text]).max_model_len == want, text
+
+
+def test_forced_usage_rides_every_stream(server):
+    """--enable-force-include-usage: a stream that asks for nothing still carries usage, in each
+    chunk and in a last chunk of its own (vLLM's should_include_usage)."""
+    state = server.app.state.server
+    state.force_include_usage = True
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    finally:
+        state.force_include_usage = False
+    events = [json.loads(e) for e in sse_events(r.text)[:-1]]  # [DONE] last
+    assert all("usage" in e for e in events) and events[-1]["choices"] == [], events
+    assert events[-1]["usage"]["completion_tokens"] == 3
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    assert not any("usage" in e for e in sse_events(r.text))
+
+
 @pytest.mark.parametrize("flags", [["--allowed-origins", "*"], ["--allowed-origins", '"*"'],
-                                   ["--allowed-headers", "[1]"], ["--max-logprobs", "-1"]])
+                                   ["--allowed-headers", "[1]"], ["--max-logprobs", "-1"],
+                                   ["--max-model-len", "32q"], ["--override-generation-config", "[1]"]])
 def test_bad_values_are_one_line_errors(flags, capsys):
     with pytest.raises(SystemExit):
         parse_args(flags)
@@ -342,8 +378,8 @@ def test_a_copied_vllm_serve_line_runs(tiny_model):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": KEY}
     env.pop("NANOSERVE_API_KEY", None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "nanoserve", "serve", str(tiny_model), "--host", "127.0.0.1", "--port", "0",
-         "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--trust-remote-code",
+        [sys.executable, "-m", "nanoserve", "serve", str(tiny_model), "--port", "0",  # vLLM's host: all interfaces
+         "--dtype", "float32", "--num-kv-blocks", "64", "--max_model_len", "256", "--trust-remote-code",
          "--disable-log-requests", "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--swap-space", "4",
          "--gpu-memory-utilization", "0.9", "--uvicorn-log-level", "warning", "--disable-log-stats"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
