@@ -412,8 +412,12 @@ class Request:
     num_output_placeholders: int = 0  # sampled tokens still on the device (steps launched, not landed)
     token_ids: list[int] = field(default_factory=list)          # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""                    # detokenized output, stop string handled
-    sent_text_len: int = 0            # how much of text was already streamed
+    # The detokenized output: pieces no stop string can cut any more (joined only for an output, as
+    # str += would copy all the text each token; DELTA drops those it sent), then held_text, which
+    # ends in what could yet be the start of a stop string (_release_text)
+    text_pieces: list[str] = field(default_factory=list)
+    held_text: str = ""
+    sent_text_len: int = 0            # CUMULATIVE: how much of the text earlier outputs carried
     sent_token_len: int = 0           # DELTA: how many output tokens earlier outputs carried
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
@@ -1201,14 +1205,16 @@ class LLMEngine:
             # above from seeing it), whose text stays out as an EOS's does.
             self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
-        prev_len = len(req.text)
+        prev_len = len(req.held_text)
         if req.detokenizer is not None:
-            req.text += req.detokenizer.step(token)
+            req.held_text += req.detokenizer.step(token)
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
+        if req.held_text:
+            _release_text(req)
         return None
 
     def _end_without_token(self, req: Request) -> RequestStatus:
@@ -1229,23 +1235,24 @@ class LLMEngine:
         back waiting for the rest of a UTF-8 character that will never come."""
         if req.detokenizer is not None:
             if last_token is not None:
-                req.text += req.detokenizer.step(last_token)
-            req.text += req.detokenizer.flush()
+                req.held_text += req.detokenizer.step(last_token)
+            req.held_text += req.detokenizer.flush()
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
         """Find the earliest stop string that ends in the new text; truncate there.
         Each is searched only where it could end in the new text, so one that
-        completed before min_tokens was reached is not found again later."""
+        completed before min_tokens was reached is not found again later; and only
+        in held_text: the text released before it cannot start one."""
         p = req.sampling_params
         best = None
         for stop in p.stop:
-            i = req.text.find(stop, max(0, prev_len - len(stop) + 1))
+            i = req.held_text.find(stop, max(0, prev_len - len(stop) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:
             return False
         i, stop = best
-        req.text = req.text[: i + len(stop) if p.include_stop_str_in_output else i]
+        req.held_text = req.held_text[: i + len(stop) if p.include_stop_str_in_output else i]
         req.stop_reason = stop
         return True
 
@@ -1271,15 +1278,20 @@ class LLMEngine:
         """The request's output so far (under DELTA: what is new since its last
         one, a cost that does not grow with the output). While it runs, text that
         could still turn out to be the start of a stop string is held back."""
-        end = len(req.text) if req.is_finished else len(req.text) - _stop_holdback(req)
-        delta = req.text[req.sent_text_len:end] if end > req.sent_text_len else ""
-        req.sent_text_len = max(req.sent_text_len, end)
-        if req.output_kind.is_delta:
+        pieces = req.text_pieces
+        if req.is_finished and req.held_text:  # no stop string can cut it any more
+            pieces.append(req.held_text)
+            req.held_text = ""
+        text = "".join(pieces)
+        if req.output_kind.is_delta:  # no later output needs these pieces
+            pieces.clear()
             first, req.sent_token_len = req.sent_token_len, len(req.output_token_ids)
-            text, token_ids = delta, req.output_token_ids[first:]
+            delta, token_ids = text, req.output_token_ids[first:]
             logprobs = None if req.logprobs is None else req.logprobs[first:]
         else:
-            text, token_ids = req.text[:req.sent_text_len], list(req.output_token_ids)
+            pieces[:] = [text]  # one piece: the next output joins two
+            delta, req.sent_text_len = text[req.sent_text_len:], len(text)
+            token_ids = list(req.output_token_ids)
             logprobs = None if req.logprobs is None else list(req.logprobs)
         return CompletionOutput(req.index, text, token_ids, req.cumulative_logprob, logprobs,
                                 req.status.finish_reason, req.stop_reason, delta)
@@ -1302,12 +1314,20 @@ class LLMEngine:
             self.workers.shutdown(getattr(self, "runner", None))
 
 
-def _stop_holdback(req: Request) -> int:
+def _release_text(req: Request) -> None:
+    """Move held_text to text_pieces, all but its longest suffix that could be the start of a
+    stop string: what a later token completes into a stop string starts in what stays held."""
+    text = req.held_text
+    end = len(text) - _stop_holdback(text, req.sampling_params.stop)
+    if end:
+        req.text_pieces.append(text[:end])
+        req.held_text = text[end:]
+
+
+def _stop_holdback(text: str, stops: list[str]) -> int:
     """Length of the longest suffix of the text that is a prefix of a stop string."""
-    stops = req.sampling_params.stop
     if not stops:
         return 0
-    text = req.text
     for n in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
         tail = text[-n:]
         if any(s.startswith(tail) for s in stops):
