@@ -1325,14 +1325,20 @@ def _release_text(req: Request) -> None:
 
 
 def _stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of the text that is a prefix of a stop string."""
+    """Length of the longest suffix of the text (shorter than the longest stop string)
+    that is a prefix of a stop string. Only where a stop's first character is can one
+    start: found by str.find, not by trying every length."""
     if not stops:
         return 0
-    for n in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
-        tail = text[-n:]
-        if any(s.startswith(tail) for s in stops):
-            return n
-    return 0
+    held, limit = 0, max(map(len, stops)) - 1
+    for stop in stops:
+        i = text.find(stop[0], max(len(text) - min(len(stop), limit), 0))
+        while i != -1 and len(text) - i > held:
+            if stop.startswith(text[i:]):
+                held = len(text) - i
+                break
+            i = text.find(stop[0], i + 1)
+    return held
 
 
 # generation_config.json's sampling fields, as vLLM reads them -> SamplingParams' names
