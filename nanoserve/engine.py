@@ -360,7 +360,7 @@ class IncrementalDetokenizer:
         """A DecodeStream that has read the context; None where the context ends
         inside a character (it would hand the prompt's bytes out as output)."""
         from tokenizers.decoders import DecodeStream
-        if self.tokenizer.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
+        if self.backend.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
             return None
         stream = DecodeStream(skip_special_tokens=self.skip)
         try:
@@ -371,7 +371,8 @@ class IncrementalDetokenizer:
         return stream
 
     def _window(self) -> tuple[str, str]:
-        decode, ids = self.tokenizer.decode, self.ids
+        # the Rust tokenizer's decode is transformers' (_rust_tokenizer), without its Python layers
+        decode, ids = (self.tokenizer if self.backend is None else self.backend).decode, self.ids
         return (decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip),
                 decode(ids[self.prefix_offset:], skip_special_tokens=self.skip))
 
