@@ -413,9 +413,9 @@ class Request:
     num_output_placeholders: int = 0  # sampled tokens still on the device (steps launched, not landed)
     token_ids: list[int] = field(default_factory=list)          # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
-    # The detokenized output: pieces no stop string can cut any more (joined only for an output, as
-    # str += would copy all the text each token; DELTA drops those it sent), then held_text, which
-    # ends in what could yet be the start of a stop string (_release_text)
+    # The detokenized output: text_pieces, which no stop string can cut any more (joined only into an
+    # output: str += would copy all the text each token; DELTA drops those it sent), then held_text,
+    # the new text and the end that could yet begin a stop string (_release_text)
     text_pieces: list[str] = field(default_factory=list)
     held_text: str = ""
     sent_text_len: int = 0            # CUMULATIVE: how much of the text earlier outputs carried
@@ -1214,7 +1214,7 @@ class LLMEngine:
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
-        if req.held_text:
+        if len(req.held_text) > 256:  # each token copies it; outputs release it, FINAL_ONLY's only at the end
             _release_text(req)
         return None
 
@@ -1279,10 +1279,8 @@ class LLMEngine:
         """The request's output so far (under DELTA: what is new since its last
         one, a cost that does not grow with the output). While it runs, text that
         could still turn out to be the start of a stop string is held back."""
+        _release_text(req)
         pieces = req.text_pieces
-        if req.is_finished and req.held_text:  # no stop string can cut it any more
-            pieces.append(req.held_text)
-            req.held_text = ""
         text = "".join(pieces)
         if req.output_kind.is_delta:  # no later output needs these pieces
             pieces.clear()
@@ -1316,13 +1314,12 @@ class LLMEngine:
 
 
 def _release_text(req: Request) -> None:
-    """Move held_text to text_pieces, all but its longest suffix that could be the start of a
-    stop string: what a later token completes into a stop string starts in what stays held."""
+    """Move from held_text to text_pieces what no later token can turn into the start
+    of a stop string (all of it once the request is finished)."""
     text = req.held_text
-    end = len(text) - _stop_holdback(text, req.sampling_params.stop)
-    if end:
-        req.text_pieces.append(text[:end])
-        req.held_text = text[end:]
+    end = len(text) if req.is_finished else len(text) - _stop_holdback(text, req.sampling_params.stop)
+    req.text_pieces.append(text[:end])
+    req.held_text = text[end:]
 
 
 def _stop_holdback(text: str, stops: list[str]) -> int:

@@ -341,23 +341,26 @@ def _whole_text_deltas(pieces: list[str], stops: list[str], include: bool) -> li
     raise AssertionError("no stop string in the text")
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY], ids=["delta", "final"])
 @pytest.mark.parametrize("include", [False, True], ids=["exclude", "include"])
-def test_stop_strings_on_a_long_output(llm, tok, include):
+def test_stop_strings_on_a_long_output(llm, tok, include, kind):
     """A long output full of stop strings' beginnings, held back and then released,
-    ending in a stop string of many tokens: each DELTA output carries what holding
-    back on the whole text gives, and the stop is found where it completes."""
+    that ends in a stop string of many tokens and hundreds of characters: each DELTA
+    output carries what holding back on the whole text gives (FINAL_ONLY: all of it
+    at once), and the stop is found where it completes."""
+    stop = "<stop here now" + " and again" * 25 + ">"
     rng = random.Random(0)
-    starts = rng.choices(["<stop", "<stop here", "<stop here no", "!!", "<", "x"], k=40)
-    text = "".join(f"{w} {i} " for i, w in enumerate(starts)) + "<stop here now> and after"
-    stops = ["<stop here now>", "!!!"]
+    starts = rng.choices(["<stop", "<stop here", "<stop here no", "!!", "<", "x"], k=25)
+    text = "".join(f"{w} {i} " for i, w in enumerate(starts)) + stop + " and after"
     script = tok.encode(text)
     with scripted(llm, PROMPT, script):
-        deltas, final = stream(llm, PROMPT, SamplingParams(stop=stops, include_stop_str_in_output=include,
-                                                           max_tokens=len(script)), RequestOutputKind.DELTA)
-    want = _whole_text_deltas(_deltas(tok, script, tok.encode(PROMPT))[:-1], stops, include)
-    assert [d.text for d in deltas] == want and len(want) > 200 and want.count("") > 20
-    assert final.finish_reason == "stop" and final.stop_reason == "<stop here now>"
-    assert "".join(want) == text[:text.index("<stop here now>") + (len(stops[0]) if include else 0)]
+        deltas, final = stream(llm, PROMPT, SamplingParams(stop=[stop, "!!!"], include_stop_str_in_output=include,
+                                                           max_tokens=len(script)), kind)
+    want = _whole_text_deltas(_deltas(tok, script, tok.encode(PROMPT))[:-1], [stop, "!!!"], include)
+    assert len(want) > 250 and want.count("") > 100
+    assert [d.text for d in deltas] == (want if kind.is_delta else ["".join(want)])
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert "".join(want) == text[:text.index(stop) + (len(stop) if include else 0)]
 
 
 def test_stop_string_self_overlapping(llm, tok):
