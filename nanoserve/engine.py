@@ -364,7 +364,7 @@ class IncrementalDetokenizer:
         """A DecodeStream that has read the context; None where the context ends
         inside a character (it would hand the prompt's bytes out as output)."""
         from tokenizers.decoders import DecodeStream
-        if self.tokenizer.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
+        if self.backend.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
             return None
         stream = DecodeStream(skip_special_tokens=self.skip)
         try:
@@ -375,7 +375,8 @@ class IncrementalDetokenizer:
         return stream
 
     def _window(self) -> tuple[str, str]:
-        decode, ids = self.tokenizer.decode, self.ids
+        # the Rust tokenizer's decode is transformers' (_rust_tokenizer), without its Python layers
+        decode, ids = (self.tokenizer if self.backend is None else self.backend).decode, self.ids
         return (decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip),
                 decode(ids[self.prefix_offset:], skip_special_tokens=self.skip))
 
@@ -416,8 +417,12 @@ class Request:
     num_output_placeholders: int = 0  # sampled tokens still on the device (steps launched, not landed)
     token_ids: list[int] = field(default_factory=list)          # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
-    text: str = ""                    # detokenized output, stop string handled
-    sent_text_len: int = 0            # how much of text was already streamed
+    # The detokenized output: text_pieces, which no stop string can cut any more (joined only into an
+    # output: str += would copy all the text each token; DELTA drops those it sent), then held_text,
+    # the new text and the end that could yet begin a stop string (_release_text)
+    text_pieces: list[str] = field(default_factory=list)
+    held_text: str = ""
+    sent_text_len: int = 0            # CUMULATIVE: how much of the text earlier outputs carried
     sent_token_len: int = 0           # DELTA: how many output tokens earlier outputs carried
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
@@ -1212,14 +1217,16 @@ class LLMEngine:
             # above from seeing it), whose text stays out as an EOS's does.
             self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
-        prev_len = len(req.text)
+        prev_len = len(req.held_text)
         if req.detokenizer is not None:
-            req.text += req.detokenizer.step(token)
+            req.held_text += req.detokenizer.step(token)
         if done and p.stop and self._check_stop_strings(req, prev_len):
             return RequestStatus.FINISHED_STOPPED
         if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
             self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
+        if len(req.held_text) > 256:  # each token copies it; outputs release it, FINAL_ONLY's only at the end
+            _release_text(req)
         return None
 
     def _end_without_token(self, req: Request) -> RequestStatus:
@@ -1240,23 +1247,24 @@ class LLMEngine:
         back waiting for the rest of a UTF-8 character that will never come."""
         if req.detokenizer is not None:
             if last_token is not None:
-                req.text += req.detokenizer.step(last_token)
-            req.text += req.detokenizer.flush()
+                req.held_text += req.detokenizer.step(last_token)
+            req.held_text += req.detokenizer.flush()
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
         """Find the earliest stop string that ends in the new text; truncate there.
         Each is searched only where it could end in the new text, so one that
-        completed before min_tokens was reached is not found again later."""
+        completed before min_tokens was reached is not found again later; and only
+        in held_text: the text released before it cannot start one."""
         p = req.sampling_params
         best = None
         for stop in p.stop:
-            i = req.text.find(stop, max(0, prev_len - len(stop) + 1))
+            i = req.held_text.find(stop, max(0, prev_len - len(stop) + 1))
             if i != -1 and (best is None or i < best[0]):
                 best = (i, stop)
         if best is None:
             return False
         i, stop = best
-        req.text = req.text[: i + len(stop) if p.include_stop_str_in_output else i]
+        req.held_text = req.held_text[: i + len(stop) if p.include_stop_str_in_output else i]
         req.stop_reason = stop
         return True
 
@@ -1282,15 +1290,18 @@ class LLMEngine:
         """The request's output so far (under DELTA: what is new since its last
         one, a cost that does not grow with the output). While it runs, text that
         could still turn out to be the start of a stop string is held back."""
-        end = len(req.text) if req.is_finished else len(req.text) - _stop_holdback(req)
-        delta = req.text[req.sent_text_len:end] if end > req.sent_text_len else ""
-        req.sent_text_len = max(req.sent_text_len, end)
-        if req.output_kind.is_delta:
+        _release_text(req)
+        pieces = req.text_pieces
+        text = "".join(pieces)
+        if req.output_kind.is_delta:  # no later output needs these pieces
+            pieces.clear()
             first, req.sent_token_len = req.sent_token_len, len(req.output_token_ids)
-            text, token_ids = delta, req.output_token_ids[first:]
+            delta, token_ids = text, req.output_token_ids[first:]
             logprobs = None if req.logprobs is None else req.logprobs[first:]
         else:
-            text, token_ids = req.text[:req.sent_text_len], list(req.output_token_ids)
+            pieces[:] = [text]  # one piece: the next output joins two
+            delta, req.sent_text_len = text[req.sent_text_len:], len(text)
+            token_ids = list(req.output_token_ids)
             logprobs = None if req.logprobs is None else list(req.logprobs)
         return CompletionOutput(req.index, text, token_ids, req.cumulative_logprob, logprobs,
                                 req.status.finish_reason, req.stop_reason, delta)
@@ -1313,17 +1324,30 @@ class LLMEngine:
             self.workers.shutdown(getattr(self, "runner", None))
 
 
-def _stop_holdback(req: Request) -> int:
-    """Length of the longest suffix of the text that is a prefix of a stop string."""
-    stops = req.sampling_params.stop
+def _release_text(req: Request) -> None:
+    """Move from held_text to text_pieces what no later token can turn into the start
+    of a stop string (all of it once the request is finished)."""
+    text = req.held_text
+    end = len(text) if req.is_finished else len(text) - _stop_holdback(text, req.sampling_params.stop)
+    req.text_pieces.append(text[:end])
+    req.held_text = text[end:]
+
+
+def _stop_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of the text (shorter than the longest stop string)
+    that is a prefix of a stop string. Only where a stop's first character is can one
+    start: found by str.find, not by trying every length."""
     if not stops:
         return 0
-    text = req.text
-    for n in range(min(len(text), max(len(s) for s in stops) - 1), 0, -1):
-        tail = text[-n:]
-        if any(s.startswith(tail) for s in stops):
-            return n
-    return 0
+    held, limit = 0, max(map(len, stops)) - 1
+    for stop in stops:
+        i = text.find(stop[0], max(len(text) - min(len(stop), limit), 0))
+        while i != -1 and len(text) - i > held:
+            if stop.startswith(text[i:]):
+                held = len(text) - i
+                break
+            i = text.find(stop[0], i + 1)
+    return held
 
 
 # generation_config.json's sampling fields, as vLLM reads them -> SamplingParams' names

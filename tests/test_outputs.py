@@ -323,6 +323,46 @@ def test_stop_strings(llm, tok, name, stops, match, include):
     assert final.token_ids == script[:first_token_containing(tok, script, match) + 1]
 
 
+def _whole_text_deltas(pieces: list[str], stops: list[str], include: bool) -> list[str]:
+    """What each output adds, found on the whole text every token: the text up to the
+    earliest stop string that ends in the new piece; while none has, all but its longest
+    suffix that is a prefix of a stop string."""
+    text, sent, out = "", 0, []
+    for piece in pieces:
+        prev, text = len(text), text + piece
+        hits = [(i, s) for s in stops if (i := text.find(s, max(0, prev - len(s) + 1))) != -1]
+        if hits:
+            i, s = min(hits, key=lambda h: h[0])
+            return out + [text[sent:i + len(s) if include else i]]
+        hold = next((n for n in range(min(len(text), max(map(len, stops)) - 1), 0, -1)
+                     if any(s.startswith(text[-n:]) for s in stops)), 0)
+        out.append(text[sent:len(text) - hold])
+        sent = len(text) - hold
+    raise AssertionError("no stop string in the text")
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY], ids=["delta", "final"])
+@pytest.mark.parametrize("include", [False, True], ids=["exclude", "include"])
+def test_stop_strings_on_a_long_output(llm, tok, include, kind):
+    """A long output full of stop strings' beginnings, held back and then released,
+    that ends in a stop string of many tokens and hundreds of characters: each DELTA
+    output carries what holding back on the whole text gives (FINAL_ONLY: all of it
+    at once), and the stop is found where it completes."""
+    stop = "<stop here now" + " and again" * 25 + ">"
+    rng = random.Random(0)
+    starts = rng.choices(["<stop", "<stop here", "<stop here no", "!!", "<", "x"], k=25)
+    text = "".join(f"{w} {i} " for i, w in enumerate(starts)) + stop + " and after"
+    script = tok.encode(text)
+    with scripted(llm, PROMPT, script):
+        deltas, final = stream(llm, PROMPT, SamplingParams(stop=[stop, "!!!"], include_stop_str_in_output=include,
+                                                           max_tokens=len(script)), kind)
+    want = _whole_text_deltas(_deltas(tok, script, tok.encode(PROMPT))[:-1], [stop, "!!!"], include)
+    assert len(want) > 250 and want.count("") > 100
+    assert [d.text for d in deltas] == (want if kind.is_delta else ["".join(want)])
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    assert "".join(want) == text[:text.index(stop) + (len(stop) if include else 0)]
+
+
 def test_stop_string_self_overlapping(llm, tok):
     text = "xx aaab yy and more"
     script = tok.encode(text)
