@@ -251,6 +251,16 @@ class Logprob:
 PromptLogprobs = list[dict[int, Logprob] | None]  # per prompt token; the first is None (nothing predicts it)
 
 
+def logprob_entry(token_id: int, logprob: float, rank: int, top: list[tuple[int, float]],
+                  texts: list[str | None]) -> dict[int, Logprob]:
+    """One position's logprobs as vLLM's: the token's own (with its rank: how many are at
+    least as likely), then the top ones ranked 1, 2, ...; ``texts``: each one's text, in that order."""
+    entry = {token_id: Logprob(logprob, rank, texts[0])}
+    for i, ((t, lp), text) in enumerate(zip(top, texts[1:])):
+        entry.setdefault(t, Logprob(lp, i + 1, text))
+    return entry
+
+
 class RequestOutputKind(enum.Enum):
     """vLLM's: what each output of a request carries. ``every_step`` and ``is_delta``
     are plain attributes, as RequestStatus's: every step reads them for every request."""
@@ -272,7 +282,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[dict[int, float]] | None = None  # per token: {token id: logprob}
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the token's and the top ones, as vLLM's
     finish_reason: str | None = None                # "stop", "length", "abort" or None
     stop_reason: int | str | None = None
     delta_text: str = ""                            # what this step added (for streaming)
@@ -424,7 +434,7 @@ class Request:
     held_text: str = ""
     sent_text_len: int = 0            # CUMULATIVE: how much of the text earlier outputs carried
     sent_token_len: int = 0           # DELTA: how many output tokens earlier outputs carried
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     # Filled chunk by chunk while the prompt is prefilled, by the one request that
     # skips the prefix cache (n > 1: the family shares one list, the first child fills it)
@@ -1175,11 +1185,7 @@ class LLMEngine:
         ids = [[r.token_id, *(t for t, _ in r.top)] for r in rows]
         texts = iter(self._decode_each([t for row in ids for t in row], req.sampling_params.detokenize))
         for r, row in zip(rows, ids):
-            text = [next(texts) for _ in row]
-            entry = {r.token_id: Logprob(r.logprob, r.rank, text[0])}
-            for i, ((t, lp), s) in enumerate(zip(r.top, text[1:])):
-                entry.setdefault(t, Logprob(lp, i + 1, s))
-            req.prompt_logprobs.append(entry)
+            req.prompt_logprobs.append(logprob_entry(r.token_id, r.logprob, r.rank, r.top, [next(texts) for _ in row]))
 
     def _decode_each(self, token_ids: list[int], detokenize: bool = True) -> list[str | None]:
         """Each token's own text (None without a tokenizer or detokenize), in one call."""
@@ -1191,9 +1197,9 @@ class LLMEngine:
         req.token_ids.append(result.token_id)
         req.output_token_ids.append(result.token_id)
         if req.logprobs is not None:
-            entry = dict(result.top_logprobs or [])
-            entry[result.token_id] = result.logprob
-            req.logprobs.append(entry)
+            top = result.top_logprobs or []
+            texts = self._decode_each([result.token_id, *(t for t, _ in top)], req.sampling_params.detokenize)
+            req.logprobs.append(logprob_entry(result.token_id, result.logprob, result.rank, top, texts))
             req.cumulative_logprob += result.logprob
         if req.first_token_time is None:
             req.first_token_time = now

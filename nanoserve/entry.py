@@ -71,7 +71,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, REASONING_PARSERS, RequestFailedError, RequestOutput,
+                              InvalidInput, LLMEngine, Logprob, REASONING_PARSERS, RequestFailedError, RequestOutput,
                               RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
                               TokenizedPrompt, apply_chat_template, local_ranks, merge_deltas, model_thread,
                               opens_reply, run_worker_node)
@@ -2025,16 +2025,19 @@ class Generation:
             tokens.append(self._logprob_item(token_id, entry))
         return self.logprobs_body(tokens, text_offset)
 
-    def _logprob_item(self, token_id: int, entry: dict[int, float] | None) -> tuple:
+    def _logprob_item(self, token_id: int, entry: dict[int, Logprob] | None) -> tuple:
         if entry is None:
             return self._token_text(token_id), None, None
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-        return (self._token_text(token_id), _lp(entry.get(token_id)),
-                [(self._token_text(t), _lp(lp)) for t, lp in ranked])
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+        return (self._token_text(token_id, entry.get(token_id)), _lp(entry[token_id].logprob if token_id in entry
+                                                                     else None),
+                [(self._token_text(t, lp), _lp(lp.logprob)) for t, lp in ranked])
 
-    def _token_text(self, token_id: int) -> str:
+    def _token_text(self, token_id: int, lp: Logprob | None = None) -> str:
         if self.req.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
+        if lp is not None and lp.decoded_token is not None:  # the engine decoded it already
+            return lp.decoded_token
         return self.state.engine.tokenizer.decode([token_id])
 
     def extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
@@ -2170,7 +2173,7 @@ class CompletionGeneration(Generation):
     def echo_logprobs(self, prompt_index: int) -> list[tuple]:
         """The prompt's tokens lead the logprobs as its text leads the choice's."""
         entries = self.prompt_logprobs.get(prompt_index) or [None]
-        return [self._logprob_item(token_id, None if entry is None else {t: lp.logprob for t, lp in entry.items()})
+        return [self._logprob_item(token_id, entry)
                 for token_id, entry in zip(self.prompts[prompt_index].token_ids, entries)]  # the first has none
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,

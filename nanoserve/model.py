@@ -850,7 +850,7 @@ class SamplerOutput:
         host = self.packed.tolist()
         if self.packed.dim() == 1:
             return [SampleResult(t) for t in host]
-        return [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w])
+        return [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w], r.rank)
                 for r, w in zip(unpack_logprob_rows(host), self.num_logprobs)]
 
 
@@ -859,6 +859,7 @@ class SampleResult:
     token_id: int
     logprob: float | None = None                     # of the sampled token (raw logits)
     top_logprobs: list[tuple[int, float]] | None = None
+    rank: int | None = None                          # of the sampled token, as vLLM ranks it
 
 
 class Sampler:

@@ -81,7 +81,7 @@ def assert_same(a, b) -> None:
                 (d.index, d.token_ids, d.text, d.finish_reason, d.stop_reason)
             assert (c.logprobs is None) == (d.logprobs is None)
             for ec, ed in zip(c.logprobs or [], d.logprobs or []):
-                assert ec.keys() == ed.keys() and all(abs(ec[t] - ed[t]) < 1e-4 for t in ec)
+                assert ec.keys() == ed.keys() and all(abs(ec[t].logprob - ed[t].logprob) < 1e-4 for t in ec)
             if c.cumulative_logprob is not None:
                 assert abs(c.cumulative_logprob - d.cumulative_logprob) < 1e-3
 

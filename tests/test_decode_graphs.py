@@ -41,7 +41,7 @@ def same_outputs(a, b):
         assert ta == tb
         for ea, eb in zip(la or [], lb or []):
             assert ea.keys() == eb.keys()
-            assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+            assert all(abs(ea[t].logprob - eb[t].logprob) < 1e-4 for t in ea)
 
 
 def test_default_sizes_are_vllms():

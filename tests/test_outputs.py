@@ -156,11 +156,14 @@ def test_logprobs_equal_transformers_log_softmax(llm, tok, hf, n_top, kw):
         for i, (t, entry) in enumerate(zip(c.token_ids, c.logprobs)):
             top = ref[i].topk(n_top).indices.tolist() if n_top else []
             assert set(entry) == set(top) | {t}            # the N largest, plus the sampled token
-            for tid, lp in entry.items():
-                assert lp == pytest.approx(float(ref[i, tid]), abs=2e-5)
+            for tid, lp in entry.items():  # vLLM's Logprob: the value, its rank and its text
+                assert lp.logprob == pytest.approx(float(ref[i, tid]), abs=2e-5)
+                assert lp.decoded_token == tok.decode([tid])
+            assert entry[t].rank == int((ref[i] >= ref[i, t]).sum())  # how many are at least as likely
+            assert [entry[tid].rank for tid in top if tid != t] == [r + 1 for r, tid in enumerate(top) if tid != t]
             if kw["temperature"] == 0:
                 assert t == int(ref[i].argmax())
-            total += entry[t]
+            total += entry[t].logprob
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-5)
 
 

@@ -48,7 +48,7 @@ def generate(path, **kw) -> tuple[list[list[int]], list[list[float]], dict]:
     finally:
         llm.shutdown()
     tokens = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[lp[t] for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
     return tokens, logprobs, stats
 
 
