@@ -86,7 +86,8 @@ MAX_N = 128                          # completions per prompt (n)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text
+# how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999)
+_NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}")
 _IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # a prompt of token ids
 
 
@@ -985,7 +986,9 @@ def _parameters(tool: ChatCompletionToolsParam) -> dict:
 
 def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
     """A request body as a JSON object of text: a lone surrogate (which JSON's
-    \\u escapes can spell, and no tokenizer takes) is a 400 naming its field."""
+    \\u escapes can spell, and no tokenizer takes) is a 400 naming its field, and so is
+    a number JSON has not (NaN, Infinity, 1e999), which Python's json takes and no
+    answer that echoes it could carry."""
     try:
         text = raw.decode("utf-8")  # strict: no encoded surrogates either
     except UnicodeDecodeError as e:
@@ -999,13 +1002,16 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
-    if _SURROGATE_ESCAPE.search(text):  # rare: only then look for the field that holds it
+    if _NOT_JSON_TEXT.search(text):  # rare: only then look for the field that holds it
         for key, value in body.items():
-            try:
-                json.dumps({key: value}, ensure_ascii=False).encode("utf-8")  # UTF-8 cannot encode a lone one
+            try:  # UTF-8 cannot encode a lone surrogate
+                json.dumps({key: value}, ensure_ascii=False, allow_nan=False).encode("utf-8")
             except UnicodeEncodeError:
                 raise bad_request(f"{esc(key)} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
                                   f"text", esc(key)) from None
+            except ValueError:
+                raise bad_request(f"{esc(key)} holds NaN, Infinity or a number beyond a double's range (such as "
+                                  f"1e999), which are not JSON numbers", esc(key)) from None
     return body
 
 

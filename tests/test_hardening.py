@@ -190,6 +190,30 @@ def test_lone_surrogates_are_a_400_naming_the_field_and_keep_the_connection(serv
     server.wait_idle()
 
 
+# numbers JSON has not, which Python's json takes: a Responses body echoes text, reasoning and tools back (a 500
+# once, as no JSON answer can carry them); in a tool's schema or a template kwarg they would reach the template
+NON_FINITE_BODIES = [
+    ("/v1/responses", '{"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": '
+                      '{"type": "number", "maximum": NaN}}}}', "text"),
+    ("/v1/responses", '{"input": "x", "reasoning": {"effort": "low", "budget": Infinity}}', "reasoning"),
+    ("/v1/responses", '{"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", '
+                      '"properties": {"a": {"type": "number", "maximum": 1e999}}}}]}', "tools"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"chat_template_kwargs": {"x": -Infinity}}', "chat_template_kwargs"),
+    ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", NON_FINITE_BODIES)
+def test_numbers_json_has_not_are_a_400_naming_the_field(server, path, body, param):
+    err = _check_error(_post(server.url, body, path), 400, param)
+    assert "NaN, Infinity" in err["message"], err
+    # the same words in a string, and large finite numbers, are no such thing
+    r = _post(server.url, {"prompt": "NaN Infinity 1e999", "max_tokens": 1, "temperature": 1e300})
+    assert r.status_code == 200, r.text
+    server.wait_idle()
+
+
 def test_lone_surrogates_offline_are_a_value_error(offline_small):
     with pytest.raises(ValueError, match="prompt is not valid Unicode"):
         offline_small.generate(["a\ud800"], use_tqdm=False)
