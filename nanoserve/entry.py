@@ -590,8 +590,8 @@ class GenerationRequest(OpenAIBaseModel):
                                    description="a string of 1 to 1024 characters")
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: dict | None = Field(None, description='{"type": "text" | "json_object" | "json_schema", ...}')
-    structured_outputs: dict | None = Field(None, description="an object with one of json, regex, choice, "
-                                                              "grammar, json_object")
+    structured_outputs: StructuredOutputsParams | None = Field(  # typed as vLLM's: json_object 0 asks for nothing
+        None, description="an object with one of json, regex, choice, grammar, json_object")
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -604,6 +604,14 @@ class GenerationRequest(OpenAIBaseModel):
             if not re.fullmatch(r"\d{1,9}", key):
                 raise ValueError(f"logit_bias keys must be token ids, got {show(key)}")
         return {key: min(100.0, max(-100.0, bias)) for key, bias in v.items()}  # clamped, as vLLM's from_optional
+
+    @field_validator("structured_outputs", mode="before")
+    @classmethod
+    def _known_constraints(cls, v: Any) -> Any:
+        unknown = sorted(set(v) - set(StructuredOutputsParams.__dataclass_fields__)) if isinstance(v, dict) else ()
+        if unknown:  # a dataclass takes any key
+            raise InvalidInput("structured_outputs", f"structured_outputs has unknown field(s) {unknown}")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -666,14 +674,12 @@ class GenerationRequest(OpenAIBaseModel):
         if name.startswith("guided_"):
             return StructuredOutputsParams(**{name[len("guided_"):]: value})
         if name == "structured_outputs":
-            unknown = sorted(set(value) - set(StructuredOutputsParams.__dataclass_fields__))
-            if unknown:
-                raise InvalidInput("structured_outputs", f"structured_outputs has unknown field(s) {unknown}")
-            return StructuredOutputsParams(**value)
+            return value
         kind = value.get("type")
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
-        schema = (value.get("json_schema") or {}).get("schema") if kind == "json_schema" else None
+        spec = value.get("json_schema") if kind == "json_schema" else None
+        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise InvalidInput("response_format", 'response_format must be {"type": "text"}, {"type": "json_object"} '
                                                   'or {"type": "json_schema", "json_schema": {"name": ..., "schema": '

@@ -421,6 +421,9 @@ LAX = [  # endpoint, fields, check(result)
      lambda r: r.sp.stop_token_ids == [7] and r.sp.logit_bias == {5: 1.5}),
     ("completions", {"use_beam_search": "false", "priority": 0.0, "length_penalty": "1"}, lambda r: r.sp),
     ("chat", {"logprobs": "true", "top_logprobs": "2", "echo": 0}, lambda r: r.sp.logprobs == 2),
+    # structured_outputs is vLLM's typed dataclass: json_object 0 asks for no JSON object (it once did)
+    ("completions", {"structured_outputs": {"regex": "a+", "json_object": 0, "disable_any_whitespace": "false"}},
+     lambda r: r.sp.structured_outputs.given() == ["regex"] and r.text.strip("a") == ""),
 ]
 
 
@@ -437,7 +440,9 @@ def test_lax_types_still_refuse_what_is_not_the_type(server):
                              ("completions", {"stream": "maybe"}), ("completions", {"stop_token_ids": True}),
                              ("completions", {"prompt": [1, "a"]}), ("completions", {"temperature": "inf"}),
                              ("completions", {"user": 5}), ("completions", {"priority": True}),
-                             ("chat", {"logprobs": 2})):
+                             ("chat", {"logprobs": 2}), ("completions", {"structured_outputs": {"regex": 5}}),
+                             ("completions", {"structured_outputs": {"json_object": "no"}}),
+                             ("completions", {"structured_outputs": {"regex": "a", "disable_any_whitespace": "x"}})):
         r = send(server, endpoint, {**BASE[endpoint], **fields})
         assert r.status == 400 and r.body["error"]["param"] == next(iter(fields)), (fields, r.body)
 

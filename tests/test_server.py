@@ -572,6 +572,8 @@ BAD_REQUESTS = [
      400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "response_format": {"type": "xml"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],  # once a 500
+                              "response_format": {"type": "json_schema", "json_schema": "x"}}, 400, "response_format"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "tools": [{"type": "function", "function": {"name": 5}}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "model": "nope"}, 404, "model"),
