@@ -2499,8 +2499,8 @@ class ResponsesRequest(OpenAIBaseModel):
             logger.warning("[entry] %s: ignoring field(s) the Responses API does not have: %s", request_id,
                            ", ".join(map(show, ignored)))
         messages, continued = input_messages(self.input)
-        tools = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
-                 for t in self.tools or []] or None
+        tools = None if self.tools is None else [
+            {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in self.tools]
         choice = self.tool_choice
         named = isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str)
         if choice not in ("auto", "none", "required") and not named:
@@ -2509,7 +2509,9 @@ class ResponsesRequest(OpenAIBaseModel):
                    f"tools nor its mode); " if isinstance(kind, str) and kind != "function" else ""
             raise InvalidInput("tool_choice", f'{what}tool_choice must be "auto", "none", "required" or {{"type": '
                                               f'"function", "name": ...}}, got {show(choice)}')
-        choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
+        # "required" goes on without tools too: chat's rule refuses it (none given) or drops it (an empty list)
+        choice = {"type": "function", "function": {"name": choice["name"]}} if named else \
+            choice if tools or choice == "required" else None
         fmt = (self.text or {}).get("format", {"type": "text"})
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or (
                 fmt["type"] == "json_schema" and not (isinstance(fmt.get("schema"), dict) and isinstance(

@@ -514,6 +514,7 @@ BAD = [  # body, param, words the message must have
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "custom", "name": "f"}}, "tool_choice",
      'type "custom" is not supported'),
     ({"input": "x", "tool_choice": "any"}, "tool_choice", "tool_choice must be"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),  # once ignored: a text answer
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "not one of the tools"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text", "text.format"),
