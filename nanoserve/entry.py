@@ -950,8 +950,8 @@ class TokenizeRequest(ChatTemplateFields):
 
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> "TokenizeRequest":
-        if self.prompt is None and self.messages is None:
-            raise InvalidInput("prompt", "prompt (a string) or messages is required")
+        if (self.prompt is None) == (self.messages is None):  # both: which to tokenize? (vLLM's union takes prompt)
+            raise InvalidInput("prompt", "prompt (a string) or messages is required, one of them")
         return self
 
     def param_name(self, engine_param: str) -> str:

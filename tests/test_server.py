@@ -585,6 +585,7 @@ BAD_REQUESTS = [
      400, "add_generation_prompt"),
     ("/tokenize", {}, 400, "prompt"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt"),  # once: messages
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
 ]
