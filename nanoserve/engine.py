@@ -132,6 +132,7 @@ class SamplingParams:
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
     structured_outputs: StructuredOutputsParams | None = None
     extra_args: dict[str, Any] | None = None  # as vLLM's: kept for custom code, read by nothing here
+    _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # vLLM's: bad_words tokenized
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -945,7 +946,7 @@ class LLMEngine:
         """Refuse a request whose own fields leave no token to sample at its first step (the sampler would
         end it there, empty): allowed_token_ids and the grammar's first tokens, less the bans that hold from
         the start. Dead ends that come later (a finished grammar under min_tokens) end it where they come."""
-        bans = {"bad_words": [w[0] for w in self._bad_words_token_ids(p.bad_words) if len(w) == 1],
+        bans = {"bad_words": [w[0] for w in self.bad_words_token_ids(p) if len(w) == 1],
                 "logit_bias": [t for t, b in (p.logit_bias or {}).items() if b == -math.inf],
                 "min_tokens": held_back_by_min_tokens(p, self.eos_token_ids) if p.min_tokens else []}
         if not any(bans.values()) and not (p.allowed_token_ids and grammar is not None):
@@ -992,7 +993,7 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         prompt_logprobs = None if params.prompt_logprobs is None else [None]
-        bad_words = self._bad_words_token_ids(params.bad_words)
+        bad_words = self.bad_words_token_ids(params)
         for i in range(params.n):
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text (wrapped in int64)
@@ -1016,11 +1017,14 @@ class LLMEngine:
                      len(token_ids), max_tokens, params.n)
         return request_id
 
-    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+    def bad_words_token_ids(self, p: SamplingParams) -> list[list[int]]:
         """Each bad word's tokens as vLLM finds them: the word as given, and with a
-        leading space where that tokenizes differently but as long."""
+        leading space where that tokenizes differently but as long; those the server
+        stored in ``p`` (on its tokenizer thread, not on the loop add_request runs on)."""
+        if p._bad_words_token_ids is not None:
+            return p._bad_words_token_ids
         out = []
-        for word in words:
+        for word in p.bad_words:
             plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])

@@ -1959,6 +1959,7 @@ class Generation:
                                                     req.truncation_side) for p in self.prompt_inputs()]
         for p in prompts:
             p.cache_salt = req.cache_salt
+        self.params._bad_words_token_ids = self.state.engine.bad_words_token_ids(self.params)  # not on the loop
         return prompts
 
     def check_length(self, num_prompt: int) -> None:

@@ -65,6 +65,36 @@ def test_health_answers_while_a_prompt_is_being_tokenized(server):
     server.wait_idle()
 
 
+def test_bad_words_are_tokenized_off_the_loop_once_per_request(server, monkeypatch):
+    """bad_words were tokenized by the engine's add_request, on the event loop, for every prompt: a body
+    of long bad words held /health for seconds. Now the tokenizer thread does it, once per request."""
+    tokenizer = server.engine.tokenizer
+    entered, release, words = threading.Event(), threading.Event(), []
+    encode = tokenizer.encode
+
+    def held_encode(text, **kw):
+        if "zebra" in text:
+            words.append(text)
+            entered.set()
+            assert release.wait(60)
+        return encode(text, **kw)
+    monkeypatch.setattr(tokenizer, "encode", held_encode)
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, {
+        "prompt": ["hello", "world", "again"], "max_tokens": 2, "bad_words": ["zebra"]})))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert "r" not in result
+    finally:
+        release.set()
+    worker.join(60)
+    assert result["r"].status_code == 200 and len(result["r"].json()["choices"]) == 3
+    assert sorted(words) == [" zebra", "zebra"]  # the word, and with a space: once for the three prompts
+    server.wait_idle()
+
+
 def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
     """A body over LARGE_BODY_BYTES is decoded off the event loop too."""
     entered, release = threading.Event(), threading.Event()
