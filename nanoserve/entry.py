@@ -1673,18 +1673,19 @@ async def create_chat_completion(request: Request) -> Response:
 
 async def invocations(request: Request) -> Response:
     """SageMaker's one endpoint, as vLLM serves it: a chat body (messages) or a completion's (prompt)."""
-    body = await read_json(request, _state(request))
-    kind = ChatGeneration if "messages" in body else CompletionGeneration if "prompt" in body else None
-    if kind is None:
-        raise bad_request("an /invocations body is a chat completion's (messages) or a completion's (prompt)")
-    return await _generate(request, kind, body)
+    def parse(body: dict[str, Any]) -> tuple[type[Generation], GenerationRequest]:
+        kind = ChatGeneration if "messages" in body else CompletionGeneration if "prompt" in body else None
+        if kind is None:
+            raise bad_request("an /invocations body is a chat completion's (messages) or a completion's (prompt)")
+        return kind, kind.parse(body, _request_id(request))
+    return await _generate(request, *await read_json(request, _state(request), parse))
 
 
-async def _generate(request: Request, kind: type["Generation"], body: dict[str, Any] | None = None) -> Response:
+async def _generate(request: Request, kind: type["Generation"], req: GenerationRequest | None = None) -> Response:
     """Completions and chat: parse, admit, then stream or collect."""
     state, request_id = _state(request), _request_id(request)
-    body = await read_json(request, state, kind.check_raw) if body is None else body
-    req = kind.parse(body, request_id)
+    if req is None:
+        req = await read_json(request, state, functools.partial(kind.parse, request_id=request_id), kind.check_raw)
     if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
         if request.scope["nanoserve.request_id_given"]:
             req.request_id = None
@@ -1736,7 +1737,8 @@ async def metrics(request: Request) -> Response:
 
 async def tokenize(request: Request) -> Response:
     state = _state(request)
-    req = parse_body(TokenizeRequest, await read_json(request, state), _request_id(request))
+    req = await read_json(request, state, functools.partial(parse_body, TokenizeRequest,
+                                                             request_id=_request_id(request)))
     check_model(req, state)
     try:
         out = await state.off_loop(_tokenize, state, req)
@@ -1759,7 +1761,8 @@ def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
 
 async def detokenize(request: Request) -> Response:
     state = _state(request)
-    req = parse_body(DetokenizeRequest, await read_json(request, state), _request_id(request))
+    req = await read_json(request, state, functools.partial(parse_body, DetokenizeRequest,
+                                                             request_id=_request_id(request)))
     check_model(req, state)
     try:
         return json_response({"prompt": await state.off_loop(state.engine.detokenize, req.tokens)})
@@ -1837,11 +1840,12 @@ async def _internal_error_handler(request: Request, exc: Exception) -> Response:
 
 # ---------------------------------------------------------------- reading a body
 
-async def read_json(request: Request, state: ServerState,
-                    check_raw: Callable[[bytes, LLMEngine], None] | None = None) -> dict[str, Any]:
-    """The body as a JSON object, read no further than the size limit and no
-    longer than the body timeout (a client that never sends it holds nothing);
-    a large one is decoded off the loop, after ``check_raw`` looked at its bytes."""
+async def read_json(request: Request, state: ServerState, parse: Callable[[dict[str, Any]], Any],
+                    check_raw: Callable[[bytes, LLMEngine], None] | None = None) -> Any:
+    """The body as a JSON object, ``parse``d (into its request model), read no further than
+    the size limit and no longer than the body timeout (a client that never sends it holds
+    nothing); a large one is decoded and parsed off the loop (validating megabytes of
+    messages takes seconds too), after ``check_raw`` looked at its bytes."""
     limit = state.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -1851,10 +1855,10 @@ async def read_json(request: Request, state: ServerState,
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {state.body_timeout:g} s") from None
     if len(raw) < LARGE_BODY_BYTES:
-        return parse_json_object(raw)
+        return parse(parse_json_object(raw))
     if check_raw is not None:
         await state.off_loop(check_raw, raw, state.engine)
-    return await state.off_loop(parse_json_object, raw, True)  # C's json holds the GIL: see there
+    return await state.off_loop(lambda: parse(parse_json_object(raw, True)))  # C's json holds the GIL: see there
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -120,6 +120,35 @@ def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
     _check_error(result["r"], 400, "prompt")  # too long, found after decoding
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations", "/tokenize"])
+def test_a_large_body_is_validated_off_the_loop_too(server, monkeypatch, path):
+    """Validating a large body (here 60,000 assistant tool calls, 3 MB) took seconds of the event loop
+    after its decoding had left it; now it is parsed where it was decoded."""
+    entered, release = threading.Event(), threading.Event()
+    parse = entry.parse_body
+
+    def held_parse(*args, **kw):
+        entered.set()
+        assert release.wait(60)
+        return parse(*args, **kw)
+    monkeypatch.setattr(entry, "parse_body", held_parse)
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    body = {"messages": [{"role": "assistant", "content": "", "tool_calls": [call] * 60000}], "max_tokens": 1}
+    assert len(json.dumps(body)) > entry.LARGE_BODY_BYTES
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, body, path)))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert "r" not in result
+    finally:
+        release.set()
+    worker.join(60)
+    assert result["r"].status_code == 200, result["r"].text  # the test's template renders no tool calls
+    server.wait_idle()
+
+
 def test_a_huge_token_id_prompt_is_refused_from_its_bytes(server, monkeypatch):
     """Millions of token ids in one prompt: the 400 is the engine's own, counted in
     the raw body before any number is decoded; where the count is not certain (an
