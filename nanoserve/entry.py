@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterable
 
+import h11
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -2941,7 +2942,18 @@ class H11WithTimeouts(H11Protocol):
     """uvicorn's h11 protocol, plus a deadline for each request's headers
     (HEADER_TIMEOUT_S): else a client that connects and sends nothing, or
     trickles its headers (slowloris), holds its connection for ever. uvicorn
-    times out only the idle keep-alive between requests."""
+    times out only the idle keep-alive between requests. A request h11 cannot
+    parse gets its 400 in OpenAI's error shape, as every other bad input."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = dumps(bad_request(f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}): check its request "
+                                 f"line, headers, Content-Length and chunked framing").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"), h11.Data(data=body),
+                      h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)

@@ -421,6 +421,28 @@ def test_idle_and_slow_connections_are_closed(tiny_model, monkeypatch):
         assert httpx.get(s.url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nbroken header\r\n\r\n",
+    b"GET /health\r\n\r\n",  # HTTP/0.9
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 40,  # TLS to a plain-HTTP port
+])
+def test_a_request_h11_cannot_parse_is_a_400_in_the_error_shape(server, raw):
+    """uvicorn answered these in plain text ("Invalid HTTP request received.")."""
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(raw)
+        reply = b""
+        while chunk := sock.recv(65536):  # it closes the connection
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head, reply
+    assert json.loads(body)["error"]["code"] == 400 and "not valid HTTP/1.1" in json.loads(body)["error"]["message"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
 def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model, monkeypatch, capsys):
     """A client that connects as soon as it reads the URL line waits for the server, never refused."""
     monkeypatch.setattr(entry, "configure_logging", lambda *levels: None)  # leave pytest's handlers alone
