@@ -86,6 +86,7 @@ DRAIN_GRACE_S = 5.0                  # after the drain timeout: for streams to s
 MAX_N = 128                          # completions per prompt (n)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
+MAX_JSON_DEPTH = 128                 # a body's nesting: deeper, json, jinja or xgrammar downstream may recurse too far
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
 # how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999)
 _NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}")
@@ -1019,7 +1020,20 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
             except ValueError:
                 raise bad_request(f"{esc(key)} holds NaN, Infinity or a number beyond a double's range (such as "
                                   f"1e999), which are not JSON numbers", esc(key)) from None
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # only then can a field be nested that deep
+        for key, value in body.items():
+            if _nested_deeper(value, MAX_JSON_DEPTH - 1):
+                raise bad_request(f"{esc(key)} is nested more than {MAX_JSON_DEPTH} levels deep (counting the "
+                                  f"body's own)", esc(key))
     return body
+
+
+def _nested_deeper(value: Any, levels: int) -> bool:
+    """Whether ``value`` has more than ``levels`` levels of arrays and objects: a level at a time, no recursion."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(levels):
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+    return bool(level)
 
 
 def _json_type(value: Any) -> str:

@@ -273,6 +273,28 @@ def test_numbers_json_has_not_are_a_400_naming_the_field(server, path, body, par
     server.wait_idle()
 
 
+def _nested_schema(levels: int) -> str:
+    """A JSON schema of ``levels`` nested objects, as text (json.dumps would recurse as deep)."""
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "integer"}' + '}, "required": ["a"]}' * levels
+
+
+def test_a_body_nested_too_deep_is_a_400_naming_the_field(server):
+    """A schema 480 objects deep (961 JSON levels, which json.loads takes) compiled for 10 s, then json's
+    recursion overflowed on the event loop: a 500; deep template kwargs were misnamed as messages."""
+    chat = '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, '
+    for path, body, param in (
+            ("/v1/completions", '{"prompt": "hi", "guided_json": ' + _nested_schema(480) + "}", "guided_json"),
+            ("/v1/chat/completions", chat + '"chat_template_kwargs": {"k": ' + "[" * 200 + "]" * 200 + "}}",
+             "chat_template_kwargs"),
+            ("/v1/responses", '{"input": "x", "tools": [{"type": "function", "name": "f", "parameters": '
+                              + _nested_schema(100) + "}]}", "tools")):
+        err = _check_error(_post(server.url, body, path), 400, param)
+        assert f"nested more than {entry.MAX_JSON_DEPTH} levels" in err["message"], err
+    r = _post(server.url, '{"prompt": "hi", "max_tokens": 2, "guided_json": ' + _nested_schema(20) + "}")
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].startswith("{"), r.text  # deep enough
+    server.wait_idle()
+
+
 def test_lone_surrogates_offline_are_a_value_error(offline_small):
     with pytest.raises(ValueError, match="prompt is not valid Unicode"):
         offline_small.generate(["a\ud800"], use_tqdm=False)
