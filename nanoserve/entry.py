@@ -2529,9 +2529,9 @@ class ResponsesRequest(OpenAIBaseModel):
                    f"tools nor its mode); " if isinstance(kind, str) and kind != "function" else ""
             raise InvalidInput("tool_choice", f'{what}tool_choice must be "auto", "none", "required" or {{"type": '
                                               f'"function", "name": ...}}, got {show(choice)}')
-        # "required" goes on without tools too: chat's rule refuses it (none given) or drops it (an empty list)
-        choice = {"type": "function", "function": {"name": choice["name"]}} if named else \
-            choice if tools or choice == "required" else None
+        if (named or choice == "required") and self.tools is None:  # an empty list drops "required", as chat's rule
+            raise InvalidInput("tool_choice", f"tool_choice {show(choice)} needs tools: the functions it may call")
+        choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
         fmt = (self.text or {}).get("format", {"type": "text"})
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema") or (
                 fmt["type"] == "json_schema" and not (isinstance(fmt.get("schema"), dict) and isinstance(

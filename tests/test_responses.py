@@ -515,6 +515,8 @@ BAD = [  # body, param, words the message must have
      'type "custom" is not supported'),
     ({"input": "x", "tool_choice": "any"}, "tool_choice", "tool_choice must be"),
     ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),  # once ignored: a text answer
+    ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice",
+     'tool_choice {"type": "function", "name": "f"} needs tools'),  # as sent, not as the chat request has it
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice",
      "not one of the tools"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text", "text.format"),
