@@ -1368,7 +1368,7 @@ def _json_values(text: str, pos: int, sep: str) -> tuple[list[Any], int]:
             at = _BLANKS.match(text, at + len(sep)).end()
         try:
             value, pos = decoder.raw_decode(text, at)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: a model's text nested ~1000 deep is no call
             return values, pos
         values.append(value)
 

@@ -97,6 +97,7 @@ def stream_by_chars(parser, text: str) -> tuple[str, list[tuple[str, str]], bool
     return stream_by_pieces(parser, list(text))
 
 
+DEEP = "[" * 1500 + "]" * 1500  # JSON nested deeper than Python's json can read
 HERMES_CASES = [  # text -> (content, [(name, arguments)])
     ("Just text, no <tools>.", "Just text, no <tools>.", []),
     ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "utc"}}\n</tool_call>', "",
@@ -116,6 +117,9 @@ HERMES_CASES = [  # text -> (content, [(name, arguments)])
     ('<tool_call>{"name": "a", "arguments": {"c": "\\ud800é"}}</tool_call>', "", [("a", '{"c": "\\ud800\\u00e9"}')]),
     ('<tool_call>{"name": "a", "arguments": {"c": 1e999}}</tool_call>',
      '<tool_call>{"name": "a", "arguments": {"c": 1e999}}</tool_call>', []),
+    # nested deeper than json's recursion: text, as any block that is no call (it was a RecursionError, a 500)
+    (f'<tool_call>{{"name": "a", "arguments": {{"c": {DEEP}}}}}</tool_call>',
+     f'<tool_call>{{"name": "a", "arguments": {{"c": {DEEP}}}}}</tool_call>', []),
 ]
 
 
@@ -139,6 +143,7 @@ def test_hermes_holds_back_only_what_may_be_a_call():
     ('{"name": "a", "parameters": {}} and more', '{"name": "a", "parameters": {}} and more', []),
     ('{"name": "a", "param', '{"name": "a", "param', []),
     ('{"no_name": 1}', '{"no_name": 1}', []),
+    (f'{{"name": "a", "parameters": {{"x": {DEEP}}}}}', f'{{"name": "a", "parameters": {{"x": {DEEP}}}}}', []),
 ])
 def test_llama3_json_parser(text, content, calls):
     assert parse_once(Llama3JsonToolParser(), text) == (content, calls)
@@ -180,6 +185,8 @@ def test_pythonic_parser(text, content, calls):
     ('x [TOOL_CALLS]f{"a": 1} and more', 'x [TOOL_CALLS]f{"a": 1} and more', []),
     ("[TOOL_CALLS]{}", "[TOOL_CALLS]{}", []),                                          # no name
     ("[TOOL_CALLS]", "[TOOL_CALLS]", []),
+    (f'[TOOL_CALLS] [{{"name": "a", "arguments": {DEEP}}}]', f'[TOOL_CALLS] [{{"name": "a", "arguments": {DEEP}}}]', []),
+    (f'[TOOL_CALLS]f{{"a": {DEEP}}}', f'[TOOL_CALLS]f{{"a": {DEEP}}}', []),
 ])
 def test_mistral_parser(text, content, calls):
     assert parse_once(MistralToolParser(), text) == (content, calls)
