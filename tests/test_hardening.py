@@ -34,6 +34,23 @@ def _post(url: str, body, path: str = "/v1/completions", **kw) -> httpx.Response
     return httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=60, **kw)
 
 
+def _health_while_held(server, body, entered: threading.Event, release: threading.Event,
+                       path: str = "/v1/completions") -> httpx.Response:
+    """POST ``body`` on a thread; once it is held inside the server (``entered``), /health
+    must answer while the request still has none; then ``release`` it and return its response."""
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, body, path)))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
+        assert "r" not in result
+    finally:
+        release.set()
+    worker.join(60)
+    return result["r"]
+
+
 # =========================================================================== bounded work before tokenizing
 
 def test_health_answers_while_a_prompt_is_being_tokenized(server):
@@ -79,18 +96,9 @@ def test_bad_words_are_tokenized_off_the_loop_once_per_request(server, monkeypat
             assert release.wait(60)
         return encode(text, **kw)
     monkeypatch.setattr(tokenizer, "encode", held_encode)
-    result = {}
-    worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, {
-        "prompt": ["hello", "world", "again"], "max_tokens": 2, "bad_words": ["zebra"]})))
-    worker.start()
-    try:
-        assert entered.wait(30)
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        assert "r" not in result
-    finally:
-        release.set()
-    worker.join(60)
-    assert result["r"].status_code == 200 and len(result["r"].json()["choices"]) == 3
+    r = _health_while_held(server, {"prompt": ["hello", "world", "again"], "max_tokens": 2, "bad_words": ["zebra"]},
+                           entered, release)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
     assert sorted(words) == [" zebra", "zebra"]  # the word, and with a space: once for the three prompts
     server.wait_idle()
 
@@ -105,19 +113,9 @@ def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
         assert release.wait(60) and yielding
         return parse(raw, yielding)
     monkeypatch.setattr(entry, "parse_json_object", held_parse)
-    result = {}
     too_long = [1] * (server.engine.max_model_len + 1)
     body = {"prompt": [too_long] * (entry.LARGE_BODY_BYTES // (3 * len(too_long)) + 1), "max_tokens": 1}
-    worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, body)))
-    worker.start()
-    try:
-        assert entered.wait(30)
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        assert "r" not in result
-    finally:
-        release.set()
-    worker.join(60)
-    _check_error(result["r"], 400, "prompt")  # too long, found after decoding
+    _check_error(_health_while_held(server, body, entered, release), 400, "prompt")  # too long, found after decoding
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations", "/tokenize"])
@@ -135,17 +133,8 @@ def test_a_large_body_is_validated_off_the_loop_too(server, monkeypatch, path):
     call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
     body = {"messages": [{"role": "assistant", "content": "", "tool_calls": [call] * 60000}], "max_tokens": 1}
     assert len(json.dumps(body)) > entry.LARGE_BODY_BYTES
-    result = {}
-    worker = threading.Thread(target=lambda: result.setdefault("r", _post(server.url, body, path)))
-    worker.start()
-    try:
-        assert entered.wait(30)
-        assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-        assert "r" not in result
-    finally:
-        release.set()
-    worker.join(60)
-    assert result["r"].status_code == 200, result["r"].text  # the test's template renders no tool calls
+    r = _health_while_held(server, body, entered, release, path)
+    assert r.status_code == 200, r.text  # the test's template renders no tool calls
     server.wait_idle()
 
 
