@@ -2529,7 +2529,7 @@ class ResponsesRequest(OpenAIBaseModel):
                    f"tools nor its mode); " if isinstance(kind, str) and kind != "function" else ""
             raise InvalidInput("tool_choice", f'{what}tool_choice must be "auto", "none", "required" or {{"type": '
                                               f'"function", "name": ...}}, got {show(choice)}')
-        if (named or choice == "required") and self.tools is None:  # an empty list drops "required", as chat's rule
+        if (named or choice == "required") and self.tools is None:  # an empty list means no tools: "required" drops
             raise InvalidInput("tool_choice", f"tool_choice {show(choice)} needs tools: the functions it may call")
         choice = {"type": "function", "function": {"name": choice["name"]}} if named else choice if tools else None
         fmt = (self.text or {}).get("format", {"type": "text"})
