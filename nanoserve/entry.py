@@ -2060,9 +2060,8 @@ class Generation:
     def _logprob_item(self, token_id: int, entry: dict[int, Logprob] | None) -> tuple:
         if entry is None:
             return self._token_text(token_id), None, None
-        ranked = sorted(entry.items(), key=lambda kv: -kv[1].logprob)
-        return (self._token_text(token_id, entry.get(token_id)), _lp(entry[token_id].logprob if token_id in entry
-                                                                     else None),
+        own, ranked = entry.get(token_id), sorted(entry.items(), key=lambda kv: -kv[1].logprob)
+        return (self._token_text(token_id, own), _lp(None if own is None else own.logprob),
                 [(self._token_text(t, lp), _lp(lp.logprob)) for t, lp in ranked])
 
     def _token_text(self, token_id: int, lp: Logprob | None = None) -> str:
