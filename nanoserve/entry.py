@@ -72,8 +72,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, Logprob, REASONING_PARSERS, RequestFailedError, RequestOutput,
-                              RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
+                              InvalidInput, LLMEngine, Logprob, REASONING_PARSERS, RequestFailedError, RequestMetrics,
+                              RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
                               TokenizedPrompt, apply_chat_template, local_ranks, merge_deltas, model_thread,
                               opens_reply, run_worker_node)
 
@@ -2128,6 +2128,8 @@ class Generation:
             t.done = True
             if m is not None:
                 metrics.e2e_latency.observe(time.monotonic() - m.arrival_time)
+                metrics.observe_finished(m, len(self.prompts[t.index].token_ids), list(t.num_output_tokens.values()),
+                                         self.params)
 
     def close(self, why: str = "") -> None:
         """Abort what has not finished (a disconnect, an error, a shutdown)."""
@@ -2789,6 +2791,7 @@ async def retrieve_response(request: Request) -> Response:
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                     120.0, 300.0, 600.0)
+_TOKEN_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # vLLM's 1-2-5 series
 _ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
     (GaugeMetricFamily, "num_requests_running", "Requests in the running queue", "num_running"),
     (GaugeMetricFamily, "num_requests_waiting", "Requests waiting to be scheduled", "num_waiting"),
@@ -2816,8 +2819,8 @@ class ServerMetrics:
         self.exposed.register(self.registry)
         self.exposed.register(_Renamed(self.registry, "nanoserve:", "vllm:"))
 
-        def histogram(name: str, doc: str):
-            return Histogram(f"nanoserve:{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS,
+        def histogram(name: str, doc: str, buckets: tuple = _LATENCY_BUCKETS):
+            return Histogram(f"nanoserve:{name}", doc, ["model_name"], buckets=buckets,
                              registry=self.registry).labels(model_name)
         self._request_success = Counter("nanoserve:request_success", "Finished requests (choices), by reason",
                                         ["model_name", "finished_reason"], registry=self.registry)
@@ -2825,8 +2828,35 @@ class ServerMetrics:
         self.inter_token_latency = histogram("inter_token_latency_seconds", "Time between output tokens")
         self.e2e_latency = histogram("e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled")
+        # vLLM's per-request series, observed at a request's end (its dashboards' heatmaps and phase panels)
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to first output token")
+        self.decode_time = histogram("request_decode_time_seconds", "First to last output token")
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to last output token")
+        self.time_per_output_token = histogram("request_time_per_output_token_seconds",
+                                               "A request's mean time between output tokens")
+        self.prompt_tokens = histogram("request_prompt_tokens", "A finished request's prompt tokens", _TOKEN_BUCKETS)
+        self.generation_tokens = histogram("request_generation_tokens", "A finished request's output tokens",
+                                           _TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "A finished request's n", _TOKEN_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "A finished request's max_tokens",
+                                           _TOKEN_BUCKETS)
         self._rejected = Counter("nanoserve:request_rejected", "Requests answered with an error status "
                                  "(429: the queue was full)", ["model_name", "code"], registry=self.registry)
+
+    def observe_finished(self, m: RequestMetrics, num_prompt: int, num_output: list[int], params: SamplingParams):
+        """vLLM's per-request series, at the end of an engine request (``num_output``: each of its n completions')."""
+        self.prompt_tokens.observe(num_prompt)
+        self.generation_tokens.observe(sum(num_output))
+        self.params_n.observe(params.n)
+        if params.max_tokens is not None:
+            self.params_max_tokens.observe(params.max_tokens)
+        if m.first_scheduled_time is None or m.first_token_time is None:
+            return
+        self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        self.decode_time.observe(m.last_token_time - m.first_token_time)
+        self.inference_time.observe(m.last_token_time - m.first_scheduled_time)
+        if max(num_output, default=0) > 1:  # the longest completion's gaps
+            self.time_per_output_token.observe((m.last_token_time - m.first_token_time) / (max(num_output) - 1))
 
     def count_finished(self, reason: str, n: int = 1) -> None:
         if n > 0:

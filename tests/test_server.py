@@ -672,6 +672,11 @@ def _metrics(url: str) -> dict[str, float]:
     return values
 
 
+VLLM_REQUEST_SERIES = ("prefill_time_seconds", "decode_time_seconds", "inference_time_seconds",
+                       "time_per_output_token_seconds", "prompt_tokens", "generation_tokens", "params_n",
+                       "params_max_tokens")
+
+
 def test_metrics_move(server):
     before = _metrics(server.url)
     for name in ("nanoserve:num_requests_running", "nanoserve:num_requests_waiting",
@@ -679,7 +684,8 @@ def test_metrics_move(server):
                  "nanoserve:prefix_cache_hits_total", "nanoserve:num_preemptions_total",
                  "nanoserve:prompt_tokens_total", "nanoserve:generation_tokens_total",
                  "nanoserve:time_to_first_token_seconds_count", "nanoserve:inter_token_latency_seconds_count",
-                 "nanoserve:e2e_request_latency_seconds_count", "nanoserve:request_queue_time_seconds_count"):
+                 "nanoserve:e2e_request_latency_seconds_count", "nanoserve:request_queue_time_seconds_count",
+                 *(f"nanoserve:request_{s}_count" for s in VLLM_REQUEST_SERIES)):
         assert name in before, name
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hello there", "max_tokens": 7})
     usage = r.json()["usage"]
@@ -706,6 +712,14 @@ def test_metrics_move(server):
     assert after["nanoserve:time_to_first_token_seconds_count"] == before["nanoserve:time_to_first_token_seconds_count"] + 2
     assert after["nanoserve:inter_token_latency_seconds_count"] >= before["nanoserve:inter_token_latency_seconds_count"] + 6
     assert after["nanoserve:e2e_request_latency_seconds_count"] == before["nanoserve:e2e_request_latency_seconds_count"] + 1
+    # vLLM's per-request series: one observation for the request that finished, with its token counts
+    for series in VLLM_REQUEST_SERIES:
+        key = f"nanoserve:request_{series}_count"
+        assert after[key] == before[key] + 1, series
+    grew = {k: after[f"nanoserve:request_{k}_sum"] - before[f"nanoserve:request_{k}_sum"]
+            for k in ("prompt_tokens", "generation_tokens", "params_n", "params_max_tokens")}
+    assert grew == {"prompt_tokens": usage["prompt_tokens"], "generation_tokens": usage["completion_tokens"],
+                    "params_n": 1, "params_max_tokens": 7}, grew
     # each series again under vLLM's prefix, for dashboards and autoscalers built for vLLM
     ours = {k: v for k, v in after.items() if k.startswith("nanoserve:")}
     assert len(ours) > 20 and {k.replace("nanoserve:", "vllm:", 1): v for k, v in ours.items()} == \
