@@ -53,6 +53,7 @@ from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, Sched
 logger = logging.getLogger("nanoserve.engine")
 
 _SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this is greedy
+_MIN_TEMP = 1e-2      # as vLLM's _MAX_TEMP: a smaller positive one is raised to this (1/t overflows)
 _FP32_MAX = torch.finfo(torch.float32).max  # the sampler adds logit_bias to fp32 logits
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is dead: /health 503, the server exits
 
@@ -156,6 +157,8 @@ class SamplingParams:
                 raise InvalidInput("logit_bias", "logit_bias values must be numbers within fp32's range, or -inf "
                                                  "(a ban); not NaN or +inf")
         self._verify()
+        if 0 < self.temperature < _MIN_TEMP:  # so only 0 is greedy, as in vLLM
+            self.temperature = _MIN_TEMP
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
         if self.top_k == -1:

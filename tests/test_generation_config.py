@@ -61,6 +61,8 @@ def test_vllm_prompt_dicts_and_unknown_llm_arguments(model_with_defaults):
     assert SamplingParams(seed=-1).seed is None
     with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\]"):
         SamplingParams(temperature=2.5)
+    # a positive temperature under 0.01 is raised to 0.01, as vLLM's: it samples, only 0 is greedy
+    assert [SamplingParams(temperature=t).temperature for t in (1e-6, 0.005, 0.0, 0.5)] == [0.01, 0.01, 0.0, 0.5]
     with pytest.raises(ValueError, match="nanoserve does not have: speculative_config, tensor_parallel_sizes"):
         make_llm(model_with_defaults, speculative_config={}, tensor_parallel_sizes=2)
 
