@@ -845,7 +845,10 @@ class LLMEngine:
                     self.backend.name, self.compile_time_s)
         if self.device.type == "cuda" and self.decode_sizes:
             # reserved, not allocated: the graphs' pool keeps its memory while the
-            # tensors in it count as freed once capture ends
+            # tensors in it count as freed once capture ends. Each capture empties the
+            # cache first, so empty it here too, or the warm-up's cached blocks would be
+            # subtracted from the graphs' memory.
+            torch.cuda.empty_cache()
             t0, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
             self.runner.capture_cudagraphs()
             logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB "

@@ -201,6 +201,11 @@ def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().argmax(dim=-1)  # on the CPU the fp32 copy + argmax beats a bf16 argmax
 
 
+def argmax_cuda(logits: torch.Tensor) -> torch.Tensor:
+    # no fp32 copy of [rows, vocab]: an upcast is exact, so the index (first of ties) is the same
+    return logits.argmax(dim=-1)
+
+
 # =========================================================================== Triton kernels
 #
 # The attention kernel walks the context in tiles of BLOCK_N key positions and
@@ -675,4 +680,4 @@ TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_to
                 add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, argmax_torch)
 TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
-    rotary_triton, silu_and_mul_triton, argmax_torch, warm_up=warm_up_paged_attention_triton, capture_safe=True)
+    rotary_triton, silu_and_mul_triton, argmax_cuda, warm_up=warm_up_paged_attention_triton, capture_safe=True)

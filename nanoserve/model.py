@@ -1160,8 +1160,8 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
-    logits = model.compute_logits(hidden[:num_sample_rows])
-    if sample and logits is not None:  # None: a tensor-parallel rank other than 0, which never samples
+    logits = model.compute_logits(hidden[:num_sample_rows]) if sample else None
+    if logits is not None:  # None: a graph (it holds no logits) or a tensor-parallel rank other than 0
         params = SimpleNamespace(**PROFILE_SAMPLING, logprobs=min(logprobs, logits.shape[1]))
         rows = [SampleRequest(params, [0], [0]) for _ in range(logits.shape[0])]
         Sampler()(logits, rows)
@@ -1454,10 +1454,10 @@ class ModelRunner:
         out: dict[int, list[TokenLogprobs]] = {}
         for a in range(0, len(rows), PROMPT_LOGPROB_ROWS):
             b = a + PROMPT_LOGPROB_ROWS
-            logits = self.model.compute_logits(hidden[torch.tensor(rows[a:b], device=self.device)])
+            logits = self.model.compute_logits(hidden[to_device(host_ints(rows[a:b]), self.device)])
             if logits is None:  # a rank other than 0
                 continue
-            for i, r in zip(owners[a:b], gather_logprobs(logits, torch.tensor(targets[a:b], device=self.device), k)):
+            for i, r in zip(owners[a:b], gather_logprobs(logits, to_device(host_ints(targets[a:b]), self.device), k)):
                 r.top = r.top[:seqs[i].num_prompt_logprobs]
                 out.setdefault(i, []).append(r)
         return out

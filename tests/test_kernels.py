@@ -405,6 +405,13 @@ def test_triton_rotary_and_silu_and_mul():
     torch.testing.assert_close(kernels.silu_and_mul_triton(gate_up), kernels.silu_and_mul_torch(gate_up))
 
 
+def test_cuda_argmax_picks_the_references_index():
+    # bf16 logits with ties (few distinct values): the first maximal index, as the fp32 copy's
+    logits = (torch.randn(64, 1000, generator=torch.Generator().manual_seed(3)) * 4).round().bfloat16()
+    assert (logits == logits.amax(-1, keepdim=True)).sum(-1).gt(1).any()  # ties do occur
+    assert torch.equal(kernels.argmax_cuda(logits.to(DEVICE)).cpu(), kernels.argmax_torch(logits))
+
+
 @triton_only
 def test_a_decoder_on_the_triton_backend_matches_the_references(tiny_model):
     """The whole forward (prefill, then a decode of each prompt) with every op
