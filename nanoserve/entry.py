@@ -2815,10 +2815,9 @@ async def retrieve_response(request: Request) -> Response:
 
 
 # =========================================================================== the Anthropic Messages API
-# POST /v1/messages and /v1/messages/count_tokens as vLLM serves them (vllm/entrypoints/anthropic/), for clients
-# such as the anthropic SDK and Claude Code: the body becomes a chat request that ChatGeneration serves (template,
-# sampling, tool and reasoning parsers, admission, metrics), whose choice is read back as content blocks
-# (thinking, text, tool_use) and a stream's deltas as Anthropic's events. Errors there take Anthropic's shape.
+# POST /v1/messages and /v1/messages/count_tokens as vLLM serves them (vllm/entrypoints/anthropic/), for the
+# anthropic SDK and Claude Code: the body becomes a chat request that ChatGeneration serves, whose choice is read
+# back as content blocks (thinking, text, tool_use) and a stream's deltas as Anthropic's events.
 
 ANTHROPIC_NAMES = {"stop": "stop_sequences", "response_format": "output_config"}  # chat's name -> the body's
 BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request system line: vLLM drops it (prefix cache)
@@ -2834,12 +2833,6 @@ class AnthropicToolChoice(_Strict):
     type: typing.Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool = False  # chat's parallel_tool_calls false: only the first call is returned
-
-    @model_validator(mode="after")
-    def _named(self) -> "AnthropicToolChoice":
-        if self.type == "tool" and not self.name:
-            raise ValueError('tool_choice.name is required when tool_choice.type is "tool"')
-        return self
 
 
 class AnthropicOutputConfig(_Strict):
@@ -2858,8 +2851,9 @@ class AnthropicCountTokensRequest(OpenAIBaseModel):
 
     def chat_body(self, request_id: str) -> dict[str, Any]:
         choice = self.tool_choice
-        if choice is not None and choice.type != "none" and not self.tools:
-            raise InvalidInput("tool_choice", f"tool_choice {show(choice.type)} needs tools: the tools it may call")
+        if choice and (choice.type != "none" and not self.tools or choice.type == "tool" and not choice.name):
+            raise InvalidInput("tool_choice", f"tool_choice {show(choice.type)} needs tools (and type \"tool\" a "
+                                              f"tool_choice.name): the tools it may call")
         messages = anthropic_messages(self.messages, self.system)
         tools = None if self.tools is None else [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": {"type": "object", **t.input_schema}}}
@@ -2906,13 +2900,13 @@ def anthropic_messages(value: Any, system: Any) -> list[dict[str, Any]]:
     systems = [] if system is None else _anthropic_texts(system, "system", "system")
     out: list[dict[str, Any]] = []
     for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        role = {"ctx": "user", "msg": "user"}.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
-        blocks = m.get("content") if isinstance(m, dict) else None  # (Claude Code's own roles, as vLLM reads them)
-        blocks = [{"type": "text", "text": blocks}] if isinstance(blocks, str) else blocks
+        where, m = f"messages[{i}]", m if isinstance(m, dict) else {}
+        role = {"ctx": "user", "msg": "user"}.get(m.get("role"), m.get("role")) if isinstance(m.get("role"), str) \
+            else None  # (Claude Code's own roles, as vLLM reads them)
+        blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
         if role not in ("user", "assistant", "system") or not isinstance(blocks, list) or not blocks:
             raise InvalidInput("messages", f'{where} must be {{"role": "user" or "assistant", "content": a string or '
-                                           f'a non-empty list of content blocks}}, got {show(m)}')
+                                           f'a non-empty list of content blocks}}, got {show(value[i])}')
         if role == "system":
             systems += _anthropic_texts(blocks, f"{where}.content", "messages")
             continue
@@ -2928,16 +2922,15 @@ def anthropic_messages(value: Any, system: Any) -> list[dict[str, Any]]:
                 calls.append({"id": b["id"], "function": {"name": b["name"], "arguments": dumps(b.get("input", {}))}})
             elif kind == "tool_result" and role == "user" and isinstance(b.get("tool_use_id"), str):
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": "\n".join(
-                    _anthropic_texts(b.get("content", ""), f"{where}.content[{j}].content", "messages"))})
+                    _anthropic_texts(b.get("content") or "", f"{where}.content[{j}].content", "messages"))})
             elif kind not in ("redacted_thinking", "tool_reference"):  # opaque: dropped, as vLLM drops them
-                raise InvalidInput("messages", f"{where}.content[{j}] must be a text or thinking block, a tool_use "
-                                               f"block (an assistant's: id, name, input) or a tool_result block (a "
-                                               f"user's: tool_use_id, content); images and documents are not "
-                                               f"supported, got {show(b)}")
+                raise InvalidInput("messages", f"{where}.content[{j}] must be a text, thinking, tool_use (an "
+                                               f"assistant's) or tool_result (a user's) block; images and documents "
+                                               f"are not supported, got {show(b)}")
         if texts or calls or thoughts or role == "assistant":  # a user's tool results alone make no user message
             out.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {}),
                         **({"reasoning": "".join(thoughts)} if thoughts else {})})
-    systems = [t for t in systems if not t.startswith(BILLING_HEADER)]
+    systems = [t for t in systems if t and not t.startswith(BILLING_HEADER)]
     return [{"role": "system", "content": "".join(systems)}] * bool(systems) + out
 
 
@@ -2981,7 +2974,7 @@ class AnthropicContent:
                                        "input": {}})
             if delta := call["function"].get("arguments"):
                 self.arguments += delta
-                events.append(self._delta({"type": "input_json_delta", "partial_json": delta}))
+                events.append(self._delta("input_json_delta", partial_json=delta))
         return events
 
     def _text(self, kind: str, delta: str | None) -> list[tuple[str, dict]]:
@@ -2990,7 +2983,7 @@ class AnthropicContent:
         events = [] if self.open and self.blocks[-1]["type"] == kind else self._start(
             {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
         self.blocks[-1][kind] += delta
-        return events + [self._delta({"type": f"{kind}_delta", kind: delta})]
+        return events + [self._delta(f"{kind}_delta", **{kind: delta})]
 
     def _start(self, block: dict) -> list[tuple[str, dict]]:
         events, self.arguments = self.close(), ""
@@ -2998,8 +2991,8 @@ class AnthropicContent:
         self.open = True
         return events + [("content_block_start", {"index": len(self.blocks) - 1, "content_block": dict(block)})]
 
-    def _delta(self, delta: dict) -> tuple[str, dict]:
-        return "content_block_delta", {"index": len(self.blocks) - 1, "delta": delta}
+    def _delta(self, kind: str, **fields: str) -> tuple[str, dict]:
+        return "content_block_delta", {"index": len(self.blocks) - 1, "delta": {"type": kind, **fields}}
 
     def close(self) -> list[tuple[str, dict]]:
         """The block being built is done: its stop event."""
@@ -3008,7 +3001,7 @@ class AnthropicContent:
         self.open, block, events = False, self.blocks[-1], []
         if block["type"] == "thinking":  # as vLLM's: a random signature, which a client sends back with the thought
             block["signature"] = uuid.uuid4().hex
-            events.append(self._delta({"type": "signature_delta", "signature": block["signature"]}))
+            events.append(self._delta("signature_delta", signature=block["signature"]))
         elif block["type"] == "tool_use":  # a named call cut short by max_tokens is no JSON yet: no input
             with contextlib.suppress(ValueError):
                 block["input"] = json.loads(self.arguments or "{}")
@@ -3026,15 +3019,14 @@ class AnthropicGeneration(ChatGeneration):
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
-        choice, content, tools = self.choice(0, c.text, None, c, False, {}), AnthropicContent(), self.tool_streams.get(0)
-        content.feed(choice["message"], tools is not None and tools.parser.CONTENT_AFTER_CALLS)
+        choice, content, tools = self.choice(0, c.text, None, c, False, {}), AnthropicContent(), self.tool_streams
+        content.feed(choice["message"], 0 in tools and tools[0].parser.CONTENT_AFTER_CALLS)
         content.close()
         return self.body(model, content.blocks, choice)
 
     async def stream(self, model: str) -> AsyncIterator[str]:
-        """vLLM's events: message_start (no content yet, the input tokens counted), each content block's
-        content_block_start, _delta and _stop, then message_delta (stop_reason, usage) and message_stop;
-        each an SSE event named by its type; no [DONE]."""
+        """vLLM's events, each named by its type: message_start (no content yet), each content block's
+        content_block_start, _delta and _stop, then message_delta (stop_reason, usage), message_stop; no [DONE]."""
         def event(kind: str, **fields: Any) -> str:
             return f"event: {kind}\ndata: {dumps({'type': kind, **fields})}\n\n"
         yield event("message_start", message=self.body(model, [], None))
@@ -3049,8 +3041,8 @@ class AnthropicGeneration(ChatGeneration):
             for kind, fields in content.close():
                 yield event(kind, **fields)
             final = self.body(model, content.blocks, last)
-            yield event("message_delta", delta={k: final[k] for k in ("stop_reason", "stop_sequence")},
-                        usage=final["usage"])
+            yield event("message_delta", usage=final["usage"],
+                        delta={k: final[k] for k in ("stop_reason", "stop_sequence")})
             yield event("message_stop")
         except ClientDisconnect:
             raise

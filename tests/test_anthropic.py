@@ -233,7 +233,8 @@ def test_forced_tool_choice_makes_valid_calls(server, no_blanks, monkeypatch, ch
     monkeypatch.setattr(entry.AnthropicMessagesRequest, "chat_body",  # the whitespace a random model wanders in
                         lambda self, rid: {**chat_body(self, rid), "logit_bias": no_blanks})
     for seed in range(2):
-        body = dict(tools=TOOLS, tool_choice=choice, temperature=1.0, max_tokens=200, metadata={"user_id": str(seed)})
+        body = dict(tools=TOOLS, tool_choice=choice, temperature=1.0, max_tokens=200,
+                    metadata={"user_id": str(seed)})
         m = message(server, **body)
         calls = [b for b in m["content"] if b["type"] == "tool_use"]
         assert calls and all(fits(b["name"], b["input"]) for b in calls) and m["stop_reason"] == "tool_use", m
@@ -255,7 +256,8 @@ def test_tool_result_round_trip(server, prompts):
     m = message(server, messages=history, tools=TOOLS, tool_choice={"type": "none"}, max_tokens=2)
     assert prompts[-1] == RENDERED_HISTORY
     r = httpx.post(server.url + "/v1/messages/count_tokens", json={
-        "model": server.args.served_model_name[0], "messages": history, "tools": TOOLS, "tool_choice": {"type": "none"}})
+        "model": server.args.served_model_name[0], "messages": history, "tools": TOOLS,
+        "tool_choice": {"type": "none"}})
     assert r.status_code == 200 and r.json() == {"input_tokens": m["usage"]["input_tokens"],
                                                  "context_management": {"original_input_tokens": m["usage"][
                                                      "input_tokens"]}}
@@ -275,7 +277,8 @@ def test_reasoning_parser_makes_thinking_blocks(server, forced, monkeypatch, str
     events, m = stream(server, max_tokens=100) if streamed else (None, message(server, max_tokens=100))
     (thought, text) = m["content"]
     assert thought["type"] == "thinking" and thought["thinking"] == "\nThe user wants the weather.\n"
-    assert thought["signature"] and text == {"type": "text", "text": "\n\nSunny."} and m["stop_reason"] == "end_turn"
+    assert thought["signature"] and text == {"type": "text", "text": "\n\nSunny."}
+    assert m["stop_reason"] == "end_turn"
     if streamed:
         assert [e["delta"]["type"] for e in events if e["type"] == "content_block_delta"].count("signature_delta") == 1
     else:
@@ -295,7 +298,8 @@ def test_sdk(server):
     client = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0)
     model = server.args.served_model_name[0]
     # (this SDK's create has no temperature: greedy by extra_body)
-    body = dict(model=model, max_tokens=10, messages=USER, output_config={"format": LONG}, extra_body={"temperature": 0})
+    body = dict(model=model, max_tokens=10, messages=USER, output_config={"format": LONG},
+                extra_body={"temperature": 0})
     m = client.messages.create(**body)
     assert (m.type, m.role, m.stop_reason, m.usage.output_tokens) == ("message", "assistant", "max_tokens", 10)
     with client.messages.stream(**body) as s:
@@ -339,6 +343,8 @@ BAD = [  # body (the model added unless given), status, a word the message must 
     ({"messages": [], "max_tokens": 1}, 400, "messages"),
     ({"messages": [{"role": "tool", "content": "x"}], "max_tokens": 1}, 400, "messages[0]"),
     ({"messages": [{"role": "user", "content": []}], "max_tokens": 1}, 400, "messages[0]"),
+    ({"messages": [{"role": ["user"], "content": "x"}], "max_tokens": 1}, 400, "messages[0]"),
+    ({"messages": ["hi"], "max_tokens": 1}, 400, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "data": "AA=="}}]}],
       "max_tokens": 1}, 400, "images"),
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
