@@ -2,9 +2,9 @@
 
 This module owns
 * the command line (``python -m nanoserve``), with ``vllm serve``'s flag names;
-* the Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``
-  (served as chat), ``/v1/models``, ``/health`` (and ``/ping``), ``/metrics``, ``/tokenize``,
-  ``/detokenize``, ``/version``, behind CORS;
+* the Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
+  Anthropic's ``/v1/messages`` (both served as chat), ``/v1/models``, ``/health`` (and ``/ping``),
+  ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, behind CORS;
 * the OpenAI protocol: request bodies as declarative pydantic models (as
   vLLM's ``protocol.py``; every error names its field), and one handler,
   serving path (``Generation``, as vLLM's ``serving_*.py``) and SSE stream
@@ -24,7 +24,8 @@ on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
 Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> serving (admission, the
-engine requests, the response) -> SSE -> the Responses API -> metrics -> start-up and shutdown.
+engine requests, the response) -> SSE -> the Responses API -> the Anthropic Messages API -> metrics -> start-up and
+shutdown.
 """
 from __future__ import annotations
 
@@ -459,8 +460,17 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
                           "param": self.param, "code": self.status}}
 
-    def response(self) -> Response:
-        return json_response(self.body(), self.status, self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape, which /v1/messages answers in (as vLLM's), its type by the status as Anthropic's."""
+        kind = ANTHROPIC_ERRORS.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> Response:
+        return json_response(self.anthropic_body() if anthropic else self.body(), self.status, self.headers)
+
+
+ANTHROPIC_ERRORS = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error"}
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:
@@ -1583,6 +1593,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", retrieve_response, methods=["POST"]),
+        Route("/v1/messages", create_message, methods=["POST"]),  # Anthropic's Messages API
+        Route("/v1/messages/count_tokens", count_message_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ping", health, methods=["GET", "POST"]),  # SageMaker's health check, as vLLM serves it
@@ -1839,18 +1851,23 @@ def _reject(state: ServerState, scope, error: ApiError) -> Response:
     state.metrics.count_rejected(error.status)
     logger.info("[entry] %s: %s %s -> %d: %s", scope.get("nanoserve.request_id"), scope["method"],
                 esc(scope["path"]), error.status, error.message)
-    return error.response()
+    return error.response(_anthropic(scope))
+
+
+def _anthropic(scope) -> bool:
+    """Whether the request is to Anthropic's Messages API, whose errors take Anthropic's shape."""
+    return scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/")
 
 
 async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
     _state(request).metrics.count_rejected(exc.status_code)
     return ApiError(exc.status_code, f"{exc.detail}: {request.method} {esc(request.url.path)}",
-                    headers=dict(exc.headers or {})).response()
+                    headers=dict(exc.headers or {})).response(_anthropic(request.scope))
 
 
 async def _internal_error_handler(request: Request, exc: Exception) -> Response:
     # The traceback goes to the log (Starlette re-raises to uvicorn), never to the client.
-    return ApiError(500, "internal server error; the server log has the details").response()
+    return ApiError(500, "internal server error; the server log has the details").response(_anthropic(request.scope))
 
 
 # ---------------------------------------------------------------- reading a body
@@ -2245,9 +2262,7 @@ class ChatGeneration(Generation):
             else req.messages[-1]["role"]
 
     def prompt_inputs(self) -> list[str | list[int]]:
-        req = self.req
-        hidden = req.tool_choice == "none" and self.state.exclude_tools_when_tool_choice_none
-        return [render_chat(self.state, req, None if hidden else req.tools)]
+        return [chat_prompt(self.state, self.req)]
 
     def echo_text(self, prompt_index: int) -> str:
         """As vLLM: the last message's content, if it has the role the reply takes."""
@@ -2333,6 +2348,12 @@ class ChatGeneration(Generation):
         return {**out, "prompt_text": prompt_text} if self.req.return_prompt_text and prompt_text is not None else out
 
 
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+    """Chat's prompt: the tools hidden where tool_choice "none" asks it (--exclude-tools-when-tool-choice-none)."""
+    hidden = req.tool_choice == "none" and state.exclude_tools_when_tool_choice_none
+    return render_chat(state, req, None if hidden else req.tools)
+
+
 def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCompletionToolsParam] | None) -> str:
     """Chat's prompt, and /tokenize's of messages: ``tools`` as the template sees them
     (on the tokenizer thread; raises InvalidInput)."""
@@ -2389,11 +2410,11 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     except ClientDisconnect:
         raise  # nobody to tell
     except Exception as e:  # the status line is gone: report in the stream
-        yield sse(_stream_error(gen, e))
+        yield sse(_stream_error(gen, e).body())
     yield "data: [DONE]\n\n"
 
 
-def _stream_error(gen: Generation, e: Exception) -> dict:
+def _stream_error(gen: Generation, e: Exception) -> ApiError:
     if isinstance(e, ApiError):
         error = e
     elif isinstance(e, (EngineDeadError, RequestFailedError)):
@@ -2402,7 +2423,7 @@ def _stream_error(gen: Generation, e: Exception) -> dict:
         logger.exception("[entry] %s: the stream failed", gen.request_id)
         error = ApiError(500, "internal server error; the server log has the details")
     logger.info("[entry] %s: stream ended by an error: %s", gen.request_id, error.message)
-    return error.body()
+    return error
 
 
 class EventStream:
@@ -2597,11 +2618,25 @@ def _item_text(content: Any, where: str) -> str:
 class ResponsesChatRequest(ChatCompletionRequest):
     """The chat request a Responses body becomes; its errors use the Responses body's names."""
     prompt_field: ClassVar[str] = "input"
-    _source: ResponsesRequest | None = PrivateAttr(None)
+    body_names: ClassVar[dict[str, str]] = RESPONSES_NAMES
+    _source: OpenAIBaseModel | None = PrivateAttr(None)  # the body it was made from
 
     def param_name(self, engine_param: str) -> str:
         name = super().param_name(engine_param)
-        return RESPONSES_NAMES.get(name, name)
+        return self.body_names.get(name, name)
+
+
+def translate(src: OpenAIBaseModel, schema: type[ResponsesChatRequest], request_id: str) -> ResponsesChatRequest:
+    """The chat request another API's body becomes (``src.chat_body``), its errors named as that body names them."""
+    try:
+        req = parse_body(schema, src.chat_body(request_id), request_id)
+    except InvalidInput as e:
+        raise bad_request(str(e), e.param) from None
+    except ApiError as e:
+        e.param = schema.body_names.get(e.param, e.param)
+        raise
+    req._source = src
+    return req
 
 
 class ResponseOutput:
@@ -2697,15 +2732,7 @@ class ResponsesGeneration(ChatGeneration):
         if src.previous_response_id is not None:  # vLLM's answer when its store does not hold it
             raise ApiError(404, f"Response with id {show(src.previous_response_id)} not found: {NO_STORE}; send the "
                                 f"conversation in input", "previous_response_id")
-        try:
-            req = parse_body(ResponsesChatRequest, src.chat_body(request_id), request_id)
-        except InvalidInput as e:
-            raise bad_request(str(e), e.param) from None
-        except ApiError as e:
-            e.param = RESPONSES_NAMES.get(e.param, e.param)
-            raise
-        req._source = src
-        return req
+        return translate(src, ResponsesChatRequest, request_id)
 
     def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
         if req._source.truncation == "auto":  # as vLLM's: the prompt's last tokens that leave max_output_tokens
@@ -2745,8 +2772,8 @@ class ResponsesGeneration(ChatGeneration):
         except ClientDisconnect:
             raise
         except Exception as e:  # the status line is gone: report in the stream
-            error = _stream_error(self, e)["error"]
-            yield event("error", code=str(error["code"]), message=error["message"], param=error["param"])
+            error = _stream_error(self, e)
+            yield event("error", code=str(error.status), message=error.message, param=error.param)
 
     def feed(self, out: ResponseOutput, choice: dict, key: str) -> list[tuple[str, dict]]:
         """A choice's message (or delta) into ``out``: its tool parser says whether its content follows its calls."""
@@ -2785,6 +2812,269 @@ async def retrieve_response(request: Request) -> Response:
     """GET /v1/responses/{id} and its /cancel, as vLLM answers them without its store."""
     raise ApiError(404, f"Response with id {show(request.path_params['response_id'])} not found: {NO_STORE}",
                    "response_id")
+
+
+# =========================================================================== the Anthropic Messages API
+# POST /v1/messages and /v1/messages/count_tokens as vLLM serves them (vllm/entrypoints/anthropic/), for the
+# anthropic SDK and Claude Code: the body becomes a chat request that ChatGeneration serves, whose choice is read
+# back as content blocks (thinking, text, tool_use) and a stream's deltas as Anthropic's events.
+
+ANTHROPIC_NAMES = {"stop": "stop_sequences", "response_format": "output_config"}  # chat's name -> the body's
+BILLING_HEADER = "x-anthropic-billing-header"  # Claude Code's per-request system line: vLLM drops it (prefix cache)
+
+
+class AnthropicTool(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    input_schema: dict = Field(description='a JSON schema such as {"type": "object", "properties": {...}}')
+
+
+class AnthropicToolChoice(_Strict):
+    type: typing.Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False  # chat's parallel_tool_calls false: only the first call is returned
+
+
+class AnthropicOutputConfig(_Strict):
+    effort: typing.Literal["low", "medium", "high", "xhigh", "max"] | None = None  # chat's reasoning_effort
+    format: dict | None = Field(None, description='{"type": "json_schema", "schema": {...}}')
+
+
+class AnthropicCountTokensRequest(OpenAIBaseModel):
+    """Anthropic's count_tokens body (vLLM's); ``chat_body`` is the chat request it becomes."""
+    model: str = Field(min_length=1)  # required, as Anthropic's and vLLM's
+    messages: Any = None  # anthropic_messages reads it
+    system: Any = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    chat_template_kwargs: dict | None = Field(None, description='an object such as {"enable_thinking": false}')
+
+    def chat_body(self, request_id: str) -> dict[str, Any]:
+        choice = self.tool_choice
+        if choice and (choice.type != "none" and not self.tools or choice.type == "tool" and not choice.name):
+            raise InvalidInput("tool_choice", f"tool_choice {show(choice.type)} needs tools (and type \"tool\" a "
+                                              f"tool_choice.name): the tools it may call")
+        messages = anthropic_messages(self.messages, self.system)
+        tools = None if self.tools is None else [{"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": {"type": "object", **t.input_schema}}}
+            for t in self.tools]
+        return {"model": self.model, "messages": messages, "tools": tools,
+                # an assistant message last is continued (Anthropic's prefill), unless it ends in calls
+                "continue_final_message": messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1],
+                "tool_choice": None if choice is None else {"type": "function", "function": {"name": choice.name}}
+                if choice.type == "tool" else {"any": "required"}.get(choice.type, choice.type),
+                "parallel_tool_calls": False if choice is not None and choice.disable_parallel_tool_use else None,
+                "chat_template_kwargs": self.chat_template_kwargs}
+
+
+class AnthropicMessagesRequest(AnthropicCountTokensRequest):
+    """Anthropic's Messages body (vLLM's AnthropicMessagesRequest)."""
+    max_tokens: int = Field(gt=0)  # required, as Anthropic's
+    stop_sequences: list[str] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: int | None = None
+    stream: bool = False
+    metadata: dict | None = None  # taken and not used, as by vLLM
+    thinking: dict | None = None  # likewise: --reasoning-parser says what is a thought
+    output_config: AnthropicOutputConfig | None = None
+
+    def chat_body(self, request_id: str) -> dict[str, Any]:
+        fmt, effort = (self.output_config.format, self.output_config.effort) if self.output_config else (None, None)
+        if fmt is not None and not (fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
+            raise InvalidInput("output_config", f'output_config.format must be {{"type": "json_schema", "schema": '
+                                                f'{{...}}}}, got {show(fmt)}')
+        return {**super().chat_body(request_id), "max_tokens": self.max_tokens, "stop": self.stop_sequences,
+                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "stream": self.stream,
+                "reasoning_effort": effort, "response_format": fmt and {
+                    "type": "json_schema", "json_schema": {"name": "json_schema", "schema": fmt["schema"]}}}
+
+
+def anthropic_messages(value: Any, system: Any) -> list[dict[str, Any]]:
+    """Anthropic messages as chat messages, as vLLM's converter: the system text first (the field's, and that of
+    messages with the system role); an assistant's tool_use blocks as its tool_calls and its thinking blocks as its
+    reasoning; a user's tool_result blocks as tool messages, before the rest of that message."""
+    if not isinstance(value, list) or not value:
+        raise InvalidInput("messages", f"messages must be a non-empty list of {{role, content}} objects, "
+                                       f"got {show(value)}")
+    systems = [] if system is None else _anthropic_texts(system, "system", "system")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(value):
+        where, m = f"messages[{i}]", m if isinstance(m, dict) else {}
+        role = {"ctx": "user", "msg": "user"}.get(m.get("role"), m.get("role")) if isinstance(m.get("role"), str) \
+            else None  # (Claude Code's own roles, as vLLM reads them)
+        blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
+        if role not in ("user", "assistant", "system") or not isinstance(blocks, list) or not blocks:
+            raise InvalidInput("messages", f'{where} must be {{"role": "user" or "assistant", "content": a string or '
+                                           f'a non-empty list of content blocks}}, got {show(value[i])}')
+        if role == "system":
+            systems += _anthropic_texts(blocks, f"{where}.content", "messages")
+            continue
+        texts, calls, thoughts = [], [], []
+        for j, b in enumerate(blocks):
+            kind = b.get("type") if isinstance(b, dict) else None
+            if kind == "text" and isinstance(b.get("text"), str):
+                texts.append(b["text"])
+            elif kind == "thinking" and isinstance(b.get("thinking"), str):
+                thoughts.append(b["thinking"])
+            elif kind == "tool_use" and role == "assistant" and isinstance(b.get("id"), str) and isinstance(
+                    b.get("name"), str) and isinstance(b.get("input", {}), dict):
+                calls.append({"id": b["id"], "function": {"name": b["name"], "arguments": dumps(b.get("input", {}))}})
+            elif kind == "tool_result" and role == "user" and isinstance(b.get("tool_use_id"), str):
+                out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": "\n".join(
+                    _anthropic_texts(b.get("content") or "", f"{where}.content[{j}].content", "messages"))})
+            elif kind not in ("redacted_thinking", "tool_reference"):  # opaque: dropped, as vLLM drops them
+                raise InvalidInput("messages", f"{where}.content[{j}] must be a text, thinking, tool_use (an "
+                                               f"assistant's) or tool_result (a user's) block; images and documents "
+                                               f"are not supported, got {show(b)}")
+        if texts or calls or thoughts or role == "assistant":  # a user's tool results alone make no user message
+            out.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {}),
+                        **({"reasoning": "".join(thoughts)} if thoughts else {})})
+    systems = [t for t in systems if t and not t.startswith(BILLING_HEADER)]
+    return [{"role": "system", "content": "".join(systems)}] * bool(systems) + out
+
+
+def _anthropic_texts(value: Any, where: str, param: str) -> list[str]:
+    """A string, or a list of text blocks, as texts (tool_reference blocks dropped, as vLLM drops them)."""
+    blocks = [{"type": "text", "text": value}] if isinstance(value, str) else value
+    if not isinstance(blocks, list) or not all(isinstance(b, dict) and (b.get("type") == "tool_reference" or (
+            b.get("type") == "text" and isinstance(b.get("text"), str))) for b in blocks):
+        raise InvalidInput(param, f'{where} must be a string or a list of text blocks ({{"type": "text", "text": '
+                                  f'...}}); images and documents are not supported, got {show(value)}')
+    return [b["text"] for b in blocks if b["type"] == "text"]
+
+
+class AnthropicChatRequest(ResponsesChatRequest):
+    """The chat request an Anthropic body becomes; its errors use the Anthropic body's names."""
+    prompt_field: ClassVar[str] = "messages"
+    body_names: ClassVar[dict[str, str]] = ANTHROPIC_NAMES
+
+
+class AnthropicContent:
+    """A message's content blocks, built from chat deltas (a stream's, or a whole message as one): ``feed``
+    and ``close`` give the stream events that build them, as (type, fields) pairs."""
+
+    def __init__(self):
+        self.blocks: list[dict] = []
+        self.open = False      # the last block is still being built
+        self.arguments = ""    # a tool_use block's input, as JSON text so far
+
+    def feed(self, part: dict, calls_first: bool = False) -> list[tuple[str, dict]]:
+        """A chat delta (or message), in the output's order (``calls_first``: the parser's text follows its calls)."""
+        events = self._text("thinking", part.get("reasoning_content"))
+        for key in ("tool_calls", "content") if calls_first else ("content", "tool_calls"):
+            events += self._calls(part.get(key) or []) if key == "tool_calls" else self._text("text", part.get(key))
+        return events
+
+    def _calls(self, calls: list[dict]) -> list[tuple[str, dict]]:
+        events = []
+        for call in calls:
+            if "id" in call:  # a new call
+                events += self._start({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
+                                       "input": {}})
+            if delta := call["function"].get("arguments"):
+                self.arguments += delta
+                events.append(self._delta("input_json_delta", partial_json=delta))
+        return events
+
+    def _text(self, kind: str, delta: str | None) -> list[tuple[str, dict]]:
+        if not delta:
+            return []
+        events = [] if self.open and self.blocks[-1]["type"] == kind else self._start(
+            {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
+        self.blocks[-1][kind] += delta
+        return events + [self._delta(f"{kind}_delta", **{kind: delta})]
+
+    def _start(self, block: dict) -> list[tuple[str, dict]]:
+        events, self.arguments = self.close(), ""
+        self.blocks.append(block)
+        self.open = True
+        return events + [("content_block_start", {"index": len(self.blocks) - 1, "content_block": dict(block)})]
+
+    def _delta(self, kind: str, **fields: str) -> tuple[str, dict]:
+        return "content_block_delta", {"index": len(self.blocks) - 1, "delta": {"type": kind, **fields}}
+
+    def close(self) -> list[tuple[str, dict]]:
+        """The block being built is done: its stop event."""
+        if not self.open:
+            return []
+        self.open, block, events = False, self.blocks[-1], []
+        if block["type"] == "thinking":  # as vLLM's: a random signature, which a client sends back with the thought
+            block["signature"] = uuid.uuid4().hex
+            events.append(self._delta("signature_delta", signature=block["signature"]))
+        elif block["type"] == "tool_use":  # a named call cut short by max_tokens is no JSON yet: no input
+            with contextlib.suppress(ValueError):
+                block["input"] = json.loads(self.arguments or "{}")
+        return events + [("content_block_stop", {"index": len(self.blocks) - 1})]
+
+
+class AnthropicGeneration(ChatGeneration):
+    """A chat generation whose response and stream are Anthropic's Messages API's."""
+    schema = AnthropicChatRequest
+    object_name, id_prefix = "message", "msg_"
+
+    @classmethod
+    def parse(cls, body: dict[str, Any], request_id: str) -> AnthropicChatRequest:
+        return translate(parse_body(AnthropicMessagesRequest, body, request_id), AnthropicChatRequest, request_id)
+
+    def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
+        (c,) = finals.values()
+        choice, content, tools = self.choice(0, c.text, None, c, False, {}), AnthropicContent(), self.tool_streams
+        content.feed(choice["message"], 0 in tools and tools[0].parser.CONTENT_AFTER_CALLS)
+        content.close()
+        return self.body(model, content.blocks, choice)
+
+    async def stream(self, model: str) -> AsyncIterator[str]:
+        """vLLM's events, each named by its type: message_start (no content yet), each content block's
+        content_block_start, _delta and _stop, then message_delta (stop_reason, usage), message_stop; no [DONE]."""
+        def event(kind: str, **fields: Any) -> str:
+            return f"event: {kind}\ndata: {dumps({'type': kind, **fields})}\n\n"
+        yield event("message_start", message=self.body(model, [], None))
+        content, last = AnthropicContent(), None
+        try:
+            async for _, output in self.outputs():
+                for c in output.outputs:
+                    if (choice := self.choice(0, c.delta_text, None, c, True, {})) is not None:
+                        last = choice
+                        for kind, fields in content.feed(choice["delta"]):
+                            yield event(kind, **fields)
+            for kind, fields in content.close():
+                yield event(kind, **fields)
+            final = self.body(model, content.blocks, last)
+            yield event("message_delta", usage=final["usage"],
+                        delta={k: final[k] for k in ("stop_reason", "stop_sequence")})
+            yield event("message_stop")
+        except ClientDisconnect:
+            raise
+        except Exception as e:  # the status line is gone: report in the stream
+            yield event("error", error=_stream_error(self, e).anthropic_body()["error"])
+
+    def body(self, model: str, content: list[dict], choice: dict | None) -> dict[str, Any]:
+        """The message (no stop_reason yet while ``choice``, the last, is None)."""
+        finish, stop = (None, None) if choice is None else (choice["finish_reason"], choice["stop_reason"])
+        reason = None if finish is None else "max_tokens" if finish == "length" else "tool_use" if any(
+            b["type"] == "tool_use" for b in content) else "stop_sequence" if isinstance(stop, str) else "end_turn"
+        output_tokens = sum(n for t in self.tracked.values() for n in t.num_output_tokens.values())
+        return {"id": self.response_id, "type": "message", "role": "assistant", "model": model, "content": content,
+                "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
+                "usage": {"input_tokens": len(self.prompts[0].token_ids), "output_tokens": output_tokens}}
+
+
+async def create_message(request: Request) -> Response:
+    return await _generate(request, AnthropicGeneration)
+
+
+async def count_message_tokens(request: Request) -> Response:
+    """The prompt's tokens as the chat path renders them (vLLM's count_tokens)."""
+    state, request_id = _state(request), _request_id(request)
+    req = await read_json(request, state, lambda body: translate(
+        parse_body(AnthropicCountTokensRequest, body, request_id), AnthropicChatRequest, request_id))
+    check_model(req, state)
+    try:
+        _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req), req.add_special_tokens))
+    except InvalidInput as e:
+        raise req.invalid(e) from None
+    return json_response({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
 
 
 # =========================================================================== metrics
