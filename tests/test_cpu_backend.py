@@ -99,9 +99,9 @@ def test_enforce_eager_takes_the_references_over_packed_bf16_weights(model):
 
 def test_a_failing_compile_falls_back_to_the_reference(model, monkeypatch, caplog):
     """No C++ compiler for inductor (say): the engine starts on the references and says why."""
-    def broken():
+    def broken(shape_key):
         raise RuntimeError("InductorError: no working C++ compiler found")
-    monkeypatch.setattr(cpu_backend, "_compiled_decode", broken)
+    monkeypatch.setattr(cpu_backend, "compiled_decode_attention", broken)
     with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
         llm = make_llm(model)
     assert llm.engine.backend.paged_attention is kernels.paged_attention_torch
