@@ -186,7 +186,8 @@ def _pick_elementwise(cfg, dtype):
         return check_same_as_torch((cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul), cfg)
 
     def inductor():
-        return check_same_as_torch(compiled_elementwise_ops(), cfg)
+        shapes = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return check_same_as_torch(compiled_elementwise_ops(shapes), cfg)
     return _first_that_works("elementwise ops", [("c", c), ("inductor", inductor)], ("torch", references))
 
 
@@ -226,8 +227,9 @@ def _rms_scale(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: flo
 
 
 @functools.cache
-def compiled_elementwise_ops():
-    """Inductor's fused copies of (rms_norm, rotary, silu_and_mul). Eager torch
+def compiled_elementwise_ops(shape_key: tuple):
+    """Inductor's fused copies of (rms_norm, rotary, silu_and_mul) for one model's
+    shapes, each with its own recompile limit (as compiled_decode_attention). Eager torch
     runs each pointwise op as its own pass over memory, which at prefill sizes
     costs more than the arithmetic. emulate_precision_casts rounds each bf16
     intermediate where eager torch does, so outputs stay eager's bit for bit.
@@ -245,7 +247,8 @@ def compile_rows(fn, row_args: int):
     arguments unbacked: one graph per model shape serves every step size, while
     the other sizes stay constants for inductor to vectorise. Short steps, and
     any call once dynamo's recompile limit is reached, run ``fn`` eagerly."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+    compiled = torch.compile(with_own_code(fn), dynamic=False, fullgraph=True,
+                             options={"emulate_precision_casts": True})
 
     def run(*args):
         import torch._dynamo
