@@ -27,6 +27,7 @@ import functools
 import logging
 import os
 import sys
+import types
 import warnings
 
 import torch
@@ -132,22 +133,34 @@ def decode_attention_fused(query, k_cache, v_cache, block_tables, seq_lens, scal
 
 
 @functools.cache
-def _compiled_decode():
+def compiled_decode_attention(shape_key: tuple):
+    """decode_attention_fused compiled for one shape key (the sizes and dtypes its
+    graph keeps constant), on a code object of its own: dynamo counts its
+    recompile_limit (8) per code object, so one compile shared by every shape
+    turned eager at the ninth model shape in a process, and a step's path hung on
+    what had run before. Cached per key, as cpu_kernels.attention_library is."""
     # dynamic=False keeps head_dim, heads and block_size constants (inductor then
     # unrolls and vectorises the head_dim loop); the batch, table and cache sizes
     # are marked unbacked in _run_compiled_decode, so one graph serves every batch.
-    return torch.compile(decode_attention_fused, dynamic=False, fullgraph=True)
+    return torch.compile(with_own_code(decode_attention_fused), dynamic=False, fullgraph=True)
+
+
+def with_own_code(fn):
+    """A copy of ``fn`` on a new code object: dynamo keeps its graphs, and their
+    count against the recompile limit, per code object."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale):
     """The compiled decode, or None when dynamo refuses to compile yet another
-    shape (its recompile_limit: a process that has run many different models)."""
+    graph for this shape key (its recompile_limit: guards other than the shapes)."""
     import torch._dynamo
     from torch._dynamo.decorators import mark_unbacked
     n, num_heads, head_dim = query.shape
     # [n, kv_heads, group, d]: a static group lets inductor unroll the query heads
     # that share a K/V row.
     q = query.reshape(n, k_cache.shape[2], -1, head_dim)
+    compiled = compiled_decode_attention((*q.shape[1:], k_cache.shape[1], q.dtype, k_cache.dtype))
     width = -(-int(seq_lens.max()) // k_cache.shape[1])
     table = block_tables[:, :width].clone(memory_format=torch.contiguous_format)  # never a view: one graph
     for t, dims in ((q, (0,)), (k_cache, (0,)), (v_cache, (0,)), (table, (0, 1)), (seq_lens, (0,))):
@@ -155,7 +168,7 @@ def _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
             mark_unbacked(t, dim)
     scale = torch.tensor(scale, dtype=torch.float32, device=query.device)  # a tensor: no constant to recompile on
     try:
-        return _compiled_decode()(q, k_cache, v_cache, table, seq_lens, scale).view(n, num_heads, head_dim)
+        return compiled(q, k_cache, v_cache, table, seq_lens, scale).view(n, num_heads, head_dim)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         warnings.warn("torch.compile's recompile limit is reached: decode attention runs eager "
                       "SDPA for this model", RuntimeWarning, stacklevel=2)
@@ -173,7 +186,8 @@ def _pick_elementwise(cfg, dtype):
         return check_same_as_torch((cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul), cfg)
 
     def inductor():
-        return check_same_as_torch(compiled_elementwise_ops(), cfg)
+        shapes = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        return check_same_as_torch(compiled_elementwise_ops(shapes), cfg)
     return _first_that_works("elementwise ops", [("c", c), ("inductor", inductor)], ("torch", references))
 
 
@@ -213,8 +227,9 @@ def _rms_scale(x: torch.Tensor, ms: torch.Tensor, weight: torch.Tensor, eps: flo
 
 
 @functools.cache
-def compiled_elementwise_ops():
-    """Inductor's fused copies of (rms_norm, rotary, silu_and_mul). Eager torch
+def compiled_elementwise_ops(shape_key: tuple):
+    """Inductor's fused copies of (rms_norm, rotary, silu_and_mul) for one model's
+    shapes, each with its own recompile limit (as compiled_decode_attention). Eager torch
     runs each pointwise op as its own pass over memory, which at prefill sizes
     costs more than the arithmetic. emulate_precision_casts rounds each bf16
     intermediate where eager torch does, so outputs stay eager's bit for bit.
@@ -232,7 +247,8 @@ def compile_rows(fn, row_args: int):
     arguments unbacked: one graph per model shape serves every step size, while
     the other sizes stay constants for inductor to vectorise. Short steps, and
     any call once dynamo's recompile limit is reached, run ``fn`` eagerly."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+    compiled = torch.compile(with_own_code(fn), dynamic=False, fullgraph=True,
+                             options={"emulate_precision_casts": True})
 
     def run(*args):
         import torch._dynamo

@@ -925,10 +925,11 @@ class LLMEngine:
                                          f"However, your request has {num_tokens} input tokens. Please reduce the "
                                          f"length of the prompt (at least one output token must also fit).")
 
-    def validate_params(self, params: SamplingParams) -> Any:
+    def validate_params(self, params: SamplingParams) -> tuple[Any, list[list[int]]]:
         """Check ``params`` against this model (raises InvalidInput); returns the
         compiled grammar of its structured outputs (None without), from the cache
-        when the server compiled it ahead on its tokenizer thread."""
+        when the server compiled it ahead on its tokenizer thread, and its bad_words
+        tokenized (bad_words_token_ids), once for both the check and the request."""
         limit = min(self.config.max_logprobs, self.model_config.vocab_size)  # more would be none to rank
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > limit:
@@ -945,14 +946,15 @@ class LLMEngine:
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
         grammar = self.structured_outputs.compile(params.structured_outputs)
-        self._check_first_token(params, grammar)
-        return grammar
+        bad_words = self.bad_words_token_ids(params)
+        self._check_first_token(params, grammar, bad_words)
+        return grammar, bad_words
 
-    def _check_first_token(self, p: SamplingParams, grammar: Any) -> None:
+    def _check_first_token(self, p: SamplingParams, grammar: Any, bad_words: list[list[int]]) -> None:
         """Refuse a request whose own fields leave no token to sample at its first step (the sampler would
         end it there, empty): allowed_token_ids and the grammar's first tokens, less the bans that hold from
         the start. Dead ends that come later (a finished grammar under min_tokens) end it where they come."""
-        bans = {"bad_words": [w[0] for w in self.bad_words_token_ids(p) if len(w) == 1],
+        bans = {"bad_words": [w[0] for w in bad_words if len(w) == 1],
                 "logit_bias": [t for t, b in (p.logit_bias or {}).items() if b == -math.inf],
                 "min_tokens": held_back_by_min_tokens(p, self.eos_token_ids) if p.min_tokens else []}
         if not any(bans.values()) and not (p.allowed_token_ids and grammar is not None):
@@ -986,10 +988,10 @@ class LLMEngine:
         says what step() reports of it (RequestOutputKind)."""
         params = params or SamplingParams()
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
-        return self._add_validated(prompt, params, self.validate_params(params), request_id, output_kind)
+        return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind)
 
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
-                       request_id: str | None, output_kind: RequestOutputKind) -> str:
+                       bad_words: list[list[int]], request_id: str | None, output_kind: RequestOutputKind) -> str:
         """add_request's second half, for a prompt and params already checked."""
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
@@ -999,7 +1001,6 @@ class LLMEngine:
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         prompt_logprobs = None if params.prompt_logprobs is None else [None]
-        bad_words = self.bad_words_token_ids(params)
         for i in range(params.n):
             child = params
             if params.n > 1:  # each child its own seed, else all n would be the same text (wrapped in int64)
@@ -1626,9 +1627,9 @@ class LLM:
         engine = self.engine
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
                   for prompt, p in zip(prompts, params)]
-        grammars = [engine.validate_params(p) for p in params]
-        ids = [engine._add_validated(prompt, p, g, None, RequestOutputKind.FINAL_ONLY)
-               for prompt, p, g in zip(inputs, params, grammars)]
+        checked = [engine.validate_params(p) for p in params]  # (grammar, bad_words) each
+        ids = [engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY)
+               for prompt, p, c in zip(inputs, params, checked)]
         return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:

@@ -10,6 +10,7 @@ import logging
 import os
 import platform
 import sys
+import warnings
 
 import pytest
 import torch
@@ -99,9 +100,9 @@ def test_enforce_eager_takes_the_references_over_packed_bf16_weights(model):
 
 def test_a_failing_compile_falls_back_to_the_reference(model, monkeypatch, caplog):
     """No C++ compiler for inductor (say): the engine starts on the references and says why."""
-    def broken():
+    def broken(shape_key):
         raise RuntimeError("InductorError: no working C++ compiler found")
-    monkeypatch.setattr(cpu_backend, "_compiled_decode", broken)
+    monkeypatch.setattr(cpu_backend, "compiled_decode_attention", broken)
     with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
         llm = make_llm(model)
     assert llm.engine.backend.paged_attention is kernels.paged_attention_torch
@@ -184,7 +185,7 @@ def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
         same(fn(x), kernels.silu_and_mul_torch(x))
     assert counters["stats"]["unique_graphs"] - before == 1
 
-    rms_norm, rotary, _ = cpu_backend.compiled_elementwise_ops()
+    rms_norm, rotary, _ = cpu_backend.compiled_elementwise_ops(("test", dtype))
     T = MIN_ROWS + 7
     qkv = torch.randn(T, (4 + 2 + 2) * 32, generator=gen).to(dtype)  # q, k as views of one projection
     q, k = qkv[:, :128].view(T, 4, 32), qkv[:, 128:192].view(T, 2, 32)
@@ -198,13 +199,27 @@ def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
     same(rms_norm(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6))
 
 
+def test_compiled_elementwise_ops_never_run_out_of_recompiles():
+    """As the decode attention: more model shapes than dynamo's recompile_limit (lowered
+    to 2 here), each with ops compiled for it, none run eager (the fallback warns: an
+    error here), bit for bit eager's."""
+    import torch._dynamo
+    gen = torch.Generator().manual_seed(0)
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for n in (40, 48, 56):  # a model's intermediate_size
+            silu_and_mul = cpu_backend.compiled_elementwise_ops(("never run out", n))[2]
+            x = torch.randn(cpu_backend.COMPILED_ELEMENTWISE_MIN_ROWS, 2 * n, generator=gen).bfloat16()
+            assert torch.equal(silu_and_mul(x), kernels.silu_and_mul_torch(x))
+
+
 def test_a_failing_elementwise_compile_falls_back_to_the_references(tiny_model, monkeypatch, caplog):
     """No C compiler (say): neither the C ops nor inductor's build, the layers
     keep the references and the engine says why, instead of failing its first prompt."""
     def broken(*args):
         raise RuntimeError("InductorError: no working C++ compiler found")
     _no_c(monkeypatch)
-    monkeypatch.setattr(cpu_backend, "compiled_elementwise_ops", lambda: (broken, broken, broken))
+    monkeypatch.setattr(cpu_backend, "compiled_elementwise_ops", lambda shape_key: (broken, broken, broken))
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
         llm = make_llm(tiny_model, dtype="bfloat16")
     b = llm.engine.backend

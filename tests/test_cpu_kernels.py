@@ -6,6 +6,8 @@ C compiler) they cannot be, and their tests skip, saying why. The compiled
 (inductor) decode attention runs wherever torch.compile does.
 """
 import math
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,9 +24,9 @@ def check_attention(attend, batch):
 
 # --------------------------------------------------------------------------- compiled decode
 # All-decode steps through decode attention compiled by torch.compile; steps with
-# prefill chunks through the reference. dynamo keeps one graph per model shape and
-# stops compiling after its recompile limit, so each test starts from a reset and
-# checks that the compiled kernel itself ran (not the eager fallback).
+# prefill chunks through the reference. One compile per shape key; each test starts
+# from a reset (so it compiles, and counts, its own graphs) and checks that the
+# compiled kernel itself ran (not the eager fallback).
 
 @pytest.fixture
 def fresh_dynamo():
@@ -61,6 +63,31 @@ def test_compiled_decode_one_graph_for_all_batch_sizes(fresh_dynamo):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+def test_compiled_decode_never_runs_out_of_recompiles():
+    """More model shapes in one process than dynamo's recompile_limit (lowered to 2
+    here, to compile fewer): each shape compiles once, for every backend on it, and
+    none falls back to the reference (which did hung on what had run before in the
+    process; the fallback warns: an error here)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    shapes = [(2, 1, 16), (4, 2, 16), (6, 2, 16)]  # (heads, kv_heads, head_dim)
+    batches = [make_batch([(9, 1), (0, 1), (20, 1)], 8, d, h, kv, poison=POISON["torch"]) for h, kv, d in shapes]
+    cpu_backend.compiled_decode_attention.cache_clear()  # each shape compiles here, whatever ran before
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        backends = [cpu_backend.build_cpu_backend(SimpleNamespace(num_heads=h, num_kv_heads=kv, head_dim=d),
+                                                  torch.float32, 8) for h, kv, d in shapes]
+        with torch.inference_mode():
+            # as the engine's: the caches made outside inference mode, a step's inputs in it (dynamo guards on it)
+            batches = [(q.clone(), k, v, t.clone(), lens.clone(), qsl.clone()) for q, k, v, t, lens, qsl in batches]
+            for _ in range(2):  # the second time round, every shape's graph is still there
+                for backend, one_batch in zip(backends, batches):
+                    assert "attention: inductor" in backend.name
+                    check_attention(backend.paged_attention, one_batch)
+    assert counters["stats"]["unique_graphs"] - before == len(shapes)
+
+
 def test_compiled_decode_bf16(fresh_dynamo):
     """bf16, as the engine runs it on the CPU: within bf16 rounding of the float64 truth,
     and no further from it than the eager SDPA twin."""
@@ -82,7 +109,7 @@ def test_compiled_decode_falls_back_at_recompile_limit(monkeypatch):
 
     def refuse(*args):
         raise torch._dynamo.exc.FailOnRecompileLimitHit("recompile_limit reached")
-    monkeypatch.setattr(cpu_backend, "_compiled_decode", lambda: refuse)
+    monkeypatch.setattr(cpu_backend, "compiled_decode_attention", lambda shape_key: refuse)
     torch.manual_seed(6)
     with pytest.warns(RuntimeWarning, match="recompile limit"):
         check_attention(cpu_backend.paged_attention_compiled,

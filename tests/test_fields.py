@@ -353,6 +353,25 @@ def test_sampling_fields_offline(tiny_model):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_bad_words_are_tokenized_once_per_offline_request(tiny_model, monkeypatch):
+    """LLM.generate tokenized each request's bad_words twice (the first-token check, then the
+    request): once now, into nothing kept on the caller's SamplingParams (another LLM, another tokenizer)."""
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128)
+    tokenizer, words = llm.get_tokenizer(), []
+    encode = tokenizer.encode
+
+    def counted_encode(text, **kw):
+        words.extend([text] * ("zebra" in text))
+        return encode(text, **kw)
+    monkeypatch.setattr(tokenizer, "encode", counted_encode)
+    params = SamplingParams(max_tokens=1, bad_words=["zebra"])
+    assert len(llm.generate([PROMPT] * 2, params, use_tqdm=False)) == 2
+    assert sorted(words) == [" zebra"] * 2 + ["zebra"] * 2  # the word, and with a space: once per request
+    words.clear()
+    llm.engine.abort_request(llm.engine.add_request(PROMPT, params))  # vLLM's engine way in
+    assert sorted(words) == [" zebra", "zebra"] and params._bad_words_token_ids is None
+
+
 def test_bad_words_ban_a_words_last_token_after_the_rest():
     """vLLM's rule: a one-token word is always banned; a longer one's last token once the output ends in the rest."""
     req = Request("r", None, [1, 2], SamplingParams(), 10, frozenset(), None, bad_words_token_ids=[[283, 90], [5]])
