@@ -738,6 +738,7 @@ class LLMEngine:
                 logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             path if config.tokenizer is None else resolve_model_dir(config.tokenizer, config.revision))
+        self.token_texts: dict[int, str] = {}  # each token's own text (logprobs'), decoded once: at most the vocabulary
         if self.device.type == "cpu":
             self._check_memory()
         self.workers: TPWorkers | None = None
@@ -1199,10 +1200,14 @@ class LLMEngine:
             req.prompt_logprobs.append(logprob_entry(r.token_id, r.logprob, r.rank, r.top, [next(texts) for _ in row]))
 
     def _decode_each(self, token_ids: list[int], detokenize: bool = True) -> list[str | None]:
-        """Each token's own text (None without a tokenizer or detokenize), in one call."""
+        """Each token's own text (None without a tokenizer or detokenize); one batch_decode
+        of those this engine has not decoded before."""
         if self.tokenizer is None or not detokenize or not token_ids:
             return [None] * len(token_ids)
-        return self.tokenizer.batch_decode([[t] for t in token_ids])
+        texts = self.token_texts  # a token's text alone depends on its id only
+        if missing := [t for t in dict.fromkeys(token_ids) if t not in texts]:
+            texts.update(zip(missing, self.tokenizer.batch_decode([[t] for t in missing])))
+        return [texts[t] for t in token_ids]
 
     def _append_token(self, req: Request, result: SampleResult, now: float) -> None:
         req.token_ids.append(result.token_id)

@@ -167,6 +167,19 @@ def test_logprobs_equal_transformers_log_softmax(llm, tok, hf, n_top, kw):
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-5)
 
 
+def test_logprob_texts_are_decoded_once_per_token(llm, monkeypatch):
+    params = SamplingParams(logprobs=3, max_tokens=6, ignore_eos=True, temperature=0)
+    first = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].logprobs
+    decoded = []
+    real = llm.engine.tokenizer.batch_decode
+    monkeypatch.setattr(llm.engine.tokenizer, "batch_decode", lambda ids, **kw: decoded.extend(ids) or real(ids, **kw))
+    again = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0].logprobs
+    assert again == first and decoded == []  # the same tokens: every text from the engine's cache
+    other = llm.generate(["def main(): return 0"], params, use_tqdm=False)[0].outputs[0]
+    ids = [t for entry in other.logprobs for t in entry]
+    assert len(decoded) == len(set(decoded)) and set(map(tuple, decoded)) <= {(t,) for t in ids}  # new ones, once
+
+
 def test_no_logprobs_unless_asked(llm):
     c = llm.generate([PROMPT], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0]
     assert c.logprobs is None and c.cumulative_logprob is None
