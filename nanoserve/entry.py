@@ -2931,6 +2931,9 @@ def anthropic_messages(value: Any, system: Any) -> list[dict[str, Any]]:
             out.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {}),
                         **({"reasoning": "".join(thoughts)} if thoughts else {})})
     systems = [t for t in systems if t and not t.startswith(BILLING_HEADER)]
+    if not out and not systems:  # only blocks dropped as opaque (redacted_thinking, tool_reference)
+        raise InvalidInput("messages", f"messages hold nothing to render (text, thinking, tool_use or tool_result "
+                                       f"blocks), got {show(value)}")
     return [{"role": "system", "content": "".join(systems)}] * bool(systems) + out
 
 

@@ -353,6 +353,10 @@ BAD = [  # body (the model added unless given), status, a word the message must 
       "max_tokens": 1}, 400, "messages[0].content[0]"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}],
       "max_tokens": 1}, 400, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]}], "max_tokens": 1},
+     400, "nothing to render"),  # only opaque blocks, which are dropped: no conversation left
+    ({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": [{"type": "tool_reference"}]}],
+      "max_tokens": 1}, 400, "nothing to render"),
     ({"messages": M, "max_tokens": 1, "system": 3}, 400, "system"),
     ({"messages": M, "max_tokens": 1, "system": [{"type": "image"}]}, 400, "system"),
     ({"messages": M, "max_tokens": 1, "temperature": -1}, 400, "temperature"),
