@@ -2855,6 +2855,10 @@ class AnthropicCountTokensRequest(OpenAIBaseModel):
             raise InvalidInput("tool_choice", f"tool_choice {show(choice.type)} needs tools (and type \"tool\" a "
                                               f"tool_choice.name): the tools it may call")
         messages = anthropic_messages(self.messages, self.system)
+        for i, t in enumerate(self.tools or ()):  # a call's input is an object: Anthropic's API takes no other
+            if t.input_schema.get("type", "object") != "object":
+                raise InvalidInput("tools", f'tools[{i}].input_schema must be an object\'s schema ({{"type": '
+                                            f'"object", ...}}), got "type": {show(t.input_schema["type"])}')
         tools = None if self.tools is None else [{"type": "function", "function": {
             "name": t.name, "description": t.description, "parameters": {"type": "object", **t.input_schema}}}
             for t in self.tools]
@@ -2918,11 +2922,12 @@ def anthropic_messages(value: Any, system: Any) -> list[dict[str, Any]]:
             elif kind == "thinking" and isinstance(b.get("thinking"), str):
                 thoughts.append(b["thinking"])
             elif kind == "tool_use" and role == "assistant" and isinstance(b.get("id"), str) and isinstance(
-                    b.get("name"), str) and isinstance(b.get("input", {}), dict):
+                    b.get("name"), str) and b["name"] and isinstance(b.get("input", {}), dict):
                 calls.append({"id": b["id"], "function": {"name": b["name"], "arguments": dumps(b.get("input", {}))}})
             elif kind == "tool_result" and role == "user" and isinstance(b.get("tool_use_id"), str):
+                result = "" if b.get("content") is None else b["content"]  # (not `or`: a false or 0 is no text)
                 out.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": "\n".join(
-                    _anthropic_texts(b.get("content") or "", f"{where}.content[{j}].content", "messages"))})
+                    _anthropic_texts(result, f"{where}.content[{j}].content", "messages"))})
             elif kind not in ("redacted_thinking", "tool_reference"):  # opaque: dropped, as vLLM drops them
                 raise InvalidInput("messages", f"{where}.content[{j}] must be a text, thinking, tool_use (an "
                                                f"assistant's) or tool_result (a user's) block; images and documents "
@@ -2931,6 +2936,9 @@ def anthropic_messages(value: Any, system: Any) -> list[dict[str, Any]]:
             out.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {}),
                         **({"reasoning": "".join(thoughts)} if thoughts else {})})
     systems = [t for t in systems if t and not t.startswith(BILLING_HEADER)]
+    if not out and not systems:  # only blocks dropped as opaque (redacted_thinking, tool_reference)
+        raise InvalidInput("messages", f"messages hold nothing to render (text, thinking, tool_use or tool_result "
+                                       f"blocks), got {show(value)}")
     return [{"role": "system", "content": "".join(systems)}] * bool(systems) + out
 
 

@@ -353,6 +353,14 @@ BAD = [  # body (the model added unless given), status, a word the message must 
       "max_tokens": 1}, 400, "messages[0].content[0]"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}],
       "max_tokens": 1}, 400, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "redacted_thinking", "data": "x"}]}], "max_tokens": 1},
+     400, "nothing to render"),  # only opaque blocks, which are dropped: no conversation left
+    ({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": [{"type": "tool_reference"}]}],
+      "max_tokens": 1}, 400, "nothing to render"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": False}]}],
+      "max_tokens": 1}, 400, "messages[0].content[0].content"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "", "input": {}}]}],
+      "max_tokens": 1}, 400, "messages[0].content[0]"),  # in the body's words, not the chat request's
     ({"messages": M, "max_tokens": 1, "system": 3}, 400, "system"),
     ({"messages": M, "max_tokens": 1, "system": [{"type": "image"}]}, 400, "system"),
     ({"messages": M, "max_tokens": 1, "temperature": -1}, 400, "temperature"),
@@ -360,6 +368,8 @@ BAD = [  # body (the model added unless given), status, a word the message must 
     ({"messages": M, "max_tokens": 1, "stop_sequences": "x"}, 400, "stop_sequences"),
     ({"messages": M, "max_tokens": 1, "tools": [{"name": "f"}]}, 400, "input_schema"),
     ({"messages": M, "max_tokens": 1, "tools": [{"name": "", "input_schema": {}}]}, 400, "name"),
+    ({"messages": M, "max_tokens": 1, "tools": [TOOLS[0], {"name": "f", "input_schema": {"type": "integer"}}]}, 400,
+     "tools[1].input_schema"),  # a forced call's input would be no object
     ({"messages": M, "max_tokens": 1, "tool_choice": {"type": "any"}}, 400, "tool_choice"),
     ({"messages": M, "max_tokens": 1, "tools": TOOLS, "tool_choice": {"type": "tool"}}, 400, "tool_choice.name"),
     ({"messages": M, "max_tokens": 1, "tools": TOOLS, "tool_choice": {"type": "tool", "name": "f"}}, 400,
