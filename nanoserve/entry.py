@@ -1670,6 +1670,8 @@ class EntryMiddleware:
         # OPTIONS passes, as in vLLM: a browser's CORS preflight never carries the key
         if self.api_keys is not None and scope["method"] != "OPTIONS" and _needs_key(scope["path"]):
             scheme, _, token = _header(scope, b"authorization").partition(b" ")
+            if _anthropic(scope) and not scheme:  # Anthropic's clients send the key as x-api-key (their api_key)
+                scheme, token = b"bearer", _header(scope, b"x-api-key")
             known = [hmac.compare_digest(token.strip(), key) for key in self.api_keys]  # constant time: all of them
             if scheme.lower() != b"bearer" or not any(known):
                 error = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
@@ -2834,6 +2836,12 @@ class AnthropicToolChoice(_Strict):
     name: str | None = None
     disable_parallel_tool_use: bool = False  # chat's parallel_tool_calls false: only the first call is returned
 
+    def chat(self) -> str | dict:
+        """As chat's tool_choice: "any" is "required", "tool" names the function."""
+        if self.type == "tool":
+            return {"type": "function", "function": {"name": self.name}}
+        return "required" if self.type == "any" else self.type
+
 
 class AnthropicOutputConfig(_Strict):
     effort: typing.Literal["low", "medium", "high", "xhigh", "max"] | None = None  # chat's reasoning_effort
@@ -2865,8 +2873,7 @@ class AnthropicCountTokensRequest(OpenAIBaseModel):
         return {"model": self.model, "messages": messages, "tools": tools,
                 # an assistant message last is continued (Anthropic's prefill), unless it ends in calls
                 "continue_final_message": messages[-1]["role"] == "assistant" and "tool_calls" not in messages[-1],
-                "tool_choice": None if choice is None else {"type": "function", "function": {"name": choice.name}}
-                if choice.type == "tool" else {"any": "required"}.get(choice.type, choice.type),
+                "tool_choice": None if choice is None else choice.chat(),
                 "parallel_tool_calls": False if choice is not None and choice.disable_parallel_tool_use else None,
                 "chat_template_kwargs": self.chat_template_kwargs}
 
@@ -2905,8 +2912,8 @@ def anthropic_messages(value: Any, system: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, m in enumerate(value):
         where, m = f"messages[{i}]", m if isinstance(m, dict) else {}
-        role = {"ctx": "user", "msg": "user"}.get(m.get("role"), m.get("role")) if isinstance(m.get("role"), str) \
-            else None  # (Claude Code's own roles, as vLLM reads them)
+        role = m.get("role") if isinstance(m.get("role"), str) else None
+        role = "user" if role in ("ctx", "msg") else role  # Claude Code's own roles, as vLLM reads them
         blocks = [{"type": "text", "text": m["content"]}] if isinstance(m.get("content"), str) else m.get("content")
         if role not in ("user", "assistant", "system") or not isinstance(blocks, list) or not blocks:
             raise InvalidInput("messages", f'{where} must be {{"role": "user" or "assistant", "content": a string or '
@@ -3059,13 +3066,23 @@ class AnthropicGeneration(ChatGeneration):
 
     def body(self, model: str, content: list[dict], choice: dict | None) -> dict[str, Any]:
         """The message (no stop_reason yet while ``choice``, the last, is None)."""
-        finish, stop = (None, None) if choice is None else (choice["finish_reason"], choice["stop_reason"])
-        reason = None if finish is None else "max_tokens" if finish == "length" else "tool_use" if any(
-            b["type"] == "tool_use" for b in content) else "stop_sequence" if isinstance(stop, str) else "end_turn"
+        stop = None if choice is None else choice["stop_reason"]
+        reason = None if choice is None else anthropic_stop_reason(choice["finish_reason"], stop, content)
         output_tokens = sum(n for t in self.tracked.values() for n in t.num_output_tokens.values())
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": model, "content": content,
                 "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
                 "usage": {"input_tokens": len(self.prompts[0].token_ids), "output_tokens": output_tokens}}
+
+
+def anthropic_stop_reason(finish_reason: str | None, stop_reason: int | str | None, content: list[dict]) -> str | None:
+    """Chat's finish_reason as Anthropic's stop_reason (None while the message runs)."""
+    if finish_reason is None:
+        return None
+    if finish_reason == "length":
+        return "max_tokens"
+    if any(b["type"] == "tool_use" for b in content):
+        return "tool_use"
+    return "stop_sequence" if isinstance(stop_reason, str) else "end_turn"  # a stop token or EOS: the turn's end
 
 
 async def create_message(request: Request) -> Response:

@@ -14,23 +14,15 @@ import httpx
 import pytest
 
 from nanoserve import entry
+from test_responses import chat, prompts, server  # noqa: F401 (server: the same tool-calling server, one per module)
 from test_server import ServerThread, _metrics
-from test_tools import CLOCK, FORCED, RENDERED_HISTORY, TEMPLATE, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
+from test_tools import CLOCK, FORCED, RENDERED_HISTORY, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
 from test_tools import TOOLS as CHAT_TOOLS
 
 TOOLS = [{"name": "get_weather", "description": "the forecast", "input_schema": WEATHER},
          {"name": "get_time", "input_schema": CLOCK}]
 USER = [{"role": "user", "content": "hello"}]
 LONG = {"type": "json_schema", "schema": {"type": "string", "minLength": 200}}  # no end before max_tokens
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    template = tmp_path_factory.mktemp("anthropic") / "tools.jinja"
-    template.write_text(TEMPLATE)
-    with ServerThread(tiny_model, "--chat-template", str(template), "--enable-auto-tool-choice",
-                      "--tool-call-parser", "hermes", "--max-model-len", "512") as s:
-        yield s
 
 
 def message(server, **body) -> dict:
@@ -89,21 +81,6 @@ def no_ids(m: dict) -> dict:
 
 def text_of(m: dict) -> str:
     return "".join(b["text"] for b in m["content"] if b["type"] == "text")
-
-
-def chat(server, **body) -> dict:
-    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-@pytest.fixture
-def prompts(server, monkeypatch) -> list[str]:
-    """The prompts the server renders, as the engine gets them."""
-    seen, add_request = [], server.async_llm.add_request
-    monkeypatch.setattr(server.async_llm, "add_request",
-                        lambda prompt, *a, **k: seen.append(prompt.text) or add_request(prompt, *a, **k))
-    return seen
 
 
 @pytest.fixture
@@ -319,14 +296,20 @@ def test_sdk(server):
 
 def test_api_key(tiny_model):
     """--api-key guards /v1/messages as every /v1 path: `Authorization: Bearer` (the SDK's auth_token, Claude
-    Code's ANTHROPIC_AUTH_TOKEN), as vLLM's check; a 401 in Anthropic's shape."""
+    Code's ANTHROPIC_AUTH_TOKEN), as vLLM's check, and there also Anthropic's `x-api-key` (the SDK's api_key,
+    Claude Code's ANTHROPIC_API_KEY); a 401 in Anthropic's shape."""
     with ServerThread(tiny_model, "--api-key", "k", "--max-model-len", "128") as s:
         model = s.args.served_model_name[0]
-        r = httpx.post(s.url + "/v1/messages", json={"model": model, "max_tokens": 1, "messages": USER})
-        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
-        m = anthropic.Anthropic(base_url=s.url, auth_token="k", max_retries=0).messages.create(
-            model=model, max_tokens=1, messages=USER)
-        assert m.usage.output_tokens == 1
+        body = {"model": model, "max_tokens": 1, "messages": USER}
+        for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong", "x-api-key": "k"}):
+            r = httpx.post(s.url + "/v1/messages", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+        for client in (anthropic.Anthropic(base_url=s.url, auth_token="k", max_retries=0),
+                       anthropic.Anthropic(base_url=s.url, api_key="k", max_retries=0)):
+            assert client.messages.create(model=model, max_tokens=1, messages=USER).usage.output_tokens == 1
+        # an OpenAI path takes only the bearer token, as vLLM's
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"x-api-key": "k"})
+        assert r.status_code == 401, r.text
 
 
 # =========================================================================== bad requests
