@@ -137,8 +137,8 @@ def compiled_decode_attention(shape_key: tuple):
     """decode_attention_fused compiled for one shape key (the sizes and dtypes its
     graph keeps constant), on a code object of its own: dynamo counts its
     recompile_limit (8) per code object, so one compile shared by every shape
-    turned eager at the ninth model shape in a process, and a step's path hung on
-    what had run before. Cached per key, as cpu_kernels.attention_library is."""
+    turned eager at the ninth model shape in a process: which path a step took
+    depended on what had run before it. Cached per key, as cpu_kernels.attention_library is."""
     # dynamic=False keeps head_dim, heads and block_size constants (inductor then
     # unrolls and vectorises the head_dim loop); the batch, table and cache sizes
     # are marked unbacked in _run_compiled_decode, so one graph serves every batch.
