@@ -340,6 +340,8 @@ class IncrementalDetokenizer:
     (decoded here from then on) see the same window."""
 
     CONTEXT = 5  # prompt tokens kept as context, so a leading space decodes right
+    # slots: step() reads its attributes for every request every token
+    __slots__ = ("tokenizer", "skip", "ids", "prefix_offset", "read_offset", "backend", "stream")
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
