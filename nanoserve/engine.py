@@ -1222,8 +1222,8 @@ class LLMEngine:
         req.output_token_ids.append(token)
         if req.logprobs is not None:
             top = result.top_logprobs or []
-            texts = self._decode_each([result.token_id, *(t for t, _ in top)], req.sampling_params.detokenize)
-            req.logprobs.append(logprob_entry(result.token_id, result.logprob, result.rank, top, texts))
+            texts = self._decode_each([token, *(t for t, _ in top)], req.sampling_params.detokenize)
+            req.logprobs.append(logprob_entry(token, result.logprob, result.rank, top, texts))
             req.cumulative_logprob += result.logprob
         if req.first_token_time is None:
             req.first_token_time = now
