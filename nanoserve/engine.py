@@ -340,6 +340,8 @@ class IncrementalDetokenizer:
     (decoded here from then on) see the same window."""
 
     CONTEXT = 5  # prompt tokens kept as context, so a leading space decodes right
+    # slots: step() reads its attributes for every request every token
+    __slots__ = ("tokenizer", "skip", "ids", "prefix_offset", "read_offset", "backend", "stream")
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool):
         self.tokenizer = tokenizer
@@ -1166,26 +1168,31 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         sampled = iter(results)
         now = time.monotonic()
+        num_generated = 0
+        # This loop and what it calls run once per request per step: the status's plain attribute is read
+        # rather than the is_finished property, counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
             if prompt_logprobs and i in prompt_logprobs:
                 self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
             if not s.samples:
                 continue
             req, result = s.request, next(sampled)
-            if req.is_finished:  # aborted while the step ran (or, async, finished by the step before)
+            if req.status.is_finished:  # aborted while the step ran (or, async, finished by the step before)
                 continue
             if result.token_id == NO_TOKEN:
                 status = self._end_without_token(req)
             else:
                 self._append_token(req, result, now)
+                num_generated += 1
                 if req.grammar is not None:
                     req.grammar.accept(result.token_id)
                 status = self._check_stop(req)
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            if req.output_kind.every_step or req.is_finished:
+            if req.output_kind.every_step or req.status.is_finished:
                 self._collect(outputs, req)
+        self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
 
     def _append_prompt_logprobs(self, req: Request, start: int, rows: list[TokenLogprobs]) -> None:
@@ -1210,22 +1217,23 @@ class LLMEngine:
         return [texts[t] for t in token_ids]
 
     def _append_token(self, req: Request, result: SampleResult, now: float) -> None:
-        req.token_ids.append(result.token_id)
-        req.output_token_ids.append(result.token_id)
+        token = result.token_id
+        req.token_ids.append(token)
+        req.output_token_ids.append(token)
         if req.logprobs is not None:
             top = result.top_logprobs or []
-            texts = self._decode_each([result.token_id, *(t for t, _ in top)], req.sampling_params.detokenize)
-            req.logprobs.append(logprob_entry(result.token_id, result.logprob, result.rank, top, texts))
+            texts = self._decode_each([token, *(t for t, _ in top)], req.sampling_params.detokenize)
+            req.logprobs.append(logprob_entry(token, result.logprob, result.rank, top, texts))
             req.cumulative_logprob += result.logprob
         if req.first_token_time is None:
             req.first_token_time = now
         req.last_token_time = now
-        self.stats_counters["generation_tokens"] += 1
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         """The finished status the new token puts the request in, if any."""
-        p, token = req.sampling_params, req.output_token_ids[-1]
-        done = len(req.output_token_ids) >= p.min_tokens
+        p, out = req.sampling_params, req.output_token_ids
+        token, num_out = out[-1], len(out)
+        done = num_out >= p.min_tokens
         # As vLLM: a stop token's own text is left out unless asked for.
         if done and not p.ignore_eos and token in req.eos_token_ids:
             self._flush_text(req, token if p.include_stop_str_in_output else None)
@@ -1239,12 +1247,12 @@ class LLMEngine:
             # above from seeing it), whose text stays out as an EOS's does.
             self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
-        prev_len = len(req.held_text)
+        held = req.held_text
         if req.detokenizer is not None:
-            req.held_text += req.detokenizer.step(token)
-        if done and p.stop and self._check_stop_strings(req, prev_len):
+            req.held_text = held + req.detokenizer.step(token)
+        if done and p.stop and self._check_stop_strings(req, len(held)):
             return RequestStatus.FINISHED_STOPPED
-        if len(req.output_token_ids) >= req.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_out >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
             self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
         if len(req.held_text) > 256:  # each token copies it; outputs release it, FINAL_ONLY's only at the end
@@ -1292,16 +1300,19 @@ class LLMEngine:
 
     def _collect(self, outputs: dict[str, RequestOutput], req: Request) -> None:
         key = req.parent_id or req.request_id
+        completion = self.completion_output(req)
+        finished = req.status.is_finished and all(r.status.is_finished for r in self._siblings(req))
         out = outputs.get(key)
-        if out is None:
-            out = outputs[key] = RequestOutput(key, req.prompt, req.prompt_token_ids, [], False,
-                                               req.num_cached_tokens, RequestMetrics(
-                                                   req.arrival_time, req.first_scheduled_time,
-                                                   req.first_token_time, req.last_token_time))
+        if out is None:  # built whole, not filled in after: one per request per step under DELTA
+            outputs[key] = RequestOutput(key, req.prompt, req.prompt_token_ids, [completion], finished,
+                                         req.num_cached_tokens, RequestMetrics(
+                                             req.arrival_time, req.first_scheduled_time,
+                                             req.first_token_time, req.last_token_time), req.prompt_logprobs)
+            return
         if req.prompt_logprobs is not None:  # complete once a request samples; never changed after
             out.prompt_logprobs = req.prompt_logprobs
-        out.outputs.append(self.completion_output(req))
-        out.finished = req.is_finished and all(r.is_finished for r in self._siblings(req))
+        out.outputs.append(completion)
+        out.finished = finished
 
     def _siblings(self, req: Request) -> list[Request]:
         if req.parent_id is None:
@@ -1349,8 +1360,13 @@ class LLMEngine:
 def _release_text(req: Request) -> None:
     """Move from held_text to text_pieces what no later token can turn into the start
     of a stop string (all of it once the request is finished)."""
-    text = req.held_text
-    end = len(text) if req.is_finished else len(text) - _stop_holdback(text, req.sampling_params.stop)
+    text, stops = req.held_text, req.sampling_params.stop
+    if not stops or req.status.is_finished:  # all of it (most requests, every token: no slicing)
+        if text:
+            req.text_pieces.append(text)
+            req.held_text = ""
+        return
+    end = len(text) - _stop_holdback(text, stops)
     req.text_pieces.append(text[:end])
     req.held_text = text[end:]
 
