@@ -2850,7 +2850,7 @@ class AnthropicOutputConfig(_Strict):
 
 class AnthropicCountTokensRequest(OpenAIBaseModel):
     """Anthropic's count_tokens body (vLLM's); ``chat_body`` is the chat request it becomes."""
-    model: str = Field(min_length=1)  # required, as Anthropic's and vLLM's
+    model: str  # required, as Anthropic's and vLLM's ("" is unset, as vLLM's check_model takes it)
     messages: Any = None  # anthropic_messages reads it
     system: Any = None
     tools: list[AnthropicTool] | None = None
