@@ -1674,7 +1674,8 @@ class EntryMiddleware:
                 scheme, token = b"bearer", _header(scope, b"x-api-key")
             known = [hmac.compare_digest(token.strip(), key) for key in self.api_keys]  # constant time: all of them
             if scheme.lower() != b"bearer" or not any(known):
-                error = ApiError(401, "missing or wrong API key: send `Authorization: Bearer <key>`",
+                also = " or `x-api-key: <key>`" if _anthropic(scope) else ""
+                error = ApiError(401, f"missing or wrong API key: send `Authorization: Bearer <key>`{also}",
                                  headers={"WWW-Authenticate": "Bearer"})
                 await _reject(self.state, scope, error)(scope, receive, send_with_id)
                 return

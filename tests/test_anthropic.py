@@ -307,6 +307,7 @@ def test_api_key(tiny_model):
         for headers in ({}, {"x-api-key": "wrong"}, {"authorization": "Bearer wrong", "x-api-key": "k"}):
             r = httpx.post(s.url + "/v1/messages", json=body, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+            assert "x-api-key" in r.json()["error"]["message"]  # the header these clients know
         for client in (anthropic.Anthropic(base_url=s.url, auth_token="k", max_retries=0),
                        anthropic.Anthropic(base_url=s.url, api_key="k", max_retries=0)):
             assert client.messages.create(model=model, max_tokens=1, messages=USER).usage.output_tokens == 1
