@@ -1687,8 +1687,9 @@ def _header(scope, name: bytes) -> bytes:
 
 
 def _needs_key(path: str) -> bool:
-    """Where work is done; /health, /ping, /metrics and /version stay open."""
-    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/invocations")
+    """As vLLM's AuthenticationMiddleware: paths under /v1. /tokenize, /detokenize and /invocations stay open
+    as there (SageMaker, which calls /invocations, sends no Authorization), as do /health, /metrics ..."""
+    return path.startswith("/v1")
 
 
 # =========================================================================== handlers

@@ -210,10 +210,11 @@ def test_ping_get_and_post(vllm_server):
         assert r.status_code == 200, (method, r.text)
 
 
-def test_invocations_serve_chat_and_completions_behind_the_key(vllm_server):
-    """SageMaker's /invocations, as vLLM's: the body says which endpoint it is."""
+def test_invocations_serve_chat_and_completions_without_the_key(vllm_server):
+    """SageMaker's /invocations, as vLLM's: the body says which endpoint it is; no key asked for (SageMaker's
+    InvokeEndpoint sends no Authorization header), as vLLM guards only /v1."""
     url = vllm_server.url + "/invocations"
-    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "temperature": 0}, headers=AUTH)
     assert r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] == 2
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
