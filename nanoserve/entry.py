@@ -3303,7 +3303,24 @@ class H11WithTimeouts(H11Protocol):
     (HEADER_TIMEOUT_S): else a client that connects and sends nothing, or
     trickles its headers (slowloris), holds its connection for ever. uvicorn
     times out only the idle keep-alive between requests. A request h11 cannot
-    parse gets its 400 in OpenAI's error shape, as every other bad input."""
+    parse gets its 400, and one over the connection limit its 503, in OpenAI's
+    error shape, as every other error (uvicorn's own are plain text)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's check, moved into the app (self.app) so that its 503 can be JSON
+        self.limit, self.limit_concurrency, self.inner_app, self.app = \
+            self.limit_concurrency, None, self.app, self._app_or_503
+
+    async def _app_or_503(self, scope, receive, send) -> None:
+        # uvicorn's test, made as the request's task starts: that task counts among the tasks
+        if self.limit is None or (len(self.connections) < self.limit and len(self.tasks) <= self.limit):
+            return await self.inner_app(scope, receive, send)
+        logger.warning("[entry] %s %s -> 503: over the connection limit (%d)", scope["method"], esc(scope["path"]),
+                       self.limit)
+        error = ApiError(503, f"the server is serving its limit of {self.limit} connections: retry later",
+                         headers={"Connection": "close"})  # as uvicorn's: this connection frees its place
+        await error.response(_anthropic(scope))(scope, receive, send)
 
     def send_400_response(self, msg: str) -> None:
         body = dumps(bad_request(f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}): check its request "
