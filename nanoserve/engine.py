@@ -160,6 +160,8 @@ class SamplingParams:
         if 0 < self.temperature < _MIN_TEMP:  # so only 0 is greedy, as in vLLM
             self.temperature = _MIN_TEMP
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
+            if self.n > 1:  # as vLLM's _verify_greedy_sampling: n copies of one argmax
+                raise InvalidInput("n", f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
         if self.top_k == -1:
             self.top_k = 0
