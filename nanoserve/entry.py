@@ -243,7 +243,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "limit, capped by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for")
+                   help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for; -1: "
+                        "no cap (a request's -1 asks for the whole vocabulary)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no torch.compile, no C kernels: the torch references (and Triton "
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
@@ -385,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
               ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
               ("--shutdown-timeout", args.shutdown_timeout >= 0, ">= 0"),
-              ("--max-logprobs", args.max_logprobs >= 0, ">= 0"),
+              ("--max-logprobs", args.max_logprobs >= -1, ">= 0, or -1 (no cap: the whole vocabulary)"),
               ("--max-log-len", args.max_log_len is None or args.max_log_len >= 0, ">= 0"),
               ("--log-stats-interval", args.log_stats_interval > 0, "> 0")]
     for flag, ok, rule in checks:
@@ -589,7 +590,7 @@ class GenerationRequest(OpenAIBaseModel):
     return_token_offsets: bool = False  # vLLM's render endpoints only, ignored on these as vLLM does
     return_mm_kwargs: bool = True       # likewise
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
@@ -873,7 +874,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
 
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
     include_reasoning: bool = True  # false: --reasoning-parser drops the reasoning (without one: nothing to drop)
@@ -2338,7 +2339,7 @@ class ChatGeneration(Generation):
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        top = self.req.top_logprobs or 0
+        top = self.params.logprobs or 0  # the engine's: top_logprobs -1 became the vocabulary's size
         return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
                             for text, lp, ranked in tokens]}
 
