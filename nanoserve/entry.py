@@ -548,8 +548,8 @@ class OpenAIBaseModel(_Strict):
     def invalid(self, e: InvalidInput) -> ApiError:
         """An engine error as a 400, in the words of this body's own fields."""
         name, message = self.param_name(e.param), str(e)
-        if name != e.param and message.startswith(e.param):
-            message = name + message[len(e.param):]
+        if name != e.param and message.startswith(e.param):  # and its sub-field, which this body's has not
+            message = name + re.sub(r"^(\.\w+)+", "", message[len(e.param):])
         return bad_request(message, name)
 
 
@@ -2630,18 +2630,35 @@ class ResponsesChatRequest(ChatCompletionRequest):
         name = super().param_name(engine_param)
         return self.body_names.get(name, name)
 
+    def invalid(self, e: InvalidInput) -> ApiError:
+        error, name = super().invalid(e), ChatCompletionRequest.param_name(self, e.param)
+        error.message = body_terms(self._source, self.body_names, name, getattr(self, name, None), error.message)
+        return error
+
 
 def translate(src: OpenAIBaseModel, schema: type[ResponsesChatRequest], request_id: str) -> ResponsesChatRequest:
-    """The chat request another API's body becomes (``src.chat_body``), its errors named as that body names them."""
+    """The chat request another API's body becomes (``src.chat_body``), its errors in that body's terms."""
+    body: dict[str, Any] = {}
     try:
-        req = parse_body(schema, src.chat_body(request_id), request_id)
+        body = src.chat_body(request_id)
+        req = parse_body(schema, body, request_id)
     except InvalidInput as e:
         raise bad_request(str(e), e.param) from None
     except ApiError as e:
+        e.message = body_terms(src, schema.body_names, e.param, body.get(e.param), e.message)
         e.param = schema.body_names.get(e.param, e.param)
         raise
     req._source = src
     return req
+
+
+def body_terms(src: BaseModel | None, names: dict[str, str], field: str | None, value: Any, message: str) -> str:
+    """An error about the chat request's ``field`` quotes the body's value where the translation changed it
+    (Anthropic's tool_choice {"type": "any"}, not chat's "required")."""
+    theirs = getattr(src, names.get(field, field), None) if field else None
+    if isinstance(theirs, BaseModel):
+        theirs = theirs.model_dump(exclude_unset=True)
+    return message if value is None or theirs is None or theirs == value else message.replace(show(value), show(theirs))
 
 
 class ResponseOutput:
