@@ -284,7 +284,7 @@ def test_stream_of_deltas_adds_up_to_the_response(server, logprobs):
 def test_stream_options_usage_as_vllm(server, path, body):
     """vLLM's StreamOptions: an object asks for the final usage chunk unless include_usage
     is false; continuous_usage_stats puts each choice's usage so far on every chunk."""
-    body = {**body, "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {**body, "max_tokens": 5, "temperature": 1.0, "seed": 1, "stream": True, "ignore_eos": True}
 
     def chunks(opts):
         with httpx.stream("POST", server.url + path, json={**body, "stream_options": opts}) as s:
