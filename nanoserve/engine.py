@@ -160,6 +160,8 @@ class SamplingParams:
         if 0 < self.temperature < _MIN_TEMP:  # so only 0 is greedy, as in vLLM
             self.temperature = _MIN_TEMP
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
+            if self.n > 1:  # as vLLM's _verify_greedy_sampling: n copies of one argmax
+                raise InvalidInput("n", f"n must be 1 when using greedy sampling (temperature 0), got {self.n}")
             self.temperature, self.top_p, self.top_k, self.min_p = 0.0, 1.0, 0, 0.0
         if self.top_k == -1:
             self.top_k = 0
@@ -198,8 +200,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 _check_int(self, name)
-                if getattr(self, name) < 0:  # the upper bound is the engine's max_logprobs
-                    bad(name, "None or >= 0")
+                if getattr(self, name) < -1:  # the upper bound is the engine's max_logprobs
+                    bad(name, "None, -1 (the whole vocabulary) or >= 0")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             bad("stop", "a string or a list of non-empty strings")
         for name in ("stop_token_ids", "allowed_token_ids"):
@@ -677,7 +679,7 @@ class EngineConfig:
     # As vLLM's --async-scheduling: schedule and launch step N+1 before step N's
     # sampled ids reach the host (a GPU's win; the outputs are the same).
     async_scheduling: bool = False
-    max_logprobs: int = MAX_LOGPROBS  # as vLLM's: the most (prompt) logprobs a request may ask for
+    max_logprobs: int = MAX_LOGPROBS  # as vLLM's: the most (prompt) logprobs a request may ask for (-1: no cap)
     # As vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): structured
     # outputs start after the reasoning (GrammarState)
     reasoning_parser: str | None = None
@@ -933,8 +935,11 @@ class LLMEngine:
         compiled grammar of its structured outputs (None without), from the cache
         when the server compiled it ahead on its tokenizer thread, and its bad_words
         tokenized (bad_words_token_ids), once for both the check and the request."""
-        limit = min(self.config.max_logprobs, self.model_config.vocab_size)  # more would be none to rank
+        vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
+        limit = vocab if cap == -1 else min(cap, vocab)  # -1: no cap (as vLLM's); more would be none to rank
         for name in ("logprobs", "prompt_logprobs"):
+            if getattr(params, name) == -1:  # as vLLM's: the whole vocabulary
+                setattr(params, name, vocab)
             if (getattr(params, name) or 0) > limit:
                 raise InvalidInput(name, f"{name} must be None or in [0, {limit}] (the engine's max_logprobs), "
                                          f"got {getattr(params, name)}")
@@ -1436,7 +1441,8 @@ def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheCon
     return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
                        config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
                        ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
-                       config.max_model_len, config.max_logprobs)
+                       config.max_model_len,  # -1 (no cap): the profile's rows take the whole vocabulary
+                       2**31 if config.max_logprobs == -1 else config.max_logprobs)
 
 
 def local_ranks(config: EngineConfig) -> list[int]:

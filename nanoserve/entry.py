@@ -243,7 +243,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "limit, capped by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--max-logprobs", type=int, default=20,
-                   help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for")
+                   help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for; -1: "
+                        "no cap (a request's -1 asks for the whole vocabulary)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no torch.compile, no C kernels: the torch references (and Triton "
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
@@ -385,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
               ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
               ("--shutdown-timeout", args.shutdown_timeout >= 0, ">= 0"),
-              ("--max-logprobs", args.max_logprobs >= 0, ">= 0"),
+              ("--max-logprobs", args.max_logprobs >= -1, ">= 0, or -1 (no cap: the whole vocabulary)"),
               ("--max-log-len", args.max_log_len is None or args.max_log_len >= 0, ">= 0"),
               ("--log-stats-interval", args.log_stats_interval > 0, "> 0")]
     for flag, ok, rule in checks:
@@ -547,8 +548,8 @@ class OpenAIBaseModel(_Strict):
     def invalid(self, e: InvalidInput) -> ApiError:
         """An engine error as a 400, in the words of this body's own fields."""
         name, message = self.param_name(e.param), str(e)
-        if name != e.param and message.startswith(e.param):
-            message = name + message[len(e.param):]
+        if name != e.param and message.startswith(e.param):  # and its sub-field, which this body's has not
+            message = name + re.sub(r"^(\.\w+)+", "", message[len(e.param):])
         return bad_request(message, name)
 
 
@@ -589,7 +590,7 @@ class GenerationRequest(OpenAIBaseModel):
     return_token_offsets: bool = False  # vLLM's render endpoints only, ignored on these as vLLM does
     return_mm_kwargs: bool = True       # likewise
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
@@ -873,7 +874,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
 
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
     include_reasoning: bool = True  # false: --reasoning-parser drops the reasoning (without one: nothing to drop)
@@ -1687,8 +1688,9 @@ def _header(scope, name: bytes) -> bytes:
 
 
 def _needs_key(path: str) -> bool:
-    """Where work is done; /health, /ping, /metrics and /version stay open."""
-    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/invocations")
+    """As vLLM's AuthenticationMiddleware: paths under /v1. /tokenize, /detokenize and /invocations stay open
+    as there (SageMaker, which calls /invocations, sends no Authorization), as do /health, /metrics ..."""
+    return path.startswith("/v1")
 
 
 # =========================================================================== handlers
@@ -2337,7 +2339,7 @@ class ChatGeneration(Generation):
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        top = self.req.top_logprobs or 0
+        top = self.params.logprobs or 0  # the engine's: top_logprobs -1 became the vocabulary's size
         return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
                             for text, lp, ranked in tokens]}
 
@@ -2628,18 +2630,35 @@ class ResponsesChatRequest(ChatCompletionRequest):
         name = super().param_name(engine_param)
         return self.body_names.get(name, name)
 
+    def invalid(self, e: InvalidInput) -> ApiError:
+        error, name = super().invalid(e), ChatCompletionRequest.param_name(self, e.param)
+        error.message = body_terms(self._source, self.body_names, name, getattr(self, name, None), error.message)
+        return error
+
 
 def translate(src: OpenAIBaseModel, schema: type[ResponsesChatRequest], request_id: str) -> ResponsesChatRequest:
-    """The chat request another API's body becomes (``src.chat_body``), its errors named as that body names them."""
+    """The chat request another API's body becomes (``src.chat_body``), its errors in that body's terms."""
+    body: dict[str, Any] = {}
     try:
-        req = parse_body(schema, src.chat_body(request_id), request_id)
+        body = src.chat_body(request_id)
+        req = parse_body(schema, body, request_id)
     except InvalidInput as e:
         raise bad_request(str(e), e.param) from None
     except ApiError as e:
+        e.message = body_terms(src, schema.body_names, e.param, body.get(e.param), e.message)
         e.param = schema.body_names.get(e.param, e.param)
         raise
     req._source = src
     return req
+
+
+def body_terms(src: BaseModel | None, names: dict[str, str], field: str | None, value: Any, message: str) -> str:
+    """An error about the chat request's ``field`` quotes the body's value where the translation changed it
+    (Anthropic's tool_choice {"type": "any"}, not chat's "required")."""
+    theirs = getattr(src, names.get(field, field), None) if field else None
+    if isinstance(theirs, BaseModel):
+        theirs = theirs.model_dump(exclude_unset=True)
+    return message if value is None or theirs is None or theirs == value else message.replace(show(value), show(theirs))
 
 
 class ResponseOutput:
@@ -3302,7 +3321,24 @@ class H11WithTimeouts(H11Protocol):
     (HEADER_TIMEOUT_S): else a client that connects and sends nothing, or
     trickles its headers (slowloris), holds its connection for ever. uvicorn
     times out only the idle keep-alive between requests. A request h11 cannot
-    parse gets its 400 in OpenAI's error shape, as every other bad input."""
+    parse gets its 400, and one over the connection limit its 503, in OpenAI's
+    error shape, as every other error (uvicorn's own are plain text)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn's check, moved into the app (self.app) so that its 503 can be JSON
+        self.limit, self.limit_concurrency, self.inner_app, self.app = \
+            self.limit_concurrency, None, self.app, self._app_or_503
+
+    async def _app_or_503(self, scope, receive, send) -> None:
+        # uvicorn's test, made as the request's task starts: that task counts among the tasks
+        if self.limit is None or (len(self.connections) < self.limit and len(self.tasks) <= self.limit):
+            return await self.inner_app(scope, receive, send)
+        logger.warning("[entry] %s %s -> 503: over the connection limit (%d)", scope["method"], esc(scope["path"]),
+                       self.limit)
+        error = ApiError(503, f"the server is serving its limit of {self.limit} connections: retry later",
+                         headers={"Connection": "close"})  # as uvicorn's: this connection frees its place
+        await error.response(_anthropic(scope))(scope, receive, send)
 
     def send_400_response(self, msg: str) -> None:
         body = dumps(bad_request(f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}): check its request "

@@ -387,6 +387,20 @@ def check_error(r: httpx.Response, status: int, word: str) -> None:
     assert word in err["error"]["message"] and "Traceback" not in r.text, err
 
 
+def test_errors_quote_the_body_not_the_chat_request_it_becomes(server):
+    """A check made on the translated chat request speaks the body's terms: its tool_choice {"type": "any"}, not
+    chat's "required"; its output_config, not chat's response_format.json."""
+    body = {"model": server.args.served_model_name[0], "max_tokens": 4, "messages": USER, "tools": TOOLS,
+            "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}
+    for choice in ({"type": "any"}, {"type": "tool", "name": "get_time"}):
+        r = httpx.post(server.url + "/v1/messages", json={**body, "tool_choice": choice}, timeout=60)
+        check_error(r, 400, f"tool_choice {json.dumps(choice)} constrains the output to tool calls")
+        assert "required" not in r.text and "function" not in r.text, r.text
+    r = httpx.post(server.url + "/v1/messages", timeout=60, json={
+        **body, "output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}})
+    check_error(r, 400, "output_config cannot be compiled")
+
+
 def test_more_bad_requests(server):
     """Not JSON, the wrong method: Anthropic's shape too; other paths keep OpenAI's."""
     r = httpx.post(server.url + "/v1/messages", content=b"{", headers={"Content-Type": "application/json"})

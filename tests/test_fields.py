@@ -415,7 +415,7 @@ def test_request_id_in_the_body(server):
 def test_chat_echo_streams_the_last_message_first(server):
     """As vLLM: with echo, the reply starts with the last message's content when
     it has the reply's role; a stream sends it in each choice's first content."""
-    body = {**CHAT_ONLY["echo"][1], "max_tokens": 3, "temperature": 0, "echo": True, "stream": True, "n": 2}
+    body = {**CHAT_ONLY["echo"][1], "max_tokens": 3, "temperature": 1.0, "echo": True, "stream": True, "n": 2}
     r = send(server, "chat", body)
     assert r.params[0].prompt_logprobs is None  # a stream has no room for them
     firsts = {}

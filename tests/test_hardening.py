@@ -454,6 +454,22 @@ def test_a_request_h11_cannot_parse_is_a_400_in_the_error_shape(server, raw):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_over_the_connection_limit_is_a_503_in_the_error_shape(server):
+    """uvicorn's was plain text ("Service Unavailable"). Under a limit of 1 every request is over it: its own
+    connection counts."""
+    config = server.server.config
+    limit, config.limit_concurrency = config.limit_concurrency, 1  # read by each new connection
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
+        anthropic = httpx.post(server.url + "/v1/messages", json={})
+    finally:
+        config.limit_concurrency = limit
+    assert "connections" in _check_error(r, 503, None)["message"] and r.headers["connection"] == "close"
+    assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "api_error"
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
+    server.wait_idle()
+
+
 def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model, monkeypatch, capsys):
     """A client that connects as soon as it reads the URL line waits for the server, never refused."""
     monkeypatch.setattr(entry, "configure_logging", lambda *levels: None)  # leave pytest's handlers alone

@@ -100,7 +100,7 @@ def test_n_children_share_one_prompt_logprobs(tiny_model, hf):
 
 
 def test_prompt_logprobs_are_checked():
-    for bad in (-1, 1.5, True):  # above max_logprobs (21): the engine's check, in test_sampling.py
+    for bad in (-2, 1.5, True):  # above max_logprobs (21): the engine's check, in test_sampling.py
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad)
 

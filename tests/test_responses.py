@@ -521,6 +521,10 @@ BAD = [  # body, param, words the message must have
      "not one of the tools"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text", "text.format"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text", "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "nonsense"}}}}, "text",
+     "text cannot be compiled"),  # not chat's "response_format.json"
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}, "text": {"format": {
+        "type": "json_object"}}}, "tool_choice", 'tool_choice {"type": "function", "name": "get_time"} constrains'),
     # what the SDK's Response type would refuse when the request is echoed back: refused here, as by vLLM
     ({"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "text.format"),  # no name
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {}, "strict": "yes"}}}, "text",

@@ -637,7 +637,8 @@ INVALID = [
     ("max_tokens", dict(max_tokens=0)), ("max_tokens", dict(max_tokens=-3)), ("max_tokens", dict(max_tokens=2.0)),
     ("min_tokens", dict(min_tokens=5, max_tokens=4)), ("min_tokens", dict(min_tokens=-1)),
     ("min_tokens", dict(min_tokens=1.5)),
-    ("logprobs", dict(logprobs=-1)), ("logprobs", dict(logprobs=2.5)),
+    ("logprobs", dict(logprobs=-2)), ("logprobs", dict(logprobs=2.5)),
+    ("n must be 1 when using greedy", dict(n=2, temperature=0)),  # as vLLM's: n copies of one argmax
     ("seed", dict(seed="1")), ("seed", dict(seed=1.5)),
 ]
 
@@ -653,7 +654,8 @@ def test_valid_edges_are_accepted():
     for kw in (dict(n=3), dict(temperature=0), dict(top_p=1.0), dict(top_k=-1), dict(top_k=0),
                dict(min_p=1.0), dict(presence_penalty=-2, frequency_penalty=2), dict(repetition_penalty=0.1),
                dict(logit_bias={"5": "1.5"}), dict(logit_bias={5: -math.inf, 6: -3e38}), dict(stop="x"), dict(stop_token_ids=[0]), dict(max_tokens=None),
-               dict(min_tokens=4, max_tokens=4), dict(logprobs=0), dict(logprobs=20), dict(seed=-5)):
+               dict(min_tokens=4, max_tokens=4), dict(logprobs=0), dict(logprobs=20), dict(seed=-5),
+               dict(logprobs=-1, prompt_logprobs=-1), dict(n=2, temperature=0.005)):  # 0.005: not greedy
         SamplingParams(**kw)
     assert SamplingParams(logit_bias={"5": "1.5"}).logit_bias == {5: 1.5}
     assert SamplingParams(top_k=-1).top_k == 0
@@ -663,6 +665,7 @@ def test_valid_edges_are_accepted():
                                      ("logit_bias", dict(logit_bias={-1: 1.0})),
                                      ("stop_token_ids", dict(stop_token_ids=[VOCAB + 5])),
                                      ("logprobs", dict(logprobs=21)),  # the engine's max_logprobs (20)
+                                     ("logprobs", dict(logprobs=-1)),  # the whole vocabulary: above it too
                                      ("prompt_logprobs", dict(prompt_logprobs=21))])
 def test_out_of_vocab_ids_rejected_by_generate(llm, name, kw):
     with pytest.raises(ValueError, match=name):

@@ -198,12 +198,15 @@ def test_multi_prompt_token_ids_and_n(server, offline):
     ids = offline.get_tokenizer().encode("hello world")
     first, _, p0 = offline_text(offline, "The quick", max_tokens=6)
     second, _, p1 = offline_text(offline, ids, max_tokens=6)
-    body = {"prompt": [offline.get_tokenizer().encode("The quick"), ids], "max_tokens": 6, "n": 2,
-            "temperature": 0}
+    sampled = dict(max_tokens=6, n=2, temperature=1.0, seed=7)  # n > 1 samples: greedy takes n=1, as vLLM's
+    choices = [c for p in ("The quick", ids) for c in offline.generate(
+        [p], SamplingParams(**sampled), use_tqdm=False)[0].outputs]  # seeded: the same draws in any batch
+    body = {"prompt": [offline.get_tokenizer().encode("The quick"), ids], **sampled}
     r = httpx.post(server.url + "/v1/completions", json=body).json()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
-    assert [c["text"] for c in r["choices"]] == [first, first, second, second]
-    assert r["usage"]["prompt_tokens"] == p0 + p1 and r["usage"]["completion_tokens"] == 24
+    assert [c["text"] for c in r["choices"]] == [c.text for c in choices]
+    assert r["usage"] == {"prompt_tokens": p0 + p1, "completion_tokens": sum(len(c.token_ids) for c in choices),
+                          "total_tokens": p0 + p1 + sum(len(c.token_ids) for c in choices)}
     with httpx.stream("POST", server.url + "/v1/completions", json={
             "prompt": ["The quick", "hello world"], "max_tokens": 6, "temperature": 0, "stream": True}) as s:
         chunks = [json.loads(p) for p in sse_events(s.read().decode())[:-1]]
@@ -255,10 +258,10 @@ def test_stream_of_deltas_adds_up_to_the_response(server, logprobs):
     logprobs only): per choice they add up to the non-streamed response, also
     while a stop string that never completes holds all the text back (the token
     ids and logprobs still come step by step, in chunks with empty text)."""
-    body = {"prompt": "The quick brown", "max_tokens": 8, "temperature": 0, "n": 2, "logprobs": logprobs,
-            "return_token_ids": True}
-    text = httpx.post(server.url + "/v1/completions", json=body).json()["choices"][0]["text"]
-    body["stop"] = [text + "\ue000"]  # the whole text is a prefix of it until the end
+    body = {"prompt": "The quick brown", "max_tokens": 8, "temperature": 1.0, "seed": 5, "ignore_eos": True, "n": 2,
+            "logprobs": logprobs, "return_token_ids": True}  # seeded: the same choices each time
+    texts = [c["text"] for c in httpx.post(server.url + "/v1/completions", json=body).json()["choices"]]
+    body["stop"] = [text + "\ue000" for text in texts]  # each choice's whole text is a prefix of one until the end
     whole = httpx.post(server.url + "/v1/completions", json=body).json()
     with httpx.stream("POST", server.url + "/v1/completions",
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
@@ -266,7 +269,7 @@ def test_stream_of_deltas_adds_up_to_the_response(server, logprobs):
     assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 16
     for want in whole["choices"]:
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == want["index"]]
-        assert "".join(c["text"] for c in mine) == want["text"] == text
+        assert "".join(c["text"] for c in mine) == want["text"] == texts[want["index"]]
         assert [t for c in mine for t in c["token_ids"]] == want["token_ids"]
         if logprobs:
             assert [t for c in mine for t in c["logprobs"]["tokens"]] == want["logprobs"]["tokens"]
@@ -281,7 +284,7 @@ def test_stream_of_deltas_adds_up_to_the_response(server, logprobs):
 def test_stream_options_usage_as_vllm(server, path, body):
     """vLLM's StreamOptions: an object asks for the final usage chunk unless include_usage
     is false; continuous_usage_stats puts each choice's usage so far on every chunk."""
-    body = {**body, "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {**body, "max_tokens": 5, "temperature": 1.0, "seed": 1, "stream": True, "ignore_eos": True}
 
     def chunks(opts):
         with httpx.stream("POST", server.url + path, json={**body, "stream_options": opts}) as s:
@@ -523,6 +526,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 100000}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "n": 2.5}, 400, "n"),  # lax, as vLLM's pydantic: 2.0 would be 2
+    ("/v1/completions", {"prompt": "hi", "n": 2, "temperature": 0}, 400, "n"),  # as vLLM's: greedy takes n=1
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3, "temperature": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": True}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
@@ -644,11 +649,12 @@ def test_api_key(tiny_model):
         assert httpx.post(url, json=body, headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert httpx.post(url, json=body, headers={"Authorization": "bearer s3cret"}).status_code == 200
         assert httpx.post(url, json=body, headers={"Authorization": "Bearer other"}).status_code == 200
-        # where work is done: /v1/*, /tokenize, /detokenize; /health, /metrics, /version stay open
-        _check_error(httpx.post(s.url + "/tokenize", json={"prompt": "hi"}), 401, None)
-        _check_error(httpx.post(s.url + "/detokenize", json={"tokens": [1]}), 401, None)
-        assert httpx.post(s.url + "/tokenize", json={"prompt": "hi"},
-                          headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # as vLLM's: every path under /v1 (an unknown one too: 401 before 404); /tokenize, /detokenize,
+        # /health, /metrics and /version stay open
+        _check_error(httpx.get(s.url + "/v1/no/such/path"), 401, None)
+        _check_error(httpx.post(s.url + "/v1beta/models"), 401, None)
+        assert httpx.post(s.url + "/tokenize", json={"prompt": "hi"}).json()["count"] > 0
+        assert httpx.post(s.url + "/detokenize", json={"tokens": [1]}).status_code == 200
         for path in ("/health", "/metrics", "/version"):
             assert httpx.get(s.url + path).status_code == 200, path
         assert _metrics(s.url)["nanoserve:request_rejected_total{code=401}"] == 5

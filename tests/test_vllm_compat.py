@@ -29,14 +29,14 @@ KEY, ORIGIN = "vllm-s3cret", "https://ok.example"
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model):
     """The key from $VLLM_API_KEY, one allowed origin with credentials, vLLM's request
-    logging, logprobs up to 1000 (capped by the 384-token vocabulary), token ids as
+    logging, logprobs without a cap (-1: the 384-token vocabulary), token ids as
     logprobs' tokens, one request running with two waiting at most, and usage's
     prompt_tokens_details."""
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("NANOSERVE_API_KEY", raising=False)
         mp.setenv("VLLM_API_KEY", KEY)
         s = ServerThread(tiny_model, "--allowed-origins", f'["{ORIGIN}"]', "--allow-credentials",
-                         "--enable-log-requests", "--max-log-len", "5", "--max-logprobs", "1000",
+                         "--enable-log-requests", "--max-log-len", "5", "--max-logprobs", "-1",
                          "--return-tokens-as-token-ids", "--max-num-seqs", "1", "--max-queue-len", "2",
                          "--enable-prompt-tokens-details")
     with s:
@@ -210,10 +210,11 @@ def test_ping_get_and_post(vllm_server):
         assert r.status_code == 200, (method, r.text)
 
 
-def test_invocations_serve_chat_and_completions_behind_the_key(vllm_server):
-    """SageMaker's /invocations, as vLLM's: the body says which endpoint it is."""
+def test_invocations_serve_chat_and_completions_without_the_key(vllm_server):
+    """SageMaker's /invocations, as vLLM's: the body says which endpoint it is; no key asked for (SageMaker's
+    InvokeEndpoint sends no Authorization header), as vLLM guards only /v1."""
     url = vllm_server.url + "/invocations"
-    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 401
+    assert httpx.post(url, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
     r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, "temperature": 0}, headers=AUTH)
     assert r.json()["object"] == "text_completion" and r.json()["usage"]["completion_tokens"] == 2
     chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -238,6 +239,14 @@ def test_max_logprobs_is_the_servers_limit_capped_by_the_vocabulary(vllm_server,
     assert "384" in err["message"]  # the vocabulary: there are no more tokens to rank
     err = _check_error(_post(vllm_server.url, {"prompt": "hi", "prompt_logprobs": 385}, **AUTH), 400,
                        "prompt_logprobs")
+    # as vLLM's: -1 asks for the whole vocabulary (the sampled token's entry, outside the top, would add one)
+    r = _post(vllm_server.url, {"prompt": "hi", "max_tokens": 1, "logprobs": -1, "prompt_logprobs": -1}, **AUTH)
+    assert [len(top) for top in r.json()["choices"][0]["logprobs"]["top_logprobs"]] == [384], r.text
+    assert {len(e) for e in r.json()["choices"][0]["prompt_logprobs"][1:]} == {384}
+    r = _post(vllm_server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
+                                "top_logprobs": -1}, path="/v1/chat/completions", **AUTH)
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 384, r.text
+    _check_error(_post(vllm_server.url, {"prompt": "hi", "logprobs": -2}, **AUTH), 400, "logprobs")
     err = _check_error(_post(server.url, {"prompt": "hi", "logprobs": 21}), 400, "logprobs")
     assert "20" in err["message"]  # vLLM's default
     vllm_server.wait_idle()
@@ -364,7 +373,7 @@ def test_forced_usage_rides_every_stream(server):
 
 
 @pytest.mark.parametrize("flags", [["--allowed-origins", "*"], ["--allowed-origins", '"*"'],
-                                   ["--allowed-headers", "[1]"], ["--max-logprobs", "-1"],
+                                   ["--allowed-headers", "[1]"], ["--max-logprobs", "-2"],
                                    ["--max-model-len", "32q"], ["--override-generation-config", "[1]"]])
 def test_bad_values_are_one_line_errors(flags, capsys):
     with pytest.raises(SystemExit):
