@@ -1318,6 +1318,8 @@ class ModelRunner:
 
     def _forward_static(self, bs: int) -> torch.Tensor:
         b = self.static
+        # a decode's token ends its context: seq_lens follow from positions here, inside the graph
+        torch.add(b["positions"][:bs], 1, out=b["seq_lens"][:bs])
         meta = AttentionMetadata(b["slot_mapping"][:bs], b["block_tables"][:bs], b["seq_lens"][:bs],
                                  b["query_start_loc"][:bs + 1])
         return self.model(b["input_ids"][:bs], b["positions"][:bs], meta, self.kv_caches)
@@ -1334,7 +1336,6 @@ class ModelRunner:
         # tensor, one copy into the buffer's fixed address
         host = host_ints([s.token_ids[0] for s in seqs] + [0] * pad + positions + [0] * pad + slots + [-1] * pad)
         self.static_token_inputs[:, :bs].copy_(to_device(host, self.device).view(3, bs))
-        torch.add(b["positions"][:bs], 1, out=b["seq_lens"][:bs])  # a decode's token ends its context
         self._write_prev_sampled(b["input_ids"], seqs)
         self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
         if bs in self.graphs:
