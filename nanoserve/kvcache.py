@@ -148,22 +148,23 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocate / free
     def allocate_slots(self, request_id: str, token_ids: list[int], num_tokens: int,
-                       computed_blocks: list[int] | None = None, cache_salt: str | None = None) -> bool:
+                       computed_blocks: list[int] | None = None, cache_salt: str | None = None) -> list[int] | None:
         """Make the request's block table cover its first ``num_tokens`` tokens,
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
-        Returns False, changing nothing, when the free blocks do not suffice."""
+        Returns the table (as block_table does), or None, changing nothing, when
+        the free blocks do not suffice (as vLLM's allocate_slots)."""
         table = self.req_to_blocks.get(request_id, [])
         if not computed_blocks and num_tokens <= len(table) * self.block_size:
             # most decode steps: the new token fits the last block held, nothing to take
-            self._track_unused(request_id, num_tokens)
+            self._track_unused(request_id, table, num_tokens)
             self._cache_full_blocks(request_id, token_ids, num_tokens)
-            return True
+            return table
         computed_blocks = computed_blocks or []
         # Hits that are on the free list are about to be taken out of it.
         revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
         need = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
         if need + revived > self.num_free_blocks:
-            return False
+            return None
         for b in computed_blocks:
             self._touch(b)
         if computed_blocks:
@@ -171,13 +172,13 @@ class BlockManager:
         if computed_blocks or need > 0:  # a new list: see block_table
             table = table + computed_blocks + [self._pop_free() for _ in range(need)]
         self.req_to_blocks[request_id] = table
-        self._track_unused(request_id, num_tokens)
+        self._track_unused(request_id, table, num_tokens)
         self.req_salts.setdefault(request_id, cache_salt)
         if (need > 0 or computed_blocks) and logger.isEnabledFor(logging.DEBUG):
             logger.debug("[kvcache] %s: +%d blocks, %d prefix-cache hits, table %d, free %d",
                          request_id, max(need, 0), len(computed_blocks), len(table), self.num_free_blocks)
         self._cache_full_blocks(request_id, token_ids, num_tokens)
-        return True
+        return table
 
     def free(self, request_id: str) -> None:
         """Release a request's blocks. The tail is freed first so that, among
@@ -206,8 +207,8 @@ class BlockManager:
         self.cached = {h: b for h, b in self.cached.items() if self.blocks[b].block_hash == h}
 
     # ---------------------------------------------------------------- internals
-    def _track_unused(self, request_id: str, num_tokens: int) -> None:
-        unused = len(self.req_to_blocks[request_id]) * self.block_size - num_tokens
+    def _track_unused(self, request_id: str, table: list[int], num_tokens: int) -> None:
+        unused = len(table) * self.block_size - num_tokens
         self.unused_slots += unused - self.req_unused.get(request_id, 0)
         self.req_unused[request_id] = unused
         used = self.num_blocks - len(self.free_blocks)

@@ -1318,6 +1318,8 @@ class ModelRunner:
 
     def _forward_static(self, bs: int) -> torch.Tensor:
         b = self.static
+        # a decode's token ends its context: seq_lens follow from positions here, inside the graph
+        torch.add(b["positions"][:bs], 1, out=b["seq_lens"][:bs])
         meta = AttentionMetadata(b["slot_mapping"][:bs], b["block_tables"][:bs], b["seq_lens"][:bs],
                                  b["query_start_loc"][:bs + 1])
         return self.model(b["input_ids"][:bs], b["positions"][:bs], meta, self.kv_caches)
@@ -1330,13 +1332,10 @@ class ModelRunner:
         b, pad, size = self.static, bs - n, self.block_size
         positions = [s.start for s in seqs]
         slots = [kvcache.slot(s.block_table, p, size) for s, p in zip(seqs, positions)]  # one token a row: on lists
-        # input_ids, positions, slot_mapping and seq_lens with their padding: one host tensor, then
-        # one copy into the buffers' fixed addresses for the first three (one buffer) and one for seq_lens
-        rows = [([s.token_ids[0] for s in seqs], 0), (positions, 0), (slots, -1), ([p + 1 for p in positions], 1)]
-        host = to_device(host_ints(itertools.chain.from_iterable(v + [fill] * pad for v, fill in rows)),
-                         self.device).view(len(rows), bs)
-        self.static_token_inputs[:, :bs].copy_(host[:3])
-        b["seq_lens"][:bs].copy_(host[3])
+        # input_ids, positions and slot_mapping with their padding (slot -1 stores no KV): one host
+        # tensor, one copy into the buffer's fixed address
+        host = host_ints([s.token_ids[0] for s in seqs] + [0] * pad + positions + [0] * pad + slots + [-1] * pad)
+        self.static_token_inputs[:, :bs].copy_(to_device(host, self.device).view(3, bs))
         self._write_prev_sampled(b["input_ids"], seqs)
         self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
         if bs in self.graphs:

@@ -170,7 +170,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        bm, i = self.block_manager, 0
+        i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             end = req.num_tokens
@@ -181,26 +181,27 @@ class Scheduler:
             if num_new <= 0:  # its token in flight is its last: nothing more to compute
                 i += 1
                 continue
-            if not self._allocate_or_preempt(req, num_new, out):
+            table = self._allocate_or_preempt(req, num_new, out)
+            if table is None:
                 break  # req itself was preempted: nothing after it is left to schedule
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new,
-                                                  bm.block_table(req.request_id),
+            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, table,
                                                   req.num_computed_tokens + num_new == end))
             budget -= num_new
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, req: "Request", num_new: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, req: "Request", num_new: int, out: SchedulerOutput) -> list[int] | None:
         """Slots for ``num_new`` more tokens of ``req``, preempting the most recently
         admitted running requests (never one already scheduled: they come first)
-        until they fit; False when ``req`` itself had to go."""
-        while not self.block_manager.allocate_slots(req.request_id, req.token_ids,
-                                                    req.num_computed_tokens + num_new):
+        until they fit: its block table, or None when ``req`` itself had to go."""
+        while True:
+            table = self.block_manager.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens + num_new)
+            if table is not None:
+                return table
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:
-                return False
-        return True
+                return None
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         # No waiting request has a token in flight (async scheduling): one preempted with
@@ -211,8 +212,8 @@ class Scheduler:
             hits = [] if req.skip_reading_prefix_cache else bm.get_computed_blocks(req.token_ids, req.cache_salt)
             num_computed = len(hits) * bm.block_size
             num_new = min(req.num_tokens - num_computed, budget)
-            if not bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits,
-                                     req.cache_salt):
+            table = bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits, req.cache_salt)
+            if table is None:
                 break  # no room: it waits, and so does everyone behind it (FCFS)
             bm.record_prefix_query(req.num_tokens, num_computed)
             self.waiting.popitem(last=False)
@@ -221,7 +222,7 @@ class Scheduler:
             req.num_computed_tokens = num_computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, bm.block_table(req.request_id),
+            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, table,
                                                   num_computed + num_new == req.num_tokens))
             budget -= num_new
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
