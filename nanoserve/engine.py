@@ -799,8 +799,8 @@ class LLMEngine:
             logger.info("[engine] no CUDA graphs or padded decode steps under tensor parallelism (yet)")
             return []
         if self.device.type == "cuda" and not self.backend.capture_safe:
-            logger.warning("[engine] no CUDA graphs: the %s kernels sync with the host, which a graph "
-                           "cannot capture (Triton's can: install triton)", self.backend.name)
+            logger.warning("[engine] no CUDA graphs: the %s kernels sync with the host, which a graph cannot "
+                           "capture (Triton's can, where it is installed and its probe runs)", self.backend.name)
             return []
         if cfg.cudagraph_capture_sizes is not None:
             sizes = sorted(set(cfg.cudagraph_capture_sizes))

@@ -63,6 +63,11 @@ class ModelLoadError(ValueError):
     """A model directory nanoserve cannot serve; the message says why."""
 
 
+def first_line(e: BaseException) -> str:
+    """An error's first line, for a one-line log or start-up message."""
+    return str(e).splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
 # =========================================================================== config
 
 def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
@@ -677,12 +682,18 @@ class CausalLM(nn.Module):
 
 def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                    enforce_eager: bool = False) -> Backend:
-    """The one place the kernels are chosen, once per engine: Triton on CUDA; on
-    the CPU the fastest that builds and checks out here (cpu_backend.py: C
-    kernels, else torch.compile), unless enforce_eager (the references, bf16
-    weights still packed); else the torch references."""
+    """The one place the kernels are chosen, once per engine: Triton on CUDA where
+    its probe runs (kernels.probe_triton); on the CPU the fastest that builds and
+    checks out here (cpu_backend.py: C kernels, else torch.compile), unless
+    enforce_eager (the references, bf16 weights still packed); else the torch
+    references (which no CUDA graph can capture: capture_safe is False)."""
     if device.type == "cuda" and kernels.TRITON is not None:
-        return kernels.TRITON
+        try:
+            kernels.probe_triton(cfg, dtype, device, block_size)
+            return kernels.TRITON
+        except Exception as e:  # noqa: BLE001 - Triton's compiler and launcher raise many kinds
+            logger.warning("[kernels] Triton kernels unusable here (%s): torch references, no CUDA graphs",
+                           first_line(e))
     if device.type == "cpu":
         from nanoserve.cpu_backend import build_cpu_backend  # platform code, off the reading path
         return build_cpu_backend(cfg, dtype, block_size, enforce_eager)

@@ -1,0 +1,68 @@
+"""What a first start on a GPU meets, checked on the CPU: the decisions of the
+CUDA start-up path run here for real, with only the GPU's answers faked
+(torch.cuda's queries monkeypatched) or, for the Triton probe, its kernels run
+by Triton's interpreter (conftest.py)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from conftest import TRITON_INTERPRETER_CLASH
+from nanoserve import kernels, model as model_mod
+from nanoserve.model import ModelConfig, select_backend, shard_config
+
+needs_triton = pytest.mark.skipif(kernels.TRITON is None or TRITON_INTERPRETER_CLASH is not None,
+                                  reason=TRITON_INTERPRETER_CLASH or "triton is not installed")
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_model) -> ModelConfig:
+    return ModelConfig.from_dir(tiny_model)
+
+
+@needs_triton
+def test_the_triton_probe_launches_every_kernel(cfg, monkeypatch):
+    """kernels.probe_triton launches each Triton kernel once (a new kernel the model uses must be probed too)."""
+    names = [n for n, v in vars(kernels).items() if n.endswith("_kernel") and hasattr(v, "__getitem__")]
+    launched = set()
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(kernels, name)
+
+        def __getitem__(self, grid):
+            launched.add(self.name)
+            return self.kernel[grid]
+    for name in names:
+        monkeypatch.setattr(kernels, name, Recorder(name))
+    for tp in (1, 2):  # a rank's widths under tensor parallelism
+        kernels.probe_triton(shard_config(cfg, tp), torch.float32, torch.device("cpu"), 16)
+    assert len(names) == 6 and launched == set(names)
+
+
+@needs_triton
+def test_a_kernel_that_fails_fails_the_probe(cfg, monkeypatch):
+    class TooBig:  # what Triton raises for a tile over an SM's shared memory
+        def __getitem__(self, grid):
+            raise RuntimeError("out of resource: shared memory, Required: 98304, Hardware limit: 65536")
+    monkeypatch.setattr(kernels, "_paged_attention_kernel", TooBig())
+    with pytest.raises(RuntimeError, match="shared memory"):
+        kernels.probe_triton(cfg, torch.float32, torch.device("cpu"), 16)
+
+
+@needs_triton
+def test_cuda_falls_back_to_the_torch_references_where_triton_cannot_run(cfg, caplog):
+    """A head_dim the Triton kernels do not take fails the probe's static check (before
+    any launch): select_backend logs one line and hands out the references, which no
+    CUDA graph captures."""
+    odd = dataclasses.replace(cfg, head_dim=48)
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+        backend = select_backend(odd, torch.float16, CUDA, 16)
+    assert backend is kernels.TORCH and not backend.capture_safe
+    assert [r.getMessage() for r in caplog.records] == [
+        "[kernels] Triton kernels unusable here (the Triton kernels need head_dim to be a power of two >= 16 "
+        "(tl.arange and tl.dot), got 48): torch references, no CUDA graphs"]
