@@ -45,9 +45,9 @@ from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpe
 from nanoserve import cpu_backend
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
-                             cudagraph_capture_sizes, init_distributed, load_model, load_tokenizer, log_tensor_parallel,
-                             num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker,
-                             select_backend, shard_config, tcp_address)
+                             cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
+                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir,
+                             run_worker, select_backend, shard_config, tcp_address)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -855,7 +855,11 @@ class LLMEngine:
             # subtracted from the graphs' memory.
             torch.cuda.empty_cache()
             t0, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.runner.capture_cudagraphs()
+            try:
+                self.runner.capture_cudagraphs()
+            except Exception as e:  # noqa: BLE001 - a launch capture forbids, or memory: say where, and the way out
+                raise RuntimeError(f"[model] capturing the decode CUDA graphs failed: {first_line(e)} "
+                                   "(--enforce-eager serves without them)") from e
             logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB "
                         "(--enforce-eager turns them off)", len(self.decode_sizes),
                         ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,

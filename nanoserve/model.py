@@ -1189,16 +1189,23 @@ def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
     (the profiling forward) and the CUDA graphs' pool."""
     # a step's logits: its sampled rows, or a prompt-logprobs slice if that is larger
     rows = min(max(cache.profile_rows, PROMPT_LOGPROB_ROWS), cache.profile_tokens)
-    activations = profile_activation_bytes(model, cache.profile_tokens, rows, cache.block_size,
-                                           logprobs=cache.profile_logprobs)  # --max-logprobs: its top-k's memory
-    logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
-                cache.profile_tokens, activations / 2**30)
-    if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
-        graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size,
-                                          sample=False)  # a graph holds the forward only
-        logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
-                    cache.graph_tokens, graphs / 2**30)
-        activations += graphs
+    phase = f"a step of {cache.profile_tokens} tokens: lower --max-num-batched-tokens"
+    try:
+        activations = profile_activation_bytes(model, cache.profile_tokens, rows, cache.block_size,
+                                               logprobs=cache.profile_logprobs)  # --max-logprobs: its top-k's memory
+        logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
+                    cache.profile_tokens, activations / 2**30)
+        if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
+            phase = f"the CUDA graphs' decode batch of {cache.graph_tokens}: lower --max-num-seqs, or --enforce-eager"
+            graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size,
+                                              sample=False)  # a graph holds the forward only
+            logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
+                        cache.graph_tokens, graphs / 2**30)
+            activations += graphs
+    except torch.OutOfMemoryError as e:  # the weights leave less than one step needs
+        raise ValueError(f"[kvcache] out of GPU memory in the profiling forward that sizes the KV cache, {phase} "
+                         f"(--gpu-memory-utilization cannot help: no KV cache is allocated yet; "
+                         f"--kv-cache-memory-bytes skips the profiling): {first_line(e)}") from None
     return activations
 
 

@@ -66,3 +66,42 @@ def test_cuda_falls_back_to_the_torch_references_where_triton_cannot_run(cfg, ca
     assert [r.getMessage() for r in caplog.records] == [
         "[kernels] Triton kernels unusable here (the Triton kernels need head_dim to be a power of two >= 16 "
         "(tl.arange and tl.dot), got 48): torch references, no CUDA graphs"]
+
+
+def test_a_failed_graph_capture_names_the_phase_and_the_way_out():
+    from types import SimpleNamespace
+
+    from nanoserve.engine import LLMEngine
+
+    def capture():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nCUDA kernel errors ...")
+    engine = SimpleNamespace(device=CUDA, decode_sizes=[1, 2], compile_time_s=0.0, backend=kernels.TORCH,
+                             runner=SimpleNamespace(warmup=lambda: None, capture_cudagraphs=capture))
+    with pytest.raises(RuntimeError) as e:
+        LLMEngine._warm_up(engine)
+    assert str(e.value) == ("[model] capturing the decode CUDA graphs failed: CUDA error: operation not permitted "
+                            "when stream is capturing (--enforce-eager serves without them)")
+
+
+@pytest.mark.parametrize("fails", [1, 2])
+def test_out_of_memory_while_profiling_names_the_phase_and_the_flags(monkeypatch, fails):
+    """The profiling forward that sizes the KV cache runs out of memory: the step's
+    (call 1) or the CUDA graphs' (call 2); a ValueError says which and what to lower."""
+    from nanoserve.kvcache import CacheConfig
+    calls = []
+
+    def profile(model, num_tokens, *args, **kw):
+        calls.append(num_tokens)
+        if len(calls) == fails:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")
+        return 2**20
+    monkeypatch.setattr(model_mod, "profile_activation_bytes", profile)
+    with pytest.raises(ValueError) as e:
+        model_mod.step_activation_bytes(None, CacheConfig(profile_tokens=8192, graph_tokens=256))
+    phase = ("a step of 8192 tokens: lower --max-num-batched-tokens" if fails == 1 else
+             "the CUDA graphs' decode batch of 256: lower --max-num-seqs, or --enforce-eager")
+    assert str(e.value) == (f"[kvcache] out of GPU memory in the profiling forward that sizes the KV cache, {phase} "
+                            "(--gpu-memory-utilization cannot help: no KV cache is allocated yet; "
+                            "--kv-cache-memory-bytes skips the profiling): CUDA out of memory. Tried to allocate "
+                            "2.00 GiB.")
+    assert calls == [8192, 256][:fails]
