@@ -691,6 +691,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")

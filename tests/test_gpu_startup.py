@@ -105,3 +105,15 @@ def test_out_of_memory_while_profiling_names_the_phase_and_the_flags(monkeypatch
                             "--kv-cache-memory-bytes skips the profiling): CUDA out of memory. Tried to allocate "
                             "2.00 GiB.")
     assert calls == [8192, 256][:fails]
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, 1.5, float("nan")])
+def test_gpu_memory_utilization_is_a_fraction(tiny_model, value, capsys):
+    from nanoserve import LLM
+    from nanoserve.entry import parse_args
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tiny_model), "--gpu-memory-utilization", str(value)])
+    assert "--gpu-memory-utilization must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got"):
+        LLM(str(tiny_model), device="cpu", gpu_memory_utilization=value)
+    assert parse_args(["--model", str(tiny_model), "--gpu-memory-utilization", "1"]).gpu_memory_utilization == 1
