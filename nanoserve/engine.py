@@ -745,8 +745,7 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             path if config.tokenizer is None else resolve_model_dir(config.tokenizer, config.revision))
         self.token_texts: dict[int, str] = {}  # each token's own text (logprobs'), decoded once: at most the vocabulary
-        if self.device.type == "cpu":
-            self._check_memory()
+        self._check_memory()
         self.workers: TPWorkers | None = None
         tp = TPGroup()
         if config.tensor_parallel_size != 1:  # ranks 1..N-1 start loading while this one does
@@ -813,9 +812,12 @@ class LLMEngine:
         return cudagraph_capture_sizes(cfg.max_num_seqs) if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
-        """Before loading: do the weights and an explicitly sized KV cache fit?"""
+        """Before loading: do the weights (on the CPU with an explicitly sized KV cache) fit?"""
         cfg, mc = self.config, self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.device.type == "cuda":  # this rank's share
+            return kvcache.check_gpu_memory(num_parameters(mc) * elem // cfg.tensor_parallel_size, self.device,
+                                            cfg.gpu_memory_utilization)
         kv_bytes = cfg.kv_cache_memory_bytes
         if cfg.num_kv_blocks is not None:
             spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)

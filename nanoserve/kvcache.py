@@ -369,6 +369,20 @@ def check_cpu_memory(weight_bytes: int, kv_bytes: int | None) -> None:
             f"--dtype bfloat16 (half of float32), or a smaller --kv-cache-memory-bytes")
 
 
+def check_gpu_memory(weight_bytes: int, device: torch.device, gpu_memory_utilization: float) -> None:
+    """Fail before loading, with what to do, when a rank's weights exceed what
+    ``gpu_memory_utilization`` leaves of the GPU (gpu_budget's arithmetic, before
+    the weights): else the load dies with a bare CUDA out-of-memory."""
+    free, total = torch.cuda.mem_get_info(device)
+    usable = int(total * gpu_memory_utilization) - (total - free)
+    if weight_bytes > usable:
+        raise ValueError(
+            f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB, but --gpu-memory-utilization "
+            f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {(total - free) / 2**30:.2f} GiB "
+            f"in use, leaves {usable / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size), "
+            f"or a higher --gpu-memory-utilization")
+
+
 def gpu_budget(device: torch.device, gpu_memory_utilization: float, activation_bytes: int) -> int:
     """What the GPU has left under ``gpu_memory_utilization`` after weights and the
     activations measured by a profiling forward."""

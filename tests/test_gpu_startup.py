@@ -117,3 +117,25 @@ def test_gpu_memory_utilization_is_a_fraction(tiny_model, value, capsys):
     with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got"):
         LLM(str(tiny_model), device="cpu", gpu_memory_utilization=value)
     assert parse_args(["--model", str(tiny_model), "--gpu-memory-utilization", "1"]).gpu_memory_utilization == 1
+
+
+def test_weights_that_do_not_fit_the_gpu_are_refused_before_loading(cfg, monkeypatch):
+    """This rank's weights against gpu_memory_utilization of the GPU less what is in use (fake GPU figures)."""
+    from types import SimpleNamespace
+
+    from nanoserve.engine import EngineConfig, LLMEngine
+    w = model_mod.num_parameters(cfg) * 2  # bf16
+    total, in_use = 4 * w, w // 2  # another process holds half the weights' size
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - in_use, total))
+
+    def check(utilization, tp=1):
+        config = EngineConfig("unused", gpu_memory_utilization=utilization, tensor_parallel_size=tp)
+        LLMEngine._check_memory(SimpleNamespace(config=config, model_config=cfg, dtype=torch.bfloat16, device=CUDA))
+    with pytest.raises(ValueError) as e:
+        check(0.25)  # leaves w / 2
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    assert str(e.value) == (f"not enough GPU memory: the weights need {gib(w)}, but --gpu-memory-utilization 0.25 "
+                            f"of cuda's {gib(total)}, less {gib(in_use)} in use, leaves {gib(w // 2)}. Use a smaller "
+                            "model, more GPUs (--tensor-parallel-size), or a higher --gpu-memory-utilization")
+    check(0.5)
+    check(0.25, tp=2)  # a rank holds half
