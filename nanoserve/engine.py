@@ -736,6 +736,8 @@ class LLMEngine:
         path = resolve_model_dir(config.model, config.revision)
         self.model_config = ModelConfig.from_dir(path)
         self.device = resolve_device(config.device)
+        if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         if self.device.type == "cpu" and config.cpu_allocator_tuning:
             # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
@@ -1481,6 +1483,9 @@ def check_parallel_config(config: EngineConfig, model_config: ModelConfig, devic
                          f"(node 0's address), or env:// under torchrun")
     if config.distributed_init_method not in (None, "env://"):
         tcp_address(config.distributed_init_method)  # raises for anything but tcp://HOST:PORT
+    if device.type == "cuda" and device.index and tp > 1:  # a rank runs on cuda:<its local rank>
+        raise ValueError(f"device={device} with tensor_parallel_size={tp}: the ranks of a node take cuda:0, cuda:1, "
+                         f"...; choose the GPUs with CUDA_VISIBLE_DEVICES")
     if config.distributed_init_method == "env://" and int(os.environ.get("WORLD_SIZE", "-1")) != tp:
         raise ValueError(f"env:// (torchrun) needs WORLD_SIZE={tp} (tensor_parallel_size) and RANK set, "
                          f"got WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}")

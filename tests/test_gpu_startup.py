@@ -139,3 +139,21 @@ def test_weights_that_do_not_fit_the_gpu_are_refused_before_loading(cfg, monkeyp
                             "model, more GPUs (--tensor-parallel-size), or a higher --gpu-memory-utilization")
     check(0.5)
     check(0.25, tp=2)  # a rank holds half
+
+
+def test_the_engine_makes_its_gpu_the_current_device(tiny_model, cfg, monkeypatch):
+    """Triton launches and graph capture go to the current device: LLM(device="cuda:1") sets it
+    (the first CUDA call of its start-up, faked here); tensor parallelism takes GPUs by local rank."""
+    from nanoserve import LLM
+    from nanoserve.engine import EngineConfig, check_parallel_config
+    chosen = []
+
+    def set_device(device):
+        chosen.append(device)
+        raise InterruptedError  # no GPU here: stop the start-up once the device is chosen
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    with pytest.raises(InterruptedError):
+        LLM(str(tiny_model), device="cuda:1")
+    assert chosen == [torch.device("cuda", 1)]
+    with pytest.raises(ValueError, match="device=cuda:1 with tensor_parallel_size=2: .* CUDA_VISIBLE_DEVICES"):
+        check_parallel_config(EngineConfig("unused", tensor_parallel_size=2), cfg, torch.device("cuda", 1))
