@@ -313,6 +313,11 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t)
 
+    def barrier(self) -> None:
+        """Wait for every rank (start-up: on the patient cpu group)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
+
     def send_step(self, step: int, message: Any) -> None:
         """Rank 0: step number ``step``'s inputs (None: shut down), one pickled
         message. Step ``step - 1``'s is dropped: every worker has read it, since
@@ -1214,6 +1219,7 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     (kvcache.kv_budget) buys here, then the smallest count over the ranks (every
     rank must hold every block the block manager hands out). Every rank calls
     this at start-up."""
+    model.tp.barrier()  # ranks finish loading at their own pace; the profiling's collectives wait COLLECTIVE_TIMEOUT
     cfg = model.config
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)

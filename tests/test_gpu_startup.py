@@ -157,3 +157,23 @@ def test_the_engine_makes_its_gpu_the_current_device(tiny_model, cfg, monkeypatc
     assert chosen == [torch.device("cuda", 1)]
     with pytest.raises(ValueError, match="device=cuda:1 with tensor_parallel_size=2: .* CUDA_VISIBLE_DEVICES"):
         check_parallel_config(EngineConfig("unused", tensor_parallel_size=2), cfg, torch.device("cuda", 1))
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_ranks_meet_on_the_patient_group_before_the_profiling_forward(cfg, monkeypatch, world_size):
+    """The profiling forward's collectives (NCCL's first) wait only COLLECTIVE_TIMEOUT: ranks that
+    finished loading far apart must meet first, on the gloo group that waits (fake GPU figures)."""
+    from types import SimpleNamespace
+
+    from nanoserve.kvcache import CacheConfig
+    events = []
+    monkeypatch.setattr(model_mod.dist, "barrier", lambda group=None: events.append(("barrier", group)))
+    monkeypatch.setattr(model_mod.dist, "all_reduce", lambda t, op=None, group=None: events.append(("min", group)))
+    monkeypatch.setattr(model_mod, "step_activation_bytes", lambda model, cache: events.append(("profile",)) or 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 2**31))
+    weight = SimpleNamespace(device=CUDA, dtype=torch.bfloat16)
+    model = SimpleNamespace(config=cfg, tp=model_mod.TPGroup(0, world_size, cpu_group="patient"),
+                            model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)))
+    spec, plan = model_mod.plan_rank_kv_cache(model, 0, CacheConfig())
+    assert plan.num_blocks > 0
+    assert events == ([("barrier", "patient"), ("profile",), ("min", "patient")] if world_size > 1 else [("profile",)])
