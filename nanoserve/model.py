@@ -208,18 +208,27 @@ def num_parameters(cfg: ModelConfig) -> int:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on a GPU, bf16 on the CPU (fp16 matmuls are
-    slow there and fp32 doubles the bytes every step reads)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
+    """``auto``: the checkpoint's dtype on a GPU (fp16 where it has no bf16: before
+    compute capability 8.0), bf16 on the CPU (fp16 matmuls are slow there and fp32
+    doubles the bytes every step reads)."""
     if dtype == "auto":
         if device.type == "cpu":
             return torch.bfloat16
         ckpt = DTYPES.get(config.checkpoint_dtype.replace("torch.", ""), torch.bfloat16)
-        return torch.bfloat16 if ckpt == torch.float32 else ckpt
-    if dtype not in DTYPES:
+        chosen = torch.bfloat16 if ckpt == torch.float32 else ckpt
+    elif isinstance(dtype, torch.dtype) or dtype in DTYPES:
+        chosen = DTYPES.get(dtype, dtype)
+    else:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return DTYPES[dtype]
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if chosen == torch.bfloat16 and capability is not None and capability < (8, 0):
+        if dtype != "auto":
+            raise ValueError(f"bfloat16 needs a GPU of compute capability 8.0 or higher, and {device} has "
+                             f"{capability[0]}.{capability[1]}: use --dtype float16 (or float32)")
+        logger.warning("[model] dtype auto: float16, as %s (compute capability %d.%d) has no bfloat16", device,
+                       *capability)
+        return torch.float16
+    return chosen
 
 
 # =========================================================================== layers

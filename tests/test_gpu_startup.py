@@ -177,3 +177,26 @@ def test_ranks_meet_on_the_patient_group_before_the_profiling_forward(cfg, monke
     spec, plan = model_mod.plan_rank_kv_cache(model, 0, CacheConfig())
     assert plan.num_blocks > 0
     assert events == ([("barrier", "patient"), ("profile",), ("min", "patient")] if world_size > 1 else [("profile",)])
+
+
+@pytest.mark.parametrize("capability", [(7, 5), (8, 0)])
+def test_bfloat16_only_where_the_gpu_has_it(cfg, monkeypatch, caplog, capability):
+    """Before compute capability 8.0 (T4, V100): auto takes float16 and says so, an explicit bfloat16 is refused."""
+    from nanoserve.model import resolve_dtype
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    old_gpu = capability < (8, 0)
+    for ckpt in ("bfloat16", "float32"):
+        with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+            got = resolve_dtype("auto", CUDA, dataclasses.replace(cfg, checkpoint_dtype=ckpt))
+        assert got == (torch.float16 if old_gpu else torch.bfloat16)
+    assert [r.getMessage() for r in caplog.records] == \
+        ["[model] dtype auto: float16, as cuda (compute capability 7.5) has no bfloat16"] * 2 * old_gpu
+    assert resolve_dtype("float16", CUDA, cfg) == torch.float16
+    assert resolve_dtype("auto", torch.device("cpu"), cfg) == torch.bfloat16  # the CPU asks no GPU
+    for dtype in ("bfloat16", torch.bfloat16):
+        if old_gpu:
+            with pytest.raises(ValueError, match=r"bfloat16 needs a GPU of compute capability 8.0 or higher, and "
+                                                 r"cuda has 7.5: use --dtype float16 \(or float32\)"):
+                resolve_dtype(dtype, CUDA, cfg)
+        else:
+            assert resolve_dtype(dtype, CUDA, cfg) == torch.bfloat16
