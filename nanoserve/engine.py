@@ -728,6 +728,11 @@ class EngineInfo:
     kv_bytes_per_block: int
 
 
+# The caching allocator reserves whole segments (2 and 20 MiB), so a graphs' pool
+# exceeds the profiled peak it was sized by a little without anything amiss.
+GRAPH_POOL_SLACK = 64 * 2**20
+
+
 class LLMEngine:
     """Synchronous engine: ``add_request`` then call ``step()`` until done."""
 
@@ -866,10 +871,15 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001 - a launch capture forbids, or memory: say where, and the way out
                 raise RuntimeError(f"[model] capturing the decode CUDA graphs failed: {first_line(e)} "
                                    "(--enforce-eager serves without them)") from e
-            logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB "
-                        "(--enforce-eager turns them off)", len(self.decode_sizes),
-                        ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
-                        (torch.cuda.memory_reserved(self.device) - before) / 2**20)
+            pool, estimate = torch.cuda.memory_reserved(self.device) - before, self.kv_plan.graph_pool_bytes
+            logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB%s (--enforce-eager "
+                        "turns them off)", len(self.decode_sizes), ", ".join(map(str, self.decode_sizes)),
+                        time.perf_counter() - t0, pool / 2**20,
+                        f" (the KV cache's sizing estimated {estimate / 2**20:.0f} MiB)" if estimate else "")
+            if estimate and pool > estimate + GRAPH_POOL_SLACK:
+                logger.warning("[model] the CUDA graphs took %.0f MiB more than the KV cache's sizing left them: "
+                               "steps may run out of GPU memory (lower --gpu-memory-utilization if they do)",
+                               (pool - estimate) / 2**20)
 
     def release_memory(self) -> None:
         """Going idle after steps (the server's loop calls it on the model thread): on

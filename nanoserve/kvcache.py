@@ -290,6 +290,7 @@ class KVCachePlan:
     bytes_per_block: int
     budget_bytes: int
     from_num_blocks: bool = False  # set by --num-kv-blocks, not by a byte budget
+    graph_pool_bytes: int = 0      # what the budget left for the CUDA graphs' pool (0: not profiled)
 
     def describe(self, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> str:
         tokens = self.num_blocks * spec.block_size

@@ -1198,9 +1198,9 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     return peak
 
 
-def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
+def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> tuple[int, int]:
     """On CUDA, what the KV cache must leave free: a full step's activations
-    (the profiling forward) and the CUDA graphs' pool."""
+    (the profiling forward), and the CUDA graphs' pool (0 without graphs)."""
     # a step's logits: its sampled rows, or a prompt-logprobs slice if that is larger
     rows = min(max(cache.profile_rows, PROMPT_LOGPROB_ROWS), cache.profile_tokens)
     phase = f"a step of {cache.profile_tokens} tokens: lower --max-num-batched-tokens"
@@ -1215,12 +1215,12 @@ def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
                                               sample=False)  # a graph holds the forward only
             logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
                         cache.graph_tokens, graphs / 2**30)
-            activations += graphs
+            return activations, graphs
     except torch.OutOfMemoryError as e:  # the weights leave less than one step needs
         raise ValueError(f"[kvcache] out of GPU memory in the profiling forward that sizes the KV cache, {phase} "
                          f"(--gpu-memory-utilization cannot help: no KV cache is allocated yet; "
                          f"--kv-cache-memory-bytes skips the profiling): {first_line(e)}") from None
-    return activations
+    return activations, 0
 
 
 def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -> tuple[KVCacheSpec, KVCachePlan]:
@@ -1233,9 +1233,14 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
     spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size)
-    budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
-                               lambda: step_activation_bytes(model, cache))
+    profiled = [0, 0]  # the step's activations and the graphs' pool, where the budget is measured
+
+    def activation_bytes() -> int:
+        profiled[:] = step_activation_bytes(model, cache)
+        return sum(profiled)
+    budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings, activation_bytes)
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
+    plan.graph_pool_bytes = profiled[1]  # the engine checks the captured graphs against it
     num_blocks = model.tp.min(plan.num_blocks)
     if num_blocks < plan.num_blocks:
         logger.info("[kvcache] rank %d could hold %d blocks; %d, the fewest any rank can",

@@ -169,13 +169,16 @@ def test_ranks_meet_on_the_patient_group_before_the_profiling_forward(cfg, monke
     events = []
     monkeypatch.setattr(model_mod.dist, "barrier", lambda group=None: events.append(("barrier", group)))
     monkeypatch.setattr(model_mod.dist, "all_reduce", lambda t, op=None, group=None: events.append(("min", group)))
-    monkeypatch.setattr(model_mod, "step_activation_bytes", lambda model, cache: events.append(("profile",)) or 0)
+    monkeypatch.setattr(model_mod, "step_activation_bytes",
+                        lambda model, cache: events.append(("profile",)) or (3 * 2**20, 2**20))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**30, 2**31))
     weight = SimpleNamespace(device=CUDA, dtype=torch.bfloat16)
     model = SimpleNamespace(config=cfg, tp=model_mod.TPGroup(0, world_size, cpu_group="patient"),
                             model=SimpleNamespace(embed_tokens=SimpleNamespace(weight=weight)))
     spec, plan = model_mod.plan_rank_kv_cache(model, 0, CacheConfig())
-    assert plan.num_blocks > 0
+    # gpu_budget's, less the step's activations and the graphs' pool, which the plan keeps for the engine's check
+    assert plan.num_blocks == (2**31 * 9 // 10 - 2**30 - 4 * 2**20) // spec.bytes_per_block
+    assert plan.graph_pool_bytes == 2**20
     assert events == ([("barrier", "patient"), ("profile",), ("min", "patient")] if world_size > 1 else [("profile",)])
 
 
@@ -200,3 +203,27 @@ def test_bfloat16_only_where_the_gpu_has_it(cfg, monkeypatch, caplog, capability
                 resolve_dtype(dtype, CUDA, cfg)
         else:
             assert resolve_dtype(dtype, CUDA, cfg) == torch.bfloat16
+
+
+@pytest.mark.parametrize("estimate_mib, pool_mib, warns", [(100, 150, False), (100, 300, True), (0, 300, False)])
+def test_the_graphs_pool_is_logged_beside_its_estimate(monkeypatch, caplog, estimate_mib, pool_mib, warns):
+    """The pool the KV cache's sizing left the graphs (plan.graph_pool_bytes, 0: not profiled) beside the
+    measured one; a warning where the graphs took more than it and the allocator's rounding (fake GPU figures)."""
+    from types import SimpleNamespace
+
+    from nanoserve.engine import LLMEngine
+    from nanoserve.kvcache import KVCachePlan
+    reserved = iter([1000 * 2**20, (1000 + pool_mib) * 2**20])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: next(reserved))
+    engine = SimpleNamespace(device=CUDA, decode_sizes=[1, 2], compile_time_s=0.0, backend=kernels.TORCH,
+                             runner=SimpleNamespace(warmup=lambda: None, capture_cudagraphs=lambda: None),
+                             kv_plan=KVCachePlan(8, 1024, 8192, graph_pool_bytes=estimate_mib * 2**20))
+    with caplog.at_level(logging.INFO, logger="nanoserve.engine"):
+        LLMEngine._warm_up(engine)
+    captured = next(r.getMessage() for r in caplog.records if "captured 2 CUDA graphs" in r.getMessage())
+    assert f", {pool_mib} MiB" + (f" (the KV cache's sizing estimated {estimate_mib} MiB)" if estimate_mib else "") \
+        + " (--enforce-eager turns them off)" in captured
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == warns * [f"[model] the CUDA graphs took {pool_mib - estimate_mib} MiB more than the KV cache's "
+                                "sizing left them: steps may run out of GPU memory (lower --gpu-memory-utilization "
+                                "if they do)"]
