@@ -144,6 +144,8 @@ def _r(x, nd=3):
 # ============================================================================ parts (workers)
 
 def part_env(scale: Scale, spec: dict) -> dict:
+    if scale.device == "cpu":  # the dry run: Triton's interpreter runs the launch below (set before its import)
+        os.environ["TRITON_INTERPRET"] = "1"
     import numpy
     import torch
     import transformers
@@ -154,6 +156,14 @@ def part_env(scale: Scale, spec: dict) -> dict:
         res["triton"] = triton.__version__
     except ImportError:
         res["triton"] = None
+    try:  # one tiny launch: Triton builds its launchers with a C compiler and Python.h, here in seconds
+        from nanoserve import kernels
+        x = torch.randn(2, 64, device=scale.device)
+        torch.testing.assert_close(kernels.silu_and_mul_triton(x), kernels.silu_and_mul_torch(x))
+        res["triton_launch"] = "ok"
+    except Exception as e:  # noqa: BLE001 - the engine would fall back to the torch references: say why
+        res["triton_launch"] = f"{type(e).__name__}: {str(e).strip()[:500]}"
+        res["ok"] = scale.device != "cuda"  # on a GPU, a failed part
     if scale.device == "cuda":
         p = torch.cuda.get_device_properties(0)
         res.update(gpu=p.name, sms=p.multi_processor_count, gpu_mem_GiB=round(p.total_memory / 2**30, 1),
@@ -264,13 +274,16 @@ def part_parity(scale: Scale, spec: dict, archs=ARCHS, configs=None) -> dict:
     for arch in archs:
         path = spec["models"]["tiny"][arch]
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
-        refs = []
+        refs, gaps = [], []  # gaps: transformers' top-2 logit gap at each new token (a near-tie, or a bug?)
         for p in prompts:
             with torch.no_grad():
                 ids = torch.tensor([p], device=dev)
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                  max_new_tokens=n_new, min_new_tokens=n_new, pad_token_id=0)
-            refs.append(out[0, len(p):].tolist())
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n_new,
+                                  min_new_tokens=n_new, pad_token_id=0, output_logits=True,
+                                  return_dict_in_generate=True)
+            refs.append(out.sequences[0, len(p):].tolist())
+            top2 = torch.cat(out.logits).float().topk(2).values
+            gaps.append((top2[:, 0] - top2[:, 1]).tolist())
         del hf
         rows = {}
         for name in configs:
@@ -293,7 +306,8 @@ def part_parity(scale: Scale, spec: dict, archs=ARCHS, configs=None) -> dict:
                     i = equal.index(False)
                     j = next((k for k, (a, b) in enumerate(zip(got[i], refs[i])) if a != b), None)
                     row["first_mismatch"] = dict(prompt=i, prompt_len=len(prompts[i]), position=j,
-                                                 got=got[i][:12], want=refs[i][:12])
+                                                 got=got[i][:12], want=refs[i][:12],
+                                                 hf_top2_logit_gap=None if j is None else _r(gaps[i][j], 6))
                 del llm
             except Exception as e:  # noqa: BLE001 - one config's failure is a result
                 row = dict(ok=False, error=f"{type(e).__name__}: {e}"[:500], trace=traceback.format_exc()[-1500:])
@@ -915,6 +929,7 @@ def summarize(record: dict) -> dict:
     g, e, hf, bd, a = (p.get(k) or {} for k in ("w1_graphs", "w1_eager", "hf_cb", "breakdown", "w1_async"))
     env = p.get("env") or {}
     out = dict(gpu=env.get("gpu"), torch=env.get("torch"), triton=env.get("triton"),
+               triton_launch=env.get("triton_launch"),
                transformers=env.get("transformers"),
                w1_warm_s=g.get("warm_s"), w1_cold_s=g.get("cold_s"), w1_startup_s=g.get("startup_s"),
                w1_eager_s=e.get("warm_s"), w1_eager_cold_s=e.get("cold_s"), w1_eager_startup_s=e.get("startup_s"),

@@ -45,9 +45,9 @@ from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpe
 from nanoserve import cpu_backend
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
-                             cudagraph_capture_sizes, init_distributed, load_model, load_tokenizer, log_tensor_parallel,
-                             num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir, run_worker,
-                             select_backend, shard_config, tcp_address)
+                             cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
+                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir,
+                             run_worker, select_backend, shard_config, tcp_address)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -691,6 +691,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -726,6 +728,11 @@ class EngineInfo:
     kv_bytes_per_block: int
 
 
+# The caching allocator reserves whole segments (2 and 20 MiB), so a graphs' pool
+# exceeds the profiled peak it was sized by a little without anything amiss.
+GRAPH_POOL_SLACK = 64 * 2**20
+
+
 class LLMEngine:
     """Synchronous engine: ``add_request`` then call ``step()`` until done."""
 
@@ -734,6 +741,8 @@ class LLMEngine:
         path = resolve_model_dir(config.model, config.revision)
         self.model_config = ModelConfig.from_dir(path)
         self.device = resolve_device(config.device)
+        if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
         if self.device.type == "cpu" and config.cpu_allocator_tuning:
             # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
@@ -743,8 +752,7 @@ class LLMEngine:
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             path if config.tokenizer is None else resolve_model_dir(config.tokenizer, config.revision))
         self.token_texts: dict[int, str] = {}  # each token's own text (logprobs'), decoded once: at most the vocabulary
-        if self.device.type == "cpu":
-            self._check_memory()
+        self._check_memory()
         self.workers: TPWorkers | None = None
         tp = TPGroup()
         if config.tensor_parallel_size != 1:  # ranks 1..N-1 start loading while this one does
@@ -799,8 +807,8 @@ class LLMEngine:
             logger.info("[engine] no CUDA graphs or padded decode steps under tensor parallelism (yet)")
             return []
         if self.device.type == "cuda" and not self.backend.capture_safe:
-            logger.warning("[engine] no CUDA graphs: the %s kernels sync with the host, which a graph "
-                           "cannot capture (Triton's can: install triton)", self.backend.name)
+            logger.warning("[engine] no CUDA graphs: the %s kernels sync with the host, which a graph cannot "
+                           "capture (Triton's can, where it is installed and its probe runs)", self.backend.name)
             return []
         if cfg.cudagraph_capture_sizes is not None:
             sizes = sorted(set(cfg.cudagraph_capture_sizes))
@@ -811,9 +819,12 @@ class LLMEngine:
         return cudagraph_capture_sizes(cfg.max_num_seqs) if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
-        """Before loading: do the weights and an explicitly sized KV cache fit?"""
+        """Before loading: do the weights (on the CPU with an explicitly sized KV cache) fit?"""
         cfg, mc = self.config, self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
+        if self.device.type == "cuda":  # this rank's share
+            return kvcache.check_gpu_memory(num_parameters(mc) * elem // cfg.tensor_parallel_size, self.device,
+                                            cfg.gpu_memory_utilization)
         kv_bytes = cfg.kv_cache_memory_bytes
         if cfg.num_kv_blocks is not None:
             spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)
@@ -855,11 +866,20 @@ class LLMEngine:
             # subtracted from the graphs' memory.
             torch.cuda.empty_cache()
             t0, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
-            self.runner.capture_cudagraphs()
-            logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB "
-                        "(--enforce-eager turns them off)", len(self.decode_sizes),
-                        ", ".join(map(str, self.decode_sizes)), time.perf_counter() - t0,
-                        (torch.cuda.memory_reserved(self.device) - before) / 2**20)
+            try:
+                self.runner.capture_cudagraphs()
+            except Exception as e:  # noqa: BLE001 - a launch capture forbids, or memory: say where, and the way out
+                raise RuntimeError(f"[model] capturing the decode CUDA graphs failed: {first_line(e)} "
+                                   "(--enforce-eager serves without them)") from e
+            pool, estimate = torch.cuda.memory_reserved(self.device) - before, self.kv_plan.graph_pool_bytes
+            logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB%s (--enforce-eager "
+                        "turns them off)", len(self.decode_sizes), ", ".join(map(str, self.decode_sizes)),
+                        time.perf_counter() - t0, pool / 2**20,
+                        f" (the KV cache's sizing estimated {estimate / 2**20:.0f} MiB)" if estimate else "")
+            if estimate and pool > estimate + GRAPH_POOL_SLACK:
+                logger.warning("[model] the CUDA graphs took %.0f MiB more than the KV cache's sizing left them: "
+                               "steps may run out of GPU memory (lower --gpu-memory-utilization if they do)",
+                               (pool - estimate) / 2**20)
 
     def release_memory(self) -> None:
         """Going idle after steps (the server's loop calls it on the model thread): on
@@ -1473,6 +1493,9 @@ def check_parallel_config(config: EngineConfig, model_config: ModelConfig, devic
                          f"(node 0's address), or env:// under torchrun")
     if config.distributed_init_method not in (None, "env://"):
         tcp_address(config.distributed_init_method)  # raises for anything but tcp://HOST:PORT
+    if device.type == "cuda" and device.index and tp > 1:  # a rank runs on cuda:<its local rank>
+        raise ValueError(f"device={device} with tensor_parallel_size={tp}: the ranks of a node take cuda:0, cuda:1, "
+                         f"...; choose the GPUs with CUDA_VISIBLE_DEVICES")
     if config.distributed_init_method == "env://" and int(os.environ.get("WORLD_SIZE", "-1")) != tp:
         raise ValueError(f"env:// (torchrun) needs WORLD_SIZE={tp} (tensor_parallel_size) and RANK set, "
                          f"got WORLD_SIZE={os.environ.get('WORLD_SIZE')!r}")

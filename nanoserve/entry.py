@@ -383,6 +383,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(str(e))
     checks = [("--port", 0 <= args.port <= 65535, "in [0, 65535]"),
               ("--max-num-seqs", args.max_num_seqs >= 1, ">= 1"),
+              ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
               ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
               ("--shutdown-timeout", args.shutdown_timeout >= 0, ">= 0"),

@@ -674,6 +674,27 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
+    """Raise where the Triton kernels cannot run here, before a model is built on
+    them: a head_dim they do not take, a tile larger than this GPU's shared memory,
+    no C compiler for Triton's launchers. Launches every op once on one token at
+    the model's (a rank's) widths, which fix what Triton compiles; the attention
+    through its warm-up at a context that also splits (the reduce kernel)."""
+    _check_head_dim(cfg.head_dim)
+    zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+    q, k = zeros(1, cfg.num_heads, cfg.head_dim), zeros(1, cfg.num_kv_heads, cfg.head_dim)
+    cache, x = zeros(1, block_size, *k.shape[1:]), zeros(1, cfg.hidden_size)
+    first = torch.zeros(1, dtype=torch.long, device=device)  # slot 0, position 0
+    store_kvcache_triton(k, k, cache, cache, first)
+    warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION)
+    fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
+    rms_norm_triton(q, q[0, 0], 1e-6)  # Qwen3's q/k norm: one row a head
+    rotary_triton(q, k, first, q[0].float(), q[0].float())
+    silu_and_mul_triton(zeros(1, 2 * cfg.intermediate_size))
+    if device.type == "cuda":  # a launch's failure may surface only at the next sync
+        torch.cuda.synchronize(device)
+
+
 # =========================================================================== the backends
 
 TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_torch,

@@ -291,6 +291,7 @@ class KVCachePlan:
     bytes_per_block: int
     budget_bytes: int
     from_num_blocks: bool = False  # set by --num-kv-blocks, not by a byte budget
+    graph_pool_bytes: int = 0      # what the budget left for the CUDA graphs' pool (0: not profiled)
 
     def describe(self, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> str:
         tokens = self.num_blocks * spec.block_size
@@ -368,6 +369,20 @@ def check_cpu_memory(weight_bytes: int, kv_bytes: int | None) -> None:
             + (f" and the KV cache {kv_bytes / 2**30:.2f} GiB" if kv_bytes else "")
             + f", but this machine has {avail / 2**30:.2f} GiB available. Use a smaller model, "
             f"--dtype bfloat16 (half of float32), or a smaller --kv-cache-memory-bytes")
+
+
+def check_gpu_memory(weight_bytes: int, device: torch.device, gpu_memory_utilization: float) -> None:
+    """Fail before loading, with what to do, when a rank's weights exceed what
+    ``gpu_memory_utilization`` leaves of the GPU (gpu_budget's arithmetic, before
+    the weights): else the load dies with a bare CUDA out-of-memory."""
+    free, total = torch.cuda.mem_get_info(device)
+    usable = int(total * gpu_memory_utilization) - (total - free)
+    if weight_bytes > usable:
+        raise ValueError(
+            f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB, but --gpu-memory-utilization "
+            f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {(total - free) / 2**30:.2f} GiB "
+            f"in use, leaves {usable / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size), "
+            f"or a higher --gpu-memory-utilization")
 
 
 def gpu_budget(device: torch.device, gpu_memory_utilization: float, activation_bytes: int) -> int:

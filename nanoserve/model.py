@@ -63,6 +63,11 @@ class ModelLoadError(ValueError):
     """A model directory nanoserve cannot serve; the message says why."""
 
 
+def first_line(e: BaseException) -> str:
+    """An error's first line, for a one-line log or start-up message."""
+    return str(e).splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
 # =========================================================================== config
 
 def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
@@ -203,18 +208,27 @@ def num_parameters(cfg: ModelConfig) -> int:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on a GPU, bf16 on the CPU (fp16 matmuls are
-    slow there and fp32 doubles the bytes every step reads)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
+    """``auto``: the checkpoint's dtype on a GPU (fp16 where it has no bf16: before
+    compute capability 8.0), bf16 on the CPU (fp16 matmuls are slow there and fp32
+    doubles the bytes every step reads)."""
     if dtype == "auto":
         if device.type == "cpu":
             return torch.bfloat16
         ckpt = DTYPES.get(config.checkpoint_dtype.replace("torch.", ""), torch.bfloat16)
-        return torch.bfloat16 if ckpt == torch.float32 else ckpt
-    if dtype not in DTYPES:
+        chosen = torch.bfloat16 if ckpt == torch.float32 else ckpt
+    elif isinstance(dtype, torch.dtype) or dtype in DTYPES:
+        chosen = DTYPES.get(dtype, dtype)
+    else:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return DTYPES[dtype]
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if chosen == torch.bfloat16 and capability is not None and capability < (8, 0):
+        if dtype != "auto":
+            raise ValueError(f"bfloat16 needs a GPU of compute capability 8.0 or higher, and {device} has "
+                             f"{capability[0]}.{capability[1]}: use --dtype float16 (or float32)")
+        logger.warning("[model] dtype auto: float16, as %s (compute capability %d.%d) has no bfloat16", device,
+                       *capability)
+        return torch.float16
+    return chosen
 
 
 # =========================================================================== layers
@@ -307,6 +321,11 @@ class TPGroup:
         t = torch.tensor([n], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.cpu_group)
         return int(t)
+
+    def barrier(self) -> None:
+        """Wait for every rank (start-up: on the patient cpu group)."""
+        if self.world_size > 1:
+            dist.barrier(group=self.cpu_group)
 
     def send_step(self, step: int, message: Any) -> None:
         """Rank 0: step number ``step``'s inputs (None: shut down), one pickled
@@ -677,12 +696,18 @@ class CausalLM(nn.Module):
 
 def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                    enforce_eager: bool = False) -> Backend:
-    """The one place the kernels are chosen, once per engine: Triton on CUDA; on
-    the CPU the fastest that builds and checks out here (cpu_backend.py: C
-    kernels, else torch.compile), unless enforce_eager (the references, bf16
-    weights still packed); else the torch references."""
+    """The one place the kernels are chosen, once per engine: Triton on CUDA where
+    its probe runs (kernels.probe_triton); on the CPU the fastest that builds and
+    checks out here (cpu_backend.py: C kernels, else torch.compile), unless
+    enforce_eager (the references, bf16 weights still packed); else the torch
+    references (which no CUDA graph can capture: capture_safe is False)."""
     if device.type == "cuda" and kernels.TRITON is not None:
-        return kernels.TRITON
+        try:
+            kernels.probe_triton(cfg, dtype, device, block_size)
+            return kernels.TRITON
+        except Exception as e:  # noqa: BLE001 - Triton's compiler and launcher raise many kinds
+            logger.warning("[kernels] Triton kernels unusable here (%s): torch references, no CUDA graphs",
+                           first_line(e))
     if device.type == "cpu":
         from nanoserve.cpu_backend import build_cpu_backend  # platform code, off the reading path
         return build_cpu_backend(cfg, dtype, block_size, enforce_eager)
@@ -1173,22 +1198,29 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     return peak
 
 
-def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> int:
+def step_activation_bytes(model: CausalLM, cache: CacheConfig) -> tuple[int, int]:
     """On CUDA, what the KV cache must leave free: a full step's activations
-    (the profiling forward) and the CUDA graphs' pool."""
+    (the profiling forward), and the CUDA graphs' pool (0 without graphs)."""
     # a step's logits: its sampled rows, or a prompt-logprobs slice if that is larger
     rows = min(max(cache.profile_rows, PROMPT_LOGPROB_ROWS), cache.profile_tokens)
-    activations = profile_activation_bytes(model, cache.profile_tokens, rows, cache.block_size,
-                                           logprobs=cache.profile_logprobs)  # --max-logprobs: its top-k's memory
-    logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
-                cache.profile_tokens, activations / 2**30)
-    if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
-        graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size,
-                                          sample=False)  # a graph holds the forward only
-        logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
-                    cache.graph_tokens, graphs / 2**30)
-        activations += graphs
-    return activations
+    phase = f"a step of {cache.profile_tokens} tokens: lower --max-num-batched-tokens"
+    try:
+        activations = profile_activation_bytes(model, cache.profile_tokens, rows, cache.block_size,
+                                               logprobs=cache.profile_logprobs)  # --max-logprobs: its top-k's memory
+        logger.info("[kvcache] profiling forward of %d tokens: activations peak at %.2f GiB",
+                    cache.profile_tokens, activations / 2**30)
+        if cache.graph_tokens:  # the graphs' pool keeps one decode forward of the largest size
+            phase = f"the CUDA graphs' decode batch of {cache.graph_tokens}: lower --max-num-seqs, or --enforce-eager"
+            graphs = profile_activation_bytes(model, cache.graph_tokens, cache.graph_tokens, cache.block_size,
+                                              sample=False)  # a graph holds the forward only
+            logger.info("[kvcache] CUDA graphs of up to %d sequences: %.2f GiB kept for their pool",
+                        cache.graph_tokens, graphs / 2**30)
+            return activations, graphs
+    except torch.OutOfMemoryError as e:  # the weights leave less than one step needs
+        raise ValueError(f"[kvcache] out of GPU memory in the profiling forward that sizes the KV cache, {phase} "
+                         f"(--gpu-memory-utilization cannot help: no KV cache is allocated yet; "
+                         f"--kv-cache-memory-bytes skips the profiling): {first_line(e)}") from None
+    return activations, 0
 
 
 def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -> tuple[KVCacheSpec, KVCachePlan]:
@@ -1196,13 +1228,19 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     (kvcache.kv_budget) buys here, then the smallest count over the ranks (every
     rank must hold every block the block manager hands out). Every rank calls
     this at start-up."""
+    model.tp.barrier()  # ranks finish loading at their own pace; the profiling's collectives wait COLLECTIVE_TIMEOUT
     cfg = model.config
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
     spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size)
-    budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
-                               lambda: step_activation_bytes(model, cache))
+    profiled = [0, 0]  # the step's activations and the graphs' pool, where the budget is measured
+
+    def activation_bytes() -> int:
+        profiled[:] = step_activation_bytes(model, cache)
+        return sum(profiled)
+    budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings, activation_bytes)
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
+    plan.graph_pool_bytes = profiled[1]  # the engine checks the captured graphs against it
     num_blocks = model.tp.min(plan.num_blocks)
     if num_blocks < plan.num_blocks:
         logger.info("[kvcache] rank %d could hold %d blocks; %d, the fewest any rank can",

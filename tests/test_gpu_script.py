@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu  # noqa: E402
+from conftest import TRITON_INTERPRETER_CLASH  # noqa: E402
 
 HEADLINE = ("date", "gpu", "torch", "commit", "w1_warm_s", "w1_cold_s", "w1_eager_s", "hf_cb_graph_s",
             "decode_step_ms_b64")
@@ -39,6 +40,7 @@ def test_a_part_runs_in_a_fresh_process(tmp_path):
     res = gpu.run_part(run, "env")
     assert res["ok"], res
     assert res["device"] == "cpu" and res["torch"]
+    assert res["triton_launch"] == "ok" or TRITON_INTERPRETER_CLASH  # a Triton kernel ran (interpreted here)
 
 
 def test_match_rate():
@@ -97,3 +99,28 @@ def test_commit_without_git(tmp_path):
     (tmp_path / ".whl" / "COMMIT").write_text("0123abcd\n M nanoserve/model.py\n")
     assert gpu.commit_of(None, tmp_path) == "0123abcd-dirty"
     assert gpu.commit_of("feed", tmp_path) == "feed"
+
+
+def test_a_parity_mismatch_records_transformers_top2_gap(spec, monkeypatch):
+    """Where nanoserve's greedy token differs, the JSON says how close transformers'
+    top two logits were there: a near-tie (fp32 rounding) or a bug."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nanoserve import LLM
+    generate = LLM.generate
+
+    def third_token_off(self, *args, **kwargs):
+        outs = generate(self, *args, **kwargs)
+        ids = outs[0].outputs[0].token_ids
+        ids[2] = (ids[2] + 1) % 384
+        return outs
+    monkeypatch.setattr(LLM, "generate", third_token_off)
+    res = gpu.part_parity(gpu.DRY, spec, archs=("qwen3",), configs=["plain-eager"])
+    m = res["archs"]["qwen3"]["plain-eager"]["first_mismatch"]
+    assert not res["ok"] and (m["prompt"], m["position"]) == (0, 2)
+    prompt = torch.randint(1, 384, (gpu.DRY.parity_prompts[0],), generator=torch.Generator().manual_seed(5)).tolist()
+    hf = AutoModelForCausalLM.from_pretrained(spec["models"]["tiny"]["qwen3"], dtype=torch.float32).eval()
+    with torch.no_grad():
+        top2 = hf(torch.tensor([prompt + m["want"][:2]])).logits[0, -1].topk(2).values
+    assert m["hf_top2_logit_gap"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-4) and m["hf_top2_logit_gap"] > 0
