@@ -293,8 +293,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="address to listen on: all interfaces, as vLLM's (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` (any of the keys) on /v1/*, /tokenize and "
-                        "/detokenize (default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
+                   help="require `Authorization: Bearer KEY` (any of the keys) on /v1/* "
+                        "(default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
     g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                    help="CORS: the origins whose pages may call the API, a JSON list")
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
@@ -3439,8 +3439,7 @@ def serve(args: argparse.Namespace) -> int:
     for note in args.vllm_notes:
         logger.warning("[entry] %s", note)
     if args.api_key is not None:  # which source, never the key
-        logger.info("[entry] an API key (from %s) is required on /v1/*, /tokenize and /detokenize",
-                    args.api_key_from)
+        logger.info("[entry] an API key (from %s) is required on /v1/*", args.api_key_from)
     if 0 not in local_ranks(engine_config(args)):  # a node of a tensor-parallel group that only computes
         try:
             return run_worker_node(engine_config(args))
