@@ -42,12 +42,12 @@ import torch
 
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
-from nanoserve import cpu_backend
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
                              cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
-                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir,
-                             run_worker, select_backend, shard_config, tcp_address)
+                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, release_idle_memory,
+                             resolve_dtype, resolve_model_dir, run_worker, select_backend, shard_config, tcp_address,
+                             tune_process)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -663,7 +663,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
-    cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP, glibc malloc, oneDNN's caches
+    cpu_allocator_tuning: bool = True  # model.tune_process: THP, glibc malloc, oneDNN's caches
     # Decode batch sizes replayed as CUDA graphs (None: vLLM's default list up to
     # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
     # path eagerly); enforce_eager turns them off.
@@ -744,11 +744,10 @@ class LLMEngine:
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        if self.device.type == "cpu" and config.cpu_allocator_tuning:
-            # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
-            # first CPU allocation of any size.
-            for setting in cpu_backend.tune_process():
-                logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
+        # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
+        # first CPU allocation of any size.
+        for setting in tune_process(self.device, config.cpu_allocator_tuning):
+            logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             path if config.tokenizer is None else resolve_model_dir(config.tokenizer, config.revision))
         self.token_texts: dict[int, str] = {}  # each token's own text (logprobs'), decoded once: at most the vocabulary
@@ -884,8 +883,7 @@ class LLMEngine:
     def release_memory(self) -> None:
         """Going idle after steps (the server's loop calls it on the model thread): on
         the CPU, the heap glibc kept for the steps (tune_process) goes back to the system."""
-        if self.device.type == "cpu" and self.config.cpu_allocator_tuning:
-            cpu_backend.trim_heap()
+        release_idle_memory(self.device, self.config.cpu_allocator_tuning)
 
     def describe(self) -> EngineInfo:
         plan = self.kv_plan

@@ -19,8 +19,8 @@ This module owns
 
 It knows nothing of queues or HTTP. The KV tensors it writes come from
 ``kvcache``; the attention and the other per-token ops come from ``kernels``
-(on the CPU, maybe from ``cpu_backend``, which only ``select_backend`` and
-``run_worker``'s process settings call).
+(on the CPU, maybe from ``cpu_backend``, which only ``select_backend`` and the
+process settings ``tune_process`` / ``release_idle_memory`` call).
 """
 from __future__ import annotations
 
@@ -235,8 +235,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelC
 #
 # The decoder as transformers writes it, with two differences: q/k/v and
 # gate/up are fused into one matmul each at load time, and the ops between the
-# matmuls come from the kernels.Backend the runner picked (select_backend),
-# handed to each layer when it is built.
+# matmuls come from the kernels.Backend that select_backend picked once (the
+# engine, or a worker rank, calls it), handed to each layer when it is built.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, backend: Backend):
@@ -712,6 +712,22 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
         from nanoserve.cpu_backend import build_cpu_backend  # platform code, off the reading path
         return build_cpu_backend(cfg, dtype, block_size, enforce_eager)
     return kernels.TORCH
+
+
+def tune_process(device: torch.device, enabled: bool) -> list[str]:
+    """Process-wide settings for faster CPU steps (THP, glibc malloc, oneDNN's caches), run before
+    torch allocates anything; returns what was set. Nothing on a GPU or when not enabled."""
+    if device.type != "cpu" or not enabled:
+        return []
+    from nanoserve import cpu_backend  # platform code, off the reading path
+    return cpu_backend.tune_process()
+
+
+def release_idle_memory(device: torch.device, enabled: bool) -> None:
+    """Going idle after steps: on the CPU the heap glibc kept for them (tune_process) goes back."""
+    if device.type == "cpu" and enabled:
+        from nanoserve import cpu_backend  # platform code, off the reading path
+        cpu_backend.trim_heap()
 
 
 # =========================================================================== loading
@@ -1544,9 +1560,7 @@ def run_worker(spec: WorkerSpec) -> None:
         torch.cuda.set_device(device)
     elif spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-    if device.type == "cpu" and spec.cpu_allocator_tuning:
-        from nanoserve import cpu_backend  # platform code, off the reading path
-        cpu_backend.tune_process()
+    tune_process(device, spec.cpu_allocator_tuning)
     torch.manual_seed(spec.seed)
     tp = init_distributed(spec.rank, spec.world_size, spec.init_method, device)
     try:
