@@ -14,8 +14,10 @@ This module owns
 * the counters behind ``stats()`` and ``/metrics``.
 
 It does not decide who runs in a step (the scheduler does) and never indexes
-the KV cache (the block manager and the model runner do): it talks to the
-scheduler only, whose output carries each scheduled request's block table.
+the KV cache (the block manager and the model runner do). At start-up it sizes
+and allocates the KV cache (``kvcache``) and hands the ``BlockManager`` to the
+scheduler; at run time it talks to the scheduler only, whose output carries
+each scheduled request's block table.
 """
 from __future__ import annotations
 
