@@ -125,8 +125,8 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16     # None: up to max_model_len
     min_tokens: int = 0
-    logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
-    prompt_logprobs: int | None = None  # None, or 0..20: each prompt token's logprob + the top-N
+    logprobs: int | None = None     # the sampled token's logprob + the top-N (-1: all; cap: max_logprobs)
+    prompt_logprobs: int | None = None  # each prompt token's logprob + the top-N (as logprobs)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)

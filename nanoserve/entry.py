@@ -23,9 +23,9 @@ and reads back ``RequestOutput``s from one queue per HTTP request. Tokenizing ru
 on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
-Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> serving (admission, the
-engine requests, the response) -> SSE -> the Responses API -> the Anthropic Messages API -> metrics -> start-up and
-shutdown.
+Read top to bottom: CLI -> protocol -> tool calls -> reasoning -> app -> handlers -> serving (admission,
+the engine requests, the response) -> SSE -> the Responses API -> the Anthropic Messages API -> metrics ->
+start-up and shutdown.
 """
 from __future__ import annotations
 
@@ -278,8 +278,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
                    help="tokens per KV block")
     g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None, metavar="BYTES",
-                   help="KV cache budget, e.g. 4GiB (default: on a GPU what "
-                        "--gpu-memory-utilization leaves; on a CPU min(4 GiB, a quarter of free RAM))")
+                   help="KV cache budget, e.g. 4GiB (default: on a GPU what --gpu-memory-utilization leaves; "
+                        "on a CPU min(4 GiB, a quarter of the RAM the weights leave), no more than "
+                        "--max-num-seqs requests of --max-model-len can fill)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks; overrides --kv-cache-memory-bytes "
                         "(default: as many as the budget buys)")

@@ -2,7 +2,7 @@
 
 This module owns
 * the block pool (``BlockManager``): free list, ref counts, each request's block
-  table, allocate / append / free;
+  table, ``allocate_slots`` / ``free``;
 * prefix caching: a full block's hash chains its parent's hash with its token ids,
   so equal prefixes map to equal blocks; a block whose ref count drops to zero
   stays cached at the end of an LRU free list until allocation takes it;
