@@ -468,10 +468,6 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
-
-    @property
     def max_num_tokens(self) -> int:
         """The length at which _check_stop ends it (max_tokens is resolved against max_model_len)."""
         return len(self.prompt_token_ids) + self.max_tokens

@@ -101,11 +101,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids. Never changed in place (a table that grows is a
-        new list), so whoever holds one (a step's inputs, on the model's thread) may keep it."""
-        return self.req_to_blocks.get(request_id, [])
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -151,8 +146,10 @@ class BlockManager:
                        computed_blocks: list[int] | None = None, cache_salt: str | None = None) -> list[int] | None:
         """Make the request's block table cover its first ``num_tokens`` tokens,
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
-        Returns the table (as block_table does), or None, changing nothing, when
-        the free blocks do not suffice (as vLLM's allocate_slots)."""
+        Returns the table, or None, changing nothing, when the free blocks do not
+        suffice (as vLLM's allocate_slots). A table is never changed in place (one
+        that grows is a new list), so whoever holds one (a step's inputs, on the
+        model's thread) may keep it."""
         table = self.req_to_blocks.get(request_id, [])
         if not computed_blocks and num_tokens <= len(table) * self.block_size:
             # most decode steps: the new token fits the last block held, nothing to take
@@ -169,7 +166,7 @@ class BlockManager:
             self._touch(b)
         if computed_blocks:
             self.req_hashes[request_id] = [self.blocks[b].block_hash for b in computed_blocks]
-        if computed_blocks or need > 0:  # a new list: see block_table
+        if computed_blocks or need > 0:  # a new list: see the docstring
             table = table + computed_blocks + [self._pop_free() for _ in range(need)]
         self.req_to_blocks[request_id] = table
         self._track_unused(request_id, table, num_tokens)
