@@ -608,7 +608,7 @@ class StructuredOutputManager:
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
             what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
-                                                     f"{str(e).splitlines()[0][:300]}") from None
+                                                     f"{first_line(e)}") from None
 
 
 class GrammarState:
@@ -1597,7 +1597,7 @@ def _tell_workers_to_stop(runner: ModelRunner) -> None:
     try:
         runner.shutdown_workers()
     except RuntimeError as e:  # they are gone already (torchrun stops every rank at once): nothing to tell
-        logger.debug("[engine] the workers did not get the shutdown message: %s", str(e).splitlines()[0])
+        logger.debug("[engine] the workers did not get the shutdown message: %s", first_line(e))
 
 
 def _stop(procs: list) -> None:
@@ -1630,7 +1630,7 @@ def run_worker_node(config: EngineConfig) -> int:
     try:
         run_worker(specs[0])
     except Exception as e:  # noqa: BLE001 - rank 0 went away, or start-up failed: say so and exit non-zero
-        logger.error("[engine] rank %d stopped: %s", specs[0].rank, str(e).splitlines()[0][:300] if str(e) else e)
+        logger.error("[engine] rank %d stopped: %s", specs[0].rank, first_line(e))
         _stop(procs)
         return 1
     for p in procs:

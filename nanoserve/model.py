@@ -89,7 +89,7 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
                                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as e:  # noqa: BLE001 - no network, no such repo, gated: say which
         raise ModelLoadError(f"model {repo_id!r} is not a directory, and downloading it from the Hugging "
-                             f"Face hub failed: {str(e).splitlines()[0][:200]}") from None
+                             f"Face hub failed: {first_line(e)}") from None
 
 
 @dataclass(slots=True)
@@ -1467,7 +1467,7 @@ class ModelRunner:
                 logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
             except RuntimeError as e:  # gloo's and NCCL's errors: one line that says what happened
                 raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
-                                          f"connection): {str(e).splitlines()[0][:300]}") from e
+                                          f"connection): {first_line(e)}") from e
         # on the logits' device: the sampler runs there
         sampled = self.sampler.sample(logits, [seqs[i].sample for i in rows]) if rows else None
         self.prev_sampled = None if sampled is None else sampled.token_ids
