@@ -372,22 +372,25 @@ def check_gpu_memory(weight_bytes: int, device: torch.device, gpu_memory_utiliza
     """Fail before loading, with what to do, when a rank's weights exceed what
     ``gpu_memory_utilization`` leaves of the GPU (gpu_budget's arithmetic, before
     the weights): else the load dies with a bare CUDA out-of-memory."""
-    free, total = torch.cuda.mem_get_info(device)
-    usable = int(total * gpu_memory_utilization) - (total - free)
+    usable, total, used = usable_gpu_memory(device, gpu_memory_utilization)
     if weight_bytes > usable:
         raise ValueError(
             f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB, but --gpu-memory-utilization "
-            f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {(total - free) / 2**30:.2f} GiB "
+            f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {used / 2**30:.2f} GiB "
             f"in use, leaves {usable / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size), "
             f"or a higher --gpu-memory-utilization")
+
+
+def usable_gpu_memory(device: torch.device, gpu_memory_utilization: float) -> tuple[int, int, int]:
+    """(usable, total, in use) bytes: ``gpu_memory_utilization`` of the GPU less what is in use now."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * gpu_memory_utilization) - (total - free), total, total - free
 
 
 def gpu_budget(device: torch.device, gpu_memory_utilization: float, activation_bytes: int) -> int:
     """What the GPU has left under ``gpu_memory_utilization`` after weights and the
     activations measured by a profiling forward."""
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    return int(total * gpu_memory_utilization - used - activation_bytes)
+    return usable_gpu_memory(device, gpu_memory_utilization)[0] - activation_bytes
 
 
 @dataclass(slots=True)
