@@ -2108,13 +2108,21 @@ class Generation:
                                                               for t, lp in e.items()} for e in prompt_logprobs]
         return out
 
+    def num_output_tokens(self) -> int:
+        """Of every choice so far."""
+        return sum(n for t in self.tracked.values() for n in t.num_output_tokens.values())
+
+    def num_cached_tokens(self) -> int:
+        """Of the prompts, found in the prefix cache."""
+        return sum(t.num_cached_tokens for t in self.tracked.values())
+
     def usage(self, num_output_tokens: Iterable[int], prompt_index: int | None = None) -> dict[str, Any]:
         """Of every prompt, or (a stream's continuous usage) of one prompt's choice."""
         prompt = sum(len(p.token_ids) for i, p in enumerate(self.prompts) if prompt_index in (None, i))
         completion = sum(num_output_tokens)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.state.enable_prompt_tokens_details and prompt_index is None:
-            cached = sum(t.num_cached_tokens for t in self.tracked.values())
+            cached = self.num_cached_tokens()
             if cached:  # as vLLM: only when some were
                 usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
@@ -2174,7 +2182,7 @@ class Generation:
                        else f"finished ({', '.join(reasons)})")
             logger.info("[entry] %s: %s in %.2f s, %d prompt + %d completion tokens", self.request_id, outcome,
                         time.monotonic() - self.start, sum(len(p.token_ids) for p in self.prompts),
-                        sum(sum(t.num_output_tokens.values()) for t in self.tracked.values()))
+                        self.num_output_tokens())
 
     # what differs between the endpoints (the subclasses' own: prompt_inputs, echo_text, choice, logprobs_body)
     def echo_logprobs(self, prompt_index: int) -> list[tuple]:
@@ -2810,10 +2818,9 @@ class ResponsesGeneration(ChatGeneration):
         from_request echoes them (the sampling ones as applied); the usage's details always, as vLLM's."""
         src, params, prompt = self.src, self.params, len(self.prompts[0].token_ids)
         status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
-        room, output_tokens = self.state.engine.max_model_len - prompt, sum(
-            n for t in self.tracked.values() for n in t.num_output_tokens.values())
+        room, output_tokens = self.state.engine.max_model_len - prompt, self.num_output_tokens()
         usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
-                 "input_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in self.tracked.values()),
+                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens(),
                                           "cache_write_tokens": 0},
                  "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()}}
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
@@ -3090,7 +3097,7 @@ class AnthropicGeneration(ChatGeneration):
         """The message (no stop_reason yet while ``choice``, the last, is None)."""
         stop = None if choice is None else choice["stop_reason"]
         reason = None if choice is None else anthropic_stop_reason(choice["finish_reason"], stop, content)
-        output_tokens = sum(n for t in self.tracked.values() for n in t.num_output_tokens.values())
+        output_tokens = self.num_output_tokens()
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": model, "content": content,
                 "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
                 "usage": {"input_tokens": len(self.prompts[0].token_ids), "output_tokens": output_tokens}}
