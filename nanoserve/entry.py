@@ -592,7 +592,7 @@ class GenerationRequest(OpenAIBaseModel):
     return_token_offsets: bool = False  # vLLM's render endpoints only, ignored on these as vLLM does
     return_mm_kwargs: bool = True       # likewise
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
+    prompt_logprobs: int | None = None  # -1: the whole vocabulary (as vLLM's); the range: SamplingParams
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
@@ -876,7 +876,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
 
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
+    top_logprobs: int | None = None  # -1: the whole vocabulary (as vLLM's); the range: SamplingParams
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
     include_reasoning: bool = True  # false: --reasoning-parser drops the reasoning (without one: nothing to drop)
