@@ -220,6 +220,23 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
 
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """As vLLM's: tokenize bad_words now (the server, on its tokenizer thread, not on the loop)."""
+        self._bad_words_token_ids = self.bad_words_token_ids(tokenizer)
+
+    def bad_words_token_ids(self, tokenizer) -> list[list[int]]:
+        """Each bad word's tokens as vLLM finds them: the word as given, and with a
+        leading space where that tokenizes differently but as long; those that
+        update_from_tokenizer stored, if it ran."""
+        if self._bad_words_token_ids is not None:
+            return self._bad_words_token_ids
+        out = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return out
+
 
 def held_back_by_min_tokens(p: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
     """The ids min_tokens bans until it is reached: stop_token_ids, and EOS unless ignore_eos."""
@@ -950,7 +967,7 @@ class LLMEngine:
         """Check ``params`` against this model (raises InvalidInput); returns the
         compiled grammar of its structured outputs (None without), from the cache
         when the server compiled it ahead on its tokenizer thread, and its bad_words
-        tokenized (bad_words_token_ids), once for both the check and the request."""
+        tokenized (SamplingParams.bad_words_token_ids), once for both the check and the request."""
         vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
         limit = vocab if cap == -1 else min(cap, vocab)  # -1: no cap (as vLLM's); more would be none to rank
         for name in ("logprobs", "prompt_logprobs"):
@@ -970,7 +987,7 @@ class LLMEngine:
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
         grammar = self.structured_outputs.compile(params.structured_outputs)
-        bad_words = self.bad_words_token_ids(params)
+        bad_words = params.bad_words_token_ids(self.tokenizer)
         self._check_first_token(params, grammar, bad_words)
         return grammar, bad_words
 
@@ -1047,19 +1064,6 @@ class LLMEngine:
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
         return request_id
-
-    def bad_words_token_ids(self, p: SamplingParams) -> list[list[int]]:
-        """Each bad word's tokens as vLLM finds them: the word as given, and with a
-        leading space where that tokenizes differently but as long; those the server
-        stored in ``p`` (on its tokenizer thread, not on the loop add_request runs on)."""
-        if p._bad_words_token_ids is not None:
-            return p._bad_words_token_ids
-        out = []
-        for word in p.bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
-        return out
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not params.detokenize:

@@ -2002,7 +2002,7 @@ class Generation:
                                                     req.truncation_side) for p in self.prompt_inputs()]
         for p in prompts:
             p.cache_salt = req.cache_salt
-        self.params._bad_words_token_ids = self.state.engine.bad_words_token_ids(self.params)  # not on the loop
+        self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
         return prompts
 
     def check_length(self, num_prompt: int) -> None:
