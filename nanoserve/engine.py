@@ -1768,6 +1768,9 @@ def _progress(total: int):
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
 
 
+# =========================================================================== chat templates
+# Shared by LLM.chat and the server's chat endpoints.
+
 def opens_reply(add_generation_prompt: bool | None, continue_final_message: bool) -> bool:
     """Whether the rendered prompt opens the reply's turn: ``add_generation_prompt``,
     left out (None) true unless the last message is continued."""
