@@ -44,6 +44,7 @@ import torch
 
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
+from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
                              cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,

@@ -72,11 +72,11 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
-from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, Logprob, REASONING_PARSERS, RequestFailedError, RequestMetrics,
-                              RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
-                              TokenizedPrompt, apply_chat_template, local_ranks, merge_deltas, model_thread,
-                              opens_reply, run_worker_node)
+from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_LOGPROBS, AsyncLLM, CompletionOutput,
+                              EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob, REASONING_PARSERS,
+                              RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
+                              StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, apply_chat_template, local_ranks,
+                              merge_deltas, model_thread, opens_reply, run_worker_node)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -242,7 +242,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request, e.g. 4096 or 32k (default, or auto: the model's "
                         "limit, capped by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
-    g.add_argument("--max-logprobs", type=int, default=20,
+    g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for; -1: "
                         "no cap (a request's -1 asks for the whole vocabulary)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -3251,10 +3251,6 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
 
 # =========================================================================== start-up and shutdown
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(engine_config(args))
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The flags named as EngineConfig's fields (--device auto: None, the engine's choice). No flag sets
     skip_tokenizer_init: the server always has a tokenizer."""
@@ -3303,7 +3299,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # other libraries stay quiet
@@ -3448,9 +3444,10 @@ def serve(args: argparse.Namespace) -> int:
         logger.warning("[entry] %s", note)
     if args.api_key is not None:  # which source, never the key
         logger.info("[entry] an API key (from %s) is required on /v1/*", args.api_key_from)
-    if 0 not in local_ranks(engine_config(args)):  # a node of a tensor-parallel group that only computes
+    config = engine_config(args)
+    if 0 not in local_ranks(config):  # a node of a tensor-parallel group that only computes
         try:
-            return run_worker_node(engine_config(args))
+            return run_worker_node(config)
         except Exception as e:  # noqa: BLE001 - a bad configuration: one line, as below
             print(f"error: cannot run node {args.node_rank} of {args.model}: {e}", file=sys.stderr)
             return 1
@@ -3461,7 +3458,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     executor = model_thread()  # every torch op of the engine runs here, its loading included
     try:
-        engine = executor.submit(build_engine, args).result()
+        engine = executor.submit(LLMEngine, config).result()
     except Exception as e:  # a clear line, not a traceback (which --log-level debug still shows)
         logger.debug("[entry] start-up failed", exc_info=True)
         print(f"error: cannot serve {args.model}: {e}", file=sys.stderr)

@@ -51,6 +51,7 @@ from nanoserve.kvcache import CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.kvcache import slot_mapping as compute_slot_mapping
 
 logger = logging.getLogger("nanoserve.model")
+LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # the server's and its ranks'
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM")
@@ -1553,7 +1554,7 @@ def run_worker(spec: WorkerSpec) -> None:
     must match one for one), then the step loop. Exits non-zero on any error:
     rank 0 sees its connection drop and fails the step."""
     if not logging.getLogger().handlers:  # a spawned process: log as the parent does
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
         logging.getLogger("nanoserve").setLevel(spec.log_level)
     device = torch.device(spec.device_type, spec.local_rank) if spec.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
