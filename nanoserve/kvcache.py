@@ -411,22 +411,24 @@ class CacheConfig:
 
 
 def kv_budget(cache: CacheConfig, spec: KVCacheSpec, weight_bytes: int, device: torch.device,
-              max_position_embeddings: int, activation_bytes: Callable[[], int]) -> int | None:
-    """The bytes one rank's KV cache may take (None: ``num_kv_blocks`` decides):
-    ``kv_cache_memory_bytes`` if given; on a GPU what ``gpu_memory_utilization``
-    leaves after the weights and ``activation_bytes()`` (the model's profiling
-    forward, run only here); on the CPU the default budget (default_cpu_budget)."""
+              max_position_embeddings: int, profile: Callable[[], tuple[int, int]]) -> tuple[int | None, int]:
+    """(the bytes one rank's KV cache may take, the bytes it leaves the CUDA graphs'
+    pool). The budget: ``kv_cache_memory_bytes`` if given (None: ``num_kv_blocks``
+    decides); on a GPU what ``gpu_memory_utilization`` leaves after the weights and
+    ``profile()``'s (step activations, graphs' pool): the model's profiling forwards,
+    run only here; on the CPU the default budget (default_cpu_budget)."""
     if cache.kv_cache_memory_bytes is not None:
-        return cache.kv_cache_memory_bytes
+        return cache.kv_cache_memory_bytes, 0
     if cache.num_kv_blocks is not None:
-        return None  # the block count decides; nothing to measure
+        return None, 0  # the block count decides; nothing to measure
     if device.type == "cuda":
-        return gpu_budget(device, cache.gpu_memory_utilization, activation_bytes())
+        activations, graph_pool = profile()
+        return gpu_budget(device, cache.gpu_memory_utilization, activations + graph_pool), graph_pool
     # No more than max_num_seqs requests of max_model_len tokens could ever
     # use: a small model need not hold (and zero) gigabytes it cannot fill.
     longest = cache.max_model_len or max_position_embeddings
     usable = cache.max_num_seqs * -(-longest // cache.block_size) * spec.bytes_per_block
-    return min(default_cpu_budget(weight_bytes * cache.ranks_per_node) // cache.ranks_per_node, usable)
+    return min(default_cpu_budget(weight_bytes * cache.ranks_per_node) // cache.ranks_per_node, usable), 0
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device

@@ -1250,14 +1250,10 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
     spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size)
-    profiled = [0, 0]  # the step's activations and the graphs' pool, where the budget is measured
-
-    def activation_bytes() -> int:
-        profiled[:] = step_activation_bytes(model, cache)
-        return sum(profiled)
-    budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings, activation_bytes)
+    budget, graph_pool = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
+                                           lambda: step_activation_bytes(model, cache))
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
-    plan.graph_pool_bytes = profiled[1]  # the engine checks the captured graphs against it
+    plan.graph_pool_bytes = graph_pool  # the engine checks the captured graphs against it
     num_blocks = model.tp.min(plan.num_blocks)
     if num_blocks < plan.num_blocks:
         logger.info("[kvcache] rank %d could hold %d blocks; %d, the fewest any rank can",
