@@ -51,7 +51,7 @@ from nanoserve.kvcache import CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.kvcache import slot_mapping as compute_slot_mapping
 
 logger = logging.getLogger("nanoserve.model")
-LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # the server's and its ranks'
+LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM")
