@@ -14,8 +14,10 @@ This module owns
 * the counters behind ``stats()`` and ``/metrics``.
 
 It does not decide who runs in a step (the scheduler does) and never indexes
-the KV cache (the block manager and the model runner do): it talks to the
-scheduler only, whose output carries each scheduled request's block table.
+the KV cache (the block manager and the model runner do). At start-up it sizes
+and allocates the KV cache (``kvcache``) and hands the ``BlockManager`` to the
+scheduler; at run time it talks to the scheduler only, whose output carries
+each scheduled request's block table.
 """
 from __future__ import annotations
 
@@ -42,12 +44,13 @@ import torch
 
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
-from nanoserve import cpu_backend
+from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
                              cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
-                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, resolve_dtype, resolve_model_dir,
-                             run_worker, select_backend, shard_config, tcp_address)
+                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, release_idle_memory,
+                             resolve_dtype, resolve_model_dir, run_worker, select_backend, shard_config, tcp_address,
+                             tune_process)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -123,8 +126,8 @@ class SamplingParams:
     ignore_eos: bool = False
     max_tokens: int | None = 16     # None: up to max_model_len
     min_tokens: int = 0
-    logprobs: int | None = None     # None, or 0..20: the sampled token's logprob + the top-N
-    prompt_logprobs: int | None = None  # None, or 0..20: each prompt token's logprob + the top-N
+    logprobs: int | None = None     # the sampled token's logprob + the top-N (-1: all; cap: max_logprobs)
+    prompt_logprobs: int | None = None  # each prompt token's logprob + the top-N (as logprobs)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
@@ -217,6 +220,23 @@ class SamplingParams:
                 bad("truncate_prompt_tokens", "None, -1 (max_model_len) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """As vLLM's: tokenize bad_words now (the server, on its tokenizer thread, not on the loop)."""
+        self._bad_words_token_ids = self.bad_words_token_ids(tokenizer)
+
+    def bad_words_token_ids(self, tokenizer) -> list[list[int]]:
+        """Each bad word's tokens as vLLM finds them: the word as given, and with a
+        leading space where that tokenizes differently but as long; those that
+        update_from_tokenizer stored, if it ran."""
+        if self._bad_words_token_ids is not None:
+            return self._bad_words_token_ids
+        out = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
+        return out
 
 
 def held_back_by_min_tokens(p: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
@@ -466,10 +486,6 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def is_finished(self) -> bool:
-        return self.status.is_finished
-
-    @property
     def max_num_tokens(self) -> int:
         """The length at which _check_stop ends it (max_tokens is resolved against max_model_len)."""
         return len(self.prompt_token_ids) + self.max_tokens
@@ -610,7 +626,7 @@ class StructuredOutputManager:
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
             what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
-                                                     f"{str(e).splitlines()[0][:300]}") from None
+                                                     f"{first_line(e)}") from None
 
 
 class GrammarState:
@@ -663,7 +679,7 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
-    cpu_allocator_tuning: bool = True  # cpu_backend.tune_process: THP, glibc malloc, oneDNN's caches
+    cpu_allocator_tuning: bool = True  # model.tune_process: THP, glibc malloc, oneDNN's caches
     # Decode batch sizes replayed as CUDA graphs (None: vLLM's default list up to
     # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
     # path eagerly); enforce_eager turns them off.
@@ -744,11 +760,10 @@ class LLMEngine:
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config)
-        if self.device.type == "cpu" and config.cpu_allocator_tuning:
-            # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
-            # first CPU allocation of any size.
-            for setting in cpu_backend.tune_process():
-                logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
+        # First, before torch allocates anything here: torch reads THP_MEM_ALLOC_ENABLE once, at its
+        # first CPU allocation of any size.
+        for setting in tune_process(self.device, config.cpu_allocator_tuning):
+            logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
             path if config.tokenizer is None else resolve_model_dir(config.tokenizer, config.revision))
         self.token_texts: dict[int, str] = {}  # each token's own text (logprobs'), decoded once: at most the vocabulary
@@ -884,8 +899,7 @@ class LLMEngine:
     def release_memory(self) -> None:
         """Going idle after steps (the server's loop calls it on the model thread): on
         the CPU, the heap glibc kept for the steps (tune_process) goes back to the system."""
-        if self.device.type == "cpu" and self.config.cpu_allocator_tuning:
-            cpu_backend.trim_heap()
+        release_idle_memory(self.device, self.config.cpu_allocator_tuning)
 
     def describe(self) -> EngineInfo:
         plan = self.kv_plan
@@ -954,7 +968,7 @@ class LLMEngine:
         """Check ``params`` against this model (raises InvalidInput); returns the
         compiled grammar of its structured outputs (None without), from the cache
         when the server compiled it ahead on its tokenizer thread, and its bad_words
-        tokenized (bad_words_token_ids), once for both the check and the request."""
+        tokenized (SamplingParams.bad_words_token_ids), once for both the check and the request."""
         vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
         limit = vocab if cap == -1 else min(cap, vocab)  # -1: no cap (as vLLM's); more would be none to rank
         for name in ("logprobs", "prompt_logprobs"):
@@ -974,7 +988,7 @@ class LLMEngine:
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
         grammar = self.structured_outputs.compile(params.structured_outputs)
-        bad_words = self.bad_words_token_ids(params)
+        bad_words = params.bad_words_token_ids(self.tokenizer)
         self._check_first_token(params, grammar, bad_words)
         return grammar, bad_words
 
@@ -1051,19 +1065,6 @@ class LLMEngine:
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
         return request_id
-
-    def bad_words_token_ids(self, p: SamplingParams) -> list[list[int]]:
-        """Each bad word's tokens as vLLM finds them: the word as given, and with a
-        leading space where that tokenizes differently but as long; those the server
-        stored in ``p`` (on its tokenizer thread, not on the loop add_request runs on)."""
-        if p._bad_words_token_ids is not None:
-            return p._bad_words_token_ids
-        out = []
-        for word in p.bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            out += [plain] + ([spaced] if spaced[0] != plain[0] and len(spaced) == len(plain) else [])
-        return out
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not params.detokenize:
@@ -1601,7 +1602,7 @@ def _tell_workers_to_stop(runner: ModelRunner) -> None:
     try:
         runner.shutdown_workers()
     except RuntimeError as e:  # they are gone already (torchrun stops every rank at once): nothing to tell
-        logger.debug("[engine] the workers did not get the shutdown message: %s", str(e).splitlines()[0])
+        logger.debug("[engine] the workers did not get the shutdown message: %s", first_line(e))
 
 
 def _stop(procs: list) -> None:
@@ -1634,7 +1635,7 @@ def run_worker_node(config: EngineConfig) -> int:
     try:
         run_worker(specs[0])
     except Exception as e:  # noqa: BLE001 - rank 0 went away, or start-up failed: say so and exit non-zero
-        logger.error("[engine] rank %d stopped: %s", specs[0].rank, str(e).splitlines()[0][:300] if str(e) else e)
+        logger.error("[engine] rank %d stopped: %s", specs[0].rank, first_line(e))
         _stop(procs)
         return 1
     for p in procs:
@@ -1767,6 +1768,9 @@ def _progress(total: int):
     from tqdm import tqdm
     return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
 
+
+# =========================================================================== chat templates
+# Shared by LLM.chat and the server's chat endpoints.
 
 def opens_reply(add_generation_prompt: bool | None, continue_final_message: bool) -> bool:
     """Whether the rendered prompt opens the reply's turn: ``add_generation_prompt``,

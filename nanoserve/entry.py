@@ -23,9 +23,9 @@ and reads back ``RequestOutput``s from one queue per HTTP request. Tokenizing ru
 on the event loop. It never touches blocks, tensors or the scheduler's queues:
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
-Read top to bottom: CLI -> protocol -> tool calls -> app -> handlers -> serving (admission, the
-engine requests, the response) -> SSE -> the Responses API -> the Anthropic Messages API -> metrics -> start-up and
-shutdown.
+Read top to bottom: CLI -> protocol -> tool calls -> reasoning -> app -> handlers -> serving (admission,
+the engine requests, the response) -> SSE -> the Responses API -> the Anthropic Messages API -> metrics ->
+start-up and shutdown.
 """
 from __future__ import annotations
 
@@ -72,11 +72,11 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
-from nanoserve.engine import (DEAD_MESSAGE, AsyncLLM, CompletionOutput, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, Logprob, REASONING_PARSERS, RequestFailedError, RequestMetrics,
-                              RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
-                              TokenizedPrompt, apply_chat_template, local_ranks, merge_deltas, model_thread,
-                              opens_reply, run_worker_node)
+from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_LOGPROBS, AsyncLLM, CompletionOutput,
+                              EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob, REASONING_PARSERS,
+                              RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
+                              StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, apply_chat_template, local_ranks,
+                              merge_deltas, model_thread, opens_reply, run_worker_node)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -242,7 +242,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request, e.g. 4096 or 32k (default, or auto: the model's "
                         "limit, capped by what the KV cache holds)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
-    g.add_argument("--max-logprobs", type=int, default=20,
+    g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for; -1: "
                         "no cap (a request's -1 asks for the whole vocabulary)")
     g.add_argument("--enforce-eager", action="store_true",
@@ -278,8 +278,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
                    help="tokens per KV block")
     g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None, metavar="BYTES",
-                   help="KV cache budget, e.g. 4GiB (default: on a GPU what "
-                        "--gpu-memory-utilization leaves; on a CPU min(4 GiB, a quarter of free RAM))")
+                   help="KV cache budget, e.g. 4GiB (default: on a GPU what --gpu-memory-utilization leaves; "
+                        "on a CPU the least of 4 GiB, a quarter of the RAM beside the weights, and what "
+                        "--max-num-seqs requests of --max-model-len can fill)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks; overrides --kv-cache-memory-bytes "
                         "(default: as many as the budget buys)")
@@ -293,8 +294,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="address to listen on: all interfaces, as vLLM's (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
     g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
-                   help="require `Authorization: Bearer KEY` (any of the keys) on /v1/*, /tokenize and "
-                        "/detokenize (default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
+                   help="require `Authorization: Bearer KEY` (any of the keys) on /v1/* "
+                        "(default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
     g.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON",
                    help="CORS: the origins whose pages may call the API, a JSON list")
     g.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON",
@@ -591,7 +592,7 @@ class GenerationRequest(OpenAIBaseModel):
     return_token_offsets: bool = False  # vLLM's render endpoints only, ignored on these as vLLM does
     return_mm_kwargs: bool = True       # likewise
     echo: bool = False
-    prompt_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
+    prompt_logprobs: int | None = None  # -1: the whole vocabulary (as vLLM's); the range: SamplingParams
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
@@ -875,7 +876,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
 
     max_completion_tokens: int | None = None  # the newer name of max_tokens; it wins
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (as vLLM's)
+    top_logprobs: int | None = None  # -1: the whole vocabulary (as vLLM's); the range: SamplingParams
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
     include_reasoning: bool = True  # false: --reasoning-parser drops the reasoning (without one: nothing to drop)
@@ -2001,7 +2002,7 @@ class Generation:
                                                     req.truncation_side) for p in self.prompt_inputs()]
         for p in prompts:
             p.cache_salt = req.cache_salt
-        self.params._bad_words_token_ids = self.state.engine.bad_words_token_ids(self.params)  # not on the loop
+        self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
         return prompts
 
     def check_length(self, num_prompt: int) -> None:
@@ -2107,13 +2108,21 @@ class Generation:
                                                               for t, lp in e.items()} for e in prompt_logprobs]
         return out
 
+    def num_output_tokens(self) -> int:
+        """Of every choice so far."""
+        return sum(n for t in self.tracked.values() for n in t.num_output_tokens.values())
+
+    def num_cached_tokens(self) -> int:
+        """Of the prompts, found in the prefix cache."""
+        return sum(t.num_cached_tokens for t in self.tracked.values())
+
     def usage(self, num_output_tokens: Iterable[int], prompt_index: int | None = None) -> dict[str, Any]:
         """Of every prompt, or (a stream's continuous usage) of one prompt's choice."""
         prompt = sum(len(p.token_ids) for i, p in enumerate(self.prompts) if prompt_index in (None, i))
         completion = sum(num_output_tokens)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         if self.state.enable_prompt_tokens_details and prompt_index is None:
-            cached = sum(t.num_cached_tokens for t in self.tracked.values())
+            cached = self.num_cached_tokens()
             if cached:  # as vLLM: only when some were
                 usage["prompt_tokens_details"] = {"cached_tokens": cached}
         return usage
@@ -2173,7 +2182,7 @@ class Generation:
                        else f"finished ({', '.join(reasons)})")
             logger.info("[entry] %s: %s in %.2f s, %d prompt + %d completion tokens", self.request_id, outcome,
                         time.monotonic() - self.start, sum(len(p.token_ids) for p in self.prompts),
-                        sum(sum(t.num_output_tokens.values()) for t in self.tracked.values()))
+                        self.num_output_tokens())
 
     # what differs between the endpoints (the subclasses' own: prompt_inputs, echo_text, choice, logprobs_body)
     def echo_logprobs(self, prompt_index: int) -> list[tuple]:
@@ -2809,10 +2818,9 @@ class ResponsesGeneration(ChatGeneration):
         from_request echoes them (the sampling ones as applied); the usage's details always, as vLLM's."""
         src, params, prompt = self.src, self.params, len(self.prompts[0].token_ids)
         status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
-        room, output_tokens = self.state.engine.max_model_len - prompt, sum(
-            n for t in self.tracked.values() for n in t.num_output_tokens.values())
+        room, output_tokens = self.state.engine.max_model_len - prompt, self.num_output_tokens()
         usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
-                 "input_tokens_details": {"cached_tokens": sum(t.num_cached_tokens for t in self.tracked.values()),
+                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens(),
                                           "cache_write_tokens": 0},
                  "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()}}
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
@@ -3089,7 +3097,7 @@ class AnthropicGeneration(ChatGeneration):
         """The message (no stop_reason yet while ``choice``, the last, is None)."""
         stop = None if choice is None else choice["stop_reason"]
         reason = None if choice is None else anthropic_stop_reason(choice["finish_reason"], stop, content)
-        output_tokens = sum(n for t in self.tracked.values() for n in t.num_output_tokens.values())
+        output_tokens = self.num_output_tokens()
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": model, "content": content,
                 "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
                 "usage": {"input_tokens": len(self.prompts[0].token_ids), "output_tokens": output_tokens}}
@@ -3243,10 +3251,6 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
 
 # =========================================================================== start-up and shutdown
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
-    return LLMEngine(engine_config(args))
-
-
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The flags named as EngineConfig's fields (--device auto: None, the engine's choice). No flag sets
     skip_tokenizer_init: the server always has a tokenizer."""
@@ -3295,7 +3299,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)  # other libraries stay quiet
@@ -3439,11 +3443,11 @@ def serve(args: argparse.Namespace) -> int:
     for note in args.vllm_notes:
         logger.warning("[entry] %s", note)
     if args.api_key is not None:  # which source, never the key
-        logger.info("[entry] an API key (from %s) is required on /v1/*, /tokenize and /detokenize",
-                    args.api_key_from)
-    if 0 not in local_ranks(engine_config(args)):  # a node of a tensor-parallel group that only computes
+        logger.info("[entry] an API key (from %s) is required on /v1/*", args.api_key_from)
+    config = engine_config(args)
+    if 0 not in local_ranks(config):  # a node of a tensor-parallel group that only computes
         try:
-            return run_worker_node(engine_config(args))
+            return run_worker_node(config)
         except Exception as e:  # noqa: BLE001 - a bad configuration: one line, as below
             print(f"error: cannot run node {args.node_rank} of {args.model}: {e}", file=sys.stderr)
             return 1
@@ -3454,7 +3458,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     executor = model_thread()  # every torch op of the engine runs here, its loading included
     try:
-        engine = executor.submit(build_engine, args).result()
+        engine = executor.submit(LLMEngine, config).result()
     except Exception as e:  # a clear line, not a traceback (which --log-level debug still shows)
         logger.debug("[entry] start-up failed", exc_info=True)
         print(f"error: cannot serve {args.model}: {e}", file=sys.stderr)

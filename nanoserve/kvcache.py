@@ -2,7 +2,7 @@
 
 This module owns
 * the block pool (``BlockManager``): free list, ref counts, each request's block
-  table, allocate / append / free;
+  table, ``allocate_slots`` / ``free``;
 * prefix caching: a full block's hash chains its parent's hash with its token ids,
   so equal prefixes map to equal blocks; a block whose ref count drops to zero
   stays cached at the end of an LRU free list until allocation takes it;
@@ -101,11 +101,6 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def block_table(self, request_id: str) -> list[int]:
-        """The request's block ids. Never changed in place (a table that grows is a
-        new list), so whoever holds one (a step's inputs, on the model's thread) may keep it."""
-        return self.req_to_blocks.get(request_id, [])
-
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -151,8 +146,10 @@ class BlockManager:
                        computed_blocks: list[int] | None = None, cache_salt: str | None = None) -> list[int] | None:
         """Make the request's block table cover its first ``num_tokens`` tokens,
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
-        Returns the table (as block_table does), or None, changing nothing, when
-        the free blocks do not suffice (as vLLM's allocate_slots)."""
+        Returns the table, or None, changing nothing, when the free blocks do not
+        suffice (as vLLM's allocate_slots). A table is never changed in place (one
+        that grows is a new list), so whoever holds one (a step's inputs, on the
+        model's thread) may keep it."""
         table = self.req_to_blocks.get(request_id, [])
         if not computed_blocks and num_tokens <= len(table) * self.block_size:
             # most decode steps: the new token fits the last block held, nothing to take
@@ -169,7 +166,7 @@ class BlockManager:
             self._touch(b)
         if computed_blocks:
             self.req_hashes[request_id] = [self.blocks[b].block_hash for b in computed_blocks]
-        if computed_blocks or need > 0:  # a new list: see block_table
+        if computed_blocks or need > 0:  # a new list: see the docstring
             table = table + computed_blocks + [self._pop_free() for _ in range(need)]
         self.req_to_blocks[request_id] = table
         self._track_unused(request_id, table, num_tokens)
@@ -375,22 +372,25 @@ def check_gpu_memory(weight_bytes: int, device: torch.device, gpu_memory_utiliza
     """Fail before loading, with what to do, when a rank's weights exceed what
     ``gpu_memory_utilization`` leaves of the GPU (gpu_budget's arithmetic, before
     the weights): else the load dies with a bare CUDA out-of-memory."""
-    free, total = torch.cuda.mem_get_info(device)
-    usable = int(total * gpu_memory_utilization) - (total - free)
+    usable, total, used = usable_gpu_memory(device, gpu_memory_utilization)
     if weight_bytes > usable:
         raise ValueError(
             f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB, but --gpu-memory-utilization "
-            f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {(total - free) / 2**30:.2f} GiB "
+            f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {used / 2**30:.2f} GiB "
             f"in use, leaves {usable / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size), "
             f"or a higher --gpu-memory-utilization")
+
+
+def usable_gpu_memory(device: torch.device, gpu_memory_utilization: float) -> tuple[int, int, int]:
+    """(usable, total, in use) bytes: ``gpu_memory_utilization`` of the GPU less what is in use now."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(total * gpu_memory_utilization) - (total - free), total, total - free
 
 
 def gpu_budget(device: torch.device, gpu_memory_utilization: float, activation_bytes: int) -> int:
     """What the GPU has left under ``gpu_memory_utilization`` after weights and the
     activations measured by a profiling forward."""
-    free, total = torch.cuda.mem_get_info(device)
-    used = total - free
-    return int(total * gpu_memory_utilization - used - activation_bytes)
+    return usable_gpu_memory(device, gpu_memory_utilization)[0] - activation_bytes
 
 
 @dataclass(slots=True)
@@ -411,22 +411,24 @@ class CacheConfig:
 
 
 def kv_budget(cache: CacheConfig, spec: KVCacheSpec, weight_bytes: int, device: torch.device,
-              max_position_embeddings: int, activation_bytes: Callable[[], int]) -> int | None:
-    """The bytes one rank's KV cache may take (None: ``num_kv_blocks`` decides):
-    ``kv_cache_memory_bytes`` if given; on a GPU what ``gpu_memory_utilization``
-    leaves after the weights and ``activation_bytes()`` (the model's profiling
-    forward, run only here); on the CPU the default budget (default_cpu_budget)."""
+              max_position_embeddings: int, profile: Callable[[], tuple[int, int]]) -> tuple[int | None, int]:
+    """(the bytes one rank's KV cache may take, the bytes it leaves the CUDA graphs'
+    pool). The budget: ``kv_cache_memory_bytes`` if given (None: ``num_kv_blocks``
+    decides); on a GPU what ``gpu_memory_utilization`` leaves after the weights and
+    ``profile()``'s (step activations, graphs' pool): the model's profiling forwards,
+    run only here; on the CPU the default budget (default_cpu_budget)."""
     if cache.kv_cache_memory_bytes is not None:
-        return cache.kv_cache_memory_bytes
+        return cache.kv_cache_memory_bytes, 0
     if cache.num_kv_blocks is not None:
-        return None  # the block count decides; nothing to measure
+        return None, 0  # the block count decides; nothing to measure
     if device.type == "cuda":
-        return gpu_budget(device, cache.gpu_memory_utilization, activation_bytes())
+        activations, graph_pool = profile()
+        return gpu_budget(device, cache.gpu_memory_utilization, activations + graph_pool), graph_pool
     # No more than max_num_seqs requests of max_model_len tokens could ever
     # use: a small model need not hold (and zero) gigabytes it cannot fill.
     longest = cache.max_model_len or max_position_embeddings
     usable = cache.max_num_seqs * -(-longest // cache.block_size) * spec.bytes_per_block
-    return min(default_cpu_budget(weight_bytes * cache.ranks_per_node) // cache.ranks_per_node, usable)
+    return min(default_cpu_budget(weight_bytes * cache.ranks_per_node) // cache.ranks_per_node, usable), 0
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device

@@ -19,8 +19,8 @@ This module owns
 
 It knows nothing of queues or HTTP. The KV tensors it writes come from
 ``kvcache``; the attention and the other per-token ops come from ``kernels``
-(on the CPU, maybe from ``cpu_backend``, which only ``select_backend`` and
-``run_worker``'s process settings call).
+(on the CPU, maybe from ``cpu_backend``, which only ``select_backend`` and the
+process settings ``tune_process`` / ``release_idle_memory`` call).
 """
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ from nanoserve.kvcache import CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.kvcache import slot_mapping as compute_slot_mapping
 
 logger = logging.getLogger("nanoserve.model")
+LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM")
@@ -89,7 +90,7 @@ def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
                                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as e:  # noqa: BLE001 - no network, no such repo, gated: say which
         raise ModelLoadError(f"model {repo_id!r} is not a directory, and downloading it from the Hugging "
-                             f"Face hub failed: {str(e).splitlines()[0][:200]}") from None
+                             f"Face hub failed: {first_line(e)}") from None
 
 
 @dataclass(slots=True)
@@ -235,8 +236,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelC
 #
 # The decoder as transformers writes it, with two differences: q/k/v and
 # gate/up are fused into one matmul each at load time, and the ops between the
-# matmuls come from the kernels.Backend the runner picked (select_backend),
-# handed to each layer when it is built.
+# matmuls come from the kernels.Backend that select_backend picked once (the
+# engine, or a worker rank, calls it), handed to each layer when it is built.
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, backend: Backend):
@@ -712,6 +713,22 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
         from nanoserve.cpu_backend import build_cpu_backend  # platform code, off the reading path
         return build_cpu_backend(cfg, dtype, block_size, enforce_eager)
     return kernels.TORCH
+
+
+def tune_process(device: torch.device, enabled: bool) -> list[str]:
+    """Process-wide settings for faster CPU steps (THP, glibc malloc, oneDNN's caches), run before
+    torch allocates anything; returns what was set. Nothing on a GPU or when not enabled."""
+    if device.type != "cpu" or not enabled:
+        return []
+    from nanoserve import cpu_backend  # platform code, off the reading path
+    return cpu_backend.tune_process()
+
+
+def release_idle_memory(device: torch.device, enabled: bool) -> None:
+    """Going idle after steps: on the CPU the heap glibc kept for them (tune_process) goes back."""
+    if device.type == "cpu" and enabled:
+        from nanoserve import cpu_backend  # platform code, off the reading path
+        cpu_backend.trim_heap()
 
 
 # =========================================================================== loading
@@ -1233,14 +1250,10 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
     spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size)
-    profiled = [0, 0]  # the step's activations and the graphs' pool, where the budget is measured
-
-    def activation_bytes() -> int:
-        profiled[:] = step_activation_bytes(model, cache)
-        return sum(profiled)
-    budget = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings, activation_bytes)
+    budget, graph_pool = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
+                                           lambda: step_activation_bytes(model, cache))
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)
-    plan.graph_pool_bytes = profiled[1]  # the engine checks the captured graphs against it
+    plan.graph_pool_bytes = graph_pool  # the engine checks the captured graphs against it
     num_blocks = model.tp.min(plan.num_blocks)
     if num_blocks < plan.num_blocks:
         logger.info("[kvcache] rank %d could hold %d blocks; %d, the fewest any rank can",
@@ -1451,7 +1464,7 @@ class ModelRunner:
                 logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
             except RuntimeError as e:  # gloo's and NCCL's errors: one line that says what happened
                 raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
-                                          f"connection): {str(e).splitlines()[0][:300]}") from e
+                                          f"connection): {first_line(e)}") from e
         # on the logits' device: the sampler runs there
         sampled = self.sampler.sample(logits, [seqs[i].sample for i in rows]) if rows else None
         self.prev_sampled = None if sampled is None else sampled.token_ids
@@ -1537,16 +1550,14 @@ def run_worker(spec: WorkerSpec) -> None:
     must match one for one), then the step loop. Exits non-zero on any error:
     rank 0 sees its connection drop and fails the step."""
     if not logging.getLogger().handlers:  # a spawned process: log as the parent does
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+        logging.basicConfig(format=LOG_FORMAT, datefmt=LOG_DATE_FORMAT)
         logging.getLogger("nanoserve").setLevel(spec.log_level)
     device = torch.device(spec.device_type, spec.local_rank) if spec.device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif spec.num_threads:
         torch.set_num_threads(spec.num_threads)
-    if device.type == "cpu" and spec.cpu_allocator_tuning:
-        from nanoserve import cpu_backend  # platform code, off the reading path
-        cpu_backend.tune_process()
+    tune_process(device, spec.cpu_allocator_tuning)
     torch.manual_seed(spec.seed)
     tp = init_distributed(spec.rank, spec.world_size, spec.init_method, device)
     try:

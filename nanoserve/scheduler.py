@@ -138,14 +138,6 @@ class Scheduler:
         logger.debug("[scheduler] %s finished (%s), free blocks %d", request_id, status.value,
                      self.block_manager.num_free_blocks)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 

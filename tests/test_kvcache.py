@@ -26,7 +26,7 @@ def ref_counts(bm: BlockManager) -> list[int]:
 def test_allocate_covers_tokens_and_counts_refs():
     bm = BlockManager(8, BS)
     assert bm.allocate_slots("a", toks(10), 10)
-    table = bm.block_table("a")
+    table = bm.req_to_blocks["a"]
     assert len(table) == 3 and len(set(table)) == 3  # ceil(10 / 4)
     assert all(bm.blocks[b].ref_cnt == 1 for b in table)
     assert bm.num_free_blocks == 5
@@ -57,12 +57,12 @@ def test_unused_slots_are_the_last_blocks_tails_sampled_at_the_peak():
 def test_allocate_grows_the_table_one_block_at_a_time():
     bm = BlockManager(8, BS)
     assert bm.allocate_slots("a", toks(4), 4)
-    first = bm.block_table("a")
+    first = bm.req_to_blocks["a"]
     assert bm.allocate_slots("a", toks(5), 5)  # the fifth token needs a second block
-    assert bm.block_table("a")[:1] == first and len(bm.block_table("a")) == 2
+    assert bm.req_to_blocks["a"][:1] == first and len(bm.req_to_blocks["a"]) == 2
     assert len(first) == 1  # a table handed out is never changed in place (a step's inputs hold it)
     assert bm.allocate_slots("a", toks(6), 6)  # still fits in the second block
-    assert len(bm.block_table("a")) == 2 and bm.num_free_blocks == 6
+    assert len(bm.req_to_blocks["a"]) == 2 and bm.num_free_blocks == 6
 
 
 def test_allocate_fails_without_changing_anything():
@@ -83,7 +83,7 @@ def test_free_returns_every_block():
     bm.free("b")
     assert bm.num_free_blocks == bm.num_blocks
     assert ref_counts(bm) == [0] * 6
-    assert bm.block_table("a") == []
+    assert "a" not in bm.req_to_blocks
     bm.free("never-allocated")  # freeing an unknown id is a no-op (abort of a waiting request)
     assert bm.num_free_blocks == 6
 
@@ -98,13 +98,13 @@ def test_constructor_rejects_empty_pool():
 def test_shared_prefix_hits_the_same_blocks_and_raises_ref_counts():
     bm = BlockManager(10, BS)
     bm.allocate_slots("a", toks(10), 10)           # blocks 0-3, 4-7 full and hashed
-    a_table = bm.block_table("a")
+    a_table = bm.req_to_blocks["a"]
     prompt_b = toks(8) + [99, 98, 97]
     hits = bm.get_computed_blocks(prompt_b)
     assert hits == a_table[:2]
     assert bm.allocate_slots("b", prompt_b, len(prompt_b), hits)
-    assert bm.block_table("b")[:2] == a_table[:2]
-    assert bm.block_table("b")[2] not in a_table  # the divergent tail is its own block
+    assert bm.req_to_blocks["b"][:2] == a_table[:2]
+    assert bm.req_to_blocks["b"][2] not in a_table  # the divergent tail is its own block
     assert [bm.blocks[b].ref_cnt for b in a_table[:2]] == [2, 2]
     bm.free("a")
     assert [bm.blocks[b].ref_cnt for b in a_table[:2]] == [1, 1]  # still b's
@@ -151,19 +151,19 @@ def test_blocks_are_cached_when_the_step_fills_them_not_before():
     bm.allocate_slots("a", toks(12), 3)  # a first chunk of 3 tokens: nothing full yet
     assert bm.get_computed_blocks(toks(12)) == []
     bm.allocate_slots("a", toks(12), 8)  # the chunk that fills two blocks
-    assert bm.get_computed_blocks(toks(12)) == bm.block_table("a")[:2]
+    assert bm.get_computed_blocks(toks(12)) == bm.req_to_blocks["a"][:2]
 
 
 def test_freed_cached_block_is_reused_by_a_later_identical_prefix():
     bm = BlockManager(4, BS)
     bm.allocate_slots("a", toks(9), 9)
-    a_table = bm.block_table("a")
+    a_table = bm.req_to_blocks["a"]
     bm.free("a")
     assert bm.num_free_blocks == 4
     hits = bm.get_computed_blocks(toks(9))
     assert hits == a_table[:2]
     assert bm.allocate_slots("b", toks(9), 9, hits)
-    assert bm.block_table("b")[:2] == a_table[:2]
+    assert bm.req_to_blocks["b"][:2] == a_table[:2]
     assert bm.num_free_blocks == 1  # the two revived hits left the free list
 
 
@@ -184,12 +184,12 @@ def test_allocation_evicts_the_least_recently_freed_block():
     bm.allocate_slots("a", toks(4, 0), 4)
     bm.allocate_slots("b", toks(4, 10), 4)
     bm.allocate_slots("c", toks(4, 20), 4)
-    a_block, = bm.block_table("a")
-    b_block, = bm.block_table("b")
+    a_block, = bm.req_to_blocks["a"]
+    b_block, = bm.req_to_blocks["b"]
     for rid in ("a", "b", "c"):
         bm.free(rid)
     bm.allocate_slots("d", toks(4, 30), 4)  # takes the oldest freed block: a's
-    assert bm.block_table("d") == [a_block]
+    assert bm.req_to_blocks["d"] == [a_block]
     assert bm.get_computed_blocks(toks(4, 0) + [0]) == []         # a's prefix is evicted
     assert bm.get_computed_blocks(toks(4, 10) + [0]) == [b_block]  # b's survives
     assert bm.blocks[a_block].block_hash is not None  # now d's hash, not a's
@@ -199,7 +199,7 @@ def test_hit_refreshes_a_block_in_the_lru():
     bm = BlockManager(2, BS)
     bm.allocate_slots("a", toks(4, 0), 4)
     bm.allocate_slots("b", toks(4, 10), 4)
-    a_block, = bm.block_table("a")
+    a_block, = bm.req_to_blocks["a"]
     bm.free("a")
     bm.free("b")
     # a is hit and freed again: now b's block is the least recently used.
@@ -212,13 +212,13 @@ def test_hit_refreshes_a_block_in_the_lru():
 def test_prefix_outlives_its_continuation_and_partial_blocks_go_first():
     bm = BlockManager(3, BS)
     bm.allocate_slots("a", toks(10), 10)  # full, full, partial
-    first, second, partial = bm.block_table("a")
+    first, second, partial = bm.req_to_blocks["a"]
     bm.free("a")
     assert list(bm.free_blocks) == [partial, second, first]
     bm.allocate_slots("b", toks(4, 100), 4)   # evicts nothing useful
-    assert bm.block_table("b") == [partial]
+    assert bm.req_to_blocks["b"] == [partial]
     bm.allocate_slots("c", toks(4, 200), 4)   # evicts the continuation, keeps the prefix
-    assert bm.block_table("c") == [second]
+    assert bm.req_to_blocks["c"] == [second]
     assert bm.get_computed_blocks(toks(10)) == [first]
 
 
@@ -238,7 +238,7 @@ def test_reset_prefix_cache_forgets_free_blocks_only():
     bm.free("a")
     bm.reset_prefix_cache()
     assert bm.get_computed_blocks(toks(5, 0)) == []
-    assert bm.get_computed_blocks(toks(5, 50)) == bm.block_table("b")[:1]
+    assert bm.get_computed_blocks(toks(5, 50)) == bm.req_to_blocks["b"][:1]
 
 
 def test_prefix_query_counters():

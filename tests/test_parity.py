@@ -65,7 +65,7 @@ def nanoserve_logits(llm: LLM, token_ids: list[int], chunks: list[int]) -> torch
     bm, runner = llm.engine.scheduler.block_manager, llm.engine.runner
     assert sum(chunks) == len(token_ids)
     assert bm.allocate_slots("parity", token_ids, len(token_ids))
-    table = list(bm.block_table("parity"))
+    table = list(bm.req_to_blocks["parity"])
     out, start = [], 0
     for n in chunks:
         out.append(step_logits(runner, [SeqInput(token_ids[start:start + n], start, table, None)]))
@@ -124,9 +124,9 @@ def test_batched_step_of_prefill_chunk_and_decode_matches_hf(variant, arch):
     bm, runner = llm.engine.scheduler.block_manager, llm.engine.runner
     a, b = LONG, PROMPTS[3]
     assert bm.allocate_slots("a", a, len(a)) and bm.allocate_slots("b", b, len(b))
-    step_logits(runner, [SeqInput(a[:30], 0, bm.block_table("a"), None)])
-    got = step_logits(runner, [SeqInput(a[30:], 30, bm.block_table("a"), None),
-                         SeqInput(b, 0, bm.block_table("b"), None)])
+    step_logits(runner, [SeqInput(a[:30], 0, bm.req_to_blocks["a"], None)])
+    got = step_logits(runner, [SeqInput(a[30:], 30, bm.req_to_blocks["a"], None),
+                         SeqInput(b, 0, bm.req_to_blocks["b"], None)])
     ref = torch.cat([hf_logits(hf, a)[30:], hf_logits(hf, b)])
     torch.testing.assert_close(got, ref, atol=ATOL, rtol=ATOL)
 

@@ -141,7 +141,7 @@ def test_max_num_seqs_is_respected():
         add(sched, f"r{i}", 3, 10 * i)
     out = sched.schedule()
     assert plan(out) == [("r0", 3), ("r1", 3)]
-    assert sched.num_running == 2 and sched.num_waiting == 2
+    assert len(sched.running) == 2 and len(sched.waiting) == 2
     decode(out)
     sched.finish_request("r0", RequestStatus.FINISHED_STOPPED)
     out = sched.schedule()
@@ -166,7 +166,7 @@ def test_scheduled_requests_carry_their_block_tables_and_stats_come_from_the_sch
     sched = make(block_size=4)
     add(sched, "a", 4)
     first = sched.schedule()
-    assert first.scheduled[0].block_table == sched.block_manager.block_table("a") == [0]
+    assert first.scheduled[0].block_table == sched.block_manager.req_to_blocks["a"] == [0]
     decode(first)
     second = sched.schedule()  # the 5th token needs a second block
     assert second.scheduled[0].block_table == [0, 1] and first.scheduled[0].block_table == [0]
@@ -185,7 +185,7 @@ def test_prefix_hit_skips_cached_tokens_but_computes_the_last():
     s = next(s for s in out.scheduled if s.request is b)
     assert (s.start, s.num_new_tokens) == (4, 4)
     assert b.num_cached_tokens == 4
-    assert sched.block_manager.block_table("b")[0] == sched.block_manager.block_table("a")[0]
+    assert sched.block_manager.req_to_blocks["b"][0] == sched.block_manager.req_to_blocks["a"][0]
     assert sched.block_manager.prefix_cache_hits == 4 and a.num_cached_tokens == 0
 
 
@@ -225,7 +225,7 @@ def test_preempts_the_most_recently_admitted_when_blocks_run_out():
     assert out.preempted == ["c"]
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
     assert list(sched.waiting.values()) == [c] and sched.running == [a, b]
-    assert sched.block_manager.block_table("c") == []
+    assert "c" not in sched.block_manager.req_to_blocks
     assert sched.num_preemptions == 1
 
 
@@ -311,7 +311,7 @@ def check_invariants(sched: Scheduler, kv: dict[tuple[int, int], tuple[int, ...]
             assert len(prefix) == (i0 + 1) * bs
             assert all(sched.requests[r].token_ids[:(i0 + 1) * bs] == prefix for r, _ in rest)
     for req in sched.running:
-        table = bm.block_table(req.request_id)
+        table = bm.req_to_blocks[req.request_id]
         assert len(table) * bs >= req.num_computed_tokens
         # Every computed token's KV in the (simulated) cache is this request's.
         for p in range(req.num_computed_tokens):
@@ -376,7 +376,7 @@ class EngineSim:
             if s.start and s.request.num_cached_tokens:
                 event("prefix hit")
             table = s.block_table  # what the model runner gets: the table in force
-            assert table == bm.block_table(req.request_id)
+            assert table == bm.req_to_blocks[req.request_id]
             for p in range(s.start, s.start + s.num_new_tokens):  # store_kvcache
                 self.kv[(table[p // bs], p % bs)] = tuple(req.token_ids[:p + 1])
         check_invariants(sched, self.kv)  # attention: every scheduled request reads only its own KV

@@ -24,8 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import nanoserve
 from conftest import run_request
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine import AsyncLLM
-from nanoserve.entry import (Server, bind_socket, build_app, build_engine, default_model_path, make_arg_parser,
+from nanoserve.engine import AsyncLLM, LLMEngine
+from nanoserve.entry import (Server, bind_socket, build_app, default_model_path, engine_config, make_arg_parser,
                             parse_args)
 
 BASE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--port", "0",
@@ -38,7 +38,7 @@ class ServerThread:
 
     def __init__(self, model_dir: Path, *flags: str, graceful: float | None = None):
         self.args = parse_args(["--model", str(model_dir), *BASE_FLAGS, *flags])
-        self.engine = build_engine(self.args)
+        self.engine = LLMEngine(engine_config(self.args))
         # A test makes the model step slow (on the worker thread) by setting .delay,
         # so that prefill and decode take long enough to act in the middle of them.
         self.delay = 0.0
@@ -536,6 +536,9 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 1.5}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "hi", "prompt_logprobs": -2}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": -2}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": ["a"]}, 400, "stop_token_ids"),
@@ -748,7 +751,7 @@ def test_periodic_stats_line(tiny_model, caplog):
     caplog.set_level(logging.INFO, logger="nanoserve")
     flags = [f for f in BASE_FLAGS if f != "--disable-log-stats"]
     args = parse_args(["--model", str(tiny_model), *flags, "--log-stats-interval", "0.2"])
-    engine = build_engine(args)
+    engine = LLMEngine(engine_config(args))
 
     async def run():
         from nanoserve.entry import log_stats_periodically, ServerState, ServerMetrics
@@ -787,7 +790,7 @@ def test_help_is_grouped_with_defaults():
     assert args.kv_cache_memory_bytes == 2 * 2**30 and args.enable_prefix_caching is False
     assert args.served_model_name == ["m"]
     assert parse_args([]).enforce_eager is False and parse_args(["--enforce-eager"]).enforce_eager is True
-    assert build_engine(parse_args(["--model", str(demo), "--enforce-eager"])).config.enforce_eager is True
+    assert LLMEngine(engine_config(parse_args(["--model", str(demo), "--enforce-eager"]))).config.enforce_eager
 
 
 def _start_cli(*flags: str) -> tuple[subprocess.Popen, str]:

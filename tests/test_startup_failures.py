@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoserve.entry import build_engine, parse_args
+from nanoserve.engine import LLMEngine
+from nanoserve.entry import engine_config, parse_args
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -62,7 +63,7 @@ def test_kv_cache_too_small_for_max_model_len_suggests_values_that_fit(tiny_mode
     for fix in (["--kv-cache-memory-bytes", "64KiB", "--max-model-len", max_len],
                 ["--kv-cache-memory-bytes", budget, "--max-model-len", "256"],
                 ["--num-kv-blocks", blocks, "--max-model-len", "256"]):
-        engine = build_engine(parse_args([*flags, *fix]))
+        engine = LLMEngine(engine_config(parse_args([*flags, *fix])))
         assert engine.max_model_len == int(fix[-1]), fix
 
 

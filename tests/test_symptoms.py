@@ -221,7 +221,8 @@ def test_memory_default_kv_cache_is_what_the_limits_can_use(tiny_model, caplog):
     what --max-num-seqs requests of --max-model-len can use)."""
     caplog.set_level(logging.INFO, logger="nanoserve")
     flags = [f for f in BASE_FLAGS if f not in ("--num-kv-blocks", "64")]
-    engine = entry.build_engine(entry.parse_args(["--model", str(tiny_model), *flags, "--max-num-seqs", "3"]))
+    engine = entry.LLMEngine(entry.engine_config(entry.parse_args(["--model", str(tiny_model), *flags,
+                                                                    "--max-num-seqs", "3"])))
     assert engine.stats()["num_total_blocks"] == 3 * 16  # --max-model-len 256: 16 blocks a request
     plans = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[kvcache] weights")]
     assert plans[-1].endswith("48 blocks, 768 tokens; max concurrency at max_model_len=256: 3.00x"), plans
