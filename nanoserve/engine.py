@@ -972,11 +972,10 @@ class LLMEngine:
         vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
         limit = vocab if cap == -1 else min(cap, vocab)  # -1: no cap (as vLLM's); more would be none to rank
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(params, name) == -1:  # as vLLM's: the whole vocabulary
-                setattr(params, name, vocab)
-            if (getattr(params, name) or 0) > limit:
+            v = getattr(params, name)  # -1: the whole vocabulary (as vLLM's), resolved in _add_validated
+            if (vocab if v == -1 else v or 0) > limit:
                 raise InvalidInput(name, f"{name} must be None or in [0, {limit}] (the engine's max_logprobs), "
-                                         f"got {getattr(params, name)}")
+                                         f"got {v}")
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
@@ -1035,6 +1034,8 @@ class LLMEngine:
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
                        bad_words: list[list[int]], request_id: str | None, output_kind: RequestOutputKind) -> str:
         """add_request's second half, for a prompt and params already checked."""
+        whole = {k: self.model_config.vocab_size for k in ("logprobs", "prompt_logprobs") if getattr(params, k) == -1}
+        params = dataclasses.replace(params, **whole) if whole else params  # our copy: the caller's keeps its -1
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]

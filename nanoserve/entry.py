@@ -2349,7 +2349,7 @@ class ChatGeneration(Generation):
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        top = self.params.logprobs or 0  # the engine's: top_logprobs -1 became the vocabulary's size
+        top = None if self.params.logprobs == -1 else self.params.logprobs or 0  # -1: all (the vocabulary)
         return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
                             for text, lp, ranked in tokens]}
 
