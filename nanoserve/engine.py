@@ -48,7 +48,7 @@ from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entr
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
                              cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
-                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, release_idle_memory,
+                             log_tensor_parallel, num_kv_heads_per_rank, num_parameters, plan_rank_kv_cache, release_idle_memory,
                              resolve_dtype, resolve_model_dir, run_worker, select_backend, shard_config, tcp_address,
                              tune_process)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
@@ -834,16 +834,16 @@ class LLMEngine:
         return cudagraph_capture_sizes(cfg.max_num_seqs) if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
-        """Before loading: do the weights (on the CPU with an explicitly sized KV cache) fit?"""
+        """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""
         cfg, mc = self.config, self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        if self.device.type == "cuda":  # this rank's share
-            return kvcache.check_gpu_memory(num_parameters(mc) * elem // cfg.tensor_parallel_size, self.device,
-                                            cfg.gpu_memory_utilization)
-        kv_bytes = cfg.kv_cache_memory_bytes
-        if cfg.num_kv_blocks is not None:
-            spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)
-            kv_bytes = cfg.num_kv_blocks * spec.bytes_per_block
+        ranks = cfg.tensor_parallel_size if self.device.type == "cuda" else 1  # CPU ranks share one machine
+        spec = KVCacheSpec(mc.num_layers, num_kv_heads_per_rank(mc.num_kv_heads, ranks), mc.head_dim, self.dtype,
+                           cfg.block_size)
+        kv_bytes = cfg.kv_cache_memory_bytes if cfg.num_kv_blocks is None else cfg.num_kv_blocks * spec.bytes_per_block
+        if self.device.type == "cuda":
+            return kvcache.check_gpu_memory(num_parameters(mc) * elem // ranks, self.device,
+                                            cfg.gpu_memory_utilization, kv_bytes)
         kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
 
     def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, list[tuple[torch.Tensor, torch.Tensor]]]:

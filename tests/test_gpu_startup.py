@@ -128,8 +128,8 @@ def test_weights_that_do_not_fit_the_gpu_are_refused_before_loading(cfg, monkeyp
     total, in_use = 4 * w, w // 2  # another process holds half the weights' size
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - in_use, total))
 
-    def check(utilization, tp=1):
-        config = EngineConfig("unused", gpu_memory_utilization=utilization, tensor_parallel_size=tp)
+    def check(utilization, tp=1, **kv):
+        config = EngineConfig("unused", gpu_memory_utilization=utilization, tensor_parallel_size=tp, **kv)
         LLMEngine._check_memory(SimpleNamespace(config=config, model_config=cfg, dtype=torch.bfloat16, device=CUDA))
     with pytest.raises(ValueError) as e:
         check(0.25)  # leaves w / 2
@@ -139,6 +139,15 @@ def test_weights_that_do_not_fit_the_gpu_are_refused_before_loading(cfg, monkeyp
                             "model, more GPUs (--tensor-parallel-size), or a higher --gpu-memory-utilization")
     check(0.5)
     check(0.25, tp=2)  # a rank holds half
+    # An explicit KV size reads no utilization: weights + that KV cache against the free 3.5 w
+    check(0.25, kv_cache_memory_bytes=2 * w)
+    with pytest.raises(ValueError, match=f"the weights need {gib(w)} and the KV cache {gib(3 * w)}, but cuda has "
+                                         f"{gib(total - in_use)} free of {gib(total)}"):
+        check(0.9, kv_cache_memory_bytes=3 * w)
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+    check(0.25, num_kv_blocks=2 * w // per_block)
+    with pytest.raises(ValueError, match="--num-kv-blocks"):
+        check(0.9, num_kv_blocks=3 * w // per_block)
 
 
 def test_the_engine_makes_its_gpu_the_current_device(tiny_model, cfg, monkeypatch):
