@@ -821,9 +821,7 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:  # workers would have to pad and capture in lockstep: not yet
             logger.info("[engine] no CUDA graphs or padded decode steps under tensor parallelism (yet)")
             return []
-        if self.device.type == "cuda" and not self.backend.capture_safe:
-            logger.warning("[engine] no CUDA graphs: the %s kernels sync with the host, which a graph cannot "
-                           "capture (Triton's can, where it is installed and its probe runs)", self.backend.name)
+        if self.device.type == "cuda" and not self.backend.capture_safe:  # select_backend said why (one line)
             return []
         if cfg.cudagraph_capture_sizes is not None:
             sizes = sorted(set(cfg.cudagraph_capture_sizes))

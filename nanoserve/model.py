@@ -702,8 +702,10 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
     checks out here (cpu_backend.py: C kernels, else torch.compile), unless
     enforce_eager (the references, bf16 weights still packed); else the torch
     references (which no CUDA graph can capture: capture_safe is False)."""
-    if device.type == "cuda" and kernels.TRITON is not None:
+    if device.type == "cuda":
         try:
+            if kernels.TRITON is None:
+                raise ImportError("triton is not installed")
             kernels.probe_triton(cfg, dtype, device, block_size)
             return kernels.TRITON
         except Exception as e:  # noqa: BLE001 - Triton's compiler and launcher raise many kinds

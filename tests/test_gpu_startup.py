@@ -54,18 +54,25 @@ def test_a_kernel_that_fails_fails_the_probe(cfg, monkeypatch):
         kernels.probe_triton(cfg, torch.float32, torch.device("cpu"), 16)
 
 
-@needs_triton
-def test_cuda_falls_back_to_the_torch_references_where_triton_cannot_run(cfg, caplog):
+@pytest.mark.parametrize("installed", [pytest.param(True, marks=needs_triton), False])
+def test_cuda_falls_back_to_the_torch_references_where_triton_cannot_run(cfg, caplog, monkeypatch, installed):
     """A head_dim the Triton kernels do not take fails the probe's static check (before
-    any launch): select_backend logs one line and hands out the references, which no
-    CUDA graph captures."""
+    any launch), or Triton is not installed: select_backend hands out the references,
+    which no CUDA graph captures, and start-up says so in one line, not one per layer."""
+    from types import SimpleNamespace
+
+    from nanoserve.engine import EngineConfig, LLMEngine
+    if not installed:
+        monkeypatch.setattr(kernels, "TRITON", None)
     odd = dataclasses.replace(cfg, head_dim=48)
-    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
         backend = select_backend(odd, torch.float16, CUDA, 16)
-    assert backend is kernels.TORCH and not backend.capture_safe
+        sizes = LLMEngine._decode_sizes(SimpleNamespace(config=EngineConfig("unused"), device=CUDA, backend=backend))
+    assert backend is kernels.TORCH and not backend.capture_safe and sizes == []
+    why = ("the Triton kernels need head_dim to be a power of two >= 16 (tl.arange and tl.dot), got 48" if installed
+           else "triton is not installed")
     assert [r.getMessage() for r in caplog.records] == [
-        "[kernels] Triton kernels unusable here (the Triton kernels need head_dim to be a power of two >= 16 "
-        "(tl.arange and tl.dot), got 48): torch references, no CUDA graphs"]
+        f"[kernels] Triton kernels unusable here ({why}): torch references, no CUDA graphs"]
 
 
 def test_a_failed_graph_capture_names_the_phase_and_the_way_out():
