@@ -1666,8 +1666,10 @@ class EntryMiddleware:
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", echo)]}
             await send(message)
 
-        if too_long:
+        error = scope.get("nanoserve.refused")  # H11WithTimeouts': over the connection limit
+        if error is None and too_long:
             error = bad_request(f"X-Request-Id is longer than {MAX_REQUEST_ID} characters", "X-Request-Id")
+        if error is not None:
             await _reject(self.state, scope, error)(scope, receive, send_with_id)
             return
         # OPTIONS passes, as in vLLM: a browser's CORS preflight never carries the key
@@ -3337,13 +3339,12 @@ class H11WithTimeouts(H11Protocol):
 
     async def _app_or_503(self, scope, receive, send) -> None:
         # uvicorn's test, made as the request's task starts: that task counts among the tasks
-        if self.limit is None or (len(self.connections) < self.limit and len(self.tasks) <= self.limit):
-            return await self.inner_app(scope, receive, send)
-        logger.warning("[entry] %s %s -> 503: over the connection limit (%d)", scope["method"], esc(scope["path"]),
-                       self.limit)
-        error = ApiError(503, f"the server is serving its limit of {self.limit} connections: retry later",
-                         headers={"Connection": "close"})  # as uvicorn's: this connection frees its place
-        await error.response(_anthropic(scope))(scope, receive, send)
+        if self.limit is not None and (len(self.connections) >= self.limit or len(self.tasks) > self.limit):
+            # EntryMiddleware answers it (_reject: counted, logged, with its X-Request-Id)
+            scope["nanoserve.refused"] = ApiError(
+                503, f"the server is serving its limit of {self.limit} connections: retry later",
+                headers={"Connection": "close"})  # as uvicorn's: this connection frees its place
+        await self.inner_app(scope, receive, send)
 
     def send_400_response(self, msg: str) -> None:
         body = dumps(bad_request(f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}): check its request "
