@@ -709,6 +709,9 @@ class EngineConfig:
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
         if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 (no cap: the whole vocabulary), "
+                             f"got {self.max_logprobs}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -1461,8 +1464,7 @@ def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheCon
     return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
                        config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
                        ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
-                       config.max_model_len,  # -1 (no cap): the profile's rows take the whole vocabulary
-                       2**31 if config.max_logprobs == -1 else config.max_logprobs)
+                       config.max_model_len, config.max_logprobs)
 
 
 def local_ranks(config: EngineConfig) -> list[int]:

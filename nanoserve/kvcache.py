@@ -416,7 +416,7 @@ class CacheConfig:
     graph_tokens: int = 0                      # CUDA graphs' largest decode batch (their pool)
     max_num_seqs: int = 256                    # with max_model_len: what the CPU default may hold
     max_model_len: int | None = None
-    profile_logprobs: int = 20                 # the most top logprobs a row may ask for (max_logprobs)
+    profile_logprobs: int = 20                 # the most top logprobs a row may ask for (max_logprobs; -1: all)
 
 
 def kv_budget(cache: CacheConfig, spec: KVCacheSpec, weight_bytes: int, device: torch.device,
