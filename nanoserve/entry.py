@@ -279,8 +279,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block")
     g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None, metavar="BYTES",
                    help="KV cache budget, e.g. 4GiB (default: on a GPU what --gpu-memory-utilization leaves; "
-                        "on a CPU the least of 4 GiB, a quarter of the RAM beside the weights, and what "
-                        "--max-num-seqs requests of --max-model-len can fill)")
+                        "on a CPU the least of 4 GiB, a quarter of the RAM beside the weights (at least "
+                        "64 MiB), and what --max-num-seqs requests of --max-model-len can fill)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks; overrides --kv-cache-memory-bytes "
                         "(default: as many as the budget buys)")
