@@ -35,6 +35,7 @@ from torch import nn
 
 from nanoserve import cpu_kernels, kernels
 from nanoserve.kernels import Backend
+from nanoserve.model import first_line  # no cycle: model imports this file only inside functions
 
 logger = logging.getLogger("nanoserve.model")
 
@@ -68,7 +69,7 @@ def _first_that_works(what: str, candidates, fallback):
         except Exception as e:  # noqa: BLE001 - any build or check failure means: try the next one
             log = logger.info if name == "c" else logger.warning
             log("[model] %s %r is not available here (--enforce-eager skips the attempt): %s", what, name,
-                str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+                first_line(e))
     return fallback
 
 

@@ -48,7 +48,7 @@ from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entr
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
                              cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
-                             log_tensor_parallel, num_parameters, plan_rank_kv_cache, release_idle_memory,
+                             log_tensor_parallel, num_kv_heads_per_rank, num_parameters, plan_rank_kv_cache, release_idle_memory,
                              resolve_dtype, resolve_model_dir, run_worker, select_backend, shard_config, tcp_address,
                              tune_process)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
@@ -709,6 +709,9 @@ class EngineConfig:
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
         if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 (no cap: the whole vocabulary), "
+                             f"got {self.max_logprobs}")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
@@ -821,9 +824,7 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1:  # workers would have to pad and capture in lockstep: not yet
             logger.info("[engine] no CUDA graphs or padded decode steps under tensor parallelism (yet)")
             return []
-        if self.device.type == "cuda" and not self.backend.capture_safe:
-            logger.warning("[engine] no CUDA graphs: the %s kernels sync with the host, which a graph cannot "
-                           "capture (Triton's can, where it is installed and its probe runs)", self.backend.name)
+        if self.device.type == "cuda" and not self.backend.capture_safe:  # select_backend said why (one line)
             return []
         if cfg.cudagraph_capture_sizes is not None:
             sizes = sorted(set(cfg.cudagraph_capture_sizes))
@@ -834,16 +835,16 @@ class LLMEngine:
         return cudagraph_capture_sizes(cfg.max_num_seqs) if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
-        """Before loading: do the weights (on the CPU with an explicitly sized KV cache) fit?"""
+        """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""
         cfg, mc = self.config, self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        if self.device.type == "cuda":  # this rank's share
-            return kvcache.check_gpu_memory(num_parameters(mc) * elem // cfg.tensor_parallel_size, self.device,
-                                            cfg.gpu_memory_utilization)
-        kv_bytes = cfg.kv_cache_memory_bytes
-        if cfg.num_kv_blocks is not None:
-            spec = KVCacheSpec(mc.num_layers, mc.num_kv_heads, mc.head_dim, self.dtype, cfg.block_size)
-            kv_bytes = cfg.num_kv_blocks * spec.bytes_per_block
+        ranks = cfg.tensor_parallel_size if self.device.type == "cuda" else 1  # CPU ranks share one machine
+        spec = KVCacheSpec(mc.num_layers, num_kv_heads_per_rank(mc.num_kv_heads, ranks), mc.head_dim, self.dtype,
+                           cfg.block_size)
+        kv_bytes = cfg.kv_cache_memory_bytes if cfg.num_kv_blocks is None else cfg.num_kv_blocks * spec.bytes_per_block
+        if self.device.type == "cuda":
+            return kvcache.check_gpu_memory(num_parameters(mc) * elem // ranks, self.device,
+                                            cfg.gpu_memory_utilization, kv_bytes)
         kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
 
     def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -972,11 +973,10 @@ class LLMEngine:
         vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
         limit = vocab if cap == -1 else min(cap, vocab)  # -1: no cap (as vLLM's); more would be none to rank
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(params, name) == -1:  # as vLLM's: the whole vocabulary
-                setattr(params, name, vocab)
-            if (getattr(params, name) or 0) > limit:
+            v = getattr(params, name)  # -1: the whole vocabulary (as vLLM's), resolved in _add_validated
+            if (vocab if v == -1 else v or 0) > limit:
                 raise InvalidInput(name, f"{name} must be None or in [0, {limit}] (the engine's max_logprobs), "
-                                         f"got {getattr(params, name)}")
+                                         f"got {v}")
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
@@ -1035,6 +1035,8 @@ class LLMEngine:
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
                        bad_words: list[list[int]], request_id: str | None, output_kind: RequestOutputKind) -> str:
         """add_request's second half, for a prompt and params already checked."""
+        whole = {k: self.model_config.vocab_size for k in ("logprobs", "prompt_logprobs") if getattr(params, k) == -1}
+        params = dataclasses.replace(params, **whole) if whole else params  # our copy: the caller's keeps its -1
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -1462,8 +1464,7 @@ def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheCon
     return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
                        config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
                        ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
-                       config.max_model_len,  # -1 (no cap): the profile's rows take the whole vocabulary
-                       2**31 if config.max_logprobs == -1 else config.max_logprobs)
+                       config.max_model_len, config.max_logprobs)
 
 
 def local_ranks(config: EngineConfig) -> list[int]:

@@ -279,8 +279,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="tokens per KV block")
     g.add_argument("--kv-cache-memory-bytes", type=_parse_bytes, default=None, metavar="BYTES",
                    help="KV cache budget, e.g. 4GiB (default: on a GPU what --gpu-memory-utilization leaves; "
-                        "on a CPU the least of 4 GiB, a quarter of the RAM beside the weights, and what "
-                        "--max-num-seqs requests of --max-model-len can fill)")
+                        "on a CPU the least of 4 GiB, a quarter of the RAM beside the weights (at least "
+                        "64 MiB), and what --max-num-seqs requests of --max-model-len can fill)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks; overrides --kv-cache-memory-bytes "
                         "(default: as many as the budget buys)")
@@ -1666,8 +1666,10 @@ class EntryMiddleware:
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", echo)]}
             await send(message)
 
-        if too_long:
+        error = scope.get("nanoserve.refused")  # H11WithTimeouts': over the connection limit
+        if error is None and too_long:
             error = bad_request(f"X-Request-Id is longer than {MAX_REQUEST_ID} characters", "X-Request-Id")
+        if error is not None:
             await _reject(self.state, scope, error)(scope, receive, send_with_id)
             return
         # OPTIONS passes, as in vLLM: a browser's CORS preflight never carries the key
@@ -2349,7 +2351,7 @@ class ChatGeneration(Generation):
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        top = self.params.logprobs or 0  # the engine's: top_logprobs -1 became the vocabulary's size
+        top = None if self.params.logprobs == -1 else self.params.logprobs or 0  # -1: all (the vocabulary)
         return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
                             for text, lp, ranked in tokens]}
 
@@ -3337,13 +3339,12 @@ class H11WithTimeouts(H11Protocol):
 
     async def _app_or_503(self, scope, receive, send) -> None:
         # uvicorn's test, made as the request's task starts: that task counts among the tasks
-        if self.limit is None or (len(self.connections) < self.limit and len(self.tasks) <= self.limit):
-            return await self.inner_app(scope, receive, send)
-        logger.warning("[entry] %s %s -> 503: over the connection limit (%d)", scope["method"], esc(scope["path"]),
-                       self.limit)
-        error = ApiError(503, f"the server is serving its limit of {self.limit} connections: retry later",
-                         headers={"Connection": "close"})  # as uvicorn's: this connection frees its place
-        await error.response(_anthropic(scope))(scope, receive, send)
+        if self.limit is not None and (len(self.connections) >= self.limit or len(self.tasks) > self.limit):
+            # EntryMiddleware answers it (_reject: counted, logged, with its X-Request-Id)
+            scope["nanoserve.refused"] = ApiError(
+                503, f"the server is serving its limit of {self.limit} connections: retry later",
+                headers={"Connection": "close"})  # as uvicorn's: this connection frees its place
+        await self.inner_app(scope, receive, send)
 
     def send_400_response(self, msg: str) -> None:
         body = dumps(bad_request(f"the request is not valid HTTP/1.1 ({msg.rstrip('.')}): check its request "

@@ -368,12 +368,21 @@ def check_cpu_memory(weight_bytes: int, kv_bytes: int | None) -> None:
             f"--dtype bfloat16 (half of float32), or a smaller --kv-cache-memory-bytes")
 
 
-def check_gpu_memory(weight_bytes: int, device: torch.device, gpu_memory_utilization: float) -> None:
+def check_gpu_memory(weight_bytes: int, device: torch.device, gpu_memory_utilization: float,
+                     kv_bytes: int | None = None) -> None:
     """Fail before loading, with what to do, when a rank's weights exceed what
     ``gpu_memory_utilization`` leaves of the GPU (gpu_budget's arithmetic, before
-    the weights): else the load dies with a bare CUDA out-of-memory."""
+    the weights): else the load dies with a bare CUDA out-of-memory. With an
+    explicit KV size (``kv_bytes``; kv_budget then reads no utilization): weights
+    and KV cache against the GPU's free memory."""
     usable, total, used = usable_gpu_memory(device, gpu_memory_utilization)
-    if weight_bytes > usable:
+    if kv_bytes is not None and weight_bytes + kv_bytes > total - used:
+        raise ValueError(
+            f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB and the KV cache "
+            f"{kv_bytes / 2**30:.2f} GiB, but {device} has {(total - used) / 2**30:.2f} GiB free of "
+            f"{total / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size), or a smaller "
+            f"--kv-cache-memory-bytes / --num-kv-blocks")
+    if kv_bytes is None and weight_bytes > usable:
         raise ValueError(
             f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB, but --gpu-memory-utilization "
             f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {used / 2**30:.2f} GiB "
@@ -407,7 +416,7 @@ class CacheConfig:
     graph_tokens: int = 0                      # CUDA graphs' largest decode batch (their pool)
     max_num_seqs: int = 256                    # with max_model_len: what the CPU default may hold
     max_model_len: int | None = None
-    profile_logprobs: int = 20                 # the most top logprobs a row may ask for (max_logprobs)
+    profile_logprobs: int = 20                 # the most top logprobs a row may ask for (max_logprobs; -1: all)
 
 
 def kv_budget(cache: CacheConfig, spec: KVCacheSpec, weight_bytes: int, device: torch.device,

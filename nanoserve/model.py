@@ -702,8 +702,10 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
     checks out here (cpu_backend.py: C kernels, else torch.compile), unless
     enforce_eager (the references, bf16 weights still packed); else the torch
     references (which no CUDA graph can capture: capture_safe is False)."""
-    if device.type == "cuda" and kernels.TRITON is not None:
+    if device.type == "cuda":
         try:
+            if kernels.TRITON is None:
+                raise ImportError("triton is not installed")
             kernels.probe_triton(cfg, dtype, device, block_size)
             return kernels.TRITON
         except Exception as e:  # noqa: BLE001 - Triton's compiler and launcher raise many kinds
@@ -1204,7 +1206,8 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
     logits = model.compute_logits(hidden[:num_sample_rows]) if sample else None
     if logits is not None:  # None: a graph (it holds no logits) or a tensor-parallel rank other than 0
-        params = SimpleNamespace(**PROFILE_SAMPLING, logprobs=min(logprobs, logits.shape[1]))
+        vocab = logits.shape[1]  # logprobs -1 (--max-logprobs -1): the whole vocabulary
+        params = SimpleNamespace(**PROFILE_SAMPLING, logprobs=vocab if logprobs == -1 else min(logprobs, vocab))
         rows = [SampleRequest(params, [0], [0]) for _ in range(logits.shape[0])]
         Sampler()(logits, rows)
     del logits

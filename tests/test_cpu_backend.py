@@ -110,6 +110,15 @@ def test_a_failing_compile_falls_back_to_the_reference(model, monkeypatch, caplo
     assert tokens(llm) == tokens(make_llm(model, enforce_eager=True))
 
 
+def test_a_fallback_names_an_error_without_text_by_its_type(caplog):
+    """An error with only whitespace for text (a bare assert's, say) still says what failed: its type."""
+    def blank():
+        raise AssertionError(" \n")
+    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+        assert cpu_backend._first_that_works("argmax", [("inductor", blank)], ("torch", None)) == ("torch", None)
+    assert caplog.records[-1].getMessage().endswith("the attempt): AssertionError")
+
+
 def test_bf16_cpu_runs_the_c_kernels(tiny_model):
     """bf16 on the CPU: attention, the KV store, the elementwise ops and argmax are
     the C kernels; a prefill and a decode give the references' logits to bf16

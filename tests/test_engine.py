@@ -407,3 +407,8 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
     assert logprobs[-1] == (3, m.config.vocab_size)
     from nanoserve.engine import EngineConfig, cache_config
     assert cache_config(EngineConfig(model="m", max_logprobs=100)).profile_logprobs == 100
+    profile_activation_bytes(m, 8, 3, 16, logprobs=cache_config(EngineConfig(model="m", max_logprobs=-1))
+                             .profile_logprobs)  # -1, no cap: the whole vocabulary
+    assert logprobs[-1] == (3, m.config.vocab_size)
+    with pytest.raises(ValueError, match=r"max_logprobs must be >= 0, or -1 .*, got -2"):
+        EngineConfig(model="m", max_logprobs=-2)

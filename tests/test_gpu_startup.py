@@ -54,18 +54,25 @@ def test_a_kernel_that_fails_fails_the_probe(cfg, monkeypatch):
         kernels.probe_triton(cfg, torch.float32, torch.device("cpu"), 16)
 
 
-@needs_triton
-def test_cuda_falls_back_to_the_torch_references_where_triton_cannot_run(cfg, caplog):
+@pytest.mark.parametrize("installed", [pytest.param(True, marks=needs_triton), False])
+def test_cuda_falls_back_to_the_torch_references_where_triton_cannot_run(cfg, caplog, monkeypatch, installed):
     """A head_dim the Triton kernels do not take fails the probe's static check (before
-    any launch): select_backend logs one line and hands out the references, which no
-    CUDA graph captures."""
+    any launch), or Triton is not installed: select_backend hands out the references,
+    which no CUDA graph captures, and start-up says so in one line, not one per layer."""
+    from types import SimpleNamespace
+
+    from nanoserve.engine import EngineConfig, LLMEngine
+    if not installed:
+        monkeypatch.setattr(kernels, "TRITON", None)
     odd = dataclasses.replace(cfg, head_dim=48)
-    with caplog.at_level(logging.WARNING, logger="nanoserve.model"):
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
         backend = select_backend(odd, torch.float16, CUDA, 16)
-    assert backend is kernels.TORCH and not backend.capture_safe
+        sizes = LLMEngine._decode_sizes(SimpleNamespace(config=EngineConfig("unused"), device=CUDA, backend=backend))
+    assert backend is kernels.TORCH and not backend.capture_safe and sizes == []
+    why = ("the Triton kernels need head_dim to be a power of two >= 16 (tl.arange and tl.dot), got 48" if installed
+           else "triton is not installed")
     assert [r.getMessage() for r in caplog.records] == [
-        "[kernels] Triton kernels unusable here (the Triton kernels need head_dim to be a power of two >= 16 "
-        "(tl.arange and tl.dot), got 48): torch references, no CUDA graphs"]
+        f"[kernels] Triton kernels unusable here ({why}): torch references, no CUDA graphs"]
 
 
 def test_a_failed_graph_capture_names_the_phase_and_the_way_out():
@@ -128,8 +135,8 @@ def test_weights_that_do_not_fit_the_gpu_are_refused_before_loading(cfg, monkeyp
     total, in_use = 4 * w, w // 2  # another process holds half the weights' size
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (total - in_use, total))
 
-    def check(utilization, tp=1):
-        config = EngineConfig("unused", gpu_memory_utilization=utilization, tensor_parallel_size=tp)
+    def check(utilization, tp=1, **kv):
+        config = EngineConfig("unused", gpu_memory_utilization=utilization, tensor_parallel_size=tp, **kv)
         LLMEngine._check_memory(SimpleNamespace(config=config, model_config=cfg, dtype=torch.bfloat16, device=CUDA))
     with pytest.raises(ValueError) as e:
         check(0.25)  # leaves w / 2
@@ -139,6 +146,15 @@ def test_weights_that_do_not_fit_the_gpu_are_refused_before_loading(cfg, monkeyp
                             "model, more GPUs (--tensor-parallel-size), or a higher --gpu-memory-utilization")
     check(0.5)
     check(0.25, tp=2)  # a rank holds half
+    # An explicit KV size reads no utilization: weights + that KV cache against the free 3.5 w
+    check(0.25, kv_cache_memory_bytes=2 * w)
+    with pytest.raises(ValueError, match=f"the weights need {gib(w)} and the KV cache {gib(3 * w)}, but cuda has "
+                                         f"{gib(total - in_use)} free of {gib(total)}"):
+        check(0.9, kv_cache_memory_bytes=3 * w)
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 2  # K and V, bf16
+    check(0.25, num_kv_blocks=2 * w // per_block)
+    with pytest.raises(ValueError, match="--num-kv-blocks"):
+        check(0.9, num_kv_blocks=3 * w // per_block)
 
 
 def test_the_engine_makes_its_gpu_the_current_device(tiny_model, cfg, monkeypatch):

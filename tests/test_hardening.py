@@ -457,7 +457,8 @@ def test_a_request_h11_cannot_parse_is_a_400_in_the_error_shape(server, raw):
 def test_over_the_connection_limit_is_a_503_in_the_error_shape(server):
     """uvicorn's was plain text ("Service Unavailable"). Under a limit of 1 every request is over it: its own
     connection counts."""
-    config = server.server.config
+    config, key = server.server.config, "nanoserve:request_rejected_total{code=503}"
+    rejected = _metrics(server.url).get(key, 0)
     limit, config.limit_concurrency = config.limit_concurrency, 1  # read by each new connection
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
@@ -466,6 +467,7 @@ def test_over_the_connection_limit_is_a_503_in_the_error_shape(server):
         config.limit_concurrency = limit
     assert "connections" in _check_error(r, 503, None)["message"] and r.headers["connection"] == "close"
     assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "api_error"
+    assert r.headers["x-request-id"] and _metrics(server.url)[key] == rejected + 2  # counted as every rejection
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
     server.wait_idle()
 

@@ -105,6 +105,20 @@ def test_prompt_logprobs_are_checked():
             SamplingParams(prompt_logprobs=bad)
 
 
+def test_minus_one_is_each_engines_whole_vocabulary_and_the_callers_params_keep_it(tiny_model, model_root):
+    """One SamplingParams(logprobs=-1) on two engines of different vocabularies:
+    each gives its own whole vocabulary, the caller's params still say -1, and an
+    engine whose max_logprobs refuses -1 quotes the -1 the caller sent."""
+    p = SamplingParams(temperature=0, max_tokens=1, logprobs=-1, prompt_logprobs=-1)
+    other = make_model(model_root, "qwen2", vocab_size=VOCAB - 1, tie_word_embeddings=True)
+    for path, vocab in ((tiny_model, VOCAB), (other, VOCAB - 1), (tiny_model, VOCAB)):
+        out = LLM(str(path), max_logprobs=-1, **BASE).generate([PROMPTS[2] + [5]], p, use_tqdm=False)[0]
+        assert len(out.outputs[0].logprobs[0]) == vocab and len(out.prompt_logprobs[1]) == vocab
+        assert (p.logprobs, p.prompt_logprobs) == (-1, -1)
+    with pytest.raises(ValueError, match=r"logprobs must be None or in \[0, 20\].*got -1$"):
+        LLM(str(tiny_model), **BASE).generate([[9]], p, use_tqdm=False)
+
+
 def test_prompt_logprobs_under_tensor_parallelism(model_root):
     """Two ranks (a padded vocabulary of 383 rows over 2), chunked: rank 0 gathers
     the rows and computes them; the worker joins every gather."""
