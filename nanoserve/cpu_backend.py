@@ -370,5 +370,5 @@ def trim_heap() -> bool:
         return False
 
 
-__all__ = ["build_cpu_backend", "prepare_model", "pack_linear_weights", "can_pack_linear_weights", "tune_process", "trim_heap",
-           "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]
+__all__ = ["build_cpu_backend", "prepare_model", "pack_linear_weights", "can_pack_linear_weights", "tune_process",
+           "trim_heap", "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]

@@ -48,9 +48,9 @@ from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entr
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
                              SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
                              cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
-                             log_tensor_parallel, num_kv_heads_per_rank, num_parameters, plan_rank_kv_cache, release_idle_memory,
-                             resolve_dtype, resolve_model_dir, run_worker, select_backend, shard_config, tcp_address,
-                             tune_process)
+                             log_tensor_parallel, num_kv_heads_per_rank, num_parameters, plan_rank_kv_cache,
+                             release_idle_memory, resolve_dtype, resolve_model_dir, run_worker, select_backend,
+                             shard_config, tcp_address, tune_process)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
