@@ -905,6 +905,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none",
                 **super().template_kwargs()}
 
+    tool_schema_field: ClassVar[str] = "parameters"  # where a tool's JSON schema sits in this API's body
+
     def param_name(self, engine_param: str) -> str:
         if engine_param == "max_tokens":
             return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
@@ -912,7 +914,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
 
     def invalid(self, e: InvalidInput) -> ApiError:
         if e.param == "structured_outputs" and self.tool_schema() is not None:  # xgrammar refused them
-            return bad_request(f"the tools' parameters are not a JSON schema xgrammar can compile: "
+            return bad_request(f"the tools' {self.tool_schema_field} are not JSON schemas xgrammar can compile: "
                                f"{str(e).partition(': ')[2]}", "tools")
         return super().invalid(e)
 
@@ -2994,6 +2996,7 @@ class AnthropicChatRequest(ResponsesChatRequest):
     """The chat request an Anthropic body becomes; its errors use the Anthropic body's names."""
     prompt_field: ClassVar[str] = "messages"
     body_names: ClassVar[dict[str, str]] = ANTHROPIC_NAMES
+    tool_schema_field: ClassVar[str] = "input_schema"
 
 
 class AnthropicContent:

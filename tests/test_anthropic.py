@@ -399,6 +399,10 @@ def test_errors_quote_the_body_not_the_chat_request_it_becomes(server):
     r = httpx.post(server.url + "/v1/messages", timeout=60, json={
         **body, "output_config": {"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}})
     check_error(r, 400, "output_config cannot be compiled")
+    frob = {"name": "f", "input_schema": {"type": "object", "properties": {"a": {"type": "frob"}}}}
+    r = httpx.post(server.url + "/v1/messages", timeout=60, json={**body, "output_config": None, "tools": [frob],
+                                                                  "tool_choice": {"type": "any"}})
+    check_error(r, 400, "the tools' input_schema are not JSON schemas")  # Anthropic's name, not chat's "parameters"
 
 
 def test_more_bad_requests(server):
