@@ -2544,7 +2544,7 @@ class ResponsesRequest(OpenAIBaseModel):
     include: list[typing.Literal["code_interpreter_call.outputs", "computer_call_output.output.image_url",
                                  "file_search_call.results", "message.input_image.image_url",
                                  "message.output_text.logprobs", "reasoning.encrypted_content"]] | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = None  # -1: the whole vocabulary (as vLLM's); the range: SamplingParams
     service_tier: typing.Literal["auto", "default", "flex", "scale", "priority"] = "auto"
     background: typing.Literal[False] = Field(False, description=f"false: background mode needs a response store, "
                                                                  f"and {NO_STORE}")  # vLLM's answer too

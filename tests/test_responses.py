@@ -538,7 +538,7 @@ BAD = [  # body, param, words the message must have
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"input": "x", "max_output_tokens": 10000}, "max_output_tokens", "Lower max_output_tokens to at most"),
     ({"input": "x" * 4000}, "input", "maximum context length"),
-    ({"input": "x", "top_logprobs": -1}, "top_logprobs", "top_logprobs"),
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": -2}, "top_logprobs", "top_logprobs"),
     ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs", ""),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
     ({"input": "x", "enable_response_messages": True}, "enable_response_messages", "gpt-oss"),

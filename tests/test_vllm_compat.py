@@ -246,6 +246,10 @@ def test_max_logprobs_is_the_servers_limit_capped_by_the_vocabulary(vllm_server,
     r = _post(vllm_server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True,
                                 "top_logprobs": -1}, path="/v1/chat/completions", **AUTH)
     assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 384, r.text
+    r = _post(vllm_server.url, {"input": "hi", "max_output_tokens": 1, "include": ["message.output_text.logprobs"],
+                                "top_logprobs": -1}, path="/v1/responses", **AUTH)  # vLLM's Responses takes it too
+    part = r.json()["output"][-1]["content"][0]
+    assert len(part["logprobs"][0]["top_logprobs"]) == 384 and r.json()["top_logprobs"] == -1, r.text  # echoed as sent
     _check_error(_post(vllm_server.url, {"prompt": "hi", "logprobs": -2}, **AUTH), 400, "logprobs")
     err = _check_error(_post(server.url, {"prompt": "hi", "logprobs": 21}), 400, "logprobs")
     assert "20" in err["message"]  # vLLM's default
