@@ -1516,7 +1516,8 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
     threads = max(1, (os.cpu_count() or 1) // ranks_per_node(config)) if device.type == "cpu" else None
     torchrun = config.distributed_init_method == "env://"
     level = logging.getLogger("nanoserve").getEffectiveLevel()
-    return [WorkerSpec(config.model, r, config.tensor_parallel_size,
+    path = str(resolve_model_dir(config.model, config.revision))  # a hub id: the ranks load its cached directory
+    return [WorkerSpec(path, r, config.tensor_parallel_size,
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
                        config.seed, threads, config.cpu_allocator_tuning, level)
@@ -1621,7 +1622,7 @@ def run_worker_node(config: EngineConfig) -> int:
     """A node that does not host rank 0 (``--node-rank`` > 0, or a torchrun rank
     > 0): run this node's ranks, the first in this process, until rank 0 shuts
     them down. Returns the exit status."""
-    model_config = ModelConfig.from_dir(config.model)
+    model_config = ModelConfig.from_dir(resolve_model_dir(config.model, config.revision))
     device = resolve_device(config.device)
     check_parallel_config(config, model_config, device)
     if config.distributed_init_method is None:

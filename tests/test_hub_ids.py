@@ -40,3 +40,17 @@ def test_a_hub_id_not_in_the_cache_offline_is_one_clear_error(hub_cache):
     with pytest.raises(ValueError, match="'org/missing' is not a directory and not in the local Hugging Face "
                                          "cache .* HF_HUB_OFFLINE is set"):
         LLM("org/missing", dtype="float32", enforce_eager=True)
+
+
+def test_a_hub_id_under_tensor_parallelism(hub_cache):
+    """As `vllm serve org/name -tp 2`: the worker ranks load the cached directory rank 0 found (they were
+    handed the hub id itself, no directory, and died at start-up)."""
+    llm = LLM("org/tiny", dtype="float32", max_model_len=64, num_kv_blocks=16, enforce_eager=True,
+              tensor_parallel_size=2)
+    try:
+        one = LLM(str(hub_cache), dtype="float32", max_model_len=64, num_kv_blocks=16, enforce_eager=True)
+        params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        tp, single = (x.generate(["hello"], params, use_tqdm=False)[0].outputs[0].token_ids for x in (llm, one))
+        assert tp == single and len(tp) == 3
+    finally:
+        llm.shutdown()
