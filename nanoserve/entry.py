@@ -223,6 +223,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "as Qwen/Qwen3-0.6B (the local Hugging Face cache; a download unless HF_HUB_OFFLINE=1) "
                         "(default: the packaged demo model, if there is one)")
     g.add_argument("--revision", default=None, help="the hub revision of a hub id (default: main)")
+    g.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache a hub id is found in or downloaded to, as vLLM's (default: "
+                        "$HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="load the tokenizer from here, a directory or a hub id (default: the model's)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
