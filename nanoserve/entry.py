@@ -284,9 +284,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="KV cache budget, e.g. 4GiB (default: on a GPU what --gpu-memory-utilization leaves; "
                         "on a CPU the least of 4 GiB, a quarter of the RAM beside the weights (at least "
                         "64 MiB), and what --max-num-seqs requests of --max-model-len can fill)")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="exact number of KV blocks; overrides --kv-cache-memory-bytes "
-                        "(default: as many as the budget buys)")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                   help="exact number of KV blocks (vLLM's --num-gpu-blocks-override); overrides "
+                        "--kv-cache-memory-bytes (default: as many as the budget buys)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,

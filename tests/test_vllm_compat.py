@@ -358,6 +358,7 @@ def test_vllm_spellings_of_flags_and_token_counts():
     assert a.default_chat_template_kwargs == {"enable_thinking": False} and a.host == "0.0.0.0"  # vLLM's: all
     for text, want in (("4096", 4096), ("1.5M", 1572864), ("25.6k", 25600), ("auto", None), ("-1", None)):
         assert parse_args(["--max-model-len", text]).max_model_len == want, text
+    assert entry.engine_config(parse_args(["--num-gpu-blocks-override", "64"])).num_kv_blocks == 64  # vLLM's name
 
 
 def test_forced_usage_rides_every_stream(server):
