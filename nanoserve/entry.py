@@ -202,6 +202,10 @@ VLLM_FLAGS: list[tuple[str, dict[str, Any], tuple | None, str]] = [
     ("--api-server-count", {"type": int, "metavar": "N"}, (1,), "one process serves HTTP"),
     ("--scheduling-policy", {"metavar": "POLICY"}, ("fcfs",), "requests are scheduled first come, first served"),
     ("--enable-log-outputs", _ON_OFF, None, "outputs are not logged (--enable-log-requests logs the prompts)"),
+    ("--logprobs-mode", {"metavar": "MODE"}, ("raw_logprobs",),
+     "logprobs are the raw model distribution's, before penalties, bias and temperature"),
+    ("--stream-interval", {"type": int, "metavar": "N"}, (1,), "a stream sends each token as it is made"),
+    ("--runner", {"metavar": "RUNNER"}, ("auto", "generate"), "nanoserve runs generative models only"),
 ]
 
 

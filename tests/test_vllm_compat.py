@@ -309,12 +309,14 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"], ["--tokenizer-mode", "auto"],
          ["--chat-template-content-format", "string"], ["--response-role", "assistant"],
          ["--data-parallel-size", "1"], ["--api-server-count", "1"], ["--scheduling-policy", "fcfs"],
-         ["--enable-log-outputs"]]
+         ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"], ["--stream-interval", "1"],
+         ["--runner", "generate"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
-           ["--api-server-count", "4"], ["--scheduling-policy", "priority"]]
+           ["--api-server-count", "4"], ["--scheduling-policy", "priority"], ["--logprobs-mode", "processed_logprobs"],
+           ["--stream-interval", "8"], ["--runner", "pooling"]]
 
 
 def test_every_vllm_flag_of_the_table_is_tested():
