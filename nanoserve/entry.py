@@ -300,6 +300,16 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="0.0.0.0",
                    help="address to listen on: all interfaces, as vLLM's (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate (chain), as vLLM's (default: plain HTTP)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="the certificate's private key (default: in --ssl-certfile)")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA certificates client certificates "
+                   "are checked against")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=0,
+                   help="client certificates: 0 none, 1 optional, 2 required (Python ssl's CERT_*)")
+    g.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS", help="TLS 1.2 cipher suites (OpenSSL's list "
+                   "format)")
     g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` (any of the keys) on /v1/* "
                         "(default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
@@ -401,6 +411,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, ok, rule in checks:
         if not ok:
             parser.error(f"{flag} must be {rule}")
+    if args.ssl_keyfile is not None and args.ssl_certfile is None:
+        parser.error("--ssl-keyfile needs --ssl-certfile, the certificate it is the key of")
+    if args.ssl_certfile is not None:
+        try:  # a bad file is one line now, not a traceback after the model has loaded
+            uvicorn.config.create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None,
+                                              uvicorn.config.SSL_PROTOCOL_VERSION, args.ssl_cert_reqs,
+                                              args.ssl_ca_certs, args.ssl_ciphers)
+        except OSError as e:  # ssl.SSLError too
+            parser.error(f"cannot serve HTTPS with --ssl-certfile {args.ssl_certfile} (--ssl-keyfile "
+                         f"{args.ssl_keyfile}): {e}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser NAME")
     if args.async_scheduling and args.tensor_parallel_size > 1:
@@ -3410,7 +3430,9 @@ class Server(uvicorn.Server):
             app, host=args.host, port=args.port, log_config=None, lifespan="on", http=H11WithTimeouts,
             timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_GRACE_S,
             timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, limit_concurrency=connection_limit(),
-            access_log=not args.disable_uvicorn_access_log))
+            access_log=not args.disable_uvicorn_access_log, ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers))
         self.state: ServerState = app.state.server
         self.state.request_shutdown = self.request_exit
         self.drain_timeout = args.shutdown_timeout
@@ -3481,7 +3503,7 @@ def serve(args: argparse.Namespace) -> int:
     shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)  # all interfaces: this machine's URL
     host = f"[{shown}]" if ":" in shown else shown
     sock.listen()  # the banner's URL takes connections (they wait for uvicorn's start-up, not refused)
-    print(banner(engine, args, f"http://{host}:{port}"), flush=True)
+    print(banner(engine, args, f"{'https' if args.ssl_certfile else 'http'}://{host}:{port}"), flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:

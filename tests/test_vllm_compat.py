@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -381,12 +383,30 @@ def test_forced_usage_rides_every_stream(server):
 
 @pytest.mark.parametrize("flags", [["--allowed-origins", "*"], ["--allowed-origins", '"*"'],
                                    ["--allowed-headers", "[1]"], ["--max-logprobs", "-2"],
-                                   ["--max-model-len", "32q"], ["--override-generation-config", "[1]"]])
+                                   ["--max-model-len", "32q"], ["--override-generation-config", "[1]"],
+                                   ["--ssl-keyfile", "key.pem"], ["--ssl-certfile", "/no/such/cert.pem"]])
 def test_bad_values_are_one_line_errors(flags, capsys):
     with pytest.raises(SystemExit):
         parse_args(flags)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flags[0] in err, err
+
+
+def test_https_with_vllms_ssl_flags(tiny_model, tmp_path):
+    """--ssl-certfile and --ssl-keyfile, as vLLM's: the server speaks HTTPS (and plain HTTP no more)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a self-signed certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with ServerThread(tiny_model, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)) as s:
+        url = s.url.replace("http://", "https://")
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       verify=ssl.create_default_context(cafile=cert), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(s.url + "/health", timeout=10)
 
 
 def test_a_copied_vllm_serve_line_runs(tiny_model):
