@@ -300,6 +300,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="0.0.0.0",
                    help="address to listen on: all interfaces, as vLLM's (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--root-path", default=None, metavar="PREFIX",
+                   help="the path a proxy serves this server under, as vLLM's: /PREFIX/v1/... is served as "
+                        "/v1/... (which is served too)")
     g.add_argument("--ssl-certfile", default=None, metavar="FILE",
                    help="serve HTTPS with this certificate (chain), as vLLM's (default: plain HTTP)")
     g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
@@ -411,6 +414,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, ok, rule in checks:
         if not ok:
             parser.error(f"{flag} must be {rule}")
+    if args.root_path is not None and args.root_path.rstrip("/") and not args.root_path.startswith("/"):
+        parser.error(f"--root-path must start with /, got {args.root_path!r}")
+    args.root_path = (args.root_path or "").rstrip("/") or None
     if args.ssl_keyfile is not None and args.ssl_certfile is None:
         parser.error("--ssl-keyfile needs --ssl-certfile, the certificate it is the key of")
     if args.ssl_certfile is not None:
@@ -1639,7 +1645,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     # CORS outermost (vLLM has it inside its API-key check): a preflight never meets
     # the key check, and every answer a browser reads, a 401 included, has its headers.
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[cors_middleware(args), Middleware(EntryMiddleware, state=state)],
+                    middleware=[cors_middleware(args),
+                                Middleware(EntryMiddleware, state=state, root_path=args.root_path)],
                     exception_handlers={ApiError: _api_error_handler, HTTPException: _http_error_handler,
                                         Exception: _internal_error_handler})
     app.state.server = state
@@ -1673,14 +1680,17 @@ class EntryMiddleware:
     Starlette's BaseHTTPMiddleware, which would hide client disconnects from the
     handlers."""
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, root_path: str | None = None):
+        self.app, self.state, self.root_path = app, state, root_path
         self.api_keys = None if state.api_key is None else [k.encode() for k in state.api_key]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        root = self.root_path  # --root-path: the prefix goes once, here, so that routes and the key check agree
+        if root and (scope["path"] == root or scope["path"].startswith(root + "/")):
+            scope = {**scope, "path": scope["path"][len(root):] or "/"}
         # Any value, as vLLM takes it (a trace id such as Root=1-abc;x=y, a/b): echoed as sent,
         # and in the engine and the logs escaped where it is not printable (no forged log line).
         given = _header(scope, b"x-request-id")

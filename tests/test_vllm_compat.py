@@ -409,6 +409,23 @@ def test_https_with_vllms_ssl_flags(tiny_model, tmp_path):
             httpx.get(s.url + "/health", timeout=10)
 
 
+def test_root_path_behind_a_proxy(tiny_model):
+    """--root-path, as vLLM's (FastAPI's root_path): a proxy that keeps the prefix and one that strips it
+    both reach the API, and the key is asked for under the prefix too; the prefix goes only once."""
+    with ServerThread(tiny_model, "--root-path", "/llm/", "--api-key", KEY) as s:
+        for path in ("/llm/v1/models", "/v1/models"):
+            _check_error(httpx.get(s.url + path), 401, None)
+            assert httpx.get(s.url + path, headers=AUTH).json()["data"][0]["id"] == s.args.model, path
+        r = httpx.post(s.url + "/llm/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert httpx.get(s.url + "/llm/health").status_code == 200
+        for path in ("/llm/llm/v1/models", "/llmv1/models"):
+            assert httpx.get(s.url + path, headers=AUTH).status_code == 404, path
+    assert parse_args(["--root-path", "/"]).root_path is None
+    with pytest.raises(SystemExit):
+        parse_args(["--root-path", "llm"])
+
+
 def test_a_copied_vllm_serve_line_runs(tiny_model):
     """As a deployment runs it: `serve MODEL` and vLLM's flags, the key in $VLLM_API_KEY."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": KEY}
