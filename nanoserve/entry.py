@@ -1793,9 +1793,13 @@ def log_inputs(gen: "Generation", max_log_len: int | None) -> None:
 async def list_models(request: Request) -> Response:
     state = _state(request)
     created, info = int(time.time()), state.engine.describe()
+    permission = {"object": "model_permission", "created": created, "allow_create_engine": False,  # vLLM's defaults
+                  "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                  "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
-         "root": info.model, "parent": None, "max_model_len": info.max_model_len}
+         "root": info.model, "parent": None, "max_model_len": info.max_model_len,
+         "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", **permission}]}
         for name in state.model_names]})
 
 
