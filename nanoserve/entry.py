@@ -368,6 +368,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="how often to log throughput and queue stats while busy")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
+    g.add_argument("--disable-access-log-for-endpoints", type=lambda v: {p for p in v.split(",") if p},
+                   default=set(), metavar="PATHS", help="no access-log line for these paths, as vLLM's: "
+                   "comma-separated, e.g. /health,/metrics,/ping")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["trace", "debug", "info", "warning", "error", "critical"],
                    help="uvicorn's own log level (default: --log-level), as vLLM's flag")
@@ -3343,7 +3346,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
+def configure_logging(level: str, uvicorn_level: str | None = None, quiet_paths: Iterable[str] = ()) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
     root = logging.getLogger()
@@ -3352,6 +3355,14 @@ def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
     logging.getLogger("nanoserve").setLevel(level.upper())
     logging.getLogger("uvicorn").setLevel(uvicorn.config.LOG_LEVELS[uvicorn_level or level])  # trace: 5
     logging.getLogger("uvicorn.error").addFilter(_cancellations_in_one_line)
+    quiet = frozenset(quiet_paths)
+    logging.getLogger("uvicorn.access").filters[:] = [functools.partial(_not_quiet, quiet)] if quiet else []
+
+
+def _not_quiet(quiet: frozenset[str], record: logging.LogRecord) -> bool:
+    """--disable-access-log-for-endpoints; uvicorn's access record is (client, method, path?query, version, status)."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).partition("?")[0] in quiet)
 
 
 def _cancellations_in_one_line(record: logging.LogRecord) -> bool:
@@ -3486,7 +3497,7 @@ class Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.uvicorn_log_level)
+    configure_logging(args.log_level, args.uvicorn_log_level, args.disable_access_log_for_endpoints)
     for note in args.vllm_notes:
         logger.warning("[entry] %s", note)
     if args.api_key is not None:  # which source, never the key

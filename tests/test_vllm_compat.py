@@ -294,6 +294,23 @@ def test_enable_log_requests_logs_the_prompt_up_to_max_log_len(vllm_server, capl
     assert "prompt_token_ids: [" in line
 
 
+def test_disable_access_log_for_endpoints():
+    """vLLM's --disable-access-log-for-endpoints: no access line for the paths named (their query aside)."""
+    paths = parse_args(["--disable-access-log-for-endpoints", "/health,/metrics"]).disable_access_log_for_endpoints
+    access = logging.getLogger("uvicorn.access")
+
+    def logged(path: str) -> bool:
+        record = access.makeRecord("uvicorn.access", logging.INFO, __file__, 0, '%s - "%s %s HTTP/%s" %d',
+                                   ("127.0.0.1:1", "GET", path, "1.1", 200), None)
+        return access.filter(record)
+    configure_logging("info", None, paths)
+    try:
+        assert not logged("/health") and not logged("/metrics?x=1") and logged("/v1/models") and logged("/healthz")
+    finally:
+        configure_logging("info")
+    assert logged("/health")
+
+
 def test_uvicorn_trace_level():
     configure_logging("info", parse_args(["--uvicorn-log-level", "trace"]).uvicorn_log_level)
     try:
