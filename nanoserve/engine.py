@@ -684,6 +684,7 @@ class EngineConfig:
     # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
     # path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int = 512  # vLLM's: the default list's largest size (at most max_num_seqs here)
     revision: str | None = None        # of a hub id (resolve_model_dir)
     download_dir: str | None = None    # as vLLM's: the Hugging Face cache hub ids are found in (None: the default)
     tokenizer: str | None = None       # a directory or hub id of its own (default: the model's)
@@ -834,7 +835,10 @@ class LLMEngine:
                 raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got "
                                  f"{cfg.cudagraph_capture_sizes}")
             return sizes
-        return cudagraph_capture_sizes(cfg.max_num_seqs) if self.device.type == "cuda" else []
+        if cfg.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cfg.max_cudagraph_capture_size}")
+        return cudagraph_capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_capture_size) \
+            if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
         """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""
