@@ -685,6 +685,7 @@ class EngineConfig:
     # path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
     max_cudagraph_capture_size: int = 512  # vLLM's: the default list's largest size (at most max_num_seqs here)
+    disable_sliding_window: bool = False  # as vLLM's: max_model_len defaults to the window, which never acts then
     revision: str | None = None        # of a hub id (resolve_model_dir)
     download_dir: str | None = None    # as vLLM's: the Hugging Face cache hub ids are found in (None: the default)
     tokenizer: str | None = None       # a directory or hub id of its own (default: the model's)
@@ -864,6 +865,8 @@ class LLMEngine:
         max_len = cfg.max_model_len
         if max_len is None:  # as long as the model allows and one request fits
             max_len = min(mc.max_position_embeddings, plan.num_blocks * cfg.block_size)
+            if cfg.disable_sliding_window and mc.sliding_window is not None:
+                max_len = min(max_len, mc.sliding_window)
         elif max_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_len}")
         elif max_len > mc.max_position_embeddings:

@@ -165,8 +165,8 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window < max_model_len:
             raise ModelLoadError(
                 f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which "
-                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less so "
-                f"that the window never takes effect")
+                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less (or, as "
+                f"vLLM's, --disable-sliding-window) so that the window never takes effect")
 
 
 def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
