@@ -35,6 +35,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import functools
 import hmac
 import itertools
@@ -305,6 +306,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="0.0.0.0",
                    help="address to listen on: all interfaces, as vLLM's (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix socket instead of --host and --port, as vLLM's")
     g.add_argument("--root-path", default=None, metavar="PREFIX",
                    help="the path a proxy serves this server under, as vLLM's: /PREFIX/v1/... is served as "
                         "/v1/... (which is served too)")
@@ -3334,18 +3337,24 @@ def banner(engine: LLMEngine, args: argparse.Namespace, url: str) -> str:
         f"  concurrency  {blocks / -(-max_len // block_size):.2f}x at max-model-len {max_len} "
         f"(max-num-seqs {args.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
         f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''}"
-        f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') else ''})",
+        f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') and not args.uds else ''})",
     ])
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
     """Bind before loading the model: a busy port fails fast, and port 0 is
-    resolved in time for the banner."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    resolved in time for the banner. ``uds``: a Unix socket instead (vLLM's --uds)."""
+    if uds is not None and Path(uds).is_socket():  # a previous run's, unless a server still answers on it
+        with socket.socket(socket.AF_UNIX) as probe:
+            if probe.connect_ex(uds) == 0:
+                raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+        os.unlink(uds)
+    family = socket.AF_UNIX if uds is not None else socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if uds is None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(uds or (host, port))
     except OSError:
         sock.close()
         raise
@@ -3516,9 +3525,10 @@ def serve(args: argparse.Namespace) -> int:
             print(f"error: cannot run node {args.node_rank} of {args.model}: {e}", file=sys.stderr)
             return 1
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port, args.uds)
     except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: cannot listen on {args.uds or f'{args.host}:{args.port}'}: {e.strerror or e}",
+              file=sys.stderr)
         return 1
     executor = model_thread()  # every torch op of the engine runs here, its loading included
     try:
@@ -3530,11 +3540,12 @@ def serve(args: argparse.Namespace) -> int:
         executor.shutdown()
         return 1
     server = Server(build_app(AsyncLLM(engine, executor), args), args)
-    port = sock.getsockname()[1]
     shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)  # all interfaces: this machine's URL
     host = f"[{shown}]" if ":" in shown else shown
+    url = f"unix:{args.uds}" if args.uds else \
+        f"{'https' if args.ssl_certfile else 'http'}://{host}:{sock.getsockname()[1]}"
     sock.listen()  # the banner's URL takes connections (they wait for uvicorn's start-up, not refused)
-    print(banner(engine, args, f"{'https' if args.ssl_certfile else 'http'}://{host}:{port}"), flush=True)
+    print(banner(engine, args, url), flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:

@@ -10,6 +10,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -441,6 +442,31 @@ def test_root_path_behind_a_proxy(tiny_model):
     assert parse_args(["--root-path", "/"]).root_path is None
     with pytest.raises(SystemExit):
         parse_args(["--root-path", "llm"])
+
+
+def test_a_unix_socket_with_vllms_uds(tiny_model, tmp_path):
+    """--uds PATH, as vLLM's: the server listens there instead of on a port (a stale socket file, a previous
+    run's, is replaced)."""
+    path = str(tmp_path / "nanoserve.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", str(tiny_model), "--uds", path, "--dtype", "float32",
+                             "--num-kv-blocks", "64", "--max-model-len", "256", "--uvicorn-log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = next((line.split()[1] for line in proc.stdout if line.strip().startswith("URL")), None)
+        assert url == f"unix:{path}", proc.stderr.read()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://localhost", timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        with pytest.raises(OSError, match="Address already in use"):  # a socket a server still answers on is kept
+            entry.bind_socket("", 0, path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
 
 
 def test_a_copied_vllm_serve_line_runs(tiny_model):
