@@ -152,7 +152,9 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            # as vLLM derives max_model_len: linear scaling stretches the context by its factor
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)
+                                        * (scaling["factor"] if scaling and scaling["rope_type"] == "linear" else 1)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
