@@ -684,7 +684,10 @@ class EngineConfig:
     # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
     # path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
+    max_cudagraph_capture_size: int = 512  # vLLM's: the default list's largest size (at most max_num_seqs here)
+    disable_sliding_window: bool = False  # as vLLM's: max_model_len defaults to the window, which never acts then
     revision: str | None = None        # of a hub id (resolve_model_dir)
+    download_dir: str | None = None    # as vLLM's: the Hugging Face cache hub ids are found in (None: the default)
     tokenizer: str | None = None       # a directory or hub id of its own (default: the model's)
     # Sampling defaults as vLLM's --generation-config: "auto" takes the model's
     # generation_config.json, "vllm" none (vLLM's own defaults), else a directory.
@@ -757,7 +760,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
-        path = resolve_model_dir(config.model, config.revision)
+        path = resolve_model_dir(config.model, config.revision, config.download_dir)
         self.model_config = ModelConfig.from_dir(path)
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
@@ -768,7 +771,8 @@ class LLMEngine:
         for setting in tune_process(self.device, config.cpu_allocator_tuning):
             logger.info("[engine] process-wide: %s (--no-cpu-allocator-tuning turns it off)", setting)
         self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-            path if config.tokenizer is None else resolve_model_dir(config.tokenizer, config.revision))
+            path if config.tokenizer is None
+            else resolve_model_dir(config.tokenizer, config.revision, config.download_dir))
         self.token_texts: dict[int, str] = {}  # each token's own text (logprobs'), decoded once: at most the vocabulary
         self._check_memory()
         self.workers: TPWorkers | None = None
@@ -832,7 +836,10 @@ class LLMEngine:
                 raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got "
                                  f"{cfg.cudagraph_capture_sizes}")
             return sizes
-        return cudagraph_capture_sizes(cfg.max_num_seqs) if self.device.type == "cuda" else []
+        if cfg.max_cudagraph_capture_size < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cfg.max_cudagraph_capture_size}")
+        return cudagraph_capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_capture_size) \
+            if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
         """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""
@@ -858,6 +865,8 @@ class LLMEngine:
         max_len = cfg.max_model_len
         if max_len is None:  # as long as the model allows and one request fits
             max_len = min(mc.max_position_embeddings, plan.num_blocks * cfg.block_size)
+            if cfg.disable_sliding_window and mc.sliding_window is not None:
+                max_len = min(max_len, mc.sliding_window)
         elif max_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_len}")
         elif max_len > mc.max_position_embeddings:
@@ -1516,7 +1525,8 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
     threads = max(1, (os.cpu_count() or 1) // ranks_per_node(config)) if device.type == "cpu" else None
     torchrun = config.distributed_init_method == "env://"
     level = logging.getLogger("nanoserve").getEffectiveLevel()
-    return [WorkerSpec(config.model, r, config.tensor_parallel_size,
+    path = str(resolve_model_dir(config.model, config.revision, config.download_dir))  # a hub id: its cached dir
+    return [WorkerSpec(path, r, config.tensor_parallel_size,
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
                        config.seed, threads, config.cpu_allocator_tuning, level)
@@ -1621,7 +1631,7 @@ def run_worker_node(config: EngineConfig) -> int:
     """A node that does not host rank 0 (``--node-rank`` > 0, or a torchrun rank
     > 0): run this node's ranks, the first in this process, until rank 0 shuts
     them down. Returns the exit status."""
-    model_config = ModelConfig.from_dir(config.model)
+    model_config = ModelConfig.from_dir(resolve_model_dir(config.model, config.revision, config.download_dir))
     device = resolve_device(config.device)
     check_parallel_config(config, model_config, device)
     if config.distributed_init_method is None:

@@ -35,6 +35,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import errno
 import functools
 import hmac
 import itertools
@@ -202,6 +203,10 @@ VLLM_FLAGS: list[tuple[str, dict[str, Any], tuple | None, str]] = [
     ("--api-server-count", {"type": int, "metavar": "N"}, (1,), "one process serves HTTP"),
     ("--scheduling-policy", {"metavar": "POLICY"}, ("fcfs",), "requests are scheduled first come, first served"),
     ("--enable-log-outputs", _ON_OFF, None, "outputs are not logged (--enable-log-requests logs the prompts)"),
+    ("--logprobs-mode", {"metavar": "MODE"}, ("raw_logprobs",),
+     "logprobs are the raw model distribution's, before penalties, bias and temperature"),
+    ("--stream-interval", {"type": int, "metavar": "N"}, (1,), "a stream sends each token as it is made"),
+    ("--runner", {"metavar": "RUNNER"}, ("auto", "generate"), "nanoserve runs generative models only"),
 ]
 
 
@@ -223,6 +228,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "as Qwen/Qwen3-0.6B (the local Hugging Face cache; a download unless HF_HUB_OFFLINE=1) "
                         "(default: the packaged demo model, if there is one)")
     g.add_argument("--revision", default=None, help="the hub revision of a hub id (default: main)")
+    g.add_argument("--download-dir", default=None, metavar="DIR",
+                   help="the Hugging Face cache a hub id is found in or downloaded to, as vLLM's (default: "
+                        "$HF_HUB_CACHE, else ~/.cache/huggingface/hub)")
     g.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="load the tokenizer from here, a directory or a hub id (default: the model's)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
@@ -241,6 +249,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=_token_count, default=None,
                    help="prompt + output tokens per request, e.g. 4096 or 32k (default, or auto: the model's "
                         "limit, capped by what the KV cache holds)")
+    g.add_argument("--disable-sliding-window", action="store_true",
+                   help="as vLLM's: --max-model-len defaults to the model's sliding window, if it has one "
+                        "(nanoserve has no sliding-window attention)")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for; -1: "
@@ -250,7 +261,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
-                        "--max-num-seqs, at most 512)")
+                        "--max-num-seqs, at most --max-cudagraph-capture-size)")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=512, metavar="N",
+                   help="the largest decode batch size captured by default, as vLLM's")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="on the CPU, set transparent huge pages and glibc malloc for speed, and cap oneDNN's "
                         "GEMM caches for memory, process-wide")
@@ -281,9 +294,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="KV cache budget, e.g. 4GiB (default: on a GPU what --gpu-memory-utilization leaves; "
                         "on a CPU the least of 4 GiB, a quarter of the RAM beside the weights (at least "
                         "64 MiB), and what --max-num-seqs requests of --max-model-len can fill)")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="exact number of KV blocks; overrides --kv-cache-memory-bytes "
-                        "(default: as many as the budget buys)")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                   help="exact number of KV blocks (vLLM's --num-gpu-blocks-override); overrides "
+                        "--kv-cache-memory-bytes (default: as many as the budget buys)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of GPU memory for weights, activations and KV cache")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -293,6 +306,21 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="0.0.0.0",
                    help="address to listen on: all interfaces, as vLLM's (127.0.0.1: this machine only)")
     g.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    g.add_argument("--uds", default=None, metavar="PATH",
+                   help="listen on this Unix socket instead of --host and --port, as vLLM's")
+    g.add_argument("--root-path", default=None, metavar="PREFIX",
+                   help="the path a proxy serves this server under, as vLLM's: /PREFIX/v1/... is served as "
+                        "/v1/... (which is served too)")
+    g.add_argument("--ssl-certfile", default=None, metavar="FILE",
+                   help="serve HTTPS with this certificate (chain), as vLLM's (default: plain HTTP)")
+    g.add_argument("--ssl-keyfile", default=None, metavar="FILE",
+                   help="the certificate's private key (default: in --ssl-certfile)")
+    g.add_argument("--ssl-ca-certs", default=None, metavar="FILE", help="CA certificates client certificates "
+                   "are checked against")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=0,
+                   help="client certificates: 0 none, 1 optional, 2 required (Python ssl's CERT_*)")
+    g.add_argument("--ssl-ciphers", default=None, metavar="CIPHERS", help="TLS 1.2 cipher suites (OpenSSL's list "
+                   "format)")
     g.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
                    help="require `Authorization: Bearer KEY` (any of the keys) on /v1/* "
                         "(default: $NANOSERVE_API_KEY, else $VLLM_API_KEY, else no key)")
@@ -348,6 +376,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="how often to log throughput and queue stats while busy")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
+    g.add_argument("--disable-access-log-for-endpoints", type=lambda v: {p for p in v.split(",") if p},
+                   default=set(), metavar="PATHS", help="no access-log line for these paths, as vLLM's: "
+                   "comma-separated, e.g. /health,/metrics,/ping")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["trace", "debug", "info", "warning", "error", "critical"],
                    help="uvicorn's own log level (default: --log-level), as vLLM's flag")
@@ -390,10 +421,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               ("--shutdown-timeout", args.shutdown_timeout >= 0, ">= 0"),
               ("--max-logprobs", args.max_logprobs >= -1, ">= 0, or -1 (no cap: the whole vocabulary)"),
               ("--max-log-len", args.max_log_len is None or args.max_log_len >= 0, ">= 0"),
-              ("--log-stats-interval", args.log_stats_interval > 0, "> 0")]
+              ("--log-stats-interval", args.log_stats_interval > 0, "> 0"),
+              ("--max-cudagraph-capture-size", args.max_cudagraph_capture_size >= 1, ">= 1")]
     for flag, ok, rule in checks:
         if not ok:
             parser.error(f"{flag} must be {rule}")
+    if args.root_path is not None and args.root_path.rstrip("/") and not args.root_path.startswith("/"):
+        parser.error(f"--root-path must start with /, got {args.root_path!r}")
+    args.root_path = (args.root_path or "").rstrip("/") or None
+    if args.ssl_keyfile is not None and args.ssl_certfile is None:
+        parser.error("--ssl-keyfile needs --ssl-certfile, the certificate it is the key of")
+    if args.ssl_certfile is not None:
+        try:  # a bad file is one line now, not a traceback after the model has loaded
+            uvicorn.config.create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None,
+                                              uvicorn.config.SSL_PROTOCOL_VERSION, args.ssl_cert_reqs,
+                                              args.ssl_ca_certs, args.ssl_ciphers)
+        except OSError as e:  # ssl.SSLError too
+            parser.error(f"cannot serve HTTPS with --ssl-certfile {args.ssl_certfile} (--ssl-keyfile "
+                         f"{args.ssl_keyfile}): {e}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser NAME")
     if args.async_scheduling and args.tensor_parallel_size > 1:
@@ -1612,7 +1657,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     # CORS outermost (vLLM has it inside its API-key check): a preflight never meets
     # the key check, and every answer a browser reads, a 401 included, has its headers.
     app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[cors_middleware(args), Middleware(EntryMiddleware, state=state)],
+                    middleware=[cors_middleware(args),
+                                Middleware(EntryMiddleware, state=state, root_path=args.root_path)],
                     exception_handlers={ApiError: _api_error_handler, HTTPException: _http_error_handler,
                                         Exception: _internal_error_handler})
     app.state.server = state
@@ -1646,14 +1692,17 @@ class EntryMiddleware:
     Starlette's BaseHTTPMiddleware, which would hide client disconnects from the
     handlers."""
 
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
+    def __init__(self, app, state: ServerState, root_path: str | None = None):
+        self.app, self.state, self.root_path = app, state, root_path
         self.api_keys = None if state.api_key is None else [k.encode() for k in state.api_key]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        root = self.root_path  # --root-path: the prefix goes once, here, so that routes and the key check agree
+        if root and (scope["path"] == root or scope["path"].startswith(root + "/")):
+            scope = {**scope, "path": scope["path"][len(root):] or "/"}
         # Any value, as vLLM takes it (a trace id such as Root=1-abc;x=y, a/b): echoed as sent,
         # and in the engine and the logs escaped where it is not printable (no forged log line).
         given = _header(scope, b"x-request-id")
@@ -1756,9 +1805,13 @@ def log_inputs(gen: "Generation", max_log_len: int | None) -> None:
 async def list_models(request: Request) -> Response:
     state = _state(request)
     created, info = int(time.time()), state.engine.describe()
+    permission = {"object": "model_permission", "created": created, "allow_create_engine": False,  # vLLM's defaults
+                  "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                  "allow_fine_tuning": False, "organization": "*", "group": None, "is_blocking": False}
     return json_response({"object": "list", "data": [
         {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
-         "root": info.model, "parent": None, "max_model_len": info.max_model_len}
+         "root": info.model, "parent": None, "max_model_len": info.max_model_len,
+         "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", **permission}]}
         for name in state.model_names]})
 
 
@@ -3284,25 +3337,31 @@ def banner(engine: LLMEngine, args: argparse.Namespace, url: str) -> str:
         f"  concurrency  {blocks / -(-max_len // block_size):.2f}x at max-model-len {max_len} "
         f"(max-num-seqs {args.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
         f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''}"
-        f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') else ''})",
+        f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') and not args.uds else ''})",
     ])
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
+def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
     """Bind before loading the model: a busy port fails fast, and port 0 is
-    resolved in time for the banner."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    resolved in time for the banner. ``uds``: a Unix socket instead (vLLM's --uds)."""
+    if uds is not None and Path(uds).is_socket():  # a previous run's, unless a server still answers on it
+        with socket.socket(socket.AF_UNIX) as probe:
+            if probe.connect_ex(uds) == 0:
+                raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+        os.unlink(uds)
+    family = socket.AF_UNIX if uds is not None else socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if uds is None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock.bind(uds or (host, port))
     except OSError:
         sock.close()
         raise
     return sock
 
 
-def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
+def configure_logging(level: str, uvicorn_level: str | None = None, quiet_paths: Iterable[str] = ()) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(LOG_FORMAT, LOG_DATE_FORMAT))
     root = logging.getLogger()
@@ -3311,6 +3370,14 @@ def configure_logging(level: str, uvicorn_level: str | None = None) -> None:
     logging.getLogger("nanoserve").setLevel(level.upper())
     logging.getLogger("uvicorn").setLevel(uvicorn.config.LOG_LEVELS[uvicorn_level or level])  # trace: 5
     logging.getLogger("uvicorn.error").addFilter(_cancellations_in_one_line)
+    quiet = frozenset(quiet_paths)
+    logging.getLogger("uvicorn.access").filters[:] = [functools.partial(_not_quiet, quiet)] if quiet else []
+
+
+def _not_quiet(quiet: frozenset[str], record: logging.LogRecord) -> bool:
+    """--disable-access-log-for-endpoints; uvicorn's access record is (client, method, path?query, version, status)."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) > 2 and str(args[2]).partition("?")[0] in quiet)
 
 
 def _cancellations_in_one_line(record: logging.LogRecord) -> bool:
@@ -3403,7 +3470,9 @@ class Server(uvicorn.Server):
             app, host=args.host, port=args.port, log_config=None, lifespan="on", http=H11WithTimeouts,
             timeout_graceful_shutdown=args.shutdown_timeout + DRAIN_GRACE_S,
             timeout_keep_alive=KEEP_ALIVE_TIMEOUT_S, limit_concurrency=connection_limit(),
-            access_log=not args.disable_uvicorn_access_log))
+            access_log=not args.disable_uvicorn_access_log, ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile, ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+            ssl_ciphers=args.ssl_ciphers))
         self.state: ServerState = app.state.server
         self.state.request_shutdown = self.request_exit
         self.drain_timeout = args.shutdown_timeout
@@ -3443,7 +3512,7 @@ class Server(uvicorn.Server):
 
 
 def serve(args: argparse.Namespace) -> int:
-    configure_logging(args.log_level, args.uvicorn_log_level)
+    configure_logging(args.log_level, args.uvicorn_log_level, args.disable_access_log_for_endpoints)
     for note in args.vllm_notes:
         logger.warning("[entry] %s", note)
     if args.api_key is not None:  # which source, never the key
@@ -3456,9 +3525,10 @@ def serve(args: argparse.Namespace) -> int:
             print(f"error: cannot run node {args.node_rank} of {args.model}: {e}", file=sys.stderr)
             return 1
     try:
-        sock = bind_socket(args.host, args.port)
+        sock = bind_socket(args.host, args.port, args.uds)
     except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        print(f"error: cannot listen on {args.uds or f'{args.host}:{args.port}'}: {e.strerror or e}",
+              file=sys.stderr)
         return 1
     executor = model_thread()  # every torch op of the engine runs here, its loading included
     try:
@@ -3470,11 +3540,12 @@ def serve(args: argparse.Namespace) -> int:
         executor.shutdown()
         return 1
     server = Server(build_app(AsyncLLM(engine, executor), args), args)
-    port = sock.getsockname()[1]
     shown = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(args.host, args.host)  # all interfaces: this machine's URL
     host = f"[{shown}]" if ":" in shown else shown
+    url = f"unix:{args.uds}" if args.uds else \
+        f"{'https' if args.ssl_certfile else 'http'}://{host}:{sock.getsockname()[1]}"
     sock.listen()  # the banner's URL takes connections (they wait for uvicorn's start-up, not refused)
-    print(banner(engine, args, f"http://{host}:{port}"), flush=True)
+    print(banner(engine, args, url), flush=True)
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:

@@ -71,22 +71,22 @@ def first_line(e: BaseException) -> str:
 
 # =========================================================================== config
 
-def resolve_model_dir(model: str | Path, revision: str | None = None) -> Path:
+def resolve_model_dir(model: str | Path, revision: str | None = None, download_dir: str | None = None) -> Path:
     """A model directory, or a Hugging Face hub id (``Qwen/Qwen3-0.6B``) as vLLM takes
-    one: found in the local Hugging Face cache, downloaded only when the hub is
-    reachable and ``HF_HUB_OFFLINE`` is not set."""
+    one: found in the local Hugging Face cache (``download_dir``, vLLM's, else the
+    default one), downloaded only when the hub is reachable and ``HF_HUB_OFFLINE`` is not set."""
     path, repo_id = Path(model), str(model)
     if path.is_dir() or repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
         return path
     from huggingface_hub import constants, snapshot_download
     try:  # the local cache first: no network for a model already there
-        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir, local_files_only=True))
     except Exception:  # noqa: BLE001 - not cached (huggingface_hub raises several kinds)
         if constants.HF_HUB_OFFLINE:
-            raise ModelLoadError(f"model {repo_id!r} is not a directory and not in the local Hugging Face "
-                                 f"cache ({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set") from None
+            raise ModelLoadError(f"model {repo_id!r} is not a directory and not in the local Hugging Face cache "
+                                 f"({download_dir or constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set") from None
     try:
-        return Path(snapshot_download(repo_id, revision=revision,
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=download_dir,
                                       allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as e:  # noqa: BLE001 - no network, no such repo, gated: say which
         raise ModelLoadError(f"model {repo_id!r} is not a directory, and downloading it from the Hugging "
@@ -152,7 +152,9 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            # as vLLM derives max_model_len: linear scaling stretches the context by its factor
+            max_position_embeddings=int(c.get("max_position_embeddings", 2048)
+                                        * (scaling["factor"] if scaling and scaling["rope_type"] == "linear" else 1)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -165,8 +167,8 @@ class ModelConfig:
         if self.sliding_window is not None and self.sliding_window < max_model_len:
             raise ModelLoadError(
                 f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which "
-                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less so "
-                f"that the window never takes effect")
+                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less (or, as "
+                f"vLLM's, --disable-sliding-window) so that the window never takes effect")
 
 
 def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -63,6 +63,13 @@ def test_no_graphs_on_cuda_with_kernels_that_sync():
         assert not kernels.TORCH.capture_safe and LLMEngine._decode_sizes(engine) == []
         engine.backend = dataclasses.replace(kernels.TORCH, capture_safe=True)  # as Triton's
         assert LLMEngine._decode_sizes(engine) == (sizes or cudagraph_capture_sizes(16))
+    # vLLM's --max-cudagraph-capture-size caps the default list (a list given is taken as it is)
+    from nanoserve.entry import engine_config, parse_args
+    engine.config = engine_config(parse_args(["--max-num-seqs", "64", "--max-cudagraph-capture-size", "20"]))
+    assert LLMEngine._decode_sizes(engine) == [1, 2, 4, 8, 16, 20]
+    engine.config.max_cudagraph_capture_size = 0
+    with pytest.raises(ValueError, match="max_cudagraph_capture_size must be >= 1"):
+        LLMEngine._decode_sizes(engine)
 
 
 @pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 16}],

@@ -412,3 +412,16 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
     assert logprobs[-1] == (3, m.config.vocab_size)
     with pytest.raises(ValueError, match=r"max_logprobs must be >= 0, or -1 .*, got -2"):
         EngineConfig(model="m", max_logprobs=-2)
+
+
+def test_a_sliding_window_is_refused_unless_max_model_len_keeps_inside_it(model_root):
+    """nanoserve has no sliding-window attention: a checkpoint that uses one serves only within its window,
+    which vLLM's --disable-sliding-window makes max_model_len's default (as vLLM caps it there)."""
+    path = make_model(model_root, "mistral", sliding_window=32)
+    kw = dict(dtype="float32", num_kv_blocks=16, enforce_eager=True)
+    with pytest.raises(ValueError, match=r"sliding-window attention \(window 32\).*--disable-sliding-window"):
+        LLM(str(path), **kw)
+    assert LLM(str(path), disable_sliding_window=True, **kw).engine.max_model_len == 32
+    assert LLM(str(path), max_model_len=24, **kw).engine.max_model_len == 24
+    with pytest.raises(ValueError, match="sliding-window"):  # as vLLM's: no longer than the window, even so
+        LLM(str(path), max_model_len=64, disable_sliding_window=True, **kw)

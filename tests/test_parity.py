@@ -202,6 +202,16 @@ def test_rope_scaling(variant, scaling, form):
     assert llm.engine.model_config.rope_scaling["rope_type"] == scaling["rope_type"]
 
 
+def test_linear_rope_scaling_stretches_the_context_as_vllms(variant):
+    """vLLM derives max_model_len for linear RoPE scaling as max_position_embeddings x factor (a 4k model
+    scaled 4x serves 16k): the default covers it, and logits past the unscaled limit match HF's."""
+    path = variant("llama", rope_parameters={**LINEAR, "rope_theta": 10000.0}, max_position_embeddings=16)
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.max_model_len == 64
+    ref = hf_logits(hf_model(path), LONG)  # 57 positions, most past 16
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), ref, atol=ATOL, rtol=ATOL)
+
+
 @pytest.mark.parametrize("form", ["rope_parameters", "legacy"])
 def test_rope_theta_read_from_both_config_forms(variant, form):
     path = variant("qwen2", rope_parameters={"rope_type": "default", "rope_theta": 500.0})

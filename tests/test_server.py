@@ -363,6 +363,9 @@ def test_models_health_version_tokenize(server, offline):
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == str(server.args.model)
     assert models["data"][0]["max_model_len"] == 256
+    perm = models["data"][0]["permission"]  # vLLM's ModelCard always has one ModelPermission
+    assert len(perm) == 1 and perm[0]["object"] == "model_permission" and perm[0]["id"].startswith("modelperm-")
+    assert (perm[0]["allow_sampling"], perm[0]["allow_logprobs"], perm[0]["allow_fine_tuning"]) == (True, True, False)
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/version").json()["version"]
     tok = httpx.post(server.url + "/tokenize", json={"prompt": "hello world"}).json()

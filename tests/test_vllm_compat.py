@@ -8,7 +8,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -292,6 +295,23 @@ def test_enable_log_requests_logs_the_prompt_up_to_max_log_len(vllm_server, capl
     assert "prompt_token_ids: [" in line
 
 
+def test_disable_access_log_for_endpoints():
+    """vLLM's --disable-access-log-for-endpoints: no access line for the paths named (their query aside)."""
+    paths = parse_args(["--disable-access-log-for-endpoints", "/health,/metrics"]).disable_access_log_for_endpoints
+    access = logging.getLogger("uvicorn.access")
+
+    def logged(path: str) -> bool:
+        record = access.makeRecord("uvicorn.access", logging.INFO, __file__, 0, '%s - "%s %s HTTP/%s" %d',
+                                   ("127.0.0.1:1", "GET", path, "1.1", 200), None)
+        return access.filter(record)
+    configure_logging("info", None, paths)
+    try:
+        assert not logged("/health") and not logged("/metrics?x=1") and logged("/v1/models") and logged("/healthz")
+    finally:
+        configure_logging("info")
+    assert logged("/health")
+
+
 def test_uvicorn_trace_level():
     configure_logging("info", parse_args(["--uvicorn-log-level", "trace"]).uvicorn_log_level)
     try:
@@ -309,12 +329,14 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"], ["--tokenizer-mode", "auto"],
          ["--chat-template-content-format", "string"], ["--response-role", "assistant"],
          ["--data-parallel-size", "1"], ["--api-server-count", "1"], ["--scheduling-policy", "fcfs"],
-         ["--enable-log-outputs"]]
+         ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"], ["--stream-interval", "1"],
+         ["--runner", "generate"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
-           ["--api-server-count", "4"], ["--scheduling-policy", "priority"]]
+           ["--api-server-count", "4"], ["--scheduling-policy", "priority"], ["--logprobs-mode", "processed_logprobs"],
+           ["--stream-interval", "8"], ["--runner", "pooling"]]
 
 
 def test_every_vllm_flag_of_the_table_is_tested():
@@ -358,6 +380,7 @@ def test_vllm_spellings_of_flags_and_token_counts():
     assert a.default_chat_template_kwargs == {"enable_thinking": False} and a.host == "0.0.0.0"  # vLLM's: all
     for text, want in (("4096", 4096), ("1.5M", 1572864), ("25.6k", 25600), ("auto", None), ("-1", None)):
         assert parse_args(["--max-model-len", text]).max_model_len == want, text
+    assert entry.engine_config(parse_args(["--num-gpu-blocks-override", "64"])).num_kv_blocks == 64  # vLLM's name
 
 
 def test_forced_usage_rides_every_stream(server):
@@ -378,12 +401,72 @@ def test_forced_usage_rides_every_stream(server):
 
 @pytest.mark.parametrize("flags", [["--allowed-origins", "*"], ["--allowed-origins", '"*"'],
                                    ["--allowed-headers", "[1]"], ["--max-logprobs", "-2"],
-                                   ["--max-model-len", "32q"], ["--override-generation-config", "[1]"]])
+                                   ["--max-model-len", "32q"], ["--override-generation-config", "[1]"],
+                                   ["--ssl-keyfile", "key.pem"], ["--ssl-certfile", "/no/such/cert.pem"]])
 def test_bad_values_are_one_line_errors(flags, capsys):
     with pytest.raises(SystemExit):
         parse_args(flags)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flags[0] in err, err
+
+
+def test_https_with_vllms_ssl_flags(tiny_model, tmp_path):
+    """--ssl-certfile and --ssl-keyfile, as vLLM's: the server speaks HTTPS (and plain HTTP no more)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a self-signed certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", cert,
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                   check=True, capture_output=True)
+    with ServerThread(tiny_model, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)) as s:
+        url = s.url.replace("http://", "https://")
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       verify=ssl.create_default_context(cafile=cert), timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(s.url + "/health", timeout=10)
+
+
+def test_root_path_behind_a_proxy(tiny_model):
+    """--root-path, as vLLM's (FastAPI's root_path): a proxy that keeps the prefix and one that strips it
+    both reach the API, and the key is asked for under the prefix too; the prefix goes only once."""
+    with ServerThread(tiny_model, "--root-path", "/llm/", "--api-key", KEY) as s:
+        for path in ("/llm/v1/models", "/v1/models"):
+            _check_error(httpx.get(s.url + path), 401, None)
+            assert httpx.get(s.url + path, headers=AUTH).json()["data"][0]["id"] == s.args.model, path
+        r = httpx.post(s.url + "/llm/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=AUTH, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        assert httpx.get(s.url + "/llm/health").status_code == 200
+        for path in ("/llm/llm/v1/models", "/llmv1/models"):
+            assert httpx.get(s.url + path, headers=AUTH).status_code == 404, path
+    assert parse_args(["--root-path", "/"]).root_path is None
+    with pytest.raises(SystemExit):
+        parse_args(["--root-path", "llm"])
+
+
+def test_a_unix_socket_with_vllms_uds(tiny_model, tmp_path):
+    """--uds PATH, as vLLM's: the server listens there instead of on a port (a stale socket file, a previous
+    run's, is replaced)."""
+    path = str(tmp_path / "nanoserve.sock")
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", str(tiny_model), "--uds", path, "--dtype", "float32",
+                             "--num-kv-blocks", "64", "--max-model-len", "256", "--uvicorn-log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        url = next((line.split()[1] for line in proc.stdout if line.strip().startswith("URL")), None)
+        assert url == f"unix:{path}", proc.stderr.read()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://localhost", timeout=60) as c:
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+        with pytest.raises(OSError, match="Address already in use"):  # a socket a server still answers on is kept
+            entry.bind_socket("", 0, path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
 
 
 def test_a_copied_vllm_serve_line_runs(tiny_model):
