@@ -6,6 +6,7 @@ cannot rot between the rare calls that run it for real. No timing is asserted.""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -124,3 +125,18 @@ def test_a_parity_mismatch_records_transformers_top2_gap(spec, monkeypatch):
     with torch.no_grad():
         top2 = hf(torch.tensor([prompt + m["want"][:2]])).logits[0, -1].topk(2).values
     assert m["hf_top2_logit_gap"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-4) and m["hf_top2_logit_gap"] > 0
+
+
+def test_cuda_tests_part_ignores_the_image_pytest_plugins(tmp_path, monkeypatch):
+    """On the device, the carried pytest sits beside the image's own plugins
+    (pytest-cov, xdist, ...), built for another pytest: one that breaks on import
+    must not fail the part. Here a plugin that raises stands in for them (the
+    CUDA tests themselves skip on the CPU)."""
+    (tmp_path / "broken_plugin.py").write_text("raise ImportError('built for another pytest')\n")
+    info = tmp_path / "broken_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pytest11]\nbroken = broken_plugin\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    res = gpu.part_cuda_tests(gpu.DRY, {})
+    assert res["ok"] and res["skipped"] > 0, res
