@@ -814,7 +814,7 @@ TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(1
 NEEDS_W1 = ("w1_graphs", "w1_eager", "w1_async", "breakdown", "hf_cb", "serve")
 
 
-def worker_main(name: str, spec_path: Path) -> int:
+def worker_main(name: str, spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     scale = Scale(**spec["scale"])
     try:
@@ -824,7 +824,12 @@ def worker_main(name: str, spec_path: Path) -> int:
         traceback.print_exc()
         res, code = dict(error=f"{type(e).__name__}: {e}"[:2000]), 1
     Path(spec["result"]).write_text(json.dumps(res, default=str))
-    return code
+    # Leave at once: a thread the part left running (transformers' generation loop is no daemon,
+    # and outlives mgr.stop's timeout after an error) would hold the process, and the budget,
+    # until the part's timeout. The orchestrator kills what the part started.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 # ============================================================================ orchestration

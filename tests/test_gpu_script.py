@@ -5,6 +5,7 @@ the RESULTS.md section are written from made-up results, so that the script
 cannot rot between the rare calls that run it for real. No timing is asserted."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -140,3 +141,26 @@ def test_cuda_tests_part_ignores_the_image_pytest_plugins(tmp_path, monkeypatch)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     res = gpu.part_cuda_tests(gpu.DRY, {})
     assert res["ok"] and res["skipped"] > 0, res
+
+
+def test_a_worker_leaves_when_its_result_is_written(tmp_path):
+    """A part that leaves a non-daemon thread running (transformers' generation
+    loop after an error) must not hold its process, and the run's budget, until
+    the part's timeout: the worker exits once its result is written."""
+    import subprocess
+    import textwrap
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(dict(scale=dataclasses.asdict(gpu.DRY), result=str(tmp_path / "result.json"))))
+    script = textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {str(gpu.HERE)!r})
+        import gpu
+        def part(scale, spec):
+            threading.Thread(target=threading.Event().wait).start()  # never ends, no daemon
+            raise RuntimeError("boom")
+        gpu.WORKERS["stuck"] = part
+        gpu.worker_main("stuck", gpu.Path({str(spec)!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["error"] == "RuntimeError: boom"
