@@ -164,3 +164,30 @@ def test_a_worker_leaves_when_its_result_is_written(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     assert json.loads((tmp_path / "result.json").read_text())["error"] == "RuntimeError: boom"
+
+
+def test_launch_syncs_counts_only_sync_warnings(spec, monkeypatch):
+    """w1_async's launch check counts the launches during which torch's sync debug
+    mode warned, not those that raised some other warning. (On the CPU the debug
+    mode cannot be set: the launches raise both kinds themselves here.)"""
+    import warnings
+
+    import torch
+
+    from nanoserve import LLM
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    llm = LLM(spec["models"]["tiny"]["qwen3"], dtype="float32", device="cpu", skip_tokenizer_init=True,
+              enforce_eager=True, async_scheduling=True)
+    launch, calls = llm.engine.runner.execute_model, []
+
+    def warning_launch(seqs):
+        calls.append(len(calls))
+        warnings.warn("some deprecation, not a sync", UserWarning)
+        if len(calls) % 3 == 0:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        return launch(seqs)
+    llm.engine.runner.execute_model = warning_launch
+    res = gpu._launch_syncs(llm, [[1 + i, 2, 3] for i in range(4)])
+    assert res["launches"] == len(calls) > 3
+    assert res["launches_that_synced"] == len(calls) // 3
+    assert res["first"] == ["called a synchronizing CUDA operation"]
