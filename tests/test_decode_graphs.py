@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from conftest import VOCAB, make_model
+from conftest import TRITON_INTERPRETER_CLASH, VOCAB, make_model
 from nanoserve import LLM, SamplingParams, kernels
 from nanoserve.model import SeqInput, cudagraph_capture_sizes
 
@@ -182,7 +182,8 @@ def test_async_scheduling_with_graphs_gives_the_normal_outputs(model, kw):
 
 
 
-@pytest.mark.skipif(kernels.TRITON is None, reason="triton is not installed")
+@pytest.mark.skipif(kernels.TRITON is None or TRITON_INTERPRETER_CLASH is not None,
+                    reason=TRITON_INTERPRETER_CLASH or "triton is not installed")
 def test_padded_decode_on_triton_splits_each_long_context(tiny_model, monkeypatch):
     """The GPU's decode path on the CPU: Triton's attention (interpreted) through
     the padded buffers, whose block tables span max_model_len. With partitions of

@@ -5,7 +5,9 @@ the RESULTS.md section are written from made-up results, so that the script
 cannot rot between the rare calls that run it for real. No timing is asserted."""
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -124,3 +126,68 @@ def test_a_parity_mismatch_records_transformers_top2_gap(spec, monkeypatch):
     with torch.no_grad():
         top2 = hf(torch.tensor([prompt + m["want"][:2]])).logits[0, -1].topk(2).values
     assert m["hf_top2_logit_gap"] == pytest.approx(float(top2[0] - top2[1]), abs=1e-4) and m["hf_top2_logit_gap"] > 0
+
+
+def test_cuda_tests_part_ignores_the_image_pytest_plugins(tmp_path, monkeypatch):
+    """On the device, the carried pytest sits beside the image's own plugins
+    (pytest-cov, xdist, ...), built for another pytest: one that breaks on import
+    must not fail the part. Here a plugin that raises stands in for them (the
+    CUDA tests themselves skip on the CPU)."""
+    (tmp_path / "broken_plugin.py").write_text("raise ImportError('built for another pytest')\n")
+    info = tmp_path / "broken_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pytest11]\nbroken = broken_plugin\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    res = gpu.part_cuda_tests(gpu.DRY, {})
+    assert res["ok"] and res["skipped"] > 0, res
+
+
+def test_a_worker_leaves_when_its_result_is_written(tmp_path):
+    """A part that leaves a non-daemon thread running (transformers' generation
+    loop after an error) must not hold its process, and the run's budget, until
+    the part's timeout: the worker exits once its result is written."""
+    import subprocess
+    import textwrap
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(dict(scale=dataclasses.asdict(gpu.DRY), result=str(tmp_path / "result.json"))))
+    script = textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {str(gpu.HERE)!r})
+        import gpu
+        def part(scale, spec):
+            threading.Thread(target=threading.Event().wait).start()  # never ends, no daemon
+            raise RuntimeError("boom")
+        gpu.WORKERS["stuck"] = part
+        gpu.worker_main("stuck", gpu.Path({str(spec)!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads((tmp_path / "result.json").read_text())["error"] == "RuntimeError: boom"
+
+
+def test_launch_syncs_counts_only_sync_warnings(spec, monkeypatch):
+    """w1_async's launch check counts the launches during which torch's sync debug
+    mode warned, not those that raised some other warning. (On the CPU the debug
+    mode cannot be set: the launches raise both kinds themselves here.)"""
+    import warnings
+
+    import torch
+
+    from nanoserve import LLM
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    llm = LLM(spec["models"]["tiny"]["qwen3"], dtype="float32", device="cpu", skip_tokenizer_init=True,
+              enforce_eager=True, async_scheduling=True)
+    launch, calls = llm.engine.runner.execute_model, []
+
+    def warning_launch(seqs):
+        calls.append(len(calls))
+        warnings.warn("some deprecation, not a sync", UserWarning)
+        if len(calls) % 3 == 0:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        return launch(seqs)
+    llm.engine.runner.execute_model = warning_launch
+    res = gpu._launch_syncs(llm, [[1 + i, 2, 3] for i in range(4)])
+    assert res["launches"] == len(calls) > 3
+    assert res["launches_that_synced"] == len(calls) // 3
+    assert res["first"] == ["called a synchronizing CUDA operation"]
