@@ -471,6 +471,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    sample_row: SampleRequest | None = None  # sample_request()'s, once nothing in it changes any more
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -499,17 +500,26 @@ class Request:
             p.presence_penalty == p.frequency_penalty == 0 and p.repetition_penalty == 1
 
     def sample_request(self) -> SampleRequest:
+        """Its row in a step's sampling. As vLLM's persistent batch keeps a request's sampling
+        state from step to step, the row is kept once nothing in it can change but the count of
+        placeholders (no grammar, no bad_words, no min_tokens ban left): it reads the live token lists."""
+        if (row := self.sample_row) is not None:
+            row.num_output_placeholders = self.num_output_placeholders
+            return row
         p = self.sampling_params
         banned: list[int] = []
         if len(self.output_token_ids) + self.num_output_placeholders < p.min_tokens:
-            banned = held_back_by_min_tokens(p, self.eos_token_ids)
+            banned = held_back_by_min_tokens(p, self.eos_token_ids)  # the count only grows: [] stays []
         if self.bad_words_token_ids:  # a word's last token is banned once the output ends in the rest of it
             out = self.output_token_ids
             banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
                        (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
         allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
-        return SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
-                             self.num_output_placeholders)
+        row = SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
+                            self.num_output_placeholders)
+        if not banned and not self.bad_words_token_ids and self.grammar is None:
+            self.sample_row = row
+        return row
 
     def prompt_logprob_ids(self, start: int, num_new_tokens: int) -> list[int] | None:
         """The prompt tokens whose logprobs a chunk of ``num_new_tokens`` from
@@ -1185,16 +1195,17 @@ class LLMEngine:
         seqs, prev_rows = [], None
         now = time.monotonic()
         for s in sched.scheduled:
-            req = s.request
+            req, start, num_new = s.request, s.start, s.num_new_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            token_ids, prev_row = req.token_ids[s.start:s.start + s.num_new_tokens], None
+            token_ids, prev_row = req.token_ids[start:start + num_new], None
             if not token_ids:  # async scheduling: its input is the token the step in flight samples
                 prev_rows = prev_rows or {x.request: i for i, x in enumerate(
                     x for x in in_flight.scheduled if x.samples)}
                 token_ids, prev_row = [0], prev_rows[req]
-            seqs.append(SeqInput(token_ids, s.start, s.block_table, req.sample_request() if s.samples else None,
-                                 req.prompt_logprob_ids(s.start, s.num_new_tokens),
+            seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.samples else None,
+                                 # only the request that skips the prefix cache computes prompt logprobs
+                                 req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache else None,
                                  req.sampling_params.prompt_logprobs or 0, prev_row))
         return seqs
 

@@ -157,43 +157,43 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # as vLLM: after a preemption, admit nothing new this step
             self._schedule_waiting(out, budget)
-        for s in out.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # Once per running request per step: locals, and the block manager asked once when the slots fit.
+        bm, running, scheduled = self.block_manager, self.running, out.scheduled
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            end = req.num_tokens
+        while i < len(running) and budget > 0:
+            req = running[i]
+            start, end = req.num_computed_tokens, len(req.token_ids)
             if req.num_output_placeholders:  # async scheduling (vLLM's num_output_placeholders): the token
                 # still on the device is computed next, but no position past the last one the request needs
                 end = min(end + req.num_output_placeholders, req.max_num_tokens - 1)
-            num_new = min(end - req.num_computed_tokens, budget)
+            num_new = min(end - start, budget)
             if num_new <= 0:  # its token in flight is its last: nothing more to compute
                 i += 1
                 continue
-            table = self._allocate_or_preempt(req, num_new, out)
-            if table is None:
+            table = bm.allocate_slots(req.request_id, req.token_ids, start + num_new)
+            if table is None and (table := self._preempt_until_fits(req, num_new, out)) is None:
                 break  # req itself was preempted: nothing after it is left to schedule
-            out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new, table,
-                                                  req.num_computed_tokens + num_new == end))
+            scheduled.append(ScheduledRequest(req, start, num_new, table, start + num_new == end))
+            req.num_computed_tokens = start + num_new  # victims are never scheduled ones: none reads it back
             budget -= num_new
             i += 1
         return budget
 
-    def _allocate_or_preempt(self, req: "Request", num_new: int, out: SchedulerOutput) -> list[int] | None:
+    def _preempt_until_fits(self, req: "Request", num_new: int, out: SchedulerOutput) -> list[int] | None:
         """Slots for ``num_new`` more tokens of ``req``, preempting the most recently
         admitted running requests (never one already scheduled: they come first)
         until they fit: its block table, or None when ``req`` itself had to go."""
         while True:
-            table = self.block_manager.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens + num_new)
-            if table is not None:
-                return table
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is req:
                 return None
+            table = self.block_manager.allocate_slots(req.request_id, req.token_ids, req.num_computed_tokens + num_new)
+            if table is not None:
+                return table
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         # No waiting request has a token in flight (async scheduling): one preempted with
@@ -211,7 +211,7 @@ class Scheduler:
             self.waiting.popitem(last=False)
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_computed  # reported for the first admission
-            req.num_computed_tokens = num_computed
+            req.num_computed_tokens = num_computed + num_new
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_computed, num_new, table,
