@@ -680,11 +680,11 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
     cpu_allocator_tuning: bool = True  # model.tune_process: THP, glibc malloc, oneDNN's caches
-    # Decode batch sizes replayed as CUDA graphs (None: vLLM's default list up to
-    # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
-    # path eagerly); enforce_eager turns them off.
+    # Decode batch sizes replayed as CUDA graphs (None: model.cudagraph_capture_sizes, vLLM's
+    # pattern, up to the most rows a decode step has, on CUDA; none on the CPU, where given
+    # sizes run the same padded path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int = 512  # vLLM's: the default list's largest size (at most max_num_seqs here)
+    max_cudagraph_capture_size: int = 512  # vLLM's: caps the default list (at most a decode step's rows here)
     disable_sliding_window: bool = False  # as vLLM's: max_model_len defaults to the window, which never acts then
     revision: str | None = None        # of a hub id (resolve_model_dir)
     download_dir: str | None = None    # as vLLM's: the Hugging Face cache hub ids are found in (None: the default)
@@ -925,8 +925,8 @@ class LLMEngine:
             return sizes
         if cfg.max_cudagraph_capture_size < 1:
             raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cfg.max_cudagraph_capture_size}")
-        return cudagraph_capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_capture_size) \
-            if self.device.type == "cuda" else []
+        rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)  # as vLLM's cap: one token per decode row
+        return cudagraph_capture_sizes(rows, cfg.max_cudagraph_capture_size) if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
         """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""

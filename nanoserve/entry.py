@@ -254,7 +254,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
-                        "--max-num-seqs, at most --max-cudagraph-capture-size)")
+                        "--max-num-seqs, at most --max-cudagraph-capture-size and --max-num-batched-tokens)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=512, metavar="N",
                    help="the largest decode batch size captured by default, as vLLM's")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
