@@ -690,11 +690,11 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
     cpu_allocator_tuning: bool = True  # model.tune_process: THP, glibc malloc, oneDNN's caches
-    # Decode batch sizes replayed as CUDA graphs (None: vLLM's default list up to
-    # max_num_seqs on CUDA, none on the CPU, where given sizes run the same padded
-    # path eagerly); enforce_eager turns them off.
+    # Decode batch sizes replayed as CUDA graphs (None: model.cudagraph_capture_sizes, vLLM's
+    # pattern, up to the most rows a decode step has, on CUDA; none on the CPU, where given
+    # sizes run the same padded path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int = 512  # vLLM's: the default list's largest size (at most max_num_seqs here)
+    max_cudagraph_capture_size: int = 512  # vLLM's: caps the default list (at most a decode step's rows here)
     disable_sliding_window: bool = False  # as vLLM's: max_model_len defaults to the window, which never acts then
     revision: str | None = None        # of a hub id (resolve_model_dir)
     download_dir: str | None = None    # as vLLM's: the Hugging Face cache hub ids are found in (None: the default)
@@ -719,6 +719,7 @@ class EngineConfig:
     node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
 
     def __post_init__(self) -> None:
+        self.device = None if self.device == "auto" else self.device  # vLLM's word for the engine's choice
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
         if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -731,6 +732,92 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
+
+
+# vLLM engine arguments (EngineArgs' fields: LLM() keywords, `vllm serve` flags) that nanoserve takes
+# without acting on them: name -> (type, the values taken (None: any), what nanoserve does instead). A
+# given one logs that line; any other value is refused with it, since taking it would change what is
+# served. The CLI makes a flag of each (entry.VLLM_FLAGS) but the ones it acts on itself.
+VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
+    "trust_remote_code": (bool, None, "nanoserve runs no code from a checkpoint: it implements each "
+                                      "architecture it serves itself"),
+    "enable_chunked_prefill": (bool, None, "prompts are always prefilled in chunks of at most max_num_batched_tokens, "
+                                           "which changes no output (raise it to prefill whole prompts in one step)"),
+    "kv_cache_dtype": (str, ("auto",), "the KV cache has the model's dtype (no fp8 KV cache)"),
+    "quantization": (str, (None,), "nanoserve serves unquantized checkpoints only (bf16, fp16 or fp32 safetensors)"),
+    "load_format": (str, ("auto", "safetensors"), "nanoserve loads safetensors weights only"),
+    "cpu_offload_gb": (float, (0,), "nanoserve keeps every weight on the device (no CPU offloading)"),
+    "pipeline_parallel_size": (int, (1,), "nanoserve has no pipeline parallelism; tensor_parallel_size splits a model"),
+    "data_parallel_size": (int, (1,), "one engine serves; start more behind a load balancer"),
+    "distributed_executor_backend": (str, (None, "mp", "uni"), "nanoserve starts a process per rank itself (across "
+                                     "machines: nnodes, node_rank, distributed_init_method)"),
+    "disable_custom_all_reduce": (bool, None, "tensor parallelism all-reduces with torch.distributed"),
+    "swap_space": (float, None, "a preempted request is recomputed, never swapped to CPU memory"),
+    "use_v2_block_manager": (bool, None, "nanoserve has one block manager (vLLM has dropped the argument)"),
+    "max_seq_len_to_capture": (int, None, "the decode CUDA graphs serve every context length up to max_model_len"),
+    "disable_async_output_proc": (bool, None, "outputs are processed on the loop thread after each step "
+                                              "(async_scheduling overlaps that with the next step)"),
+    "disable_log_stats": (bool, None, "the offline LLM logs no periodic stats (LLM.stats() reads the counters)"),
+    "tokenizer_mode": (str, ("auto", "hf"), "the tokenizer is Hugging Face's (tokenizer.json)"),
+    "tokenizer_revision": (str, (None,), "a tokenizer hub id is loaded at the model's revision"),
+    "hf_overrides": (dict, (None, {}), "nanoserve reads the checkpoint's config.json as it is"),
+    "scheduling_policy": (str, ("fcfs",), "requests are scheduled first come, first served"),
+    "logprobs_mode": (str, ("raw_logprobs",),
+                      "logprobs are the raw model distribution's, before penalties, bias and temperature"),
+    "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
+    "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
+}
+VLLM_RENAMED = {"num_gpu_blocks_override": "num_kv_blocks"}  # vLLM's name -> EngineConfig's
+
+
+def vllm_arg_note(given: str, value: Any, taken: tuple | None, note: str, kind: str = "argument") -> str:
+    """The line that a vLLM option taken without effect logs; ``given`` spells it as its user wrote it.
+    ValueError (that line, as why) where ``value`` is not one of ``taken``."""
+    if taken is not None and value not in taken:
+        raise ValueError(f"{given} is not supported: {note}")
+    return f"{given} (a vLLM {kind}) does nothing here: {note}"
+
+
+def engine_config_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfig:
+    """vLLM's ``LLM(model, **kwargs)`` as an EngineConfig: EngineConfig's fields (None: the default, as
+    vLLM's Optional arguments), VLLM_RENAMED, compilation_config's CUDA-graph sizes, and VLLM_ENGINE_ARGS
+    (each logs its note); anything else is a ValueError naming it, never a TypeError."""
+    fields = EngineConfig.__dataclass_fields__
+    unknown = sorted(set(kwargs) - set(fields) - set(VLLM_ENGINE_ARGS) - set(VLLM_RENAMED) - {"compilation_config"})
+    if unknown:  # vLLM has many more engine arguments: say which are not nanoserve's
+        raise ValueError(f"LLM() got argument(s) nanoserve does not have: {', '.join(unknown)}; it takes "
+                         f"{', '.join(f for f in fields if f != 'model')}, and vLLM's "
+                         f"{', '.join(VLLM_ENGINE_ARGS)} where they ask for what nanoserve does anyway")
+    taken: dict[str, Any] = {}
+    for name, value in [*kwargs.items(), *_compilation_config(kwargs.get("compilation_config")).items()]:
+        name = VLLM_RENAMED.get(name, name)
+        if name in VLLM_ENGINE_ARGS:
+            logger.info("[engine] %s", vllm_arg_note(f"{name}={value!r}", value, *VLLM_ENGINE_ARGS[name][1:]))
+        elif name == "compilation_config" or (value is None and fields[name].default is not None):
+            continue  # read just above; None: the default
+        elif name in taken:
+            raise ValueError(f"{name} is given twice (by compilation_config or vLLM's name, and by its own)")
+        else:
+            taken[name] = value
+    return EngineConfig(str(model), **taken)
+
+
+def _compilation_config(config: int | dict | None) -> dict[str, Any]:
+    """vLLM's compilation_config (an optimization level, or a dict): its CUDA-graph sizes as EngineConfig's
+    fields; its level (mode) is taken with a note, anything else is refused."""
+    if config is None or isinstance(config, int):
+        config = {} if config is None else {"level": config}
+    if not isinstance(config, dict):
+        raise ValueError(f"compilation_config must be an int (a level) or a dict, got {type(config).__name__}")
+    sizes = ("cudagraph_capture_sizes", "max_cudagraph_capture_size")
+    for key, value in config.items():
+        if key in ("level", "mode"):
+            logger.info("[engine] compilation_config's %s=%r (vLLM's torch.compile level) does nothing here: "
+                        "nanoserve picks its kernels itself (enforce_eager=True: the torch references)", key, value)
+        elif key not in sizes:
+            raise ValueError(f"compilation_config[{key!r}] is not supported: nanoserve takes only its "
+                             f"{' and '.join(sizes)} (and level or mode, which change nothing here)")
+    return {k: config[k] for k in sizes if k in config}
 
 
 @dataclass(slots=True)
@@ -848,8 +935,8 @@ class LLMEngine:
             return sizes
         if cfg.max_cudagraph_capture_size < 1:
             raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cfg.max_cudagraph_capture_size}")
-        return cudagraph_capture_sizes(cfg.max_num_seqs, cfg.max_cudagraph_capture_size) \
-            if self.device.type == "cuda" else []
+        rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)  # as vLLM's cap: one token per decode row
+        return cudagraph_capture_sizes(rows, cfg.max_cudagraph_capture_size) if self.device.type == "cuda" else []
 
     def _check_memory(self) -> None:
         """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""
@@ -1670,20 +1757,10 @@ def run_worker_node(config: EngineConfig) -> int:
 class LLM:
     """The offline API, as vLLM's ``LLM``: build once, ``generate`` many."""
 
-    def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
-                 max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, block_size: int = 16,
-                 enable_prefix_caching: bool = True, kv_cache_memory_bytes: int | None = None,
-                 num_kv_blocks: int | None = None, seed: int = 0, **kwargs: Any):
-        if kwargs.pop("trust_remote_code", False):  # as the CLI flag: taken, with nothing to trust
-            logger.info("[engine] trust_remote_code does nothing here: nanoserve runs no code from a checkpoint")
-        unknown = sorted(set(kwargs) - set(EngineConfig.__dataclass_fields__))
-        if unknown:  # vLLM has many more engine arguments: say which are not nanoserve's, not a TypeError
-            raise ValueError(f"LLM() got argument(s) nanoserve does not have: {', '.join(unknown)}; it takes "
-                             f"{', '.join(f for f in EngineConfig.__dataclass_fields__ if f != 'model')}")
-        self.engine = LLMEngine(EngineConfig(
-            str(model), dtype, device, max_model_len, max_num_seqs, max_num_batched_tokens,
-            block_size, enable_prefix_caching, kv_cache_memory_bytes, num_kv_blocks, seed=seed, **kwargs))
+    def __init__(self, model: str, **kwargs: Any):
+        """``kwargs``: EngineConfig's fields, and vLLM's engine arguments as ``engine_config_from_kwargs``
+        takes them (vLLM's ``LLM`` passes its keywords to EngineArgs)."""
+        self.engine = LLMEngine(engine_config_from_kwargs(model, kwargs))
 
     def get_tokenizer(self):
         return self.engine.tokenizer

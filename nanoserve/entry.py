@@ -76,8 +76,9 @@ from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_LOGPROBS, AsyncLLM, CompletionOutput,
                               EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob, REASONING_PARSERS,
                               RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
-                              StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, apply_chat_template, local_ranks,
-                              merge_deltas, model_thread, opens_reply, run_worker_node)
+                              StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
+                              apply_chat_template, local_ranks, merge_deltas, model_thread, opens_reply,
+                              run_worker_node, vllm_arg_note)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -169,44 +170,36 @@ def _dashes(arg: str) -> str:
 
 
 _ON_OFF = {"action": argparse.BooleanOptionalAction}
+_SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
+
+
+def _vllm_flag(name: str, kind: type) -> tuple[str, dict[str, Any]]:
+    """An engine argument of VLLM_ENGINE_ARGS as a flag: --name-with-dashes and its argparse keywords."""
+    kwargs = _ON_OFF if kind is bool else {"type": _json_object if kind is dict else kind,
+                                           "metavar": {int: "N", float: "N", dict: "JSON"}.get(kind, "VALUE")}
+    return "--" + name.replace("_", "-"), {"flags": _SHORT_FLAGS.get(name, []), **kwargs}
+
+
 # vLLM flags that a copied `vllm serve` line carries and nanoserve takes without acting on
 # them: the flag, its argparse keywords, the values taken (None: any), and what nanoserve
 # does instead, logged when the flag is given. Any other value stops start-up with that
-# line, since taking it would change what is served.
+# line, since taking it would change what is served. First the engine's arguments, which
+# LLM() takes too (engine.VLLM_ENGINE_ARGS; --disable-log-stats is the server's own flag),
+# then the server's.
 VLLM_FLAGS: list[tuple[str, dict[str, Any], tuple | None, str]] = [
-    ("--trust-remote-code", _ON_OFF, None,
-     "nanoserve runs no code from a checkpoint: it implements each architecture it serves itself"),
-    ("--enable-chunked-prefill", _ON_OFF, None, "prompts are always prefilled in chunks of at most "
-     "--max-num-batched-tokens, which changes no output (raise it to prefill whole prompts in one step)"),
-    ("--kv-cache-dtype", {"metavar": "DTYPE"}, ("auto",), "the KV cache has the model's --dtype (no fp8 KV cache)"),
-    ("--quantization", {"flags": ["-q"], "metavar": "METHOD"}, (),
-     "nanoserve serves unquantized checkpoints only (bf16, fp16 or fp32 safetensors)"),
-    ("--load-format", {"metavar": "FORMAT"}, ("auto", "safetensors"), "nanoserve loads safetensors weights only"),
-    ("--pipeline-parallel-size", {"flags": ["-pp"], "type": int, "metavar": "N"}, (1,),
-     "nanoserve has no pipeline parallelism; --tensor-parallel-size splits a model"),
-    ("--distributed-executor-backend", {"metavar": "BACKEND"}, ("mp", "uni"),
-     "nanoserve starts a process per rank itself (across machines: --nnodes, --node-rank, --distributed-init-method)"),
-    ("--disable-custom-all-reduce", _ON_OFF, None, "tensor parallelism all-reduces with torch.distributed"),
-    ("--swap-space", {"type": float, "metavar": "GiB"}, None,
-     "a preempted request is recomputed, never swapped to CPU memory"),
+    (*_vllm_flag(name, kind), taken, note) for name, (kind, taken, note) in VLLM_ENGINE_ARGS.items()
+    if name != "disable_log_stats"] + [
     ("--disable-log-requests", _ON_OFF, None, "prompts are logged only with --enable-log-requests; the "
      "line per finished request (its id and token counts) stays"),
     ("--disable-fastapi-docs", _ON_OFF, None, "nanoserve serves no /docs, /redoc or /openapi.json"),
     ("--enable-request-id-headers", _ON_OFF, None, "X-Request-Id is always echoed"),
     ("--disable-frontend-multiprocessing", _ON_OFF, None, "the HTTP server and the engine share one process"),
-    ("--tokenizer-mode", {"metavar": "MODE"}, ("auto", "hf"), "the tokenizer is Hugging Face's (tokenizer.json)"),
     ("--chat-template-content-format", {"metavar": "FORMAT"}, ("auto", "string"),
      "a message's text parts reach the template joined into one string"),
     ("--response-role", {"metavar": "ROLE"}, ("assistant",), "replies have the role assistant"),
-    ("--data-parallel-size", {"flags": ["-dp"], "type": int, "metavar": "N"}, (1,),
-     "one engine serves; start more servers behind a load balancer"),
     ("--api-server-count", {"type": int, "metavar": "N"}, (1,), "one process serves HTTP"),
-    ("--scheduling-policy", {"metavar": "POLICY"}, ("fcfs",), "requests are scheduled first come, first served"),
     ("--enable-log-outputs", _ON_OFF, None, "outputs are not logged (--enable-log-requests logs the prompts)"),
-    ("--logprobs-mode", {"metavar": "MODE"}, ("raw_logprobs",),
-     "logprobs are the raw model distribution's, before penalties, bias and temperature"),
     ("--stream-interval", {"type": int, "metavar": "N"}, (1,), "a stream sends each token as it is made"),
-    ("--runner", {"metavar": "RUNNER"}, ("auto", "generate"), "nanoserve runs generative models only"),
 ]
 
 
@@ -261,7 +254,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
-                        "--max-num-seqs, at most --max-cudagraph-capture-size)")
+                        "--max-num-seqs, at most --max-cudagraph-capture-size and --max-num-batched-tokens)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=512, metavar="N",
                    help="the largest decode batch size captured by default, as vLLM's")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
@@ -393,7 +386,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                              "does instead; a value it does not take stops start-up")
     for flag, kwargs, taken, note in VLLM_FLAGS:
         kwargs = dict(kwargs)
-        only = "" if taken is None else f" (takes only: {', '.join(map(str, taken))})" if taken else " (refused)"
+        shown = [str(t) for t in taken or () if t is not None]  # None: left out, which a flag cannot be
+        only = "" if taken is None else f" (takes only: {', '.join(shown)})" if shown else " (refused)"
         g.add_argument(*kwargs.pop("flags", []), flag, default=argparse.SUPPRESS, help=note + only, **kwargs)
     return p
 
@@ -454,9 +448,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             given = flag if value is True else f"--no-{flag[2:]}" if value is False else f"{flag} {value}"
-            if taken is not None and value not in taken:
-                parser.error(f"{given} is not supported: {note}")
-            args.vllm_notes.append(f"{given} (a vLLM flag) does nothing here: {note}")
+            try:
+                args.vllm_notes.append(vllm_arg_note(given, value, taken, note, "flag"))
+            except ValueError as e:
+                parser.error(str(e))
     args.api_key, args.api_key_from = api_keys(args.api_key)
     return args
 

@@ -1287,8 +1287,14 @@ PROMPT_LOGPROB_ROWS = 256  # rows of prompt logprobs computed at once (as many a
 
 
 def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]:
-    """vLLM's default list of decode batch sizes to capture: 1, 2, 4, then every
-    multiple of 8, up to max_num_seqs (itself included) and ``max_size``."""
+    """The decode batch sizes captured by default: 1, 2, 4, then every multiple of 8, up to
+    min(max_num_seqs, ``max_size``), itself included (the engine passes the most rows a decode
+    step has: max_num_seqs, or max_num_batched_tokens if smaller, which caps vLLM's list too).
+    vLLM's default list is the same up to 256; past it vLLM steps by 16, and it ends at
+    min(2 x max_num_seqs, 512) whether or not max_num_seqs is on it: its sizes count a step's
+    tokens (its piecewise graphs serve prefill chunks too, and speculative decoding has several
+    tokens a sequence), while the graphs here are decode-only, one row per sequence: a larger one
+    would never replay, and a full batch (up to max_size) gets its own."""
     limit = min(max_num_seqs, max_size)
     return sorted({s for s in [1, 2, 4, *range(8, limit + 1, 8)] if s <= limit} | {limit})
 

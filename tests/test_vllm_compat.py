@@ -330,13 +330,16 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--chat-template-content-format", "string"], ["--response-role", "assistant"],
          ["--data-parallel-size", "1"], ["--api-server-count", "1"], ["--scheduling-policy", "fcfs"],
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"], ["--stream-interval", "1"],
-         ["--runner", "generate"]]
+         ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
+         ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"], ["--hf-overrides", "{}"],
+         ["--task", "generate"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
            ["--api-server-count", "4"], ["--scheduling-policy", "priority"], ["--logprobs-mode", "processed_logprobs"],
-           ["--stream-interval", "8"], ["--runner", "pooling"]]
+           ["--stream-interval", "8"], ["--runner", "pooling"], ["--cpu-offload-gb", "2.5"],
+           ["--tokenizer-revision", "v2"], ["--task", "embed"]]
 
 
 def test_every_vllm_flag_of_the_table_is_tested():
@@ -497,3 +500,67 @@ def test_a_copied_vllm_serve_line_runs(tiny_model):
     for flag in ("--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill",
                  "--kv-cache-dtype auto", "--swap-space 4.0"):
         assert f"WARNING [entry] {flag} (a vLLM flag) does nothing here" in err, (flag, err)
+
+
+# =========================================================================== LLM(): the same vLLM arguments offline
+
+# a vLLM offline script's LLM(...) keywords: every one of VLLM_ENGINE_ARGS at a value that asks for what
+# nanoserve does, beside the ones it honours (None: the default, as vLLM's Optional arguments)
+VLLM_LLM_KWARGS = dict(
+    dtype="float32", gpu_memory_utilization=0.9, swap_space=4, enable_chunked_prefill=True, disable_log_stats=True,
+    quantization=None, kv_cache_dtype="auto", max_model_len=256, trust_remote_code=False, enforce_eager=False,
+    seed=None, tokenizer_mode="auto", tensor_parallel_size=1, max_num_seqs=None, max_num_batched_tokens=None,
+    block_size=None, enable_prefix_caching=None, revision=None, tokenizer=None, download_dir=None,
+    generation_config="vllm", max_logprobs=5, disable_custom_all_reduce=False, distributed_executor_backend=None,
+    compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2]}, cpu_offload_gb=0, load_format="auto",
+    max_seq_len_to_capture=8192, use_v2_block_manager=True, disable_async_output_proc=False, tokenizer_revision=None,
+    hf_overrides={}, scheduling_policy="fcfs", logprobs_mode="raw_logprobs", runner="auto", task="generate",
+    pipeline_parallel_size=1, data_parallel_size=1, num_gpu_blocks_override=64, device="auto")
+
+
+def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
+    """(a) honoured (vLLM's names and Optional None included), (b) taken with one note each, and the
+    outputs are those of the same engine built with nanoserve's own arguments."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.engine import VLLM_ENGINE_ARGS
+    assert set(VLLM_ENGINE_ARGS) <= set(VLLM_LLM_KWARGS)
+    with caplog.at_level(logging.INFO, logger="nanoserve.engine"):
+        llm = LLM(str(tiny_model), **VLLM_LLM_KWARGS)
+    cfg = llm.engine.config
+    assert (cfg.seed, cfg.max_num_seqs, cfg.block_size, cfg.enable_prefix_caching, cfg.enforce_eager) == \
+        (0, 256, 16, True, False)  # None: the default
+    assert (cfg.num_kv_blocks, cfg.cudagraph_capture_sizes, cfg.max_logprobs, cfg.device) == (64, [1, 2], 5, None)
+    for name in VLLM_ENGINE_ARGS:
+        notes = [m for m in caplog.messages if m.startswith(f"[engine] {name}=")]
+        assert len(notes) == 1 and " (a vLLM argument) does nothing here: " in notes[0], (name, notes)
+    assert sum("compilation_config's level=3" in m for m in caplog.messages) == 1
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = LLM(str(tiny_model), dtype="float32", max_model_len=256, num_kv_blocks=64, max_logprobs=5,
+                generation_config="vllm", cudagraph_capture_sizes=[1, 2])
+    outs = [m.generate(["The quick brown", "hello"], greedy, use_tqdm=False) for m in (llm, plain)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"quantization": "awq"}, "quantization='awq' is not supported: nanoserve serves unquantized"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported: the KV cache has the model's dtype"),
+    ({"load_format": "pt"}, "load_format='pt' is not supported: "),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported: nanoserve has no pipeline"),
+    ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported: "),
+    ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported: nanoserve keeps every weight on the device"),
+    ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported: "),
+    ({"hf_overrides": {"rope_theta": 1e6}}, "hf_overrides={'rope_theta': 1000000.0} is not supported: "),
+    ({"task": "embed"}, "task='embed' is not supported: nanoserve runs generative models only"),
+    ({"compilation_config": {"cudagraph_mode": "FULL"}}, "compilation_config['cudagraph_mode'] is not supported"),
+    ({"compilation_config": "3"}, "compilation_config must be an int (a level) or a dict, got str"),
+    ({"num_kv_blocks": 8, "num_gpu_blocks_override": 8}, "num_kv_blocks is given twice"),
+    ({"compilation_config": {"max_cudagraph_capture_size": 8}, "max_cudagraph_capture_size": 8},
+     "max_cudagraph_capture_size is given twice"),
+    ({"enable_lora": True, "speculative_config": {}}, "nanoserve does not have: enable_lora, speculative_config;"),
+], ids=lambda v: str(v)[:40] if isinstance(v, dict) else "")
+def test_vllm_arguments_llm_cannot_honour_are_refused(tiny_model, kwargs, why):
+    """(c) a ValueError naming the argument and why, before any loading; never a TypeError."""
+    from nanoserve import LLM
+    with pytest.raises(ValueError) as e:
+        LLM(str(tiny_model), dtype="float32", **kwargs)
+    assert why in str(e.value), str(e.value)
