@@ -955,15 +955,17 @@ class LLMEngine:
         self.check_prompt_length(len(token_ids))  # before the per-token checks: they cost as much as the list
         self._check_token_ids("prompt", token_ids)
 
-    def check_prompt_length(self, num_tokens: int) -> None:
-        """Also before there is a list: the server counts a huge body's token ids in its bytes."""
+    def check_prompt_length(self, num_tokens: int, output_tokens: int = 1) -> None:
+        """Also before there is a list: the server counts a huge body's token ids in its bytes. A prompt
+        only counted (Anthropic's count_tokens) needs no ``output_tokens`` beside it, as in vLLM's."""
         if not num_tokens:
             raise InvalidInput("prompt", "the prompt is empty: give at least one token")
-        if num_tokens >= self.max_model_len:
+        if num_tokens + output_tokens > self.max_model_len:
             # vLLM's wording: clients match "maximum context length" to detect an overflow
+            also = " (at least one output token must also fit)" if output_tokens else ""
             raise InvalidInput("prompt", f"This model's maximum context length is {self.max_model_len} tokens. "
                                          f"However, your request has {num_tokens} input tokens. Please reduce the "
-                                         f"length of the prompt (at least one output token must also fit).")
+                                         f"length of the prompt{also}.")
 
     def validate_params(self, params: SamplingParams) -> tuple[Any, list[list[int]]]:
         """Check ``params`` against this model (raises InvalidInput); returns the

@@ -3124,13 +3124,15 @@ async def create_message(request: Request) -> Response:
 
 
 async def count_message_tokens(request: Request) -> Response:
-    """The prompt's tokens as the chat path renders them (vLLM's count_tokens)."""
+    """The prompt's tokens as the chat path renders them (vLLM's count_tokens): a prompt that no message could
+    send (over max_model_len, output aside, as vLLM's) is the same 400 as on /v1/messages, its count in it."""
     state, request_id = _state(request), _request_id(request)
     req = await read_json(request, state, lambda body: translate(
         parse_body(AnthropicCountTokensRequest, body, request_id), AnthropicChatRequest, request_id))
     check_model(req, state)
     try:
         _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req), req.add_special_tokens))
+        state.engine.check_prompt_length(len(ids), output_tokens=0)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})
