@@ -63,6 +63,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -1555,8 +1556,20 @@ def cors_middleware(args: argparse.Namespace) -> Middleware:
     if args.allow_credentials and "*" in args.allowed_origins:  # starlette then echoes any Origin back
         logger.warning("[entry] --allow-credentials with --allowed-origins '[\"*\"]': any web site may make "
                        "credentialed requests here and read the answers (as with vLLM); name the origins")
-    return Middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+    return Middleware(CORS, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                       allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+
+
+class CORS(CORSMiddleware):
+    """starlette's, but over the connection limit a preflight gets the 503 too (with CORS's headers, as any
+    answer), as uvicorn's limit refuses every request before the app: OK to a preflight promised a request
+    that would be refused."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and "nanoserve.refused" in scope:
+            await self.simple_response(scope, receive, send, request_headers=Headers(scope=scope))
+        else:
+            await super().__call__(scope, receive, send)
 
 
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:

@@ -463,11 +463,16 @@ def test_over_the_connection_limit_is_a_503_in_the_error_shape(server):
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         anthropic = httpx.post(server.url + "/v1/messages", json={})
+        # a browser's preflight too (as uvicorn's limit): not an OK for a request that would be refused
+        preflight = httpx.options(server.url + "/v1/completions", headers={
+            "Origin": "http://page.example", "Access-Control-Request-Method": "POST"})
     finally:
         config.limit_concurrency = limit
+    assert "connections" in _check_error(preflight, 503, None)["message"]
+    assert preflight.headers["access-control-allow-origin"] == "*"  # the browser may read why
     assert "connections" in _check_error(r, 503, None)["message"] and r.headers["connection"] == "close"
     assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "api_error"
-    assert r.headers["x-request-id"] and _metrics(server.url)[key] == rejected + 2  # counted as every rejection
+    assert r.headers["x-request-id"] and _metrics(server.url)[key] == rejected + 3  # counted as every rejection
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
     server.wait_idle()
 
