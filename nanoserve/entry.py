@@ -89,6 +89,8 @@ MAX_N = 128                          # completions per prompt (n)
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 MAX_JSON_DEPTH = 128                 # a body's nesting: deeper, json, jinja or xgrammar downstream may recurse too far
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
+MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish on their threads; more: 503 until they end
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
 # how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999)
 _NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}")
@@ -1518,10 +1520,10 @@ class ServerState:
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
-    # Structured-output grammars compile here: a large one takes seconds, and tokenizing the
-    # requests behind it must not wait for it.
-    grammar_thread: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar"))
+    # Structured-output grammars compile one at a time (compile_grammar), not on the tokenizer thread:
+    # a large one takes seconds, and tokenizing the requests behind it must not wait for it.
+    grammar_turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    overdue_compiles: int = 0  # past GRAMMAR_COMPILE_TIMEOUT_S (or left by their client), still running
     chat_template: str | None = None                     # --chat-template
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
@@ -1540,8 +1542,35 @@ class ServerState:
     def engine(self) -> LLMEngine:
         return self.async_llm.engine
 
-    async def off_loop(self, fn: Callable[..., Any], *args: Any, pool: str = "tokenizer_thread") -> Any:
-        return await asyncio.get_running_loop().run_in_executor(getattr(self, pool), fn, *args)
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """``spec`` compiled ahead, off the loop (the engine's add_request finds it cached), within
+        GRAMMAR_COMPILE_TIMEOUT_S. xgrammar cannot stop a compile, and a 40-byte schema can take minutes (a
+        pattern's a{50000}: the time grows as the count squared): one past its limit, or left by its client,
+        finishes on its own daemon thread, holding up neither the next compile nor the exit."""
+        async with self.grammar_turn:
+            if self.overdue_compiles >= MAX_OVERDUE_COMPILES:
+                raise ApiError(503, f"the server is still compiling {self.overdue_compiles} grammars that went past "
+                                    f"the limit: retry later", headers={"Retry-After": "1"})
+            future = on_daemon_thread("nanoserve-grammar", self.engine.structured_outputs.compile, spec)
+            try:
+                done, _ = await asyncio.wait({future}, timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+            finally:
+                if not future.done():
+                    self.overdue_compiles += 1
+                    future.add_done_callback(self._overdue_compile_ended)
+        if not done:
+            raise InvalidInput("structured_outputs", f"structured_outputs.{spec.given()[0]} did not compile within "
+                                                     f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s: simplify it (large "
+                                                     f"repetition counts such as {{1000}} in a schema's pattern, "
+                                                     f"many alternatives, a very large schema)")
+        future.result()  # InvalidInput where it cannot be compiled
+
+    def _overdue_compile_ended(self, future: asyncio.Future) -> None:
+        self.overdue_compiles -= 1
+        future.exception()  # read, or asyncio logs it as never retrieved
 
     def end_all(self, why: str) -> None:
         """The drain timeout: what is still in flight ends now, each stream with
@@ -1549,6 +1578,29 @@ class ServerState:
         if self.generations:
             logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(self.generations))
         self.async_llm.fail_all(EngineDeadError(why))
+
+
+def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """fn(*args) on a daemon thread of its own, as a future of the running loop: unlike an executor's
+    thread, one that never ends does not hold up the process's exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = True, fn(*args)
+        except Exception as e:
+            outcome = False, e
+        with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+            loop.call_soon_threadsafe(settle, *outcome)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
 
 
 def cors_middleware(args: argparse.Namespace) -> Middleware:
@@ -1603,7 +1655,6 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                 gen.close("shutdown")
             await async_llm.shutdown()
             state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            state.grammar_thread.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
@@ -1988,9 +2039,8 @@ class Generation:
             gen = cls(state, request_id, req, params)
             check_queue(state, req, gen.params.n)
             prompts = await state.off_loop(gen.process_prompts)
-            if gen.params.structured_outputs is not None:  # compiled here, off the loop; the engine's
-                await state.off_loop(state.engine.structured_outputs.compile,  # add_request finds it cached
-                                     gen.params.structured_outputs, pool="grammar_thread")
+            if gen.params.structured_outputs is not None:
+                await state.compile_grammar(gen.params.structured_outputs)
             for prompt in prompts:
                 gen.check_length(len(prompt.token_ids))
             check_queue(state, req, gen.params.n)  # again: others may have queued meanwhile
