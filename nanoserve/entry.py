@@ -86,6 +86,7 @@ HEADER_TIMEOUT_S = 10.0              # a connection must send a request's header
 KEEP_ALIVE_TIMEOUT_S = 5.0           # an idle keep-alive connection is closed after this
 DRAIN_GRACE_S = 5.0                  # after the drain timeout: for streams to send their last event
 MAX_N = 128                          # completions per prompt (n)
+MAX_STOP_WORDS = 1024                # stop strings, bad_words: each step of a request checks them all, on the loop
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 MAX_JSON_DEPTH = 128                 # a body's nesting: deeper, json, jinja or xgrammar downstream may recurse too far
@@ -444,7 +445,8 @@ def load_chat_template(value: str) -> str:
 # OpenAI's request bodies as pydantic models, as vLLM's protocol.py has them:
 # types and defaults here, in pydantic's lax mode as vLLM's ("5" and 5.0 are 5,
 # 1 and "true" are true; 2.5 is no integer; numbers finite; null is the default);
-# value ranges in SamplingParams, except the server's own (logit_bias clamped to [-100, 100], n <= MAX_N: here), so
+# value ranges in SamplingParams, except the server's own (logit_bias clamped to [-100, 100], n <= MAX_N,
+# MAX_STOP_WORDS: here), so
 # both share one rule, and an engine error is reported under the body's own field name
 # (param_name). Every declared field is used or refused, and so is every other
 # field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
@@ -622,6 +624,14 @@ class GenerationRequest(OpenAIBaseModel):
             if not re.fullmatch(r"\d{1,9}", key):
                 raise ValueError(f"logit_bias keys must be token ids, got {show(key)}")
         return {key: min(100.0, max(-100.0, bias)) for key, bias in v.items()}  # clamped, as vLLM's from_optional
+
+    @field_validator("stop", "bad_words")
+    @classmethod
+    def _few_words(cls, v: Any, info) -> Any:
+        if isinstance(v, list) and len(v) > MAX_STOP_WORDS:
+            raise ValueError(f"{info.field_name} must hold at most {MAX_STOP_WORDS} strings (each step of the request "
+                             f"checks them all), got {len(v)}")
+        return v
 
     @field_validator("structured_outputs", mode="before")
     @classmethod
@@ -2977,7 +2987,7 @@ class AnthropicCountTokensRequest(OpenAIBaseModel):
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     """Anthropic's Messages body (vLLM's AnthropicMessagesRequest)."""
     max_tokens: int = Field(gt=0)  # required, as Anthropic's
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_WORDS)
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: int | None = None
