@@ -86,7 +86,7 @@ HEADER_TIMEOUT_S = 10.0              # a connection must send a request's header
 KEEP_ALIVE_TIMEOUT_S = 5.0           # an idle keep-alive connection is closed after this
 DRAIN_GRACE_S = 5.0                  # after the drain timeout: for streams to send their last event
 MAX_N = 128                          # completions per prompt (n)
-MAX_STOP_WORDS = 1024                # stop strings, bad_words: each step of a request checks them all, on the loop
+MAX_STOP_WORDS = 1024                # stop, stop_token_ids, bad_words: each step of a request checks all, on the loop
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 MAX_JSON_DEPTH = 128                 # a body's nesting: deeper, json, jinja or xgrammar downstream may recurse too far
@@ -625,11 +625,11 @@ class GenerationRequest(OpenAIBaseModel):
                 raise ValueError(f"logit_bias keys must be token ids, got {show(key)}")
         return {key: min(100.0, max(-100.0, bias)) for key, bias in v.items()}  # clamped, as vLLM's from_optional
 
-    @field_validator("stop", "bad_words")
+    @field_validator("stop", "stop_token_ids", "bad_words")
     @classmethod
     def _few_words(cls, v: Any, info) -> Any:
         if isinstance(v, list) and len(v) > MAX_STOP_WORDS:
-            raise ValueError(f"{info.field_name} must hold at most {MAX_STOP_WORDS} strings (each step of the request "
+            raise ValueError(f"{info.field_name} must hold at most {MAX_STOP_WORDS} entries (each step of the request "
                              f"checks them all), got {len(v)}")
         return v
 

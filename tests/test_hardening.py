@@ -292,18 +292,20 @@ def test_lone_surrogates_offline_are_a_value_error(offline_small):
 
 
 def test_stop_strings_and_bad_words_are_bounded_in_number(server):
-    """Each step of a request checks all its stop strings (and bad words) on the event loop: a million of them
-    (8 MB of body) held the loop for seconds a step, /health and every stream with it."""
-    many = [f"zz{i}" for i in range(entry.MAX_STOP_WORDS + 1)]
+    """Each step of a request checks all its stop strings, stop_token_ids (and bad words) on the event loop: a
+    million of them (a few MB of body) held the loop for seconds a step, /health and every stream with it."""
+    many, ids = [f"zz{i}" for i in range(entry.MAX_STOP_WORDS + 1)], [5] * (entry.MAX_STOP_WORDS + 1)
     for path, body, param in (("/v1/completions", {"prompt": "hi", "stop": many}, "stop"),
+                              ("/v1/completions", {"prompt": "hi", "stop_token_ids": ids}, "stop_token_ids"),
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                         "bad_words": many}, "bad_words")):
         err = _check_error(_post(server.url, body, path), 400, param)
-        assert err["message"].startswith(f"{param} must hold at most {entry.MAX_STOP_WORDS} strings"), err
+        assert err["message"].startswith(f"{param} must hold at most {entry.MAX_STOP_WORDS} entries"), err
     r = _post(server.url, {"model": "", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
                            "stop_sequences": many}, "/v1/messages")
     assert r.status_code == 400 and "stop_sequences" in r.json()["error"]["message"], r.text
-    r = _post(server.url, {"prompt": "hi", "max_tokens": 1, "stop": many[1:], "bad_words": many[1:]})
+    r = _post(server.url, {"prompt": "hi", "max_tokens": 1, "stop": many[1:], "bad_words": many[1:],
+                           "stop_token_ids": ids[1:]})
     assert r.status_code == 200, r.text
     server.wait_idle()
 
