@@ -2076,7 +2076,8 @@ class Generation:
         """On the tokenizer thread: render, tokenize and check every prompt."""
         req = self.req
         prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
-                                                    req.truncation_side) for p in self.prompt_inputs()]
+                                                    req.truncation_side, self.params.max_tokens)
+                   for p in self.prompt_inputs()]
         for p in prompts:
             p.cache_salt = req.cache_salt
         self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
@@ -2844,8 +2845,6 @@ class ResponsesGeneration(ChatGeneration):
         return translate(src, ResponsesChatRequest, request_id)
 
     def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
-        if req._source.truncation == "auto":  # as vLLM's: the prompt's last tokens that leave max_output_tokens
-            req.truncate_prompt_tokens = max(1, state.engine.max_model_len - (req.max_completion_tokens or 1))
         super().__init__(state, request_id, req, params)
         self.src: ResponsesRequest = req._source
 

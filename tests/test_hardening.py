@@ -310,6 +310,19 @@ def test_stop_strings_and_bad_words_are_bounded_in_number(server):
     server.wait_idle()
 
 
+
+def test_truncating_to_fit_fits(server, offline_small):
+    """truncate_prompt_tokens -1 keeps the prompt's last tokens that leave max_tokens (at least one) to the
+    output, as vLLM's: it kept max_model_len of them, which no request can have, so it was always a 400."""
+    limit = server.engine.max_model_len
+    for body, kept in (({"max_tokens": 3}, limit - 3), ({}, limit - 16)):  # completions' default max_tokens
+        r = _post(server.url, {"prompt": [5] * (limit + 50), "truncate_prompt_tokens": -1, **body})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == kept, r.text
+    out = offline_small.generate([[5] * 100], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert len(out[0].prompt_token_ids) == offline_small.engine.max_model_len - 4
+    server.wait_idle()
+
+
 # =========================================================================== the queue counts engine requests
 
 def test_max_queue_len_counts_prompts_times_n(tiny_model):
