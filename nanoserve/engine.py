@@ -1681,6 +1681,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or self.get_default_sampling_params() for p in params]
+        if wrong := next((p for p in params if not isinstance(p, SamplingParams)), None):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(wrong).__name__}")
         engine = self.engine
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens)  # all before any
                   for prompt, p in zip(prompts, params)]
