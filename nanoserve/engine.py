@@ -130,7 +130,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # each prompt token's logprob + the top-N (as logprobs)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: all that leave max_tokens)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # taken as vLLM's: fast tokenizers decode as they do anyway
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
@@ -1043,14 +1043,17 @@ class LLMEngine:
         return self.tokenizer.decode(list(token_ids))
 
     def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, truncate_prompt_tokens: int | None = None,
-                       add_special_tokens: bool = True, truncation_side: str = "left") -> TokenizedPrompt:
+                       add_special_tokens: bool = True, truncation_side: str = "left",
+                       max_tokens: int | None = None) -> TokenizedPrompt:
         """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
-        or the first with truncation_side "right"; -1: max_model_len) and
-        validate (raises InvalidInput); safe off the loop thread."""
+        or the first with truncation_side "right"; -1: as many as leave ``max_tokens``,
+        at least one, to the output) and validate (raises InvalidInput); safe off the loop thread."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
         text, token_ids = self.tokenize(prompt, add_special_tokens)
-        keep = self.max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+        keep = truncate_prompt_tokens
+        if keep == -1:  # as vLLM's: all that fits beside the output (it was max_model_len, which never fits)
+            keep = max(1, self.max_model_len - (max_tokens or 1))
         if keep is not None and len(token_ids) > keep:
             token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
             text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
@@ -1061,15 +1064,17 @@ class LLMEngine:
         self.check_prompt_length(len(token_ids))  # before the per-token checks: they cost as much as the list
         self._check_token_ids("prompt", token_ids)
 
-    def check_prompt_length(self, num_tokens: int) -> None:
-        """Also before there is a list: the server counts a huge body's token ids in its bytes."""
+    def check_prompt_length(self, num_tokens: int, output_tokens: int = 1) -> None:
+        """Also before there is a list: the server counts a huge body's token ids in its bytes. A prompt
+        only counted (Anthropic's count_tokens) needs no ``output_tokens`` beside it, as in vLLM's."""
         if not num_tokens:
             raise InvalidInput("prompt", "the prompt is empty: give at least one token")
-        if num_tokens >= self.max_model_len:
+        if num_tokens + output_tokens > self.max_model_len:
             # vLLM's wording: clients match "maximum context length" to detect an overflow
+            also = " (at least one output token must also fit)" if output_tokens else ""
             raise InvalidInput("prompt", f"This model's maximum context length is {self.max_model_len} tokens. "
                                          f"However, your request has {num_tokens} input tokens. Please reduce the "
-                                         f"length of the prompt (at least one output token must also fit).")
+                                         f"length of the prompt{also}.")
 
     def validate_params(self, params: SamplingParams) -> tuple[Any, list[list[int]]]:
         """Check ``params`` against this model (raises InvalidInput); returns the
@@ -1135,7 +1140,7 @@ class LLMEngine:
         the prompt's blocks through the prefix cache); returns its id. ``output_kind``
         says what step() reports of it (RequestOutputKind)."""
         params = params or SamplingParams()
-        prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
+        prompt = self.process_prompt(prompt, params.truncate_prompt_tokens, max_tokens=params.max_tokens)
         return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind)
 
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
@@ -1774,8 +1779,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         params = [p or self.get_default_sampling_params() for p in params]
+        if wrong := next((p for p in params if not isinstance(p, SamplingParams)), None):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(wrong).__name__}")
         engine = self.engine
-        inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens)  # validate all before queueing any
+        inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens)  # all before any
                   for prompt, p in zip(prompts, params)]
         checked = [engine.validate_params(p) for p in params]  # (grammar, bad_words) each
         ids = [engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY)

@@ -64,6 +64,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError, field_validator,
                       model_validator)
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
@@ -87,9 +88,12 @@ HEADER_TIMEOUT_S = 10.0              # a connection must send a request's header
 KEEP_ALIVE_TIMEOUT_S = 5.0           # an idle keep-alive connection is closed after this
 DRAIN_GRACE_S = 5.0                  # after the drain timeout: for streams to send their last event
 MAX_N = 128                          # completions per prompt (n)
+MAX_STOP_WORDS = 1024                # stop, stop_token_ids, bad_words: each step of a request checks all, on the loop
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 MAX_JSON_DEPTH = 128                 # a body's nesting: deeper, json, jinja or xgrammar downstream may recurse too far
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
+MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish on their threads; more: 503 until they end
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
 # how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999)
 _NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}")
@@ -481,7 +485,8 @@ def load_chat_template(value: str) -> str:
 # OpenAI's request bodies as pydantic models, as vLLM's protocol.py has them:
 # types and defaults here, in pydantic's lax mode as vLLM's ("5" and 5.0 are 5,
 # 1 and "true" are true; 2.5 is no integer; numbers finite; null is the default);
-# value ranges in SamplingParams, except the server's own (logit_bias clamped to [-100, 100], n <= MAX_N: here), so
+# value ranges in SamplingParams, except the server's own (logit_bias clamped to [-100, 100], n <= MAX_N,
+# MAX_STOP_WORDS: here), so
 # both share one rule, and an engine error is reported under the body's own field name
 # (param_name). Every declared field is used or refused, and so is every other
 # field of vLLM's schemas (UNSUPPORTED_FIELDS: a 400 naming it unless it asks for
@@ -659,6 +664,14 @@ class GenerationRequest(OpenAIBaseModel):
             if not re.fullmatch(r"\d{1,9}", key):
                 raise ValueError(f"logit_bias keys must be token ids, got {show(key)}")
         return {key: min(100.0, max(-100.0, bias)) for key, bias in v.items()}  # clamped, as vLLM's from_optional
+
+    @field_validator("stop", "stop_token_ids", "bad_words")
+    @classmethod
+    def _few_words(cls, v: Any, info) -> Any:
+        if isinstance(v, list) and len(v) > MAX_STOP_WORDS:
+            raise ValueError(f"{info.field_name} must hold at most {MAX_STOP_WORDS} entries (each step of the request "
+                             f"checks them all), got {len(v)}")
+        return v
 
     @field_validator("structured_outputs", mode="before")
     @classmethod
@@ -1557,10 +1570,10 @@ class ServerState:
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
-    # Structured-output grammars compile here: a large one takes seconds, and tokenizing the
-    # requests behind it must not wait for it.
-    grammar_thread: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-grammar"))
+    # Structured-output grammars compile one at a time (compile_grammar), not on the tokenizer thread:
+    # a large one takes seconds, and tokenizing the requests behind it must not wait for it.
+    grammar_turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    overdue_compiles: int = 0  # past GRAMMAR_COMPILE_TIMEOUT_S (or left by their client), still running
     chat_template: str | None = None                     # --chat-template
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
@@ -1579,8 +1592,35 @@ class ServerState:
     def engine(self) -> LLMEngine:
         return self.async_llm.engine
 
-    async def off_loop(self, fn: Callable[..., Any], *args: Any, pool: str = "tokenizer_thread") -> Any:
-        return await asyncio.get_running_loop().run_in_executor(getattr(self, pool), fn, *args)
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+
+    async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
+        """``spec`` compiled ahead, off the loop (the engine's add_request finds it cached), within
+        GRAMMAR_COMPILE_TIMEOUT_S. xgrammar cannot stop a compile, and a 40-byte schema can take minutes (a
+        pattern's a{50000}: the time grows as the count squared): one past its limit, or left by its client,
+        finishes on its own daemon thread, holding up neither the next compile nor the exit."""
+        async with self.grammar_turn:
+            if self.overdue_compiles >= MAX_OVERDUE_COMPILES:
+                raise ApiError(503, f"the server is still compiling {self.overdue_compiles} grammars that went past "
+                                    f"the limit: retry later", headers={"Retry-After": "1"})
+            future = on_daemon_thread("nanoserve-grammar", self.engine.structured_outputs.compile, spec)
+            try:
+                done, _ = await asyncio.wait({future}, timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+            finally:
+                if not future.done():
+                    self.overdue_compiles += 1
+                    future.add_done_callback(self._overdue_compile_ended)
+        if not done:
+            raise InvalidInput("structured_outputs", f"structured_outputs.{spec.given()[0]} did not compile within "
+                                                     f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s: simplify it (large "
+                                                     f"repetition counts such as {{1000}} in a schema's pattern, "
+                                                     f"many alternatives, a very large schema)")
+        future.result()  # InvalidInput where it cannot be compiled
+
+    def _overdue_compile_ended(self, future: asyncio.Future) -> None:
+        self.overdue_compiles -= 1
+        future.exception()  # read, or asyncio logs it as never retrieved
 
     def end_all(self, why: str) -> None:
         """The drain timeout: what is still in flight ends now, each stream with
@@ -1590,13 +1630,48 @@ class ServerState:
         self.async_llm.fail_all(EngineDeadError(why))
 
 
+def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+    """fn(*args) on a daemon thread of its own, as a future of the running loop: unlike an executor's
+    thread, one that never ends does not hold up the process's exit."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def run() -> None:
+        try:
+            outcome = True, fn(*args)
+        except Exception as e:
+            outcome = False, e
+        with contextlib.suppress(RuntimeError):  # the loop has closed meanwhile
+            loop.call_soon_threadsafe(settle, *outcome)
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
+
+
 def cors_middleware(args: argparse.Namespace) -> Middleware:
     """vLLM's CORS flags as starlette's middleware."""
     if args.allow_credentials and "*" in args.allowed_origins:  # starlette then echoes any Origin back
         logger.warning("[entry] --allow-credentials with --allowed-origins '[\"*\"]': any web site may make "
                        "credentialed requests here and read the answers (as with vLLM); name the origins")
-    return Middleware(CORSMiddleware, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
+    return Middleware(CORS, allow_origins=args.allowed_origins, allow_methods=args.allowed_methods,
                       allow_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
+
+
+class CORS(CORSMiddleware):
+    """starlette's, but over the connection limit a preflight gets the 503 too (with CORS's headers, as any
+    answer), as uvicorn's limit refuses every request before the app: OK to a preflight promised a request
+    that would be refused."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and "nanoserve.refused" in scope:
+            await self.simple_response(scope, receive, send, request_headers=Headers(scope=scope))
+        else:
+            await super().__call__(scope, receive, send)
 
 
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
@@ -1630,7 +1705,6 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                 gen.close("shutdown")
             await async_llm.shutdown()
             state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
-            state.grammar_thread.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
@@ -2023,9 +2097,8 @@ class Generation:
             gen = cls(state, request_id, req, params)
             check_queue(state, req, gen.params.n)
             prompts = await state.off_loop(gen.process_prompts)
-            if gen.params.structured_outputs is not None:  # compiled here, off the loop; the engine's
-                await state.off_loop(state.engine.structured_outputs.compile,  # add_request finds it cached
-                                     gen.params.structured_outputs, pool="grammar_thread")
+            if gen.params.structured_outputs is not None:
+                await state.compile_grammar(gen.params.structured_outputs)
             for prompt in prompts:
                 gen.check_length(len(prompt.token_ids))
             check_queue(state, req, gen.params.n)  # again: others may have queued meanwhile
@@ -2051,7 +2124,8 @@ class Generation:
         """On the tokenizer thread: render, tokenize and check every prompt."""
         req = self.req
         prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
-                                                    req.truncation_side) for p in self.prompt_inputs()]
+                                                    req.truncation_side, self.params.max_tokens)
+                   for p in self.prompt_inputs()]
         for p in prompts:
             p.cache_salt = req.cache_salt
         self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
@@ -2819,8 +2893,6 @@ class ResponsesGeneration(ChatGeneration):
         return translate(src, ResponsesChatRequest, request_id)
 
     def __init__(self, state: ServerState, request_id: str, req: ResponsesChatRequest, params: SamplingParams):
-        if req._source.truncation == "auto":  # as vLLM's: the prompt's last tokens that leave max_output_tokens
-            req.truncate_prompt_tokens = max(1, state.engine.max_model_len - (req.max_completion_tokens or 1))
         super().__init__(state, request_id, req, params)
         self.src: ResponsesRequest = req._source
 
@@ -2962,7 +3034,7 @@ class AnthropicCountTokensRequest(OpenAIBaseModel):
 class AnthropicMessagesRequest(AnthropicCountTokensRequest):
     """Anthropic's Messages body (vLLM's AnthropicMessagesRequest)."""
     max_tokens: int = Field(gt=0)  # required, as Anthropic's
-    stop_sequences: list[str] | None = None
+    stop_sequences: list[str] | None = Field(None, max_length=MAX_STOP_WORDS)
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: int | None = None
@@ -3172,13 +3244,15 @@ async def create_message(request: Request) -> Response:
 
 
 async def count_message_tokens(request: Request) -> Response:
-    """The prompt's tokens as the chat path renders them (vLLM's count_tokens)."""
+    """The prompt's tokens as the chat path renders them (vLLM's count_tokens): a prompt that no message could
+    send (over max_model_len, output aside, as vLLM's) is the same 400 as on /v1/messages, its count in it."""
     state, request_id = _state(request), _request_id(request)
     req = await read_json(request, state, lambda body: translate(
         parse_body(AnthropicCountTokensRequest, body, request_id), AnthropicChatRequest, request_id))
     check_model(req, state)
     try:
         _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req), req.add_special_tokens))
+        state.engine.check_prompt_length(len(ids), output_tokens=0)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response({"input_tokens": len(ids), "context_management": {"original_input_tokens": len(ids)}})

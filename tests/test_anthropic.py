@@ -414,3 +414,23 @@ def test_more_bad_requests(server):
     r = httpx.post(server.url + "/v1/chat/completions", json={"messages": M, "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     server.wait_idle()
+
+
+def test_count_tokens_is_bounded_as_a_message_is(server):
+    """count_tokens counts what a message could send (vLLM's: up to max_model_len tokens, no output beside them);
+    a longer conversation is /v1/messages' 400, "maximum context length" with its count (it was counted, at any
+    length up to the character bound); past that bound, the same 400 untokenized; never a 500."""
+    model, limit = server.args.served_model_name[0], server.engine.max_model_len
+
+    def post(path: str, words: int, **body) -> httpx.Response:
+        return httpx.post(server.url + path, timeout=60, json={"model": model, **body, "messages": [
+            {"role": "user", "content": "hello " * words}]})
+    one, two = (post("/v1/messages/count_tokens", k).json()["input_tokens"] for k in (10, 20))
+    fits = 10 + (limit - one) * 10 // (two - one)  # the most words whose prompt fits, if each word is as many tokens
+    r = post("/v1/messages/count_tokens", fits)
+    assert r.status_code == 200 and limit - (two - one) // 10 <= r.json()["input_tokens"] <= limit, r.text
+    over = post("/v1/messages/count_tokens", 2 * limit)
+    check_error(over, 400, f"maximum context length is {limit} tokens. However, your request has ")
+    check_error(post("/v1/messages", 2 * limit, max_tokens=1), 400, over.json()["error"]["message"][:-1])
+    check_error(post("/v1/messages/count_tokens", server.engine.max_prompt_chars // 6 + 1), 400, "no text over")
+    server.wait_idle()

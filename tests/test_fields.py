@@ -115,9 +115,9 @@ def recording(server):
     engine, calls = server.engine, []
     process, add = engine.process_prompt, engine.add_request
 
-    def recorded_process(*args):
+    def recorded_process(*args, **kw):
         calls.append(("process", *args))
-        return process(*args)
+        return process(*args, **kw)
 
     def recorded_add(prompt, params=None, *rest):
         calls.append(("add", prompt, params))

@@ -284,10 +284,51 @@ def test_a_body_nested_too_deep_is_a_400_naming_the_field(server):
     server.wait_idle()
 
 
+def test_sampling_params_of_another_type_are_a_type_error(offline_small):
+    """A dict (the server's body fields) was an AttributeError from inside the engine."""
+    for bad in ({"max_tokens": 1}, "x", [SamplingParams(), {"max_tokens": 1}]):
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, got"):
+            offline_small.generate(["a", "b"], bad, use_tqdm=False)
+    assert not offline_small.engine.has_unfinished_requests()
+
+
 def test_lone_surrogates_offline_are_a_value_error(offline_small):
     with pytest.raises(ValueError, match="prompt is not valid Unicode"):
         offline_small.generate(["a\ud800"], use_tqdm=False)
     assert not offline_small.engine.has_unfinished_requests()
+
+
+
+def test_stop_strings_and_bad_words_are_bounded_in_number(server):
+    """Each step of a request checks all its stop strings, stop_token_ids (and bad words) on the event loop: a
+    million of them (a few MB of body) held the loop for seconds a step, /health and every stream with it."""
+    many, ids = [f"zz{i}" for i in range(entry.MAX_STOP_WORDS + 1)], [5] * (entry.MAX_STOP_WORDS + 1)
+    for path, body, param in (("/v1/completions", {"prompt": "hi", "stop": many}, "stop"),
+                              ("/v1/completions", {"prompt": "hi", "stop_token_ids": ids}, "stop_token_ids"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                        "bad_words": many}, "bad_words")):
+        err = _check_error(_post(server.url, body, path), 400, param)
+        assert err["message"].startswith(f"{param} must hold at most {entry.MAX_STOP_WORDS} entries"), err
+    r = _post(server.url, {"model": "", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+                           "stop_sequences": many}, "/v1/messages")
+    assert r.status_code == 400 and "stop_sequences" in r.json()["error"]["message"], r.text
+    r = _post(server.url, {"prompt": "hi", "max_tokens": 1, "stop": many[1:], "bad_words": many[1:],
+                           "stop_token_ids": ids[1:]})
+    assert r.status_code == 200, r.text
+    server.wait_idle()
+
+
+
+def test_truncating_to_fit_fits(server, offline_small):
+    """truncate_prompt_tokens -1 keeps the prompt's last tokens that leave max_tokens (at least one) to the
+    output, as vLLM's: it kept max_model_len of them, which no request can have, so it was always a 400."""
+    limit = server.engine.max_model_len
+    for body, kept in (({"max_tokens": 3}, limit - 3), ({}, limit - 16)):  # completions' default max_tokens
+        r = _post(server.url, {"prompt": [5] * (limit + 50), "truncate_prompt_tokens": -1, **body})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == kept, r.text
+    out = offline_small.generate([[5] * 100], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)
+    assert len(out[0].prompt_token_ids) == offline_small.engine.max_model_len - 4
+    server.wait_idle()
 
 
 # =========================================================================== the queue counts engine requests
@@ -463,11 +504,16 @@ def test_over_the_connection_limit_is_a_503_in_the_error_shape(server):
     try:
         r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         anthropic = httpx.post(server.url + "/v1/messages", json={})
+        # a browser's preflight too (as uvicorn's limit): not an OK for a request that would be refused
+        preflight = httpx.options(server.url + "/v1/completions", headers={
+            "Origin": "http://page.example", "Access-Control-Request-Method": "POST"})
     finally:
         config.limit_concurrency = limit
+    assert "connections" in _check_error(preflight, 503, None)["message"]
+    assert preflight.headers["access-control-allow-origin"] == "*"  # the browser may read why
     assert "connections" in _check_error(r, 503, None)["message"] and r.headers["connection"] == "close"
     assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "api_error"
-    assert r.headers["x-request-id"] and _metrics(server.url)[key] == rejected + 2  # counted as every rejection
+    assert r.headers["x-request-id"] and _metrics(server.url)[key] == rejected + 3  # counted as every rejection
     assert httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code == 200
     server.wait_idle()
 

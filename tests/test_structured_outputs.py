@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 
 import pytest
 
@@ -283,6 +284,46 @@ def test_a_slow_compile_does_not_hold_up_other_requests(server, monkeypatch):
         release.set()
         t.join(60)
     assert re.fullmatch("slow[0-9]", result["r"].json()["choices"][0]["text"])
+
+
+
+def test_a_compile_past_its_limit_is_a_400_and_holds_up_no_other(server, monkeypatch):
+    """xgrammar cannot stop a compile, and a small schema can take minutes ({"pattern": "a{50000}"}: the time
+    grows as the count squared). Past the limit the request is a 400 naming its field and the compile finishes on its
+    own thread, while the next one compiles; two left running, a constraint is a 503 until one ends. The stuck
+    compiles are held on an Event; the limit is tiny only while one of them is sent."""
+    import threading
+    from test_server import _check_error
+    from nanoserve import entry
+    so, state, release = server.engine.structured_outputs, server.app.state.server, threading.Event()
+    compile_ = so.compile
+
+    def held(spec):
+        if spec is not None and (spec.regex or "").startswith("stuck"):
+            assert release.wait(120)
+        return compile_(spec)
+    monkeypatch.setattr(so, "compile", held)
+
+    def post(regex: str, limit: float):
+        monkeypatch.setattr(entry, "GRAMMAR_COMPILE_TIMEOUT_S", limit)  # read as each request compiles
+        return _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 4, "guided_regex": regex})
+    try:
+        for i in range(entry.MAX_OVERDUE_COMPILES):
+            assert post(f"fine{i}", 60).status_code == 200  # not behind those stuck before it
+            err = _check_error(post(f"stuck{i}", 0.01), 400, "guided_regex")
+            assert "guided_regex did not compile within 0.01 s" in err["message"], err
+        assert state.overdue_compiles == entry.MAX_OVERDUE_COMPILES
+        busy = post("fine", 60)
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        assert _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2}).status_code == 200
+    finally:
+        release.set()
+    deadline = time.monotonic() + 60
+    while state.overdue_compiles:  # the stuck compiles end once released: a deadline, not a timing
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert post("fine", 60).status_code == 200
+    assert threading.active_count() < 50  # each compile's thread has ended
 
 
 # ---------------------------------------------------------------- after the reasoning (--reasoning-parser)
