@@ -679,7 +679,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None    # None: 256, at most max_num_batched_tokens (as vLLM's default)
     max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs) (__post_init__)
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -720,7 +720,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.device = None if self.device == "auto" else self.device  # vLLM's word for the engine's choice
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(256, self.max_num_batched_tokens or 256)
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:  # as vLLM's SchedulerConfig: an error, chunked or not
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): a step has a token of each running request")
         if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_logprobs < -1:

@@ -272,7 +272,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="this machine's index; node 0 serves HTTP, the others only run their ranks")
 
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most requests running in one step (default: 256, at most --max-num-batched-tokens)")
     g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default: max(8192, --max-num-seqs))")
@@ -408,7 +409,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             parser.error(str(e))
     checks = [("--port", 0 <= args.port <= 65535, "in [0, 65535]"),
-              ("--max-num-seqs", args.max_num_seqs >= 1, ">= 1"),
+              ("--max-num-seqs", args.max_num_seqs is None or args.max_num_seqs >= 1, ">= 1"),
               ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
               ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
@@ -452,6 +453,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 args.vllm_notes.append(vllm_arg_note(given, value, taken, note, "flag"))
             except ValueError as e:
                 parser.error(str(e))
+    try:  # EngineConfig's checks, as argparse's: one line and exit 2, before anything loads
+        engine_config(args)
+    except ValueError as e:
+        parser.error(str(e))
     args.api_key, args.api_key_from = api_keys(args.api_key)
     return args
 
@@ -3330,7 +3335,7 @@ def banner(engine: LLMEngine, args: argparse.Namespace, url: str) -> str:
         f"  KV cache     {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens "
         f"({_fmt_bytes(info.kv_bytes_per_block)} per block, {_fmt_bytes(blocks * info.kv_bytes_per_block)})",
         f"  concurrency  {blocks / -(-max_len // block_size):.2f}x at max-model-len {max_len} "
-        f"(max-num-seqs {args.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
+        f"(max-num-seqs {engine.config.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
         f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''}"
         f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') and not args.uds else ''})",
     ])

@@ -67,8 +67,8 @@ def test_no_graphs_on_cuda_with_kernels_that_sync():
     from nanoserve.entry import engine_config, parse_args
     engine.config = engine_config(parse_args(["--max-num-seqs", "64", "--max-cudagraph-capture-size", "20"]))
     assert LLMEngine._decode_sizes(engine) == [1, 2, 4, 8, 16, 20]
-    # as vLLM's, a step's token budget caps it too: a decode step has no more rows than that
-    engine.config = EngineConfig("unused", max_num_seqs=64, max_num_batched_tokens=12)
+    # as vLLM's, an unset max_num_seqs follows a small token budget down, and the list with it
+    engine.config = EngineConfig("unused", max_num_batched_tokens=12)
     assert LLMEngine._decode_sizes(engine) == [1, 2, 4, 8, 12]
     engine.config.max_cudagraph_capture_size = 0
     with pytest.raises(ValueError, match="max_cudagraph_capture_size must be >= 1"):

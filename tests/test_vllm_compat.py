@@ -386,6 +386,29 @@ def test_vllm_spellings_of_flags_and_token_counts():
     assert entry.engine_config(parse_args(["--num-gpu-blocks-override", "64"])).num_kv_blocks == 64  # vLLM's name
 
 
+def test_token_budget_below_max_num_seqs(capsys):
+    """As vLLM's SchedulerConfig: max_num_batched_tokens < max_num_seqs is refused (chunked prefill or
+    not; a step has a token of each running request), by LLM() and the CLI alike; an unset
+    max_num_seqs follows a small budget down instead (vLLM's default), an unset budget a large max_num_seqs up."""
+    from nanoserve import LLM
+    from nanoserve.engine import EngineConfig
+    why = "max_num_batched_tokens (12) must be >= max_num_seqs (64)"
+    for chunked in (True, False):  # before any loading: the model is not looked at
+        with pytest.raises(ValueError) as e:
+            LLM("no/such-model", max_num_seqs=64, max_num_batched_tokens=12, enable_chunked_prefill=chunked)
+        assert why in str(e.value), str(e.value)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--max-num-seqs", "64", "--max-num-batched-tokens", "12"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and why in err, err
+    for kw, want in (({}, (256, 8192)), ({"max_num_batched_tokens": 12}, (12, 12)),
+                     ({"max_num_seqs": 12, "max_num_batched_tokens": 12}, (12, 12)), ({"max_num_seqs": 9000}, (9000, 9000))):
+        c = EngineConfig("m", **kw)
+        assert (c.max_num_seqs, c.max_num_batched_tokens) == want, kw
+    a = parse_args(["--max-num-batched-tokens", "32"])
+    assert entry.engine_config(a).max_num_seqs == 32
+
+
 def test_forced_usage_rides_every_stream(server):
     """--enable-force-include-usage: a stream that asks for nothing still carries usage, in each
     chunk and in a last chunk of its own (vLLM's should_include_usage)."""
