@@ -694,7 +694,8 @@ class EngineConfig:
     # pattern, up to the most rows a decode step has, on CUDA; none on the CPU, where given
     # sizes run the same padded path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int = 512  # vLLM's: caps the default list (at most a decode step's rows here)
+    # vLLM's: caps the default list (None: 512; at most a decode step's rows here); beside a list, its largest size
+    max_cudagraph_capture_size: int | None = None
     disable_sliding_window: bool = False  # as vLLM's: max_model_len defaults to the window, which never acts then
     revision: str | None = None        # of a hub id (resolve_model_dir)
     download_dir: str | None = None    # as vLLM's: the Hugging Face cache hub ids are found in (None: the default)
@@ -798,7 +799,7 @@ def engine_config_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfi
         name = VLLM_RENAMED.get(name, name)
         if name in VLLM_ENGINE_ARGS:
             logger.info("[engine] %s", vllm_arg_note(f"{name}={value!r}", value, *VLLM_ENGINE_ARGS[name][1:]))
-        elif name == "compilation_config" or (value is None and fields[name].default is not None):
+        elif name == "compilation_config" or value is None:
             continue  # read just above; None: the default
         elif name in taken:
             raise ValueError(f"{name} is given twice (by compilation_config or vLLM's name, and by its own)")
@@ -932,16 +933,24 @@ class LLMEngine:
             return []
         if self.device.type == "cuda" and not self.backend.capture_safe:  # select_backend said why (one line)
             return []
-        if cfg.cudagraph_capture_sizes is not None:
-            sizes = sorted(set(cfg.cudagraph_capture_sizes))
-            if not sizes or sizes[0] < 1:
-                raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got "
-                                 f"{cfg.cudagraph_capture_sizes}")
-            return sizes
-        if cfg.max_cudagraph_capture_size < 1:
-            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cfg.max_cudagraph_capture_size}")
-        rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)  # as vLLM's cap: one token per decode row
-        return cudagraph_capture_sizes(rows, cfg.max_cudagraph_capture_size) if self.device.type == "cuda" else []
+        cap = cfg.max_cudagraph_capture_size
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cap}")
+        if cfg.cudagraph_capture_sizes is None:  # max_num_seqs <= max_num_batched_tokens (EngineConfig)
+            return cudagraph_capture_sizes(cfg.max_num_seqs, cap or 512) if self.device.type == "cuda" else []
+        sizes = sorted(set(cfg.cudagraph_capture_sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got {cfg.cudagraph_capture_sizes}")
+        # as vLLM's _set_cudagraph_sizes: sizes above a step's token budget are dropped with a warning, and a
+        # max_cudagraph_capture_size given beside the list must be what is left of it
+        kept = [s for s in sizes if s <= cfg.max_num_batched_tokens]
+        if kept != sizes:
+            logger.warning("[engine] cudagraph_capture_sizes %s: %s dropped, above max_num_batched_tokens (%d)",
+                           cfg.cudagraph_capture_sizes, sizes[len(kept):], cfg.max_num_batched_tokens)
+        if cap is not None and cap != max(kept, default=0):
+            raise ValueError(f"max_cudagraph_capture_size ({cap}) must be the largest of cudagraph_capture_sizes "
+                             f"({max(kept, default=0)}), as vLLM's, or be left out")
+        return kept
 
     def _check_memory(self) -> None:
         """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""

@@ -255,8 +255,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
                         "--max-num-seqs, at most --max-cudagraph-capture-size and --max-num-batched-tokens)")
-    g.add_argument("--max-cudagraph-capture-size", type=int, default=512, metavar="N",
-                   help="the largest decode batch size captured by default, as vLLM's")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="the largest decode batch size captured by default (512), as vLLM's; beside "
+                        "--cudagraph-capture-sizes, their largest")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="on the CPU, set transparent huge pages and glibc malloc for speed, and cap oneDNN's "
                         "GEMM caches for memory, process-wide")
@@ -417,7 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               ("--max-logprobs", args.max_logprobs >= -1, ">= 0, or -1 (no cap: the whole vocabulary)"),
               ("--max-log-len", args.max_log_len is None or args.max_log_len >= 0, ">= 0"),
               ("--log-stats-interval", args.log_stats_interval > 0, "> 0"),
-              ("--max-cudagraph-capture-size", args.max_cudagraph_capture_size >= 1, ">= 1")]
+              ("--max-cudagraph-capture-size",
+               args.max_cudagraph_capture_size is None or args.max_cudagraph_capture_size >= 1, ">= 1")]
     for flag, ok, rule in checks:
         if not ok:
             parser.error(f"{flag} must be {rule}")
