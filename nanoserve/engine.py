@@ -770,6 +770,8 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "scheduling_policy": (str, ("fcfs",), "requests are scheduled first come, first served"),
     "logprobs_mode": (str, ("raw_logprobs",),
                       "logprobs are the raw model distribution's, before penalties, bias and temperature"),
+    "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
+                                      "CUDA graphs: cudagraph_capture_sizes)"),  # vLLM's -O
     "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
 }

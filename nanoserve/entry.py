@@ -77,8 +77,8 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_LOG
                               EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob, REASONING_PARSERS,
                               RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
-                              apply_chat_template, local_ranks, merge_deltas, model_thread, opens_reply,
-                              run_worker_node, vllm_arg_note)
+                              apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
+                              opens_reply, run_worker_node, vllm_arg_note)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -137,6 +137,18 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _compilation_config(text: str) -> dict[str, Any] | int:
+    """--compilation-config, as vLLM's: a JSON object, or an integer (a level)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, (dict, int)) or isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"cudagraph_capture_sizes\": [1, 2, 4]}}' "
+                                         f"or a level, got {text!r}")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     """--override-generation-config and its kin: a JSON object."""
     try:
@@ -162,15 +174,16 @@ def _token_count(text: str) -> int | None:
 
 
 def _dashes(arg: str) -> str:
-    """--max_model_len[=N] -> --max-model-len[=N]: vLLM's parser takes both spellings."""
+    """--max_model_len[=N] -> --max-model-len[=N]: vLLM's parser takes both spellings (and -O=3 for -O3)."""
     if not arg.startswith("--"):
-        return arg
+        return "-O" + arg[3:] if arg.startswith("-O=") else arg
     name, eq, value = arg.partition("=")
     return name.replace("_", "-") + eq + value
 
 
 _ON_OFF = {"action": argparse.BooleanOptionalAction}
-_SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
+_SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
+                "optimization_level": ["-O"]}  # -O3, -O 3 (and -O=3: _dashes), as vLLM's parser
 
 
 def _vllm_flag(name: str, kind: type) -> tuple[str, dict[str, Any]]:
@@ -258,6 +271,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="the largest decode batch size captured by default (512), as vLLM's; beside "
                         "--cudagraph-capture-sizes, their largest")
+    g.add_argument("--compilation-config", "-cc", type=_compilation_config, default=None, metavar="JSON",
+                   help="as vLLM's (and LLM()'s compilation_config): its cudagraph_capture_sizes and "
+                        "max_cudagraph_capture_size are taken, its level or mode (or an integer) does nothing here")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="on the CPU, set transparent huge pages and glibc malloc for speed, and cap oneDNN's "
                         "GEMM caches for memory, process-wide")
@@ -3312,10 +3328,10 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
 # =========================================================================== start-up and shutdown
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The flags named as EngineConfig's fields (--device auto: None, the engine's choice). No flag sets
-    skip_tokenizer_init: the server always has a tokenizer."""
-    flags = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__}
-    return EngineConfig(**{**flags, "device": None if args.device == "auto" else args.device})
+    """The flags named as EngineConfig's fields, and --compilation-config, read as LLM()'s keywords are
+    (engine_config_from_kwargs). No flag sets skip_tokenizer_init: the server always has a tokenizer."""
+    flags = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__ and k != "model"}
+    return engine_config_from_kwargs(args.model, {**flags, "compilation_config": args.compilation_config})
 
 
 def _fmt_bytes(n: float) -> str:
