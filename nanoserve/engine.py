@@ -679,7 +679,7 @@ class EngineConfig:
     dtype: str = "auto"
     device: str | None = None
     max_model_len: int | None = None
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None    # None: 256, at most max_num_batched_tokens (as vLLM's default)
     max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs) (__post_init__)
     block_size: int = 16
     enable_prefix_caching: bool = True
@@ -694,7 +694,8 @@ class EngineConfig:
     # pattern, up to the most rows a decode step has, on CUDA; none on the CPU, where given
     # sizes run the same padded path eagerly); enforce_eager turns them off.
     cudagraph_capture_sizes: list[int] | None = None
-    max_cudagraph_capture_size: int = 512  # vLLM's: caps the default list (at most a decode step's rows here)
+    # vLLM's: caps the default list (None: 512; at most a decode step's rows here); beside a list, its largest size
+    max_cudagraph_capture_size: int | None = None
     disable_sliding_window: bool = False  # as vLLM's: max_model_len defaults to the window, which never acts then
     revision: str | None = None        # of a hub id (resolve_model_dir)
     download_dir: str | None = None    # as vLLM's: the Hugging Face cache hub ids are found in (None: the default)
@@ -720,7 +721,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.device = None if self.device == "auto" else self.device  # vLLM's word for the engine's choice
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(256, self.max_num_batched_tokens or 256)
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:  # as vLLM's SchedulerConfig: an error, chunked or not
+            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({self.max_num_seqs}): a step has a token of each running request")
         if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_logprobs < -1:
@@ -764,6 +770,8 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "scheduling_policy": (str, ("fcfs",), "requests are scheduled first come, first served"),
     "logprobs_mode": (str, ("raw_logprobs",),
                       "logprobs are the raw model distribution's, before penalties, bias and temperature"),
+    "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
+                                      "CUDA graphs: cudagraph_capture_sizes)"),  # vLLM's -O
     "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
 }
@@ -793,7 +801,7 @@ def engine_config_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfi
         name = VLLM_RENAMED.get(name, name)
         if name in VLLM_ENGINE_ARGS:
             logger.info("[engine] %s", vllm_arg_note(f"{name}={value!r}", value, *VLLM_ENGINE_ARGS[name][1:]))
-        elif name == "compilation_config" or (value is None and fields[name].default is not None):
+        elif name == "compilation_config" or value is None:
             continue  # read just above; None: the default
         elif name in taken:
             raise ValueError(f"{name} is given twice (by compilation_config or vLLM's name, and by its own)")
@@ -927,16 +935,24 @@ class LLMEngine:
             return []
         if self.device.type == "cuda" and not self.backend.capture_safe:  # select_backend said why (one line)
             return []
-        if cfg.cudagraph_capture_sizes is not None:
-            sizes = sorted(set(cfg.cudagraph_capture_sizes))
-            if not sizes or sizes[0] < 1:
-                raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got "
-                                 f"{cfg.cudagraph_capture_sizes}")
-            return sizes
-        if cfg.max_cudagraph_capture_size < 1:
-            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cfg.max_cudagraph_capture_size}")
-        rows = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)  # as vLLM's cap: one token per decode row
-        return cudagraph_capture_sizes(rows, cfg.max_cudagraph_capture_size) if self.device.type == "cuda" else []
+        cap = cfg.max_cudagraph_capture_size
+        if cap is not None and cap < 1:
+            raise ValueError(f"max_cudagraph_capture_size must be >= 1, got {cap}")
+        if cfg.cudagraph_capture_sizes is None:  # max_num_seqs <= max_num_batched_tokens (EngineConfig)
+            return cudagraph_capture_sizes(cfg.max_num_seqs, cap or 512) if self.device.type == "cuda" else []
+        sizes = sorted(set(cfg.cudagraph_capture_sizes))
+        if not sizes or sizes[0] < 1:
+            raise ValueError(f"cudagraph_capture_sizes must be positive batch sizes, got {cfg.cudagraph_capture_sizes}")
+        # as vLLM's _set_cudagraph_sizes: sizes above a step's token budget are dropped with a warning, and a
+        # max_cudagraph_capture_size given beside the list must be what is left of it
+        kept = [s for s in sizes if s <= cfg.max_num_batched_tokens]
+        if kept != sizes:
+            logger.warning("[engine] cudagraph_capture_sizes %s: %s dropped, above max_num_batched_tokens (%d)",
+                           cfg.cudagraph_capture_sizes, sizes[len(kept):], cfg.max_num_batched_tokens)
+        if cap is not None and cap != max(kept, default=0):
+            raise ValueError(f"max_cudagraph_capture_size ({cap}) must be the largest of cudagraph_capture_sizes "
+                             f"({max(kept, default=0)}), as vLLM's, or be left out")
+        return kept
 
     def _check_memory(self) -> None:
         """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""

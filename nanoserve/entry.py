@@ -78,8 +78,8 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_LOG
                               EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob, REASONING_PARSERS,
                               RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
-                              apply_chat_template, local_ranks, merge_deltas, model_thread, opens_reply,
-                              run_worker_node, vllm_arg_note)
+                              apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
+                              opens_reply, run_worker_node, vllm_arg_note)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -141,6 +141,18 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def _compilation_config(text: str) -> dict[str, Any] | int:
+    """--compilation-config, as vLLM's: a JSON object, or an integer (a level)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, (dict, int)) or isinstance(value, bool):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"cudagraph_capture_sizes\": [1, 2, 4]}}' "
+                                         f"or a level, got {text!r}")
+    return value
+
+
 def _json_object(text: str) -> dict[str, Any]:
     """--override-generation-config and its kin: a JSON object."""
     try:
@@ -166,15 +178,16 @@ def _token_count(text: str) -> int | None:
 
 
 def _dashes(arg: str) -> str:
-    """--max_model_len[=N] -> --max-model-len[=N]: vLLM's parser takes both spellings."""
+    """--max_model_len[=N] -> --max-model-len[=N]: vLLM's parser takes both spellings (and -O=3 for -O3)."""
     if not arg.startswith("--"):
-        return arg
+        return "-O" + arg[3:] if arg.startswith("-O=") else arg
     name, eq, value = arg.partition("=")
     return name.replace("_", "-") + eq + value
 
 
 _ON_OFF = {"action": argparse.BooleanOptionalAction}
-_SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"]}
+_SHORT_FLAGS = {"quantization": ["-q"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
+                "optimization_level": ["-O"]}  # -O3, -O 3 (and -O=3: _dashes), as vLLM's parser
 
 
 def _vllm_flag(name: str, kind: type) -> tuple[str, dict[str, Any]]:
@@ -259,8 +272,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--cudagraph-capture-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes captured as CUDA graphs (default: 1 2 4 8 16 ... up to "
                         "--max-num-seqs, at most --max-cudagraph-capture-size and --max-num-batched-tokens)")
-    g.add_argument("--max-cudagraph-capture-size", type=int, default=512, metavar="N",
-                   help="the largest decode batch size captured by default, as vLLM's")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="the largest decode batch size captured by default (512), as vLLM's; beside "
+                        "--cudagraph-capture-sizes, their largest")
+    g.add_argument("--compilation-config", "-cc", type=_compilation_config, default=None, metavar="JSON",
+                   help="as vLLM's (and LLM()'s compilation_config): its cudagraph_capture_sizes and "
+                        "max_cudagraph_capture_size are taken, its level or mode (or an integer) does nothing here")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
                    help="on the CPU, set transparent huge pages and glibc malloc for speed, and cap oneDNN's "
                         "GEMM caches for memory, process-wide")
@@ -276,7 +293,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="this machine's index; node 0 serves HTTP, the others only run their ranks")
 
     g = p.add_argument_group("scheduler")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="most requests running in one step")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most requests running in one step (default: 256, at most --max-num-batched-tokens)")
     g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default: max(8192, --max-num-seqs))")
@@ -412,7 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             parser.error(str(e))
     checks = [("--port", 0 <= args.port <= 65535, "in [0, 65535]"),
-              ("--max-num-seqs", args.max_num_seqs >= 1, ">= 1"),
+              ("--max-num-seqs", args.max_num_seqs is None or args.max_num_seqs >= 1, ">= 1"),
               ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
               ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
@@ -420,7 +438,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               ("--max-logprobs", args.max_logprobs >= -1, ">= 0, or -1 (no cap: the whole vocabulary)"),
               ("--max-log-len", args.max_log_len is None or args.max_log_len >= 0, ">= 0"),
               ("--log-stats-interval", args.log_stats_interval > 0, "> 0"),
-              ("--max-cudagraph-capture-size", args.max_cudagraph_capture_size >= 1, ">= 1")]
+              ("--max-cudagraph-capture-size",
+               args.max_cudagraph_capture_size is None or args.max_cudagraph_capture_size >= 1, ">= 1")]
     for flag, ok, rule in checks:
         if not ok:
             parser.error(f"{flag} must be {rule}")
@@ -456,6 +475,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 args.vllm_notes.append(vllm_arg_note(given, value, taken, note, "flag"))
             except ValueError as e:
                 parser.error(str(e))
+    try:  # EngineConfig's checks, as argparse's: one line and exit 2, before anything loads
+        engine_config(args)
+    except ValueError as e:
+        parser.error(str(e))
     args.api_key, args.api_key_from = api_keys(args.api_key)
     return args
 
@@ -3379,10 +3402,10 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
 # =========================================================================== start-up and shutdown
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The flags named as EngineConfig's fields (--device auto: None, the engine's choice). No flag sets
-    skip_tokenizer_init: the server always has a tokenizer."""
-    flags = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__}
-    return EngineConfig(**{**flags, "device": None if args.device == "auto" else args.device})
+    """The flags named as EngineConfig's fields, and --compilation-config, read as LLM()'s keywords are
+    (engine_config_from_kwargs). No flag sets skip_tokenizer_init: the server always has a tokenizer."""
+    flags = {k: v for k, v in vars(args).items() if k in EngineConfig.__dataclass_fields__ and k != "model"}
+    return engine_config_from_kwargs(args.model, {**flags, "compilation_config": args.compilation_config})
 
 
 def _fmt_bytes(n: float) -> str:
@@ -3404,7 +3427,7 @@ def banner(engine: LLMEngine, args: argparse.Namespace, url: str) -> str:
         f"  KV cache     {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens "
         f"({_fmt_bytes(info.kv_bytes_per_block)} per block, {_fmt_bytes(blocks * info.kv_bytes_per_block)})",
         f"  concurrency  {blocks / -(-max_len // block_size):.2f}x at max-model-len {max_len} "
-        f"(max-num-seqs {args.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
+        f"(max-num-seqs {engine.config.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
         f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''}"
         f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') and not args.uds else ''})",
     ])

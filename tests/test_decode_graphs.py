@@ -7,7 +7,9 @@ must replay exactly what the eager forward computes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import re
 
 import pytest
 import torch
@@ -67,12 +69,37 @@ def test_no_graphs_on_cuda_with_kernels_that_sync():
     from nanoserve.entry import engine_config, parse_args
     engine.config = engine_config(parse_args(["--max-num-seqs", "64", "--max-cudagraph-capture-size", "20"]))
     assert LLMEngine._decode_sizes(engine) == [1, 2, 4, 8, 16, 20]
-    # as vLLM's, a step's token budget caps it too: a decode step has no more rows than that
-    engine.config = EngineConfig("unused", max_num_seqs=64, max_num_batched_tokens=12)
+    # as vLLM's, an unset max_num_seqs follows a small token budget down, and the list with it
+    engine.config = EngineConfig("unused", max_num_batched_tokens=12)
     assert LLMEngine._decode_sizes(engine) == [1, 2, 4, 8, 12]
     engine.config.max_cudagraph_capture_size = 0
     with pytest.raises(ValueError, match="max_cudagraph_capture_size must be >= 1"):
         LLMEngine._decode_sizes(engine)
+
+
+def test_given_sizes_above_the_token_budget_are_dropped(caplog):
+    """As vLLM's _set_cudagraph_sizes: a given list loses its sizes above max_num_batched_tokens, with a
+    warning, and a max_cudagraph_capture_size given beside it must be the largest size left. The same
+    on the CPU, where the sizes pad decode steps eagerly."""
+    from types import SimpleNamespace
+
+    from nanoserve.engine import LLMEngine
+    from nanoserve.entry import engine_config, parse_args
+    flags = ["--max-num-seqs", "8", "--max-num-batched-tokens", "16", "--cudagraph-capture-sizes", "64", "1", "4",
+             "16", "32", "4"]
+    for device in ("cpu", "cuda"):
+        engine = SimpleNamespace(config=engine_config(parse_args(flags)), device=torch.device(device),
+                                 backend=dataclasses.replace(kernels.TORCH, capture_safe=True))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="nanoserve.engine"):
+            assert LLMEngine._decode_sizes(engine) == [1, 4, 16]
+        assert "[32, 64] dropped, above max_num_batched_tokens (16)" in caplog.text, caplog.text
+        engine.config = engine_config(parse_args([*flags, "--max-cudagraph-capture-size", "16"]))
+        assert LLMEngine._decode_sizes(engine) == [1, 4, 16]
+        engine.config = engine_config(parse_args([*flags, "--max-cudagraph-capture-size", "32"]))
+        with pytest.raises(ValueError, match=re.escape("max_cudagraph_capture_size (32) must be the largest of "
+                                                       "cudagraph_capture_sizes (16)")):
+            LLMEngine._decode_sizes(engine)
 
 
 @pytest.mark.parametrize("kw", [{}, {"num_kv_blocks": 8}, {"max_num_batched_tokens": 16}],

@@ -323,7 +323,8 @@ def test_uvicorn_trace_level():
 # =========================================================================== flags taken without effect, or refused
 
 TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked-prefill"],
-         ["--no-enable-chunked-prefill"], ["--kv-cache-dtype", "auto"], ["--load-format", "safetensors"],
+         ["--optimization-level", "3"], ["--no-enable-chunked-prefill"], ["--kv-cache-dtype", "auto"],
+         ["--load-format", "safetensors"],
          ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"], ["--disable-custom-all-reduce"],
          ["--swap-space", "4.5"], ["--disable-log-requests"], ["--disable-fastapi-docs"],
          ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"], ["--tokenizer-mode", "auto"],
@@ -384,6 +385,53 @@ def test_vllm_spellings_of_flags_and_token_counts():
     for text, want in (("4096", 4096), ("1.5M", 1572864), ("25.6k", 25600), ("auto", None), ("-1", None)):
         assert parse_args(["--max-model-len", text]).max_model_len == want, text
     assert entry.engine_config(parse_args(["--num-gpu-blocks-override", "64"])).num_kv_blocks == 64  # vLLM's name
+
+
+def test_compilation_config_and_O_flags(capsys):
+    """vLLM's --compilation-config (-cc; a JSON object, or a level) is read by the function that reads
+    LLM(compilation_config=...); -O3, -O 3 and -O=3 are vLLM's --optimization-level, taken with a note."""
+    from nanoserve.engine import VLLM_ENGINE_ARGS
+    given = '{"cudagraph_capture_sizes": [1, 2, 4, 8], "max_cudagraph_capture_size": 8, "level": 3}'
+    for flag in ("--compilation-config", "-cc", "--compilation_config"):
+        c = entry.engine_config(parse_args([flag, given]))
+        assert (c.cudagraph_capture_sizes, c.max_cudagraph_capture_size) == ([1, 2, 4, 8], 8), flag
+    assert entry.engine_config(parse_args(["-cc", "3", "-O3"])).cudagraph_capture_sizes is None
+    note = f"--optimization-level 3 (a vLLM flag) does nothing here: {VLLM_ENGINE_ARGS['optimization_level'][2]}"
+    for flags in (["-O3"], ["-O", "3"], ["-O=3"], ["--optimization-level", "3"]):
+        assert parse_args(flags).vllm_notes == [note], flags
+    for flags, why in ((["-cc", '{"cudagraph_mode": "FULL"}'], "compilation_config['cudagraph_mode'] is not supported"),
+                       (["-cc", '{"cudagraph_capture_sizes": [1]}', "--cudagraph-capture-sizes", "2"],
+                        "cudagraph_capture_sizes is given twice"),
+                       (["-cc", "[1]"], "argument --compilation-config/-cc: expected a JSON object"),
+                       (["-Ofast"], "argument -O/--optimization-level: invalid int value: 'fast'")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(flags)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and why in err, err
+
+
+def test_token_budget_below_max_num_seqs(capsys):
+    """As vLLM's SchedulerConfig: max_num_batched_tokens < max_num_seqs is refused (chunked prefill or
+    not; a step has a token of each running request), by LLM() and the CLI alike; an unset
+    max_num_seqs follows a small budget down instead (vLLM's default), an unset budget a large max_num_seqs up."""
+    from nanoserve import LLM
+    from nanoserve.engine import EngineConfig
+    why = "max_num_batched_tokens (12) must be >= max_num_seqs (64)"
+    for chunked in (True, False):  # before any loading: the model is not looked at
+        with pytest.raises(ValueError) as e:
+            LLM("no/such-model", max_num_seqs=64, max_num_batched_tokens=12, enable_chunked_prefill=chunked)
+        assert why in str(e.value), str(e.value)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--max-num-seqs", "64", "--max-num-batched-tokens", "12"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and why in err, err
+    for kw, want in (({}, (256, 8192)), ({"max_num_batched_tokens": 12}, (12, 12)),
+                     ({"max_num_seqs": 12, "max_num_batched_tokens": 12}, (12, 12)),
+                     ({"max_num_seqs": 9000}, (9000, 9000))):
+        c = EngineConfig("m", **kw)
+        assert (c.max_num_seqs, c.max_num_batched_tokens) == want, kw
+    a = parse_args(["--max-num-batched-tokens", "32"])
+    assert entry.engine_config(a).max_num_seqs == 32
 
 
 def test_forced_usage_rides_every_stream(server):
@@ -515,7 +563,7 @@ VLLM_LLM_KWARGS = dict(
     compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2]}, cpu_offload_gb=0, load_format="auto",
     max_seq_len_to_capture=8192, use_v2_block_manager=True, disable_async_output_proc=False, tokenizer_revision=None,
     hf_overrides={}, scheduling_policy="fcfs", logprobs_mode="raw_logprobs", runner="auto", task="generate",
-    pipeline_parallel_size=1, data_parallel_size=1, num_gpu_blocks_override=64, device="auto")
+    pipeline_parallel_size=1, data_parallel_size=1, num_gpu_blocks_override=64, device="auto", optimization_level=3)
 
 
 def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
@@ -556,6 +604,8 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
     ({"num_kv_blocks": 8, "num_gpu_blocks_override": 8}, "num_kv_blocks is given twice"),
     ({"compilation_config": {"max_cudagraph_capture_size": 8}, "max_cudagraph_capture_size": 8},
      "max_cudagraph_capture_size is given twice"),
+    ({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4], "max_cudagraph_capture_size": 8}},
+     "max_cudagraph_capture_size (8) must be the largest of cudagraph_capture_sizes (4)"),
     ({"enable_lora": True, "speculative_config": {}}, "nanoserve does not have: enable_lora, speculative_config;"),
 ], ids=lambda v: str(v)[:40] if isinstance(v, dict) else "")
 def test_vllm_arguments_llm_cannot_honour_are_refused(tiny_model, kwargs, why):
