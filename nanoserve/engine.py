@@ -1588,9 +1588,8 @@ def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
 # =========================================================================== tensor-parallel workers
 
 def cache_config(config: EngineConfig, decode_sizes: list[int] = ()) -> CacheConfig:
-    batched = config.max_num_batched_tokens
     return CacheConfig(config.block_size, config.kv_cache_memory_bytes, config.num_kv_blocks,
-                       config.gpu_memory_utilization, batched, min(config.max_num_seqs, batched),
+                       config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs,
                        ranks_per_node(config), max(decode_sizes, default=0), config.max_num_seqs,
                        config.max_model_len, config.max_logprobs)
 
