@@ -217,7 +217,7 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None:
             _check_int(self, "truncate_prompt_tokens")
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
-                bad("truncate_prompt_tokens", "None, -1 (max_model_len) or >= 1")
+                bad("truncate_prompt_tokens", "None, -1 (as many as leave max_tokens to the output) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
 
@@ -581,7 +581,7 @@ class StructuredOutputManager:
             return None
         key = spec.key()
         with self.lock:
-            if key in self.recent:
+            if key in self.recent:  # is_cached's test
                 self.recent.move_to_end(key)
                 return self.recent[key]
             compiler = self._compiler()
@@ -591,6 +591,11 @@ class StructuredOutputManager:
             if len(self.recent) > RECENT_GRAMMARS:
                 self.recent.popitem(last=False)
         return compiled
+
+    def is_cached(self, spec: StructuredOutputsParams) -> bool:
+        """Would compile() return at once (a grammar compiled recently)?"""
+        with self.lock:
+            return spec.key() in self.recent
 
     def grammar_state(self, compiled, prompt_token_ids: list[int]) -> GrammarState:
         """A request's matcher: with a reasoning parser it waits for </think> unless the prompt already
@@ -1313,6 +1318,7 @@ class LLMEngine:
                 token_ids, prev_row = [0], prev_rows[req]
             seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.samples else None,
                                  # only the request that skips the prefix cache computes prompt logprobs
+                                 # (prompt_logprob_ids' own first test, here to save a call per request per step)
                                  req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache else None,
                                  req.sampling_params.prompt_logprobs or 0, prev_row))
         return seqs
@@ -1793,8 +1799,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        params = [p or self.get_default_sampling_params() for p in params]
-        if wrong := next((p for p in params if not isinstance(p, SamplingParams)), None):
+        params = [self.get_default_sampling_params() if p is None else p for p in params]
+        if (wrong := next((p for p in params if not isinstance(p, SamplingParams)), None)) is not None:  # {} too
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(wrong).__name__}")
         engine = self.engine
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens)  # all before any

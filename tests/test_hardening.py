@@ -286,7 +286,7 @@ def test_a_body_nested_too_deep_is_a_400_naming_the_field(server):
 
 def test_sampling_params_of_another_type_are_a_type_error(offline_small):
     """A dict (the server's body fields) was an AttributeError from inside the engine."""
-    for bad in ({"max_tokens": 1}, "x", [SamplingParams(), {"max_tokens": 1}]):
+    for bad in ({"max_tokens": 1}, "x", {}, "", [SamplingParams(), {"max_tokens": 1}]):  # empty ones too
         with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, got"):
             offline_small.generate(["a", "b"], bad, use_tqdm=False)
     assert not offline_small.engine.has_unfinished_requests()
