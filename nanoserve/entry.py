@@ -391,8 +391,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="how often to log throughput and queue stats while busy")
     g.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per HTTP request")
-    g.add_argument("--disable-access-log-for-endpoints", type=lambda v: {p for p in v.split(",") if p},
-                   default=set(), metavar="PATHS", help="no access-log line for these paths, as vLLM's: "
+    g.add_argument("--disable-access-log-for-endpoints", default=set(),
+                   type=lambda v: {p.strip() for p in v.split(",") if p.strip()}, metavar="PATHS", help="no access-log line for these paths, as vLLM's: "
                    "comma-separated, e.g. /health,/metrics,/ping")
     g.add_argument("--uvicorn-log-level", default=None,
                    choices=["trace", "debug", "info", "warning", "error", "critical"],
@@ -446,6 +446,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.root_path is not None and args.root_path.rstrip("/") and not args.root_path.startswith("/"):
         parser.error(f"--root-path must start with /, got {args.root_path!r}")
     args.root_path = (args.root_path or "").rstrip("/") or None
+    if args.root_path:  # the access line has the path as sent, the proxy's prefix included
+        args.disable_access_log_for_endpoints |= {args.root_path + p for p in args.disable_access_log_for_endpoints}
     if args.ssl_keyfile is not None and args.ssl_certfile is None:
         parser.error("--ssl-keyfile needs --ssl-certfile, the certificate it is the key of")
     if args.ssl_certfile is not None:
@@ -1623,6 +1625,8 @@ class ServerState:
         GRAMMAR_COMPILE_TIMEOUT_S. xgrammar cannot stop a compile, and a 40-byte schema can take minutes (a
         pattern's a{50000}: the time grows as the count squared): one past its limit, or left by its client,
         finishes on its own daemon thread, holding up neither the next compile nor the exit."""
+        if self.engine.structured_outputs.is_cached(spec):  # no compile: neither the limit nor a thread
+            return
         async with self.grammar_turn:
             if self.overdue_compiles >= MAX_OVERDUE_COMPILES:
                 raise ApiError(503, f"the server is still compiling {self.overdue_compiles} grammars that went past "
@@ -1691,10 +1695,12 @@ class CORS(CORSMiddleware):
     that would be refused."""
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and "nanoserve.refused" in scope:
-            await self.simple_response(scope, receive, send, request_headers=Headers(scope=scope))
-        else:
+        if scope["type"] != "http" or "nanoserve.refused" not in scope:
             await super().__call__(scope, receive, send)
+        elif "origin" in (headers := Headers(scope=scope)):  # starlette < 0.48's send() reads Origin unchecked
+            await self.simple_response(scope, receive, send, request_headers=headers)
+        else:  # no browser: no CORS headers to add
+            await self.app(scope, receive, send)
 
 
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:

@@ -315,6 +315,7 @@ def test_a_compile_past_its_limit_is_a_400_and_holds_up_no_other(server, monkeyp
         assert state.overdue_compiles == entry.MAX_OVERDUE_COMPILES
         busy = post("fine", 60)
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+        assert post("fine0", 60).status_code == 200  # compiled before: no compile to wait for, so no 503
         assert _post(server, "/v1/chat/completions", {**CHAT, "max_tokens": 2}).status_code == 200
     finally:
         release.set()

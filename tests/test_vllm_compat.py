@@ -297,7 +297,10 @@ def test_enable_log_requests_logs_the_prompt_up_to_max_log_len(vllm_server, capl
 
 def test_disable_access_log_for_endpoints():
     """vLLM's --disable-access-log-for-endpoints: no access line for the paths named (their query aside)."""
-    paths = parse_args(["--disable-access-log-for-endpoints", "/health,/metrics"]).disable_access_log_for_endpoints
+    paths = parse_args(["--disable-access-log-for-endpoints", "/health, /metrics"]).disable_access_log_for_endpoints
+    assert paths == {"/health", "/metrics"}  # spaces after the commas are not part of a path
+    behind_proxy = parse_args(["--disable-access-log-for-endpoints", "/health", "--root-path", "/api"])
+    assert behind_proxy.disable_access_log_for_endpoints == {"/health", "/api/health"}  # as the access line has it
     access = logging.getLogger("uvicorn.access")
 
     def logged(path: str) -> bool:
