@@ -990,7 +990,7 @@ class LLMEngine:
         elif max_len > mc.max_position_embeddings:
             raise ValueError(f"max_model_len={max_len} is longer than the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
-        mc.check_max_model_len(max_len)
+        mc.check_max_model_len(max_len, cfg.disable_sliding_window)
         kvcache.check_fits(plan, spec, max_len)
         kvcache.log_plan(plan, spec, self.weight_bytes, max_len)
         return max_len, plan, kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)

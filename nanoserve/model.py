@@ -163,12 +163,14 @@ class ModelConfig:
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
 
-    def check_max_model_len(self, max_model_len: int) -> None:
+    def check_max_model_len(self, max_model_len: int, window_disabled: bool = False) -> None:
         if self.sliding_window is not None and self.sliding_window < max_model_len:
+            # --disable-sliding-window only sets the default: with a longer --max-model-len it cannot help
+            hint = "" if window_disabled else " (or, as vLLM's, --disable-sliding-window)"
             raise ModelLoadError(
                 f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which "
-                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less (or, as "
-                f"vLLM's, --disable-sliding-window) so that the window never takes effect")
+                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less{hint} "
+                f"so that the window never takes effect")
 
 
 def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

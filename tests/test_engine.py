@@ -423,5 +423,6 @@ def test_a_sliding_window_is_refused_unless_max_model_len_keeps_inside_it(model_
         LLM(str(path), **kw)
     assert LLM(str(path), disable_sliding_window=True, **kw).engine.max_model_len == 32
     assert LLM(str(path), max_model_len=24, **kw).engine.max_model_len == 24
-    with pytest.raises(ValueError, match="sliding-window"):  # as vLLM's: no longer than the window, even so
+    with pytest.raises(ValueError, match="sliding-window") as refused:  # as vLLM's: no longer than the window
         LLM(str(path), max_model_len=64, disable_sliding_window=True, **kw)
+    assert "--disable-sliding-window" not in str(refused.value)  # given already: no help here
