@@ -141,7 +141,7 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
-def _compilation_config(text: str) -> dict[str, Any] | int:
+def _json_object_or_level(text: str) -> dict[str, Any] | int:
     """--compilation-config, as vLLM's: a JSON object, or an integer (a level)."""
     try:
         value = json.loads(text)
@@ -275,7 +275,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="the largest decode batch size captured by default (512), as vLLM's; beside "
                         "--cudagraph-capture-sizes, their largest")
-    g.add_argument("--compilation-config", "-cc", type=_compilation_config, default=None, metavar="JSON",
+    g.add_argument("--compilation-config", "-cc", type=_json_object_or_level, default=None, metavar="JSON",
                    help="as vLLM's (and LLM()'s compilation_config): its cudagraph_capture_sizes and "
                         "max_cudagraph_capture_size are taken, its level or mode (or an integer) does nothing here")
     g.add_argument("--cpu-allocator-tuning", action=argparse.BooleanOptionalAction, default=True,
