@@ -75,6 +75,9 @@ class InvalidInput(ValueError):
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # one of them per constraint
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser names nanoserve has
 THINK_TAGS = ("<think>", "</think>")  # what both of them read the reasoning between
+# JSON nested deeper than this is refused (a body, tool-call arguments): jinja, xgrammar or json itself may recurse
+# too far, and where json's own RecursionError falls depends on the process (torch.compile raises the limit)
+MAX_JSON_DEPTH = 128
 
 
 @dataclass(slots=True)
@@ -1971,7 +1974,20 @@ def _parsed_call(call: Any, where: str) -> Any:
     except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
         raise InvalidInput("messages", f"{where}.function.arguments must be a JSON object in a string, got "
                                        f"{fn['arguments'][:60]!r} ({e})") from None
+    if nested_deeper(args, MAX_JSON_DEPTH):
+        raise InvalidInput("messages", f"{where}.function.arguments must be a JSON object in a string nested at most "
+                                       f"{MAX_JSON_DEPTH} levels deep")
     return {**call, "function": {**fn, "arguments": args}}
+
+
+def nested_deeper(value: Any, levels: int) -> bool:
+    """Whether ``value`` has more than ``levels`` levels of arrays and objects: a level at a time, no recursion."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(levels):
+        if not level:
+            return False
+        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
+    return bool(level)
 
 
 # =========================================================================== async front

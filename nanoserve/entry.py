@@ -74,12 +74,12 @@ from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
-from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_LOGPROBS, AsyncLLM, CompletionOutput,
-                              EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob, REASONING_PARSERS,
-                              RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
-                              StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
+from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
+                              CompletionOutput, EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob,
+                              REASONING_PARSERS, RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind,
+                              SamplingParams, StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
-                              opens_reply, run_worker_node, vllm_arg_note)
+                              nested_deeper, opens_reply, run_worker_node, vllm_arg_note)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -91,7 +91,6 @@ MAX_N = 128                          # completions per prompt (n)
 MAX_STOP_WORDS = 1024                # stop, stop_token_ids, bad_words: each step of a request checks all, on the loop
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
-MAX_JSON_DEPTH = 128                 # a body's nesting: deeper, json, jinja or xgrammar downstream may recurse too far
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
 MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish on their threads; more: 503 until they end
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
@@ -1115,18 +1114,10 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
                                   f"1e999), which are not JSON numbers", esc(key)) from None
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # only then can a field be nested that deep
         for key, value in body.items():
-            if _nested_deeper(value, MAX_JSON_DEPTH - 1):
+            if nested_deeper(value, MAX_JSON_DEPTH - 1):
                 raise bad_request(f"{esc(key)} is nested more than {MAX_JSON_DEPTH} levels deep (counting the "
                                   f"body's own)", esc(key))
     return body
-
-
-def _nested_deeper(value: Any, levels: int) -> bool:
-    """Whether ``value`` has more than ``levels`` levels of arrays and objects: a level at a time, no recursion."""
-    level = [value] if isinstance(value, (dict, list)) else []
-    for _ in range(levels):
-        level = [c for v in level for c in (v.values() if isinstance(v, dict) else v) if isinstance(c, (dict, list))]
-    return bool(level)
 
 
 def _json_type(value: Any) -> str:
@@ -1476,13 +1467,17 @@ def _json_call(value: Any) -> dict[str, str] | None:
         return None
     try:
         return {"name": value["name"], "arguments": arguments_json(args)}
-    except ValueError:  # NaN or Infinity (the model wrote 1e999): not JSON, so not a call
+    except ValueError:  # NaN or Infinity (the model wrote 1e999), or too deep: not JSON to us, so not a call
         return None
 
 
 def arguments_json(args: dict) -> str:
     """A call's arguments as JSON text that goes out as UTF-8: a lone surrogate the model wrote
-    escaped ("\\ud800") stays escaped. ValueError where they are not JSON (NaN, Infinity)."""
+    escaped ("\\ud800") stays escaped. ValueError where they are not JSON (NaN, Infinity) or are
+    nested deeper than a request may send them back (whether json itself could read them depends
+    on the process's recursion limit, which torch.compile raises)."""
+    if nested_deeper(args, MAX_JSON_DEPTH):
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
     text = json.dumps(args, ensure_ascii=False, allow_nan=False)
     try:
         text.encode()

@@ -123,6 +123,28 @@ HERMES_CASES = [  # text -> (content, [(name, arguments)])
 ]
 
 
+def test_deep_arguments_are_no_call_whatever_the_recursion_limit():
+    # json's RecursionError falls where the process's recursion limit puts it (torch.compile raises it to 2000,
+    # so a server whose CPU kernels came from inductor read 1,500 levels): the bound must not depend on it
+    mid = "[" * 200 + "]" * 200  # over MAX_JSON_DEPTH, under any recursion limit and Python's parser's 200
+    cases = [(HermesToolParser, f'<tool_call>{{"name": "a", "arguments": {{"c": {DEEP}}}}}</tool_call>'),
+             (HermesToolParser, f'<tool_call>{{"name": "a", "arguments": {{"c": {mid}}}}}</tool_call>'),
+             (Llama3JsonToolParser, f'{{"name": "a", "parameters": {{"x": {mid}}}}}'),
+             (MistralToolParser, f'[TOOL_CALLS] [{{"name": "a", "arguments": {{"x": {DEEP}}}}}]'),
+             (PythonicToolParser, f"[f(x={'[' * 150 + ']' * 150})]")]
+    limit = sys.getrecursionlimit()
+    try:
+        for new_limit in (limit, 5000):
+            sys.setrecursionlimit(new_limit)
+            for parser, text in cases:
+                assert parse_once(parser(), text) == (text, []), (parser.__name__, new_limit)
+    finally:
+        sys.setrecursionlimit(limit)
+    shallow = "[" * 100 + "]" * 100  # within the bound: a call
+    assert parse_once(HermesToolParser(), f'<tool_call>{{"name": "a", "arguments": {{"c": {shallow}}}}}</tool_call>'
+                      )[1] == [("a", json.dumps({"c": json.loads(shallow)}))]
+
+
 @pytest.mark.parametrize("text,content,calls", HERMES_CASES)
 def test_hermes_parser(text, content, calls):
     assert parse_once(HermesToolParser(), text) == (content, calls)
@@ -650,6 +672,9 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]}]),
      "messages", "messages[1].tool_calls[0].function.arguments must be"),
+    (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [  # json reads it: too deep for the template
+        {"type": "function", "function": {"name": "f", "arguments": '{"a": ' + "[" * 200 + "]" * 200 + "}"}}]}]),
+     "messages", "nested at most 128 levels deep"),
     (dict(messages=[HISTORY[0], {"role": "tool", "tool_call_id": 5, "content": "x"}]), "messages",
      "messages[1].tool_call_id"),
     (dict(chat_template_kwargs="x"), "chat_template_kwargs", "chat_template_kwargs"),
