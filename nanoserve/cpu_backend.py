@@ -6,7 +6,7 @@ its ``model.py``: the model runner calls ``build_cpu_backend`` once at start-up
 here is needed to follow a request. Per op, in order of preference:
 
 * attention and the KV store: the C kernels (``cpu_kernels.py``, bf16 on a CPU
-  with AVX-512 BF16), else decode attention compiled by ``torch.compile``
+  with AVX-512), else decode attention compiled by ``torch.compile``
   (inductor), else the torch references;
 * RMSNorm, rotary, SiLU-and-mul (bf16 only): the C kernels if they give the
   torch references' results bit for bit on this model's shapes (checked here,

@@ -3,7 +3,8 @@
 Platform code behind the kernels layer's seam (``kernels.Backend``): nothing on
 the reading path imports this module; ``cpu_backend.py`` does, when it builds
 the CPU backend. Every function here computes what its torch reference in
-``kernels.py`` computes, on bf16 tensors on a CPU with AVX-512 BF16:
+``kernels.py`` computes, on bf16 tensors on a CPU with AVX-512 (the attention's
+dot products take AVX-512 BF16's instruction where the CPU has it):
 
 * ``paged_attention`` / ``store_kvcache`` (csrc/attention.c, csrc/row_ops.c):
   decodes through ``decode_attention`` (cascade attention where many sequences
@@ -88,11 +89,12 @@ def _declare(lib: ctypes.CDLL, signatures: dict[str, tuple[list, object]]) -> ct
 
 
 @functools.cache
-def attention_library(group: int, head_dim: int) -> ctypes.CDLL:
-    """csrc/attention.c for one head shape (constant sizes keep a K/V row in registers)."""
+def attention_library(group: int, head_dim: int, flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """csrc/attention.c for one head shape (constant sizes keep a K/V row in registers);
+    ``flags`` are extra compiler flags (the tests build without AVX-512 BF16 with them)."""
     if head_dim % 32:
         raise RuntimeError(f"the C attention kernels need head_dim % 32 == 0, got {head_dim}")
-    lib = build_library(CSRC / "attention.c", [f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}"])
+    lib = build_library(CSRC / "attention.c", [f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}", *flags])
     return _declare(lib, {
         "decode_attention": ([_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _P, _P, _P, _I32],
                              None),

@@ -1,7 +1,7 @@
 """The CPU backend's kernels (nanoserve/cpu_kernels.py, nanoserve/cpu_backend.py)
 against the float64 truth and the torch references of kernels.py.
 
-The C kernels are built on first use; on a CPU without AVX-512 BF16 (or with no
+The C kernels are built on first use; on a CPU without AVX-512 (or with no
 C compiler) they cannot be, and their tests skip, saying why. The compiled
 (inductor) decode attention runs wherever torch.compile does.
 """
@@ -148,6 +148,24 @@ def test_c_attention(config, scenario):
     if scenario != "decode":  # (the SDPA twin reads whole blocks, so NaN poison would reach it)
         eager = kernels.paged_attention_torch(*batch, scale)
         assert (got.double() - truth).abs().max() <= (eager.double() - truth).abs().max() * 1.01
+
+
+@pytest.mark.parametrize("scenario", ["decode", "mixed", "chunked"])
+def test_c_attention_without_avx512_bf16(monkeypatch, scenario):
+    """The dot products a CPU without AVX-512 BF16 computes with two FMAs (built here with
+    -mno-avx512bf16, so that a CPU with the instruction runs the emulation too): within
+    bf16 rounding of the truth, and at most a bf16 step from this CPU's own build (where
+    it has the instruction; the emulation adds in the instruction's order)."""
+    _c_kernel_or_skip(2, 64)
+    torch.manual_seed(13)
+    batch = _bf16(make_batch(SCENARIOS[scenario], 16, 64, 8, 4, poison=POISON["torch"]))
+    scale = 64 ** -0.5
+    native = cpu_kernels.paged_attention(*batch, scale)
+    build = cpu_kernels.attention_library
+    monkeypatch.setattr(cpu_kernels, "attention_library", lambda g, d: build(g, d, ("-mno-avx512bf16",)))
+    emulated = cpu_kernels.paged_attention(*batch, scale)
+    torch.testing.assert_close(emulated.double(), naive_attention(*batch, scale), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(emulated, native, atol=0, rtol=2 ** -7)  # at most one bf16 step apart
 
 
 def test_c_decode_attention_long_contexts_and_many_sequences():

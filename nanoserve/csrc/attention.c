@@ -1,4 +1,4 @@
-/* Paged attention on the CPU in bf16 with AVX-512 BF16, behind nanoserve/cpu_kernels.py.
+/* Paged attention on the CPU in bf16 (AVX-512; AVX-512 BF16 where the CPU has it), behind nanoserve/cpu_kernels.py.
 
    decode_attention    one query token per sequence (a decode batch), optionally
                        after prefix_attention over a prefix every sequence shares
@@ -12,8 +12,19 @@
    kernels.py is the oracle (tests/test_cpu_kernels.py). */
 #include "bf16.h"
 #include "expf.h"
-#if !defined(__AVX512BF16__)
-#error "this CPU has no AVX-512 BF16"
+/* dot2(acc, a, b): acc + a.b over each fp32 lane's two bf16 pairs. With AVX-512 BF16
+   one instruction; without it (Ice Lake, Zen 3, VMs that hide the flag) each half
+   widened by a mask or a shift and two FMAs: a product of two bf16 is exact in fp32,
+   so this adds in the instruction's order (odd element first) with its rounding, except
+   that the instruction flushes denormals. */
+#if defined(__AVX512BF16__)
+#define dot2(acc, a, b) _mm512_dpbf16_ps((acc), (__m512bh)(a), (__m512bh)(b))
+#else
+static inline __m512 dot2(__m512 acc, __m512i a, __m512i b) {
+    const __m512i hi = _mm512_set1_epi32((int32_t)0xffff0000u);
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)), acc);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+}
 #endif
 /* GROUP (query heads per kv head) and HEAD_DIM (a multiple of 32) come as -D flags:
    constant sizes let the compiler keep a K/V row in registers. */
@@ -75,7 +86,7 @@ void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                             const uint16_t *qr = qi + (h * GROUP + g) * HEAD_DIM;
                             __m512 a = _mm512_setzero_ps();
                             for (int c = 0; c < C32; c++)
-                                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qr + 32 * c), (__m512bh)k[c]);
+                                a = dot2(a, _mm512_loadu_si512(qr + 32 * c), k[c]);
                             s[(h * GROUP + g) * span + t0 - start + j] = _mm512_reduce_add_ps(a) * scale;
                         }
                     }
@@ -207,14 +218,13 @@ static void attend_tile(const uint32_t *qt, const int32_t *pos, const uint16_t *
                 const uint32_t *k_a = kr[j], *k_b = kr[j + 1 < nk ? j + 1 : j];
                 const uint32_t *k_c = kr[j + 2 < nk ? j + 2 : j], *k_d = kr[j + 3 < nk ? j + 3 : j];
                 for (int p = 0; p < HEAD_DIM / 2; p++) {
-                    const __m512bh qa = (__m512bh)_mm512_load_si512(qt + p * ROWS);
-                    const __m512bh qb = (__m512bh)_mm512_load_si512(qt + p * ROWS + 16);
-                    const __m512bh ka = (__m512bh)_mm512_set1_epi32(k_a[p]), kb = (__m512bh)_mm512_set1_epi32(k_b[p]);
-                    const __m512bh kc = (__m512bh)_mm512_set1_epi32(k_c[p]), kd = (__m512bh)_mm512_set1_epi32(k_d[p]);
-                    a[0] = _mm512_dpbf16_ps(a[0], qa, ka); a[1] = _mm512_dpbf16_ps(a[1], qb, ka);
-                    a[2] = _mm512_dpbf16_ps(a[2], qa, kb); a[3] = _mm512_dpbf16_ps(a[3], qb, kb);
-                    a[4] = _mm512_dpbf16_ps(a[4], qa, kc); a[5] = _mm512_dpbf16_ps(a[5], qb, kc);
-                    a[6] = _mm512_dpbf16_ps(a[6], qa, kd); a[7] = _mm512_dpbf16_ps(a[7], qb, kd);
+                    const __m512i qa = _mm512_load_si512(qt + p * ROWS), qb = _mm512_load_si512(qt + p * ROWS + 16);
+                    const __m512i ka = _mm512_set1_epi32(k_a[p]), kb = _mm512_set1_epi32(k_b[p]);
+                    const __m512i kc = _mm512_set1_epi32(k_c[p]), kd = _mm512_set1_epi32(k_d[p]);
+                    a[0] = dot2(a[0], qa, ka); a[1] = dot2(a[1], qb, ka);
+                    a[2] = dot2(a[2], qa, kb); a[3] = dot2(a[3], qb, kb);
+                    a[4] = dot2(a[4], qa, kc); a[5] = dot2(a[5], qb, kc);
+                    a[6] = dot2(a[6], qa, kd); a[7] = dot2(a[7], qb, kd);
                 }
             }
             for (int u = 0; u < 4; u++) {  /* scale; -inf where the key is in a row's future */
