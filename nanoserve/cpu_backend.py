@@ -16,7 +16,9 @@ here is needed to follow a request. Per op, in order of preference:
 A candidate that cannot be built or checked here is logged, with why, and the
 next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weights
 in oneDNN's layout (``pack_linear_weights``; also under --enforce-eager: a layout
-with F.linear's results, not another kernel). Also here, applied by the engine:
+with F.linear's results, not another kernel), except on a CPU with no bf16 matrix
+instructions (AVX-512 BF16, AMX), where oneDNN emulates them and an fp32 GEMM is
+~4x faster: there it holds them in fp32 (``upcast_linear_weights``). Also here, applied by the engine:
 the process-wide allocator settings (``tune_process``) and ``trim_heap``.
 """
 from __future__ import annotations
@@ -31,10 +33,12 @@ import types
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve import cpu_kernels, kernels
 from nanoserve.kernels import Backend
+from nanoserve.kvcache import available_cpu_memory
 from nanoserve.model import first_line  # no cycle: model imports this file only inside functions
 
 logger = logging.getLogger("nanoserve.model")
@@ -52,7 +56,7 @@ def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: b
     and check for); ``enforce_eager``: the torch references, nothing built."""
     if enforce_eager:
         packs = can_pack_linear_weights(dtype, torch.device("cpu"))
-        return dataclasses.replace(kernels.TORCH, prepare_model=prepare_model) if packs else kernels.TORCH
+        return dataclasses.replace(kernels.TORCH, prepare_model=pack_model) if packs else kernels.TORCH
     attention, store, attend = _pick_attention(cfg, dtype, block_size)
     elementwise, (rms_norm, rotary, silu_and_mul) = _pick_elementwise(cfg, dtype)
     argmax_name, argmax = _pick_argmax(dtype)
@@ -302,25 +306,98 @@ def can_pack_linear_weights(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
-def prepare_model(model: nn.Module) -> None:
-    """The CPU backends' ``prepare_model``: bf16 linear weights packed, where oneDNN can."""
+class Fp32Linear(nn.Module):
+    """A bf16 model's linear layer computed in fp32, for a CPU without bf16 matrix
+    instructions: the weight held in fp32 (exactly the bf16 values), the input
+    widened, the output rounded back to bf16. The same products as a bf16 GEMM,
+    which also accumulates in fp32; only the order of the sums may differ."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp=None):
+        super().__init__()
+        self.weight = weight.detach().float()
+        self.bias = None if bias is None else bias.detach().float()
+        self.tp = tp  # a RowParallelLinear's group: its partial products still need their all-reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX); without,
+    oneDNN's bf16 GEMM emulates it (RESULTS.md: ~4x an fp32 GEMM's time at batch 64)."""
+    cpu = torch.cpu
+    if not hasattr(cpu, "_is_avx512_bf16_supported"):  # another torch: assume it does, as before
+        return True
+    return cpu._is_avx512_bf16_supported() or getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+
+
+def prepare_model(model: nn.Module) -> int:
+    """The CPU backends' ``prepare_model``: bf16 linear weights in fp32 where the CPU
+    has no bf16 matrix instructions and the memory allows, else packed where oneDNN
+    can. Returns the bytes added to the weights' memory."""
+    weight = model.model.embed_tokens.weight
+    if weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and not has_bf16_matmul():
+        extra = _upcast_bytes(model)
+        avail = available_cpu_memory()
+        if avail is None or extra < avail // 2:  # room to spare for the KV cache and the steps
+            count = upcast_linear_weights(model)
+            logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
+                        "held in fp32, whose GEMMs are faster here (+%.2f GiB)", count, extra / 2**30)
+            return extra
+        logger.warning("[model] no bf16 matrix instructions on this CPU: fp32 linear weights would be faster, but "
+                       "need %.2f GiB more than the %.2f GiB available; bf16 it is", extra / 2**30, avail / 2**30)
+    return pack_model(model)
+
+
+def pack_model(model: nn.Module) -> int:
+    """bf16 linear weights packed for oneDNN (the same bytes, another layout); 0 bytes added."""
     weight = model.model.embed_tokens.weight
     if can_pack_linear_weights(weight.dtype, weight.device):
         logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
+    return 0
+
+
+def _linears(model: nn.Module):
+    """(parent, name, Linear) of every model.Linear."""
+    from nanoserve.model import Linear
+    return [(parent, name, child) for parent in list(model.modules())
+            for name, child in list(parent.named_children()) if isinstance(child, Linear)]
+
+
+def _upcast_bytes(model: nn.Module) -> int:
+    """What upcast_linear_weights adds: 2 more bytes a weight, 4 for a tied head's own copy."""
+    weights = [m.weight for _, _, m in _linears(model)]
+    tied = model.model.embed_tokens.weight.numel() * 4 if model.lm_head is None else 0
+    return sum(w.numel() * 2 for w in weights) + tied
+
+
+def upcast_linear_weights(model: nn.Module) -> int:
+    """Replace every ``model.Linear`` by an Fp32Linear (the bf16 weight is freed); a
+    tied LM head gets an fp32 copy of the embedding, which stays bf16 for the
+    lookup. Returns the number of weights upcast."""
+    from nanoserve.model import RowParallelLinear
+    count = 0
+    for parent, name, child in _linears(model):
+        setattr(parent, name, Fp32Linear(child.weight, child.bias,
+                                         tp=child.tp if isinstance(child, RowParallelLinear) else None))
+        count += 1
+    if model.lm_head is None:
+        model.lm_head = Fp32Linear(model.model.embed_tokens.weight, None)
+        count += 1
+    return count
 
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Replace every ``model.Linear`` by a PackedLinear (the dense weight is freed);
     a tied LM head gets a packed copy of the embedding, which stays dense for the
     lookup. Returns the number of weights packed."""
-    from nanoserve.model import Linear, RowParallelLinear
+    from nanoserve.model import RowParallelLinear
     count = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, Linear):
-                tp = child.tp if isinstance(child, RowParallelLinear) else None
-                setattr(parent, name, PackedLinear(child.weight, child.bias, tp=tp))
-                count += 1
+    for parent, name, child in _linears(model):
+        setattr(parent, name, PackedLinear(child.weight, child.bias,
+                                           tp=child.tp if isinstance(child, RowParallelLinear) else None))
+        count += 1
     if model.lm_head is None:
         model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
         count += 1
@@ -370,5 +447,5 @@ def trim_heap() -> bool:
         return False
 
 
-__all__ = ["build_cpu_backend", "prepare_model", "pack_linear_weights", "can_pack_linear_weights", "tune_process",
-           "trim_heap", "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]
+__all__ = ["build_cpu_backend", "prepare_model", "pack_model", "pack_linear_weights", "can_pack_linear_weights",
+           "has_bf16_matmul", "upcast_linear_weights", "tune_process", "trim_heap", "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]

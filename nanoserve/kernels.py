@@ -46,8 +46,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
 
 
-def weights_as_loaded(model: torch.nn.Module) -> None:
-    """The references' and Triton's ``prepare_model``: nothing to change."""
+def weights_as_loaded(model: torch.nn.Module) -> int:
+    """The references' and Triton's ``prepare_model``: nothing to change, no bytes added."""
+    return 0
 
 
 def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_context: int) -> None:
@@ -57,7 +58,8 @@ def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Ten
 @dataclass(frozen=True)
 class Backend:
     """One implementation of every op a model step calls, and what it needs of
-    the loaded weights (``prepare_model``, once, after loading). Signatures:
+    the loaded weights (``prepare_model``, once, after loading; it returns the
+    bytes it added to the weights' memory). Signatures:
 
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> out
@@ -82,7 +84,7 @@ class Backend:
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     argmax: Callable[[torch.Tensor], torch.Tensor]
-    prepare_model: Callable[[torch.nn.Module], None] = weights_as_loaded
+    prepare_model: Callable[[torch.nn.Module], int] = weights_as_loaded
     warm_up: Callable[..., None] = nothing_to_compile
     capture_safe: bool = False
 

@@ -836,7 +836,7 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model = build_model(cfg, dtype, device, backend, tp)
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
-    backend.prepare_model(model)  # on the CPU: bf16 linear weights packed for oneDNN
+    weight_bytes += backend.prepare_model(model)  # on the CPU: bf16 linear weights packed, or in fp32
     logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
                 cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,

@@ -1,8 +1,9 @@
 """The CPU backend's choice (nanoserve/cpu_backend.py): on the CPU an engine
 takes the C kernels where they build, else torch.compile'd ones, else the torch
 references, says why at each step down, and gets the same tokens whichever it
-took; --enforce-eager takes the references. Also the oneDNN weight packing and
-the process-wide allocator settings."""
+took; --enforce-eager takes the references. Also the oneDNN weight packing, the
+fp32 linear weights of a CPU without bf16 matrix instructions, and the
+process-wide allocator settings."""
 from __future__ import annotations
 
 import dataclasses
@@ -247,6 +248,7 @@ def test_packed_bf16_linear_weights_change_no_bit(model, tiny_model, tied, monke
     logits and greedy tokens must be bit-identical to plain F.linear's."""
     from nanoserve.model import Linear
     path = tiny_model if tied else model
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: True)  # else a CPU without holds them in fp32
     packed = runner_with(kernels.TORCH, path)
     assert isinstance(packed.model.lm_head, cpu_backend.PackedLinear)  # a tied head gets a packed copy
     assert not any(isinstance(m, Linear) for m in packed.model.modules())
@@ -255,6 +257,44 @@ def test_packed_bf16_linear_weights_change_no_bit(model, tiny_model, tied, monke
     assert not any(isinstance(m, cpu_backend.PackedLinear) for m in plain.model.modules())
     for a, b in zip(two_steps(packed, 30), two_steps(plain, 30)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["llama-untied-head", "qwen3-tied-head"])
+def test_fp32_linear_weights_where_the_cpu_has_no_bf16_matmul(model, tiny_model, tied, monkeypatch, caplog):
+    """A CPU without AVX-512 BF16 or AMX (faked here on every CPU): bf16 linear weights are
+    held in fp32 (a tied head gets an fp32 copy), the weights' bytes count them, and the
+    logits are bf16 GEMMs' but for the order of fp32 sums; --enforce-eager keeps bf16."""
+    from nanoserve.model import Linear
+    path = tiny_model if tied else model
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        upcast = runner_with(kernels.TORCH, path)
+    m = upcast.model
+    assert isinstance(m.lm_head, cpu_backend.Fp32Linear) and m.lm_head.weight.dtype == torch.float32
+    assert not any(isinstance(x, (Linear, cpu_backend.PackedLinear)) for x in m.modules())
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup stays bf16
+    assert "linear weights held in fp32" in caplog.text
+    plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
+    _, upcast_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                 dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+    linear = sum(x.weight.numel() for x in plain_model.modules() if isinstance(x, Linear))
+    assert upcast_bytes - plain_bytes == 2 * linear + (4 * plain_model.model.embed_tokens.weight.numel() if tied else 0)
+    monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = runner_with(kernels.TORCH, path)
+    for a, b in zip(two_steps(upcast, 30), two_steps(plain, 30)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)  # a bf16 step or so where the sums round apart
+    eager = cpu_backend.build_cpu_backend(ModelConfig.from_dir(path), torch.bfloat16, 16, enforce_eager=True)
+    assert eager.prepare_model is not cpu_backend.prepare_model  # the references: bf16 as loaded (or packed)
+
+
+def test_fp32_linear_weights_only_where_memory_allows(model, monkeypatch, caplog):
+    """Twice the linear weights' bytes must leave half the available memory: else bf16, with a warning."""
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_backend, "available_cpu_memory", lambda: 4096)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        runner = runner_with(kernels.TORCH, model)
+    assert not any(isinstance(x, cpu_backend.Fp32Linear) for x in runner.model.modules())
+    assert "fp32 linear weights would be faster" in caplog.text and "bf16 it is" in caplog.text
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
