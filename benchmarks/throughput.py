@@ -76,7 +76,8 @@ def run_vllm(w: workloads.Workload, model: str, prefix_caching: bool, extra: dic
     import vllm
     from vllm import LLM, SamplingParams
     t0 = time.perf_counter()
-    llm = LLM(model, skip_tokenizer_init=True, dtype="bfloat16", enable_prefix_caching=prefix_caching,
+    llm = LLM(model, skip_tokenizer_init=True, dtype=extra.get("vllm_dtype", "bfloat16"),
+              enable_prefix_caching=prefix_caching,
               seed=0, max_model_len=2048, enforce_eager=not extra.get("vllm_compile", True))
     llm.generate([{"prompt_token_ids": w.prompts[0][:16]}],
                  SamplingParams(temperature=0, max_tokens=2, detokenize=False), use_tqdm=False)
@@ -88,7 +89,7 @@ def run_vllm(w: workloads.Workload, model: str, prefix_caching: bool, extra: dic
     wall = time.perf_counter() - t
     return dict(wall=wall, startup=startup, tokens=_digest(o.outputs[0].token_ids for o in outs),
                 num_out=sum(len(o.outputs[0].token_ids) for o in outs), version=vllm.__version__,
-                settings=dict(torch_compile=extra.get("vllm_compile", True),
+                settings=dict(torch_compile=extra.get("vllm_compile", True), dtype=extra.get("vllm_dtype", "bfloat16"),
                               omp_bind=os.environ["VLLM_CPU_OMP_THREADS_BIND"],
                               kv_gib=os.environ["VLLM_CPU_KVCACHE_SPACE"], max_model_len=2048))
 
@@ -206,6 +207,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--vllm-eager", action="store_true", help="turn vLLM's torch.compile off")
     ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
+    ap.add_argument("--vllm-dtype", default="bfloat16",
+                    help="vLLM's dtype (float32: what a vLLM user may pick on a CPU without bf16 instructions)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--worker", choices=list(WORKERS))
     ap.add_argument("--workload", default="W1")
@@ -219,6 +222,7 @@ def main() -> None:
         return worker_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
     extra = {"kv_gib": args.kv_gib, "vllm_compile": not args.vllm_eager, "vllm_bind": args.vllm_bind,
+             "vllm_dtype": args.vllm_dtype,
              "async_scheduling": args.async_scheduling}
     for workload in args.workloads:
         # W2 is the prefix-caching workload: run each engine with caching on and off.

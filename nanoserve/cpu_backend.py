@@ -18,8 +18,9 @@ next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weight
 in oneDNN's layout (``pack_linear_weights``; also under --enforce-eager: a layout
 with F.linear's results, not another kernel), except on a CPU with no bf16 matrix
 instructions (AVX-512 BF16, AMX), where oneDNN emulates them and an fp32 GEMM is
-~4x faster: there it holds them in fp32 (``upcast_linear_weights``). Also here, applied by the engine:
-the process-wide allocator settings (``tune_process``) and ``trim_heap``.
+~4x faster: there it holds them in fp32 (``upcast_linear_weights``). Also here,
+applied by the engine: the process-wide allocator settings (``tune_process``) and
+``trim_heap``.
 """
 from __future__ import annotations
 
@@ -448,4 +449,5 @@ def trim_heap() -> bool:
 
 
 __all__ = ["build_cpu_backend", "prepare_model", "pack_model", "pack_linear_weights", "can_pack_linear_weights",
-           "has_bf16_matmul", "upcast_linear_weights", "tune_process", "trim_heap", "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]
+           "has_bf16_matmul", "upcast_linear_weights", "tune_process", "trim_heap", "check_same_as_torch",
+           "compiled_elementwise_ops", "paged_attention_compiled"]
