@@ -270,8 +270,8 @@ def test_fp32_linear_weights_where_the_cpu_has_no_bf16_matmul(model, tiny_model,
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
         upcast = runner_with(kernels.TORCH, path)
     m = upcast.model
-    assert isinstance(m.lm_head, cpu_backend.Fp32Linear) and m.lm_head.weight.dtype == torch.float32
-    assert not any(isinstance(x, (Linear, cpu_backend.PackedLinear)) for x in m.modules())
+    assert isinstance(m.lm_head, cpu_backend.Fp32Linear) and m.lm_head.packed.dtype == torch.float32
+    assert not any(isinstance(x, Linear) or type(x) is cpu_backend.PackedLinear for x in m.modules())
     assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup stays bf16
     assert "linear weights held in fp32" in caplog.text
     plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
