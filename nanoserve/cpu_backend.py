@@ -18,7 +18,7 @@ next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weight
 in oneDNN's layout (``pack_linear_weights``; also under --enforce-eager: a layout
 with F.linear's results, not another kernel), except on a CPU with no bf16 matrix
 instructions (AVX-512 BF16, AMX), where oneDNN emulates them and an fp32 GEMM is
-~4x faster: there it holds them in fp32 (``upcast_linear_weights``). Also here,
+~4x faster: there it holds them in fp32 (``Fp32Linear``). Also here,
 applied by the engine: the process-wide allocator settings (``tune_process``) and
 ``trim_heap``.
 """
@@ -340,7 +340,7 @@ def prepare_model(model: nn.Module) -> int:
         extra = _upcast_bytes(model)
         avail = available_cpu_memory()
         if avail is None or extra < avail // 2:  # room to spare for the KV cache and the steps
-            count = upcast_linear_weights(model)
+            count = pack_linear_weights(model, Fp32Linear)
             trim_heap()  # the fp32 copies oneDNN packed from are freed, but glibc keeps them unless asked
             logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
                         "held in fp32, whose GEMMs are faster here (+%.2f GiB)", count, extra / 2**30)
@@ -366,40 +366,24 @@ def _linears(model: nn.Module):
 
 
 def _upcast_bytes(model: nn.Module) -> int:
-    """What upcast_linear_weights adds: 2 more bytes a weight, 4 for a tied head's own copy."""
+    """What Fp32Linear layers add: 2 more bytes a weight, 4 for a tied head's own copy."""
     weights = [m.weight for _, _, m in _linears(model)]
     tied = model.model.embed_tokens.weight.numel() * 4 if model.lm_head is None else 0
     return sum(w.numel() * 2 for w in weights) + tied
 
 
-def upcast_linear_weights(model: nn.Module) -> int:
-    """Replace every ``model.Linear`` by an Fp32Linear (the bf16 weight is freed); a
-    tied LM head gets an fp32 copy of the embedding, which stays bf16 for the
-    lookup. Returns the number of weights upcast."""
+def pack_linear_weights(model: nn.Module, layer: type[PackedLinear] = PackedLinear) -> int:
+    """Replace every ``model.Linear`` by a ``layer`` (PackedLinear, or Fp32Linear) of
+    its weight, which is freed; a tied LM head gets a copy of the embedding, which
+    stays as loaded for the lookup. Returns the number of weights packed."""
     from nanoserve.model import RowParallelLinear
     count = 0
     for parent, name, child in _linears(model):
-        setattr(parent, name, Fp32Linear(child.weight, child.bias,
-                                         tp=child.tp if isinstance(child, RowParallelLinear) else None))
+        setattr(parent, name, layer(child.weight, child.bias,
+                                    tp=child.tp if isinstance(child, RowParallelLinear) else None))
         count += 1
     if model.lm_head is None:
-        model.lm_head = Fp32Linear(model.model.embed_tokens.weight, None)
-        count += 1
-    return count
-
-
-def pack_linear_weights(model: nn.Module) -> int:
-    """Replace every ``model.Linear`` by a PackedLinear (the dense weight is freed);
-    a tied LM head gets a packed copy of the embedding, which stays dense for the
-    lookup. Returns the number of weights packed."""
-    from nanoserve.model import RowParallelLinear
-    count = 0
-    for parent, name, child in _linears(model):
-        setattr(parent, name, PackedLinear(child.weight, child.bias,
-                                           tp=child.tp if isinstance(child, RowParallelLinear) else None))
-        count += 1
-    if model.lm_head is None:
-        model.lm_head = PackedLinear(model.model.embed_tokens.weight, None)
+        model.lm_head = layer(model.model.embed_tokens.weight, None)
         count += 1
     return count
 
@@ -448,5 +432,5 @@ def trim_heap() -> bool:
 
 
 __all__ = ["build_cpu_backend", "prepare_model", "pack_model", "pack_linear_weights", "can_pack_linear_weights",
-           "has_bf16_matmul", "upcast_linear_weights", "tune_process", "trim_heap", "check_same_as_torch",
+           "has_bf16_matmul", "tune_process", "trim_heap", "check_same_as_torch",
            "compiled_elementwise_ops", "paged_attention_compiled"]
