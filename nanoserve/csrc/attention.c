@@ -13,7 +13,7 @@
 #include "bf16.h"
 #include "expf.h"
 /* dot2(acc, a, b): acc + a.b over each fp32 lane's two bf16 pairs. With AVX-512 BF16
-   one instruction; without it (Ice Lake, Zen 3, VMs that hide the flag) each half
+   one instruction; without it (Skylake-SP to Ice Lake, VMs that hide the flag) each half
    widened by a mask or a shift and two FMAs: a product of two bf16 is exact in fp32,
    so this adds in the instruction's order (odd element first) with its rounding, except
    that the instruction flushes denormals. */
