@@ -310,8 +310,8 @@ def can_pack_linear_weights(dtype: torch.dtype, device: torch.device) -> bool:
 class Fp32Linear(PackedLinear):
     """A bf16 model's linear layer computed in fp32, for a CPU without bf16 matrix
     instructions: the weight packed for oneDNN in fp32 (exactly the bf16 values;
-    oneDNN's fp32 GEMM beats MKL's F.linear here from 4 rows on, 2-3x on the LM
-    head), the input widened, the output rounded back to bf16 (under tensor
+    oneDNN's fp32 GEMM is faster than MKL's F.linear at all but the smallest
+    steps, RESULTS.md), the input widened, the output rounded back to bf16 (under tensor
     parallelism after the all-reduce). The same products as a bf16 GEMM, which
     also accumulates in fp32; only the order of the sums may differ."""
 
@@ -324,7 +324,7 @@ class Fp32Linear(PackedLinear):
 
 def has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX); without,
-    oneDNN's bf16 GEMM emulates it (RESULTS.md: ~4x an fp32 GEMM's time at batch 64)."""
+    oneDNN's bf16 GEMM emulates it, several times slower than an fp32 GEMM (RESULTS.md)."""
     cpu = torch.cpu
     if not hasattr(cpu, "_is_avx512_bf16_supported"):  # another torch: assume it does, as before
         return True
