@@ -18,7 +18,7 @@ next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weight
 in oneDNN's layout (``pack_linear_weights``; also under --enforce-eager: a layout
 with F.linear's results, not another kernel), except on a CPU with no bf16 matrix
 instructions (AVX-512 BF16, AMX), where oneDNN emulates them and an fp32 GEMM is
-~4x faster: there it holds them in fp32 (``Fp32Linear``). Also here,
+several times faster (RESULTS.md): there it holds them in fp32 (``Fp32Linear``). Also here,
 applied by the engine: the process-wide allocator settings (``tune_process``) and
 ``trim_heap``.
 """
@@ -34,7 +34,6 @@ import types
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoserve import cpu_kernels, kernels
@@ -302,7 +301,7 @@ class PackedLinear(nn.Module):
 
 
 def can_pack_linear_weights(dtype: torch.dtype, device: torch.device) -> bool:
-    # fp32 stays unpacked: F.linear's fp32 path is MKL's, whose results differ in the last bit
+    # an fp32 model stays unpacked: F.linear's fp32 path is MKL's, and packed results differ in the last bit
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 

@@ -288,7 +288,7 @@ def test_fp32_linear_weights_where_the_cpu_has_no_bf16_matmul(model, tiny_model,
 
 
 def test_fp32_linear_weights_only_where_memory_allows(model, monkeypatch, caplog):
-    """Twice the linear weights' bytes must leave half the available memory: else bf16, with a warning."""
+    """The fp32 copies must take under half the available memory: else bf16, with a warning."""
     monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
     monkeypatch.setattr(cpu_backend, "available_cpu_memory", lambda: 4096)
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
