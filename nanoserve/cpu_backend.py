@@ -17,10 +17,11 @@ A candidate that cannot be built or checked here is logged, with why, and the
 next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weights
 in oneDNN's layout (``pack_linear_weights``; also under --enforce-eager: a layout
 with F.linear's results, not another kernel), except on a CPU with no bf16 matrix
-instructions (AVX-512 BF16, AMX), where oneDNN emulates them and an fp32 GEMM is
-several times faster (RESULTS.md): there it holds them in fp32 (``Fp32Linear``). Also here,
-applied by the engine: the process-wide allocator settings (``tune_process``) and
-``trim_heap``.
+instructions (AVX-512 BF16, AMX), where oneDNN emulates them at several times an
+fp32 GEMM's cost (RESULTS.md): there the C linear kernel keeps them bf16 and
+multiplies in fp32 (``WidenedLinear``), else (no AVX-512) they are held in fp32
+(``Fp32Linear``). Also here, applied by the engine: the process-wide allocator
+settings (``tune_process``) and ``trim_heap``.
 """
 from __future__ import annotations
 
@@ -321,6 +322,52 @@ class Fp32Linear(PackedLinear):
         return super().forward(x.float()).to(x.dtype)
 
 
+class WidenedLinear(nn.Module):
+    """A bf16 model's linear layer for a CPU with AVX-512 but no bf16 matrix
+    instructions: the weight stays bf16, packed for csrc/linear.c, which widens
+    each weight in a register and multiplies in fp32 (the same products as a bf16
+    GEMM, summed in one fixed order); the output is rounded to bf16, under tensor
+    parallelism after the all-reduce. Half the bytes of Fp32Linear's weight."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, tp=None):
+        super().__init__()
+        self.out_features = weight.shape[0]
+        self.packed = cpu_kernels.pack_linear_weight(weight.detach())
+        self.bias = None if bias is None else _padded(bias.detach().float(), self.packed.shape[0] * self.packed.shape[2])
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
+        partial = cpu_kernels.linear(x, self.packed, self.out_features, self.bias, torch.float32)
+        return self.tp.all_reduce(partial).to(x.dtype)
+
+
+def _padded(v: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([v, v.new_zeros(n - v.shape[0])])
+
+
+def linear_in_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What csrc/linear.c computes, in torch (slowly: one op per input): fp32 sums
+    over k in order, from the bias. A product of two bf16 is exact in fp32, so
+    each add rounds once, as the kernel's FMA does."""
+    acc = torch.zeros(x.shape[0], weight.shape[0]) if bias is None else bias.float().expand(x.shape[0], -1)
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k, None].float() * weight[:, k].float()
+    return acc.to(x.dtype)
+
+
+def check_c_linear() -> type[nn.Module]:
+    """WidenedLinear, if csrc/linear.c builds here and gives linear_in_order's results
+    bit for bit (a row tail, a panel tail and a bias included); raises otherwise."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((13, 64), (40, 64), (40,)))
+    layer = WidenedLinear(w, b)
+    if not torch.equal(layer(x), linear_in_order(x, w, b)):
+        raise RuntimeError("its results differ from the reference's on this machine")
+    return WidenedLinear
+
+
 def has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX); without,
     oneDNN's bf16 GEMM emulates it, several times slower than an fp32 GEMM (RESULTS.md)."""
@@ -331,11 +378,20 @@ def has_bf16_matmul() -> bool:
 
 
 def prepare_model(model: nn.Module) -> int:
-    """The CPU backends' ``prepare_model``: bf16 linear weights in fp32 where the CPU
-    has no bf16 matrix instructions and the memory allows, else packed where oneDNN
-    can. Returns the bytes added to the weights' memory."""
+    """The CPU backends' ``prepare_model``: where the CPU has no bf16 matrix
+    instructions, bf16 linear weights for the C linear kernel, else in fp32 where
+    the memory allows; otherwise packed where oneDNN can. Returns the bytes added
+    to the weights' memory."""
     weight = model.model.embed_tokens.weight
     if can_pack_linear_weights(weight.dtype, weight.device) and not has_bf16_matmul():
+        _, layer = _first_that_works("linear kernel", [("c", check_c_linear)], ("fp32", Fp32Linear))
+        if layer is WidenedLinear:  # the same bytes, but for the panels' padding and a tied head's copy
+            before = sum(m.weight.numel() * 2 for _, _, m in _linears(model))
+            count = pack_linear_weights(model, WidenedLinear)
+            trim_heap()  # the weights as loaded are freed, but glibc keeps them unless asked
+            logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
+                        "kept in bf16 for the C linear kernel, which multiplies them in fp32", count)
+            return sum(m.packed.numel() * 2 for m in model.modules() if isinstance(m, WidenedLinear)) - before
         extra = _upcast_bytes(model)
         avail = available_cpu_memory()
         if avail is None or extra < avail // 2:  # room to spare for the KV cache and the steps
@@ -371,7 +427,7 @@ def _upcast_bytes(model: nn.Module) -> int:
     return sum(w.numel() * 2 for w in weights) + tied
 
 
-def pack_linear_weights(model: nn.Module, layer: type[PackedLinear] = PackedLinear) -> int:
+def pack_linear_weights(model: nn.Module, layer: type[nn.Module] = PackedLinear) -> int:
     """Replace every ``model.Linear`` by a ``layer`` (PackedLinear, or Fp32Linear) of
     its weight, which is freed; a tied LM head gets a copy of the embedding, which
     stays as loaded for the lookup. Returns the number of weights packed."""
@@ -431,5 +487,5 @@ def trim_heap() -> bool:
 
 
 __all__ = ["build_cpu_backend", "prepare_model", "pack_model", "pack_linear_weights", "can_pack_linear_weights",
-           "has_bf16_matmul", "tune_process", "trim_heap", "check_same_as_torch",
+           "has_bf16_matmul", "check_c_linear", "linear_in_order", "tune_process", "trim_heap", "check_same_as_torch",
            "compiled_elementwise_ops", "paged_attention_compiled"]

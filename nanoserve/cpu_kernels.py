@@ -11,7 +11,9 @@ dot products take AVX-512 BF16's instruction where the CPU has it):
   share a long prefix), prefill chunks through ``chunk_attention``;
 * ``rms_norm``, ``rotary``, ``silu_and_mul`` (csrc/row_ops.c): bit for bit the
   torch references' results;
-* ``argmax``: greedy sampling over bf16 logits, torch's rules.
+* ``argmax``: greedy sampling over bf16 logits, torch's rules;
+* ``linear`` (csrc/linear.c): bf16 weights, fp32 arithmetic, for a CPU with no
+  bf16 matrix instructions (F.linear's products, summed in one fixed order).
 
 The libraries are built on first use with the system C compiler (``$CC``),
 ``-march=native``, and cached on disk under ``$NANOSERVE_CACHE_DIR`` (default
@@ -113,6 +115,12 @@ def row_ops_library() -> ctypes.CDLL:
         "silu_and_mul": ([_P, _P, _I64, _I64, _P, _I32], None),
         "store_kvcache": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], _I64),
     })
+
+
+@functools.cache
+def linear_library() -> ctypes.CDLL:
+    """csrc/linear.c."""
+    return _declare(build_library(CSRC / "linear.c"), {"linear": ([_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], None)})
 
 
 # --------------------------------------------------------------------------- attention
@@ -285,3 +293,37 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     row_ops_library().argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
                                   out.data_ptr(), torch.get_num_threads())
     return out
+
+
+# --------------------------------------------------------------------------- linear
+
+LINEAR_PANEL = 32  # outputs per panel of the packed weight (csrc/linear.c's NR)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """bf16 [N, K] (K even) -> csrc/linear.c's layout [ceil(N / 32), K / 2, 32, 2]: per
+    panel of 32 outputs and pair of inputs, the outputs' two weights side by side
+    (outputs past N are zeros)."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or k % 2:
+        raise ValueError("the C linear takes a bf16 weight [N, K] with K even")
+    padded = -(-n // LINEAR_PANEL) * LINEAR_PANEL
+    w = torch.zeros(padded, k, dtype=torch.bfloat16)
+    w[:n] = weight
+    return w.view(padded // LINEAR_PANEL, LINEAR_PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x [..., K] (bf16) times the packed weight's [N, K] transposed, plus ``bias`` (fp32,
+    padded to the panels' width), in fp32, returned as ``out_dtype`` (bf16 or fp32)."""
+    k = packed.shape[1] * 2
+    if x.dtype != torch.bfloat16 or x.shape[-1] != k or out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the C linear takes bf16 [..., {k}] and returns bf16 or fp32")
+    rows = x.reshape(-1, k).contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=out_dtype)
+    if rows.shape[0]:
+        linear_library().linear(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
+                                None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                int(out_dtype == torch.float32), torch.get_num_threads())
+    return out.view(*x.shape[:-1], n)

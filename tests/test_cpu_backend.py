@@ -2,8 +2,8 @@
 takes the C kernels where they build, else torch.compile'd ones, else the torch
 references, says why at each step down, and gets the same tokens whichever it
 took; --enforce-eager takes the references. Also the oneDNN weight packing, the
-fp32 linear weights of a CPU without bf16 matrix instructions, and the
-process-wide allocator settings."""
+C linear kernel (or fp32 linear weights) of a CPU without bf16 matrix
+instructions, and the process-wide allocator settings."""
 from __future__ import annotations
 
 import dataclasses
@@ -259,21 +259,62 @@ def test_packed_bf16_linear_weights_change_no_bit(model, tiny_model, tied, monke
         assert torch.equal(a, b)
 
 
+def _no_c_linear():
+    raise RuntimeError("no C linear here (faked)")
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["llama-untied-head", "qwen3-tied-head"])
-def test_fp32_linear_weights_where_the_cpu_has_no_bf16_matmul(model, tiny_model, tied, monkeypatch, caplog):
-    """A CPU without AVX-512 BF16 or AMX (faked here on every CPU): bf16 linear weights are
-    held in fp32 (a tied head gets an fp32 copy), the weights' bytes count them, and the
-    logits are bf16 GEMMs' but for the order of fp32 sums; --enforce-eager keeps bf16."""
+def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, tied, monkeypatch, caplog):
+    """A CPU without AVX-512 BF16 or AMX (faked here on every CPU): bf16 linear weights stay
+    bf16, packed for the C linear kernel (a tied head gets a packed copy), the weights' bytes
+    count the copy and the panels' padding, and the logits are bf16 GEMMs' but for the order
+    of fp32 sums; --enforce-eager keeps oneDNN's bf16."""
+    try:
+        cpu_kernels.linear_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
     from nanoserve.model import Linear
     path = tiny_model if tied else model
     monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        widened = runner_with(kernels.TORCH, path)
+    m = widened.model
+    assert isinstance(m.lm_head, cpu_backend.WidenedLinear) and m.lm_head.packed.dtype == torch.bfloat16
+    assert not any(isinstance(x, (Linear, cpu_backend.PackedLinear)) for x in m.modules())
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup keeps the embedding
+    assert "kept in bf16 for the C linear kernel" in caplog.text
+    plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
+    _, widened_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                  dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+    linears = [x.weight for x in plain_model.modules() if isinstance(x, Linear)]
+    if tied:
+        linears.append(plain_model.model.embed_tokens.weight)
+    padding = sum((-x.shape[0] % cpu_kernels.LINEAR_PANEL) * x.shape[1] for x in linears)
+    assert widened_bytes - plain_bytes == 2 * padding + (2 * linears[-1].numel() if tied else 0)
+    monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = runner_with(kernels.TORCH, path)
+    for a, b in zip(two_steps(widened, 30), two_steps(plain, 30)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)  # a bf16 step or so where the sums round apart
+    eager = cpu_backend.build_cpu_backend(ModelConfig.from_dir(path), torch.bfloat16, 16, enforce_eager=True)
+    assert eager.prepare_model is not cpu_backend.prepare_model  # the references: bf16 as loaded (or packed)
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["llama-untied-head", "qwen3-tied-head"])
+def test_fp32_linear_weights_where_the_c_linear_cannot_run(model, tiny_model, tied, monkeypatch, caplog):
+    """No bf16 matrix instructions and no C linear (no AVX-512, faked): bf16 linear weights
+    are held in fp32 (a tied head gets an fp32 copy), the weights' bytes count them, and
+    the logits are bf16 GEMMs' but for the order of fp32 sums."""
+    from nanoserve.model import Linear
+    path = tiny_model if tied else model
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_backend, "check_c_linear", _no_c_linear)
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
         upcast = runner_with(kernels.TORCH, path)
     m = upcast.model
     assert isinstance(m.lm_head, cpu_backend.Fp32Linear) and m.lm_head.packed.dtype == torch.float32
     assert not any(isinstance(x, Linear) or type(x) is cpu_backend.PackedLinear for x in m.modules())
     assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup stays bf16
-    assert "linear weights held in fp32" in caplog.text
+    assert "linear kernel 'c' is not available here" in caplog.text and "linear weights held in fp32" in caplog.text
     plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
     _, upcast_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
                                  dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
@@ -282,14 +323,13 @@ def test_fp32_linear_weights_where_the_cpu_has_no_bf16_matmul(model, tiny_model,
     monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
     plain = runner_with(kernels.TORCH, path)
     for a, b in zip(two_steps(upcast, 30), two_steps(plain, 30)):
-        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)  # a bf16 step or so where the sums round apart
-    eager = cpu_backend.build_cpu_backend(ModelConfig.from_dir(path), torch.bfloat16, 16, enforce_eager=True)
-    assert eager.prepare_model is not cpu_backend.prepare_model  # the references: bf16 as loaded (or packed)
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
 
 
 def test_fp32_linear_weights_only_where_memory_allows(model, monkeypatch, caplog):
     """The fp32 copies must take under half the available memory: else bf16, with a warning."""
     monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_backend, "check_c_linear", _no_c_linear)
     monkeypatch.setattr(cpu_backend, "available_cpu_memory", lambda: 4096)
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
         runner = runner_with(kernels.TORCH, model)

@@ -423,3 +423,64 @@ def test_c_argmax_rejects_what_it_cannot_run():
         cpu_kernels.argmax(torch.randn(2, 40))
     with pytest.raises(ValueError, match="unit stride"):
         cpu_kernels.argmax(torch.randn(40, 2).bfloat16().t())
+
+
+# --------------------------------------------------------------------------- C linear (CPU, bf16 weights, fp32 math)
+# For a CPU without bf16 matrix instructions. Its oracle is cpu_backend.linear_in_order
+# (fp32 sums over k in order, from the bias), bit for bit, and the float64 truth.
+
+def _c_linear_or_skip():
+    try:
+        cpu_kernels.linear_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 25, 300])
+@pytest.mark.parametrize("k, n", [(64, 32), (96, 70), (256, 33), (34, 1)])
+def test_c_linear_sums_in_order(rows, k, n):
+    """Every row count around the 12-row tile, panel tails (n not a multiple of 32),
+    with and without a bias, bf16 and fp32 outputs: the in-order fp32 sums exactly,
+    and within fp32 rounding of the float64 truth."""
+    _c_linear_or_skip()
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, w, b = _rand_bf16(gen, rows, k), _rand_bf16(gen, n, k), _rand_bf16(gen, n)
+    for bias in (None, b):
+        layer = cpu_backend.WidenedLinear(w, bias)
+        assert torch.equal(layer(x), cpu_backend.linear_in_order(x, w, bias))
+        wide = cpu_kernels.linear(x, layer.packed, n, layer.bias, torch.float32)
+        truth = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        torch.testing.assert_close(wide.double(), truth, atol=1e-3, rtol=1e-5)
+        assert torch.equal(wide.bfloat16(), layer(x))
+
+
+def test_c_linear_rows_do_not_see_each_other():
+    """A row's result is the same alone, in a batch of 300 and under any thread count
+    (batch invariance), and leading dimensions pass through."""
+    _c_linear_or_skip()
+    gen = torch.Generator().manual_seed(3)
+    x, w = _rand_bf16(gen, 300, 128), _rand_bf16(gen, 200, 128)
+    layer = cpu_backend.WidenedLinear(w, None)
+    batch = layer(x)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([layer(x[i:i + 1]) for i in (0, 11, 12, 299)])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, batch[[0, 11, 12, 299]])
+    assert torch.equal(layer(x.view(3, 100, 128)), batch.view(3, 100, 200))
+    assert layer(x[:0]).shape == (0, 200)
+
+
+def test_c_linear_rejects_what_it_cannot_run():
+    _c_linear_or_skip()
+    with pytest.raises(ValueError, match="K even"):
+        cpu_kernels.pack_linear_weight(torch.zeros(4, 7, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="K even"):
+        cpu_kernels.pack_linear_weight(torch.zeros(4, 8))  # fp32
+    packed = cpu_kernels.pack_linear_weight(torch.zeros(4, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_kernels.linear(torch.zeros(2, 8), packed, 4)  # fp32 input
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        cpu_kernels.linear(torch.zeros(2, 6, dtype=torch.bfloat16), packed, 4)
