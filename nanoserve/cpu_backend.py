@@ -333,7 +333,10 @@ class WidenedLinear(nn.Module):
         super().__init__()
         self.out_features = weight.shape[0]
         self.packed = cpu_kernels.pack_linear_weight(weight.detach())
-        self.bias = None if bias is None else _padded(bias.detach().float(), self.packed.shape[0] * self.packed.shape[2])
+        self.bias = None
+        if bias is not None:  # fp32, zeros past the last output: the kernel reads whole panels
+            self.bias = torch.zeros(self.packed.shape[0] * cpu_kernels.LINEAR_PANEL)
+            self.bias[:len(bias)] = bias.detach()
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -341,10 +344,6 @@ class WidenedLinear(nn.Module):
             return cpu_kernels.linear(x, self.packed, self.out_features, self.bias)
         partial = cpu_kernels.linear(x, self.packed, self.out_features, self.bias, torch.float32)
         return self.tp.all_reduce(partial).to(x.dtype)
-
-
-def _padded(v: torch.Tensor, n: int) -> torch.Tensor:
-    return torch.cat([v, v.new_zeros(n - v.shape[0])])
 
 
 def linear_in_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -428,7 +427,7 @@ def _upcast_bytes(model: nn.Module) -> int:
 
 
 def pack_linear_weights(model: nn.Module, layer: type[nn.Module] = PackedLinear) -> int:
-    """Replace every ``model.Linear`` by a ``layer`` (PackedLinear, or Fp32Linear) of
+    """Replace every ``model.Linear`` by a ``layer`` (PackedLinear, Fp32Linear or WidenedLinear) of
     its weight, which is freed; a tied LM head gets a copy of the embedding, which
     stays as loaded for the lookup. Returns the number of weights packed."""
     from nanoserve.model import RowParallelLinear

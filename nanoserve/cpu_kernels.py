@@ -120,7 +120,8 @@ def row_ops_library() -> ctypes.CDLL:
 @functools.cache
 def linear_library() -> ctypes.CDLL:
     """csrc/linear.c."""
-    return _declare(build_library(CSRC / "linear.c"), {"linear": ([_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], None)})
+    return _declare(build_library(CSRC / "linear.c"),
+                    {"linear": ([_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], None)})
 
 
 # --------------------------------------------------------------------------- attention
@@ -317,9 +318,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] (bf16) times the packed weight's [N, K] transposed, plus ``bias`` (fp32,
     padded to the panels' width), in fp32, returned as ``out_dtype`` (bf16 or fp32)."""
-    k = packed.shape[1] * 2
+    k, width = packed.shape[1] * 2, packed.shape[0] * LINEAR_PANEL
     if x.dtype != torch.bfloat16 or x.shape[-1] != k or out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the C linear takes bf16 [..., {k}] and returns bf16 or fp32")
+    if bias is not None and not (bias.dtype == torch.float32 and bias.shape == (width,) and bias.is_contiguous()):
+        raise ValueError(f"the C linear takes an fp32 bias padded to {width} outputs")
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
     if rows.shape[0]:

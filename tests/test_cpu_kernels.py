@@ -484,3 +484,5 @@ def test_c_linear_rejects_what_it_cannot_run():
         cpu_kernels.linear(torch.zeros(2, 8), packed, 4)  # fp32 input
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
         cpu_kernels.linear(torch.zeros(2, 6, dtype=torch.bfloat16), packed, 4)
+    with pytest.raises(ValueError, match="bias padded to 32"):
+        cpu_kernels.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, torch.zeros(4))
