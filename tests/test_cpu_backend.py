@@ -263,8 +263,8 @@ def _no_c_linear():
     raise RuntimeError("no C linear here (faked)")
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["llama-untied-head", "qwen3-tied-head"])
-def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, tied, monkeypatch, caplog):
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"], ids=["llama-untied-head", "qwen3-tied-head", "qwen2-qkv-bias"])
+def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, model_root, arch, monkeypatch, caplog):
     """A CPU without AVX-512 BF16 or AMX (faked here on every CPU): bf16 linear weights stay
     bf16, packed for the C linear kernel (a tied head gets a packed copy), the weights' bytes
     count the copy and the panels' padding, and the logits are bf16 GEMMs' but for the order
@@ -274,7 +274,8 @@ def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, tied, monk
     except RuntimeError as e:
         pytest.skip(str(e))
     from nanoserve.model import Linear
-    path = tiny_model if tied else model
+    path = {"llama": model, "qwen3": tiny_model}.get(arch) or make_model(model_root, "qwen2")
+    tied = ModelConfig.from_dir(path).tie_word_embeddings
     monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
         widened = runner_with(kernels.TORCH, path)
@@ -283,6 +284,7 @@ def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, tied, monk
     assert not any(isinstance(x, (Linear, cpu_backend.PackedLinear)) for x in m.modules())
     assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup keeps the embedding
     assert "kept in bf16 for the C linear kernel" in caplog.text
+    assert any(x.bias is not None for x in m.modules() if isinstance(x, cpu_backend.WidenedLinear)) == (arch == "qwen2")
     plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
     _, widened_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
                                   dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
