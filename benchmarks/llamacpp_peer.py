@@ -44,8 +44,9 @@ N_BATCH = 2048   # llama-server's defaults: logical batch 2048, physical 512
 N_UBATCH = 512
 
 
-def gguf_path(models: Path, model: str) -> Path:
-    return Path(models) / f"{model}.gguf"
+def gguf_path(models: Path, model: str, outtype: str = "bf16") -> Path:
+    """<models>/w1.gguf for the bf16 GGUF the benchmarks use; w1-f32.gguf etc. for others."""
+    return Path(models) / (f"{model}.gguf" if outtype == "bf16" else f"{model}-{outtype}.gguf")
 
 
 # ============================================================================ GGUF
@@ -67,7 +68,7 @@ def write_sentencepiece_vocab(path: Path, vocab_size: int) -> None:
     path.write_bytes(m.SerializeToString())
 
 
-def make_gguf(model_dir: Path, out: Path) -> None:
+def make_gguf(model_dir: Path, out: Path, outtype: str = "bf16") -> None:
     """Why SentencePiece and not a tokenizers WordLevel ``tokenizer.json``: for
     Qwen2/Qwen3 the converter tries ``tokenizer.model`` first; a
     ``tokenizer.json`` goes down its BPE path, which hashes how the tokenizer
@@ -83,7 +84,7 @@ def make_gguf(model_dir: Path, out: Path) -> None:
         part = out.with_suffix(".gguf.part")
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         t = time.perf_counter()
-        subprocess.run([sys.executable, str(CONVERTER), str(tmp), "--outtype", "bf16", "--outfile", str(part)],
+        subprocess.run([sys.executable, str(CONVERTER), str(tmp), "--outtype", outtype, "--outfile", str(part)],
                        check=True, env=env)
         part.rename(out)
         print(f"[llamacpp_peer] {out} ({out.stat().st_size / 2**30:.2f} GiB, {time.perf_counter() - t:.0f} s)")
@@ -207,8 +208,10 @@ def _engine(path: str, n_seq: int, seq_ctx: int, extra: dict) -> Engine:
         raise FileNotFoundError(f"{path} is missing: run `python benchmarks/llamacpp_peer.py --make-gguf "
                                 f"--models {Path(path).parent}` first")
     _install_quiet_log()
-    return Engine(path, n_seq, seq_ctx, threads=int(extra.get("threads", 2)),
-                  unified=bool(extra.get("llamacpp_unified", False)))
+    eng = Engine(path, n_seq, seq_ctx, threads=int(extra.get("threads", 2)),
+                 unified=bool(extra.get("llamacpp_unified", False)))
+    eng.settings["gguf"] = Path(path).name
+    return eng
 
 
 def generate_batch(w, models: Path, extra: dict) -> dict:
@@ -216,7 +219,7 @@ def generate_batch(w, models: Path, extra: dict) -> dict:
     request) timed apart from the measured batch, as for the other engines."""
     t0 = time.perf_counter()
     seq_ctx = max(len(p) + n for p, n in zip(w.prompts, w.output_lens))
-    eng = _engine(str(gguf_path(models, w.model)), len(w.prompts), seq_ctx, extra)
+    eng = _engine(str(gguf_path(models, w.model, extra.get("llamacpp_type", "bf16"))), len(w.prompts), seq_ctx, extra)
     eng.generate([w.prompts[0][:16]], [2])
     eng.clear()
     startup = time.perf_counter() - t0
@@ -252,17 +255,19 @@ def main() -> None:
     ap.add_argument("--make-gguf", action="store_true", required=True)
     ap.add_argument("--models", type=Path, default=HERE / "models")
     ap.add_argument("--force", action="store_true", help="convert again even if the .gguf exists")
+    ap.add_argument("--outtype", default="bf16", choices=["bf16", "f16", "f32"],
+                    help="the converter's --outtype; the benchmarks use bf16 (anything else is named <model>-<type>.gguf)")
     ap.add_argument("names", nargs="*", default=["w0", "w1"])
     args = ap.parse_args()
     venv_py = VENV / "bin" / "python"
     if Path(sys.prefix).resolve() != VENV.resolve():
         os.execv(str(venv_py), [str(venv_py), __file__, *sys.argv[1:]])
     for name in args.names:
-        out = gguf_path(args.models, name)
+        out = gguf_path(args.models, name, args.outtype)
         if out.exists() and not args.force:
             print(f"[llamacpp_peer] {out} exists, skipping (--force to convert again)")
             continue
-        make_gguf(args.models / name, out)
+        make_gguf(args.models / name, out, args.outtype)
 
 
 if __name__ == "__main__":

@@ -240,6 +240,8 @@ def main() -> None:
                     help="vLLM's dtype (float32: what a vLLM user may pick on a CPU without bf16 instructions)")
     ap.add_argument("--llamacpp-unified", action="store_true",
                     help="llama.cpp with one unified KV cache for all sequences (default: a stream per sequence)")
+    ap.add_argument("--llamacpp-type", default="bf16", choices=["bf16", "f16", "f32"],
+                    help="which GGUF llama.cpp loads (llamacpp_peer.py --make-gguf --outtype); bf16 as the others")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--worker", choices=list(WORKERS))
     ap.add_argument("--workload", default="W1")
@@ -254,6 +256,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     extra = {"kv_gib": args.kv_gib, "vllm_compile": not args.vllm_eager, "vllm_bind": args.vllm_bind,
              "vllm_dtype": args.vllm_dtype, "llamacpp_unified": args.llamacpp_unified,
+             "llamacpp_type": args.llamacpp_type,
              "async_scheduling": args.async_scheduling}
     for workload in args.workloads:
         # W2 is the prefix-caching workload: run each engine with caching on and off.
