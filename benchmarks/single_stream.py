@@ -74,8 +74,8 @@ def run_one(engine: str, models: Path, timeout: float) -> dict:
     cmd = [PYTHON[engine], __file__, "--worker", engine, "--models", str(models)]
     t = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                           filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))))
+                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(  # this tree's nanoserve
+                           filter(None, [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")]))))
     lines = [l for l in p.stdout.splitlines() if l.startswith("RESULT ")]
     if p.returncode != 0 or not lines:
         return dict(error=f"exit {p.returncode}: {(p.stderr or p.stdout)[-3000:]}")

@@ -128,7 +128,10 @@ def run_one(engine: str, workload: str, prefix_caching: bool, models: Path, extr
            "--models", str(models), "--extra", json.dumps(extra)]
     if not prefix_caching:
         cmd.append("--no-prefix-caching")
-    env = dict(os.environ, PYTHONPATH=str(HERE))
+    # This tree's nanoserve, not whichever one the venv has installed (an editable
+    # install points at another checkout); then benchmarks/ for workloads and peers.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")])))
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = TreeRss(proc.pid)  # vLLM computes in child processes: count the whole tree
