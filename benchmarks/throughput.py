@@ -8,6 +8,7 @@ same per-request output lengths, greedy, ignore_eos.
 
     python benchmarks/make_models.py
     python benchmarks/throughput.py --workloads W1 --engines nanoserve vllm hf --rounds 2
+    python benchmarks/llamacpp_peer.py --make-gguf     # once, for --engines ... llamacpp
 
 Workers print one JSON line; the parent collects them into
 benchmarks/results/throughput-<workload>.json and prints a table.
@@ -32,7 +33,7 @@ import workloads  # noqa: E402
 
 PEERS = HERE / ".peers"
 PYTHON = {"nanoserve": sys.executable, "vllm": str(PEERS / "vllm/bin/python"),
-          "hf": str(PEERS / "hf/bin/python")}
+          "hf": str(PEERS / "hf/bin/python"), "llamacpp": str(PEERS / "llamacpp/bin/python")}
 
 
 # ============================================================================ workers
@@ -60,6 +61,7 @@ def run_nanoserve(w: workloads.Workload, model: str, prefix_caching: bool, extra
     import nanoserve
     return dict(wall=wall, startup=startup, tokens=_digest(o.outputs[0].token_ids for o in outs),
                 num_out=sum(len(o.outputs[0].token_ids) for o in outs),
+                first8=[list(o.outputs[0].token_ids[:8]) for o in outs],
                 version=nanoserve.__version__, stats=llm.stats(),
                 settings=dict(backend=llm.engine.backend.name, compile_s=round(llm.engine.compile_time_s, 1)))
 
@@ -100,7 +102,14 @@ def run_hf(w: workloads.Workload, model: str, prefix_caching: bool, extra: dict)
     return generate_batch(w, model, extra) | {"version": transformers.__version__}
 
 
-WORKERS = {"nanoserve": run_nanoserve, "vllm": run_vllm, "hf": run_hf}
+def run_llamacpp(w: workloads.Workload, model: str, prefix_caching: bool, extra: dict) -> dict:
+    # benchmarks/llamacpp_peer.py: llama-cpp-python's low-level batch API, the
+    # model converted to <models>/<w0|w1>.gguf (bf16) by llama.cpp's converter
+    from llamacpp_peer import generate_batch
+    return generate_batch(w, Path(model).parent, extra)
+
+
+WORKERS = {"nanoserve": run_nanoserve, "vllm": run_vllm, "hf": run_hf, "llamacpp": run_llamacpp}
 
 
 def worker_main(args) -> None:
@@ -119,7 +128,10 @@ def run_one(engine: str, workload: str, prefix_caching: bool, models: Path, extr
            "--models", str(models), "--extra", json.dumps(extra)]
     if not prefix_caching:
         cmd.append("--no-prefix-caching")
-    env = dict(os.environ, PYTHONPATH=str(HERE))
+    # This tree's nanoserve, not whichever one the venv has installed (an editable
+    # install points at another checkout); then benchmarks/ for workloads and peers.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        filter(None, [str(HERE.parent), str(HERE), os.environ.get("PYTHONPATH")])))
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = TreeRss(proc.pid)  # vLLM computes in child processes: count the whole tree
@@ -132,6 +144,8 @@ def run_one(engine: str, workload: str, prefix_caching: bool, models: Path, extr
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout)[-3000:]
         return dict(error=f"exit {proc.returncode}: {tail}", process_s=time.perf_counter() - t)
+    if os.environ.get("BENCH_SHOW_STDERR"):
+        sys.stderr.write(stderr[-4000:])
     return json.loads(lines[-1][7:]) | dict(process_s=time.perf_counter() - t,
                                             peak_tree_rss_gib=peak.peak / 2**30)
 
@@ -172,6 +186,21 @@ def machine() -> dict:
                 python=platform.python_version())
 
 
+def first_token_agreement(runs: list[dict]) -> None:
+    """For each peer run that returned its first 8 tokens per request: the share
+    of requests whose first token, and whose first 8 tokens, equal nanoserve's
+    (its first run). A sanity check that a peer runs the same model; random
+    weights put top logits close together, so rounding alone flips some."""
+    base = next((r["first8"] for r in runs if r.get("engine") == "nanoserve" and "first8" in r), None)
+    for r in runs:
+        if base is not None and r.get("engine") != "nanoserve" and "first8" in r:
+            pairs = list(zip(base, r["first8"]))
+            r["first_token_match"] = round(sum(a[:1] == b[:1] for a, b in pairs) / len(pairs), 3)
+            r["first8_match"] = round(sum(a == b for a, b in pairs) / len(pairs), 3)
+    for r in runs:
+        r.pop("first8", None)
+
+
 def summarize(workload: str, runs: list[dict]) -> list[dict]:
     w = workloads.get(workload)
     rows = []
@@ -188,6 +217,9 @@ def summarize(workload: str, runs: list[dict]) -> list[dict]:
                          startup_s=round(statistics.median(r["startup"] for r in ok), 1),
                          peak_rss_gib=round(max(r["peak_tree_rss_gib"] for r in ok), 2),
                          tokens=sorted({r["tokens"] for r in ok}), version=ok[0].get("version")))
+        if "first8_match" in ok[0]:
+            rows[-1]["first_token_match"] = [r["first_token_match"] for r in ok]
+            rows[-1]["first8_match"] = [r["first8_match"] for r in ok]
         if "stats" in ok[0]:  # nanoserve: the share of held KV slots that stayed empty at the peak
             rows[-1]["kv_unused_at_peak"] = max(r["stats"]["kv_unused_fraction_at_peak"] for r in ok)
     base = next((r for r in rows if r["engine"] == "nanoserve" and "wall_s" in r), None)
@@ -209,6 +241,10 @@ def main() -> None:
     ap.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for vLLM")
     ap.add_argument("--vllm-dtype", default="bfloat16",
                     help="vLLM's dtype (float32: what a vLLM user may pick on a CPU without bf16 instructions)")
+    ap.add_argument("--llamacpp-unified", action="store_true",
+                    help="llama.cpp with one unified KV cache for all sequences (default: a stream per sequence)")
+    ap.add_argument("--llamacpp-type", default="bf16", choices=["bf16", "f16", "f32"],
+                    help="which GGUF llama.cpp loads (llamacpp_peer.py --make-gguf --outtype); bf16 as the others")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--worker", choices=list(WORKERS))
     ap.add_argument("--workload", default="W1")
@@ -222,7 +258,8 @@ def main() -> None:
         return worker_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
     extra = {"kv_gib": args.kv_gib, "vllm_compile": not args.vllm_eager, "vllm_bind": args.vllm_bind,
-             "vllm_dtype": args.vllm_dtype,
+             "vllm_dtype": args.vllm_dtype, "llamacpp_unified": args.llamacpp_unified,
+             "llamacpp_type": args.llamacpp_type,
              "async_scheduling": args.async_scheduling}
     for workload in args.workloads:
         # W2 is the prefix-caching workload: run each engine with caching on and off.
@@ -241,6 +278,7 @@ def main() -> None:
                           + (f"{r['wall']:.1f}s (start-up {r['startup']:.1f}s, peak RSS "
                              f"{r['peak_tree_rss_gib']:.2f} GiB)" if "wall" in r else r["error"][-500:]),
                           flush=True)
+        first_token_agreement(runs)
         summary = summarize(workload, runs)
         record = dict(workload=workload, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                       command=" ".join(sys.argv), machine=machine(), summary=summary, runs=runs)
