@@ -121,7 +121,7 @@ def row_ops_library() -> ctypes.CDLL:
 def linear_library() -> ctypes.CDLL:
     """csrc/linear.c."""
     return _declare(build_library(CSRC / "linear.c"),
-                    {"linear": ([_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], None)})
+                    {"linear": ([_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], _I32)})
 
 
 # --------------------------------------------------------------------------- attention
@@ -325,8 +325,8 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
         raise ValueError(f"the C linear takes an fp32 bias padded to {width} outputs")
     rows = x.reshape(-1, k).contiguous()
     out = torch.empty(rows.shape[0], n, dtype=out_dtype)
-    if rows.shape[0]:
-        linear_library().linear(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
-                                None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                int(out_dtype == torch.float32), torch.get_num_threads())
+    if rows.shape[0] and linear_library().linear(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), n,
+                                                 None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                                 int(out_dtype == torch.float32), torch.get_num_threads()):
+        raise MemoryError(f"the C linear found no memory for {rows.shape[0]} rows widened to fp32")
     return out.view(*x.shape[:-1], n)

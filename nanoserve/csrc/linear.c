@@ -82,12 +82,14 @@ static void panel(int64_t rows, const float *x, int64_t ldx, int64_t K, const ui
    packed weights and bias fp32 [ceil(N / 32) * 32] or NULL. K is even. The rows are
    widened to fp32 once, with a stride that keeps rows a multiple of 4 KiB apart out of
    the same L1 sets; then a chunk of rows that fits half the L2 meets every panel in
-   turn, the panels split between the threads. */
-void linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_t N, const float *bias,
-            void *out, int out_fp32, int nthreads) {
+   turn, the panels split between the threads. Returns 0, or -1 if the widened rows
+   found no memory. */
+int linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_t N, const float *bias,
+           void *out, int out_fp32, int nthreads) {
     const int64_t ldx = (K + 15) / 16 * 16 + 16, panels = (N + NR - 1) / NR;
     const int64_t chunk = ((1 << 20) / (ldx * 4)) / MR * MR > MR ? ((1 << 20) / (ldx * 4)) / MR * MR : MR;
     float *x = aligned_alloc(64, M * ldx * sizeof(float));
+    if (x == NULL) return -1;
     #pragma omp parallel num_threads(nthreads)
     {
         #pragma omp for schedule(static)
@@ -105,4 +107,5 @@ void linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64
         }
     }
     free(x);
+    return 0;
 }
