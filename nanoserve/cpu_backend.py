@@ -346,19 +346,6 @@ class WidenedLinear(nn.Module):
         return self.tp.all_reduce(partial).to(x.dtype)
 
 
-class PackedEmbedding(nn.Module):
-    """A tied embedding that looks its rows up in the LM head's WidenedLinear panels,
-    so that the two share one copy of the weight (a row's pairs sit 32 outputs apart)."""
-
-    def __init__(self, head: WidenedLinear):
-        super().__init__()
-        self.weight = head.packed  # shared; what the engine reads the model's device and dtype from
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        panel, lane = input_ids // cpu_kernels.LINEAR_PANEL, input_ids % cpu_kernels.LINEAR_PANEL
-        return self.weight[panel, :, lane].reshape(*input_ids.shape, -1)  # [ids, K / 2, 2] -> [ids, K]
-
-
 def linear_in_order(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What csrc/linear.c computes, in torch (slowly: one op per input): fp32 sums
     over k in order, from the bias. A product of two bf16 is exact in fp32, so
@@ -397,13 +384,9 @@ def prepare_model(model: nn.Module) -> int:
     weight = model.model.embed_tokens.weight
     if can_pack_linear_weights(weight.dtype, weight.device) and not has_bf16_matmul():
         _, layer = _first_that_works("linear kernel", [("c", check_c_linear)], ("fp32", Fp32Linear))
-        if layer is WidenedLinear:  # the same bytes but for the panels' padding
-            embed = model.model.embed_tokens
+        if layer is WidenedLinear:  # the same bytes, but for the panels' padding and a tied head's copy
             before = sum(m.weight.numel() * 2 for _, _, m in _linears(model))
-            shared = model.lm_head is None and embed.tp.world_size == 1  # tied: the lookup reads the head's panels
             count = pack_linear_weights(model, WidenedLinear)
-            if shared:
-                model.model.embed_tokens, before = PackedEmbedding(model.lm_head), before + embed.weight.numel() * 2
             trim_heap()  # the weights as loaded are freed, but glibc keeps them unless asked
             logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
                         "kept in bf16 for the C linear kernel, which multiplies them in fp32", count)
