@@ -19,8 +19,8 @@ in oneDNN's layout (``pack_linear_weights``; also under --enforce-eager: a layou
 with F.linear's results, not another kernel), except on a CPU with no bf16 matrix
 instructions (AVX-512 BF16, AMX), where oneDNN emulates them at several times an
 fp32 GEMM's cost (RESULTS.md): there the C linear kernel keeps them bf16 and
-multiplies in fp32 (``WidenedLinear``), else (no AVX-512) they are held in fp32
-(``Fp32Linear``). Also here, applied by the engine: the process-wide allocator
+multiplies in fp32 (``WidenedLinear``), else (no AVX-512, no C compiler) they are
+held in fp32 (``Fp32Linear``). Also here, applied by the engine: the process-wide allocator
 settings (``tune_process``) and ``trim_heap``.
 """
 from __future__ import annotations

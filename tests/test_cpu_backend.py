@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_model, step_logits
+from test_cpu_kernels import _c_linear_or_skip
 from nanoserve import LLM, SamplingParams, cpu_backend, cpu_kernels, kernels
 from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
 from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
@@ -263,16 +264,14 @@ def _no_c_linear():
     raise RuntimeError("no C linear here (faked)")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"], ids=["llama-untied-head", "qwen3-tied-head", "qwen2-qkv-bias"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"],
+                         ids=["llama-untied-head", "qwen3-tied-head", "qwen2-qkv-bias"])
 def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, model_root, arch, monkeypatch, caplog):
     """A CPU without AVX-512 BF16 or AMX (faked here on every CPU): bf16 linear weights stay
     bf16, packed for the C linear kernel (a tied head gets a packed copy), the weights' bytes
     count the copy and the panels' padding, and the logits are bf16 GEMMs' but for the order
     of fp32 sums; --enforce-eager keeps oneDNN's bf16."""
-    try:
-        cpu_kernels.linear_library()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    _c_linear_or_skip()
     from nanoserve.model import Linear
     path = {"llama": model, "qwen3": tiny_model}.get(arch) or make_model(model_root, "qwen2")
     tied = ModelConfig.from_dir(path).tie_word_embeddings
