@@ -1,7 +1,7 @@
 """nanoserve: a small, readable LLM inference server in the shape of vLLM.
 
-Public API: ``LLM`` (offline), ``SamplingParams``, ``RequestOutput``,
-``CompletionOutput``. The server is ``python -m nanoserve``.
+Public API: ``LLM`` (offline), ``SamplingParams``, ``StructuredOutputsParams``,
+``RequestOutput``, ``CompletionOutput``. The server is ``python -m nanoserve``.
 """
 from nanoserve.engine import LLM, CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
 

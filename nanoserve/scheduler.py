@@ -8,7 +8,7 @@ and prefill chunks (many) share one forward pass. Each scheduled request
 carries its block table, so the engine hands the model runner its inputs
 without ever asking the block manager itself.
 
-Rules (DESIGN.md "Scheduling"):
+Rules:
 * running requests first, in admission order, then waiting ones in arrival order,
   while the token budget (``max_num_batched_tokens``), ``max_num_seqs`` and the
   free blocks last;
