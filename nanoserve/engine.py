@@ -2013,8 +2013,7 @@ def model_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class AsyncLLM:
-    """The engine as one task on the server's asyncio loop (DESIGN.md "One event
-    loop"). Scheduling and postprocessing run on the loop thread, so their state
+    """The engine as one task on the server's one asyncio loop. Scheduling and postprocessing run on the loop thread, so their state
     needs no locks; only the model step runs on one worker thread (``executor``:
     the model_thread() the engine was built on). Each request's outputs go to the
     ``asyncio.Queue`` its caller gave (a server request's prompts share one). A
