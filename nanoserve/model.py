@@ -55,7 +55,7 @@ LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -152,9 +152,7 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            # as vLLM derives max_model_len: linear scaling stretches the context by its factor
-            max_position_embeddings=int(c.get("max_position_embeddings", 2048)
-                                        * (scaling["factor"] if scaling and scaling["rope_type"] == "linear" else 1)),
+            max_position_embeddings=_scaled_max_positions(c.get("max_position_embeddings", 2048), scaling),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
@@ -188,7 +186,23 @@ def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
         raise ModelLoadError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
     params["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):  # the pre-training length, read as transformers standardizes it
+        params["original_max_position_embeddings"] = int(c.get("original_max_position_embeddings")
+                                                          or params.get("original_max_position_embeddings")
+                                                          or c.get("max_position_embeddings", 2048))
+    if rope_type == "yarn" and params.get("factor") is None:  # DeepSeek-V3's form: the ratio of the lengths
+        params["factor"] = c.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
     return theta, (None if rope_type == "default" else params)
+
+
+def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) -> int:
+    """As vLLM derives max_model_len: linear scaling stretches the context by its
+    factor, YaRN the pre-training length by its factor; llama3 keeps the config's."""
+    if scaling is None or scaling["rope_type"] == "llama3":
+        return int(max_positions)
+    if scaling["rope_type"] == "yarn":
+        return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    return int(max_positions * scaling["factor"])
 
 
 def _active_sliding_window(arch: str, c: dict[str, Any]) -> int | None:
@@ -544,6 +558,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return (inv_freq / factor).float()
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(inv_freq, head_dim, theta, factor, scaling).float()
     # llama3: long wavelengths are slowed by `factor`, short ones kept, smooth in between.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
@@ -553,6 +569,37 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     return torch.where(mid, blended, scaled).float()
+
+
+def yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, factor: float,
+                  scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than beta_slow times over
+    the pre-training length are slowed by ``factor`` (interpolated), those that turn
+    more than beta_fast times are kept (extrapolated), with a linear ramp between."""
+    old_len = scaling["original_max_position_embeddings"]
+
+    def dim_turning(turns: float) -> float:  # the dimension whose wave turns `turns` times in old_len
+        return head_dim * math.log(old_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_turning(scaling.get("beta_fast") or 32), dim_turning(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high += 0.001 if low == high else 0  # no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What YaRN multiplies cos and sin by (its attention temperature); 1 otherwise."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -565,8 +612,9 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        scale = rope_attention_factor(scaling)  # in the tables, as transformers and vLLM scale them
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
         self.backend = backend
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):

@@ -170,6 +170,7 @@ def test_kv_head_counts(variant, num_kv_heads):
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 32}
 LINEAR = {"rope_type": "linear", "factor": 4.0}
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _to_legacy_rope(path: Path) -> Path:
@@ -188,7 +189,7 @@ def _to_legacy_rope(path: Path) -> Path:
 
 
 @pytest.mark.parametrize("form", ["rope_parameters", "legacy"])
-@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3], ids=["linear", "llama3"])
+@pytest.mark.parametrize("scaling", [LINEAR, LLAMA3, YARN], ids=["linear", "llama3", "yarn"])
 def test_rope_scaling(variant, scaling, form):
     path = variant("llama", rope_parameters={**scaling, "rope_theta": 10000.0})
     if form == "legacy":
@@ -210,6 +211,48 @@ def test_linear_rope_scaling_stretches_the_context_as_vllms(variant):
     assert llm.engine.max_model_len == 64
     ref = hf_logits(hf_model(path), LONG)  # 57 positions, most past 16
     torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), ref, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("extra", [{"beta_fast": 16, "beta_slow": 2, "truncate": False},
+                                   {"mscale": 0.8, "mscale_all_dim": 0.6},  # DeepSeek's attention temperature
+                                   {"attention_factor": 1.5}], ids=["betas", "mscale", "attention_factor"])
+def test_yarn_options(variant, extra):
+    """Qwen3 is YaRN's usual user (Qwen's docs switch it on for long contexts); each
+    option moves the logits, and each must move them as transformers does."""
+    path = variant("qwen3", rope_parameters={**YARN, **extra, "rope_theta": 10000.0})
+    assert not torch.allclose(hf_logits(hf_model(path), LONG),
+                              hf_logits(hf_model(variant("qwen3", rope_parameters={**YARN, "rope_theta": 10000.0})),
+                                        LONG), atol=1e-3)
+    check_parity(path)
+
+
+def test_yarn_stretches_the_pretraining_length_as_vllms(variant):
+    """vLLM derives max_model_len for YaRN as original_max_position_embeddings x factor
+    (Qwen3's 32k x 4 = 128k), whatever max_position_embeddings says; the logits past
+    the pre-training length match HF's."""
+    path = variant("llama", rope_parameters={**YARN, "original_max_position_embeddings": 16, "rope_theta": 10000.0})
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64)
+    assert llm.engine.max_model_len == 64
+    ref = hf_logits(hf_model(path), LONG)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), ref, atol=ATOL, rtol=ATOL)
+
+
+def test_llama3_rope_without_original_length_takes_max_position_embeddings(variant):
+    """transformers fills a missing original_max_position_embeddings with
+    max_position_embeddings; it used to be a KeyError at start-up."""
+    src = _to_legacy_rope(variant("llama", rope_parameters={**LLAMA3, "rope_theta": 10000.0},
+                                  max_position_embeddings=48))
+    path = src.with_name(src.name + "-no-original")
+    if not path.exists():  # save_pretrained writes the key, so take it out by hand
+        shutil.copytree(src, path)
+        cfg = json.loads((path / "config.json").read_text())
+        del cfg["rope_scaling"]["original_max_position_embeddings"]
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    llm = make_llm(path, max_model_len=48)
+    assert llm.engine.model_config.rope_scaling["original_max_position_embeddings"] == 48
+    hf = hf_model(path)
+    assert hf.config.rope_parameters["original_max_position_embeddings"] == 48  # HF's reading, the same
+    torch.testing.assert_close(nanoserve_logits(llm, LONG[:48], [48]), hf_logits(hf, LONG[:48]), atol=ATOL, rtol=ATOL)
 
 
 @pytest.mark.parametrize("form", ["rope_parameters", "legacy"])
