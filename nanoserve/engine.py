@@ -714,6 +714,9 @@ class EngineConfig:
     # As vLLM's --override-generation-config: generation_config.json fields laid over
     # (also over "vllm"); its max_new_tokens caps every request's max_tokens.
     override_generation_config: dict[str, Any] | None = None
+    # As vLLM's --hf-overrides: config.json keys laid over the checkpoint's (e.g. a
+    # rope_scaling that turns YaRN on, as Qwen's docs for long contexts say)
+    hf_overrides: dict[str, Any] | None = None
     # As vLLM's --async-scheduling: schedule and launch step N+1 before step N's
     # sampled ids reach the host (a GPU's win; the outputs are the same).
     async_scheduling: bool = False
@@ -774,7 +777,6 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "disable_log_stats": (bool, None, "the offline LLM logs no periodic stats (LLM.stats() reads the counters)"),
     "tokenizer_mode": (str, ("auto", "hf"), "the tokenizer is Hugging Face's (tokenizer.json)"),
     "tokenizer_revision": (str, (None,), "a tokenizer hub id is loaded at the model's revision"),
-    "hf_overrides": (dict, (None, {}), "nanoserve reads the checkpoint's config.json as it is"),
     "scheduling_policy": (str, ("fcfs",), "requests are scheduled first come, first served"),
     "logprobs_mode": (str, ("raw_logprobs",),
                       "logprobs are the raw model distribution's, before penalties, bias and temperature"),
@@ -874,7 +876,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         path = resolve_model_dir(config.model, config.revision, config.download_dir)
-        self.model_config = ModelConfig.from_dir(path)
+        self.model_config = ModelConfig.from_dir(path, config.hf_overrides)
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
             torch.cuda.set_device(self.device)
@@ -900,7 +902,7 @@ class LLMEngine:
                                           self.device, config.block_size, config.enforce_eager)
             self.compile_time_s = time.perf_counter() - t0
             self.decode_sizes = self._decode_sizes()
-            model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp)
+            model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides)
             self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len),
@@ -1656,7 +1658,7 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
     return [WorkerSpec(path, r, config.tensor_parallel_size,
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
-                       config.seed, threads, config.cpu_allocator_tuning, level)
+                       config.seed, threads, config.cpu_allocator_tuning, level, config.hf_overrides)
             for r in ranks]
 
 
@@ -1758,7 +1760,8 @@ def run_worker_node(config: EngineConfig) -> int:
     """A node that does not host rank 0 (``--node-rank`` > 0, or a torchrun rank
     > 0): run this node's ranks, the first in this process, until rank 0 shuts
     them down. Returns the exit status."""
-    model_config = ModelConfig.from_dir(resolve_model_dir(config.model, config.revision, config.download_dir))
+    model_config = ModelConfig.from_dir(resolve_model_dir(config.model, config.revision, config.download_dir),
+                                        config.hf_overrides)
     device = resolve_device(config.device)
     check_parallel_config(config, model_config, device)
     if config.distributed_init_method is None:
@@ -2013,8 +2016,9 @@ def model_thread() -> concurrent.futures.ThreadPoolExecutor:
 
 
 class AsyncLLM:
-    """The engine as one task on the server's one asyncio loop. Scheduling and postprocessing run on the loop thread, so their state
-    needs no locks; only the model step runs on one worker thread (``executor``:
+    """The engine as one task on the server's one asyncio loop. Scheduling and
+    postprocessing run on the loop thread, so their state needs no locks; only
+    the model step runs on one worker thread (``executor``:
     the model_thread() the engine was built on). Each request's outputs go to the
     ``asyncio.Queue`` its caller gave (a server request's prompts share one). A
     step that raises ends only its own requests (``RequestFailedError``; under

@@ -248,6 +248,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--override-generation-config", type=_json_object, default=None, metavar="JSON",
                    help="generation_config fields laid over those, e.g. '{\"temperature\": 0.5}'; its "
                         "max_new_tokens caps every request's max_tokens")
+    g.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help="config.json keys laid over the checkpoint's, as vLLM's, e.g. YaRN for a long context: "
+                        "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}'")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; the first is used in responses "
                         "(default: the --model value)")

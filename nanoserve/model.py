@@ -115,7 +115,8 @@ class ModelConfig:
     eos_token_ids: list[int]
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """config.json, with ``hf_overrides``' keys laid over its own (vLLM's --hf-overrides)."""
         path = Path(path)
         if not path.is_dir():
             raise ModelLoadError(f"model directory {str(path)!r} does not exist (pass --model DIR, "
@@ -123,7 +124,14 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.exists():
             raise ModelLoadError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
-        return cls.from_dict(json.loads(cfg_file.read_text()))
+        try:
+            return cls.from_dict(override_config(json.loads(cfg_file.read_text()), hf_overrides))
+        except ModelLoadError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:  # a key missing or of the wrong type
+            given = " with --hf-overrides" if hf_overrides else ""
+            raise ModelLoadError(f"{cfg_file}{given} cannot be read as a model config: "
+                                 f"{type(e).__name__}: {e}") from e
 
     @classmethod
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
@@ -169,6 +177,20 @@ class ModelConfig:
                 f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which "
                 f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less{hint} "
                 f"so that the window never takes effect")
+
+
+def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's hf_overrides: each key replaces the checkpoint's. A rope_scaling given in
+    transformers 4's form replaces a transformers 5 checkpoint's rope_parameters, whose
+    rope_theta it keeps unless rope_theta is given too."""
+    if not overrides:
+        return c
+    logger.info("[model] config.json overridden (hf_overrides): %s", json.dumps(overrides))
+    c = {**c, **overrides}
+    legacy = "rope_scaling" in overrides and "rope_parameters" not in overrides
+    if legacy and isinstance(c.get("rope_parameters"), dict):
+        c.setdefault("rope_theta", c.pop("rope_parameters").get("rope_theta"))
+    return c
 
 
 def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -878,9 +900,10 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
-               backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup()) -> tuple[CausalLM, int]:
+               backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup(),
+               hf_overrides: dict[str, Any] | None = None) -> tuple[CausalLM, int]:
     path = Path(path)
-    cfg = ModelConfig.from_dir(path)
+    cfg = ModelConfig.from_dir(path, hf_overrides)
     model = build_model(cfg, dtype, device, backend, tp)
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
@@ -1604,6 +1627,7 @@ class WorkerSpec:
     num_threads: int | None    # CPU: torch threads of this rank (cores / ranks on the node)
     cpu_allocator_tuning: bool
     log_level: int
+    hf_overrides: dict[str, Any] | None
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -1622,10 +1646,10 @@ def run_worker(spec: WorkerSpec) -> None:
     torch.manual_seed(spec.seed)
     tp = init_distributed(spec.rank, spec.world_size, spec.init_method, device)
     try:
-        cfg = ModelConfig.from_dir(spec.model)
+        cfg = ModelConfig.from_dir(spec.model, spec.hf_overrides)
         backend = select_backend(shard_config(cfg, tp.world_size), spec.dtype, device, spec.cache.block_size,
                                  spec.enforce_eager)
-        model, weight_bytes = load_model(spec.model, spec.dtype, device, backend, tp)
+        model, weight_bytes = load_model(spec.model, spec.dtype, device, backend, tp, spec.hf_overrides)
         kv_spec, plan = plan_rank_kv_cache(model, weight_bytes, spec.cache)
         log_tensor_parallel(tp, weight_bytes, kv_spec, plan)
         runner = ModelRunner(model, kvcache.allocate_kv_cache(kv_spec, plan.num_blocks, device),

@@ -335,7 +335,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--data-parallel-size", "1"], ["--api-server-count", "1"], ["--scheduling-policy", "fcfs"],
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"], ["--stream-interval", "1"],
          ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
-         ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"], ["--hf-overrides", "{}"],
+         ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
          ["--task", "generate"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
@@ -374,6 +374,42 @@ def test_vllm_flags_that_act_or_already_exist_parse():
                        "--allowed-headers", '["*"]', "--allow-credentials"])
     assert args.vllm_notes == [] and args.max_logprobs == 5 and args.allowed_methods == ["GET", "POST"]
     assert entry.engine_config(args).max_logprobs == 5
+
+
+def test_hf_overrides_reach_the_model_config(tiny_model, caplog):
+    """vLLM's --hf-overrides / LLM(hf_overrides=...): config.json keys laid over the
+    checkpoint's, for rank 0, the other ranks' specs and the CLI alike; logged."""
+    import torch
+
+    from nanoserve import LLM
+    from nanoserve.engine import worker_specs
+    from nanoserve.model import ModelConfig
+    yarn = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256}
+    given = '{"rope_scaling": %s, "eos_token_id": 7}' % json.dumps(yarn)
+    config = entry.engine_config(parse_args(["--hf-overrides", given, "--model", str(tiny_model)]))
+    assert config.hf_overrides == {"rope_scaling": yarn, "eos_token_id": 7}
+    with caplog.at_level(logging.INFO, logger="nanoserve"):
+        llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=64, hf_overrides=config.hf_overrides)
+    mc = llm.engine.model_config
+    assert mc.rope_scaling["rope_type"] == "yarn" and mc.eos_token_ids == [7] and llm.engine.max_model_len == 512
+    # the checkpoint has transformers 5's rope_parameters: the override in 4's form replaces them, theta kept
+    assert "rope_parameters" in json.loads((tiny_model / "config.json").read_text())
+    assert mc.rope_theta == ModelConfig.from_dir(tiny_model).rope_theta
+    assert "config.json overridden (hf_overrides)" in caplog.text
+    assert worker_specs(config, "tcp://127.0.0.1:1", torch.device("cpu"), torch.float32)[0].hf_overrides == \
+        config.hf_overrides
+
+
+def test_hf_overrides_that_break_the_config_are_one_line(tiny_model, capsys):
+    from nanoserve import LLM
+    from nanoserve.model import ModelLoadError
+    with pytest.raises(ModelLoadError, match="with --hf-overrides cannot be read as a model config: TypeError"):
+        LLM(str(tiny_model), hf_overrides={"rope_scaling": 5})
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'dynamic'"):
+        LLM(str(tiny_model), hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--hf-overrides", "[1]"])
+    assert e.value.code == 2 and "argument --hf-overrides: expected a JSON object" in capsys.readouterr().err
 
 
 def test_vllm_spellings_of_flags_and_token_counts():
@@ -600,7 +636,6 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
     ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported: "),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported: nanoserve keeps every weight on the device"),
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported: "),
-    ({"hf_overrides": {"rope_theta": 1e6}}, "hf_overrides={'rope_theta': 1000000.0} is not supported: "),
     ({"task": "embed"}, "task='embed' is not supported: nanoserve runs generative models only"),
     ({"compilation_config": {"cudagraph_mode": "FULL"}}, "compilation_config['cudagraph_mode'] is not supported"),
     ({"compilation_config": "3"}, "compilation_config must be an int (a level) or a dict, got str"),
