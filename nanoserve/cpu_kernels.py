@@ -232,6 +232,17 @@ def store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 # --------------------------------------------------------------------------- row-wise ops
 
+# Below this many elements a row-wise op runs on the calling thread alone, as ATen's
+# parallel_for does under its grain size: waking the OpenMP team and meeting it at the
+# barrier costs more than the work saves, and far more where another process holds a
+# core (every op then waits for a team thread to be scheduled; RESULTS.md).
+PARALLEL_MIN_ELEMENTS = 32768
+
+
+def _threads(elements: int) -> int:
+    return torch.get_num_threads() if elements >= PARALLEL_MIN_ELEMENTS else 1
+
+
 def _rows_ok(t: torch.Tensor, n: int) -> bool:
     """bf16, unit stride within a row of n (a multiple of 16), any row stride."""
     return t.dtype == torch.bfloat16 and t.stride(-1) == 1 and n % 16 == 0
@@ -246,7 +257,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         raise ValueError("the C rms_norm takes bf16 [rows, n] or [rows, heads, n] with n % 16 == 0")
     out = torch.empty(x.shape, dtype=torch.bfloat16)
     row_ops_library().rms_norm(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), x.shape[0],
-                               heads, n, eps, torch.get_num_threads())
+                               heads, n, eps, _threads(x.numel()))
     return out
 
 
@@ -263,7 +274,7 @@ def rotary(q, k, positions, cos_cache, sin_cache):
     pos = positions.to(torch.int64).contiguous()
     row_ops_library().rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(),
                              k_out.data_ptr(), rows, hq, hk, d, pos.data_ptr(), cos_cache.data_ptr(),
-                             sin_cache.data_ptr(), torch.get_num_threads())
+                             sin_cache.data_ptr(), _threads(q.numel() + k.numel()))
     return q_out, k_out
 
 
@@ -281,7 +292,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError("the C silu_and_mul takes contiguous bf16 [rows, 2n] with n % 16 == 0")
     out = torch.empty(rows, n, dtype=torch.bfloat16)
     row_ops_library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _silu_table().data_ptr(),
-                                   torch.get_num_threads())
+                                   _threads(gate_up.numel()))
     return out
 
 
@@ -292,7 +303,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
         raise ValueError("the C argmax takes a bf16 [rows, vocab] tensor with unit stride over the vocab")
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     row_ops_library().argmax_rows(logits.data_ptr(), logits.shape[0], logits.shape[1], logits.stride(0),
-                                  out.data_ptr(), torch.get_num_threads())
+                                  out.data_ptr(), _threads(logits.numel()))
     return out
 
 

@@ -375,6 +375,27 @@ def test_c_silu_and_mul_is_eagers():
                        kernels.silu_and_mul_torch(gate_up).view(torch.int16))
 
 
+def test_c_row_ops_alone_or_in_a_team():
+    """Small ops run on the calling thread (cpu_kernels.PARALLEL_MIN_ELEMENTS), large
+    ones on torch's threads: row by row alone and all rows at once in a team, the
+    same bits as eager torch."""
+    from nanoserve.model import RotaryEmbedding
+    _c_row_ops_or_skip()
+    gen = torch.Generator().manual_seed(5)
+    rows, n, heads, d = 48, 1024, 8, 128
+    x, w, gate_up = _rand_bf16(gen, rows, n), _rand_bf16(gen, n), _rand_bf16(gen, rows, 2 * n)
+    q, k = _rand_bf16(gen, rows, heads, d), _rand_bf16(gen, rows, heads // 2, d)
+    rope, positions = RotaryEmbedding(d, 512, 1e6, None, kernels.TORCH), torch.randint(0, 512, (rows,), generator=gen)
+    assert cpu_kernels._threads(x.numel()) == torch.get_num_threads() and cpu_kernels._threads(n) == 1
+    ops = {"rms_norm": (lambda i: cpu_kernels.rms_norm(x[i], w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6)),
+           "silu_and_mul": (lambda i: cpu_kernels.silu_and_mul(gate_up[i]), kernels.silu_and_mul_torch(gate_up)),
+           "rotary q": (lambda i: cpu_kernels.rotary(q[i], k[i], positions[i], rope.cos, rope.sin)[0],
+                        kernels.rotary_torch(q, k, positions, rope.cos, rope.sin)[0])}
+    for name, (op, want) in ops.items():
+        alone = torch.cat([op(slice(i, i + 1)) for i in range(rows)])
+        assert torch.equal(op(slice(None)), want) and torch.equal(alone, want), name
+
+
 def test_c_elementwise_ops_reject_what_they_cannot_run():
     _c_row_ops_or_skip()
     with pytest.raises(ValueError, match="n % 16 == 0"):
