@@ -20,6 +20,8 @@
 
 #define NR 32        /* outputs per panel: two vectors */
 #define MR 12        /* rows per tile: 12 x 2 accumulators, 4 widened weight vectors, of 32 registers */
+#define AHEAD 32     /* input pairs (4 KiB of the panel) fetched ahead: at a few rows a tile streams
+                        the panel faster than the hardware prefetcher brings it (a decode step) */
 
 static inline __m256i to_bf16x16(__m512 f) {  /* round to nearest even, as torch's .to(); NaN stays NaN */
     const __m512i u = _mm512_castps_si512(f);
@@ -45,6 +47,9 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
         for (int j = 0; j < 2; j++) acc[r][j] = bias ? _mm512_loadu_ps(bias + 16 * j) : _mm512_setzero_ps();
     const __m512i high = _mm512_set1_epi32((int32_t)0xffff0000u);
     for (int64_t p = 0; p < K / 2; p++) {
+        /* past the panel this is the next one, which this thread takes next; a prefetch never faults */
+        _mm_prefetch((const char *)(wp + (p + AHEAD) * 2 * NR), _MM_HINT_T0);
+        _mm_prefetch((const char *)(wp + (p + AHEAD) * 2 * NR + NR), _MM_HINT_T0);
         __m512 lo[2], hi[2];  /* the weights of input 2p and of input 2p + 1, for 2 x 16 outputs */
         for (int j = 0; j < 2; j++) {
             const __m512i w = _mm512_loadu_si512(wp + p * 2 * NR + j * NR);
