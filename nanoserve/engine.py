@@ -877,6 +877,8 @@ class LLMEngine:
         self.config = config
         path = resolve_model_dir(config.model, config.revision, config.download_dir)
         self.model_config = ModelConfig.from_dir(path, config.hf_overrides)
+        if config.hf_overrides:
+            logger.info("[engine] config.json overridden (hf_overrides): %s", json.dumps(config.hf_overrides))
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
             torch.cuda.set_device(self.device)

@@ -185,7 +185,6 @@ def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict
     rope_theta it keeps unless rope_theta is given too."""
     if not overrides:
         return c
-    logger.info("[model] config.json overridden (hf_overrides): %s", json.dumps(overrides))
     c = {**c, **overrides}
     legacy = "rope_scaling" in overrides and "rope_parameters" not in overrides
     if legacy and isinstance(c.get("rope_parameters"), dict):

@@ -395,7 +395,7 @@ def test_hf_overrides_reach_the_model_config(tiny_model, caplog):
     # the checkpoint has transformers 5's rope_parameters: the override in 4's form replaces them, theta kept
     assert "rope_parameters" in json.loads((tiny_model / "config.json").read_text())
     assert mc.rope_theta == ModelConfig.from_dir(tiny_model).rope_theta
-    assert "config.json overridden (hf_overrides)" in caplog.text
+    assert caplog.text.count("config.json overridden (hf_overrides)") == 1
     assert worker_specs(config, "tcp://127.0.0.1:1", torch.device("cpu"), torch.float32)[0].hf_overrides == \
         config.hf_overrides
 
