@@ -163,6 +163,8 @@ class SamplingParams:
                 raise InvalidInput("logit_bias", "logit_bias values must be numbers within fp32's range, or -inf "
                                                  "(a ban); not NaN or +inf")
         self._verify()
+        if self.allowed_token_ids:  # the sampler reads the list at every step: a repeat costs time and means nothing
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if 0 < self.temperature < _MIN_TEMP:  # so only 0 is greedy, as in vLLM
             self.temperature = _MIN_TEMP
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax

@@ -318,6 +318,20 @@ def test_stop_strings_and_bad_words_are_bounded_in_number(server):
     server.wait_idle()
 
 
+def test_allowed_token_ids_reach_the_sampler_once_each(server, monkeypatch):
+    """The sampler masks a row by its allowed_token_ids at every step, in time that grows with the list: the
+    vocabulary 100 times over (a 2 MB body, n=32) held every request in the batch for 3 s a token."""
+    rows, execute = [], server.engine.runner.execute
+    monkeypatch.setattr(server.engine.runner, "execute", lambda seqs: rows.extend(
+        s.sample.params.allowed_token_ids for s in seqs if s.sample) or execute(seqs))
+    last = server.engine.model_config.vocab_size - 1
+    r = _post(server.url, {"prompt": "hi", "max_tokens": 2, "n": 2, "allowed_token_ids": [7, 5] * 1000 + [last, 5]})
+    assert r.status_code == 200, r.text
+    assert len(rows) == 4 and all(ids == [7, 5, last] for ids in rows), rows  # in the order given
+    assert SamplingParams(allowed_token_ids=[3, 3, 1]).allowed_token_ids == [3, 1]  # offline too
+    server.wait_idle()
+
+
 
 def test_truncating_to_fit_fits(server, offline_small):
     """truncate_prompt_tokens -1 keeps the prompt's last tokens that leave max_tokens (at least one) to the
