@@ -552,6 +552,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 Number = Annotated[float, Field(allow_inf_nan=False)]
 MAX_REQUEST_ID = 1024  # a request id, body's or X-Request-Id's, in characters (vLLM sets no bound; it is logged)
 _UNSET = (None,)
+_NO_LIST, _NO_DICT = (None, []), (None, {})  # vLLM reads these by their truth: an empty one asks for nothing
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -559,12 +560,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((None, 1, 1.0), "it applies to beam search, which is not implemented"),
     "priority": ((None, 0), "requests are served first come, first served (no priority scheduling)"),
     "watermarking": ((None, False), "watermarking is not implemented"),
-    "logits_processors": (_UNSET, "custom logits processors are not supported"),
-    "logprob_token_ids": (_UNSET, "logprobs of chosen token ids are not implemented (use logprobs)"),
+    "logits_processors": (_NO_LIST, "custom logits processors are not supported"),
+    "logprob_token_ids": (_NO_LIST, "logprobs of chosen token ids are not implemented (use logprobs)"),
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
-    "kv_transfer_params": (_UNSET, "disaggregated serving (KV transfer) is not supported"),
-    "ec_transfer_params": (_UNSET, "disaggregated serving (encoder-cache transfer) is not supported"),
-    "vllm_xargs": (_UNSET, "there are no custom extensions to take extra arguments"),
+    "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
+    "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
+    "vllm_xargs": (_NO_DICT, "there are no custom extensions to take extra arguments"),
     "repetition_detection": (_UNSET, "repetition detection is not implemented"),
     "max_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
     "min_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
@@ -572,8 +573,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "thinking_token_budget": ((None, -1), "thinking-token budgets are not implemented"),
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
     "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
-    "media_io_kwargs": (_UNSET, "multimodal inputs are not supported"),
-    "mm_processor_kwargs": (_UNSET, "multimodal inputs are not supported"),
+    "media_io_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
+    "mm_processor_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
     "structural_tag": (_UNSET, "structural tags are not implemented (structured_outputs takes json, regex, choice "
                                "or grammar)"),  # vLLM v0.10's chat field
 }
@@ -584,6 +585,8 @@ def _coerces_to(value: Any, harmless: Any) -> bool:
     """``value`` is ``harmless`` once pydantic's lax mode makes it that type (0 and "false" are false)."""
     if harmless is None or value is None:
         return value is harmless
+    if isinstance(harmless, (list, dict)):
+        return value == harmless and type(value) is type(harmless)
     try:
         return _LAX[type(harmless)].validate_python(value) == harmless
     except ValidationError:
