@@ -2756,7 +2756,9 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
         where, kind = f"input[{i}]", item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and isinstance(item.get("role"), str):
             messages.append({"role": item["role"], "content": _item_text(item.get("content"), f"{where}.content")})
-        elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+        elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")) \
+                and item["name"]:
+            _check_arguments(item["arguments"], f"{where}.arguments")
             call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -2772,6 +2774,17 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
     if not messages:
         raise InvalidInput("input", "input has no message (reasoning items are dropped)")
     return messages, value[-1].get("role") == "assistant" and value[-1].get("status") in ("in_progress", "incomplete")
+
+
+def _check_arguments(text: str, where: str) -> None:
+    """A function_call's arguments, read here where its place in input is known (the template reads them later)."""
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise InvalidInput("input", f"{where} must be a JSON object in a string, got {show(text)} ({e})") from None
+    if nested_deeper(args, MAX_JSON_DEPTH):
+        raise InvalidInput("input", f"{where} must be a JSON object in a string nested at most {MAX_JSON_DEPTH} "
+                                    f"levels deep")
 
 
 def _item_text(content: Any, where: str) -> str:
