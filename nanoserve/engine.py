@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 import weakref
@@ -646,7 +647,12 @@ class StructuredOutputManager:
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
             what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
-                                                     f"{first_line(e)}") from None
+                                                     f"{_XGRAMMAR_PREFIX.sub('', first_line(e))}") from None
+
+
+# xgrammar's log prefix on its errors, "[13:20:06] /project/cpp/regex_converter.cc:94: " and a failed check's
+# "Check failed: (error.empty()) is false: ": its build's source lines, nothing the request can change
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
 class GrammarState:
