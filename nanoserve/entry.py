@@ -94,8 +94,10 @@ LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event lo
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
 MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish on their threads; more: 503 until they end
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
-# how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999)
-_NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}")
+# how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999,
+# and 200 digits or more: with an exponent under 100, no shorter number is past a double's range; looked for from
+# a run's first digit only, else each digit of a long run starts a new try)
+_NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}|(?<![0-9])[0-9]{200}")
 _IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # a prompt of token ids
 
 

@@ -249,6 +249,11 @@ NON_FINITE_BODIES = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
                              '"chat_template_kwargs": {"x": -Infinity}}', "chat_template_kwargs"),
     ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+    # beyond a double's range with no exponent to give it away (a 500 once: the Responses body echoes reasoning),
+    # or with one of two digits
+    ("/v1/responses", '{"input": "x", "reasoning": {"effort": "low", "budget": 1' + "0" * 400 + '.0}}', "reasoning"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"chat_template_kwargs": {"x": ' + "9" * 250 + 'e99}}', "chat_template_kwargs"),
 ]
 
 
@@ -257,7 +262,7 @@ def test_numbers_json_has_not_are_a_400_naming_the_field(server, path, body, par
     err = _check_error(_post(server.url, body, path), 400, param)
     assert "NaN, Infinity" in err["message"], err
     # the same words in a string, and large finite numbers, are no such thing
-    r = _post(server.url, {"prompt": "NaN Infinity 1e999", "max_tokens": 1, "unknown_field": 1e300})
+    r = _post(server.url, {"prompt": "NaN Infinity 1e999", "max_tokens": 1, "unknown_field": 1e300, "user": "9" * 400})
     assert r.status_code == 200, r.text
     server.wait_idle()
 
