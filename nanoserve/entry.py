@@ -98,6 +98,7 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names
 # and 200 digits or more: with an exponent under 100, no shorter number is past a double's range; looked for from
 # a run's first digit only, else each digit of a long run starts a new try)
 _NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}|(?<![0-9])[0-9]{200}")
+_LONG_INT = re.compile(r"Exceeds the limit \((\d+) digits\) for integer string conversion: value has (\d+) digits")
 _IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # a prompt of token ids
 
 
@@ -1104,6 +1105,9 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
         body = json.loads(text, parse_int=(lambda v: int(v)) if yielding else None,
                           parse_float=(lambda v: float(v)) if yielding else None)
     except (ValueError, RecursionError) as e:
+        if m := _LONG_INT.match(str(e)):  # valid JSON, but Python's bound on int(): its message advises sys calls
+            raise bad_request(f"the request body holds an integer of {m[2]} digits, more than the {m[1]} this "
+                              f"server reads (no field takes such a number)") from None
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")

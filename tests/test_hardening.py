@@ -267,6 +267,19 @@ def test_numbers_json_has_not_are_a_400_naming_the_field(server, path, body, par
     server.wait_idle()
 
 
+def test_an_integer_too_long_for_python_is_a_400_that_says_so(server):
+    """Python's json refuses an integer of more than 4,300 digits with its own advice ("use
+    sys.set_int_max_str_digits() to increase the limit"), which was the 400's message, after "not valid JSON"."""
+    limit = sys.get_int_max_str_digits()
+    number = "1" + "0" * limit
+    for body in ('{"prompt": "hi", "seed": ' + number + "}",  # small and large (decoded off the loop)
+                 '{"prompt": "hi", "max_tokens": 1, ' + " " * entry.LARGE_BODY_BYTES + '"x": ' + number + "}"):
+        err = _check_error(_post(server.url, body), 400, None)
+        assert err["message"] == (f"the request body holds an integer of {limit + 1} digits, more than the {limit} "
+                                  f"this server reads (no field takes such a number)"), err
+    server.wait_idle()
+
+
 def _nested_schema(levels: int) -> str:
     """A JSON schema of ``levels`` nested objects, as text (json.dumps would recurse as deep)."""
     return '{"type": "object", "properties": {"a": ' * levels + '{"type": "integer"}' + '}, "required": ["a"]}' * levels
