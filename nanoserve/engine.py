@@ -32,6 +32,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 import weakref
@@ -163,6 +164,8 @@ class SamplingParams:
                 raise InvalidInput("logit_bias", "logit_bias values must be numbers within fp32's range, or -inf "
                                                  "(a ban); not NaN or +inf")
         self._verify()
+        if self.allowed_token_ids:  # the sampler reads the list at every step: a repeat costs time and means nothing
+            self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
         if 0 < self.temperature < _MIN_TEMP:  # so only 0 is greedy, as in vLLM
             self.temperature = _MIN_TEMP
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
@@ -644,7 +647,12 @@ class StructuredOutputManager:
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
             what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
-                                                     f"{first_line(e)}") from None
+                                                     f"{_XGRAMMAR_PREFIX.sub('', first_line(e))}") from None
+
+
+# xgrammar's log prefix on its errors, "[13:20:06] /project/cpp/regex_converter.cc:94: " and a failed check's
+# "Check failed: (error.empty()) is false: ": its build's source lines, nothing the request can change
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 
 
 class GrammarState:

@@ -94,8 +94,11 @@ LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event lo
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
 MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish on their threads; more: 503 until they end
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:\-]{1,128}")  # no "#": the engine names n's children id#i
-# how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999)
-_NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}")
+# how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999,
+# and 200 digits or more: with an exponent under 100, no shorter number is past a double's range; looked for from
+# a run's first digit only, else each digit of a long run starts a new try)
+_NOT_JSON_TEXT = re.compile(r"\\u[dD][89a-fA-F]|NaN|Infinity|[0-9][eE]\+?[0-9]{3}|(?<![0-9])[0-9]{200}")
+_LONG_INT = re.compile(r"Exceeds the limit \((\d+) digits\) for integer string conversion: value has (\d+) digits")
 _IDS_LIST = re.compile(rb'"prompt"[ \t\r\n]*:[ \t\r\n]*\[[ \t\r\n]*-?[0-9]')  # a prompt of token ids
 
 
@@ -556,6 +559,7 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
 Number = Annotated[float, Field(allow_inf_nan=False)]
 MAX_REQUEST_ID = 1024  # a request id, body's or X-Request-Id's, in characters (vLLM sets no bound; it is logged)
 _UNSET = (None,)
+_NO_LIST, _NO_DICT = (None, []), (None, {})  # vLLM reads these by their truth: an empty one asks for nothing
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
@@ -563,12 +567,12 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "length_penalty": ((None, 1, 1.0), "it applies to beam search, which is not implemented"),
     "priority": ((None, 0), "requests are served first come, first served (no priority scheduling)"),
     "watermarking": ((None, False), "watermarking is not implemented"),
-    "logits_processors": (_UNSET, "custom logits processors are not supported"),
-    "logprob_token_ids": (_UNSET, "logprobs of chosen token ids are not implemented (use logprobs)"),
+    "logits_processors": (_NO_LIST, "custom logits processors are not supported"),
+    "logprob_token_ids": (_NO_LIST, "logprobs of chosen token ids are not implemented (use logprobs)"),
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
-    "kv_transfer_params": (_UNSET, "disaggregated serving (KV transfer) is not supported"),
-    "ec_transfer_params": (_UNSET, "disaggregated serving (encoder-cache transfer) is not supported"),
-    "vllm_xargs": (_UNSET, "there are no custom extensions to take extra arguments"),
+    "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
+    "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
+    "vllm_xargs": (_NO_DICT, "there are no custom extensions to take extra arguments"),
     "repetition_detection": (_UNSET, "repetition detection is not implemented"),
     "max_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
     "min_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
@@ -576,8 +580,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "thinking_token_budget": ((None, -1), "thinking-token budgets are not implemented"),
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
     "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
-    "media_io_kwargs": (_UNSET, "multimodal inputs are not supported"),
-    "mm_processor_kwargs": (_UNSET, "multimodal inputs are not supported"),
+    "media_io_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
+    "mm_processor_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
     "structural_tag": (_UNSET, "structural tags are not implemented (structured_outputs takes json, regex, choice "
                                "or grammar)"),  # vLLM v0.10's chat field
 }
@@ -588,6 +592,8 @@ def _coerces_to(value: Any, harmless: Any) -> bool:
     """``value`` is ``harmless`` once pydantic's lax mode makes it that type (0 and "false" are false)."""
     if harmless is None or value is None:
         return value is harmless
+    if isinstance(harmless, (list, dict)):
+        return value == harmless and type(value) is type(harmless)
     try:
         return _LAX[type(harmless)].validate_python(value) == harmless
     except ValidationError:
@@ -1103,6 +1109,9 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
         body = json.loads(text, parse_int=(lambda v: int(v)) if yielding else None,
                           parse_float=(lambda v: float(v)) if yielding else None)
     except (ValueError, RecursionError) as e:
+        if m := _LONG_INT.match(str(e)):  # valid JSON, but Python's bound on int(): its message advises sys calls
+            raise bad_request(f"the request body holds an integer of {m[2]} digits, more than the {m[1]} this "
+                              f"server reads (no field takes such a number)") from None
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {_json_type(body)}")
@@ -2757,7 +2766,9 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
         where, kind = f"input[{i}]", item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and isinstance(item.get("role"), str):
             messages.append({"role": item["role"], "content": _item_text(item.get("content"), f"{where}.content")})
-        elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+        elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")) \
+                and item["name"]:
+            _check_arguments(item["arguments"], f"{where}.arguments")
             call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -2773,6 +2784,17 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
     if not messages:
         raise InvalidInput("input", "input has no message (reasoning items are dropped)")
     return messages, value[-1].get("role") == "assistant" and value[-1].get("status") in ("in_progress", "incomplete")
+
+
+def _check_arguments(text: str, where: str) -> None:
+    """A function_call's arguments, read here where its place in input is known (the template reads them later)."""
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise InvalidInput("input", f"{where} must be a JSON object in a string, got {show(text)} ({e})") from None
+    if nested_deeper(args, MAX_JSON_DEPTH):
+        raise InvalidInput("input", f"{where} must be a JSON object in a string nested at most {MAX_JSON_DEPTH} "
+                                    f"levels deep")
 
 
 def _item_text(content: Any, where: str) -> str:

@@ -277,6 +277,13 @@ def test_refused_fields_at_their_default_are_accepted(server, endpoint):
                 "routed_experts_prompt_start": 0}
     r = send(server, endpoint, {**BASE[endpoint], **defaults})
     assert r.status == 200, r.body
+    # vLLM reads these by their truth (`elif processors:`, `or None`): an empty one asks for nothing (once a 400)
+    empty = {"logits_processors": [], "logprob_token_ids": [], "kv_transfer_params": {}, "ec_transfer_params": {},
+             "vllm_xargs": {}, "media_io_kwargs": {}, "mm_processor_kwargs": {}}
+    r = send(server, endpoint, {**BASE[endpoint], **empty})
+    assert r.status == 200, r.body
+    r = send(server, endpoint, {**BASE[endpoint], "vllm_xargs": []})  # of the wrong kind: no empty dict
+    assert r.status == 400 and r.body["error"]["param"] == "vllm_xargs", r.body
 
 
 def test_echo_with_logprobs_has_openais_legacy_shape(server):

@@ -249,6 +249,11 @@ NON_FINITE_BODIES = [
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
                              '"chat_template_kwargs": {"x": -Infinity}}', "chat_template_kwargs"),
     ("/v1/completions", '{"prompt": "hi", "temperature": NaN}', "temperature"),
+    # beyond a double's range with no exponent to give it away (a 500 once: the Responses body echoes reasoning),
+    # or with one of two digits
+    ("/v1/responses", '{"input": "x", "reasoning": {"effort": "low", "budget": 1' + "0" * 400 + '.0}}', "reasoning"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                             '"chat_template_kwargs": {"x": ' + "9" * 250 + 'e99}}', "chat_template_kwargs"),
 ]
 
 
@@ -257,8 +262,21 @@ def test_numbers_json_has_not_are_a_400_naming_the_field(server, path, body, par
     err = _check_error(_post(server.url, body, path), 400, param)
     assert "NaN, Infinity" in err["message"], err
     # the same words in a string, and large finite numbers, are no such thing
-    r = _post(server.url, {"prompt": "NaN Infinity 1e999", "max_tokens": 1, "unknown_field": 1e300})
+    r = _post(server.url, {"prompt": "NaN Infinity 1e999", "max_tokens": 1, "unknown_field": 1e300, "user": "9" * 400})
     assert r.status_code == 200, r.text
+    server.wait_idle()
+
+
+def test_an_integer_too_long_for_python_is_a_400_that_says_so(server):
+    """Python's json refuses an integer of more than 4,300 digits with its own advice ("use
+    sys.set_int_max_str_digits() to increase the limit"), which was the 400's message, after "not valid JSON"."""
+    limit = sys.get_int_max_str_digits()
+    number = "1" + "0" * limit
+    for body in ('{"prompt": "hi", "seed": ' + number + "}",  # small and large (decoded off the loop)
+                 '{"prompt": "hi", "max_tokens": 1, ' + " " * entry.LARGE_BODY_BYTES + '"x": ' + number + "}"):
+        err = _check_error(_post(server.url, body), 400, None)
+        assert err["message"] == (f"the request body holds an integer of {limit + 1} digits, more than the {limit} "
+                                  f"this server reads (no field takes such a number)"), err
     server.wait_idle()
 
 
@@ -315,6 +333,20 @@ def test_stop_strings_and_bad_words_are_bounded_in_number(server):
     r = _post(server.url, {"prompt": "hi", "max_tokens": 1, "stop": many[1:], "bad_words": many[1:],
                            "stop_token_ids": ids[1:]})
     assert r.status_code == 200, r.text
+    server.wait_idle()
+
+
+def test_allowed_token_ids_reach_the_sampler_once_each(server, monkeypatch):
+    """The sampler masks a row by its allowed_token_ids at every step, in time that grows with the list: the
+    vocabulary 100 times over (a 2 MB body, n=32) held every request in the batch for 3 s a token."""
+    rows, execute = [], server.engine.runner.execute
+    monkeypatch.setattr(server.engine.runner, "execute", lambda seqs: rows.extend(
+        s.sample.params.allowed_token_ids for s in seqs if s.sample) or execute(seqs))
+    last = server.engine.model_config.vocab_size - 1
+    r = _post(server.url, {"prompt": "hi", "max_tokens": 2, "n": 2, "allowed_token_ids": [7, 5] * 1000 + [last, 5]})
+    assert r.status_code == 200, r.text
+    assert len(rows) == 4 and all(ids == [7, 5, last] for ids in rows), rows  # in the order given
+    assert SamplingParams(allowed_token_ids=[3, 3, 1]).allowed_token_ids == [3, 1]  # offline too
     server.wait_idle()
 
 

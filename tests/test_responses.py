@@ -499,6 +499,12 @@ BAD = [  # body, param, words the message must have
     ({"input": [{"role": "user", "content": 3}]}, "input", "input[0].content"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input",
      "arguments must be a JSON object"),
+    # named by its place in input: it was "input[2].tool_calls[0].function.arguments", the chat message's place
+    ({"instructions": "Be brief.", "input": [{"role": "user", "content": "x"}, {"type": "function_call", "call_id": "c",
+                                                                                "name": "f", "arguments": "{oops"}]},
+     "input", "input[1].arguments must be a JSON object in a string, got \"{oops\""),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "", "arguments": "{}"}]}, "input",
+     "input[0] must be"),  # was "messages[0].tool_calls[0].function.name ..."
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "\"web_search\" are not supported"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools", "tools[0].name"),
