@@ -47,11 +47,11 @@ from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
-                             SampleResult, SeqInput, TokenLogprobs, TPGroup, WorkerSpec, check_tensor_parallel,
-                             cudagraph_capture_sizes, first_line, init_distributed, load_model, load_tokenizer,
-                             log_tensor_parallel, num_kv_heads_per_rank, num_parameters, plan_rank_kv_cache,
-                             release_idle_memory, resolve_dtype, resolve_model_dir, run_worker, select_backend,
-                             shard_config, tcp_address, tune_process)
+                             SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup, WorkerSpec,
+                             check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed, load_model,
+                             load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank, num_parameters,
+                             plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir, run_worker,
+                             select_backend, shard_config, tcp_address, tune_process)
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -478,6 +478,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     sample_row: SampleRequest | None = None  # sample_request()'s, once nothing in it changes any more
+    sampling_tensors: SamplingTensors | None = None  # its logit_bias and allowed ids, made once
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -521,8 +522,10 @@ class Request:
             banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
                        (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
         allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
+        if self.sampling_tensors is None:
+            self.sampling_tensors = SamplingTensors.of(p)
         row = SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
-                            self.num_output_placeholders)
+                            self.num_output_placeholders, self.sampling_tensors)
         if not banned and not self.bad_words_token_ids and self.grammar is None:
             self.sample_row = row
         return row

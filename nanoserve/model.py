@@ -945,6 +945,23 @@ class SamplingOptions(Protocol):
 
 
 @dataclass(slots=True)
+class SamplingTensors:
+    """A request's logit_bias and allowed_token_ids as host tensors, made once (the engine keeps
+    them with the request): made from the dict and list at every step they cost a pass of Python
+    over every entry of every row, and a request may bring thousands."""
+    bias_ids: torch.Tensor | None = None     # int64
+    bias_values: torch.Tensor | None = None  # fp32
+    allowed_ids: torch.Tensor | None = None  # int64
+
+    @classmethod
+    def of(cls, params: SamplingOptions) -> "SamplingTensors":
+        bias, allowed = params.logit_bias, params.allowed_token_ids
+        return cls(torch.tensor(list(bias), dtype=torch.int64) if bias else None,
+                   torch.tensor(list(bias.values()), dtype=torch.float32) if bias else None,
+                   torch.tensor(allowed, dtype=torch.int64) if allowed else None)
+
+
+@dataclass(slots=True)
 class SampleRequest:
     """One row to sample: its parameters and the token history penalties need."""
     params: SamplingOptions
@@ -953,6 +970,7 @@ class SampleRequest:
     banned_token_ids: list[int] = field(default_factory=list)  # min_tokens not reached yet, bad_words
     allowed_token_bitmask: torch.Tensor | None = None  # structured outputs: int32, bit t = token t allowed
     num_output_placeholders: int = 0  # async scheduling: sampled tokens not on the host yet
+    tensors: SamplingTensors | None = None  # None: made from params when the row needs them
 
 
 @dataclass(slots=True)
@@ -1025,18 +1043,21 @@ class Sampler:
             return logits
         logits = logits.clone()  # written in place below; fp32 logits' .float() is the raw tensor logprobs read
         dev = logits.device
-        bias = [(i, t, b) for i, r in enumerate(rows) for t, b in (r.params.logit_bias or {}).items()]
-        if bias:
-            i, t, b = zip(*bias)
-            logits.index_put_((to_device(i, dev), to_device(t, dev)), to_device(b, dev, logits.dtype), accumulate=True)
+        tensors = [r.tensors or SamplingTensors.of(r.params) for r in rows]
+        biased = [(i, t) for i, t in enumerate(tensors) if t.bias_ids is not None]
+        if biased:
+            rows_of = torch.repeat_interleave(torch.tensor([i for i, _ in biased]),
+                                              torch.tensor([t.bias_ids.numel() for _, t in biased]))
+            ids, values = (torch.cat([getattr(t, name) for _, t in biased]) for name in ("bias_ids", "bias_values"))
+            logits.index_put_((to_device(rows_of, dev), to_device(ids, dev)), to_device(values, dev), accumulate=True)
         bans = [(i, t) for i, r in enumerate(rows) for t in r.banned_token_ids]
         if bans:
             i, t = zip(*bans)
             # a 0-d tensor made on the device: torch would copy a Python scalar there, a host sync
             logits.index_put_((to_device(i, dev), to_device(t, dev)), logits.new_full((), float("-inf")))
-        for i, r in enumerate(rows):  # allowed_token_ids: every other token banned (rare: a row at a time)
-            if r.params.allowed_token_ids:
-                keep = to_device(r.params.allowed_token_ids, dev)
+        for i, t in enumerate(tensors):  # allowed_token_ids: every other token banned (rare: a row at a time)
+            if t.allowed_ids is not None:
+                keep = to_device(t.allowed_ids, dev)
                 logits[i] = torch.full_like(logits[i], float("-inf")).index_copy_(0, keep, logits[i, keep])
         masked = [i for i, r in enumerate(rows) if r.allowed_token_bitmask is not None]
         if masked:  # structured outputs: unpack each row's bitmask on the device, ban what it does not allow

@@ -460,6 +460,20 @@ def test_greedy_with_penalties_bias_min_tokens_matches_transformers(llm, hf, kw)
         assert len(got) == kw["min_tokens"] + 1
 
 
+def test_logit_bias_and_allowed_ids_become_tensors_once_per_request(llm, monkeypatch):
+    """A step used to read every row's logit_bias dict into Python tuples: 4,096 entries with n=128
+    held the whole batch for a second a step. The engine now keeps them as tensors from the first step
+    on (one make per request, not per step), and the tokens are what the dict gave."""
+    from nanoserve.model import SamplingTensors
+    made, of = [], SamplingTensors.of
+    monkeypatch.setattr(SamplingTensors, "of", classmethod(lambda cls, p: made.append(p) or of(p)))
+    bias = {t: (t % 7) / 10 for t in range(VOCAB // 2)} | {123: 50.0}
+    p = SamplingParams(temperature=0.5, seed=0, max_tokens=6, ignore_eos=True, n=3, logit_bias=bias,
+                       allowed_token_ids=list(range(100, 200)))
+    outs = llm.generate([PROMPT], p, use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in outs] == [[123] * 6] * 3 and len(made) == 3  # 3 children x 6 steps: 3 makes
+
+
 @pytest.fixture(scope="module")
 def greedy_two(llm):
     return tokens(llm, [PROMPT, "def main():"], SamplingParams(temperature=0, max_tokens=10))
