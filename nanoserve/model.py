@@ -1170,6 +1170,18 @@ def _has_penalties(ps: list) -> bool:
                for p in ps)
 
 
+# Top-k alone up to this k finds each row's k-th largest logit with topk: sorting a 152k vocabulary
+# costs ~25x as much on the CPU (RESULTS.md, "non-greedy sampling"); the mask is the same.
+TOP_K_WITHOUT_SORT = 1024
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
+    """Mask each row's logits below its k-th largest (k 0: the row keeps all)."""
+    k = to_device(top_k, logits.device)[:, None]
+    kth = logits.topk(max(top_k), dim=-1).values.gather(1, (k - 1).clamp(min=0))
+    return logits.masked_fill((logits < kth) & (k > 0), float("-inf"))
+
+
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
     """Mask all but each row's top-k logits, then all but its top-p nucleus
     (smallest set whose probability reaches top_p; at least one token kept)."""
@@ -1178,6 +1190,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     use_p = any(p < 1.0 for p in top_p)
     if not (use_k or use_p):
         return logits
+    if not use_p and max(top_k) <= TOP_K_WITHOUT_SORT:
+        return _apply_top_k(logits, [k if 0 < k < V else 0 for k in top_k])
     sorted_logits, idx = logits.sort(dim=-1, descending=False)
     if use_k:
         k = to_device([k if 0 < k < V else V for k in top_k], dev)

@@ -287,6 +287,26 @@ def _hf_top_k_top_p(x: torch.Tensor, k: int, p: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("top_k", [[0, 1, 5, 49, 50, 500, -1, 3], [3, 1500, 0, 7]], ids=["topk", "sorted"])
+def test_top_k_alone_matches_transformers(ties, top_k):
+    """Top-k without top-p takes each row's k-th largest from topk, not a sort of the vocabulary
+    (up to model.TOP_K_WITHOUT_SORT; the second set is past it): the same tokens kept."""
+    from nanoserve.model import TOP_K_WITHOUT_SORT
+    V = 2000
+    logits = rand_logits(len(top_k), V, seed=3)
+    if ties:
+        logits = logits.round()
+    logits[1, :100] = float("-inf")  # a row with top-k and tokens banned already
+    assert (max(top_k) <= TOP_K_WITHOUT_SORT) == (top_k[1] == 1)
+    got = apply_top_k_top_p(logits.clone(), top_k, [1.0] * len(top_k))
+    for i, k in enumerate(top_k):
+        want = _hf_top_k_top_p(logits[i], k if 0 < k < V else 0, 1.0)
+        assert finite_set(got[i]) == finite_set(want), k
+        keep = torch.isfinite(want)
+        torch.testing.assert_close(got[i][keep], want[keep], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("ties", [False, True])
 def test_top_k_top_p_match_transformers(ties):
     V = 50
     logits = rand_logits(len(TOPKP), V, seed=7)
