@@ -1105,27 +1105,33 @@ class Sampler:
             threshold = probs.amax(dim=-1, keepdim=True) * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         logits = apply_top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
-        probs = logits.softmax(dim=-1)
-        q = self._exponentials(rows, probs)
-        # The exponential race: argmax(p / q), q ~ Exp(1), draws from p exactly
-        # and lets a seeded row own its randomness whatever shares its batch.
-        sampled = (probs / q).argmax(dim=-1)
+        sampled = self._draw(logits.softmax(dim=-1), self._uniforms(rows, dev))
         return torch.where(to_device(greedy, dev), argmax, sampled)
 
-    def _exponentials(self, rows, like: torch.Tensor) -> torch.Tensor:
-        """Exp(1) noise shaped like ``like``: unseeded rows from the sampler's own
-        generator, a seeded row from one seeded by (seed, output index), so it
-        draws the same however it was batched, chunked or preempted."""
-        dev = like.device
+    @staticmethod
+    def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Each row's token by the inverse of its distribution function: the first whose
+        cumulative probability reaches u x the row's total. u in (0, 1], so the token found
+        has probability > 0 (the sum rises at it); fp64 sums, so the tail keeps its share.
+        One number a row, where noise over the whole vocabulary (the exponential race)
+        took most of a sampling step on the CPU (RESULTS.md, "non-greedy sampling")."""
+        cdf = probs.double().cumsum(dim=-1)
+        # clamped for a row of NaNs (nothing left to sample), which the caller flags
+        return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+    def _uniforms(self, rows, dev: torch.device) -> torch.Tensor:
+        """A number in (0, 1] for each row (fp64): unseeded rows from the sampler's own
+        generator, a seeded row from one seeded by (seed, output index), so it draws
+        the same however it was batched, chunked or preempted."""
         if dev not in self.generators:
             self.generators[dev] = torch.Generator(device=dev).manual_seed(self.seed)
-        q = torch.empty_like(like).exponential_(generator=self.generators[dev])
+        u = torch.rand(len(rows), dtype=torch.float64, device=dev, generator=self.generators[dev])
         for i, r in enumerate(rows):
             if r.params.seed is not None:
                 index = len(r.output_token_ids) + r.num_output_placeholders  # the token this row samples
                 g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
-                q[i].exponential_(generator=g)
-        return q
+                u[i] = torch.rand((), dtype=torch.float64, device=dev, generator=g)
+        return 1.0 - u  # rand is in [0, 1)
 
 
 @dataclass(slots=True)

@@ -14,8 +14,8 @@ temperature -> min_p -> top-k/top-p -> sample. The repetition penalty sees
 prompt + output tokens, the frequency and presence penalties output tokens only.
 
 "Which tokens can still be sampled" is read off the real Sampler with a probe:
-`_exponentials` (the noise of the exponential race argmax(p / q)) is replaced
-by one that makes token j win iff its final probability is > 0.
+`_draw` (the inverse-CDF draw from the final probabilities) is replaced by one
+that returns token j iff its final probability is > 0.
 """
 from __future__ import annotations
 
@@ -62,17 +62,16 @@ def row(params: SamplingParams, prompt=(), output=(), banned=()) -> SampleReques
 
 
 class _ProbeSampler(Sampler):
-    """Row i of the batch gets noise that makes token ``probe[i]`` win iff its
-    final probability is positive (every other token is divided by 1e30)."""
+    """Row i of the batch draws token ``probe[i]`` iff its final probability is
+    positive (else -1, no token)."""
 
     def __init__(self, probe: list[int]):
         super().__init__(0)
         self.probe = probe
 
-    def _exponentials(self, rows, like):
-        q = torch.full_like(like, 1e30)
-        q[torch.arange(like.shape[0]), torch.tensor(self.probe)] = 1.0
-        return q
+    def _draw(self, probs, u):
+        t = torch.tensor(self.probe)
+        return torch.where(probs[torch.arange(probs.shape[0]), t] > 0, t, -1)
 
 
 def possible_tokens(logits_row: torch.Tensor, params: SamplingParams, prompt=(), output=()) -> set[int]:
@@ -398,6 +397,16 @@ def test_truncated_sampling_frequencies_chi_square():
     assert stat < chi2_critical(dof), (stat, counts.tolist())
     untruncated = torch.softmax(LOGITS8 / p.temperature, -1)  # would be rejected
     assert int(counts[probs == 0].sum()) == 0 and bool((untruncated[probs == 0] > 0.01).any())
+
+
+def test_draw_never_returns_a_token_of_probability_zero():
+    """The inverse-CDF draw at its edges: u = 1 (the whole mass) lands on the last token with
+    probability > 0, the smallest u on the first; zeros between and around are never drawn."""
+    probs = torch.tensor([[0.0, 0.0, 0.25, 0.0, 0.5, 0.25, 0.0, 0.0]] * 4)
+    u = torch.tensor([1.0, 2.0 ** -53, 0.5, 0.75], dtype=torch.float64)
+    assert Sampler._draw(probs, u).tolist() == [5, 2, 4, 4]
+    nan_row = torch.full((1, 8), float("nan"))  # nothing left to sample: an index, flagged by the caller
+    assert 0 <= int(Sampler._draw(nan_row, u[:1])) < 8
 
 
 def test_seeded_row_ignores_its_batch():
