@@ -1985,15 +1985,22 @@ def _parsed_call(call: Any, where: str) -> Any:
     fn = call.get("function") if isinstance(call, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
         return call
-    try:
-        args = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-        raise InvalidInput("messages", f"{where}.function.arguments must be a JSON object in a string, got "
-                                       f"{fn['arguments'][:60]!r} ({e})") from None
-    if nested_deeper(args, MAX_JSON_DEPTH):
-        raise InvalidInput("messages", f"{where}.function.arguments must be a JSON object in a string nested at most "
-                                       f"{MAX_JSON_DEPTH} levels deep")
+    args = parse_call_arguments(fn["arguments"], "messages", f"{where}.function.arguments",
+                                repr(fn["arguments"][:60]))
     return {**call, "function": {**fn, "arguments": args}}
+
+
+def parse_call_arguments(text: str, param: str, where: str, shown: str) -> Any:
+    """A tool call's arguments, JSON text ("" is {}), parsed; InvalidInput naming ``where`` (and the text
+    as ``shown``) if they are not JSON or are nested deeper than MAX_JSON_DEPTH."""
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
+        raise InvalidInput(param, f"{where} must be a JSON object in a string, got {shown} ({e})") from None
+    if nested_deeper(args, MAX_JSON_DEPTH):
+        raise InvalidInput(param, f"{where} must be a JSON object in a string nested at most {MAX_JSON_DEPTH} "
+                                  f"levels deep")
+    return args
 
 
 def nested_deeper(value: Any, levels: int) -> bool:

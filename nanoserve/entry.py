@@ -79,7 +79,7 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               REASONING_PARSERS, RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind,
                               SamplingParams, StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
-                              nested_deeper, opens_reply, run_worker_node, vllm_arg_note)
+                              nested_deeper, opens_reply, parse_call_arguments, run_worker_node, vllm_arg_note)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -2767,7 +2767,8 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             messages.append({"role": item["role"], "content": _item_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")) \
                 and item["name"]:
-            _check_arguments(item["arguments"], f"{where}.arguments")
+            # read here, where its place in input is known (the template reads them later)
+            parse_call_arguments(item["arguments"], "input", f"{where}.arguments", show(item["arguments"]))
             call = {"id": item["call_id"], "function": {"name": item["name"], "arguments": item["arguments"]}}
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
@@ -2783,17 +2784,6 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
     if not messages:
         raise InvalidInput("input", "input has no message (reasoning items are dropped)")
     return messages, value[-1].get("role") == "assistant" and value[-1].get("status") in ("in_progress", "incomplete")
-
-
-def _check_arguments(text: str, where: str) -> None:
-    """A function_call's arguments, read here where its place in input is known (the template reads them later)."""
-    try:
-        args = json.loads(text) if text.strip() else {}
-    except (ValueError, RecursionError) as e:  # RecursionError: nested too deep
-        raise InvalidInput("input", f"{where} must be a JSON object in a string, got {show(text)} ({e})") from None
-    if nested_deeper(args, MAX_JSON_DEPTH):
-        raise InvalidInput("input", f"{where} must be a JSON object in a string nested at most {MAX_JSON_DEPTH} "
-                                    f"levels deep")
 
 
 def _item_text(content: Any, where: str) -> str:
