@@ -1176,40 +1176,66 @@ def _has_penalties(ps: list) -> bool:
                for p in ps)
 
 
-# Top-k alone up to this k finds each row's k-th largest logit with topk: sorting a 152k vocabulary
-# costs ~25x as much on the CPU (RESULTS.md, "non-greedy sampling"); the mask is the same.
+# Each row's this many largest logits decide its top-k (k up to this) and, on the CPU, its top-p
+# nucleus unless the nucleus runs past them: a 152k vocabulary's sort takes ~12x as long as its
+# topk there (RESULTS.md, "non-greedy sampling"). A row the candidates cannot decide is sorted.
 TOP_K_WITHOUT_SORT = 1024
 
 
-def _apply_top_k(logits: torch.Tensor, top_k: list[int]) -> torch.Tensor:
-    """Mask each row's logits below its k-th largest (k 0: the row keeps all)."""
-    k = to_device(top_k, logits.device)[:, None]
-    kth = logits.topk(max(top_k), dim=-1).values.gather(1, (k - 1).clamp(min=0))
-    return logits.masked_fill((logits < kth) & (k > 0), float("-inf"))
-
-
 def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Mask all but each row's top-k logits, then all but its top-p nucleus
-    (smallest set whose probability reaches top_p; at least one token kept)."""
+    """Mask each row's logits below its threshold: its k-th largest logit (top-k), raised to the
+    least logit of its top-p nucleus (the most likely tokens until their probability, after
+    top-k, reaches top_p; at least one). Ties of a threshold are all kept: the set does not
+    depend on how a sort orders equal logits."""
     V, dev = logits.shape[-1], logits.device
-    use_k = any(0 < k < V for k in top_k)
-    use_p = any(p < 1.0 for p in top_p)
-    if not (use_k or use_p):
+    top_k = [k if 0 < k < V else 0 for k in top_k]
+    if not any(top_k) and all(p >= 1.0 for p in top_p):
         return logits
-    if not use_p and max(top_k) <= TOP_K_WITHOUT_SORT:
-        return _apply_top_k(logits, [k if 0 < k < V else 0 for k in top_k])
-    sorted_logits, idx = logits.sort(dim=-1, descending=False)
-    if use_k:
-        k = to_device([k if 0 < k < V else V for k in top_k], dev)
-        kth = sorted_logits.gather(1, (V - k)[:, None])
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-    if use_p:
-        p = to_device(top_p, dev, sorted_logits.dtype)[:, None]
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop = cum <= 1 - p
-        drop[:, -1] = False
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, idx, sorted_logits)
+    K = min(V, TOP_K_WITHOUT_SORT)
+    use_p = any(p < 1.0 for p in top_p)
+    # top-k alone needs only each row's k largest; which rows a batch holds must not change a row's
+    # candidates (seeded rows are batch-invariant), so a batch with top-p takes K for every row
+    candidates = logits.topk(K if use_p else min(K, max(top_k)), dim=-1).values
+    # a row without top-k needs its whole vocabulary's normalizer, which its candidates do not give
+    row_lse = logits.logsumexp(dim=-1, keepdim=True) if K < V and use_p else None
+    threshold, undecided = _thresholds(candidates, top_k, top_p, row_lse)
+    # on CUDA a sort is cheap, and asking which rows need one would wait for the GPU every step
+    sort = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k > K or (p < 1.0 and logits.is_cuda)]
+    if not logits.is_cuda and use_p:
+        sort = sorted(set(sort) | set(undecided.nonzero().flatten().tolist()))
+    if sort:
+        rows = to_device(sort, dev)
+        some = logits if len(sort) == len(top_k) else logits[rows]  # all rows: no copy
+        whole = some.sort(dim=-1, descending=True).values
+        threshold[rows] = _thresholds(whole, [top_k[i] for i in sort], [top_p[i] for i in sort])[0]
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _thresholds(largest: torch.Tensor, top_k: list[int], top_p: list[float],
+                row_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's threshold from its largest logits, descending: the whole row sorted, or its
+    first candidates with ``row_lse``, each row's log-normalizer over the whole vocabulary.
+    And whether the candidates were too few to decide a row: its nucleus, or the ties of
+    its k-th logit, may run past them."""
+    dev, K = largest.device, largest.shape[-1]
+    k = to_device(top_k, dev)[:, None]
+    kth = largest.gather(1, (k - 1).clamp(0, K - 1))  # a row whose k is past K is sorted instead
+    kth = kth.masked_fill(k == 0, float("-inf"))
+    undecided = torch.zeros(len(top_k), dtype=torch.bool, device=dev)
+    if all(p >= 1.0 for p in top_p):
+        return kth, undecided
+    p = to_device(top_p, dev, largest.dtype)[:, None]
+    if any(top_k):
+        largest = largest.masked_fill(largest < kth, float("-inf"))
+    probs = largest.softmax(dim=-1)  # over the row's top-k, or its whole vocabulary when sorted
+    if row_lse is not None:
+        probs = torch.where(k > 0, probs, (largest - row_lse).exp())
+    # the nucleus: the tokens before the first whose running sum reaches top_p, and that one
+    n = torch.searchsorted(probs.cumsum(dim=-1), p) + 1
+    least = largest.gather(1, n.clamp(max=K) - 1).masked_fill(p >= 1.0, float("-inf"))
+    if row_lse is not None:
+        undecided = (torch.where(k > 0, largest[:, -1:] >= kth, n > K) & (p < 1.0)).squeeze(1)
+    return torch.maximum(kth, least), undecided
 
 
 # =========================================================================== the runner

@@ -305,6 +305,13 @@ def test_top_k_alone_matches_transformers(ties, top_k):
         torch.testing.assert_close(got[i][keep], want[keep], rtol=0, atol=0)
 
 
+def _with_ties(x: torch.Tensor, kept: set[int]) -> set[int]:
+    """``kept`` and every token tied with the least logit in it: transformers' top-p keeps
+    whichever of equal logits its sort put first; nanoserve keeps them all."""
+    least = min(x[i] for i in kept)
+    return set((x >= least).nonzero().flatten().tolist())
+
+
 @pytest.mark.parametrize("ties", [False, True])
 def test_top_k_top_p_match_transformers(ties):
     V = 50
@@ -314,10 +321,76 @@ def test_top_k_top_p_match_transformers(ties):
     got = apply_top_k_top_p(logits.clone(), [k for k, _ in TOPKP], [p for _, p in TOPKP])
     for i, (k, p) in enumerate(TOPKP):
         want = _hf_top_k_top_p(logits[i], k, p)
-        assert finite_set(got[i]) == finite_set(want), (k, p)
-        keep = torch.isfinite(want)
-        torch.testing.assert_close(got[i][keep], want[keep], rtol=0, atol=0)
+        assert finite_set(got[i]) == _with_ties(logits[i], finite_set(want)), (k, p)
+        keep = torch.isfinite(got[i])
+        torch.testing.assert_close(got[i][keep], logits[i][keep], rtol=0, atol=0)
+    if ties:  # ties changed some rows' sets, or the test would not show they are kept
+        assert any(finite_set(got[i]) != finite_set(_hf_top_k_top_p(logits[i], k, p))
+                   for i, (k, p) in enumerate(TOPKP))
     assert len(finite_set(got[1])) == (int((logits[1] == logits[1].max()).sum()))
+
+
+def _peaked(rows: int, V: int, seed: int) -> torch.Tensor:
+    """Logits as a language model's look: a few dozen likely tokens over a long flat tail."""
+    x = rand_logits(rows, V, seed)
+    x[:, :40] += 12 + torch.arange(40, 0, -1) / 4
+    return x[:, torch.randperm(V, generator=torch.Generator().manual_seed(seed))]
+
+
+def test_top_p_candidates_decide_or_the_row_is_sorted(monkeypatch):
+    """Past model.TOP_K_WITHOUT_SORT tokens, a row's nucleus comes from its largest logits
+    (topk) when it ends among them, else from a sort of the row: either way the set
+    transformers keeps. Checked with the sort spied on, so that both paths are known to run."""
+    import nanoserve.model as model_mod
+    V = 3 * model_mod.TOP_K_WITHOUT_SORT
+    flat = rand_logits(4, V, seed=11, scale=0.5)  # the nucleus runs past the candidates
+    logits = torch.cat([_peaked(4, V, seed=12), flat])
+    top_k = [0, 20, 0, 2000, 0, 0, 30, 0]
+    top_p = [0.9, 0.7, 0.999, 0.95, 0.9, 0.3, 0.9, 1.0]
+    sorted_rows = []
+    real_sort = torch.Tensor.sort
+
+    def spy(x, *a, **kw):
+        sorted_rows.extend(int((logits == row).all(dim=-1).nonzero()) for row in x)
+        return real_sort(x, *a, **kw)
+    monkeypatch.setattr(torch.Tensor, "sort", spy)
+    got = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    # row 3's k is past TOP_K_WITHOUT_SORT; row 4's nucleus (top-p alone over a flat row) runs past
+    # the candidates, row 5's small one does not; rows 1 and 6 have their top-k; row 7 neither
+    assert sorted_rows == [3, 4]
+    for i, (k, p) in enumerate(zip(top_k, top_p)):
+        want = finite_set(_hf_top_k_top_p(logits[i], k, p))
+        assert finite_set(got[i]) == want, i
+    assert 1 < len(finite_set(got[0])) < 40 and len(finite_set(got[4])) > model_mod.TOP_K_WITHOUT_SORT
+    assert 100 < len(finite_set(got[5])) < model_mod.TOP_K_WITHOUT_SORT and finite_set(got[7]) == set(range(V))
+
+
+def test_top_k_ties_past_the_candidates_are_sorted():
+    """A top-p row whose k-th logit has ties past the candidates: its top-k probabilities
+    need them all, so the row is sorted. Here the candidates alone would give the largest
+    token 0.00265 of the mass and keep it alone; the whole row gives it 0.00241 < top_p."""
+    from nanoserve.model import TOP_K_WITHOUT_SORT
+    V = 2 * TOP_K_WITHOUT_SORT
+    logits = rand_logits(1, V, seed=5, scale=0.5)  # all below 3
+    logits[0, :TOP_K_WITHOUT_SORT + 100] = 3.0  # 1124 tokens tied at the 10th largest logit
+    logits[0, 0] = 4.0
+    got = apply_top_k_top_p(logits.clone(), [10], [0.0025])
+    want = _with_ties(logits[0], finite_set(_hf_top_k_top_p(logits[0], 10, 0.0025)))
+    assert finite_set(got[0]) == want == set(range(TOP_K_WITHOUT_SORT + 100))
+
+
+def test_top_k_top_p_rows_are_batch_invariant():
+    """A row's mask is the same alone and beside rows that take other paths (a k past
+    TOP_K_WITHOUT_SORT, top-k alone, a sorted top-p row): seeded requests depend on it."""
+    from nanoserve.model import TOP_K_WITHOUT_SORT
+    V = 3 * TOP_K_WITHOUT_SORT
+    logits = torch.cat([_peaked(3, V, seed=21), rand_logits(2, V, seed=22, scale=0.5)])
+    top_k = [0, 40, TOP_K_WITHOUT_SORT + 5, 5, 0]
+    top_p = [0.8, 0.95, 0.9, 1.0, 0.6]
+    together = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    for i in range(len(top_k)):
+        alone = apply_top_k_top_p(logits[i:i + 1].clone(), top_k[i:i + 1], top_p[i:i + 1])
+        assert torch.equal(alone[0], together[i]), i
 
 
 def _hf_pipeline(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
