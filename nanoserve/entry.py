@@ -88,6 +88,9 @@ HEADER_TIMEOUT_S = 10.0              # a connection must send a request's header
 KEEP_ALIVE_TIMEOUT_S = 5.0           # an idle keep-alive connection is closed after this
 DRAIN_GRACE_S = 5.0                  # after the drain timeout: for streams to send their last event
 MAX_N = 128                          # completions per prompt (n)
+# engine requests (prompts x n) one HTTP request may make: each takes ~2 KB and its place in the FCFS queue, so
+# a 16 MiB body of one-token prompts (3M of them) took ~6 GB and held every later request back for minutes
+MAX_ENGINE_REQUESTS = 16384
 MAX_STOP_WORDS = 1024                # stop, stop_token_ids, bad_words: each step of a request checks all, on the loop
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
@@ -2092,14 +2095,16 @@ class _Tracked:
 
 
 def check_queue(state: ServerState, req: GenerationRequest, n: int) -> None:
-    """--max-queue-len counts engine requests: prompts x n."""
-    limit = state.max_queue_len
+    """The engine requests one HTTP request makes (prompts x n): at most MAX_ENGINE_REQUESTS,
+    and with those waiting already at most --max-queue-len."""
+    limit, wanted = state.max_queue_len, req.num_prompts() * n
+    too_many = (f"the server takes in one request ({MAX_ENGINE_REQUESTS})" if wanted > MAX_ENGINE_REQUESTS
+                else f"--max-queue-len {limit} lets wait" if limit is not None and wanted > limit else None)
+    if too_many:
+        raise bad_request(f"this request is {wanted} engine requests ({req.num_prompts()} prompt(s) x n={n}), "
+                          f"more than {too_many}; send them in several requests", "n" if n > 1 else req.prompt_field)
     if limit is None:
         return
-    wanted = req.num_prompts() * n
-    if wanted > limit:
-        raise bad_request(f"this request is {wanted} engine requests ({req.num_prompts()} prompt(s) x n={n}), "
-                          f"more than --max-queue-len {limit} lets wait", "n" if n > 1 else req.prompt_field)
     waiting = state.engine.stats()["num_waiting"]
     if waiting + wanted > limit:
         raise ApiError(429, f"the server is busy: {waiting} requests are waiting (--max-queue-len {limit}); "

@@ -365,6 +365,20 @@ def test_truncating_to_fit_fits(server, offline_small):
 
 # =========================================================================== the queue counts engine requests
 
+def test_one_request_makes_at_most_max_engine_requests(server, monkeypatch):
+    """Without --max-queue-len, a 16 MiB body of one-token prompts queued 3M engine requests (~6 GB; a
+    200k-prompt body held the demo server for 42 s). prompts x n is bounded by entry.MAX_ENGINE_REQUESTS."""
+    import nanoserve.entry as entry_mod
+    assert server.args.max_queue_len is None
+    monkeypatch.setattr(entry_mod, "MAX_ENGINE_REQUESTS", 6)
+    err = _check_error(_post(server.url, {"prompt": [[5]] * 7, "max_tokens": 1}), 400, "prompt")
+    assert "7 engine requests (7 prompt(s) x n=1)" in err["message"] and "in one request (6)" in err["message"]
+    _check_error(_post(server.url, {"prompt": ["a", "b"], "n": 4, "max_tokens": 1}), 400, "n")
+    r = _post(server.url, {"prompt": ["a", "b"], "n": 3, "max_tokens": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 6, r.text
+    server.wait_idle()
+
+
 def test_max_queue_len_counts_prompts_times_n(tiny_model):
     with ServerThread(tiny_model, "--max-num-seqs", "1", "--max-queue-len", "4") as s:
         err = _check_error(_post(s.url, {"prompt": ["a", "b", "c", "d", "e"], "max_tokens": 1}), 400, "prompt")
