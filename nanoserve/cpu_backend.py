@@ -107,14 +107,17 @@ def _smoke(cfg, dtype, block_size, store, attend):
     return store, attend
 
 
-def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
+def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                             sliding_window: int | None = None):
     """All-decode steps through the compiled decode attention; steps with
-    prefill chunks (or once dynamo refuses another graph) through the reference."""
-    if cpu_kernels.is_decode_only(query_start_loc):
+    prefill chunks, layers with a sliding window (or once dynamo refuses another
+    graph) through the reference."""
+    if sliding_window is None and cpu_kernels.is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out
-    return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                         sliding_window)
 
 
 def decode_attention_fused(query, k_cache, v_cache, block_tables, seq_lens, scale):

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from nanoserve import kernels
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 # Cascade attention pays where many sequences share a long prefix; with few
@@ -139,9 +141,14 @@ def is_decode_only(query_start_loc: torch.Tensor) -> bool:
                                                      device=query_start_loc.device))
 
 
-def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> torch.Tensor:
+def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """kernels.paged_attention_torch in C: the decodes of the step in one
-    decode_attention call, its multi-token chunks in one chunk_attention call."""
+    decode_attention call, its multi-token chunks in one chunk_attention call.
+    The C kernels have no sliding window: such a layer runs the torch reference."""
+    if sliding_window is not None:
+        return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                             scale, sliding_window)
     _check_attention_inputs(query, k_cache, v_cache)
     query = query.contiguous()  # the kernels index rows directly
     num_seqs = seq_lens.shape[0]

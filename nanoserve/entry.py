@@ -268,8 +268,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="prompt + output tokens per request, e.g. 4096 or 32k (default, or auto: the model's "
                         "limit, capped by what the KV cache holds)")
     g.add_argument("--disable-sliding-window", action="store_true",
-                   help="as vLLM's: --max-model-len defaults to the model's sliding window, if it has one "
-                        "(nanoserve has no sliding-window attention)")
+                   help="as vLLM's: --max-model-len defaults to (and may not pass) the model's sliding window, "
+                        "if it has one, within which full attention is the same")
     g.add_argument("--seed", type=int, default=0, help="seed of the sampler for unseeded requests")
     g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for; -1: "

@@ -62,7 +62,8 @@ class Backend:
     bytes it added to the weights' memory). Signatures:
 
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
-    paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale) -> out
+    paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                    sliding_window=None) -> out  (a window: each query sees its last sliding_window positions)
     rms_norm(x [..., n], weight [n], eps) -> normalised x
     fused_add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
     rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache) -> (q, k)
@@ -109,9 +110,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                          scale) -> torch.Tensor:
+                          scale, sliding_window: int | None = None) -> torch.Tensor:
     """The reference: the step's decodes (q_len 1) in one batched SDPA call, each
-    multi-token chunk in one of its own."""
+    multi-token chunk in one of its own. With a sliding window a query at position
+    p sees keys p - sliding_window + 1 .. p (transformers' and vLLM's window)."""
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -120,16 +122,17 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)
         idx = torch.tensor(decodes, device=query.device)
         out[rows] = decode_attention_torch(query[rows], k_cache, v_cache, block_tables[idx],
-                                           seq_lens[idx], scale)
+                                           seq_lens[idx], scale, sliding_window)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             chunk = slice(starts[i], starts[i] + q_len)
             out[chunk] = chunk_attention_torch(query[chunk], k_cache, v_cache, block_tables[i],
-                                               lens[i], scale)
+                                               lens[i], scale, sliding_window)
     return out
 
 
-def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                           sliding_window: int | None = None) -> torch.Tensor:
     """query [seqs, heads, d], one token per sequence at its last position: every
     context padded to the longest, the padding masked."""
     n, num_heads, head_dim = query.shape
@@ -140,26 +143,33 @@ def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scal
     # Each KV head's group of query heads as its rows of queries: one SDPA call
     # without copying K and V per query head.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    visible = torch.arange(k.shape[2], device=query.device)[None, :] < seq_lens[:, None]
+    key_pos = torch.arange(k.shape[2], device=query.device)[None, :]
+    visible = key_pos < seq_lens[:, None]
+    if sliding_window is not None:  # the query is at seq_len - 1
+        visible &= key_pos >= seq_lens[:, None] - sliding_window
     o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None, None, :],
                                        scale=scale)
     return o.reshape(n, num_heads, head_dim)
 
 
-def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, scale) -> torch.Tensor:
+def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, scale,
+                          sliding_window: int | None = None) -> torch.Tensor:
     """query [q_len, heads, d]: the last q_len tokens of a sequence of seq_len,
-    causal among themselves, seeing all of the cached prefix."""
+    causal among themselves, seeing all of the cached prefix (in the window)."""
     q_len, block_size = query.shape[0], k_cache.shape[1]
     n_blocks = -(-seq_len // block_size)
     k = gather_kv(k_cache, block_table[:n_blocks])[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
     v = gather_kv(v_cache, block_table[:n_blocks])[:seq_len].transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]                                                  # [1, heads, q_len, d]
-    if q_len == seq_len:  # a fresh prefill: plain causal attention, SDPA's fastest path
+    if q_len == seq_len and (sliding_window is None or seq_len <= sliding_window):  # plain causal: SDPA's fastest
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        visible = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        visible = key_pos <= q_pos[:, None]
+        if sliding_window is not None:
+            visible &= key_pos > q_pos[:, None] - sliding_window
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scale,
                                            enable_gqa=True)
     return o[0].transpose(0, 1)
@@ -242,6 +252,7 @@ _PREFILL_TILE_MIN_TOKENS_PER_SEQ = 256
 _SPLIT_KV_MIN_PARTITION = 512   # never split a context finer than this (tokens)
 _SPLIT_KV_MAX_SPLITS = 32
 _SPLIT_KV_TARGET_PROGRAMS = 1024
+_NO_WINDOW = 2**30  # the kernel's window without a sliding window: past any context (an int32)
 
 if triton is not None:
 
@@ -297,7 +308,7 @@ if triton is not None:
         out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         m_part_ptr, l_part_ptr, acc_part_ptr,
-        scale, num_seqs, num_heads, block_size, min_partition,
+        scale, num_seqs, num_heads, block_size, min_partition, window,
         q_stride_t, q_stride_h, q_stride_d,
         o_stride_t, o_stride_h, o_stride_d,
         kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
@@ -310,7 +321,8 @@ if triton is not None:
         """Grid (query tiles, kv heads, splits). With NUM_SPLITS == 1 a program
         walks its tile's whole visible context and writes the output; otherwise it
         walks partition `split` of it only and writes its running max / sum /
-        accumulator for _split_kv_reduce_kernel to merge."""
+        accumulator for _split_kv_reduce_kernel to merge. A query at position p sees
+        keys p - window + 1 .. p (window: the sliding window, else past any context)."""
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -333,13 +345,14 @@ if triton is not None:
         q = tl.load(query_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h
                     + d[None, :] * q_stride_d, mask=row_ok[:, None], other=0.0)
 
-        # Keys 0 .. (last query of the tile's position) are visible to some row.
+        # Keys first_key .. (last query of the tile's position) are visible to some row.
         num_keys = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+        first_key = tl.maximum(context_len + q_tile_start - window + 1, 0)
         # Each tile splits its own keys evenly (whole BLOCK_N steps, at least
         # min_partition): a CUDA graph's block table spans max_model_len, and a
         # split of that width would leave a short context wholly in split 0.
-        partition = tl.maximum(tl.cdiv(tl.cdiv(num_keys, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_partition)
-        lo = split * partition
+        partition = tl.maximum(tl.cdiv(tl.cdiv(num_keys - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N, min_partition)
+        lo = first_key + split * partition
         hi = tl.minimum(num_keys, lo + partition)
 
         qk_scale = scale * 1.4426950408889634  # softmax in base 2: exp2 is cheaper than exp
@@ -363,7 +376,7 @@ if triton is not None:
                         + kv_off_h * vc_stride_h + d[None, :] * vc_stride_d,
                         mask=k_ok[:, None], other=0.0)          # [BLOCK_N, HEAD_DIM]
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
-            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+            visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -386,9 +399,10 @@ if triton is not None:
                      mask=row_ok[:, None])
 
     # Triton compiles a variant per integer argument that is 1 or a multiple of
-    # 16; these two change from step to step, so they stay unspecialised: a new
-    # batch shape compiles nothing during traffic.
-    _paged_attention_kernel = triton.jit(_paged_attention_kernel, do_not_specialize=["num_seqs", "bt_stride_s"])
+    # 16; the first two change from step to step, so they stay unspecialised: a new
+    # batch shape compiles nothing during traffic (nor a layer with a window).
+    _paged_attention_kernel = triton.jit(_paged_attention_kernel,
+                                         do_not_specialize=["num_seqs", "bt_stride_s", "window"])
 
     @triton.jit
     def _split_kv_reduce_kernel(
@@ -535,8 +549,8 @@ def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
     return min(wanted, _SPLIT_KV_MAX_SPLITS, fits)
 
 
-def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
-                           query_start_loc, scale, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                           sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out``, if given, receives the result (benchmarks/triton_gpu.py passes one
     filled with NaN to check that every element is written)."""
     _check_kv(None, None, k_cache, v_cache)
@@ -565,8 +579,8 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens,
     block_q = block_m // group
     num_splits = _num_kv_splits(all_decodes, num_seqs, num_kv_heads,
                                 block_tables.shape[1] * block_size)
-    return _launch_attention(query, k_cache, v_cache, block_tables, seq_lens,
-                             query_start_loc, scale, out, block_m, block_q, num_splits, block_n)
+    return _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                             out, block_m, block_q, num_splits, block_n, sliding_window=sliding_window)
 
 
 def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context: int) -> None:
@@ -590,7 +604,8 @@ def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context
 
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       scale, out, block_m, block_q, num_splits, block_n: int = _BLOCK_N_DECODE,
-                      min_partition: int | None = None, **launch_options) -> torch.Tensor:
+                      min_partition: int | None = None, sliding_window: int | None = None,
+                      **launch_options) -> torch.Tensor:
     """``block_n`` and ``launch_options`` (Triton's num_warps, num_stages) are
     the knobs benchmarks/triton_gpu.py sweeps; the engine keeps the defaults."""
     num_tokens, num_heads, head_dim = query.shape
@@ -609,6 +624,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         m_part, l_part, acc_part,
         float(scale), num_seqs, num_heads, k_cache.shape[1], min_partition,
+        _NO_WINDOW if sliding_window is None else sliding_window,
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         *block_tables.stride(),
         GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,

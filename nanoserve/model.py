@@ -110,7 +110,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool          # Qwen2: bias on q/k/v
     qk_norm: bool                 # Qwen3: RMSNorm on q and k per head
-    sliding_window: int | None    # only set when the checkpoint would really use it
+    sliding_window: int | None    # the window of the layers that use one; None: no layer does
+    sliding_layers: tuple[int, ...]  # the layers that attend to the last sliding_window positions only
     checkpoint_dtype: str
     eos_token_ids: list[int]
 
@@ -148,6 +149,7 @@ class ModelConfig:
         num_heads = c["num_attention_heads"]
         theta, scaling = _rope_from_config(c)
         eos = c.get("eos_token_id")
+        window, layers = _sliding_window(arch, c)
         return cls(
             architecture=arch,
             vocab_size=c["vocab_size"],
@@ -164,19 +166,23 @@ class ModelConfig:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
             qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_window=_active_sliding_window(arch, c),
+            sliding_window=window,
+            sliding_layers=layers,
             checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
 
-    def check_max_model_len(self, max_model_len: int, window_disabled: bool = False) -> None:
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
-            # --disable-sliding-window only sets the default: with a longer --max-model-len it cannot help
-            hint = "" if window_disabled else " (or, as vLLM's, --disable-sliding-window)"
-            raise ModelLoadError(
-                f"this checkpoint uses sliding-window attention (window {self.sliding_window}), which "
-                f"nanoserve does not implement; use --max-model-len {self.sliding_window} or less{hint} "
-                f"so that the window never takes effect")
+    def check_max_model_len(self, max_model_len: int, window_disabled: bool) -> None:
+        if window_disabled and self.sliding_window is not None and self.sliding_window < max_model_len:
+            raise ModelLoadError(  # as vLLM's: full attention is the sliding window's only within the window
+                f"--disable-sliding-window keeps max_model_len within this checkpoint's sliding window "
+                f"({self.sliding_window}), got --max-model-len {max_model_len}; leave the flag out to serve longer "
+                f"prompts with sliding-window attention")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window layer ``layer`` attends within, or None (full attention).
+        (--disable-sliding-window keeps max_model_len within the window: it never acts.)"""
+        return self.sliding_window if layer in self.sliding_layers else None
 
 
 def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -226,14 +232,21 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
     return int(max_positions * scaling["factor"])
 
 
-def _active_sliding_window(arch: str, c: dict[str, Any]) -> int | None:
-    window = c.get("sliding_window")
-    if window is None:
-        return None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        uses = c.get("use_sliding_window", False) or "sliding_attention" in (c.get("layer_types") or [])
-        return int(window) if uses else None
-    return int(window)
+def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
+    """The window and the layers that use it, as transformers reads them: every layer of
+    Mistral's; with Qwen's use_sliding_window, those ``layer_types`` names (by default
+    the layers from max_window_layers on); none of Llama's."""
+    window, n = c.get("sliding_window"), c["num_hidden_layers"]
+    if window is None or arch == "LlamaForCausalLM":
+        return None, ()
+    if arch == "MistralForCausalLM":
+        return int(window), tuple(range(n))
+    if not c.get("use_sliding_window", False):
+        return None, ()
+    first = c.get("max_window_layers", 28)
+    types = c.get("layer_types") or ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    return (int(window) if layers else None), layers
 
 
 def num_parameters(cfg: ModelConfig) -> int:
@@ -655,7 +668,8 @@ class Attention(nn.Module):
     """Under tensor parallelism a rank computes its own heads: q/k/v come split by
     heads, its KV cache holds only its KV heads, and o_proj sums the ranks' parts."""
 
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup,
+                 sliding_window: int | None):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
                                           cfg.attention_bias, tp)
@@ -668,6 +682,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
         self.scale = cfg.head_dim ** -0.5
+        self.sliding_window = sliding_window  # None: every earlier position is visible
         self.backend = backend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -685,7 +700,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.backend.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                         meta.query_start_loc, self.scale)
+                                         meta.query_start_loc, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -702,9 +717,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary_emb, backend, tp)
+        self.self_attn = Attention(cfg, rotary_emb, backend, tp, cfg.layer_window(index))
         self.mlp = MLP(cfg, backend, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -730,8 +745,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, backend)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend, tp)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend, tp, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -150,6 +150,20 @@ def test_c_attention(config, scenario):
         assert (got.double() - truth).abs().max() <= (eager.double() - truth).abs().max() * 1.01
 
 
+@pytest.mark.parametrize("attend", [cpu_kernels.paged_attention, cpu_backend.paged_attention_compiled],
+                         ids=["c", "compiled"])
+def test_a_sliding_window_layer_runs_the_reference(attend):
+    """The C kernels and the compiled decode have no sliding window: a layer with one gets
+    the torch reference's output exactly, for decodes and chunks alike."""
+    torch.manual_seed(17)
+    for scenario in ("decode", "mixed"):
+        batch = _bf16(make_batch(SCENARIOS[scenario], 16, 64, 8, 4, poison=POISON["torch"]))
+        scale = 64 ** -0.5
+        want = kernels.paged_attention_torch(*batch, scale, 5)
+        assert not torch.equal(want, kernels.paged_attention_torch(*batch, scale))
+        assert torch.equal(attend(*batch, scale, 5), want)
+
+
 @pytest.mark.parametrize("scenario", ["decode", "mixed", "chunked"])
 def test_c_attention_without_avx512_bf16(monkeypatch, scenario):
     """The dot products a CPU without AVX-512 BF16 computes with two FMAs (built here with

@@ -414,15 +414,16 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
         EngineConfig(model="m", max_logprobs=-2)
 
 
-def test_a_sliding_window_is_refused_unless_max_model_len_keeps_inside_it(model_root):
-    """nanoserve has no sliding-window attention: a checkpoint that uses one serves only within its window,
-    which vLLM's --disable-sliding-window makes max_model_len's default (as vLLM caps it there)."""
+def test_a_sliding_window_model_serves_past_its_window(model_root):
+    """A sliding-window checkpoint serves its whole context (test_parity checks its logits), and
+    vLLM's --disable-sliding-window makes the window max_model_len's default and its limit."""
     path = make_model(model_root, "mistral", sliding_window=32)
     kw = dict(dtype="float32", num_kv_blocks=16, enforce_eager=True)
-    with pytest.raises(ValueError, match=r"sliding-window attention \(window 32\).*--disable-sliding-window"):
-        LLM(str(path), **kw)
+    llm = LLM(str(path), **kw)
+    assert llm.engine.max_model_len == 16 * 16  # the KV blocks', past the window
+    out = llm.generate([[5] * 60], SamplingParams(max_tokens=8, min_tokens=8), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
     assert LLM(str(path), disable_sliding_window=True, **kw).engine.max_model_len == 32
-    assert LLM(str(path), max_model_len=24, **kw).engine.max_model_len == 24
-    with pytest.raises(ValueError, match="sliding-window") as refused:  # as vLLM's: no longer than the window
+    assert LLM(str(path), max_model_len=24, disable_sliding_window=True, **kw).engine.max_model_len == 24
+    with pytest.raises(ValueError, match=r"--disable-sliding-window keeps max_model_len within .* \(32\)"):
         LLM(str(path), max_model_len=64, disable_sliding_window=True, **kw)
-    assert "--disable-sliding-window" not in str(refused.value)  # given already: no help here

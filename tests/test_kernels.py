@@ -91,8 +91,9 @@ def make_batch(specs, block_size, head_dim, num_heads, num_kv_heads, poison, ext
             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), query_start_loc.to(DEVICE))
 
 
-def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    """Dense float64 attention, one sequence at a time, straight from the definition."""
+def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None):
+    """Dense float64 attention, one sequence at a time, straight from the definition
+    (with a sliding window W, a query at p sees keys p - W + 1 .. p, as transformers')."""
     out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
     block_size = k_cache.shape[1]
     group = query.shape[1] // k_cache.shape[2]
@@ -107,17 +108,19 @@ def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         q = query[start:end].double()                                                 # [q, h, d]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         allowed = pos[None, :] <= q_pos[:, None]                                      # [q, ctx]
+        if sliding_window is not None:
+            allowed &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
 
 
-def check_attention(backend: kernels.Backend, batch, **kw):
+def check_attention(backend: kernels.Backend, batch, sliding_window=None, **kw):
     query = batch[0]
     scale = query.shape[-1] ** -0.5
-    expected = naive_attention(*batch, scale)
-    got = backend.paged_attention(*batch, scale, **kw)
+    expected = naive_attention(*batch, scale, sliding_window)
+    got = backend.paged_attention(*batch, scale, sliding_window, **kw)
     assert got.dtype == query.dtype and got.shape == query.shape
     torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=RTOL)
 
@@ -213,6 +216,39 @@ def test_split_kv_long_decode(monkeypatch, block_size, num_heads, num_kv_heads):
     max_context = batch[3].shape[1] * block_size
     assert kernels._num_kv_splits(True, 3, num_kv_heads, max_context) > 2
     check_attention(kernels.TRITON, batch)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("config", CONFIGS[1:3], ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
+@pytest.mark.parametrize("scenario", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("window", [1, 6, 17])
+def test_paged_attention_sliding_window(backend, config, scenario, window):
+    """A sliding window: each query sees its last `window` positions (1: itself only),
+    in decodes, prompts longer than the window, and chunks over a cached prefix."""
+    torch.manual_seed(11)
+    batch = make_batch(SCENARIOS[scenario], *config, POISON[backend.name])
+    scale = batch[0].shape[-1] ** -0.5
+    assert not torch.allclose(naive_attention(*batch, scale, window), naive_attention(*batch, scale))
+    check_attention(backend, batch, window)
+
+
+@triton_only
+@pytest.mark.parametrize("window", [70, 260])
+def test_split_kv_long_decode_sliding_window(monkeypatch, window):
+    """Split-KV partitions cover only a decode's window: the splits start at its first key."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    torch.manual_seed(5)
+    batch = make_batch([(300, 1), (40, 1), (129, 1)], 16, 32, 4, 1, POISON["triton"])
+    assert kernels._num_kv_splits(True, 3, 1, batch[3].shape[1] * 16) > 2
+    check_attention(kernels.TRITON, batch, window)
+
+
+@triton_only
+def test_prefill_tile_sliding_window():
+    """The 128 x 64 prefill tiles with a window shorter than a tile's span of queries."""
+    torch.manual_seed(9)
+    batch = make_batch([(0, 300), (40, 260)], 16, 32, 4, 2, POISON["triton"])
+    check_attention(kernels.TRITON, batch, 50)
 
 
 @triton_only

@@ -147,6 +147,34 @@ def test_untied_embeddings_qwen3(variant):
     assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
 
 
+@pytest.mark.parametrize("arch,overrides,layers", [
+    ("mistral", {"sliding_window": 12}, (0, 1)),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 12, "max_window_layers": 1}, (1,)),
+], ids=["mistral", "qwen2-second-layer"])
+def test_sliding_window_matches_hf(variant, arch, overrides, layers):
+    """A 12-token window over 57-token prompts (in one pass, in chunks over the cache, and in
+    decodes): transformers' logits and greedy tokens. Without the window the logits differ."""
+    path = variant(arch, **overrides)
+    llm = check_parity(path)
+    assert [a.self_attn.sliding_window for a in llm.engine.runner.model.model.layers] == \
+        [12 if i in layers else None for i in range(2)]
+    full = make_llm(path, hf_overrides={"sliding_window": None})
+    assert not torch.allclose(nanoserve_logits(full, LONG, [len(LONG)]), hf_logits(hf_model(path), LONG),
+                              atol=ATOL, rtol=ATOL)
+
+
+def test_sliding_window_layers_as_transformers_reads_them():
+    from nanoserve.model import _sliding_window
+    qwen = dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2)
+    assert _sliding_window("Qwen2ForCausalLM", qwen) == (None, ())  # use_sliding_window false
+    assert _sliding_window("Qwen2ForCausalLM", {**qwen, "use_sliding_window": True}) == (8, (2, 3))
+    types = ["sliding_attention", "full_attention"] * 2
+    qwen3 = {**qwen, "use_sliding_window": True, "layer_types": types}
+    assert _sliding_window("Qwen3ForCausalLM", qwen3) == (8, (0, 2))
+    assert _sliding_window("MistralForCausalLM", {**qwen, "sliding_window": None}) == (None, ())
+    assert _sliding_window("LlamaForCausalLM", qwen) == (None, ())  # transformers' Llama has no window
+
+
 def test_qwen2_attention_bias_is_loaded(variant):
     path = variant("qwen2")
     llm = check_parity(path)
