@@ -73,7 +73,7 @@ class InvalidInput(ValueError):
 
 # =========================================================================== parameters
 
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")  # one of them per constraint
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # one per constraint
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser names nanoserve has
 THINK_TAGS = ("<think>", "</think>")  # what both of them read the reasoning between
 # JSON nested deeper than this is refused (a body, tool-call arguments): jinja, xgrammar or json itself may recurse
@@ -84,12 +84,15 @@ MAX_JSON_DEPTH = 128
 @dataclass(slots=True)
 class StructuredOutputsParams:
     """vLLM's StructuredOutputsParams: constrain the output to exactly one of a
-    JSON schema, any JSON object, a regex, a choice of strings, or an EBNF grammar."""
+    JSON schema, any JSON object, a regex, a choice of strings, an EBNF grammar, or
+    a structural tag (xgrammar's, as JSON text: free text until a trigger, then a
+    tag's begin, its content, its end; vLLM also takes the older structures/triggers)."""
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | dict | None = None
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def __post_init__(self) -> None:
@@ -646,11 +649,31 @@ class StructuredOutputManager:
                 return c.compile_regex(spec.regex)
             if spec.choice is not None:  # one alternative per choice, each a JSON-quoted EBNF string
                 return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in spec.choice))
+            if spec.structural_tag is not None:
+                return _compile_structural_tag(c, spec.structural_tag)
             return c.compile_grammar(spec.grammar)
         except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
             what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
                                                      f"{_XGRAMMAR_PREFIX.sub('', first_line(e))}") from None
+
+
+def _compile_structural_tag(compiler, tag: str | dict):
+    """A structural tag in xgrammar's form ({"type": "structural_tag", "format": ...}), or
+    in the older one vLLM still takes ({"structures": [{"begin", "schema", "end"}], "triggers"})."""
+    import xgrammar as xgr
+    text = tag if isinstance(tag, str) else json.dumps(tag)
+    tag = json.loads(text)
+    if not (isinstance(tag, dict) and "structures" in tag):
+        return compiler.compile_structural_tag(text)
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(structures, list) and isinstance(triggers, list) and all(
+            isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+            and isinstance(s.get("schema"), dict) for s in structures)):
+        raise ValueError('the older form is {"structures": [{"begin": "...", "schema": {...}, "end": "..."}, ...], '
+                         '"triggers": ["...", ...]}')
+    items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"]) for s in structures]
+    return compiler.compile_structural_tag(items, triggers)
 
 
 # xgrammar's log prefix on its errors, "[13:20:06] /project/cpp/regex_converter.cc:94: " and a failed check's

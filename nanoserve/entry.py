@@ -584,8 +584,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
     "media_io_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
     "mm_processor_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
-    "structural_tag": (_UNSET, "structural tags are not implemented (structured_outputs takes json, regex, choice "
-                               "or grammar)"),  # vLLM v0.10's chat field
 }
 _LAX = {t: TypeAdapter(t) for t in (bool, int, float)}
 
@@ -603,7 +601,7 @@ def _coerces_to(value: Any, harmless: Any) -> bool:
 
 
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar")
+                     "guided_grammar", "structural_tag")
 
 
 class _Strict(BaseModel):
@@ -685,13 +683,15 @@ class GenerationRequest(OpenAIBaseModel):
     cache_salt: str | None = Field(None, min_length=1, max_length=1024,
                                    description="a string of 1 to 1024 characters")
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
-    response_format: dict | None = Field(None, description='{"type": "text" | "json_object" | "json_schema", ...}')
+    response_format: dict | None = Field(
+        None, description='{"type": "text" | "json_object" | "json_schema" | "structural_tag", ...}')
     structured_outputs: StructuredOutputsParams | None = Field(  # typed as vLLM's: json_object 0 asks for nothing
-        None, description="an object with one of json, regex, choice, grammar, json_object")
+        None, description="an object with one of json, regex, choice, grammar, json_object, structural_tag")
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    structural_tag: str | None = None  # vLLM v0.10's field (a JSON text), later structured_outputs.structural_tag
 
     @field_validator("logit_bias")
     @classmethod
@@ -779,15 +779,19 @@ class GenerationRequest(OpenAIBaseModel):
             return StructuredOutputsParams(**{name[len("guided_"):]: value})
         if name == "structured_outputs":
             return value
+        if name == "structural_tag":
+            return StructuredOutputsParams(structural_tag=value)
         kind = value.get("type")
         if kind == "json_object":
             return StructuredOutputsParams(json_object=True)
+        if kind == "structural_tag":  # as vLLM: the whole object is the tag (xgrammar's form, or structures/triggers)
+            return StructuredOutputsParams(structural_tag=value)
         spec = value.get("json_schema") if kind == "json_schema" else None
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise InvalidInput("response_format", 'response_format must be {"type": "text"}, {"type": "json_object"} '
-                                                  'or {"type": "json_schema", "json_schema": {"name": ..., "schema": '
-                                                  '{...}}}')
+            raise InvalidInput("response_format", 'response_format must be {"type": "text"}, {"type": "json_object"}, '
+                                                  '{"type": "json_schema", "json_schema": {"name": ..., "schema": '
+                                                  '{...}}} or {"type": "structural_tag", ...}')
         return StructuredOutputsParams(json=schema)
 
     # what differs between the two endpoints

@@ -61,7 +61,7 @@ NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "ret
 # Honoured, and its effect checked by a test of its own (it needs a tool-call parser this server lacks).
 TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
 # Refused with these values (each asks for something nanoserve does not do).
-REFUSED = {"suffix": " tail", "structural_tag": '{"structures": [], "triggers": []}', "use_beam_search": True,
+REFUSED = {"suffix": " tail", "use_beam_search": True,
            "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
            "logprob_token_ids": [1, 2], "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
            "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": "v"}, "repetition_detection": {"max_pattern_size": 4},
@@ -219,6 +219,8 @@ CHAT_ONLY = {
     "documents": ([{"title": "t", "text": "x"}], {"chat_template": "{{ documents[0].title }}"},
                   lambda r, v: r.process[0][1] == "t"),
     "add_generation_prompt": (False, {}, lambda r, v: r.process[0][1] == "<|im_start|>user\nhi<|im_end|>\n"),
+    "structural_tag": ('{"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}', {},
+                       lambda r, v: r.text == "ok" and r.sp.structured_outputs.structural_tag == v),
     "continue_final_message": (True, {"messages": [{"role": "user", "content": "hi"},
                                                    {"role": "assistant", "content": "Sure,"}]},
                                lambda r, v: r.process[0][1].endswith("assistant\nSure,")),

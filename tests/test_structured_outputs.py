@@ -110,6 +110,10 @@ def test_unconstrained_neighbours_are_unchanged(llm):
     (dict(json=SCHEMA, regex="a"), "exactly one of"),
     (dict(), "exactly one of"),
     (dict(choice=[]), "choice must be a non-empty list of strings"),
+    (dict(structural_tag="{not json"), "structured_outputs.structural_tag cannot be compiled"),
+    (dict(structural_tag={"type": "structural_tag", "format": {"type": "nope"}}),
+     "structured_outputs.structural_tag cannot be compiled"),
+    (dict(structural_tag={"structures": [{"begin": "<f>"}], "triggers": []}), 'the older form is {"structures"'),
 ])
 def test_bad_specs_are_clear_errors(llm, spec, match):
     with pytest.raises(ValueError, match=re.escape(match)) as e:  # behind a good request: nothing is queued
@@ -118,6 +122,28 @@ def test_bad_specs_are_clear_errors(llm, spec, match):
     assert getattr(e.value, "param", None) == "structured_outputs"
     assert "/cpp/" not in str(e.value) and "Check failed" not in str(e.value)  # xgrammar's log prefix: not for clients
     assert llm.stats()["num_running"] == llm.stats()["num_waiting"] == 0
+
+
+COLOURS = ["red", "green", "blue"]
+TAG = {"type": "structural_tag", "format": {"type": "tag", "begin": "<f>", "end": "</f>",  # a JSON root has no spaces
+                                            "content": {"type": "json_schema", "json_schema": {"enum": COLOURS}}}}
+TAG_TEXTS = {f'<f>"{c}"</f>' for c in COLOURS}
+LEGACY_TAG = {"type": "structural_tag", "structures": [{"begin": "<f>", "schema": SCHEMA, "end": "</f>"}],
+              "triggers": ["<f"]}
+
+
+def test_structural_tags_in_both_forms(llm):
+    """xgrammar's form (here one tag, so every output is it) as JSON text or a dict; vLLM's older
+    structures/triggers form: free text, and after a trigger its structure's begin, schema and end."""
+    import xgrammar as xgr
+    for tag in (json.dumps(TAG), TAG):
+        texts = sample(llm, StructuredOutputsParams(structural_tag=tag))
+        assert set(texts) <= TAG_TEXTS and len(set(texts)) > 1, texts
+    compiled = llm.engine.structured_outputs.compile(StructuredOutputsParams(structural_tag=json.dumps(LEGACY_TAG)))
+    good = json.dumps({"name": "ab", "ok": True, "tag": "red"})
+    for text, accepted in ((f"any text <f>{good}</f> more", True), ("any text", True),
+                           ('any text <f>{"name": 5}</f>', False), ("<f>plain</f>", False)):
+        assert xgr.GrammarMatcher(compiled).accept_string(text) is accepted, text
 
 
 def test_empty_constraints_are_constraints_as_in_vllm(llm):
@@ -202,10 +228,22 @@ def test_http_vllm_fields_and_a_stream(server):
     ("structured_outputs", {"regex": "a", "choice": ["b"]}, "structured_outputs"),
     ("structured_outputs", {"pattern": "a"}, "structured_outputs"),
     ("guided_grammar", "root ::= ", "guided_grammar"),
+    ("response_format", {"type": "structural_tag", "structures": "no"}, "response_format"),
+    ("response_format", {"type": "structural_tag"}, "response_format"),
 ])
 def test_http_bad_constraints_are_400s_naming_them(server, field, value, param):
     from test_server import _check_error
     _check_error(_post(server, "/v1/chat/completions", {**CHAT, field: value}), 400, param)
+
+
+def test_http_structural_tags(server):
+    """response_format {"type": "structural_tag", ...} in either form, as vLLM takes it."""
+    for seed in SEEDS[:3]:
+        r = _post(server, "/v1/chat/completions", {**CHAT, "seed": seed, "response_format": TAG})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] in TAG_TEXTS, r.text
+    r = _post(server, "/v1/completions", {"prompt": "x", "max_tokens": 8, "response_format": LEGACY_TAG})
+    assert r.status_code == 200, r.text
 
 
 def _streamed(server, path: str, body: dict) -> tuple[str, list[int], str, dict]:
