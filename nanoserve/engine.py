@@ -142,6 +142,8 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # taken as vLLM's: fast tokenizers decode as they do anyway
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
     structured_outputs: StructuredOutputsParams | None = None
+    # with a reasoning parser: once this many tokens are thought (since the last <think>), </think> is forced
+    thinking_token_budget: int | None = None
     extra_args: dict[str, Any] | None = None  # as vLLM's: kept for custom code, read by nothing here
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # vLLM's: bad_words tokenized
 
@@ -152,6 +154,8 @@ class SamplingParams:
             self.stop = [self.stop]
         if self.seed == -1:  # as vLLM's: -1 asks for a random seed (UIs send it for "regenerate")
             self.seed = None
+        if self.thinking_token_budget == -1:  # as vLLM's request field: no budget
+            self.thinking_token_budget = None
         for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
@@ -229,6 +233,10 @@ class SamplingParams:
                 bad("truncate_prompt_tokens", "None, -1 (as many as leave max_tokens to the output) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
+        if self.thinking_token_budget is not None:
+            _check_int(self, "thinking_token_budget")
+            if self.thinking_token_budget < 0:
+                bad("thinking_token_budget", "None, -1 (no budget) or >= 0")
 
     def update_from_tokenizer(self, tokenizer) -> None:
         """As vLLM's: tokenize bad_words now (the server, on its tokenizer thread, not on the loop)."""
@@ -457,6 +465,7 @@ class Request:
     # prompt_logprobs need every prompt position computed: no prefix-cache hits (as vLLM)
     skip_reading_prefix_cache: bool = False
     grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
+    thinking: ThinkingBudget | None = None  # thinking_token_budget's count
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -506,7 +515,7 @@ class Request:
         """Whether its next token may be sampled while the last is still on the device
         (async scheduling): only if sampling reads no output token from the host."""
         p = self.sampling_params
-        return self.grammar is None and not self.bad_words_token_ids and \
+        return self.grammar is None and self.thinking is None and not self.bad_words_token_ids and \
             p.presence_penalty == p.frequency_penalty == 0 and p.repetition_penalty == 1
 
     def sample_request(self) -> SampleRequest:
@@ -524,12 +533,14 @@ class Request:
             out = self.output_token_ids
             banned += [w[-1] for w in self.bad_words_token_ids if len(w) <= len(out) + 1 and
                        (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1])]
-        allowed = self.grammar.next_token_bitmask() if self.grammar is not None else None
+        allowed = self.thinking.forced_bitmask() if self.thinking is not None else None
+        if allowed is None and self.grammar is not None:  # (a grammar waits for </think>: the two never meet)
+            allowed = self.grammar.next_token_bitmask()
         if self.sampling_tensors is None:
             self.sampling_tensors = SamplingTensors.of(p)
         row = SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
                             self.num_output_placeholders, self.sampling_tensors)
-        if not banned and not self.bad_words_token_ids and self.grammar is None:
+        if not banned and not self.bad_words_token_ids and self.grammar is None and self.thinking is None:
             self.sample_row = row
         return row
 
@@ -711,6 +722,32 @@ class GrammarState:
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
+
+
+class ThinkingBudget:
+    """vLLM's thinking_token_budget: a request that has thought ``budget`` tokens since its last
+    <think> (in the prompt or the output) must sample </think> next; the count starts again
+    at its next <think>."""
+
+    def __init__(self, budget: int, think_ids: tuple[int, int], prompt_token_ids: list[int], vocab_size: int):
+        self.budget, (self.start, self.end) = budget, think_ids
+        last = next((i for i in range(len(prompt_token_ids) - 1, -1, -1) if prompt_token_ids[i] in think_ids), None)
+        opened = last is not None and prompt_token_ids[last] == self.start
+        self.count: int | None = len(prompt_token_ids) - last - 1 if opened else None  # None: not thinking
+        self.bitmask = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # </think> alone (bit 31: the sign)
+        self.bitmask[self.end // 32] = torch.tensor(1 << (self.end % 32), dtype=torch.int64).to(torch.int32)
+
+    def accept(self, token_id: int) -> None:
+        if token_id == self.start:
+            self.count = 0
+        elif token_id == self.end:
+            self.count = None
+        elif self.count is not None:
+            self.count += 1
+
+    def forced_bitmask(self) -> torch.Tensor | None:
+        """The bitmask that allows </think> alone, once the budget is spent; else None."""
+        return self.bitmask if self.count is not None and self.count >= self.budget else None
 
 
 # =========================================================================== engine
@@ -1160,6 +1197,9 @@ class LLMEngine:
                 word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
+        if params.thinking_token_budget is not None and self.structured_outputs.think_ids is None:
+            raise InvalidInput("thinking_token_budget", "thinking_token_budget needs a reasoning parser "
+                                                        f"(--reasoning-parser) and the tokens {' and '.join(THINK_TAGS)}")
         grammar = self.structured_outputs.compile(params.structured_outputs)
         bad_words = params.bad_words_token_ids(self.tokenizer)
         self._check_first_token(params, grammar, bad_words)
@@ -1234,6 +1274,9 @@ class LLMEngine:
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
                 output_kind=output_kind,
                 grammar=None if grammar is None else self.structured_outputs.grammar_state(grammar, token_ids),
+                thinking=None if params.thinking_token_budget is None else ThinkingBudget(
+                    params.thinking_token_budget, self.structured_outputs.think_ids, token_ids,
+                    self.model_config.vocab_size),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
                 bad_words_token_ids=bad_words))
         self.stats_counters["prompt_tokens"] += len(token_ids)
@@ -1389,6 +1432,8 @@ class LLMEngine:
                 num_generated += 1
                 if req.grammar is not None:
                     req.grammar.accept(result.token_id)
+                if req.thinking is not None:
+                    req.thinking.accept(result.token_id)
                 status = self._check_stop(req)
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)

@@ -579,7 +579,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "max_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
     "min_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
     "repetition_min_count": ((None, 0), "repetition detection is not implemented"),
-    "thinking_token_budget": ((None, -1), "thinking-token budgets are not implemented"),
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
     "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
     "media_io_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
@@ -692,6 +691,8 @@ class GenerationRequest(OpenAIBaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structural_tag: str | None = None  # vLLM v0.10's field (a JSON text), later structured_outputs.structural_tag
+    thinking_token_budget: int | None = Field(None, description="with --reasoning-parser: </think> after this many "
+                                                                "thought tokens (-1: no budget)")
 
     @field_validator("logit_bias")
     @classmethod

@@ -60,7 +60,8 @@ NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "ret
           "spaces_between_special_tokens": False}  # fast tokenizers decode as they do (vLLM's detokenizer too)
 # Honoured, and its effect checked by a test of its own (it needs a tool-call parser this server lacks).
 TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
-# Refused with these values (each asks for something nanoserve does not do).
+# Refused with these values (each asks for something nanoserve does not do; thinking_token_budget: not
+# without --reasoning-parser, which this server lacks, test_structured_outputs.py has it).
 REFUSED = {"suffix": " tail", "use_beam_search": True,
            "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
            "logprob_token_ids": [1, 2], "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},

@@ -485,11 +485,45 @@ def test_a_preempted_thought_resumes_where_it_was(think_llm, think_model):
     assert all(re.fullmatch(r'x+</think>\{"tag": ?"(red|blue)"\}', o.text) for o in outs), [o.text for o in outs]
 
 
+def test_thinking_token_budget_forces_the_end_of_the_thought(think_llm, llm):
+    """vLLM's thinking_token_budget: after that many tokens since the last <think> (the prompt's
+    included), </think> is the only token; the answer after it follows the grammar, as usual. No
+    <think>: no count. Without a reasoning parser it is refused, naming the field."""
+    end, x = tag_ids(think_llm.engine)
+    start = think_llm.get_tokenizer().convert_tokens_to_ids(THINK_TAGS[0])
+    for prompt, budget, at in (("hello <think>", 5, 5), ("hello <think>", 0, 0), ("hello <think>x x", 4, 1)):
+        out = greedy(think_llm, None, {x: 100}, prompt=prompt, max_tokens=12, ignore_eos=True,
+                     thinking_token_budget=budget)
+        assert out.token_ids.index(end) == at and out.token_ids.count(end) == 1, (prompt, out.token_ids)
+    out = greedy(think_llm, YES_NO, {x: 100}, prompt="hello <think>", thinking_token_budget=3)
+    thought, tag, answer = out.text.partition(THINK_TAGS[1])
+    assert thought == "xxx" and tag and answer in ("yes", "no"), out.text
+    out = greedy(think_llm, None, {x: 100}, max_tokens=8, ignore_eos=True, thinking_token_budget=2)
+    assert end not in out.token_ids  # "hello world": no thought to cut short
+    out = greedy(think_llm, None, {x: 100, start: 200}, max_tokens=3, ignore_eos=True, thinking_token_budget=0,
+                 prompt="hi </think>")
+    assert out.token_ids == [start, end, start]  # each <think> opens a thought of 0 tokens
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None  # vLLM's "no budget"
+    with pytest.raises(ValueError, match="thinking_token_budget needs a reasoning parser") as e:
+        llm.generate(["hi"], SamplingParams(thinking_token_budget=4), use_tqdm=False)
+    assert e.value.param == "thinking_token_budget"
+    with pytest.raises(ValueError, match="thinking_token_budget must be"):
+        SamplingParams(thinking_token_budget=-2)
+
+
 @pytest.fixture(scope="module")
 def think_server(think_model):
     from test_server import ServerThread
     with ServerThread(think_model, "--reasoning-parser", "deepseek_r1") as s:
         yield s
+
+
+def test_http_thinking_token_budget(think_server):
+    end, x = tag_ids(think_server.engine)
+    r = _post(think_server, "/v1/completions", {"prompt": "hello <think>", "max_tokens": 6, "temperature": 0,
+                                                 "logit_bias": {str(x): 100}, "thinking_token_budget": 2,
+                                                 "return_token_ids": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"][2] == end, r.text
 
 
 def test_http_reasoning_content_then_constrained_content(think_server):
