@@ -144,6 +144,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     # with a reasoning parser: once this many tokens are thought (since the last <think>), </think> is forced
     thinking_token_budget: int | None = None
+    stream_interval: int | None = None  # a stream's outputs every N tokens (the first and last too; engine's if more)
     extra_args: dict[str, Any] | None = None  # as vLLM's: kept for custom code, read by nothing here
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # vLLM's: bad_words tokenized
 
@@ -233,6 +234,10 @@ class SamplingParams:
                 bad("truncate_prompt_tokens", "None, -1 (as many as leave max_tokens to the output) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
+        if self.stream_interval is not None:
+            _check_int(self, "stream_interval")
+            if self.stream_interval < 1:
+                bad("stream_interval", "None or >= 1")
         if self.thinking_token_budget is not None:
             _check_int(self, "thinking_token_budget")
             if self.thinking_token_budget < 0:
@@ -480,6 +485,7 @@ class Request:
     held_text: str = ""
     sent_text_len: int = 0            # CUMULATIVE: how much of the text earlier outputs carried
     sent_token_len: int = 0           # DELTA: how many output tokens earlier outputs carried
+    stream_interval: int = 1          # DELTA: an output every this many tokens (and the first, and the last)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
     # Filled chunk by chunk while the prompt is prefilled, by the one request that
@@ -792,6 +798,7 @@ class EngineConfig:
     # sampled ids reach the host (a GPU's win; the outputs are the same).
     async_scheduling: bool = False
     max_logprobs: int = MAX_LOGPROBS  # as vLLM's: the most (prompt) logprobs a request may ask for (-1: no cap)
+    stream_interval: int = 1  # as vLLM's --stream-interval: streams send every N tokens (a request may ask more)
     # As vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): structured
     # outputs start after the reasoning (GrammarState)
     reasoning_parser: str | None = None
@@ -811,6 +818,8 @@ class EngineConfig:
                              f"({self.max_num_seqs}): a step has a token of each running request")
         if not 0 < self.gpu_memory_utilization <= 1:  # a fraction of the GPU's memory
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not isinstance(self.stream_interval, int) or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be an integer >= 1, got {self.stream_interval!r}")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 (no cap: the whole vocabulary), "
                              f"got {self.max_logprobs}")
@@ -1278,7 +1287,8 @@ class LLMEngine:
                     params.thinking_token_budget, self.structured_outputs.think_ids, token_ids,
                     self.model_config.vocab_size),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
-                bad_words_token_ids=bad_words))
+                bad_words_token_ids=bad_words,
+                stream_interval=max(params.stream_interval or 1, self.config.stream_interval)))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
@@ -1438,7 +1448,9 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            if req.output_kind.every_step or req.status.is_finished:
+            if req.status.is_finished or req.output_kind.every_step and (
+                    req.stream_interval == 1 or not req.output_kind.is_delta or req.sent_token_len == 0
+                    or len(req.output_token_ids) - req.sent_token_len >= req.stream_interval):
                 self._collect(outputs, req)
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())

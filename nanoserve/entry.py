@@ -220,7 +220,6 @@ VLLM_FLAGS: list[tuple[str, dict[str, Any], tuple | None, str]] = [
     ("--response-role", {"metavar": "ROLE"}, ("assistant",), "replies have the role assistant"),
     ("--api-server-count", {"type": int, "metavar": "N"}, (1,), "one process serves HTTP"),
     ("--enable-log-outputs", _ON_OFF, None, "outputs are not logged (--enable-log-requests logs the prompts)"),
-    ("--stream-interval", {"type": int, "metavar": "N"}, (1,), "a stream sends each token as it is made"),
 ]
 
 
@@ -306,6 +305,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default: max(8192, --max-num-seqs))")
+    g.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="as vLLM's: a stream sends a chunk every N tokens (and its first and last), less work "
+                        "per token for the server; a request's stream_interval may ask for more")
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch step N+1 before step N's tokens reach the host, hiding host work "
                         "behind the GPU's (same outputs; not with --tensor-parallel-size > 1)")
@@ -441,6 +443,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
               ("--max-num-seqs", args.max_num_seqs is None or args.max_num_seqs >= 1, ">= 1"),
               ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
+              ("--stream-interval", args.stream_interval >= 1, ">= 1"),
               ("--max-request-body-bytes", args.max_request_body_bytes >= 1, ">= 1"),
               ("--shutdown-timeout", args.shutdown_timeout >= 0, ">= 0"),
               ("--max-logprobs", args.max_logprobs >= -1, ">= 0, or -1 (no cap: the whole vocabulary)"),
@@ -580,7 +583,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "min_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
     "repetition_min_count": ((None, 0), "repetition detection is not implemented"),
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
-    "stream_interval": ((None, 1), "a stream sends every token as it comes (stream_interval 1)"),
     "media_io_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
     "mm_processor_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
 }
@@ -693,6 +695,8 @@ class GenerationRequest(OpenAIBaseModel):
     structural_tag: str | None = None  # vLLM v0.10's field (a JSON text), later structured_outputs.structural_tag
     thinking_token_budget: int | None = Field(None, description="with --reasoning-parser: </think> after this many "
                                                                 "thought tokens (-1: no budget)")
+    stream_interval: int | None = Field(None, description="a stream's chunks every N tokens (the server's "
+                                                          "--stream-interval if larger)")
 
     @field_validator("logit_bias")
     @classmethod

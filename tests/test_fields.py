@@ -67,7 +67,7 @@ REFUSED = {"suffix": " tail", "use_beam_search": True,
            "logprob_token_ids": [1, 2], "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
            "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": "v"}, "repetition_detection": {"max_pattern_size": 4},
            "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2, "repetition_min_count": 3,
-           "thinking_token_budget": 10, "routed_experts_prompt_start": 1, "stream_interval": 4,
+           "thinking_token_budget": 10, "routed_experts_prompt_start": 1,
            "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"num_crops": 4}}
 
 PROMPT = "The quick brown"
@@ -145,6 +145,12 @@ def _tokens_are(allowed):
     return lambda r, v: set(r.choice["token_ids"]) <= allowed and r.choice["token_ids"]
 
 
+def _chunk_sizes(r) -> list[int]:
+    """How many tokens each chunk of a stream (with return_token_ids) carries."""
+    chunks = [json.loads(e) for e in r.events if e != "[DONE]"]
+    return [len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"] and c["choices"][0].get("token_ids")]
+
+
 # field -> (value, what else the body needs, check(result, value)); per endpoint where they differ
 HONOURED = {
     "model": ("SERVED", {}, lambda r, v: r.body["model"] == v),
@@ -177,6 +183,8 @@ HONOURED = {
     "add_special_tokens": (False, {}, lambda r, v: r.process[0][3] is False),
     "response_format": ({"type": "json_object"}, {}, lambda r, v: r.sp.structured_outputs.json_object),
     "structured_outputs": ({"regex": "a+"}, {}, lambda r, v: r.sp.structured_outputs.regex == "a+"),
+    "stream_interval": (3, {"stream": True, "return_token_ids": True, "ignore_eos": True},
+                        lambda r, v: _chunk_sizes(r) == [1, 3]),  # max_tokens 4: the first token, then 3
     "request_id": ("my-id-1", {}, lambda r, v: r.body["id"].endswith("-my-id-1")
                    and r.headers["x-request-id"] == "my-id-1"),
     "cache_salt": ("salt-1", {}, lambda r, v: r.prompts[0].cache_salt == "salt-1"),

@@ -205,6 +205,24 @@ def test_delta_outputs_stay_the_same_size_as_the_output_grows(llm):
     check_deltas(deltas, snaps)
 
 
+def test_stream_interval_sends_every_n_tokens(llm, monkeypatch):
+    """vLLM's stream_interval: a stream's first token at once, then every N tokens, and the last;
+    the deltas add up to the same output. The engine's --stream-interval is a floor. Cumulative
+    outputs (step()'s default) come every step, as vLLM's."""
+    params = SamplingParams(logprobs=1, max_tokens=10, ignore_eos=True, temperature=1.0, seed=3, stream_interval=4)
+    snaps, final = stream(llm, PROMPT, params)
+    assert len(snaps) == 10
+    deltas, _ = stream(llm, PROMPT, params, RequestOutputKind.DELTA)
+    assert [len(d.token_ids) for d in deltas] == [len(d.logprobs) for d in deltas] == [1, 4, 4, 1]
+    assert merge_deltas(deltas) == final
+    monkeypatch.setattr(llm.engine.config, "stream_interval", 3)
+    deltas, _ = stream(llm, PROMPT, SamplingParams(max_tokens=10, ignore_eos=True, stream_interval=2),
+                       RequestOutputKind.DELTA)
+    assert [len(d.token_ids) for d in deltas] == [1, 3, 3, 3]
+    with pytest.raises(ValueError, match="stream_interval must be None or >= 1"):
+        SamplingParams(stream_interval=0)
+
+
 def test_delta_outputs_of_n_children_add_up(llm):
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, logprobs=1, stop=["e "])
     got = {}

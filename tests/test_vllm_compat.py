@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from nanoserve import entry
-from nanoserve.entry import VLLM_FLAGS, configure_logging, parse_args
+from nanoserve.entry import VLLM_FLAGS, configure_logging, engine_config, parse_args
 from test_server import ServerThread, _check_error, server, sse_events  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(120)
@@ -333,7 +333,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"], ["--tokenizer-mode", "auto"],
          ["--chat-template-content-format", "string"], ["--response-role", "assistant"],
          ["--data-parallel-size", "1"], ["--api-server-count", "1"], ["--scheduling-policy", "fcfs"],
-         ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"], ["--stream-interval", "1"],
+         ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"],
          ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
          ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
          ["--task", "generate"]]
@@ -342,8 +342,17 @@ REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--qu
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
            ["--api-server-count", "4"], ["--scheduling-policy", "priority"], ["--logprobs-mode", "processed_logprobs"],
-           ["--stream-interval", "8"], ["--runner", "pooling"], ["--cpu-offload-gb", "2.5"],
+           ["--runner", "pooling"], ["--cpu-offload-gb", "2.5"],
            ["--tokenizer-revision", "v2"], ["--task", "embed"]]
+
+
+def test_stream_interval_flag(capsys):
+    """vLLM's --stream-interval reaches the engine (it was taken only at 1); 0 is the CLI's one-line error."""
+    assert engine_config(parse_args(["--model", "m", "--stream-interval", "4"])).stream_interval == 4
+    assert engine_config(parse_args(["--model", "m"])).stream_interval == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--stream-interval", "0"])
+    assert "--stream-interval must be >= 1" in capsys.readouterr().err
 
 
 def test_every_vllm_flag_of_the_table_is_tested():
