@@ -152,9 +152,10 @@ def test_c_attention(config, scenario):
 
 @pytest.mark.parametrize("attend", [cpu_kernels.paged_attention, cpu_backend.paged_attention_compiled],
                          ids=["c", "compiled"])
-def test_a_sliding_window_layer_runs_the_reference(attend):
-    """The C kernels and the compiled decode have no sliding window: a layer with one gets
-    the torch reference's output exactly, for decodes and chunks alike."""
+def test_a_sliding_window_layer_runs_the_reference(attend, monkeypatch):
+    """The C kernels and the compiled decode have no sliding window: a step where the window
+    masks a key gets the torch reference's output exactly, for decodes and chunks alike; one
+    whose sequences all fit in the window runs as without it."""
     torch.manual_seed(17)
     for scenario in ("decode", "mixed"):
         batch = _bf16(make_batch(SCENARIOS[scenario], 16, 64, 8, 4, poison=POISON["torch"]))
@@ -162,6 +163,11 @@ def test_a_sliding_window_layer_runs_the_reference(attend):
         want = kernels.paged_attention_torch(*batch, scale, 5)
         assert not torch.equal(want, kernels.paged_attention_torch(*batch, scale))
         assert torch.equal(attend(*batch, scale, 5), want)
+        longest = int(batch[4].max())
+        assert torch.equal(attend(*batch, scale, longest), attend(*batch, scale))
+    decodes = _bf16(make_batch(SCENARIOS["decode"], 16, 64, 8, 4, poison=POISON["torch"]))
+    monkeypatch.setattr(kernels, "paged_attention_torch", None)  # not called when the window masks nothing
+    attend(*decodes, scale, int(decodes[4].max()))
 
 
 @pytest.mark.parametrize("scenario", ["decode", "mixed", "chunked"])
