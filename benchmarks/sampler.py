@@ -22,7 +22,7 @@ from nanoserve.model import SampleRequest, Sampler
 
 BASE = dict(temperature=0.7, top_p=1.0, top_k=0, min_p=0.0, seed=None, presence_penalty=0.0,
             frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, logprobs=None,
-            allowed_token_ids=None)
+            allowed_token_ids=None, logprob_token_ids=None)
 SETTINGS = {
     "greedy": dict(temperature=0.0),
     "temperature 0.7": {},

@@ -79,6 +79,7 @@ THINK_TAGS = ("<think>", "</think>")  # what both of them read the reasoning bet
 # JSON nested deeper than this is refused (a body, tool-call arguments): jinja, xgrammar or json itself may recurse
 # too far, and where json's own RecursionError falls depends on the process (torch.compile raises the limit)
 MAX_JSON_DEPTH = 128
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 
 
 @dataclass(slots=True)
@@ -135,6 +136,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None     # the sampled token's logprob + the top-N (-1: all; cap: max_logprobs)
     prompt_logprobs: int | None = None  # each prompt token's logprob + the top-N (as logprobs)
+    logprob_token_ids: list[int] | None = None  # the logprobs of these tokens instead of the top-N (at most 128)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: all that leave max_tokens)
@@ -157,6 +159,9 @@ class SamplingParams:
             self.seed = None
         if self.thinking_token_budget == -1:  # as vLLM's request field: no budget
             self.thinking_token_budget = None
+        if self.logprob_token_ids is not None and not isinstance(self.logprob_token_ids, (list, tuple)):
+            raise InvalidInput("logprob_token_ids", f"logprob_token_ids must be a list, got {self.logprob_token_ids!r}")
+        self.logprob_token_ids = list(self.logprob_token_ids or ()) or None  # as vLLM's: [] asks for nothing
         for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
@@ -174,6 +179,9 @@ class SamplingParams:
         self._verify()
         if self.allowed_token_ids:  # the sampler reads the list at every step: a repeat costs time and means nothing
             self.allowed_token_ids = list(dict.fromkeys(self.allowed_token_ids))
+        if self.logprob_token_ids:  # as vLLM's: each position has their logprobs (a repeat has one entry)
+            self.logprob_token_ids = list(dict.fromkeys(self.logprob_token_ids))
+            self.logprobs = len(self.logprob_token_ids)
         if 0 < self.temperature < _MIN_TEMP:  # so only 0 is greedy, as in vLLM
             self.temperature = _MIN_TEMP
         if self.temperature < _SAMPLING_EPS:  # greedy: the truncations cannot change argmax
@@ -221,9 +229,15 @@ class SamplingParams:
                     bad(name, "None, -1 (the whole vocabulary) or >= 0")
         if not all(isinstance(s, str) for s in self.stop) or any(s == "" for s in self.stop):
             bad("stop", "a string or a list of non-empty strings")
-        for name in ("stop_token_ids", "allowed_token_ids"):
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in getattr(self, name) or ()):
                 bad(name, "a list of token ids")
+        if self.logprob_token_ids:
+            if len(self.logprob_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+                raise InvalidInput("logprob_token_ids", f"logprob_token_ids must hold at most {MAX_LOGPROB_TOKEN_IDS} "
+                                                        f"token ids, got {len(self.logprob_token_ids)}")
+            if self.logprobs is not None and self.logprobs != len(self.logprob_token_ids):
+                bad("logprobs", f"None or the number of logprob_token_ids ({len(self.logprob_token_ids)})")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             bad("allowed_token_ids", "None or a non-empty list of token ids")
         if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
@@ -1193,12 +1207,15 @@ class LLMEngine:
         limit = vocab if cap == -1 else min(cap, vocab)  # -1: no cap (as vLLM's); more would be none to rank
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)  # -1: the whole vocabulary (as vLLM's), resolved in _add_validated
+            if name == "logprobs" and params.logprob_token_ids:  # their own bound (MAX_LOGPROB_TOKEN_IDS)
+                continue
             if (vocab if v == -1 else v or 0) > limit:
                 raise InvalidInput(name, f"{name} must be None or in [0, {limit}] (the engine's max_logprobs), "
                                          f"got {v}")
         self._check_token_ids("logit_bias", list(params.logit_bias or {}))
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("allowed_token_ids", params.allowed_token_ids or [])
+        self._check_token_ids("logprob_token_ids", params.logprob_token_ids or [])
         if params.bad_words and self.tokenizer is None:
             raise InvalidInput("bad_words", "bad_words need a tokenizer, but skip_tokenizer_init=True")
         for word in params.bad_words:

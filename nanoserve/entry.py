@@ -573,7 +573,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "priority": ((None, 0), "requests are served first come, first served (no priority scheduling)"),
     "watermarking": ((None, False), "watermarking is not implemented"),
     "logits_processors": (_NO_LIST, "custom logits processors are not supported"),
-    "logprob_token_ids": (_NO_LIST, "logprobs of chosen token ids are not implemented (use logprobs)"),
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
     "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
     "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
@@ -697,6 +696,8 @@ class GenerationRequest(OpenAIBaseModel):
                                                                 "thought tokens (-1: no budget)")
     stream_interval: int | None = Field(None, description="a stream's chunks every N tokens (the server's "
                                                           "--stream-interval if larger)")
+    logprob_token_ids: list[int] | None = Field(None, description="the logprobs of these tokens (at most 128) at each "
+                                                                 "position, in place of the top ones")
 
     @field_validator("logit_bias")
     @classmethod
@@ -755,7 +756,9 @@ class GenerationRequest(OpenAIBaseModel):
         ``override_max_tokens`` (the engine's) caps max_tokens."""
         fields = {name: getattr(self, name) for name in SamplingParams.__dataclass_fields__  # same name, same meaning
                   if name in GenerationRequest.model_fields}
-        fields.update(max_tokens=self.requested_max_tokens(), logprobs=self.requested_logprobs(),
+        # as vLLM's: listed ids take the place of the top-N count (SamplingParams counts them)
+        logprobs = None if self.logprob_token_ids else self.requested_logprobs()
+        fields.update(max_tokens=self.requested_max_tokens(), logprobs=logprobs,
                       prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
         given = {name for name in self.model_fields_set if getattr(self, name) is not None}  # a kept null: not given
         # as vLLM's get_max_tokens: the body's max_tokens (completions': 16 unless given), else the model's
@@ -2525,7 +2528,8 @@ class ChatGeneration(Generation):
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         def item(text: str, lp: float | None) -> dict:
             return {"token": text, "logprob": lp, "bytes": list(text.encode())}
-        top = None if self.params.logprobs == -1 else self.params.logprobs or 0  # -1: all (the vocabulary)
+        # -1: all (the vocabulary); logprob_token_ids: all of those and the sampled token, as vLLM's
+        top = None if self.params.logprobs == -1 or self.params.logprob_token_ids else self.params.logprobs or 0
         return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
                             for text, lp, ranked in tokens]}
 

@@ -957,6 +957,7 @@ class SamplingOptions(Protocol):
     logit_bias: dict[int, float] | None
     logprobs: int | None
     allowed_token_ids: list[int] | None
+    logprob_token_ids: list[int] | None  # logprobs of these tokens instead of the top ones
 
 
 @dataclass(slots=True)
@@ -1048,7 +1049,11 @@ class Sampler:
         want = [p.logprobs for p in ps]
         if all(w is None for w in want):
             return SamplerOutput(tokens, ids, want)
-        packed = logprob_rows(raw, tokens, max(w or 0 for w in want))
+        listed = [p.logprob_token_ids or [] for p in ps]
+        width = max(w or 0 for w in want)
+        chosen = None if not any(listed) else to_device([ids + [-1] * (width - len(ids)) for ids in listed],
+                                                          raw.device)
+        packed = logprob_rows(raw, tokens, width, chosen)
         if none_left is not None:
             packed[:, 0] = ids  # the flag rides in the one copy to the host
         return SamplerOutput(tokens, packed, want)
@@ -1165,13 +1170,20 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> li
     return unpack_logprob_rows(logprob_rows(logits, token_ids, k).tolist())
 
 
-def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+def logprob_rows(logits: torch.Tensor, token_ids: torch.Tensor, k: int,
+                 listed: torch.Tensor | None = None) -> torch.Tensor:
     """gather_logprobs' values where the logits are, one float64 row each (it holds
-    the int64 ids and the fp32 logprobs exactly): id, logprob, rank, top k values, their ids."""
+    the int64 ids and the fp32 logprobs exactly): id, logprob, rank, top k values, their ids.
+    ``listed`` [rows, k]: a row's logprob_token_ids (-1 past them, and for a row without),
+    which replace its top ones."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])
     ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True)  # as vLLM: a tie takes the worse rank
     top_v, top_i = logprobs.topk(k, dim=-1)
+    if listed is not None:
+        mine = listed >= 0
+        top_i = torch.where(mine, listed, top_i)
+        top_v = torch.where(mine, logprobs.gather(1, listed.clamp(min=0)), top_v)
     return torch.cat([token_ids[:, None].double(), chosen.double(), ranks.double(), top_v.double(), top_i.double()], 1)
 
 
@@ -1340,7 +1352,8 @@ def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: tor
 # samples with it, as vLLM's runs a dummy sampler: with a 150k vocabulary and
 # 256 rows that is more than a GiB beyond the logits. (Its logprobs: the server's max_logprobs.)
 PROFILE_SAMPLING = dict(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, seed=None, presence_penalty=0.5,
-                        frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=None, allowed_token_ids=None)
+                        frequency_penalty=0.5, repetition_penalty=1.1, logit_bias=None, allowed_token_ids=None,
+                        logprob_token_ids=None)
 
 
 @torch.inference_mode()

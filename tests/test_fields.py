@@ -64,7 +64,7 @@ TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool
 # without --reasoning-parser, which this server lacks, test_structured_outputs.py has it).
 REFUSED = {"suffix": " tail", "use_beam_search": True,
            "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
-           "logprob_token_ids": [1, 2], "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
+           "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
            "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": "v"}, "repetition_detection": {"max_pattern_size": 4},
            "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2, "repetition_min_count": 3,
            "thinking_token_budget": 10, "routed_experts_prompt_start": 1,
@@ -190,6 +190,8 @@ HONOURED = {
     "cache_salt": ("salt-1", {}, lambda r, v: r.prompts[0].cache_salt == "salt-1"),
 }
 COMPLETION_ONLY = {
+    "logprob_token_ids": ([5, 6], {"return_tokens_as_token_ids": True}, lambda r, v: all(
+        {"token_id:5", "token_id:6"} <= set(top) for top in r.choice["logprobs"]["top_logprobs"])),
     "return_tokens_as_token_ids": (True, {"logprobs": 1}, lambda r, v: all(
         t.startswith("token_id:") for t in r.choice["logprobs"]["tokens"])),
     "echo": (True, {}, lambda r, v: r.text.startswith(PROMPT)),
@@ -202,6 +204,9 @@ COMPLETION_ONLY = {
                          and len(r.choice["prompt_token_ids"]) == r.body["usage"]["prompt_tokens"]),
 }
 CHAT_ONLY = {
+    "logprob_token_ids": ([5, 6], {"logprobs": True, "return_tokens_as_token_ids": True}, lambda r, v: all(
+        {"token_id:5", "token_id:6"} <= {t["token"] for t in item["top_logprobs"]}
+        for item in r.choice["logprobs"]["content"])),
     "return_tokens_as_token_ids": (True, {"logprobs": True, "top_logprobs": 1}, lambda r, v: all(
         t["token"].startswith("token_id:") and t["top_logprobs"][0]["token"].startswith("token_id:")
         for t in r.choice["logprobs"]["content"])),

@@ -756,7 +756,30 @@ INVALID = [
     ("logprobs", dict(logprobs=-2)), ("logprobs", dict(logprobs=2.5)),
     ("n must be 1 when using greedy", dict(n=2, temperature=0)),  # as vLLM's: n copies of one argmax
     ("seed", dict(seed="1")), ("seed", dict(seed=1.5)),
+    ("logprob_token_ids", dict(logprob_token_ids=list(range(129)))), ("logprob_token_ids", dict(logprob_token_ids=5)),
+    ("logprob_token_ids", dict(logprob_token_ids=[1.5])),
+    ("logprobs must be None or the number of logprob_token_ids", dict(logprob_token_ids=[1, 2], logprobs=3)),
 ]
+
+
+def test_logprob_token_ids_give_those_tokens_logprobs(llm):
+    """vLLM's logprob_token_ids: each position has the sampled token's logprob and those of the
+    listed ids (up to 128, past max_logprobs), the same numbers the whole vocabulary's (logprobs=-1
+    under a raised cap) has there; beside rows asking for their top ones."""
+    listed = [7, 3, 200, 3]  # a repeat has one entry
+    whole = LLM(llm.engine.config.model, dtype="float32", max_model_len=256, num_kv_blocks=64, max_logprobs=-1)
+    params = [SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprob_token_ids=listed),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)]
+    ids_row, top_row = (o.outputs[0] for o in llm.generate([PROMPT, PROMPT], params, use_tqdm=False))
+    ref = whole.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=-1),
+                         use_tqdm=False)[0].outputs[0]
+    assert ids_row.token_ids == ref.token_ids == top_row.token_ids
+    for token, got, want, top in zip(ids_row.token_ids, ids_row.logprobs, ref.logprobs, top_row.logprobs):
+        assert set(got) == {token, 7, 3, 200}
+        assert all(got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5) for t in got)
+        assert set(top) == {token} | {t for t, lp in want.items() if lp.rank <= 2}
+    many = SamplingParams(max_tokens=1, logprob_token_ids=list(range(100)))  # past max_logprobs (20)
+    assert len(llm.generate([PROMPT], many, use_tqdm=False)[0].outputs[0].logprobs[0]) >= 100
 
 
 @pytest.mark.parametrize("name,kw", INVALID, ids=[f"{c[0] if isinstance(c, tuple) else c.values[0]}-{i}"
@@ -782,7 +805,8 @@ def test_valid_edges_are_accepted():
                                      ("stop_token_ids", dict(stop_token_ids=[VOCAB + 5])),
                                      ("logprobs", dict(logprobs=21)),  # the engine's max_logprobs (20)
                                      ("logprobs", dict(logprobs=-1)),  # the whole vocabulary: above it too
-                                     ("prompt_logprobs", dict(prompt_logprobs=21))])
+                                     ("prompt_logprobs", dict(prompt_logprobs=21)),
+                                     ("logprob_token_ids", dict(logprob_token_ids=[3, VOCAB]))])
 def test_out_of_vocab_ids_rejected_by_generate(llm, name, kw):
     with pytest.raises(ValueError, match=name):
         llm.generate([PROMPT, "ok"], [SamplingParams(), SamplingParams(**kw)], use_tqdm=False)
