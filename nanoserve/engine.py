@@ -52,7 +52,7 @@ from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, Mod
                              load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank, num_parameters,
                              plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir, run_worker,
                              select_backend, shard_config, tcp_address, tune_process)
-from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
 
@@ -478,6 +478,7 @@ class Request:
     detokenizer: IncrementalDetokenizer | None
     arrival_time: float = field(default_factory=time.monotonic)
     parent_id: str | None = None      # n > 1: the id the caller knows
+    priority: int = 0                 # the priority scheduling policy's: lower first (then arrival)
     index: int = 0
     cache_salt: str | None = None     # who may share this request's cached blocks
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -813,6 +814,7 @@ class EngineConfig:
     async_scheduling: bool = False
     max_logprobs: int = MAX_LOGPROBS  # as vLLM's: the most (prompt) logprobs a request may ask for (-1: no cap)
     stream_interval: int = 1  # as vLLM's --stream-interval: streams send every N tokens (a request may ask more)
+    scheduling_policy: str = "fcfs"  # as vLLM's: "priority" orders the queues by a request's priority, then arrival
     # As vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): structured
     # outputs start after the reasoning (GrammarState)
     reasoning_parser: str | None = None
@@ -840,6 +842,9 @@ class EngineConfig:
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, "
                              f"got {self.reasoning_parser!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
@@ -871,7 +876,6 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "disable_log_stats": (bool, None, "the offline LLM logs no periodic stats (LLM.stats() reads the counters)"),
     "tokenizer_mode": (str, ("auto", "hf"), "the tokenizer is Hugging Face's (tokenizer.json)"),
     "tokenizer_revision": (str, (None,), "a tokenizer hub id is loaded at the model's revision"),
-    "scheduling_policy": (str, ("fcfs",), "requests are scheduled first come, first served"),
     "logprobs_mode": (str, ("raw_logprobs",),
                       "logprobs are the raw model distribution's, before penalties, bias and temperature"),
     "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
@@ -1001,7 +1005,7 @@ class LLMEngine:
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides)
             self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                       self.max_model_len),
+                                                       self.max_model_len, config.scheduling_policy),
                                        BlockManager(self.kv_plan.num_blocks, config.block_size,
                                                     config.enable_prefix_caching))
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
@@ -1263,16 +1267,27 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int] | TokenizedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> str:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, priority: int = 0) -> str:
         """Validate and queue a request (n > 1 becomes n child requests that share
         the prompt's blocks through the prefix cache); returns its id. ``output_kind``
-        says what step() reports of it (RequestOutputKind)."""
+        says what step() reports of it (RequestOutputKind); ``priority`` (vLLM's, lower
+        first) needs the priority scheduling policy."""
         params = params or SamplingParams()
+        self.check_priority(priority)
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens, max_tokens=params.max_tokens)
-        return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind)
+        return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind, priority)
+
+    def check_priority(self, priority: Any) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
+            raise InvalidInput("priority", f"priority must be an integer (lower is served first), got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":  # as vLLM's
+            raise InvalidInput("priority", f"priority {priority} needs the priority scheduling policy "
+                                           f"(--scheduling-policy priority); this engine serves first come, first "
+                                           f"served")
 
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
-                       bad_words: list[list[int]], request_id: str | None, output_kind: RequestOutputKind) -> str:
+                       bad_words: list[list[int]], request_id: str | None, output_kind: RequestOutputKind,
+                       priority: int = 0) -> str:
         """add_request's second half, for a prompt and params already checked."""
         whole = {k: self.model_config.vocab_size for k in ("logprobs", "prompt_logprobs") if getattr(params, k) == -1}
         params = dataclasses.replace(params, **whole) if whole else params  # our copy: the caller's keeps its -1
@@ -1304,7 +1319,7 @@ class LLMEngine:
                     params.thinking_token_budget, self.structured_outputs.think_ids, token_ids,
                     self.model_config.vocab_size),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
-                bad_words_token_ids=bad_words,
+                bad_words_token_ids=bad_words, priority=priority,
                 stream_interval=max(params.stream_interval or 1, self.config.stream_interval)))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
@@ -1908,13 +1923,20 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: None = None, priority: list[int] | None = None
+                 ) -> list[RequestOutput]:
+        """``priority``: each prompt's, as vLLM's (lower first), under scheduling_policy="priority"."""
         if lora_request is not None:  # vLLM code passes lora_request=None; a real one cannot be honoured
             raise ValueError("nanoserve has no LoRA support: lora_request must be None")
         prompts = _as_prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        for p in priority:
+            self.engine.check_priority(p)
         params = [self.get_default_sampling_params() if p is None else p for p in params]
         if (wrong := next((p for p in params if not isinstance(p, SamplingParams)), None)) is not None:  # {} too
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(wrong).__name__}")
@@ -1922,8 +1944,8 @@ class LLM:
         inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens)  # all before any
                   for prompt, p in zip(prompts, params)]
         checked = [engine.validate_params(p) for p in params]  # (grammar, bad_words) each
-        ids = [engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY)
-               for prompt, p, c in zip(inputs, params, checked)]
+        ids = [engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY, rank)
+               for prompt, p, c, rank in zip(inputs, params, checked, priority)]
         return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -2244,14 +2266,14 @@ class AsyncLLM:
             return done.value if ran else None
 
     def add_request(self, prompt, params: SamplingParams, request_id: str, queue: asyncio.Queue,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, priority: int = 0) -> None:
         """Validate and queue a request (raises InvalidInput for bad input). Its
         outputs go to ``queue``, each naming its request; if the engine ends it
         early, an exception follows, which names none: a caller reading several
         requests from one queue ends them all."""
         if not self.is_running:
             raise EngineDeadError(DEAD_MESSAGE if self.errored else "the engine is not running")
-        self.engine.add_request(prompt, params, request_id, output_kind)
+        self.engine.add_request(prompt, params, request_id, output_kind, priority)
         self.queues[request_id] = queue
         self.wakeup.set()
 

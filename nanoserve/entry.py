@@ -305,6 +305,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=_token_count, default=None,
                    help="token budget of one step; longer prompts are prefilled in chunks "
                         "(default: max(8192, --max-num-seqs))")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs",
+                   help="as vLLM's: first come, first served, or by each request's priority (lower first, then "
+                        "arrival; the lowest is preempted first)")
     g.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="as vLLM's: a stream sends a chunk every N tokens (and its first and last), less work "
                         "per token for the server; a request's stream_interval may ask for more")
@@ -570,7 +573,6 @@ _NO_LIST, _NO_DICT = (None, []), (None, {})  # vLLM reads these by their truth: 
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "use_beam_search": ((None, False), "beam search is not implemented"),
     "length_penalty": ((None, 1, 1.0), "it applies to beam search, which is not implemented"),
-    "priority": ((None, 0), "requests are served first come, first served (no priority scheduling)"),
     "watermarking": ((None, False), "watermarking is not implemented"),
     "logits_processors": (_NO_LIST, "custom logits processors are not supported"),
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
@@ -698,6 +700,7 @@ class GenerationRequest(OpenAIBaseModel):
                                                           "--stream-interval if larger)")
     logprob_token_ids: list[int] | None = Field(None, description="the logprobs of these tokens (at most 128) at each "
                                                                  "position, in place of the top ones")
+    priority: int = Field(0, description="with --scheduling-policy priority: lower is served first")
 
     @field_validator("logit_bias")
     @classmethod
@@ -2211,7 +2214,7 @@ class Generation:
                         raise EngineDeadError("the server is shutting down")
                 engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
                 self.state.async_llm.add_request(prompt, self.params, engine_id, self.queue,
-                                                 RequestOutputKind.DELTA)  # O(1) a step, not O(output)
+                                                 RequestOutputKind.DELTA, self.req.priority)  # O(1) a step
                 self.tracked[engine_id] = _Tracked(engine_id, i)
         except BaseException:  # the engine's checks (a request id in use), a dead engine, a cancelled handler
             self.close()  # aborts the prompts already queued

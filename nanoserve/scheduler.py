@@ -17,12 +17,18 @@ Rules:
   admitted running request is preempted: its blocks are freed and it goes back
   to the front of the waiting queue, to be recomputed (its cached prefix blocks
   may still hit).
+* vLLM's ``priority`` policy orders both queues by (priority, arrival) instead,
+  lower values first: the one preempted is the running request last in that order,
+  and a preempted one waits in its place by it.
 
 It does not import torch: it moves request objects and integers only.
 """
 from __future__ import annotations
 
+import bisect
 import enum
+import heapq
+import itertools
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -54,16 +60,22 @@ class RequestStatus(enum.Enum):
         return member
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
 
 
 @dataclass(slots=True)
@@ -104,6 +116,10 @@ class Scheduler:
         # A queue keyed by request id: an aborted waiting request leaves it in O(1), not a scan
         # (one HTTP request may queue prompts x n of them, and a disconnect aborts them all).
         self.waiting: OrderedDict[str, Request] = OrderedDict()
+        # The priority policy's order of the waiting: (priority, arrival, count, id), a finished or
+        # admitted one's entry dropped when it comes to the top (a heap cannot remove from its middle)
+        self.by_priority: list[tuple[int, float, int, str]] = []
+        self.pushes = itertools.count()  # ties of both, in the order they came
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.families: dict[str, dict[str, None]] = {}  # n > 1: the live children's ids, by parent id
@@ -114,7 +130,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         request.status = RequestStatus.WAITING
-        self.waiting[request.request_id] = request
+        self._wait(request)
         self.requests[request.request_id] = request
         if request.parent_id is not None:
             self.families.setdefault(request.parent_id, {})[request.request_id] = None
@@ -200,7 +216,7 @@ class Scheduler:
         # a token in flight is not admitted in that schedule, and the token lands before the next.
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = next(iter(self.waiting.values()))
+            req = self._next_waiting()
             hits = [] if req.skip_reading_prefix_cache else bm.get_computed_blocks(req.token_ids, req.cache_salt)
             num_computed = len(hits) * bm.block_size
             num_new = min(req.num_tokens - num_computed, budget)
@@ -208,12 +224,12 @@ class Scheduler:
             if table is None:
                 break  # no room: it waits, and so does everyone behind it (FCFS)
             bm.record_prefix_query(req.num_tokens, num_computed)
-            self.waiting.popitem(last=False)
+            del self.waiting[req.request_id]
             if req.status == RequestStatus.WAITING:
                 req.num_cached_tokens = num_computed  # reported for the first admission
             req.num_computed_tokens = num_computed + num_new
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._run(req)
             out.scheduled.append(ScheduledRequest(req, num_computed, num_new, table,
                                                   num_computed + num_new == req.num_tokens))
             budget -= num_new
@@ -225,8 +241,32 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        self.waiting[req.request_id] = req
-        self.waiting.move_to_end(req.request_id, last=False)  # to the front
+        self._wait(req, front=True)
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
         logger.debug("[scheduler] preempt %s (recompute %d tokens later)", req.request_id, req.num_tokens)
+
+    # ---------------------------------------------------------------- the queues' order
+    def _wait(self, req: "Request", front: bool = False) -> None:
+        """Into the waiting queue: at its end (FCFS; a preempted one at its front), or by priority."""
+        self.waiting[req.request_id] = req
+        if self.config.policy == "priority":
+            heapq.heappush(self.by_priority, (req.priority, req.arrival_time, next(self.pushes), req.request_id))
+        elif front:
+            self.waiting.move_to_end(req.request_id, last=False)
+
+    def _next_waiting(self) -> "Request":
+        if self.config.policy != "priority":
+            return next(iter(self.waiting.values()))
+        heap = self.by_priority
+        while heap[0][3] not in self.waiting:
+            heapq.heappop(heap)  # it finished, or was admitted, since it was pushed
+        return self.waiting[heap[0][3]]
+
+    def _run(self, req: "Request") -> None:
+        """Into the running list: at its end (FCFS: admission order), or by priority, so that
+        the last is always the one to preempt and comes after every one scheduled before it."""
+        if self.config.policy == "priority":
+            bisect.insort(self.running, req, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            self.running.append(req)

@@ -427,3 +427,29 @@ def test_a_sliding_window_model_serves_past_its_window(model_root):
     assert LLM(str(path), max_model_len=24, disable_sliding_window=True, **kw).engine.max_model_len == 24
     with pytest.raises(ValueError, match=r"--disable-sliding-window keeps max_model_len within .* \(32\)"):
         LLM(str(path), max_model_len=64, disable_sliding_window=True, **kw)
+
+
+def test_priority_scheduling_serves_lower_values_first(tiny_model):
+    """vLLM's --scheduling-policy priority: one request at a time, they finish in (priority, arrival)
+    order; LLM.generate takes a priority per prompt. Under FCFS a priority other than 0 is refused."""
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32, max_num_seqs=1, scheduling_policy="priority")
+    engine, finished = llm.engine, []
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for rid, priority in (("a", 3), ("b", 0), ("c", -1), ("d", 0)):
+        engine.add_request([5, 6, 7], params, rid, priority=priority)
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["c", "b", "d", "a"]
+    outs = llm.generate([[5, 6], [7, 8]], params, priority=[1, 0], use_tqdm=False)
+    assert [o.request_id for o in outs] == sorted(o.request_id for o in outs)  # in the prompts' order
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate([[5], [6]], params, priority=[1], use_tqdm=False)
+    fcfs = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32)
+    with pytest.raises(ValueError, match=r"priority 2 needs the priority scheduling policy") as e:
+        fcfs.generate([[5]], params, priority=[2], use_tqdm=False)
+    assert e.value.param == "priority"
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        fcfs.engine.add_request([5], params, priority=1.5)
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        LLM(str(tiny_model), scheduling_policy="lifo")
+

@@ -12,8 +12,13 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+import itertools
+
 from nanoserve.kvcache import BlockManager
 from nanoserve.scheduler import RequestStatus, Scheduler, SchedulerConfig
+
+
+_CLOCK = itertools.count()  # arrival times in the order requests are made
 
 
 @dataclass(eq=False)
@@ -28,6 +33,8 @@ class FakeRequest:
     num_output_placeholders: int = 0
     max_num_tokens: int = 10**9
     parent_id: str | None = None
+    priority: int = 0
+    arrival_time: float = field(default_factory=lambda: next(_CLOCK))
 
     @property
     def num_tokens(self) -> int:
@@ -35,13 +42,13 @@ class FakeRequest:
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-         prefix_caching=True) -> Scheduler:
+         prefix_caching=True, policy="fcfs") -> Scheduler:
     bm = BlockManager(num_blocks, block_size, prefix_caching)
-    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len), bm)
+    return Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, policy), bm)
 
 
-def add(sched: Scheduler, rid: str, n: int, start: int = 0) -> FakeRequest:
-    req = FakeRequest(rid, list(range(start, start + n)))
+def add(sched: Scheduler, rid: str, n: int, start: int = 0, priority: int = 0) -> FakeRequest:
+    req = FakeRequest(rid, list(range(start, start + n)), priority=priority)
     sched.add_request(req)
     return req
 
@@ -269,6 +276,44 @@ def test_no_admission_in_a_step_that_preempted():
     assert ("b", 1) in plan(out)  # admitted the step after, computing only its last token
 
 
+# ---------------------------------------------------------------- the priority policy (vLLM's)
+
+def test_priority_admits_lower_values_first_then_by_arrival():
+    sched = make(max_num_seqs=1, policy="priority")
+    add(sched, "late", 2, 0, priority=1)
+    add(sched, "first", 2, 10, priority=0)
+    add(sched, "second", 2, 20, priority=0)
+    add(sched, "urgent", 2, 30, priority=-5)
+    order = []
+    for _ in range(4):
+        out = sched.schedule()
+        order += [s.request.request_id for s in out.scheduled]
+        for s in out.scheduled:
+            sched.finish_request(s.request.request_id, RequestStatus.FINISHED_STOPPED)
+    assert order == ["urgent", "first", "second", "late"]
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
+        SchedulerConfig(policy="lifo")
+
+
+def test_priority_preempts_the_lowest_priority_and_it_waits_in_its_place():
+    """vLLM's: the running request with the largest (priority, arrival) is preempted, though admitted
+    first; back in the queue it comes before a later request of the same priority."""
+    sched = make(num_blocks=4, block_size=4, policy="priority")
+    low = add(sched, "low", 3, 0, priority=2)
+    decode(sched.schedule())
+    high, mid = add(sched, "high", 4, 100, priority=0), add(sched, "mid", 4, 200, priority=1)
+    out = sched.schedule()
+    assert plan(out) == [("low", 1), ("high", 4), ("mid", 4)] and sched.running == [high, mid, low]
+    decode(out)
+    add(sched, "low2", 1, 300, priority=2)
+    out = sched.schedule()  # high's 5th token takes the last block; mid needs one: low goes
+    assert out.preempted == ["low"] and plan(out) == [("high", 1), ("mid", 1)]
+    assert low.status == RequestStatus.PREEMPTED and sched.running == [high, mid]
+    sched.finish_request("high", RequestStatus.FINISHED_STOPPED)
+    sched.finish_request("mid", RequestStatus.FINISHED_STOPPED)
+    assert [s.request.request_id for s in sched.schedule().scheduled] == ["low", "low2"]
+
+
 def test_preempted_request_is_recomputed_with_its_outputs_and_may_hit_the_cache():
     sched = make(num_blocks=3, block_size=4)
     a, b = add(sched, "a", 4), add(sched, "b", 7, 100)
@@ -319,6 +364,9 @@ def check_invariants(sched: Scheduler, kv: dict[tuple[int, int], tuple[int, ...]
     for req in sched.waiting.values():
         assert req.request_id not in bm.req_to_blocks and req.num_computed_tokens == 0
     assert len(sched.running) <= sched.config.max_num_seqs
+    if sched.config.policy == "priority":  # the last running is the one a preemption takes
+        order = [(r.priority, r.arrival_time) for r in sched.running]
+        assert order == sorted(order)
     assert set(sched.requests) == {r.request_id for r in sched.running} | {r.request_id for r in sched.waiting.values()}
     assert list(sched.waiting) == [r.request_id for r in sched.waiting.values()]
     families: dict[str, set[str]] = {}
@@ -346,6 +394,7 @@ class EngineSim:
         tokens = tokens[:self.config["max_model_len"] - 1] or [0]
         request = FakeRequest(f"r{self.counter}", tokens)
         request.parent_id = f"p{self.counter % 6}" if self.counter % 2 else None  # families of n > 1 requests
+        request.priority = self.counter * 7 % 3 - 1  # the priority policy's; FCFS never reads it
         self.sched.add_request(request)
         self.counter += 1
 
@@ -398,7 +447,8 @@ def scenarios(draw):
     config = dict(num_blocks=draw(st.integers(per_req, per_req + 3)),  # as check_fits: one request fits
                   block_size=block_size, max_num_seqs=draw(st.integers(1, 6)),
                   max_num_batched_tokens=draw(st.integers(1, 24)),
-                  max_model_len=max_model_len, prefix_caching=draw(st.booleans()))
+                  max_model_len=max_model_len, prefix_caching=draw(st.booleans()),
+                  policy=draw(st.sampled_from(["fcfs", "priority"])))
     # Prompts from a few shared stems over a 2-token alphabet, so prefixes collide.
     stems = draw(st.lists(st.lists(st.integers(0, 1), max_size=20), min_size=1, max_size=3))
     add = st.tuples(st.just("add"), st.integers(0, len(stems) - 1), st.lists(st.integers(0, 1), max_size=12))

@@ -332,7 +332,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--swap-space", "4.5"], ["--disable-log-requests"], ["--disable-fastapi-docs"],
          ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"], ["--tokenizer-mode", "auto"],
          ["--chat-template-content-format", "string"], ["--response-role", "assistant"],
-         ["--data-parallel-size", "1"], ["--api-server-count", "1"], ["--scheduling-policy", "fcfs"],
+         ["--data-parallel-size", "1"], ["--api-server-count", "1"],
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"],
          ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
          ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
@@ -341,9 +341,20 @@ REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--qu
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
-           ["--api-server-count", "4"], ["--scheduling-policy", "priority"], ["--logprobs-mode", "processed_logprobs"],
+           ["--api-server-count", "4"], ["--logprobs-mode", "processed_logprobs"],
            ["--runner", "pooling"], ["--cpu-offload-gb", "2.5"],
            ["--tokenizer-revision", "v2"], ["--task", "embed"]]
+
+
+def test_scheduling_policy_priority_over_http(tiny_model, monkeypatch):
+    """--scheduling-policy priority reaches the engine, and a body's priority its requests (each prompt's)."""
+    with ServerThread(tiny_model, "--scheduling-policy", "priority") as s:
+        assert s.engine.config.scheduling_policy == "priority"
+        seen, add = [], s.engine.add_request
+        monkeypatch.setattr(s.engine, "add_request", lambda *a: seen.append(a[4]) or add(*a))
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "priority": -3})
+        assert r.status_code == 200 and seen == [-3, -3], r.text
+        s.wait_idle()
 
 
 def test_stream_interval_flag(capsys):
