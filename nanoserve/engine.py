@@ -539,6 +539,12 @@ class Request:
         return self.grammar is None and self.thinking is None and not self.bad_words_token_ids and \
             p.presence_penalty == p.frequency_penalty == 0 and p.repetition_penalty == 1
 
+    def stream_due(self) -> bool:
+        """Whether a stream (DELTA) sends this step's token now: always, but with a
+        stream_interval N only its first, then every N (and its last, which the caller sends)."""
+        n, sent = self.stream_interval, self.sent_token_len
+        return n == 1 or not self.output_kind.is_delta or sent == 0 or len(self.output_token_ids) - sent >= n
+
     def sample_request(self) -> SampleRequest:
         """Its row in a step's sampling. As vLLM's persistent batch keeps a request's sampling
         state from step to step, the row is kept once nothing in it can change but the count of
@@ -1480,9 +1486,7 @@ class LLMEngine:
             if status is not None:
                 self.scheduler.finish_request(req.request_id, status)
                 self.stats_counters["num_finished"] += 1
-            if req.status.is_finished or req.output_kind.every_step and (
-                    req.stream_interval == 1 or not req.output_kind.is_delta or req.sent_token_len == 0
-                    or len(req.output_token_ids) - req.sent_token_len >= req.stream_interval):
+            if req.status.is_finished or req.output_kind.every_step and req.stream_due():
                 self._collect(outputs, req)
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
