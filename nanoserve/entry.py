@@ -578,7 +578,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
     "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
     "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
-    "vllm_xargs": (_NO_DICT, "there are no custom extensions to take extra arguments"),
     "repetition_detection": (_UNSET, "repetition detection is not implemented"),
     "max_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
     "min_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
@@ -701,6 +700,8 @@ class GenerationRequest(OpenAIBaseModel):
     logprob_token_ids: list[int] | None = Field(None, description="the logprobs of these tokens (at most 128) at each "
                                                                  "position, in place of the top ones")
     priority: int = Field(0, description="with --scheduling-policy priority: lower is served first")
+    # as vLLM's: SamplingParams.extra_args, for custom extensions (nanoserve has none: nothing reads them)
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -761,7 +762,7 @@ class GenerationRequest(OpenAIBaseModel):
                   if name in GenerationRequest.model_fields}
         # as vLLM's: listed ids take the place of the top-N count (SamplingParams counts them)
         logprobs = None if self.logprob_token_ids else self.requested_logprobs()
-        fields.update(max_tokens=self.requested_max_tokens(), logprobs=logprobs,
+        fields.update(max_tokens=self.requested_max_tokens(), logprobs=logprobs, extra_args=self.vllm_xargs or None,
                       prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
         given = {name for name in self.model_fields_set if getattr(self, name) is not None}  # a kept null: not given
         # as vLLM's get_max_tokens: the body's max_tokens (completions': 16 unless given), else the model's

@@ -65,7 +65,7 @@ TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool
 REFUSED = {"suffix": " tail", "use_beam_search": True,
            "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
            "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
-           "ec_transfer_params": {"x": 1}, "vllm_xargs": {"k": "v"}, "repetition_detection": {"max_pattern_size": 4},
+           "ec_transfer_params": {"x": 1}, "repetition_detection": {"max_pattern_size": 4},
            "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2, "repetition_min_count": 3,
            "thinking_token_budget": 10, "routed_experts_prompt_start": 1,
            "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"num_crops": 4}}
@@ -185,6 +185,7 @@ HONOURED = {
     "structured_outputs": ({"regex": "a+"}, {}, lambda r, v: r.sp.structured_outputs.regex == "a+"),
     "stream_interval": (3, {"stream": True, "return_token_ids": True, "ignore_eos": True},
                         lambda r, v: _chunk_sizes(r) == [1, 3]),  # max_tokens 4: the first token, then 3
+    "vllm_xargs": ({"k": "v", "n": [1, 2.5]}, {}, lambda r, v: r.sp.extra_args == v),  # as vLLM's: for extensions
     "request_id": ("my-id-1", {}, lambda r, v: r.body["id"].endswith("-my-id-1")
                    and r.headers["x-request-id"] == "my-id-1"),
     "cache_salt": ("salt-1", {}, lambda r, v: r.prompts[0].cache_salt == "salt-1"),
