@@ -116,6 +116,37 @@ class StructuredOutputsParams:
 
 
 @dataclass(slots=True)
+class RepetitionDetectionParams:
+    """vLLM's: end a request (finish_reason "repetition") once its output ends in a run of
+    tokens min_pattern_size..max_pattern_size long (0: 1) repeated min_count times in a row."""
+    max_pattern_size: int = 0  # 0: off
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        sizes = (self.max_pattern_size, self.min_pattern_size, self.min_count)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes):
+            raise InvalidInput("repetition_detection", f"repetition_detection's sizes and count must be integers, "
+                                                       f"got {sizes}")
+        if not 0 <= self.min_pattern_size <= self.max_pattern_size or self.min_count < 0 or \
+                (self.max_pattern_size > 0 and self.min_count < 2):
+            raise InvalidInput("repetition_detection", "repetition_detection needs 0 <= min_pattern_size <= "
+                                                       "max_pattern_size and, with max_pattern_size > 0, "
+                                                       f"min_count >= 2; got {sizes}")
+
+    def found(self, token_ids: list[int]) -> bool:
+        """Whether ``token_ids`` end in a pattern repeated min_count times (vLLM's check_sequence_repetition)."""
+        count = self.min_count
+        for size in range(max(self.min_pattern_size, 1), self.max_pattern_size + 1):
+            if size * count > len(token_ids):
+                return False
+            tail = token_ids[-size:]
+            if all(token_ids[-size * (m + 1):len(token_ids) - size * m] == tail for m in range(1, count)):
+                return True
+        return False
+
+
+@dataclass(slots=True)
 class SamplingParams:
     """vLLM's SamplingParams: same names, defaults and allowed ranges."""
     n: int = 1
@@ -147,12 +178,15 @@ class SamplingParams:
     # with a reasoning parser: once this many tokens are thought (since the last <think>), </think> is forced
     thinking_token_budget: int | None = None
     stream_interval: int | None = None  # a stream's outputs every N tokens (the first and last too; engine's if more)
+    repetition_detection: RepetitionDetectionParams | None = None
     extra_args: dict[str, Any] | None = None  # as vLLM's: kept for custom code, read by nothing here
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # vLLM's: bad_words tokenized
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if isinstance(self.repetition_detection, dict):
+            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.seed == -1:  # as vLLM's: -1 asks for a random seed (UIs send it for "regenerate")
@@ -1551,6 +1585,10 @@ class LLMEngine:
         if num_out >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
             self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
+        if done and p.repetition_detection is not None and p.repetition_detection.found(out):
+            req.stop_reason = "repetition_detected"  # vLLM's
+            self._flush_text(req, None)
+            return RequestStatus.FINISHED_REPETITION
         if len(req.held_text) > 256:  # each token copies it; outputs release it, FINAL_ONLY's only at the end
             _release_text(req)
         return None

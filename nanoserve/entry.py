@@ -76,8 +76,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
                               CompletionOutput, EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob,
-                              REASONING_PARSERS, RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind,
-                              SamplingParams, StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
+                              REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError, RequestMetrics,
+                              RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
                               nested_deeper, opens_reply, parse_call_arguments, run_worker_node, vllm_arg_note)
 
@@ -578,10 +578,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
     "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
     "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
-    "repetition_detection": (_UNSET, "repetition detection is not implemented"),
-    "max_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
-    "min_repetition_pattern_size": ((None, 0), "repetition detection is not implemented"),
-    "repetition_min_count": ((None, 0), "repetition detection is not implemented"),
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
     "media_io_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
     "mm_processor_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
@@ -700,6 +696,11 @@ class GenerationRequest(OpenAIBaseModel):
     logprob_token_ids: list[int] | None = Field(None, description="the logprobs of these tokens (at most 128) at each "
                                                                  "position, in place of the top ones")
     priority: int = Field(0, description="with --scheduling-policy priority: lower is served first")
+    # vLLM's: end with finish_reason "repetition" once the output repeats itself (and its older flat fields)
+    repetition_detection: dict[str, int] | None = None
+    max_repetition_pattern_size: int = 0
+    min_repetition_pattern_size: int = 0
+    repetition_min_count: int = 0
     # as vLLM's: SamplingParams.extra_args, for custom extensions (nanoserve has none: nothing reads them)
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
 
@@ -763,6 +764,7 @@ class GenerationRequest(OpenAIBaseModel):
         # as vLLM's: listed ids take the place of the top-N count (SamplingParams counts them)
         logprobs = None if self.logprob_token_ids else self.requested_logprobs()
         fields.update(max_tokens=self.requested_max_tokens(), logprobs=logprobs, extra_args=self.vllm_xargs or None,
+                      repetition_detection=self.repetition_spec(),
                       prompt_logprobs=self.requested_prompt_logprobs(), structured_outputs=self.structured_spec())
         given = {name for name in self.model_fields_set if getattr(self, name) is not None}  # a kept null: not given
         # as vLLM's get_max_tokens: the body's max_tokens (completions': 16 unless given), else the model's
@@ -777,6 +779,20 @@ class GenerationRequest(OpenAIBaseModel):
         if engine_param == "request_id" and self.request_id is not None:
             return "request_id"
         return super().param_name(engine_param)
+
+    def repetition_spec(self) -> RepetitionDetectionParams | None:
+        """repetition_detection, or vLLM's older three fields (given when any is not 0)."""
+        flat = (self.max_repetition_pattern_size, self.min_repetition_pattern_size, self.repetition_min_count)
+        if self.repetition_detection is not None:
+            if any(flat):
+                raise InvalidInput("repetition_detection", "give repetition_detection or max_repetition_pattern_size, "
+                                                           "min_repetition_pattern_size and repetition_min_count, "
+                                                           "not both")
+            unknown = sorted(set(self.repetition_detection) - set(RepetitionDetectionParams.__dataclass_fields__))
+            if unknown:
+                raise InvalidInput("repetition_detection", f"repetition_detection has unknown field(s) {unknown}")
+            return RepetitionDetectionParams(**self.repetition_detection)
+        return RepetitionDetectionParams(*flat) if any(flat) else None
 
     def structured_spec(self) -> StructuredOutputsParams | None:
         """The one constraint this body asks for, from whichever field it used."""
@@ -3295,6 +3311,8 @@ def anthropic_stop_reason(finish_reason: str | None, stop_reason: int | str | No
         return None
     if finish_reason == "length":
         return "max_tokens"
+    if finish_reason == "repetition":  # vLLM's repetition_detection: the turn ended, by no stop sequence
+        return "end_turn"
     if any(b["type"] == "tool_use" for b in content):
         return "tool_use"
     return "stop_sequence" if isinstance(stop_reason, str) else "end_turn"  # a stop token or EOS: the turn's end

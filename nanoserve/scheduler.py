@@ -50,6 +50,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted", None  # back in the waiting queue, to be recomputed
     FINISHED_STOPPED = "finished_stopped", "stop"
     FINISHED_LENGTH = "finished_length", "length"
+    FINISHED_REPETITION = "finished_repetition", "repetition"  # vLLM's repetition_detection
     FINISHED_ABORTED = "finished_aborted", "abort"
 
     def __new__(cls, value: str, finish_reason: str | None):

@@ -132,6 +132,13 @@ def test_max_tokens_and_stop_sequences(server):
     server.wait_idle()
 
 
+def test_a_repetition_ends_the_turn():
+    """vLLM's repetition_detection finishes with "repetition" and stop_reason "repetition_detected", a string
+    as a stop sequence's is: Anthropic's stop_reason is end_turn, with no stop sequence named."""
+    assert entry.anthropic_stop_reason("repetition", "repetition_detected", []) == "end_turn"
+    assert entry.anthropic_stop_reason("stop", "@@", []) == "stop_sequence"
+
+
 def test_stream_adds_up_to_the_message(server):
     """message_start, one text block's start, deltas and stop, message_delta, message_stop; the text_deltas
     concatenated are the greedy message's text, and the usage is the same."""

@@ -453,3 +453,26 @@ def test_priority_scheduling_serves_lower_values_first(tiny_model):
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority"):
         LLM(str(tiny_model), scheduling_policy="lifo")
 
+
+def test_repetition_detection_ends_a_repeating_output(tiny_model):
+    """vLLM's repetition_detection: the output's last 1..max_pattern_size tokens repeated min_count times
+    in a row end it, finish_reason "repetition" and stop_reason "repetition_detected" (not before
+    min_tokens); max_tokens comes first if it is reached on the same token."""
+    from nanoserve.engine import RepetitionDetectionParams as Rep
+    assert Rep(3, 0, 3).found([9, 1, 2, 3, 1, 2, 3, 1, 2, 3]) and Rep(3, 0, 3).found([1, 2, 1, 2, 1, 2])
+    assert not Rep(3, 0, 3).found([1, 2, 3, 1, 2, 4, 1, 2, 3]) and not Rep(3, 2, 3).found([7, 7, 7])
+    assert not Rep().found([7] * 10)  # all zeros: off
+    llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32)
+    five = dict(temperature=0, logit_bias={5: 100}, max_tokens=20)
+    out = llm.generate([[1, 2]], SamplingParams(**five, repetition_detection={"max_pattern_size": 2, "min_count": 4}),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == ([5] * 4, "repetition", "repetition_detected")
+    later = SamplingParams(**five, min_tokens=7, repetition_detection=Rep(1, 0, 2))
+    assert len(llm.generate([[1, 2]], later, use_tqdm=False)[0].outputs[0].token_ids) == 7
+    capped = SamplingParams(**{**five, "max_tokens": 4}, repetition_detection=Rep(1, 0, 4))
+    assert llm.generate([[1, 2]], capped, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+    for bad in ((2, 3, 2), (2, 0, 1), (-1, 0, 0), (2, 0, "3")):
+        with pytest.raises(ValueError, match="repetition_detection") as e:
+            SamplingParams(repetition_detection=Rep(*bad))
+        assert e.value.param == "repetition_detection"
+

@@ -60,14 +60,12 @@ NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "ret
           "spaces_between_special_tokens": False}  # fast tokenizers decode as they do (vLLM's detokenizer too)
 # Honoured, and its effect checked by a test of its own (it needs a tool-call parser this server lacks).
 TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
-# Refused with these values (each asks for something nanoserve does not do; thinking_token_budget: not
-# without --reasoning-parser, which this server lacks, test_structured_outputs.py has it).
+# Refused with these values (each asks for something nanoserve does not do; thinking_token_budget and priority:
+# not without --reasoning-parser or --scheduling-policy priority, which this server lacks; tested elsewhere).
 REFUSED = {"suffix": " tail", "use_beam_search": True,
            "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
            "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
-           "ec_transfer_params": {"x": 1}, "repetition_detection": {"max_pattern_size": 4},
-           "max_repetition_pattern_size": 4, "min_repetition_pattern_size": 2, "repetition_min_count": 3,
-           "thinking_token_budget": 10, "routed_experts_prompt_start": 1,
+           "ec_transfer_params": {"x": 1}, "thinking_token_budget": 10, "routed_experts_prompt_start": 1,
            "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"num_crops": 4}}
 
 PROMPT = "The quick brown"
@@ -145,6 +143,15 @@ def _tokens_are(allowed):
     return lambda r, v: set(r.choice["token_ids"]) <= allowed and r.choice["token_ids"]
 
 
+REPEAT = {"logit_bias": {"5": 100}, "return_token_ids": True}
+
+
+def _ended_repeating(r, v) -> bool:
+    c = r.choice
+    return c["finish_reason"] == "repetition" and c["stop_reason"] == "repetition_detected" and \
+        c["token_ids"] == [5, 5, 5]
+
+
 def _chunk_sizes(r) -> list[int]:
     """How many tokens each chunk of a stream (with return_token_ids) carries."""
     chunks = [json.loads(e) for e in r.events if e != "[DONE]"]
@@ -186,6 +193,12 @@ HONOURED = {
     "stream_interval": (3, {"stream": True, "return_token_ids": True, "ignore_eos": True},
                         lambda r, v: _chunk_sizes(r) == [1, 3]),  # max_tokens 4: the first token, then 3
     "vllm_xargs": ({"k": "v", "n": [1, 2.5]}, {}, lambda r, v: r.sp.extra_args == v),  # as vLLM's: for extensions
+    # a greedy run of token 5 (its bias) is a 1-token pattern: it ends at its 3rd repeat, before max_tokens 4
+    "repetition_detection": ({"max_pattern_size": 2, "min_count": 3}, REPEAT, _ended_repeating),
+    "max_repetition_pattern_size": (2, {**REPEAT, "repetition_min_count": 3}, _ended_repeating),
+    "min_repetition_pattern_size": (1, {**REPEAT, "max_repetition_pattern_size": 1, "repetition_min_count": 3},
+                                    _ended_repeating),
+    "repetition_min_count": (3, {**REPEAT, "max_repetition_pattern_size": 1}, _ended_repeating),
     "request_id": ("my-id-1", {}, lambda r, v: r.body["id"].endswith("-my-id-1")
                    and r.headers["x-request-id"] == "my-id-1"),
     "cache_salt": ("salt-1", {}, lambda r, v: r.prompts[0].cache_salt == "salt-1"),

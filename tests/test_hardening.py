@@ -645,3 +645,16 @@ def test_the_engine_trims_the_heap_each_time_it_goes_idle(tiny_model, monkeypatc
         assert len(trims) == 2 and trims[0] == trims[1] != threading.current_thread().name, trims
     else:
         assert trims == []
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 3}, "repetition_min_count": 2}, "not both"),
+    ({"repetition_detection": {"max_pattern_size": 2, "count": 3}}, "unknown field(s) ['count']"),
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "min_count >= 2"),
+    ({"max_repetition_pattern_size": 1, "min_repetition_pattern_size": 2, "repetition_min_count": 2},
+     "min_pattern_size <= max_pattern_size"),
+])
+def test_bad_repetition_detection_is_a_400_naming_it(server, body, message):
+    err = _check_error(_post(server.url, {"prompt": "hi", "max_tokens": 2, **body}), 400, "repetition_detection")
+    assert message in err["message"], err
+
