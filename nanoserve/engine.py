@@ -379,7 +379,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per token: the token's and the top ones, as vLLM's
-    finish_reason: str | None = None                # "stop", "length", "abort" or None
+    finish_reason: str | None = None                # "stop", "length", "abort", "repetition" or None
     stop_reason: int | str | None = None
     delta_text: str = ""                            # what this step added (for streaming)
 
