@@ -208,6 +208,78 @@ def offline_small(tiny_model):
     return LLM(str(tiny_model), dtype="float32", num_kv_blocks=16, max_model_len=64)
 
 
+# =========================================================================== a request's own chat template
+
+def test_a_request_chat_template_past_its_limit_is_a_400_and_holds_up_no_other(tiny_model, monkeypatch):
+    """Jinja cannot stop a render: a request's own chat_template (--trust-request-chat-template) of two nested
+    loops, 90 bytes, rendered for hours on the tokenizer thread, and every later request, of any kind, waited for
+    it. Now it renders on a thread of its own within CHAT_TEMPLATE_TIMEOUT_S, else a 400 naming chat_template, and
+    is stopped there. A render that cannot be stopped (held here in a C call, an Event's wait) goes on; with
+    MAX_OVERDUE_COMPILES of them still running, such a request is a 503. The limit is tiny only while they are sent."""
+    release, apply = threading.Event(), entry.apply_chat_template
+
+    def held(tokenizer, messages, chat_template=None, *args, **kw):
+        if chat_template and "held" in chat_template:
+            assert release.wait(120)
+        return apply(tokenizer, messages, chat_template, *args, **kw)
+    monkeypatch.setattr(entry, "apply_chat_template", held)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    loops = {**chat, "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                      "{% endfor %}{{ messages[0].content }}"}  # 10^10 turns: hours
+    with ServerThread(tiny_model, "--trust-request-chat-template") as s:
+        state = s.app.state.server
+        try:
+            monkeypatch.setattr(entry, "CHAT_TEMPLATE_TIMEOUT_S", 0.01)  # read as each request renders
+            deadline = time.monotonic() + 60
+            for path, body in (("/v1/chat/completions", {**loops, "max_tokens": 1}), ("/tokenize", loops),
+                               ("/tokenize", {**chat, "chat_template": "{# held #}"}),
+                               ("/v1/chat/completions", {**chat, "chat_template": "{# held #}", "max_tokens": 1})):
+                err = _check_error(_post(s.url, body, path), 400, "chat_template")
+                assert "chat_template did not render within 0.01 s" in err["message"], err
+                while body["chat_template"] == loops["chat_template"] and state.renders.overdue:  # stopped
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            assert state.renders.overdue == entry.MAX_OVERDUE_COMPILES  # the held go on
+            monkeypatch.setattr(entry, "CHAT_TEMPLATE_TIMEOUT_S", 60)
+            busy = _post(s.url, {**chat, "chat_template": "{{ 'fine' }}"}, "/tokenize")
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+            # the tokenizer thread is free: requests without a template of their own are served meanwhile
+            assert _post(s.url, {"prompt": "hi", "max_tokens": 1}).status_code == 200
+            assert _post(s.url, {**chat, "max_tokens": 1}, "/v1/chat/completions").status_code == 200
+        finally:
+            release.set()
+        while state.renders.overdue:  # the held renders end once released: a deadline, not a timing
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = _post(s.url, {**chat, "chat_template": "{{ 'fine' }}", "return_token_strs": True}, "/tokenize")
+        assert r.status_code == 200 and "".join(r.json()["token_strs"]) == "fine", r.text
+        s.wait_idle()
+
+
+def test_stoppable_ends_a_python_loop_and_nothing_after_it_returned():
+    call, stop = entry.stoppable(lambda: 5)
+    assert call() == 5
+    stop()  # after the call: nothing is raised in this thread
+    total = sum(range(10**6))  # bytecode enough for a pending exception to be raised
+    assert total == 499999500000
+    entered, released, result = threading.Event(), threading.Event(), []
+
+    def spin():
+        entered.set()
+        while not released.is_set():  # Python, no call: as a Jinja loop
+            pass
+    call, stop = entry.stoppable(spin)
+    worker = threading.Thread(target=lambda: result.append(pytest.raises(Exception, call).value), daemon=True)
+    worker.start()
+    try:
+        assert entered.wait(60)
+        stop()
+        worker.join(60)
+        assert not worker.is_alive() and type(result[0]).__name__ == "_Stop"
+    finally:
+        released.set()
+
+
 # =========================================================================== lone surrogates
 
 SURROGATE_BODIES = [  # raw JSON text: "\ud800" is a lone UTF-16 surrogate, which json.loads lets through
