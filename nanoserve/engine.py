@@ -1962,9 +1962,10 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
 
 def _template_arguments(tokenizer) -> set[str]:
     """What apply_chat_template takes itself (and ``messages``, the conversation's
-    name in templates): chat_template_kwargs must not override them."""
+    name in templates, and ``self``, which a bound method's signature leaves out):
+    chat_template_kwargs must not override them."""
     params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages"}
+    return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages", "self"}
 
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

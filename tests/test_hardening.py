@@ -667,6 +667,16 @@ def test_client_strings_cannot_forge_log_lines(server, caplog):
 
 # =========================================================================== small fixes
 
+def test_chat_template_kwargs_cannot_set_self(server):
+    """A bound method's signature leaves ``self`` out, so it was not among the renderer's own arguments: the 400
+    named messages and read "PreTrainedTokenizerBase.apply_chat_template() got multiple values for argument 'self'"."""
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = _check_error(_post(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                              "chat_template_kwargs": {"self": 1}}, path), 400, "chat_template_kwargs")
+        assert err["message"].startswith("chat_template_kwargs cannot set self:"), err
+    server.wait_idle()
+
+
 def test_prefix_cache_queries_are_not_counted_with_caching_off(tiny_model):
     llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128, enable_prefix_caching=False)
     llm.generate(["hello world", "hello world"], SamplingParams(max_tokens=2), use_tqdm=False)
