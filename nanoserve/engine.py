@@ -1957,7 +1957,7 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
     except jinja2.TemplateSyntaxError as e:
         raise InvalidInput("chat_template", f"the chat template is not valid Jinja: {e} (line {e.lineno})") from None
     except Exception as e:  # the template's own raise_exception, jinja errors, malformed messages
-        raise InvalidInput("messages", f"cannot apply the chat template: {e}") from None
+        raise InvalidInput("messages", f"cannot apply the chat template: {str(e) or type(e).__name__}") from None
 
 
 def _template_arguments(tokenizer) -> set[str]:

@@ -677,6 +677,14 @@ def test_chat_template_kwargs_cannot_set_self(server):
     server.wait_idle()
 
 
+def test_a_template_error_without_words_is_named(offline_small):
+    """A MemoryError has no message: the error read "cannot apply the chat template: " and stopped there."""
+    with pytest.raises(ValueError, match=r"^cannot apply the chat template: MemoryError$"):
+        offline_small.chat([{"role": "user", "content": "hi"}], chat_template="{{ (range(99999)|list) * 10**14 }}",
+                           use_tqdm=False)
+    assert not offline_small.engine.has_unfinished_requests()
+
+
 def test_prefix_cache_queries_are_not_counted_with_caching_off(tiny_model):
     llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128, enable_prefix_caching=False)
     llm.generate(["hello world", "hello world"], SamplingParams(max_tokens=2), use_tqdm=False)
