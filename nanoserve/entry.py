@@ -1107,6 +1107,7 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
         text = raw.decode("utf-8")  # strict: no encoded surrogates either
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    text = text.removeprefix("\ufeff")  # a UTF-8 BOM, which vLLM's json.loads(bytes) skips and RFC 8259 allows
     if not text.strip():
         raise bad_request("the request body is empty: send a JSON object")
     try:  # yielding: numbers parsed by a Python function, so that the GIL can pass to the loop between them

@@ -310,6 +310,21 @@ def test_lone_surrogates_are_a_400_naming_the_field_and_keep_the_connection(serv
     server.wait_idle()
 
 
+def test_a_utf8_bom_before_the_body_is_ignored(server):
+    """As vLLM's (FastAPI's json.loads of the bytes) and as RFC 8259 allows: a body file saved with a BOM (Windows
+    PowerShell 5's utf8, Notepad) and sent with curl -d @file was a 400 ("Unexpected UTF-8 BOM")."""
+    bom = b"\xef\xbb\xbf"
+    r, plain = (_post(server.url, b + b'{"prompt": "hi", "max_tokens": 1}') for b in (bom, b""))
+    assert r.status_code == 200 and r.json()["usage"] == plain.json()["usage"], r.text  # the BOM is no text
+    big = bom + b'{"prompt": "hi",' + b" " * entry.LARGE_BODY_BYTES + b'"max_tokens": 1}'  # decoded off the loop
+    assert _post(server.url, big).status_code == 200
+    # only one, and only first: a second is text before the JSON, and bytes are counted from the body's first
+    assert "not valid JSON" in _check_error(_post(server.url, bom * 2 + b"{}"), 400, None)["message"]
+    err = _check_error(_post(server.url, bom + b'{"prompt": "\xff"}'), 400, None)
+    assert err["message"] == "the request body is not valid UTF-8: invalid start byte at byte 15", err
+    server.wait_idle()
+
+
 # numbers JSON has not, which Python's json takes: a Responses body echoes text, reasoning and tools back (a 500
 # once, as no JSON answer can carry them); in a tool's schema or a template kwarg they would reach the template
 NON_FINITE_BODIES = [
