@@ -2118,14 +2118,15 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
     except jinja2.TemplateSyntaxError as e:
         raise InvalidInput("chat_template", f"the chat template is not valid Jinja: {e} (line {e.lineno})") from None
     except Exception as e:  # the template's own raise_exception, jinja errors, malformed messages
-        raise InvalidInput("messages", f"cannot apply the chat template: {e}") from None
+        raise InvalidInput("messages", f"cannot apply the chat template: {str(e) or type(e).__name__}") from None
 
 
 def _template_arguments(tokenizer) -> set[str]:
     """What apply_chat_template takes itself (and ``messages``, the conversation's
-    name in templates): chat_template_kwargs must not override them."""
+    name in templates, and ``self``, which a bound method's signature leaves out):
+    chat_template_kwargs must not override them."""
     params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages"}
+    return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages", "self"}
 
 
 def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

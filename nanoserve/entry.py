@@ -34,6 +34,7 @@ import ast
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import functools
@@ -95,7 +96,8 @@ MAX_STOP_WORDS = 1024                # stop, stop_token_ids, bad_words: each ste
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
-MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish on their threads; more: 503 until they end
+CHAT_TEMPLATE_TIMEOUT_S = 10.0       # a request's own chat_template must render within this (else 400)
+MAX_OVERDUE_COMPILES = 2             # of each (compiles, renders) past it, left to finish; more: 503 until they end
 # how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999,
 # and 200 digits or more: with an exponent under 100, no shorter number is past a double's range; looked for from
 # a run's first digit only, else each digit of a long run starts a new try)
@@ -1137,6 +1139,7 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
         text = raw.decode("utf-8")  # strict: no encoded surrogates either
     except UnicodeDecodeError as e:
         raise bad_request(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
+    text = text.removeprefix("\ufeff")  # a UTF-8 BOM, which vLLM's json.loads(bytes) skips and RFC 8259 allows
     if not text.strip():
         raise bad_request("the request body is empty: send a JSON object")
     try:  # yielding: numbers parsed by a Python function, so that the GIL can pass to the loop between them
@@ -1637,10 +1640,11 @@ class ServerState:
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
-    # Structured-output grammars compile one at a time (compile_grammar), not on the tokenizer thread:
-    # a large one takes seconds, and tokenizing the requests behind it must not wait for it.
-    grammar_turn: asyncio.Lock = field(default_factory=asyncio.Lock)
-    overdue_compiles: int = 0  # past GRAMMAR_COMPILE_TIMEOUT_S (or left by their client), still running
+    # Structured-output grammars compile (compile_grammar), and a request's own chat template renders
+    # (render_own_template), not on the tokenizer thread: tokenizing the requests behind them must not wait for them.
+    compiles: "OwnThreads" = field(default_factory=lambda: OwnThreads("nanoserve-grammar", "compiling", "grammars"))
+    renders: "OwnThreads" = field(default_factory=lambda: OwnThreads("nanoserve-template", "rendering",
+                                                                       "chat templates"))
     chat_template: str | None = None                     # --chat-template
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
@@ -1665,31 +1669,34 @@ class ServerState:
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """``spec`` compiled ahead, off the loop (the engine's add_request finds it cached), within
         GRAMMAR_COMPILE_TIMEOUT_S. xgrammar cannot stop a compile, and a 40-byte schema can take minutes (a
-        pattern's a{50000}: the time grows as the count squared): one past its limit, or left by its client,
-        finishes on its own daemon thread, holding up neither the next compile nor the exit."""
+        pattern's a{50000}: the time grows as the count squared)."""
         if self.engine.structured_outputs.is_cached(spec):  # no compile: neither the limit nor a thread
             return
-        async with self.grammar_turn:
-            if self.overdue_compiles >= MAX_OVERDUE_COMPILES:
-                raise ApiError(503, f"the server is still compiling {self.overdue_compiles} grammars that went past "
-                                    f"the limit: retry later", headers={"Retry-After": "1"})
-            future = on_daemon_thread("nanoserve-grammar", self.engine.structured_outputs.compile, spec)
-            try:
-                done, _ = await asyncio.wait({future}, timeout=GRAMMAR_COMPILE_TIMEOUT_S)
-            finally:
-                if not future.done():
-                    self.overdue_compiles += 1
-                    future.add_done_callback(self._overdue_compile_ended)
-        if not done:
+        future = await self.compiles.run(self.engine.structured_outputs.compile, spec, limit=GRAMMAR_COMPILE_TIMEOUT_S)
+        if future is None:
             raise InvalidInput("structured_outputs", f"structured_outputs.{spec.given()[0]} did not compile within "
                                                      f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s: simplify it (large "
                                                      f"repetition counts such as {{1000}} in a schema's pattern, "
                                                      f"many alternatives, a very large schema)")
         future.result()  # InvalidInput where it cannot be compiled
 
-    def _overdue_compile_ended(self, future: asyncio.Future) -> None:
-        self.overdue_compiles -= 1
-        future.exception()  # read, or asyncio logs it as never retrieved
+    async def render_own_template(self, req: "ChatTemplateFields", render: Callable[[], str]) -> str | None:
+        """The prompt of a request that brings its own chat_template (--trust-request-chat-template), rendered
+        ahead within CHAT_TEMPLATE_TIMEOUT_S, else stopped; None for any other (the tokenizer thread renders it).
+        Jinja has no limit of its own: two nested loops (90 bytes) rendered for hours, and every request waited."""
+        if req.chat_template is None or not self.trust_request_chat_template:
+            return None
+        call, stop = stoppable(render)
+        future = None
+        try:
+            future = await self.renders.run(call, limit=CHAT_TEMPLATE_TIMEOUT_S)
+        finally:
+            if future is None:  # past the limit, or left by its client: left running, it held a core and the GIL
+                stop()
+        if future is None:
+            raise InvalidInput("chat_template", f"chat_template did not render within {CHAT_TEMPLATE_TIMEOUT_S:g} s: "
+                                                f"simplify it (loops within loops, very long strings)")
+        return future.result()  # InvalidInput where it does not render
 
     def end_all(self, why: str) -> None:
         """The drain timeout: what is still in flight ends now, each stream with
@@ -1697,6 +1704,69 @@ class ServerState:
         if self.generations:
             logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(self.generations))
         self.async_llm.fail_all(EngineDeadError(why))
+
+
+@dataclass
+class OwnThreads:
+    """Work that may run long (an xgrammar compile, a request's Jinja render), one at a time, each on a daemon
+    thread of its own, waited for up to a limit: one past it, or left by its client, finishes on its thread (or is
+    stopped: see stoppable), holding up neither the next one nor the exit. With MAX_OVERDUE_COMPILES of them
+    still running, a 503."""
+    thread_name: str
+    doing: str  # the 503's words: "the server is still {doing} {n} {what} ..."
+    what: str
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
+    overdue: int = 0  # past their limit (or left by their client), still running
+
+    async def run(self, fn: Callable[..., Any], *args: Any, limit: float) -> asyncio.Future | None:
+        """fn(*args)'s future, done within ``limit`` seconds; None if it is not."""
+        async with self.turn:
+            if self.overdue >= MAX_OVERDUE_COMPILES:
+                raise ApiError(503, f"the server is still {self.doing} {self.overdue} {self.what} that went past "
+                                    f"the limit: retry later", headers={"Retry-After": "1"})
+            future = on_daemon_thread(self.thread_name, fn, *args)
+            try:
+                done, _ = await asyncio.wait({future}, timeout=limit)
+            finally:
+                if not future.done():
+                    self.overdue += 1
+                    future.add_done_callback(self._overdue_ended)
+        return future if done else None
+
+    def _overdue_ended(self, future: asyncio.Future) -> None:
+        self.overdue -= 1
+        future.exception()  # read, or asyncio logs it as never retrieved
+
+
+class _Stop(Exception):
+    """Raised in a thread by stoppable's stop()."""
+
+
+def stoppable(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """fn as a call, and a stop() that ends that call, from another thread, at its next Python instruction
+    (PyThreadState_SetAsyncExc: Jinja's loops are Python; a long C call, such as a string's repetition, ends
+    first). Nothing is raised in the calling thread once the call has returned."""
+    lock, running = threading.Lock(), []
+
+    def call() -> Any:
+        with lock:
+            running.append(threading.get_ident())
+        try:
+            return fn()
+        finally:
+            with lock:
+                running.clear()
+                _async_exc(threading.get_ident(), None)  # a stop() not raised yet: it never will be
+
+    def stop() -> None:
+        with lock:
+            if running:
+                _async_exc(running.pop(), ctypes.py_object(_Stop))
+    return call, stop
+
+
+def _async_exc(thread_id: int, exc: ctypes.py_object | None) -> None:
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exc)  # None: clear it
 
 
 def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -1972,16 +2042,19 @@ async def tokenize(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     check_model(req, state)
     try:
-        out = await state.off_loop(_tokenize, state, req)
+        text = None if req.messages is None else await state.render_own_template(
+            req, lambda: render_chat(state, req, req.tools))
+        out = await state.off_loop(_tokenize, state, req, text)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
 
 
-def _tokenize(state: ServerState, req: TokenizeRequest) -> dict[str, Any]:
-    """/tokenize's response (on the tokenizer thread; raises InvalidInput)."""
+def _tokenize(state: ServerState, req: TokenizeRequest, text: str | None) -> dict[str, Any]:
+    """/tokenize's response (on the tokenizer thread; raises InvalidInput), of ``text`` if rendered ahead."""
     engine = state.engine
-    text = req.prompt if req.messages is None else render_chat(state, req, req.tools)
+    if text is None:
+        text = req.prompt if req.messages is None else render_chat(state, req, req.tools)
     special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
     _, ids = engine.tokenize(text, add_special_tokens=special)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -2169,6 +2242,7 @@ class Generation:
             params = req.sampling_params(state.engine.default_sampling, state.engine.override_max_tokens)
             gen = cls(state, request_id, req, params)
             check_queue(state, req, gen.params.n)
+            await gen.render_own_template()
             prompts = await state.off_loop(gen.process_prompts)
             if gen.params.structured_outputs is not None:
                 await state.compile_grammar(gen.params.structured_outputs)
@@ -2192,6 +2266,9 @@ class Generation:
         self.tracked: dict[str, _Tracked] = {}  # by engine request id
         self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
+
+    async def render_own_template(self) -> None:
+        """(Chat's) a request's own chat_template, rendered ahead: see ServerState.render_own_template."""
 
     def process_prompts(self) -> list[TokenizedPrompt]:
         """On the tokenizer thread: render, tokenize and check every prompt."""
@@ -2474,9 +2551,13 @@ class ChatGeneration(Generation):
         # as vLLM's get_chat_request_role: the reply's turn, or the last message's when it is continued
         self.role = "assistant" if opens_reply(req.add_generation_prompt, req.continue_final_message) \
             else req.messages[-1]["role"]
+        self.prompt_text: str | None = None  # rendered ahead from the request's own chat_template
+
+    async def render_own_template(self) -> None:
+        self.prompt_text = await self.state.render_own_template(self.req, lambda: chat_prompt(self.state, self.req))
 
     def prompt_inputs(self) -> list[str | list[int]]:
-        return [chat_prompt(self.state, self.req)]
+        return [chat_prompt(self.state, self.req) if self.prompt_text is None else self.prompt_text]
 
     def echo_text(self, prompt_index: int) -> str:
         """As vLLM: the last message's content, if it has the role the reply takes."""

@@ -208,6 +208,78 @@ def offline_small(tiny_model):
     return LLM(str(tiny_model), dtype="float32", num_kv_blocks=16, max_model_len=64)
 
 
+# =========================================================================== a request's own chat template
+
+def test_a_request_chat_template_past_its_limit_is_a_400_and_holds_up_no_other(tiny_model, monkeypatch):
+    """Jinja cannot stop a render: a request's own chat_template (--trust-request-chat-template) of two nested
+    loops, 90 bytes, rendered for hours on the tokenizer thread, and every later request, of any kind, waited for
+    it. Now it renders on a thread of its own within CHAT_TEMPLATE_TIMEOUT_S, else a 400 naming chat_template, and
+    is stopped there. A render that cannot be stopped (held here in a C call, an Event's wait) goes on; with
+    MAX_OVERDUE_COMPILES of them still running, such a request is a 503. The limit is tiny only while they are sent."""
+    release, apply = threading.Event(), entry.apply_chat_template
+
+    def held(tokenizer, messages, chat_template=None, *args, **kw):
+        if chat_template and "held" in chat_template:
+            assert release.wait(120)
+        return apply(tokenizer, messages, chat_template, *args, **kw)
+    monkeypatch.setattr(entry, "apply_chat_template", held)
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    loops = {**chat, "chat_template": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                                      "{% endfor %}{{ messages[0].content }}"}  # 10^10 turns: hours
+    with ServerThread(tiny_model, "--trust-request-chat-template") as s:
+        state = s.app.state.server
+        try:
+            monkeypatch.setattr(entry, "CHAT_TEMPLATE_TIMEOUT_S", 0.01)  # read as each request renders
+            deadline = time.monotonic() + 60
+            for path, body in (("/v1/chat/completions", {**loops, "max_tokens": 1}), ("/tokenize", loops),
+                               ("/tokenize", {**chat, "chat_template": "{# held #}"}),
+                               ("/v1/chat/completions", {**chat, "chat_template": "{# held #}", "max_tokens": 1})):
+                err = _check_error(_post(s.url, body, path), 400, "chat_template")
+                assert "chat_template did not render within 0.01 s" in err["message"], err
+                while body["chat_template"] == loops["chat_template"] and state.renders.overdue:  # stopped
+                    assert time.monotonic() < deadline
+                    time.sleep(0.01)
+            assert state.renders.overdue == entry.MAX_OVERDUE_COMPILES  # the held go on
+            monkeypatch.setattr(entry, "CHAT_TEMPLATE_TIMEOUT_S", 60)
+            busy = _post(s.url, {**chat, "chat_template": "{{ 'fine' }}"}, "/tokenize")
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
+            # the tokenizer thread is free: requests without a template of their own are served meanwhile
+            assert _post(s.url, {"prompt": "hi", "max_tokens": 1}).status_code == 200
+            assert _post(s.url, {**chat, "max_tokens": 1}, "/v1/chat/completions").status_code == 200
+        finally:
+            release.set()
+        while state.renders.overdue:  # the held renders end once released: a deadline, not a timing
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = _post(s.url, {**chat, "chat_template": "{{ 'fine' }}", "return_token_strs": True}, "/tokenize")
+        assert r.status_code == 200 and "".join(r.json()["token_strs"]) == "fine", r.text
+        s.wait_idle()
+
+
+def test_stoppable_ends_a_python_loop_and_nothing_after_it_returned():
+    call, stop = entry.stoppable(lambda: 5)
+    assert call() == 5
+    stop()  # after the call: nothing is raised in this thread
+    total = sum(range(10**6))  # bytecode enough for a pending exception to be raised
+    assert total == 499999500000
+    entered, released, result = threading.Event(), threading.Event(), []
+
+    def spin():
+        entered.set()
+        while not released.is_set():  # Python, no call: as a Jinja loop
+            pass
+    call, stop = entry.stoppable(spin)
+    worker = threading.Thread(target=lambda: result.append(pytest.raises(Exception, call).value), daemon=True)
+    worker.start()
+    try:
+        assert entered.wait(60)
+        stop()
+        worker.join(60)
+        assert not worker.is_alive() and type(result[0]).__name__ == "_Stop"
+    finally:
+        released.set()
+
+
 # =========================================================================== lone surrogates
 
 SURROGATE_BODIES = [  # raw JSON text: "\ud800" is a lone UTF-16 surrogate, which json.loads lets through
@@ -235,6 +307,21 @@ def test_lone_surrogates_are_a_400_naming_the_field_and_keep_the_connection(serv
         _check_error(c.post("/v1/completions", content=b'{"prompt": "\xed\xa0\x80"}'), 400, None)
         # a pair of escapes is one valid character
         assert c.post("/v1/completions", content=r'{"prompt": "\ud83d\ude00", "max_tokens": 1}').status_code == 200
+    server.wait_idle()
+
+
+def test_a_utf8_bom_before_the_body_is_ignored(server):
+    """As vLLM's (FastAPI's json.loads of the bytes) and as RFC 8259 allows: a body file saved with a BOM (Windows
+    PowerShell 5's utf8, Notepad) and sent with curl -d @file was a 400 ("Unexpected UTF-8 BOM")."""
+    bom = b"\xef\xbb\xbf"
+    r, plain = (_post(server.url, b + b'{"prompt": "hi", "max_tokens": 1}') for b in (bom, b""))
+    assert r.status_code == 200 and r.json()["usage"] == plain.json()["usage"], r.text  # the BOM is no text
+    big = bom + b'{"prompt": "hi",' + b" " * entry.LARGE_BODY_BYTES + b'"max_tokens": 1}'  # decoded off the loop
+    assert _post(server.url, big).status_code == 200
+    # only one, and only first: a second is text before the JSON, and bytes are counted from the body's first
+    assert "not valid JSON" in _check_error(_post(server.url, bom * 2 + b"{}"), 400, None)["message"]
+    err = _check_error(_post(server.url, bom + b'{"prompt": "\xff"}'), 400, None)
+    assert err["message"] == "the request body is not valid UTF-8: invalid start byte at byte 15", err
     server.wait_idle()
 
 
@@ -594,6 +681,24 @@ def test_client_strings_cannot_forge_log_lines(server, caplog):
 
 
 # =========================================================================== small fixes
+
+def test_chat_template_kwargs_cannot_set_self(server):
+    """A bound method's signature leaves ``self`` out, so it was not among the renderer's own arguments: the 400
+    named messages and read "PreTrainedTokenizerBase.apply_chat_template() got multiple values for argument 'self'"."""
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = _check_error(_post(server.url, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                              "chat_template_kwargs": {"self": 1}}, path), 400, "chat_template_kwargs")
+        assert err["message"].startswith("chat_template_kwargs cannot set self:"), err
+    server.wait_idle()
+
+
+def test_a_template_error_without_words_is_named(offline_small):
+    """A MemoryError has no message: the error read "cannot apply the chat template: " and stopped there."""
+    with pytest.raises(ValueError, match=r"^cannot apply the chat template: MemoryError$"):
+        offline_small.chat([{"role": "user", "content": "hi"}], chat_template="{{ (range(99999)|list) * 10**14 }}",
+                           use_tqdm=False)
+    assert not offline_small.engine.has_unfinished_requests()
+
 
 def test_prefix_cache_queries_are_not_counted_with_caching_off(tiny_model):
     llm = LLM(str(tiny_model), dtype="float32", num_kv_blocks=32, max_model_len=128, enable_prefix_caching=False)

@@ -351,7 +351,7 @@ def test_a_compile_past_its_limit_is_a_400_and_holds_up_no_other(server, monkeyp
             assert post(f"fine{i}", 60).status_code == 200  # not behind those stuck before it
             err = _check_error(post(f"stuck{i}", 0.01), 400, "guided_regex")
             assert "guided_regex did not compile within 0.01 s" in err["message"], err
-        assert state.overdue_compiles == entry.MAX_OVERDUE_COMPILES
+        assert state.compiles.overdue == entry.MAX_OVERDUE_COMPILES
         busy = post("fine", 60)
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1", busy.text
         assert post("fine0", 60).status_code == 200  # compiled before: no compile to wait for, so no 503
@@ -359,7 +359,7 @@ def test_a_compile_past_its_limit_is_a_400_and_holds_up_no_other(server, monkeyp
     finally:
         release.set()
     deadline = time.monotonic() + 60
-    while state.overdue_compiles:  # the stuck compiles end once released: a deadline, not a timing
+    while state.compiles.overdue:  # the stuck compiles end once released: a deadline, not a timing
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert post("fine", 60).status_code == 200
