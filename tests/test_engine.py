@@ -395,8 +395,8 @@ def test_profile_run_measures_one_full_step(model, monkeypatch):
     real_sort, real_logprobs = model_mod.apply_top_k_top_p, model_mod.logprob_rows
     monkeypatch.setattr(model_mod, "apply_top_k_top_p", lambda x, k, p: sorts.append((x.shape, k[0], p[0]))
                         or real_sort(x, k, p))
-    monkeypatch.setattr(model_mod, "logprob_rows", lambda x, t, k: logprobs.append((x.shape[0], k))
-                        or real_logprobs(x, t, k))
+    monkeypatch.setattr(model_mod, "logprob_rows", lambda x, t, k, *listed: logprobs.append((x.shape[0], k))
+                        or real_logprobs(x, t, k, *listed))
     assert profile_activation_bytes(m, MAX_LEN + 50, 7, 16) == 250  # longer than any position: wraps
     assert events == ["reset", "empty"] and rows == [7]
     assert sorts == [((7, m.config.vocab_size), 50, 0.9)] and logprobs == [(7, model_mod.MAX_LOGPROBS)]
