@@ -1745,8 +1745,10 @@ class _Stop(Exception):
 def stoppable(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[], None]]:
     """fn as a call, and a stop() that ends that call, from another thread, at its next Python instruction
     (PyThreadState_SetAsyncExc: Jinja's loops are Python; a long C call, such as a string's repetition, ends
-    first). Nothing is raised in the calling thread once the call has returned."""
-    lock, running = threading.Lock(), []
+    first). Nothing is raised in the calling thread once the call has returned. (A pending exception is never
+    cleared with SetAsyncExc(id, NULL): in CPython 3.11 that leaves the eval breaker set, and code traced with
+    sys.settrace then hangs.)"""
+    lock, running, sent = threading.Lock(), [], []
 
     def call() -> Any:
         with lock:
@@ -1756,17 +1758,17 @@ def stoppable(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[], No
         finally:
             with lock:
                 running.clear()
-                _async_exc(threading.get_ident(), None)  # a stop() not raised yet: it never will be
+            if sent:  # a stop sent as fn returned lands here, at a backward jump, not in the caller
+                with contextlib.suppress(_Stop):
+                    for _ in range(1000):
+                        pass
 
     def stop() -> None:
         with lock:
             if running:
-                _async_exc(running.pop(), ctypes.py_object(_Stop))
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(running.pop()), ctypes.py_object(_Stop))
+                sent.append(True)
     return call, stop
-
-
-def _async_exc(thread_id: int, exc: ctypes.py_object | None) -> None:
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), exc)  # None: clear it
 
 
 def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
