@@ -2773,7 +2773,7 @@ async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generati
 
 RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields: handed to the chat request, which checks them
     "top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
-    "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs"})
+    "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs", "priority", "vllm_xargs"})
 RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text", "truncate_prompt_tokens": "truncation"}  # chat's name -> the body's
 NO_STORE = "this server keeps no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1)"

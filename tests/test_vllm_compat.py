@@ -354,6 +354,8 @@ def test_scheduling_policy_priority_over_http(tiny_model, monkeypatch):
         monkeypatch.setattr(s.engine, "add_request", lambda *a: seen.append(a[4]) or add(*a))
         r = httpx.post(s.url + "/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2, "priority": -3})
         assert r.status_code == 200 and seen == [-3, -3], r.text
+        r = httpx.post(s.url + "/v1/responses", json={"input": "a", "max_output_tokens": 2, "priority": 4})
+        assert r.status_code == 200 and seen[-1] == 4, r.text  # vLLM's Responses body has it too
         s.wait_idle()
 
 
