@@ -1268,8 +1268,8 @@ class LLMEngine:
             except UnicodeEncodeError:
                 raise InvalidInput("bad_words", "bad_words are not valid Unicode: one holds a lone surrogate") from None
         if params.thinking_token_budget is not None and self.structured_outputs.think_ids is None:
-            raise InvalidInput("thinking_token_budget", "thinking_token_budget needs a reasoning parser "
-                                                        f"(--reasoning-parser) and the tokens {' and '.join(THINK_TAGS)}")
+            raise InvalidInput("thinking_token_budget", "thinking_token_budget needs a reasoning parser (--reasoning-"
+                                                        f"parser) and the tokens {' and '.join(THINK_TAGS)}")
         grammar = self.structured_outputs.compile(params.structured_outputs)
         bad_words = params.bad_words_token_ids(self.tokenizer)
         self._check_first_token(params, grammar, bad_words)
