@@ -1219,16 +1219,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     if not any(top_k) and all(p >= 1.0 for p in top_p):
         return logits
     K = min(V, TOP_K_WITHOUT_SORT)
-    use_p = any(p < 1.0 for p in top_p)
+    # On CUDA a sort is cheap, and asking which rows need one would wait for the GPU every step:
+    # there the candidates decide top-k only, and every top-p row is sorted.
+    p_by_candidates = not logits.is_cuda and any(p < 1.0 for p in top_p)
     # top-k alone needs only each row's k largest; which rows a batch holds must not change a row's
     # candidates (seeded rows are batch-invariant), so a batch with top-p takes K for every row
-    candidates = logits.topk(K if use_p else min(K, max(top_k)), dim=-1).values
+    candidates = logits.topk(K if p_by_candidates else max(1, min(K, max(top_k))), dim=-1).values
     # a row without top-k needs its whole vocabulary's normalizer, which its candidates do not give
-    row_lse = logits.logsumexp(dim=-1, keepdim=True) if K < V and use_p else None
+    row_lse = logits.logsumexp(dim=-1, keepdim=True) if K < V and p_by_candidates else None
     threshold, undecided = _thresholds(candidates, top_k, top_p, row_lse)
-    # on CUDA a sort is cheap, and asking which rows need one would wait for the GPU every step
-    sort = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k > K or (p < 1.0 and logits.is_cuda)]
-    if not logits.is_cuda and use_p:
+    sort = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k > K or (p < 1.0 and not p_by_candidates)]
+    if p_by_candidates:
         sort = sorted(set(sort) | set(undecided.nonzero().flatten().tolist()))
     if sort:
         rows = to_device(sort, dev)
