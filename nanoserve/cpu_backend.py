@@ -112,8 +112,7 @@ def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, qu
     """All-decode steps through the compiled decode attention; steps with
     prefill chunks, a sliding window that masks a key (or once dynamo refuses
     another graph) through the reference."""
-    windowed = sliding_window is not None and int(seq_lens.max()) > sliding_window
-    if not windowed and cpu_kernels.is_decode_only(query_start_loc):
+    if not kernels.window_masks(seq_lens, sliding_window) and cpu_kernels.is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out

@@ -146,7 +146,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     """kernels.paged_attention_torch in C: the decodes of the step in one
     decode_attention call, its multi-token chunks in one chunk_attention call.
     The C kernels have no sliding window: a step where it masks a key runs the torch reference."""
-    if sliding_window is not None and int(seq_lens.max()) > sliding_window:
+    if kernels.window_masks(seq_lens, sliding_window):
         return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                              scale, sliding_window)
     _check_attention_inputs(query, k_cache, v_cache)

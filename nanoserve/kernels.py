@@ -131,6 +131,12 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
     return out
 
 
+def window_masks(seq_lens: torch.Tensor, sliding_window: int | None) -> bool:
+    """Whether a step's sliding window hides a key from some query: a sequence is longer than it
+    (kernels without a window run the step through paged_attention_torch then). Reads seq_lens on the host."""
+    return sliding_window is not None and int(seq_lens.max()) > sliding_window
+
+
 def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale,
                            sliding_window: int | None = None) -> torch.Tensor:
     """query [seqs, heads, d], one token per sequence at its last position: every
