@@ -695,8 +695,8 @@ class StructuredOutputManager:
         parser starts from the same answer, so the text is split where the grammar starts."""
         if self.think_ids is None:
             return None
-        last = next((t for t in reversed(prompt_token_ids) if t in self.think_ids), None)
-        return None if last is None else "open" if last == self.think_ids[0] else "ended"
+        last = last_think_tag(prompt_token_ids, self.think_ids)
+        return None if last is None else "open" if prompt_token_ids[last] == self.think_ids[0] else "ended"
 
     def _compiler(self):
         import xgrammar as xgr
@@ -785,6 +785,11 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
+def last_think_tag(token_ids: list[int], think_ids: tuple[int, int]) -> int | None:
+    """The index of the last <think> or </think> in ``token_ids`` (None: neither is there)."""
+    return next((i for i in range(len(token_ids) - 1, -1, -1) if token_ids[i] in think_ids), None)
+
+
 class ThinkingBudget:
     """vLLM's thinking_token_budget: a request that has thought ``budget`` tokens since its last
     <think> (in the prompt or the output) must sample </think> next; the count starts again
@@ -792,7 +797,7 @@ class ThinkingBudget:
 
     def __init__(self, budget: int, think_ids: tuple[int, int], prompt_token_ids: list[int], vocab_size: int):
         self.budget, (self.start, self.end) = budget, think_ids
-        last = next((i for i in range(len(prompt_token_ids) - 1, -1, -1) if prompt_token_ids[i] in think_ids), None)
+        last = last_think_tag(prompt_token_ids, think_ids)
         opened = last is not None and prompt_token_ids[last] == self.start
         self.count: int | None = len(prompt_token_ids) - last - 1 if opened else None  # None: not thinking
         self.bitmask = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)  # </think> alone (bit 31: the sign)
