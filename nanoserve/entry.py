@@ -700,7 +700,7 @@ class GenerationRequest(OpenAIBaseModel):
                                                                  "position, in place of the top ones")
     priority: int = Field(0, description="with --scheduling-policy priority: lower is served first")
     # vLLM's: end with finish_reason "repetition" once the output repeats itself (and its older flat fields)
-    repetition_detection: dict[str, int] | None = None
+    repetition_detection: RepetitionDetectionParams | None = None
     max_repetition_pattern_size: int = 0
     min_repetition_pattern_size: int = 0
     repetition_min_count: int = 0
@@ -723,12 +723,13 @@ class GenerationRequest(OpenAIBaseModel):
                              f"checks them all), got {len(v)}")
         return v
 
-    @field_validator("structured_outputs", mode="before")
+    @field_validator("structured_outputs", "repetition_detection", mode="before")
     @classmethod
-    def _known_constraints(cls, v: Any) -> Any:
-        unknown = sorted(set(v) - set(StructuredOutputsParams.__dataclass_fields__)) if isinstance(v, dict) else ()
+    def _known_fields(cls, v: Any, info) -> Any:
+        kind = {"structured_outputs": StructuredOutputsParams, "repetition_detection": RepetitionDetectionParams}
+        unknown = sorted(set(v) - set(kind[info.field_name].__dataclass_fields__)) if isinstance(v, dict) else ()
         if unknown:  # a dataclass takes any key
-            raise InvalidInput("structured_outputs", f"structured_outputs has unknown field(s) {unknown}")
+            raise InvalidInput(info.field_name, f"{info.field_name} has unknown field(s) {unknown}")
         return v
 
     @model_validator(mode="before")
@@ -791,10 +792,7 @@ class GenerationRequest(OpenAIBaseModel):
                 raise InvalidInput("repetition_detection", "give repetition_detection or max_repetition_pattern_size, "
                                                            "min_repetition_pattern_size and repetition_min_count, "
                                                            "not both")
-            unknown = sorted(set(self.repetition_detection) - set(RepetitionDetectionParams.__dataclass_fields__))
-            if unknown:
-                raise InvalidInput("repetition_detection", f"repetition_detection has unknown field(s) {unknown}")
-            return RepetitionDetectionParams(**self.repetition_detection)
+            return self.repetition_detection
         return RepetitionDetectionParams(*flat) if any(flat) else None
 
     def structured_spec(self) -> StructuredOutputsParams | None:
