@@ -429,9 +429,14 @@ class IncrementalDetokenizer:
     A fast tokenizer's window is kept in Rust by tokenizers' DecodeStream (as
     vLLM's FastIncrementalDetokenizer): one call a token instead of two decodes.
     The offsets here move with it, so flush() and any window DecodeStream refuses
-    (decoded here from then on) see the same window."""
+    (decoded here from then on) see the same window.
+
+    A window that holds more than HOLD tokens without text is trimmed (_trim):
+    else a run of bytes that form no character, or of skipped special tokens,
+    would be decoded again whole at every token, quadratic in the run."""
 
     CONTEXT = 5  # prompt tokens kept as context, so a leading space decodes right
+    HOLD = 16    # a character is at most 4 bytes: a longer wait is a run with nothing more to come
     # slots: step() reads its attributes for every request every token
     __slots__ = ("tokenizer", "skip", "ids", "prefix_offset", "read_offset", "backend", "stream")
 
@@ -455,12 +460,15 @@ class IncrementalDetokenizer:
             else:
                 if piece is not None:
                     self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-                return piece or ""
+                    return piece
+                if len(self.ids) - self.read_offset <= self.HOLD:
+                    return ""
+                self.stream = None  # its window would grow with the run: trimmed below from now on
         prefix, full = self._window()
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return self._trim(prefix, full) if len(self.ids) - self.read_offset > self.HOLD else ""
 
     def flush(self) -> str:
         """At the end: whatever is still held back, incomplete character and all."""
@@ -472,7 +480,7 @@ class IncrementalDetokenizer:
         """A DecodeStream that has read the context; None where the context ends
         inside a character (it would hand the prompt's bytes out as output)."""
         from tokenizers.decoders import DecodeStream
-        if self.backend.decode(self.ids, skip_special_tokens=self.skip).endswith("\ufffd"):
+        if self._decode(self.ids).endswith("\ufffd"):
             return None
         stream = DecodeStream(skip_special_tokens=self.skip)
         try:
@@ -482,11 +490,29 @@ class IncrementalDetokenizer:
             return None
         return stream
 
+    def _trim(self, prefix: str, full: str) -> str:
+        """Keep a long-held window short: drop a last token with no text (its text
+        is the same without it), or release the text up to a cut where the tokens
+        before and after decode apart (full == head + tail). There a replacement
+        character that ends head is final: the bytes after the cut already decided it."""
+        ids, last = self.ids, len(self.ids) - 1
+        if self._decode(ids[last:]) == "" and self._decode(ids[self.prefix_offset:last]) == full:
+            del ids[last]
+            return ""
+        for cut in range(last, max(self.read_offset, last - 4), -1):
+            head, tail = self._decode(ids[self.prefix_offset:cut]), self._decode(ids[cut:])
+            if tail and len(head) > len(prefix) and head + tail == full:
+                self.prefix_offset, self.read_offset = self.read_offset, cut
+                return head[len(prefix):]
+        return ""
+
     def _window(self) -> tuple[str, str]:
+        ids = self.ids
+        return self._decode(ids[self.prefix_offset:self.read_offset]), self._decode(ids[self.prefix_offset:])
+
+    def _decode(self, ids: list[int]) -> str:
         # the Rust tokenizer's decode is transformers' (_rust_tokenizer), without its Python layers
-        decode, ids = (self.tokenizer if self.backend is None else self.backend).decode, self.ids
-        return (decode(ids[self.prefix_offset:self.read_offset], skip_special_tokens=self.skip),
-                decode(ids[self.prefix_offset:], skip_special_tokens=self.skip))
+        return (self.tokenizer if self.backend is None else self.backend).decode(ids, skip_special_tokens=self.skip)
 
 
 def _rust_tokenizer(tokenizer):

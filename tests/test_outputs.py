@@ -302,7 +302,7 @@ def test_decode_stream_deltas_equal_the_windows(tok, tmp_path, name):
     rng, streamed, refused = random.Random(0), 0, 0
     for _ in range(400):
         pool = rng.choice(pools)
-        ids = [rng.choice(pool) for _ in range(rng.randrange(1, 25))]
+        ids = [rng.choice(pool) for _ in range(rng.randrange(1, IncrementalDetokenizer.HOLD + 1))]  # longer: below
         prompt, skip = [rng.choice(vocab) for _ in range(rng.randrange(0, 8))], rng.random() < 0.5
         fast, window = IncrementalDetokenizer(tokenizer, prompt, skip), IncrementalDetokenizer(tokenizer, prompt, skip)
         window.stream = None
@@ -311,6 +311,46 @@ def test_decode_stream_deltas_equal_the_windows(tok, tmp_path, name):
         streamed += fast.stream is not None
         refused += started and fast.stream is None
     assert streamed > 200 and (refused > 0) == (name == "llama-style"), (streamed, refused)
+
+
+class _Untrimmed(IncrementalDetokenizer):
+    HOLD = 10**9  # the detokenizer before _trim: its window holds a run whole
+
+
+@pytest.mark.parametrize("name", ["test", "demo", "llama-style"])
+def test_detokenizer_window_stays_short_over_runs_without_text(tok, tmp_path, name):
+    """A run of lead bytes (replacement characters that no later byte changes) or
+    of skipped special tokens is released or dropped as it comes, so the window
+    stays short instead of being decoded whole again at every token (quadratic
+    in the run); the text is that of the untrimmed window, stream or not."""
+    from transformers import AutoTokenizer
+    tokenizer = {"test": lambda: tok, "llama-style": lambda: _llama_style_tokenizer(tmp_path),
+                 "demo": lambda: AutoTokenizer.from_pretrained(Path(nanoserve.__file__).parent / "demo_model")}[name]()
+    vocab = range(len(tokenizer))
+    partial = [t for t in vocab if "\ufffd" in tokenizer.decode([t])]
+    lead = next(t for t in partial if tokenizer.decode([t] * 3) == "\ufffd" * 3)
+    special = tokenizer.all_special_ids
+    rng = random.Random(1)
+    runs = [[lead] * 300, special[:1] * 300, [rng.choice(partial + special) for _ in range(300)],
+            [rng.choice(partial) for _ in range(300)]]
+    held = 0
+    for ids in runs:
+        for skip in (True, False):
+            prompt = [rng.choice(vocab) for _ in range(rng.randrange(0, 8))]
+            trimmed, whole = IncrementalDetokenizer(tokenizer, prompt, skip), _Untrimmed(tokenizer, prompt, skip)
+            whole.stream = None
+            texts, windows = [], []
+            for d in (trimmed, whole):
+                pieces, window = [], 0
+                for t in ids:
+                    pieces.append(d.step(t))
+                    window = max(window, len(d.ids) - d.prefix_offset)
+                texts.append("".join(pieces) + d.flush())
+                windows.append(window)
+            assert texts[0] == texts[1]
+            assert windows[0] <= 2 * IncrementalDetokenizer.HOLD + 1
+            held = max(held, windows[1])
+    assert held >= 300  # the untrimmed window did hold a run whole
 
 
 @pytest.mark.parametrize("text", MULTIBYTE[:2], ids=["zh-emoji", "emoji"])
