@@ -309,6 +309,34 @@ class SamplingParams:
         return out
 
 
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams (its LLM.beam_search; the server's use_beam_search).
+    Beams are ranked by raw logprobs, which temperature leaves alone: it is taken, as vLLM's, and changes nothing."""
+    beam_width: int
+    max_tokens: int | None            # None: up to max_model_len
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0       # a beam's score: cumulative logprob / length ** length_penalty
+    include_stop_str_in_output: bool = False  # keep an ending EOS in the token ids
+    allowed_token_ids: list[int] | None = None
+    # nanoserve's (vLLM has no such fields): what the outputs show
+    logprobs: int | None = None       # each token's logprob and the top-N (at most 2 x beam_width)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        w = self.beam_width
+        if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+            raise InvalidInput("beam_width", f"beam_width must be an integer >= 1, got {w!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise InvalidInput("max_tokens", f"max_tokens must be None or >= 1 for beam search, got {self.max_tokens!r}")
+        if not _is_num(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise InvalidInput("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 2 * w:
+            raise InvalidInput("logprobs", f"logprobs must be None or in [0, {2 * w}] (2 x beam_width: the "
+                                           f"candidates beam search ranks) for beam search, got {self.logprobs}")
+
+
 def held_back_by_min_tokens(p: SamplingParams, eos_token_ids: frozenset[int]) -> list[int]:
     """The ids min_tokens bans until it is reached: stop_token_ids, and EOS unless ignore_eos."""
     return list(p.stop_token_ids) + ([] if p.ignore_eos else sorted(eos_token_ids))
@@ -842,6 +870,122 @@ class ThinkingBudget:
         return self.bitmask if self.count is not None and self.count >= self.budget else None
 
 
+# =========================================================================== beam search
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """vLLM's: one of LLM.beam_search's results."""
+    tokens: list[int]                            # the prompt's and the output's
+    logprobs: list[dict[int, Logprob]] | None
+    cum_logprob: float
+    text: str                                    # the output's
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]          # the best first
+
+
+@dataclass(slots=True)
+class Beam:
+    token_ids: list[int]                         # output tokens, an ending EOS included
+    logprobs: list[dict[int, Logprob]] | None    # each token's, if the caller asked for them
+    cum_logprob: float = 0.0
+    ended: bool = False                          # by an EOS
+
+
+class BeamSearch:
+    """One beam-search request, run as vLLM runs it: each round, every live beam
+    is a one-token request (``child_params``) whose top 2 x beam_width logprobs are
+    its candidate next tokens (or, with up to 128 allowed_token_ids, theirs). An
+    EOS candidate ends its beam (``completed``); the beam_width best of the other
+    candidates of all beams live on. After max_tokens rounds, or once no beam is
+    left, the beam_width best of the ended and live beams by score are the outputs."""
+
+    def __init__(self, request_id: str, prompt: TokenizedPrompt, params: BeamSearchParams, max_tokens: int,
+                 eos_token_ids: frozenset[int], priority: int = 0):
+        self.request_id, self.prompt, self.params, self.max_tokens = request_id, prompt, params, max_tokens
+        self.priority = priority
+        self.eos_token_ids = eos_token_ids
+        self.beams = [Beam([], None if params.logprobs is None else [])]
+        self.completed: list[Beam] = []
+        self.rounds = 0
+        self.landed: dict[int, Request] = {}     # this round's finished one-token requests, by beam
+        self.arrival_time = time.monotonic()
+        self.first: Request | None = None        # the first round's request: the prompt's metrics
+        allowed = params.allowed_token_ids
+        listed = allowed is not None and len(allowed) <= MAX_LOGPROB_TOKEN_IDS  # all of them ranked, as vLLM
+        self.child_params = SamplingParams(
+            max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, allowed_token_ids=allowed,
+            logprobs=None if listed else 2 * params.beam_width, logprob_token_ids=allowed if listed else None)
+
+    def child_ids(self) -> list[str]:
+        # a control character: no id the server takes (printable ones only) can be one of these
+        return [f"{self.request_id}\x1fbeam{self.rounds}.{i}" for i in range(len(self.beams))]
+
+    def land(self, index: int, req: Request) -> bool:
+        """A beam's one-token request finished; True once the round's all have."""
+        self.first = self.first or req
+        self.landed[index] = req
+        return len(self.landed) == len(self.beams)
+
+    def advance(self) -> bool:
+        """The round's candidates into the next beams; True when the search is done."""
+        p, allowed = self.params, self.params.allowed_token_ids
+        candidates = []  # (cumulative logprob, beam, token, its logprobs entry)
+        for i, beam in enumerate(self.beams):
+            req = self.landed[i]
+            entry = req.logprobs[0] if req.logprobs else {}  # none: the request found no token to sample
+            for token, lp in entry.items():
+                if allowed is not None and token not in allowed:
+                    continue
+                candidate = (beam.cum_logprob + lp.logprob, beam, token, entry)
+                if token in self.eos_token_ids and not p.ignore_eos:
+                    self.completed.append(self._extend(*candidate, ended=True))
+                else:
+                    candidates.append(candidate)
+        candidates.sort(key=lambda c: -c[0])  # stable: ties in beam, then rank, order
+        self.beams = [self._extend(*c) for c in candidates[:p.beam_width]]
+        self.landed.clear()
+        self.rounds += 1
+        return self.rounds >= self.max_tokens or not self.beams
+
+    def _extend(self, cum_logprob: float, beam: Beam, token: int, entry: dict[int, Logprob],
+                ended: bool = False) -> Beam:
+        logprobs = None
+        if beam.logprobs is not None:  # the token's own and the top ones the caller asked for
+            shown = {t: lp for t, lp in entry.items() if t == token or lp.rank <= self.params.logprobs}
+            logprobs = beam.logprobs + [shown]
+        return Beam(beam.token_ids + [token], logprobs, cum_logprob, ended)
+
+    def score(self, beam: Beam) -> float:
+        """vLLM's (after transformers'): the length counts the prompt, not an ending EOS (ignore_eos's too)."""
+        ids = beam.token_ids
+        length = len(self.prompt.token_ids) + len(ids) - (bool(ids) and ids[-1] in self.eos_token_ids)
+        return beam.cum_logprob / max(length, 1) ** self.params.length_penalty
+
+    def output(self, tokenizer) -> RequestOutput:
+        p = self.params
+        best = sorted(self.completed + self.beams, key=self.score, reverse=True)[:p.beam_width]
+        outputs = []
+        for i, beam in enumerate(best):
+            ids, logprobs = beam.token_ids, beam.logprobs
+            if beam.ended and not p.include_stop_str_in_output:
+                ids, logprobs = ids[:-1], logprobs and logprobs[:-1]
+            shown = beam.token_ids[:-1] if beam.ended else beam.token_ids  # an EOS's text never (as vLLM)
+            text = "" if tokenizer is None else tokenizer.decode(shown, skip_special_tokens=p.skip_special_tokens)
+            outputs.append(CompletionOutput(i, text, ids, beam.cum_logprob, logprobs,
+                                            "stop" if beam.ended else "length",
+                                            beam.token_ids[-1] if beam.ended else None, text))
+        first = self.first
+        metrics = RequestMetrics(self.arrival_time, first and first.first_scheduled_time,
+                                 first and first.first_token_time, time.monotonic())
+        return RequestOutput(self.request_id, self.prompt.text, self.prompt.token_ids, outputs, True,
+                             first.num_cached_tokens if first else 0, metrics)
+
+
 # =========================================================================== engine
 
 @dataclass(slots=True)
@@ -1105,6 +1249,8 @@ class LLMEngine:
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
         self.in_flight: list[StepInFlight] = []
+        self.beam_searches: dict[str, BeamSearch] = {}
+        self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
 
     # ---------------------------------------------------------------- start-up
     def _decode_sizes(self) -> list[int]:
@@ -1345,8 +1491,49 @@ class LLMEngine:
         first) needs the priority scheduling policy."""
         params = params or SamplingParams()
         self.check_priority(priority)
+        if isinstance(params, BeamSearchParams):
+            return self.add_beam_search(self.process_prompt(prompt, max_tokens=params.max_tokens), params,
+                                        request_id, priority)
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens, max_tokens=params.max_tokens)
         return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind, priority)
+
+    def add_beam_search(self, prompt: TokenizedPrompt, params: BeamSearchParams, request_id: str | None,
+                        priority: int = 0) -> str:
+        """A beam search (BeamSearch): its one output comes when it ends, whatever the output kind."""
+        request_id = str(next(self.request_counter)) if request_id is None else request_id
+        if request_id in self.beam_searches or self._family(request_id):
+            raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
+        room = self.max_model_len - len(prompt.token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        search = BeamSearch(request_id, prompt, params, max_tokens, self.eos_token_ids, priority)
+        cap = self.config.max_logprobs
+        if search.child_params.logprobs is not None and cap != -1 and search.child_params.logprobs > cap:
+            raise InvalidInput("beam_width", f"beam search ranks 2 x beam_width logprobs a step, at most the engine's "
+                                             f"max_logprobs ({cap}): beam_width (n) must be at most {cap // 2}, got "
+                                             f"{params.beam_width}")
+        self.validate_params(search.child_params)  # allowed_token_ids against the vocabulary
+        self.beam_searches[request_id] = search
+        self._beam_round(search)
+        return request_id
+
+    def _beam_round(self, search: BeamSearch) -> None:
+        """A one-token request for each live beam: the prompt and the beam's tokens, read from
+        the prefix cache but for the last few."""
+        prompt = search.prompt
+        for i, (child_id, beam) in enumerate(zip(search.child_ids(), search.beams)):
+            self._add_validated(TokenizedPrompt(prompt.text, prompt.token_ids + beam.token_ids, prompt.cache_salt),
+                                search.child_params, None, [], child_id, RequestOutputKind.FINAL_ONLY,
+                                search.priority)
+            self.beam_children[child_id] = search, i
+
+    def _beam_landed(self, outputs: dict[str, RequestOutput], search: BeamSearch, index: int, req: Request) -> None:
+        if not search.land(index, req):
+            return
+        if search.advance():
+            del self.beam_searches[search.request_id]
+            outputs[search.request_id] = search.output(self.tokenizer)
+        else:
+            self._beam_round(search)
 
     def check_priority(self, priority: Any) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool) or not -2**63 <= priority < 2**63:
@@ -1365,7 +1552,8 @@ class LLMEngine:
         text, token_ids = prompt.text, prompt.token_ids
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        if self._family(request_id) or any(rid in self.scheduler.requests for rid in ids):  # "a#0" vs a's children
+        if self._family(request_id) or request_id in self.beam_searches \
+                or any(rid in self.scheduler.requests for rid in ids):  # "a#0" vs a's children
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -1403,8 +1591,17 @@ class LLMEngine:
         return IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
 
     def abort_request(self, request_id: str) -> None:
-        for rid in self._family(request_id):
+        search = self.beam_searches.pop(request_id, None)
+        children = [] if search is None else search.child_ids()
+        for rid in children:
+            self.beam_children.pop(rid, None)  # those of the round that landed are gone already
+        for rid in children or self._family(request_id):
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+
+    def _caller_id(self, req: Request) -> str:
+        """The id the caller knows a request by: its own, its n > 1 family's, or its beam search's."""
+        child = self.beam_children.get(req.request_id)
+        return child[0].request_id if child is not None else req.parent_id or req.request_id
 
     def _family(self, request_id: str) -> list[str]:
         if request_id in self.scheduler.requests:
@@ -1489,8 +1686,7 @@ class LLMEngine:
         the ids the callers know (parents of n > 1)."""
         if not self.in_flight:
             return []
-        failed = list(dict.fromkeys(s.request.parent_id or s.request.request_id
-                                    for f in self.in_flight for s in f.sched.scheduled))
+        failed = list(dict.fromkeys(self._caller_id(s.request) for f in self.in_flight for s in f.sched.scheduled))
         self.in_flight.clear()
         for request_id in failed:
             self.abort_request(request_id)
@@ -1664,6 +1860,9 @@ class LLMEngine:
         return True
 
     def _collect(self, outputs: dict[str, RequestOutput], req: Request) -> None:
+        if self.beam_children and (child := self.beam_children.pop(req.request_id, None)):
+            self._beam_landed(outputs, *child, req)
+            return
         key = req.parent_id or req.request_id
         completion = self.completion_output(req)
         finished = req.status.is_finished and all(r.status.is_finished for r in self._siblings(req))
@@ -2020,6 +2219,24 @@ class LLM:
         ids = [engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY, rank)
                for prompt, p, c, rank in zip(inputs, params, checked, priority)]
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request: None = None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's: each prompt's beam_width best sequences (BeamSearch), at most
+        ``concurrency_limit`` prompts searched at a time."""
+        if lora_request is not None:
+            raise ValueError("nanoserve has no LoRA support: lora_request must be None")
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be None or >= 1, got {concurrency_limit!r}")
+        engine = self.engine
+        inputs = [engine.process_prompt(p, max_tokens=params.max_tokens) for p in _as_prompt_list(prompts)]
+        batch, results = concurrency_limit or max(len(inputs), 1), []
+        for start in range(0, len(inputs), batch):
+            ids = [engine.add_beam_search(p, params, None) for p in inputs[start:start + batch]]
+            results += self._run(ids, use_tqdm)
+        return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.logprobs,
+                                                     c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason)
+                                  for c in out.outputs]) for out in results]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults applied."""

@@ -77,7 +77,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
                               CompletionOutput, EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob,
-                              REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError, RequestMetrics,
+                              REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError, RequestMetrics, BeamSearchParams,
                               RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
                               TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
@@ -574,8 +574,6 @@ _NO_LIST, _NO_DICT = (None, []), (None, {})  # vLLM reads these by their truth: 
 # vLLM request fields that nanoserve does not implement: a 400 naming the field,
 # unless it is left at a value that asks for nothing (vLLM's default).
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
-    "use_beam_search": ((None, False), "beam search is not implemented"),
-    "length_penalty": ((None, 1, 1.0), "it applies to beam search, which is not implemented"),
     "watermarking": ((None, False), "watermarking is not implemented"),
     "logits_processors": (_NO_LIST, "custom logits processors are not supported"),
     "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
@@ -586,6 +584,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "mm_processor_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
 }
 _LAX = {t: TypeAdapter(t) for t in (bool, int, float)}
+# The fields that change sampling, which beam search (ranking raw logprobs) would ignore, as vLLM does
+BEAM_SEARCH_IGNORES = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                       "logit_bias", "stop", "stop_token_ids", "min_tokens", "bad_words", "prompt_logprobs",
+                       "logprob_token_ids", "thinking_token_budget", "stream_interval", "repetition_detection",
+                       "max_repetition_pattern_size", "echo")
 
 
 def _coerces_to(value: Any, harmless: Any) -> bool:
@@ -706,6 +709,8 @@ class GenerationRequest(OpenAIBaseModel):
     repetition_min_count: int = 0
     # as vLLM's: SamplingParams.extra_args, for custom extensions (nanoserve has none: nothing reads them)
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    use_beam_search: bool = False  # n beams, the n best the choices (engine.BeamSearch)
+    length_penalty: Number = 1.0
 
     @field_validator("logit_bias")
     @classmethod
@@ -775,14 +780,39 @@ class GenerationRequest(OpenAIBaseModel):
         max_tokens = fields["max_tokens"] if fields["max_tokens"] is not None else defaults.get("max_tokens")
         caps = [v for v in (max_tokens, override_max_tokens) if v is not None]
         fields.update({k: v for k, v in defaults.items() if k not in given}, max_tokens=min(caps, default=None))
+        if self.use_beam_search:  # n beams, nothing sampled: greedy's rule of n == 1 is not beam search's
+            fields["temperature"] = 1.0
         return SamplingParams(**fields)
 
     def param_name(self, engine_param: str) -> str:
+        if engine_param == "beam_width":
+            return "n"
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
             return next((n for n in STRUCTURED_FIELDS if getattr(self, n) is not None), engine_param)
         if engine_param == "request_id" and self.request_id is not None:
             return "request_id"
         return super().param_name(engine_param)
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | None:
+        """use_beam_search's parameters, from ``params`` (None without it). vLLM ignores the
+        sampling fields beam search does not read; here one given is a 400 naming it."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise InvalidInput("length_penalty", "length_penalty applies to beam search: it needs "
+                                                     "use_beam_search: true")
+            return None
+        fields = type(self).model_fields
+        ignored = [name for name in BEAM_SEARCH_IGNORES if name in self.model_fields_set
+                   and getattr(self, name) not in (None, fields[name].default, [], {})]
+        if params.structured_outputs is not None:
+            ignored.append(self.param_name("structured_outputs"))
+        if ignored:
+            raise InvalidInput(ignored[0], f"{ignored[0]} does not apply to beam search (use_beam_search), which "
+                                           f"reads n (the beam width), max_tokens, ignore_eos, length_penalty, "
+                                           f"include_stop_str_in_output, allowed_token_ids and logprobs")
+        return BeamSearchParams(params.n, params.max_tokens, params.ignore_eos, self.temperature,
+                                self.length_penalty, params.include_stop_str_in_output, params.allowed_token_ids,
+                                params.logprobs, params.skip_special_tokens)
 
     def repetition_spec(self) -> RepetitionDetectionParams | None:
         """repetition_detection, or vLLM's older three fields (given when any is not 0)."""
@@ -2267,6 +2297,7 @@ class Generation:
         self.tracked: dict[str, _Tracked] = {}  # by engine request id
         self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
+        self.beam = req.beam_search_params(params)  # use_beam_search: what the engine gets in params' place
 
     async def render_own_template(self) -> None:
         """(Chat's) a request's own chat_template, rendered ahead: see ServerState.render_own_template."""
@@ -2308,7 +2339,7 @@ class Generation:
                     if self.closed:  # the server shut down meanwhile
                         raise EngineDeadError("the server is shutting down")
                 engine_id = self.request_id if len(prompts) == 1 else f"{self.request_id}-{i}"
-                self.state.async_llm.add_request(prompt, self.params, engine_id, self.queue,
+                self.state.async_llm.add_request(prompt, self.beam or self.params, engine_id, self.queue,
                                                  RequestOutputKind.DELTA, self.req.priority)  # O(1) a step
                 self.tracked[engine_id] = _Tracked(engine_id, i)
         except BaseException:  # the engine's checks (a request id in use), a dead engine, a cancelled handler

@@ -62,8 +62,7 @@ NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "ret
 TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
 # Refused with these values (each asks for something nanoserve does not do; thinking_token_budget and priority:
 # not without --reasoning-parser or --scheduling-policy priority, which this server lacks; tested elsewhere).
-REFUSED = {"suffix": " tail", "use_beam_search": True,
-           "length_penalty": 0.5, "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
+REFUSED = {"suffix": " tail", "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
            "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
            "ec_transfer_params": {"x": 1}, "thinking_token_budget": 10, "routed_experts_prompt_start": 1,
            "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"num_crops": 4}}
@@ -202,6 +201,8 @@ HONOURED = {
     "request_id": ("my-id-1", {}, lambda r, v: r.body["id"].endswith("-my-id-1")
                    and r.headers["x-request-id"] == "my-id-1"),
     "cache_salt": ("salt-1", {}, lambda r, v: r.prompts[0].cache_salt == "salt-1"),
+    "use_beam_search": (True, {"n": 2}, lambda r, v: r.sp.beam_width == 2 and len(r.body["choices"]) == 2),
+    "length_penalty": (0.5, {"use_beam_search": True}, carried("length_penalty")),  # tests/test_beam_search.py
 }
 COMPLETION_ONLY = {
     "logprob_token_ids": ([5, 6], {"return_tokens_as_token_ids": True}, lambda r, v: all(
