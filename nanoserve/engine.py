@@ -332,6 +332,11 @@ class BeamSearchParams:
             raise InvalidInput("max_tokens", f"max_tokens must be None or >= 1 for beam search, got {self.max_tokens!r}")
         if not _is_num(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise InvalidInput("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) > MAX_LOGPROB_TOKEN_IDS:
+            # vLLM ranks more than that by the top 2 x beam_width of all tokens: a beam may find no candidate
+            raise InvalidInput("allowed_token_ids", f"allowed_token_ids must hold at most {MAX_LOGPROB_TOKEN_IDS} "
+                                                    f"token ids for beam search (each round ranks them all), got "
+                                                    f"{len(self.allowed_token_ids)}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 2 * w:
             raise InvalidInput("logprobs", f"logprobs must be None or in [0, {2 * w}] (2 x beam_width: the "
                                            f"candidates beam search ranks) for beam search, got {self.logprobs}")
@@ -899,7 +904,7 @@ class Beam:
 class BeamSearch:
     """One beam-search request, run as vLLM runs it: each round, every live beam
     is a one-token request (``child_params``) whose top 2 x beam_width logprobs are
-    its candidate next tokens (or, with up to 128 allowed_token_ids, theirs). An
+    its candidate next tokens (or, with allowed_token_ids, theirs). An
     EOS candidate ends its beam (``completed``); the beam_width best of the other
     candidates of all beams live on. After max_tokens rounds, or once no beam is
     left, the beam_width best of the ended and live beams by score are the outputs."""
@@ -915,11 +920,10 @@ class BeamSearch:
         self.landed: dict[int, Request] = {}     # this round's finished one-token requests, by beam
         self.arrival_time = time.monotonic()
         self.first: Request | None = None        # the first round's request: the prompt's metrics
-        allowed = params.allowed_token_ids
-        listed = allowed is not None and len(allowed) <= MAX_LOGPROB_TOKEN_IDS  # all of them ranked, as vLLM
+        allowed = params.allowed_token_ids  # all of them ranked, as vLLM's
         self.child_params = SamplingParams(
             max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False, allowed_token_ids=allowed,
-            logprobs=None if listed else 2 * params.beam_width, logprob_token_ids=allowed if listed else None)
+            logprobs=None if allowed else 2 * params.beam_width, logprob_token_ids=allowed)
 
     def child_ids(self) -> list[str]:
         # a control character: no id the server takes (printable ones only) can be one of these
@@ -933,14 +937,12 @@ class BeamSearch:
 
     def advance(self) -> bool:
         """The round's candidates into the next beams; True when the search is done."""
-        p, allowed = self.params, self.params.allowed_token_ids
+        p = self.params
         candidates = []  # (cumulative logprob, beam, token, its logprobs entry)
         for i, beam in enumerate(self.beams):
             req = self.landed[i]
             entry = req.logprobs[0] if req.logprobs else {}  # none: the request found no token to sample
             for token, lp in entry.items():
-                if allowed is not None and token not in allowed:
-                    continue
                 candidate = (beam.cum_logprob + lp.logprob, beam, token, entry)
                 if token in self.eos_token_ids and not p.ignore_eos:
                     self.completed.append(self._extend(*candidate, ended=True))

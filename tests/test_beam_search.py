@@ -20,15 +20,19 @@ PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 250, 31, 8, 64]]
 
 
 def reference(hf, prompt: list[int], width: int, max_tokens: int, eos: set[int], length_penalty: float = 1.0,
-              ignore_eos: bool = False) -> list[tuple[list[int], float, bool]]:
-    """(output tokens, cumulative logprob, ended by EOS) of the width best beams."""
+              ignore_eos: bool = False, allowed: list[int] | None = None) -> list[tuple[list[int], float, bool]]:
+    """(output tokens, cumulative logprob, ended by EOS) of the width best beams. With
+    ``allowed``, the candidates are the top ones of those tokens, by their raw logprobs."""
     live, ended = [([], 0.0)], []
     for _ in range(max_tokens):
         candidates = []
         for out, cum in live:
             with torch.no_grad():
                 logprobs = torch.log_softmax(hf(torch.tensor([prompt + out])).logits[0, -1].double(), -1)
-            top = logprobs.topk(2 * width)
+            if allowed is not None:
+                logprobs = torch.full_like(logprobs, float("-inf")).index_copy(0, torch.tensor(allowed),
+                                                                               logprobs[allowed])
+            top = logprobs.topk(min(2 * width, len(allowed or logprobs)))
             for lp, t in zip(top.values.tolist(), top.indices.tolist()):
                 if t in eos and not ignore_eos:
                     ended.append((out + [t], cum + lp, True))
@@ -191,3 +195,16 @@ def test_use_beam_search_over_http_is_llm_beam_search(server, llm):
 def test_what_beam_search_would_ignore_is_a_400(server, body, param):
     r = _post(server, "completions", {"prompt": "hi", "max_tokens": 3, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_allowed_token_ids_are_the_only_candidates(llm, hf):
+    """With allowed_token_ids each round ranks all of them by their raw logprobs (as vLLM's,
+    through logprob_token_ids), which picks the reference's top ones among them."""
+    allowed = [7, 11, 13, 200, 301]
+    (out,) = llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=4, allowed_token_ids=allowed))
+    want = reference(hf, PROMPTS[0], 2, 4, set(llm.engine.eos_token_ids), allowed=allowed)
+    assert [s.tokens[len(PROMPTS[0]):] for s in out.sequences] == [w[0] for w in want]
+    assert [s.cum_logprob for s in out.sequences] == pytest.approx([w[1] for w in want], abs=1e-4)
+    assert all(set(s.tokens[len(PROMPTS[0]):]) <= set(allowed) for s in out.sequences)
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        BeamSearchParams(beam_width=2, max_tokens=4, allowed_token_ids=list(range(129)))
