@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import hashlib
 import inspect
 import itertools
 import json
@@ -605,6 +606,7 @@ class Request:
     last_token_time: float | None = None
     sample_row: SampleRequest | None = None  # sample_request()'s, once nothing in it changes any more
     sampling_tensors: SamplingTensors | None = None  # its logit_bias and allowed ids, made once
+    prompt_embeds: torch.Tensor | None = None  # TokenizedPrompt's: the model's input for the prompt's positions
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -680,6 +682,10 @@ class TokenizedPrompt:
     text: str | None          # None: it was given as token ids
     token_ids: list[int]
     cache_salt: str | None = None  # as vLLM's: only prompts with the same salt share cached blocks
+    # given as embeddings (vLLM's prompt_embeds): a row a token, in the model's dtype; token_ids are stand-ins
+    # (0), so its blocks are cached under the digest of these values (the prefix cache hashes token ids)
+    prompt_embeds: torch.Tensor | None = None
+    embeds_digest: str | None = None
 
 
 # =========================================================================== structured outputs
@@ -1000,6 +1006,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: max(8192, max_num_seqs) (__post_init__)
     block_size: int = 16
     enable_prefix_caching: bool = True
+    enable_prompt_embeds: bool = False  # as vLLM: prompts may come as embeddings (prompt_embeds)
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -1395,15 +1402,40 @@ class LLMEngine:
         at least one, to the output) and validate (raises InvalidInput); safe off the loop thread."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
-        text, token_ids = self.tokenize(prompt, add_special_tokens)
         keep = truncate_prompt_tokens
         if keep == -1:  # as vLLM's: all that fits beside the output (it was max_model_len, which never fits)
             keep = max(1, self.max_model_len - (max_tokens or 1))
+        if isinstance(prompt, torch.Tensor):
+            return self._embeds_prompt(prompt, keep)
+        text, token_ids = self.tokenize(prompt, add_special_tokens)
         if keep is not None and len(token_ids) > keep:
             token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
             text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
         self.validate_prompt(token_ids)
         return TokenizedPrompt(text, token_ids)
+
+    def _embeds_prompt(self, embeds: torch.Tensor, keep: int | None) -> TokenizedPrompt:
+        """A prompt given as embeddings (vLLM's prompt_embeds): [tokens, hidden_size], or [1, tokens,
+        hidden_size]; ``keep``: its last rows only, as truncate_prompt_tokens keeps tokens."""
+        if not self.config.enable_prompt_embeds:  # vLLM's rule: a model's inputs are the server's to open
+            raise InvalidInput("prompt_embeds", "prompt_embeds need --enable-prompt-embeds (offline: "
+                                                "enable_prompt_embeds=True)")
+        if embeds.dim() == 3 and embeds.shape[0] == 1:
+            embeds = embeds[0]
+        hidden = self.model_config.hidden_size
+        if embeds.layout != torch.strided or embeds.dim() != 2 or embeds.shape[1] != hidden \
+                or embeds.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise InvalidInput("prompt_embeds", f"prompt_embeds must be a dense float32, bfloat16 or float16 tensor "
+                                                f"of shape [tokens, {hidden}] (the model's hidden size), got "
+                                                f"{embeds.layout} {embeds.dtype} of shape {list(embeds.shape)}")
+        if keep is not None:
+            embeds = embeds[-keep:]
+        self.check_prompt_length(len(embeds))
+        embeds = embeds.to(self.dtype).contiguous()
+        if not torch.isfinite(embeds).all():  # NaN spreads through attention to the other rows' outputs
+            raise InvalidInput("prompt_embeds", "prompt_embeds hold NaN or infinite values")
+        digest = hashlib.sha256(embeds.view(torch.uint8).numpy()).hexdigest()
+        return TokenizedPrompt(None, [0] * len(embeds), prompt_embeds=embeds, embeds_digest=digest)
 
     def validate_prompt(self, token_ids: list[int]) -> None:
         self.check_prompt_length(len(token_ids))  # before the per-token checks: they cost as much as the list
@@ -1502,6 +1534,8 @@ class LLMEngine:
     def add_beam_search(self, prompt: TokenizedPrompt, params: BeamSearchParams, request_id: str | None,
                         priority: int = 0) -> str:
         """A beam search (BeamSearch): its one output comes when it ends, whatever the output kind."""
+        if prompt.prompt_embeds is not None:  # as vLLM's: its rounds' prompts are token ids
+            raise InvalidInput("prompt_embeds", "beam search takes token or text prompts, not prompt_embeds")
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         if request_id in self.beam_searches or self._family(request_id):
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
@@ -1552,6 +1586,8 @@ class LLMEngine:
         whole = {k: self.model_config.vocab_size for k in ("logprobs", "prompt_logprobs") if getattr(params, k) == -1}
         params = dataclasses.replace(params, **whole) if whole else params  # our copy: the caller's keeps its -1
         text, token_ids = prompt.text, prompt.token_ids
+        if prompt.prompt_embeds is not None:
+            self._check_embeds_params(params)
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if self._family(request_id) or request_id in self.beam_searches \
@@ -1568,11 +1604,11 @@ class LLMEngine:
             rid = ids[i]
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
-            salt = prompt.cache_salt if self.config.enable_prefix_caching else None if params.n == 1 \
+            salt = self._salt(prompt) if self.config.enable_prefix_caching else None if params.n == 1 \
                 else f"n:{request_id}"
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
-                self._detokenizer(token_ids, params),
+                self._detokenizer([] if prompt.prompt_embeds is not None else token_ids, params),
                 parent_id=request_id if params.n > 1 else None, index=i, cache_salt=salt,
                 output_kind=output_kind,
                 grammar=None if grammar is None else self.structured_outputs.grammar_state(grammar, token_ids),
@@ -1580,12 +1616,28 @@ class LLMEngine:
                     params.thinking_token_budget, self.structured_outputs.think_ids, token_ids,
                     self.model_config.vocab_size),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
-                bad_words_token_ids=bad_words, priority=priority,
+                bad_words_token_ids=bad_words, priority=priority, prompt_embeds=prompt.prompt_embeds,
                 stream_interval=max(params.stream_interval or 1, self.config.stream_interval)))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
         return request_id
+
+    @staticmethod
+    def _salt(prompt: TokenizedPrompt) -> str | None:
+        """The prefix cache's salt: the caller's, and a prompt's embeddings' digest (its token ids are stand-ins)."""
+        if prompt.embeds_digest is None:
+            return prompt.cache_salt
+        return f"embeds:{prompt.embeds_digest}" + ("" if prompt.cache_salt is None else f":{prompt.cache_salt}")
+
+    @staticmethod
+    def _check_embeds_params(params: SamplingParams) -> None:
+        """What reads a prompt's token ids cannot read an embeddings prompt's (its ids are stand-ins)."""
+        for name, asks in (("prompt_logprobs", params.prompt_logprobs is not None),
+                           ("repetition_penalty", params.repetition_penalty != 1.0)):
+            if asks:
+                raise InvalidInput(name, f"{name} needs the prompt's token ids: a prompt given as prompt_embeds has "
+                                         f"none")
 
     def _detokenizer(self, token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None or not params.detokenize:
@@ -1715,7 +1767,8 @@ class LLMEngine:
                                  # only the request that skips the prefix cache computes prompt logprobs
                                  # (prompt_logprob_ids' own first test, here to save a call per request per step)
                                  req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache else None,
-                                 req.sampling_params.prompt_logprobs or 0, prev_row))
+                                 req.sampling_params.prompt_logprobs or 0, prev_row,
+                                 None if req.prompt_embeds is None else req.prompt_embeds[start:start + num_new]))
         return seqs
 
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
@@ -2317,8 +2370,11 @@ def _from_prompt_dict(p: dict):
         return list(p["prompt_token_ids"])
     if keys == {"prompt"}:
         return p["prompt"]
-    raise InvalidInput("prompt", f"a prompt dict must be {{'prompt': text}} or {{'prompt_token_ids': ids}}, got "
-                                 f"keys {sorted(keys)} (nanoserve takes text only)")
+    if keys == {"prompt_embeds"}:  # a tensor: LLMEngine.process_prompt
+        return p["prompt_embeds"]
+    raise InvalidInput("prompt", f"a prompt dict must be {{'prompt': text}}, {{'prompt_token_ids': ids}} or "
+                                 f"{{'prompt_embeds': tensor}}, got keys {sorted(keys)} (nanoserve takes no "
+                                 f"multimodal data)")
 
 
 def _progress(total: int):

@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import base64
+import binascii
 import concurrent.futures
 import contextlib
 import ctypes
@@ -39,6 +41,7 @@ import dataclasses
 import errno
 import functools
 import hmac
+import io
 import itertools
 import json
 import logging
@@ -53,11 +56,13 @@ import time
 import types
 import typing
 import uuid
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterable
 
 import h11
+import torch
 import uvicorn
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -76,9 +81,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
-                              CompletionOutput, EngineConfig, EngineDeadError, InvalidInput, LLMEngine, Logprob,
-                              REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError, RequestMetrics, BeamSearchParams,
-                              RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
+                              BeamSearchParams, CompletionOutput, EngineConfig, EngineDeadError, InvalidInput,
+                              LLMEngine, Logprob, REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError,
+                              RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
                               TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
                               nested_deeper, opens_reply, parse_call_arguments, run_worker_node, vllm_arg_note)
@@ -332,6 +337,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="fraction of GPU memory for weights, activations and KV cache")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV blocks of a shared prompt prefix")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="take completions' prompt_embeds (base64 of torch.save(tensor [tokens, hidden_size])), as "
+                        "vLLM's: the tensors are loaded with torch.load(weights_only=True)")
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="0.0.0.0",
@@ -576,7 +584,6 @@ _NO_LIST, _NO_DICT = (None, []), (None, {})  # vLLM reads these by their truth: 
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "watermarking": ((None, False), "watermarking is not implemented"),
     "logits_processors": (_NO_LIST, "custom logits processors are not supported"),
-    "prompt_embeds": (_UNSET, "prompt embeddings are not supported: send text or token ids"),
     "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
     "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
@@ -868,6 +875,9 @@ PROMPT_SHAPES = "a string, a list of strings, a list of token ids, or a list of 
 
 class CompletionRequest(GenerationRequest):
     prompt: Any = None  # one of PROMPT_SHAPES
+    prompt_embeds: str | list[str] | None = Field(
+        None, description="base64 of torch.save(tensor [tokens, hidden_size]), or a list of them "
+                          "(--enable-prompt-embeds); their prompts come before prompt's")
     max_tokens: int | None = 16  # OpenAI's default for completions, also for a null (vLLM's normalize_null_max_tokens)
     logprobs: int | None = None
     add_special_tokens: bool = True
@@ -890,8 +900,16 @@ class CompletionRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _completion_rules(self) -> "CompletionRequest":
-        if self.prompt is None:
+        if isinstance(self.prompt_embeds, str):
+            self.prompt_embeds = [self.prompt_embeds]
+        if self.prompt_embeds is not None and not self.prompt_embeds:
+            raise InvalidInput("prompt_embeds", "prompt_embeds must be a base64 string or a non-empty list of them")
+        if self.prompt_embeds and self.prompt == [""]:  # as vLLM's: an empty prompt beside them is none
+            self.prompt = None
+        if self.prompt is None and not self.prompt_embeds:
             raise InvalidInput("prompt", f"prompt is required: {PROMPT_SHAPES}")
+        if self.prompt_embeds and self.echo:
+            raise InvalidInput("echo", "echo needs the prompt's text, which prompt_embeds do not have")
         if self.max_tokens == 0 and not self.echo:
             raise InvalidInput("max_tokens", "max_tokens must be >= 1 (0 only with echo: true, to score the prompt)")
         return self
@@ -911,7 +929,34 @@ class CompletionRequest(GenerationRequest):
         return self.echo and self.max_tokens == 0
 
     def num_prompts(self) -> int:
-        return len(self.prompt)
+        return len(self.prompt or ()) + len(self.prompt_embeds or ())
+
+
+def load_prompt_embeds(text: str, engine: LLMEngine) -> torch.Tensor:
+    """One of vLLM's prompt_embeds: base64 of torch.save(tensor). Read with weights_only (tensors
+    and plain containers, no code) and sparse tensors' invariants checked (unchecked, a crafted
+    one writes out of bounds: vLLM's CVE-2025-62164); the archive's size is bounded before it
+    is read (an entry may be compressed: it could expand far past the body)."""
+    def bad(why: str) -> InvalidInput:
+        return InvalidInput("prompt_embeds", f"prompt_embeds must be base64 of torch.save(tensor): {why}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+        with zipfile.ZipFile(io.BytesIO(raw)) as archive:
+            size = sum(entry.file_size for entry in archive.infolist())
+    except (binascii.Error, ValueError, zipfile.BadZipFile):
+        raise bad("this is not base64 of torch.save's (zip) format") from None
+    cfg = engine.model_config
+    if size > engine.max_model_len * cfg.hidden_size * 4 + 2**20:
+        raise bad(f"its {size} bytes are more than a float32 prompt of max_model_len {engine.max_model_len} "
+                  f"tokens takes")
+    try:
+        with torch.sparse.check_sparse_tensor_invariants():
+            tensor = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - whatever a crafted archive makes torch.load raise
+        raise bad(f"torch.load failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise bad(f"it holds a {type(tensor).__name__}, not a tensor")
+    return tensor
 
 
 class FunctionDefinition(_Strict):
@@ -2408,7 +2453,9 @@ class Generation:
         prompt's only in a choice's first chunk)."""
         out = {}
         if self.req.return_token_ids:
-            out.update({"prompt_token_ids": self.prompts[prompt_index].token_ids} if first else {}, token_ids=token_ids)
+            prompt = self.prompts[prompt_index]  # prompt_embeds' have no ids, only stand-ins
+            out.update({"prompt_token_ids": prompt.token_ids if prompt.prompt_embeds is None else None} if first
+                       else {}, token_ids=token_ids)
         prompt_logprobs = self.prompt_logprobs.get(prompt_index) if first else None
         if prompt_logprobs is not None:  # asked for, or by echo (as vLLM's)
             out["prompt_logprobs"] = [None if e is None else {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank,
@@ -2536,8 +2583,10 @@ class CompletionGeneration(Generation):
         except InvalidInput as e:
             raise bad_request(str(e), e.param) from None
 
-    def prompt_inputs(self) -> list[str | list[int]]:
-        return self.req.prompt
+    def prompt_inputs(self) -> list[str | list[int] | torch.Tensor]:
+        """(On the tokenizer thread) the prompt_embeds' tensors, then prompt's prompts, as vLLM orders them."""
+        return [load_prompt_embeds(e, self.state.engine) for e in self.req.prompt_embeds or ()] + \
+            list(self.req.prompt or ())
 
     def echo_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]

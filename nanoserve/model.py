@@ -750,8 +750,9 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
@@ -767,9 +768,11 @@ class CausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """The final hidden states of every token; logits are compute_logits' (only the rows that need them)."""
-        return self.model(input_ids, positions, meta, kv_caches)
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states of every token; logits are compute_logits' (only the rows that need them).
+        ``inputs_embeds``: the first layer's input in the place of input_ids' embeddings."""
+        return self.model(input_ids, positions, meta, kv_caches, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits in the model's dtype (the sampler takes fp32 copies where it needs
@@ -1305,6 +1308,9 @@ class SeqInput:
     # async scheduling: its one input token is the one the previous step sampled in
     # this row (not on the host yet); token_ids holds a stand-in
     prev_sample_row: int | None = None
+    # a prompt given as embeddings (vLLM's prompt_embeds): the inputs of this chunk's first
+    # rows, in the place of their token ids' embeddings (stand-ins)
+    prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -1591,7 +1597,7 @@ class ModelRunner:
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
-            all(len(s.token_ids) == 1 for s in seqs)
+            all(len(s.token_ids) == 1 and s.prompt_embeds is None for s in seqs)
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with
@@ -1611,6 +1617,18 @@ class ModelRunner:
         meta = AttentionMetadata(to_device(slots, dev), to_device(block_tables, dev),
                                  to_device((starts + q_lens).to(torch.int32), dev), to_device(query_start_loc, dev))
         return input_ids, to_device(positions, dev), meta
+
+    def _inputs_embeds(self, input_ids: torch.Tensor, seqs: list[SeqInput]) -> torch.Tensor | None:
+        """The first layer's input where a prompt came as embeddings: the tokens' embeddings
+        with those prompt rows in place of their stand-ins; None for a step without."""
+        if all(s.prompt_embeds is None for s in seqs):
+            return None
+        x, start = self.model.model.embed_tokens(input_ids), 0
+        for s in seqs:
+            if s.prompt_embeds is not None:
+                x[start:start + len(s.prompt_embeds)] = s.prompt_embeds.to(x.device, x.dtype)
+            start += len(s.token_ids)
+        return x
 
     def _write_prev_sampled(self, input_ids: torch.Tensor, seqs: list[SeqInput],
                             query_start_loc: torch.Tensor | None = None) -> None:
@@ -1659,7 +1677,7 @@ class ModelRunner:
             last = torch.arange(len(seqs), device=self.device)
         else:
             input_ids, positions, meta = self.prepare(seqs)
-            hidden = self.model(input_ids, positions, meta, self.kv_caches)
+            hidden = self.model(input_ids, positions, meta, self.kv_caches, self._inputs_embeds(input_ids, seqs))
             last = meta.query_start_loc[1:].long() - 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),

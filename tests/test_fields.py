@@ -60,8 +60,9 @@ NO_OPS = {"user": "u-1", "session_id": "s-1", "return_token_offsets": True, "ret
           "spaces_between_special_tokens": False}  # fast tokenizers decode as they do (vLLM's detokenizer too)
 # Honoured, and its effect checked by a test of its own (it needs a tool-call parser this server lacks).
 TESTED_ELSEWHERE = {"parallel_tool_calls": (False, test_tools.test_parallel_tool_calls_false_keeps_the_first_call)}
-# Refused with these values (each asks for something nanoserve does not do; thinking_token_budget and priority:
-# not without --reasoning-parser or --scheduling-policy priority, which this server lacks; tested elsewhere).
+# Refused with these values (each asks for something nanoserve does not do; thinking_token_budget, priority and
+# prompt_embeds: not without --reasoning-parser, --scheduling-policy priority or --enable-prompt-embeds, which this
+# server lacks; tested elsewhere).
 REFUSED = {"suffix": " tail", "priority": 1, "watermarking": True, "logits_processors": ["my.Processor"],
            "prompt_embeds": "AAAA", "kv_transfer_params": {"do_remote_decode": True},
            "ec_transfer_params": {"x": 1}, "thinking_token_budget": 10, "routed_experts_prompt_start": 1,
