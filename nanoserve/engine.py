@@ -1231,7 +1231,7 @@ class LLMEngine:
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy),
                                        BlockManager(self.kv_plan.num_blocks, config.block_size,
-                                                    config.enable_prefix_caching))
+                                                    config.enable_prefix_caching, self._freed_window()))
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len)
             self._warm_up()
@@ -1262,6 +1262,16 @@ class LLMEngine:
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
 
     # ---------------------------------------------------------------- start-up
+    def _freed_window(self) -> int | None:
+        """The sliding window whose out-of-window blocks the block manager frees: only where
+        every layer has it (a full-attention layer reads every block), and where the pool can
+        spare the null block (a prompt of max_model_len may need every block at once)."""
+        mc, blocks = self.model_config, self.kv_plan.num_blocks
+        if mc.sliding_window is None or self.config.disable_sliding_window or \
+                len(mc.sliding_layers) != mc.num_layers or (blocks - 1) * self.config.block_size < self.max_model_len:
+            return None
+        return mc.sliding_window
+
     def _decode_sizes(self) -> list[int]:
         cfg = self.config
         if cfg.enforce_eager:

@@ -67,17 +67,29 @@ class KVCacheStats:
 
 
 class BlockManager:
-    """vLLM's KVCacheManager + BlockPool in one: who owns which block."""
+    """vLLM's KVCacheManager + BlockPool in one: who owns which block.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks = num_blocks
+    With a ``sliding_window`` (a model whose every layer has one) the blocks wholly
+    before every window still to come are freed as requests go on
+    (free_skipped_blocks, vLLM's SlidingWindowManager): their places in a table
+    become the null block's, block 0, which is never allocated nor written, so a
+    kernel that reads the whole table reads zeros there, which its window masks."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
+        null = 0 if sliding_window is not None else None
+        if num_blocks < 1 + (null is not None) or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 (2 with a sliding window) and block_size >= 1, got {num_blocks}, "
+                             f"{block_size}")
+        self.null_block = null
+        self.sliding_window = sliding_window
+        self.num_blocks = num_blocks - (null is not None)  # those that can be allocated
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         # LRU order: allocation pops from the front; freed cached blocks go to the end.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks - self.num_blocks,
+                                                                               num_blocks))
         self.cached: dict[bytes, int] = {}               # block hash -> block id
         self.req_to_blocks: dict[str, list[int]] = {}    # the block tables
         self.req_hashes: dict[str, list[bytes]] = {}     # hash chain of each request's full blocks
@@ -189,13 +201,25 @@ class BlockManager:
         self.req_hashes.pop(request_id, None)
         self.req_salts.pop(request_id, None)
         for b in reversed(table):
-            block = self.blocks[b]
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"block {b} freed twice"
-            if block.ref_cnt == 0:
-                self.free_blocks[b] = None
-                if block.block_hash is None:  # nothing reusable in it: evict it first
-                    self.free_blocks.move_to_end(b, last=False)
+            if b != self.null_block:  # freed already, out of the window
+                self._release(b)
+
+    def free_skipped_blocks(self, request_id: str, num_skipped: int) -> None:
+        """vLLM's remove_skipped_blocks: the request's blocks that hold only tokens
+        before position ``num_skipped``, which no window still to come reads, go back
+        to the pool (a cached one stays reusable); the table (a new list, as ever) has
+        the null block in their places."""
+        table = self.req_to_blocks.get(request_id)
+        n = 0 if table is None else min(max(num_skipped, 0) // self.block_size, len(table))
+        if n == 0 or table[n - 1] == self.null_block:  # none, or freed up to there already
+            return
+        table = list(table)
+        for i in reversed(range(n)):  # the tail first, as free()
+            if table[i] == self.null_block:
+                break
+            self._release(table[i])
+            table[i] = self.null_block
+        self.req_to_blocks[request_id] = table
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:
@@ -211,6 +235,15 @@ class BlockManager:
         used = self.num_blocks - len(self.free_blocks)
         if used >= self.peak_used_blocks:
             self.peak_used_blocks, self.unused_slots_at_peak = used, self.unused_slots
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        assert block.ref_cnt >= 0, f"block {block_id} freed twice"
+        if block.ref_cnt == 0:
+            self.free_blocks[block_id] = None
+            if block.block_hash is None:  # nothing reusable in it: evict it first
+                self.free_blocks.move_to_end(block_id, last=False)
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]

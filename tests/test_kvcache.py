@@ -299,3 +299,37 @@ def test_too_small_num_kv_blocks_suggests_only_knobs_that_work():
     msg = str(e.value)
     assert "--num-kv-blocks to at least 7" in msg and "--max-model-len to at most 32" in msg
     assert "--kv-cache-memory-bytes" not in msg
+
+
+# ---------------------------------------------------------------- sliding window
+
+def test_blocks_before_the_window_go_back_and_the_null_block_takes_their_place():
+    bm = BlockManager(8, BS, sliding_window=6)
+    assert bm.num_blocks == 7 and 0 not in bm.free_blocks  # block 0: the null block, never allocated
+    bm.allocate_slots("a", toks(18), 18)                     # 5 blocks: tokens 0..17
+    table = bm.req_to_blocks["a"]
+    assert 0 not in table and bm.num_free_blocks == 2
+    bm.free_skipped_blocks("a", 9)                           # tokens 0..8 read by no window to come: blocks 0, 1
+    assert bm.req_to_blocks["a"] == [0, 0] + table[2:] and table[0] != 0  # a new list; the old one kept
+    assert bm.num_free_blocks == 4 and [bm.blocks[b].ref_cnt for b in table[:2]] == [0, 0]
+    bm.free_skipped_blocks("a", 11)                          # no block more is wholly before 11
+    assert bm.num_free_blocks == 4
+    bm.allocate_slots("a", toks(22), 22)
+    bm.free_skipped_blocks("a", 16)
+    assert bm.req_to_blocks["a"][:4] == [0, 0, 0, 0] and bm.num_free_blocks == 5
+    bm.free("a")                                             # the rest, each once
+    assert bm.num_free_blocks == 7 and all(b.ref_cnt == 0 for b in bm.blocks)
+    stats = bm.make_stats()
+    assert stats.num_total_blocks == stats.num_free_blocks == 7
+
+
+def test_a_freed_window_block_stays_in_the_prefix_cache():
+    """Freed out of the window, a full block keeps its hash: a later prompt with the
+    same prefix hits it (until it is evicted), as any freed cached block."""
+    bm = BlockManager(8, BS, sliding_window=4)
+    bm.allocate_slots("a", toks(12), 12)
+    first = bm.req_to_blocks["a"][0]
+    bm.free_skipped_blocks("a", 8)
+    assert bm.get_computed_blocks(toks(9))[0] == first
+    assert bm.allocate_slots("b", toks(9), 9, bm.get_computed_blocks(toks(9)))[0] == first
+    assert bm.blocks[first].ref_cnt == 1

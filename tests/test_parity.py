@@ -163,6 +163,24 @@ def test_sliding_window_matches_hf(variant, arch, overrides, layers):
                               atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sliding_window_frees_the_blocks_out_of_it(variant, async_scheduling):
+    """Every layer windowed (Mistral, 12 tokens): four prompts of up to 57 tokens, prefilled
+    in chunks of 16 (under async scheduling a chunk may be in flight while the next is
+    scheduled), then 40 tokens each, run side by side in 23 blocks of 8, where each would
+    hold 13 without the freeing: no preemption, and transformers' greedy tokens."""
+    path = variant("mistral", sliding_window=12)
+    llm = make_llm(path, num_kv_blocks=24, block_size=8, max_model_len=120, max_num_batched_tokens=16,
+                   async_scheduling=async_scheduling)
+    prompts = [LONG, LONG[::-1], LONG[3:], LONG[:41]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, min_tokens=40), use_tqdm=False)
+    hf = hf_model(path)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 40) for p in prompts]
+    stats = llm.stats()
+    assert stats["num_preemptions"] == 0 and stats["peak_kv_blocks"] < 2 * 13
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 23  # block 0: the null block
+
+
 def test_sliding_window_layers_as_transformers_reads_them():
     from nanoserve.model import _sliding_window
     qwen = dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2)
