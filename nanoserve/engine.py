@@ -784,8 +784,10 @@ class StructuredOutputManager:
                 return c.compile_json_schema('{"type": "object"}', any_whitespace=whitespace)
             if spec.regex is not None:
                 return c.compile_regex(spec.regex)
-            if spec.choice is not None:  # one alternative per choice, each a JSON-quoted EBNF string
-                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in spec.choice))
+            if spec.choice is not None:  # one alternative per choice, each a JSON-quoted EBNF string; not
+                # ASCII-escaped: EBNF reads "\ud83d\ude00" as two code points, a surrogate pair's bytes, no emoji
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(x, ensure_ascii=False)
+                                                                  for x in spec.choice))
             if spec.structural_tag is not None:
                 return _compile_structural_tag(c, spec.structural_tag)
             return c.compile_grammar(spec.grammar)

@@ -67,6 +67,13 @@ def test_json_object_regex_choice_and_grammar(llm):
     assert all(re.fullmatch(r"\(\d(\+\d)*\)", t) for t in sample(llm, StructuredOutputsParams(grammar=grammar)))
 
 
+def test_a_choice_beyond_the_bmp_is_its_own_text(llm):
+    """A choice is its text's UTF-8: an emoji was the bytes of its two UTF-16 surrogates (ASCII-escaped into the
+    grammar), six bytes no decoder reads, where vLLM's grammar has the emoji."""
+    choices = ["😀", "é🙂 x", 'a"\\\n']
+    assert set(sample(llm, StructuredOutputsParams(choice=choices))) <= set(choices)
+
+
 def test_the_eos_that_completes_a_grammar_stays_out_of_the_text(llm):
     """Also where ignore_eos keeps the EOS from stopping the request: the grammar's end stops it, and the
     EOS's text (kept special tokens) stays out as it does when the EOS stops it."""
