@@ -1320,7 +1320,11 @@ def esc(text: str) -> str:
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(dumps(obj), status, headers, media_type="application/json")
+    try:
+        body = dumps(obj).encode()
+    except UnicodeEncodeError:  # a lone surrogate, which only an escape carries: a tool_use block's input, the
+        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()  # model's "\\ud800" parsed
+    return Response(body, status, headers, media_type="application/json")
 
 
 def dumps(obj: Any) -> str:

@@ -213,6 +213,17 @@ def test_hermes_calls_become_tool_use_blocks(server, forced, streamed):
     server.wait_idle()
 
 
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_lone_surrogate_the_model_escaped_in_a_call_stays_escaped(server, forced, streamed):
+    """A call whose JSON holds "\\ud800" (six characters the model may write) has that lone surrogate in its
+    input: the message goes out as UTF-8 with it escaped (it was a 500, UnicodeEncodeError, unstreamed)."""
+    forced('<tool_call>{"name": "get_time", "arguments": {"tz": "\\ud800"}}</tool_call>')
+    body = dict(tools=TOOLS, max_tokens=300)
+    m = stream(server, **body)[1] if streamed else message(server, **body)
+    assert [(b["name"], b["input"]) for b in m["content"]] == [("get_time", {"tz": "\ud800"})], m
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}])
 def test_forced_tool_choice_makes_valid_calls(server, no_blanks, monkeypatch, choice):
     """tool_choice any (chat's "required") or a named tool: the grammar makes each call valid."""
