@@ -387,13 +387,21 @@ def prepare_model(model: nn.Module) -> int:
     weight = model.model.embed_tokens.weight
     if can_pack_linear_weights(weight.dtype, weight.device) and not has_bf16_matmul():
         _, layer = _first_that_works("linear kernel", [("c", check_c_linear)], ("fp32", Fp32Linear))
-        if layer is WidenedLinear:  # the same bytes, but for the panels' padding and a tied head's copy
-            before = sum(m.weight.numel() * 2 for _, _, m in _linears(model))
+        if layer is WidenedLinear:  # the same bytes, but for the panels' padding
+            embedding = model.model.embed_tokens
+            before = sum(m.weight.numel() * 2 for _, _, m in _linears(model)) + embedding.weight.numel() * 2
+            tied = model.lm_head is None
             count = pack_linear_weights(model, WidenedLinear)
+            if tied:  # the lookup reads the head's packed copy: one copy of the table, not two
+                embedding.rows = functools.partial(cpu_kernels.packed_rows, model.lm_head.packed)
+                embedding.weight = nn.Parameter(embedding.weight.new_empty(0, embedding.weight.shape[1]),
+                                                requires_grad=False)  # its device and dtype, for who asks
             trim_heap()  # the weights as loaded are freed, but glibc keeps them unless asked
             logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
-                        "kept in bf16 for the C linear kernel, which multiplies them in fp32", count)
-            return sum(m.packed.numel() * 2 for m in model.modules() if isinstance(m, WidenedLinear)) - before
+                        "kept in bf16 for the C linear kernel, which multiplies them in fp32%s", count,
+                        " (the embedding lookup reads the tied head's copy)" if tied else "")
+            return sum(m.packed.numel() * 2 for m in model.modules() if isinstance(m, WidenedLinear)) \
+                + embedding.weight.numel() * 2 - before
         extra = _upcast_bytes(model)
         avail = available_cpu_memory()
         if avail is None or extra < avail // 2:  # room to spare for the KV cache and the steps

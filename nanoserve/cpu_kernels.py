@@ -332,6 +332,12 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
     return w.view(padded // LINEAR_PANEL, LINEAR_PANEL, k // 2, 2).transpose(1, 2).contiguous()
 
 
+def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the [N, K] weight that pack_linear_weight packed: the same values, gathered
+    from their panels (a tied model's embedding lookup, reading its head's packed copy)."""
+    return packed[ids // LINEAR_PANEL, :, ids % LINEAR_PANEL].reshape(*ids.shape, -1)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [..., K] (bf16) times the packed weight's [N, K] transposed, plus ``bias`` (fp32,

@@ -561,10 +561,14 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.rows(input_ids)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        x = F.embedding(torch.where(outside, 0, input_ids - self.vocab_start), self.weight)
+        x = self.rows(torch.where(outside, 0, input_ids - self.vocab_start))
         return self.tp.all_reduce(x.masked_fill_(outside[:, None], 0))
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """This rank's rows ``ids`` (a CPU backend may read them from a tied head's packed copy instead)."""
+        return F.embedding(ids, self.weight)
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
         _load_vocab_rows(param, loaded, self.vocab_start, self.vocab_size)

@@ -268,9 +268,10 @@ def _no_c_linear():
                          ids=["llama-untied-head", "qwen3-tied-head", "qwen2-qkv-bias"])
 def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, model_root, arch, monkeypatch, caplog):
     """A CPU without AVX-512 BF16 or AMX (faked here on every CPU): bf16 linear weights stay
-    bf16, packed for the C linear kernel (a tied head gets a packed copy), the weights' bytes
-    count the copy and the panels' padding, and the logits are bf16 GEMMs' but for the order
-    of fp32 sums; --enforce-eager keeps oneDNN's bf16."""
+    bf16, packed for the C linear kernel (a tied head is packed, and the embedding lookup
+    reads its rows from there: one copy of the table), the weights' bytes count the panels'
+    padding, and the logits are bf16 GEMMs' but for the order of fp32 sums; --enforce-eager
+    keeps oneDNN's bf16."""
     _c_linear_or_skip()
     from nanoserve.model import Linear
     path = {"llama": model, "qwen3": tiny_model}.get(arch) or make_model(model_root, "qwen2")
@@ -281,7 +282,8 @@ def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, model_root
     m = widened.model
     assert isinstance(m.lm_head, cpu_backend.WidenedLinear) and m.lm_head.packed.dtype == torch.bfloat16
     assert not any(isinstance(x, (Linear, cpu_backend.PackedLinear)) for x in m.modules())
-    assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the lookup keeps the embedding
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert m.model.embed_tokens.weight.numel() == (0 if tied else VOCAB * m.config.hidden_size)
     assert "kept in bf16 for the C linear kernel" in caplog.text
     assert any(x.bias is not None for x in m.modules() if isinstance(x, cpu_backend.WidenedLinear)) == (arch == "qwen2")
     plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
@@ -290,8 +292,10 @@ def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, model_root
     linears = [x.weight for x in plain_model.modules() if isinstance(x, Linear)]
     if tied:
         linears.append(plain_model.model.embed_tokens.weight)
+        ids = torch.tensor([0, 1, 31, 32, 33, VOCAB - 1, 5, 5])  # both sides of a panel, the last row, a repeat
+        assert torch.equal(m.model.embed_tokens(ids), plain_model.model.embed_tokens(ids))
     padding = sum((-x.shape[0] % cpu_kernels.LINEAR_PANEL) * x.shape[1] for x in linears)
-    assert widened_bytes - plain_bytes == 2 * padding + (2 * linears[-1].numel() if tied else 0)
+    assert widened_bytes - plain_bytes == 2 * padding
     monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
     plain = runner_with(kernels.TORCH, path)
     for a, b in zip(two_steps(widened, 30), two_steps(plain, 30)):
