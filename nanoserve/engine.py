@@ -330,7 +330,8 @@ class BeamSearchParams:
         if not isinstance(w, int) or isinstance(w, bool) or w < 1:
             raise InvalidInput("beam_width", f"beam_width must be an integer >= 1, got {w!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise InvalidInput("max_tokens", f"max_tokens must be None or >= 1 for beam search, got {self.max_tokens!r}")
+            raise InvalidInput("max_tokens", f"max_tokens must be None or >= 1 for beam search, got "
+                                             f"{self.max_tokens!r}")
         if not _is_num(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise InvalidInput("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) > MAX_LOGPROB_TOKEN_IDS:

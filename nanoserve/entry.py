@@ -83,8 +83,8 @@ from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
                               BeamSearchParams, CompletionOutput, EngineConfig, EngineDeadError, InvalidInput,
                               LLMEngine, Logprob, REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError,
-                              RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams, StructuredOutputsParams, THINK_TAGS,
-                              TokenizedPrompt, VLLM_ENGINE_ARGS,
+                              RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
+                              StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
                               nested_deeper, opens_reply, parse_call_arguments, run_worker_node, vllm_arg_note)
 

@@ -137,6 +137,12 @@ def window_masks(seq_lens: torch.Tensor, sliding_window: int | None) -> bool:
     return sliding_window is not None and int(seq_lens.max()) > sliding_window
 
 
+def first_window_block(first_query: int, sliding_window: int | None, block_size: int) -> int:
+    """The first block a window reads from a query at ``first_query`` on (0 without a window): those
+    before hold keys no query sees, and may have gone back to the pool (kvcache's null block)."""
+    return 0 if sliding_window is None else max(first_query - sliding_window + 1, 0) // block_size
+
+
 def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale,
                            sliding_window: int | None = None) -> torch.Tensor:
     """query [seqs, heads, d], one token per sequence at its last position: every
@@ -144,12 +150,13 @@ def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scal
     n, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     width = -(-int(seq_lens.max()) // block_size)
-    k = gather_kv(k_cache, block_tables[:, :width]).transpose(1, 2)  # [n, kv_heads, ctx, d]
-    v = gather_kv(v_cache, block_tables[:, :width]).transpose(1, 2)
+    first = first_window_block(int(seq_lens.min()) - 1, sliding_window, block_size)
+    k = gather_kv(k_cache, block_tables[:, first:width]).transpose(1, 2)  # [n, kv_heads, ctx, d]
+    v = gather_kv(v_cache, block_tables[:, first:width]).transpose(1, 2)
     # Each KV head's group of query heads as its rows of queries: one SDPA call
     # without copying K and V per query head.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    key_pos = torch.arange(k.shape[2], device=query.device)[None, :]
+    key_pos = torch.arange(first * block_size, width * block_size, device=query.device)[None, :]
     visible = key_pos < seq_lens[:, None]
     if sliding_window is not None:  # the query is at seq_len - 1
         visible &= key_pos >= seq_lens[:, None] - sliding_window
@@ -164,15 +171,17 @@ def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, sc
     causal among themselves, seeing all of the cached prefix (in the window)."""
     q_len, block_size = query.shape[0], k_cache.shape[1]
     n_blocks = -(-seq_len // block_size)
-    k = gather_kv(k_cache, block_table[:n_blocks])[:seq_len].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
-    v = gather_kv(v_cache, block_table[:n_blocks])[:seq_len].transpose(0, 1)[None]
+    first = first_window_block(seq_len - q_len, sliding_window, block_size)
+    start = first * block_size
+    k = gather_kv(k_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+    v = gather_kv(v_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]                                                  # [1, heads, q_len, d]
     if q_len == seq_len and (sliding_window is None or seq_len <= sliding_window):  # plain causal: SDPA's fastest
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        key_pos = torch.arange(seq_len, device=query.device)[None, :]
+        key_pos = torch.arange(start, seq_len, device=query.device)[None, :]
         visible = key_pos <= q_pos[:, None]
         if sliding_window is not None:
             visible &= key_pos > q_pos[:, None] - sliding_window
