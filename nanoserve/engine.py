@@ -1781,7 +1781,8 @@ class LLMEngine:
                                  # (prompt_logprob_ids' own first test, here to save a call per request per step)
                                  req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache else None,
                                  req.sampling_params.prompt_logprobs or 0, prev_row,
-                                 None if req.prompt_embeds is None else req.prompt_embeds[start:start + num_new]))
+                                 None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
+                                 else req.prompt_embeds[start:start + num_new]))  # the prompt's rows only
         return seqs
 
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],

@@ -176,3 +176,20 @@ def test_fields_that_need_the_prompts_text_or_ids(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     server.wait_idle()
     assert not server.engine.scheduler.requests
+
+
+def test_decodes_after_an_embeddings_prompt_carry_no_rows(model_root):
+    """Past the prompt a step's input is its token again: a decode step carries no embeddings (and
+    so may take the padded decode path)."""
+    path = make_model(model_root, "qwen3")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=64, enable_prompt_embeds=True)
+    engine, seen = llm.engine, []
+    build = engine.build_inputs
+
+    def spy(*args):
+        seqs = build(*args)
+        seen.append([(len(s.token_ids), None if s.prompt_embeds is None else len(s.prompt_embeds)) for s in seqs])
+        return seqs
+    engine.build_inputs = spy
+    llm.generate([{"prompt_embeds": torch.zeros(5, 64)}], GREEDY, use_tqdm=False)
+    assert seen[0] == [(5, 5)] and all(step == [(1, None)] for step in seen[1:]) and len(seen) == 8
