@@ -966,8 +966,9 @@ class BeamSearch:
     def _extend(self, cum_logprob: float, beam: Beam, token: int, entry: dict[int, Logprob],
                 ended: bool = False) -> Beam:
         logprobs = None
-        if beam.logprobs is not None:  # the token's own and the top ones the caller asked for
-            shown = {t: lp for t, lp in entry.items() if t == token or lp.rank <= self.params.logprobs}
+        if beam.logprobs is not None:  # the token's own and the top ones the caller asked for (by logprob:
+            top = sorted(entry, key=lambda t: -entry[t].logprob)[:self.params.logprobs]  # listed ids rank by place)
+            shown = {t: lp for t, lp in entry.items() if t == token or t in top}
             logprobs = beam.logprobs + [shown]
         return Beam(beam.token_ids + [token], logprobs, cum_logprob, ended)
 
@@ -1419,7 +1420,7 @@ class LLMEngine:
         if keep == -1:  # as vLLM's: all that fits beside the output (it was max_model_len, which never fits)
             keep = max(1, self.max_model_len - (max_tokens or 1))
         if isinstance(prompt, torch.Tensor):
-            return self._embeds_prompt(prompt, keep)
+            return self._embeds_prompt(prompt, keep, truncation_side)
         text, token_ids = self.tokenize(prompt, add_special_tokens)
         if keep is not None and len(token_ids) > keep:
             token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
@@ -1427,24 +1428,24 @@ class LLMEngine:
         self.validate_prompt(token_ids)
         return TokenizedPrompt(text, token_ids)
 
-    def _embeds_prompt(self, embeds: torch.Tensor, keep: int | None) -> TokenizedPrompt:
+    def _embeds_prompt(self, embeds: torch.Tensor, keep: int | None, truncation_side: str) -> TokenizedPrompt:
         """A prompt given as embeddings (vLLM's prompt_embeds): [tokens, hidden_size], or [1, tokens,
-        hidden_size]; ``keep``: its last rows only, as truncate_prompt_tokens keeps tokens."""
+        hidden_size]; ``keep``: that many rows only, as truncate_prompt_tokens keeps tokens."""
         if not self.config.enable_prompt_embeds:  # vLLM's rule: a model's inputs are the server's to open
             raise InvalidInput("prompt_embeds", "prompt_embeds need --enable-prompt-embeds (offline: "
                                                 "enable_prompt_embeds=True)")
         if embeds.dim() == 3 and embeds.shape[0] == 1:
             embeds = embeds[0]
         hidden = self.model_config.hidden_size
-        if embeds.layout != torch.strided or embeds.dim() != 2 or embeds.shape[1] != hidden \
+        if embeds.layout != torch.strided or embeds.is_meta or embeds.dim() != 2 or embeds.shape[1] != hidden \
                 or embeds.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise InvalidInput("prompt_embeds", f"prompt_embeds must be a dense float32, bfloat16 or float16 tensor "
                                                 f"of shape [tokens, {hidden}] (the model's hidden size), got "
                                                 f"{embeds.layout} {embeds.dtype} of shape {list(embeds.shape)}")
         if keep is not None:
-            embeds = embeds[-keep:]
+            embeds = embeds[-keep:] if truncation_side == "left" else embeds[:keep]
         self.check_prompt_length(len(embeds))
-        embeds = embeds.to(self.dtype).contiguous()
+        embeds = embeds.to("cpu", self.dtype).contiguous()  # the steps carry it from the host, as token ids
         if not torch.isfinite(embeds).all():  # NaN spreads through attention to the other rows' outputs
             raise InvalidInput("prompt_embeds", "prompt_embeds hold NaN or infinite values")
         digest = hashlib.sha256(embeds.view(torch.uint8).numpy()).hexdigest()
@@ -1554,6 +1555,10 @@ class LLMEngine:
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(prompt.token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        bound = 700 / math.log(max(self.max_model_len, 2))  # past it, length ** length_penalty overflows a float
+        if abs(params.length_penalty) > bound:
+            raise InvalidInput("length_penalty", f"length_penalty must be within +-{bound:.1f} for max_model_len "
+                                                 f"{self.max_model_len}, got {params.length_penalty}")
         search = BeamSearch(request_id, prompt, params, max_tokens, self.eos_token_ids, priority)
         cap = self.config.max_logprobs
         if search.child_params.logprobs is not None and cap != -1 and search.child_params.logprobs > cap:
@@ -1567,20 +1572,21 @@ class LLMEngine:
 
     def _beam_round(self, search: BeamSearch) -> None:
         """A one-token request for each live beam: the prompt and the beam's tokens, read from
-        the prefix cache but for the last few."""
+        the prefix cache but for the last few (with prefix caching off, from the blocks the
+        search's own requests cached, as n > 1's children share theirs)."""
         prompt = search.prompt
         for i, (child_id, beam) in enumerate(zip(search.child_ids(), search.beams)):
             self._add_validated(TokenizedPrompt(prompt.text, prompt.token_ids + beam.token_ids, prompt.cache_salt),
                                 search.child_params, None, [], child_id, RequestOutputKind.FINAL_ONLY,
-                                search.priority)
+                                search.priority, family=f"beam:{search.request_id}")
             self.beam_children[child_id] = search, i
 
     def _beam_landed(self, outputs: dict[str, RequestOutput], search: BeamSearch, index: int, req: Request) -> None:
         if not search.land(index, req):
             return
         if search.advance():
-            del self.beam_searches[search.request_id]
             outputs[search.request_id] = search.output(self.tokenizer)
+            del self.beam_searches[search.request_id]  # only now: if the search raised, fail_step finds it
         else:
             self._beam_round(search)
 
@@ -1594,8 +1600,10 @@ class LLMEngine:
 
     def _add_validated(self, prompt: TokenizedPrompt, params: SamplingParams, grammar: Any,
                        bad_words: list[list[int]], request_id: str | None, output_kind: RequestOutputKind,
-                       priority: int = 0) -> str:
-        """add_request's second half, for a prompt and params already checked."""
+                       priority: int = 0, family: str | None = None) -> str:
+        """add_request's second half, for a prompt and params already checked. ``family``: the
+        salt under which requests that share a prompt share its blocks with prefix caching off
+        (a beam search's; an n > 1 family's own is its id)."""
         whole = {k: self.model_config.vocab_size for k in ("logprobs", "prompt_logprobs") if getattr(params, k) == -1}
         params = dataclasses.replace(params, **whole) if whole else params  # our copy: the caller's keeps its -1
         text, token_ids = prompt.text, prompt.token_ids
@@ -1617,7 +1625,7 @@ class LLMEngine:
             rid = ids[i]
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
-            salt = self._salt(prompt) if self.config.enable_prefix_caching else None if params.n == 1 \
+            salt = self._salt(prompt) if self.config.enable_prefix_caching else family if params.n == 1 \
                 else f"n:{request_id}"
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
@@ -1659,9 +1667,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         search = self.beam_searches.pop(request_id, None)
-        children = [] if search is None else search.child_ids()
+        children = [] if search is None else [rid for rid, (s, _) in self.beam_children.items() if s is search]
         for rid in children:
-            self.beam_children.pop(rid, None)  # those of the round that landed are gone already
+            del self.beam_children[rid]
         for rid in children or self._family(request_id):
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
 
@@ -1929,8 +1937,9 @@ class LLMEngine:
         return True
 
     def _collect(self, outputs: dict[str, RequestOutput], req: Request) -> None:
-        if self.beam_children and (child := self.beam_children.pop(req.request_id, None)):
+        if self.beam_children and (child := self.beam_children.get(req.request_id)):
             self._beam_landed(outputs, *child, req)
+            del self.beam_children[req.request_id]  # only now: if the search raised, fail_step names it
             return
         key = req.parent_id or req.request_id
         completion = self.completion_output(req)
@@ -2301,7 +2310,14 @@ class LLM:
         inputs = [engine.process_prompt(p, max_tokens=params.max_tokens) for p in _as_prompt_list(prompts)]
         batch, results = concurrency_limit or max(len(inputs), 1), []
         for start in range(0, len(inputs), batch):
-            ids = [engine.add_beam_search(p, params, None) for p in inputs[start:start + batch]]
+            ids = []
+            try:
+                for p in inputs[start:start + batch]:
+                    ids.append(engine.add_beam_search(p, params, None))
+            except BaseException:  # a prompt refused: none of the batch is left running
+                for request_id in ids:
+                    engine.abort_request(request_id)
+                raise
             results += self._run(ids, use_tqdm)
         return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.logprobs,
                                                      c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason)

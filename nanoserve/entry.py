@@ -811,8 +811,9 @@ class GenerationRequest(OpenAIBaseModel):
         fields = type(self).model_fields
         ignored = [name for name in BEAM_SEARCH_IGNORES if name in self.model_fields_set
                    and getattr(self, name) not in (None, fields[name].default, [], {})]
-        if params.structured_outputs is not None:
-            ignored.append(self.param_name("structured_outputs"))
+        if params.structured_outputs is not None:  # tool_choice's, named as such (not as the tools' schemas)
+            forced_call = getattr(self, "tool_schema", lambda: None)() is not None
+            ignored.append("tool_choice" if forced_call else self.param_name("structured_outputs"))
         if ignored:
             raise InvalidInput(ignored[0], f"{ignored[0]} does not apply to beam search (use_beam_search), which "
                                            f"reads n (the beam width), max_tokens, ignore_eos, length_penalty, "
@@ -939,6 +940,8 @@ def load_prompt_embeds(text: str, engine: LLMEngine) -> torch.Tensor:
     is read (an entry may be compressed: it could expand far past the body)."""
     def bad(why: str) -> InvalidInput:
         return InvalidInput("prompt_embeds", f"prompt_embeds must be base64 of torch.save(tensor): {why}")
+    if not engine.config.enable_prompt_embeds:  # before a byte of it is read: the server opts in to torch.load
+        raise InvalidInput("prompt_embeds", "prompt_embeds need --enable-prompt-embeds")
     try:
         raw = base64.b64decode(text, validate=True)
         with zipfile.ZipFile(io.BytesIO(raw)) as archive:
@@ -1076,6 +1079,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     top_logprobs: int | None = None  # -1: the whole vocabulary (as vLLM's); the range: SamplingParams
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     return_prompt_text: bool = False
+    prompt_embeds: None = Field(None, description="left out: completions take prompt_embeds; a chat's prompt is its "
+                                                  "messages")
     include_reasoning: bool = True  # false: --reasoning-parser drops the reasoning (without one: nothing to drop)
     # reaches the template, as vLLM's; "none" also turns thinking off (enable_thinking), unless
     # chat_template_kwargs say otherwise

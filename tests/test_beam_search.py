@@ -22,7 +22,8 @@ PROMPTS = [[5, 17, 42, 9], [100, 3, 77, 250, 31, 8, 64]]
 def reference(hf, prompt: list[int], width: int, max_tokens: int, eos: set[int], length_penalty: float = 1.0,
               ignore_eos: bool = False, allowed: list[int] | None = None) -> list[tuple[list[int], float, bool]]:
     """(output tokens, cumulative logprob, ended by EOS) of the width best beams. With
-    ``allowed``, the candidates are the top ones of those tokens, by their raw logprobs."""
+    ``allowed`` (at most 128), every one of those tokens is a candidate, by its raw logprob
+    (vLLM ranks them all through logprob_token_ids)."""
     live, ended = [([], 0.0)], []
     for _ in range(max_tokens):
         candidates = []
@@ -32,7 +33,7 @@ def reference(hf, prompt: list[int], width: int, max_tokens: int, eos: set[int],
             if allowed is not None:
                 logprobs = torch.full_like(logprobs, float("-inf")).index_copy(0, torch.tensor(allowed),
                                                                                logprobs[allowed])
-            top = logprobs.topk(min(2 * width, len(allowed or logprobs)))
+            top = logprobs.topk(2 * width if allowed is None else len(allowed))
             for lp, t in zip(top.values.tolist(), top.indices.tolist()):
                 if t in eos and not ignore_eos:
                     ended.append((out + [t], cum + lp, True))
@@ -199,12 +200,59 @@ def test_what_beam_search_would_ignore_is_a_400(server, body, param):
 
 def test_allowed_token_ids_are_the_only_candidates(llm, hf):
     """With allowed_token_ids each round ranks all of them by their raw logprobs (as vLLM's,
-    through logprob_token_ids), which picks the reference's top ones among them."""
-    allowed = [7, 11, 13, 200, 301]
+    through logprob_token_ids): an allowed EOS ends a beam whatever its rank."""
+    allowed = [7, 11, 13, 200, 301, *llm.engine.eos_token_ids]
     (out,) = llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=4, allowed_token_ids=allowed))
     want = reference(hf, PROMPTS[0], 2, 4, set(llm.engine.eos_token_ids), allowed=allowed)
-    assert [s.tokens[len(PROMPTS[0]):] for s in out.sequences] == [w[0] for w in want]
+    assert [s.tokens[len(PROMPTS[0]):] for s in out.sequences] == [w[0][:-1] if w[2] else w[0] for w in want]
     assert [s.cum_logprob for s in out.sequences] == pytest.approx([w[1] for w in want], abs=1e-4)
     assert all(set(s.tokens[len(PROMPTS[0]):]) <= set(allowed) for s in out.sequences)
+    (shown,) = llm.beam_search(PROMPTS[:1], BeamSearchParams(beam_width=2, max_tokens=2, allowed_token_ids=allowed,
+                                                            logprobs=2))
+    for token, entry in zip(shown.sequences[0].tokens[len(PROMPTS[0]):], shown.sequences[0].logprobs):
+        others = sorted((lp.logprob for t, lp in entry.items() if t != token), reverse=True)
+        assert token in entry and len(others) <= 2 and others[-1] >= sorted(  # the top ones, not the first listed
+            (lp.logprob for t, lp in entry.items()), reverse=True)[2]
     with pytest.raises(ValueError, match="allowed_token_ids"):
         BeamSearchParams(beam_width=2, max_tokens=4, allowed_token_ids=list(range(129)))
+
+
+def test_a_length_penalty_past_a_floats_range_is_refused(llm):
+    """length ** 400 overflows: the score raised in the step, which ended every request in it."""
+    with pytest.raises(ValueError, match="length_penalty must be within"):
+        llm.engine.add_request(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=400))
+    assert not llm.engine.beam_searches
+
+
+def test_a_refused_prompt_leaves_no_search_of_its_batch_running(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.beam_search([PROMPTS[0], list(range(1, 200))], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert not llm.engine.beam_searches and not llm.engine.beam_children and not llm.engine.scheduler.requests
+
+
+def test_without_prefix_caching_a_search_still_reads_its_own_blocks(model):
+    """Its rounds' requests share the blocks they cache among themselves (as n > 1's family
+    does), so each round computes a beam's last few tokens, not the whole prompt again."""
+    prompt = list(range(1, 61))
+    computed = {}
+    for caching in (True, False):
+        llm = LLM(str(model), dtype="float32", num_kv_blocks=64, max_model_len=128, enable_prefix_caching=caching)
+        build, total = llm.engine.build_inputs, [0]
+
+        def spy(*args, build=build, total=total):
+            seqs = build(*args)
+            total[0] += sum(len(s.token_ids) for s in seqs)
+            return seqs
+        llm.engine.build_inputs = spy
+        out = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=8))
+        computed[caching] = (total[0], [s.tokens for s in out[0].sequences])
+    assert computed[True][1] == computed[False][1]
+    assert computed[False][0] <= 60 + 8 * 3 * 16  # never the 60-token prompt again (8 x 3 x 60 = 1,440 more)
+
+
+def test_a_forced_tool_call_is_named_by_tool_choice(server):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    r = _post(server, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                           "tool_choice": "required", "use_beam_search": True, "n": 2,
+                                           "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text

@@ -193,3 +193,25 @@ def test_decodes_after_an_embeddings_prompt_carry_no_rows(model_root):
     engine.build_inputs = spy
     llm.generate([{"prompt_embeds": torch.zeros(5, 64)}], GREEDY, use_tqdm=False)
     assert seen[0] == [(5, 5)] and all(step == [(1, None)] for step in seen[1:]) and len(seen) == 8
+
+
+def test_embeddings_are_not_read_without_the_flag(model_root):
+    """A server without --enable-prompt-embeds never passes a body's bytes to torch.load."""
+    with ServerThread(make_model(model_root, "qwen3")) as plain:
+        r = httpx.post(f"{plain.url}/v1/completions", json={"prompt_embeds": b64({"a": torch.zeros(2, 64)})},
+                       timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "prompt_embeds need --enable-prompt-embeds"
+
+
+def test_odd_tensors_and_other_endpoints(server, model_root):
+    r = _complete(server, {"prompt_embeds": b64(torch.zeros(3, 64, device="meta"))})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_embeds", r.text
+    chat = httpx.post(f"{server.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                 "prompt_embeds": b64(torch.zeros(3, 64))}, timeout=60)
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_embeds", chat.text
+    hf = hf_model(make_model(model_root, "qwen3"))
+    e = embeddings(hf, 10, 8)
+    for side, rows in (("left", e[-4:]), ("right", e[:4])):
+        r = _complete(server, {"prompt_embeds": b64(e), "truncate_prompt_tokens": 4, "truncation_side": side,
+                               "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == hf_greedy(hf, rows), (side, r.text)
