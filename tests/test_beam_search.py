@@ -224,9 +224,13 @@ def test_a_length_penalty_past_a_floats_range_is_refused(llm):
     assert not llm.engine.beam_searches
 
 
-def test_a_refused_prompt_leaves_no_search_of_its_batch_running(llm):
-    with pytest.raises(ValueError, match="prompt"):
-        llm.beam_search([PROMPTS[0], list(range(1, 200))], BeamSearchParams(beam_width=2, max_tokens=3))
+def test_a_refused_prompt_leaves_no_search_of_its_batch_running(model):
+    """The second prompt passes process_prompt, then add_beam_search refuses it (embeddings): the
+    first, added already, is aborted."""
+    llm = LLM(str(model), dtype="float32", num_kv_blocks=32, max_model_len=64, enable_prompt_embeds=True)
+    with pytest.raises(ValueError, match="prompt_embeds"):
+        llm.beam_search([PROMPTS[0], {"prompt_embeds": torch.zeros(3, 64)}], BeamSearchParams(beam_width=2,
+                                                                                              max_tokens=3))
     assert not llm.engine.beam_searches and not llm.engine.beam_children and not llm.engine.scheduler.requests
 
 
