@@ -812,8 +812,7 @@ class GenerationRequest(OpenAIBaseModel):
         ignored = [name for name in BEAM_SEARCH_IGNORES if name in self.model_fields_set
                    and getattr(self, name) not in (None, fields[name].default, [], {})]
         if params.structured_outputs is not None:  # tool_choice's, named as such (not as the tools' schemas)
-            forced_call = getattr(self, "tool_schema", lambda: None)() is not None
-            ignored.append("tool_choice" if forced_call else self.param_name("structured_outputs"))
+            ignored.append("tool_choice" if self.tool_schema() is not None else self.param_name("structured_outputs"))
         if ignored:
             raise InvalidInput(ignored[0], f"{ignored[0]} does not apply to beam search (use_beam_search), which "
                                            f"reads n (the beam width), max_tokens, ignore_eos, length_penalty, "
@@ -864,6 +863,10 @@ class GenerationRequest(OpenAIBaseModel):
     # what differs between the two endpoints
     def num_prompts(self) -> int:
         return 1
+
+    def tool_schema(self) -> dict | None:
+        """(Chat's) the constraint of a forced tool call."""
+        return None
 
     def echo_only(self) -> bool:
         """Completions' echo with max_tokens 0 (scoring a prompt): one token is
