@@ -171,7 +171,8 @@ def test_bad_embeddings_are_400s(server, value, says):
 def test_fields_that_need_the_prompts_text_or_ids(server):
     e = b64(torch.zeros(3, 64))
     for body, param in (({"echo": True}, "echo"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                        ({"use_beam_search": True, "n": 2, "min_tokens": 0}, "prompt_embeds"), ({"prompt_embeds": []}, "prompt_embeds")):
+                        ({"use_beam_search": True, "n": 2, "min_tokens": 0}, "prompt_embeds"),
+                        ({"prompt_embeds": []}, "prompt_embeds")):
         r = _complete(server, {"prompt_embeds": e, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     server.wait_idle()
