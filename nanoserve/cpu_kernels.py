@@ -100,8 +100,8 @@ def attention_library(group: int, head_dim: int, flags: tuple[str, ...] = ()) ->
         raise RuntimeError(f"the C attention kernels need head_dim % 32 == 0, got {head_dim}")
     lib = build_library(CSRC / "attention.c", [f"-DGROUP={group}", f"-DHEAD_DIM={head_dim}", *flags])
     return _declare(lib, {
-        "decode_attention": ([_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _P, _P, _P, _I32],
-                             None),
+        "decode_attention": ([_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _P, _P, _P, _I64,
+                              _I32], None),
         "chunk_attention": ([_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
         "prefix_attention": ([_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
     })
@@ -145,15 +145,17 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
                     sliding_window: int | None = None) -> torch.Tensor:
     """kernels.paged_attention_torch in C: the decodes of the step in one
     decode_attention call, its multi-token chunks in one chunk_attention call.
-    The C kernels have no sliding window: a step where it masks a key runs the torch reference."""
-    if kernels.window_masks(seq_lens, sliding_window):
+    chunk_attention has no sliding window: a step with chunks where it masks a key runs the torch reference."""
+    window = sliding_window if kernels.window_masks(seq_lens, sliding_window) else None
+    decode_only = is_decode_only(query_start_loc)
+    if window is not None and not decode_only:
         return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                              scale, sliding_window)
     _check_attention_inputs(query, k_cache, v_cache)
     query = query.contiguous()  # the kernels index rows directly
     num_seqs = seq_lens.shape[0]
-    if is_decode_only(query_start_loc):
-        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale)  # all decodes
+    if decode_only:
+        return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, window)  # all decodes
     out = torch.empty_like(query)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     decodes = torch.nonzero(q_lens == 1).flatten()
@@ -173,10 +175,13 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     return out
 
 
-def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,
+                     sliding_window: int | None = None) -> torch.Tensor:
     """One query token per sequence: query [seqs, heads, d] bf16 -> the same.
     Where the sequences share a long enough prefix, cascade attention: the shared
-    part once for all (prefix_attention), then each one's own tail, merged."""
+    part once for all (prefix_attention), then each one's own tail, merged. With a
+    sliding window each sees its last sliding_window keys, and nothing is shared
+    (the blocks before windows are the null block in every table: kvcache)."""
     n, num_heads, head_dim = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     _check_attention_inputs(query, k_cache, v_cache)
@@ -187,7 +192,7 @@ def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale) -> 
     out = torch.empty_like(query)
     threads = torch.get_num_threads()
     start, partials = 0, (None, None, None)
-    shared = shared_prefix_blocks(table, lens, block_size) if n >= CASCADE_MIN_SEQS else 0
+    shared = shared_prefix_blocks(table, lens, block_size) if n >= CASCADE_MIN_SEQS and not sliding_window else 0
     if shared * block_size >= CASCADE_MIN_TOKENS:
         start = shared * block_size
         o_pre = torch.empty(n, num_heads, head_dim, dtype=torch.float32)
@@ -199,7 +204,8 @@ def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale) -> 
         partials = (o_pre.data_ptr(), m_pre.data_ptr(), l_pre.data_ptr())
     lib.decode_attention(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
                          table.stride(0), lens.data_ptr(), out.data_ptr(), n, num_kv_heads, block_size,
-                         float(scale), heads_per_task(n, num_kv_heads, threads), start, *partials, threads)
+                         float(scale), heads_per_task(n, num_kv_heads, threads), start, *partials,
+                         sliding_window or 0, threads)
     return out
 
 

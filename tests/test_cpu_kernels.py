@@ -153,11 +153,11 @@ def test_c_attention(config, scenario):
 @pytest.mark.parametrize("attend", [cpu_kernels.paged_attention, cpu_backend.paged_attention_compiled],
                          ids=["c", "compiled"])
 def test_a_sliding_window_layer_runs_the_reference(attend, monkeypatch):
-    """The C kernels and the compiled decode have no sliding window: a step where the window
-    masks a key gets the torch reference's output exactly, for decodes and chunks alike; one
-    whose sequences all fit in the window runs as without it."""
+    """The C chunk kernel and the compiled decode have no sliding window: a step where the
+    window masks a key gets the torch reference's output exactly (the C decode kernel has
+    one: below); one whose sequences all fit in the window runs as without it."""
     torch.manual_seed(17)
-    for scenario in ("decode", "mixed"):
+    for scenario in ("mixed",) if attend is cpu_kernels.paged_attention else ("decode", "mixed"):
         batch = _bf16(make_batch(SCENARIOS[scenario], 16, 64, 8, 4, poison=POISON["torch"]))
         scale = 64 ** -0.5
         want = kernels.paged_attention_torch(*batch, scale, 5)
@@ -168,6 +168,28 @@ def test_a_sliding_window_layer_runs_the_reference(attend, monkeypatch):
     decodes = _bf16(make_batch(SCENARIOS["decode"], 16, 64, 8, 4, poison=POISON["torch"]))
     monkeypatch.setattr(kernels, "paged_attention_torch", None)  # not called when the window masks nothing
     attend(*decodes, scale, int(decodes[4].max()))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
+@pytest.mark.parametrize("window", [5, 19])
+def test_c_decode_attention_with_a_sliding_window(config, window):
+    """Each sequence sees its last ``window`` keys, from anywhere in a block: within bf16
+    rounding of the float64 truth, with every key before the windows NaN and the blocks
+    wholly before them the (NaN) null block in the tables, as the block manager leaves them."""
+    _c_kernel_or_skip(config[2] // config[3], config[1])
+    torch.manual_seed(23 + CONFIGS.index(config))
+    query, k, v, tables, lens, qsl = _bf16(make_batch(SCENARIOS["decode"], *config, poison=float("nan")))
+    scale, bs = config[1] ** -0.5, config[0]
+    truth = naive_attention(query, k, v, tables, lens, qsl, scale, window)
+    tables = tables.clone()
+    for i, n in enumerate(lens.tolist()):
+        before = torch.arange(max(n - window, 0))
+        k[tables[i, before // bs].long(), before % bs] = float("nan")
+        v[tables[i, before // bs].long(), before % bs] = float("nan")
+        tables[i, :max(n - window, 0) // bs] = 0
+    got = cpu_kernels.paged_attention(query, k, v, tables, lens, qsl, scale, window)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    torch.testing.assert_close(got.double(), truth, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("scenario", ["decode", "mixed", "chunked"])

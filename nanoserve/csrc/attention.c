@@ -53,12 +53,14 @@ static inline void prefetch_row_l2(const uint16_t *p, int64_t n) {
    block_tables [n, bt_stride]; each task owns one sequence and hb kv heads.
    Keys start .. seq_len-1 (start a multiple of bs); with start > 0, o_pre, m_pre
    and l_pre [n * heads (* HEAD_DIM)] hold what prefix_attention computed over keys
-   0 .. start-1, and each row's two parts are merged at the end. */
+   0 .. start-1, and each row's two parts are merged at the end. With a sliding
+   window (window > 0, and start 0) a sequence's keys are its last window only:
+   from lo = seq_len - window, anywhere in a block. */
 void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                       const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                       uint16_t *out, int64_t n, int64_t kvh, int64_t bs, float scale,
                       int64_t hb, int64_t start, const float *o_pre, const float *m_pre,
-                      const float *l_pre, int nthreads) {
+                      const float *l_pre, int64_t window, int nthreads) {
     const int64_t heads = kvh * GROUP, row = kvh * HEAD_DIM, blk = bs * row, runs = kvh / hb;
     const int64_t rows = hb * GROUP, width = hb * HEAD_DIM;
     #pragma omp parallel num_threads(nthreads)
@@ -67,16 +69,17 @@ void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
         int64_t cap = 0;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < n * runs; task++) {
-            const int64_t i = task / runs, h0 = task % runs * hb, len = seq_lens[i], span = len - start;
+            const int64_t i = task / runs, h0 = task % runs * hb, len = seq_lens[i];
+            const int64_t lo = window > 0 && len - window > start ? len - window : start, span = len - lo;
             const int32_t *bt = block_tables + i * bt_stride;
             const uint16_t *qi = q + (i * heads + h0 * GROUP) * HEAD_DIM;
             if (rows * span > cap) { free(s); cap = 2 * rows * span; s = malloc(cap * sizeof(float)); }
-            /* pass 1: s[r * span + t - start] = scale * q_r . k_t, r = head * GROUP + g */
-            for (int64_t t0 = start; t0 < len; t0 += bs) {
+            /* pass 1: s[r * span + t - lo] = scale * q_r . k_t, r = head * GROUP + g */
+            for (int64_t t0 = lo - lo % bs; t0 < len; t0 += bs) {
                 const uint16_t *kb = k_cache + bt[t0 / bs] * blk + h0 * HEAD_DIM;
                 const uint16_t *next = t0 + bs < len ? k_cache + bt[t0 / bs + 1] * blk + h0 * HEAD_DIM : NULL;
                 const uint16_t *next2 = t0 + 2 * bs < len ? k_cache + bt[t0 / bs + 2] * blk + h0 * HEAD_DIM : NULL;
-                for (int64_t j = 0; j < bs && t0 + j < len; j++) {
+                for (int64_t j = t0 < lo ? lo - t0 : 0; j < bs && t0 + j < len; j++) {
                     if (next) prefetch_row(next + j * row, width);
                     if (next2) prefetch_row_l2(next2 + j * row, width);
                     for (int64_t h = 0; h < hb; h++) {
@@ -87,7 +90,7 @@ void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
                             __m512 a = _mm512_setzero_ps();
                             for (int c = 0; c < C32; c++)
                                 a = dot2(a, _mm512_loadu_si512(qr + 32 * c), k[c]);
-                            s[(h * GROUP + g) * span + t0 - start + j] = _mm512_reduce_add_ps(a) * scale;
+                            s[(h * GROUP + g) * span + t0 - lo + j] = _mm512_reduce_add_ps(a) * scale;
                         }
                     }
                 }
@@ -109,18 +112,18 @@ void decode_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
             }
             /* pass 2: acc[r] = sum_t p[r, t] * v_t */
             memset(acc, 0, rows * HEAD_DIM * sizeof(float));
-            for (int64_t t0 = start; t0 < len; t0 += bs) {
+            for (int64_t t0 = lo - lo % bs; t0 < len; t0 += bs) {
                 const uint16_t *vb = v_cache + bt[t0 / bs] * blk + h0 * HEAD_DIM;
                 const uint16_t *next = t0 + bs < len ? v_cache + bt[t0 / bs + 1] * blk + h0 * HEAD_DIM : NULL;
                 const uint16_t *next2 = t0 + 2 * bs < len ? v_cache + bt[t0 / bs + 2] * blk + h0 * HEAD_DIM : NULL;
-                for (int64_t j = 0; j < bs && t0 + j < len; j++) {
+                for (int64_t j = t0 < lo ? lo - t0 : 0; j < bs && t0 + j < len; j++) {
                     if (next) prefetch_row(next + j * row, width);
                     if (next2) prefetch_row_l2(next2 + j * row, width);
                     for (int64_t h = 0; h < hb; h++) {
                         __m512 v[C16];
                         for (int c = 0; c < C16; c++) v[c] = load_bf16x16(vb + j * row + h * HEAD_DIM + 16 * c);
                         for (int g = 0; g < GROUP; g++) {
-                            const float pr = s[(h * GROUP + g) * span + t0 - start + j];
+                            const float pr = s[(h * GROUP + g) * span + t0 - lo + j];
                             const __m512 p = _mm512_set1_ps(pr);
                             float *ar = acc + (h * GROUP + g) * HEAD_DIM;
                             sm[h * GROUP + g] += pr;
