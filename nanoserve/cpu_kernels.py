@@ -341,7 +341,8 @@ def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
 def packed_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` of the [N, K] weight that pack_linear_weight packed: the same values, gathered
     from their panels (a tied model's embedding lookup, reading its head's packed copy)."""
-    return packed[ids // LINEAR_PANEL, :, ids % LINEAR_PANEL].reshape(*ids.shape, -1)
+    rows = packed[ids // LINEAR_PANEL, :, ids % LINEAR_PANEL]
+    return rows.reshape(*ids.shape, packed.shape[1] * 2)  # the width spelt out: ids may be empty
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None,

@@ -125,9 +125,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.families: dict[str, dict[str, None]] = {}  # n > 1: the live children's ids, by parent id
         self.num_preemptions = 0
-        # With a sliding window: where each running request's last chunk starts (its earliest query
-        # that may not have run yet: under async scheduling that chunk may be in flight)
-        self.chunk_starts: dict[str, int] = {}
 
     # ---------------------------------------------------------------- queue ops
     def add_request(self, request: "Request") -> None:
@@ -148,7 +145,6 @@ class Scheduler:
             self.running.remove(request)  # at most max_num_seqs long
         else:
             del self.waiting[request_id]
-        self.chunk_starts.pop(request_id, None)
         family = self.families.get(request.parent_id)
         if family is not None:
             del family[request_id]
@@ -194,8 +190,9 @@ class Scheduler:
             if num_new <= 0:  # its token in flight is its last: nothing more to compute
                 i += 1
                 continue
-            if bm.sliding_window is not None:
-                self._free_skipped(req, start)
+            if bm.sliding_window is not None:  # the blocks before this chunk's first window go back to the pool
+                # (a step still in flight may read them: only a later step, which runs after it, writes them)
+                bm.free_skipped_blocks(req.request_id, start - bm.sliding_window + 1)
             table = bm.allocate_slots(req.request_id, req.token_ids, start + num_new)
             if table is None and (table := self._preempt_until_fits(req, num_new, out)) is None:
                 break  # req itself was preempted: nothing after it is left to schedule
@@ -236,8 +233,6 @@ class Scheduler:
                 req.num_cached_tokens = num_computed  # reported for the first admission
             req.num_computed_tokens = num_computed + num_new
             req.status = RequestStatus.RUNNING
-            if bm.sliding_window is not None:
-                self.chunk_starts[req.request_id] = num_computed
             self._run(req)
             out.scheduled.append(ScheduledRequest(req, num_computed, num_new, table,
                                                   num_computed + num_new == req.num_tokens))
@@ -245,16 +240,8 @@ class Scheduler:
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
                          req.request_id, req.num_tokens, num_computed, num_new)
 
-    def _free_skipped(self, req: "Request", start: int) -> None:
-        """The blocks before the window of the request's earliest query still to run (its last chunk's
-        first, else this one's: the window of a query at p starts at p - window + 1) go back to the pool."""
-        earliest = self.chunk_starts.get(req.request_id, start)
-        self.block_manager.free_skipped_blocks(req.request_id, earliest - self.block_manager.sliding_window + 1)
-        self.chunk_starts[req.request_id] = start
-
     def _preempt(self, req: "Request", out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.chunk_starts.pop(req.request_id, None)
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0

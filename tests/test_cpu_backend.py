@@ -294,6 +294,7 @@ def test_c_linear_where_the_cpu_has_no_bf16_matmul(model, tiny_model, model_root
         linears.append(plain_model.model.embed_tokens.weight)
         ids = torch.tensor([0, 1, 31, 32, 33, VOCAB - 1, 5, 5])  # both sides of a panel, the last row, a repeat
         assert torch.equal(m.model.embed_tokens(ids), plain_model.model.embed_tokens(ids))
+        assert m.model.embed_tokens(ids[:0]).shape == (0, m.config.hidden_size)
     padding = sum((-x.shape[0] % cpu_kernels.LINEAR_PANEL) * x.shape[1] for x in linears)
     assert widened_bytes - plain_bytes == 2 * padding
     monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)

@@ -166,9 +166,10 @@ def test_sliding_window_matches_hf(variant, arch, overrides, layers):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_sliding_window_frees_the_blocks_out_of_it(variant, async_scheduling):
     """Every layer windowed (Mistral, 12 tokens): four prompts of up to 57 tokens, prefilled
-    in chunks of 16 (under async scheduling a chunk may be in flight while the next is
-    scheduled), then 40 tokens each, run side by side in 23 blocks of 8, where each would
-    hold 13 without the freeing: no preemption, and transformers' greedy tokens."""
+    in chunks of 16 (under async scheduling a chunk may be in flight, reading blocks the next
+    one's schedule frees: only a later step writes them), then 40 tokens each, run side by side
+    in 23 blocks of 8, where each would hold 13 without the freeing: no preemption, and
+    transformers' greedy tokens."""
     path = variant("mistral", sliding_window=12)
     llm = make_llm(path, num_kv_blocks=24, block_size=8, max_model_len=120, max_num_batched_tokens=16,
                    async_scheduling=async_scheduling)
