@@ -2964,6 +2964,9 @@ class ResponsesRequest(OpenAIBaseModel):
                 {"type": "json_schema", "json_schema": {k: fmt.get(k) for k in ("name", "schema", "strict")}}}
 
 
+INPUT_ROLES = ("user", "assistant", "system", "developer")  # a Responses message's (OpenAI's EasyInputMessage)
+
+
 def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
     """A Responses input as chat messages, as vLLM's construct_input_messages: a function_call joins the
     assistant message before it, a function_call_output is a tool message, a reasoning item is dropped;
@@ -2975,7 +2978,7 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
     messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where, kind = f"input[{i}]", item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message" and isinstance(item.get("role"), str):
+        if kind == "message" and item.get("role") in INPUT_ROLES:
             messages.append({"role": item["role"], "content": _item_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")) \
                 and item["name"]:
@@ -2990,7 +2993,8 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
             messages.append({"role": "tool", "tool_call_id": item["call_id"],
                              "content": _item_text(item.get("output"), f"{where}.output")})
         elif kind != "reasoning":
-            raise InvalidInput("input", f"{where} must be a message {{role, content}}, a function_call {{call_id, "
+            raise InvalidInput("input", f"{where} must be a message {{role ({', '.join(INPUT_ROLES)}), content}}, "
+                                        f"a function_call {{call_id, "
                                         f"name, arguments}}, a function_call_output {{call_id, output}} or a reasoning "
                                         f"item, got {show(item)}")
     if not messages:

@@ -498,6 +498,9 @@ BAD = [  # body, param, words the message must have
      "images"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "input[0] must be"),
     ({"input": [{"role": "user", "content": 3}]}, "input", "input[0].content"),
+    # OpenAI's roles only (a "tool" message is a function_call_output item); any role was rendered
+    ({"input": [{"role": "bogus", "content": "x"}]}, "input", "input[0] must be a message {role (user, assistant"),
+    ({"input": [{"role": "tool", "content": "x"}]}, "input", "input[0] must be"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{oops"}]}, "input",
      "arguments must be a JSON object"),
     # named by its place in input: it was "input[2].tool_calls[0].function.arguments", the chat message's place
