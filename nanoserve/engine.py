@@ -1231,11 +1231,11 @@ class LLMEngine:
             self.compile_time_s = time.perf_counter() - t0
             self.decode_sizes = self._decode_sizes()
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides)
-            self.max_model_len, self.kv_plan, kv_caches = self._init_kv_cache(model)
+            self.max_model_len, self.kv_plan, window, kv_caches = self._init_kv_cache(model)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy),
                                        BlockManager(self.kv_plan.num_blocks, config.block_size,
-                                                    config.enable_prefix_caching, self._freed_window()))
+                                                    config.enable_prefix_caching, window))
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len)
             self._warm_up()
@@ -1266,15 +1266,16 @@ class LLMEngine:
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
 
     # ---------------------------------------------------------------- start-up
-    def _freed_window(self) -> int | None:
+    def _freed_window(self, num_blocks: int, max_model_len: int) -> int | None:
         """The sliding window whose out-of-window blocks the block manager frees: only where
-        every layer has it (a full-attention layer reads every block), and where the pool can
-        spare the null block (a prompt of max_model_len may need every block at once)."""
-        mc, blocks = self.model_config, self.kv_plan.num_blocks
-        if mc.sliding_window is None or self.config.disable_sliding_window or \
-                len(mc.sliding_layers) != mc.num_layers or (blocks - 1) * self.config.block_size < self.max_model_len:
+        every layer has it (a full-attention layer reads every block), and where the pool holds
+        a request's window and the null block (else it holds the whole request: see check_fits)."""
+        mc, cfg = self.model_config, self.config
+        if mc.sliding_window is None or cfg.disable_sliding_window or len(mc.sliding_layers) != mc.num_layers:
             return None
-        return mc.sliding_window
+        need = kvcache.blocks_per_request(max_model_len, cfg.block_size, mc.sliding_window,
+                                          cfg.max_num_batched_tokens)
+        return mc.sliding_window if num_blocks >= need + 1 else None
 
     def _decode_sizes(self) -> list[int]:
         cfg = self.config
@@ -1317,17 +1318,20 @@ class LLMEngine:
                                             cfg.gpu_memory_utilization, kv_bytes)
         kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
 
-    def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, list[tuple[torch.Tensor, torch.Tensor]]]:
+    def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, int | None, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Size the KV cache from what the weights leave, settle max_model_len, and
-        allocate the KV tensors: (max_model_len, the plan, per layer K and V)."""
+        allocate the KV tensors: (max_model_len, the plan, the sliding window whose
+        blocks are freed, per layer K and V)."""
         cfg, mc = self.config, self.model_config
         if cfg.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {cfg.block_size}")
         spec, plan = plan_rank_kv_cache(model, self.weight_bytes, cache_config(cfg, self.decode_sizes))
         log_tensor_parallel(model.tp, self.weight_bytes, spec, plan)
         max_len = cfg.max_model_len
-        if max_len is None:  # as long as the model allows and one request fits
-            max_len = min(mc.max_position_embeddings, plan.num_blocks * cfg.block_size)
+        if max_len is None:  # as long as the model allows and one request fits (in its window, where it has one)
+            max_len = mc.max_position_embeddings
+            if self._freed_window(plan.num_blocks, max_len) is None:
+                max_len = min(max_len, plan.num_blocks * cfg.block_size)
             if cfg.disable_sliding_window and mc.sliding_window is not None:
                 max_len = min(max_len, mc.sliding_window)
         elif max_len < 2:
@@ -1336,9 +1340,12 @@ class LLMEngine:
             raise ValueError(f"max_model_len={max_len} is longer than the model's "
                              f"max_position_embeddings={mc.max_position_embeddings}")
         mc.check_max_model_len(max_len, cfg.disable_sliding_window)
-        kvcache.check_fits(plan, spec, max_len)
-        kvcache.log_plan(plan, spec, self.weight_bytes, max_len)
-        return max_len, plan, kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
+        window = self._freed_window(plan.num_blocks, max_len)
+        need = kvcache.blocks_per_request(max_len, cfg.block_size, window, cfg.max_num_batched_tokens)
+        nulls = int(window is not None)
+        kvcache.check_fits(plan, spec, max_len, need + nulls)
+        kvcache.log_plan(plan, spec, self.weight_bytes, max_len, need, nulls)
+        return max_len, plan, window, kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
 
     def _warm_up(self) -> None:
         """Build what the first steps would (a warm-up forward; on CUDA the decode graphs)."""

@@ -17,10 +17,11 @@ the model runner gets the KV tensors.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -133,19 +134,38 @@ class BlockManager:
         last token is always left to compute (its logits are needed), so a
         prompt that is all cached still recomputes its final block's last token.
         A ``cache_salt`` (as vLLM's) starts the hash chain, so only requests with
-        the same salt can share blocks."""
+        the same salt can share blocks. With a sliding window only the blocks the
+        first window to compute reads must be cached (vLLM's SlidingWindowManager):
+        the longest such prefix wins, and the blocks before its window are the null block."""
         if not self._caches(cache_salt):
             return []
         hits: list[int] = []
-        parent = _salt_hash(cache_salt)
         bs = self.block_size
-        for i in range((len(token_ids) - 1) // bs):
-            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
-            block_id = self.cached.get(parent)
-            if block_id is None:
+        for h in itertools.islice(self._hash_chain(token_ids, cache_salt), (len(token_ids) - 1) // bs):
+            block_id = self.cached.get(h)
+            if block_id is None and self.sliding_window is None:
                 break
             hits.append(block_id)
-        return hits
+        if self.sliding_window is None:
+            return hits
+        best, run = 0, 0  # the longest prefix whose window is cached; cached blocks in a row before block n
+        for n, block_id in enumerate(hits, 1):
+            run = run + 1 if block_id is not None else 0
+            if run >= n - self._first_window_block(n * bs):
+                best = n
+        first = self._first_window_block(best * bs)
+        return [self.null_block] * first + hits[first:best]
+
+    def _hash_chain(self, token_ids: list[int], cache_salt: str | None) -> Iterator[bytes]:
+        """The hashes of ``token_ids``' full blocks, in order, each chained to the one before."""
+        parent, bs = _salt_hash(cache_salt), self.block_size
+        for i in range(len(token_ids) // bs):
+            parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            yield parent
+
+    def _first_window_block(self, position: int) -> int:
+        """The first block the window of a query at ``position`` reads (kernels.first_window_block)."""
+        return max(position - self.sliding_window + 1, 0) // self.block_size
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         if not self.enable_prefix_caching:  # n's family sharing is not the prefix cache
@@ -169,14 +189,18 @@ class BlockManager:
             self._cache_full_blocks(request_id, token_ids, num_tokens)
             return table
         computed_blocks = computed_blocks or []
-        # Hits that are on the free list are about to be taken out of it.
-        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        # Hits that are on the free list are about to be taken out of it (the null block never is).
+        held = [b for b in computed_blocks if b != self.null_block]
+        revived = sum(1 for b in held if self.blocks[b].ref_cnt == 0)
         need = self.blocks_needed(num_tokens) - len(table) - len(computed_blocks)
         if need + revived > self.num_free_blocks:
             return None
-        for b in computed_blocks:
+        for b in held:
             self._touch(b)
-        if computed_blocks:
+        if len(held) < len(computed_blocks):  # the null block has no hash: the chain from the tokens
+            self.req_hashes[request_id] = list(itertools.islice(self._hash_chain(token_ids, cache_salt),
+                                                                len(computed_blocks)))
+        elif computed_blocks:
             self.req_hashes[request_id] = [self.blocks[b].block_hash for b in computed_blocks]
         if computed_blocks or need > 0:  # a new list: see the docstring
             table = table + computed_blocks + [self._pop_free() for _ in range(need)]
@@ -323,13 +347,27 @@ class KVCachePlan:
     from_num_blocks: bool = False  # set by --num-kv-blocks, not by a byte budget
     graph_pool_bytes: int = 0      # what the budget left for the CUDA graphs' pool (0: not profiled)
 
-    def describe(self, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> str:
-        tokens = self.num_blocks * spec.block_size
-        per_req = -(-max_model_len // spec.block_size)
+    def describe(self, spec: KVCacheSpec, weight_bytes: int, max_model_len: int, per_request: int,
+                 null_blocks: int = 0) -> str:
+        """``per_request``: the most blocks one request holds (blocks_per_request); ``null_blocks``:
+        1 where a sliding window's null block is in the pool, never allocated."""
+        usable = self.num_blocks - null_blocks
+        null = f" (and the null block)" if null_blocks else ""
         return (f"weights {weight_bytes / 2**30:.2f} GiB; KV budget {self.budget_bytes / 2**30:.2f} GiB, "
                 f"{self.bytes_per_block / 2**10:.1f} KiB per block of {spec.block_size} tokens -> "
-                f"{self.num_blocks} blocks, {tokens} tokens; max concurrency at "
-                f"max_model_len={max_model_len}: {self.num_blocks / per_req:.2f}x")
+                f"{usable} blocks{null}, {usable * spec.block_size} tokens; max concurrency at "
+                f"max_model_len={max_model_len}: {usable / per_request:.2f}x")
+
+
+def blocks_per_request(max_model_len: int, block_size: int, sliding_window: int | None = None,
+                       max_num_batched_tokens: int = 0) -> int:
+    """The most blocks one request holds at once: its whole length, or where the blocks before a
+    sliding window are freed, the window and one step's tokens, plus a block for a window that
+    starts inside one (vLLM's SlidingWindowSpec.max_memory_usage_bytes)."""
+    whole = -(-max_model_len // block_size)
+    if sliding_window is None:
+        return whole
+    return min(whole, -(-min(sliding_window - 1 + max_num_batched_tokens, max_model_len) // block_size) + 1)
 
 
 def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int | None, num_kv_blocks: int | None) -> KVCachePlan:
@@ -350,8 +388,10 @@ def plan_kv_cache(spec: KVCacheSpec, budget_bytes: int | None, num_kv_blocks: in
     return KVCachePlan(budget_bytes // per_block, per_block, budget_bytes)
 
 
-def check_fits(plan: KVCachePlan, spec: KVCacheSpec, max_model_len: int) -> None:
-    need = -(-max_model_len // spec.block_size)
+def check_fits(plan: KVCachePlan, spec: KVCacheSpec, max_model_len: int, need: int | None = None) -> None:
+    """Does one request of max_model_len fit? ``need``: the blocks it takes (a sliding window's
+    blocks_per_request and the null block); by default its whole length's."""
+    need = need or -(-max_model_len // spec.block_size)
     if plan.num_blocks < need:
         fit_len = plan.num_blocks * spec.block_size
         raise ValueError(
@@ -482,5 +522,6 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device
             for _ in range(spec.num_layers)]
 
 
-def log_plan(plan: KVCachePlan, spec: KVCacheSpec, weight_bytes: int, max_model_len: int) -> None:
-    logger.info("[kvcache] %s", plan.describe(spec, weight_bytes, max_model_len))
+def log_plan(plan: KVCachePlan, spec: KVCacheSpec, weight_bytes: int, max_model_len: int, per_request: int,
+             null_blocks: int = 0) -> None:
+    logger.info("[kvcache] %s", plan.describe(spec, weight_bytes, max_model_len, per_request, null_blocks))

@@ -24,17 +24,17 @@ HEADLINE = ("date", "gpu", "torch", "commit", "w1_warm_s", "w1_cold_s", "w1_eage
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
     work = tmp_path_factory.mktemp("gpu-work")
-    return dict(work=str(work), models=gpu.part_models(gpu.DRY, dict(work=str(work)), archs=("qwen3",), w1=False))
+    return dict(work=str(work), models=gpu.part_models(gpu.DRY, dict(work=str(work)), archs=("qwen3", "mistral-sw"), w1=False))
 
 
 def test_parity_part_on_the_cpu(spec):
     """transformers' greedy tokens, under preemption and chunking (eager: the
     padded CPU path compiles, which is test_decode_graphs' business)."""
-    res = gpu.part_parity(gpu.DRY, spec, archs=("qwen3",), configs=["preempt-eager", "chunked-eager"])
-    rows = res["archs"]["qwen3"]
-    assert rows["preempt-eager"]["preemptions"] > 0, rows
-    assert res["ok"], rows
-    assert res["summary"] == "2/2 configs equal"
+    res = gpu.part_parity(gpu.DRY, spec, archs=("qwen3", "mistral-sw"), configs=["preempt-eager", "chunked-eager"])
+    for arch in ("qwen3", "mistral-sw"):  # the windowed pool is sized apart: its requests preempt too
+        assert res["archs"][arch]["preempt-eager"]["preemptions"] > 0, res["archs"][arch]
+    assert res["ok"], res["archs"]
+    assert res["summary"] == "4/4 configs equal"
 
 
 def test_a_part_runs_in_a_fresh_process(tmp_path):

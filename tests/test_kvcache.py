@@ -325,11 +325,37 @@ def test_blocks_before_the_window_go_back_and_the_null_block_takes_their_place()
 
 def test_a_freed_window_block_stays_in_the_prefix_cache():
     """Freed out of the window, a full block keeps its hash: a later prompt with the
-    same prefix hits it (until it is evicted), as any freed cached block."""
+    same prefix hits it (until it is evicted), as any freed cached block; the blocks
+    before the hit's window are not taken back, the null block stands in for them."""
     bm = BlockManager(8, BS, sliding_window=4)
     bm.allocate_slots("a", toks(12), 12)
-    first = bm.req_to_blocks["a"][0]
+    first, second = bm.req_to_blocks["a"][:2]
     bm.free_skipped_blocks("a", 8)
-    assert bm.get_computed_blocks(toks(9))[0] == first
-    assert bm.allocate_slots("b", toks(9), 9, bm.get_computed_blocks(toks(9)))[0] == first
-    assert bm.blocks[first].ref_cnt == 1
+    assert bm.get_computed_blocks(toks(10)) == [0, second]  # a query at 8 reads from 5: block 1 on
+    assert bm.allocate_slots("b", toks(10), 10, bm.get_computed_blocks(toks(10)))[:2] == [0, second]
+    assert bm.blocks[second].ref_cnt == 1 and bm.blocks[first].ref_cnt == 0 and first in bm.free_blocks
+    bm.free("b")
+    bm.free("a")
+    assert bm.num_free_blocks == 7 and all(b.ref_cnt == 0 for b in bm.blocks)
+
+
+def test_a_window_hit_needs_only_the_blocks_its_window_reads():
+    """vLLM's SlidingWindowManager: a prompt hits the longest prefix whose next query's window
+    is cached, though blocks before it were evicted; the blocks it then fills chain their
+    hashes to the whole prefix (the same as without a window), so later prompts hit them."""
+    bm = BlockManager(10, BS, sliding_window=6)
+    prompt = toks(30) + [1, 2]
+    bm.allocate_slots("a", prompt, 30)  # tokens 0..29: 8 blocks, the first 7 full and cached
+    table = bm.req_to_blocks["a"]
+    bm.free("a")
+    for b in table[:2]:  # evicted: their hashes gone
+        del bm.cached[bm.blocks[b].block_hash]
+        bm.blocks[b].block_hash = None
+    hits = bm.get_computed_blocks(prompt)  # 7 blocks before the last token; a query at 28 reads from 23
+    assert hits == [0] * 5 + table[5:7]
+    assert bm.get_computed_blocks(prompt[:20] + [9] * 12) == [0] * 3 + table[3:5]  # at 20: reads from 15
+    plain = BlockManager(10, BS)
+    assert bm.allocate_slots("b", prompt, 32, hits) is not None and bm.num_free_blocks == 9 - 2 - 1
+    plain.allocate_slots("b", prompt, 32)
+    assert bm.req_hashes["b"] == plain.req_hashes["b"]  # the chain from the tokens, not the null block
+    assert bm.blocks[0].block_hash is None and 0 not in bm.cached.values()

@@ -182,6 +182,32 @@ def test_sliding_window_frees_the_blocks_out_of_it(variant, async_scheduling):
     assert stats["num_free_blocks"] == stats["num_total_blocks"] == 23  # block 0: the null block
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_sliding_window_pool_holds_windows_not_whole_requests(variant, async_scheduling):
+    """vLLM sizes a windowed model's pool by the window (and a step's tokens), not by
+    max_model_len: 8 blocks of 8 (one the null block) serve a 512-token max_model_len and a
+    prompt of 200 tokens, three times the pool, beside others that preempt each other.
+    Then the long prompt alone, twice: the second hits the first's cached window (the blocks
+    before it long evicted). Transformers' greedy tokens each time, every block back at the end."""
+    path = variant("mistral", sliding_window=12)
+    llm = make_llm(path, num_kv_blocks=8, block_size=8, max_model_len=None, max_num_batched_tokens=16,
+                   async_scheduling=async_scheduling)
+    assert llm.engine.max_model_len == 512  # the model's max_position_embeddings: one request's window fits
+    prompts = [LONG * 3 + LONG[:29], LONG[::-1], LONG[3:], PROMPTS[4]]
+    hf = hf_model(path)
+    want = [hf_greedy(hf, p, 24) for p in prompts]
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=24)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    # Alone, twice: the second hits the first's last window of the prompt, 2 blocks, and the
+    # 22 blocks before it, evicted, are the null block's
+    again = [llm.generate(prompts[:1], params, use_tqdm=False)[0] for _ in range(2)]
+    assert [o.outputs[0].token_ids for o in again] == want[:1] * 2 and again[1].num_cached_tokens == 192
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] == 7
+
+
 def test_sliding_window_layers_as_transformers_reads_them():
     from nanoserve.model import _sliding_window
     qwen = dict(num_hidden_layers=4, sliding_window=8, max_window_layers=2)
