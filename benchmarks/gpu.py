@@ -374,6 +374,9 @@ def part_w1(scale: Scale, spec: dict, eager: bool = False, async_scheduling: boo
         print(f"[w1] {'eager' if eager else 'graphs'}{' async' if async_scheduling else ''} {run}: {wall:.2f} s, {n_out / wall:.0f} tok/s, "
               f"digest {res[f'{run}_digest']}", flush=True)
     res["cold_warm_same_tokens"] = res["cold_digest"] == res["warm_digest"]
+    if scale.device == "cuda" and (res["backend"] != "triton" or (not eager and not res["graphs"])):
+        res.update(ok=False, error=f"not the path measured: backend {res['backend']}, {res['graphs']} CUDA graphs "
+                                   "(select_backend fell back: see the log's [kernels] warning)")
     if async_scheduling and scale.device == "cuda":
         res["launch_syncs"] = _launch_syncs(llm, w.prompts[:16])
     res["stats"] = llm.stats()
@@ -519,6 +522,8 @@ def part_breakdown(scale: Scale, spec: dict) -> dict:
     res["decode_step_ms_b64"] = fixed[key].get("graph_ms") or fixed[key].get("eager_ms")
     res["decode_step_eager_ms_b64"] = fixed[key].get("eager_ms")
     res["decode_step_is_graph"] = fixed[key].get("graph_ms") is not None
+    if dev == "cuda" and not res["decode_step_is_graph"]:  # else decode_step_ms_b64 is an eager time
+        res.update(ok=False, error=f"no CUDA graph of batch {key} (backend {engine.backend.name})")
     for r in rids:
         engine.abort_request(r)
     while engine.has_unfinished_requests():
@@ -794,7 +799,16 @@ def part_cuda_tests(scale: Scale, spec: dict) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "-p", "pytest_timeout",
            "tests/test_decode_graphs.py", "-k", "graph_replay or graph_padding or async_scheduling_with_graphs"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    # a per-test limit and a run limit inside the part's own, so that a hang leaves pytest's output
+    # (killed with the part, the captured output would be lost, and with it which test hung)
+    limit = max(20, spec.get("timeout", 90) - 10)
+    cmd.append(f"--timeout={max(10, limit - 15)}")  # after addopts' --timeout=600: this one wins
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        print(out[-20000:], flush=True)
+        raise RuntimeError(f"pytest ran past {limit} s; its last lines: {out[-1500:]}") from None
     print(proc.stdout[-20000:], proc.stderr[-5000:], flush=True)
     summary = (proc.stdout.strip().splitlines() or ["(no output)"])[-1].strip("= ")
     counts = {k: int(n) for n, k in
@@ -810,12 +824,13 @@ def part_cuda_tests(scale: Scale, spec: dict) -> dict:
 # the extras the budget may leave out: async scheduling and the suite's CUDA tests.
 # In the order they run: what only a GPU can check (graphs, parity, the CUDA tests, async
 # scheduling) before the timings that a second, shorter call could fill in if the budget runs out.
+# In this order: what only a GPU can check first, then the issue's required figures, then the rest
 WORKERS = dict(env=part_env, models=part_models,
                w1_graphs=lambda s, spec: part_w1(s, spec, eager=False),
                parity=part_parity, cuda_tests=part_cuda_tests,
-               w1_async=lambda s, spec: part_w1(s, spec, async_scheduling=True),
                breakdown=part_breakdown, w1_eager=lambda s, spec: part_w1(s, spec, eager=True),
-               hf_cb=part_hf_cb, serve=part_serve)
+               hf_cb=part_hf_cb, w1_async=lambda s, spec: part_w1(s, spec, async_scheduling=True),
+               serve=part_serve)
 # name: (timeout s on the GPU, in the dry run)
 TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), w1_async=(90, 60),
                 breakdown=(120, 60), parity=(180, 150), cuda_tests=(90, 90), serve=(150, 90), hf_cb=(120, 60))
@@ -869,7 +884,7 @@ def run_part(run: Run, name: str, extra_env: dict | None = None) -> dict:
     result, spec_path = logs / f"{name}.json", logs / f"{name}.spec.json"
     result.unlink(missing_ok=True)
     spec_path.write_text(json.dumps(dict(scale=asdict(run.scale), work=str(run.work), models=run.models,
-                                         result=str(result), startup_timeout=max(30, timeout - 60))))
+                                         result=str(result), startup_timeout=max(30, timeout - 60), timeout=timeout)))
     env = dict(os.environ, **CHILD_ENV, **(extra_env or {}))
     t = time.perf_counter()
     print(f"[gpu] {name} ... (timeout {timeout:.0f} s)", flush=True)
@@ -1082,7 +1097,8 @@ def orchestrate(args) -> int:
     # W1's two runs each start from an empty Triton cache (the first W1 run pays what
     # it pays on a fresh machine); the later parts reuse what w1_graphs compiled.
     stamp = time.strftime("%H%M%S")
-    caches = {name: run.work / f"triton-cache-{name}-{stamp}" for name in ("w1_graphs", "w1_eager")}
+    # env's one Triton launch gets a cache of its own: it would build Triton's driver utilities in w1_graphs'
+    caches = {name: run.work / f"triton-cache-{name}-{stamp}" for name in ("env", "w1_graphs", "w1_eager")}
     for name in args.parts:
         if name in NEEDS_W1 and "w1" not in run.models:
             res = dict(ok=False, skipped="no W1 model (the models part failed or did not run)", seconds=0)
