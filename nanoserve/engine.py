@@ -1187,8 +1187,9 @@ class EngineInfo:
     weight_bytes: int
     max_model_len: int
     block_size: int
-    num_kv_blocks: int
+    num_kv_blocks: int       # those requests can hold (not a sliding window's null block)
     kv_bytes_per_block: int
+    blocks_per_request: int  # the most one request holds (kvcache.blocks_per_request)
 
 
 # The caching allocator reserves whole segments (2 and 20 MiB), so a graphs' pool
@@ -1382,10 +1383,12 @@ class LLMEngine:
         release_idle_memory(self.device, self.config.cpu_allocator_tuning)
 
     def describe(self) -> EngineInfo:
-        plan = self.kv_plan
-        return EngineInfo(self.config.model, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
-                          str(self.device), self.weight_bytes, self.max_model_len, self.config.block_size,
-                          plan.num_blocks, plan.bytes_per_block)
+        cfg, bm = self.config, self.scheduler.block_manager
+        return EngineInfo(cfg.model, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
+                          str(self.device), self.weight_bytes, self.max_model_len, cfg.block_size,
+                          bm.num_blocks, self.kv_plan.bytes_per_block,
+                          kvcache.blocks_per_request(self.max_model_len, cfg.block_size, bm.sliding_window,
+                                                     cfg.max_num_batched_tokens))
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:

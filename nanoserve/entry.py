@@ -3660,7 +3660,7 @@ def banner(engine: LLMEngine, args: argparse.Namespace, url: str) -> str:
         f"  model        {info.architecture}, {info.dtype} on {info.device}, weights {_fmt_bytes(info.weight_bytes)}",
         f"  KV cache     {blocks} blocks x {block_size} tokens = {blocks * block_size} tokens "
         f"({_fmt_bytes(info.kv_bytes_per_block)} per block, {_fmt_bytes(blocks * info.kv_bytes_per_block)})",
-        f"  concurrency  {blocks / -(-max_len // block_size):.2f}x at max-model-len {max_len} "
+        f"  concurrency  {blocks / info.blocks_per_request:.2f}x at max-model-len {max_len} "
         f"(max-num-seqs {engine.config.max_num_seqs}, prefix caching {'on' if args.enable_prefix_caching else 'off'})",
         f"  URL          {url}  (OpenAI API under {url}/v1{', API key required' if args.api_key else ''}"
         f"{'; listening on all interfaces' if args.host in ('0.0.0.0', '::') and not args.uds else ''})",

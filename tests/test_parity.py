@@ -193,6 +193,8 @@ def test_a_sliding_window_pool_holds_windows_not_whole_requests(variant, async_s
     llm = make_llm(path, num_kv_blocks=8, block_size=8, max_model_len=None, max_num_batched_tokens=16,
                    async_scheduling=async_scheduling)
     assert llm.engine.max_model_len == 512  # the model's max_position_embeddings: one request's window fits
+    info = llm.engine.describe()  # the banner's: 7 blocks to hold (block 0 is the null block), 4 + 1 a request
+    assert (info.num_kv_blocks, info.blocks_per_request) == (7, 5)
     prompts = [LONG * 3 + LONG[:29], LONG[::-1], LONG[3:], PROMPTS[4]]
     hf = hf_model(path)
     want = [hf_greedy(hf, p, 24) for p in prompts]
