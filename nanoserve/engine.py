@@ -27,6 +27,7 @@ import concurrent.futures
 import dataclasses
 import enum
 import hashlib
+import importlib
 import inspect
 import itertools
 import json
@@ -47,10 +48,10 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
-from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, ModelConfig, ModelRunner, SampleRequest,
-                             SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup, WorkerSpec,
-                             check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed, load_model,
-                             load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank, num_parameters,
+from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, ModelConfig, ModelRunner,
+                             SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
+                             WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
+                             load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank, num_parameters,
                              plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir, run_worker,
                              select_backend, shard_config, tcp_address, tune_process)
 from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
@@ -180,7 +181,7 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     stream_interval: int | None = None  # a stream's outputs every N tokens (the first and last too; engine's if more)
     repetition_detection: RepetitionDetectionParams | None = None
-    extra_args: dict[str, Any] | None = None  # as vLLM's: kept for custom code, read by nothing here
+    extra_args: dict[str, Any] | None = None  # as vLLM's: for custom code (the custom logits processors)
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # vLLM's: bad_words tokenized
 
     def __post_init__(self) -> None:
@@ -662,7 +663,7 @@ class Request:
         if self.sampling_tensors is None:
             self.sampling_tensors = SamplingTensors.of(p)
         row = SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
-                            self.num_output_placeholders, self.sampling_tensors)
+                            self.num_output_placeholders, self.sampling_tensors, self.request_id)
         if not banned and not self.bad_words_token_ids and self.grammar is None and self.thinking is None:
             self.sample_row = row
         return row
@@ -1046,6 +1047,8 @@ class EngineConfig:
     # As vLLM's structured_outputs_config.reasoning_parser (--reasoning-parser): structured
     # outputs start after the reasoning (GrammarState)
     reasoning_parser: str | None = None
+    # As vLLM's: custom logits processors (model.LogitsProcessor subclasses, or "module:Class" names)
+    logits_processors: list[str | type] | None = None
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -1146,6 +1149,34 @@ def engine_config_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfi
     return EngineConfig(str(model), **taken)
 
 
+def load_logits_processors(specs: list[str | type]) -> list[type[LogitsProcessor]]:
+    """The classes of ``logits_processors``: LogitsProcessor subclasses, given or named
+    "module:Class" (or "module.Class", as vLLM's --logits-processors takes them)."""
+    classes = []
+    for spec in specs:
+        cls = spec
+        if isinstance(spec, str):
+            module, _, name = spec.rpartition(":") if ":" in spec else spec.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as e:
+                raise ValueError(f"logits processor {spec!r}: cannot import it ({e}); name it module:Class, "
+                                 f"importable from this Python") from None
+        if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
+            raise ValueError(f"logits processor {spec!r} is not a subclass of nanoserve's LogitsProcessor "
+                             f"(vLLM's interface: from nanoserve import LogitsProcessor)")
+        classes.append(cls)
+    return classes
+
+
+def _start_logits_processor(cls: type[LogitsProcessor], config: EngineConfig, device: torch.device
+                            ) -> LogitsProcessor:
+    try:
+        return cls(config, device, False)  # is_pin_memory: nanoserve copies from pageable host memory
+    except Exception as e:  # noqa: BLE001 - the user's code: name it
+        raise ValueError(f"logits processor {cls.__name__} failed to start: {type(e).__name__}: {e}") from e
+
+
 def _compilation_config(config: int | dict | None) -> dict[str, Any]:
     """vLLM's compilation_config (an optimization level, or a dict): its CUDA-graph sizes as EngineConfig's
     fields; its level (mode) is taken with a note, anything else is refused."""
@@ -1237,8 +1268,11 @@ class LLMEngine:
                                                        self.max_model_len, config.scheduling_policy),
                                        BlockManager(self.kv_plan.num_blocks, config.block_size,
                                                     config.enable_prefix_caching, window))
+            self.logits_processor_classes = load_logits_processors(config.logits_processors or [])
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
-                                      self.decode_sizes, self.max_model_len)
+                                      self.decode_sizes, self.max_model_len,
+                                      [_start_logits_processor(c, config, self.device)
+                                       for c in self.logits_processor_classes])
             self._warm_up()
         except BaseException:
             self.shutdown()
@@ -1505,6 +1539,12 @@ class LLMEngine:
         if params.thinking_token_budget is not None and self.structured_outputs.think_ids is None:
             raise InvalidInput("thinking_token_budget", "thinking_token_budget needs a reasoning parser (--reasoning-"
                                                         f"parser) and the tokens {' and '.join(THINK_TAGS)}")
+        for cls in self.logits_processor_classes:
+            try:
+                cls.validate_params(params)
+            except ValueError as e:  # the processor's own words, named as vLLM's custom arguments
+                raise InvalidInput("extra_args", f"extra_args refused by the logits processor {cls.__name__}: "
+                                                 f"{e}") from None
         grammar = self.structured_outputs.compile(params.structured_outputs)
         bad_words = params.bad_words_token_ids(self.tokenizer)
         self._check_first_token(params, grammar, bad_words)
@@ -1760,8 +1800,9 @@ class LLMEngine:
         inputs = self.build_inputs(sched, before)
         # The next step may be scheduled before this one lands unless a request that samples here
         # needs its output on the host for its next token, or prompt logprobs (the next chunk's) come back.
+        # Custom logits processors read each request's output token ids, all of them, at every step.
         flight.may_run_ahead = self.config.async_scheduling and not any(i.prompt_logprob_ids for i in inputs) \
-            and all(s.request.can_run_ahead for s in sched.scheduled if s.samples)
+            and not self.logits_processor_classes and all(s.request.can_run_ahead for s in sched.scheduled if s.samples)
         return flight, inputs
 
     def fail_step(self) -> list[str]:

@@ -281,6 +281,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                    help="the most logprobs and prompt_logprobs (chat: top_logprobs) a request may ask for; -1: "
                         "no cap (a request's -1 asks for the whole vocabulary)")
+    g.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                   help="custom logits processors, as vLLM's: nanoserve.LogitsProcessor subclasses, importable "
+                        "from this Python; a request passes them arguments in vllm_xargs")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no torch.compile, no C kernels: the torch references (and Triton "
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
@@ -583,7 +586,9 @@ _NO_LIST, _NO_DICT = (None, []), (None, {})  # vLLM reads these by their truth: 
 # unless it is left at a value that asks for nothing (vLLM's default).
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "watermarking": ((None, False), "watermarking is not implemented"),
-    "logits_processors": (_NO_LIST, "custom logits processors are not supported"),
+    "logits_processors": (_NO_LIST, "per-request logits_processors are not supported, as in vLLM V1: start the "
+                                    "server with --logits-processors module:Class and pass a request's arguments "
+                                    "in vllm_xargs"),
     "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
     "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
     "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
@@ -714,7 +719,7 @@ class GenerationRequest(OpenAIBaseModel):
     max_repetition_pattern_size: int = 0
     min_repetition_pattern_size: int = 0
     repetition_min_count: int = 0
-    # as vLLM's: SamplingParams.extra_args, for custom extensions (nanoserve has none: nothing reads them)
+    # as vLLM's: SamplingParams.extra_args, for custom extensions: the --logits-processors read them
     vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     use_beam_search: bool = False  # n beams, the n best the choices (engine.BeamSearch)
     length_penalty: Number = 1.0
@@ -794,6 +799,8 @@ class GenerationRequest(OpenAIBaseModel):
     def param_name(self, engine_param: str) -> str:
         if engine_param == "beam_width":
             return "n"
+        if engine_param == "extra_args":  # what this body sends them in
+            return "vllm_xargs"
         if engine_param == "structured_outputs":  # the field this body gave its constraint in
             return next((n for n in STRUCTURED_FIELDS if getattr(self, n) is not None), engine_param)
         if engine_param == "request_id" and self.request_id is not None:

@@ -24,9 +24,13 @@ process settings ``tune_process`` / ``release_idle_memory`` call).
 """
 from __future__ import annotations
 
+import abc
 import collections
 import dataclasses
 import datetime
+import enum
+import functools
+import inspect
 import itertools
 import json
 import logging
@@ -34,7 +38,7 @@ import math
 import os
 import pickle
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -994,6 +998,7 @@ class SampleRequest:
     allowed_token_bitmask: torch.Tensor | None = None  # structured outputs: int32, bit t = token t allowed
     num_output_placeholders: int = 0  # async scheduling: sampled tokens not on the host yet
     tensors: SamplingTensors | None = None  # None: made from params when the row needs them
+    request_id: str = ""  # its row's owner, for the custom logits processors (LogitsProcessorBatch)
 
 
 @dataclass(slots=True)
@@ -1021,6 +1026,157 @@ class SampleResult:
     rank: int | None = None                          # of the sampled token, as vLLM ranks it
 
 
+# --------------------------------------------------------------------------- custom logits processors
+# vLLM's interface for them (vllm.v1.sample.logits_processor), so that one written for vLLM runs here
+# with its imports changed. A processor sees the whole batch's logits at once and keeps per-row state,
+# which update_state keeps in step with the rows: the batch's requests come and go and move between rows.
+
+class MoveDirectionality(enum.Enum):
+    UNIDIRECTIONAL = enum.auto()  # row a's state goes to row b, and a has none after
+    SWAP = enum.auto()            # rows a and b exchange their states
+
+
+@dataclass(frozen=True, slots=True)
+class BatchUpdate:
+    """How the rows changed since the last step, as vLLM's: apply ``removed``, then ``added``
+    (index, params, prompt token ids, output token ids: the request's own list, which grows as
+    it does), then ``moved`` (a, b, MoveDirectionality). An index reused by ``added`` is not in
+    ``removed``. Rows past ``batch_size`` hold no request."""
+    batch_size: int
+    removed: list[int]
+    added: list[tuple[int, Any, list[int], list[int]]]
+    moved: list[tuple[int, int, MoveDirectionality]]
+
+
+class LogitsProcessor(abc.ABC):
+    """A custom logits processor (vLLM's ``LogitsProcessor``). Loaded once at start-up
+    (``logits_processors=[...]``, ``--logits-processors``); a request reaches it through
+    its SamplingParams, usually ``extra_args`` (the server's ``vllm_xargs``)."""
+
+    @classmethod
+    def validate_params(cls, params) -> None:
+        """Raise ValueError for a request this processor cannot take (a 400 for the server's)."""
+
+    @abc.abstractmethod
+    def __init__(self, config, device: torch.device, is_pin_memory: bool):
+        """``config``: the engine's EngineConfig (vLLM passes its VllmConfig)."""
+
+    @abc.abstractmethod
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """The batch's logits [rows, vocab], fp32 (may be changed in place); returns the new ones."""
+
+    @abc.abstractmethod
+    def is_argmax_invariant(self) -> bool:
+        """True if it never changes a row's argmax (as min_p): then greedy rows skip it, and it runs
+        after temperature; else before penalties, as logit_bias."""
+
+    @abc.abstractmethod
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Called before every step's apply; None when the rows are the last step's."""
+
+
+def process_dict_updates(req_entries: dict[int, Any], batch_update: BatchUpdate | None,
+                         new_state: Callable[[Any, list[int], list[int]], Any]) -> bool:
+    """vLLM's helper: ``req_entries`` (row -> state) kept through ``batch_update``, a new row's state
+    from ``new_state(params, prompt_ids, output_ids)`` (None: no entry). Whether anything changed."""
+    if batch_update is None:
+        return False
+    changed = False
+    for index in batch_update.removed:
+        changed |= req_entries.pop(index, None) is not None
+    for index, params, prompt_ids, output_ids in batch_update.added:
+        state = new_state(params, prompt_ids, output_ids)
+        old = req_entries.pop(index, None)
+        if state is not None:
+            req_entries[index] = state
+        changed |= state is not None or old is not None
+    for a, b, direction in batch_update.moved:
+        a_state, b_state = req_entries.pop(a, None), req_entries.pop(b, None)
+        if a_state is not None:
+            req_entries[b] = a_state
+        if b_state is not None and direction == MoveDirectionality.SWAP:
+            req_entries[a] = b_state
+        changed |= a_state is not None or b_state is not None
+    return changed
+
+
+class AdapterLogitsProcessor(LogitsProcessor):
+    """vLLM's wrapper for per-request processors: new_req_logits_processor(params) gives a
+    request's function, of (output_ids, logits_row) or (prompt_ids, output_ids, logits_row),
+    returning the row, or None where the request needs none."""
+
+    def __init__(self, config, device: torch.device, is_pin_memory: bool):
+        self.req_info: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}
+
+    @abc.abstractmethod
+    def new_req_logits_processor(self, params) -> Callable | None:
+        ...
+
+    def _new_state(self, params, prompt_ids: list[int], output_ids: list[int]):
+        fn = self.new_req_logits_processor(params)
+        if fn is None:
+            return None
+        arity = len(inspect.signature(fn).parameters)
+        if arity not in (2, 3):
+            raise ValueError(f"a request's logits processor takes (output_ids, logits) or (prompt_ids, "
+                             f"output_ids, logits), not {arity} arguments")
+        return functools.partial(fn, output_ids) if arity == 2 else functools.partial(fn, prompt_ids, output_ids)
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(self.req_info, batch_update, self._new_state)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        for row, fn in self.req_info.items():
+            logits[row] = fn(logits[row])
+        return logits
+
+
+class LogitsProcessorBatch:
+    """The custom processors, and the order of requests in their rows: vLLM's persistent batch,
+    made here from each step's rows (only those that sample). A request keeps its row while
+    it runs; new ones take free rows, then swaps put every request at its row of this step."""
+
+    def __init__(self, processors: list[LogitsProcessor]):
+        self.processors = processors
+        self.before = [p for p in processors if not p.is_argmax_invariant()]  # beside logit_bias
+        self.after = [p for p in processors if p.is_argmax_invariant()]       # beside min_p
+        self.rows: list[str | None] = []  # the request id in each row
+
+    def update(self, rows: list[SampleRequest]) -> None:
+        ids = [r.request_id for r in rows]
+        update = None if ids == self.rows else self._batch_update(rows, ids)
+        for p in self.processors:
+            p.update_state(update)
+
+    def _batch_update(self, rows: list[SampleRequest], ids: list[str]) -> BatchUpdate:
+        now = set(ids)
+        slots = self.rows + [None] * (len(ids) - len(self.rows))
+        removed = [i for i, rid in enumerate(slots) if rid is not None and rid not in now]
+        for i in removed:
+            slots[i] = None
+        free = iter([i for i, rid in enumerate(slots) if rid is None])
+        at = {rid: i for i, rid in enumerate(slots) if rid is not None}
+        added = []
+        for r in rows:
+            if r.request_id not in at:
+                i = at[r.request_id] = next(free)
+                slots[i] = r.request_id
+                added.append((i, r.params, r.prompt_token_ids, r.output_token_ids))
+        reused = {i for i, *_ in added}
+        moved = []
+        for j, rid in enumerate(ids):  # every request to its row of this step, a swap at a time
+            i = at[rid]
+            if i != j:
+                other = slots[j]
+                slots[i], slots[j] = other, rid
+                at[rid] = j
+                if other is not None:
+                    at[other] = i
+                moved.append((i, j, MoveDirectionality.SWAP))
+        self.rows = ids
+        return BatchUpdate(len(ids), [i for i in removed if i not in reused], added, moved)
+
+
 class Sampler:
     """Batched sampling, in vLLM's order: logit bias and min_tokens -> penalties ->
     greedy or temperature -> min_p -> top-k/top-p -> sample. It runs where the
@@ -1029,10 +1185,11 @@ class Sampler:
     on the device, and only the sampled ids (and requested logprobs) come back,
     in one copy. Logprobs come from the raw logits."""
 
-    def __init__(self, seed: int = 0, argmax=kernels.argmax_torch):
+    def __init__(self, seed: int = 0, argmax=kernels.argmax_torch, logits_processors: list[LogitsProcessor] = ()):
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}  # unseeded rows' draws, per device
         self.argmax = argmax  # the backend's: greedy rows' argmax of the model's own logits
+        self.custom = LogitsProcessorBatch(list(logits_processors)) if logits_processors else None
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> list[SampleResult]:
         return self.sample(logits, rows).results()
@@ -1044,12 +1201,20 @@ class Sampler:
         raw, none_left = logits, None
         ps = [r.params for r in rows]
         greedy = [p.temperature == 0.0 for p in ps]
-        if all(greedy) and not _has_bias_or_bans(rows) and not _has_penalties(ps):
+        custom = self.custom
+        if custom is not None:
+            custom.update(rows)
+        if all(greedy) and not _has_bias_or_bans(rows) and not _has_penalties(ps) and not (custom and custom.before):
             # the common case, and a pass over memory less: argmax of the model's own logits
             tokens = self.argmax(logits)
         else:
-            logits = self._apply_penalties(self._apply_bias_and_bans(logits.float(), rows), rows)
-            if _has_bias_or_bans(rows):  # a row they left all -inf would "sample" id 0: flag it, on the device
+            logits = self._apply_bias_and_bans(logits.float(), rows)
+            if custom is not None and custom.before:
+                logits = logits.clone() if logits is raw else logits  # raw: what logprobs read
+                for p in custom.before:
+                    logits = p.apply(logits)
+            logits = self._apply_penalties(logits, rows)
+            if _has_bias_or_bans(rows) or custom is not None:  # a row left all -inf would "sample" id 0: flag it
                 none_left = logits.amax(dim=-1).isneginf()
             tokens = logits.argmax(dim=-1) if all(greedy) else self._sample(logits, rows, greedy)
         ids = tokens if none_left is None else tokens.masked_fill(none_left, NO_TOKEN)
@@ -1131,6 +1296,8 @@ class Sampler:
             min_p = to_device([p.min_p for p in ps], dev)[:, None]
             threshold = probs.amax(dim=-1, keepdim=True) * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
+        for p in self.custom.after if self.custom is not None else ():
+            logits = p.apply(logits)
         logits = apply_top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
         sampled = self._draw(logits.softmax(dim=-1), self._uniforms(rows, dev))
         return torch.where(to_device(greedy, dev), argmax, sampled)
@@ -1493,14 +1660,15 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, backend: Backend, seed: int = 0,
-                 decode_sizes: list[int] | None = None, max_model_len: int | None = None):
+                 decode_sizes: list[int] | None = None, max_model_len: int | None = None,
+                 logits_processors: list[LogitsProcessor] = ()):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.tp = model.tp
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
-        self.sampler = Sampler(seed, backend.argmax)
+        self.sampler = Sampler(seed, backend.argmax, logits_processors)
         self.backend = backend
         self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
