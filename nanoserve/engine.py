@@ -51,9 +51,9 @@ from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entr
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, ModelConfig, ModelRunner,
                              SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
                              WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
-                             load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank, num_parameters,
-                             plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir, run_worker,
-                             select_backend, shard_config, tcp_address, tune_process)
+                             load_lora, load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank,
+                             num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
+                             run_worker, select_backend, shard_config, tcp_address, tune_process)
 from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -609,6 +609,7 @@ class Request:
     sample_row: SampleRequest | None = None  # sample_request()'s, once nothing in it changes any more
     sampling_tensors: SamplingTensors | None = None  # its logit_bias and allowed ids, made once
     prompt_embeds: torch.Tensor | None = None  # TokenizedPrompt's: the model's input for the prompt's positions
+    lora_int_id: int | None = None    # the LoRA adapter it runs with (TokenizedPrompt's)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -688,6 +689,16 @@ class TokenizedPrompt:
     # (0), so its blocks are cached under the digest of these values (the prefix cache hashes token ids)
     prompt_embeds: torch.Tensor | None = None
     embeds_digest: str | None = None
+    lora_int_id: int | None = None  # the LoRA adapter it runs with (LLMEngine.add_lora's), None: the base model
+
+
+@dataclass(slots=True)
+class LoRARequest:
+    """vLLM's: a LoRA adapter, by a name, an id of its own (>= 1) and its directory (PEFT's
+    adapter_config.json and adapter_model.safetensors)."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
 
 
 # =========================================================================== structured outputs
@@ -1049,6 +1060,8 @@ class EngineConfig:
     reasoning_parser: str | None = None
     # As vLLM's: custom logits processors (model.LogitsProcessor subclasses, or "module:Class" names)
     logits_processors: list[str | type] | None = None
+    enable_lora: bool = False  # as vLLM's: LoRA adapters (LoRARequest, --lora-modules) beside the base weights
+    max_lora_rank: int = 16    # as vLLM's: the largest adapter rank taken
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -1076,6 +1089,11 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora does not work with tensor_parallel_size > 1 (yet): an adapter's weights "
+                             "would have to be split as the layers are")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
@@ -1112,6 +1130,10 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
                                       "CUDA graphs: cudagraph_capture_sizes)"),  # vLLM's -O
     "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
+    "max_loras": (int, None, "a step runs any mix of the loaded LoRA adapters (no per-step limit)"),
+    "max_cpu_loras": (int, None, "a LoRA adapter, once loaded, stays on the device"),
+    "fully_sharded_loras": (bool, (False,), "LoRA needs tensor_parallel_size 1 here"),
+    "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
 }
 VLLM_RENAMED = {"num_gpu_blocks_override": "num_kv_blocks"}  # vLLM's name -> EngineConfig's
@@ -1272,7 +1294,7 @@ class LLMEngine:
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len,
                                       [_start_logits_processor(c, config, self.device)
-                                       for c in self.logits_processor_classes])
+                                       for c in self.logits_processor_classes], config.enable_lora)
             self._warm_up()
         except BaseException:
             self.shutdown()
@@ -1299,6 +1321,7 @@ class LLMEngine:
         self.in_flight: list[StepInFlight] = []
         self.beam_searches: dict[str, BeamSearch] = {}
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
+        self.loras: dict[int, LoRARequest] = {}  # the adapters loaded, by lora_int_id
 
     # ---------------------------------------------------------------- start-up
     def _freed_window(self, num_blocks: int, max_model_len: int) -> int | None:
@@ -1582,18 +1605,46 @@ class LLMEngine:
 
     def add_request(self, prompt: str | Sequence[int] | TokenizedPrompt, params: SamplingParams | None = None,
                     request_id: str | None = None,
-                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, priority: int = 0) -> str:
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> str:
         """Validate and queue a request (n > 1 becomes n child requests that share
         the prompt's blocks through the prefix cache); returns its id. ``output_kind``
         says what step() reports of it (RequestOutputKind); ``priority`` (vLLM's, lower
-        first) needs the priority scheduling policy."""
+        first) needs the priority scheduling policy; ``lora_request``: the adapter it runs with."""
         params = params or SamplingParams()
         self.check_priority(priority)
         if isinstance(params, BeamSearchParams):
-            return self.add_beam_search(self.process_prompt(prompt, max_tokens=params.max_tokens), params,
-                                        request_id, priority)
+            return self.add_beam_search(self.with_lora(self.process_prompt(prompt, max_tokens=params.max_tokens),
+                                                       lora_request), params, request_id, priority)
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens, max_tokens=params.max_tokens)
+        prompt = self.with_lora(prompt, lora_request)
         return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind, priority)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's: load an adapter into the model, once per lora_int_id; True if it was loaded now."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need enable_lora=True (the server's --enable-lora)")
+        lora_id = lora_request.lora_int_id
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {lora_id!r}")
+        known = self.loras.get(lora_id)
+        if known is not None:
+            if known.lora_path != lora_request.lora_path:
+                raise ValueError(f"lora_int_id {lora_id} is already the adapter {known.lora_name!r} "
+                                 f"({known.lora_path}), not {lora_request.lora_path}")
+            return False
+        self.runner.add_lora(lora_id, load_lora(lora_request.lora_path, self.runner.model, self.config.max_lora_rank))
+        self.loras[lora_id] = lora_request
+        logger.info("[engine] LoRA adapter %r (id %d) loaded from %s", lora_request.lora_name, lora_id,
+                    lora_request.lora_path)
+        return True
+
+    def with_lora(self, prompt: TokenizedPrompt, lora_request: LoRARequest | None) -> TokenizedPrompt:
+        """The prompt, run with ``lora_request``'s adapter (loaded here the first time)."""
+        if lora_request is None:
+            return prompt
+        self.add_lora(lora_request)
+        return dataclasses.replace(prompt, lora_int_id=lora_request.lora_int_id)
 
     def add_beam_search(self, prompt: TokenizedPrompt, params: BeamSearchParams, request_id: str | None,
                         priority: int = 0) -> str:
@@ -1626,7 +1677,8 @@ class LLMEngine:
         search's own requests cached, as n > 1's children share theirs)."""
         prompt = search.prompt
         for i, (child_id, beam) in enumerate(zip(search.child_ids(), search.beams)):
-            self._add_validated(TokenizedPrompt(prompt.text, prompt.token_ids + beam.token_ids, prompt.cache_salt),
+            self._add_validated(TokenizedPrompt(prompt.text, prompt.token_ids + beam.token_ids, prompt.cache_salt,
+                                                lora_int_id=prompt.lora_int_id),
                                 search.child_params, None, [], child_id, RequestOutputKind.FINAL_ONLY,
                                 search.priority, family=f"beam:{search.request_id}")
             self.beam_children[child_id] = search, i
@@ -1688,6 +1740,7 @@ class LLMEngine:
                     self.model_config.vocab_size),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
                 bad_words_token_ids=bad_words, priority=priority, prompt_embeds=prompt.prompt_embeds,
+                lora_int_id=prompt.lora_int_id,
                 stream_interval=max(params.stream_interval or 1, self.config.stream_interval)))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
@@ -1696,10 +1749,14 @@ class LLMEngine:
 
     @staticmethod
     def _salt(prompt: TokenizedPrompt) -> str | None:
-        """The prefix cache's salt: the caller's, and a prompt's embeddings' digest (its token ids are stand-ins)."""
-        if prompt.embeds_digest is None:
-            return prompt.cache_salt
-        return f"embeds:{prompt.embeds_digest}" + ("" if prompt.cache_salt is None else f":{prompt.cache_salt}")
+        """The prefix cache's salt: the caller's, a prompt's embeddings' digest (its token ids are
+        stand-ins), and its LoRA adapter's id (as vLLM's block hashes hold it: another adapter's
+        KV differs)."""
+        salt = prompt.cache_salt
+        for kind, value in (("embeds", prompt.embeds_digest), ("lora", prompt.lora_int_id)):
+            if value is not None:
+                salt = f"{kind}:{value}" + ("" if salt is None else f":{salt}")
+        return salt
 
     @staticmethod
     def _check_embeds_params(params: SamplingParams) -> None:
@@ -1841,7 +1898,8 @@ class LLMEngine:
                                  req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache else None,
                                  req.sampling_params.prompt_logprobs or 0, prev_row,
                                  None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
-                                 else req.prompt_embeds[start:start + num_new]))  # the prompt's rows only
+                                 else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
+                                 req.lora_int_id))
         return seqs
 
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
@@ -2324,12 +2382,14 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True, lora_request: None = None, priority: list[int] | None = None
-                 ) -> list[RequestOutput]:
-        """``priority``: each prompt's, as vLLM's (lower first), under scheduling_policy="priority"."""
-        if lora_request is not None:  # vLLM code passes lora_request=None; a real one cannot be honoured
-            raise ValueError("nanoserve has no LoRA support: lora_request must be None")
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """``priority``: each prompt's, as vLLM's (lower first), under scheduling_policy="priority";
+        ``lora_request``: the LoRA adapter of every prompt, or of each (needs enable_lora)."""
         prompts = _as_prompt_list(prompts)
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
@@ -2342,23 +2402,22 @@ class LLM:
         if (wrong := next((p for p in params if not isinstance(p, SamplingParams)), None)) is not None:  # {} too
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(wrong).__name__}")
         engine = self.engine
-        inputs = [engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens)  # all before any
-                  for prompt, p in zip(prompts, params)]
+        inputs = [engine.with_lora(engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens),
+                                   lora) for prompt, p, lora in zip(prompts, params, loras)]  # all before any
         checked = [engine.validate_params(p) for p in params]  # (grammar, bad_words) each
         ids = [engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY, rank)
                for prompt, p, c, rank in zip(inputs, params, checked, priority)]
         return self._run(ids, use_tqdm)
 
-    def beam_search(self, prompts, params: BeamSearchParams, lora_request: None = None, use_tqdm: bool = False,
-                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request: LoRARequest | None = None,
+                    use_tqdm: bool = False, concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's: each prompt's beam_width best sequences (BeamSearch), at most
         ``concurrency_limit`` prompts searched at a time."""
-        if lora_request is not None:
-            raise ValueError("nanoserve has no LoRA support: lora_request must be None")
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be None or >= 1, got {concurrency_limit!r}")
         engine = self.engine
-        inputs = [engine.process_prompt(p, max_tokens=params.max_tokens) for p in _as_prompt_list(prompts)]
+        inputs = [engine.with_lora(engine.process_prompt(p, max_tokens=params.max_tokens), lora_request)
+                  for p in _as_prompt_list(prompts)]
         batch, results = concurrency_limit or max(len(inputs), 1), []
         for start in range(0, len(inputs), batch):
             ids = []
@@ -2381,13 +2440,14 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool | None = None,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None
+             ) -> list[RequestOutput]:
         """Render the chat template (one conversation or a list) and generate, as
         vLLM's ``LLM.chat``; ``add_generation_prompt`` defaults to ``not continue_final_message``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt,
                                        continue_final_message, tools, chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

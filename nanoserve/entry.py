@@ -82,7 +82,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
                               BeamSearchParams, CompletionOutput, EngineConfig, EngineDeadError, InvalidInput,
-                              LLMEngine, Logprob, REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError,
+                              LLMEngine, Logprob, LoRARequest, REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError,
                               RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
@@ -163,6 +163,19 @@ def _json_object_or_level(text: str) -> dict[str, Any] | int:
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"cudagraph_capture_sizes\": [1, 2, 4]}}' "
                                          f"or a level, got {text!r}")
     return value
+
+
+def _lora_module(text: str) -> LoRARequest:
+    """--lora-modules' items as vLLM takes them: NAME=PATH, or a JSON object with "name" and "path"
+    (its "base_model_name" is the served model's anyway). Ids are given in parse_args."""
+    try:
+        value = json.loads(text) if text.lstrip().startswith("{") else dict(zip(("name", "path"), text.split("=", 1)))
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str) \
+            or not value["name"] or not value["path"]:
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH or '{{\"name\": NAME, \"path\": PATH}}', got {text!r}")
+    return LoRARequest(value["name"], 0, value["path"])
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -284,6 +297,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
                    help="custom logits processors, as vLLM's: nanoserve.LogitsProcessor subclasses, importable "
                         "from this Python; a request passes them arguments in vllm_xargs")
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT's format) beside the base model, as vLLM's: a request names one "
+                        "as its model")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                   help="the adapters, loaded at start-up: NAME=PATH, or a JSON object with name and path")
+    g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank taken, as vLLM's")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs, no torch.compile, no C kernels: the torch references (and Triton "
                         "on CUDA), eagerly; on the CPU bf16 linear weights are still packed for oneDNN")
@@ -496,6 +515,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             parser.error(str(e))
     args.served_model_name = args.served_model_name or [args.model]
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    args.lora_modules = [dataclasses.replace(m, lora_int_id=i) for i, m in enumerate(args.lora_modules or [], 1)]
+    names = [m.lora_name for m in args.lora_modules]
+    if clash := sorted({n for n in names if names.count(n) > 1 or n in args.served_model_name}):
+        parser.error(f"--lora-modules: each adapter needs a name of its own, not a served model's: {clash}")
     args.vllm_notes = []  # logged at start-up
     for flag, _, taken, note in VLLM_FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"), None)
@@ -1724,6 +1749,7 @@ class ServerState:
     """What the handlers share: one per app, no module-level state."""
     async_llm: AsyncLLM
     model_names: list[str]
+    loras: dict[str, LoRARequest]  # --lora-modules, by the model name a request gives (start_engine loaded them)
     api_key: list[str] | None  # any of them
     max_queue_len: int | None
     max_body_bytes: int
@@ -1910,10 +1936,23 @@ class CORS(CORSMiddleware):
             await self.app(scope, receive, send)
 
 
+def start_engine(config: EngineConfig, loras: list[LoRARequest]) -> LLMEngine:
+    """The engine, and --lora-modules' adapters loaded into it (raises what either refuses)."""
+    engine = LLMEngine(config)
+    try:
+        for lora in loras:
+            engine.add_lora(lora)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
 def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     """The HTTP app over an AsyncLLM that is not started yet: the app's lifespan
     starts it on uvicorn's loop and stops it at shutdown."""
-    state = ServerState(async_llm, args.served_model_name, args.api_key, args.max_queue_len,
+    state = ServerState(async_llm, args.served_model_name, {m.lora_name: m for m in args.lora_modules},
+                        args.api_key, args.max_queue_len,
                         args.max_request_body_bytes, ServerMetrics(async_llm, args.served_model_name[0]),
                         chat_template=args.chat_template,
                         trust_request_chat_template=args.trust_request_chat_template,
@@ -2117,7 +2156,11 @@ async def list_models(request: Request) -> Response:
         {"id": name, "object": "model", "created": created, "owned_by": "nanoserve",
          "root": info.model, "parent": None, "max_model_len": info.max_model_len,
          "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", **permission}]}
-        for name in state.model_names]})
+        for name in state.model_names] + [
+        {"id": name, "object": "model", "created": created, "owned_by": "nanoserve", "root": lora.lora_path,
+         "parent": state.model_names[0], "max_model_len": info.max_model_len,
+         "permission": [{"id": f"modelperm-{uuid.uuid4().hex}", **permission}]}
+        for name, lora in state.loras.items()]})
 
 
 async def health(request: Request) -> Response:
@@ -2182,11 +2225,13 @@ def _request_id(request: Request) -> str:
 
 
 def check_model(req: OpenAIBaseModel, state: ServerState) -> str:
-    """The name responses carry: the first served one, whichever the request named (or none, or
-    "": unset, as vLLM's check_model)."""
+    """The name responses carry: a LoRA adapter's, or the first served one, whichever of those the
+    request named (or none, or "": unset, as vLLM's check_model)."""
+    if req.model in state.loras:
+        return req.model
     if req.model and req.model not in state.model_names:
         raise ApiError(404, f"the model {show(req.model)} does not exist; this server serves "
-                            f"{', '.join(map(repr, state.model_names))}", param="model")
+                            f"{', '.join(map(repr, [*state.model_names, *state.loras]))}", param="model")
     return state.model_names[0]
 
 
@@ -2372,8 +2417,10 @@ class Generation:
         prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
                                                     req.truncation_side, self.params.max_tokens)
                    for p in self.prompt_inputs()]
+        lora = self.state.loras.get(req.model)
         for p in prompts:
             p.cache_salt = req.cache_salt
+            p.lora_int_id = None if lora is None else lora.lora_int_id
         self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
         return prompts
 
@@ -3865,7 +3912,7 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     executor = model_thread()  # every torch op of the engine runs here, its loading included
     try:
-        engine = executor.submit(LLMEngine, config).result()
+        engine = executor.submit(start_engine, config, args.lora_modules).result()
     except Exception as e:  # a clear line, not a traceback (which --log-level debug still shows)
         logger.debug("[entry] start-up failed", exc_info=True)
         print(f"error: cannot serve {args.model}: {e}", file=sys.stderr)

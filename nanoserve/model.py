@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import pickle
+import re
 from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -940,6 +941,119 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     return model, weight_bytes
 
 
+# =========================================================================== LoRA adapters
+# vLLM's multi-LoRA serving: adapters in PEFT's format (adapter_config.json and
+# adapter_model.safetensors) beside the base weights, any mix of them in one step. Each
+# layer they may change becomes a LoRALinear: the base layer's output, plus for the rows of
+# each adapter in the step x A^T B^T (B scaled by lora_alpha / r, or / sqrt(r) with rslora).
+
+# PEFT's module names -> (the fused module here, its slice): q, k and v are qkv_proj's slices
+LORA_TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+                "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
+                "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
+                "down_proj": ("mlp.down_proj", 0)}
+_LORA_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """The step's tokens of each adapter, (adapter id, token rows on the device): what every
+    LoRALinear reads in the forward. Empty for a step without adapters (and for the CUDA graphs)."""
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    """A base linear layer (any of the backend's) and the adapters that change it: per adapter
+    A [R, in] and B [out, R], its slices' A stacked and their B block-diagonal, the scale in B."""
+
+    def __init__(self, base: nn.Module, step: LoRAStep, slice_sizes: list[int]):
+        super().__init__()
+        self.base, self.step, self.slice_sizes = base, step, slice_sizes
+        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        for lora_id, rows in self.step.groups:
+            if (ab := self.adapters.get(lora_id)) is not None:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ ab[0].T) @ ab[1].T)
+        return y
+
+
+def lora_layers(model: CausalLM) -> dict[str, tuple[nn.Module, str, int, list[int]]]:
+    """The layers adapters may change: "layers.{i}.{module}" -> (its parent, attribute, in_features,
+    output slice sizes) (one rank: LoRA is refused under tensor parallelism)."""
+    cfg, out = model.config, {}
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"self_attn.qkv_proj": (hidden, [q, kv, kv]), "self_attn.o_proj": (q, [hidden]),
+              "mlp.gate_up_proj": (hidden, [inter, inter]), "mlp.down_proj": (inter, [hidden])}
+    for i, layer in enumerate(model.model.layers):
+        for name, (in_features, slice_sizes) in shapes.items():
+            parent, attr = name.split(".")
+            out[f"layers.{i}.{name}"] = (getattr(layer, parent), attr, in_features, slice_sizes)
+    return out
+
+
+def wrap_lora_layers(model: CausalLM) -> LoRAStep:
+    """Wrap every layer an adapter may change (after the backend prepared the base layers)."""
+    step = LoRAStep()
+    for parent, attr, _, slice_sizes in lora_layers(model).values():
+        setattr(parent, attr, LoRALinear(getattr(parent, attr), step, slice_sizes))
+    return step
+
+
+def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """An adapter's weights for LoRALinear.adapters, by layer name (lora_layers), in the model's
+    dtype on its device. ValueError for what nanoserve cannot apply as the checkpoint means it."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"LoRA adapter {str(path)!r}: cannot read adapter_config.json and "
+                         f"adapter_model.safetensors ({e})") from None
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    unsupported = {k: config.get(k) for k in ("modules_to_save", "rank_pattern", "alpha_pattern", "use_dora",
+                                              "fan_in_fan_out") if config.get(k)}
+    if config.get("bias", "none") != "none":
+        unsupported["bias"] = config["bias"]
+    if unsupported or not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(f"LoRA adapter {str(path)!r}: needs an integer r and lora_alpha, and no "
+                         f"{', '.join(unsupported) or 'other options'} (nanoserve applies plain LoRA on q/k/v/o and "
+                         f"gate/up/down only)")
+    if r > max_rank:
+        raise ValueError(f"LoRA adapter {str(path)!r} has rank {r}, more than max_lora_rank ({max_rank})")
+    scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+    parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        m = _LORA_KEY.fullmatch(key)
+        if m is None or m[2] not in LORA_TARGETS or int(m[1]) >= model.config.num_layers:
+            raise ValueError(f"LoRA adapter {str(path)!r}: {key} is not a weight nanoserve applies (only "
+                             f"lora_A/lora_B of {', '.join(LORA_TARGETS)} in the model's layers)")
+        module, index = LORA_TARGETS[m[2]]
+        parts.setdefault(f"layers.{m[1]}.{module}", {}).setdefault(index, {})[m[3]] = t
+    layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
+    return {name: _fuse_lora(path, name, slices, *layers[name][2:], scale, r, dtype, device)
+            for name, slices in parts.items()}
+
+
+def _fuse_lora(path, name: str, slices: dict[int, dict[str, torch.Tensor]], in_features: int, sizes: list[int],
+               scale: float, r: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's slices as A [R, in] (stacked) and B [out, R] (block-diagonal, scaled)."""
+    a_rows, b = [], torch.zeros(sum(sizes), r * len(slices))
+    for k, (index, ab) in enumerate(sorted(slices.items())):
+        a, bk = ab.get("A"), ab.get("B")
+        start = sum(sizes[:index])
+        if a is None or bk is None or a.shape != (r, in_features) or bk.shape != (sizes[index], r):
+            raise ValueError(f"LoRA adapter {str(path)!r}: {name} slice {index}'s lora_A and lora_B must be "
+                             f"[{r}, {in_features}] and [{sizes[index]}, {r}] (the base model's), got "
+                             f"{None if a is None else list(a.shape)} and {None if bk is None else list(bk.shape)}")
+        a_rows.append(a.float())
+        b[start:start + sizes[index], k * r:(k + 1) * r] = bk.float() * scale
+    return torch.cat(a_rows).to(device, dtype), b.to(device, dtype)
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
     try:
@@ -1482,6 +1596,7 @@ class SeqInput:
     # a prompt given as embeddings (vLLM's prompt_embeds): the inputs of this chunk's first
     # rows, in the place of their token ids' embeddings (stand-ins)
     prompt_embeds: torch.Tensor | None = None
+    lora_int_id: int | None = None  # the LoRA adapter it runs with (ModelRunner.add_lora's id)
 
 
 @dataclass(slots=True)
@@ -1661,7 +1776,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, backend: Backend, seed: int = 0,
                  decode_sizes: list[int] | None = None, max_model_len: int | None = None,
-                 logits_processors: list[LogitsProcessor] = ()):
+                 logits_processors: list[LogitsProcessor] = (), enable_lora: bool = False):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -1669,6 +1784,7 @@ class ModelRunner:
         self.tp = model.tp
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
         self.sampler = Sampler(seed, backend.argmax, logits_processors)
+        self.lora = wrap_lora_layers(model) if enable_lora else None  # the step's rows of each adapter
         self.backend = backend
         self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
@@ -1768,8 +1884,26 @@ class ModelRunner:
             written[i] = tables[i]
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
+        """A graph's (or the padded path's) step: no adapter rows, which the graphs hold no LoRA ops for."""
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
-            all(len(s.token_ids) == 1 and s.prompt_embeds is None for s in seqs)
+            all(len(s.token_ids) == 1 and s.prompt_embeds is None and s.lora_int_id is None for s in seqs)
+
+    def add_lora(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """An adapter's weights (load_lora's) into the layers, under ``lora_int_id``."""
+        for name, (parent, attr, *_) in lora_layers(self.model).items():
+            getattr(parent, attr).adapters.pop(lora_int_id, None)
+            if name in weights:
+                getattr(parent, attr).adapters[lora_int_id] = weights[name]
+
+    def _lora_groups(self, seqs: list[SeqInput]) -> list[tuple[int, torch.Tensor]]:
+        """Each adapter's token rows in the step's flattened tokens."""
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for s in seqs:
+            if s.lora_int_id is not None:
+                rows.setdefault(s.lora_int_id, []).extend(range(start, start + len(s.token_ids)))
+            start += len(s.token_ids)
+        return [(i, to_device(host_ints(r), self.device)) for i, r in rows.items()]
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with
@@ -1844,6 +1978,8 @@ class ModelRunner:
         """The forward over the step's tokens, then the logits of the ``rows`` that
         sample (None when none does, and on ranks other than 0) and the prompt
         logprobs the sequences ask for (empty on ranks other than 0)."""
+        if self.lora is not None:
+            self.lora.groups = self._lora_groups(seqs)
         if self._is_padded_decode(seqs):
             hidden = self._run_decode_padded(seqs)  # one row per sequence
             last = torch.arange(len(seqs), device=self.device)

@@ -26,7 +26,7 @@ from conftest import run_request
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import AsyncLLM, LLMEngine
 from nanoserve.entry import (Server, bind_socket, build_app, default_model_path, engine_config, make_arg_parser,
-                            parse_args)
+                            parse_args, start_engine)
 
 BASE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", "--port", "0",
               "--disable-log-stats"]
@@ -38,7 +38,7 @@ class ServerThread:
 
     def __init__(self, model_dir: Path, *flags: str, graceful: float | None = None):
         self.args = parse_args(["--model", str(model_dir), *BASE_FLAGS, *flags])
-        self.engine = LLMEngine(engine_config(self.args))
+        self.engine = start_engine(engine_config(self.args), self.args.lora_modules)
         # A test makes the model step slow (on the worker thread) by setting .delay,
         # so that prefill and decode take long enough to act in the middle of them.
         self.delay = 0.0
@@ -760,7 +760,7 @@ def test_periodic_stats_line(tiny_model, caplog):
         from nanoserve.entry import log_stats_periodically, ServerState, ServerMetrics
         async_llm = AsyncLLM(engine)
         async_llm.start()
-        state = ServerState(async_llm, ["m"], None, None, 1000, ServerMetrics(async_llm, "m"))
+        state = ServerState(async_llm, ["m"], {}, None, None, 1000, ServerMetrics(async_llm, "m"))
         task = asyncio.create_task(log_stats_periodically(state, 0.2))
         await run_request(async_llm, "hello", SamplingParams(max_tokens=3), "stats-1")
         await asyncio.sleep(0.3)

@@ -1,0 +1,171 @@
+"""LoRA adapters (vLLM's multi-LoRA serving): an adapter in PEFT's format runs as the same
+model with its delta merged into the weights does in transformers, any mix of adapters and
+the base model in one step, each with its own prefix cache, offline and over HTTP."""
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nanoserve import LLM, LoRARequest, SamplingParams
+from nanoserve.engine import EngineConfig
+
+from conftest import hf_model, make_model
+from test_server import ServerThread
+
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+PROMPTS = [[5, 9, 11, 3, 8], [40, 41, 42], [100, 7, 7, 7, 7, 2, 60, 61], [17] * 20]
+
+
+def _shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    hidden, inter, hd = cfg["hidden_size"], cfg["intermediate_size"], cfg.get("head_dim") or \
+        cfg["hidden_size"] // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def make_adapter(base: Path, out: Path, targets=ATTN + MLP, r: int = 4, alpha: float = 8, seed: int = 1,
+                 extra: dict | None = None, **config) -> Path:
+    """A random adapter in PEFT's layout (B random too: PEFT starts it at zero, which would change nothing)."""
+    cfg = json.loads((base / "config.json").read_text())
+    gen, tensors = torch.Generator().manual_seed(seed), {}
+    for i in range(cfg["num_hidden_layers"]):
+        for t in targets:
+            n_in, n_out = _shapes(cfg)[t]
+            key = f"base_model.model.model.layers.{i}.{'self_attn' if t in ATTN else 'mlp'}.{t}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=gen) * 0.2
+            tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=gen) * 0.2
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({**tensors, **(extra or {})}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets), "bias": "none",
+        "base_model_name_or_path": str(base), **config}))
+    return out
+
+
+def merged_model(base: Path, adapter: Path, out: Path) -> Path:
+    """The base model with W + scale * B @ A in every targeted weight: what the adapter means."""
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
+    from safetensors.torch import load_file
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    model = hf_model(base)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for key, a in lora.items():
+            if ".lora_A." in key:
+                b = lora[key.replace(".lora_A.", ".lora_B.")]
+                params[key.replace("base_model.model.", "").replace(".lora_A.weight", ".weight")] += scale * b @ a
+    model.save_pretrained(out)
+    for f in base.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(model_root, tmp_path_factory):
+    base = make_model(model_root, "llama", seed=3)
+    root = tmp_path_factory.mktemp("lora")
+    a = make_adapter(base, root / "a", seed=1)
+    b = make_adapter(base, root / "b", targets=("q_proj", "v_proj", "down_proj"), r=2, alpha=16, seed=2,
+                     use_rslora=True)
+    return dict(base=base, a=a, b=b, merged_a=merged_model(base, a, root / "merged-a"),
+                merged_b=merged_model(base, b, root / "merged-b"))
+
+
+def hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    model = hf_model(path)
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
+
+
+def _llm(path, **kw):
+    return LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=128, enable_lora=True, **kw)
+
+
+@pytest.mark.parametrize("kw", [{}, {"cudagraph_capture_sizes": [1, 2, 4]}, {"max_num_batched_tokens": 8,
+                                                                             "max_num_seqs": 4}],
+                         ids=["plain", "padded-decodes", "chunked"])
+def test_adapters_mixed_in_one_batch_are_their_merged_models(models, kw):
+    """Adapter a on q/k/v/o/gate/up/down, b (rslora, rank 2) on three of them, and the base model,
+    side by side in every step: transformers' greedy tokens of the merged checkpoints (and of the
+    base). With padded decode sizes, steps with adapter rows leave the padded (CUDA-graph) path."""
+    llm = _llm(models["base"], **kw)
+    la, lb = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+    loras = [la, None, lb, la, lb, None]
+    prompts = PROMPTS + PROMPTS[:2]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    paths = {None: models["base"], la.lora_int_id: models["merged_a"], lb.lora_int_id: models["merged_b"]}
+    for p, lora, o in zip(prompts, loras, outs):
+        assert o.outputs[0].token_ids == hf_greedy(paths[lora and lora.lora_int_id], p, 10), lora
+    assert len({tuple(o.outputs[0].token_ids) for o in outs[:2]}) == 2  # the adapter changes the output
+
+
+def test_each_adapter_has_its_own_prefix_cache(models):
+    llm = _llm(models["base"])
+    la = LoRARequest("a", 1, str(models["a"]))
+    prompt = list(range(3, 60))  # 3 full blocks of 16 and more
+    cached = [llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0].num_cached_tokens
+              for lora in (None, la, la, None)]
+    assert cached == [0, 0, 48, 48]
+
+
+def test_beam_search_and_chat_take_an_adapter(models):
+    llm = _llm(models["base"])
+    la = LoRARequest("a", 1, str(models["a"]))
+    from nanoserve import BeamSearchParams
+    beams = llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=1, max_tokens=6), lora_request=la)
+    assert beams[0].sequences[0].tokens[len(PROMPTS[0]):] == hf_greedy(models["merged_a"], PROMPTS[0], 6)
+
+
+def test_what_is_refused(models, tmp_path):
+    base = models["base"]
+    with pytest.raises(ValueError, match=r"need enable_lora=True"):
+        LLM(str(base), dtype="float32", num_kv_blocks=64, max_model_len=128).generate(
+            [PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(models["a"])))
+    llm = _llm(base, max_lora_rank=2)
+    cases = [
+        (LoRARequest("a", 1, str(models["a"])), r"has rank 4, more than max_lora_rank \(2\)"),
+        (LoRARequest("x", 0, str(models["b"])), r"lora_int_id must be an integer >= 1"),
+        (LoRARequest("x", 3, str(tmp_path / "none")), r"cannot read adapter_config.json"),
+        (LoRARequest("e", 4, str(make_adapter(base, tmp_path / "e", r=2, targets=("q_proj",), extra={
+            "base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}))), r"lm_head.lora_A.weight is not a weight"),
+        (LoRARequest("d", 5, str(make_adapter(base, tmp_path / "d", r=2, use_dora=True))), r"no use_dora"),
+    ]
+    for lora, why in cases:
+        with pytest.raises(ValueError, match=why):
+            llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora)
+    llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("b", 2, str(models["b"])))
+    with pytest.raises(ValueError, match=r"lora_int_id 2 is already the adapter 'b'"):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 2, str(models["a"])))
+    with pytest.raises(ValueError, match=r"enable_lora does not work with tensor_parallel_size > 1"):
+        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
+
+
+def test_the_server_serves_adapters_by_model_name(models):
+    with ServerThread(models["base"], "--enable-lora", "--lora-modules", f"a={models['a']}",
+                      json.dumps({"name": "b", "path": str(models["b"])})) as s:
+        listed = {m["id"]: m for m in httpx.get(s.url + "/v1/models").json()["data"]}
+        assert listed["a"]["parent"] == str(models["base"]) and listed["a"]["root"] == str(models["a"])
+        assert set(listed) == {str(models["base"]), "a", "b"}
+        for name, merged in (("a", models["merged_a"]), ("b", models["merged_b"])):
+            r = httpx.post(s.url + "/v1/completions", json={"model": name, "prompt": PROMPTS[2], "max_tokens": 10,
+                                                            "min_tokens": 10, "temperature": 0,
+                                                            "return_token_ids": True}, timeout=60)
+            assert r.status_code == 200 and r.json()["model"] == name
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(merged, PROMPTS[2], 10)
+        missing = httpx.post(s.url + "/v1/completions", json={"model": "c", "prompt": "hi"}, timeout=60)
+        assert missing.status_code == 404 and "'a', 'b'" in missing.json()["error"]["message"]
+        s.wait_idle()
