@@ -1624,6 +1624,9 @@ class LLMEngine:
         """vLLM's: load an adapter into the model, once per lora_int_id; True if it was loaded now."""
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora=True (the server's --enable-lora)")
+        if not all(hasattr(lora_request, k) for k in ("lora_name", "lora_int_id", "lora_path")):
+            raise ValueError(f"lora_request must be a LoRARequest (lora_name, lora_int_id, lora_path), got "
+                             f"{type(lora_request).__name__}")
         lora_id = lora_request.lora_int_id
         if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {lora_id!r}")

@@ -54,7 +54,7 @@ def test_vllm_prompt_dicts_and_unknown_llm_arguments(model_with_defaults):
     b = llm.generate({"prompt": "The quick brown", "multi_modal_data": None}, greedy, use_tqdm=False,
                      lora_request=None)
     assert b[0].outputs[0].token_ids == a[0].outputs[0].token_ids
-    with pytest.raises(ValueError, match="no LoRA"):
+    with pytest.raises(ValueError, match="LoRA adapters need enable_lora=True"):
         llm.generate("x", greedy, lora_request=object())
     assert make_llm(model_with_defaults, trust_remote_code=True).engine is not None
     # seed -1 is vLLM's "no seed": each run draws anew; temperature above 2 is refused, as vLLM's

@@ -139,6 +139,7 @@ def test_what_is_refused(models, tmp_path):
     cases = [
         (LoRARequest("a", 1, str(models["a"])), r"has rank 4, more than max_lora_rank \(2\)"),
         (LoRARequest("x", 0, str(models["b"])), r"lora_int_id must be an integer >= 1"),
+        (object(), r"lora_request must be a LoRARequest"),
         (LoRARequest("x", 3, str(tmp_path / "none")), r"cannot read adapter_config.json"),
         (LoRARequest("e", 4, str(make_adapter(base, tmp_path / "e", r=2, targets=("q_proj",), extra={
             "base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}))), r"lm_head.lora_A.weight is not a weight"),
