@@ -8,7 +8,8 @@ dot products take AVX-512 BF16's instruction where the CPU has it):
 
 * ``paged_attention`` / ``store_kvcache`` (csrc/attention.c, csrc/row_ops.c):
   decodes through ``decode_attention`` (cascade attention where many sequences
-  share a long prefix), prefill chunks through ``chunk_attention``;
+  share a long prefix), prefill chunks through ``chunk_attention``, both within
+  a sliding window where the layer has one;
 * ``rms_norm``, ``rotary``, ``silu_and_mul`` (csrc/row_ops.c): bit for bit the
   torch references' results;
 * ``argmax``: greedy sampling over bf16 logits, torch's rules;
