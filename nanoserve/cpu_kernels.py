@@ -8,7 +8,8 @@ dot products take AVX-512 BF16's instruction where the CPU has it):
 
 * ``paged_attention`` / ``store_kvcache`` (csrc/attention.c, csrc/row_ops.c):
   decodes through ``decode_attention`` (cascade attention where many sequences
-  share a long prefix), prefill chunks through ``chunk_attention``;
+  share a long prefix), prefill chunks through ``chunk_attention``, both within
+  a sliding window where the layer has one;
 * ``rms_norm``, ``rotary``, ``silu_and_mul`` (csrc/row_ops.c): bit for bit the
   torch references' results;
 * ``argmax``: greedy sampling over bf16 logits, torch's rules;
@@ -102,7 +103,7 @@ def attention_library(group: int, head_dim: int, flags: tuple[str, ...] = ()) ->
     return _declare(lib, {
         "decode_attention": ([_P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I64, _I64, _P, _P, _P, _I64,
                               _I32], None),
-        "chunk_attention": ([_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
+        "chunk_attention": ([_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I64, _I32], None),
         "prefix_attention": ([_P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
     })
 
@@ -144,17 +145,13 @@ def is_decode_only(query_start_loc: torch.Tensor) -> bool:
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                     sliding_window: int | None = None) -> torch.Tensor:
     """kernels.paged_attention_torch in C: the decodes of the step in one
-    decode_attention call, its multi-token chunks in one chunk_attention call.
-    chunk_attention has no sliding window: a step with chunks where it masks a key runs the torch reference."""
+    decode_attention call, its multi-token chunks in one chunk_attention call, both
+    within the sliding window where one masks a key (neither reads a block before it)."""
     window = sliding_window if kernels.window_masks(seq_lens, sliding_window) else None
-    decode_only = is_decode_only(query_start_loc)
-    if window is not None and not decode_only:
-        return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                                             scale, sliding_window)
     _check_attention_inputs(query, k_cache, v_cache)
     query = query.contiguous()  # the kernels index rows directly
     num_seqs = seq_lens.shape[0]
-    if decode_only:
+    if is_decode_only(query_start_loc):
         return decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, window)  # all decodes
     out = torch.empty_like(query)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -162,7 +159,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     if decodes.numel():
         rows = query_start_loc[decodes].long()
         out[rows] = decode_attention(query[rows], k_cache, v_cache, block_tables[decodes],
-                                     seq_lens[decodes], scale)
+                                     seq_lens[decodes], scale, window)
     num_heads, head_dim = query.shape[1:]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     table = block_tables.to(torch.int32).contiguous()
@@ -171,7 +168,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     attention_library(num_heads // num_kv_heads, head_dim).chunk_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
         lens.data_ptr(), qsl.data_ptr(), out.data_ptr(), num_seqs, num_kv_heads, block_size, float(scale),
-        torch.get_num_threads())
+        window or 0, torch.get_num_threads())
     return out
 
 

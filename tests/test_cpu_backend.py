@@ -137,6 +137,39 @@ def test_bf16_cpu_runs_the_c_kernels(tiny_model):
     assert all(len(t) == 16 for t in tokens(llm))
 
 
+def test_bf16_cpu_windowed_chunks_run_the_c_kernels(model_root, monkeypatch):
+    """A windowed model (Mistral, 12 tokens) in bf16: prefill chunks longer and shorter than the
+    window beside decodes, the blocks wholly before each sequence's window the (NaN) null block,
+    as the block manager leaves them: the C kernels give the references' logits to bf16
+    rounding and never call the torch attention."""
+    _c_or_skip()
+    path = make_model(model_root, "mistral", sliding_window=12, head_dim=32)
+    gen = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(1, VOCAB, (n,), generator=gen).tolist() for n in (70, 42))
+    window, bs = 12, 16
+
+    def table(blocks, first_query):  # blocks wholly before the first query's window: the null block
+        gone = max(first_query - window + 1, 0) // bs
+        return [0] * gone + blocks[gone:]
+    ta, tb = list(range(1, 6)), list(range(6, 9))
+    steps = [[SeqInput(a[0:20], 0, table(ta, 0), None), SeqInput(b[:40], 0, table(tb, 0), None)],
+             [SeqInput(a[20:40], 20, table(ta, 20), None), SeqInput(b[40:41], 40, table(tb, 40), None)],
+             [SeqInput(a[40:70], 40, table(ta, 40), None), SeqInput(b[41:42], 41, table(tb, 41), None)]]
+
+    def run(backend):
+        runner = runner_with(backend, path)
+        for k, v in runner.kv_caches:
+            k[0], v[0] = float("nan"), float("nan")
+        return [step_logits(runner, step) for step in steps]
+    reference = run(kernels.TORCH)
+    backend = cpu_backend.build_cpu_backend(ModelConfig.from_dir(path), torch.bfloat16, bs)
+    assert backend.paged_attention is cpu_kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention_torch", None)
+    for c, ref in zip(run(backend), reference):
+        assert torch.isfinite(c).all()
+        torch.testing.assert_close(c, ref, atol=0.05, rtol=0.02)
+
+
 def test_bf16_cpu_attention_falls_back_when_the_c_kernel_cannot_be_built(model, caplog):
     """The llama test model's head_dim is 16: the engine takes the compiled
     attention, and says why at INFO level."""

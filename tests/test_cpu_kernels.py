@@ -150,16 +150,15 @@ def test_c_attention(config, scenario):
         assert (got.double() - truth).abs().max() <= (eager.double() - truth).abs().max() * 1.01
 
 
-@pytest.mark.parametrize("attend", [cpu_kernels.paged_attention, cpu_backend.paged_attention_compiled],
-                         ids=["c", "compiled"])
-def test_a_sliding_window_layer_runs_the_reference(attend, monkeypatch):
-    """The C chunk kernel and the compiled decode have no sliding window: a step where the
-    window masks a key gets the torch reference's output exactly (the C decode kernel has
-    one: below); one whose sequences all fit in the window runs as without it."""
+def test_a_sliding_window_layer_runs_the_reference_in_the_compiled_decode(monkeypatch):
+    """The compiled decode has no sliding window: a step where the window masks a key gets
+    the torch reference's output exactly; one whose sequences all fit in the window runs as
+    without it."""
+    attend = cpu_backend.paged_attention_compiled
     torch.manual_seed(17)
-    for scenario in ("mixed",) if attend is cpu_kernels.paged_attention else ("decode", "mixed"):
+    scale = 64 ** -0.5
+    for scenario in ("decode", "mixed"):
         batch = _bf16(make_batch(SCENARIOS[scenario], 16, 64, 8, 4, poison=POISON["torch"]))
-        scale = 64 ** -0.5
         want = kernels.paged_attention_torch(*batch, scale, 5)
         assert not torch.equal(want, kernels.paged_attention_torch(*batch, scale))
         assert torch.equal(attend(*batch, scale, 5), want)
@@ -168,6 +167,62 @@ def test_a_sliding_window_layer_runs_the_reference(attend, monkeypatch):
     decodes = _bf16(make_batch(SCENARIOS["decode"], 16, 64, 8, 4, poison=POISON["torch"]))
     monkeypatch.setattr(kernels, "paged_attention_torch", None)  # not called when the window masks nothing
     attend(*decodes, scale, int(decodes[4].max()))
+
+
+def test_c_attention_with_a_sliding_window_runs_in_c(monkeypatch):
+    """Decodes and prefill chunks both have the window in C: a mixed step where it masks keys
+    never calls the torch reference, and lands within bf16 rounding of the float64 truth; a
+    window no sequence outgrows gives the output without one, bit for bit."""
+    _c_kernel_or_skip(2, 64)
+    torch.manual_seed(17)
+    scale = 64 ** -0.5
+    batch = _bf16(make_batch(SCENARIOS["mixed"], 16, 64, 8, 4, poison=POISON["torch"]))
+    longest = int(batch[4].max())
+    without = cpu_kernels.paged_attention(*batch, scale)
+    monkeypatch.setattr(kernels, "paged_attention_torch", None)
+    assert torch.equal(cpu_kernels.paged_attention(*batch, scale, longest), without)
+    got = cpu_kernels.paged_attention(*batch, scale, 5)
+    torch.testing.assert_close(got.double(), naive_attention(*batch, scale, 5), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(got, without)
+
+
+# Chunks of several lengths (within one query tile and across several, for every GROUP)
+# over cached prefixes of several lengths, beside decodes and an idle sequence.
+WINDOW_STEP = [(0, 19), (16, 7), (9, 12), (37, 1), (45, 40), (3, 1), (70, 2), (5, 0), (21, 70)]
+
+
+def _poison_before_windows(k, v, tables, lens, qsl, window, bs):
+    """As the block manager leaves a windowed sequence's cache: every key before its first
+    query's window NaN, and the blocks wholly before it the (NaN) null block in its table."""
+    tables = tables.clone()
+    for i, n in enumerate(lens.tolist()):
+        first = n - int(qsl[i + 1] - qsl[i])  # the position of the step's first query
+        gone = max(first - window + 1, 0)
+        before = torch.arange(gone)
+        k[tables[i, before // bs].long(), before % bs] = float("nan")
+        v[tables[i, before // bs].long(), before % bs] = float("nan")
+        tables[i, :gone // bs] = 0
+    return tables
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))
+@pytest.mark.parametrize("window", [1, 3, 5, 13, 19, 33, 60])
+def test_c_chunk_attention_with_a_sliding_window(config, window):
+    """A query at p sees keys p - window + 1 .. p, windows shorter and longer than the chunks
+    and beginning anywhere in a block, decodes in the same step: within bf16 rounding of the
+    float64 truth, with every key before a sequence's windows and the null block NaN (a key
+    read there, even masked, would make the output NaN). The truth differs from the one
+    without the window, so a kernel that ignored it would fail."""
+    _c_kernel_or_skip(config[2] // config[3], config[1])
+    torch.manual_seed(29 + CONFIGS.index(config) + window)
+    query, k, v, tables, lens, qsl = _bf16(make_batch(WINDOW_STEP, *config, poison=float("nan")))
+    scale, bs = config[1] ** -0.5, config[0]
+    truth = naive_attention(query, k, v, tables, lens, qsl, scale, window)
+    assert (truth - naive_attention(query, k, v, tables, lens, qsl, scale)).abs().max() > 0.1
+    tables = _poison_before_windows(k, v, tables, lens, qsl, window, bs)
+    got = cpu_kernels.paged_attention(query, k, v, tables, lens, qsl, scale, window)
+    assert got.dtype == torch.bfloat16 and not got.isnan().any()
+    torch.testing.assert_close(got.double(), truth, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "bs{}-d{}-h{}-kv{}".format(*c))

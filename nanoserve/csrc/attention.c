@@ -174,7 +174,8 @@ static inline __m512 exp16(__m512 x) {
 
 /* Prefill chunks: sequence i's q_len = query_start_loc[i+1] - query_start_loc[i]
    tokens (those with q_len > 1; decodes go to decode_attention) at positions
-   seq_len - q_len .. seq_len - 1, causal over the paged context. A task owns one
+   seq_len - q_len .. seq_len - 1, causal over the paged context; with a sliding
+   window (window > 0) a token at p sees keys p - window + 1 .. p only. A task owns one
    kv head and a tile of up to 32 / GROUP query tokens: its 32 query rows (token,
    group head) sit in the lanes of two vectors, so scores, the running max and the
    softmax are lane-wise, and q.k is a bf16 dot product of each row with a
@@ -193,18 +194,22 @@ static void pack_rows(uint32_t *qt, const uint16_t *q0, int64_t nq, int64_t head
 }
 
 /* One tile: ROWS query rows (their q as bf16 pairs in qt, [d/2][ROWS]) against keys
-   0 .. end-1 of kv head h through a block table, key t visible to row r when
-   t <= pos[r]. Leaves each row's unnormalised output in o [ROWS][HEAD_DIM] and its
-   running max and sum in m and l; vt and pt are scratch. */
-static void attend_tile(const uint32_t *qt, const int32_t *pos, const uint16_t *k_cache,
-                        const uint16_t *v_cache, const int32_t *bt, int64_t end, int64_t h,
+   lo .. end-1 of kv head h through a block table, key t visible to row r when
+   from[r] <= t <= pos[r] (from[r] >= lo: a sliding window's first key, else lo).
+   Keys before lo are never read: with a window the blocks wholly before it are the
+   null block, and a masked key's V would still enter P.V as 0 * v (NaN for NaN).
+   Leaves each row's unnormalised output in o [ROWS][HEAD_DIM] and its running max
+   and sum in m and l; vt and pt are scratch. */
+static void attend_tile(const uint32_t *qt, const int32_t *pos, const int32_t *from, const uint16_t *k_cache,
+                        const uint16_t *v_cache, const int32_t *bt, int64_t lo, int64_t end, int64_t h,
                         int64_t bs, int64_t row, float scale, float *o, float *vt, float *pt,
                         float *m, float *l) {
     const int64_t blk = bs * row;
     const __m512i pos0 = _mm512_loadu_si512(pos), pos1 = _mm512_loadu_si512(pos + 16);
+    const __m512i from0 = _mm512_loadu_si512(from), from1 = _mm512_loadu_si512(from + 16);
     __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
     memset(o, 0, ROWS * HEAD_DIM * 4);
-    for (int64_t k0 = 0; k0 < end; k0 += TILE_K) {
+    for (int64_t k0 = lo; k0 < end; k0 += TILE_K) {
         const int64_t nk = end - k0 < TILE_K ? end - k0 : TILE_K;
         const uint32_t *kr[TILE_K];
         for (int j = 0; j < nk; j++) {
@@ -230,17 +235,23 @@ static void attend_tile(const uint32_t *qt, const int32_t *pos, const uint16_t *
                     a[6] = dot2(a[6], qa, kd); a[7] = dot2(a[7], qb, kd);
                 }
             }
-            for (int u = 0; u < 4; u++) {  /* scale; -inf where the key is in a row's future */
+            for (int u = 0; u < 4; u++) {  /* scale; -inf where the key is in a row's future or before its window */
                 const __m512i kp = _mm512_set1_epi32((int32_t)(k0 + j + u));
-                const __mmask16 ok0 = j + u < nk ? _mm512_cmple_epi32_mask(kp, pos0) : 0;
-                const __mmask16 ok1 = j + u < nk ? _mm512_cmple_epi32_mask(kp, pos1) : 0;
+                const __mmask16 in0 = _mm512_cmpge_epi32_mask(kp, from0), in1 = _mm512_cmpge_epi32_mask(kp, from1);
+                const __mmask16 ok0 = j + u < nk ? _mm512_mask_cmple_epi32_mask(in0, kp, pos0) : 0;
+                const __mmask16 ok1 = j + u < nk ? _mm512_mask_cmple_epi32_mask(in1, kp, pos1) : 0;
                 s0[j + u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok0, a[2 * u], _mm512_set1_ps(scale));
                 s1[j + u] = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), ok1, a[2 * u + 1], _mm512_set1_ps(scale));
             }
         }
         __m512 n0 = m0, n1 = m1;  /* online softmax: new running max, rescale what came before */
         for (int j = 0; j < nk; j++) { n0 = _mm512_max_ps(n0, s0[j]); n1 = _mm512_max_ps(n1, s1[j]); }
-        const __m512 alpha0 = exp16(_mm512_sub_ps(m0, n0)), alpha1 = exp16(_mm512_sub_ps(m1, n1));
+        /* 0 for a row that has seen no key yet (its window may begin past this tile's
+           first keys: then m and n are both -inf, and -inf - -inf is NaN) */
+        const __mmask16 seen0 = _mm512_cmp_ps_mask(m0, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __mmask16 seen1 = _mm512_cmp_ps_mask(m1, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 alpha0 = _mm512_maskz_mov_ps(seen0, exp16(_mm512_sub_ps(m0, n0)));
+        const __m512 alpha1 = _mm512_maskz_mov_ps(seen1, exp16(_mm512_sub_ps(m1, n1)));
         l0 = _mm512_mul_ps(l0, alpha0); l1 = _mm512_mul_ps(l1, alpha1);
         for (int j = 0; j < nk; j++) {
             const __m512 e0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0[j], _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ), exp16(_mm512_sub_ps(s0[j], n0)));
@@ -269,7 +280,7 @@ static void attend_tile(const uint32_t *qt, const int32_t *pos, const uint16_t *
 void chunk_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
                      const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                      const int32_t *query_start_loc, uint16_t *out, int64_t n, int64_t kvh,
-                     int64_t bs, float scale, int nthreads) {
+                     int64_t bs, float scale, int64_t window, int nthreads) {
     const int64_t heads = kvh * GROUP, row = kvh * HEAD_DIM;
     int64_t *first = malloc((n + 1) * sizeof(int64_t));   /* first tile of each sequence */
     first[0] = 0;
@@ -294,13 +305,19 @@ void chunk_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t 
             const int64_t p0 = len - q_len + t0;                 /* position of the tile's first token */
             const int32_t *bt = block_tables + i * bt_stride;
             const uint16_t *qrow0 = q + ((query_start_loc[i] + t0) * heads + h * GROUP) * HEAD_DIM;
-            /* rows past the tile's tokens see everything (their q is 0) */
-            int32_t pos[ROWS];
-            for (int r = 0; r < ROWS; r++)
-                pos[r] = r < TILE_Q * GROUP && r / GROUP < nq ? (int32_t)(p0 + r / GROUP) : (int32_t)len;
+            /* with a window the tile reads from its first token's window on: the
+               blocks before it may be the null block */
+            const int64_t lo = window > 0 && p0 - window + 1 > 0 ? p0 - window + 1 : 0;
+            /* rows past the tile's tokens see everything read (their q is 0) */
+            int32_t pos[ROWS], from[ROWS];
+            for (int r = 0; r < ROWS; r++) {
+                const int live = r < TILE_Q * GROUP && r / GROUP < nq;
+                pos[r] = live ? (int32_t)(p0 + r / GROUP) : (int32_t)len;
+                from[r] = live && window > 0 && pos[r] - window + 1 > lo ? (int32_t)(pos[r] - window + 1) : (int32_t)lo;
+            }
             pack_rows(qt, qrow0, nq, heads);
             float mv[ROWS], lv[ROWS];
-            attend_tile(qt, pos, k_cache, v_cache, bt, p0 + nq, h, bs, row, scale, o, vt, pt, mv, lv);
+            attend_tile(qt, pos, from, k_cache, v_cache, bt, lo, p0 + nq, h, bs, row, scale, o, vt, pt, mv, lv);
             for (int r = 0; r < TILE_Q * GROUP; r++) {
                 const int tq = r / GROUP, g = r % GROUP;
                 if (tq >= nq) break;
@@ -334,11 +351,12 @@ void prefix_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t s0 = task / kvh * TILE_Q, h = task % kvh, ns = n - s0 < TILE_Q ? n - s0 : TILE_Q;
             /* the tile's tokens are ns sequences' decode tokens, each seeing the whole prefix */
-            int32_t pos[ROWS];
-            for (int r = 0; r < ROWS; r++) pos[r] = (int32_t)prefix_len;
+            int32_t pos[ROWS], from[ROWS];
+            for (int r = 0; r < ROWS; r++) pos[r] = (int32_t)prefix_len, from[r] = 0;
             pack_rows(qt, q + (s0 * heads + h * GROUP) * HEAD_DIM, ns, heads);
             float mv[ROWS], lv[ROWS];
-            attend_tile(qt, pos, k_cache, v_cache, prefix_table, prefix_len, h, bs, row, scale, o, vt, pt, mv, lv);
+            attend_tile(qt, pos, from, k_cache, v_cache, prefix_table, 0, prefix_len, h, bs, row, scale, o, vt, pt,
+                        mv, lv);
             for (int r = 0; r < TILE_Q * GROUP && r / GROUP < ns; r++) {
                 const int64_t pr = (s0 + r / GROUP) * heads + h * GROUP + r % GROUP;
                 m_pre[pr] = mv[r];
