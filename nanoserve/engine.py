@@ -1642,6 +1642,20 @@ class LLMEngine:
                     lora_request.lora_path)
         return True
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's: unload an adapter; False if it is not loaded. ValueError while a request runs with it
+        (it would go on without it)."""
+        if lora_int_id not in self.loras:
+            return False
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id] + \
+            [b.request_id for b in self.beam_searches.values() if b.prompt.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"the LoRA adapter {self.loras[lora_int_id].lora_name!r} serves {len(users)} "
+                             f"request(s) still running; unload it when they end")
+        self.runner.add_lora(lora_int_id, {})
+        logger.info("[engine] LoRA adapter %r (id %d) unloaded", self.loras.pop(lora_int_id).lora_name, lora_int_id)
+        return True
+
     def with_lora(self, prompt: TokenizedPrompt, lora_request: LoRARequest | None) -> TokenizedPrompt:
         """The prompt, run with ``lora_request``'s adapter (loaded here the first time)."""
         if lora_request is None:
@@ -1709,6 +1723,8 @@ class LLMEngine:
         """add_request's second half, for a prompt and params already checked. ``family``: the
         salt under which requests that share a prompt share its blocks with prefix caching off
         (a beam search's; an n > 1 family's own is its id)."""
+        if prompt.lora_int_id is not None and prompt.lora_int_id not in self.loras:  # unloaded since it was named
+            raise InvalidInput("model", f"LoRA adapter {prompt.lora_int_id} is not loaded")
         whole = {k: self.model_config.vocab_size for k in ("logprobs", "prompt_logprobs") if getattr(params, k) == -1}
         params = dataclasses.replace(params, **whole) if whole else params  # our copy: the caller's keeps its -1
         text, token_ids = prompt.text, prompt.token_ids

@@ -75,7 +75,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -1212,6 +1212,18 @@ class TokenizeRequest(ChatTemplateFields):
         return "messages" if engine_param == "prompt" and self.messages is not None else engine_param
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's /v1/load_lora_adapter (served where VLLM_ALLOW_RUNTIME_LORA_UPDATING is set)."""
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's: taken, the name says which
+
+
 class DetokenizeRequest(OpenAIBaseModel):
     tokens: list[int]
 
@@ -1936,6 +1948,11 @@ class CORS(CORSMiddleware):
             await self.app(scope, receive, send)
 
 
+def runtime_lora_updating() -> bool:
+    """vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter: an environment variable."""
+    return os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").lower() in ("1", "true")
+
+
 def start_engine(config: EngineConfig, loras: list[LoRARequest]) -> LLMEngine:
     """The engine, and --lora-modules' adapters loaded into it (raises what either refuses)."""
     engine = LLMEngine(config)
@@ -1997,6 +2014,9 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/version", version, methods=["GET"]),
+        *([Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+           Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
+          if args.enable_lora and runtime_lora_updating() else []),
     ]
     # CORS outermost (vLLM has it inside its API-key check): a preflight never meets
     # the key check, and every answer a browser reads, a 401 included, has its headers.
@@ -2199,6 +2219,46 @@ def _tokenize(state: ServerState, req: TokenizeRequest, text: str | None) -> dic
     if req.return_token_strs:
         out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
     return out
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's: load an adapter while serving (on the model thread, between steps); its name is a model then."""
+    state = _state(request)
+    req = await read_json(request, state, functools.partial(parse_body, LoadLoRAAdapterRequest,
+                                                             request_id=_request_id(request)))
+    if req.load_inplace:
+        raise bad_request("load_inplace is not supported: unload the adapter, then load it again", "load_inplace")
+    if req.lora_name in state.loras or req.lora_name in state.model_names:
+        raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
+    lora = LoRARequest(req.lora_name, max((x.lora_int_id for x in state.loras.values()), default=0) + 1,
+                       req.lora_path)
+    state.loras[req.lora_name] = lora  # held, so that a second load of the name waits for no one: a 400
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.async_llm.executor, state.engine.add_lora, lora)
+    except ValueError as e:
+        del state.loras[req.lora_name]
+        raise bad_request(str(e), "lora_path") from None
+    except BaseException:
+        del state.loras[req.lora_name]
+        raise
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's: unload an adapter (a 400 while a request still runs with it)."""
+    state = _state(request)
+    req = await read_json(request, state, functools.partial(parse_body, UnloadLoRAAdapterRequest,
+                                                             request_id=_request_id(request)))
+    lora = state.loras.get(req.lora_name)
+    if lora is None:
+        raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.async_llm.executor, state.engine.remove_lora,
+                                                         lora.lora_int_id)
+    except ValueError as e:
+        raise bad_request(str(e), "lora_name") from None
+    state.loras.pop(req.lora_name, None)
+    return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 async def detokenize(request: Request) -> Response:

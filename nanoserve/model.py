@@ -1889,7 +1889,7 @@ class ModelRunner:
             all(len(s.token_ids) == 1 and s.prompt_embeds is None and s.lora_int_id is None for s in seqs)
 
     def add_lora(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """An adapter's weights (load_lora's) into the layers, under ``lora_int_id``."""
+        """An adapter's weights (load_lora's) into the layers, under ``lora_int_id``; {}: out of them."""
         for name, (parent, attr, *_) in lora_layers(self.model).items():
             getattr(parent, attr).adapters.pop(lora_int_id, None)
             if name in weights:

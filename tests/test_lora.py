@@ -170,3 +170,36 @@ def test_the_server_serves_adapters_by_model_name(models):
         missing = httpx.post(s.url + "/v1/completions", json={"model": "c", "prompt": "hi"}, timeout=60)
         assert missing.status_code == 404 and "'a', 'b'" in missing.json()["error"]["message"]
         s.wait_idle()
+
+
+def test_adapters_load_and_unload_while_serving(models, monkeypatch):
+    """vLLM's runtime updating (VLLM_ALLOW_RUNTIME_LORA_UPDATING): an adapter loaded by a request
+    serves by its name, one in use is not unloaded from under its request, and an unloaded
+    name is a 404 again. Without the variable the endpoints do not exist."""
+    body = {"prompt": PROMPTS[1], "max_tokens": 10, "min_tokens": 10, "temperature": 0, "return_token_ids": True}
+    with ServerThread(models["base"], "--enable-lora") as s:
+        assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "x"}).status_code == 404
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    with ServerThread(models["base"], "--enable-lora") as s:
+        load = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(models["a"])})
+        assert load.status_code == 200 and load.text == "Success: LoRA adapter 'a' added successfully."
+        again = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(models["a"])})
+        assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+        bad = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "z", "lora_path": "/nowhere"})
+        assert bad.status_code == 400 and "cannot read adapter_config.json" in bad.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60)
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(models["merged_a"], PROMPTS[1], 10)
+        s.delay = 0.1  # a stream with the adapter, 20 s long, running when the unload comes; closed after
+        stream = {**body, "model": "a", "stream": True, "max_tokens": 200, "min_tokens": 200}
+        with httpx.stream("POST", s.url + "/v1/completions", json=stream, timeout=60) as resp:
+            lines = resp.iter_lines()  # held: a closed iterator closes the response (a disconnect)
+            assert next(line for line in lines if line.startswith("data: "))
+            busy = httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}, timeout=60)
+            assert busy.status_code == 400 and "still running" in busy.json()["error"]["message"]
+        s.delay = 0.0
+        s.wait_idle(30)  # the disconnect aborted it
+        gone = httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"})
+        assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'a' removed successfully."
+        assert httpx.post(s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60).status_code == 404
+        assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
+        s.wait_idle()
