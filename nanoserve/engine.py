@@ -340,7 +340,8 @@ class BeamSearchParams:
             raise InvalidInput("allowed_token_ids", f"allowed_token_ids must hold at most {MAX_LOGPROB_TOKEN_IDS} "
                                                     f"token ids for beam search (each round ranks them all), got "
                                                     f"{len(self.allowed_token_ids)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 2 * w:
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= 2 * w):
             raise InvalidInput("logprobs", f"logprobs must be None or in [0, {2 * w}] (2 x beam_width: the "
                                            f"candidates beam search ranks) for beam search, got {self.logprobs}")
 
@@ -2265,6 +2266,31 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
             for r in ranks]
 
 
+def _while_workers_live(procs: list, fn: Callable[[], Any]) -> Any:
+    """fn() (the rendezvous, which waits for every rank as long as IDLE_TIMEOUT) on a thread, raising
+    as soon as one of this node's workers exits first: it will never join."""
+    result: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:
+            result["error"] = e
+    thread = threading.Thread(target=target, name="nanoserve-tp-rendezvous", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.5)
+        dead = [p for p in procs if p.exitcode is not None]
+        if dead and thread.is_alive():
+            raise RuntimeError("tensor-parallel worker " + ", ".join(
+                f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead) + " while starting (its "
+                "traceback is above; an offline script that builds LLM(...) needs the if __name__ == '__main__': "
+                "guard, as the workers are spawned)")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as sock:
@@ -2302,7 +2328,8 @@ class TPWorkers:
         try:
             if specs[0].num_threads:  # one rank per core: else they take turns on every core
                 torch.set_num_threads(specs[0].num_threads)
-            tp = init_distributed(0, config.tensor_parallel_size, init_method, device)
+            tp = _while_workers_live(procs, lambda: init_distributed(0, config.tensor_parallel_size, init_method,
+                                                                     device))
         except BaseException:
             _stop(procs)
             torch.set_num_threads(threads_before)
@@ -2424,8 +2451,17 @@ class LLM:
         inputs = [engine.with_lora(engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens),
                                    lora) for prompt, p, lora in zip(prompts, params, loras)]  # all before any
         checked = [engine.validate_params(p) for p in params]  # (grammar, bad_words) each
-        ids = [engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY, rank)
-               for prompt, p, c, rank in zip(inputs, params, checked, priority)]
+        for prompt, p in zip(inputs, params):  # what _add_validated would refuse, before any is queued
+            if prompt.prompt_embeds is not None:
+                engine._check_embeds_params(p)
+        ids = []
+        try:
+            for prompt, p, c, rank in zip(inputs, params, checked, priority):
+                ids.append(engine._add_validated(prompt, p, *c, None, RequestOutputKind.FINAL_ONLY, rank))
+        except BaseException:  # none of the batch is left queued
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise
         return self._run(ids, use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request: LoRARequest | None = None,
@@ -2605,8 +2641,27 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {**m, "tool_calls": [_parsed_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
         if isinstance(m, dict) and "content" in m and m["content"] is None:
             m = {**m, "content": ""}
+        if isinstance(m, dict) and isinstance(m.get("content"), list):  # OpenAI content parts: their text, as the server
+            texts = [part_text(p) for p in m["content"]]
+            if None in texts:
+                raise InvalidInput("messages", f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}})"
+                                               f" are supported")
+            m = {**m, "content": "\n".join(texts)}
         out.append(m)
     return out
+
+
+# the content parts vLLM's chat_utils reads as text: part type -> the key that holds the text
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+              "thinking": "thinking"}
+
+
+def part_text(part: Any) -> str | None:
+    """A content part's text where vLLM reads it as text (a plain string too); else None."""
+    if isinstance(part, str):
+        return part
+    key = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) and isinstance(part.get("type"), str) else None
+    return part[key] if key is not None and isinstance(part.get(key), str) else None
 
 
 def _parsed_call(call: Any, where: str) -> Any:

@@ -84,9 +84,10 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               BeamSearchParams, CompletionOutput, EngineConfig, EngineDeadError, InvalidInput,
                               LLMEngine, Logprob, LoRARequest, REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError,
                               RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
-                              StructuredOutputsParams, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
+                              StructuredOutputsParams, TEXT_PARTS, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
-                              nested_deeper, opens_reply, parse_call_arguments, run_worker_node, vllm_arg_note)
+                              nested_deeper, opens_reply, parse_call_arguments, part_text, run_worker_node,
+                              vllm_arg_note)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -1025,19 +1026,6 @@ class ToolCall(_Strict):
 _TOOL_CALLS = TypeAdapter(list[ToolCall])
 
 
-# the content parts vLLM's chat_utils reads as text: part type -> the key that holds the text
-_TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-               "thinking": "thinking"}
-
-
-def _part_text(part: Any) -> str | None:
-    """A content part's text where vLLM reads it as text (a plain string too); else None."""
-    if isinstance(part, str):
-        return part
-    key = _TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) and isinstance(part.get("type"), str) else None
-    return part[key] if key is not None and isinstance(part.get(key), str) else None
-
-
 class ChatTemplateFields(OpenAIBaseModel):
     """What chat completions and /tokenize share: messages and how the chat template renders them (vLLM's names)."""
     messages: Any = None
@@ -1064,10 +1052,10 @@ class ChatTemplateFields(OpenAIBaseModel):
                 raise ValueError(f"{where}.role must be a string such as \"user\", got {show(m.get('role'))}")
             content = m.get("content")
             if isinstance(content, list):
-                texts = [_part_text(p) for p in content]
+                texts = [part_text(p) for p in content]
                 if None in texts:
                     raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}, or "
-                                     f"{', '.join(list(_TEXT_PARTS)[1:])}) are supported, got {show(content)}")
+                                     f"{', '.join(list(TEXT_PARTS)[1:])}) are supported, got {show(content)}")
                 content = "\n".join(texts)
             elif content is not None and not isinstance(content, str):
                 raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
@@ -3118,7 +3106,7 @@ def input_messages(value: Any) -> tuple[list[dict[str, Any]], bool]:
 
 def _item_text(content: Any, where: str) -> str:
     """A message's content (or a tool's output): a string, or text parts (input_text, output_text)."""
-    texts = [_part_text(p) for p in content] if isinstance(content, list) else [content]
+    texts = [part_text(p) for p in content] if isinstance(content, list) else [content]
     if not all(isinstance(t, str) for t in texts):
         raise InvalidInput("input", f"{where} must be a string or a list of text parts ({{\"type\": \"input_text\", "
                                     f"\"text\": ...}}); images, files and audio are not supported, got {show(content)}")

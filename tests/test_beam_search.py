@@ -260,3 +260,10 @@ def test_a_forced_tool_call_is_named_by_tool_choice(server):
                                            "tool_choice": "required", "use_beam_search": True, "n": 2,
                                            "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+
+
+@pytest.mark.parametrize("logprobs", [1.5, True, "2"])
+def test_beam_search_logprobs_must_be_an_integer(logprobs):
+    """A float passed the range check and failed as a TypeError after the whole search had run."""
+    with pytest.raises(ValueError, match=r"logprobs must be None or in \[0, 4\]"):
+        BeamSearchParams(beam_width=2, max_tokens=4, logprobs=logprobs)

@@ -57,6 +57,18 @@ def test_greedy_parity_with_transformers(model_root, arch):
     assert outs[0].prompt is None and len(outs[2].prompt_token_ids) == 37
 
 
+def test_a_refused_prompt_leaves_none_of_its_batch_queued(model_root):
+    """LLM.generate checks every prompt before it queues any: the token prompt before a refused
+    embeddings prompt does not wait to run in the next call."""
+    path = make_model(model_root, "qwen3")
+    llm = LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=128, enable_prompt_embeds=True)
+    embeds = embeddings(hf_model(path), 5, 1)
+    for bad in (SamplingParams(prompt_logprobs=1), SamplingParams(repetition_penalty=1.2)):
+        with pytest.raises(ValueError, match="needs the prompt's token ids"):
+            llm.generate([[3, 14, 15], {"prompt_embeds": embeds}], [GREEDY, bad], use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
+
+
 def test_prefix_cache_is_keyed_by_the_values(model_root):
     """The same embeddings again read their blocks from the cache; others of the same length
     (the same stand-in token ids) do not, and still get their own tokens."""

@@ -167,3 +167,21 @@ def test_server_streams_like_tp1_and_exits_nonzero_when_a_worker_dies(model_root
         assert "a tensor-parallel step failed" in err and "exit status 1" in err, err[-3000:]
     finally:
         server.close()
+
+
+def test_a_worker_that_dies_before_the_rendezvous_fails_start_up():
+    """A spawned rank that exits at start-up (an offline script without the __main__ guard, an
+    out-of-memory kill) never joins the rendezvous, which waits a year: rank 0 says so instead."""
+    import threading
+    from types import SimpleNamespace
+
+    from nanoserve.engine import _while_workers_live
+    never = threading.Event()
+    dead = SimpleNamespace(name="nanoserve-tp-rank1", pid=123, exitcode=1)
+    with pytest.raises(RuntimeError, match=r"worker nanoserve-tp-rank1 \(pid 123\) exited with code 1 while starting"):
+        _while_workers_live([dead], never.wait)
+    never.set()
+    alive = SimpleNamespace(name="r", pid=1, exitcode=None)
+    assert _while_workers_live([alive], lambda: 7) == 7
+    with pytest.raises(KeyError):
+        _while_workers_live([alive], lambda: {}["x"])
