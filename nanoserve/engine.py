@@ -1555,6 +1555,9 @@ class LLMEngine:
         self._check_token_ids("logprob_token_ids", params.logprob_token_ids or [])
         if params.bad_words and self.tokenizer is None:
             raise InvalidInput("bad_words", "bad_words need a tokenizer, but skip_tokenizer_init=True")
+        if params.stop and self.tokenizer is None:  # they match the text, which there is none of
+            raise InvalidInput("stop", "stop strings need a tokenizer, but skip_tokenizer_init=True (stop_token_ids "
+                                       "need none)")
         for word in params.bad_words:
             try:
                 word.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError

@@ -262,6 +262,8 @@ def test_skip_tokenizer_init_gives_the_same_tokens_and_no_text(model, reference)
     assert all(o.prompt is None and o.outputs[0].text == "" for o in outs)
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
         llm.generate("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):  # they would never match: no text
+        llm.generate(PROMPTS[:1], SamplingParams(stop=["a"]), use_tqdm=False)
     assert_all_blocks_free(llm)
 
 
