@@ -611,6 +611,7 @@ class Request:
     sampling_tensors: SamplingTensors | None = None  # its logit_bias and allowed ids, made once
     prompt_embeds: torch.Tensor | None = None  # TokenizedPrompt's: the model's input for the prompt's positions
     lora_int_id: int | None = None    # the LoRA adapter it runs with (TokenizedPrompt's)
+    serial: int = -1                  # unique for the engine's life, where a caller may reuse an id
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -665,7 +666,7 @@ class Request:
         if self.sampling_tensors is None:
             self.sampling_tensors = SamplingTensors.of(p)
         row = SampleRequest(p, self.prompt_token_ids, self.output_token_ids, banned, allowed,
-                            self.num_output_placeholders, self.sampling_tensors, self.request_id)
+                            self.num_output_placeholders, self.sampling_tensors, self.serial)
         if not banned and not self.bad_words_token_ids and self.grammar is None and self.thinking is None:
             self.sample_row = row
         return row
@@ -1323,6 +1324,9 @@ class LLMEngine:
         self.beam_searches: dict[str, BeamSearch] = {}
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
         self.loras: dict[int, LoRARequest] = {}  # the adapters loaded, by lora_int_id
+        self.lora_loads: dict[int, int] = {}     # ... and which load each is (the prefix cache's salt)
+        self.load_counter = itertools.count()
+        self.serials = itertools.count()  # Request.serial's
 
     # ---------------------------------------------------------------- start-up
     def _freed_window(self, num_blocks: int, max_model_len: int) -> int | None:
@@ -1641,7 +1645,7 @@ class LLMEngine:
                                  f"({known.lora_path}), not {lora_request.lora_path}")
             return False
         self.runner.add_lora(lora_id, load_lora(lora_request.lora_path, self.runner.model, self.config.max_lora_rank))
-        self.loras[lora_id] = lora_request
+        self.loras[lora_id], self.lora_loads[lora_id] = lora_request, next(self.load_counter)
         logger.info("[engine] LoRA adapter %r (id %d) loaded from %s", lora_request.lora_name, lora_id,
                     lora_request.lora_path)
         return True
@@ -1657,6 +1661,7 @@ class LLMEngine:
             raise ValueError(f"the LoRA adapter {self.loras[lora_int_id].lora_name!r} serves {len(users)} "
                              f"request(s) still running; unload it when they end")
         self.runner.add_lora(lora_int_id, {})
+        del self.lora_loads[lora_int_id]
         logger.info("[engine] LoRA adapter %r (id %d) unloaded", self.loras.pop(lora_int_id).lora_name, lora_int_id)
         return True
 
@@ -1763,23 +1768,21 @@ class LLMEngine:
                     self.model_config.vocab_size),
                 skip_reading_prefix_cache=prompt_logprobs is not None and i == 0, prompt_logprobs=prompt_logprobs,
                 bad_words_token_ids=bad_words, priority=priority, prompt_embeds=prompt.prompt_embeds,
-                lora_int_id=prompt.lora_int_id,
+                lora_int_id=prompt.lora_int_id, serial=next(self.serials),
                 stream_interval=max(params.stream_interval or 1, self.config.stream_interval)))
         self.stats_counters["prompt_tokens"] += len(token_ids)
         logger.debug("[engine] add %s: %d prompt tokens, max_tokens %d, n %d", request_id,
                      len(token_ids), max_tokens, params.n)
         return request_id
 
-    @staticmethod
-    def _salt(prompt: TokenizedPrompt) -> str | None:
+    def _salt(self, prompt: TokenizedPrompt) -> str | None:
         """The prefix cache's salt: the caller's, a prompt's embeddings' digest (its token ids are
-        stand-ins), and its LoRA adapter's id (as vLLM's block hashes hold it: another adapter's
-        KV differs)."""
-        salt = prompt.cache_salt
-        for kind, value in (("embeds", prompt.embeds_digest), ("lora", prompt.lora_int_id)):
-            if value is not None:
-                salt = f"{kind}:{value}" + ("" if salt is None else f":{salt}")
-        return salt
+        stand-ins), and its LoRA adapter's load (as vLLM's block hashes hold the adapter: its KV
+        differs; by load, not id, since an id may be loaded again with other weights). As JSON,
+        so that no caller's salt can spell another's."""
+        lora = None if prompt.lora_int_id is None else self.lora_loads[prompt.lora_int_id]
+        parts = [prompt.cache_salt, prompt.embeds_digest, lora]
+        return None if parts == [None] * 3 else json.dumps(parts)
 
     @staticmethod
     def _check_embeds_params(params: SamplingParams) -> None:

@@ -626,7 +626,7 @@ _LAX = {t: TypeAdapter(t) for t in (bool, int, float)}
 BEAM_SEARCH_IGNORES = ("top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
                        "logit_bias", "stop", "stop_token_ids", "min_tokens", "bad_words", "prompt_logprobs",
                        "logprob_token_ids", "thinking_token_budget", "stream_interval", "repetition_detection",
-                       "max_repetition_pattern_size", "echo")
+                       "max_repetition_pattern_size", "echo", "vllm_xargs")
 
 
 def _coerces_to(value: Any, harmless: Any) -> bool:

@@ -1112,7 +1112,7 @@ class SampleRequest:
     allowed_token_bitmask: torch.Tensor | None = None  # structured outputs: int32, bit t = token t allowed
     num_output_placeholders: int = 0  # async scheduling: sampled tokens not on the host yet
     tensors: SamplingTensors | None = None  # None: made from params when the row needs them
-    request_id: str = ""  # its row's owner, for the custom logits processors (LogitsProcessorBatch)
+    serial: int = -1  # its request's, unique for the engine's life (ids may be reused): LogitsProcessorBatch's key
 
 
 @dataclass(slots=True)
@@ -1254,15 +1254,19 @@ class LogitsProcessorBatch:
         self.processors = processors
         self.before = [p for p in processors if not p.is_argmax_invariant()]  # beside logit_bias
         self.after = [p for p in processors if p.is_argmax_invariant()]       # beside min_p
-        self.rows: list[str | None] = []  # the request id in each row
+        self.rows: list[int | None] = []  # the request (its serial) in each row
 
     def update(self, rows: list[SampleRequest]) -> None:
-        ids = [r.request_id for r in rows]
+        ids = [r.serial for r in rows]
         update = None if ids == self.rows else self._batch_update(rows, ids)
-        for p in self.processors:
-            p.update_state(update)
+        try:
+            for p in self.processors:
+                p.update_state(update)
+        except BaseException:  # some processors saw the update, some not: the next one removes every row and
+            self.rows = [-1] * len(self.rows)  # adds them again, for all of them (-1: no request's)
+            raise
 
-    def _batch_update(self, rows: list[SampleRequest], ids: list[str]) -> BatchUpdate:
+    def _batch_update(self, rows: list[SampleRequest], ids: list[int]) -> BatchUpdate:
         now = set(ids)
         slots = self.rows + [None] * (len(ids) - len(self.rows))
         removed = [i for i, rid in enumerate(slots) if rid is not None and rid not in now]
@@ -1272,9 +1276,9 @@ class LogitsProcessorBatch:
         at = {rid: i for i, rid in enumerate(slots) if rid is not None}
         added = []
         for r in rows:
-            if r.request_id not in at:
-                i = at[r.request_id] = next(free)
-                slots[i] = r.request_id
+            if r.serial not in at:
+                i = at[r.serial] = next(free)
+                slots[i] = r.serial
                 added.append((i, r.params, r.prompt_token_ids, r.output_token_ids))
         reused = {i for i, *_ in added}
         moved = []

@@ -192,6 +192,7 @@ def test_use_beam_search_over_http_is_llm_beam_search(server, llm):
     ({"use_beam_search": True, "n": 2, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"use_beam_search": True, "n": 11}, "n"),                          # 2 x 11 logprobs > max_logprobs 20
     ({"use_beam_search": True, "n": 2, "logprobs": 5}, "logprobs"),     # more than the 4 candidates ranked
+    ({"use_beam_search": True, "n": 2, "vllm_xargs": {"k": 1}}, "vllm_xargs"),  # no logits processor reads them
 ])
 def test_what_beam_search_would_ignore_is_a_400(server, body, param):
     r = _post(server, "completions", {"prompt": "hi", "max_tokens": 3, **body})

@@ -93,7 +93,7 @@ class Broken(TargetToken):
 # ---------------------------------------------------------------- the rows' bookkeeping
 
 def _rows(ids):
-    return [SampleRequest(SamplingParams(extra_args={"owner": rid}), [], [], request_id=rid) for rid in ids]
+    return [SampleRequest(SamplingParams(extra_args={"owner": rid}), [], [], serial=rid) for rid in ids]
 
 
 class Recorder(LogitsProcessor):
@@ -119,7 +119,7 @@ def test_every_row_is_its_request_whatever_comes_goes_and_moves():
     rng = random.Random(0)
     rec = Recorder()
     batch = LogitsProcessorBatch([rec])
-    pool = [f"r{i}" for i in range(12)]
+    pool = list(range(12))
     most = 0
     for _ in range(400):
         ids = rng.sample(pool, rng.randint(0, 8)) if rng.random() < 0.8 else list(batch.rows)
@@ -139,11 +139,31 @@ def test_every_row_is_its_request_whatever_comes_goes_and_moves():
 
 def test_an_added_row_hands_over_the_request_s_own_lists():
     rec = Recorder()
-    row = SampleRequest(SamplingParams(extra_args={"owner": "a"}), [7, 8], [9], request_id="a")
+    row = SampleRequest(SamplingParams(extra_args={"owner": 0}), [7, 8], [9], serial=0)
     LogitsProcessorBatch([rec]).update([row])
     (index, params, prompt_ids, output_ids), = rec.updates[-1].added
     assert index == 0 and params is row.params and prompt_ids is row.prompt_token_ids
     assert output_ids is row.output_token_ids  # the live list: a processor sees it grow
+
+
+class FailsOnce(Recorder):
+    """Raises at its second update."""
+    def update_state(self, batch_update):
+        if len(self.updates) == 1 and not getattr(self, "failed", False):
+            self.failed = True
+            raise RuntimeError("a bug in a processor")
+        super().update_state(batch_update)
+
+
+def test_a_processor_that_raises_leaves_none_out_of_step():
+    """The step fails; the next update removes every row and adds them again, for every processor,
+    those that saw the failed update and those that did not."""
+    first, flaky, last = Recorder(), FailsOnce(), Recorder()
+    batch = LogitsProcessorBatch([first, flaky, last])
+    batch.update(_rows([0, 1, 2]))
+    pytest.raises(RuntimeError, batch.update, _rows([3, 1, 2, 4]))
+    batch.update(_rows([1, 4]))
+    assert first.owners == flaky.owners == last.owners == {0: 1, 1: 4}
 
 
 # ---------------------------------------------------------------- through the engine
@@ -214,6 +234,20 @@ def test_per_request_functions_through_the_adapter(tiny_model, plain):
     assert not set(got[2]) & set(PROMPTS[2])
     # the model repeats itself (greedy, tiny): the bans had something to do
     assert any(a == b for f in (free[0], free[3]) for a, b in zip(f, f[1:])) or set(free[2]) & set(PROMPTS[2])
+
+
+def test_a_request_id_used_again_is_a_new_row(tiny_model):
+    """Rows are keyed by the engine's own serial: a finished request's id, reused, does not inherit
+    the processor's state for it."""
+    engine = _llm(tiny_model, TargetToken).engine
+
+    def run(extra_args):
+        engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                      extra_args=extra_args), "x")
+        outs = [o for _ in range(40) if engine.has_unfinished_requests() for o in engine.step() if o.finished]
+        return outs[-1].outputs[0].token_ids
+    assert run({"target_token": 42}) == [42] * 4
+    assert run(None) != [42] * 4
 
 
 def test_logprobs_stay_the_raw_model_s(tiny_model, plain):

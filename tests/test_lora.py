@@ -122,6 +122,30 @@ def test_each_adapter_has_its_own_prefix_cache(models):
     assert cached == [0, 0, 48, 48]
 
 
+def test_no_salt_spells_an_adapter_s_and_a_reloaded_id_starts_cold(models):
+    """A base request whose cache_salt spells what an adapter's blocks are salted with gets none of
+    them; an id unloaded and loaded again with other weights gets none of the old ones."""
+    from nanoserve.engine import TokenizedPrompt
+    llm = _llm(models["base"])
+    engine = llm.engine
+    la, lb = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 1, str(models["b"]))
+    prompt = list(range(3, 60))
+    llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=la)
+    salt = engine._salt(engine.with_lora(TokenizedPrompt(None, prompt), la))
+
+    def cached(salted: str) -> int:  # a base request under the caller's salt
+        rid = engine.add_request(TokenizedPrompt(None, prompt, cache_salt=salted), GREEDY)
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.request_id == rid and o.finished]
+        return done[0].num_cached_tokens
+    assert salt == "[null, null, 0]"  # the adapter's first load, no caller's salt
+    assert [cached(s) for s in (salt, "lora:1")] == [0, 0]
+    assert cached(salt) == 48  # the salt works: the same caller's salt again hits the first one's blocks
+    assert engine.remove_lora(1)
+    again = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lb)[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == hf_greedy(models["merged_b"], prompt, 10)
+
+
 def test_beam_search_and_chat_take_an_adapter(models):
     llm = _llm(models["base"])
     la = LoRARequest("a", 1, str(models["a"]))

@@ -336,14 +336,15 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"],
          ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
          ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
-         ["--task", "generate"]]
+         ["--task", "generate"], ["--max-loras", "4"], ["--max-cpu-loras", "8"], ["--no-fully-sharded-loras"],
+         ["--lora-dtype", "auto"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
            ["--api-server-count", "4"], ["--logprobs-mode", "processed_logprobs"],
            ["--runner", "pooling"], ["--cpu-offload-gb", "2.5"],
-           ["--tokenizer-revision", "v2"], ["--task", "embed"]]
+           ["--tokenizer-revision", "v2"], ["--task", "embed"], ["--fully-sharded-loras"], ["--lora-dtype", "float16"]]
 
 
 def test_scheduling_policy_priority_over_http(tiny_model, monkeypatch):
@@ -385,7 +386,7 @@ def test_vllm_flags_refused_in_one_line(flags, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(flags)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err.count("\n") == 1 and f"{flags[1]} is not supported: " in err, err
+    assert e.value.code == 2 and err.count("\n") == 1 and f"{flags[-1]} is not supported: " in err, err
 
 
 def test_vllm_flags_that_act_or_already_exist_parse():
