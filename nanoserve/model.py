@@ -957,9 +957,9 @@ _LORA_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_a
 
 @dataclass(slots=True)
 class LoRAStep:
-    """The step's tokens of each adapter, (adapter id, token rows on the device): what every
-    LoRALinear reads in the forward. Empty for a step without adapters (and for the CUDA graphs)."""
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    """The step's tokens of each adapter, (adapter id, token rows on the device; None: all of them):
+    what every LoRALinear reads in the forward. Empty for a step without adapters (and for the CUDA graphs)."""
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -974,7 +974,11 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         for lora_id, rows in self.step.groups:
-            if (ab := self.adapters.get(lora_id)) is not None:
+            if (ab := self.adapters.get(lora_id)) is None:
+                continue
+            if rows is None:  # one adapter for the whole step: no gather, no scatter
+                y += (x @ ab[0].T) @ ab[1].T
+            else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ ab[0].T) @ ab[1].T)
         return y
 
@@ -1899,15 +1903,15 @@ class ModelRunner:
             if name in weights:
                 getattr(parent, attr).adapters[lora_int_id] = weights[name]
 
-    def _lora_groups(self, seqs: list[SeqInput]) -> list[tuple[int, torch.Tensor]]:
-        """Each adapter's token rows in the step's flattened tokens."""
+    def _lora_groups(self, seqs: list[SeqInput]) -> list[tuple[int, torch.Tensor | None]]:
+        """Each adapter's token rows in the step's flattened tokens (None: all of them)."""
         rows: dict[int, list[int]] = {}
         start = 0
         for s in seqs:
             if s.lora_int_id is not None:
                 rows.setdefault(s.lora_int_id, []).extend(range(start, start + len(s.token_ids)))
             start += len(s.token_ids)
-        return [(i, to_device(host_ints(r), self.device)) for i, r in rows.items()]
+        return [(i, None if len(r) == start else to_device(host_ints(r), self.device)) for i, r in rows.items()]
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with
