@@ -227,3 +227,29 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         assert httpx.post(s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60).status_code == 404
         assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
         s.wait_idle()
+
+
+def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):
+    """bf16 on the CPU: the linears are the backend's own (packed for oneDNN or the C kernel), and
+    LoRALinear wraps those: one step's logits are the merged checkpoint's, to bf16's precision, and
+    far from the base model's."""
+    from nanoserve.model import SeqInput
+    from conftest import step_logits
+    base = make_model(model_root, "llama", seed=3, dtype=torch.bfloat16)
+    adapter = make_adapter(base, tmp_path / "a", seed=1)
+    merged = merged_model(base, adapter, tmp_path / "m")
+    kw = dict(dtype="bfloat16", num_kv_blocks=16, max_model_len=64)
+    llm = LLM(str(base), enable_lora=True, **kw)
+    llm.engine.add_lora(LoRARequest("a", 1, str(adapter)))
+    runner = llm.engine.runner
+    from nanoserve.model import LoRALinear
+    assert isinstance(runner.model.model.layers[0].mlp.down_proj, LoRALinear)  # around what the backend made
+    prompt, table = PROMPTS[2], list(range(1, 3))
+    runner.lora.groups = [(1, None)]
+    with_lora = step_logits(runner, [SeqInput(prompt, 0, table, None, lora_int_id=1)])
+    runner.lora.groups = []
+    without = step_logits(runner, [SeqInput(prompt, 0, table, None)])
+    other = LLM(str(merged), **kw).engine.runner
+    want = step_logits(other, [SeqInput(prompt, 0, table, None)])
+    scale = want.abs().max()
+    assert (with_lora - want).abs().max() < 0.05 * scale < (without - want).abs().max()
