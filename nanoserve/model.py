@@ -1939,12 +1939,57 @@ class ModelRunner:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
             all(len(s.token_ids) == 1 and s.prompt_embeds is None and s.lora_int_id is None for s in seqs)
 
-    def add_lora(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """An adapter's weights (load_lora's) into the layers, under ``lora_int_id``; {}: out of them."""
+    def add_lora(self, lora_int_id: int, path: str, max_rank: int) -> None:
+        """Load an adapter (load_lora) into the layers under ``lora_int_id``, on every rank: this one
+        first, so that an adapter it refuses (ValueError) is never sent; then the workers, each its
+        own part from the same path. ValueError if one of them cannot (the path missing on its node):
+        then no rank keeps it, and the workers go on serving."""
+        self._set_lora(lora_int_id, load_lora(path, self.model, max_rank))
+        if self.tp.world_size == 1:
+            return
+        failed = self._lora_control("add_lora", lora_int_id, path, max_rank)
+        if failed:
+            self.remove_lora(lora_int_id)
+            raise ValueError(f"LoRA adapter {path!r}: tensor-parallel rank(s) could not load it (its path must "
+                             f"exist on every node): " + "; ".join(f"rank {r}: {why}" for r, why in failed.items()))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """An adapter out of the layers, on every rank."""
+        self._set_lora(lora_int_id, {})
+        if self.tp.world_size > 1:
+            self._lora_control("remove_lora", lora_int_id)
+
+    def _set_lora(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This rank's parts of an adapter (load_lora's) into its layers; {}: out of them."""
         for name, t in lora_layers(self.model).items():
             getattr(t.parent, t.attr).adapters.pop(lora_int_id, None)
             if name in weights:
                 getattr(t.parent, t.attr).adapters[lora_int_id] = weights[name]
+
+    def _lora_control(self, *message) -> dict[int, str]:
+        """Rank 0: a LoRA message to the workers, numbered as a step (worker_loop runs it), and the
+        ranks that failed it, with why. Every rank then joins one all-reduce of the failures: its
+        collectives stay paired with rank 0's, and the message is read before the next one drops it."""
+        try:
+            self.tp.send_step(self.num_steps, message)
+            self.num_steps += 1
+            failed = self.tp.all_reduce(torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device))
+        except RuntimeError as e:
+            raise TensorParallelError(f"a tensor-parallel LoRA update failed (a worker died, hung or lost its "
+                                      f"connection): {first_line(e)}") from e
+        return {r: self.tp.store.get(LORA_ERROR_KEY.format(r)).decode() for r in failed.nonzero().flatten().tolist()}
+
+    def _worker_lora(self, kind: str, lora_int_id: int, path: str = "", max_rank: int = 0) -> None:
+        """Ranks 1..N-1: _lora_control's message. A failure to load is reported to rank 0, never
+        raised: the worker must go on serving the base model and the other adapters."""
+        failed = torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device)
+        try:
+            self._set_lora(lora_int_id, load_lora(path, self.model, max_rank) if kind == "add_lora" else {})
+        except Exception as e:  # noqa: BLE001 - whatever it is, rank 0 refuses the adapter and says why
+            logger.error("[model] rank %d: cannot load LoRA adapter %d: %s", self.tp.rank, lora_int_id, e)
+            self.tp.store.set(LORA_ERROR_KEY.format(self.tp.rank), first_line(e))
+            failed[self.tp.rank] = 1
+        self.tp.all_reduce(failed)
 
     def _lora_groups(self, seqs: list[SeqInput]) -> list[tuple[int, torch.Tensor]]:
         """Each adapter's token rows in the step's flattened tokens."""
@@ -2076,6 +2121,9 @@ class ModelRunner:
         """Ranks 1..N-1: run each step rank 0 sends until it sends None."""
         while (message := self.tp.recv_step(self.num_steps)) is not None:
             self.num_steps += 1
+            if isinstance(message[0], str):  # add_lora/remove_lora's, between steps
+                self._worker_lora(*message)
+                continue
             with torch.inference_mode():
                 self.compute_step_logits(*message)
 
@@ -2100,6 +2148,7 @@ class WorkerSpec:
     cpu_allocator_tuning: bool
     log_level: int
     hf_overrides: dict[str, Any] | None
+    enable_lora: bool = False  # LoRALinear layers, for the adapters rank 0 sends (ModelRunner.add_lora)
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -2125,7 +2174,7 @@ def run_worker(spec: WorkerSpec) -> None:
         kv_spec, plan = plan_rank_kv_cache(model, weight_bytes, spec.cache)
         log_tensor_parallel(tp, weight_bytes, kv_spec, plan)
         runner = ModelRunner(model, kvcache.allocate_kv_cache(kv_spec, plan.num_blocks, device),
-                             spec.cache.block_size, device, backend, spec.seed)
+                             spec.cache.block_size, device, backend, spec.seed, enable_lora=spec.enable_lora)
         runner.warmup()
         runner.worker_loop()
     finally:
