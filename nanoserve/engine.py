@@ -51,7 +51,7 @@ from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entr
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, ModelConfig, ModelRunner,
                              SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
                              WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
-                             load_lora, load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank,
+                             load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process)
 from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
@@ -1091,9 +1091,6 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora does not work with tensor_parallel_size > 1 (yet): an adapter's weights "
-                             "would have to be split as the layers are")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
@@ -1134,7 +1131,7 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
     "max_loras": (int, None, "a step runs any mix of the loaded LoRA adapters (no per-step limit)"),
     "max_cpu_loras": (int, None, "a LoRA adapter, once loaded, stays on the device"),
-    "fully_sharded_loras": (bool, (False,), "LoRA needs tensor_parallel_size 1 here"),
+    "fully_sharded_loras": (bool, (False,), "an adapter is split as its layer is, vLLM's default"),
     "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
 }
@@ -1644,7 +1641,7 @@ class LLMEngine:
                 raise ValueError(f"lora_int_id {lora_id} is already the adapter {known.lora_name!r} "
                                  f"({known.lora_path}), not {lora_request.lora_path}")
             return False
-        self.runner.add_lora(lora_id, load_lora(lora_request.lora_path, self.runner.model, self.config.max_lora_rank))
+        self.runner.add_lora(lora_id, lora_request.lora_path, self.config.max_lora_rank)  # on every rank
         self.loras[lora_id], self.lora_loads[lora_id] = lora_request, next(self.load_counter)
         logger.info("[engine] LoRA adapter %r (id %d) loaded from %s", lora_request.lora_name, lora_id,
                     lora_request.lora_path)
@@ -1660,7 +1657,7 @@ class LLMEngine:
         if users:
             raise ValueError(f"the LoRA adapter {self.loras[lora_int_id].lora_name!r} serves {len(users)} "
                              f"request(s) still running; unload it when they end")
-        self.runner.add_lora(lora_int_id, {})
+        self.runner.remove_lora(lora_int_id)
         del self.lora_loads[lora_int_id]
         logger.info("[engine] LoRA adapter %r (id %d) unloaded", self.loras.pop(lora_int_id).lora_name, lora_int_id)
         return True
@@ -2268,7 +2265,8 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
     return [WorkerSpec(path, r, config.tensor_parallel_size,
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
-                       config.seed, threads, config.cpu_allocator_tuning, level, config.hf_overrides)
+                       config.seed, threads, config.cpu_allocator_tuning, level, config.hf_overrides,
+                       config.enable_lora)
             for r in ranks]
 
 

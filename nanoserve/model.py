@@ -946,12 +946,19 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
 # adapter_model.safetensors) beside the base weights, any mix of them in one step. Each
 # layer they may change becomes a LoRALinear: the base layer's output, plus for the rows of
 # each adapter in the step x A^T B^T (B scaled by lora_alpha / r, or / sqrt(r) with rslora).
+#
+# Under tensor parallelism an adapter is split as its layer is (vLLM's, Megatron's split):
+# a column-parallel layer (qkv_proj, gate_up_proj) keeps A whole and this rank's rows of
+# each slice of B, so x A^T B^T is this rank's output rows; a row-parallel one (o_proj,
+# down_proj) keeps this rank's input columns of A and B whole: x A^T is then a partial
+# sum, and one all-reduce of it (r numbers a token) makes every rank's delta whole.
 
 # PEFT's module names -> (the fused module here, its slice): q, k and v are qkv_proj's slices
 LORA_TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
                 "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
                 "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
                 "down_proj": ("mlp.down_proj", 0)}
+LORA_ERROR_KEY = "nanoserve/lora_error/{}"  # TPGroup.store: why a worker could not load an adapter
 _LORA_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -962,53 +969,92 @@ class LoRAStep:
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
 
 
+@dataclass(slots=True, frozen=True)
+class LoRATarget:
+    """A layer adapters may change, and this rank's part of an adapter's weights for it. Read
+    from the model config and the TPGroup, not from the base module: a backend may have
+    replaced it by a class of its own."""
+    parent: nn.Module
+    attr: str
+    in_features: int                 # the whole layer's (an adapter's A is [r, in_features])
+    sizes: list[int]                 # the whole layer's output slices (q, k, v; gate, up; or one)
+    rows: list[tuple[int, int]]      # (start, size) of each slice's rows this rank holds
+    cols: tuple[int, int]            # (start, size) of the input columns this rank holds
+    row_parallel: bool               # its x A^T is a partial sum over the ranks
+
+
 class LoRALinear(nn.Module):
     """A base linear layer (any of the backend's) and the adapters that change it: per adapter
-    A [R, in] and B [out, R], its slices' A stacked and their B block-diagonal, the scale in B."""
+    A [R, in] and B [out, R] (this rank's parts), its slices' A stacked and their B
+    block-diagonal, the scale in B. ``tp``: a row-parallel layer's group (None: column-parallel)."""
 
-    def __init__(self, base: nn.Module, step: LoRAStep, slice_sizes: list[int]):
+    def __init__(self, base: nn.Module, step: LoRAStep, tp: TPGroup | None = None):
         super().__init__()
-        self.base, self.step, self.slice_sizes = base, step, slice_sizes
+        self.base, self.step, self.tp = base, step, tp
         self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
-        for lora_id, rows in self.step.groups:
-            if (ab := self.adapters.get(lora_id)) is None:
-                continue
+        y = self.base(x)  # a row-parallel base has done its own all-reduce: the delta is added whole
+        groups = [(rows, ab) for lora_id, rows in self.step.groups if (ab := self.adapters.get(lora_id)) is not None]
+        if not groups:
+            return y
+        shrunk = [(x if rows is None else x.index_select(0, rows)) @ a.T for rows, (a, _) in groups]
+        if self.tp is not None:
+            shrunk = self._all_reduce(shrunk)
+        for (rows, (_, b)), xa in zip(groups, shrunk):
             if rows is None:  # one adapter for the whole step: no gather, no scatter
-                y += (x @ ab[0].T) @ ab[1].T
+                y += xa @ b.T
             else:
-                y.index_add_(0, rows, (x.index_select(0, rows) @ ab[0].T) @ ab[1].T)
+                y.index_add_(0, rows, xa @ b.T)
         return y
 
+    def _all_reduce(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's partial x A^T summed, all adapters' in one collective. Every rank runs the
+        same groups with the same adapters loaded (ModelRunner.add_lora), so the collectives pair up."""
+        flat = self.tp.all_reduce(torch.cat([p.flatten() for p in parts]))
+        return [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
-def lora_layers(model: CausalLM) -> dict[str, tuple[nn.Module, str, int, list[int]]]:
-    """The layers adapters may change: "layers.{i}.{module}" -> (its parent, attribute, in_features,
-    output slice sizes) (one rank: LoRA is refused under tensor parallelism)."""
-    cfg, out = model.config, {}
+
+def lora_layers(model: CausalLM) -> dict[str, LoRATarget]:
+    """The layers adapters may change, by name ("layers.{i}.{module}"), split as the model's
+    own parallel layers are: q by heads, k and v by this rank's KV head (one replicated on
+    several ranks when there are fewer KV heads than ranks: QKVParallelLinear.shard_rank),
+    gate and up by rows, o and down by input columns."""
+    cfg, tp, out = model.config, model.tp, {}
+    n, rank = tp.world_size, tp.rank
     hidden, inter = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    shapes = {"self_attn.qkv_proj": (hidden, [q, kv, kv]), "self_attn.o_proj": (q, [hidden]),
-              "mlp.gate_up_proj": (hidden, [inter, inter]), "mlp.down_proj": (inter, [hidden])}
+    kv_local = num_kv_heads_per_rank(cfg.num_kv_heads, n) * cfg.head_dim
+    kv_rank = rank // max(1, n // cfg.num_kv_heads)
+    column = {"self_attn.qkv_proj": (hidden, [q, kv, kv], [(rank * q // n, q // n), (kv_rank * kv_local, kv_local),
+                                                          (kv_rank * kv_local, kv_local)]),
+              "mlp.gate_up_proj": (hidden, [inter, inter], [(rank * inter // n, inter // n)] * 2)}
+    row = {"self_attn.o_proj": (q, hidden), "mlp.down_proj": (inter, hidden)}
     for i, layer in enumerate(model.model.layers):
-        for name, (in_features, slice_sizes) in shapes.items():
+        for name, (in_features, sizes, rows) in column.items():
             parent, attr = name.split(".")
-            out[f"layers.{i}.{name}"] = (getattr(layer, parent), attr, in_features, slice_sizes)
+            out[f"layers.{i}.{name}"] = LoRATarget(getattr(layer, parent), attr, in_features, sizes, rows,
+                                                   (0, in_features), False)
+        for name, (in_features, out_features) in row.items():
+            parent, attr = name.split(".")
+            out[f"layers.{i}.{name}"] = LoRATarget(getattr(layer, parent), attr, in_features, [out_features],
+                                                   [(0, out_features)], (rank * in_features // n, in_features // n),
+                                                   n > 1)
     return out
 
 
 def wrap_lora_layers(model: CausalLM) -> LoRAStep:
     """Wrap every layer an adapter may change (after the backend prepared the base layers)."""
     step = LoRAStep()
-    for parent, attr, _, slice_sizes in lora_layers(model).values():
-        setattr(parent, attr, LoRALinear(getattr(parent, attr), step, slice_sizes))
+    for t in lora_layers(model).values():
+        setattr(t.parent, t.attr, LoRALinear(getattr(t.parent, t.attr), step, model.tp if t.row_parallel else None))
     return step
 
 
 def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """An adapter's weights for LoRALinear.adapters, by layer name (lora_layers), in the model's
-    dtype on its device. ValueError for what nanoserve cannot apply as the checkpoint means it."""
+    """An adapter's weights for LoRALinear.adapters (this rank's parts), by layer name (lora_layers),
+    in the model's dtype on its device. ValueError for what nanoserve cannot apply as the checkpoint
+    means it (checked on the whole adapter: every rank refuses the same ones)."""
     from safetensors.torch import load_file
     path = Path(path)
     try:
@@ -1038,23 +1084,27 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
         module, index = LORA_TARGETS[m[2]]
         parts.setdefault(f"layers.{m[1]}.{module}", {}).setdefault(index, {})[m[3]] = t
     layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
-    return {name: _fuse_lora(path, name, slices, *layers[name][2:], scale, r, dtype, device)
+    return {name: _fuse_lora(path, name, slices, layers[name], scale, r, dtype, device)
             for name, slices in parts.items()}
 
 
-def _fuse_lora(path, name: str, slices: dict[int, dict[str, torch.Tensor]], in_features: int, sizes: list[int],
-               scale: float, r: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's slices as A [R, in] (stacked) and B [out, R] (block-diagonal, scaled)."""
-    a_rows, b = [], torch.zeros(sum(sizes), r * len(slices))
+def _fuse_lora(path, name: str, slices: dict[int, dict[str, torch.Tensor]], target: LoRATarget, scale: float,
+               r: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's slices as A [R, in] (stacked) and B [out, R] (block-diagonal, scaled), this rank's
+    part of each: ``target``'s input columns of A, its rows of each slice of B."""
+    in_features, sizes = target.in_features, target.sizes
+    col, width = target.cols
+    a_rows, b = [], torch.zeros(sum(size for _, size in target.rows), r * len(slices))
     for k, (index, ab) in enumerate(sorted(slices.items())):
         a, bk = ab.get("A"), ab.get("B")
-        start = sum(sizes[:index])
         if a is None or bk is None or a.shape != (r, in_features) or bk.shape != (sizes[index], r):
             raise ValueError(f"LoRA adapter {str(path)!r}: {name} slice {index}'s lora_A and lora_B must be "
                              f"[{r}, {in_features}] and [{sizes[index]}, {r}] (the base model's), got "
                              f"{None if a is None else list(a.shape)} and {None if bk is None else list(bk.shape)}")
-        a_rows.append(a.float())
-        b[start:start + sizes[index], k * r:(k + 1) * r] = bk.float() * scale
+        a_rows.append(a[:, col:col + width].float())
+        row, height = target.rows[index]
+        start = sum(size for _, size in target.rows[:index])  # where this rank's slice sits in its output
+        b[start:start + height, k * r:(k + 1) * r] = bk[row:row + height].float() * scale
     return torch.cat(a_rows).to(device, dtype), b.to(device, dtype)
 
 
@@ -1896,12 +1946,57 @@ class ModelRunner:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
             all(len(s.token_ids) == 1 and s.prompt_embeds is None and s.lora_int_id is None for s in seqs)
 
-    def add_lora(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """An adapter's weights (load_lora's) into the layers, under ``lora_int_id``; {}: out of them."""
-        for name, (parent, attr, *_) in lora_layers(self.model).items():
-            getattr(parent, attr).adapters.pop(lora_int_id, None)
+    def add_lora(self, lora_int_id: int, path: str, max_rank: int) -> None:
+        """Load an adapter (load_lora) into the layers under ``lora_int_id``, on every rank: this one
+        first, so that an adapter it refuses (ValueError) is never sent; then the workers, each its
+        own part from the same path. ValueError if one of them cannot (the path missing on its node):
+        then no rank keeps it, and the workers go on serving."""
+        self._set_lora(lora_int_id, load_lora(path, self.model, max_rank))
+        if self.tp.world_size == 1:
+            return
+        failed = self._lora_control("add_lora", lora_int_id, path, max_rank)
+        if failed:
+            self.remove_lora(lora_int_id)
+            raise ValueError(f"LoRA adapter {path!r}: tensor-parallel rank(s) could not load it (its path must "
+                             f"exist on every node): " + "; ".join(f"rank {r}: {why}" for r, why in failed.items()))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """An adapter out of the layers, on every rank."""
+        self._set_lora(lora_int_id, {})
+        if self.tp.world_size > 1:
+            self._lora_control("remove_lora", lora_int_id)
+
+    def _set_lora(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """This rank's parts of an adapter (load_lora's) into its layers; {}: out of them."""
+        for name, t in lora_layers(self.model).items():
+            getattr(t.parent, t.attr).adapters.pop(lora_int_id, None)
             if name in weights:
-                getattr(parent, attr).adapters[lora_int_id] = weights[name]
+                getattr(t.parent, t.attr).adapters[lora_int_id] = weights[name]
+
+    def _lora_control(self, *message) -> dict[int, str]:
+        """Rank 0: a LoRA message to the workers, numbered as a step (worker_loop runs it), and the
+        ranks that failed it, with why. Every rank then joins one all-reduce of the failures: its
+        collectives stay paired with rank 0's, and the message is read before the next one drops it."""
+        try:
+            self.tp.send_step(self.num_steps, message)
+            self.num_steps += 1
+            failed = self.tp.all_reduce(torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device))
+        except RuntimeError as e:
+            raise TensorParallelError(f"a tensor-parallel LoRA update failed (a worker died, hung or lost its "
+                                      f"connection): {first_line(e)}") from e
+        return {r: self.tp.store.get(LORA_ERROR_KEY.format(r)).decode() for r in failed.nonzero().flatten().tolist()}
+
+    def _worker_lora(self, kind: str, lora_int_id: int, path: str = "", max_rank: int = 0) -> None:
+        """Ranks 1..N-1: _lora_control's message. A failure to load is reported to rank 0, never
+        raised: the worker must go on serving the base model and the other adapters."""
+        failed = torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device)
+        try:
+            self._set_lora(lora_int_id, load_lora(path, self.model, max_rank) if kind == "add_lora" else {})
+        except Exception as e:  # noqa: BLE001 - whatever it is, rank 0 refuses the adapter and says why
+            logger.error("[model] rank %d: cannot load LoRA adapter %d: %s", self.tp.rank, lora_int_id, e)
+            self.tp.store.set(LORA_ERROR_KEY.format(self.tp.rank), first_line(e))
+            failed[self.tp.rank] = 1
+        self.tp.all_reduce(failed)
 
     def _lora_groups(self, seqs: list[SeqInput]) -> list[tuple[int, torch.Tensor | None]]:
         """Each adapter's token rows in the step's flattened tokens (None: all of them)."""
@@ -2033,6 +2128,9 @@ class ModelRunner:
         """Ranks 1..N-1: run each step rank 0 sends until it sends None."""
         while (message := self.tp.recv_step(self.num_steps)) is not None:
             self.num_steps += 1
+            if isinstance(message[0], str):  # add_lora/remove_lora's, between steps
+                self._worker_lora(*message)
+                continue
             with torch.inference_mode():
                 self.compute_step_logits(*message)
 
@@ -2057,6 +2155,7 @@ class WorkerSpec:
     cpu_allocator_tuning: bool
     log_level: int
     hf_overrides: dict[str, Any] | None
+    enable_lora: bool = False  # LoRALinear layers, for the adapters rank 0 sends (ModelRunner.add_lora)
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -2082,7 +2181,7 @@ def run_worker(spec: WorkerSpec) -> None:
         kv_spec, plan = plan_rank_kv_cache(model, weight_bytes, spec.cache)
         log_tensor_parallel(tp, weight_bytes, kv_spec, plan)
         runner = ModelRunner(model, kvcache.allocate_kv_cache(kv_spec, plan.num_blocks, device),
-                             spec.cache.block_size, device, backend, spec.seed)
+                             spec.cache.block_size, device, backend, spec.seed, enable_lora=spec.enable_lora)
         runner.warmup()
         runner.worker_loop()
     finally:

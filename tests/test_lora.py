@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import save_file
 
 from nanoserve import LLM, LoRARequest, SamplingParams
-from nanoserve.engine import EngineConfig
 
 from conftest import hf_model, make_model
 from test_server import ServerThread
@@ -175,8 +174,70 @@ def test_what_is_refused(models, tmp_path):
     llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("b", 2, str(models["b"])))
     with pytest.raises(ValueError, match=r"lora_int_id 2 is already the adapter 'b'"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 2, str(models["a"])))
-    with pytest.raises(ValueError, match=r"enable_lora does not work with tensor_parallel_size > 1"):
-        EngineConfig(model="m", enable_lora=True, tensor_parallel_size=2)
+
+
+def _adapters(base: Path, root: Path) -> tuple[list[LoRARequest | None], dict[int | None, Path]]:
+    """models' a and b for ``base``: a request list mixing them with the base, and each one's merged model."""
+    a, b = make_adapter(base, root / "a", seed=1), make_adapter(
+        base, root / "b", targets=("q_proj", "v_proj", "down_proj"), r=2, alpha=16, seed=2, use_rslora=True)
+    la, lb = LoRARequest("a", 1, str(a)), LoRARequest("b", 2, str(b))
+    return [la, None, lb, la, lb, None], {None: base, 1: merged_model(base, a, root / "merged-a"),
+                                          2: merged_model(base, b, root / "merged-b")}
+
+
+def _tokens(llm: LLM, prompts, loras) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)]
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_tensor_parallel_adapters_are_their_merged_models(model_root, tmp_path, kv_heads):
+    """Under tensor_parallel_size=2 each rank holds its part of an adapter: q by heads, k and v by
+    its KV head (2 heads split over the 2 ranks, or 1 replicated on both), gate and up by rows, o and
+    down by input columns with one all-reduce of x A^T. A mix of both adapters and the base in
+    every step (chunked prefills beside decodes) gives the one-rank run's tokens and transformers'."""
+    base = make_model(model_root, "llama", seed=3, num_key_value_heads=kv_heads)
+    loras, merged = _adapters(base, tmp_path)
+    prompts, kw = PROMPTS + PROMPTS[:2], dict(max_num_batched_tokens=8, max_num_seqs=4)
+    tp1 = _tokens(_llm(base, **kw), prompts, loras)
+    llm = _llm(base, tensor_parallel_size=2, **kw)
+    try:
+        tp2 = _tokens(llm, prompts, loras)
+    finally:
+        llm.shutdown()
+    assert tp2 == tp1 == [hf_greedy(merged[lora and lora.lora_int_id], p, 10) for p, lora in zip(prompts, loras)]
+
+
+def test_tensor_parallel_bad_adapters_are_refused_and_the_engine_serves_on(models, tmp_path, monkeypatch):
+    """Under tensor parallelism an adapter rank 0 refuses is its ValueError (the workers never hear
+    of it); one a worker cannot load (here: a relative path, which its node's working directory
+    does not hold, as a path missing on another node) is a ValueError that names the rank, and no
+    rank keeps it. Either way the engine serves on, and remove_lora unloads an adapter on every rank."""
+    here, elsewhere = tmp_path / "rank0", tmp_path / "worker"
+    shutil.copytree(models["a"], here / "adapter")
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the spawned worker starts here and stays
+    llm = _llm(models["base"], tensor_parallel_size=2, max_lora_rank=4)
+    try:
+        monkeypatch.chdir(here)
+        with pytest.raises(ValueError, match=r"rank\(s\) could not load it .*rank 1: .*cannot read adapter_config"):
+            llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, "adapter"))
+        assert not llm.engine.loras
+        for lora, why in [(LoRARequest("x", 3, str(tmp_path / "none")), r"^LoRA adapter .*cannot read adapter_config"),
+                          (LoRARequest("d", 4, str(make_adapter(models["base"], tmp_path / "d", r=8))),
+                           r"has rank 8, more than max_lora_rank \(4\)")]:
+            with pytest.raises(ValueError, match=why):
+                llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=lora)
+        la, lb = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+        paths = {None: models["base"], 1: models["merged_a"], 2: models["merged_b"]}
+        loras = [la, None, lb, la]
+        want = [hf_greedy(paths[lora and lora.lora_int_id], p, 10) for p, lora in zip(PROMPTS, loras)]
+        assert _tokens(llm, PROMPTS, loras) == want
+        assert llm.engine.remove_lora(1) and set(llm.engine.loras) == {2}
+        assert _tokens(llm, PROMPTS, [None, None, lb, None]) == [
+            hf_greedy(models["base"], p, 10) if i != 2 else want[2] for i, p in enumerate(PROMPTS)]
+        assert _tokens(llm, PROMPTS, loras) == want  # loaded again, on every rank
+    finally:
+        llm.shutdown()
 
 
 def test_the_server_serves_adapters_by_model_name(models):
