@@ -625,7 +625,8 @@ VLLM_LLM_KWARGS = dict(
     compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2]}, cpu_offload_gb=0, load_format="auto",
     max_seq_len_to_capture=8192, use_v2_block_manager=True, disable_async_output_proc=False, tokenizer_revision=None,
     hf_overrides={}, scheduling_policy="fcfs", logprobs_mode="raw_logprobs", runner="auto", task="generate",
-    pipeline_parallel_size=1, data_parallel_size=1, num_gpu_blocks_override=64, device="auto", optimization_level=3)
+    pipeline_parallel_size=1, data_parallel_size=1, num_gpu_blocks_override=64, device="auto", optimization_level=3,
+    max_loras=1, max_cpu_loras=None, fully_sharded_loras=False, lora_dtype="auto")
 
 
 def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
