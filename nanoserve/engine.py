@@ -2645,11 +2645,11 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = {**m, "tool_calls": [_parsed_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
         if isinstance(m, dict) and "content" in m and m["content"] is None:
             m = {**m, "content": ""}
-        if isinstance(m, dict) and isinstance(m.get("content"), list):  # OpenAI content parts: their text, as the server
-            texts = [part_text(p) for p in m["content"]]
+        if isinstance(m, dict) and isinstance(m.get("content"), list):  # OpenAI content parts: their text
+            texts = [part_text(p) for p in m["content"]]  # (as the server joins them)
             if None in texts:
-                raise InvalidInput("messages", f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}})"
-                                               f" are supported")
+                raise InvalidInput("messages", f"messages[{i}].content: only text parts ({{'type': 'text', "
+                                               f"'text': ...}}) are supported")
             m = {**m, "content": "\n".join(texts)}
         out.append(m)
     return out

@@ -82,8 +82,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
                               BeamSearchParams, CompletionOutput, EngineConfig, EngineDeadError, InvalidInput,
-                              LLMEngine, Logprob, LoRARequest, REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError,
-                              RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
+                              LLMEngine, Logprob, LoRARequest, REASONING_PARSERS, RepetitionDetectionParams,
+                              RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
                               StructuredOutputsParams, TEXT_PARTS, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
                               apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
                               nested_deeper, opens_reply, parse_call_arguments, part_text, run_worker_node,

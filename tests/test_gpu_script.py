@@ -24,7 +24,8 @@ HEADLINE = ("date", "gpu", "torch", "commit", "w1_warm_s", "w1_cold_s", "w1_eage
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory):
     work = tmp_path_factory.mktemp("gpu-work")
-    return dict(work=str(work), models=gpu.part_models(gpu.DRY, dict(work=str(work)), archs=("qwen3", "mistral-sw"), w1=False))
+    models = gpu.part_models(gpu.DRY, dict(work=str(work)), archs=("qwen3", "mistral-sw"), w1=False)
+    return dict(work=str(work), models=models)
 
 
 def test_parity_part_on_the_cpu(spec):

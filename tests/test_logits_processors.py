@@ -185,7 +185,8 @@ def _tokens(llm, params):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("kw", [{}, {"async_scheduling": True}, {"num_kv_blocks": 7, "block_size": 8, "max_model_len": 48},
+@pytest.mark.parametrize("kw", [{}, {"async_scheduling": True},
+                                {"num_kv_blocks": 7, "block_size": 8, "max_model_len": 48},
                                 {"max_num_batched_tokens": 16, "max_num_seqs": 2}],
                          ids=["plain", "async", "preempting", "chunked"])
 def test_a_batch_processor_acts_on_the_rows_that_ask_only(tiny_model, plain, kw):

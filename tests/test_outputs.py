@@ -632,7 +632,8 @@ def test_chat_renders_the_template(llm, tok):
 def test_chat_takes_openai_content_parts(llm):
     """As the server and vLLM's LLM.chat: a list of text parts is their text (it was its Python repr)."""
     p = SamplingParams(temperature=0, max_tokens=2)
-    parts = [MESSAGES[0], {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "你好"}]}]
+    two_parts = [{"type": "text", "text": "hi"}, {"type": "text", "text": "你好"}]
+    parts = [MESSAGES[0], {"role": "user", "content": two_parts}]
     assert llm.chat(parts, p, use_tqdm=False)[0].prompt == RENDERED.replace("hi 你好", "hi\n你好")
     with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], p, use_tqdm=False)

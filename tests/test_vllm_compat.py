@@ -668,7 +668,8 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
      "max_cudagraph_capture_size is given twice"),
     ({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4], "max_cudagraph_capture_size": 8}},
      "max_cudagraph_capture_size (8) must be the largest of cudagraph_capture_sizes (4)"),
-    ({"speculative_config": {}, "enable_sleep_mode": True}, "nanoserve does not have: enable_sleep_mode, speculative_config;"),
+    ({"speculative_config": {}, "enable_sleep_mode": True},
+     "nanoserve does not have: enable_sleep_mode, speculative_config;"),
 ], ids=lambda v: str(v)[:40] if isinstance(v, dict) else "")
 def test_vllm_arguments_llm_cannot_honour_are_refused(tiny_model, kwargs, why):
     """(c) a ValueError naming the argument and why, before any loading; never a TypeError."""
