@@ -228,13 +228,13 @@ class BlockManager:
             if b != self.null_block:  # freed already, out of the window
                 self._release(b)
 
-    def free_skipped_blocks(self, request_id: str, num_skipped: int) -> None:
-        """vLLM's remove_skipped_blocks: the request's blocks that hold only tokens
-        before position ``num_skipped``, which no window still to come reads, go back
-        to the pool (a cached one stays reusable); the table (a new list, as ever) has
-        the null block in their places."""
+    def free_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """vLLM's remove_skipped_blocks: the request's blocks wholly before the window of
+        its next query (at position ``num_computed_tokens``), which no window still to come
+        reads, go back to the pool (a cached one stays reusable); the table (a new list,
+        as ever) has the null block in their places."""
         table = self.req_to_blocks.get(request_id)
-        n = 0 if table is None else min(max(num_skipped, 0) // self.block_size, len(table))
+        n = 0 if table is None else min(self._first_window_block(num_computed_tokens), len(table))
         if n == 0 or table[n - 1] == self.null_block:  # none, or freed up to there already
             return
         table = list(table)

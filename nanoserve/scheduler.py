@@ -192,7 +192,7 @@ class Scheduler:
                 continue
             if bm.sliding_window is not None:  # the blocks before this chunk's first window go back to the pool
                 # (a step still in flight may read them: only a later step, which runs after it, writes them)
-                bm.free_skipped_blocks(req.request_id, start - bm.sliding_window + 1)
+                bm.free_skipped_blocks(req.request_id, start)
             table = bm.allocate_slots(req.request_id, req.token_ids, start + num_new)
             if table is None and (table := self._preempt_until_fits(req, num_new, out)) is None:
                 break  # req itself was preempted: nothing after it is left to schedule

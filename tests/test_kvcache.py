@@ -309,13 +309,13 @@ def test_blocks_before_the_window_go_back_and_the_null_block_takes_their_place()
     bm.allocate_slots("a", toks(18), 18)                     # 5 blocks: tokens 0..17
     table = bm.req_to_blocks["a"]
     assert 0 not in table and bm.num_free_blocks == 2
-    bm.free_skipped_blocks("a", 9)                           # tokens 0..8 read by no window to come: blocks 0, 1
+    bm.free_skipped_blocks("a", 14)                          # a query at 14 reads from 9: blocks 0, 1 are freed
     assert bm.req_to_blocks["a"] == [0, 0] + table[2:] and table[0] != 0  # a new list; the old one kept
     assert bm.num_free_blocks == 4 and [bm.blocks[b].ref_cnt for b in table[:2]] == [0, 0]
-    bm.free_skipped_blocks("a", 11)                          # no block more is wholly before 11
+    bm.free_skipped_blocks("a", 16)                          # from 11: no block more is wholly before it
     assert bm.num_free_blocks == 4
     bm.allocate_slots("a", toks(22), 22)
-    bm.free_skipped_blocks("a", 16)
+    bm.free_skipped_blocks("a", 21)                          # from 16
     assert bm.req_to_blocks["a"][:4] == [0, 0, 0, 0] and bm.num_free_blocks == 5
     bm.free("a")                                             # the rest, each once
     assert bm.num_free_blocks == 7 and all(b.ref_cnt == 0 for b in bm.blocks)
@@ -330,7 +330,7 @@ def test_a_freed_window_block_stays_in_the_prefix_cache():
     bm = BlockManager(8, BS, sliding_window=4)
     bm.allocate_slots("a", toks(12), 12)
     first, second = bm.req_to_blocks["a"][:2]
-    bm.free_skipped_blocks("a", 8)
+    bm.free_skipped_blocks("a", 11)  # a query at 11 reads from 8: blocks 0, 1
     assert bm.get_computed_blocks(toks(10)) == [0, second]  # a query at 8 reads from 5: block 1 on
     assert bm.allocate_slots("b", toks(10), 10, bm.get_computed_blocks(toks(10)))[:2] == [0, second]
     assert bm.blocks[second].ref_cnt == 1 and bm.blocks[first].ref_cnt == 0 and first in bm.free_blocks
