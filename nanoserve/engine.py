@@ -2437,15 +2437,9 @@ class LLM:
         """``priority``: each prompt's, as vLLM's (lower first), under scheduling_policy="priority";
         ``lora_request``: the LoRA adapter of every prompt, or of each (needs enable_lora)."""
         prompts = _as_prompt_list(prompts)
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        priority = [0] * len(prompts) if priority is None else list(priority)
-        if len(priority) != len(prompts):
-            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = _per_prompt(lora_request, len(prompts), "lora_requests")
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        priority = _per_prompt(0 if priority is None else list(priority), len(prompts), "priorities")
         for p in priority:
             self.engine.check_priority(p)
         params = [self.get_default_sampling_params() if p is None else p for p in params]
@@ -2562,6 +2556,14 @@ def _as_prompt_list(prompts) -> list:
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a string, a list of token ids, or a non-empty list of either")
     return list(prompts)
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list:
+    """One value for each of n prompts: a list of them, or one for all."""
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {name} for {n} prompts")
+    return values
 
 
 def _from_prompt_dict(p: dict):
