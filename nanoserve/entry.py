@@ -1785,6 +1785,10 @@ class ServerState:
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
+    async def on_model_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) where the engine's steps run, between two of them (what changes the model)."""
+        return await asyncio.get_running_loop().run_in_executor(self.async_llm.executor, fn, *args)
+
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """``spec`` compiled ahead, off the loop (the engine's add_request finds it cached), within
         GRAMMAR_COMPILE_TIMEOUT_S. xgrammar cannot stop a compile, and a 40-byte schema can take minutes (a
@@ -2222,7 +2226,7 @@ async def load_lora_adapter(request: Request) -> Response:
                        req.lora_path)
     state.loras[req.lora_name] = lora  # held, so that a second load of the name waits for no one: a 400
     try:
-        await asyncio.get_running_loop().run_in_executor(state.async_llm.executor, state.engine.add_lora, lora)
+        await state.on_model_thread(state.engine.add_lora, lora)
     except ValueError as e:
         del state.loras[req.lora_name]
         raise bad_request(str(e), "lora_path") from None
@@ -2241,8 +2245,7 @@ async def unload_lora_adapter(request: Request) -> Response:
     if lora is None:
         raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
     try:
-        await asyncio.get_running_loop().run_in_executor(state.async_llm.executor, state.engine.remove_lora,
-                                                         lora.lora_int_id)
+        await state.on_model_thread(state.engine.remove_lora, lora.lora_int_id)
     except ValueError as e:
         raise bad_request(str(e), "lora_name") from None
     state.loras.pop(req.lora_name, None)
