@@ -113,3 +113,12 @@ def test_readme_curl_example_works_as_written(demo_server):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "data: " in out.stdout and out.stdout.rstrip().endswith("data: [DONE]")
+
+
+def test_the_readme_s_logits_processor_example_runs_as_written(monkeypatch, capsys):
+    """The custom logits processor in the README, run from the repository root as its path says."""
+    block, = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+              if "class OnlyToken(LogitsProcessor)" in b]
+    monkeypatch.chdir(ROOT)
+    exec(compile(block, "README.md", "exec"), {"__name__": "readme_example"})
+    assert capsys.readouterr().out.strip() == "[42, 42, 42, 42]"
