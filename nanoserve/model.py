@@ -998,14 +998,15 @@ class LoRALinear(nn.Module):
         groups = [(rows, ab) for lora_id, rows in self.step.groups if (ab := self.adapters.get(lora_id)) is not None]
         if not groups:
             return y
-        shrunk = [(x if rows is None else x.index_select(0, rows)) @ a.T for rows, (a, _) in groups]
+        shrunk = [(x if rows is None else x.index_select(0, rows)).to(a.dtype) @ a.T for rows, (a, _) in groups]
         if self.tp is not None:
             shrunk = self._all_reduce(shrunk)
         for (rows, (_, b)), xa in zip(groups, shrunk):
+            delta = (xa @ b.T).to(y.dtype)
             if rows is None:  # one adapter for the whole step: no gather, no scatter
-                y += xa @ b.T
+                y += delta
             else:
-                y.index_add_(0, rows, xa @ b.T)
+                y.index_add_(0, rows, delta)
         return y
 
     def _all_reduce(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -1053,7 +1054,7 @@ def wrap_lora_layers(model: CausalLM) -> LoRAStep:
 
 def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """An adapter's weights for LoRALinear.adapters (this rank's parts), by layer name (lora_layers),
-    in the model's dtype on its device. ValueError for what nanoserve cannot apply as the checkpoint
+    on its device, in the model's dtype (on a CPU in fp32). ValueError for what nanoserve cannot apply as the checkpoint
     means it (checked on the whole adapter: every rank refuses the same ones)."""
     from safetensors.torch import load_file
     path = Path(path)
@@ -1084,6 +1085,8 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
         module, index = LORA_TARGETS[m[2]]
         parts.setdefault(f"layers.{m[1]}.{module}", {}).setdefault(index, {})[m[3]] = t
     layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
+    if device.type == "cpu":  # fp32: a bf16 matmul outside the packed kernels is 4-9x slower at LoRA's shapes
+        dtype = torch.float32  # on a CPU without bf16 instructions (RESULTS.md), and fp32 is the more exact
     return {name: _fuse_lora(path, name, slices, layers[name], scale, r, dtype, device)
             for name, slices in parts.items()}
 
