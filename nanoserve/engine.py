@@ -1132,7 +1132,7 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "max_loras": (int, None, "a step runs any mix of the loaded LoRA adapters (no per-step limit)"),
     "max_cpu_loras": (int, None, "a LoRA adapter, once loaded, stays on the device"),
     "fully_sharded_loras": (bool, (False,), "an adapter is split as its layer is, vLLM's default"),
-    "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype"),
+    "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype (on a CPU in fp32, faster there)"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
 }
 VLLM_RENAMED = {"num_gpu_blocks_override": "num_kv_blocks"}  # vLLM's name -> EngineConfig's
