@@ -584,6 +584,7 @@ class Request:
     grammar: Any = None               # structured outputs: its matcher (StructuredOutputManager)
     thinking: ThinkingBudget | None = None  # thinking_token_budget's count
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # its full blocks' hash chain, as far as looked up
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0

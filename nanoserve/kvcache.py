@@ -129,19 +129,22 @@ class BlockManager:
         prompt) share its own prompt blocks; the salt keeps everyone else out."""
         return self.enable_prefix_caching or cache_salt is not None
 
-    def get_computed_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[int]:
+    def get_computed_blocks(self, token_ids: list[int], cache_salt: str | None = None,
+                            block_hashes: list[bytes] | None = None) -> list[int]:
         """The cached blocks that cover a prefix of ``token_ids``. At least the
         last token is always left to compute (its logits are needed), so a
         prompt that is all cached still recomputes its final block's last token.
         A ``cache_salt`` (as vLLM's) starts the hash chain, so only requests with
         the same salt can share blocks. With a sliding window only the blocks the
         first window to compute reads must be cached (vLLM's SlidingWindowManager):
-        the longest such prefix wins, and the blocks before its window are the null block."""
+        the longest such prefix wins, and the blocks before its window are the null block.
+        ``block_hashes``: the request's chain so far (vLLM's Request.block_hashes), extended here,
+        so that a prompt that waits for free blocks is not hashed again at every schedule."""
         if not self._caches(cache_salt):
             return []
         hits: list[int] = []
         bs = self.block_size
-        for h in itertools.islice(self._hash_chain(token_ids, cache_salt), (len(token_ids) - 1) // bs):
+        for h in itertools.islice(self._hash_chain(token_ids, cache_salt, block_hashes), (len(token_ids) - 1) // bs):
             block_id = self.cached.get(h)
             if block_id is None and self.sliding_window is None:
                 break
@@ -156,11 +159,17 @@ class BlockManager:
         first = self._first_window_block(best * bs)
         return [self.null_block] * first + hits[first:best]
 
-    def _hash_chain(self, token_ids: list[int], cache_salt: str | None) -> Iterator[bytes]:
-        """The hashes of ``token_ids``' full blocks, in order, each chained to the one before."""
-        parent, bs = _salt_hash(cache_salt), self.block_size
-        for i in range(len(token_ids) // bs):
+    def _hash_chain(self, token_ids: list[int], cache_salt: str | None,
+                    memo: list[bytes] | None = None) -> Iterator[bytes]:
+        """The hashes of ``token_ids``' full blocks, in order, each chained to the one
+        before. ``memo`` holds those of earlier calls for the same request (whose
+        tokens only grow): they are not hashed again, and new ones are added to it."""
+        memo = [] if memo is None else memo
+        yield from memo
+        parent, bs = (memo[-1] if memo else _salt_hash(cache_salt)), self.block_size
+        for i in range(len(memo), len(token_ids) // bs):
             parent = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
+            memo.append(parent)
             yield parent
 
     def _first_window_block(self, position: int) -> int:
@@ -175,7 +184,8 @@ class BlockManager:
 
     # ---------------------------------------------------------------- allocate / free
     def allocate_slots(self, request_id: str, token_ids: list[int], num_tokens: int,
-                       computed_blocks: list[int] | None = None, cache_salt: str | None = None) -> list[int] | None:
+                       computed_blocks: list[int] | None = None, cache_salt: str | None = None,
+                       block_hashes: list[bytes] | None = None) -> list[int] | None:
         """Make the request's block table cover its first ``num_tokens`` tokens,
         first taking ``computed_blocks`` (prefix-cache hits) if it has none yet.
         Returns the table, or None, changing nothing, when the free blocks do not
@@ -198,8 +208,8 @@ class BlockManager:
         for b in held:
             self._touch(b)
         if len(held) < len(computed_blocks):  # the null block has no hash: the chain from the tokens
-            self.req_hashes[request_id] = list(itertools.islice(self._hash_chain(token_ids, cache_salt),
-                                                                len(computed_blocks)))
+            self.req_hashes[request_id] = list(itertools.islice(
+                self._hash_chain(token_ids, cache_salt, block_hashes), len(computed_blocks)))
         elif computed_blocks:
             self.req_hashes[request_id] = [self.blocks[b].block_hash for b in computed_blocks]
         if computed_blocks or need > 0:  # a new list: see the docstring

@@ -221,10 +221,12 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
-            hits = [] if req.skip_reading_prefix_cache else bm.get_computed_blocks(req.token_ids, req.cache_salt)
+            hits = ([] if req.skip_reading_prefix_cache
+                    else bm.get_computed_blocks(req.token_ids, req.cache_salt, req.block_hashes))
             num_computed = len(hits) * bm.block_size
             num_new = min(req.num_tokens - num_computed, budget)
-            table = bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits, req.cache_salt)
+            table = bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits, req.cache_salt,
+                                      req.block_hashes)
             if table is None:
                 break  # no room: it waits, and so does everyone behind it (FCFS)
             bm.record_prefix_query(req.num_tokens, num_computed)

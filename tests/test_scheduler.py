@@ -30,6 +30,7 @@ class FakeRequest:
     num_cached_tokens: int = 0
     cache_salt: str | None = None
     skip_reading_prefix_cache: bool = False
+    block_hashes: list[bytes] = field(default_factory=list)
     num_output_placeholders: int = 0
     max_num_tokens: int = 10**9
     parent_id: str | None = None
@@ -477,3 +478,24 @@ def test_random_operations_keep_the_invariants(scenario):
     check_invariants(sim.sched, sim.kv)
     assert sim.bm.num_free_blocks == sim.bm.num_blocks
     assert all(b.ref_cnt == 0 for b in sim.bm.blocks)
+
+
+def test_a_waiting_prompt_is_hashed_once_not_at_every_schedule(monkeypatch):
+    """A prompt that waits for free blocks is looked up in the prefix cache at every
+    schedule; its block hashes are kept on the request (vLLM's Request.block_hashes),
+    so each block is hashed once. With a sliding window every block of it is looked up."""
+    import nanoserve.kvcache as kvcache
+    calls = []
+    real = kvcache.hash_block
+    monkeypatch.setattr(kvcache, "hash_block", lambda parent, ids: calls.append(tuple(ids)) or real(parent, ids))
+    sched = Scheduler(SchedulerConfig(8, 64, 64), BlockManager(8, 4, sliding_window=8))  # 7 blocks and the null
+    first = add(sched, "a", 12)
+    waiting = add(sched, "b", 28, start=100)             # all 7 blocks: waits while "a" holds any
+    for expected in ([("a", 12)], [("a", 1)], [("a", 1)], [("a", 1)]):
+        out = sched.schedule()
+        assert plan(out) == expected and waiting.status == RequestStatus.WAITING
+        decode(out)
+    assert calls.count(tuple(range(100, 104))) == 1 and len(waiting.block_hashes) == 6  # hashed once
+    assert waiting.block_hashes == list(sched.block_manager._hash_chain(waiting.token_ids, None))[:6]
+    sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    assert plan(sched.schedule()) == [("b", 28)] and first.status == RequestStatus.FINISHED_ABORTED
