@@ -285,9 +285,11 @@ def _rotary_dim(c: dict[str, Any], head_dim: int) -> int:
     """The leading dims of each head that RoPE turns: ``partial_rotary_factor`` of them
     (Phi-4-mini's 0.75), top-level or in rope_parameters as transformers 5 saves it."""
     factor = c.get("partial_rotary_factor") or _rope_params(c).get("partial_rotary_factor") or 1.0
-    if factor != 1.0:
-        raise ModelLoadError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-    return int(head_dim * factor)
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ModelLoadError(f"partial_rotary_factor {factor} of head_dim {head_dim} gives {rotary_dim} rotary dims: "
+                             f"need an even number, at most head_dim")
+    return rotary_dim
 
 
 def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) -> int:
@@ -720,12 +722,14 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 class RotaryEmbedding(nn.Module):
     """The rotary embedding, its cos/sin tables cached for every position (fp32).
-    One instance serves all layers, as vLLM's get_rope hands out."""
+    One instance serves all layers, as vLLM's get_rope hands out. ``rotary_dim``:
+    head_dim, or fewer (partial rotary): the tables' width, which the backend's
+    rotary op reads as the leading dims of each head it turns."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  backend: Backend):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         scale = rope_attention_factor(scaling)  # in the tables, as transformers and vLLM scale them
@@ -832,7 +836,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, backend)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend, tp, i)
                                     for i in range(cfg.num_layers))
