@@ -207,7 +207,8 @@ class ModelConfig:
         when the engine may serve past the pre-training length (the requested max_model_len,
         else max_position_embeddings), else the short ones. transformers switches per forward,
         by the longest position in it; choosing once keeps the KV cache's keys consistent
-        when a sequence crosses that length."""
+        when a sequence crosses that length. (Where start-up lowers a max_model_len left
+        unset to what the KV cache holds, the choice stays the long one.)"""
         if self.rope_scaling is None or self.rope_scaling["rope_type"] != "longrope":
             return self
         long = (max_model_len or self.max_position_embeddings) > self.rope_scaling["original_max_position_embeddings"]
@@ -1030,10 +1031,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     model.eval().requires_grad_(False)
     weight_bytes += backend.prepare_model(model)  # on the CPU: bf16 linear weights packed, or in fp32
     if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope":
-        logger.info("[model] LongRoPE: its %s factors for every position (max_model_len %s the pre-training "
-                    "length, %d, as vLLM chooses)", *(("long", "beyond") if cfg.rope_scaling["use_long_factor"]
-                                                      else ("short", "within")),
-                    cfg.rope_scaling["original_max_position_embeddings"])
+        long = cfg.rope_scaling["use_long_factor"]
+        logger.info("[model] LongRoPE: the %s factors at every position (max_model_len %s "
+                    "original_max_position_embeddings=%d, as vLLM chooses)", "long" if long else "short",
+                    ">" if long else "<=", cfg.rope_scaling["original_max_position_embeddings"])
     logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
                 cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,
@@ -1057,7 +1058,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
 LORA_TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
                 "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
                 "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-                "down_proj": ("mlp.down_proj", 0)}
+                "down_proj": ("mlp.down_proj", 0),
+                # Phi-3's own fused modules: one adapter over all the slices (None: split at load)
+                "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)}
 LORA_ERROR_KEY = "nanoserve/lora_error/{}"  # TPGroup.store: why a worker could not load an adapter
 _LORA_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
@@ -1177,14 +1180,24 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
         raise ValueError(f"LoRA adapter {str(path)!r} has rank {r}, more than max_lora_rank ({max_rank})")
     scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
     parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
     for key, t in tensors.items():
         m = _LORA_KEY.fullmatch(key)
         if m is None or m[2] not in LORA_TARGETS or int(m[1]) >= model.config.num_layers:
             raise ValueError(f"LoRA adapter {str(path)!r}: {key} is not a weight nanoserve applies (only "
                              f"lora_A/lora_B of {', '.join(LORA_TARGETS)} in the model's layers)")
         module, index = LORA_TARGETS[m[2]]
-        parts.setdefault(f"layers.{m[1]}.{module}", {}).setdefault(index, {})[m[3]] = t
-    layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
+        name = f"layers.{m[1]}.{module}"
+        if index is not None:
+            parts.setdefault(name, {}).setdefault(index, {})[m[3]] = t
+            continue
+        # An adapter of a fused module (Phi-3's qkv_proj): as one adapter per slice, A shared and
+        # B's rows of that slice, so that it splits under TP as the slices' adapters do
+        sizes = layers[name].sizes
+        if m[3] == "B" and t.shape[0] != sum(sizes):
+            raise ValueError(f"LoRA adapter {str(path)!r}: {key} has {t.shape[0]} rows, the layer {sum(sizes)}")
+        for i, rows in enumerate(t.split(sizes) if m[3] == "B" else [t] * len(sizes)):
+            parts.setdefault(name, {}).setdefault(i, {})[m[3]] = rows
     if device.type == "cpu":  # fp32: a bf16 matmul outside the packed kernels is 4-9x slower at LoRA's shapes
         dtype = torch.float32  # on a CPU without bf16 instructions (RESULTS.md), and fp32 is the more exact
     return {name: _fuse_lora(path, name, slices, layers[name], scale, r, dtype, device)
