@@ -62,8 +62,9 @@ for _p in (str(HERE), str(ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-# mistral-sw: Mistral with a 32-token sliding window, shorter than the longer prompts (the Triton window)
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw")
+# mistral-sw: Mistral with a 32-token sliding window, shorter than the longer prompts (the Triton window);
+# phi3-partial: Phi-3 as Phi-4-mini, 12 of each head's 16 dims turned (the Triton rotary's partial path), tied
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial")
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -192,20 +193,25 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
-    cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig)[arch.split("-")[0]]
+    cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig, granite=GraniteConfig,
+               phi3=Phi3Config)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
     if arch.startswith("mistral"):
         base.update(sliding_window=32 if arch == "mistral-sw" else None)
+    if arch == "granite":
+        base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5)
+    if arch == "phi3-partial":
+        base.update(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None, pad_token_id=None)
     return cls(**base)
 
 
 def part_models(scale: Scale, spec: dict, archs=ARCHS, w1: bool = True) -> dict:
-    """Tiny fp32 models of the four architectures, and W1's Qwen3-0.6B shape in
+    """Tiny fp32 models of every architecture, and W1's Qwen3-0.6B shape in
     bf16 with random weights (initialised on the device: ~1 s on a GPU)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config

@@ -214,7 +214,8 @@ def check_same_as_torch(ops, cfg, num_tokens: int = COMPILED_ELEMENTWISE_MIN_ROW
     qkv, qw, kw = rand(T, (hq + 2 * hk) * d), rand(d), rand(d)
     q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
     positions = torch.randint(0, 64, (T,), generator=gen)
-    cos, sin = torch.randn(64, d, generator=gen), torch.randn(64, d, generator=gen)
+    r = getattr(cfg, "rotary_dim", 0) or d  # the model's rotary dims (partial rotary: fewer than d)
+    cos, sin = torch.randn(64, r, generator=gen), torch.randn(64, r, generator=gen)
     pairs = [(rms_norm(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6)),
              (silu_and_mul(gate_up), kernels.silu_and_mul_torch(gate_up))]
     if cfg.qk_norm:  # Qwen3: per-head norms, then rotary of their (contiguous) outputs

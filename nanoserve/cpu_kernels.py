@@ -114,7 +114,7 @@ def row_ops_library() -> ctypes.CDLL:
     return _declare(build_library(CSRC / "row_ops.c"), {
         "argmax_rows": ([_P, _I64, _I64, _I64, _P, _I32], None),
         "rms_norm": ([_P, _I64, _P, _P, _I64, _I64, _I64, _F32, _I32], None),
-        "rotary": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _I32], None),
+        "rotary": ([_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _I32], None),
         "silu_and_mul": ([_P, _P, _I64, _I64, _P, _I32], None),
         "store_kvcache": ([_P, _I64, _P, _I64, _P, _P, _P, _I64, _I64, _I64], _I64),
     })
@@ -272,18 +272,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rotary(q, k, positions, cos_cache, sin_cache):
-    """kernels.rotary_torch for q [rows, hq, d], k [rows, hk, d] with contiguous heads."""
+    """kernels.rotary_torch for q [rows, hq, d], k [rows, hk, d] with contiguous heads (tables r <= d wide)."""
     rows, hq, d = q.shape
-    hk = k.shape[1]
+    hk, r = k.shape[1], cos_cache.shape[-1]
     if not (_rows_ok(q, d) and _rows_ok(k, d) and q.stride(1) == d and k.stride(1) == d
-            and cos_cache.dtype == torch.float32 and cos_cache.is_contiguous() and sin_cache.is_contiguous()):
+            and cos_cache.dtype == torch.float32 and cos_cache.is_contiguous() and sin_cache.is_contiguous()
+            and (r == d or (r < d and r % 32 == 0))):
         raise ValueError("the C rotary takes bf16 q, k with contiguous heads, head_dim % 16 == 0, "
-                         "and fp32 cos/sin tables")
+                         "fp32 cos/sin tables, and rotary dims (partial) % 32 == 0")
     q_out = torch.empty(rows, hq, d, dtype=torch.bfloat16)
     k_out = torch.empty(rows, hk, d, dtype=torch.bfloat16)
     pos = positions.to(torch.int64).contiguous()
     row_ops_library().rotary(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), q_out.data_ptr(),
-                             k_out.data_ptr(), rows, hq, hk, d, pos.data_ptr(), cos_cache.data_ptr(),
+                             k_out.data_ptr(), rows, hq, hk, d, r, pos.data_ptr(), cos_cache.data_ptr(),
                              sin_cache.data_ptr(), _threads(q.numel() + k.numel()))
     return q_out, k_out
 

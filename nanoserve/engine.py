@@ -1284,7 +1284,8 @@ class LLMEngine:
                                           self.device, config.block_size, config.enforce_eager)
             self.compile_time_s = time.perf_counter() - t0
             self.decode_sizes = self._decode_sizes()
-            model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides)
+            model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides,
+                                                  config.max_model_len)
             self.max_model_len, self.kv_plan, window, kv_caches = self._init_kv_cache(model)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy),

@@ -254,7 +254,8 @@ class _ArgumentParser(argparse.ArgumentParser):
 def make_arg_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="python -m nanoserve", formatter_class=_HelpFormatter,
-        description="Serve a Hugging Face model (Llama, Qwen2, Qwen3, Mistral) with an OpenAI-compatible API.")
+        description="Serve a Hugging Face model (Llama, Qwen2, Qwen3, Mistral, Granite, Phi-3) with an "
+                    "OpenAI-compatible API.")
     g = p.add_argument_group("model")
     g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="the model, as `vllm serve MODEL` takes it (the same as --model)")

@@ -66,7 +66,8 @@ class Backend:
                     sliding_window=None) -> out  (a window: each query sees its last sliding_window positions)
     rms_norm(x [..., n], weight [n], eps) -> normalised x
     fused_add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
-    rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache) -> (q, k)
+    rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache [max_positions, r]) -> (q, k)
+      (r <= d: the first r dims of each head turn, the rest pass through: partial rotary)
     silu_and_mul(gate_up [T, 2n]) -> [T, n]
     argmax(logits [rows, vocab]) -> int64 [rows]
 
@@ -207,7 +208,14 @@ def add_rms_norm(rms_norm: Callable[..., torch.Tensor]) -> Callable:
 
 def rotary_torch(q, k, positions, cos_cache, sin_cache):
     """The neox-style rotary embedding (rotate halves) at each token's position;
-    cos/sin tables [max_positions, head_dim] in fp32, applied in q's dtype."""
+    cos/sin tables [max_positions, rotary_dim] in fp32, applied in q's dtype. A
+    rotary_dim below head_dim (Phi-4-mini's partial rotary) turns the first
+    rotary_dim dims of each head and passes the rest through, as transformers does."""
+    r = cos_cache.shape[-1]
+    if r < q.shape[-1]:
+        (q_rot, q_pass), (k_rot, k_pass) = (x.split([r, x.shape[-1] - r], dim=-1) for x in (q, k))
+        q_rot, k_rot = rotary_torch(q_rot, k_rot, positions, cos_cache, sin_cache)
+        return torch.cat((q_rot, q_pass), dim=-1), torch.cat((k_rot, k_pass), dim=-1)
     cos = cos_cache[positions].to(q.dtype).unsqueeze(1)  # [T, 1, head_dim]
     sin = sin_cache[positions].to(q.dtype).unsqueeze(1)
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -466,31 +474,41 @@ if triton is not None:
         tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
-    def _rotate_head(src, dst, cos_row, sin_row, HALF: tl.constexpr):
-        """One head: dst = src * cos + rotate_half(src) * sin (neox)."""
-        d = tl.arange(0, HALF)
+    def _rotate_head(src, dst, cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr):
+        """One head: dst = src * cos + rotate_half(src) * sin (neox) over its first 2 * HALF
+        dims; the rest (partial rotary) copied. BLOCK_*: powers of two for tl.arange."""
+        d = tl.arange(0, BLOCK_HALF)
+        ok = d < HALF
         dt = dst.dtype.element_ty
-        x1, x2 = tl.load(src + d).to(tl.float32), tl.load(src + HALF + d).to(tl.float32)
-        cos1, cos2 = tl.load(cos_row + d).to(dt).to(tl.float32), tl.load(cos_row + HALF + d).to(dt).to(tl.float32)
-        sin1, sin2 = tl.load(sin_row + d).to(dt).to(tl.float32), tl.load(sin_row + HALF + d).to(dt).to(tl.float32)
-        tl.store(dst + d, ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt))
-        tl.store(dst + HALF + d, ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt))
+        x1, x2 = tl.load(src + d, mask=ok).to(tl.float32), tl.load(src + HALF + d, mask=ok).to(tl.float32)
+        cos1 = tl.load(cos_row + d, mask=ok).to(dt).to(tl.float32)
+        cos2 = tl.load(cos_row + HALF + d, mask=ok).to(dt).to(tl.float32)
+        sin1 = tl.load(sin_row + d, mask=ok).to(dt).to(tl.float32)
+        sin2 = tl.load(sin_row + HALF + d, mask=ok).to(dt).to(tl.float32)
+        tl.store(dst + d, ((x1 * cos1).to(dt).to(tl.float32) + (-x2 * sin1).to(dt).to(tl.float32)).to(dt), mask=ok)
+        tl.store(dst + HALF + d, ((x2 * cos2).to(dt).to(tl.float32) + (x1 * sin2).to(dt).to(tl.float32)).to(dt),
+                 mask=ok)
+        if HEAD_DIM > 2 * HALF:
+            p = 2 * HALF + tl.arange(0, BLOCK_PASS)
+            tl.store(dst + p, tl.load(src + p, mask=p < HEAD_DIM), mask=p < HEAD_DIM)
 
     @triton.jit
     def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, q_heads, k_heads,
-                       q_stride_t, q_stride_h, k_stride_t, k_stride_h, HALF: tl.constexpr):
+                       q_stride_t, q_stride_h, k_stride_t, k_stride_h, HALF: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_PASS: tl.constexpr):
         """One program per (token, head), q's heads then k's: both in one launch."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         pos = tl.load(pos_ptr + t).to(tl.int64)
         cos_row, sin_row = cos_ptr + pos * 2 * HALF, sin_ptr + pos * 2 * HALF
         if h < q_heads:
-            _rotate_head(q_ptr + t * q_stride_t + h * q_stride_h, q_out_ptr + (t * q_heads + h) * 2 * HALF,
-                         cos_row, sin_row, HALF)
+            _rotate_head(q_ptr + t * q_stride_t + h * q_stride_h, q_out_ptr + (t * q_heads + h) * HEAD_DIM,
+                         cos_row, sin_row, HALF, BLOCK_HALF, HEAD_DIM, BLOCK_PASS)
         else:
             h -= q_heads
-            _rotate_head(k_ptr + t * k_stride_t + h * k_stride_h, k_out_ptr + (t * k_heads + h) * 2 * HALF,
-                         cos_row, sin_row, HALF)
+            _rotate_head(k_ptr + t * k_stride_t + h * k_stride_h, k_out_ptr + (t * k_heads + h) * HEAD_DIM,
+                         cos_row, sin_row, HALF, BLOCK_HALF, HEAD_DIM, BLOCK_PASS)
 
     @triton.jit
     def _silu_and_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
@@ -692,8 +710,11 @@ def rotary_triton(q, k, positions, cos_cache, sin_cache):
     (T, q_heads, q_stride_t, q_stride_h), (_, k_heads, k_stride_t, k_stride_h) = _rows(q), _rows(k)
     q_out, k_out = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
     if T:
+        d, half = q.shape[-1], cos_cache.shape[-1] // 2  # half: of the rotary dims (partial rotary: < d / 2)
         _rotary_kernel[(T, q_heads + k_heads)](q, k, q_out, k_out, positions, cos_cache, sin_cache, q_heads, k_heads,
-                                               q_stride_t, q_stride_h, k_stride_t, k_stride_h, HALF=q.shape[-1] // 2)
+                                               q_stride_t, q_stride_h, k_stride_t, k_stride_h, HALF=half,
+                                               BLOCK_HALF=triton.next_power_of_2(half), HEAD_DIM=d,
+                                               BLOCK_PASS=triton.next_power_of_2(max(d - 2 * half, 1)))
     return q_out, k_out
 
 
@@ -722,7 +743,8 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION)
     fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
     rms_norm_triton(q, q[0, 0], 1e-6)  # Qwen3's q/k norm: one row a head
-    rotary_triton(q, k, first, q[0].float(), q[0].float())
+    table = zeros(1, getattr(cfg, "rotary_dim", 0) or cfg.head_dim).float()  # the model's rotary dims
+    rotary_triton(q, k, first, table, table)
     silu_and_mul_triton(zeros(1, 2 * cfg.intermediate_size))
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)

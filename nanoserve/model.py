@@ -4,8 +4,9 @@ This module owns
 * ``ModelConfig``: a Hugging Face ``config.json`` read into the few numbers a
   decoder needs (both transformers 4's ``rope_theta``/``rope_scaling`` keys and
   transformers 5's ``rope_parameters``);
-* the Llama / Qwen2 / Qwen3 / Mistral decoder, written once: q/k/v and gate/up
-  are fused at load time, Qwen2's q/k/v bias and Qwen3's q/k RMSNorm are flags;
+* the Llama / Qwen2 / Qwen3 / Mistral / Granite / Phi-3 decoder, written once: q/k/v and
+  gate/up are fused at load time (Phi-3's checkpoints store them fused), Qwen2's q/k/v bias,
+  Qwen3's q/k RMSNorm and Granite's four scalars are flags;
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -59,8 +60,8 @@ logger = logging.getLogger("nanoserve.model")
 LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+                           "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -119,6 +120,12 @@ class ModelConfig:
     sliding_layers: tuple[int, ...]  # the layers that attend to the last sliding_window positions only
     checkpoint_dtype: str
     eos_token_ids: list[int]
+    rotary_dim: int = 0              # the leading dims of a head that RoPE turns (0: all of head_dim)
+    # Granite: Llama with four scalars (transformers' names; 1.0 and None leave Llama's math)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0   # each branch's output, before its residual add
+    attention_multiplier: float | None = None  # the attention scale; None: head_dim ** -0.5
+    logits_scaling: float = 1.0        # logits are divided by it
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -144,17 +151,23 @@ class ModelConfig:
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(f"unsupported architecture {arch!r}; nanoserve supports "
+            moe = " (a mixture-of-experts model; nanoserve serves dense decoders)" if "Moe" in str(arch) else ""
+            raise ModelLoadError(f"unsupported architecture {arch!r}{moe}; nanoserve supports "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         quant = c.get("quantization_config")
         if quant:  # else its packed weights would fail to load as "unexpected tensors"
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
             raise ModelLoadError(f"the checkpoint is quantized (quant_method {method!r}); nanoserve serves "
                                  "unquantized checkpoints only (bf16, fp16 or fp32 safetensors)")
+        if c.get("mlp_bias"):  # Llama's and Granite's option, off in their released checkpoints
+            raise ModelLoadError("mlp_bias (biases on gate/up/down) is not supported")
         num_heads = c["num_attention_heads"]
-        theta, scaling = _rope_from_config(c)
+        head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
+        rotary_dim = _rotary_dim(c, head_dim)
+        theta, scaling = _rope_from_config(c, arch, rotary_dim)
         eos = c.get("eos_token_id")
         window, layers = _sliding_window(arch, c)
+        granite = arch == "GraniteForCausalLM"  # transformers' Granite defaults are 1.0, its scale too
         return cls(
             architecture=arch,
             vocab_size=c["vocab_size"],
@@ -163,7 +176,7 @@ class ModelConfig:
             num_layers=c["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=c.get("num_key_value_heads") or num_heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // num_heads,
+            head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
@@ -175,6 +188,11 @@ class ModelConfig:
             sliding_layers=layers,
             checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            rotary_dim=rotary_dim,
+            embedding_multiplier=float(c.get("embedding_multiplier", 1.0)) if granite else 1.0,
+            residual_multiplier=float(c.get("residual_multiplier", 1.0)) if granite else 1.0,
+            attention_multiplier=float(c.get("attention_multiplier", 1.0)) if granite else None,
+            logits_scaling=float(c.get("logits_scaling", 1.0)) if granite else 1.0,
         )
 
     def check_max_model_len(self, max_model_len: int, window_disabled: bool) -> None:
@@ -183,6 +201,18 @@ class ModelConfig:
                 f"--disable-sliding-window keeps max_model_len within this checkpoint's sliding window "
                 f"({self.sliding_window}), got --max-model-len {max_model_len}; leave the flag out to serve longer "
                 f"prompts with sliding-window attention")
+
+    def with_max_model_len(self, max_model_len: int | None) -> "ModelConfig":
+        """LongRoPE's factors chosen as vLLM chooses them: the long ones for every position
+        when the engine may serve past the pre-training length (the requested max_model_len,
+        else max_position_embeddings), else the short ones. transformers switches per forward,
+        by the longest position in it; choosing once keeps the KV cache's keys consistent
+        when a sequence crosses that length. (Where start-up lowers a max_model_len left
+        unset to what the KV cache holds, the choice stays the long one.)"""
+        if self.rope_scaling is None or self.rope_scaling["rope_type"] != "longrope":
+            return self
+        long = (max_model_len or self.max_position_embeddings) > self.rope_scaling["original_max_position_embeddings"]
+        return dataclasses.replace(self, rope_scaling={**self.rope_scaling, "use_long_factor": long})
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window layer ``layer`` attends within, or None (full attention).
@@ -203,34 +233,70 @@ def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict
     return c
 
 
-def _rope_from_config(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _rope_params(c: dict[str, Any]) -> dict[str, Any]:
     params = c.get("rope_parameters")
     if isinstance(params, dict) and "full_attention" in params:  # per-layer-type form
         params = params["full_attention"]
     if params is None:  # transformers 4: rope_scaling, and rope_theta beside it
         params = c.get("rope_scaling") or {}
-    params = dict(params)  # a copy: rope_theta is popped from it
+    return dict(params)  # a copy: rope_theta is popped from it
+
+
+def _rope_from_config(c: dict[str, Any], arch: str | None = None,
+                      rotary_dim: int | None = None) -> tuple[float, dict[str, Any] | None]:
+    params = _rope_params(c)
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    if arch == "Phi3ForCausalLM" and rope_type in ("su", "yarn"):  # Phi3Config's reading: older names of LongRoPE
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"unsupported rope type {rope_type!r}; nanoserve supports "
                              f"{', '.join(SUPPORTED_ROPE_TYPES)}")
-    if c.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
     theta = float(params.pop("rope_theta", c.get("rope_theta", 10000.0)))
     params["rope_type"] = rope_type
-    if rope_type in ("llama3", "yarn"):  # the pre-training length, read as transformers standardizes it
+    if rope_type in ("llama3", "yarn", "longrope"):  # the pre-training length, read as transformers standardizes it
         params["original_max_position_embeddings"] = int(c.get("original_max_position_embeddings")
                                                           or params.get("original_max_position_embeddings")
                                                           or c.get("max_position_embeddings", 2048))
     if rope_type == "yarn" and params.get("factor") is None:  # DeepSeek-V3's form: the ratio of the lengths
         params["factor"] = c.get("max_position_embeddings", 2048) / params["original_max_position_embeddings"]
+    if rope_type == "longrope":
+        _longrope_params(c, params, rotary_dim)
     return theta, (None if rope_type == "default" else params)
+
+
+def _longrope_params(c: dict[str, Any], params: dict[str, Any], rotary_dim: int | None) -> None:
+    """LongRoPE (Phi-3.5, Phi-4-mini): per-dimension divisors of the frequencies, short_factor
+    for contexts within the pre-training length, long_factor beyond it, and an attention factor
+    on cos and sin (transformers': its own key, else from ``factor``, else from the ratio of the
+    lengths). Which set serves is chosen once, as vLLM does: ModelConfig.with_max_model_len."""
+    short, long = params.get("short_factor"), params.get("long_factor")
+    if not (isinstance(short, list) and isinstance(long, list)):
+        raise ModelLoadError("longrope rope scaling needs short_factor and long_factor lists")
+    if rotary_dim is not None and not len(short) == len(long) == rotary_dim // 2:
+        raise ModelLoadError(f"longrope's short_factor and long_factor need {rotary_dim // 2} values each (half "
+                             f"the rotary dims), got {len(short)} and {len(long)}")
+    old_len = params["original_max_position_embeddings"]
+    if params.get("attention_factor") is None:
+        factor = params.get("factor") or c.get("max_position_embeddings", 2048) / old_len
+        params["attention_factor"] = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    params["use_long_factor"] = c.get("max_position_embeddings", 2048) > old_len  # max_model_len's default
+
+
+def _rotary_dim(c: dict[str, Any], head_dim: int) -> int:
+    """The leading dims of each head that RoPE turns: ``partial_rotary_factor`` of them
+    (Phi-4-mini's 0.75), top-level or in rope_parameters as transformers 5 saves it."""
+    factor = c.get("partial_rotary_factor") or _rope_params(c).get("partial_rotary_factor") or 1.0
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ModelLoadError(f"partial_rotary_factor {factor} of head_dim {head_dim} gives {rotary_dim} rotary dims: "
+                             f"need an even number, at most head_dim")
+    return rotary_dim
 
 
 def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) -> int:
     """As vLLM derives max_model_len: linear scaling stretches the context by its
-    factor, YaRN the pre-training length by its factor; llama3 keeps the config's."""
-    if scaling is None or scaling["rope_type"] == "llama3":
+    factor, YaRN the pre-training length by its factor; llama3 and longrope keep the config's."""
+    if scaling is None or scaling["rope_type"] in ("llama3", "longrope"):
         return int(max_positions)
     if scaling["rope_type"] == "yarn":
         return int(scaling["original_max_position_embeddings"] * scaling["factor"])
@@ -239,11 +305,13 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
 
 def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that use it, as transformers reads them: every layer of
-    Mistral's; with Qwen's use_sliding_window, those ``layer_types`` names (by default
-    the layers from max_window_layers on); none of Llama's."""
+    Mistral's and Phi-3's; with Qwen's use_sliding_window, those ``layer_types`` names (by default
+    the layers from max_window_layers on); none of Llama's or Granite's."""
     window, n = c.get("sliding_window"), c["num_hidden_layers"]
-    if window is None or arch == "LlamaForCausalLM":
+    if window is None or arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
         return None, ()
+    if arch == "Phi3ForCausalLM":  # every layer (Phi-3-mini-4k's 2047); one no sequence outgrows is none
+        return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
     if arch == "MistralForCausalLM":
         return int(window), tuple(range(n))
     if not c.get("use_sliding_window", False):
@@ -492,11 +560,14 @@ class ColumnParallelLinear(Linear):
         """Whose slice of shard ``shard_id`` this rank holds."""
         return self.tp.rank
 
-    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
-        size = self.local_sizes[shard_id]
-        full = (self.full_sizes[shard_id], *param.shape[1:])
-        dest = param.narrow(0, sum(self.local_sizes[:shard_id]), size)
-        dest.copy_(_read(loaded, full, 0, self.shard_rank(shard_id) * size, size))
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int | None) -> None:
+        """One logical shard's tensor (q_proj's), or with ``shard_id`` None one that holds them all
+        side by side as this layer does (Phi-3's qkv_proj): this rank's rows of each shard."""
+        full = (sum(self.full_sizes) if shard_id is None else self.full_sizes[shard_id], *param.shape[1:])
+        for i in range(len(self.full_sizes)) if shard_id is None else [shard_id]:
+            size, offset = self.local_sizes[i], sum(self.full_sizes[:i]) if shard_id is None else 0
+            dest = param.narrow(0, sum(self.local_sizes[:i]), size)
+            dest.copy_(_read(loaded, full, 0, offset + self.shard_rank(i) * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -598,6 +669,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     if scaling is None:
         return inv_freq.float()
+    if scaling["rope_type"] == "longrope":  # a divisor per frequency, one set for every position
+        ext = scaling["long_factor" if scaling["use_long_factor"] else "short_factor"]
+        return (inv_freq / torch.tensor(ext, dtype=torch.float64)).float()
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return (inv_freq / factor).float()
@@ -633,7 +707,9 @@ def yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, factor: f
 
 
 def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
-    """What YaRN multiplies cos and sin by (its attention temperature); 1 otherwise."""
+    """What YaRN and LongRoPE multiply cos and sin by (an attention temperature); 1 otherwise."""
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        return float(scaling["attention_factor"])
     if scaling is None or scaling["rope_type"] != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
@@ -647,12 +723,14 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
 
 class RotaryEmbedding(nn.Module):
     """The rotary embedding, its cos/sin tables cached for every position (fp32).
-    One instance serves all layers, as vLLM's get_rope hands out."""
+    One instance serves all layers, as vLLM's get_rope hands out. ``rotary_dim``:
+    head_dim, or fewer (partial rotary): the tables' width, which the backend's
+    rotary op reads as the leading dims of each head it turns."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None,
                  backend: Backend):
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        inv_freq = rope_inv_freq(rotary_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         scale = rope_attention_factor(scaling)  # in the tables, as transformers and vLLM scale them
@@ -690,7 +768,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim ** -0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
         self.sliding_window = sliding_window  # None: every earlier position is visible
         self.backend = backend
 
@@ -732,18 +810,25 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, backend, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1.0 (no multiply) elsewhere
 
     def forward(self, positions, x, residual, kv_cache, meta):
         """transformers' h = x + attn(norm(x)); out = h + mlp(norm(h)), with the
         residual stream carried beside x so each add fuses into the next norm;
-        ``residual`` is None before the first layer."""
+        ``residual`` is None before the first layer. Granite scales each branch's
+        output by residual_multiplier before its add."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, kv_cache, meta)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
 
 
 class DecoderModel(nn.Module):
@@ -752,16 +837,19 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, backend)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend, tp, i)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
+        if self.embedding_multiplier != 1.0:  # Granite: given embeddings too, as transformers and vLLM scale them
+            x = x * self.embedding_multiplier
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
@@ -791,6 +879,8 @@ class CausalLM(nn.Module):
             logits = self.lm_head(hidden)
         else:
             logits = F.linear(hidden, self.model.embed_tokens.weight)
+        if self.config.logits_scaling != 1.0:  # Granite's, on the logits (a tied embedding stays as it is)
+            logits = logits / self.config.logits_scaling
         logits = self.tp.gather(logits)
         return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
@@ -838,6 +928,7 @@ def release_idle_memory(device: torch.device, enabled: bool) -> None:
 # checkpoint name fragment -> (fused parameter fragment, shard index)
 _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_FUSED_SHARDS = collections.Counter(fused for fused, _ in _FUSED.values())  # qkv_proj: 3, gate_up_proj: 2
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -880,7 +971,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 except _ShapeMismatch as e:
                     raise ModelLoadError(f"tensor {name!r} has shape {e.actual}, expected "
                                          f"{e.expected} from config.json") from None
-                pending.discard((target, shard))
+                pending -= {(target, s) for s in range(_num_shards(target))} if shard is None else {(target, shard)}
     if pending:
         missing = sorted({n for n, _ in pending})
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(missing[:5])}"
@@ -890,17 +981,19 @@ def load_weights(model: CausalLM, path: Path) -> int:
 
 def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, int]]:
     """(parameter, shard index) for every checkpoint tensor the parameters need."""
-    num_shards = collections.Counter(fused for fused, _ in _FUSED.values())  # qkv_proj: 3, gate_up_proj: 2
-    want = set()
-    for name in params:
-        module = name.split(".")[-2]  # "model.layers.0.self_attn.qkv_proj.weight" -> "qkv_proj"
-        want |= {(name, s) for s in range(num_shards.get(module, 1))}
-    return want
+    return {(name, s) for name in params for s in range(_num_shards(name))}
 
 
-def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
+def _num_shards(param: str) -> int:
+    """The checkpoint tensors a parameter may be loaded from: qkv_proj 3, gate_up_proj 2, else 1."""
+    module = param.split(".")[-2]  # "model.layers.0.self_attn.qkv_proj.weight" -> "qkv_proj"
+    return _FUSED_SHARDS.get(module, 1)
+
+
+def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     """The parameter a checkpoint tensor goes into (None: skipped) and its shard
-    index there (0 for a tensor that fills its parameter whole)."""
+    index there (0 for a tensor that fills its parameter whole; None for one stored
+    fused as the parameter is, Phi-3's qkv_proj and gate_up_proj, that fills every shard)."""
     if "rotary_emb" in name:
         return None, 0
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -908,6 +1001,8 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int]:
     for part, (fused, shard) in _FUSED.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
+    if any(f".{fused}." in name for fused, _ in _FUSED.values()):
+        return name, None
     return name, 0
 
 
@@ -927,13 +1022,19 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup(),
-               hf_overrides: dict[str, Any] | None = None) -> tuple[CausalLM, int]:
+               hf_overrides: dict[str, Any] | None = None, max_model_len: int | None = None) -> tuple[CausalLM, int]:
+    """``max_model_len``: the requested one (None: the model's), for what depends on it (LongRoPE's factors)."""
     path = Path(path)
-    cfg = ModelConfig.from_dir(path, hf_overrides)
+    cfg = ModelConfig.from_dir(path, hf_overrides).with_max_model_len(max_model_len)
     model = build_model(cfg, dtype, device, backend, tp)
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
     weight_bytes += backend.prepare_model(model)  # on the CPU: bf16 linear weights packed, or in fp32
+    if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope":
+        long = cfg.rope_scaling["use_long_factor"]
+        logger.info("[model] LongRoPE: the %s factors at every position (max_model_len %s "
+                    "original_max_position_embeddings=%d, as vLLM chooses)", "long" if long else "short",
+                    ">" if long else "<=", cfg.rope_scaling["original_max_position_embeddings"])
     logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
                 cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,
@@ -957,7 +1058,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
 LORA_TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
                 "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
                 "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
-                "down_proj": ("mlp.down_proj", 0)}
+                "down_proj": ("mlp.down_proj", 0),
+                # Phi-3's own fused modules: one adapter over all the slices (None: split at load)
+                "qkv_proj": ("self_attn.qkv_proj", None), "gate_up_proj": ("mlp.gate_up_proj", None)}
 LORA_ERROR_KEY = "nanoserve/lora_error/{}"  # TPGroup.store: why a worker could not load an adapter
 _LORA_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
@@ -1077,14 +1180,24 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
         raise ValueError(f"LoRA adapter {str(path)!r} has rank {r}, more than max_lora_rank ({max_rank})")
     scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
     parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
     for key, t in tensors.items():
         m = _LORA_KEY.fullmatch(key)
         if m is None or m[2] not in LORA_TARGETS or int(m[1]) >= model.config.num_layers:
             raise ValueError(f"LoRA adapter {str(path)!r}: {key} is not a weight nanoserve applies (only "
                              f"lora_A/lora_B of {', '.join(LORA_TARGETS)} in the model's layers)")
         module, index = LORA_TARGETS[m[2]]
-        parts.setdefault(f"layers.{m[1]}.{module}", {}).setdefault(index, {})[m[3]] = t
-    layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
+        name = f"layers.{m[1]}.{module}"
+        if index is not None:
+            parts.setdefault(name, {}).setdefault(index, {})[m[3]] = t
+            continue
+        # An adapter of a fused module (Phi-3's qkv_proj): as one adapter per slice, A shared and
+        # B's rows of that slice, so that it splits under TP as the slices' adapters do
+        sizes = layers[name].sizes
+        if m[3] == "B" and t.shape[0] != sum(sizes):
+            raise ValueError(f"LoRA adapter {str(path)!r}: {key} has {t.shape[0]} rows, the layer {sum(sizes)}")
+        for i, rows in enumerate(t.split(sizes) if m[3] == "B" else [t] * len(sizes)):
+            parts.setdefault(name, {}).setdefault(i, {})[m[3]] = rows
     if device.type == "cpu":  # fp32: a bf16 matmul outside the packed kernels is 4-9x slower at LoRA's shapes
         dtype = torch.float32  # on a CPU without bf16 instructions (RESULTS.md), and fp32 is the more exact
     return {name: _fuse_lora(path, name, slices, layers[name], scale, r, dtype, device)
@@ -2180,7 +2293,8 @@ def run_worker(spec: WorkerSpec) -> None:
         cfg = ModelConfig.from_dir(spec.model, spec.hf_overrides)
         backend = select_backend(shard_config(cfg, tp.world_size), spec.dtype, device, spec.cache.block_size,
                                  spec.enforce_eager)
-        model, weight_bytes = load_model(spec.model, spec.dtype, device, backend, tp, spec.hf_overrides)
+        model, weight_bytes = load_model(spec.model, spec.dtype, device, backend, tp, spec.hf_overrides,
+                                         spec.cache.max_model_len)
         kv_spec, plan = plan_rank_kv_cache(model, weight_bytes, spec.cache)
         log_tensor_parallel(tp, weight_bytes, kv_spec, plan)
         runner = ModelRunner(model, kvcache.allocate_kv_cache(kv_spec, plan.num_blocks, device),

@@ -79,11 +79,11 @@ def _tokenizer_dir(root: str) -> str:
     return str(out)
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3")
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
@@ -97,6 +97,12 @@ def hf_config(arch: str, **overrides):
     elif arch == "mistral":
         cls = MistralConfig
         base.update(sliding_window=None)
+    elif arch == "granite":  # Granite 3's four scalars, at values unlike 1 and head_dim ** -0.5
+        cls = GraniteConfig
+        base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5)
+    elif arch == "phi3":  # q/k/v and gate/up stored fused; no window unless asked
+        cls = Phi3Config
+        base.update(sliding_window=None, pad_token_id=None)
     else:
         raise ValueError(arch)
     base.update(overrides)

@@ -207,6 +207,25 @@ def test_bf16_cpu_elementwise_ops_are_c_or_compiled_and_the_references_bit_for_b
     same_as_reference(backend, 300)
 
 
+def test_bf16_partial_rotary_takes_the_c_rotary_bit_for_bit(model_root):
+    """Phi-4-mini's partial rotary (96 of 128 dims) on the C rotary: the backend's start-up
+    check takes it for such a model, and in place of the reference's a prefill and a decode
+    give the references' logits bit for bit."""
+    path = make_model(model_root, "phi3", hidden_size=256, num_attention_heads=2, num_key_value_heads=1,
+                      partial_rotary_factor=0.75)
+    cfg = ModelConfig.from_dir(path)
+    assert (cfg.head_dim, cfg.rotary_dim) == (128, 96)
+    try:
+        cpu_kernels.row_ops_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    ops = (cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul)
+    assert cpu_backend.check_same_as_torch(ops, cfg) == ops  # what _pick_elementwise asks of the C ops
+    backend = dataclasses.replace(kernels.TORCH, rotary=cpu_kernels.rotary)
+    for got, want in zip(two_steps(runner_with(backend, path), 40), two_steps(runner_with(kernels.TORCH, path), 40)):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_compiled_elementwise_op_is_one_graph_for_all_step_sizes(dtype):
     """compile_rows: steps from COMPILED_ELEMENTWISE_MIN_ROWS tokens up share one

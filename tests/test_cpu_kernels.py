@@ -460,6 +460,24 @@ def test_c_per_head_rms_norm_and_rotary_are_eagers(hq, hk, d):
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("d, r", [(128, 96), (64, 32)])
+def test_c_partial_rotary_is_eagers(d, r):
+    """Partial rotary (Phi-4-mini: 96 of 128 dims turn): tables r wide, the other dims copied."""
+    from nanoserve.model import RotaryEmbedding
+    _c_row_ops_or_skip()
+    gen = torch.Generator().manual_seed(d + r)
+    T, hq, hk = 19, 6, 2
+    qkv = _rand_bf16(gen, T, (hq + 2 * hk) * d)
+    q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    rope, positions = RotaryEmbedding(r, 512, 1e4, None, kernels.TORCH), torch.randint(0, 512, (T,), generator=gen)
+    got = cpu_kernels.rotary(q, k, positions, rope.cos, rope.sin)
+    want = kernels.rotary_torch(q, k, positions, rope.cos, rope.sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0][..., r:], q[..., r:]) and not torch.equal(got[0][..., :r], q[..., :r])
+    with pytest.raises(ValueError, match="rotary dims"):  # a half that is no whole vector: inductor's then
+        cpu_kernels.rotary(q, k, positions, rope.cos[:, :r - 16].contiguous(), rope.sin[:, :r - 16].contiguous())
+
+
 def test_c_silu_and_mul_is_eagers():
     """Every bf16 gate value (all 65536 bit patterns but NaNs) times random up
     values; bit patterns compared, as silu(-inf) is NaN."""

@@ -427,12 +427,14 @@ def test_triton_rms_norm_and_fused_add(heads):
 
 
 @triton_only
-def test_triton_rotary_and_silu_and_mul():
+@pytest.mark.parametrize("d,r", [(32, 32), (32, 24), (128, 96)], ids=["full", "partial-24", "partial-96"])
+def test_triton_rotary_and_silu_and_mul(d, r):
+    """r < d: partial rotary (Phi-4-mini: 96 of 128), the first r dims turn, half of r no power of two."""
     torch.manual_seed(22)
-    T, hq, hk, d = 6, 4, 2, 32
+    T, hq, hk = 6, 4, 2
     qkv = torch.randn(T, (hq + 2 * hk) * d, device=DEVICE)
     q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
-    cos, sin = torch.randn(64, d, device=DEVICE), torch.randn(64, d, device=DEVICE)
+    cos, sin = torch.randn(64, r, device=DEVICE), torch.randn(64, r, device=DEVICE)
     positions = torch.randint(0, 64, (T,), device=DEVICE)
     for got, want in zip(kernels.rotary_triton(q, k, positions, cos, sin),
                          kernels.rotary_torch(q, k, positions, cos, sin)):

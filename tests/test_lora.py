@@ -25,7 +25,8 @@ def _shapes(cfg: dict) -> dict[str, tuple[int, int]]:
         cfg["hidden_size"] // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            "qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}  # Phi-3's fused modules
 
 
 def make_adapter(base: Path, out: Path, targets=ATTN + MLP, r: int = 4, alpha: float = 8, seed: int = 1,
@@ -36,7 +37,7 @@ def make_adapter(base: Path, out: Path, targets=ATTN + MLP, r: int = 4, alpha: f
     for i in range(cfg["num_hidden_layers"]):
         for t in targets:
             n_in, n_out = _shapes(cfg)[t]
-            key = f"base_model.model.model.layers.{i}.{'self_attn' if t in ATTN else 'mlp'}.{t}"
+            key = f"base_model.model.model.layers.{i}.{'self_attn' if t in ATTN + ('qkv_proj',) else 'mlp'}.{t}"
             tensors[f"{key}.lora_A.weight"] = torch.randn(r, n_in, generator=gen) * 0.2
             tensors[f"{key}.lora_B.weight"] = torch.randn(n_out, r, generator=gen) * 0.2
     out.mkdir(parents=True, exist_ok=True)
@@ -288,6 +289,18 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         assert httpx.post(s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60).status_code == 404
         assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
         s.wait_idle()
+
+
+def test_phi3_adapters_of_its_fused_modules_are_their_merged_models(model_root, tmp_path):
+    """PEFT adapts Phi-3's qkv_proj and gate_up_proj as stored, fused: one A, and B over all the
+    slices' rows. Beside the base model in one batch: transformers' greedy tokens of the merged checkpoint."""
+    base = make_model(model_root, "phi3", seed=3)
+    adapter = make_adapter(base, tmp_path / "a", targets=("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+    merged = merged_model(base, adapter, tmp_path / "merged")
+    lora = LoRARequest("a", 1, str(adapter))
+    outs = _llm(base).generate(PROMPTS[2:3] * 2, GREEDY, use_tqdm=False, lora_request=[lora, None])
+    got = [o.outputs[0].token_ids for o in outs]
+    assert got == [hf_greedy(merged, PROMPTS[2], 10), hf_greedy(base, PROMPTS[2], 10)] and got[0] != got[1]
 
 
 def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):

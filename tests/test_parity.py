@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ARCHS, VOCAB, hf_model, make_model, step_logits
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, SamplingParams, kernels
 from nanoserve.model import SeqInput
 
 ATOL = 1e-4
@@ -354,3 +354,124 @@ def test_dtype_float32_everywhere(variant):
     assert all(p.dtype == torch.float32 for p in llm.engine.runner.model.parameters())
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.float32
     assert step_logits(llm.engine.runner, [SeqInput([1, 2, 3], 0, [0], None)]).dtype == torch.float32
+
+
+# ---------------------------------------------------------------- Granite and Phi-3
+
+def test_granite_reads_its_four_scalars(variant):
+    """conftest's Granite sets all four away from Llama's math; parity above proves they act as HF's."""
+    mc = check_parity(variant("granite")).engine.model_config
+    assert (mc.embedding_multiplier, mc.residual_multiplier, mc.attention_multiplier, mc.logits_scaling) == \
+        (3.0, 0.4, 0.09, 2.5)
+    assert make_llm(variant("llama")).engine.model_config.attention_multiplier is None  # head_dim ** -0.5
+
+
+def test_granite_tied_embeddings_with_logits_scaling(variant):
+    """The tied head's logits are divided by logits_scaling; the embedding it shares is not."""
+    path = variant("granite", tie_word_embeddings=True)
+    llm, hf = make_llm(path), hf_model(path)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [21, 36]), hf_logits(hf, LONG), atol=ATOL, rtol=ATOL)
+    model = llm.engine.runner.model
+    assert model.lm_head is None
+    assert torch.equal(model.model.embed_tokens.weight, hf.model.embed_tokens.weight)
+
+
+def test_phi3_checkpoint_stores_qkv_and_gate_up_fused(variant):
+    from safetensors import safe_open
+    path = variant("phi3")
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.qkv_proj.weight" in names and "model.layers.0.mlp.gate_up_proj.weight" in names
+    check_parity(path)
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_phi3_fused_tensors_split_by_rank(variant, num_kv_heads):
+    """Under TP 2 each rank takes its q heads, its (or its replicated) k and v heads, and its
+    gate and up rows out of the fused checkpoint tensors: the same rows the split form gives."""
+    from nanoserve.model import ModelConfig, TPGroup, build_model, load_weights
+    path = variant("phi3", num_key_value_heads=num_kv_heads)
+    hf = hf_model(path).model.layers[0]
+    cfg = ModelConfig.from_dir(path)
+    D, I = cfg.head_dim, cfg.intermediate_size
+    q, k, v = hf.self_attn.qkv_proj.weight.split([4 * D, num_kv_heads * D, num_kv_heads * D])
+    gate, up = hf.mlp.gate_up_proj.weight.split([I, I])
+    for rank in range(2):
+        model = build_model(cfg, torch.float32, torch.device("cpu"), kernels.TORCH, TPGroup(rank, 2))
+        load_weights(model, path)
+        layer = model.model.layers[0]
+        kv = max(num_kv_heads // 2, 1) * D
+        kv_rank = rank if num_kv_heads == 2 else 0
+        want_qkv = torch.cat([q[rank * 2 * D:(rank + 1) * 2 * D], k[kv_rank * kv:(kv_rank + 1) * kv],
+                              v[kv_rank * kv:(kv_rank + 1) * kv]])
+        assert torch.equal(layer.self_attn.qkv_proj.weight, want_qkv)
+        assert torch.equal(layer.mlp.gate_up_proj.weight,
+                           torch.cat([gate[rank * I // 2:(rank + 1) * I // 2], up[rank * I // 2:(rank + 1) * I // 2]]))
+
+
+_PHI4_MINI_LIKE = dict(  # Phi-4-mini's shape of config: LongRoPE, partial rotary 0.75, tied embeddings
+    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                     "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0], "long_factor": [1.0, 1.5, 3.0, 6.0, 12.0, 24.0]},
+    original_max_position_embeddings=48, partial_rotary_factor=0.75, tie_word_embeddings=True)
+
+
+@pytest.mark.parametrize("regime", ["short", "long"])
+def test_phi3_longrope_and_partial_rotary_match_hf(variant, regime):
+    """transformers takes LongRoPE's long factors for a forward whose positions pass the
+    pre-training length (48 here), vLLM (and nanoserve) for every position once max_model_len
+    passes it. They agree where transformers' choice holds for a whole generation: within 48
+    tokens under max_model_len 48, and past them from the prompt on under max_model_len 256.
+    12 of each head's 16 dims turn (partial rotary); LongRoPE's attention factor scales them."""
+    path = variant("phi3", **_PHI4_MINI_LIKE)
+    hf = hf_model(path)
+    assert hf.model.rotary_emb.inv_freq.numel() == 6 and hf.model.rotary_emb.attention_scaling > 1
+    if regime == "short":
+        llm, ids, prompts, n = make_llm(path, max_model_len=48), LONG[:40], PROMPTS[:4], 8
+    else:
+        llm, ids, prompts, n = make_llm(path), LONG, [LONG, LONG[::-1][:50]], N_NEW
+    assert llm.engine.runner.model.config.rope_scaling["use_long_factor"] == (regime == "long")
+    ref = hf_logits(hf, ids)
+    torch.testing.assert_close(nanoserve_logits(llm, ids, [len(ids)]), ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(nanoserve_logits(llm, ids, [17, 1, len(ids) - 18]), ref, atol=ATOL, rtol=ATOL)
+    params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, n) for p in prompts]
+    other = make_llm(path, max_model_len=256 if regime == "short" else 48)  # the other factors: other logits
+    assert not torch.allclose(nanoserve_logits(other, ids[:40], [40]), ref[:40], atol=1e-3)
+
+
+def test_phi3_sliding_window_on_every_layer(variant):
+    """transformers' Phi-3 windows every layer when sliding_window is set (Phi-3-mini-4k's 2047);
+    a window no sequence can outgrow (Phi-3.5's 262144 over 131072 positions) is none."""
+    from nanoserve.model import _sliding_window
+    assert _sliding_window("Phi3ForCausalLM", dict(num_hidden_layers=2, sliding_window=2047,
+                                                   max_position_embeddings=4096)) == (2047, (0, 1))
+    assert _sliding_window("Phi3ForCausalLM", dict(num_hidden_layers=2, sliding_window=262144,
+                                                   max_position_embeddings=131072)) == (None, ())
+    path = variant("phi3", sliding_window=12)
+    llm = make_llm(path)
+    assert [a.self_attn.sliding_window for a in llm.engine.runner.model.model.layers] == [12, 12]
+    ref = hf_logits(hf_model(path), LONG)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [21, 19, 1, 16]), ref, atol=ATOL, rtol=ATOL)
+
+
+def _phi3_dict(**kw) -> dict:
+    c = dict(architectures=["Phi3ForCausalLM"], vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512)
+    return {**c, **kw}
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"architectures": ["GraniteMoeForCausalLM"]}, r"'GraniteMoeForCausalLM' \(a mixture-of-experts model"),
+    ({"architectures": ["GraniteMoeHybridForCausalLM"]}, r"mixture-of-experts.*GraniteForCausalLM"),
+    (_phi3_dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8}), "short_factor and long_factor"),
+    (_phi3_dict(rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7}),
+     "need 8 values each"),
+    (_phi3_dict(partial_rotary_factor=0.5625), "partial_rotary_factor 0.5625 of head_dim 16 gives 9 rotary dims"),
+    ({**_phi3_dict(architectures=["GraniteForCausalLM"]), "mlp_bias": True}, "mlp_bias"),
+], ids=["granite-moe", "granite-4-hybrid", "longrope-no-long-factor", "su-factor-length", "odd-rotary-dims",
+        "mlp-bias"])
+def test_granite_and_phi3_refusals(config, message):
+    from nanoserve.model import ModelConfig, ModelLoadError
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_dict(config)

@@ -93,28 +93,29 @@ void rms_norm(const uint16_t *x, int64_t ld, const uint16_t *w, uint16_t *out, i
 }
 
 /* kernels.rotary_torch for q [rows, hq, d] and k [rows, hk, d] (row strides
-   ldq, ldk; heads contiguous) into contiguous outputs, neox style:
-   out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos and sin rounded
-   to bf16 first, as eager torch does. */
+   ldq, ldk; heads contiguous) into contiguous outputs, neox style over the first
+   r dims of each head (cos/sin tables r wide; r < d: partial rotary, the other
+   dims copied): out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), cos and
+   sin rounded to bf16 first, as eager torch does. */
 void rotary(const uint16_t *q, int64_t ldq, const uint16_t *k, int64_t ldk, uint16_t *q_out, uint16_t *k_out,
-            int64_t rows, int64_t hq, int64_t hk, int64_t d, const int64_t *positions, const float *cos_cache,
-            const float *sin_cache, int nthreads) {
-    const int64_t half = d / 2;
+            int64_t rows, int64_t hq, int64_t hk, int64_t d, int64_t r, const int64_t *positions,
+            const float *cos_cache, const float *sin_cache, int nthreads) {
+    const int64_t half = r / 2;
     #pragma omp parallel num_threads(nthreads)
     {
-        float *y = aligned_alloc(64, 3 * d * sizeof(float)), *cs = y + d, *sn = y + 2 * d;
+        float *y = aligned_alloc(64, 3 * r * sizeof(float)), *cs = y + r, *sn = y + 2 * r;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < rows; t++) {
-            for (int64_t c = 0; c < d; c += 16) {  /* this position's cos and sin, as bf16 */
-                _mm512_storeu_ps(cs + c, round_bf16(_mm512_loadu_ps(cos_cache + positions[t] * d + c)));
-                _mm512_storeu_ps(sn + c, round_bf16(_mm512_loadu_ps(sin_cache + positions[t] * d + c)));
+            for (int64_t c = 0; c < r; c += 16) {  /* this position's cos and sin, as bf16 */
+                _mm512_storeu_ps(cs + c, round_bf16(_mm512_loadu_ps(cos_cache + positions[t] * r + c)));
+                _mm512_storeu_ps(sn + c, round_bf16(_mm512_loadu_ps(sin_cache + positions[t] * r + c)));
             }
             for (int64_t h = 0; h < hq + hk; h++) {
                 const int is_q = h < hq;
                 const uint16_t *x = is_q ? q + t * ldq + h * d : k + t * ldk + (h - hq) * d;
                 uint16_t *o = is_q ? q_out + (t * hq + h) * d : k_out + (t * hk + h - hq) * d;
-                for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(y + c, load_bf16x16(x + c));
-                for (int64_t c = 0; c < d; c += 16) {
+                for (int64_t c = 0; c < r; c += 16) _mm512_storeu_ps(y + c, load_bf16x16(x + c));
+                for (int64_t c = 0; c < r; c += 16) {
                     const __m512 v = _mm512_loadu_ps(y + c);
                     const __m512 rot = c < half ? _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(y + c + half))
                                                 : _mm512_loadu_ps(y + c - half);
@@ -122,6 +123,7 @@ void rotary(const uint16_t *q, int64_t ldq, const uint16_t *k, int64_t ldk, uint
                     const __m512 b = round_bf16(_mm512_mul_ps(rot, _mm512_loadu_ps(sn + c)));
                     store_bf16x16(o + c, round_bf16(_mm512_add_ps(a, b)));
                 }
+                memcpy(o + r, x + r, (d - r) * sizeof(uint16_t));  /* the dims that do not turn */
             }
         }
         free(y);
