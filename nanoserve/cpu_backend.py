@@ -62,8 +62,9 @@ def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: b
     elementwise, (rms_norm, rotary, silu_and_mul) = _pick_elementwise(cfg, dtype)
     argmax_name, argmax = _pick_argmax(dtype)
     name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
-    return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul, argmax,
-                   prepare_model)
+    return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul,
+                   kernels.gelu_tanh_and_mul_torch, kernels.gemma_rms_norm_torch,
+                   kernels.add_rms_norm(kernels.gemma_rms_norm_torch), argmax, prepare_model)
 
 
 def _first_that_works(what: str, candidates, fallback):
