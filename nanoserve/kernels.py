@@ -12,7 +12,8 @@ last resort, and where it pays as a Triton kernel:
   the sequence's block table (causal inside the chunk, full over the prefix);
   GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
 * ``rms_norm``, ``rotary``, ``silu_and_mul``, and Gemma's ``gelu_tanh_and_mul`` and
-  ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch references and Triton kernels; the CPU's live behind the seam);
+  ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch
+  references and Triton kernels; the CPU's live behind the seam);
 * ``argmax``: greedy sampling.
 
 The seam is ``Backend``: one object holding one implementation of each op.
@@ -779,8 +780,12 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION)
     fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
     rms_norm_triton(q, q[0, 0], 1e-6)  # Qwen3's q/k norm: one row a head
+    if cfg.gemma3:  # its norms: an fp32 weight
+        gemma_fused_add_rms_norm_triton(gemma_rms_norm_triton(x, x[0].float(), 1e-6), x, x[0].float(), 1e-6)
+        gemma_rms_norm_triton(q, q[0, 0].float(), 1e-6)
     rotary_triton(q, k, first, q[0].float(), q[0].float())
-    silu_and_mul_triton(zeros(1, 2 * cfg.intermediate_size))
+    (gelu_tanh_and_mul_triton if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul_triton)(
+        zeros(1, 2 * cfg.intermediate_size))
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)
 
