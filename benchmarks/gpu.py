@@ -62,8 +62,9 @@ for _p in (str(HERE), str(ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-# mistral-sw: Mistral with a 32-token sliding window, shorter than the longer prompts (the Triton window)
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw")
+# mistral-sw: Mistral with a 32-token sliding window, shorter than the longer prompts (the Triton window);
+# gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device)
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "gemma3")
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -192,20 +193,24 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
-    cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig)[arch.split("-")[0]]
+    cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig,
+               gemma3=Gemma3TextConfig)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
+    if arch == "gemma3":
+        base.update(head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=32,
+                    layer_types=["sliding_attention", "full_attention"])
     if arch.startswith("mistral"):
         base.update(sliding_window=32 if arch == "mistral-sw" else None)
     return cls(**base)
 
 
 def part_models(scale: Scale, spec: dict, archs=ARCHS, w1: bool = True) -> dict:
-    """Tiny fp32 models of the four architectures, and W1's Qwen3-0.6B shape in
+    """Tiny fp32 models of the five architectures, and W1's Qwen3-0.6B shape in
     bf16 with random weights (initialised on the device: ~1 s on a GPU)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -253,6 +258,7 @@ def part_parity(scale: Scale, spec: dict, archs=ARCHS, configs=None) -> dict:
 
     from nanoserve import LLM, SamplingParams
     from nanoserve.kvcache import blocks_per_request
+    from nanoserve.model import ModelConfig
     dev, n_new = scale.device, scale.parity_new
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(1, 384, (n,), generator=gen).tolist() for n in scale.parity_prompts]
@@ -275,7 +281,8 @@ def part_parity(scale: Scale, spec: dict, archs=ARCHS, configs=None) -> dict:
     res = dict(prompts=[len(p) for p in prompts], new_tokens=n_new, archs={}, ok=True)
     for arch in archs:
         path = spec["models"]["tiny"][arch]
-        window = json.loads((Path(path) / "config.json").read_text()).get("sliding_window")
+        mc = ModelConfig.from_dir(path)  # a window on every layer frees the blocks before it (not Gemma 3's)
+        window = mc.sliding_window if len(mc.sliding_layers) == mc.num_layers else None
         arch_kinds = kinds if window is None else {  # its pool holds windows (kvcache.blocks_per_request), not
             # whole requests: one request's window, a chunk and the null block, in chunks, so the five preempt
             **kinds, "preempt": dict(num_kv_blocks=1 + blocks_per_request(max_len, bs, window, scale.chunk_tokens),
@@ -1042,7 +1049,7 @@ def markdown(record: dict) -> str:
             f"≤ {TARGETS['host_ms']} ms{ok(ps.get('host_ms'), TARGETS['host_ms'])}")
         row("plain `engine.step()`, mean", _fmt((bd.get("plain_step_ms") or {}).get("mean"), " ms", 3))
     par = p.get("parity") or {}
-    row("greedy parity with transformers (fp32, 4 archs and a sliding window × plain/preempt/chunked × graphs/eager)",
+    row("greedy parity with transformers (fp32, 5 archs and a sliding window × plain/preempt/chunked × graphs/eager)",
         par.get("summary") or par.get("error") or "—")
     ct = p.get("cuda_tests") or {}
     row("the suite's CUDA tests (graph replay == eager per captured size; padding writes no KV)",
