@@ -11,6 +11,7 @@ here is needed to follow a request. Per op, in order of preference:
 * RMSNorm, rotary, SiLU-and-mul (bf16 only): the C kernels if they give the
   torch references' results bit for bit on this model's shapes (checked here,
   every start-up), else inductor-fused copies (steps of 256+ tokens), else eager;
+  Gemma's GELU-and-mul: the C kernel (the same check), else eager; Gemma's RMSNorm: eager;
 * greedy argmax: the C kernel over bf16 logits, else torch's.
 
 A candidate that cannot be built or checked here is logged, with why, and the
@@ -60,10 +61,12 @@ def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: b
         return dataclasses.replace(kernels.TORCH, prepare_model=pack_model) if packs else kernels.TORCH
     attention, store, attend = _pick_attention(cfg, dtype, block_size)
     elementwise, (rms_norm, rotary, silu_and_mul) = _pick_elementwise(cfg, dtype)
+    gelu_tanh_and_mul = _pick_gelu_tanh_and_mul(cfg, dtype)
     argmax_name, argmax = _pick_argmax(dtype)
     name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
-    return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul, argmax,
-                   prepare_model)
+    return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul,
+                   gelu_tanh_and_mul, kernels.gemma_rms_norm_torch, kernels.add_rms_norm(kernels.gemma_rms_norm_torch),
+                   argmax, prepare_model)
 
 
 def _first_that_works(what: str, candidates, fallback):
@@ -274,6 +277,20 @@ def compile_rows(fn, row_args: int):
                           "for this model", RuntimeWarning, stacklevel=2)
             return fn(*args)
     return run
+
+
+def _pick_gelu_tanh_and_mul(cfg, dtype):
+    """Gemma's activation (built only for a model that uses it): in bf16 the C kernel if it gives
+    the reference's results bit for bit on this model's width, else the reference."""
+    def c():
+        gate_up = (torch.randn(COMPILED_ELEMENTWISE_MIN_ROWS + 1, 2 * cfg.intermediate_size,
+                               generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+        if not torch.equal(cpu_kernels.gelu_tanh_and_mul(gate_up), kernels.gelu_tanh_and_mul_torch(gate_up)):
+            raise RuntimeError("its results differ from the torch reference's on this machine")
+        return cpu_kernels.gelu_tanh_and_mul
+    if dtype != torch.bfloat16 or cfg.hidden_act != "gelu_pytorch_tanh":
+        return kernels.gelu_tanh_and_mul_torch
+    return _first_that_works("gelu_tanh_and_mul", [("c", c)], ("torch", kernels.gelu_tanh_and_mul_torch))[1]
 
 
 # --------------------------------------------------------------------------- argmax

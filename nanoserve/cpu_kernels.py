@@ -10,8 +10,8 @@ dot products take AVX-512 BF16's instruction where the CPU has it):
   decodes through ``decode_attention`` (cascade attention where many sequences
   share a long prefix), prefill chunks through ``chunk_attention``, both within
   a sliding window where the layer has one;
-* ``rms_norm``, ``rotary``, ``silu_and_mul`` (csrc/row_ops.c): bit for bit the
-  torch references' results;
+* ``rms_norm``, ``rotary``, ``silu_and_mul``, ``gelu_tanh_and_mul`` (csrc/row_ops.c): bit
+  for bit the torch references' results;
 * ``argmax``: greedy sampling over bf16 logits, torch's rules;
 * ``linear`` (csrc/linear.c): bf16 weights, fp32 arithmetic, for a CPU with no
   bf16 matrix instructions (F.linear's products, summed in one fixed order).
@@ -296,13 +296,30 @@ def _silu_table() -> torch.Tensor:
     return F.silu(bits).float()
 
 
+@functools.cache
+def _gelu_tanh_table() -> torch.Tensor:
+    """fp32 [65536]: torch's bf16 F.gelu(approximate="tanh") of every bf16 bit pattern, by index."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    return F.gelu(bits, approximate="tanh").float()
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """kernels.silu_and_mul_torch for gate_up [rows, 2n] contiguous."""
+    return _act_and_mul(gate_up, _silu_table(), "silu_and_mul")
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """kernels.gelu_tanh_and_mul_torch for gate_up [rows, 2n] contiguous: the C silu_and_mul,
+    which reads the activation from the table it is given, with GELU's."""
+    return _act_and_mul(gate_up, _gelu_tanh_table(), "gelu_tanh_and_mul")
+
+
+def _act_and_mul(gate_up: torch.Tensor, table: torch.Tensor, name: str) -> torch.Tensor:
     rows, n = gate_up.shape[0], gate_up.shape[1] // 2
     if not (_rows_ok(gate_up, n) and gate_up.is_contiguous()):
-        raise ValueError("the C silu_and_mul takes contiguous bf16 [rows, 2n] with n % 16 == 0")
+        raise ValueError(f"the C {name} takes contiguous bf16 [rows, 2n] with n % 16 == 0")
     out = torch.empty(rows, n, dtype=torch.bfloat16)
-    row_ops_library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, _silu_table().data_ptr(),
+    row_ops_library().silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, n, table.data_ptr(),
                                    _threads(gate_up.numel()))
     return out
 

@@ -11,8 +11,9 @@ last resort, and where it pays as a Triton kernel:
   position ``seq_len - q_len + j`` and attends to positions ``0 .. that`` through
   the sequence's block table (causal inside the chunk, full over the prefix);
   GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
-* ``rms_norm``, ``rotary``, ``silu_and_mul``: the pointwise work between the
-  decoder's matmuls (torch references and Triton kernels; the CPU's live behind the seam);
+* ``rms_norm``, ``rotary``, ``silu_and_mul``, and Gemma's ``gelu_tanh_and_mul`` and
+  ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch
+  references and Triton kernels; the CPU's live behind the seam);
 * ``argmax``: greedy sampling.
 
 The seam is ``Backend``: one object holding one implementation of each op.
@@ -69,6 +70,9 @@ class Backend:
     rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache [max_positions, r]) -> (q, k)
       (r <= d: the first r dims of each head turn, the rest pass through: partial rotary)
     silu_and_mul(gate_up [T, 2n]) -> [T, n]
+    gelu_tanh_and_mul(gate_up [T, 2n]) -> [T, n]  (Gemma's MLP: GELU, tanh approximation)
+    gemma_rms_norm(x [..., n], weight [n] fp32, eps) -> Gemma's: x / rms(x) * weight in fp32, rounded once
+    gemma_fused_add_rms_norm(x, residual, weight, eps) -> (gemma_rms_norm(x + residual), x + residual)
     argmax(logits [rows, vocab]) -> int64 [rows]
 
     ``warm_up(num_heads, k_cache, v_cache, max_context)`` builds, before traffic,
@@ -85,6 +89,9 @@ class Backend:
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    gemma_rms_norm: Callable[..., torch.Tensor]
+    gemma_fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
     prepare_model: Callable[[torch.nn.Module], int] = weights_as_loaded
     warm_up: Callable[..., None] = nothing_to_compile
@@ -197,6 +204,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
 
 
+def gemma_rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As transformers' Gemma3RMSNorm: normalise and scale in fp32 (``weight`` holds 1 + w, in
+    fp32), then round to the model's dtype once."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight).to(x.dtype)
+
+
 def add_rms_norm(rms_norm: Callable[..., torch.Tensor]) -> Callable:
     """A backend's fused_add_rms_norm from its rms_norm: the residual stream's sum
     in the model's dtype, then the norm of it (vLLM's fused_add_rms_norm)."""
@@ -230,6 +244,12 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """The gated MLP's activation: silu(gate) * up, gate and up side by side."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """Gemma's gated MLP: gelu(gate) * up, GELU's tanh approximation (transformers' gelu_pytorch_tanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
@@ -456,8 +476,10 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, heads, x_stride_t, x_stride_h,
-                         r_stride_t, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        """One program per (token, head) row of n: [x + residual ->] RMSNorm."""
+                         r_stride_t, n, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+                         GEMMA: tl.constexpr = False):
+        """One program per (token, head) row of n: [x + residual ->] RMSNorm (GEMMA: Gemma's,
+        scaled by the fp32 weight before rounding)."""
         row = tl.program_id(0).to(tl.int64)
         t, h = row // heads, row % heads
         cols = tl.arange(0, BLOCK)
@@ -469,9 +491,12 @@ if triton is not None:
             tl.store(res_out_ptr + row * n + cols, x, mask=ok)
         xf = x.to(tl.float32)
         var = tl.sum(xf * xf, 0) / n
-        y = (xf * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-        w = tl.load(w_ptr + cols, mask=ok, other=0.0)
-        tl.store(out_ptr + row * n + cols, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        if GEMMA:
+            y = xf * tl.math.rsqrt(var + eps) * w
+        else:
+            y = w * (xf * tl.math.rsqrt(var + eps)).to(out_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _rotate_head(src, dst, cos_row, sin_row, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -521,6 +546,21 @@ if triton is not None:
         u = tl.load(gate_up_ptr + t * 2 * n + n + cols, mask=ok, other=0.0).to(tl.float32)
         silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         tl.store(out_ptr + t * n + cols, (silu * u).to(dt), mask=ok)
+
+    @triton.jit
+    def _gelu_tanh_and_mul_kernel(gate_up_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        """Grid (tokens, column blocks): out = gelu_tanh(gate) * up, tanh(y) as 1 - 2 / (exp(2y) + 1)
+        (no tanh in tl.math), y clamped to +-15, where tanh is +-1 in fp32 (and exp does not overflow)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n
+        dt = out_ptr.dtype.element_ty
+        g = tl.load(gate_up_ptr + t * 2 * n + cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + t * 2 * n + n + cols, mask=ok, other=0.0).to(tl.float32)
+        y = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2 / pi) (g + 0.044715 g^3)
+        y = tl.minimum(tl.maximum(y, -15.0), 15.0)
+        gelu = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))).to(dt).to(tl.float32)
+        tl.store(out_ptr + t * n + cols, (gelu * u).to(dt), mask=ok)
 
 
 def _check_head_dim(head_dim: int) -> None:
@@ -685,25 +725,33 @@ def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     return x.shape[0], x.shape[1], x.stride(0), x.stride(1)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     T, heads, stride_t, stride_h = _rows(x)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T:
         n = x.shape[-1]
         _rms_norm_kernel[(T * heads,)](x, x, weight, out, out, heads, stride_t, stride_h, 0, n, eps,
-                                       HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n))
+                                       HAS_RESIDUAL=False, BLOCK=triton.next_power_of_2(n), GEMMA=gemma)
     return out
 
 
-def fused_add_rms_norm_triton(x, residual, weight, eps):
+def fused_add_rms_norm_triton(x, residual, weight, eps, gemma: bool = False):
     T, n = x.shape
     if x.stride(1) != 1 or residual.stride(1) != 1:
         raise ValueError("fused_add_rms_norm takes rows of unit stride")
     out, res_out = torch.empty_like(x), torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if T:
         _rms_norm_kernel[(T,)](x, residual, weight, out, res_out, 1, x.stride(0), n, residual.stride(0), n, eps,
-                               HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n))
+                               HAS_RESIDUAL=True, BLOCK=triton.next_power_of_2(n), GEMMA=gemma)
     return out, res_out
+
+
+def gemma_rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return rms_norm_triton(x, weight, eps, gemma=True)
+
+
+def gemma_fused_add_rms_norm_triton(x, residual, weight, eps):
+    return fused_add_rms_norm_triton(x, residual, weight, eps, gemma=True)
 
 
 def rotary_triton(q, k, positions, cos_cache, sin_cache):
@@ -728,6 +776,16 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    gate_up = gate_up.contiguous()
+    T, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
+    if T:
+        block = min(1024, triton.next_power_of_2(n))
+        _gelu_tanh_and_mul_kernel[(T, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+    return out
+
+
 def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
     """Raise where the Triton kernels cannot run here, before a model is built on
     them: a head_dim they do not take, a tile larger than this GPU's shared memory,
@@ -743,9 +801,13 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION)
     fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
     rms_norm_triton(q, q[0, 0], 1e-6)  # Qwen3's q/k norm: one row a head
+    if cfg.gemma3:  # its norms: an fp32 weight
+        gemma_fused_add_rms_norm_triton(gemma_rms_norm_triton(x, x[0].float(), 1e-6), x, x[0].float(), 1e-6)
+        gemma_rms_norm_triton(q, q[0, 0].float(), 1e-6)
     table = zeros(1, getattr(cfg, "rotary_dim", 0) or cfg.head_dim).float()  # the model's rotary dims
     rotary_triton(q, k, first, table, table)
-    silu_and_mul_triton(zeros(1, 2 * cfg.intermediate_size))
+    (gelu_tanh_and_mul_triton if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul_triton)(
+        zeros(1, 2 * cfg.intermediate_size))
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)
 
@@ -753,7 +815,10 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
 # =========================================================================== the backends
 
 TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_torch,
-                add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, argmax_torch)
+                add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, gelu_tanh_and_mul_torch,
+                gemma_rms_norm_torch, add_rms_norm(gemma_rms_norm_torch), argmax_torch)
 TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
-    rotary_triton, silu_and_mul_triton, argmax_cuda, warm_up=warm_up_paged_attention_triton, capture_safe=True)
+    rotary_triton, silu_and_mul_triton, gelu_tanh_and_mul_triton, gemma_rms_norm_triton,
+    gemma_fused_add_rms_norm_triton, argmax_cuda,
+    warm_up=warm_up_paged_attention_triton, capture_safe=True)

@@ -6,7 +6,9 @@ This module owns
   transformers 5's ``rope_parameters``);
 * the Llama / Qwen2 / Qwen3 / Mistral / Granite / Phi-3 decoder, written once: q/k/v and
   gate/up are fused at load time (Phi-3's checkpoints store them fused), Qwen2's q/k/v bias,
-  Qwen3's q/k RMSNorm and Granite's four scalars are flags;
+  Qwen3's q/k RMSNorm and Granite's four scalars are flags; Gemma 3's text decoder beside it
+  (its own layer: four norms of x * (1 + w), GELU, scaled embeddings, a second rotary
+  embedding for the sliding-window layers);
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -59,8 +61,9 @@ from nanoserve.kvcache import slot_mapping as compute_slot_mapping
 logger = logging.getLogger("nanoserve.model")
 LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # the latter: its text only
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM")
+                           "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", *GEMMA3_ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
@@ -121,11 +124,17 @@ class ModelConfig:
     checkpoint_dtype: str
     eos_token_ids: list[int]
     rotary_dim: int = 0              # the leading dims of a head that RoPE turns (0: all of head_dim)
-    # Granite: Llama with four scalars (transformers' names; 1.0 and None leave Llama's math)
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Granite's attention_multiplier,
+    #                                       Gemma 3's query_pre_attn_scalar ** -0.5)
+    # Granite: Llama with three more scalars (transformers' names; 1.0 leaves Llama's math)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0   # each branch's output, before its residual add
-    attention_multiplier: float | None = None  # the attention scale; None: head_dim ** -0.5
     logits_scaling: float = 1.0        # logits are divided by it
+    # Gemma 3 (the defaults are every other architecture's)
+    gemma3: bool = False          # Gemma3DecoderLayer, norms x * (1 + w), embeddings x sqrt(hidden)
+    hidden_act: str = "silu"      # the gated MLP's activation: silu, or Gemma's gelu_pytorch_tanh
+    # the sliding-window layers' rotary (theta, scaling) where it is not the others' (Gemma 3)
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -151,9 +160,12 @@ class ModelConfig:
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            moe = " (a mixture-of-experts model; nanoserve serves dense decoders)" if "Moe" in str(arch) else ""
-            raise ModelLoadError(f"unsupported architecture {arch!r}{moe}; nanoserve supports "
+            why = UNSUPPORTED_WHY.get(arch, " (a mixture-of-experts model; nanoserve serves dense decoders)"
+                                      if "Moe" in str(arch) else "")
+            raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if arch in GEMMA3_ARCHITECTURES:
+            c = _gemma3_text_config(c)
         quant = c.get("quantization_config")
         if quant:  # else its packed weights would fail to load as "unexpected tensors"
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -168,6 +180,7 @@ class ModelConfig:
         eos = c.get("eos_token_id")
         window, layers = _sliding_window(arch, c)
         granite = arch == "GraniteForCausalLM"  # transformers' Granite defaults are 1.0, its scale too
+        gemma3 = arch in GEMMA3_ARCHITECTURES
         return cls(
             architecture=arch,
             vocab_size=c["vocab_size"],
@@ -180,10 +193,11 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=_scaled_max_positions(c.get("max_position_embeddings", 2048), scaling),
+            max_position_embeddings=(c["max_position_embeddings"] if gemma3 else  # vLLM's exception: already scaled
+                                     _scaled_max_positions(c.get("max_position_embeddings", 2048), scaling)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM" or gemma3,
             sliding_window=window,
             sliding_layers=layers,
             checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
@@ -191,8 +205,12 @@ class ModelConfig:
             rotary_dim=rotary_dim,
             embedding_multiplier=float(c.get("embedding_multiplier", 1.0)) if granite else 1.0,
             residual_multiplier=float(c.get("residual_multiplier", 1.0)) if granite else 1.0,
-            attention_multiplier=float(c.get("attention_multiplier", 1.0)) if granite else None,
             logits_scaling=float(c.get("logits_scaling", 1.0)) if granite else 1.0,
+            gemma3=gemma3,
+            hidden_act=c["hidden_activation"] if gemma3 else "silu",
+            attention_scale=(float(c.get("attention_multiplier", 1.0)) if granite else
+                             float(c["query_pre_attn_scalar"]) ** -0.5 if gemma3 else None),
+            sliding_rope=_sliding_rope(c) if gemma3 else None,
         )
 
     def check_max_model_len(self, max_model_len: int, window_disabled: bool) -> None:
@@ -220,6 +238,65 @@ class ModelConfig:
         return self.sliding_window if layer in self.sliding_layers else None
 
 
+# Why an architecture nanoserve does not serve is not a small step from one it does.
+UNSUPPORTED_WHY = {"Gemma2ForCausalLM": " (Gemma 2 soft-caps its attention logits, which nanoserve's attention "
+                                        "kernels do not do)"}
+
+# What transformers' Gemma3TextConfig fills in for a key config.json leaves out: the hub's
+# Gemma 3 configs, written by transformers 4, leave out every default (a multimodal
+# checkpoint's text_config may hold only its sizes), and transformers reads them with these.
+GEMMA3_TEXT_DEFAULTS = {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "eos_token_id": 1,
+    "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 6,
+    "rope_theta": 1_000_000.0, "rope_local_base_freq": 10_000.0,
+}
+
+
+def _gemma3_text_config(c: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's text decoder config, Gemma3TextConfig's defaults filled in. The multimodal
+    checkpoint (Gemma3ForConditionalGeneration, 4B and up) holds it as text_config, with the
+    ids and dtype at the top; its vision tower is not loaded (vLLM serves the text of it too)."""
+    arch = c["architectures"][0]
+    if arch == "Gemma3ForConditionalGeneration":
+        top = {k: c[k] for k in ("eos_token_id", "dtype", "torch_dtype", "tie_word_embeddings", "quantization_config")
+               if k in c}
+        c = {**top, **(c.get("text_config") or {}), "architectures": c["architectures"]}
+    c = {**GEMMA3_TEXT_DEFAULTS, **c}
+    capped = {k: c[k] for k in ("attn_logit_softcapping", "final_logit_softcapping") if c.get(k) is not None}
+    if capped:  # Gemma 2's; a Gemma 3 checkpoint sets neither
+        raise ModelLoadError(f"{arch} with soft-capping ({', '.join(f'{k}={v}' for k, v in capped.items())}) is not "
+                             f"supported: nanoserve's attention kernels and logits do not soft-cap")
+    if c.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{arch} with use_bidirectional_attention (an embedding model, as EmbeddingGemma) is "
+                             "not supported: nanoserve generates text, with causal attention")
+    if c.get("attention_bias"):
+        raise ModelLoadError(f"{arch} with attention_bias is not supported (nanoserve's o_proj has no bias)")
+    c["hidden_activation"] = c.get("hidden_activation") or "gelu_pytorch_tanh"
+    if c["hidden_activation"] != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{arch} with hidden_activation {c['hidden_activation']!r} is not supported "
+                             "(nanoserve's Gemma 3 MLP is gelu_pytorch_tanh's)")
+    return c
+
+
+def _gemma3_layer_types(c: dict[str, Any]) -> list[str]:
+    """Gemma 3's layer_types, or (older configs) every sliding_window_pattern-th layer full, the rest sliding."""
+    pattern = c.get("sliding_window_pattern") or 6
+    return c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                    for i in range(c["num_hidden_layers"])]
+
+
+def _sliding_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Gemma 3's sliding layers' rotary embedding: transformers 5's rope_parameters["sliding_attention"],
+    else (transformers 4) rope_local_base_freq, unscaled: its rope_scaling is the full layers' only."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and "sliding_attention" in params:
+        return _rope_from_config({**c, "rope_theta": c["rope_local_base_freq"],
+                                  "rope_parameters": params["sliding_attention"] or {}})
+    return float(c["rope_local_base_freq"]), None
+
+
 def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """vLLM's hf_overrides: each key replaces the checkpoint's. A rope_scaling given in
     transformers 4's form replaces a transformers 5 checkpoint's rope_parameters, whose
@@ -229,7 +306,13 @@ def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict
     c = {**c, **overrides}
     legacy = "rope_scaling" in overrides and "rope_parameters" not in overrides
     if legacy and isinstance(c.get("rope_parameters"), dict):
-        c.setdefault("rope_theta", c.pop("rope_parameters").get("rope_theta"))
+        params = c.pop("rope_parameters")
+        sliding = params.get("sliding_attention") or {}  # per layer type (Gemma 3): each keeps its theta
+        params = params.get("full_attention", params) or {}
+        thetas = {"rope_theta": params.get("rope_theta"), "rope_local_base_freq": sliding.get("rope_theta")}
+        for key, theta in thetas.items():
+            if theta is not None:
+                c.setdefault(key, theta)
     return c
 
 
@@ -305,8 +388,8 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
 
 def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that use it, as transformers reads them: every layer of
-    Mistral's and Phi-3's; with Qwen's use_sliding_window, those ``layer_types`` names (by default
-    the layers from max_window_layers on); none of Llama's or Granite's."""
+    Mistral's and Phi-3's; Gemma 3's ``layer_types``; with Qwen's use_sliding_window, those
+    ``layer_types`` names (by default the layers from max_window_layers on); none of Llama's or Granite's."""
     window, n = c.get("sliding_window"), c["num_hidden_layers"]
     if window is None or arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
         return None, ()
@@ -314,6 +397,9 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
         return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
     if arch == "MistralForCausalLM":
         return int(window), tuple(range(n))
+    if arch in GEMMA3_ARCHITECTURES:  # always on, for the layers layer_types names
+        layers = tuple(i for i, t in enumerate(_gemma3_layer_types(c)) if t == "sliding_attention")
+        return (int(window) if layers else None), layers
     if not c.get("use_sliding_window", False):
         return None, ()
     first = c.get("max_window_layers", 28)
@@ -329,6 +415,7 @@ def num_parameters(cfg: ModelConfig) -> int:
     layer = H * qkv + cfg.num_heads * D * H + 3 * H * I + 2 * H
     layer += qkv if cfg.attention_bias else 0
     layer += 2 * D if cfg.qk_norm else 0
+    layer += 2 * H if cfg.gemma3 else 0  # its norms before and after the MLP
     heads = 1 if cfg.tie_word_embeddings else 2
     return heads * cfg.vocab_size * H + cfg.num_layers * layer + H
 
@@ -377,6 +464,30 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.backend.rms_norm(x, self.weight, self.eps)
         return self.backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm, x / rms(x) * (1 + w), scaled in fp32 and rounded once (Llama's rounds
+    x / rms(x) to the model's dtype first). The 1 is added at load, in fp32 to w as the model's
+    dtype holds it, and the weight stays fp32: the same numbers as transformers' (and vLLM's)
+    1 + w.float() on every call, so that bf16 logits are transformers' bit for bit. (Adding it
+    into a bf16 weight for the Llama norm's kernels instead rounds twice more: it moved a tiny
+    model's bf16 logits further from transformers' than those are from fp32.)"""
+
+    def __init__(self, dim: int, eps: float, backend: Backend):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=torch.float32))
+        self.model_dtype = torch.get_default_dtype()  # build_model's
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.backend.gemma_rms_norm(x, self.weight, self.eps)
+        return self.backend.gemma_fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        param.copy_(_read(loaded, param.shape).to(self.model_dtype).float() + 1.0)
 
 
 class Linear(nn.Module):
@@ -765,10 +876,11 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        norm = GemmaRMSNorm if cfg.gemma3 else RMSNorm
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.scale = cfg.head_dim ** -0.5 if cfg.attention_multiplier is None else cfg.attention_multiplier
+        self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.sliding_window = sliding_window  # None: every earlier position is visible
         self.backend = backend
 
@@ -779,7 +891,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: an RMSNorm over each head of q and of k
+        if self.q_norm is not None:  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         # The step's new K and V go into the paged cache first, so that attention
@@ -796,11 +908,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
-        self.backend = backend
+        # Gemma's MLP is GELU's (tanh approximation); every other one SiLU's
+        self.act_and_mul = backend.gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else backend.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers: down_proj(silu(gate_proj(x)) * up_proj(x)), gate and up as one matmul
-        return self.down_proj(self.backend.silu_and_mul(self.gate_up_proj(x)))
+        # transformers: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one matmul
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -831,6 +944,30 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
+class Gemma3DecoderLayer(nn.Module):
+    """Gemma 3's layer: a norm before and after both attention and the MLP, transformers'
+    h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h))),
+    the residual stream carried beside x as in DecoderLayer, each add fused into the next norm."""
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup, index: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary_emb, backend, tp, cfg.layer_window(index))
+        self.mlp = MLP(cfg, backend, tp)
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_attention_layernorm(self.self_attn(positions, x, kv_cache, meta))
+        x, residual = self.pre_feedforward_layernorm(x, residual)
+        return self.post_feedforward_layernorm(self.mlp(x)), residual
+
+
 class DecoderModel(nn.Module):
     """The body shared by every supported architecture (HF's ``model.`` prefix)."""
 
@@ -839,15 +976,32 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, backend)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary_emb, backend, tp, i)
+        # Gemma 3's sliding-window layers rotate with a base (and scaling) of their own
+        self.sliding_rotary_emb = None if cfg.sliding_rope is None else RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, *cfg.sliding_rope, backend)
+        layer = Gemma3DecoderLayer if cfg.gemma3 else DecoderLayer
+        self.layers = nn.ModuleList(layer(cfg, self.layer_rotary_emb(cfg, i), backend, tp, i)
                                     for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.norm = (GemmaRMSNorm if cfg.gemma3 else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
+        # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype (build_model's
+        # default dtype) as transformers rounds it
+        self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5) if cfg.gemma3 else None,
+                             persistent=False)
+
+    def layer_rotary_emb(self, cfg: ModelConfig, index: int) -> RotaryEmbedding:
+        sliding = self.sliding_rotary_emb is not None and index in cfg.sliding_layers
+        return self.sliding_rotary_emb if sliding else self.rotary_emb
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for token ids (vLLM's name): their embeddings, Gemma's scaled."""
+        x = self.embed_tokens(input_ids)
+        return x if self.normalizer is None else x * self.normalizer
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds, None
+        x, residual = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds, None
         if self.embedding_multiplier != 1.0:  # Granite: given embeddings too, as transformers and vLLM scale them
             x = x * self.embedding_multiplier
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -990,12 +1144,24 @@ def _num_shards(param: str) -> int:
     return _FUSED_SHARDS.get(module, 1)
 
 
+# Gemma3ForConditionalGeneration: its text decoder's tensors under the prefixes transformers
+# writes (4's and 5's), and the vision tower's and projector's, which are not loaded
+_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     """The parameter a checkpoint tensor goes into (None: skipped) and its shard
     index there (0 for a tensor that fills its parameter whole; None for one stored
     fused as the parameter is, Phi-3's qkv_proj and gate_up_proj, that fills every shard)."""
     if "rotary_emb" in name:
         return None, 0
+    if cfg.architecture == "Gemma3ForConditionalGeneration":
+        if name.startswith(_VISION_PREFIXES):
+            return None, 0
+        old, new = next(((o, n) for o, n in _TEXT_PREFIXES if name.startswith(o)), ("", ""))
+        name = new + name[len(old):]
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, 0  # tied: the embedding is the head
     for part, (fused, shard) in _FUSED.items():
@@ -1180,7 +1346,8 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
         raise ValueError(f"LoRA adapter {str(path)!r} has rank {r}, more than max_lora_rank ({max_rank})")
     scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
     parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    layers, dtype, device = lora_layers(model), model.model.norm.weight.dtype, model.model.norm.weight.device
+    # the embedding's dtype is the model's (Gemma's norms are fp32)
+    layers, dtype, device = lora_layers(model), model.model.embed_tokens.weight.dtype, model.model.norm.weight.device
     for key, t in tensors.items():
         m = _LORA_KEY.fullmatch(key)
         if m is None or m[2] not in LORA_TARGETS or int(m[1]) >= model.config.num_layers:
@@ -2148,7 +2315,7 @@ class ModelRunner:
         with those prompt rows in place of their stand-ins; None for a step without."""
         if all(s.prompt_embeds is None for s in seqs):
             return None
-        x, start = self.model.model.embed_tokens(input_ids), 0
+        x, start = self.model.model.embed_input_ids(input_ids), 0
         for s in seqs:
             if s.prompt_embeds is not None:
                 x[start:start + len(s.prompt_embeds)] = s.prompt_embeds.to(x.device, x.dtype)

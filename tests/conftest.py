@@ -79,11 +79,12 @@ def _tokenizer_dir(root: str) -> str:
     return str(out)
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3")
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
+                              Qwen3Config)
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
@@ -103,6 +104,10 @@ def hf_config(arch: str, **overrides):
     elif arch == "phi3":  # q/k/v and gate/up stored fused; no window unless asked
         cls = Phi3Config
         base.update(sliding_window=None, pad_token_id=None)
+    elif arch == "gemma3":  # a sliding layer (16 tokens: the tests' longer prompts pass it), then a full one;
+        cls = Gemma3TextConfig  # the attention scale not head_dim's, the embeddings tied as Gemma's are
+        base.update(head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"])
     else:
         raise ValueError(arch)
     base.update(overrides)

@@ -137,6 +137,21 @@ def test_bf16_cpu_runs_the_c_kernels(tiny_model):
     assert all(len(t) == 16 for t in tokens(llm))
 
 
+def test_bf16_cpu_gemma3_runs_the_c_kernels(model_root):
+    """Gemma 3 in bf16: its GELU is the C kernel (the SiLU one over a table of torch's GELU), beside
+    the other C kernels; 100-token prefills past its 16-token window and decodes give the references'
+    logits to bf16 rounding, and greedy tokens run."""
+    _c_or_skip()
+    path = make_model(model_root, "gemma3")
+    llm = make_llm(path, dtype="bfloat16")
+    b = llm.engine.backend
+    assert (b.gelu_tanh_and_mul, b.paged_attention) == (cpu_kernels.gelu_tanh_and_mul, cpu_kernels.paged_attention)
+    for c, ref in zip(two_steps(runner_with(b, path)), two_steps(runner_with(kernels.TORCH, path))):
+        assert torch.isfinite(c).all()
+        torch.testing.assert_close(c, ref, atol=0.05, rtol=0.02)
+    assert all(len(t) == 16 for t in tokens(llm))
+
+
 def test_bf16_cpu_windowed_chunks_run_the_c_kernels(model_root, monkeypatch):
     """A windowed model (Mistral, 12 tokens) in bf16: prefill chunks longer and shorter than the
     window beside decodes, the blocks wholly before each sequence's window the (NaN) null block,

@@ -7,8 +7,9 @@ take bf16, or asks for more shared memory than an SM has would first fail on a
 GPU. Triton compiles ahead of time for a target it is given (``triton.compile``
 with a ``GPUTarget``), with the ptxas it ships, and no driver. So this file calls
 each Triton wrapper of kernels.py with the shapes of the models that
-benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16) and of a
-model whose query-head group is not a power of two (Qwen2.5-0.5B), at every
+benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16), of a
+model whose query-head group is not a power of two (Qwen2.5-0.5B) and of Gemma 3
+1B (its norm and GELU kernels, head_dim 256), at every
 decode batch the engine captures in a CUDA graph and at its chunk and prefill
 tiles, records each launch instead of running it, and compiles the distinct
 variants to cubins: all of them, except that of the variants that differ only in
@@ -39,6 +40,7 @@ MODELS = [
     ("tiny-qwen3", "float32", 64, 4, 2, 32, 128, True, 512),
     ("w1-qwen3-0.6b", "bfloat16", 1024, 16, 8, 128, 3072, True, 40960),  # its max_position_embeddings
     ("qwen2.5-0.5b", "bfloat16", 896, 14, 2, 64, 4864, False, 4096),  # 7 query heads a KV head
+    ("gemma-3-1b", "bfloat16", 1152, 4, 1, 256, 6912, True, 32768),  # Gemma's ops; head_dim 256
 ]
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: graphs are captured up to it
 
@@ -117,8 +119,12 @@ def _params(kernel) -> list[tuple[str, bool, bool]]:
 
 def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
     """One layer's launches (model.py's Attention, MLP, RMSNorm) for each kind of step."""
-    _, dtype, hidden, heads, kv_heads, head_dim, inter, qk_norm, max_len = model
+    name, dtype, hidden, heads, kv_heads, head_dim, inter, qk_norm, max_len = model
     dt = getattr(torch, dtype)
+    gemma = name.startswith("gemma")  # its norms (an fp32 weight) and GELU
+    rms_norm, fused_add_rms_norm = (b.gemma_rms_norm, b.gemma_fused_add_rms_norm) if gemma else \
+        (b.rms_norm, b.fused_add_rms_norm)
+    weight = (lambda n: torch.empty(n, dtype=torch.float32)) if gemma else (lambda n: torch.empty(n, dtype=dt))
     num_blocks = 64
     k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=dt)
     cos = sin = torch.empty(max_len, head_dim, dtype=torch.float32)
@@ -131,15 +137,15 @@ def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
         q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         q, k, v = (x.view(T, -1, head_dim) for x in (q, k, v))
         if qk_norm:
-            q, k = b.rms_norm(q, torch.empty(head_dim, dtype=dt), 1e-6), b.rms_norm(k, torch.empty(head_dim, dtype=dt), 1e-6)
+            q, k = rms_norm(q, weight(head_dim), 1e-6), rms_norm(k, weight(head_dim), 1e-6)
         q, k = b.rotary(q, k, torch.empty(T, dtype=torch.int64), cos, sin)
         b.store_kvcache(k, v, k_cache, k_cache, torch.empty(T, dtype=torch.int64))
         b.paged_attention(q, k_cache, k_cache, torch.empty(n, width, dtype=torch.int32),
                           torch.empty(n, dtype=torch.int32), torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5)
         x = torch.empty(T, hidden, dtype=dt)
-        b.rms_norm(x, torch.empty(hidden, dtype=dt), 1e-6)
-        b.fused_add_rms_norm(x, x, torch.empty(hidden, dtype=dt), 1e-6)
-        b.silu_and_mul(torch.empty(T, 2 * inter, dtype=dt))
+        rms_norm(x, weight(hidden), 1e-6)
+        fused_add_rms_norm(x, x, weight(hidden), 1e-6)
+        (b.gelu_tanh_and_mul if gemma else b.silu_and_mul)(torch.empty(T, 2 * inter, dtype=dt))
 
 
 def _compile(item):

@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from conftest import TRITON_INTERPRETER_CLASH
+from conftest import TRITON_INTERPRETER_CLASH, make_model
 from nanoserve import kernels, model as model_mod
 from nanoserve.model import ModelConfig, select_backend, shard_config
 
@@ -25,8 +25,9 @@ def cfg(tiny_model) -> ModelConfig:
 
 
 @needs_triton
-def test_the_triton_probe_launches_every_kernel(cfg, monkeypatch):
-    """kernels.probe_triton launches each Triton kernel once (a new kernel the model uses must be probed too)."""
+def test_the_triton_probe_launches_every_kernel(cfg, model_root, monkeypatch):
+    """kernels.probe_triton launches each Triton kernel once (a new kernel the model uses must be probed too):
+    SiLU's for the Qwen3 model, GELU's (and Gemma's norms) for a Gemma 3."""
     names = [n for n, v in vars(kernels).items() if n.endswith("_kernel") and hasattr(v, "__getitem__")]
     launched = set()
 
@@ -39,9 +40,12 @@ def test_the_triton_probe_launches_every_kernel(cfg, monkeypatch):
             return self.kernel[grid]
     for name in names:
         monkeypatch.setattr(kernels, name, Recorder(name))
+    gemma = ModelConfig.from_dir(make_model(model_root, "gemma3"))
     for tp in (1, 2):  # a rank's widths under tensor parallelism
         kernels.probe_triton(shard_config(cfg, tp), torch.float32, torch.device("cpu"), 16)
-    assert len(names) == 6 and launched == set(names)
+    assert launched == set(names) - {"_gelu_tanh_and_mul_kernel"}
+    kernels.probe_triton(gemma, torch.float32, torch.device("cpu"), 16)
+    assert len(names) == 7 and launched == set(names)
 
 
 @needs_triton

@@ -404,7 +404,39 @@ def test_rms_norm_and_rotary_references_match_transformers():
     assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
 
 
+def test_gemma_references_match_transformers():
+    """Gemma's norm (its weight held as 1 + w, in fp32) and GELU-and-mul: transformers' bit for bit in bf16."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    torch.manual_seed(0)
+    x, w = torch.randn(5, 3, 64).bfloat16(), torch.randn(64).bfloat16()
+    hf = Gemma3RMSNorm(64, eps=1e-6).bfloat16()
+    hf.weight.data.copy_(w)
+    assert torch.equal(kernels.gemma_rms_norm_torch(x, w.float() + 1, 1e-6), hf(x))
+    gate_up = (torch.randn(5, 128) * 3).bfloat16()
+    want = ACT2FN["gelu_pytorch_tanh"](gate_up[:, :64]) * gate_up[:, 64:]
+    assert torch.equal(kernels.gelu_tanh_and_mul_torch(gate_up), want)
+
+
 # --------------------------------------------------------------------------- the decoder's pointwise ops
+
+@triton_only
+@pytest.mark.parametrize("heads", [None, 3])
+def test_triton_gemma_rms_norm_and_fused_add(heads):
+    """Gemma's norm: rows, or heads of a strided view (its q/k norms), and the residual add fused in front."""
+    torch.manual_seed(23)
+    T, n = 5, 48
+    w = torch.randn(n, device=DEVICE) + 1
+    x = torch.randn(T, (heads or 0) * n + n, device=DEVICE)
+    x = x[:, :n] if heads is None else x[:, :heads * n].view(T, heads, n)
+    torch.testing.assert_close(kernels.gemma_rms_norm_triton(x, w, 1e-6), kernels.gemma_rms_norm_torch(x, w, 1e-6))
+    if heads is None:
+        r = torch.randn(T, n, device=DEVICE)
+        got = kernels.gemma_fused_add_rms_norm_triton(x, r, w, 1e-6)
+        want = kernels.TORCH.gemma_fused_add_rms_norm(x, r, w, 1e-6)
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])
+
 
 @triton_only
 @pytest.mark.parametrize("heads", [None, 3])
@@ -428,7 +460,7 @@ def test_triton_rms_norm_and_fused_add(heads):
 
 @triton_only
 @pytest.mark.parametrize("d,r", [(32, 32), (32, 24), (128, 96)], ids=["full", "partial-24", "partial-96"])
-def test_triton_rotary_and_silu_and_mul(d, r):
+def test_triton_rotary_silu_and_gelu_and_mul(d, r):
     """r < d: partial rotary (Phi-4-mini: 96 of 128), the first r dims turn, half of r no power of two."""
     torch.manual_seed(22)
     T, hq, hk = 6, 4, 2
@@ -441,6 +473,8 @@ def test_triton_rotary_and_silu_and_mul(d, r):
         torch.testing.assert_close(got, want)
     gate_up = torch.randn(T, 2 * 40, device=DEVICE)
     torch.testing.assert_close(kernels.silu_and_mul_triton(gate_up), kernels.silu_and_mul_torch(gate_up))
+    gate_up[0, :4] = torch.tensor([-1e4, -30.0, 30.0, 1e4])  # tanh's ends: exp over- and underflows
+    torch.testing.assert_close(kernels.gelu_tanh_and_mul_triton(gate_up), kernels.gelu_tanh_and_mul_torch(gate_up))
 
 
 def test_cuda_argmax_picks_the_references_index():

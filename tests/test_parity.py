@@ -220,6 +220,10 @@ def test_sliding_window_layers_as_transformers_reads_them():
     assert _sliding_window("Qwen3ForCausalLM", qwen3) == (8, (0, 2))
     assert _sliding_window("MistralForCausalLM", {**qwen, "sliding_window": None}) == (None, ())
     assert _sliding_window("LlamaForCausalLM", qwen) == (None, ())  # transformers' Llama has no window
+    gemma = {"num_hidden_layers": 8, "sliding_window": 512}  # Gemma 3: every 6th layer full, unless layer_types
+    assert _sliding_window("Gemma3ForCausalLM", gemma) == (512, (0, 1, 2, 3, 4, 6, 7))
+    assert _sliding_window("Gemma3ForCausalLM", {**gemma, "sliding_window_pattern": 2}) == (512, (0, 2, 4, 6))
+    assert _sliding_window("Gemma3ForCausalLM", {**gemma, "layer_types": types * 2}) == (512, (0, 2, 4, 6))
 
 
 def test_qwen2_attention_bias_is_loaded(variant):
@@ -361,9 +365,9 @@ def test_dtype_float32_everywhere(variant):
 def test_granite_reads_its_four_scalars(variant):
     """conftest's Granite sets all four away from Llama's math; parity above proves they act as HF's."""
     mc = check_parity(variant("granite")).engine.model_config
-    assert (mc.embedding_multiplier, mc.residual_multiplier, mc.attention_multiplier, mc.logits_scaling) == \
+    assert (mc.embedding_multiplier, mc.residual_multiplier, mc.attention_scale, mc.logits_scaling) == \
         (3.0, 0.4, 0.09, 2.5)
-    assert make_llm(variant("llama")).engine.model_config.attention_multiplier is None  # head_dim ** -0.5
+    assert make_llm(variant("llama")).engine.model_config.attention_scale is None  # head_dim ** -0.5
 
 
 def test_granite_tied_embeddings_with_logits_scaling(variant):
@@ -473,5 +477,105 @@ def _phi3_dict(**kw) -> dict:
         "mlp-bias"])
 def test_granite_and_phi3_refusals(config, message):
     from nanoserve.model import ModelConfig, ModelLoadError
+
+
+# ---------------------------------------------------------------- Gemma 3
+
+def test_gemma3_layers_read_as_transformers_builds_them(variant):
+    """The tiny Gemma 3 (parity above): layer 0 slides over 16 tokens with the local rotary base,
+    layer 1 attends to everything with the global one; the scale is query_pre_attn_scalar's; the
+    parameter count is transformers'; and the window matters at the tests' prompt lengths."""
+    from nanoserve.model import num_parameters
+    path = variant("gemma3")
+    llm, hf = check_parity(path), hf_model(path)
+    model, cfg = llm.engine.runner.model, llm.engine.model_config
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert [a.sliding_window for a in attns] == [16, None]
+    assert attns[0].rotary_emb is model.model.sliding_rotary_emb and attns[1].rotary_emb is model.model.rotary_emb
+    assert (cfg.rope_theta, cfg.sliding_rope) == (1e6, (1e4, None))
+    assert attns[0].scale == 24 ** -0.5 and model.lm_head is None
+    assert num_parameters(cfg) == sum(p.numel() for p in hf.parameters())
+    full = make_llm(path, hf_overrides={"sliding_window": None})
+    assert not torch.allclose(nanoserve_logits(full, LONG, [len(LONG)]), hf_logits(hf, LONG), atol=ATOL, rtol=ATOL)
+
+
+def test_gemma3_bf16_is_transformers_bit_for_bit(variant):
+    """Gemma's norms scale in fp32 and round once, their weight 1 + w in fp32 (GemmaRMSNorm): in bf16
+    the torch references give transformers' logits bit for bit, as for the other architectures."""
+    from transformers import AutoModelForCausalLM
+    path = variant("gemma3")
+    llm = make_llm(path, dtype="bfloat16", enforce_eager=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    assert torch.equal(nanoserve_logits(llm, LONG, [len(LONG)]), hf_logits(hf, LONG))
+
+
+def test_gemma3_transformers_4_config(variant):
+    """The hub's Gemma 3 configs are transformers 4's: rope_theta and rope_local_base_freq, the larger
+    models' linear rope_scaling (factor 8) for the full layers only, sliding_window_pattern instead of
+    layer_types, defaults left out. transformers reads them so; nanoserve must too, and keeps
+    max_model_len at max_position_embeddings (vLLM's Gemma 3 exception: it is already scaled)."""
+    src = variant("gemma3", rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                 "rope_theta": 1e6},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    path = src.with_name(src.name + "-legacy")
+    if not path.exists():
+        shutil.copytree(src, path)
+        cfg = json.loads((path / "config.json").read_text())
+        for key in ("rope_parameters", "layer_types", "tie_word_embeddings", "hidden_activation", "rms_norm_eps"):
+            del cfg[key]
+        cfg.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                   sliding_window_pattern=2)
+        (path / "config.json").write_text(json.dumps(cfg, indent=2))
+    hf = hf_model(path)
+    assert hf.config.rope_parameters["full_attention"]["rope_type"] == "linear"  # HF read it as meant
+    assert hf.config.layer_types == ["sliding_attention", "full_attention"]
+    assert not torch.allclose(hf_logits(hf, LONG), hf_logits(hf_model(variant("gemma3")), LONG), atol=1e-3)
+    llm, ref = make_llm(path), hf_logits(hf, LONG)  # logits only: the greedy tokens are the tests' above
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [21, 19, 1, 16]), ref, atol=ATOL, rtol=ATOL)
+    assert llm.engine.model_config.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    assert llm.engine.model_config.max_position_embeddings == 512  # not 8 x 512: the default max_model_len
+
+
+def test_gemma3_multimodal_checkpoint_serves_its_text(model_root):
+    """Gemma3ForConditionalGeneration (4B and up): its text_config and language_model weights, the
+    vision tower left unread, give transformers' logits for text."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    from conftest import hf_config
+    path = Path(model_root) / "gemma3-multimodal"
+    if not (path / "config.json").exists():
+        torch.manual_seed(3)
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        config = Gemma3Config(text_config=hf_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                              mm_tokens_per_image=4, image_token_index=VOCAB - 1, boi_token_index=VOCAB - 3,
+                              eoi_token_index=VOCAB - 2, eos_token_id=0)
+        model = Gemma3ForConditionalGeneration(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.normal_(0, 0.08) if p.dim() == 2 else p.copy_(torch.randn_like(p) * 0.3)
+        model.save_pretrained(path)
+        shutil.copytree(make_model(model_root, "gemma3"), path, dirs_exist_ok=True,
+                        ignore=lambda d, names: [n for n in names if not n.startswith("tokenizer")])
+    llm = make_llm(path)
+    assert llm.engine.model_config.num_layers == 2
+    with torch.no_grad():
+        hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+        ref = hf(torch.tensor([LONG])).logits[0]
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [21, 19, 1, 16]), ref, atol=ATOL, rtol=ATOL)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"attn_logit_softcapping": 50.0}, "soft-capping .attn_logit_softcapping=50.0. is not supported"),
+    ({"final_logit_softcapping": 30.0}, "soft-capping .final_logit_softcapping=30.0. is not supported"),
+    ({"use_bidirectional_attention": True}, "an embedding model"),
+    ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
+    ({"architectures": ["Gemma2ForCausalLM"]}, "Gemma 2 soft-caps its attention logits"),
+], ids=["attn-softcap", "final-softcap", "bidirectional", "silu", "gemma2"])
+def test_gemma_configs_nanoserve_cannot_serve_are_refused(change, message):
+    from nanoserve.model import ModelConfig, ModelLoadError
+    config = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, **change}
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(config)

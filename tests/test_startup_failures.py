@@ -46,7 +46,7 @@ def test_unsupported_architecture(tiny_model, tmp_path):
     (model / "config.json").write_text(json.dumps(config))
     err = run_cli("--model", str(model), "--port", "0")
     assert "unsupported architecture 'GPT2LMHeadModel'" in err
-    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM"):
+    for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM"):
         assert arch in err
 
 
