@@ -167,6 +167,10 @@ def test_what_is_refused(models, tmp_path):
         (LoRARequest("e", 4, str(make_adapter(base, tmp_path / "e", r=2, targets=("q_proj",), extra={
             "base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}))), r"lm_head.lora_A.weight is not a weight"),
         (LoRARequest("d", 5, str(make_adapter(base, tmp_path / "d", r=2, use_dora=True))), r"no use_dora"),
+        (LoRARequest("j", 6, str(_spoiled(models["a"], tmp_path / "j", "adapter_config.json", b"[4]"))),
+         r"adapter_config.json holds a JSON list, not an object"),
+        (LoRARequest("s", 7, str(_spoiled(models["a"], tmp_path / "s", "adapter_model.safetensors", b"\x07" * 64))),
+         r"cannot read adapter_config.json and adapter_model.safetensors \(Error while deserializing header"),
     ]
     for lora, why in cases:
         with pytest.raises(ValueError, match=why):
@@ -174,6 +178,13 @@ def test_what_is_refused(models, tmp_path):
     llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("b", 2, str(models["b"])))
     with pytest.raises(ValueError, match=r"lora_int_id 2 is already the adapter 'b'"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 2, str(models["a"])))
+
+
+def _spoiled(adapter: Path, out: Path, name: str, content: bytes) -> Path:
+    """A copy of ``adapter`` with its file ``name`` holding ``content`` (a 500 before: AttributeError, SafetensorError)."""
+    shutil.copytree(adapter, out)
+    (out / name).write_bytes(content)
+    return out
 
 
 def _adapters(base: Path, root: Path) -> tuple[list[LoRARequest | None], dict[int | None, Path]]:
