@@ -1570,7 +1570,8 @@ class LLMEngine:
         for cls in self.logits_processor_classes:
             try:
                 cls.validate_params(params)
-            except ValueError as e:  # the processor's own words, named as vLLM's custom arguments
+            except (ValueError, TypeError) as e:  # the processor's own words, named as vLLM's custom arguments
+                # (TypeError too: a check such as `target < 0` raises it on a string the request sent)
                 raise InvalidInput("extra_args", f"extra_args refused by the logits processor {cls.__name__}: "
                                                  f"{e}") from None
         grammar = self.structured_outputs.compile(params.structured_outputs)
