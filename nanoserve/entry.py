@@ -1776,6 +1776,9 @@ class ServerState:
     log_requests: bool = False                           # --enable-log-requests
     max_log_len: int | None = None
     exit_code: int = 0                                   # 1 once the engine cannot recover
+    # /v1/load_lora_adapter gives each adapter an id never given before (vLLM's counter): a request that named an
+    # adapter unloaded since must not run with the next one loaded under its id
+    last_lora_id: int = 0
     request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
 
     @property
@@ -2222,8 +2225,8 @@ async def load_lora_adapter(request: Request) -> Response:
         raise bad_request("load_inplace is not supported: unload the adapter, then load it again", "load_inplace")
     if req.lora_name in state.loras or req.lora_name in state.model_names:
         raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
-    lora = LoRARequest(req.lora_name, max((x.lora_int_id for x in state.loras.values()), default=0) + 1,
-                       req.lora_path)
+    state.last_lora_id = max([state.last_lora_id, *(x.lora_int_id for x in state.loras.values())]) + 1
+    lora = LoRARequest(req.lora_name, state.last_lora_id, req.lora_path)
     state.loras[req.lora_name] = lora  # held, so that a second load of the name waits for no one: a 400
     try:
         await state.on_model_thread(state.engine.add_lora, lora)
@@ -2458,6 +2461,9 @@ class Generation:
         self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
         self.beam = req.beam_search_params(params)  # use_beam_search: what the engine gets in params' place
+        # the adapter the request named, as check_model found it: one unloaded while the request is tokenized is
+        # the engine's 400 ("not loaded"), never the base model answering under the adapter's name
+        self.lora = state.loras.get(req.model)
 
     async def render_own_template(self) -> None:
         """(Chat's) a request's own chat_template, rendered ahead: see ServerState.render_own_template."""
@@ -2468,10 +2474,9 @@ class Generation:
         prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
                                                     req.truncation_side, self.params.max_tokens)
                    for p in self.prompt_inputs()]
-        lora = self.state.loras.get(req.model)
         for p in prompts:
             p.cache_salt = req.cache_salt
-            p.lora_int_id = None if lora is None else lora.lora_int_id
+            p.lora_int_id = None if self.lora is None else self.lora.lora_int_id
         self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
         return prompts
 

@@ -3,6 +3,8 @@ model with its delta merged into the weights does in transformers, any mix of ad
 the base model in one step, each with its own prefix cache, offline and over HTTP."""
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -298,7 +300,36 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'a' removed successfully."
         assert httpx.post(s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60).status_code == 404
         assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
+        _unloaded_while_tokenizing(s, body, models)
         s.wait_idle()
+
+
+def _unloaded_while_tokenizing(s, body, models):
+    """A request for "a" waits on the tokenizer thread while "a" is unloaded and "b" loaded: it is
+    refused, where it ran with the base model (the adapter looked up after the unload) and, had the
+    lookup been earlier, would have run with "b" (given the id "a" had)."""
+    assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(models["a"])}) \
+        .status_code == 200
+    state = s.app.state.server
+    old_id, gate, result = state.loras["a"].lora_int_id, threading.Event(), {}
+    state.tokenizer_thread.submit(gate.wait)  # the tokenizer thread busy until the unload is done
+    try:
+        request = threading.Thread(target=lambda: result.update(r=httpx.post(
+            s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60)))
+        request.start()
+        deadline = time.monotonic() + 30
+        while state.tokenizer_thread._work_queue.qsize() < 1:  # the request's tokenizing queued behind the gate
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+        assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(models["b"])}) \
+            .status_code == 200
+        assert state.loras["b"].lora_int_id != old_id
+    finally:
+        gate.set()
+    request.join(60)
+    r = result["r"]
+    assert r.status_code == 400 and "is not loaded" in r.json()["error"]["message"], r.text
 
 
 def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):
