@@ -2643,6 +2643,9 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     parsed, and a null content made "" (the server's come so already; transformers 5.17 renders None as "None")."""
     out = []
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and not isinstance(m.get("role"), str):  # the template renders it roleless, silently
+            raise InvalidInput("messages", f"messages[{i}].role must be a string such as 'user', got "
+                                           f"{m.get('role')!r}")
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if isinstance(calls, list):
             m = {**m, "tool_calls": [_parsed_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
