@@ -1651,6 +1651,17 @@ class LLMEngine:
     def remove_lora(self, lora_int_id: int) -> bool:
         """vLLM's: unload an adapter; False if it is not loaded. ValueError while a request runs with it
         (it would go on without it)."""
+        if not self.retire_lora(lora_int_id):
+            return False
+        self.drop_lora_weights(lora_int_id)
+        return True
+
+    def retire_lora(self, lora_int_id: int) -> bool:
+        """remove_lora's first half, run where requests are added (the server's loop thread, as add_request):
+        the adapter leaves the engine's books, so that no request is added with it from now on (add_request's
+        "not loaded"), unless one still runs with it (ValueError). Its weights stay in the model until
+        drop_lora_weights, which the server runs on the model thread: were both halves there, a request added
+        on the loop thread in between would pass the check and then run without the adapter."""
         if lora_int_id not in self.loras:
             return False
         users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id] + \
@@ -1658,10 +1669,13 @@ class LLMEngine:
         if users:
             raise ValueError(f"the LoRA adapter {self.loras[lora_int_id].lora_name!r} serves {len(users)} "
                              f"request(s) still running; unload it when they end")
-        self.runner.remove_lora(lora_int_id)
         del self.lora_loads[lora_int_id]
         logger.info("[engine] LoRA adapter %r (id %d) unloaded", self.loras.pop(lora_int_id).lora_name, lora_int_id)
         return True
+
+    def drop_lora_weights(self, lora_int_id: int) -> None:
+        """remove_lora's second half: a retired adapter's weights out of the model (between steps)."""
+        self.runner.remove_lora(lora_int_id)
 
     def with_lora(self, prompt: TokenizedPrompt, lora_request: LoRARequest | None) -> TokenizedPrompt:
         """The prompt, run with ``lora_request``'s adapter (loaded here the first time)."""

@@ -2231,10 +2231,10 @@ async def load_lora_adapter(request: Request) -> Response:
     try:
         await state.on_model_thread(state.engine.add_lora, lora)
     except ValueError as e:
-        del state.loras[req.lora_name]
+        state.loras.pop(req.lora_name, None)
         raise bad_request(str(e), "lora_path") from None
     except BaseException:
-        del state.loras[req.lora_name]
+        state.loras.pop(req.lora_name, None)
         raise
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
@@ -2245,13 +2245,17 @@ async def unload_lora_adapter(request: Request) -> Response:
     req = await read_json(request, state, functools.partial(parse_body, UnloadLoRAAdapterRequest,
                                                              request_id=_request_id(request)))
     lora = state.loras.get(req.lora_name)
-    if lora is None:
-        raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
-    try:
-        await state.on_model_thread(state.engine.remove_lora, lora.lora_int_id)
+    if lora is not None:
+        await state.on_model_thread(lambda: None)  # its load, if still under way there, ends first (in order)
+    try:  # here on the loop thread, where requests are added: from now on none is added with it
+        found = lora is not None and state.loras.get(req.lora_name) is lora and \
+            state.engine.retire_lora(lora.lora_int_id)
     except ValueError as e:
         raise bad_request(str(e), "lora_name") from None
-    state.loras.pop(req.lora_name, None)
+    if not found:  # or its load failed, or another unload came first
+        raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
+    del state.loras[req.lora_name]
+    await state.on_model_thread(state.engine.drop_lora_weights, lora.lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 

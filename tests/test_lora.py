@@ -301,6 +301,7 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         assert httpx.post(s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60).status_code == 404
         assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
         _unloaded_while_tokenizing(s, body, models)
+        _named_while_unloading(s, body)
         s.wait_idle()
 
 
@@ -311,9 +312,10 @@ def _unloaded_while_tokenizing(s, body, models):
     assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(models["a"])}) \
         .status_code == 200
     state = s.app.state.server
-    old_id, gate, result = state.loras["a"].lora_int_id, threading.Event(), {}
-    state.tokenizer_thread.submit(gate.wait)  # the tokenizer thread busy until the unload is done
+    old_id, busy, gate, result = state.loras["a"].lora_int_id, threading.Event(), threading.Event(), {}
+    state.tokenizer_thread.submit(lambda: (busy.set(), gate.wait(30)))  # the tokenizer thread busy until the unload
     try:
+        assert busy.wait(30)
         request = threading.Thread(target=lambda: result.update(r=httpx.post(
             s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60)))
         request.start()
@@ -330,6 +332,38 @@ def _unloaded_while_tokenizing(s, body, models):
     request.join(60)
     r = result["r"]
     assert r.status_code == 400 and "is not loaded" in r.json()["error"]["message"], r.text
+
+
+def _named_while_unloading(s, body):
+    """A request for "b" while its unload is taking the weights out (on the model thread) is a 404: it
+    was admitted, then ran on the base model under "b"'s name, the unload having checked for users first."""
+    runner, entered, gate, result = s.engine.runner, threading.Event(), threading.Event(), {}
+    remove = runner.remove_lora
+
+    def slow_remove(lora_int_id):
+        entered.set()
+        gate.wait(30)
+        remove(lora_int_id)
+    runner.remove_lora = slow_remove
+    try:
+        unload = threading.Thread(target=lambda: result.update(unload=httpx.post(
+            s.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)))
+        unload.start()
+        assert entered.wait(30)
+        request = threading.Thread(target=lambda: result.update(r=httpx.post(
+            s.url + "/v1/completions", json={**body, "model": "b"}, timeout=60)))
+        request.start()
+        deadline = time.monotonic() + 30
+        while "r" not in result and s.stats()["num_waiting"] + s.stats()["num_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        runner.remove_lora = remove
+    unload.join(60)
+    request.join(60)
+    assert result["unload"].status_code == 200
+    assert result["r"].status_code == 404, result["r"].text
 
 
 def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):
