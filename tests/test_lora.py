@@ -302,6 +302,7 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
         _unloaded_while_tokenizing(s, body, models)
         _named_while_unloading(s, body)
+        _named_while_loading(s, body, models)
         s.wait_idle()
 
 
@@ -331,7 +332,7 @@ def _unloaded_while_tokenizing(s, body, models):
         gate.set()
     request.join(60)
     r = result["r"]
-    assert r.status_code == 400 and "is not loaded" in r.json()["error"]["message"], r.text
+    assert r.status_code == 404 and "LoRA adapter was unloaded" in r.json()["error"]["message"], r.text
 
 
 def _named_while_unloading(s, body):
@@ -364,6 +365,35 @@ def _named_while_unloading(s, body):
     request.join(60)
     assert result["unload"].status_code == 200
     assert result["r"].status_code == 404, result["r"].text
+
+
+def _named_while_loading(s, body, models):
+    """An adapter still loading is no model yet (vLLM lists one once loaded): a request naming it is a 404,
+    where it was a 400 naming its internal id ("LoRA adapter 4 is not loaded"); a second load of the name a 400."""
+    runner, entered, gate, result = s.engine.runner, threading.Event(), threading.Event(), {}
+    add = runner.add_lora
+
+    def slow_add(*args):
+        entered.set()
+        gate.wait(30)
+        add(*args)
+    runner.add_lora = slow_add
+    try:
+        load = threading.Thread(target=lambda: result.update(load=httpx.post(
+            s.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(models["a"])}, timeout=60)))
+        load.start()
+        assert entered.wait(30)
+        r = httpx.post(s.url + "/v1/completions", json={**body, "model": "c"}, timeout=60)
+        assert r.status_code == 404 and "'c'" not in r.json()["error"]["message"].split("serves")[1], r.text
+        assert "c" not in [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        again = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(models["a"])})
+        assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+    finally:
+        gate.set()
+        runner.add_lora = add
+    load.join(60)
+    assert result["load"].status_code == 200
+    assert httpx.post(s.url + "/v1/completions", json={**body, "model": "c"}, timeout=60).status_code == 200
 
 
 def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):
