@@ -2435,6 +2435,17 @@ def run_worker_node(config: EngineConfig) -> int:
 
 # =========================================================================== offline API
 
+_POOLING = "nanoserve runs generative models only (generate, chat, beam_search)"
+VLLM_LLM_METHODS_MISSING = {
+    **{name: _POOLING for name in ("encode", "embed", "classify", "score", "reward")},
+    "sleep": "there is no sleep mode (the weights and KV cache stay on the device)", "wake_up": "there is no sleep mode",
+    "start_profile": "run torch.profiler around generate() instead", "stop_profile": "run torch.profiler instead",
+    "llm_engine": "the engine is LLM.engine (nanoserve's LLMEngine, not vLLM's)",
+    "get_metrics": "LLM.stats() gives the engine's counters", "collective_rpc": "there are no worker processes to call",
+    "apply_model": "the model is LLM.engine.runner.model, in this process",
+}
+
+
 class LLM:
     """The offline API, as vLLM's ``LLM``: build once, ``generate`` many."""
 
@@ -2519,6 +2530,20 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def reset_prefix_cache(self, device: Any = None) -> bool:
+        """vLLM's: forget every cached prefix (a benchmark's cold start); False while a request holds blocks."""
+        if self.engine.has_unfinished_requests():
+            return False
+        self.engine.scheduler.reset_prefix_cache()
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's LLM methods nanoserve has not: an AttributeError that says so and why, not only the name."""
+        why = VLLM_LLM_METHODS_MISSING.get(name)
+        if why is None:
+            raise AttributeError(f"'LLM' object has no attribute {name!r}")
+        raise AttributeError(f"LLM.{name} is vLLM's, and nanoserve does not have it: {why}")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (at exit this happens by itself)."""

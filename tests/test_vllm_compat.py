@@ -650,6 +650,17 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
                 generation_config="vllm", cudagraph_capture_sizes=[1, 2])
     outs = [m.generate(["The quick brown", "hello"], greedy, use_tqdm=False) for m in (llm, plain)]
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    # vLLM's LLM methods: reset_prefix_cache is honoured; the ones nanoserve lacks say so (they were bare
+    # AttributeErrors, "'LLM' object has no attribute 'encode'")
+    long = ["The quick brown fox jumps over the lazy dog. " * 4]
+    warm = [plain.generate(long, greedy, use_tqdm=False)[0] for _ in range(2)][1]
+    assert warm.num_cached_tokens > 0 and plain.reset_prefix_cache() is True
+    cold = plain.generate(long, greedy, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    for name, why in (("encode", "generative models only"), ("sleep", "no sleep mode"), ("llm_engine", "LLM.engine")):
+        with pytest.raises(AttributeError, match=f"LLM.{name} is vLLM's, and nanoserve does not have it: .*{why}"):
+            getattr(plain, name)
+    assert not hasattr(plain, "no_such_thing")
 
 
 @pytest.mark.parametrize("kwargs, why", [
