@@ -1071,6 +1071,15 @@ class EngineConfig:
     node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
 
     def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "seed",
+                     "max_lora_rank", "max_logprobs", "tensor_parallel_size", "nnodes", "node_rank"):
+            value = getattr(self, name)  # a str or float went far (a TypeError from a comparison, or a float length)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:  # 0 was taken as unset
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch.manual_seed's range: it failed at
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # the first sampled request
         self.device = None if self.device == "auto" else self.device  # vLLM's word for the engine's choice
         if self.max_num_seqs is None:
             self.max_num_seqs = min(256, self.max_num_batched_tokens or 256)
@@ -1226,7 +1235,16 @@ class StepInFlight:
 
 def resolve_device(device: str | None) -> torch.device:
     """``device``, or where it is left out CUDA if there is a GPU, else the CPU."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as e:  # torch's list of every device type it knows, or a non-string
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from e
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():  # torch's AssertionError otherwise
+        raise ValueError(f"device={device!r}, but this torch sees no CUDA GPU (torch {torch.__version__}, "
+                         f"CUDA {torch.version.cuda})")
+    return resolved
 
 
 @dataclass(frozen=True, slots=True)
