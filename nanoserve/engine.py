@@ -1081,6 +1081,17 @@ class EngineConfig:
         if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch.manual_seed's range: it failed at
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # the first sampled request
         self.device = None if self.device == "auto" else self.device  # vLLM's word for the engine's choice
+        override = self.override_generation_config
+        if override is not None:  # checked here, not by every request that leaves the field out (each a 400)
+            if not isinstance(override, dict):
+                raise ValueError(f"override_generation_config must be an object of generation_config.json "
+                                 f"fields, got {override!r}")
+            try:
+                SamplingParams(**{ours: override[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+                                  if override.get(theirs) is not None})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"override_generation_config (--override-generation-config) does not make valid "
+                                 f"sampling defaults: {e}") from None
         if self.max_num_seqs is None:
             self.max_num_seqs = min(256, self.max_num_batched_tokens or 256)
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
@@ -1331,6 +1342,12 @@ class LLMEngine:
         if self.default_sampling:
             logger.info("[engine] sampling defaults from generation_config.json (--generation-config vllm "
                         "ignores them; a request's own fields win): %s", self.default_sampling)
+            try:
+                SamplingParams(**self.default_sampling)
+            except (ValueError, TypeError) as e:  # the model's own file (the override was checked): served anyway,
+                logger.warning("[engine] the sampling defaults from generation_config.json are not valid, so every "
+                               "request that leaves the field out will be refused: %s (--generation-config vllm "
+                               "ignores them; --override-generation-config can mend one)", e)  # as in vLLM
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                           self.eos_token_ids, reasoning_parser=config.reasoning_parser)
         self.request_counter = itertools.count()
