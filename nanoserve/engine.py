@@ -1072,7 +1072,27 @@ class EngineConfig:
     node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
 
     def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "seed",
+                     "max_lora_rank", "max_logprobs", "tensor_parallel_size", "nnodes", "node_rank"):
+            value = getattr(self, name)  # a str or float went far (a TypeError from a comparison, or a float length)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:  # 0 was taken as unset
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch.manual_seed's range: it failed at
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # the first sampled request
         self.device = None if self.device == "auto" else self.device  # vLLM's word for the engine's choice
+        override = self.override_generation_config
+        if override is not None:  # checked here, not by every request that leaves the field out (each a 400)
+            if not isinstance(override, dict):
+                raise ValueError(f"override_generation_config must be an object of generation_config.json "
+                                 f"fields, got {override!r}")
+            try:
+                SamplingParams(**{ours: override[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
+                                  if override.get(theirs) is not None})
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"override_generation_config (--override-generation-config) does not make valid "
+                                 f"sampling defaults: {e}") from None
         if self.max_num_seqs is None:
             self.max_num_seqs = min(256, self.max_num_batched_tokens or 256)
         self.max_num_batched_tokens = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
@@ -1227,7 +1247,16 @@ class StepInFlight:
 
 def resolve_device(device: str | None) -> torch.device:
     """``device``, or where it is left out CUDA if there is a GPU, else the CPU."""
-    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        resolved = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as e:  # torch's list of every device type it knows, or a non-string
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from e
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():  # torch's AssertionError otherwise
+        raise ValueError(f"device={device!r}, but this torch sees no CUDA GPU (torch {torch.__version__}, "
+                         f"CUDA {torch.version.cuda})")
+    return resolved
 
 
 @dataclass(frozen=True, slots=True)
@@ -1315,6 +1344,12 @@ class LLMEngine:
         if self.default_sampling:
             logger.info("[engine] sampling defaults from generation_config.json (--generation-config vllm "
                         "ignores them; a request's own fields win): %s", self.default_sampling)
+            try:
+                SamplingParams(**self.default_sampling)
+            except (ValueError, TypeError) as e:  # the model's own file (the override was checked): served anyway,
+                logger.warning("[engine] the sampling defaults from generation_config.json are not valid, so every "
+                               "request that leaves the field out will be refused: %s (--generation-config vllm "
+                               "ignores them; --override-generation-config can mend one)", e)  # as in vLLM
         self.structured_outputs = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
                                                           self.eos_token_ids, reasoning_parser=config.reasoning_parser)
         self.request_counter = itertools.count()
@@ -1572,7 +1607,8 @@ class LLMEngine:
         for cls in self.logits_processor_classes:
             try:
                 cls.validate_params(params)
-            except ValueError as e:  # the processor's own words, named as vLLM's custom arguments
+            except (ValueError, TypeError) as e:  # the processor's own words, named as vLLM's custom arguments
+                # (TypeError too: a check such as `target < 0` raises it on a string the request sent)
                 raise InvalidInput("extra_args", f"extra_args refused by the logits processor {cls.__name__}: "
                                                  f"{e}") from None
         grammar = self.structured_outputs.compile(params.structured_outputs)
@@ -1652,6 +1688,17 @@ class LLMEngine:
     def remove_lora(self, lora_int_id: int) -> bool:
         """vLLM's: unload an adapter; False if it is not loaded. ValueError while a request runs with it
         (it would go on without it)."""
+        if not self.retire_lora(lora_int_id):
+            return False
+        self.drop_lora_weights(lora_int_id)
+        return True
+
+    def retire_lora(self, lora_int_id: int) -> bool:
+        """remove_lora's first half, run where requests are added (the server's loop thread, as add_request):
+        the adapter leaves the engine's books, so that no request is added with it from now on (add_request's
+        "not loaded"), unless one still runs with it (ValueError). Its weights stay in the model until
+        drop_lora_weights, which the server runs on the model thread: were both halves there, a request added
+        on the loop thread in between would pass the check and then run without the adapter."""
         if lora_int_id not in self.loras:
             return False
         users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id] + \
@@ -1659,10 +1706,13 @@ class LLMEngine:
         if users:
             raise ValueError(f"the LoRA adapter {self.loras[lora_int_id].lora_name!r} serves {len(users)} "
                              f"request(s) still running; unload it when they end")
-        self.runner.remove_lora(lora_int_id)
         del self.lora_loads[lora_int_id]
         logger.info("[engine] LoRA adapter %r (id %d) unloaded", self.loras.pop(lora_int_id).lora_name, lora_int_id)
         return True
+
+    def drop_lora_weights(self, lora_int_id: int) -> None:
+        """remove_lora's second half: a retired adapter's weights out of the model (between steps)."""
+        self.runner.remove_lora(lora_int_id)
 
     def with_lora(self, prompt: TokenizedPrompt, lora_request: LoRARequest | None) -> TokenizedPrompt:
         """The prompt, run with ``lora_request``'s adapter (loaded here the first time)."""
@@ -2422,6 +2472,17 @@ def run_worker_node(config: EngineConfig) -> int:
 
 # =========================================================================== offline API
 
+_POOLING = "nanoserve runs generative models only (generate, chat, beam_search)"
+VLLM_LLM_METHODS_MISSING = {
+    **{name: _POOLING for name in ("encode", "embed", "classify", "score", "reward")},
+    "sleep": "there is no sleep mode (the weights and KV cache stay on the device)", "wake_up": "there is no sleep mode",
+    "start_profile": "run torch.profiler around generate() instead", "stop_profile": "run torch.profiler instead",
+    "llm_engine": "the engine is LLM.engine (nanoserve's LLMEngine, not vLLM's)",
+    "get_metrics": "LLM.stats() gives the engine's counters", "collective_rpc": "there are no worker processes to call",
+    "apply_model": "the model is LLM.engine.runner.model, in this process",
+}
+
+
 class LLM:
     """The offline API, as vLLM's ``LLM``: build once, ``generate`` many."""
 
@@ -2506,6 +2567,20 @@ class LLM:
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+    def reset_prefix_cache(self, device: Any = None) -> bool:
+        """vLLM's: forget every cached prefix (a benchmark's cold start); False while a request holds blocks."""
+        if self.engine.has_unfinished_requests():
+            return False
+        self.engine.scheduler.reset_prefix_cache()
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's LLM methods nanoserve has not: an AttributeError that says so and why, not only the name."""
+        why = VLLM_LLM_METHODS_MISSING.get(name)
+        if why is None:
+            raise AttributeError(f"'LLM' object has no attribute {name!r}")
+        raise AttributeError(f"LLM.{name} is vLLM's, and nanoserve does not have it: {why}")
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (at exit this happens by itself)."""
@@ -2644,6 +2719,9 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     parsed, and a null content made "" (the server's come so already; transformers 5.17 renders None as "None")."""
     out = []
     for i, m in enumerate(messages):
+        if isinstance(m, dict) and not isinstance(m.get("role"), str):  # the template renders it roleless, silently
+            raise InvalidInput("messages", f"messages[{i}].role must be a string such as 'user', got "
+                                           f"{m.get('role')!r}")
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if isinstance(calls, list):
             m = {**m, "tool_calls": [_parsed_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}

@@ -1777,6 +1777,12 @@ class ServerState:
     log_requests: bool = False                           # --enable-log-requests
     max_log_len: int | None = None
     exit_code: int = 0                                   # 1 once the engine cannot recover
+    # /v1/load_lora_adapter gives each adapter an id never given before (vLLM's counter): a request that named an
+    # adapter unloaded since must not run with the next one loaded under its id
+    last_lora_id: int = 0
+    # ... and holds its name here while it loads: taken (a second load is a 400) but no model yet (a request
+    # naming it is a 404, as in vLLM, which lists an adapter once it is loaded)
+    loading_loras: set[str] = field(default_factory=set)
     request_shutdown: Callable[[], None] | None = None  # set by the server that runs the app
 
     @property
@@ -2221,19 +2227,18 @@ async def load_lora_adapter(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     if req.load_inplace:
         raise bad_request("load_inplace is not supported: unload the adapter, then load it again", "load_inplace")
-    if req.lora_name in state.loras or req.lora_name in state.model_names:
+    if req.lora_name in state.loras or req.lora_name in state.loading_loras or req.lora_name in state.model_names:
         raise bad_request(f"The lora adapter '{req.lora_name}' has already been loaded.", "lora_name")
-    lora = LoRARequest(req.lora_name, max((x.lora_int_id for x in state.loras.values()), default=0) + 1,
-                       req.lora_path)
-    state.loras[req.lora_name] = lora  # held, so that a second load of the name waits for no one: a 400
+    state.last_lora_id = max([state.last_lora_id, *(x.lora_int_id for x in state.loras.values())]) + 1
+    lora = LoRARequest(req.lora_name, state.last_lora_id, req.lora_path)
+    state.loading_loras.add(req.lora_name)  # held, so that a second load of the name waits for no one: a 400
     try:
         await state.on_model_thread(state.engine.add_lora, lora)
     except ValueError as e:
-        del state.loras[req.lora_name]
         raise bad_request(str(e), "lora_path") from None
-    except BaseException:
-        del state.loras[req.lora_name]
-        raise
+    finally:
+        state.loading_loras.discard(req.lora_name)
+    state.loras[req.lora_name] = lora
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
 
@@ -2243,13 +2248,14 @@ async def unload_lora_adapter(request: Request) -> Response:
     req = await read_json(request, state, functools.partial(parse_body, UnloadLoRAAdapterRequest,
                                                              request_id=_request_id(request)))
     lora = state.loras.get(req.lora_name)
-    if lora is None:
-        raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
-    try:
-        await state.on_model_thread(state.engine.remove_lora, lora.lora_int_id)
+    try:  # here on the loop thread, where requests are added: from now on none is added with it
+        found = lora is not None and state.engine.retire_lora(lora.lora_int_id)
     except ValueError as e:
         raise bad_request(str(e), "lora_name") from None
-    state.loras.pop(req.lora_name, None)
+    if not found:
+        raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
+    del state.loras[req.lora_name]  # with retire_lora, no await between: Generation.add_requests sees both or neither
+    await state.on_model_thread(state.engine.drop_lora_weights, lora.lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
@@ -2459,6 +2465,9 @@ class Generation:
         self.prompt_logprobs: dict[int, Any] = {}  # by prompt index, once the engine has them
         self.closed = False
         self.beam = req.beam_search_params(params)  # use_beam_search: what the engine gets in params' place
+        # the adapter the request named, as check_model found it: one unloaded while the request is tokenized is
+        # the engine's 400 ("not loaded"), never the base model answering under the adapter's name
+        self.lora = state.loras.get(req.model)
 
     async def render_own_template(self) -> None:
         """(Chat's) a request's own chat_template, rendered ahead: see ServerState.render_own_template."""
@@ -2469,10 +2478,9 @@ class Generation:
         prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
                                                     req.truncation_side, self.params.max_tokens)
                    for p in self.prompt_inputs()]
-        lora = self.state.loras.get(req.model)
         for p in prompts:
             p.cache_salt = req.cache_salt
-            p.lora_int_id = None if lora is None else lora.lora_int_id
+            p.lora_int_id = None if self.lora is None else self.lora.lora_int_id
         self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
         return prompts
 
@@ -2493,6 +2501,9 @@ class Generation:
     async def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
         """One engine request per prompt, each putting its outputs in ``self.queue``. Between
         prompts the loop serves others: one body may hold thousands of prompts x n."""
+        if self.lora is not None and self.state.loras.get(self.req.model) is not self.lora:
+            raise ApiError(404, f"the model {show(self.req.model)} does not exist: its LoRA adapter was unloaded "
+                                f"while the request was being prepared", param="model")
         self.prompts = prompts
         self.state.generations.add(self)
         try:

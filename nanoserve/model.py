@@ -1325,12 +1325,15 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
     """An adapter's weights for LoRALinear.adapters (this rank's parts), by layer name (lora_layers),
     on its device, in the model's dtype (on a CPU in fp32). ValueError for what nanoserve cannot apply as the checkpoint
     means it (checked on the whole adapter: every rank refuses the same ones)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     path = Path(path)
     try:
         config = json.loads((path / "adapter_config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"adapter_config.json holds a JSON {type(config).__name__}, not an object")
         tensors = load_file(str(path / "adapter_model.safetensors"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: a file that is not safetensors
         raise ValueError(f"LoRA adapter {str(path)!r}: cannot read adapter_config.json and "
                          f"adapter_model.safetensors ({e})") from None
     r, alpha = config.get("r"), config.get("lora_alpha")

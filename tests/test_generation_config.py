@@ -42,6 +42,22 @@ def test_vllm_ignores_it_and_a_bad_directory_is_clear(model_with_defaults, tmp_p
         make_llm(model_with_defaults, generation_config=str(tmp_path))
 
 
+def test_sampling_defaults_that_no_request_could_use(model_with_defaults, tmp_path, caplog):
+    """--override-generation-config's are the operator's: refused at start (each request that left the
+    field out was a 400). A model's own file is served as vLLM serves it, with a warning at start."""
+    with pytest.raises(ValueError, match=r"override_generation_config \(--override-generation-config\) does not "
+                                         r"make valid sampling defaults: temperature must be in \[0, 2\], got -1"):
+        make_llm(model_with_defaults, override_generation_config={"temperature": -1})
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with caplog.at_level("WARNING", logger="nanoserve.engine"):
+        llm = make_llm(model_with_defaults, generation_config=str(tmp_path))
+    assert any("sampling defaults from generation_config.json are not valid" in m and "got -1" in m
+               for m in caplog.messages), caplog.messages
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\], got -1"):
+        llm.generate(["The quick brown"], use_tqdm=False)
+    assert llm.generate(["The quick brown"], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_vllm_prompt_dicts_and_unknown_llm_arguments(model_with_defaults):
     llm = make_llm(model_with_defaults)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

@@ -172,6 +172,7 @@ def test_the_engine_makes_its_gpu_the_current_device(tiny_model, cfg, monkeypatc
         chosen.append(device)
         raise InterruptedError  # no GPU here: stop the start-up once the device is chosen
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # past resolve_device's check for a GPU
     with pytest.raises(InterruptedError):
         LLM(str(tiny_model), device="cuda:1")
     assert chosen == [torch.device("cuda", 1)]

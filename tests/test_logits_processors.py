@@ -90,6 +90,15 @@ class Broken(TargetToken):
         raise RuntimeError("no GPU here")
 
 
+class Picky(TargetToken):
+    """Checks its argument as processors often do, without a type check first: a string raises TypeError."""
+
+    @classmethod
+    def validate_params(cls, params):
+        if (params.extra_args or {}).get("floor", 0) < 0:
+            raise ValueError("floor must be >= 0")
+
+
 # ---------------------------------------------------------------- the rows' bookkeeping
 
 def _rows(ids):
@@ -282,10 +291,13 @@ def test_a_processor_that_leaves_no_token_ends_the_request(tiny_model):
 # ---------------------------------------------------------------- loading and refusing
 
 def test_processors_by_name_and_what_is_refused(tiny_model):
-    llm = _llm(tiny_model, "test_logits_processors:TargetToken", "test_logits_processors.NoRepeat")
-    assert [type(p).__name__ for p in llm.engine.runner.sampler.custom.processors] == ["TargetToken", "NoRepeat"]
+    llm = _llm(tiny_model, "test_logits_processors:TargetToken", "test_logits_processors.NoRepeat", Picky)
+    assert [type(p).__name__ for p in llm.engine.runner.sampler.custom.processors] == ["TargetToken", "NoRepeat",
+                                                                                      "Picky"]
     with pytest.raises(InvalidInput, match=r"extra_args refused by the logits processor TargetToken: target_token"):
         llm.generate([PROMPTS[0]], SamplingParams(extra_args={"target_token": "x"}), use_tqdm=False)
+    with pytest.raises(InvalidInput, match=r"extra_args refused by the logits processor Picky: '<' not supported"):
+        llm.generate([PROMPTS[0]], SamplingParams(extra_args={"floor": "x"}), use_tqdm=False)  # its TypeError
     for bad, why in (("no_such_module:X", "cannot import it"), ("test_logits_processors:Nope", "cannot import it"),
                      ("random:Random", "is not a subclass"), (int, "is not a subclass")):
         with pytest.raises(ValueError, match=why):

@@ -3,6 +3,8 @@ model with its delta merged into the weights does in transformers, any mix of ad
 the base model in one step, each with its own prefix cache, offline and over HTTP."""
 import json
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -168,6 +170,10 @@ def test_what_is_refused(models, tmp_path):
         (LoRARequest("e", 4, str(make_adapter(base, tmp_path / "e", r=2, targets=("q_proj",), extra={
             "base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}))), r"lm_head.lora_A.weight is not a weight"),
         (LoRARequest("d", 5, str(make_adapter(base, tmp_path / "d", r=2, use_dora=True))), r"no use_dora"),
+        (LoRARequest("j", 6, str(_spoiled(models["a"], tmp_path / "j", "adapter_config.json", b"[4]"))),
+         r"adapter_config.json holds a JSON list, not an object"),
+        (LoRARequest("s", 7, str(_spoiled(models["a"], tmp_path / "s", "adapter_model.safetensors", b"\x07" * 64))),
+         r"cannot read adapter_config.json and adapter_model.safetensors \(Error while deserializing header"),
     ]
     for lora, why in cases:
         with pytest.raises(ValueError, match=why):
@@ -175,6 +181,13 @@ def test_what_is_refused(models, tmp_path):
     llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("b", 2, str(models["b"])))
     with pytest.raises(ValueError, match=r"lora_int_id 2 is already the adapter 'b'"):
         llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("c", 2, str(models["a"])))
+
+
+def _spoiled(adapter: Path, out: Path, name: str, content: bytes) -> Path:
+    """A copy of ``adapter`` with its file ``name`` holding ``content`` (a 500 before: AttributeError, SafetensorError)."""
+    shutil.copytree(adapter, out)
+    (out / name).write_bytes(content)
+    return out
 
 
 def _adapters(base: Path, root: Path) -> tuple[list[LoRARequest | None], dict[int | None, Path]]:
@@ -288,6 +301,9 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'a' removed successfully."
         assert httpx.post(s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60).status_code == 404
         assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 404
+        _unloaded_while_tokenizing(s, body, models)
+        _named_while_unloading(s, body)
+        _named_while_loading(s, body, models)
         s.wait_idle()
 
 
@@ -301,6 +317,96 @@ def test_phi3_adapters_of_its_fused_modules_are_their_merged_models(model_root, 
     outs = _llm(base).generate(PROMPTS[2:3] * 2, GREEDY, use_tqdm=False, lora_request=[lora, None])
     got = [o.outputs[0].token_ids for o in outs]
     assert got == [hf_greedy(merged, PROMPTS[2], 10), hf_greedy(base, PROMPTS[2], 10)] and got[0] != got[1]
+
+
+def _unloaded_while_tokenizing(s, body, models):
+    """A request for "a" waits on the tokenizer thread while "a" is unloaded and "b" loaded: it is
+    refused, where it ran with the base model (the adapter looked up after the unload) and, had the
+    lookup been earlier, would have run with "b" (given the id "a" had)."""
+    assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(models["a"])}) \
+        .status_code == 200
+    state = s.app.state.server
+    old_id, busy, gate, result = state.loras["a"].lora_int_id, threading.Event(), threading.Event(), {}
+    state.tokenizer_thread.submit(lambda: (busy.set(), gate.wait(30)))  # the tokenizer thread busy until the unload
+    try:
+        assert busy.wait(30)
+        request = threading.Thread(target=lambda: result.update(r=httpx.post(
+            s.url + "/v1/completions", json={**body, "model": "a"}, timeout=60)))
+        request.start()
+        deadline = time.monotonic() + 30
+        while state.tokenizer_thread._work_queue.qsize() < 1:  # the request's tokenizing queued behind the gate
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "a"}).status_code == 200
+        assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": str(models["b"])}) \
+            .status_code == 200
+        assert state.loras["b"].lora_int_id != old_id
+    finally:
+        gate.set()
+    request.join(60)
+    r = result["r"]
+    assert r.status_code == 404 and "LoRA adapter was unloaded" in r.json()["error"]["message"], r.text
+
+
+def _named_while_unloading(s, body):
+    """A request for "b" while its unload is taking the weights out (on the model thread) is a 404: it
+    was admitted, then ran on the base model under "b"'s name, the unload having checked for users first."""
+    runner, entered, gate, result = s.engine.runner, threading.Event(), threading.Event(), {}
+    remove = runner.remove_lora
+
+    def slow_remove(lora_int_id):
+        entered.set()
+        gate.wait(30)
+        remove(lora_int_id)
+    runner.remove_lora = slow_remove
+    try:
+        unload = threading.Thread(target=lambda: result.update(unload=httpx.post(
+            s.url + "/v1/unload_lora_adapter", json={"lora_name": "b"}, timeout=60)))
+        unload.start()
+        assert entered.wait(30)
+        request = threading.Thread(target=lambda: result.update(r=httpx.post(
+            s.url + "/v1/completions", json={**body, "model": "b"}, timeout=60)))
+        request.start()
+        deadline = time.monotonic() + 30
+        while "r" not in result and s.stats()["num_waiting"] + s.stats()["num_running"] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        runner.remove_lora = remove
+    unload.join(60)
+    request.join(60)
+    assert result["unload"].status_code == 200
+    assert result["r"].status_code == 404, result["r"].text
+
+
+def _named_while_loading(s, body, models):
+    """An adapter still loading is no model yet (vLLM lists one once loaded): a request naming it is a 404,
+    where it was a 400 naming its internal id ("LoRA adapter 4 is not loaded"); a second load of the name a 400."""
+    runner, entered, gate, result = s.engine.runner, threading.Event(), threading.Event(), {}
+    add = runner.add_lora
+
+    def slow_add(*args):
+        entered.set()
+        gate.wait(30)
+        add(*args)
+    runner.add_lora = slow_add
+    try:
+        load = threading.Thread(target=lambda: result.update(load=httpx.post(
+            s.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(models["a"])}, timeout=60)))
+        load.start()
+        assert entered.wait(30)
+        r = httpx.post(s.url + "/v1/completions", json={**body, "model": "c"}, timeout=60)
+        assert r.status_code == 404 and "'c'" not in r.json()["error"]["message"].split("serves")[1], r.text
+        assert "c" not in [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
+        again = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(models["a"])})
+        assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+    finally:
+        gate.set()
+        runner.add_lora = add
+    load.join(60)
+    assert result["load"].status_code == 200
+    assert httpx.post(s.url + "/v1/completions", json={**body, "model": "c"}, timeout=60).status_code == 200
 
 
 def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):

@@ -637,6 +637,8 @@ def test_chat_takes_openai_content_parts(llm):
     assert llm.chat(parts, p, use_tqdm=False)[0].prompt == RENDERED.replace("hi 你好", "hi\n你好")
     with pytest.raises(ValueError, match=r"messages\[0\].content: only text parts"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], p, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"messages\[1\].role must be a string such as 'user', got None"):
+        llm.chat([MESSAGES[0], {"content": "hi"}], p, use_tqdm=False)  # was rendered with an empty role
     assert not llm.engine.has_unfinished_requests()
 
 

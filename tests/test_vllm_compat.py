@@ -19,6 +19,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from nanoserve import entry
 from nanoserve.entry import VLLM_FLAGS, configure_logging, engine_config, parse_args
@@ -650,6 +651,17 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
                 generation_config="vllm", cudagraph_capture_sizes=[1, 2])
     outs = [m.generate(["The quick brown", "hello"], greedy, use_tqdm=False) for m in (llm, plain)]
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+    # vLLM's LLM methods: reset_prefix_cache is honoured; the ones nanoserve lacks say so (they were bare
+    # AttributeErrors, "'LLM' object has no attribute 'encode'")
+    long = ["The quick brown fox jumps over the lazy dog. " * 4]
+    warm = [plain.generate(long, greedy, use_tqdm=False)[0] for _ in range(2)][1]
+    assert warm.num_cached_tokens > 0 and plain.reset_prefix_cache() is True
+    cold = plain.generate(long, greedy, use_tqdm=False)[0]
+    assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    for name, why in (("encode", "generative models only"), ("sleep", "no sleep mode"), ("llm_engine", "LLM.engine")):
+        with pytest.raises(AttributeError, match=f"LLM.{name} is vLLM's, and nanoserve does not have it: .*{why}"):
+            getattr(plain, name)
+    assert not hasattr(plain, "no_such_thing")
 
 
 @pytest.mark.parametrize("kwargs, why", [
@@ -670,6 +682,14 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
      "max_cudagraph_capture_size (8) must be the largest of cudagraph_capture_sizes (4)"),
     ({"speculative_config": {}, "enable_sleep_mode": True},
      "nanoserve does not have: enable_sleep_mode, speculative_config;"),
+    ({"max_model_len": "128"}, "max_model_len must be an integer, got '128'"),  # a TypeError from a comparison
+    ({"max_model_len": 12.5}, "max_model_len must be an integer, got 12.5"),  # served "12.5 tokens"
+    ({"seed": 2**70}, "seed must be in [-2**63, 2**64), got 1180591620717411303424"),  # failed at the first request
+    ({"seed": "x"}, "seed must be an integer, got 'x'"),
+    ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),  # was taken as unset
+    ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got 'tpu'"),
+    pytest.param({"device": "cuda"}, "device='cuda', but this torch sees no CUDA GPU",  # torch's AssertionError
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
 ], ids=lambda v: str(v)[:40] if isinstance(v, dict) else "")
 def test_vllm_arguments_llm_cannot_honour_are_refused(tiny_model, kwargs, why):
     """(c) a ValueError naming the argument and why, before any loading; never a TypeError."""
