@@ -2235,9 +2235,12 @@ def _read_generation_config(path: Path, source: str) -> dict[str, Any]:
             raise InvalidInput("generation_config", f"--generation-config {source!r}: no generation_config.json there")
         return {}
     try:
-        return json.loads(file.read_text())
+        cfg = json.loads(file.read_text())
     except ValueError as e:
         raise InvalidInput("generation_config", f"{file} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise InvalidInput("generation_config", f"{file} holds a JSON {type(cfg).__name__}, not an object of fields")
+    return cfg
 
 
 def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
@@ -2245,11 +2248,9 @@ def _eos_ids(path: Path, config: ModelConfig, tokenizer) -> set[int]:
     present (chat models often list several), else config.json's; plus the
     tokenizer's own EOS token."""
     ids = set(config.eos_token_ids)
-    gen = path / "generation_config.json"
-    if gen.exists():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        if eos is not None:
-            ids = set([eos] if isinstance(eos, int) else eos)
+    eos = _read_generation_config(path, "auto").get("eos_token_id")
+    if eos is not None:
+        ids = set([eos] if isinstance(eos, int) else eos)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids

@@ -40,6 +40,9 @@ def test_vllm_ignores_it_and_a_bad_directory_is_clear(model_with_defaults, tmp_p
     assert (p.temperature, p.top_k, p.max_tokens) == (1.0, 0, 16)
     with pytest.raises(ValueError, match="no generation_config.json there"):
         make_llm(model_with_defaults, generation_config=str(tmp_path))
+    (tmp_path / "generation_config.json").write_text("[1, 2]")  # was an AttributeError at start-up
+    with pytest.raises(ValueError, match="generation_config.json holds a JSON list, not an object of fields"):
+        make_llm(model_with_defaults, generation_config=str(tmp_path))
 
 
 def test_sampling_defaults_that_no_request_could_use(model_with_defaults, tmp_path, caplog):
