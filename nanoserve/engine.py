@@ -49,8 +49,7 @@ from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, LoRAConfig, ModelConfig,
-                             ModelRunner,
-                             SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
+                             ModelRunner, SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
                              WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
                              load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
@@ -1101,6 +1100,11 @@ class EngineConfig:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
 
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter slots every rank reserves (None: LoRA is off)."""
+        return LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None
+
 
 # vLLM engine arguments (EngineArgs' fields: LLM() keywords, `vllm serve` flags) that nanoserve takes
 # without acting on them: name -> (type, the values taken (None: any), what nanoserve does instead). A
@@ -1289,8 +1293,8 @@ class LLMEngine:
             self.decode_sizes = self._decode_sizes()
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides,
                                                   config.max_model_len)
-            if config.enable_lora:  # the adapters' device slots, before the KV cache is sized
-                self.weight_bytes += wrap_lora_layers(model, LoRAConfig(config.max_loras, config.max_lora_rank))
+            if config.lora_config is not None:  # the adapters' device slots, before the KV cache is sized
+                self.weight_bytes += wrap_lora_layers(model, config.lora_config)
             self.max_model_len, self.kv_plan, window, kv_caches = self._init_kv_cache(model)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy,
@@ -2276,7 +2280,7 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
                        config.seed, threads, config.cpu_allocator_tuning, level, config.hf_overrides,
-                       LoRAConfig(config.max_loras, config.max_lora_rank) if config.enable_lora else None)
+                       config.lora_config)
             for r in ranks]
 
 
