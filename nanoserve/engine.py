@@ -1439,10 +1439,10 @@ class LLMEngine:
                 raise RuntimeError(f"[model] capturing the decode CUDA graphs failed: {first_line(e)} "
                                    "(--enforce-eager serves without them)") from e
             pool, estimate = torch.cuda.memory_reserved(self.device) - before, self.kv_plan.graph_pool_bytes
-            lora = ", each with and without LoRA" if self.runner.lora is not None else ""  # vLLM's specialize_lora
+            lora = self.runner.lora is not None  # each size with and without the LoRA ops: vLLM's specialize_lora
             logger.info("[model] captured %d CUDA graphs (decode batches of %s%s) in %.1f s, %.0f MiB%s "
-                        "(--enforce-eager turns them off)", len(self.runner.graphs) + len(self.runner.lora_graphs),
-                        ", ".join(map(str, self.decode_sizes)), lora,
+                        "(--enforce-eager turns them off)", len(self.decode_sizes) * (1 + lora),
+                        ", ".join(map(str, self.decode_sizes)), ", each with and without LoRA" * lora,
                         time.perf_counter() - t0, pool / 2**20,
                         f" (the KV cache's sizing estimated {estimate / 2**20:.0f} MiB)" if estimate else "")
             if estimate and pool > estimate + GRAPH_POOL_SLACK:
