@@ -48,12 +48,12 @@ import torch
 from nanoserve import kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
-from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, ModelConfig, ModelRunner,
-                             SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
+from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, LoRAConfig, ModelConfig,
+                             ModelRunner, SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
                              WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
                              load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
-                             run_worker, select_backend, shard_config, tcp_address, tune_process)
+                             run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
 from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
 
 logger = logging.getLogger("nanoserve.engine")
@@ -1065,6 +1065,7 @@ class EngineConfig:
     logits_processors: list[str | type] | None = None
     enable_lora: bool = False  # as vLLM's: LoRA adapters (LoRARequest, --lora-modules) beside the base weights
     max_lora_rank: int = 16    # as vLLM's: the largest adapter rank taken
+    max_loras: int = 1         # as vLLM's: adapters on the device at once (its slots), so in one step
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -1112,11 +1113,17 @@ class EngineConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
-        if self.max_lora_rank < 1:
-            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        for name in ("max_lora_rank", "max_loras"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
+
+    @property
+    def lora_config(self) -> LoRAConfig | None:
+        """The adapter slots every rank reserves (None: LoRA is off)."""
+        return LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None
 
 
 # vLLM engine arguments (EngineArgs' fields: LLM() keywords, `vllm serve` flags) that nanoserve takes
@@ -1150,8 +1157,8 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
                                       "CUDA graphs: cudagraph_capture_sizes)"),  # vLLM's -O
     "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
-    "max_loras": (int, None, "a step runs any mix of the loaded LoRA adapters (no per-step limit)"),
-    "max_cpu_loras": (int, None, "a LoRA adapter, once loaded, stays on the device"),
+    "max_cpu_loras": (int, None, "a loaded LoRA adapter stays in host memory until it is unloaded (max_loras "
+                                 "of them on the device)"),
     "fully_sharded_loras": (bool, (False,), "an adapter is split as its layer is, vLLM's default"),
     "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype (on a CPU in fp32, faster there)"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
@@ -1315,16 +1322,19 @@ class LLMEngine:
             self.decode_sizes = self._decode_sizes()
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides,
                                                   config.max_model_len)
+            if config.lora_config is not None:  # the adapters' device slots, before the KV cache is sized
+                self.weight_bytes += wrap_lora_layers(model, config.lora_config)
             self.max_model_len, self.kv_plan, window, kv_caches = self._init_kv_cache(model)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                                       self.max_model_len, config.scheduling_policy),
+                                                       self.max_model_len, config.scheduling_policy,
+                                                       config.max_loras if config.enable_lora else None),
                                        BlockManager(self.kv_plan.num_blocks, config.block_size,
                                                     config.enable_prefix_caching, window))
             self.logits_processor_classes = load_logits_processors(config.logits_processors or [])
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len,
                                       [_start_logits_processor(c, config, self.device)
-                                       for c in self.logits_processor_classes], config.enable_lora)
+                                       for c in self.logits_processor_classes])
             self._warm_up()
         except BaseException:
             self.shutdown()
@@ -1464,8 +1474,10 @@ class LLMEngine:
                 raise RuntimeError(f"[model] capturing the decode CUDA graphs failed: {first_line(e)} "
                                    "(--enforce-eager serves without them)") from e
             pool, estimate = torch.cuda.memory_reserved(self.device) - before, self.kv_plan.graph_pool_bytes
-            logger.info("[model] captured %d CUDA graphs (decode batches of %s) in %.1f s, %.0f MiB%s (--enforce-eager "
-                        "turns them off)", len(self.decode_sizes), ", ".join(map(str, self.decode_sizes)),
+            lora = self.runner.lora is not None  # each size with and without the LoRA ops: vLLM's specialize_lora
+            logger.info("[model] captured %d CUDA graphs (decode batches of %s%s) in %.1f s, %.0f MiB%s "
+                        "(--enforce-eager turns them off)", len(self.decode_sizes) * (1 + lora),
+                        ", ".join(map(str, self.decode_sizes)), ", each with and without LoRA" * lora,
                         time.perf_counter() - t0, pool / 2**20,
                         f" (the KV cache's sizing estimated {estimate / 2**20:.0f} MiB)" if estimate else "")
             if estimate and pool > estimate + GRAPH_POOL_SLACK:
@@ -2319,7 +2331,7 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
                        config.seed, threads, config.cpu_allocator_tuning, level, config.hf_overrides,
-                       config.enable_lora)
+                       config.lora_config)
             for r in ranks]
 
 

@@ -1210,9 +1210,17 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
 
 # =========================================================================== LoRA adapters
 # vLLM's multi-LoRA serving: adapters in PEFT's format (adapter_config.json and
-# adapter_model.safetensors) beside the base weights, any mix of them in one step. Each
+# adapter_model.safetensors) beside the base weights, a mix of them in one step. Each
 # layer they may change becomes a LoRALinear: the base layer's output, plus for the rows of
 # each adapter in the step x A^T B^T (B scaled by lora_alpha / r, or / sqrt(r) with rslora).
+#
+# As vLLM's, the device holds ``max_loras`` adapters at a time, in slots reserved at start-up
+# (before the KV cache is sized); every loaded adapter's weights stay in host memory, and a
+# step's adapters are copied into slots before its forward, the least recently used out
+# (LoRASlots). The scheduler keeps a step's adapters within max_loras. Eager steps apply each
+# slot to its own rows (a gather and a scatter); padded decode steps, the ones CUDA graphs
+# capture, apply every slot to every row under a per-row mask: fixed shapes, so one graph
+# serves any mix of the slots' adapters.
 #
 # Under tensor parallelism an adapter is split as its layer is (vLLM's, Megatron's split):
 # a column-parallel layer (qkv_proj, gate_up_proj) keeps A whole and this rank's rows of
@@ -1231,11 +1239,22 @@ LORA_ERROR_KEY = "nanoserve/lora_error/{}"  # TPGroup.store: why a worker could 
 _LORA_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
+@dataclass(slots=True, frozen=True)
+class LoRAConfig:
+    """The adapter memory reserved at start-up, as vLLM's LoRAConfig: ``max_loras`` slots in every
+    adapted layer, each as wide as an adapter of rank ``max_lora_rank`` needs."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+
+
 @dataclass(slots=True)
 class LoRAStep:
-    """The step's tokens of each adapter, (adapter id, token rows on the device; None: all of them):
-    what every LoRALinear reads in the forward. Empty for a step without adapters (and for the CUDA graphs)."""
+    """What every LoRALinear reads in a step's forward (the runner sets it). The eager path:
+    ``groups``, each slot's token rows on the device (None: all of them). The padded path: ``mask``
+    [rows, max_loras], 1 where a row runs the slot's adapter (all 0: the base model, or padding).
+    Neither: a step without adapter rows."""
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    mask: torch.Tensor | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -1253,34 +1272,66 @@ class LoRATarget:
 
 
 class LoRALinear(nn.Module):
-    """A base linear layer (any of the backend's) and the adapters that change it: per adapter
-    A [R, in] and B [out, R] (this rank's parts), its slices' A stacked and their B
-    block-diagonal, the scale in B. ``tp``: a row-parallel layer's group (None: column-parallel)."""
+    """A base linear layer (any of the backend's) and ``max_loras`` slots for adapters of it (vLLM's
+    punica layout, dense): slot s holds an adapter's A [W, in] (its slices' A stacked) and B^T
+    [W, out] (their B block-diagonal, the scale in it), this rank's parts, where W is the layer's
+    slices x max_lora_rank; the columns past what the adapter uses (``widths``) are zero.
+    ``tp``: a row-parallel layer's group (None: column-parallel)."""
 
-    def __init__(self, base: nn.Module, step: LoRAStep, tp: TPGroup | None = None):
+    def __init__(self, base: nn.Module, step: LoRAStep, target: LoRATarget, config: LoRAConfig,
+                 dtype: torch.dtype, device: torch.device, tp: TPGroup | None = None):
         super().__init__()
         self.base, self.step, self.tp = base, step, tp
-        self.adapters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        width, out_features = len(target.sizes) * config.max_lora_rank, sum(size for _, size in target.rows)
+        self.lora_a = torch.zeros(config.max_loras, width, target.cols[1], dtype=dtype, device=device)
+        self.lora_b = torch.zeros(config.max_loras, width, out_features, dtype=dtype, device=device)
+        self.widths = [0] * config.max_loras  # each slot's adapter's A rows here (0: it leaves this layer be)
+
+    def set_slot(self, slot: int, ab: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """An adapter's weights for this layer (load_lora's A and B^T; None: it has none) into ``slot``."""
+        w = 0 if ab is None else ab[0].shape[0]
+        if ab is not None:  # from pinned host memory on CUDA: queued behind the step in flight, which may read the slot
+            self.lora_a[slot, :w].copy_(ab[0], non_blocking=True)
+            self.lora_b[slot, :w].copy_(ab[1], non_blocking=True)
+        self.lora_a[slot, w:].zero_()  # the padded path reads the whole slot
+        self.lora_b[slot, w:].zero_()
+        self.widths[slot] = w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # a row-parallel base has done its own all-reduce: the delta is added whole
-        groups = [(rows, ab) for lora_id, rows in self.step.groups if (ab := self.adapters.get(lora_id)) is not None]
+        if self.step.mask is not None:
+            return self._add_masked(x, y, self.step.mask)
+        groups = [(slot, rows, w) for slot, rows in self.step.groups if (w := self.widths[slot])]
         if not groups:
             return y
-        shrunk = [(x if rows is None else x.index_select(0, rows)).to(a.dtype) @ a.T for rows, (a, _) in groups]
+        a, b = self.lora_a, self.lora_b
+        shrunk = [(x if rows is None else x.index_select(0, rows)).to(a.dtype) @ a[slot, :w].T
+                  for slot, rows, w in groups]
         if self.tp is not None:
             shrunk = self._all_reduce(shrunk)
-        for (rows, (_, b)), xa in zip(groups, shrunk):
-            delta = (xa @ b.T).to(y.dtype)
+        for (slot, rows, w), xa in zip(groups, shrunk):
+            delta = (xa @ b[slot, :w]).to(y.dtype)
             if rows is None:  # one adapter for the whole step: no gather, no scatter
                 y += delta
             else:
                 y.index_add_(0, rows, delta)
         return y
 
+    def _add_masked(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Every slot's x A^T for every row, each row's own kept by ``mask``, then B^T over all the
+        slots at once: no data-dependent shape or index, so a CUDA graph records it once."""
+        slots, width, _ = self.lora_a.shape
+        xa = x.to(self.lora_a.dtype) @ self.lora_a.view(slots * width, -1).T
+        xa = (xa.view(-1, slots, width) * mask[:, :, None]).view(-1, slots * width)
+        if self.tp is not None:
+            xa = self.tp.all_reduce(xa)
+        y += (xa @ self.lora_b.view(slots * width, -1)).to(y.dtype)
+        return y
+
     def _all_reduce(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """Every rank's partial x A^T summed, all adapters' in one collective. Every rank runs the
-        same groups with the same adapters loaded (ModelRunner.add_lora), so the collectives pair up."""
+        same groups with the same adapters in the same slots (LoRASlots decides alike on every rank
+        from the same messages), so the collectives pair up."""
         flat = self.tp.all_reduce(torch.cat([p.flatten() for p in parts]))
         return [f.view_as(p) for f, p in zip(flat.split([p.numel() for p in parts]), parts)]
 
@@ -1313,18 +1364,80 @@ def lora_layers(model: CausalLM) -> dict[str, LoRATarget]:
     return out
 
 
-def wrap_lora_layers(model: CausalLM) -> LoRAStep:
-    """Wrap every layer an adapter may change (after the backend prepared the base layers)."""
-    step = LoRAStep()
+def lora_dtype(model: CausalLM) -> torch.dtype:
+    """Adapters run in the model's dtype, but on a CPU in fp32: there a bf16 matmul outside the packed
+    kernels is 4-9x slower at LoRA's shapes (without bf16 instructions: RESULTS.md), and fp32 is the more exact."""
+    weight = model.model.embed_tokens.weight  # the model's dtype (Gemma's norms are fp32)
+    return torch.float32 if weight.device.type == "cpu" else weight.dtype
+
+
+def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
+    """Wrap every layer an adapter may change (after the backend prepared the base layers), its
+    slots allocated now, before the KV cache is sized, as vLLM reserves its LoRA memory before
+    profiling: the bytes they take, which the caller counts with the weights'."""
+    step, dtype, device, total = LoRAStep(), lora_dtype(model), model.model.norm.weight.device, 0
     for t in lora_layers(model).values():
-        setattr(t.parent, t.attr, LoRALinear(getattr(t.parent, t.attr), step, model.tp if t.row_parallel else None))
-    return step
+        layer = LoRALinear(getattr(t.parent, t.attr), step, t, config, dtype, device,
+                           model.tp if t.row_parallel else None)
+        setattr(t.parent, t.attr, layer)
+        total += layer.lora_a.nbytes + layer.lora_b.nbytes
+    logger.info("[model] LoRA: %d adapter slot(s) of rank %d in %d layers, %.1f MiB (counted with the weights)",
+                config.max_loras, config.max_lora_rank, len(model.model.layers), total / 2**20)
+    return total
+
+
+class LoRASlots:
+    """The adapters a runner serves: every loaded one's weights in host memory (pinned on CUDA), by
+    id, and the device slots' LRU, vLLM's LRUCacheLoRAModelManager in small. Before a step's forward,
+    its adapters not in a slot are copied in, each into a free slot or the least recently used one
+    that the step does not need. Every rank decides alike from the same messages."""
+
+    def __init__(self, model: CausalLM):
+        self.layers = {name: getattr(t.parent, t.attr) for name, t in lora_layers(model).items()}
+        first = next(iter(self.layers.values()))
+        self.step: LoRAStep = first.step
+        self.max_loras, self.dtype = len(first.widths), first.lora_a.dtype
+        self.slot_ids = torch.arange(self.max_loras, device=first.lora_a.device)  # a padded step's mask: index == slot
+        self.adapters: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # least recently used first
+        self.slot_fills = 0  # adapters copied into a slot (a test reads it)
+
+    def add(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.remove(lora_int_id)
+        self.adapters[lora_int_id] = weights
+
+    def remove(self, lora_int_id: int) -> None:
+        """Out of host memory, and its slot zeroed and free."""
+        self.adapters.pop(lora_int_id, None)
+        slot = self.slot_of.pop(lora_int_id, None)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.set_slot(slot, None)
+
+    def slots(self, lora_ids: Iterable[int]) -> dict[int, int]:
+        """The slot of each of a step's adapters, copied in where not there yet."""
+        needed = dict.fromkeys(lora_ids)
+        if len(needed) > self.max_loras:  # the scheduler never schedules such a step
+            raise ValueError(f"a step with {len(needed)} LoRA adapters, more than max_loras ({self.max_loras})")
+        for i in needed:
+            if i in self.slot_of:
+                self.slot_of.move_to_end(i)
+        for i in needed:
+            if i not in self.slot_of:
+                free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
+                slot = free[0] if free else self.slot_of.pop(next(j for j in self.slot_of if j not in needed))
+                weights = self.adapters[i]
+                for name, layer in self.layers.items():
+                    layer.set_slot(slot, weights.get(name))
+                self.slot_of[i] = slot
+                self.slot_fills += 1
+        return {i: self.slot_of[i] for i in needed}
 
 
 def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """An adapter's weights for LoRALinear.adapters (this rank's parts), by layer name (lora_layers),
-    on its device, in the model's dtype (on a CPU in fp32). ValueError for what nanoserve cannot apply as the checkpoint
-    means it (checked on the whole adapter: every rank refuses the same ones)."""
+    """An adapter's weights for LoRALinear.set_slot (this rank's parts), by layer name (lora_layers):
+    in host memory (pinned where the model is on CUDA), in lora_dtype. ValueError for what nanoserve
+    cannot apply as the checkpoint means it (checked on the whole adapter: every rank refuses the same ones)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     path = Path(path)
@@ -1349,13 +1462,14 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
         raise ValueError(f"LoRA adapter {str(path)!r} has rank {r}, more than max_lora_rank ({max_rank})")
     scale = alpha / (math.sqrt(r) if config.get("use_rslora") else r)
     parts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
-    # the embedding's dtype is the model's (Gemma's norms are fp32)
-    layers, dtype, device = lora_layers(model), model.model.embed_tokens.weight.dtype, model.model.norm.weight.device
+    layers = lora_layers(model)
     for key, t in tensors.items():
         m = _LORA_KEY.fullmatch(key)
         if m is None or m[2] not in LORA_TARGETS or int(m[1]) >= model.config.num_layers:
             raise ValueError(f"LoRA adapter {str(path)!r}: {key} is not a weight nanoserve applies (only "
                              f"lora_A/lora_B of {', '.join(LORA_TARGETS)} in the model's layers)")
+        if not torch.isfinite(t).all():  # a padded step multiplies every slot by its rows' masks: 0 x inf is nan
+            raise ValueError(f"LoRA adapter {str(path)!r}: {key} holds inf or nan")
         module, index = LORA_TARGETS[m[2]]
         name = f"layers.{m[1]}.{module}"
         if index is not None:
@@ -1368,19 +1482,19 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
             raise ValueError(f"LoRA adapter {str(path)!r}: {key} has {t.shape[0]} rows, the layer {sum(sizes)}")
         for i, rows in enumerate(t.split(sizes) if m[3] == "B" else [t] * len(sizes)):
             parts.setdefault(name, {}).setdefault(i, {})[m[3]] = rows
-    if device.type == "cpu":  # fp32: a bf16 matmul outside the packed kernels is 4-9x slower at LoRA's shapes
-        dtype = torch.float32  # on a CPU without bf16 instructions (RESULTS.md), and fp32 is the more exact
-    return {name: _fuse_lora(path, name, slices, layers[name], scale, r, dtype, device)
+    dtype, pin = lora_dtype(model), model.model.norm.weight.device.type == "cuda"  # pinned: copies into a slot queue
+    return {name: tuple(w.pin_memory() if pin else w for w in _fuse_lora(path, name, slices, layers[name], scale,
+                                                                         r, dtype))
             for name, slices in parts.items()}
 
 
 def _fuse_lora(path, name: str, slices: dict[int, dict[str, torch.Tensor]], target: LoRATarget, scale: float,
-               r: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer's slices as A [R, in] (stacked) and B [out, R] (block-diagonal, scaled), this rank's
+               r: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's slices as A [R, in] (stacked) and B^T [R, out] (B block-diagonal, scaled), this rank's
     part of each: ``target``'s input columns of A, its rows of each slice of B."""
     in_features, sizes = target.in_features, target.sizes
     col, width = target.cols
-    a_rows, b = [], torch.zeros(sum(size for _, size in target.rows), r * len(slices))
+    a_rows, bt = [], torch.zeros(r * len(slices), sum(size for _, size in target.rows))
     for k, (index, ab) in enumerate(sorted(slices.items())):
         a, bk = ab.get("A"), ab.get("B")
         if a is None or bk is None or a.shape != (r, in_features) or bk.shape != (sizes[index], r):
@@ -1390,8 +1504,8 @@ def _fuse_lora(path, name: str, slices: dict[int, dict[str, torch.Tensor]], targ
         a_rows.append(a[:, col:col + width].float())
         row, height = target.rows[index]
         start = sum(size for _, size in target.rows[:index])  # where this rank's slice sits in its output
-        b[start:start + height, k * r:(k + 1) * r] = bk[row:row + height].float() * scale
-    return torch.cat(a_rows).to(device, dtype), b.to(device, dtype)
+        bt[k * r:(k + 1) * r, start:start + height] = bk[row:row + height].float().T * scale
+    return torch.cat(a_rows).to(dtype), bt.to(dtype)
 
 
 def load_tokenizer(path: str | Path):
@@ -2115,12 +2229,17 @@ class ModelRunner:
     rows store no KV (slot -1) and attend to one token of block 0; on CUDA,
     ``capture_cudagraphs`` records one graph per size over those buffers and a
     step replays it, a few launches instead of hundreds. On the CPU the same
-    padded path runs eagerly (the tests check that it changes no output)."""
+    padded path runs eagerly (the tests check that it changes no output).
+
+    A model with LoRA layers (wrap_lora_layers) comes with its adapters' slots; the
+    runner keeps the loaded adapters (LoRASlots) and sets each step's LoRAStep. A padded
+    step with adapter rows carries each row's slot in the input buffers (-1: none) and
+    runs, or replays, the decode size's LoRA variant (vLLM's cudagraph_specialize_lora)."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int, device: torch.device, backend: Backend, seed: int = 0,
                  decode_sizes: list[int] | None = None, max_model_len: int | None = None,
-                 logits_processors: list[LogitsProcessor] = (), enable_lora: bool = False):
+                 logits_processors: list[LogitsProcessor] = ()):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -2128,11 +2247,13 @@ class ModelRunner:
         self.tp = model.tp
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
         self.sampler = Sampler(seed, backend.argmax, logits_processors)
-        self.lora = wrap_lora_layers(model) if enable_lora else None  # the step's rows of each adapter
+        # the adapters and their slots, where wrap_lora_layers has wrapped the model's layers
+        self.lora = LoRASlots(model) if isinstance(model.model.layers[0].mlp.down_proj, LoRALinear) else None
         self.backend = backend
         self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # the same sizes with the LoRA ops
         self.prev_sampled: torch.Tensor | None = None  # the last step's sampled ids, on the device
         if self.decode_sizes:
             self._allocate_static_buffers(self.decode_sizes[-1], self.max_blocks)
@@ -2143,9 +2264,11 @@ class ModelRunner:
         launch shape (the Triton split-KV count among them) depends on the
         batch size alone."""
         dev, cfg = self.device, self.model.config
-        # input_ids, positions and slot_mapping: the rows of one buffer, which a step fills in one
-        # copy (every torch op costs the host microseconds, and a launch on a GPU)
-        self.static_token_inputs = torch.tensor([[0], [0], [-1]], device=dev).repeat(1, max_bs)
+        # input_ids, positions, slot_mapping (and with LoRA each row's adapter slot, vLLM's
+        # token_lora_mapping): the rows of one buffer, which a step fills in one copy (every torch op
+        # costs the host microseconds, and a launch on a GPU)
+        rows = [[0], [0], [-1]] + ([[-1]] if self.lora is not None else [])
+        self.static_token_inputs = torch.tensor(rows, device=dev).repeat(1, max_bs)
         self.static = dict(
             input_ids=self.static_token_inputs[0], positions=self.static_token_inputs[1],
             slot_mapping=self.static_token_inputs[2],
@@ -2153,6 +2276,8 @@ class ModelRunner:
             seq_lens=torch.ones(max_bs, dtype=torch.int32, device=dev),
             query_start_loc=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         )
+        if self.lora is not None:
+            self.static["lora_index"] = self.static_token_inputs[3]
         self.written_tables: list[list[int]] = [[0]] * max_bs  # the tables block_tables' rows hold (on the host)
         self.static_hidden = torch.zeros(max_bs, cfg.hidden_size, dtype=self.model.model.embed_tokens.weight.dtype,
                                          device=dev)
@@ -2175,22 +2300,33 @@ class ModelRunner:
         (a smaller graph reuses the larger one's activations). Each size runs
         once eagerly first, so Triton compiles before the capture."""
         pool = None
+        variants = [(False, self.graphs)] + ([(True, self.lora_graphs)] if self.lora is not None else [])
         for bs in reversed(self.decode_sizes):
-            self._forward_static(bs)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.static_hidden[:bs] = self._forward_static(bs)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+            for lora, graphs in variants:
+                self._forward_static(bs, lora)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.static_hidden[:bs] = self._forward_static(bs, lora)
+                pool = graph.pool()
+                graphs[bs] = graph
         torch.cuda.synchronize(self.device)
 
-    def _forward_static(self, bs: int) -> torch.Tensor:
+    def _forward_static(self, bs: int, lora: bool = False) -> torch.Tensor:
+        """The forward over the buffers' first ``bs`` rows; ``lora``: with every adapter slot applied
+        under each row's mask (the LoRA variant; without, a step's LoRA layers add nothing)."""
         b = self.static
         # a decode's token ends its context: seq_lens follow from positions here, inside the graph
         torch.add(b["positions"][:bs], 1, out=b["seq_lens"][:bs])
         meta = AttentionMetadata(b["slot_mapping"][:bs], b["block_tables"][:bs], b["seq_lens"][:bs],
                                  b["query_start_loc"][:bs + 1])
-        return self.model(b["input_ids"][:bs], b["positions"][:bs], meta, self.kv_caches)
+        if not lora:
+            return self.model(b["input_ids"][:bs], b["positions"][:bs], meta, self.kv_caches)
+        step = self.lora.step  # the mask is computed in the graph, from the index in the buffer
+        step.mask = (b["lora_index"][:bs, None] == self.lora.slot_ids).to(self.lora.dtype)
+        try:
+            return self.model(b["input_ids"][:bs], b["positions"][:bs], meta, self.kv_caches)
+        finally:
+            step.mask = None
 
     def _run_decode_padded(self, seqs: list[SeqInput]) -> torch.Tensor:
         """A decode step through the static buffers, padded to the next decode
@@ -2200,16 +2336,20 @@ class ModelRunner:
         b, pad, size = self.static, bs - n, self.block_size
         positions = [s.start for s in seqs]
         slots = [kvcache.slot(s.block_table, p, size) for s, p in zip(seqs, positions)]  # one token a row: on lists
-        # input_ids, positions and slot_mapping with their padding (slot -1 stores no KV): one host
-        # tensor, one copy into the buffer's fixed address
-        host = host_ints([s.token_ids[0] for s in seqs] + [0] * pad + positions + [0] * pad + slots + [-1] * pad)
-        self.static_token_inputs[:, :bs].copy_(to_device(host, self.device).view(3, bs))
+        # input_ids, positions and slot_mapping with their padding (slot -1 stores no KV), and with
+        # LoRA each row's adapter slot (-1: none): one host tensor, one copy into the buffer's fixed address
+        lora_index = None if self.lora is None else self._lora_index(seqs)
+        lora_rows = [] if self.lora is None else (lora_index or [-1] * n) + [-1] * pad
+        host = host_ints([s.token_ids[0] for s in seqs] + [0] * pad + positions + [0] * pad + slots + [-1] * pad +
+                         lora_rows)
+        self.static_token_inputs[:, :bs].copy_(to_device(host, self.device).view(-1, bs))
         self._write_prev_sampled(b["input_ids"], seqs)
         self._write_block_tables([s.block_table for s in seqs] + [[0]] * pad)
-        if bs in self.graphs:
-            self.graphs[bs].replay()
+        graphs = self.graphs if lora_index is None else self.lora_graphs
+        if bs in graphs:
+            graphs[bs].replay()
             return self.static_hidden[:n]
-        return self._forward_static(bs)[:n]
+        return self._forward_static(bs, lora_index is not None)[:n]
 
     def _write_block_tables(self, tables: list[list[int]]) -> None:
         """Rewrite only the buffer's rows whose table changed since they were last
@@ -2228,16 +2368,16 @@ class ModelRunner:
             written[i] = tables[i]
 
     def _is_padded_decode(self, seqs: list[SeqInput]) -> bool:
-        """A graph's (or the padded path's) step: no adapter rows, which the graphs hold no LoRA ops for."""
+        """A graph's (or the padded path's) step: decodes only, of token ids, as many as the largest size."""
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
-            all(len(s.token_ids) == 1 and s.prompt_embeds is None and s.lora_int_id is None for s in seqs)
+            all(len(s.token_ids) == 1 and s.prompt_embeds is None for s in seqs)
 
     def add_lora(self, lora_int_id: int, path: str, max_rank: int) -> None:
         """Load an adapter (load_lora) into the layers under ``lora_int_id``, on every rank: this one
         first, so that an adapter it refuses (ValueError) is never sent; then the workers, each its
         own part from the same path. ValueError if one of them cannot (the path missing on its node):
         then no rank keeps it, and the workers go on serving."""
-        self._set_lora(lora_int_id, load_lora(path, self.model, max_rank))
+        self.lora.add(lora_int_id, load_lora(path, self.model, max_rank))
         if self.tp.world_size == 1:
             return
         failed = self._lora_control("add_lora", lora_int_id, path, max_rank)
@@ -2247,17 +2387,10 @@ class ModelRunner:
                              f"exist on every node): " + "; ".join(f"rank {r}: {why}" for r, why in failed.items()))
 
     def remove_lora(self, lora_int_id: int) -> None:
-        """An adapter out of the layers, on every rank."""
-        self._set_lora(lora_int_id, {})
+        """An adapter out of host memory and its slot, on every rank."""
+        self.lora.remove(lora_int_id)
         if self.tp.world_size > 1:
             self._lora_control("remove_lora", lora_int_id)
-
-    def _set_lora(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """This rank's parts of an adapter (load_lora's) into its layers; {}: out of them."""
-        for name, t in lora_layers(self.model).items():
-            getattr(t.parent, t.attr).adapters.pop(lora_int_id, None)
-            if name in weights:
-                getattr(t.parent, t.attr).adapters[lora_int_id] = weights[name]
 
     def _lora_control(self, *message) -> dict[int, str]:
         """Rank 0: a LoRA message to the workers, numbered as a step (worker_loop runs it), and the
@@ -2277,7 +2410,10 @@ class ModelRunner:
         raised: the worker must go on serving the base model and the other adapters."""
         failed = torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device)
         try:
-            self._set_lora(lora_int_id, load_lora(path, self.model, max_rank) if kind == "add_lora" else {})
+            if kind == "add_lora":
+                self.lora.add(lora_int_id, load_lora(path, self.model, max_rank))
+            else:
+                self.lora.remove(lora_int_id)
         except Exception as e:  # noqa: BLE001 - whatever it is, rank 0 refuses the adapter and says why
             logger.error("[model] rank %d: cannot load LoRA adapter %d: %s", self.tp.rank, lora_int_id, e)
             self.tp.store.set(LORA_ERROR_KEY.format(self.tp.rank), first_line(e))
@@ -2285,14 +2421,25 @@ class ModelRunner:
         self.tp.all_reduce(failed)
 
     def _lora_groups(self, seqs: list[SeqInput]) -> list[tuple[int, torch.Tensor | None]]:
-        """Each adapter's token rows in the step's flattened tokens (None: all of them)."""
+        """The eager path's LoRAStep.groups: each of the step's adapters' slot (copied in where
+        needed) and its token rows in the flattened tokens (None: all of them)."""
         rows: dict[int, list[int]] = {}
         start = 0
         for s in seqs:
             if s.lora_int_id is not None:
                 rows.setdefault(s.lora_int_id, []).extend(range(start, start + len(s.token_ids)))
             start += len(s.token_ids)
-        return [(i, None if len(r) == start else to_device(host_ints(r), self.device)) for i, r in rows.items()]
+        slots = self.lora.slots(rows)
+        return [(slots[i], None if len(r) == start else to_device(host_ints(r), self.device)) for i, r in rows.items()]
+
+    def _lora_index(self, seqs: list[SeqInput]) -> list[int] | None:
+        """The padded path's: each row's adapter slot (copied in where needed; -1: the base model),
+        or None for a step without adapter rows."""
+        ids = [s.lora_int_id for s in seqs]
+        if all(i is None for i in ids):
+            return None
+        slots = self.lora.slots(i for i in ids if i is not None)
+        return [-1 if i is None else slots[i] for i in ids]
 
     def prepare(self, seqs: list[SeqInput]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into input_ids, positions and attention metadata, with
@@ -2367,14 +2514,18 @@ class ModelRunner:
         """The forward over the step's tokens, then the logits of the ``rows`` that
         sample (None when none does, and on ranks other than 0) and the prompt
         logprobs the sequences ask for (empty on ranks other than 0)."""
-        if self.lora is not None:
-            self.lora.groups = self._lora_groups(seqs)
         if self._is_padded_decode(seqs):
             hidden = self._run_decode_padded(seqs)  # one row per sequence
             last = torch.arange(len(seqs), device=self.device)
         else:
             input_ids, positions, meta = self.prepare(seqs)
-            hidden = self.model(input_ids, positions, meta, self.kv_caches, self._inputs_embeds(input_ids, seqs))
+            if self.lora is not None:
+                self.lora.step.groups = self._lora_groups(seqs)
+            try:
+                hidden = self.model(input_ids, positions, meta, self.kv_caches, self._inputs_embeds(input_ids, seqs))
+            finally:
+                if self.lora is not None:
+                    self.lora.step.groups = []
             last = meta.query_start_loc[1:].long() - 1
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
@@ -2441,7 +2592,7 @@ class WorkerSpec:
     cpu_allocator_tuning: bool
     log_level: int
     hf_overrides: dict[str, Any] | None
-    enable_lora: bool = False  # LoRALinear layers, for the adapters rank 0 sends (ModelRunner.add_lora)
+    lora: LoRAConfig | None = None  # LoRALinear layers' slots, for the adapters rank 0 sends (ModelRunner.add_lora)
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -2465,10 +2616,12 @@ def run_worker(spec: WorkerSpec) -> None:
                                  spec.enforce_eager)
         model, weight_bytes = load_model(spec.model, spec.dtype, device, backend, tp, spec.hf_overrides,
                                          spec.cache.max_model_len)
+        if spec.lora is not None:  # before the KV cache is sized, as rank 0's
+            weight_bytes += wrap_lora_layers(model, spec.lora)
         kv_spec, plan = plan_rank_kv_cache(model, weight_bytes, spec.cache)
         log_tensor_parallel(tp, weight_bytes, kv_spec, plan)
         runner = ModelRunner(model, kvcache.allocate_kv_cache(kv_spec, plan.num_blocks, device),
-                             spec.cache.block_size, device, backend, spec.seed, enable_lora=spec.enable_lora)
+                             spec.cache.block_size, device, backend, spec.seed)
         runner.warmup()
         runner.worker_loop()
     finally:

@@ -20,6 +20,9 @@ Rules:
 * vLLM's ``priority`` policy orders both queues by (priority, arrival) instead,
   lower values first: the one preempted is the running request last in that order,
   and a preempted one waits in its place by it.
+* with LoRA, the running requests use at most ``max_loras`` distinct adapters (the
+  device's slots), so every step does: as vLLM's, a waiting request whose adapter
+  would be one too many is passed over, in its place, until one of them finishes.
 
 It does not import torch: it moves request objects and integers only.
 """
@@ -70,10 +73,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
     policy: str = "fcfs"
+    max_loras: int | None = None  # distinct LoRA adapters the running requests may use (None: LoRA is off)
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.policy!r}")
@@ -218,9 +222,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         # No waiting request has a token in flight (async scheduling): one preempted with
         # a token in flight is not admitted in that schedule, and the token lands before the next.
-        bm = self.block_manager
+        bm, passed, loras = self.block_manager, [], None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
+            if self.config.max_loras is not None and req.lora_int_id is not None:
+                if loras is None:  # the running requests' adapters, the first time a waiting one has one
+                    loras = {r.lora_int_id for r in self.running if r.lora_int_id is not None}
+                if req.lora_int_id not in loras and len(loras) >= self.config.max_loras:
+                    del self.waiting[req.request_id]  # passed over this step, back in its place below
+                    passed.append(req)
+                    continue
+                loras.add(req.lora_int_id)
             hits = ([] if req.skip_reading_prefix_cache
                     else bm.get_computed_blocks(req.token_ids, req.cache_salt, req.block_hashes))
             num_computed = len(hits) * bm.block_size
@@ -241,6 +253,8 @@ class Scheduler:
             budget -= num_new
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
                          req.request_id, req.num_tokens, num_computed, num_new)
+        for req in reversed(passed):  # each was first in line when passed over: back to the front, in order
+            self._wait(req, front=True)
 
     def _preempt(self, req: "Request", out: SchedulerOutput) -> None:
         self.running.remove(req)

@@ -237,7 +237,7 @@ def test_the_graphs_pool_is_logged_beside_its_estimate(monkeypatch, caplog, esti
     reserved = iter([1000 * 2**20, (1000 + pool_mib) * 2**20])
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: next(reserved))
     engine = SimpleNamespace(device=CUDA, decode_sizes=[1, 2], compile_time_s=0.0, backend=kernels.TORCH,
-                             runner=SimpleNamespace(warmup=lambda: None, capture_cudagraphs=lambda: None),
+                             runner=SimpleNamespace(warmup=lambda: None, capture_cudagraphs=lambda: None, lora=None),
                              kv_plan=KVCachePlan(8, 1024, 8192, graph_pool_bytes=estimate_mib * 2**20))
     with caplog.at_level(logging.INFO, logger="nanoserve.engine"):
         LLMEngine._warm_up(engine)

@@ -2,6 +2,7 @@
 model with its delta merged into the weights does in transformers, any mix of adapters and
 the base model in one step, each with its own prefix cache, offline and over HTTP."""
 import json
+import os
 import shutil
 import threading
 import time
@@ -94,7 +95,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=10, min_tokens=10)
 
 
 def _llm(path, **kw):
-    return LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=128, enable_lora=True, **kw)
+    return LLM(str(path), **{"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 128, "enable_lora": True,
+                             "max_loras": 2, **kw})
 
 
 @pytest.mark.parametrize("kw", [{}, {"cudagraph_capture_sizes": [1, 2, 4]}, {"max_num_batched_tokens": 8,
@@ -102,8 +104,8 @@ def _llm(path, **kw):
                          ids=["plain", "padded-decodes", "chunked"])
 def test_adapters_mixed_in_one_batch_are_their_merged_models(models, kw):
     """Adapter a on q/k/v/o/gate/up/down, b (rslora, rank 2) on three of them, and the base model,
-    side by side in every step: transformers' greedy tokens of the merged checkpoints (and of the
-    base). With padded decode sizes, steps with adapter rows leave the padded (CUDA-graph) path."""
+    side by side in every step (max_loras 2): transformers' greedy tokens of the merged checkpoints
+    (and of the base). With padded decode sizes, their decodes take the padded (CUDA-graph) path."""
     llm = _llm(models["base"], **kw)
     la, lb = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
     loras = [la, None, lb, la, lb, None]
@@ -113,6 +115,120 @@ def test_adapters_mixed_in_one_batch_are_their_merged_models(models, kw):
     for p, lora, o in zip(prompts, loras, outs):
         assert o.outputs[0].token_ids == hf_greedy(paths[lora and lora.lora_int_id], p, 10), lora
     assert len({tuple(o.outputs[0].token_ids) for o in outs[:2]}) == 2  # the adapter changes the output
+
+
+def _record_steps(runner) -> list[tuple[bool, int]]:
+    """Each step's way through the runner from now on: (padded, its distinct adapters)."""
+    steps, compute = [], runner.compute_step_logits
+
+    def recorded(seqs, rows):
+        steps.append((runner._is_padded_decode(seqs), len({s.lora_int_id for s in seqs} - {None})))
+        return compute(seqs, rows)
+    runner.compute_step_logits = recorded
+    return steps
+
+
+def test_padded_lora_decodes_are_the_eager_path_s(models):
+    """The padded (CUDA-graph) path with adapter rows: every slot applied to every row under a
+    per-row mask. A decode step mixing the base model and both adapters, padded from 3 rows to 4,
+    gives the eager path's logits, writes only its 3 real KV slots, and decode steps with adapter
+    rows do take it."""
+    from nanoserve.model import SeqInput
+    padded = _llm(models["base"], cudagraph_capture_sizes=[1, 2, 4])
+    eager = _llm(models["base"])
+    la, lb = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+    for llm in (padded, eager):
+        llm.engine.add_lora(la)
+        llm.engine.add_lora(lb)
+    gen = torch.Generator().manual_seed(0)
+    for k, v in padded.engine.runner.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    for (k, v), (k2, v2) in zip(padded.engine.runner.kv_caches, eager.engine.runner.kv_caches):
+        k2.copy_(k)
+        v2.copy_(v)
+    before = [(k.clone(), v.clone()) for k, v in padded.engine.runner.kv_caches]
+    tables, starts = [[3, 4], [7], [9, 10, 11]], [20, 5, 40]
+    seqs = [SeqInput([11 + i], p, t, None, lora_int_id=lora)
+            for i, (p, t, lora) in enumerate(zip(starts, tables, (2, None, 1)))]
+    runner = padded.engine.runner
+    assert runner._is_padded_decode(seqs) and not eager.engine.runner._is_padded_decode(seqs)
+    with torch.inference_mode():
+        got = runner.compute_step_logits(seqs, [0, 1, 2])[0]
+        want = eager.engine.runner.compute_step_logits(seqs, [0, 1, 2])[0]
+        base = eager.engine.runner.compute_step_logits([SeqInput(s.token_ids, s.start, s.block_table, None)
+                                                        for s in seqs], [0, 1, 2])[0]
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
+    # the adapters change their rows only: the base row's mask leaves every slot out
+    assert ((base - got).abs().amax(-1) > 1e-2 * want.abs().max()).tolist() == [True, False, True]
+    written = sorted(t[p // 16] * 16 + p % 16 for t, p in zip(tables, starts))
+    for (k0, v0), (k1, v1) in zip(before, runner.kv_caches):
+        for old, new in ((k0, k1), (v0, v1)):
+            assert (old != new).flatten(2).any(-1).flatten().nonzero().flatten().tolist() == written
+    steps = _record_steps(runner)
+    outs = _tokens(padded, PROMPTS[:3], [la, None, lb])
+    assert outs == _tokens(eager, PROMPTS[:3], [la, None, lb])
+    assert (True, 2) in steps  # a padded decode of both adapters beside the base
+
+
+def test_more_adapters_than_slots_wait_their_turn(models, tmp_path):
+    """Three adapters and max_loras 2: as vLLM's scheduler, no step runs more than 2 (a request
+    whose adapter would be the third waits, and requests behind it go first), the slots are
+    refilled as adapters come and go, and every output is what it is with a slot for each."""
+    c = make_adapter(models["base"], tmp_path / "c", targets=ATTN, r=3, seed=4)
+    la, lb, lc = (LoRARequest(n, i, str(p)) for n, i, p in (("a", 1, models["a"]), ("b", 2, models["b"]),
+                                                            ("c", 3, c)))
+    loras = [la, lb, lc, None, lc, la, lb, None]
+    prompts = PROMPTS + PROMPTS
+    want = _tokens(_llm(models["base"], max_loras=3), prompts, loras)
+    llm = _llm(models["base"], cudagraph_capture_sizes=[1, 2, 4, 8])
+    steps = _record_steps(llm.engine.runner)
+    assert _tokens(llm, prompts, loras) == want
+    assert max(n for _, n in steps) == 2 and (True, 2) in steps
+    assert llm.engine.runner.lora.slot_fills == 3  # c into the slot that the first adapter done with left
+
+
+def test_a_freed_slot_serves_the_next_adapter(models, tmp_path):
+    """max_loras 1: an adapter evicted by another comes back right, and one unloaded leaves its
+    slot (zeroed) to the next, whose outputs are a fresh engine's."""
+    c = make_adapter(models["base"], tmp_path / "c", targets=ATTN, r=3, seed=4)
+    la, lb, lc = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"])), \
+        LoRARequest("c", 3, str(c))
+    llm = _llm(models["base"], max_loras=1, cudagraph_capture_sizes=[1, 2])
+    slots = llm.engine.runner.lora
+    first = [_tokens(llm, PROMPTS[:2], [lora, lora]) for lora in (la, lb, la)]
+    assert first[0] == first[2] != first[1] and slots.slot_fills == 3
+    assert llm.engine.remove_lora(1) and llm.engine.remove_lora(2) and not slots.slot_of
+    assert _tokens(llm, PROMPTS[:2], [lc, None]) == _tokens(_llm(models["base"]), PROMPTS[:2], [lc, None])
+    assert slots.slot_of == {3: 0}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="CUDA graphs need a GPU and compiled Triton (TRITON_INTERPRET=0)")
+def test_lora_graph_replay_is_the_eager_forward(models):
+    """On a GPU: every decode size is captured with and without the LoRA ops, once, and decode steps
+    mixing the base model and both adapters replay the LoRA graphs (each row's slot read from the
+    input buffer) to the eager engine's greedy tokens."""
+    kw = dict(device="cuda", max_loras=2)
+    eager = _llm(models["base"], enforce_eager=True, **kw)
+    graphs = _llm(models["base"], cudagraph_capture_sizes=[1, 2, 4, 8], **kw)
+    runner = graphs.engine.runner
+    assert sorted(runner.graphs) == sorted(runner.lora_graphs) == [1, 2, 4, 8]
+    la, lb = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"]))
+    loras, prompts = [la, None, lb, la, lb, None], PROMPTS + PROMPTS[:2]
+    steps = _record_steps(runner)
+    assert _tokens(graphs, prompts, loras) == _tokens(eager, prompts, loras)
+    assert (True, 2) in steps
+
+
+def test_max_loras_is_checked():
+    from nanoserve.engine import EngineConfig
+    from nanoserve.entry import engine_config, parse_args
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match=r"max_loras must be an integer >= 1"):
+            EngineConfig("unused", max_loras=bad)
+    assert engine_config(parse_args(["m", "--enable-lora", "--max-loras", "3"])).max_loras == 3
+    assert EngineConfig("unused").max_loras == 1  # vLLM's default
 
 
 def test_each_adapter_has_its_own_prefix_cache(models):
@@ -170,10 +286,13 @@ def test_what_is_refused(models, tmp_path):
         (LoRARequest("e", 4, str(make_adapter(base, tmp_path / "e", r=2, targets=("q_proj",), extra={
             "base_model.model.lm_head.lora_A.weight": torch.zeros(2, 64)}))), r"lm_head.lora_A.weight is not a weight"),
         (LoRARequest("d", 5, str(make_adapter(base, tmp_path / "d", r=2, use_dora=True))), r"no use_dora"),
-        (LoRARequest("j", 6, str(_spoiled(models["a"], tmp_path / "j", "adapter_config.json", b"[4]"))),
+        (LoRARequest("j", 7, str(_spoiled(models["a"], tmp_path / "j", "adapter_config.json", b"[4]"))),
          r"adapter_config.json holds a JSON list, not an object"),
-        (LoRARequest("s", 7, str(_spoiled(models["a"], tmp_path / "s", "adapter_model.safetensors", b"\x07" * 64))),
+        (LoRARequest("s", 8, str(_spoiled(models["a"], tmp_path / "s", "adapter_model.safetensors", b"\x07" * 64))),
          r"cannot read adapter_config.json and adapter_model.safetensors \(Error while deserializing header"),
+        (LoRARequest("i", 6, str(make_adapter(base, tmp_path / "i", r=2, targets=("q_proj",), extra={
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.full((2, 64), float("inf"))}))),
+         r"q_proj.lora_A.weight holds inf or nan"),
     ]
     for lora, why in cases:
         with pytest.raises(ValueError, match=why):
@@ -425,9 +544,9 @@ def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):
     from nanoserve.model import LoRALinear
     assert isinstance(runner.model.model.layers[0].mlp.down_proj, LoRALinear)  # around what the backend made
     prompt, table = PROMPTS[2], list(range(1, 3))
-    runner.lora.groups = [(1, None)]
+    runner.lora.step.groups = [(runner.lora.slots([1])[1], None)]
     with_lora = step_logits(runner, [SeqInput(prompt, 0, table, None, lora_int_id=1)])
-    runner.lora.groups = []
+    runner.lora.step.groups = []
     without = step_logits(runner, [SeqInput(prompt, 0, table, None)])
     other = LLM(str(merged), **kw).engine.runner
     want = step_logits(other, [SeqInput(prompt, 0, table, None)])

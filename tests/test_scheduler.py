@@ -36,6 +36,7 @@ class FakeRequest:
     parent_id: str | None = None
     priority: int = 0
     arrival_time: float = field(default_factory=lambda: next(_CLOCK))
+    lora_int_id: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +89,7 @@ def test_duplicate_request_id_is_rejected():
         add(sched, "a", 3)
 
 
-@pytest.mark.parametrize("field_name", ["max_num_seqs", "max_num_batched_tokens", "max_model_len"])
+@pytest.mark.parametrize("field_name", ["max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"])
 def test_config_rejects_zero_limits(field_name):
     with pytest.raises(ValueError, match=field_name):
         SchedulerConfig(**{field_name: 0})
@@ -278,6 +279,23 @@ def test_no_admission_in_a_step_that_preempted():
 
 
 # ---------------------------------------------------------------- the priority policy (vLLM's)
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_max_loras_passes_over_a_request_whose_adapter_is_one_too_many(policy):
+    """vLLM's max_loras: the running requests use at most 2 adapters. A waiting request whose
+    adapter would be a third is passed over (requests behind it go first) and keeps its place in
+    line; it is admitted once the last request of an adapter finishes."""
+    sched = Scheduler(SchedulerConfig(8, 64, 64, policy, max_loras=2), BlockManager(64, 4, True))
+    for rid, lora in [("a", 1), ("b", 2), ("c", 3), ("base", None), ("a2", 1), ("d", 4)]:
+        sched.add_request(FakeRequest(rid, list(range(len(rid) * 10, len(rid) * 10 + 4)), lora_int_id=lora))
+    out = sched.schedule()
+    assert [s.request.request_id for s in out.scheduled] == ["a", "b", "base", "a2"]
+    assert list(sched.waiting) == ["c", "d"] or policy == "priority"  # its order is its heap's
+    decode(out)
+    sched.finish_request("b", RequestStatus.FINISHED_STOPPED)
+    out = sched.schedule()
+    assert plan(out) == [("a", 1), ("base", 1), ("a2", 1), ("c", 4)] and list(sched.waiting) == ["d"]
+
 
 def test_priority_admits_lower_values_first_then_by_arrival():
     sched = make(max_num_seqs=1, policy="priority")
