@@ -766,24 +766,23 @@ def rotary_triton(q, k, positions, cos_cache, sin_cache):
     return q_out, k_out
 
 
-def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+def _act_and_mul_triton(kernel, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up with ``kernel`` (SiLU's or GELU's): one program per token and column block."""
     gate_up = gate_up.contiguous()
     T, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         block = min(1024, triton.next_power_of_2(n))
-        _silu_and_mul_kernel[(T, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+        kernel[(T, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
     return out
+
+
+def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    return _act_and_mul_triton(_silu_and_mul_kernel, gate_up)
 
 
 def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
-    gate_up = gate_up.contiguous()
-    T, n = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
-    if T:
-        block = min(1024, triton.next_power_of_2(n))
-        _gelu_tanh_and_mul_kernel[(T, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
-    return out
+    return _act_and_mul_triton(_gelu_tanh_and_mul_kernel, gate_up)
 
 
 def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int) -> None:

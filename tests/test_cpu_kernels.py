@@ -478,28 +478,18 @@ def test_c_partial_rotary_is_eagers(d, r):
         cpu_kernels.rotary(q, k, positions, rope.cos[:, :r - 16].contiguous(), rope.sin[:, :r - 16].contiguous())
 
 
-def test_c_silu_and_mul_is_eagers():
-    """Every bf16 gate value (all 65536 bit patterns but NaNs) times random up
-    values; bit patterns compared, as silu(-inf) is NaN."""
+@pytest.mark.parametrize("op", ["silu_and_mul", "gelu_tanh_and_mul"])
+def test_c_act_and_mul_is_eagers(op):
+    """Every bf16 gate value (all 65536 bit patterns but NaNs) times random up values;
+    bit patterns compared, as silu(-inf) and gelu(-inf) are NaN. Gemma's GELU is the
+    C silu_and_mul over a table of torch's GELU."""
     _c_row_ops_or_skip()
     gen = torch.Generator().manual_seed(1)
     gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(256, 256)
     gate = torch.where(gate.isnan(), torch.zeros((), dtype=torch.bfloat16), gate)
     gate_up = torch.cat([gate, _rand_bf16(gen, 256, 256)], dim=1)
-    assert torch.equal(cpu_kernels.silu_and_mul(gate_up).view(torch.int16),
-                       kernels.silu_and_mul_torch(gate_up).view(torch.int16))
-
-
-def test_c_gelu_tanh_and_mul_is_eagers():
-    """Gemma's activation, the C silu_and_mul over a table of torch's GELU: every bf16 gate value
-    (but NaNs) times random up values, bit patterns compared (gelu(-inf) is NaN)."""
-    _c_row_ops_or_skip()
-    gen = torch.Generator().manual_seed(1)
-    gate = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).view(256, 256)
-    gate = torch.where(gate.isnan(), torch.zeros((), dtype=torch.bfloat16), gate)
-    gate_up = torch.cat([gate, _rand_bf16(gen, 256, 256)], dim=1)
-    assert torch.equal(cpu_kernels.gelu_tanh_and_mul(gate_up).view(torch.int16),
-                       kernels.gelu_tanh_and_mul_torch(gate_up).view(torch.int16))
+    assert torch.equal(getattr(cpu_kernels, op)(gate_up).view(torch.int16),
+                       getattr(kernels, op + "_torch")(gate_up).view(torch.int16))
 
 
 def test_c_row_ops_alone_or_in_a_team():
