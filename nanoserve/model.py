@@ -175,7 +175,8 @@ class ModelConfig:
             raise ModelLoadError("mlp_bias (biases on gate/up/down) is not supported")
         num_heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
-        rotary_dim = _rotary_dim(c, head_dim)
+        # Gemma 3 turns whole heads in both of its rotaries: transformers and vLLM ignore partial_rotary_factor there
+        rotary_dim = head_dim if arch in GEMMA3_ARCHITECTURES else _rotary_dim(c, head_dim)
         theta, scaling = _rope_from_config(c, arch, rotary_dim)
         eos = c.get("eos_token_id")
         window, layers = _sliding_window(arch, c)

@@ -579,3 +579,13 @@ def test_gemma_configs_nanoserve_cannot_serve_are_refused(change, message):
     config = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, **change}
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(config)
+
+
+def test_gemma3_turns_whole_heads_whatever_partial_rotary_factor_says():
+    """transformers' and vLLM's Gemma 3 rotate every dim of a head in both of its rotaries (the
+    sliding layers' too), ignoring partial_rotary_factor: nanoserve's full-attention layers must
+    not turn fewer dims than its sliding ones (they did, through hf_overrides)."""
+    from nanoserve.model import ModelConfig
+    config = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, "head_dim": 32,
+              "partial_rotary_factor": 0.5}
+    assert ModelConfig.from_dict(config).rotary_dim == 32
