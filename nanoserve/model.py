@@ -301,10 +301,14 @@ def _sliding_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """vLLM's hf_overrides: each key replaces the checkpoint's. A rope_scaling given in
     transformers 4's form replaces a transformers 5 checkpoint's rope_parameters, whose
-    rope_theta it keeps unless rope_theta is given too."""
+    rope_theta it keeps unless rope_theta is given too. A text_config given as an object is
+    laid over the checkpoint's key by key (vLLM's, for a sub-config): replaced whole, a
+    multimodal checkpoint's text decoder would lose its sizes to Gemma3TextConfig's defaults."""
     if not overrides:
         return c
-    c = {**c, **overrides}
+    nested = {k: override_config(c[k], v) for k, v in overrides.items()
+              if k == "text_config" and isinstance(v, dict) and isinstance(c.get(k), dict)}
+    c = {**c, **overrides, **nested}
     legacy = "rope_scaling" in overrides and "rope_parameters" not in overrides
     if legacy and isinstance(c.get("rope_parameters"), dict):
         params = c.pop("rope_parameters")
