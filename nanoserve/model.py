@@ -2128,7 +2128,18 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
+    # With LoRA layers, every row through every slot (the padded path's ops): a step with adapter rows
+    # holds a delta as wide as each adapted layer's output beside it, which a base-only forward would leave
+    # out of the KV cache's sizing (and out of the graphs' pool, whose LoRA variants share it)
+    lora = model.model.layers[0].mlp.down_proj
+    step = lora.step if isinstance(lora, LoRALinear) else None
+    if step is not None:
+        step.mask = torch.ones(num_tokens, lora.lora_a.shape[0], dtype=lora.lora_a.dtype, device=device)
+    try:
+        hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
+    finally:
+        if step is not None:
+            step.mask = None
     logits = model.compute_logits(hidden[:num_sample_rows]) if sample else None
     if logits is not None:  # None: a graph (it holds no logits) or a tensor-parallel rank other than 0
         vocab = logits.shape[1]  # logprobs -1 (--max-logprobs -1): the whole vocabulary
