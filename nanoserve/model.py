@@ -175,7 +175,8 @@ class ModelConfig:
             raise ModelLoadError("mlp_bias (biases on gate/up/down) is not supported")
         num_heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
-        rotary_dim = _rotary_dim(c, head_dim)
+        # Gemma 3 turns whole heads in both of its rotaries: transformers and vLLM ignore partial_rotary_factor there
+        rotary_dim = head_dim if arch in GEMMA3_ARCHITECTURES else _rotary_dim(c, head_dim)
         theta, scaling = _rope_from_config(c, arch, rotary_dim)
         eos = c.get("eos_token_id")
         window, layers = _sliding_window(arch, c)
@@ -300,10 +301,14 @@ def _sliding_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """vLLM's hf_overrides: each key replaces the checkpoint's. A rope_scaling given in
     transformers 4's form replaces a transformers 5 checkpoint's rope_parameters, whose
-    rope_theta it keeps unless rope_theta is given too."""
+    rope_theta it keeps unless rope_theta is given too. A text_config given as an object is
+    laid over the checkpoint's key by key (vLLM's, for a sub-config): replaced whole, a
+    multimodal checkpoint's text decoder would lose its sizes to Gemma3TextConfig's defaults."""
     if not overrides:
         return c
-    c = {**c, **overrides}
+    nested = {k: override_config(c[k], v) for k, v in overrides.items()
+              if k == "text_config" and isinstance(v, dict) and isinstance(c.get(k), dict)}
+    c = {**c, **overrides, **nested}
     legacy = "rope_scaling" in overrides and "rope_parameters" not in overrides
     if legacy and isinstance(c.get("rope_parameters"), dict):
         params = c.pop("rope_parameters")
@@ -2123,7 +2128,18 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
+    # With LoRA layers, every row through every slot (the padded path's ops): a step with adapter rows
+    # holds a delta as wide as each adapted layer's output beside it, which a base-only forward would leave
+    # out of the KV cache's sizing (and out of the graphs' pool, whose LoRA variants share it)
+    lora = model.model.layers[0].mlp.down_proj
+    step = lora.step if isinstance(lora, LoRALinear) else None
+    if step is not None:
+        step.mask = torch.ones(num_tokens, lora.lora_a.shape[0], dtype=lora.lora_a.dtype, device=device)
+    try:
+        hidden = model(*dummy_step(cfg, [num_tokens], block_size, device), [(cache, cache)] * cfg.num_layers)
+    finally:
+        if step is not None:
+            step.mask = None
     logits = model.compute_logits(hidden[:num_sample_rows]) if sample else None
     if logits is not None:  # None: a graph (it holds no logits) or a tensor-parallel rank other than 0
         vocab = logits.shape[1]  # logprobs -1 (--max-logprobs -1): the whole vocabulary

@@ -376,6 +376,25 @@ def test_model_larger_than_memory_is_a_clear_error(model):
 
 
 # ---------------------------------------------------------------- GPU sizing (faked)
+def test_profile_run_counts_the_lora_ops(model, monkeypatch):
+    """With LoRA layers, the profiling forward runs every row through every adapter slot (the
+    padded path's ops), so that the KV cache leaves room for a step with adapter rows (its
+    deltas are as wide as the layers' outputs) and for the graphs' LoRA variants; the mask is
+    gone after it."""
+    from nanoserve.model import LoRAConfig, LoRALinear, load_model, profile_activation_bytes, wrap_lora_layers
+    m, _ = load_model(model, torch.float32, torch.device("cpu"))
+    wrap_lora_layers(m, LoRAConfig(max_loras=2, max_lora_rank=4))
+    for name in ("synchronize", "reset_peak_memory_stats", "memory_allocated", "max_memory_allocated",
+                 "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a: 0)
+    masks, real = [], LoRALinear._add_masked
+    monkeypatch.setattr(LoRALinear, "_add_masked", lambda self, x, y, mask: masks.append(tuple(mask.shape))
+                        or real(self, x, y, mask))
+    profile_activation_bytes(m, 8, 8, 16, sample=False)
+    assert masks and set(masks) == {(8, 2)}
+    assert m.model.layers[0].mlp.down_proj.step.mask is None
+
+
 
 def test_profile_run_measures_one_full_step(model, monkeypatch):
     """On a GPU the KV cache gets what a profiling forward of a full step leaves

@@ -224,7 +224,7 @@ def test_lora_graph_replay_is_the_eager_forward(models):
 def test_max_loras_is_checked():
     from nanoserve.engine import EngineConfig
     from nanoserve.entry import engine_config, parse_args
-    for bad in (0, -1, 1.5):
+    for bad in (0, -1, 1.5, True, None):
         with pytest.raises(ValueError, match=r"max_loras must be an integer >= 1"):
             EngineConfig("unused", max_loras=bad)
     assert engine_config(parse_args(["m", "--enable-lora", "--max-loras", "3"])).max_loras == 3

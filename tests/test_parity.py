@@ -579,3 +579,30 @@ def test_gemma_configs_nanoserve_cannot_serve_are_refused(change, message):
     config = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, **change}
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(config)
+
+
+def test_gemma3_turns_whole_heads_whatever_partial_rotary_factor_says():
+    """transformers' and vLLM's Gemma 3 rotate every dim of a head in both of its rotaries (the
+    sliding layers' too), ignoring partial_rotary_factor: nanoserve's full-attention layers must
+    not turn fewer dims than its sliding ones (they did, through hf_overrides)."""
+    from nanoserve.model import ModelConfig
+    config = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, "head_dim": 32,
+              "partial_rotary_factor": 0.5}
+    assert ModelConfig.from_dict(config).rotary_dim == 32
+
+
+def test_gemma3_multimodal_text_config_override_is_laid_over_not_swapped():
+    """--hf-overrides '{"text_config": {...}}' on Gemma3ForConditionalGeneration changes the keys it
+    names, as vLLM's sub-config overrides do; the text decoder keeps the checkpoint's sizes (replaced
+    whole, they fell back to Gemma3TextConfig's 2304-wide defaults)."""
+    from nanoserve.model import ModelConfig, override_config
+    checkpoint = {"architectures": ["Gemma3ForConditionalGeneration"],
+                  "text_config": {"hidden_size": 64, "num_hidden_layers": 2, "sliding_window": 32,
+                                  "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                                      "sliding_attention": {"rope_type": "default",
+                                                                            "rope_theta": 1e4}}}}
+    cfg = ModelConfig.from_dict(override_config(checkpoint, {"text_config": {"sliding_window": 8}}))
+    assert (cfg.hidden_size, cfg.num_layers, cfg.sliding_window) == (64, 2, 8)
+    legacy = {"text_config": {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}}  # transformers 4's form
+    cfg = ModelConfig.from_dict(override_config(checkpoint, legacy))
+    assert (cfg.hidden_size, cfg.rope_theta, cfg.rope_scaling["factor"]) == (64, 1e6, 2.0)
