@@ -217,7 +217,7 @@ def check_same_as_torch(ops, cfg, num_tokens: int = COMPILED_ELEMENTWISE_MIN_ROW
     qkv, qw, kw = rand(T, (hq + 2 * hk) * d), rand(d), rand(d)
     q, k = qkv[:, :hq * d].view(T, hq, d), qkv[:, hq * d:(hq + hk) * d].view(T, hk, d)
     positions = torch.randint(0, 64, (T,), generator=gen)
-    r = getattr(cfg, "rotary_dim", 0) or d  # the model's rotary dims (partial rotary: fewer than d)
+    r = cfg.rotary_dim  # the model's rotary dims (partial rotary: fewer than d)
     cos, sin = torch.randn(64, r, generator=gen), torch.randn(64, r, generator=gen)
     pairs = [(rms_norm(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6)),
              (silu_and_mul(gate_up), kernels.silu_and_mul_torch(gate_up))]

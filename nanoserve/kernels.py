@@ -803,7 +803,7 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     if cfg.gemma3:  # its norms: an fp32 weight
         gemma_fused_add_rms_norm_triton(gemma_rms_norm_triton(x, x[0].float(), 1e-6), x, x[0].float(), 1e-6)
         gemma_rms_norm_triton(q, q[0, 0].float(), 1e-6)
-    table = zeros(1, getattr(cfg, "rotary_dim", 0) or cfg.head_dim).float()  # the model's rotary dims
+    table = zeros(1, cfg.rotary_dim).float()  # the model's rotary dims
     rotary_triton(q, k, first, table, table)
     (gelu_tanh_and_mul_triton if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul_triton)(
         zeros(1, 2 * cfg.intermediate_size))

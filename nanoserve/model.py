@@ -123,7 +123,7 @@ class ModelConfig:
     sliding_layers: tuple[int, ...]  # the layers that attend to the last sliding_window positions only
     checkpoint_dtype: str
     eos_token_ids: list[int]
-    rotary_dim: int = 0              # the leading dims of a head that RoPE turns (0: all of head_dim)
+    rotary_dim: int = 0              # the leading dims of a head that RoPE turns (0, given: all of head_dim)
     attention_scale: float | None = None  # None: head_dim ** -0.5 (Granite's attention_multiplier,
     #                                       Gemma 3's query_pre_attn_scalar ** -0.5)
     # Granite: Llama with three more scalars (transformers' names; 1.0 leaves Llama's math)
@@ -213,6 +213,9 @@ class ModelConfig:
                              float(c["query_pre_attn_scalar"]) ** -0.5 if gemma3 else None),
             sliding_rope=_sliding_rope(c) if gemma3 else None,
         )
+
+    def __post_init__(self) -> None:
+        self.rotary_dim = self.rotary_dim or self.head_dim
 
     def check_max_model_len(self, max_model_len: int, window_disabled: bool) -> None:
         if window_disabled and self.sliding_window is not None and self.sliding_window < max_model_len:
@@ -979,7 +982,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, backend)
         # Gemma 3's sliding-window layers rotate with a base (and scaling) of their own
         self.sliding_rotary_emb = None if cfg.sliding_rope is None else RotaryEmbedding(
