@@ -65,6 +65,8 @@ GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", *GEMMA3_ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -171,6 +173,10 @@ class ModelConfig:
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
             raise ModelLoadError(f"the checkpoint is quantized (quant_method {method!r}); nanoserve serves "
                                  "unquantized checkpoints only (bf16, fp16 or fp32 safetensors)")
+        bad = {k: c[k] for k in SIZE_KEYS if c.get(k) is not None
+               and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)}
+        if bad:  # else torch's error when the model is built, or a zero-sized model
+            raise ModelLoadError(f"{', '.join(f'{k} {v!r}' for k, v in bad.items())}: sizes must be positive integers")
         if c.get("mlp_bias"):  # Llama's and Granite's option, off in their released checkpoints
             raise ModelLoadError("mlp_bias (biases on gate/up/down) is not supported")
         num_heads = c["num_attention_heads"]

@@ -431,6 +431,9 @@ def test_hf_overrides_that_break_the_config_are_one_line(tiny_model, capsys):
         LLM(str(tiny_model), hf_overrides={"rope_scaling": 5})
     with pytest.raises(ModelLoadError, match="unsupported rope type 'dynamic'"):
         LLM(str(tiny_model), hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
+    for bad in ({"vocab_size": -1}, {"num_hidden_layers": 0}, {"hidden_size": 64.0}, {"head_dim": True}):
+        with pytest.raises(ModelLoadError, match=rf"{next(iter(bad))} .*: sizes must be positive integers"):
+            LLM(str(tiny_model), hf_overrides=bad)  # vocab_size -1 was torch's RuntimeError from the embedding
     with pytest.raises(SystemExit) as e:
         parse_args(["--hf-overrides", "[1]"])
     assert e.value.code == 2 and "argument --hf-overrides: expected a JSON object" in capsys.readouterr().err
