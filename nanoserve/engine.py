@@ -1074,7 +1074,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "seed",
-                     "max_lora_rank", "max_logprobs", "tensor_parallel_size", "nnodes", "node_rank"):
+                     "max_logprobs", "tensor_parallel_size", "nnodes", "node_rank"):
             value = getattr(self, name)  # a str or float went far (a TypeError from a comparison, or a float length)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -1089,8 +1089,7 @@ class EngineConfig:
                 raise ValueError(f"override_generation_config must be an object of generation_config.json "
                                  f"fields, got {override!r}")
             try:
-                SamplingParams(**{ours: override[theirs] for theirs, ours in GENERATION_CONFIG_FIELDS.items()
-                                  if override.get(theirs) is not None})
+                SamplingParams(**generation_defaults(Path(), "vllm", override))  # its fields alone
             except (ValueError, TypeError) as e:
                 raise ValueError(f"override_generation_config (--override-generation-config) does not make valid "
                                  f"sampling defaults: {e}") from None
