@@ -1400,6 +1400,12 @@ def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
     return total
 
 
+def lora_layer(model: CausalLM) -> LoRALinear | None:
+    """One of the LoRALinear layers wrap_lora_layers made (they share one LoRAStep); None: it made none."""
+    layer = model.model.layers[0].mlp.down_proj
+    return layer if isinstance(layer, LoRALinear) else None
+
+
 class LoRASlots:
     """The adapters a runner serves: every loaded one's weights in host memory (pinned on CUDA), by
     id, and the device slots' LRU, vLLM's LRUCacheLoRAModelManager in small. Before a step's forward,
@@ -2140,8 +2146,8 @@ def profile_activation_bytes(model: CausalLM, num_tokens: int, num_sample_rows: 
     # With LoRA layers, every row through every slot (the padded path's ops): a step with adapter rows
     # holds a delta as wide as each adapted layer's output beside it, which a base-only forward would leave
     # out of the KV cache's sizing (and out of the graphs' pool, whose LoRA variants share it)
-    lora = model.model.layers[0].mlp.down_proj
-    step = lora.step if isinstance(lora, LoRALinear) else None
+    lora = lora_layer(model)
+    step = None if lora is None else lora.step
     if step is not None:
         step.mask = torch.ones(num_tokens, lora.lora_a.shape[0], dtype=lora.lora_a.dtype, device=device)
     try:
@@ -2273,7 +2279,7 @@ class ModelRunner:
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
         self.sampler = Sampler(seed, backend.argmax, logits_processors)
         # the adapters and their slots, where wrap_lora_layers has wrapped the model's layers
-        self.lora = LoRASlots(model) if isinstance(model.model.layers[0].mlp.down_proj, LoRALinear) else None
+        self.lora = None if lora_layer(model) is None else LoRASlots(model)
         self.backend = backend
         self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
