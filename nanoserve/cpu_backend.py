@@ -66,7 +66,7 @@ def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: b
     name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
     return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul,
                    gelu_tanh_and_mul, kernels.gemma_rms_norm_torch, kernels.add_rms_norm(kernels.gemma_rms_norm_torch),
-                   argmax, prepare_model)
+                   argmax, kernels.fused_moe_torch, prepare_model)
 
 
 def _first_that_works(what: str, candidates, fallback):

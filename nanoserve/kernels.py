@@ -74,6 +74,8 @@ class Backend:
     gemma_rms_norm(x [..., n], weight [n] fp32, eps) -> Gemma's: x / rms(x) * weight in fp32, rounded once
     gemma_fused_add_rms_norm(x, residual, weight, eps) -> (gemma_rms_norm(x + residual), x + residual)
     argmax(logits [rows, vocab]) -> int64 [rows]
+    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k])
+      -> [T, H]: a mixture-of-experts MLP once the router has chosen (vLLM's fused_experts)
 
     ``warm_up(num_heads, k_cache, v_cache, max_context)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
@@ -93,6 +95,7 @@ class Backend:
     gemma_rms_norm: Callable[..., torch.Tensor]
     gemma_fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     argmax: Callable[[torch.Tensor], torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]
     prepare_model: Callable[[torch.nn.Module], int] = weights_as_loaded
     warm_up: Callable[..., None] = nothing_to_compile
     capture_safe: bool = False
@@ -250,6 +253,32 @@ def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """Gemma's gated MLP: gelu(gate) * up, GELU's tanh approximation (transformers' gelu_pytorch_tanh)."""
     gate, up = gate_up.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
+
+
+def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+    """The experts of a mixture-of-experts MLP, after routing: token t's output is
+    sum_j topk_weights[t, j] * expert_e(x[t]) over its chosen e = topk_ids[t, j], each
+    expert a SiLU gated MLP, w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x)) (vLLM's
+    w13: gate rows, then up rows). Each expert runs once, on the tokens that chose it,
+    and the weighted outputs are summed in fp32. Not capture-safe: which tokens
+    chose which expert is read on the host."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    flat_ids = topk_ids.reshape(-1)
+    order = flat_ids.argsort(stable=True)        # the (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tokens = order // topk_ids.shape[1]
+    weights = topk_weights.reshape(-1)[order]
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start:start + n]
+        h = silu_and_mul_torch(F.linear(x[rows], w13[e]))
+        y = F.linear(h, w2[e])
+        out.index_add_(0, rows, y.float() * weights[start:start + n, None].float())
+        start += n
+    return out.to(x.dtype)
 
 
 def argmax_torch(logits: torch.Tensor) -> torch.Tensor:
@@ -815,9 +844,9 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
 
 TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_torch,
                 add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, gelu_tanh_and_mul_torch,
-                gemma_rms_norm_torch, add_rms_norm(gemma_rms_norm_torch), argmax_torch)
+                gemma_rms_norm_torch, add_rms_norm(gemma_rms_norm_torch), argmax_torch, fused_moe_torch)
 TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
     rotary_triton, silu_and_mul_triton, gelu_tanh_and_mul_triton, gemma_rms_norm_triton,
-    gemma_fused_add_rms_norm_triton, argmax_cuda,
+    gemma_fused_add_rms_norm_triton, argmax_cuda, fused_moe_torch,  # not capture-safe yet: MoE models run eager
     warm_up=warm_up_paged_attention_triton, capture_safe=True)

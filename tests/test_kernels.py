@@ -506,3 +506,23 @@ def test_a_decoder_on_the_triton_backend_matches_the_references(tiny_model):
             [SeqInput([7], len(p), t, None) for p, t in zip(prompts, tables)])])
     for a, b in zip(*logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 4, 2), (7, 8, 2), (5, 3, 3)])
+def test_fused_moe_reference_is_each_tokens_weighted_experts(T, E, k):
+    """The seam's MoE op against the definition, token by token: every chosen
+    expert's gated MLP, weighted by its routing weight; unchosen experts add nothing."""
+    g = torch.Generator().manual_seed(T * 100 + E)
+    H, I = 16, 24
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g), torch.randn(E, H, I, generator=g)
+    topk_ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    topk_weights = torch.rand(T, k, generator=g)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for j in range(k):
+            e = int(topk_ids[t, j])
+            gate, up = (w13[e] @ x[t]).split(I)
+            want[t] += topk_weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
+    got = kernels.fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
