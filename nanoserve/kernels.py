@@ -14,7 +14,9 @@ last resort, and where it pays as a Triton kernel:
 * ``rms_norm``, ``rotary``, ``silu_and_mul``, and Gemma's ``gelu_tanh_and_mul`` and
   ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch
   references and Triton kernels; the CPU's live behind the seam);
-* ``argmax``: greedy sampling.
+* ``argmax``: greedy sampling;
+* ``fused_moe``: a mixture-of-experts MLP after routing, as one grouped GEMM per
+  projection over the tokens sorted by expert (vLLM's fused_moe; Triton's is capture-safe).
 
 The seam is ``Backend``: one object holding one implementation of each op.
 model.py's ``select_backend`` picks one, called once at start-up by the engine
@@ -75,7 +77,8 @@ class Backend:
     gemma_fused_add_rms_norm(x, residual, weight, eps) -> (gemma_rms_norm(x + residual), x + residual)
     argmax(logits [rows, vocab]) -> int64 [rows]
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k])
-      -> [T, H]: a mixture-of-experts MLP once the router has chosen (vLLM's fused_experts)
+      -> [T, H]: a mixture-of-experts MLP once the router has chosen (vLLM's fused_experts);
+      capture-safe in TRITON (ids are not range-checked: that would sync)
 
     ``warm_up(num_heads, k_cache, v_cache, max_context)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
@@ -325,6 +328,12 @@ _SPLIT_KV_MIN_PARTITION = 512   # never split a context finer than this (tokens)
 _SPLIT_KV_MAX_SPLITS = 32
 _SPLIT_KV_TARGET_PROGRAMS = 1024
 _NO_WINDOW = 2**30  # the kernel's window without a sliding window: past any context (an int32)
+# Fused MoE (vLLM's fused_moe): tiles of BLOCK_M (token, choice) pairs of one expert times
+# BLOCK_N output columns, BLOCK_K deep. Untuned: vLLM's default shapes for bf16 on an H100,
+# not measured here. 64-row tiles once the average expert has 64 pairs to fill one (a large
+# prefill); 16 rows (tl.dot's least) otherwise, where most of a tile would be padding.
+_MOE_BLOCK_M_SMALL, _MOE_BLOCK_M_LARGE = 16, 64
+_MOE_BLOCK_N, _MOE_BLOCK_K = 64, 32
 
 if triton is not None:
 
@@ -591,6 +600,39 @@ if triton is not None:
         gelu = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))).to(dt).to(tl.float32)
         tl.store(out_ptr + t * n + cols, (gelu * u).to(dt), mask=ok)
 
+    @triton.jit
+    def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+                          N, K, num_pairs, a_stride_m, a_stride_k, w_stride_e, w_stride_n, w_stride_k,
+                          c_stride_m, c_stride_n, A_ROWS_PER_ROW: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr):
+        """Grid (blocks of sorted pairs, blocks of N): one expert's grouped GEMM on one tile,
+        c[pair] = a[pair // A_ROWS_PER_ROW] @ w[expert]^T (times the pair's routing weight).
+        The first launch reads x (a token's row serves its top_k pairs), the second the
+        activations (one row a pair). A block past the last expert's exits: the grid is sized
+        for the worst routing, so that it never depends on the data."""
+        expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
+        if expert < 0:
+            return
+        pair = tl.load(sorted_ids_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        pair_ok = pair < num_pairs  # padding points past the last pair
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = n < N
+        rows = a_ptr + (pair // A_ROWS_PER_ROW)[:, None] * a_stride_m
+        cols = w_ptr + expert * w_stride_e + n[None, :] * w_stride_n
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            a = tl.load(rows + k[None, :] * a_stride_k, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(cols + k[:, None] * w_stride_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        dt = c_ptr.dtype.element_ty
+        if MUL_ROUTED_WEIGHT:  # the expert's output rounded to the model's dtype first, as the reference's
+            acc = acc.to(dt).to(tl.float32) * tl.load(topk_weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(c_ptr + pair[:, None] * c_stride_m + n[None, :] * c_stride_n, acc.to(dt),
+                 mask=pair_ok[:, None] & n_ok[None, :])
+
 
 def _check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
@@ -814,6 +856,82 @@ def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return _act_and_mul_triton(_gelu_tanh_and_mul_kernel, gate_up)
 
 
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's moe_align_block_size with torch ops on the device: no host sync, every shape
+    from topk_ids' shape alone, so a CUDA graph can capture it. The T * k (token, choice)
+    pairs, numbered t * k + j, sorted by expert, each expert's group padded to a multiple
+    of block_m: ``sorted_ids`` int64 [max_blocks * block_m] (padding: T * k, past every pair)
+    and ``expert_ids`` int64 [max_blocks], the expert of each block of block_m (-1: past the
+    last expert's group). max_blocks bounds every routing: each expert with c pairs takes
+    ceil(c / block_m) blocks, at most c of them and at most c / block_m + 1, so
+    min(T * k, ceil((T * k + E * (block_m - 1)) / block_m)); the first term keeps a
+    decode's grid at T * k blocks, however many experts. No torch.bincount: on CUDA it
+    reads the ids' max on the host to size its output."""
+    ids = topk_ids.reshape(-1).long()
+    num_pairs, dev = ids.numel(), ids.device
+    max_blocks = min(num_pairs, -(-(num_pairs + num_experts * (block_m - 1)) // block_m))
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    order = ids.argsort(stable=True)  # pairs by expert, in pair order within one
+    expert = ids[order]
+    # the i-th pair of the sorted order is its expert's (i - the expert's first place)-th
+    rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[expert]
+    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    sorted_ids = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
+    sorted_ids.scatter_(0, padded_starts[expert] + rank, order)
+    # a block's expert: the first whose padded group ends past the block's start (empty ones end before)
+    block_starts = torch.arange(0, max_blocks * block_m, block_m, device=dev)
+    expert_ids = torch.searchsorted(padded_ends, block_starts, right=True)
+    return sorted_ids, torch.where(expert_ids < num_experts, expert_ids, -1)
+
+
+def _check_moe(x, w13, w2, topk_weights, topk_ids) -> None:
+    """Shapes only: that every id is in [0, E) would need a host sync to check (an id out
+    of range is a device-side assert on CUDA, an IndexError on the CPU)."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or w13.shape[2] != x.shape[1] \
+            or w13.shape[1] != 2 * w2.shape[2] or w2.shape[:2] != (w13.shape[0], x.shape[1]):
+        raise ValueError(f"need x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights and topk_ids [{x.shape[0]}, k], got {tuple(topk_weights.shape)} "
+                         f"and {tuple(topk_ids.shape)}")
+
+
+def _moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """BLOCK_M of the grouped GEMMs: fixed by the shapes, so by a captured graph's batch."""
+    large = num_tokens * top_k >= _MOE_BLOCK_M_LARGE * num_experts
+    return _MOE_BLOCK_M_LARGE if large else _MOE_BLOCK_M_SMALL
+
+
+def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, a_rows_per_row: int, block_m: int) -> None:
+    """out [T * k, N] = the grouped GEMM of each pair's row of ``a`` with its expert's w [E, N, K]."""
+    N, K = w.shape[1], w.shape[2]
+    grid = (expert_ids.shape[0], triton.cdiv(N, _MOE_BLOCK_N))
+    weights = out if topk_weights is None else topk_weights  # unread without weights; any tensor is a pointer
+    _fused_moe_kernel[grid](a, w, out, weights, sorted_ids, expert_ids, N, K, out.shape[0], *a.stride(),
+                            *w.stride(), *out.stride(), A_ROWS_PER_ROW=a_rows_per_row,
+                            MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=_MOE_BLOCK_N,
+                            BLOCK_K=_MOE_BLOCK_K, PRECISION="ieee" if a.dtype == torch.float32 else None)
+
+
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
+    """vLLM's fused_experts: align the pairs to experts' blocks, x @ w13[e]^T for each pair,
+    silu(gate) * up, @ w2[e]^T times the routing weight, then each token's k rows summed in
+    fp32. Capture-safe: no host sync, and every shape and grid follows from (T, k, E) alone."""
+    _check_moe(x, w13, w2, topk_weights, topk_ids)
+    (T, H), (E, I), k = x.shape, (w2.shape[0], w2.shape[2]), topk_ids.shape[1]
+    if T == 0:
+        return torch.empty_like(x)
+    block_m = _moe_block_m(T, k, E)
+    sorted_ids, expert_ids = moe_align_block_size(topk_ids, E, block_m)
+    gate_up = x.new_empty(T * k, 2 * I)  # one row a pair: pair t * k + j reads x[t]
+    _grouped_gemm(x, w13, gate_up, None, sorted_ids, expert_ids, k, block_m)
+    down = x.new_empty(T * k, H)
+    _grouped_gemm(silu_and_mul_triton(gate_up), w2, down, topk_weights.reshape(-1), sorted_ids, expert_ids, 1,
+                  block_m)
+    return down.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
+
+
 def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
     """Raise where the Triton kernels cannot run here, before a model is built on
     them: a head_dim they do not take, a tile larger than this GPU's shared memory,
@@ -848,5 +966,5 @@ TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_to
 TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
     rotary_triton, silu_and_mul_triton, gelu_tanh_and_mul_triton, gemma_rms_norm_triton,
-    gemma_fused_add_rms_norm_triton, argmax_cuda, fused_moe_torch,  # not capture-safe yet: MoE models run eager
+    gemma_fused_add_rms_norm_triton, argmax_cuda, fused_moe_triton,
     warm_up=warm_up_paged_attention_triton, capture_safe=True)
