@@ -17,6 +17,8 @@ import math  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
 from conftest import TRITON_INTERPRETER_CLASH  # noqa: E402
 from nanoserve import kernels  # noqa: E402
 
@@ -526,3 +528,190 @@ def test_fused_moe_reference_is_each_tokens_weighted_experts(T, E, k):
             want[t] += topk_weights[t, j] * (w2[e] @ (torch.nn.functional.silu(gate) * up))
     got = kernels.fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- fused MoE (Triton)
+
+def moe_case(T, E, k, H, I, routing="random", seed=0, ids_dtype=torch.int64):
+    """x, w13, w2, topk_weights, topk_ids of a tiny MoE layer. Routings: "random" (k distinct
+    experts a token), "skewed" (only the first k + 1 experts are ever chosen), "same" (every
+    token chooses experts 0 .. k - 1)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    w13, w2 = torch.randn(E, 2 * I, H, generator=g) * H ** -0.5, torch.randn(E, H, I, generator=g) * I ** -0.5
+    chosen_from = {"random": E, "skewed": min(k + 1, E), "same": k}[routing]
+    ids = torch.stack([torch.randperm(chosen_from, generator=g)[:k] for _ in range(T)])
+    if routing == "same":
+        ids = ids.sort(dim=1).values
+    return x, w13, w2, torch.rand(T, k, generator=g), ids.to(ids_dtype)
+
+
+class RecordedKernel:
+    """Stands in for a Triton kernel: records each launch's grid and constants, runs nothing."""
+
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **constants: self.launches.append((self.name, tuple(grid), constants))
+
+
+def record_moe_launches(monkeypatch) -> list:
+    launches = []
+    for name in ("_fused_moe_kernel", "_silu_and_mul_kernel"):
+        monkeypatch.setattr(kernels, name, RecordedKernel(name, launches))
+    return launches
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on each aten op that reads a tensor's data on the host or sizes its output by
+    the data (each a device sync on CUDA, which a CUDA graph's capture refuses). .tolist()
+    and .numpy() read the data without an aten op: they are patched to fail too."""
+    SYNCS = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "unique_consecutive", "_unique",
+             "_unique2", "unique_dim", "repeat_interleave", "histc"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name.split("::")[-1]
+        bool_index = name == "index" and any(i is not None and i.dtype == torch.bool for i in args[1])
+        if name in self.SYNCS or bool_index:
+            raise AssertionError(f"{func} syncs with the host")
+        return func(*args, **(kwargs or {}))
+
+
+def no_host_sync(monkeypatch):
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a tensor's data was read on the host")
+    monkeypatch.setattr(torch.Tensor, "tolist", refuse)
+    monkeypatch.setattr(torch.Tensor, "numpy", refuse)
+    return NoHostSync()
+
+
+@triton_only
+@pytest.mark.parametrize("T,E,k,H,I,routing", [
+    (1, 4, 2, 16, 24, "random"),     # one token (a decode)
+    (7, 8, 2, 40, 20, "skewed"),     # experts nobody chose; H, I not multiples of the tiles
+    (5, 3, 3, 16, 16, "random"),     # every expert chosen by every token
+    (20, 6, 2, 24, 16, "same"),      # every token on the same 2 experts: each group spans 2 blocks
+    (13, 5, 1, 16, 40, "random"),    # k = 1
+    (70, 2, 2, 32, 48, "random"),    # 140 pairs over 2 experts: 64-row tiles, the last partly padding
+], ids=["T1", "unchosen", "all-experts", "same-experts", "k1", "block64"])
+def test_fused_moe_triton_equals_the_reference(T, E, k, H, I, routing):
+    x, w13, w2, topk_weights, topk_ids = moe_case(T, E, k, H, I, routing, ids_dtype=torch.int32)
+    got = kernels.fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    want = kernels.fused_moe_torch(x, w13, w2, topk_weights, topk_ids)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("T,E,k,block_m,routing", [
+    (1, 4, 2, 16, "random"), (7, 8, 2, 16, "skewed"), (9, 6, 2, 4, "same"), (50, 3, 2, 16, "random"),
+    (70, 2, 2, 64, "random")])
+def test_moe_align_block_size_pads_each_experts_group(T, E, k, block_m, routing):
+    """Every (token, choice) pair appears once, in its expert's group of whole blocks, the
+    groups in expert order; padding (T * k) only at a group's end; blocks past the last
+    group marked -1 and all padding; the buffers' shapes depend on T, k, E alone."""
+    ids = moe_case(T, E, k, 16, 16, routing)[4]
+    sorted_ids, expert_ids = kernels.moe_align_block_size(ids, E, block_m)
+    n = T * k
+    max_blocks = min(n, -(-(n + E * (block_m - 1)) // block_m))
+    assert sorted_ids.shape == (max_blocks * block_m,) and expert_ids.shape == (max_blocks,)
+    assert sorted(sorted_ids[sorted_ids < n].tolist()) == list(range(n))
+    assert ((sorted_ids < n) | (sorted_ids == n)).all()
+    counts = torch.bincount(ids.reshape(-1), minlength=E)
+    used = expert_ids[expert_ids >= 0]
+    assert used.tolist() == sorted(used.tolist()) and (expert_ids[len(used):] == -1).all()
+    for e in range(E):
+        assert (used == e).sum() == -(-int(counts[e]) // block_m)
+    blocks = sorted_ids.view(max_blocks, block_m)
+    assert (blocks[len(used):] == n).all()
+    flat = torch.cat([ids.reshape(-1), torch.tensor([-1])])  # the padding's "expert"
+    for b, e in enumerate(used.tolist()):
+        real = blocks[b] < n
+        assert real[0] and (flat[blocks[b][real]] == e).all()
+        assert real.tolist() == sorted(real.tolist(), reverse=True)  # padding last
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_moe_triton_never_syncs_and_launches_the_same_grid_for_any_routing(monkeypatch):
+    """What a CUDA graph needs (checked here on the CPU, kernels recorded rather than run): no
+    op reads the routing on the host, and the launches (grids, tiles) and the output follow
+    from (T, k, E) alone, so that one captured graph serves every routing. The guard itself
+    is checked on the reference, which reads the routing on the host."""
+    launches = record_moe_launches(monkeypatch)
+    guard = no_host_sync(monkeypatch)
+    seen = []
+    for T, E, k in [(1, 4, 2), (70, 2, 2), (33, 16, 4)]:
+        for routing in ("random", "same", "skewed"):
+            launches.clear()
+            case = moe_case(T, E, k, 16, 24, routing)
+            with guard:
+                out = kernels.fused_moe_triton(*case)
+            assert out.shape == (T, 16)
+            seen.append(((T, E, k), [(name, grid, sorted(c.items())) for name, grid, c in launches]))
+        assert seen[-1] == seen[-2] == seen[-3] and len(seen[-1][1]) == 3
+    assert seen[0][1] != seen[-1][1]
+    with pytest.raises(AssertionError, match="host"), guard:
+        kernels.fused_moe_torch(*moe_case(3, 4, 2, 16, 24))
+
+
+@triton_only
+def test_fused_moe_triton_bad_shapes_raise_and_no_tokens():
+    x, w13, w2, topk_weights, topk_ids = moe_case(3, 4, 2, 16, 24)
+    for bad in [(x[None], w13, w2), (x, w13[:, :-1], w2), (x, w13, w2[:, :-1]), (x, w13[:-1], w2)]:
+        with pytest.raises(ValueError, match="w13"):
+            kernels.fused_moe_triton(*bad, topk_weights, topk_ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        kernels.fused_moe_triton(x, w13, w2, topk_weights[:, :1], topk_ids)
+    assert kernels.fused_moe_triton(x[:0], w13, w2, topk_weights[:0], topk_ids[:0]).shape == (0, 16)
+
+
+# TRITON_INTERPRET=1 copies every kernel argument to the host, which graph capture forbids:
+# run on a GPU with TRITON_INTERPRET=0 (benchmarks/gpu.py's cuda_tests part does).
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                               reason="needs a GPU and compiled Triton (TRITON_INTERPRET=0)")
+
+
+@cuda_only
+def test_fused_moe_triton_on_cuda_in_bf16_and_graph_replay():
+    """The compiled kernel in bf16 at a Qwen3-30B-A3B layer's widths (128 experts, 8 a token):
+    no further from the fp32 reference than torch's bf16 reference is (twice, in norm), at
+    both tiles; then captured in a CUDA graph and replayed on other routings and inputs,
+    each replay equal to an eager call (the graph baked in no routing)."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    E, k, H, I = 128, 8, 2048, 768
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(dt)
+    w2 = (torch.randn(E, H, I, device=dev, generator=g) * I ** -0.5).to(dt)
+
+    def inputs(T, routing):
+        ids = torch.arange(k, device=dev).expand(T, k) if routing == "same" else \
+            torch.rand(T, E, device=dev, generator=g).topk(k).indices
+        weights = torch.rand(T, k, device=dev, generator=g).softmax(-1)
+        return torch.randn(T, H, device=dev, generator=g).to(dt), weights, ids.to(torch.int32)
+
+    def error(out, want):
+        return float((out.float() - want).norm() / want.norm())
+
+    for T in (1, 7, 64, 1100):  # 1100 * 8 pairs >= 64 * 128: the 64-row tile
+        for routing in ("random", "same"):
+            x, weights, ids = inputs(T, routing)
+            want = kernels.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+            bf16 = error(kernels.fused_moe_torch(x, w13, w2, weights, ids), want)
+            got = error(kernels.fused_moe_triton(x, w13, w2, weights, ids), want)
+            assert got <= max(2 * bf16, 1e-3), (T, routing, got, bf16)
+
+    x, weights, ids = inputs(8, "random")
+    side = torch.cuda.Stream()  # warm up (compile) off the capture, as torch.cuda.graph's docs do
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        kernels.fused_moe_triton(x, w13, w2, weights, ids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = kernels.fused_moe_triton(x, w13, w2, weights, ids)
+    for routing in ("same", "random", "same"):
+        for buf, new in zip((x, weights, ids), inputs(8, routing)):
+            buf.copy_(new)
+        graph.replay()
+        torch.testing.assert_close(out, kernels.fused_moe_triton(x, w13, w2, weights, ids), rtol=0, atol=0)
