@@ -807,7 +807,8 @@ def part_serve(scale: Scale, spec: dict) -> dict:
 def part_cuda_tests(scale: Scale, spec: dict) -> dict:
     """The test suite's CUDA-only tests (tests/test_decode_graphs.py: graph replay ==
     eager for every captured size, padding rows write no KV; tests/test_lora.py: the same
-    with adapter rows) with compiled Triton
+    with adapter rows; tests/test_kernels.py: the fused-MoE kernel in bf16 and replayed in a
+    graph) with compiled Triton
     (the suite's default TRITON_INTERPRET=1 skips them). Needs pytest, carried in
     .whl; in the dry run they skip, and the part checks only that pytest ran."""
     import importlib.util
@@ -817,6 +818,7 @@ def part_cuda_tests(scale: Scale, spec: dict) -> dict:
     # (cov, xdist, benchmark, ...) built for its pytest, not for the one carried in .whl.
     cmd = [sys.executable, "-m", "pytest", "-rs", "-p", "no:cacheprovider", "-p", "pytest_timeout",
            "tests/test_decode_graphs.py", "tests/test_lora.py",  # test_lora's: LoRA slots captured == eager
+           "tests/test_kernels.py",  # fused_moe_triton in bf16, and its graph replayed on other routings
            "-k", "graph_replay or graph_padding or async_scheduling_with_graphs"]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     # a per-test limit and a run limit inside the part's own, so that a hang leaves pytest's output

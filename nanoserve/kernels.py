@@ -600,7 +600,8 @@ if triton is not None:
         gelu = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))).to(dt).to(tl.float32)
         tl.store(out_ptr + t * n + cols, (gelu * u).to(dt), mask=ok)
 
-    @triton.jit
+    # num_pairs (T * k) changes with the batch: unspecialised, so a new batch compiles nothing.
+    @triton.jit(do_not_specialize=["num_pairs"])
     def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                           N, K, num_pairs, a_stride_m, a_stride_k, w_stride_e, w_stride_n, w_stride_k,
                           c_stride_m, c_stride_n, A_ROWS_PER_ROW: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
