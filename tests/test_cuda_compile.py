@@ -8,8 +8,9 @@ GPU. Triton compiles ahead of time for a target it is given (``triton.compile``
 with a ``GPUTarget``), with the ptxas it ships, and no driver. So this file calls
 each Triton wrapper of kernels.py with the shapes of the models that
 benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16), of a
-model whose query-head group is not a power of two (Qwen2.5-0.5B) and of Gemma 3
-1B (its norm and GELU kernels, head_dim 256), at every
+model whose query-head group is not a power of two (Qwen2.5-0.5B), of Gemma 3
+1B (its norm and GELU kernels, head_dim 256) and of Qwen3-30B-A3B's experts (the
+fused-MoE grouped GEMMs, both tiles), at every
 decode batch the engine captures in a CUDA graph and at its chunk and prefill
 tiles, records each launch instead of running it, and compiles the distinct
 variants to cubins: all of them, except that of the variants that differ only in
@@ -42,6 +43,8 @@ MODELS = [
     ("qwen2.5-0.5b", "bfloat16", 896, 14, 2, 64, 4864, False, 4096),  # 7 query heads a KV head
     ("gemma-3-1b", "bfloat16", 1152, 4, 1, 256, 6912, True, 32768),  # Gemma's ops; head_dim 256
 ]
+# (name, dtype, hidden, experts, experts a token, an expert's intermediate): fused_moe's grouped GEMMs
+MOE_MODELS = [("qwen3-30b-a3b", "bfloat16", 2048, 128, 8, 768)]
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: graphs are captured up to it
 
 
@@ -55,6 +58,8 @@ def _variants() -> dict[tuple, tuple]:
     def engine_launches():
         for model in MODELS:
             _launch_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
+        for model in MOE_MODELS:
+            _launch_moe_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
     return {key[:3]: value for key, value in record_launches(engine_launches).items()}
 
 
@@ -148,6 +153,17 @@ def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
         (b.gelu_tanh_and_mul if gemma else b.silu_and_mul)(torch.empty(T, 2 * inter, dtype=dt))
 
 
+def _launch_moe_like_the_engine(b, torch, model, decode_sizes):
+    """One MoE layer's experts (fused_moe) at every captured decode batch and at prefills large
+    enough for the 64-row tile. The weights are never touched: torch.empty only reserves them."""
+    name, dtype, hidden, experts, top_k, inter = model
+    dt = getattr(torch, dtype)
+    w13, w2 = torch.empty(experts, 2 * inter, hidden, dtype=dt), torch.empty(experts, hidden, inter, dtype=dt)
+    for T in [*decode_sizes, 1300, 4096]:
+        ids = torch.zeros(T, top_k, dtype=torch.int32)  # the routing changes no launch
+        b.fused_moe(torch.empty(T, hidden, dtype=dt), w13, w2, torch.empty(T, top_k), ids)
+
+
 def _compile(item):
     from triton import compile
     from triton.backends.compiler import GPUTarget
@@ -216,6 +232,9 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     # decode, chunk and prefill tiles, unsplit and split: what the engine picks on a GPU
     assert {(a["BLOCK_M"], a["BLOCK_N"]) for a in attention} >= {(16, 32), (64, 32), (128, 64)}
     assert {a["NUM_SPLITS"] for a in attention} >= {1, 8, 32}  # 32: the most (kernels._SPLIT_KV_MAX_SPLITS)
+    moe = {(v["constants"]["BLOCK_M"], v["constants"]["MUL_ROUTED_WEIGHT"]) for v in compiled
+           if v["kernel"] == "_fused_moe_kernel" and v["dtype"] == "*bf16"}
+    assert moe == {(16, False), (16, True), (64, False), (64, True)}  # both tiles, both GEMMs
     assert all(v["cubin_bytes"] > 0 for v in compiled)
 
 
