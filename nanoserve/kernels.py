@@ -604,13 +604,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["num_pairs"])
     def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr,
                           N, K, num_pairs, a_stride_m, a_stride_k, w_stride_e, w_stride_n, w_stride_k,
-                          c_stride_m, c_stride_n, A_ROWS_PER_ROW: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                          c_stride_m, c_stride_n, PAIRS_PER_ROW: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
         """Grid (blocks of sorted pairs, blocks of N): one expert's grouped GEMM on one tile,
-        c[pair] = a[pair // A_ROWS_PER_ROW] @ w[expert]^T (times the pair's routing weight).
-        The first launch reads x (a token's row serves its top_k pairs), the second the
-        activations (one row a pair). A block past the last expert's exits: the grid is sized
+        c[pair] = a[pair // PAIRS_PER_ROW] @ w[expert]^T (times the pair's routing weight).
+        The first launch reads x (a token's row serves its k pairs: PAIRS_PER_ROW = k), the
+        second the activations (one row a pair). A block past the last expert's exits: the grid is sized
         for the worst routing, so that it never depends on the data."""
         expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
         if expert < 0:
@@ -619,7 +619,7 @@ if triton is not None:
         pair_ok = pair < num_pairs  # padding points past the last pair
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
-        rows = a_ptr + (pair // A_ROWS_PER_ROW)[:, None] * a_stride_m
+        rows = a_ptr + (pair // PAIRS_PER_ROW)[:, None] * a_stride_m
         cols = w_ptr + expert * w_stride_e + n[None, :] * w_stride_n
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -630,7 +630,8 @@ if triton is not None:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         dt = c_ptr.dtype.element_ty
         if MUL_ROUTED_WEIGHT:  # the expert's output rounded to the model's dtype first, as the reference's
-            acc = acc.to(dt).to(tl.float32) * tl.load(topk_weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)[:, None]
+            weight = tl.load(topk_weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)
+            acc = acc.to(dt).to(tl.float32) * weight[:, None]
         tl.store(c_ptr + pair[:, None] * c_stride_m + n[None, :] * c_stride_n, acc.to(dt),
                  mask=pair_ok[:, None] & n_ok[None, :])
 
@@ -857,29 +858,30 @@ def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return _act_and_mul_triton(_gelu_tanh_and_mul_kernel, gate_up)
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
+                         block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """vLLM's moe_align_block_size with torch ops on the device: no host sync, every shape
     from topk_ids' shape alone, so a CUDA graph can capture it. The T * k (token, choice)
     pairs, numbered t * k + j, sorted by expert, each expert's group padded to a multiple
     of block_m: ``sorted_ids`` int64 [max_blocks * block_m] (padding: T * k, past every pair)
     and ``expert_ids`` int64 [max_blocks], the expert of each block of block_m (-1: past the
-    last expert's group). max_blocks bounds every routing: each expert with c pairs takes
-    ceil(c / block_m) blocks, at most c of them and at most c / block_m + 1, so
-    min(T * k, ceil((T * k + E * (block_m - 1)) / block_m)); the first term keeps a
-    decode's grid at T * k blocks, however many experts. No torch.bincount: on CUDA it
-    reads the ids' max on the host to size its output."""
+    last expert's group). max_blocks bounds every routing: an expert with c pairs takes
+    ceil(c / block_m) blocks, which is at most c and at most (c + block_m - 1) / block_m, so
+    all of them take at most min(T * k, (T * k + E * (block_m - 1)) / block_m); the first
+    bound keeps a decode's grid at T * k blocks however many experts there are. No
+    torch.bincount: on CUDA it reads the ids' max on the host to size its output."""
     ids = topk_ids.reshape(-1).long()
     num_pairs, dev = ids.numel(), ids.device
     max_blocks = min(num_pairs, -(-(num_pairs + num_experts * (block_m - 1)) // block_m))
     counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
-    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
     order = ids.argsort(stable=True)  # pairs by expert, in pair order within one
     expert = ids[order]
     # the i-th pair of the sorted order is its expert's (i - the expert's first place)-th
     rank = torch.arange(num_pairs, device=dev) - (counts.cumsum(0) - counts)[expert]
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
     sorted_ids = torch.full((max_blocks * block_m,), num_pairs, dtype=torch.long, device=dev)
-    sorted_ids.scatter_(0, padded_starts[expert] + rank, order)
+    sorted_ids.scatter_(0, (padded_ends - padded)[expert] + rank, order)
     # a block's expert: the first whose padded group ends past the block's start (empty ones end before)
     block_starts = torch.arange(0, max_blocks * block_m, block_m, device=dev)
     expert_ids = torch.searchsorted(padded_ends, block_starts, right=True)
@@ -896,6 +898,8 @@ def _check_moe(x, w13, w2, topk_weights, topk_ids) -> None:
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"need topk_weights and topk_ids [{x.shape[0]}, k], got {tuple(topk_weights.shape)} "
                          f"and {tuple(topk_ids.shape)}")
+    if not x.dtype == w13.dtype == w2.dtype:  # tl.dot takes one dtype, as F.linear does
+        raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype} and {w2.dtype}")
 
 
 def _moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
@@ -904,13 +908,13 @@ def _moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     return _MOE_BLOCK_M_LARGE if large else _MOE_BLOCK_M_SMALL
 
 
-def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, a_rows_per_row: int, block_m: int) -> None:
+def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, pairs_per_row: int, block_m: int) -> None:
     """out [T * k, N] = the grouped GEMM of each pair's row of ``a`` with its expert's w [E, N, K]."""
     N, K = w.shape[1], w.shape[2]
     grid = (expert_ids.shape[0], triton.cdiv(N, _MOE_BLOCK_N))
     weights = out if topk_weights is None else topk_weights  # unread without weights; any tensor is a pointer
     _fused_moe_kernel[grid](a, w, out, weights, sorted_ids, expert_ids, N, K, out.shape[0], *a.stride(),
-                            *w.stride(), *out.stride(), A_ROWS_PER_ROW=a_rows_per_row,
+                            *w.stride(), *out.stride(), PAIRS_PER_ROW=pairs_per_row,
                             MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=_MOE_BLOCK_N,
                             BLOCK_K=_MOE_BLOCK_K, PRECISION="ieee" if a.dtype == torch.float32 else None)
 
@@ -921,8 +925,8 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     fp32. Capture-safe: no host sync, and every shape and grid follows from (T, k, E) alone."""
     _check_moe(x, w13, w2, topk_weights, topk_ids)
     (T, H), (E, I), k = x.shape, (w2.shape[0], w2.shape[2]), topk_ids.shape[1]
-    if T == 0:
-        return torch.empty_like(x)
+    if T == 0 or k == 0:  # no pair: an empty grid, which Triton refuses
+        return torch.zeros_like(x)
     block_m = _moe_block_m(T, k, E)
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, E, block_m)
     gate_up = x.new_empty(T * k, 2 * I)  # one row a pair: pair t * k + j reads x[t]

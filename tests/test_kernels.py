@@ -663,7 +663,10 @@ def test_fused_moe_triton_bad_shapes_raise_and_no_tokens():
             kernels.fused_moe_triton(*bad, topk_weights, topk_ids)
     with pytest.raises(ValueError, match="topk_ids"):
         kernels.fused_moe_triton(x, w13, w2, topk_weights[:, :1], topk_ids)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.fused_moe_triton(x, w13.double(), w2, topk_weights, topk_ids)
     assert kernels.fused_moe_triton(x[:0], w13, w2, topk_weights[:0], topk_ids[:0]).shape == (0, 16)
+    assert not kernels.fused_moe_triton(x, w13, w2, topk_weights[:, :0], topk_ids[:, :0]).any()
 
 
 # TRITON_INTERPRET=1 copies every kernel argument to the host, which graph capture forbids:
