@@ -937,6 +937,16 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     return down.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
+def warm_up_fused_moe_triton(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    """Compile both tiles of fused_moe_triton for these weights before traffic (Triton compiles
+    a variant on its first launch; a CUDA graph's capture cannot): a token, and a batch just
+    large enough for the 64-row tile, all routed to expert 0."""
+    E, H = w13.shape[0], w13.shape[2]
+    for T in (1, -(-_MOE_BLOCK_M_LARGE * E // top_k)):
+        ids = torch.zeros(T, top_k, dtype=torch.int32, device=w13.device)
+        fused_moe_triton(w13.new_zeros(T, H), w13, w2, torch.ones(T, top_k, device=w13.device), ids)
+
+
 def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
     """Raise where the Triton kernels cannot run here, before a model is built on
     them: a head_dim they do not take, a tile larger than this GPU's shared memory,

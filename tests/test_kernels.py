@@ -655,6 +655,15 @@ def test_fused_moe_triton_never_syncs_and_launches_the_same_grid_for_any_routing
         kernels.fused_moe_torch(*moe_case(3, 4, 2, 16, 24))
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_moe_warm_up_launches_both_tiles(monkeypatch):
+    launches = record_moe_launches(monkeypatch)
+    _, w13, w2, _, _ = moe_case(1, 6, 2, 16, 24)
+    kernels.warm_up_fused_moe_triton(w13, w2, top_k=2)
+    tiles = {(c["BLOCK_M"], c["MUL_ROUTED_WEIGHT"]) for name, _, c in launches if name == "_fused_moe_kernel"}
+    assert tiles == {(16, False), (16, True), (64, False), (64, True)}
+
+
 @triton_only
 def test_fused_moe_triton_bad_shapes_raise_and_no_tokens():
     x, w13, w2, topk_weights, topk_ids = moe_case(3, 4, 2, 16, 24)
