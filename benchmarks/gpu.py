@@ -63,7 +63,8 @@ for _p in (str(HERE), str(ROOT)):
         sys.path.insert(0, _p)
 
 # mistral-sw: Mistral with a 32-token sliding window, shorter than the longer prompts (the Triton window);
-# phi3-partial: Phi-3 as Phi-4-mini, 12 of each head's 16 dims turned (the Triton rotary's partial path), tied;
+# phi3-partial: Phi-3 as Phi-4-mini, 72 of each head's 96 dims turned (the Triton rotary's partial path), tied;
+#   head_dim 96 as Phi-3-mini's: the Triton tiles padded to 128;
 # gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
@@ -216,7 +217,8 @@ def tiny_hf_config(arch: str, max_pos: int):
     if arch == "granite":
         base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5)
     if arch == "phi3-partial":
-        base.update(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None, pad_token_id=None)
+        base.update(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None, pad_token_id=None,
+                    hidden_size=192, num_attention_heads=2, num_key_value_heads=1)  # head_dim 96
     return cls(**base)
 
 

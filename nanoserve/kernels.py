@@ -336,7 +336,7 @@ if triton is not None:
         kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
         vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
         num_kv_heads, block_size,
-        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     ):
         """One program per token: copy its [num_kv_heads, head_dim] K and V rows."""
         t = tl.program_id(0).to(tl.int64)
@@ -345,9 +345,10 @@ if triton is not None:
             return
         block, offset = slot // block_size, slot % block_size
         h = tl.arange(0, HEADS_PAD)[:, None]
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        # (d < HEAD_DIM) is always true; it gives the mask the full [heads, dim]
-        # shape, which Triton's CPU interpreter needs for a masked load.
+        d = tl.arange(0, HEAD_DIM_PAD)[None, :]
+        # (d < HEAD_DIM) masks a padded head (96 in 128); for a power of two it is
+        # always true and gives the mask the full [heads, dim] shape, which Triton's
+        # CPU interpreter needs for a masked load.
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
         k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d * k_stride_d, mask=mask)
         v = tl.load(value_ptr + t * v_stride_t + h * v_stride_h + d * v_stride_d, mask=mask)
@@ -387,14 +388,20 @@ if triton is not None:
         vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
         bt_stride_s, bt_stride_b,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
     ):
         """Grid (query tiles, kv heads, splits). With NUM_SPLITS == 1 a program
         walks its tile's whole visible context and writes the output; otherwise it
         walks partition `split` of it only and writes its running max / sum /
         accumulator for _split_kv_reduce_kernel to merge. A query at position p sees
-        keys p - window + 1 .. p (window: the sliding window, else past any context)."""
+        keys p - window + 1 .. p (window: the sliding window, else past any context).
+
+        The tile's head dimension is HEAD_DIM_PAD, HEAD_DIM's next power of two (tl.arange's
+        and tl.dot's need): a padded head (Phi-3's 96 in 128) loads zeros past HEAD_DIM, which
+        add nothing to q.k, and stores nothing there. PADDED is a constexpr branch, so a
+        power of two compiles with no mask along the head as before."""
+        PADDED: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -413,9 +420,12 @@ if triton is not None:
         row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
         q_pos = context_len + q_idx                            # its position in the sequence
         token = (q_start + q_idx).to(tl.int64)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        q_mask = row_ok[:, None]
+        if PADDED:
+            q_mask = q_mask & (d[None, :] < HEAD_DIM)
         q = tl.load(query_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h
-                    + d[None, :] * q_stride_d, mask=row_ok[:, None], other=0.0)
+                    + d[None, :] * q_stride_d, mask=q_mask, other=0.0)
 
         # Keys first_key .. (last query of the tile's position) are visible to some row.
         num_keys = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
@@ -432,7 +442,7 @@ if triton is not None:
         # rather than NaN, without a branch.
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
         kv_off_h = kv_head.to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
@@ -441,12 +451,15 @@ if triton is not None:
                             + (k_pos // block_size) * bt_stride_b,
                             mask=k_ok, other=0).to(tl.int64)
             offset = k_pos % block_size
+            k_mask, v_mask = k_ok[None, :], k_ok[:, None]
+            if PADDED:
+                k_mask, v_mask = k_mask & (d[:, None] < HEAD_DIM), v_mask & (d[None, :] < HEAD_DIM)
             k = tl.load(k_cache_ptr + block[None, :] * kc_stride_b + offset[None, :] * kc_stride_s
                         + kv_off_h * kc_stride_h + d[:, None] * kc_stride_d,
-                        mask=k_ok[None, :], other=0.0)          # [HEAD_DIM, BLOCK_N]
+                        mask=k_mask, other=0.0)                 # [HEAD_DIM_PAD, BLOCK_N]
             v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_s
                         + kv_off_h * vc_stride_h + d[None, :] * vc_stride_d,
-                        mask=k_ok[:, None], other=0.0)          # [BLOCK_N, HEAD_DIM]
+                        mask=v_mask, other=0.0)                 # [BLOCK_N, HEAD_DIM_PAD]
             s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
@@ -458,17 +471,20 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        out_mask = row_ok[:, None]
+        if PADDED:
+            out_mask = out_mask & (d[None, :] < HEAD_DIM)
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on unused rows
             tl.store(out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h
                      + d[None, :] * o_stride_d, o.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
+                     mask=out_mask)
         else:  # partials are contiguous [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM)]
             part = (token * num_heads + head) * NUM_SPLITS + split
             tl.store(m_part_ptr + part, m_i, mask=row_ok)
             tl.store(l_part_ptr + part, l_i, mask=row_ok)
             tl.store(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
-                     mask=row_ok[:, None])
+                     mask=out_mask)
 
     # Triton compiles a variant per integer argument that is 1 or a multiple of
     # 16; the first two change from step to step, so they stay unspecialised: a new
@@ -481,23 +497,32 @@ if triton is not None:
         out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
         o_stride_t, o_stride_h, o_stride_d, num_heads,
         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
     ):
         """One program per (token, head): rescale each split's partial sums to the
-        global max and add them up."""
+        global max and add them up (a padded head as in _paged_attention_kernel)."""
+        PADDED: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         sp = tl.arange(0, SPLITS_PAD)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HEAD_DIM_PAD)
         part = (token * num_heads + head) * NUM_SPLITS + sp
         ok = sp < NUM_SPLITS
+        acc_mask = ok[:, None]
+        if PADDED:
+            acc_mask = acc_mask & (d[None, :] < HEAD_DIM)
         m = tl.load(m_part_ptr + part, mask=ok, other=-1.0e30)
         l = tl.load(l_part_ptr + part, mask=ok, other=0.0)
         acc = tl.load(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                      mask=ok[:, None], other=0.0)
+                      mask=acc_mask, other=0.0)
         w = tl.exp2(m - tl.max(m, 0))  # splits that saw no key have m = -1e30: weight 0
         o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,
-                 o.to(out_ptr.dtype.element_ty))
+        if PADDED:
+            tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,
+                     o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        else:
+            tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,
+                     o.to(out_ptr.dtype.element_ty))
 
 
     # The decoder's pointwise work on CUDA: one launch each instead of eager
@@ -593,9 +618,13 @@ if triton is not None:
 
 
 def _check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"the Triton kernels need head_dim to be a power of two >= 16 "
-                         f"(tl.arange and tl.dot), got {head_dim}")
+    """A power of two >= 16 (tl.dot's least), or a multiple of 8 up to 256 (Phi-3's 96, 80, 160,
+    192: vLLM's sizes), which the kernels pad to the next power of two with masks; past 256
+    padding would double a tile that no GPU run has checked."""
+    power_of_two = not head_dim & (head_dim - 1)
+    if head_dim < 16 or head_dim % 8 or (head_dim > 256 and not power_of_two):
+        raise ValueError(f"the Triton kernels need head_dim to be a multiple of 8 from 16 to 256, "
+                         f"or a larger power of two, got {head_dim}")
 
 
 def _check_kv(key, value, k_cache, v_cache) -> None:
@@ -622,6 +651,7 @@ def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads, k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
     )
 
 
@@ -730,7 +760,8 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         *block_tables.stride(),
         GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        NUM_SPLITS=num_splits,
         # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         **launch_options,
@@ -739,7 +770,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         _split_kv_reduce_kernel[(num_tokens, num_heads)](
             out, m_part, l_part, acc_part, *out.stride(), num_heads,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         )
     return out
 

@@ -8,8 +8,8 @@ GPU. Triton compiles ahead of time for a target it is given (``triton.compile``
 with a ``GPUTarget``), with the ptxas it ships, and no driver. So this file calls
 each Triton wrapper of kernels.py with the shapes of the models that
 benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16), of a
-model whose query-head group is not a power of two (Qwen2.5-0.5B) and of Gemma 3
-1B (its norm and GELU kernels, head_dim 256), at every
+model whose query-head group is not a power of two (Qwen2.5-0.5B), of Gemma 3
+1B (its norm and GELU kernels, head_dim 256) and of Phi-3-mini (head_dim 96, padded), at every
 decode batch the engine captures in a CUDA graph and at its chunk and prefill
 tiles, records each launch instead of running it, and compiles the distinct
 variants to cubins: all of them, except that of the variants that differ only in
@@ -41,6 +41,7 @@ MODELS = [
     ("w1-qwen3-0.6b", "bfloat16", 1024, 16, 8, 128, 3072, True, 40960),  # its max_position_embeddings
     ("qwen2.5-0.5b", "bfloat16", 896, 14, 2, 64, 4864, False, 4096),  # 7 query heads a KV head
     ("gemma-3-1b", "bfloat16", 1152, 4, 1, 256, 6912, True, 32768),  # Gemma's ops; head_dim 256
+    ("phi-3-mini", "bfloat16", 3072, 32, 32, 96, 8192, False, 4096),  # head_dim 96: tiles padded to 128
 ]
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: graphs are captured up to it
 
@@ -216,6 +217,8 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     # decode, chunk and prefill tiles, unsplit and split: what the engine picks on a GPU
     assert {(a["BLOCK_M"], a["BLOCK_N"]) for a in attention} >= {(16, 32), (64, 32), (128, 64)}
     assert {a["NUM_SPLITS"] for a in attention} >= {1, 8, 32}  # 32: the most (kernels._SPLIT_KV_MAX_SPLITS)
+    padded = {(v["kernel"], v["constants"]["HEAD_DIM"]) for v in compiled if v["constants"].get("HEAD_DIM_PAD") == 128}
+    assert {("_store_kvcache_kernel", 96), ("_paged_attention_kernel", 96), ("_split_kv_reduce_kernel", 96)} <= padded
     assert all(v["cubin_bytes"] > 0 for v in compiled)
 
 

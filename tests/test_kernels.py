@@ -46,8 +46,9 @@ BACKENDS = [pytest.param(kernels.TORCH, id="torch"),
 POISON = {"torch": 1e4, "triton": float("nan")}
 ATOL = RTOL = 1e-4
 
-# (block_size, head_dim, num_heads, num_kv_heads): GQA ratios 1, 2, 3, 4, 8.
-CONFIGS = [(8, 32, 4, 4), (16, 64, 4, 2), (32, 128, 8, 2), (16, 32, 8, 1), (8, 64, 6, 2)]
+# (block_size, head_dim, num_heads, num_kv_heads): GQA ratios 1, 2, 3, 4, 8; head_dim 96
+# (Phi-3-mini's), which the Triton tile pads to 128.
+CONFIGS = [(8, 32, 4, 4), (16, 64, 4, 2), (32, 128, 8, 2), (16, 32, 8, 1), (8, 64, 6, 2), (16, 96, 6, 2)]
 # Each sequence of a batch as (cached context before this step, tokens this step).
 SCENARIOS = {
     "decode": [(4, 1), (16, 1), (37, 1), (0, 1)],
@@ -129,7 +130,7 @@ def check_attention(backend: kernels.Backend, batch, sliding_window=None, **kw):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim",
-                         [(8, 2, 32), (16, 3, 64), (32, 1, 128)])
+                         [(8, 2, 32), (16, 3, 64), (32, 1, 128), (8, 2, 96), (16, 1, 80)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_store_kvcache(backend, block_size, num_kv_heads, head_dim, layout):
     torch.manual_seed(0)
@@ -230,6 +231,18 @@ def test_paged_attention_sliding_window(backend, config, scenario, window):
     scale = batch[0].shape[-1] ** -0.5
     assert not torch.allclose(naive_attention(*batch, scale, window), naive_attention(*batch, scale))
     check_attention(backend, batch, window)
+
+
+@triton_only
+@pytest.mark.parametrize("head_dim,window", [(96, None), (80, 70)])
+def test_split_kv_padded_head(monkeypatch, head_dim, window):
+    """A head_dim no power of two through split-KV's partials and reduce, with a window too:
+    the padded dims are neither read (NaN poison) nor written."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    torch.manual_seed(12)
+    batch = make_batch([(200, 1), (40, 1), (129, 1)], 16, head_dim, 4, 1, POISON["triton"])
+    assert kernels._num_kv_splits(True, 3, 1, batch[3].shape[1] * 16) > 2
+    check_attention(kernels.TRITON, batch, window)
 
 
 @triton_only
@@ -361,14 +374,14 @@ def test_triton_interpreter_works_with_this_numpy():
 
 @triton_only
 def test_bad_shapes_raise():
-    q = torch.randn(2, 4, 48)
-    cache = torch.randn(3, 8, 2, 48)
+    q = torch.randn(2, 4, 44)  # no multiple of 8
+    cache = torch.randn(3, 8, 2, 44)
     seq = dict(block_tables=torch.zeros(2, 1, dtype=torch.int32),
                seq_lens=torch.ones(2, dtype=torch.int32),
                query_start_loc=torch.arange(3, dtype=torch.int32), scale=1.0)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         kernels.paged_attention_triton(q, cache, cache, **seq)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         kernels.store_kvcache_triton(q[:, :2], q[:, :2], cache, cache, torch.zeros(2, dtype=torch.long))
     cache = torch.randn(3, 8, 3, 32)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
@@ -459,7 +472,8 @@ def test_triton_rms_norm_and_fused_add(heads):
 
 
 @triton_only
-@pytest.mark.parametrize("d,r", [(32, 32), (32, 24), (128, 96)], ids=["full", "partial-24", "partial-96"])
+@pytest.mark.parametrize("d,r", [(32, 32), (32, 24), (128, 96), (96, 96)],
+                         ids=["full", "partial-24", "partial-96", "full-96"])
 def test_triton_rotary_silu_and_gelu_and_mul(d, r):
     """r < d: partial rotary (Phi-4-mini: 96 of 128), the first r dims turn, half of r no power of two."""
     torch.manual_seed(22)
