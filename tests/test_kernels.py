@@ -92,9 +92,11 @@ def make_batch(specs, block_size, head_dim, num_heads, num_kv_heads, poison, ext
             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), query_start_loc.to(DEVICE))
 
 
-def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None):
+def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None,
+                    soft_cap=None):
     """Dense float64 attention, one sequence at a time, straight from the definition
-    (with a sliding window W, a query at p sees keys p - W + 1 .. p, as transformers')."""
+    (with a sliding window W, a query at p sees keys p - W + 1 .. p, as transformers';
+    with a soft cap c, each score s is c * tanh(s / c) before the mask, as Gemma 2's)."""
     out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
     block_size = k_cache.shape[1]
     group = query.shape[1] // k_cache.shape[2]
@@ -112,6 +114,8 @@ def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         if sliding_window is not None:
             allowed &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
@@ -120,7 +124,7 @@ def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
 def check_attention(backend: kernels.Backend, batch, sliding_window=None, **kw):
     query = batch[0]
     scale = query.shape[-1] ** -0.5
-    expected = naive_attention(*batch, scale, sliding_window)
+    expected = naive_attention(*batch, scale, sliding_window, kw.get("logits_soft_cap"))
     got = backend.paged_attention(*batch, scale, sliding_window, **kw)
     assert got.dtype == query.dtype and got.shape == query.shape
     torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=RTOL)
@@ -231,6 +235,33 @@ def test_paged_attention_sliding_window(backend, config, scenario, window):
     scale = batch[0].shape[-1] ** -0.5
     assert not torch.allclose(naive_attention(*batch, scale, window), naive_attention(*batch, scale))
     check_attention(backend, batch, window)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_soft_cap(backend, scenario, window):
+    """Gemma 2's soft cap, cap * tanh(score / cap) before the mask and softmax: a cap of 2 bends
+    the scores of these random heads (up to ~4 at scale 1/8) away from the uncapped attention."""
+    torch.manual_seed(13)
+    batch = make_batch(SCENARIOS[scenario], 16, 64, 4, 2, POISON[backend.name])
+    query = batch[0] * 4  # sharper scores, which the cap clips
+    batch = (query, *batch[1:])
+    scale = query.shape[-1] ** -0.5
+    capped = naive_attention(*batch, scale, window, 2.0)
+    assert not torch.allclose(capped, naive_attention(*batch, scale, window), atol=1e-2)
+    check_attention(backend, batch, window, logits_soft_cap=2.0)
+
+
+@triton_only
+def test_split_kv_soft_cap(monkeypatch):
+    """The soft cap in split-KV's partials: the reduce merges capped scores' sums."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    torch.manual_seed(14)
+    batch = make_batch([(200, 1), (40, 1), (129, 1)], 16, 32, 4, 1, POISON["triton"])
+    batch = (batch[0] * 4, *batch[1:])
+    assert kernels._num_kv_splits(True, 3, 1, batch[3].shape[1] * 16) > 2
+    check_attention(kernels.TRITON, batch, logits_soft_cap=3.0)
 
 
 @triton_only
@@ -499,12 +530,15 @@ def test_cuda_argmax_picks_the_references_index():
 
 
 @triton_only
-def test_a_decoder_on_the_triton_backend_matches_the_references(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_a_decoder_on_the_triton_backend_matches_the_references(model_root, arch):
     """The whole forward (prefill, then a decode of each prompt) with every op
-    from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter)."""
-    from conftest import step_logits
+    from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter);
+    Gemma 2: its soft caps, and a 20-token prompt past its 16-token window."""
+    from conftest import make_model, step_logits
     from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
     from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
+    tiny_model = make_model(model_root, arch)
     cfg = ModelConfig.from_dir(tiny_model)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (9, 20)]
