@@ -63,14 +63,17 @@ for _p in (str(HERE), str(ROOT)):
         sys.path.insert(0, _p)
 
 # mistral-sw: Mistral with a 32-token sliding window, shorter than the longer prompts (the Triton window);
-# phi3-partial: Phi-3 as Phi-4-mini, 12 of each head's 16 dims turned (the Triton rotary's partial path), tied;
-# gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device)
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3")
+# phi3-partial: Phi-3 as Phi-4-mini, 72 of each head's 96 dims turned (the Triton rotary's partial path), tied;
+#   head_dim 96 as Phi-3-mini's: the Triton tiles padded to 128;
+# gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device);
+# gemma2: Gemma 3's layout with soft caps on the attention scores (the Triton kernel's SOFT_CAP) and logits
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one (gemma3's mixed window aside):
 # fewer configs keep the part within its time.
 ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("plain-graphs", "chunked-eager"),
-                "gemma3": ("plain-graphs", "preempt-graphs", "chunked-eager")}
+                "gemma3": ("plain-graphs", "preempt-graphs", "chunked-eager"),
+                "gemma2": ("plain-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -199,24 +202,27 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
     cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig, granite=GraniteConfig,
-               phi3=Phi3Config, gemma3=Gemma3TextConfig)[arch.split("-")[0]]
+               phi3=Phi3Config, gemma3=Gemma3TextConfig, gemma2=Gemma2Config)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma2"):
         base.update(head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=32,
                     layer_types=["sliding_attention", "full_attention"])
+    if arch == "gemma2":  # caps low enough to bend the tiny model's scores and logits (Gemma 2's 50 and 30 barely)
+        base.update(attn_logit_softcapping=1.0, final_logit_softcapping=5.0)
     if arch.startswith("mistral"):
         base.update(sliding_window=32 if arch == "mistral-sw" else None)
     if arch == "granite":
         base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5)
     if arch == "phi3-partial":
-        base.update(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None, pad_token_id=None)
+        base.update(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None, pad_token_id=None,
+                    hidden_size=192, num_attention_heads=2, num_key_value_heads=1)  # head_dim 96
     return cls(**base)
 
 

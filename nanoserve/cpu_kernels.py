@@ -143,10 +143,13 @@ def is_decode_only(query_start_loc: torch.Tensor) -> bool:
 
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """kernels.paged_attention_torch in C: the decodes of the step in one
     decode_attention call, its multi-token chunks in one chunk_attention call, both
-    within the sliding window where one masks a key (neither reads a block before it)."""
+    within the sliding window where one masks a key (neither reads a block before it).
+    No soft cap (Gemma 2's): cpu_backend's smoke test meets this error and picks another."""
+    if logits_soft_cap is not None:
+        raise ValueError("the C attention kernels do not soft-cap attention scores (Gemma 2)")
     window = sliding_window if kernels.window_masks(seq_lens, sliding_window) else None
     _check_attention_inputs(query, k_cache, v_cache)
     query = query.contiguous()  # the kernels index rows directly

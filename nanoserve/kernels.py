@@ -54,7 +54,8 @@ def weights_as_loaded(model: torch.nn.Module) -> int:
     return 0
 
 
-def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_context: int) -> None:
+def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_context: int,
+                       logits_soft_cap: float | None = None) -> None:
     """The references' ``warm_up``: eager torch compiles nothing."""
 
 
@@ -66,7 +67,9 @@ class Backend:
 
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None) -> out  (a window: each query sees its last sliding_window positions)
+                    sliding_window=None, logits_soft_cap=None) -> out
+      (a window: each query sees its last sliding_window positions; a soft cap, Gemma 2's:
+      each score s = scale * q.k becomes cap * tanh(s / cap) before the mask and softmax)
     rms_norm(x [..., n], weight [n], eps) -> normalised x
     fused_add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
     rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache [max_positions, r]) -> (q, k)
@@ -80,7 +83,7 @@ class Backend:
       -> [T, H]: a mixture-of-experts MLP once the router has chosen (vLLM's fused_experts);
       capture-safe in TRITON (ids are not range-checked: that would sync)
 
-    ``warm_up(num_heads, k_cache, v_cache, max_context)`` builds, before traffic,
+    ``warm_up(num_heads, k_cache, v_cache, max_context, logits_soft_cap=None)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
     throwaway step (Triton's split-KV counts, which grow with the context).
 
@@ -124,10 +127,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                          scale, sliding_window: int | None = None) -> torch.Tensor:
+                          scale, sliding_window: int | None = None,
+                          logits_soft_cap: float | None = None) -> torch.Tensor:
     """The reference: the step's decodes (q_len 1) in one batched SDPA call, each
     multi-token chunk in one of its own. With a sliding window a query at position
-    p sees keys p - sliding_window + 1 .. p (transformers' and vLLM's window)."""
+    p sees keys p - sliding_window + 1 .. p (transformers' and vLLM's window). With a
+    soft cap, the same written out (attend)."""
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -136,12 +141,12 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)
         idx = torch.tensor(decodes, device=query.device)
         out[rows] = decode_attention_torch(query[rows], k_cache, v_cache, block_tables[idx],
-                                           seq_lens[idx], scale, sliding_window)
+                                           seq_lens[idx], scale, sliding_window, logits_soft_cap)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             chunk = slice(starts[i], starts[i] + q_len)
             out[chunk] = chunk_attention_torch(query[chunk], k_cache, v_cache, block_tables[i],
-                                               lens[i], scale, sliding_window)
+                                               lens[i], scale, sliding_window, logits_soft_cap)
     return out
 
 
@@ -158,7 +163,7 @@ def first_window_block(first_query: int, sliding_window: int | None, block_size:
 
 
 def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                           sliding_window: int | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [seqs, heads, d], one token per sequence at its last position: every
     context padded to the longest, the padding masked."""
     n, num_heads, head_dim = query.shape
@@ -174,13 +179,12 @@ def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scal
     visible = key_pos < seq_lens[:, None]
     if sliding_window is not None:  # the query is at seq_len - 1
         visible &= key_pos >= seq_lens[:, None] - sliding_window
-    o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible[:, None, None, :],
-                                       scale=scale)
+    o = attend(q, k.to(q.dtype), v.to(q.dtype), visible[:, None, None, :], scale, logits_soft_cap)
     return o.reshape(n, num_heads, head_dim)
 
 
 def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, scale,
-                          sliding_window: int | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
     """query [q_len, heads, d]: the last q_len tokens of a sequence of seq_len,
     causal among themselves, seeing all of the cached prefix (in the window)."""
     q_len, block_size = query.shape[0], k_cache.shape[1]
@@ -190,7 +194,8 @@ def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, sc
     k = gather_kv(k_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
     v = gather_kv(v_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]                                                  # [1, heads, q_len, d]
-    if q_len == seq_len and (sliding_window is None or seq_len <= sliding_window):  # plain causal: SDPA's fastest
+    plain = logits_soft_cap is None and (sliding_window is None or seq_len <= sliding_window)
+    if q_len == seq_len and plain:  # plain causal: SDPA's fastest
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
@@ -199,9 +204,23 @@ def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, sc
         visible = key_pos <= q_pos[:, None]
         if sliding_window is not None:
             visible &= key_pos > q_pos[:, None] - sliding_window
-        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scale,
-                                           enable_gqa=True)
+        o = attend(q, k.to(q.dtype), v.to(q.dtype), visible, scale, logits_soft_cap)
     return o[0].transpose(0, 1)
+
+
+def attend(q, k, v, visible, scale, logits_soft_cap: float | None = None) -> torch.Tensor:
+    """SDPA over q [..., heads, q_len, d] and k, v [..., kv_heads, ctx, d] (heads a multiple of
+    kv_heads), ``visible`` a mask broadcast to the scores. SDPA has no soft cap: with one, the
+    scores are written out as transformers' eager Gemma 2 attention computes them (in q's
+    dtype, capped before the mask, the softmax in fp32)."""
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    group = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    s = torch.tanh(q @ k.transpose(-1, -2) * scale / logits_soft_cap) * logits_soft_cap
+    p = s.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return p @ v
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -345,7 +364,7 @@ if triton is not None:
         kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
         vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
         num_kv_heads, block_size,
-        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     ):
         """One program per token: copy its [num_kv_heads, head_dim] K and V rows."""
         t = tl.program_id(0).to(tl.int64)
@@ -354,9 +373,10 @@ if triton is not None:
             return
         block, offset = slot // block_size, slot % block_size
         h = tl.arange(0, HEADS_PAD)[:, None]
-        d = tl.arange(0, HEAD_DIM)[None, :]
-        # (d < HEAD_DIM) is always true; it gives the mask the full [heads, dim]
-        # shape, which Triton's CPU interpreter needs for a masked load.
+        d = tl.arange(0, HEAD_DIM_PAD)[None, :]
+        # (d < HEAD_DIM) masks a padded head (96 in 128); for a power of two it is
+        # always true and gives the mask the full [heads, dim] shape, which Triton's
+        # CPU interpreter needs for a masked load.
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
         k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d * k_stride_d, mask=mask)
         v = tl.load(value_ptr + t * v_stride_t + h * v_stride_h + d * v_stride_d, mask=mask)
@@ -389,21 +409,30 @@ if triton is not None:
         out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
         m_part_ptr, l_part_ptr, acc_part_ptr,
-        scale, num_seqs, num_heads, block_size, min_partition, window,
+        scale, num_seqs, num_heads, block_size, min_partition, window, soft_cap,
         q_stride_t, q_stride_h, q_stride_d,
         o_stride_t, o_stride_h, o_stride_d,
         kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
         vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
         bt_stride_s, bt_stride_b,
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        PRECISION: tl.constexpr,
+        BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr = False,
     ):
         """Grid (query tiles, kv heads, splits). With NUM_SPLITS == 1 a program
         walks its tile's whole visible context and writes the output; otherwise it
         walks partition `split` of it only and writes its running max / sum /
         accumulator for _split_kv_reduce_kernel to merge. A query at position p sees
-        keys p - window + 1 .. p (window: the sliding window, else past any context)."""
+        keys p - window + 1 .. p (window: the sliding window, else past any context).
+
+        The tile's head dimension is HEAD_DIM_PAD, HEAD_DIM's next power of two (tl.arange's
+        and tl.dot's need): a padded head (Phi-3's 96 in 128) loads zeros past HEAD_DIM, which
+        add nothing to q.k, and stores nothing there. PADDED is a constexpr branch, so a
+        power of two compiles with no mask along the head as before.
+
+        SOFT_CAP (Gemma 2's): each score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) before
+        the mask; a constexpr, so that other models' kernels are compiled without it."""
+        PADDED: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -422,9 +451,12 @@ if triton is not None:
         row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
         q_pos = context_len + q_idx                            # its position in the sequence
         token = (q_start + q_idx).to(tl.int64)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HEAD_DIM_PAD)
+        q_mask = row_ok[:, None]
+        if PADDED:
+            q_mask = q_mask & (d[None, :] < HEAD_DIM)
         q = tl.load(query_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h
-                    + d[None, :] * q_stride_d, mask=row_ok[:, None], other=0.0)
+                    + d[None, :] * q_stride_d, mask=q_mask, other=0.0)
 
         # Keys first_key .. (last query of the tile's position) are visible to some row.
         num_keys = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
@@ -441,7 +473,7 @@ if triton is not None:
         # rather than NaN, without a branch.
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
         kv_off_h = kv_head.to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
             k_pos = start + tl.arange(0, BLOCK_N)
@@ -450,13 +482,21 @@ if triton is not None:
                             + (k_pos // block_size) * bt_stride_b,
                             mask=k_ok, other=0).to(tl.int64)
             offset = k_pos % block_size
+            k_mask, v_mask = k_ok[None, :], k_ok[:, None]
+            if PADDED:
+                k_mask, v_mask = k_mask & (d[:, None] < HEAD_DIM), v_mask & (d[None, :] < HEAD_DIM)
             k = tl.load(k_cache_ptr + block[None, :] * kc_stride_b + offset[None, :] * kc_stride_s
                         + kv_off_h * kc_stride_h + d[:, None] * kc_stride_d,
-                        mask=k_ok[None, :], other=0.0)          # [HEAD_DIM, BLOCK_N]
+                        mask=k_mask, other=0.0)                 # [HEAD_DIM_PAD, BLOCK_N]
             v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_s
                         + kv_off_h * vc_stride_h + d[None, :] * vc_stride_d,
-                        mask=k_ok[:, None], other=0.0)          # [BLOCK_N, HEAD_DIM]
-            s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+                        mask=v_mask, other=0.0)                 # [BLOCK_N, HEAD_DIM_PAD]
+            if SOFT_CAP:  # tanh(y) = 1 - 2 / (exp(2y) + 1), y clamped where tanh is +-1 in fp32
+                y = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * (scale / soft_cap)
+                y = tl.minimum(tl.maximum(y, -15.0), 15.0)
+                s = (soft_cap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
+            else:
+                s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -467,17 +507,20 @@ if triton is not None:
             acc = acc * alpha[:, None] + pv
             m_i = m_new
 
+        out_mask = row_ok[:, None]
+        if PADDED:
+            out_mask = out_mask & (d[None, :] < HEAD_DIM)
         if NUM_SPLITS == 1:
             o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # l_i is 0 only on unused rows
             tl.store(out_ptr + token[:, None] * o_stride_t + head[:, None] * o_stride_h
                      + d[None, :] * o_stride_d, o.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None])
+                     mask=out_mask)
         else:  # partials are contiguous [num_tokens, num_heads, NUM_SPLITS(, HEAD_DIM)]
             part = (token * num_heads + head) * NUM_SPLITS + split
             tl.store(m_part_ptr + part, m_i, mask=row_ok)
             tl.store(l_part_ptr + part, l_i, mask=row_ok)
             tl.store(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :], acc,
-                     mask=row_ok[:, None])
+                     mask=out_mask)
 
     # Triton compiles a variant per integer argument that is 1 or a multiple of
     # 16; the first two change from step to step, so they stay unspecialised: a new
@@ -490,23 +533,32 @@ if triton is not None:
         out_ptr, m_part_ptr, l_part_ptr, acc_part_ptr,
         o_stride_t, o_stride_h, o_stride_d, num_heads,
         NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr,
     ):
         """One program per (token, head): rescale each split's partial sums to the
-        global max and add them up."""
+        global max and add them up (a padded head as in _paged_attention_kernel)."""
+        PADDED: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
         token = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         sp = tl.arange(0, SPLITS_PAD)
-        d = tl.arange(0, HEAD_DIM)
+        d = tl.arange(0, HEAD_DIM_PAD)
         part = (token * num_heads + head) * NUM_SPLITS + sp
         ok = sp < NUM_SPLITS
+        acc_mask = ok[:, None]
+        if PADDED:
+            acc_mask = acc_mask & (d[None, :] < HEAD_DIM)
         m = tl.load(m_part_ptr + part, mask=ok, other=-1.0e30)
         l = tl.load(l_part_ptr + part, mask=ok, other=0.0)
         acc = tl.load(acc_part_ptr + part[:, None] * HEAD_DIM + d[None, :],
-                      mask=ok[:, None], other=0.0)
+                      mask=acc_mask, other=0.0)
         w = tl.exp2(m - tl.max(m, 0))  # splits that saw no key have m = -1e30: weight 0
         o = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
-        tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,
-                 o.to(out_ptr.dtype.element_ty))
+        if PADDED:
+            tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,
+                     o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+        else:
+            tl.store(out_ptr + token * o_stride_t + head * o_stride_h + d * o_stride_d,
+                     o.to(out_ptr.dtype.element_ty))
 
 
     # The decoder's pointwise work on CUDA: one launch each instead of eager
@@ -637,9 +689,13 @@ if triton is not None:
 
 
 def _check_head_dim(head_dim: int) -> None:
-    if head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"the Triton kernels need head_dim to be a power of two >= 16 "
-                         f"(tl.arange and tl.dot), got {head_dim}")
+    """A power of two >= 16 (tl.dot's least), or a multiple of 8 up to 256 (Phi-3's 96, 80, 160,
+    192: vLLM's sizes), which the kernels pad to the next power of two with masks; past 256
+    padding would double a tile that no GPU run has checked."""
+    power_of_two = not head_dim & (head_dim - 1)
+    if head_dim < 16 or head_dim % 8 or (head_dim > 256 and not power_of_two):
+        raise ValueError(f"the Triton kernels need head_dim to be a multiple of 8 from 16 to 256, "
+                         f"or a larger power of two, got {head_dim}")
 
 
 def _check_kv(key, value, k_cache, v_cache) -> None:
@@ -666,6 +722,7 @@ def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads, k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
     )
 
 
@@ -696,7 +753,8 @@ def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
 
 
 def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           sliding_window: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """``out``, if given, receives the result (benchmarks/triton_gpu.py passes one
     filled with NaN to check that every element is written)."""
     _check_kv(None, None, k_cache, v_cache)
@@ -726,14 +784,17 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, quer
     num_splits = _num_kv_splits(all_decodes, num_seqs, num_kv_heads,
                                 block_tables.shape[1] * block_size)
     return _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                             out, block_m, block_q, num_splits, block_n, sliding_window=sliding_window)
+                             out, block_m, block_q, num_splits, block_n, sliding_window=sliding_window,
+                             logits_soft_cap=logits_soft_cap)
 
 
-def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context: int) -> None:
+def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context: int,
+                                   logits_soft_cap: float | None = None) -> None:
     """Compile every attention variant a step can launch (Triton compiles one on
     its first launch, in the middle of traffic otherwise): the decode tile at
     each split-KV count a table of max_context tokens allows, and the chunk and
-    prefill tiles. One sequence of one token, reading block 0, does for each."""
+    prefill tiles, with the model's soft cap or without. One sequence of one token,
+    reading block 0, does for each."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     group, dev = num_heads // num_kv_heads, k_cache.device
     query = torch.zeros(1, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
@@ -745,13 +806,14 @@ def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context
     variants += [(_tile_shape(False, n, 1, head_dim, group), 1) for n in (2, _PREFILL_TILE_MIN_TOKENS_PER_SEQ)]
     for (block_m, block_n), num_splits in variants:
         _launch_attention(query, k_cache, v_cache, table, seq_lens, query_start_loc, 1.0,
-                          torch.empty_like(query), block_m, block_m // group, num_splits, block_n)
+                          torch.empty_like(query), block_m, block_m // group, num_splits, block_n,
+                          logits_soft_cap=logits_soft_cap)
 
 
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       scale, out, block_m, block_q, num_splits, block_n: int = _BLOCK_N_DECODE,
                       min_partition: int | None = None, sliding_window: int | None = None,
-                      **launch_options) -> torch.Tensor:
+                      logits_soft_cap: float | None = None, **launch_options) -> torch.Tensor:
     """``block_n`` and ``launch_options`` (Triton's num_warps, num_stages) are
     the knobs benchmarks/triton_gpu.py sweeps; the engine keeps the defaults."""
     num_tokens, num_heads, head_dim = query.shape
@@ -771,19 +833,22 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         m_part, l_part, acc_part,
         float(scale), num_seqs, num_heads, k_cache.shape[1], min_partition,
         _NO_WINDOW if sliding_window is None else sliding_window,
+        1.0 if logits_soft_cap is None else float(logits_soft_cap),
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         *block_tables.stride(),
         GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_N=block_n, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        NUM_SPLITS=num_splits,
         # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
         PRECISION="ieee" if query.dtype == torch.float32 else None,
+        SOFT_CAP=logits_soft_cap is not None,
         **launch_options,
     )
     if num_splits > 1:
         _split_kv_reduce_kernel[(num_tokens, num_heads)](
             out, m_part, l_part, acc_part, *out.stride(), num_heads,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         )
     return out
 
@@ -959,7 +1024,8 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     cache, x = zeros(1, block_size, *k.shape[1:]), zeros(1, cfg.hidden_size)
     first = torch.zeros(1, dtype=torch.long, device=device)  # slot 0, position 0
     store_kvcache_triton(k, k, cache, cache, first)
-    warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION)
+    warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION,
+                                   cfg.attn_logit_softcapping)
     fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
     rms_norm_triton(q, q[0, 0], 1e-6)  # Qwen3's q/k norm: one row a head
     if cfg.gemma3:  # its norms: an fp32 weight

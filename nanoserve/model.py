@@ -8,7 +8,8 @@ This module owns
   gate/up are fused at load time (Phi-3's checkpoints store them fused), Qwen2's q/k/v bias,
   Qwen3's q/k RMSNorm and Granite's four scalars are flags; Gemma 3's text decoder beside it
   (its own layer: four norms of x * (1 + w), GELU, scaled embeddings, a second rotary
-  embedding for the sliding-window layers);
+  embedding for the sliding-window layers), and Gemma 2's in it (no q/k norm, one rotary,
+  soft caps on the attention scores and the logits);
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -63,7 +64,8 @@ LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # the latter: its text only
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", *GEMMA3_ARCHITECTURES)
+                           "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                           *GEMMA3_ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
@@ -132,8 +134,11 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0   # each branch's output, before its residual add
     logits_scaling: float = 1.0        # logits are divided by it
-    # Gemma 3 (the defaults are every other architecture's)
-    gemma3: bool = False          # Gemma3DecoderLayer, norms x * (1 + w), embeddings x sqrt(hidden)
+    # Gemma 3, and Gemma 2 (the defaults are every other architecture's)
+    gemma3: bool = False          # Gemma3DecoderLayer, norms x * (1 + w), embeddings x sqrt(hidden): Gemma 2's too
+    # Gemma 2's soft caps, cap * tanh(x / cap) (None: none): on each attention score, on the logits
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
     hidden_act: str = "silu"      # the gated MLP's activation: silu, or Gemma's gelu_pytorch_tanh
     # the sliding-window layers' rotary (theta, scaling) where it is not the others' (Gemma 3)
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
@@ -168,6 +173,8 @@ class ModelConfig:
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch in GEMMA3_ARCHITECTURES:
             c = _gemma3_text_config(c)
+        elif arch == "Gemma2ForCausalLM":
+            c = _gemma2_config(c)
         quant = c.get("quantization_config")
         if quant:  # else its packed weights would fail to load as "unexpected tensors"
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -181,13 +188,14 @@ class ModelConfig:
             raise ModelLoadError("mlp_bias (biases on gate/up/down) is not supported")
         num_heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
-        # Gemma 3 turns whole heads in both of its rotaries: transformers and vLLM ignore partial_rotary_factor there
-        rotary_dim = head_dim if arch in GEMMA3_ARCHITECTURES else _rotary_dim(c, head_dim)
+        gemma3 = arch in GEMMA3_ARCHITECTURES
+        gemma = gemma3 or arch == "Gemma2ForCausalLM"  # Gemma 3's decoder layer, norms, embeddings and MLP
+        # Gemma turns whole heads in its rotaries: transformers and vLLM ignore partial_rotary_factor there
+        rotary_dim = head_dim if gemma else _rotary_dim(c, head_dim)
         theta, scaling = _rope_from_config(c, arch, rotary_dim)
         eos = c.get("eos_token_id")
         window, layers = _sliding_window(arch, c)
         granite = arch == "GraniteForCausalLM"  # transformers' Granite defaults are 1.0, its scale too
-        gemma3 = arch in GEMMA3_ARCHITECTURES
         return cls(
             architecture=arch,
             vocab_size=c["vocab_size"],
@@ -200,7 +208,7 @@ class ModelConfig:
             rms_norm_eps=c.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=(c["max_position_embeddings"] if gemma3 else  # vLLM's exception: already scaled
+            max_position_embeddings=(c["max_position_embeddings"] if gemma else  # vLLM's exception: already scaled
                                      _scaled_max_positions(c.get("max_position_embeddings", 2048), scaling)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
@@ -213,10 +221,12 @@ class ModelConfig:
             embedding_multiplier=float(c.get("embedding_multiplier", 1.0)) if granite else 1.0,
             residual_multiplier=float(c.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(c.get("logits_scaling", 1.0)) if granite else 1.0,
-            gemma3=gemma3,
-            hidden_act=c["hidden_activation"] if gemma3 else "silu",
+            gemma3=gemma,
+            attn_logit_softcapping=_float_or_none(c.get("attn_logit_softcapping")) if gemma else None,
+            final_logit_softcapping=_float_or_none(c.get("final_logit_softcapping")) if gemma else None,
+            hidden_act=c["hidden_activation"] if gemma else "silu",
             attention_scale=(float(c.get("attention_multiplier", 1.0)) if granite else
-                             float(c["query_pre_attn_scalar"]) ** -0.5 if gemma3 else None),
+                             float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None),
             sliding_rope=_sliding_rope(c) if gemma3 else None,
         )
 
@@ -249,8 +259,7 @@ class ModelConfig:
 
 
 # Why an architecture nanoserve does not serve is not a small step from one it does.
-UNSUPPORTED_WHY = {"Gemma2ForCausalLM": " (Gemma 2 soft-caps its attention logits, which nanoserve's attention "
-                                        "kernels do not do)"}
+UNSUPPORTED_WHY: dict[str, str] = {}
 
 # What transformers' Gemma3TextConfig fills in for a key config.json leaves out: the hub's
 # Gemma 3 configs, written by transformers 4, leave out every default (a multimodal
@@ -273,11 +282,33 @@ def _gemma3_text_config(c: dict[str, Any]) -> dict[str, Any]:
         top = {k: c[k] for k in ("eos_token_id", "dtype", "torch_dtype", "tie_word_embeddings", "quantization_config")
                if k in c}
         c = {**top, **(c.get("text_config") or {}), "architectures": c["architectures"]}
-    c = {**GEMMA3_TEXT_DEFAULTS, **c}
-    capped = {k: c[k] for k in ("attn_logit_softcapping", "final_logit_softcapping") if c.get(k) is not None}
-    if capped:  # Gemma 2's; a Gemma 3 checkpoint sets neither
-        raise ModelLoadError(f"{arch} with soft-capping ({', '.join(f'{k}={v}' for k, v in capped.items())}) is not "
-                             f"supported: nanoserve's attention kernels and logits do not soft-cap")
+    # The released Gemma 3 configs set no soft cap (null); one that does is served with it, as
+    # transformers' eager Gemma 3 attention and logits apply it (Gemma 2's code, below).
+    return _check_gemma(arch, {**GEMMA3_TEXT_DEFAULTS, **c})
+
+
+# Gemma2Config's defaults, for a key config.json leaves out (the hub's Gemma 2 configs hold most)
+GEMMA2_DEFAULTS = {
+    "vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "eos_token_id": 1, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096, "sliding_window_pattern": 2,
+    "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "head_dim": 256, "rope_theta": 10_000.0,
+}
+
+
+def _gemma2_config(c: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 2's config, Gemma2Config's defaults filled in: every other layer slides (layer_types, else
+    sliding_window_pattern 2: layer 0 slides), and a soft cap a config sets to null is none."""
+    return _check_gemma("Gemma2ForCausalLM", {**GEMMA2_DEFAULTS, **c})
+
+
+def _float_or_none(x) -> float | None:
+    return None if x is None else float(x)
+
+
+def _check_gemma(arch: str, c: dict[str, Any]) -> dict[str, Any]:
+    """What Gemma 2's and 3's configs may ask that nanoserve's Gemma decoder does not do."""
     if c.get("use_bidirectional_attention"):
         raise ModelLoadError(f"{arch} with use_bidirectional_attention (an embedding model, as EmbeddingGemma) is "
                              "not supported: nanoserve generates text, with causal attention")
@@ -286,7 +317,7 @@ def _gemma3_text_config(c: dict[str, Any]) -> dict[str, Any]:
     c["hidden_activation"] = c.get("hidden_activation") or "gelu_pytorch_tanh"
     if c["hidden_activation"] != "gelu_pytorch_tanh":
         raise ModelLoadError(f"{arch} with hidden_activation {c['hidden_activation']!r} is not supported "
-                             "(nanoserve's Gemma 3 MLP is gelu_pytorch_tanh's)")
+                             "(nanoserve's Gemma MLP is gelu_pytorch_tanh's)")
     return c
 
 
@@ -411,7 +442,7 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
         return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
     if arch == "MistralForCausalLM":
         return int(window), tuple(range(n))
-    if arch in GEMMA3_ARCHITECTURES:  # always on, for the layers layer_types names
+    if arch in GEMMA3_ARCHITECTURES or arch == "Gemma2ForCausalLM":  # always on, for the layers layer_types names
         layers = tuple(i for i, t in enumerate(_gemma3_layer_types(c)) if t == "sliding_attention")
         return (int(window) if layers else None), layers
     if not c.get("use_sliding_window", False):
@@ -896,6 +927,10 @@ class Attention(nn.Module):
         self.rotary_emb = rotary_emb
         self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.sliding_window = sliding_window  # None: every earlier position is visible
+        # Gemma 2's soft cap on the scores, a keyword only where there is one: a backend's
+        # attention that no soft-capped model runs on need not take it
+        self.logits_soft_cap = cfg.attn_logit_softcapping
+        self.attn_kwargs = {} if self.logits_soft_cap is None else {"logits_soft_cap": self.logits_soft_cap}
         self.backend = backend
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -913,7 +948,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         o = self.backend.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                         meta.query_start_loc, self.scale, self.sliding_window)
+                                         meta.query_start_loc, self.scale, self.sliding_window, **self.attn_kwargs)
         return self.o_proj(o.reshape(T, self.q_size))
 
 
@@ -1049,6 +1084,9 @@ class CausalLM(nn.Module):
             logits = F.linear(hidden, self.model.embed_tokens.weight)
         if self.config.logits_scaling != 1.0:  # Granite's, on the logits (a tied embedding stays as it is)
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2's, as transformers: in the logits' dtype
+            logits = torch.tanh(logits / cap) * cap
         logits = self.tp.gather(logits)
         return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
@@ -2323,7 +2361,8 @@ class ModelRunner:
             self.model(*dummy_step(cfg, q_lens, self.block_size, self.device), self.kv_caches)
         if self.device.type == "cuda":  # the attention variants longer contexts launch
             attention = self.model.model.layers[0].self_attn
-            self.backend.warm_up(attention.num_heads, *self.kv_caches[0], self.max_blocks * self.block_size)
+            self.backend.warm_up(attention.num_heads, *self.kv_caches[0], self.max_blocks * self.block_size,
+                                 **attention.attn_kwargs)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

@@ -79,12 +79,12 @@ def _tokenizer_dir(root: str) -> str:
     return str(out)
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3", "gemma2")
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
@@ -108,6 +108,11 @@ def hf_config(arch: str, **overrides):
         cls = Gemma3TextConfig  # the attention scale not head_dim's, the embeddings tied as Gemma's are
         base.update(head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=16,
                     layer_types=["sliding_attention", "full_attention"])
+    elif arch == "gemma2":  # Gemma 3's layout less q/k norm, soft caps low enough to bend the tiny model's
+        cls = Gemma2Config  # scores and logits (the real 50 and 30 barely would), a 16-token sliding layer
+        base.update(head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=0.5,
+                    final_logit_softcapping=2.0)
     else:
         raise ValueError(arch)
     base.update(overrides)

@@ -152,6 +152,18 @@ def test_bf16_cpu_gemma3_runs_the_c_kernels(model_root):
     assert all(len(t) == 16 for t in tokens(llm))
 
 
+def test_bf16_cpu_gemma2_runs_the_reference_attention_beside_the_c_kernels(model_root):
+    """Gemma 2 in bf16: its soft-capped attention is the torch reference's (the C attention does not
+    soft-cap), its GELU still C's, and greedy tokens run (the C ops' logits are checked on Gemma 3 above,
+    the capped reference's in bf16 against transformers in test_parity.py)."""
+    _c_or_skip()
+    llm = make_llm(make_model(model_root, "gemma2"), dtype="bfloat16")
+    b = llm.engine.backend
+    assert b.paged_attention is kernels.paged_attention_torch and b.gelu_tanh_and_mul is cpu_kernels.gelu_tanh_and_mul
+    assert "attention: torch" in b.name
+    assert all(len(t) == 16 for t in tokens(llm))
+
+
 def test_bf16_cpu_windowed_chunks_run_the_c_kernels(model_root, monkeypatch):
     """A windowed model (Mistral, 12 tokens) in bf16: prefill chunks longer and shorter than the
     window beside decodes, the blocks wholly before each sequence's window the (NaN) null block,

@@ -624,3 +624,28 @@ def test_c_linear_rejects_what_it_cannot_run():
         cpu_kernels.linear(torch.zeros(2, 6, dtype=torch.bfloat16), packed, 4)
     with pytest.raises(ValueError, match="bias padded to 32"):
         cpu_kernels.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, 4, torch.zeros(4))
+
+
+# --------------------------------------------------------------------------- soft cap (Gemma 2)
+
+def test_soft_capped_attention_runs_the_reference_on_the_cpu(caplog):
+    """Neither the C attention nor the compiled decode soft-caps: each refuses a cap (rather than
+    ignore it), so the backend's smoke test steps down to the torch reference, saying why at each
+    step, and the reference's capped attention is the float64 truth's."""
+    import logging
+    with pytest.raises(ValueError, match="do not soft-cap"):
+        cpu_kernels.paged_attention(*make_batch([(3, 1)], 16, 32, 4, 2, poison=0.0), 1.0, None, logits_soft_cap=5.0)
+    with pytest.raises(ValueError, match="does not soft-cap"):
+        cpu_backend.paged_attention_compiled(*make_batch([(3, 1)], 16, 32, 4, 2, poison=0.0), 1.0,
+                                             logits_soft_cap=5.0)
+    cfg = SimpleNamespace(num_heads=4, num_kv_heads=2, head_dim=32, attn_logit_softcapping=5.0)
+    with caplog.at_level(logging.INFO, logger="nanoserve"):
+        name, _, attend = cpu_backend._pick_attention(cfg, torch.bfloat16, 16)
+    assert (name, attend) == ("torch", kernels.paged_attention_torch)
+    assert "'inductor' is not available here" in caplog.text and "soft-cap" in caplog.text
+    torch.manual_seed(15)
+    batch = make_batch(SCENARIOS["mixed"], 16, 32, 4, 2, poison=POISON["torch"])
+    batch = (batch[0] * 4, *batch[1:])
+    scale = batch[0].shape[-1] ** -0.5
+    got = attend(*batch, scale, None, logits_soft_cap=2.0)
+    torch.testing.assert_close(got.double(), naive_attention(*batch, scale, None, 2.0), atol=ATOL, rtol=RTOL)

@@ -9,8 +9,9 @@ with a ``GPUTarget``), with the ptxas it ships, and no driver. So this file call
 each Triton wrapper of kernels.py with the shapes of the models that
 benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16), of a
 model whose query-head group is not a power of two (Qwen2.5-0.5B), of Gemma 3
-1B (its norm and GELU kernels, head_dim 256) and of Qwen3-30B-A3B's experts (the
-fused-MoE grouped GEMMs, both tiles), at every
+1B (its norm and GELU kernels, head_dim 256), of Phi-3-mini (head_dim 96, padded), of Gemma 2 2B
+(its soft-capped attention) and of Qwen3-30B-A3B's experts (the fused-MoE grouped GEMMs, both
+tiles), at every
 decode batch the engine captures in a CUDA graph and at its chunk and prefill
 tiles, records each launch instead of running it, and compiles the distinct
 variants to cubins: all of them, except that of the variants that differ only in
@@ -42,10 +43,17 @@ MODELS = [
     ("w1-qwen3-0.6b", "bfloat16", 1024, 16, 8, 128, 3072, True, 40960),  # its max_position_embeddings
     ("qwen2.5-0.5b", "bfloat16", 896, 14, 2, 64, 4864, False, 4096),  # 7 query heads a KV head
     ("gemma-3-1b", "bfloat16", 1152, 4, 1, 256, 6912, True, 32768),  # Gemma's ops; head_dim 256
+    ("phi-3-mini", "bfloat16", 3072, 32, 32, 96, 8192, False, 4096),  # head_dim 96: tiles padded to 128
+    ("gemma-2-2b", "bfloat16", 2304, 8, 4, 256, 9216, False, 8192),  # the soft-capped attention (SOFT_CAP)
 ]
 # (name, dtype, hidden, experts, experts a token, an expert's intermediate): fused_moe's grouped GEMMs
 MOE_MODELS = [("qwen3-30b-a3b", "bfloat16", 2048, 128, 8, 768)]
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: graphs are captured up to it
+
+
+def soft_cap(model) -> dict:
+    """The attention's keyword for a soft-capped model (Gemma 2's 50), none for the others."""
+    return {"logits_soft_cap": 50.0} if model[0].startswith("gemma-2") else {}
 
 
 def _variants() -> dict[tuple, tuple]:
@@ -146,7 +154,8 @@ def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
         q, k = b.rotary(q, k, torch.empty(T, dtype=torch.int64), cos, sin)
         b.store_kvcache(k, v, k_cache, k_cache, torch.empty(T, dtype=torch.int64))
         b.paged_attention(q, k_cache, k_cache, torch.empty(n, width, dtype=torch.int32),
-                          torch.empty(n, dtype=torch.int32), torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5)
+                          torch.empty(n, dtype=torch.int32), torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5,
+                          **soft_cap(model))
         x = torch.empty(T, hidden, dtype=dt)
         rms_norm(x, weight(hidden), 1e-6)
         fused_add_rms_norm(x, x, weight(hidden), 1e-6)
@@ -235,6 +244,9 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     moe = {(v["constants"]["BLOCK_M"], v["constants"]["MUL_ROUTED_WEIGHT"]) for v in compiled
            if v["kernel"] == "_fused_moe_kernel" and v["dtype"] == "*bf16"}
     assert moe == {(16, False), (16, True), (64, False), (64, True)}  # both tiles, both GEMMs
+    assert {a["SOFT_CAP"] for a in attention} == {False, True}
+    padded = {(v["kernel"], v["constants"]["HEAD_DIM"]) for v in compiled if v["constants"].get("HEAD_DIM_PAD") == 128}
+    assert {("_store_kvcache_kernel", 96), ("_paged_attention_kernel", 96), ("_split_kv_reduce_kernel", 96)} <= padded
     assert all(v["cubin_bytes"] > 0 for v in compiled)
 
 
@@ -264,7 +276,7 @@ def test_warm_up_builds_every_attention_variant_that_traffic_launches(model):
         T, n = sum(q_lens), len(q_lens)
         kernels.TRITON.paged_attention(torch.empty(T, heads, head_dim, dtype=k_cache.dtype), k_cache, k_cache,
                                        torch.empty(n, width, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
-                                       torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5)
+                                       torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5, **soft_cap(model))
 
     def traffic():
         widths = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)} | {3, max_blocks})
@@ -276,7 +288,8 @@ def test_warm_up_builds_every_attention_variant_that_traffic_launches(model):
 
     attention = ("_paged_attention_kernel", "_split_kv_reduce_kernel")
     launched = {k for k in record_launches(traffic) if k[0] in attention}
-    warm = record_launches(lambda: kernels.TRITON.warm_up(heads, k_cache, k_cache, max_blocks * block_size))
+    warm = record_launches(lambda: kernels.TRITON.warm_up(heads, k_cache, k_cache, max_blocks * block_size,
+                                                          **soft_cap(model)))
     assert launched, "the recorder saw no attention launch"
     missing = sorted(launched - set(warm))
     assert not missing, f"traffic would compile {len(missing)} variant(s) the warm-up did not: {missing[:3]}"

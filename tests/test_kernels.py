@@ -48,8 +48,9 @@ BACKENDS = [pytest.param(kernels.TORCH, id="torch"),
 POISON = {"torch": 1e4, "triton": float("nan")}
 ATOL = RTOL = 1e-4
 
-# (block_size, head_dim, num_heads, num_kv_heads): GQA ratios 1, 2, 3, 4, 8.
-CONFIGS = [(8, 32, 4, 4), (16, 64, 4, 2), (32, 128, 8, 2), (16, 32, 8, 1), (8, 64, 6, 2)]
+# (block_size, head_dim, num_heads, num_kv_heads): GQA ratios 1, 2, 3, 4, 8; head_dim 96
+# (Phi-3-mini's), which the Triton tile pads to 128.
+CONFIGS = [(8, 32, 4, 4), (16, 64, 4, 2), (32, 128, 8, 2), (16, 32, 8, 1), (8, 64, 6, 2), (16, 96, 6, 2)]
 # Each sequence of a batch as (cached context before this step, tokens this step).
 SCENARIOS = {
     "decode": [(4, 1), (16, 1), (37, 1), (0, 1)],
@@ -93,9 +94,11 @@ def make_batch(specs, block_size, head_dim, num_heads, num_kv_heads, poison, ext
             torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), query_start_loc.to(DEVICE))
 
 
-def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None):
+def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None,
+                    soft_cap=None):
     """Dense float64 attention, one sequence at a time, straight from the definition
-    (with a sliding window W, a query at p sees keys p - W + 1 .. p, as transformers')."""
+    (with a sliding window W, a query at p sees keys p - W + 1 .. p, as transformers';
+    with a soft cap c, each score s is c * tanh(s / c) before the mask, as Gemma 2's)."""
     out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
     block_size = k_cache.shape[1]
     group = query.shape[1] // k_cache.shape[2]
@@ -113,6 +116,8 @@ def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         if sliding_window is not None:
             allowed &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
@@ -121,7 +126,7 @@ def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
 def check_attention(backend: kernels.Backend, batch, sliding_window=None, **kw):
     query = batch[0]
     scale = query.shape[-1] ** -0.5
-    expected = naive_attention(*batch, scale, sliding_window)
+    expected = naive_attention(*batch, scale, sliding_window, kw.get("logits_soft_cap"))
     got = backend.paged_attention(*batch, scale, sliding_window, **kw)
     assert got.dtype == query.dtype and got.shape == query.shape
     torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=RTOL)
@@ -131,7 +136,7 @@ def check_attention(backend: kernels.Backend, batch, sliding_window=None, **kw):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim",
-                         [(8, 2, 32), (16, 3, 64), (32, 1, 128)])
+                         [(8, 2, 32), (16, 3, 64), (32, 1, 128), (8, 2, 96), (16, 1, 80)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_store_kvcache(backend, block_size, num_kv_heads, head_dim, layout):
     torch.manual_seed(0)
@@ -232,6 +237,45 @@ def test_paged_attention_sliding_window(backend, config, scenario, window):
     scale = batch[0].shape[-1] ** -0.5
     assert not torch.allclose(naive_attention(*batch, scale, window), naive_attention(*batch, scale))
     check_attention(backend, batch, window)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_soft_cap(backend, scenario, window):
+    """Gemma 2's soft cap, cap * tanh(score / cap) before the mask and softmax: a cap of 2 bends
+    the scores of these random heads (up to ~4 at scale 1/8) away from the uncapped attention."""
+    torch.manual_seed(13)
+    batch = make_batch(SCENARIOS[scenario], 16, 64, 4, 2, POISON[backend.name])
+    query = batch[0] * 4  # sharper scores, which the cap clips
+    batch = (query, *batch[1:])
+    scale = query.shape[-1] ** -0.5
+    capped = naive_attention(*batch, scale, window, 2.0)
+    assert not torch.allclose(capped, naive_attention(*batch, scale, window), atol=1e-2)
+    check_attention(backend, batch, window, logits_soft_cap=2.0)
+
+
+@triton_only
+def test_split_kv_soft_cap(monkeypatch):
+    """The soft cap in split-KV's partials: the reduce merges capped scores' sums."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    torch.manual_seed(14)
+    batch = make_batch([(200, 1), (40, 1), (129, 1)], 16, 32, 4, 1, POISON["triton"])
+    batch = (batch[0] * 4, *batch[1:])
+    assert kernels._num_kv_splits(True, 3, 1, batch[3].shape[1] * 16) > 2
+    check_attention(kernels.TRITON, batch, logits_soft_cap=3.0)
+
+
+@triton_only
+@pytest.mark.parametrize("head_dim,window", [(96, None), (80, 70)])
+def test_split_kv_padded_head(monkeypatch, head_dim, window):
+    """A head_dim no power of two through split-KV's partials and reduce, with a window too:
+    the padded dims are neither read (NaN poison) nor written."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    torch.manual_seed(12)
+    batch = make_batch([(200, 1), (40, 1), (129, 1)], 16, head_dim, 4, 1, POISON["triton"])
+    assert kernels._num_kv_splits(True, 3, 1, batch[3].shape[1] * 16) > 2
+    check_attention(kernels.TRITON, batch, window)
 
 
 @triton_only
@@ -363,14 +407,14 @@ def test_triton_interpreter_works_with_this_numpy():
 
 @triton_only
 def test_bad_shapes_raise():
-    q = torch.randn(2, 4, 48)
-    cache = torch.randn(3, 8, 2, 48)
+    q = torch.randn(2, 4, 44)  # no multiple of 8
+    cache = torch.randn(3, 8, 2, 44)
     seq = dict(block_tables=torch.zeros(2, 1, dtype=torch.int32),
                seq_lens=torch.ones(2, dtype=torch.int32),
                query_start_loc=torch.arange(3, dtype=torch.int32), scale=1.0)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         kernels.paged_attention_triton(q, cache, cache, **seq)
-    with pytest.raises(ValueError, match="power of two"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         kernels.store_kvcache_triton(q[:, :2], q[:, :2], cache, cache, torch.zeros(2, dtype=torch.long))
     cache = torch.randn(3, 8, 3, 32)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
@@ -461,7 +505,8 @@ def test_triton_rms_norm_and_fused_add(heads):
 
 
 @triton_only
-@pytest.mark.parametrize("d,r", [(32, 32), (32, 24), (128, 96)], ids=["full", "partial-24", "partial-96"])
+@pytest.mark.parametrize("d,r", [(32, 32), (32, 24), (128, 96), (96, 96)],
+                         ids=["full", "partial-24", "partial-96", "full-96"])
 def test_triton_rotary_silu_and_gelu_and_mul(d, r):
     """r < d: partial rotary (Phi-4-mini: 96 of 128), the first r dims turn, half of r no power of two."""
     torch.manual_seed(22)
@@ -487,12 +532,15 @@ def test_cuda_argmax_picks_the_references_index():
 
 
 @triton_only
-def test_a_decoder_on_the_triton_backend_matches_the_references(tiny_model):
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_a_decoder_on_the_triton_backend_matches_the_references(model_root, arch):
     """The whole forward (prefill, then a decode of each prompt) with every op
-    from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter)."""
-    from conftest import step_logits
+    from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter);
+    Gemma 2: its soft caps, and a 20-token prompt past its 16-token window."""
+    from conftest import make_model, step_logits
     from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
     from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
+    tiny_model = make_model(model_root, arch)
     cfg = ModelConfig.from_dir(tiny_model)
     gen = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 300, (n,), generator=gen).tolist() for n in (9, 20)]

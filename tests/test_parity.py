@@ -479,6 +479,37 @@ def test_granite_and_phi3_refusals(config, message):
     from nanoserve.model import ModelConfig, ModelLoadError
 
 
+# ---------------------------------------------------------------- Gemma 2
+
+def test_gemma2_reads_as_transformers_builds_it_and_every_part_matters(variant):
+    """The tiny Gemma 2 (parity in the all-architecture tests): layer 0 slides over 16 tokens, layer 1
+    attends to everything, one rotary; no q/k norm; query_pre_attn_scalar's scale; transformers'
+    parameter count. Its soft caps and its window each change the logits at the tests' prompt."""
+    from nanoserve.model import num_parameters
+    path = variant("gemma2")
+    llm, hf = check_parity(path), hf_model(path)
+    model, cfg = llm.engine.runner.model, llm.engine.model_config
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert [a.sliding_window for a in attns] == [16, None] and model.model.sliding_rotary_emb is None
+    assert [a.logits_soft_cap for a in attns] == [0.5, 0.5] and cfg.final_logit_softcapping == 2.0
+    assert attns[0].q_norm is None and attns[0].scale == 24 ** -0.5 and model.lm_head is None
+    assert num_parameters(cfg) == sum(p.numel() for p in hf.parameters())
+    ref = hf_logits(hf, LONG)
+    for change in ({"attn_logit_softcapping": None}, {"final_logit_softcapping": None}, {"sliding_window": None}):
+        other = nanoserve_logits(make_llm(path, hf_overrides=change), LONG, [len(LONG)])
+        assert not torch.allclose(other, ref, atol=1e-3, rtol=1e-3), change
+
+
+def test_gemma2_bf16_is_transformers_bit_for_bit(variant):
+    """In bf16 the torch references' soft-capped attention (written out: SDPA has no cap) and capped
+    logits round as transformers' eager Gemma 2 does: its logits bit for bit."""
+    from transformers import AutoModelForCausalLM
+    path = variant("gemma2")
+    llm = make_llm(path, dtype="bfloat16", enforce_eager=True)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    assert torch.equal(nanoserve_logits(llm, LONG, [len(LONG)]), hf_logits(hf, LONG))
+
+
 # ---------------------------------------------------------------- Gemma 3
 
 def test_gemma3_layers_read_as_transformers_builds_them(variant):
@@ -568,17 +599,34 @@ def test_gemma3_multimodal_checkpoint_serves_its_text(model_root):
 
 
 @pytest.mark.parametrize("change,message", [
-    ({"attn_logit_softcapping": 50.0}, "soft-capping .attn_logit_softcapping=50.0. is not supported"),
-    ({"final_logit_softcapping": 30.0}, "soft-capping .final_logit_softcapping=30.0. is not supported"),
     ({"use_bidirectional_attention": True}, "an embedding model"),
     ({"hidden_activation": "silu"}, "hidden_activation 'silu' is not supported"),
-    ({"architectures": ["Gemma2ForCausalLM"]}, "Gemma 2 soft-caps its attention logits"),
-], ids=["attn-softcap", "final-softcap", "bidirectional", "silu", "gemma2"])
+    ({"architectures": ["Gemma2ForCausalLM"], "attention_bias": True}, "Gemma2ForCausalLM with attention_bias"),
+], ids=["bidirectional", "silu", "gemma2-bias"])
 def test_gemma_configs_nanoserve_cannot_serve_are_refused(change, message):
     from nanoserve.model import ModelConfig, ModelLoadError
     config = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 2, **change}
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(config)
+
+
+def test_gemma_soft_caps_read_as_transformers_reads_them():
+    """Gemma 2's caps, Gemma2Config's defaults (50, 30) where config.json leaves them out, none where it
+    says null; Gemma 3's configs say null (its default): none. A Gemma 3 config that sets one is served
+    with it, as transformers' eager Gemma 3 applies it (it used to be refused: no kernel soft-capped)."""
+    from nanoserve.model import ModelConfig
+    caps = lambda **c: (lambda m: (m.attn_logit_softcapping, m.final_logit_softcapping))(  # noqa: E731
+        ModelConfig.from_dict({"num_hidden_layers": 4, **c}))
+    assert caps(architectures=["Gemma2ForCausalLM"]) == (50.0, 30.0)
+    assert caps(architectures=["Gemma2ForCausalLM"], attn_logit_softcapping=None) == (None, 30.0)
+    assert caps(architectures=["Gemma3ForCausalLM"]) == (None, None)
+    assert caps(architectures=["Gemma3ForCausalLM"], attn_logit_softcapping=None, final_logit_softcapping=None) \
+        == (None, None)
+    assert caps(architectures=["Gemma3ForCausalLM"], final_logit_softcapping=30.0) == (None, 30.0)
+    assert caps(architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128, vocab_size=10,
+                num_attention_heads=4, attn_logit_softcapping=50.0) == (None, None)  # not Llama's
+    gemma2 = ModelConfig.from_dict({"architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4})
+    assert gemma2.sliding_layers == (0, 2) and gemma2.sliding_window == 4096 and not gemma2.qk_norm
 
 
 def test_gemma3_turns_whole_heads_whatever_partial_rotary_factor_says():
