@@ -64,13 +64,18 @@ for _p in (str(HERE), str(ROOT)):
 
 # mistral-sw: Mistral with a 32-token sliding window, shorter than the longer prompts (the Triton window);
 # phi3-partial: Phi-3 as Phi-4-mini, 12 of each head's 16 dims turned (the Triton rotary's partial path), tied;
-# gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device)
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3")
+# gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device);
+# mixtral, qwen2_moe (a shared expert, then a dense layer), qwen3_moe: mixture-of-experts layers (the backend's
+# fused_moe; their "graphs" configs decode eagerly while it is the torch reference, which no graph captures)
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3",
+         "mixtral", "qwen2_moe", "qwen3_moe")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one (gemma3's mixed window aside):
 # fewer configs keep the part within its time.
 ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("plain-graphs", "chunked-eager"),
-                "gemma3": ("plain-graphs", "preempt-graphs", "chunked-eager")}
+                "gemma3": ("plain-graphs", "preempt-graphs", "chunked-eager"),
+                "mixtral": ("plain-graphs", "chunked-eager"), "qwen2_moe": ("plain-graphs", "chunked-eager"),
+                "qwen3_moe": ("plain-graphs", "preempt-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -199,13 +204,14 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config,
-                              Qwen3Config)
+    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
     cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig, granite=GraniteConfig,
-               phi3=Phi3Config, gemma3=Gemma3TextConfig)[arch.split("-")[0]]
+               phi3=Phi3Config, gemma3=Gemma3TextConfig, mixtral=MixtralConfig, qwen2_moe=Qwen2MoeConfig,
+               qwen3_moe=Qwen3MoeConfig)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
     if arch == "gemma3":
@@ -217,6 +223,13 @@ def tiny_hf_config(arch: str, max_pos: int):
         base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5)
     if arch == "phi3-partial":
         base.update(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None, pad_token_id=None)
+    if arch == "mixtral":
+        base.update(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen2_moe":
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                    mlp_only_layers=[1], norm_topk_prob=False)
+    if arch == "qwen3_moe":
+        base.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     return cls(**base)
 
 
@@ -235,7 +248,7 @@ def part_models(scale: Scale, spec: dict, archs=ARCHS, w1: bool = True) -> dict:
                                                      dtype=torch.float32)
             with torch.no_grad():  # as conftest: sharper logits, so that greedy ties are rare
                 for p in model.parameters():
-                    if p.dim() == 2:
+                    if p.dim() >= 2:  # 3: transformers 5's stacks of experts
                         p.normal_(0, 0.08)
             model.save_pretrained(out)
         res["tiny"][arch] = str(out)
