@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import MOE_ARCHS, hf_model
 from nanoserve import LLM, LoRARequest, SamplingParams, kernels
-from nanoserve.model import (MLP, FusedMoE, ModelConfig, ModelLoadError, SparseMoeBlock, fused_moe_capture_safe,
-                             num_parameters)
+from nanoserve.model import (MLP, FusedMoE, ModelConfig, ModelLoadError, SparseMoeBlock, check_tensor_parallel,
+                             fused_moe_capture_safe, num_parameters)
 from test_lora import make_adapter, merged_model
 from test_parity import ATOL, LONG, PROMPTS, hf_logits, make_llm, nanoserve_logits, variant  # noqa: F401
 
@@ -136,6 +136,14 @@ def _config(arch: str, **changes) -> dict:
 def test_configs_nanoserve_cannot_serve_are_refused(arch, changes, message):
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(_config(arch, **changes))
+
+
+def test_tensor_parallel_sizes_are_checked_for_the_experts():
+    cfg = ModelConfig.from_dict(_config("qwen2_moe", moe_intermediate_size=30, shared_expert_intermediate_size=34))
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=30 is not divisible by tensor_parallel_size=4; "
+                                         r"shared_expert_intermediate_size=34 is not divisible"):
+        check_tensor_parallel(cfg, 4)
+    check_tensor_parallel(cfg, 2)
 
 
 def test_mixtral_sliding_window_is_every_layer_s():
