@@ -1408,8 +1408,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         logger.info("[model] LongRoPE: the %s factors at every position (max_model_len %s "
                     "original_max_position_embeddings=%d, as vLLM chooses)", "long" if long else "short",
                     ">" if long else "<=", cfg.rope_scaling["original_max_position_embeddings"])
-    logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
-                cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+    experts = (f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok}) in {len(cfg.moe_layers)} layers"
+               if cfg.num_experts else "")
+    logger.info("[model] %s: %d layers%s, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
+                cfg.architecture, cfg.num_layers, experts, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,
                 f" (rank {tp.rank} of {tp.world_size}: its shard)" if tp.world_size > 1 else "")
     return model, weight_bytes
