@@ -95,7 +95,8 @@ def test_given_sizes_above_the_token_budget_are_dropped(caplog):
              "16", "32", "4"]
     for device in ("cpu", "cuda"):
         engine = SimpleNamespace(config=engine_config(parse_args(flags)), device=torch.device(device),
-                                 backend=dataclasses.replace(kernels.TORCH, capture_safe=True))
+                                 backend=dataclasses.replace(kernels.TORCH, capture_safe=True),
+                                 model_config=SimpleNamespace(num_experts=0))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="nanoserve.engine"):
             assert LLMEngine._decode_sizes(engine) == [1, 4, 16]
