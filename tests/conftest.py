@@ -79,8 +79,9 @@ def _tokenizer_dir(root: str) -> str:
     return str(out)
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")  # tests/test_moe.py's (hf_config builds them too)
+# qwen3_moe: one mixture-of-experts model through every all-architecture test (tests/test_moe.py has all three)
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def hf_config(arch: str, **overrides):
