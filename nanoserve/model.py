@@ -1322,7 +1322,8 @@ def _num_shards(param: str, modules: dict[str, nn.Module]) -> int:
 
 
 # A hub checkpoint's experts, one tensor each: Mixtral's w1 (gate), w3 (up) and w2 (down) under
-# block_sparse_moe, Qwen's gate_proj, up_proj and down_proj under mlp -> (FusedMoE weight, w13's half)
+# block_sparse_moe (renamed mlp before this matches), Qwen's gate_proj, up_proj and down_proj under
+# mlp -> (FusedMoE weight, w13's half: gate rows 0, up rows 1)
 _EXPERT_KEY = re.compile(r"(.*\.)mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
 _EXPERT_PARTS = {"w1": ("w13_weight", 0), "gate_proj": ("w13_weight", 0), "w3": ("w13_weight", 1),
                  "up_proj": ("w13_weight", 1), "w2": ("w2_weight", None), "down_proj": ("w2_weight", None)}
