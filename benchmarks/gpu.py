@@ -66,14 +66,19 @@ for _p in (str(HERE), str(ROOT)):
 # phi3-partial: Phi-3 as Phi-4-mini, 72 of each head's 96 dims turned (the Triton rotary's partial path), tied;
 #   head_dim 96 as Phi-3-mini's: the Triton tiles padded to 128;
 # gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device);
-# gemma2: Gemma 3's layout with soft caps on the attention scores (the Triton kernel's SOFT_CAP) and logits
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2")
+# gemma2: Gemma 3's layout with soft caps on the attention scores (the Triton kernel's SOFT_CAP) and logits;
+# mixtral, qwen2_moe (a shared expert, then a dense layer), qwen3_moe: mixture-of-experts layers (the backend's
+#   fused_moe: on the device the Triton grouped GEMMs, captured in the "graphs" configs)
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2",
+         "mixtral", "qwen2_moe", "qwen3_moe")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one (gemma3's mixed window aside):
 # fewer configs keep the part within its time.
 ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("plain-graphs", "chunked-eager"),
                 "gemma3": ("plain-graphs", "preempt-graphs", "chunked-eager"),
-                "gemma2": ("plain-graphs", "chunked-eager")}
+                "gemma2": ("plain-graphs", "chunked-eager"),
+                "mixtral": ("plain-graphs", "chunked-eager"), "qwen2_moe": ("plain-graphs", "chunked-eager"),
+                "qwen3_moe": ("plain-graphs", "preempt-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -202,13 +207,14 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
     cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig, granite=GraniteConfig,
-               phi3=Phi3Config, gemma3=Gemma3TextConfig, gemma2=Gemma2Config)[arch.split("-")[0]]
+               phi3=Phi3Config, gemma3=Gemma3TextConfig, gemma2=Gemma2Config, mixtral=MixtralConfig,
+               qwen2_moe=Qwen2MoeConfig, qwen3_moe=Qwen3MoeConfig)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
     if arch in ("gemma3", "gemma2"):
@@ -223,6 +229,13 @@ def tiny_hf_config(arch: str, max_pos: int):
     if arch == "phi3-partial":
         base.update(partial_rotary_factor=0.75, tie_word_embeddings=True, sliding_window=None, pad_token_id=None,
                     hidden_size=192, num_attention_heads=2, num_key_value_heads=1)  # head_dim 96
+    if arch == "mixtral":
+        base.update(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    if arch == "qwen2_moe":
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                    mlp_only_layers=[1], norm_topk_prob=False)
+    if arch == "qwen3_moe":
+        base.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     return cls(**base)
 
 
@@ -241,7 +254,7 @@ def part_models(scale: Scale, spec: dict, archs=ARCHS, w1: bool = True) -> dict:
                                                      dtype=torch.float32)
             with torch.no_grad():  # as conftest: sharper logits, so that greedy ties are rare
                 for p in model.parameters():
-                    if p.dim() == 2:
+                    if p.dim() >= 2:  # 3: transformers 5's stacks of experts
                         p.normal_(0, 0.08)
             model.save_pretrained(out)
         res["tiny"][arch] = str(out)

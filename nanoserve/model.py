@@ -9,7 +9,9 @@ This module owns
   Qwen3's q/k RMSNorm and Granite's four scalars are flags; Gemma 3's text decoder beside it
   (its own layer: four norms of x * (1 + w), GELU, scaled embeddings, a second rotary
   embedding for the sliding-window layers), and Gemma 2's in it (no q/k norm, one rotary,
-  soft caps on the attention scores and the logits);
+  soft caps on the attention scores and the logits); the mixture-of-experts MLP of Mixtral,
+  Qwen2-MoE and Qwen3-MoE (a router, ``FusedMoE``'s stacked experts run by the backend's
+  ``fused_moe``, Qwen2-MoE's shared expert) in the place of the dense one, in the layers that have it;
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -63,12 +65,16 @@ logger = logging.getLogger("nanoserve.model")
 LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # the latter: its text only
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                           *GEMMA3_ARCHITECTURES)
+                           *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
+# the mixture-of-experts models' sizes, checked as SIZE_KEYS are (a key a family does not use is not read)
+MOE_SIZE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "decoder_sparse_step")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -142,6 +148,14 @@ class ModelConfig:
     hidden_act: str = "silu"      # the gated MLP's activation: silu, or Gemma's gelu_pytorch_tanh
     # the sliding-window layers' rotary (theta, scaling) where it is not the others' (Gemma 3)
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; num_experts 0: a dense model)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0       # top-k: the experts each token runs
+    moe_intermediate_size: int = 0     # each expert's (intermediate_size stays the dense layers')
+    moe_layers: tuple[int, ...] = ()   # the layers whose MLP is the experts; the rest are dense
+    norm_topk_prob: bool = False       # the top-k weights renormalised to sum to 1
+    router_weights_fp32: bool = False  # Mixtral keeps them fp32; Qwen rounds them to the model's dtype
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, gated by a sigmoid (0: none)
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -167,7 +181,7 @@ class ModelConfig:
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            why = UNSUPPORTED_WHY.get(arch, " (a mixture-of-experts model; nanoserve serves dense decoders)"
+            why = UNSUPPORTED_WHY.get(arch, " (a mixture-of-experts model nanoserve does not serve)"
                                       if "Moe" in str(arch) else "")
             raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -180,7 +194,8 @@ class ModelConfig:
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
             raise ModelLoadError(f"the checkpoint is quantized (quant_method {method!r}); nanoserve serves "
                                  "unquantized checkpoints only (bf16, fp16 or fp32 safetensors)")
-        bad = {k: c[k] for k in SIZE_KEYS if c.get(k) is not None
+        sizes = SIZE_KEYS + (MOE_SIZE_KEYS if arch in MOE_ARCHITECTURES else ())
+        bad = {k: c[k] for k in sizes if c.get(k) is not None
                and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)}
         if bad:  # else torch's error when the model is built, or a zero-sized model
             raise ModelLoadError(f"{', '.join(f'{k} {v!r}' for k, v in bad.items())}: sizes must be positive integers")
@@ -211,8 +226,9 @@ class ModelConfig:
             max_position_embeddings=(c["max_position_embeddings"] if gemma else  # vLLM's exception: already scaled
                                      _scaled_max_positions(c.get("max_position_embeddings", 2048), scaling)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM" or gemma3,
+            attention_bias=(arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False))
+                            or (arch == "Qwen2MoeForCausalLM" and bool(c.get("qkv_bias", True)))),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or gemma3,
             sliding_window=window,
             sliding_layers=layers,
             checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
@@ -228,6 +244,7 @@ class ModelConfig:
             attention_scale=(float(c.get("attention_multiplier", 1.0)) if granite else
                              float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None),
             sliding_rope=_sliding_rope(c) if gemma3 else None,
+            **(_moe_config(arch, c) if arch in MOE_ARCHITECTURES else {}),
         )
 
     def __post_init__(self) -> None:
@@ -256,6 +273,34 @@ class ModelConfig:
         """The sliding window layer ``layer`` attends within, or None (full attention).
         (--disable-sliding-window keeps max_model_len within the window: it never acts.)"""
         return self.sliding_window if layer in self.sliding_layers else None
+
+
+def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
+    """ModelConfig's mixture-of-experts fields, read as transformers builds the model: Mixtral's
+    every layer sparse, its experts intermediate_size wide, its top-k weights always renormalised
+    and kept fp32; Qwen's sparse layers every decoder_sparse_step-th but mlp_only_layers (dense,
+    intermediate_size wide), norm_topk_prob as the config says, the weights in the model's dtype."""
+    n = c["num_hidden_layers"]
+    if arch == "MixtralForCausalLM":
+        experts, inter, layers = c.get("num_local_experts", 8), c["intermediate_size"], tuple(range(n))
+    else:
+        experts, inter = c.get("num_experts", c.get("num_local_experts")), c["moe_intermediate_size"]
+        step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
+        layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+        if c.get("use_sliding_window"):
+            raise ModelLoadError(f"{arch} with use_sliding_window is not supported (its released checkpoints "
+                                 "leave it off)")
+    top_k = c.get("num_experts_per_tok", 2)
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
+        raise ModelLoadError(f"num_experts {experts!r}: sizes must be positive integers")
+    if top_k > experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} is more than num_experts {experts}")
+    if c.get("hidden_act", "silu") != "silu":  # fused_moe's experts are SiLU-gated
+        raise ModelLoadError(f"{arch} with hidden_act {c['hidden_act']!r} is not supported (its experts run SiLU)")
+    shared = c["shared_expert_intermediate_size"] if arch == "Qwen2MoeForCausalLM" else 0
+    return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, moe_layers=layers,
+                norm_topk_prob=arch == "MixtralForCausalLM" or bool(c.get("norm_topk_prob", False)),
+                router_weights_fp32=arch == "MixtralForCausalLM", shared_expert_intermediate_size=shared)
 
 
 # Why an architecture nanoserve does not serve is not a small step from one it does.
@@ -440,7 +485,7 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
         return None, ()
     if arch == "Phi3ForCausalLM":  # every layer (Phi-3-mini-4k's 2047); one no sequence outgrows is none
         return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window), tuple(range(n))
     if arch in GEMMA3_ARCHITECTURES or arch == "Gemma2ForCausalLM":  # always on, for the layers layer_types names
         layers = tuple(i for i, t in enumerate(_gemma3_layer_types(c)) if t == "sliding_attention")
@@ -457,12 +502,17 @@ def num_parameters(cfg: ModelConfig) -> int:
     """Parameter count from the config alone, to check memory before loading."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
-    layer = H * qkv + cfg.num_heads * D * H + 3 * H * I + 2 * H
+    layer = H * qkv + cfg.num_heads * D * H + 2 * H
     layer += qkv if cfg.attention_bias else 0
     layer += 2 * D if cfg.qk_norm else 0
     layer += 2 * H if cfg.gemma3 else 0  # its norms before and after the MLP
+    # every expert is held (a token runs top-k of them, the memory is all of them), with the router
+    # and Qwen2-MoE's shared expert and its gate
+    sparse = cfg.num_experts * (3 * H * cfg.moe_intermediate_size + H)
+    sparse += 3 * H * cfg.shared_expert_intermediate_size + H if cfg.shared_expert_intermediate_size else 0
+    mlps = len(cfg.moe_layers) * sparse + (cfg.num_layers - len(cfg.moe_layers)) * 3 * H * I
     heads = 1 if cfg.tie_word_embeddings else 2
-    return heads * cfg.vocab_size * H + cfg.num_layers * layer + H
+    return heads * cfg.vocab_size * H + cfg.num_layers * layer + mlps + H
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -660,9 +710,10 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
         if (kv % tp_size) if tp_size <= kv else (tp_size % kv):
             problems.append(f"num_key_value_heads={kv} and tensor_parallel_size={tp_size}: one must divide "
                             f"the other (KV heads are split, or replicated when there are fewer than ranks)")
-        if cfg.intermediate_size % tp_size:
-            problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by "
-                            f"tensor_parallel_size={tp_size}")
+        sizes = {"intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
+                 "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+        problems += [f"{k}={v} is not divisible by tensor_parallel_size={tp_size}" for k, v in sizes.items()
+                     if v % tp_size]  # vLLM splits every expert's intermediate dim, as a dense MLP's
     if problems:
         raise ValueError("cannot split this model across ranks: " + "; ".join(problems))
 
@@ -676,7 +727,9 @@ def shard_config(cfg: ModelConfig, tp_size: int) -> ModelConfig:
     """The shapes one rank computes with (what a backend builds and checks its kernels for)."""
     return dataclasses.replace(cfg, num_heads=cfg.num_heads // tp_size,
                                num_kv_heads=num_kv_heads_per_rank(cfg.num_kv_heads, tp_size),
-                               intermediate_size=cfg.intermediate_size // tp_size)
+                               intermediate_size=cfg.intermediate_size // tp_size,
+                               moe_intermediate_size=cfg.moe_intermediate_size // tp_size,
+                               shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // tp_size)
 
 
 class _ShapeMismatch(Exception):
@@ -953,10 +1006,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        inter = intermediate_size or cfg.intermediate_size  # Qwen2-MoE's shared expert: a width of its own
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, False, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
         # Gemma's MLP is GELU's (tanh approximation); every other one SiLU's
         self.act_and_mul = backend.gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else backend.silu_and_mul
 
@@ -965,11 +1019,96 @@ class MLP(nn.Module):
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
+class ReplicatedLinear(Linear):
+    """A linear layer every rank holds whole (vLLM's name): the router, whose every expert's
+    score each rank needs, and Qwen2-MoE's one-output shared-expert gate."""
+
+
+def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing as transformers' routers do it (vLLM's fused_topk): softmax over the experts in
+    fp32, the top_k, renormalised to sum to 1 if asked, the weights in ``weights_dtype``.
+    Returns (topk_weights [T, k], topk_ids [T, k])."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights.to(weights_dtype), topk_ids
+
+
+class FusedMoE(nn.Module):
+    """A layer's experts as two 3-D weights (vLLM's FusedMoE): ``w13_weight [E, 2 * I, H]``,
+    each expert's gate rows then its up rows, and ``w2_weight [E, H, I]``. Under tensor
+    parallelism every rank holds every expert, its slice of each one's intermediate dim I (the
+    gate and up rows, down's columns: Megatron's split of each expert's MLP), and one all-reduce
+    sums the ranks' partial outputs, as RowParallelLinear's. The backend's fused_moe runs them."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend, tp: TPGroup):
+        super().__init__()
+        self.num_experts, self.full_intermediate_size = num_experts, intermediate_size
+        self.intermediate_size = intermediate_size // tp.world_size  # this rank's
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
+        self.backend, self.tp = backend, tp
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.backend.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
+
+    def num_shards(self, param: str) -> int:
+        """The per-expert checkpoint tensors a weight is loaded from: w13 2 an expert (gate, up), w2 one."""
+        return self.num_experts * (2 if param == "w13_weight" else 1)
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int | None) -> None:
+        """One expert's tensor as the hub stores it (shard ``2e + j`` of w13: expert e's gate, j 0,
+        or up, j 1, [I, H]; shard ``e`` of w2: its down [H, I]), or, ``shard_id`` None, the whole
+        stack as transformers 5 holds it (gate_up_proj [E, 2I, H], down_proj [E, H, I]): this
+        rank's slice of I of each."""
+        E, I, n = self.num_experts, self.full_intermediate_size, self.intermediate_size
+        start = self.tp.rank * n
+        if param is self.w2_weight:
+            if shard_id is None:
+                param.copy_(_read(loaded, (E, param.shape[1], I), 2, start, n))
+            else:
+                param[shard_id].copy_(_read(loaded, (param.shape[1], I), 1, start, n))
+            return
+        if shard_id is None:
+            full = (E, 2 * I, param.shape[2])
+            param[:, :n].copy_(_read(loaded, full, 1, start, n))
+            param[:, n:].copy_(_read(loaded, full, 1, I + start, n))
+        else:
+            expert, half = divmod(shard_id, 2)
+            param[expert, half * n:(half + 1) * n].copy_(_read(loaded, (I, param.shape[2]), 0, start, n))
+
+
+class SparseMoeBlock(nn.Module):
+    """A mixture-of-experts MLP (transformers' *SparseMoeBlock): the router ``gate`` scores
+    the experts, each token runs its top-k (FusedMoE), their outputs weighted by the routing;
+    Qwen2-MoE adds a shared expert every token runs, scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
+        super().__init__()
+        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, backend, tp)
+        self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.router_weights_fp32 = cfg.router_weights_fp32
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_expert = MLP(cfg, backend, tp, shared) if shared else None
+        self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights_dtype = torch.float32 if self.router_weights_fp32 else x.dtype
+        topk_weights, topk_ids = fused_topk(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup, index: int):
         super().__init__()
         self.self_attn = Attention(cfg, rotary_emb, backend, tp, cfg.layer_window(index))
-        self.mlp = MLP(cfg, backend, tp)
+        self.mlp = SparseMoeBlock(cfg, backend, tp) if index in cfg.moe_layers else MLP(cfg, backend, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1.0 (no multiply) elsewhere
@@ -1091,6 +1230,13 @@ class CausalLM(nn.Module):
         return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
 
+def fused_moe_capture_safe(backend: Backend) -> bool:
+    """Whether a CUDA graph can capture the backend's ``fused_moe``: any but the torch reference,
+    which reads each expert's token count on the host (a sync, and shapes that follow the data).
+    A mixture-of-experts model on a backend without it runs its decodes eagerly."""
+    return backend.capture_safe and backend.fused_moe is not kernels.fused_moe_torch
+
+
 def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                    enforce_eager: bool = False) -> Backend:
     """The one place the kernels are chosen, once per engine: Triton on CUDA where
@@ -1162,7 +1308,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     cfg = model.config
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
-    pending = _expected_shards(params)
+    pending = _expected_shards(params, modules)
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -1177,23 +1323,65 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 except _ShapeMismatch as e:
                     raise ModelLoadError(f"tensor {name!r} has shape {e.actual}, expected "
                                          f"{e.expected} from config.json") from None
-                pending -= {(target, s) for s in range(_num_shards(target))} if shard is None else {(target, shard)}
+                pending -= ({(target, s) for s in range(_num_shards(target, modules))} if shard is None
+                            else {(target, shard)})
     if pending:
-        missing = sorted({n for n, _ in pending})
+        missing = _describe_missing(pending, modules)
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
-def _expected_shards(params: dict[str, torch.Tensor]) -> set[tuple[str, int]]:
+def _describe_missing(pending: set[tuple[str, int]], modules: dict[str, nn.Module]) -> list[str]:
+    """The parameters ``pending`` names, an expert stack's with the experts it lacks."""
+    experts: dict[str, set[int]] = {}
+    for name, shard in sorted(pending):
+        moe = modules.get(name.rpartition(".")[0])
+        experts.setdefault(name, set())
+        if isinstance(moe, FusedMoE):
+            experts[name].add(shard // 2 if name.endswith("w13_weight") else shard)
+    return [f"{n} (experts {', '.join(map(str, sorted(e)[:8]))}{' ...' if len(e) > 8 else ''})" if e else n
+            for n, e in experts.items()]
+
+
+def _expected_shards(params: dict[str, torch.Tensor], modules: dict[str, nn.Module]) -> set[tuple[str, int]]:
     """(parameter, shard index) for every checkpoint tensor the parameters need."""
-    return {(name, s) for name in params for s in range(_num_shards(name))}
+    return {(name, s) for name in params for s in range(_num_shards(name, modules))}
 
 
-def _num_shards(param: str) -> int:
-    """The checkpoint tensors a parameter may be loaded from: qkv_proj 3, gate_up_proj 2, else 1."""
-    module = param.split(".")[-2]  # "model.layers.0.self_attn.qkv_proj.weight" -> "qkv_proj"
-    return _FUSED_SHARDS.get(module, 1)
+def _num_shards(param: str, modules: dict[str, nn.Module]) -> int:
+    """The checkpoint tensors a parameter may be loaded from: qkv_proj 3, gate_up_proj 2, an
+    expert stack 2 or 1 per expert (FusedMoE.num_shards), else 1."""
+    module_name, _, attr = param.rpartition(".")
+    if isinstance(modules.get(module_name), FusedMoE):
+        return modules[module_name].num_shards(attr)
+    return _FUSED_SHARDS.get(module_name.rpartition(".")[2], 1)  # "...self_attn.qkv_proj.weight" -> "qkv_proj"
+
+
+# A hub checkpoint's experts, one tensor each: Mixtral's w1 (gate), w3 (up) and w2 (down) under
+# block_sparse_moe (renamed mlp before this matches), Qwen's gate_proj, up_proj and down_proj under
+# mlp -> (FusedMoE weight, w13's half: gate rows 0, up rows 1)
+_EXPERT_KEY = re.compile(r"(.*\.)mlp\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT_PARTS = {"w1": ("w13_weight", 0), "gate_proj": ("w13_weight", 0), "w3": ("w13_weight", 1),
+                 "up_proj": ("w13_weight", 1), "w2": ("w2_weight", None), "down_proj": ("w2_weight", None)}
+# ... and transformers 5's stacks of them, as its models hold them (gate_up_proj [E, 2I, H], down_proj [E, H, I])
+_EXPERT_STACKS = {"experts.gate_up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"}
+
+
+def _expert_target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
+    """A mixture-of-experts checkpoint tensor's FusedMoE parameter and shard (None: the whole
+    stack), or None for a tensor that is not an expert's. An expert index past num_experts is
+    left as it is named, so that it is reported as an unexpected tensor."""
+    m = _EXPERT_KEY.fullmatch(name)
+    if m is not None:
+        expert, (param, half) = int(m[2]), _EXPERT_PARTS[m[3]]
+        if expert >= cfg.num_experts:
+            return name, 0
+        return f"{m[1]}mlp.experts.{param}", expert if half is None else 2 * expert + half
+    for stack, param in _EXPERT_STACKS.items():
+        if name.endswith(f".mlp.{stack}"):
+            return name[:-len(stack)] + param, None
+    return None
 
 
 # Gemma3ForConditionalGeneration: its text decoder's tensors under the prefixes transformers
@@ -1216,6 +1404,11 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
         name = new + name[len(old):]
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, 0  # tied: the embedding is the head
+    if cfg.num_experts:
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's hub name for its router and experts
+        expert = _expert_target(name, cfg)
+        if expert is not None:
+            return expert
     for part, (fused, shard) in _FUSED.items():
         if f".{part}." in name:
             return name.replace(f".{part}.", f".{fused}."), shard
@@ -1253,8 +1446,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         logger.info("[model] LongRoPE: the %s factors at every position (max_model_len %s "
                     "original_max_position_embeddings=%d, as vLLM chooses)", "long" if long else "short",
                     ">" if long else "<=", cfg.rope_scaling["original_max_position_embeddings"])
-    logger.info("[model] %s: %d layers, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
-                cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+    experts = (f", {cfg.num_experts} experts (top {cfg.num_experts_per_tok}) in {len(cfg.moe_layers)} layers"
+               if cfg.num_experts else "")
+    logger.info("[model] %s: %d layers%s, hidden %d, %d/%d heads, head_dim %d, %s on %s, %.1f MiB weights%s",
+                cfg.architecture, cfg.num_layers, experts, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                 cfg.head_dim, str(dtype).replace("torch.", ""), device, weight_bytes / 2**20,
                 f" (rank {tp.rank} of {tp.world_size}: its shard)" if tp.world_size > 1 else "")
     return model, weight_bytes
@@ -1405,10 +1600,14 @@ def lora_layers(model: CausalLM) -> dict[str, LoRATarget]:
     row = {"self_attn.o_proj": (q, hidden), "mlp.down_proj": (inter, hidden)}
     for i, layer in enumerate(model.model.layers):
         for name, (in_features, sizes, rows) in column.items():
+            if name.startswith("mlp.") and i in cfg.moe_layers:  # experts take no adapter (load_lora says so)
+                continue
             parent, attr = name.split(".")
             out[f"layers.{i}.{name}"] = LoRATarget(getattr(layer, parent), attr, in_features, sizes, rows,
                                                    (0, in_features), False)
         for name, (in_features, out_features) in row.items():
+            if name.startswith("mlp.") and i in cfg.moe_layers:
+                continue
             parent, attr = name.split(".")
             out[f"layers.{i}.{name}"] = LoRATarget(getattr(layer, parent), attr, in_features, [out_features],
                                                    [(0, out_features)], (rank * in_features // n, in_features // n),
@@ -1440,7 +1639,7 @@ def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
 
 def lora_layer(model: CausalLM) -> LoRALinear | None:
     """One of the LoRALinear layers wrap_lora_layers made (they share one LoRAStep); None: it made none."""
-    layer = model.model.layers[0].mlp.down_proj
+    layer = model.model.layers[0].self_attn.o_proj  # every layer's attention is wrapped (not every MLP: experts)
     return layer if isinstance(layer, LoRALinear) else None
 
 
@@ -1523,6 +1722,10 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
     layers = lora_layers(model)
     for key, t in tensors.items():
         m = _LORA_KEY.fullmatch(key)
+        if _targets_experts(key, model.config):
+            raise ValueError(f"LoRA adapter {str(path)!r}: {key} adapts a mixture-of-experts layer's MLP (its experts, "
+                             f"router or shared expert), which nanoserve does not; adapters of the attention "
+                             f"(q/k/v/o_proj) and of dense MLP layers are served")
         if m is None or m[2] not in LORA_TARGETS or int(m[1]) >= model.config.num_layers:
             raise ValueError(f"LoRA adapter {str(path)!r}: {key} is not a weight nanoserve applies (only "
                              f"lora_A/lora_B of {', '.join(LORA_TARGETS)} in the model's layers)")
@@ -1544,6 +1747,13 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
     return {name: tuple(w.pin_memory() if pin else w for w in _fuse_lora(path, name, slices, layers[name], scale,
                                                                          r, dtype))
             for name, slices in parts.items()}
+
+
+def _targets_experts(key: str, cfg: ModelConfig) -> bool:
+    """Whether an adapter's tensor belongs to a sparse layer's MLP (vLLM serves no LoRA of
+    FusedMoE either, before its fused-MoE LoRA kernels)."""
+    m = re.match(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.", key)
+    return m is not None and int(m[1]) in cfg.moe_layers
 
 
 def _fuse_lora(path, name: str, slices: dict[int, dict[str, torch.Tensor]], target: LoRATarget, scale: float,

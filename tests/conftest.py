@@ -79,12 +79,14 @@ def _tokenizer_dir(root: str) -> str:
     return str(out)
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3", "gemma2")
+# qwen3_moe: one mixture-of-experts model through every all-architecture test (tests/test_moe.py has all three)
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3", "gemma2", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
@@ -113,6 +115,16 @@ def hf_config(arch: str, **overrides):
         base.update(head_dim=32, query_pre_attn_scalar=24, tie_word_embeddings=True, sliding_window=16,
                     layer_types=["sliding_attention", "full_attention"], attn_logit_softcapping=0.5,
                     final_logit_softcapping=2.0)
+    elif arch == "mixtral":  # every layer sparse, 4 experts of intermediate_size, top 2 (always renormalised)
+        cls = MixtralConfig
+        base.update(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    elif arch == "qwen2_moe":  # layer 0 sparse with the shared expert, layer 1 dense (mlp_only_layers)
+        cls = Qwen2MoeConfig
+        base.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                    mlp_only_layers=[1], norm_topk_prob=False)
+    elif arch == "qwen3_moe":  # q/k norm, head_dim not hidden / heads, the top-k renormalised, both layers sparse
+        cls = Qwen3MoeConfig
+        base.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
     else:
         raise ValueError(arch)
     base.update(overrides)
@@ -131,7 +143,7 @@ def make_model(root: Path, arch: str = "qwen3", seed: int = 0, dtype=torch.float
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     with torch.no_grad():  # larger weights than the default init: sharper, more varied logits
         for p in model.parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # 3: transformers 5's stacks of experts
                 p.normal_(0, 0.08)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(_tokenizer_dir(str(root))).save_pretrained(out)

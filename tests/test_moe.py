@@ -1,0 +1,228 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers, the oracle:
+logits in one pass and in prefill chunks and greedy tokens through the engine; the experts loaded
+from the hub's per-expert tensors (what save_pretrained writes) and from transformers 5's stacks;
+the sizes checked, the parameters counted; what is refused (other MoE families, adapters of the
+experts); two ranks splitting every expert; and the rule that keeps CUDA graphs off while the
+backend's fused_moe is the torch reference."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import ARCHS, MOE_ARCHS, hf_model
+from nanoserve import LLM, LoRARequest, SamplingParams, kernels
+from nanoserve.model import (MLP, FusedMoE, ModelConfig, ModelLoadError, SparseMoeBlock, check_tensor_parallel,
+                             fused_moe_capture_safe, load_model, num_parameters)
+from test_lora import make_adapter, merged_model
+from test_parity import ATOL, LONG, PROMPTS, hf_logits, make_llm, nanoserve_logits, variant  # noqa: F401
+
+N_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW)
+
+
+def check_parity(path: Path) -> LLM:
+    """test_parity's check, lighter (transformers runs its experts one at a time, slowly): the logits
+    in one pass and over a cached prefix, and the greedy tokens of a batch of two prompts."""
+    llm, hf = make_llm(path), hf_model(path)
+    ref = hf_logits(hf, LONG)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), ref, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [21, 19, 1, 16]), ref, atol=ATOL, rtol=ATOL)
+    prompts = [PROMPTS[1], PROMPTS[4]]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
+    return llm
+
+
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("arch", [a for a in MOE_ARCHS if a not in ARCHS])  # test_parity checks those in ARCHS
+def test_logits_and_greedy_match_hf(variant, arch):
+    check_parity(variant(arch))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_layers_and_parameter_count_are_transformers_s(variant, arch):
+    path = variant(arch)
+    assert num_parameters(ModelConfig.from_dir(path)) == sum(p.numel() for p in hf_model(path).parameters())
+    layers = load_model(path, torch.float32, torch.device("cpu"))[0].model.layers
+    if arch == "qwen2_moe":  # layer 0 sparse with its gated shared expert, layer 1 dense (mlp_only_layers)
+        assert isinstance(layers[0].mlp, SparseMoeBlock) and layers[0].mlp.shared_expert is not None
+        assert type(layers[1].mlp) is MLP
+    else:
+        assert all(isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.shared_expert is None for layer in layers)
+
+
+def test_sparse_layers_are_the_ones_transformers_builds():
+    """decoder_sparse_step and mlp_only_layers pick Qwen's sparse layers; Mixtral's are all."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import hf_config
+    for arch, overrides in [("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [3]}),
+                            ("qwen2_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}),
+                            ("mixtral", {})]:
+        hf_cfg = hf_config(arch, num_hidden_layers=5, **overrides)
+        hf_cfg.architectures = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                 "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
+        hf = AutoModelForCausalLM.from_config(hf_cfg)
+        want = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
+        assert ModelConfig.from_dict(hf_cfg.to_dict()).moe_layers == want, arch
+
+
+def _copy_with(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """``src``'s config and tokenizer with ``tensors`` as its weights."""
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, out / f.name)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+def test_hub_and_transformers_5_expert_layouts_load_alike(variant, tmp_path):
+    """save_pretrained writes the hub's per-expert tensors (Mixtral's block_sparse_moe.experts.E.w1/w2/w3):
+    the parity test loads those. transformers 5's own stacks (mlp.experts.gate_up_proj [E, 2I, H],
+    down_proj [E, H, I]) load to the same logits."""
+    path = variant("mixtral")
+    hub = load_file(str(path / "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in hub
+    stacked = {k: v.contiguous() for k, v in hf_model(path).state_dict().items()}
+    assert stacked["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
+    out = _copy_with(path, tmp_path / "stacked", stacked)
+    torch.testing.assert_close(nanoserve_logits(make_llm(out), LONG, [20, 37]), hf_logits(hf_model(path), LONG),
+                               atol=ATOL, rtol=ATOL)
+
+
+def test_missing_or_unexpected_expert_tensors_are_load_errors(variant, tmp_path):
+    path = variant("qwen3_moe")
+    hub = load_file(str(path / "model.safetensors"))
+    less = {k: v for k, v in hub.items() if k != "model.layers.1.mlp.experts.3.up_proj.weight"}
+    with pytest.raises(ModelLoadError, match=r"missing weights for model\.layers\.1\.mlp\.experts\.w13_weight "
+                                             r"\(experts 3\)"):
+        make_llm(_copy_with(path, tmp_path / "less", less))
+    more = {**hub, "model.layers.0.mlp.experts.4.down_proj.weight": torch.zeros(64, 32)}
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'model\.layers\.0\.mlp\.experts\.4\.down_proj"):
+        make_llm(_copy_with(path, tmp_path / "more", more))
+    wrong = {**hub, "model.layers.0.mlp.experts.1.gate_proj.weight": torch.zeros(31, 64)}
+    with pytest.raises(ModelLoadError, match=r"experts\.1\.gate_proj\.weight' has shape \(31, 64\), expected "
+                                             r"\(32, 64\)"):
+        make_llm(_copy_with(path, tmp_path / "wrong", wrong))
+
+
+def _config(arch: str, **changes) -> dict:
+    from conftest import hf_config
+    c = hf_config(arch).to_dict()
+    c["architectures"] = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                           "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
+    return {**c, **changes}
+
+
+@pytest.mark.parametrize("arch,changes,message", [
+    ("qwen3_moe", {"num_experts_per_tok": 5}, r"num_experts_per_tok 5 is more than num_experts 4"),
+    ("mixtral", {"num_local_experts": 0}, r"num_local_experts 0: sizes must be positive integers"),
+    ("qwen2_moe", {"moe_intermediate_size": -1}, r"moe_intermediate_size -1: sizes must be positive"),
+    ("qwen3_moe", {"decoder_sparse_step": 0}, r"decoder_sparse_step 0: sizes must be positive"),
+    ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, r"use_sliding_window is not supported"),
+    ("mixtral", {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
+    ("qwen3_moe", {"architectures": ["DeepseekV3ForCausalLM"]}, r"unsupported architecture 'DeepseekV3ForCausalLM'"),
+    ("qwen3_moe", {"architectures": ["GraniteMoeForCausalLM"]}, r"'GraniteMoeForCausalLM' \(a mixture-of-experts"),
+    ("qwen3_moe", {"architectures": ["GptOssForCausalLM"]}, r"unsupported architecture 'GptOssForCausalLM'"),
+], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek", "granitemoe", "gpt-oss"])
+def test_configs_nanoserve_cannot_serve_are_refused(arch, changes, message):
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_dict(_config(arch, **changes))
+
+
+def test_tensor_parallel_sizes_are_checked_for_the_experts():
+    cfg = ModelConfig.from_dict(_config("qwen2_moe", moe_intermediate_size=30, shared_expert_intermediate_size=34))
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=30 is not divisible by tensor_parallel_size=4; "
+                                         r"shared_expert_intermediate_size=34 is not divisible"):
+        check_tensor_parallel(cfg, 4)
+    check_tensor_parallel(cfg, 2)
+
+
+def test_mixtral_sliding_window_is_every_layer_s():
+    cfg = ModelConfig.from_dict(_config("mixtral", sliding_window=12))
+    assert (cfg.sliding_window, cfg.sliding_layers) == (12, (0, 1))
+
+
+def test_attention_adapters_serve_and_expert_adapters_are_refused(variant, tmp_path):
+    """An adapter of q/k/v/o runs as its merged model; one that names a sparse layer's MLP
+    (an expert's down_proj, as PEFT writes it) is refused, naming why."""
+    path = variant("qwen3_moe")
+    adapter = make_adapter(path, tmp_path / "attn", targets=("q_proj", "v_proj", "o_proj"))
+    merged = merged_model(path, adapter, tmp_path / "merged")
+    llm = make_llm(path, enable_lora=True, max_loras=1)
+    prompt = LONG[:11]
+    out = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("attn", 1, str(adapter)))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_model(merged), prompt, N_NEW)
+    experts = make_adapter(path, tmp_path / "experts", targets=("q_proj",), extra={
+        "base_model.model.model.layers.0.mlp.experts.0.down_proj.lora_A.weight": torch.zeros(4, 32)})
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.lora_A\.weight adapts a mixture-of-experts "
+                                         r"layer's MLP"):
+        llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("experts", 2, str(experts)))
+
+
+def test_tensor_parallel_splits_every_expert(variant):
+    """Two ranks, each holding its half of every expert's intermediate dim (and of the shared expert
+    and the dense layer): transformers' greedy tokens, under chunked prefill."""
+    path = variant("qwen2_moe")
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=32, max_model_len=128,
+              max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        prompts = [LONG[:23], LONG[5:12]]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = hf_model(path)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
+
+
+def test_fused_moe_weight_loader_takes_this_rank_s_slice():
+    """Rank 1 of 2 holds rows I/2.. of each expert's gate and up, and those columns of its down,
+    from either layout."""
+    from nanoserve.model import TPGroup
+    E, H, I = 3, 4, 6
+    moe = FusedMoE(E, H, I, kernels.TORCH, TPGroup(rank=1, world_size=2))
+    w13, w2 = torch.randn(E, 2 * I, H), torch.randn(E, H, I)
+
+    class Slice:  # safetensors' get_slice, as the loader reads it
+        def __init__(self, t):
+            self.t = t
+
+        def get_shape(self):
+            return list(self.t.shape)
+
+        def __getitem__(self, index):
+            return self.t[index]
+    with torch.no_grad():
+        moe.weight_loader(moe.w13_weight, Slice(w13), None)
+        moe.weight_loader(moe.w2_weight, Slice(w2), None)
+    want13 = torch.cat([w13[:, 3:6], w13[:, 9:12]], dim=1)
+    assert torch.equal(moe.w13_weight, want13) and torch.equal(moe.w2_weight, w2[:, :, 3:])
+    with torch.no_grad():
+        for e in range(E):
+            moe.weight_loader(moe.w13_weight, Slice(w13[e, :I]), 2 * e)
+            moe.weight_loader(moe.w13_weight, Slice(w13[e, I:]), 2 * e + 1)
+            moe.weight_loader(moe.w2_weight, Slice(w2[e]), e)
+    assert torch.equal(moe.w13_weight, want13) and torch.equal(moe.w2_weight, w2[:, :, 3:])
+
+
+def test_cuda_graphs_wait_for_a_capture_safe_fused_moe():
+    """The torch reference reads expert counts on the host: a backend that uses it captures no
+    MoE decode, however capture-safe its other ops (kernels.TRITON's today). Any other fused_moe
+    on a capture-safe backend (the Triton kernel, once wired) may be captured."""
+    safe_ops = dataclasses.replace(kernels.TORCH, capture_safe=True)
+    assert not fused_moe_capture_safe(kernels.TORCH) and not fused_moe_capture_safe(safe_ops)
+    assert fused_moe_capture_safe(dataclasses.replace(safe_ops, fused_moe=lambda *a: None))
+    if kernels.TRITON is not None:
+        assert fused_moe_capture_safe(kernels.TRITON) == (kernels.TRITON.fused_moe is not kernels.fused_moe_torch)
