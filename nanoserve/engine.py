@@ -51,7 +51,7 @@ from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entr
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, LoRAConfig, ModelConfig,
                              ModelRunner, SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
                              WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line,
-                             fused_moe_capture_safe, init_distributed, load_model, load_tokenizer,
+                             init_distributed, load_model, load_tokenizer,
                              log_tensor_parallel, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
@@ -1393,11 +1393,6 @@ class LLMEngine:
             logger.info("[engine] no CUDA graphs or padded decode steps under tensor parallelism (yet)")
             return []
         if self.device.type == "cuda" and not self.backend.capture_safe:  # select_backend said why (one line)
-            return []
-        if self.device.type == "cuda" and self.model_config.num_experts and not fused_moe_capture_safe(self.backend):
-            logger.info("[engine] no CUDA graphs: this mixture-of-experts model's decodes run eagerly, as the "
-                        "%s backend's fused_moe is the torch reference, which reads expert counts on the host",
-                        self.backend.name)
             return []
         cap = cfg.max_cudagraph_capture_size
         if cap is not None and cap < 1:

@@ -59,6 +59,10 @@ def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Ten
     """The references' ``warm_up``: eager torch compiles nothing."""
 
 
+def no_moe_to_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+    """The references' ``warm_up_moe``: nothing to compile either."""
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of every op a model step calls, and what it needs of
@@ -86,6 +90,8 @@ class Backend:
     ``warm_up(num_heads, k_cache, v_cache, max_context, logits_soft_cap=None)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
     throwaway step (Triton's split-KV counts, which grow with the context).
+    ``warm_up_moe(w13, w2, top_k)`` the same for a mixture-of-experts layer's fused_moe
+    (Triton's large tile, which only a long prefill reaches).
 
     ``capture_safe``: no op syncs with the host or allocates by the data, so a CUDA
     graph can capture a forward (the torch references read seq_lens on the host).
@@ -104,6 +110,7 @@ class Backend:
     fused_moe: Callable[..., torch.Tensor]
     prepare_model: Callable[[torch.nn.Module], int] = weights_as_loaded
     warm_up: Callable[..., None] = nothing_to_compile
+    warm_up_moe: Callable[..., None] = no_moe_to_compile
     capture_safe: bool = False
 
 
@@ -1048,4 +1055,4 @@ TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
     rotary_triton, silu_and_mul_triton, gelu_tanh_and_mul_triton, gemma_rms_norm_triton,
     gemma_fused_add_rms_norm_triton, argmax_cuda, fused_moe_triton,
-    warm_up=warm_up_paged_attention_triton, capture_safe=True)
+    warm_up=warm_up_paged_attention_triton, warm_up_moe=warm_up_fused_moe_triton, capture_safe=True)

@@ -1230,13 +1230,6 @@ class CausalLM(nn.Module):
         return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
 
-def fused_moe_capture_safe(backend: Backend) -> bool:
-    """Whether a CUDA graph can capture the backend's ``fused_moe``: any but the torch reference,
-    which reads each expert's token count on the host (a sync, and shapes that follow the data).
-    A mixture-of-experts model on a backend without it runs its decodes eagerly."""
-    return backend.capture_safe and backend.fused_moe is not kernels.fused_moe_torch
-
-
 def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                    enforce_eager: bool = False) -> Backend:
     """The one place the kernels are chosen, once per engine: Triton on CUDA where
@@ -2573,6 +2566,9 @@ class ModelRunner:
             attention = self.model.model.layers[0].self_attn
             self.backend.warm_up(attention.num_heads, *self.kv_caches[0], self.max_blocks * self.block_size,
                                  **attention.attn_kwargs)
+            moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
+            if moe is not None:  # every sparse layer has the same shapes: one compiles them all
+                self.backend.warm_up_moe(moe.experts.w13_weight, moe.experts.w2_weight, moe.top_k)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

@@ -61,16 +61,10 @@ def test_no_graphs_on_cuda_with_kernels_that_sync():
     from nanoserve.engine import EngineConfig, LLMEngine
     for sizes in (None, [1, 2]):
         config = EngineConfig("unused", max_num_seqs=16, cudagraph_capture_sizes=sizes)
-        engine = SimpleNamespace(config=config, device=torch.device("cuda"), backend=kernels.TORCH,
-                                 model_config=SimpleNamespace(num_experts=0))
+        engine = SimpleNamespace(config=config, device=torch.device("cuda"), backend=kernels.TORCH)
         assert not kernels.TORCH.capture_safe and LLMEngine._decode_sizes(engine) == []
         engine.backend = dataclasses.replace(kernels.TORCH, capture_safe=True)  # as Triton's
         assert LLMEngine._decode_sizes(engine) == (sizes or cudagraph_capture_sizes(16))
-        # a mixture-of-experts model: no graphs while fused_moe is the torch reference (Triton's, today)
-        moe = SimpleNamespace(**{**vars(engine), "model_config": SimpleNamespace(num_experts=8)})
-        assert LLMEngine._decode_sizes(moe) == []
-        moe.backend = dataclasses.replace(engine.backend, fused_moe=lambda *args: None)  # a capture-safe kernel's
-        assert LLMEngine._decode_sizes(moe) == (sizes or cudagraph_capture_sizes(16))
     # vLLM's --max-cudagraph-capture-size caps the default list (a list given is taken as it is)
     from nanoserve.entry import engine_config, parse_args
     engine.config = engine_config(parse_args(["--max-num-seqs", "64", "--max-cudagraph-capture-size", "20"]))
@@ -95,8 +89,7 @@ def test_given_sizes_above_the_token_budget_are_dropped(caplog):
              "16", "32", "4"]
     for device in ("cpu", "cuda"):
         engine = SimpleNamespace(config=engine_config(parse_args(flags)), device=torch.device(device),
-                                 backend=dataclasses.replace(kernels.TORCH, capture_safe=True),
-                                 model_config=SimpleNamespace(num_experts=0))
+                                 backend=dataclasses.replace(kernels.TORCH, capture_safe=True))
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="nanoserve.engine"):
             assert LLMEngine._decode_sizes(engine) == [1, 4, 16]

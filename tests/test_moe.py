@@ -2,11 +2,9 @@
 logits in one pass and in prefill chunks and greedy tokens through the engine; the experts loaded
 from the hub's per-expert tensors (what save_pretrained writes) and from transformers 5's stacks;
 the sizes checked, the parameters counted; what is refused (other MoE families, adapters of the
-experts); two ranks splitting every expert; and the rule that keeps CUDA graphs off while the
-backend's fused_moe is the torch reference."""
+experts); and two ranks splitting every expert."""
 from __future__ import annotations
 
-import dataclasses
 import shutil
 from pathlib import Path
 
@@ -17,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from conftest import ARCHS, MOE_ARCHS, hf_model
 from nanoserve import LLM, LoRARequest, SamplingParams, kernels
 from nanoserve.model import (MLP, FusedMoE, ModelConfig, ModelLoadError, SparseMoeBlock, check_tensor_parallel,
-                             fused_moe_capture_safe, load_model, num_parameters)
+                             load_model, num_parameters)
 from test_lora import make_adapter, merged_model
 from test_parity import ATOL, LONG, PROMPTS, hf_logits, make_llm, nanoserve_logits, variant  # noqa: F401
 
@@ -215,14 +213,3 @@ def test_fused_moe_weight_loader_takes_this_rank_s_slice():
             moe.weight_loader(moe.w13_weight, Slice(w13[e, I:]), 2 * e + 1)
             moe.weight_loader(moe.w2_weight, Slice(w2[e]), e)
     assert torch.equal(moe.w13_weight, want13) and torch.equal(moe.w2_weight, w2[:, :, 3:])
-
-
-def test_cuda_graphs_wait_for_a_capture_safe_fused_moe():
-    """The torch reference reads expert counts on the host: a backend that uses it captures no
-    MoE decode, however capture-safe its other ops (kernels.TRITON's today). Any other fused_moe
-    on a capture-safe backend (the Triton kernel, once wired) may be captured."""
-    safe_ops = dataclasses.replace(kernels.TORCH, capture_safe=True)
-    assert not fused_moe_capture_safe(kernels.TORCH) and not fused_moe_capture_safe(safe_ops)
-    assert fused_moe_capture_safe(dataclasses.replace(safe_ops, fused_moe=lambda *a: None))
-    if kernels.TRITON is not None:
-        assert fused_moe_capture_safe(kernels.TRITON) == (kernels.TRITON.fused_moe is not kernels.fused_moe_torch)
