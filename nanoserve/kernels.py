@@ -1035,7 +1035,7 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
                                    cfg.attn_logit_softcapping)
     fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
     rms_norm_triton(q, q[0, 0], 1e-6)  # Qwen3's q/k norm: one row a head
-    if cfg.gemma3:  # its norms: an fp32 weight
+    if cfg.gemma:  # its norms: an fp32 weight
         gemma_fused_add_rms_norm_triton(gemma_rms_norm_triton(x, x[0].float(), 1e-6), x, x[0].float(), 1e-6)
         gemma_rms_norm_triton(q, q[0, 0].float(), 1e-6)
     table = zeros(1, cfg.rotary_dim).float()  # the model's rotary dims

@@ -141,7 +141,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0   # each branch's output, before its residual add
     logits_scaling: float = 1.0        # logits are divided by it
     # Gemma 3, and Gemma 2 (the defaults are every other architecture's)
-    gemma3: bool = False          # Gemma3DecoderLayer, norms x * (1 + w), embeddings x sqrt(hidden): Gemma 2's too
+    gemma: bool = False           # Gemma 2 and 3: GemmaDecoderLayer, norms x * (1 + w), embeddings x sqrt(hidden)
     # Gemma 2's soft caps, cap * tanh(x / cap) (None: none): on each attention score, on the logits
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
@@ -204,7 +204,7 @@ class ModelConfig:
         num_heads = c["num_attention_heads"]
         head_dim = c.get("head_dim") or c["hidden_size"] // num_heads
         gemma3 = arch in GEMMA3_ARCHITECTURES
-        gemma = gemma3 or arch == "Gemma2ForCausalLM"  # Gemma 3's decoder layer, norms, embeddings and MLP
+        gemma = gemma3 or arch == "Gemma2ForCausalLM"  # Gemma 2 and 3 share the layer, norms, embeddings and MLP
         # Gemma turns whole heads in its rotaries: transformers and vLLM ignore partial_rotary_factor there
         rotary_dim = head_dim if gemma else _rotary_dim(c, head_dim)
         theta, scaling = _rope_from_config(c, arch, rotary_dim)
@@ -237,7 +237,7 @@ class ModelConfig:
             embedding_multiplier=float(c.get("embedding_multiplier", 1.0)) if granite else 1.0,
             residual_multiplier=float(c.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(c.get("logits_scaling", 1.0)) if granite else 1.0,
-            gemma3=gemma,
+            gemma=gemma,
             attn_logit_softcapping=_float_or_none(c.get("attn_logit_softcapping")) if gemma else None,
             final_logit_softcapping=_float_or_none(c.get("final_logit_softcapping")) if gemma else None,
             hidden_act=c["hidden_activation"] if gemma else "silu",
@@ -505,7 +505,7 @@ def num_parameters(cfg: ModelConfig) -> int:
     layer = H * qkv + cfg.num_heads * D * H + 2 * H
     layer += qkv if cfg.attention_bias else 0
     layer += 2 * D if cfg.qk_norm else 0
-    layer += 2 * H if cfg.gemma3 else 0  # its norms before and after the MLP
+    layer += 2 * H if cfg.gemma else 0  # its norms before and after the MLP
     # every expert is held (a token runs top-k of them, the memory is all of them), with the router
     # and Qwen2-MoE's shared expert and its gate
     sparse = cfg.num_experts * (3 * H * cfg.moe_intermediate_size + H)
@@ -974,7 +974,7 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
-        norm = GemmaRMSNorm if cfg.gemma3 else RMSNorm
+        norm = GemmaRMSNorm if cfg.gemma else RMSNorm
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.rotary_emb = rotary_emb
@@ -1132,8 +1132,8 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
-class Gemma3DecoderLayer(nn.Module):
-    """Gemma 3's layer: a norm before and after both attention and the MLP, transformers'
+class GemmaDecoderLayer(nn.Module):
+    """Gemma 2 and 3's layer: a norm before and after both attention and the MLP, transformers'
     h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h))),
     the residual stream carried beside x as in DecoderLayer, each add fused into the next norm."""
 
@@ -1167,14 +1167,14 @@ class DecoderModel(nn.Module):
         # Gemma 3's sliding-window layers rotate with a base (and scaling) of their own
         self.sliding_rotary_emb = None if cfg.sliding_rope is None else RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, *cfg.sliding_rope, backend)
-        layer = Gemma3DecoderLayer if cfg.gemma3 else DecoderLayer
+        layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
         self.layers = nn.ModuleList(layer(cfg, self.layer_rotary_emb(cfg, i), backend, tp, i)
                                     for i in range(cfg.num_layers))
-        self.norm = (GemmaRMSNorm if cfg.gemma3 else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.norm = (GemmaRMSNorm if cfg.gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.embedding_multiplier = cfg.embedding_multiplier  # Granite's; 1.0 elsewhere
         # Gemma scales the embeddings by sqrt(hidden_size), rounded to the model's dtype (build_model's
         # default dtype) as transformers rounds it
-        self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5) if cfg.gemma3 else None,
+        self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5) if cfg.gemma else None,
                              persistent=False)
 
     def layer_rotary_emb(self, cfg: ModelConfig, index: int) -> RotaryEmbedding:
