@@ -1066,6 +1066,8 @@ class EngineConfig:
     enable_lora: bool = False  # as vLLM's: LoRA adapters (LoRARequest, --lora-modules) beside the base weights
     max_lora_rank: int = 16    # as vLLM's: the largest adapter rank taken
     max_loras: int = 1         # as vLLM's: adapters on the device at once (its slots), so in one step
+    max_cpu_loras: int | None = None  # as vLLM's: adapters kept in host memory (None: max_loras); others are
+    #                                   read again from their paths when a step needs them
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -1116,6 +1118,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is None:  # vLLM's default
+            self.max_cpu_loras = self.max_loras
+        if not isinstance(self.max_cpu_loras, int) or isinstance(self.max_cpu_loras, bool) or \
+                self.max_cpu_loras < self.max_loras:  # a step's adapters must fit in host memory together
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras "
+                             f"({self.max_loras})")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
@@ -1123,7 +1131,7 @@ class EngineConfig:
     @property
     def lora_config(self) -> LoRAConfig | None:
         """The adapter slots every rank reserves (None: LoRA is off)."""
-        return LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
 
 
 # vLLM engine arguments (EngineArgs' fields: LLM() keywords, `vllm serve` flags) that nanoserve takes
@@ -1157,8 +1165,6 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
                                       "CUDA graphs: cudagraph_capture_sizes)"),  # vLLM's -O
     "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
-    "max_cpu_loras": (int, None, "a loaded LoRA adapter stays in host memory until it is unloaded (max_loras "
-                                 "of them on the device)"),
     "fully_sharded_loras": (bool, (False,), "an adapter is split as its layer is, vLLM's default"),
     "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype (on a CPU in fp32, faster there)"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
@@ -1369,6 +1375,9 @@ class LLMEngine:
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
         self.loras: dict[int, LoRARequest] = {}  # the adapters loaded, by lora_int_id
         self.lora_loads: dict[int, int] = {}     # ... and which load each is (the prefix cache's salt)
+        # requests ended because their adapter could not be loaded again (caller id -> why), for the
+        # caller to pop: AsyncLLM fails each with it, LLM.generate raises it
+        self.failed_requests: dict[str, str] = {}
         self.load_counter = itertools.count()
         self.serials = itertools.count()  # Request.serial's
 
@@ -1908,6 +1917,8 @@ class LLMEngine:
         step = self.schedule_step()
         if step is not None:
             flight, inputs = step
+            if self.runner.lora is not None:
+                yield from self._reload_loras(flight, inputs)
             for s in flight.sched.scheduled:
                 s.request.num_output_placeholders += s.samples
             launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
@@ -1916,6 +1927,25 @@ class LLMEngine:
         while len(self.in_flight) > keep:
             outputs += yield from self._land()
         return outputs
+
+    def _reload_loras(self, flight: StepInFlight, inputs: list[SeqInput]) -> Generator[tuple[Callable, ...], Any, None]:
+        """The step's adapters that max_cpu_loras dropped from host memory, read again from their paths on
+        the model thread. A request whose adapter cannot be (its file gone since) is ended with why
+        (failed_requests) and its rows run the base model, their output dropped: the rest of the step runs."""
+        ids = {s.lora_int_id for s in inputs} - {None}
+        if all(self.runner.lora.resident(i) for i in ids):
+            return
+        failed = yield self.runner.reload_loras, {i: self.loras[i].lora_path for i in ids}, self.config.max_lora_rank
+        ended = {}
+        for s, seq in zip(flight.sched.scheduled, inputs):
+            if seq.lora_int_id in failed:
+                ended[self._caller_id(s.request)] = f"the LoRA adapter {self.loras[seq.lora_int_id].lora_name!r} " \
+                                                    f"could not be loaded again: {failed[seq.lora_int_id]}"
+                seq.lora_int_id = None
+        for request_id, why in ended.items():
+            logger.error("[engine] %s: %s", request_id, why)
+            self.abort_request(request_id)
+        self.failed_requests.update(ended)
 
     def _land(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
         """The oldest step in flight: its results to the host, then into its requests
@@ -2606,7 +2636,10 @@ class LLM:
         children: dict[str, dict[int, CompletionOutput]] = {}
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                if failed := [self.engine.failed_requests.pop(i) for i in ids if i in self.engine.failed_requests]:
+                    raise RequestFailedError(failed[0])
+                for out in outputs:
                     merged = children.setdefault(out.request_id, {})
                     for c in out.outputs:
                         merged[c.index] = c
@@ -2899,6 +2932,9 @@ class AsyncLLM:
                     await self.wakeup.wait()
                     continue
                 failures, stepped = 0, True
+                while engine.failed_requests:  # before outputs: their queues get why, not an abort
+                    request_id, why = engine.failed_requests.popitem()
+                    self._fail(request_id, RequestFailedError(why))
                 for out in outputs:  # a finished request's queue is dropped with its last output
                     queue = self.queues.pop(out.request_id, None) if out.finished else self.queues.get(out.request_id)
                     if queue is not None:

@@ -337,7 +337,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"],
          ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
          ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
-         ["--task", "generate"], ["--max-cpu-loras", "8"], ["--no-fully-sharded-loras"],
+         ["--task", "generate"], ["--no-fully-sharded-loras"],
          ["--lora-dtype", "auto"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
