@@ -51,7 +51,7 @@ from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entr
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, LoRAConfig, ModelConfig,
                              ModelRunner, SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
                              WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
-                             load_model, load_tokenizer, log_tensor_parallel, num_kv_heads_per_rank,
+                             load_model, load_tokenizer, log_tensor_parallel, lora_slot_bytes, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
 from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
@@ -1429,10 +1429,13 @@ class LLMEngine:
         spec = KVCacheSpec(mc.num_layers, num_kv_heads_per_rank(mc.num_kv_heads, ranks), mc.head_dim, self.dtype,
                            cfg.block_size)
         kv_bytes = cfg.kv_cache_memory_bytes if cfg.num_kv_blocks is None else cfg.num_kv_blocks * spec.bytes_per_block
+        # the LoRA slots too, allocated with the weights (wrap_lora_layers; fp32 on a CPU: lora_dtype)
+        lora = 0 if cfg.lora_config is None else lora_slot_bytes(
+            mc, cfg.lora_config, cfg.tensor_parallel_size, self.dtype if self.device.type == "cuda" else torch.float32)
         if self.device.type == "cuda":
             return kvcache.check_gpu_memory(num_parameters(mc) * elem // ranks, self.device,
-                                            cfg.gpu_memory_utilization, kv_bytes)
-        kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
+                                            cfg.gpu_memory_utilization, kv_bytes, lora)
+        kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes, lora * cfg.tensor_parallel_size)
 
     def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, int | None, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Size the KV cache from what the weights leave, settle max_model_len, and

@@ -1387,6 +1387,18 @@ def lora_dtype(model: CausalLM) -> torch.dtype:
     return torch.float32 if weight.device.type == "cpu" else weight.dtype
 
 
+def lora_slot_bytes(cfg: ModelConfig, config: LoRAConfig, world_size: int, dtype: torch.dtype) -> int:
+    """The bytes wrap_lora_layers allocates on one rank, from the config alone, for the memory check before
+    loading: in every layer, each adapted module's A [slices x rank, its input columns] and B^T [slices x rank,
+    its output rows] (lora_layers' split), in each of max_loras slots."""
+    hidden, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    kv = num_kv_heads_per_rank(cfg.num_kv_heads, world_size) * cfg.head_dim
+    modules = [(3, hidden, q // world_size + 2 * kv), (2, hidden, 2 * (inter // world_size)),  # qkv, gate_up
+               (1, q // world_size, hidden), (1, inter // world_size, hidden)]                 # o, down
+    per_slot = sum(slices * config.max_lora_rank * (cols + rows) for slices, cols, rows in modules)
+    return cfg.num_layers * config.max_loras * per_slot * torch.empty((), dtype=dtype).element_size()
+
+
 def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
     """Wrap every layer an adapter may change (after the backend prepared the base layers), its
     slots allocated now, before the KV cache is sized, as vLLM reserves its LoRA memory before

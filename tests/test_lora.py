@@ -266,6 +266,16 @@ def test_lora_graph_replay_is_the_eager_forward(models):
     assert (True, 2) in steps
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_memory_check_counts_the_lora_slots_wrap_lora_layers_makes(models, world_size):
+    """lora_slot_bytes (the check before loading) is what wrap_lora_layers allocates, on one rank of a split."""
+    from nanoserve import kernels
+    from nanoserve.model import LoRAConfig, ModelConfig, TPGroup, build_model, lora_slot_bytes, wrap_lora_layers
+    cfg, config = ModelConfig.from_dir(models["base"]), LoRAConfig(3, 8)
+    model = build_model(cfg, torch.float32, torch.device("cpu"), kernels.TORCH, TPGroup(world_size - 1, world_size))
+    assert wrap_lora_layers(model, config) == lora_slot_bytes(cfg, config, world_size, torch.float32)
+
+
 def test_max_loras_is_checked():
     from nanoserve.engine import EngineConfig
     from nanoserve.entry import engine_config, parse_args
