@@ -1075,6 +1075,9 @@ class EngineConfig:
     node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # enable_lora="yes" was taken as true, "false" too (a non-empty str)
+            if f.type in (bool, "bool") and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "seed",
                      "max_logprobs", "tensor_parallel_size", "nnodes", "node_rank"):
             value = getattr(self, name)  # a str or float went far (a TypeError from a comparison, or a float length)
@@ -1194,6 +1197,8 @@ def engine_config_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfi
     for name, value in [*kwargs.items(), *_compilation_config(kwargs.get("compilation_config")).items()]:
         name = VLLM_RENAMED.get(name, name)
         if name in VLLM_ENGINE_ARGS:
+            if VLLM_ENGINE_ARGS[name][0] is bool and value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")  # as EngineConfig's own
             logger.info("[engine] %s", vllm_arg_note(f"{name}={value!r}", value, *VLLM_ENGINE_ARGS[name][1:]))
         elif name == "compilation_config" or value is None:
             continue  # read just above; None: the default
