@@ -2739,9 +2739,9 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
         raise InvalidInput("chat_template", "this model's tokenizer has no chat template; pass chat_template=... "
                                             "or use generate() with a plain prompt")
     add_generation_prompt = opens_reply(add_generation_prompt, continue_final_message)
-    if add_generation_prompt and continue_final_message:
-        raise InvalidInput("continue_final_message", "continue_final_message (continue the last message) cannot be "
-                                                     "combined with add_generation_prompt=true (start a new one)")
+    if add_generation_prompt and continue_final_message:  # vLLM's words (its check_generation_prompt's)
+        raise InvalidInput("continue_final_message", "Cannot set both `continue_final_message` and "
+                                                     "`add_generation_prompt` to True.")
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & _template_arguments(tokenizer))
     if reserved:
