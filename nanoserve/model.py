@@ -922,8 +922,7 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, False, tp)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
-        # Gemma's MLP is GELU's (tanh approximation); every other one SiLU's
-        self.act_and_mul = backend.gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else backend.silu_and_mul
+        self.act_and_mul = getattr(backend, kernels.act_and_mul_name(cfg))  # Gemma's GELU-tanh, else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one matmul
