@@ -503,6 +503,7 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         _unloaded_while_tokenizing(s, body, models)
         _named_while_unloading(s, body)
         _named_while_loading(s, body, models)
+        _left_while_loading(s, body, models)
         s.wait_idle()
 
 
@@ -606,6 +607,42 @@ def _named_while_loading(s, body, models):
     load.join(60)
     assert result["load"].status_code == 200
     assert httpx.post(s.url + "/v1/completions", json={**body, "model": "c"}, timeout=60).status_code == 200
+
+
+def _left_while_loading(s, body, models):
+    """A client that disconnects while its adapter loads leaves no adapter loaded but unnamed: the handler is
+    not cancelled (Starlette cancels no plain handler when its client leaves), so the load completes and is
+    named; the answer goes nowhere, and the name serves."""
+    import socket
+    runner, entered, gate = s.engine.runner, threading.Event(), threading.Event()
+    add = runner.add_lora
+
+    def slow_add(*args):
+        entered.set()
+        gate.wait(30)
+        add(*args)
+    runner.add_lora = slow_add
+    try:
+        payload = json.dumps({"lora_name": "d", "lora_path": str(models["a"])}).encode()
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/load_lora_adapter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            assert entered.wait(30)
+        deadline = time.monotonic() + 30  # the server has seen the client go
+        while s.server.server_state.connections:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        runner.add_lora = add
+    deadline = time.monotonic() + 30
+    while "d" not in s.app.state.server.loras:
+        assert time.monotonic() < deadline, "the load that lost its client was never named"
+        time.sleep(0.01)
+    assert s.engine.loras[s.app.state.server.loras["d"].lora_int_id].lora_name == "d"
+    assert httpx.post(s.url + "/v1/completions", json={**body, "model": "d"}, timeout=60).status_code == 200
+    assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "d"}).status_code == 200
 
 
 def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):
