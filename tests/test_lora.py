@@ -429,6 +429,14 @@ def test_tensor_parallel_bad_adapters_are_refused_and_the_engine_serves_on(model
         assert _tokens(llm, PROMPTS, [None, None, lb, None]) == [
             hf_greedy(models["base"], p, 10) if i != 2 else want[2] for i, p in enumerate(PROMPTS)]
         assert _tokens(llm, PROMPTS, loras) == want  # loaded again, on every rank
+        # a third adapter past max_cpu_loras (2): a and b dropped from host memory in turn and read again,
+        # each rank its own part, every rank dropping the same ones (else a step finds no weights)
+        lc = LoRARequest("c", 5, str(make_adapter(models["base"], tmp_path / "c", targets=ATTN, r=3, seed=4)))
+        runner, loads = llm.engine.runner, []
+        add = runner.add_lora
+        runner.add_lora = lambda *a, **kw: (loads.append(a[0]), add(*a, **kw))
+        assert _tokens(llm, PROMPTS[:2], [lc, lc]) == _tokens(_llm(models["base"]), PROMPTS[:2], [lc, lc])
+        assert _tokens(llm, PROMPTS, loras) == want and len(runner.lora.adapters) == 2 and len(loads) > 1
     finally:
         llm.shutdown()
 
