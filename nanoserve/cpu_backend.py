@@ -293,7 +293,7 @@ def _pick_gelu_tanh_and_mul(cfg, dtype):
         if not torch.equal(cpu_kernels.gelu_tanh_and_mul(gate_up), kernels.gelu_tanh_and_mul_torch(gate_up)):
             raise RuntimeError("its results differ from the torch reference's on this machine")
         return cpu_kernels.gelu_tanh_and_mul
-    if dtype != torch.bfloat16 or cfg.hidden_act != "gelu_pytorch_tanh":
+    if dtype != torch.bfloat16 or kernels.act_and_mul_name(cfg) != "gelu_tanh_and_mul":
         return kernels.gelu_tanh_and_mul_torch
     return _first_that_works("gelu_tanh_and_mul", [("c", c)], ("torch", kernels.gelu_tanh_and_mul_torch))[1]
 

@@ -50,9 +50,8 @@ from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpe
 from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, LoRAConfig, ModelConfig,
                              ModelRunner, SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
-                             WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line,
-                             init_distributed, load_model, load_tokenizer,
-                             log_tensor_parallel, num_kv_heads_per_rank,
+                             WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
+                             load_model, load_tokenizer, log_tensor_parallel, lora_slot_bytes, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
 from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
@@ -1067,6 +1066,8 @@ class EngineConfig:
     enable_lora: bool = False  # as vLLM's: LoRA adapters (LoRARequest, --lora-modules) beside the base weights
     max_lora_rank: int = 16    # as vLLM's: the largest adapter rank taken
     max_loras: int = 1         # as vLLM's: adapters on the device at once (its slots), so in one step
+    max_cpu_loras: int | None = None  # as vLLM's: adapters kept in host memory (None: max_loras); others are
+    #                                   read again from their paths when a step needs them
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -1074,6 +1075,9 @@ class EngineConfig:
     node_rank: int = 0                 # this machine's index; node 0 runs the engine (rank 0)
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # enable_lora="yes" was taken as true, "false" too (a non-empty str)
+            if f.type in (bool, "bool") and not isinstance(getattr(self, f.name), bool):
+                raise ValueError(f"{f.name} must be true or false, got {getattr(self, f.name)!r}")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "seed",
                      "max_logprobs", "tensor_parallel_size", "nnodes", "node_rank"):
             value = getattr(self, name)  # a str or float went far (a TypeError from a comparison, or a float length)
@@ -1117,6 +1121,12 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_cpu_loras is None:  # vLLM's default
+            self.max_cpu_loras = self.max_loras
+        if not isinstance(self.max_cpu_loras, int) or isinstance(self.max_cpu_loras, bool) or \
+                self.max_cpu_loras < self.max_loras:  # a step's adapters must fit in host memory together
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras "
+                             f"({self.max_loras})")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
@@ -1124,7 +1134,7 @@ class EngineConfig:
     @property
     def lora_config(self) -> LoRAConfig | None:
         """The adapter slots every rank reserves (None: LoRA is off)."""
-        return LoRAConfig(self.max_loras, self.max_lora_rank) if self.enable_lora else None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
 
 
 # vLLM engine arguments (EngineArgs' fields: LLM() keywords, `vllm serve` flags) that nanoserve takes
@@ -1158,8 +1168,6 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
                                       "CUDA graphs: cudagraph_capture_sizes)"),  # vLLM's -O
     "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
-    "max_cpu_loras": (int, None, "a loaded LoRA adapter stays in host memory until it is unloaded (max_loras "
-                                 "of them on the device)"),
     "fully_sharded_loras": (bool, (False,), "an adapter is split as its layer is, vLLM's default"),
     "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype (on a CPU in fp32, faster there)"),
     "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
@@ -1189,6 +1197,8 @@ def engine_config_from_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfi
     for name, value in [*kwargs.items(), *_compilation_config(kwargs.get("compilation_config")).items()]:
         name = VLLM_RENAMED.get(name, name)
         if name in VLLM_ENGINE_ARGS:
+            if VLLM_ENGINE_ARGS[name][0] is bool and value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be true or false, got {value!r}")  # as EngineConfig's own
             logger.info("[engine] %s", vllm_arg_note(f"{name}={value!r}", value, *VLLM_ENGINE_ARGS[name][1:]))
         elif name == "compilation_config" or value is None:
             continue  # read just above; None: the default
@@ -1370,6 +1380,9 @@ class LLMEngine:
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
         self.loras: dict[int, LoRARequest] = {}  # the adapters loaded, by lora_int_id
         self.lora_loads: dict[int, int] = {}     # ... and which load each is (the prefix cache's salt)
+        # requests ended because their adapter could not be loaded again (caller id -> why), for the
+        # caller to pop: AsyncLLM fails each with it, LLM.generate raises it
+        self.failed_requests: dict[str, str] = {}
         self.load_counter = itertools.count()
         self.serials = itertools.count()  # Request.serial's
 
@@ -1421,10 +1434,13 @@ class LLMEngine:
         spec = KVCacheSpec(mc.num_layers, num_kv_heads_per_rank(mc.num_kv_heads, ranks), mc.head_dim, self.dtype,
                            cfg.block_size)
         kv_bytes = cfg.kv_cache_memory_bytes if cfg.num_kv_blocks is None else cfg.num_kv_blocks * spec.bytes_per_block
+        # the LoRA slots too, allocated with the weights (wrap_lora_layers; fp32 on a CPU: lora_dtype)
+        lora = 0 if cfg.lora_config is None else lora_slot_bytes(
+            mc, cfg.lora_config, cfg.tensor_parallel_size, self.dtype if self.device.type == "cuda" else torch.float32)
         if self.device.type == "cuda":
             return kvcache.check_gpu_memory(num_parameters(mc) * elem // ranks, self.device,
-                                            cfg.gpu_memory_utilization, kv_bytes)
-        kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes)
+                                            cfg.gpu_memory_utilization, kv_bytes, lora)
+        kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes, lora * cfg.tensor_parallel_size)
 
     def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, int | None, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Size the KV cache from what the weights leave, settle max_model_len, and
@@ -1909,6 +1925,8 @@ class LLMEngine:
         step = self.schedule_step()
         if step is not None:
             flight, inputs = step
+            if self.runner.lora is not None:
+                yield from self._reload_loras(flight, inputs)
             for s in flight.sched.scheduled:
                 s.request.num_output_placeholders += s.samples
             launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
@@ -1917,6 +1935,25 @@ class LLMEngine:
         while len(self.in_flight) > keep:
             outputs += yield from self._land()
         return outputs
+
+    def _reload_loras(self, flight: StepInFlight, inputs: list[SeqInput]) -> Generator[tuple[Callable, ...], Any, None]:
+        """The step's adapters that max_cpu_loras dropped from host memory, read again from their paths on
+        the model thread. A request whose adapter cannot be (its file gone since) is ended with why
+        (failed_requests) and its rows run the base model, their output dropped: the rest of the step runs."""
+        ids = {s.lora_int_id for s in inputs} - {None}
+        if all(self.runner.lora.resident(i) for i in ids):
+            return
+        failed = yield self.runner.reload_loras, {i: self.loras[i].lora_path for i in ids}, self.config.max_lora_rank
+        ended = {}
+        for s, seq in zip(flight.sched.scheduled, inputs):
+            if seq.lora_int_id in failed:
+                ended[self._caller_id(s.request)] = f"the LoRA adapter {self.loras[seq.lora_int_id].lora_name!r} " \
+                                                    f"could not be loaded again: {failed[seq.lora_int_id]}"
+                seq.lora_int_id = None
+        for request_id, why in ended.items():
+            logger.error("[engine] %s: %s", request_id, why)
+            self.abort_request(request_id)
+        self.failed_requests.update(ended)
 
     def _land(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
         """The oldest step in flight: its results to the host, then into its requests
@@ -2607,7 +2644,10 @@ class LLM:
         children: dict[str, dict[int, CompletionOutput]] = {}
         try:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
+                outputs = self.engine.step()
+                if failed := [self.engine.failed_requests.pop(i) for i in ids if i in self.engine.failed_requests]:
+                    raise RequestFailedError(failed[0])
+                for out in outputs:
                     merged = children.setdefault(out.request_id, {})
                     for c in out.outputs:
                         merged[c.index] = c
@@ -2699,9 +2739,9 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
         raise InvalidInput("chat_template", "this model's tokenizer has no chat template; pass chat_template=... "
                                             "or use generate() with a plain prompt")
     add_generation_prompt = opens_reply(add_generation_prompt, continue_final_message)
-    if add_generation_prompt and continue_final_message:
-        raise InvalidInput("continue_final_message", "continue_final_message (continue the last message) cannot be "
-                                                     "combined with add_generation_prompt=true (start a new one)")
+    if add_generation_prompt and continue_final_message:  # vLLM's words (its check_generation_prompt's)
+        raise InvalidInput("continue_final_message", "Cannot set both `continue_final_message` and "
+                                                     "`add_generation_prompt` to True.")
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & _template_arguments(tokenizer))
     if reserved:
@@ -2900,6 +2940,9 @@ class AsyncLLM:
                     await self.wakeup.wait()
                     continue
                 failures, stepped = 0, True
+                while engine.failed_requests:  # before outputs: their queues get why, not an abort
+                    request_id, why = engine.failed_requests.popitem()
+                    self._fail(request_id, RequestFailedError(why))
                 for out in outputs:  # a finished request's queue is dropped with its last output
                     queue = self.queues.pop(out.request_id, None) if out.finished else self.queues.get(out.request_id)
                     if queue is not None:

@@ -306,6 +306,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                    help="the adapters, loaded at start-up: NAME=PATH, or a JSON object with name and path")
     g.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank taken, as vLLM's")
+    g.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                   help="LoRA adapters kept in host memory, as vLLM's (default: --max-loras; at least that): one "
+                        "dropped from there is read again from its path when a request needs it")
     g.add_argument("--max-loras", type=int, default=1,
                    help="LoRA adapters on the device at once, as vLLM's: their slots are reserved before the KV "
                         "cache is sized, and a step runs at most this many (others wait their turn)")

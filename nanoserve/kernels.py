@@ -278,6 +278,13 @@ def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def act_and_mul_name(cfg) -> str:
+    """The gated MLP's activation, as the Backend field that computes it: GELU's tanh approximation for
+    hidden_act gelu_pytorch_tanh (Gemma's), else SiLU. The one place that decides it: the MLP takes that op,
+    probe_triton launches it and the CPU backend builds a C kernel for it."""
+    return "gelu_tanh_and_mul" if cfg.hidden_act == "gelu_pytorch_tanh" else "silu_and_mul"
+
+
 def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """Gemma's gated MLP: gelu(gate) * up, GELU's tanh approximation (transformers' gelu_pytorch_tanh)."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -1040,8 +1047,7 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
         gemma_rms_norm_triton(q, q[0, 0].float(), 1e-6)
     table = zeros(1, cfg.rotary_dim).float()  # the model's rotary dims
     rotary_triton(q, k, first, table, table)
-    (gelu_tanh_and_mul_triton if cfg.hidden_act == "gelu_pytorch_tanh" else silu_and_mul_triton)(
-        zeros(1, 2 * cfg.intermediate_size))
+    getattr(TRITON, act_and_mul_name(cfg))(zeros(1, 2 * cfg.intermediate_size))
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)
 

@@ -435,42 +435,54 @@ def available_cpu_memory() -> int | None:
     return None
 
 
-def check_cpu_memory(weight_bytes: int, kv_bytes: int | None) -> None:
+def _lora_note(lora_bytes: int) -> tuple[str, str]:
+    """What the LoRA slots add to a memory error: their size, and the flags that shrink them."""
+    if not lora_bytes:
+        return "", ""
+    return (f" (with {lora_bytes / 2**30:.2f} GiB of LoRA adapter slots)",
+            ", fewer --max-loras or a lower --max-lora-rank")
+
+
+def check_cpu_memory(weight_bytes: int, kv_bytes: int | None, lora_bytes: int = 0) -> None:
     """Fail before loading, with what to do, when weights (+ an explicit KV
-    budget) cannot fit in this machine's memory: swapping or the OOM killer is
-    a far worse way to find out."""
+    budget, + the LoRA slots) cannot fit in this machine's memory: swapping or
+    the OOM killer is a far worse way to find out."""
     avail = available_cpu_memory()
     if avail is None:
         return
+    weight_bytes += lora_bytes
     need = weight_bytes + (kv_bytes or 0)
+    with_lora, fix_lora = _lora_note(lora_bytes)
     if need > avail:
         raise ValueError(
-            f"not enough memory: the weights need {weight_bytes / 2**30:.2f} GiB"
+            f"not enough memory: the weights need {weight_bytes / 2**30:.2f} GiB{with_lora}"
             + (f" and the KV cache {kv_bytes / 2**30:.2f} GiB" if kv_bytes else "")
             + f", but this machine has {avail / 2**30:.2f} GiB available. Use a smaller model, "
-            f"--dtype bfloat16 (half of float32), or a smaller --kv-cache-memory-bytes")
+            f"--dtype bfloat16 (half of float32){fix_lora}, or a smaller --kv-cache-memory-bytes")
 
 
 def check_gpu_memory(weight_bytes: int, device: torch.device, gpu_memory_utilization: float,
-                     kv_bytes: int | None = None) -> None:
+                     kv_bytes: int | None = None, lora_bytes: int = 0) -> None:
     """Fail before loading, with what to do, when a rank's weights exceed what
     ``gpu_memory_utilization`` leaves of the GPU (gpu_budget's arithmetic, before
     the weights): else the load dies with a bare CUDA out-of-memory. With an
     explicit KV size (``kv_bytes``; kv_budget then reads no utilization): weights
-    and KV cache against the GPU's free memory."""
+    and KV cache against the GPU's free memory. ``lora_bytes``: the LoRA slots, counted with the weights."""
     usable, total, used = usable_gpu_memory(device, gpu_memory_utilization)
+    weight_bytes += lora_bytes
+    with_lora, fix_lora = _lora_note(lora_bytes)
     if kv_bytes is not None and weight_bytes + kv_bytes > total - used:
         raise ValueError(
-            f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB and the KV cache "
+            f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB{with_lora} and the KV cache "
             f"{kv_bytes / 2**30:.2f} GiB, but {device} has {(total - used) / 2**30:.2f} GiB free of "
-            f"{total / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size), or a smaller "
-            f"--kv-cache-memory-bytes / --num-kv-blocks")
+            f"{total / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size){fix_lora}, or a "
+            f"smaller --kv-cache-memory-bytes / --num-kv-blocks")
     if kv_bytes is None and weight_bytes > usable:
         raise ValueError(
-            f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB, but --gpu-memory-utilization "
-            f"{gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less {used / 2**30:.2f} GiB "
-            f"in use, leaves {usable / 2**30:.2f} GiB. Use a smaller model, more GPUs (--tensor-parallel-size), "
-            f"or a higher --gpu-memory-utilization")
+            f"not enough GPU memory: the weights need {weight_bytes / 2**30:.2f} GiB{with_lora}, but "
+            f"--gpu-memory-utilization {gpu_memory_utilization} of {device}'s {total / 2**30:.2f} GiB, less "
+            f"{used / 2**30:.2f} GiB in use, leaves {usable / 2**30:.2f} GiB. Use a smaller model, more GPUs "
+            f"(--tensor-parallel-size){fix_lora}, or a higher --gpu-memory-utilization")
 
 
 def usable_gpu_memory(device: torch.device, gpu_memory_utilization: float) -> tuple[int, int, int]:

@@ -1011,8 +1011,7 @@ class MLP(nn.Module):
         inter = intermediate_size or cfg.intermediate_size  # Qwen2-MoE's shared expert: a width of its own
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, False, tp)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
-        # Gemma's MLP is GELU's (tanh approximation); every other one SiLU's
-        self.act_and_mul = backend.gelu_tanh_and_mul if cfg.hidden_act == "gelu_pytorch_tanh" else backend.silu_and_mul
+        self.act_and_mul = getattr(backend, kernels.act_and_mul_name(cfg))  # Gemma's GELU-tanh, else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # transformers: down_proj(act(gate_proj(x)) * up_proj(x)), gate and up as one matmul
@@ -1455,9 +1454,10 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
 # each adapter in the step x A^T B^T (B scaled by lora_alpha / r, or / sqrt(r) with rslora).
 #
 # As vLLM's, the device holds ``max_loras`` adapters at a time, in slots reserved at start-up
-# (before the KV cache is sized); every loaded adapter's weights stay in host memory, and a
-# step's adapters are copied into slots before its forward, the least recently used out
-# (LoRASlots). The scheduler keeps a step's adapters within max_loras. Eager steps apply each
+# (before the KV cache is sized); the max_cpu_loras most recently used adapters' weights stay
+# in host memory (the engine loads one dropped from there again from its path when a step needs
+# it), and a step's adapters are copied into slots before its forward, the least recently used
+# out (LoRASlots). The scheduler keeps a step's adapters within max_loras. Eager steps apply each
 # slot to its own rows (a gather and a scatter); padded decode steps, the ones CUDA graphs
 # capture, apply every slot to every row under a per-row mask: fixed shapes, so one graph
 # serves any mix of the slots' adapters.
@@ -1485,6 +1485,7 @@ class LoRAConfig:
     adapted layer, each as wide as an adapter of rank ``max_lora_rank`` needs."""
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras)
 
 
 @dataclass(slots=True)
@@ -1615,11 +1616,28 @@ def lora_dtype(model: CausalLM) -> torch.dtype:
     return torch.float32 if weight.device.type == "cpu" else weight.dtype
 
 
+def lora_slot_bytes(cfg: ModelConfig, config: LoRAConfig, world_size: int, dtype: torch.dtype) -> int:
+    """The bytes wrap_lora_layers allocates on one rank, from the config alone, for the memory check before
+    loading: in every layer, each adapted module's A [slices x rank, its input columns] and B^T [slices x rank,
+    its output rows] (lora_layers' split), in each of max_loras slots."""
+    hidden, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
+    kv = num_kv_heads_per_rank(cfg.num_kv_heads, world_size) * cfg.head_dim
+    attention = [(3, hidden, q // world_size + 2 * kv), (1, q // world_size, hidden)]          # qkv, o
+    mlp = [(2, hidden, 2 * (inter // world_size)), (1, inter // world_size, hidden)]           # gate_up, down
+
+    def per_slot(modules):
+        return sum(slices * config.max_lora_rank * (cols + rows) for slices, cols, rows in modules)
+    dense = cfg.num_layers - len(cfg.moe_layers)  # a MoE layer's experts take no adapter
+    per_layer = cfg.num_layers * per_slot(attention) + dense * per_slot(mlp)
+    return config.max_loras * per_layer * torch.empty((), dtype=dtype).element_size()
+
+
 def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
     """Wrap every layer an adapter may change (after the backend prepared the base layers), its
     slots allocated now, before the KV cache is sized, as vLLM reserves its LoRA memory before
     profiling: the bytes they take, which the caller counts with the weights'."""
     step, dtype, device, total = LoRAStep(), lora_dtype(model), model.model.norm.weight.device, 0
+    model.lora_config = config  # LoRASlots reads max_cpu_loras
     for t in lora_layers(model).values():
         layer = LoRALinear(getattr(t.parent, t.attr), step, t, config, dtype, device,
                            model.tp if t.row_parallel else None)
@@ -1637,10 +1655,11 @@ def lora_layer(model: CausalLM) -> LoRALinear | None:
 
 
 class LoRASlots:
-    """The adapters a runner serves: every loaded one's weights in host memory (pinned on CUDA), by
-    id, and the device slots' LRU, vLLM's LRUCacheLoRAModelManager in small. Before a step's forward,
-    its adapters not in a slot are copied in, each into a free slot or the least recently used one
-    that the step does not need. Every rank decides alike from the same messages."""
+    """The adapters a runner serves: the max_cpu_loras most recently used ones' weights in host memory
+    (pinned on CUDA), by id, and the device slots' LRU, vLLM's LRUCacheLoRAModelManager in small. Before
+    a step's forward, its adapters not in a slot are copied in, each into a free slot or the least
+    recently used one that the step does not need. Every rank decides alike from the same messages:
+    the host LRU moves only in add (whose ``keep`` rank 0 sends) and slots."""
 
     def __init__(self, model: CausalLM):
         self.layers = {name: getattr(t.parent, t.attr) for name, t in lora_layers(model).items()}
@@ -1648,13 +1667,26 @@ class LoRASlots:
         self.step: LoRAStep = first.step
         self.max_loras, self.dtype = len(first.widths), first.lora_a.dtype
         self.slot_ids = torch.arange(self.max_loras, device=first.lora_a.device)  # a padded step's mask: index == slot
-        self.adapters: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.max_cpu_loras = model.lora_config.max_cpu_loras or self.max_loras
+        # host copies, least recently used first; the engine loads a dropped one again before a step needs it
+        self.adapters: collections.OrderedDict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = \
+            collections.OrderedDict()
         self.slot_of: collections.OrderedDict[int, int] = collections.OrderedDict()  # least recently used first
         self.slot_fills = 0  # adapters copied into a slot (a test reads it)
 
-    def add(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def add(self, lora_int_id: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]],
+            keep: Iterable[int] = ()) -> None:
+        """Into host memory, the least recently used host copy out past max_cpu_loras: not one of ``keep``
+        (the next step's adapters) unless it is in a slot, whose copy the step does not need (else this one)."""
         self.remove(lora_int_id)
         self.adapters[lora_int_id] = weights
+        keep = set(keep)
+        while len(self.adapters) > self.max_cpu_loras:
+            del self.adapters[next((i for i in self.adapters if i not in keep or i in self.slot_of), lora_int_id)]
+
+    def resident(self, lora_int_id: int) -> bool:
+        """Whether a step may run it without loading it again: in a slot, or in host memory."""
+        return lora_int_id in self.slot_of or lora_int_id in self.adapters
 
     def remove(self, lora_int_id: int) -> None:
         """Out of host memory, and its slot zeroed and free."""
@@ -1672,6 +1704,8 @@ class LoRASlots:
         for i in needed:
             if i in self.slot_of:
                 self.slot_of.move_to_end(i)
+            if i in self.adapters:
+                self.adapters.move_to_end(i)
         for i in needed:
             if i not in self.slot_of:
                 free = sorted(set(range(self.max_loras)) - set(self.slot_of.values()))
@@ -2521,6 +2555,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, backend.argmax, logits_processors)
         # the adapters and their slots, where wrap_lora_layers has wrapped the model's layers
         self.lora = None if lora_layer(model) is None else LoRASlots(model)
+        self.lora_keep: list[int] = []  # reload_loras' step's adapters
         self.backend = backend
         self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
@@ -2648,19 +2683,35 @@ class ModelRunner:
         return bool(self.decode_sizes) and len(seqs) <= self.decode_sizes[-1] and \
             all(len(s.token_ids) == 1 and s.prompt_embeds is None for s in seqs)
 
-    def add_lora(self, lora_int_id: int, path: str, max_rank: int) -> None:
+    def add_lora(self, lora_int_id: int, path: str, max_rank: int, keep: Iterable[int] | None = None) -> None:
         """Load an adapter (load_lora) into the layers under ``lora_int_id``, on every rank: this one
         first, so that an adapter it refuses (ValueError) is never sent; then the workers, each its
         own part from the same path. ValueError if one of them cannot (the path missing on its node):
-        then no rank keeps it, and the workers go on serving."""
-        self.lora.add(lora_int_id, load_lora(path, self.model, max_rank))
+        then no rank keeps it, and the workers go on serving. ``keep``: LoRASlots.add's (None: the
+        adapters of the step reload_loras readied last, which may not have run yet: a runtime load
+        may come between the two on the model thread)."""
+        keep = sorted(self.lora_keep if keep is None else keep)
+        self.lora.add(lora_int_id, load_lora(path, self.model, max_rank), keep)
         if self.tp.world_size == 1:
             return
-        failed = self._lora_control("add_lora", lora_int_id, path, max_rank)
+        failed = self._lora_control("add_lora", lora_int_id, path, max_rank, keep)
         if failed:
             self.remove_lora(lora_int_id)
             raise ValueError(f"LoRA adapter {path!r}: tensor-parallel rank(s) could not load it (its path must "
                              f"exist on every node): " + "; ".join(f"rank {r}: {why}" for r, why in failed.items()))
+
+    def reload_loras(self, paths: dict[int, str], max_rank: int) -> dict[int, str]:
+        """A step's adapters (id: path) that max_cpu_loras dropped from host memory, loaded again on every
+        rank, none of the step's others dropped for them. Returns why each that could not be was not (its
+        file gone since it was first loaded): the engine ends only the requests that need it."""
+        self.lora_keep, failed = list(paths), {}
+        for i, path in paths.items():
+            if not self.lora.resident(i):
+                try:
+                    self.add_lora(i, path, max_rank)
+                except ValueError as e:
+                    failed[i] = str(e)
+        return failed
 
     def remove_lora(self, lora_int_id: int) -> None:
         """An adapter out of host memory and its slot, on every rank."""
@@ -2681,13 +2732,14 @@ class ModelRunner:
                                       f"connection): {first_line(e)}") from e
         return {r: self.tp.store.get(LORA_ERROR_KEY.format(r)).decode() for r in failed.nonzero().flatten().tolist()}
 
-    def _worker_lora(self, kind: str, lora_int_id: int, path: str = "", max_rank: int = 0) -> None:
+    def _worker_lora(self, kind: str, lora_int_id: int, path: str = "", max_rank: int = 0,
+                     keep: list[int] = ()) -> None:
         """Ranks 1..N-1: _lora_control's message. A failure to load is reported to rank 0, never
         raised: the worker must go on serving the base model and the other adapters."""
         failed = torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device)
         try:
             if kind == "add_lora":
-                self.lora.add(lora_int_id, load_lora(path, self.model, max_rank))
+                self.lora.add(lora_int_id, load_lora(path, self.model, max_rank), keep)
             else:
                 self.lora.remove(lora_int_id)
         except Exception as e:  # noqa: BLE001 - whatever it is, rank 0 refuses the adapter and says why

@@ -175,6 +175,32 @@ def test_weights_that_do_not_fit_the_gpu_are_refused_before_loading(cfg, monkeyp
         check(0.9, num_kv_blocks=3 * w // per_block)
 
 
+def test_lora_slots_that_do_not_fit_are_refused_before_loading(cfg, monkeypatch):
+    """The LoRA slots count with the weights before loading (they are allocated with them): weights that fit
+    alone but not with max_loras slots of max_lora_rank fail naming the flags (fake GPU and CPU figures)."""
+    from types import SimpleNamespace
+
+    from nanoserve import kvcache
+    from nanoserve.engine import EngineConfig, LLMEngine
+    w = model_mod.num_parameters(cfg) * 2  # bf16
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * w, 2 * w))
+    monkeypatch.setattr(kvcache, "available_cpu_memory", lambda: 2 * w)
+
+    def check(device, **lora):
+        config = EngineConfig("unused", gpu_memory_utilization=0.75, **lora)  # 1.5 w of the GPU
+        LLMEngine._check_memory(SimpleNamespace(config=config, model_config=cfg, dtype=torch.bfloat16,
+                                                device=device))
+    rank = 3 * w // 4 // model_mod.lora_slot_bytes(cfg, model_mod.LoRAConfig(1, 1), 1, torch.bfloat16)
+    slots = model_mod.lora_slot_bytes(cfg, model_mod.LoRAConfig(1, rank), 1, torch.bfloat16)
+    assert w // 2 < slots < w  # fit alone, not with the weights
+    for device, scale in ((CUDA, 1), (torch.device("cpu"), 2)):  # a CPU's slots are fp32
+        check(device)
+        check(device, enable_lora=True, max_lora_rank=rank // 8)
+        with pytest.raises(ValueError, match=rf"the weights need .* GiB \(with {scale * slots / 2**30:.2f} GiB of "
+                                             r"LoRA adapter slots\).* fewer --max-loras or a lower --max-lora-rank"):
+            check(device, enable_lora=True, max_lora_rank=rank)
+
+
 def test_the_engine_makes_its_gpu_the_current_device(tiny_model, cfg, monkeypatch):
     """Triton launches and graph capture go to the current device: LLM(device="cuda:1") sets it
     (the first CUDA call of its start-up, faked here); tensor parallelism takes GPUs by local rank."""

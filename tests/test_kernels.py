@@ -578,6 +578,19 @@ def test_fused_moe_reference_is_each_tokens_weighted_experts(T, E, k):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+def test_the_mlp_s_activation_is_chosen_in_one_place(tiny_model, act):
+    """kernels.act_and_mul_name decides the gated MLP's activation; the MLP takes that op of its backend
+    (probe_triton and the CPU backend's GELU pick read the same name)."""
+    import dataclasses
+
+    from nanoserve.model import MLP, ModelConfig, TPGroup
+    cfg = dataclasses.replace(ModelConfig.from_dir(tiny_model), hidden_act=act)
+    name = kernels.act_and_mul_name(cfg)
+    assert name == {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_tanh_and_mul"}[act]
+    assert MLP(cfg, kernels.TORCH, TPGroup()).act_and_mul is getattr(kernels.TORCH, name)
+
+
 # --------------------------------------------------------------------------- fused MoE (Triton)
 
 def moe_case(T, E, k, H, I, routing="random", seed=0, ids_dtype=torch.int64):

@@ -203,6 +203,51 @@ def test_a_freed_slot_serves_the_next_adapter(models, tmp_path):
     assert slots.slot_of == {3: 0}
 
 
+def test_max_cpu_loras_keeps_that_many_host_copies(models, tmp_path):
+    """max_cpu_loras 2 (vLLM's CPU LRU) and three adapters used in turn, one slot: an adapter dropped
+    from host memory is read again from its path, the outputs are those of a cache that holds all three,
+    and no more than 2 host copies are ever held."""
+    c = make_adapter(models["base"], tmp_path / "c", targets=ATTN, r=3, seed=4)
+    loras = [LoRARequest(n, i, str(p)) for n, i, p in (("a", 1, models["a"]), ("b", 2, models["b"]), ("c", 3, c))]
+    turns = loras + loras  # one slot: the scheduler runs one adapter's requests at a time
+    big = _llm(models["base"], max_loras=1, max_cpu_loras=3)
+    want = _tokens(big, PROMPTS[:2] * 3, turns)
+    llm = _llm(models["base"], max_loras=1, max_cpu_loras=2)
+    slots, held = llm.engine.runner.lora, []
+    add = slots.add
+    slots.add = lambda *a, **kw: (add(*a, **kw), held.append(len(slots.adapters)))
+    assert _tokens(llm, PROMPTS[:2] * 3, turns) == want
+    assert max(held) == 2 and len(held) > 3  # a, b and c loaded, then dropped ones again
+    assert len(big.engine.runner.lora.adapters) == 3
+
+
+def test_an_adapter_whose_file_vanished_fails_only_its_requests(models, tmp_path):
+    """Dropped from host memory (max_cpu_loras) and its directory deleted since: the requests that need
+    it end with why, the others in the same steps run on, and LLM.generate says why."""
+    from nanoserve.engine import RequestFailedError
+    c = shutil.copytree(models["a"], tmp_path / "c")
+    la, lb, lc = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"])), \
+        LoRARequest("c", 3, str(c))
+    llm = _llm(models["base"], max_loras=2, max_cpu_loras=2)
+    want = _tokens(_llm(models["base"]), PROMPTS[:2], [la, None])
+    _tokens(llm, PROMPTS[:2], [lc, lb])
+    _tokens(llm, PROMPTS[:2], [la, lb])  # c out of host memory, and out of its slot
+    shutil.rmtree(c)
+    engine = llm.engine
+    for i, (prompt, lora) in enumerate(zip([PROMPTS[0], PROMPTS[0], PROMPTS[1]], [la, lc, None])):
+        engine.add_request(engine.with_lora(engine.process_prompt(prompt), lora), GREEDY, f"r{i}")
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert list(engine.failed_requests) == ["r1"]
+    assert "the LoRA adapter 'c' could not be loaded again" in engine.failed_requests.pop("r1")
+    assert [finals[r].outputs[0].token_ids for r in ("r0", "r2")] == want
+    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    with pytest.raises(RequestFailedError, match=r"'c' could not be loaded again: LoRA adapter .*cannot read"):
+        llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lc)
+    assert _tokens(llm, PROMPTS[:2], [la, None]) == want  # and the engine serves on
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                     reason="CUDA graphs need a GPU and compiled Triton (TRITON_INTERPRET=0)")
 def test_lora_graph_replay_is_the_eager_forward(models):
@@ -221,6 +266,16 @@ def test_lora_graph_replay_is_the_eager_forward(models):
     assert (True, 2) in steps
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_memory_check_counts_the_lora_slots_wrap_lora_layers_makes(models, world_size):
+    """lora_slot_bytes (the check before loading) is what wrap_lora_layers allocates, on one rank of a split."""
+    from nanoserve import kernels
+    from nanoserve.model import LoRAConfig, ModelConfig, TPGroup, build_model, lora_slot_bytes, wrap_lora_layers
+    cfg, config = ModelConfig.from_dir(models["base"]), LoRAConfig(3, 8)
+    model = build_model(cfg, torch.float32, torch.device("cpu"), kernels.TORCH, TPGroup(world_size - 1, world_size))
+    assert wrap_lora_layers(model, config) == lora_slot_bytes(cfg, config, world_size, torch.float32)
+
+
 def test_max_loras_is_checked():
     from nanoserve.engine import EngineConfig
     from nanoserve.entry import engine_config, parse_args
@@ -229,6 +284,11 @@ def test_max_loras_is_checked():
             EngineConfig("unused", max_loras=bad)
     assert engine_config(parse_args(["m", "--enable-lora", "--max-loras", "3"])).max_loras == 3
     assert EngineConfig("unused").max_loras == 1  # vLLM's default
+    for bad in (1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=r"max_cpu_loras \(.*\) must be an integer >= max_loras \(2\)"):
+            EngineConfig("unused", max_loras=2, max_cpu_loras=bad)
+    assert EngineConfig("unused", max_loras=3).max_cpu_loras == 3  # vLLM's default: max_loras
+    assert engine_config(parse_args(["m", "--enable-lora", "--max-cpu-loras", "5"])).max_cpu_loras == 5
 
 
 def test_each_adapter_has_its_own_prefix_cache(models):
@@ -369,6 +429,14 @@ def test_tensor_parallel_bad_adapters_are_refused_and_the_engine_serves_on(model
         assert _tokens(llm, PROMPTS, [None, None, lb, None]) == [
             hf_greedy(models["base"], p, 10) if i != 2 else want[2] for i, p in enumerate(PROMPTS)]
         assert _tokens(llm, PROMPTS, loras) == want  # loaded again, on every rank
+        # a third adapter past max_cpu_loras (2): a and b dropped from host memory in turn and read again,
+        # each rank its own part, every rank dropping the same ones (else a step finds no weights)
+        lc = LoRARequest("c", 5, str(make_adapter(models["base"], tmp_path / "c", targets=ATTN, r=3, seed=4)))
+        runner, loads = llm.engine.runner, []
+        add = runner.add_lora
+        runner.add_lora = lambda *a, **kw: (loads.append(a[0]), add(*a, **kw))
+        assert _tokens(llm, PROMPTS[:2], [lc, lc]) == _tokens(_llm(models["base"]), PROMPTS[:2], [lc, lc])
+        assert _tokens(llm, PROMPTS, loras) == want and len(runner.lora.adapters) == 2 and len(loads) > 1
     finally:
         llm.shutdown()
 
@@ -387,6 +455,26 @@ def test_the_server_serves_adapters_by_model_name(models):
             assert r.json()["choices"][0]["token_ids"] == hf_greedy(merged, PROMPTS[2], 10)
         missing = httpx.post(s.url + "/v1/completions", json={"model": "c", "prompt": "hi"}, timeout=60)
         assert missing.status_code == 404 and "'a', 'b'" in missing.json()["error"]["message"]
+        s.wait_idle()
+
+
+def test_the_server_reloads_start_up_adapters_and_fails_one_whose_file_vanished(models, tmp_path):
+    """--lora-modules' adapters past --max-cpu-loras 1: b drops a's host copy and a is read again; once a's
+    directory is gone, a request for a is a 500 that says why, and b's are served on."""
+    a = shutil.copytree(models["a"], tmp_path / "a")
+    body = {"prompt": PROMPTS[1], "max_tokens": 10, "min_tokens": 10, "temperature": 0, "return_token_ids": True}
+    with ServerThread(models["base"], "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
+                      "--lora-modules", f"a={a}", f"b={models['b']}") as s:
+        def complete(name):
+            return httpx.post(s.url + "/v1/completions", json={**body, "model": name}, timeout=60)
+        assert len(s.engine.runner.lora.adapters) == 1
+        first = [complete(n).json()["choices"][0]["token_ids"] for n in ("a", "b", "a")]
+        assert first[0] == first[2] == hf_greedy(models["merged_a"], PROMPTS[1], 10)
+        complete("b")
+        shutil.rmtree(a)
+        r = complete("a")
+        assert r.status_code == 500 and "the LoRA adapter 'a' could not be loaded again" in r.json()["error"]["message"]
+        assert complete("b").json()["choices"][0]["token_ids"] == first[1]
         s.wait_idle()
 
 
@@ -423,6 +511,7 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
         _unloaded_while_tokenizing(s, body, models)
         _named_while_unloading(s, body)
         _named_while_loading(s, body, models)
+        _left_while_loading(s, body, models)
         s.wait_idle()
 
 
@@ -526,6 +615,42 @@ def _named_while_loading(s, body, models):
     load.join(60)
     assert result["load"].status_code == 200
     assert httpx.post(s.url + "/v1/completions", json={**body, "model": "c"}, timeout=60).status_code == 200
+
+
+def _left_while_loading(s, body, models):
+    """A client that disconnects while its adapter loads leaves no adapter loaded but unnamed: the handler is
+    not cancelled (Starlette cancels no plain handler when its client leaves), so the load completes and is
+    named; the answer goes nowhere, and the name serves."""
+    import socket
+    runner, entered, gate = s.engine.runner, threading.Event(), threading.Event()
+    add = runner.add_lora
+
+    def slow_add(*args):
+        entered.set()
+        gate.wait(30)
+        add(*args)
+    runner.add_lora = slow_add
+    try:
+        payload = json.dumps({"lora_name": "d", "lora_path": str(models["a"])}).encode()
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/load_lora_adapter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            assert entered.wait(30)
+        deadline = time.monotonic() + 30  # the server has seen the client go
+        while s.server.server_state.connections:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        gate.set()
+        runner.add_lora = add
+    deadline = time.monotonic() + 30
+    while "d" not in s.app.state.server.loras:
+        assert time.monotonic() < deadline, "the load that lost its client was never named"
+        time.sleep(0.01)
+    assert s.engine.loras[s.app.state.server.loras["d"].lora_int_id].lora_name == "d"
+    assert httpx.post(s.url + "/v1/completions", json={**body, "model": "d"}, timeout=60).status_code == 200
+    assert httpx.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "d"}).status_code == 200
 
 
 def test_the_cpu_backend_s_bf16_layers_take_adapters(model_root, tmp_path):

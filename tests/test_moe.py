@@ -213,3 +213,13 @@ def test_fused_moe_weight_loader_takes_this_rank_s_slice():
             moe.weight_loader(moe.w13_weight, Slice(w13[e, I:]), 2 * e + 1)
             moe.weight_loader(moe.w2_weight, Slice(w2[e]), e)
     assert torch.equal(moe.w13_weight, want13) and torch.equal(moe.w2_weight, w2[:, :, 3:])
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_lora_memory_check_counts_the_slots_of_a_moe_model(variant, world_size):
+    """lora_slot_bytes, the check before loading, counts what wrap_lora_layers allocates: attention in
+    every layer, the MLP only in the dense ones (Qwen2-MoE's layer 1), as experts take no adapter."""
+    from nanoserve.model import LoRAConfig, TPGroup, build_model, lora_slot_bytes, wrap_lora_layers
+    cfg, config = ModelConfig.from_dir(variant("qwen2_moe")), LoRAConfig(2, 8)
+    model = build_model(cfg, torch.float32, torch.device("cpu"), kernels.TORCH, TPGroup(world_size - 1, world_size))
+    assert wrap_lora_layers(model, config) == lora_slot_bytes(cfg, config, world_size, torch.float32)

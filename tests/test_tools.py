@@ -344,7 +344,8 @@ def test_llm_chat_renders_tools_history_and_template_kwargs(llm):
     prefill = USER + [{"role": "assistant", "content": "It is"}]
     cont = llm.chat(prefill, p, chat_template=TEMPLATE, continue_final_message=True, use_tqdm=False)
     assert cont[0].prompt == "<|im_start|>user\nweather in Paris?<|im_end|>\n<|im_start|>assistant\nIt is"
-    with pytest.raises(ValueError, match="continue_final_message"):
+    with pytest.raises(ValueError, match=r"Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                                         r"True\."):
         llm.chat(prefill, p, continue_final_message=True, add_generation_prompt=True, use_tqdm=False)
     with pytest.raises(ValueError, match="chat_template_kwargs cannot set tokenize"):
         llm.chat(USER, p, chat_template_kwargs={"tokenize": True}, use_tqdm=False)
@@ -679,7 +680,8 @@ BAD = [  # body (over USER), param, words the message must have
      "messages[1].tool_call_id"),
     (dict(chat_template_kwargs="x"), "chat_template_kwargs", "chat_template_kwargs"),
     (dict(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs", "tokenize"),
-    (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message", "add_generation_prompt"),
+    (dict(continue_final_message=True, add_generation_prompt=True), "continue_final_message",
+     "Cannot set both `continue_final_message` and `add_generation_prompt` to True."),  # vLLM's words
     (dict(continue_final_message="maybe"), "continue_final_message", "continue_final_message"),
     (dict(chat_template="{% for m in messages %}"), "chat_template", "not valid Jinja"),
     (dict(chat_template="{{ raise_exception('no tools here') }}"), "messages", "no tools here"),

@@ -31,13 +31,16 @@ N_NEW = 20
 SMALL = dict(dtype="float32", enforce_eager=True, num_kv_blocks=10, max_model_len=128,
              max_num_batched_tokens=32, max_num_seqs=5)
 
-# arch, hf config overrides: four models (one spawned worker each) that cover
+# arch, hf config overrides: five models (one spawned worker each) that cover
 # q/k/v bias (qwen2), q/k norm (gemma3), tied (qwen2, gemma3) and untied (llama,
-# mistral) heads, KV heads split (2 over 2 ranks) and replicated (1 over 2),
-# a vocabulary that does not divide by 2 (qwen2's: padded, tied), and Gemma 3's
-# layer with its 16-token window. (Qwen3 under TP: the two-node and server tests.)
+# granite, phi3) heads, KV heads split (2 over 2 ranks) and replicated (1 over 2),
+# a vocabulary that does not divide by 2 (qwen2's: padded, tied), Gemma 3's
+# layer with its 16-token window, Granite's embedding/residual/attention/logits
+# scalars, and Phi-3's fused q/k/v and gate/up checkpoint tensors, which each
+# rank slices. (Qwen3 under TP: the two-node and server tests. Mistral's layers
+# are Llama's, which granite's cover: it would add 15-20 s and no code path.)
 MODELS = [("llama", {"num_key_value_heads": 1}), ("qwen2", {"vocab_size": VOCAB - 1, "tie_word_embeddings": True}),
-          ("gemma3", {}), ("mistral", {})]
+          ("gemma3", {}), ("granite", {}), ("phi3", {})]
 
 
 def generate(path, **kw) -> tuple[list[list[int]], list[list[float]], dict]:
@@ -67,7 +70,8 @@ def hf_reference(path) -> tuple[list[list[int]], list[list[float]]]:
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("arch,overrides", MODELS, ids=["llama-kv1", "qwen2-vocab383-tied", "gemma3", "mistral"])
+@pytest.mark.parametrize("arch,overrides", MODELS, ids=["llama-kv1", "qwen2-vocab383-tied", "gemma3", "granite",
+                                                          "phi3"])
 def test_tp2_matches_tp1_and_transformers(model_root, arch, overrides):
     path = make_model(model_root, arch, **overrides)
     tp1, _, _ = generate(path)

@@ -337,7 +337,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"],
          ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
          ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
-         ["--task", "generate"], ["--max-cpu-loras", "8"], ["--no-fully-sharded-loras"],
+         ["--task", "generate"], ["--no-fully-sharded-loras"],
          ["--lora-dtype", "auto"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
@@ -690,6 +690,10 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
     ({"seed": 2**70}, "seed must be in [-2**63, 2**64), got 1180591620717411303424"),  # failed at the first request
     ({"seed": "x"}, "seed must be an integer, got 'x'"),
     ({"max_num_batched_tokens": 0}, "max_num_batched_tokens must be >= 1, got 0"),  # was taken as unset
+    ({"enable_lora": "yes"}, "enable_lora must be true or false, got 'yes'"),  # taken as true, as was "false"
+    ({"enforce_eager": 1}, "enforce_eager must be true or false, got 1"),
+    ({"enable_prefix_caching": "false"}, "enable_prefix_caching must be true or false, got 'false'"),
+    ({"trust_remote_code": "no"}, "trust_remote_code must be true or false, got 'no'"),  # a vLLM argument's
     ({"device": "tpu"}, "device must be 'auto', 'cpu' or 'cuda' (or 'cuda:N'), got 'tpu'"),
     pytest.param({"device": "cuda"}, "device='cuda', but this torch sees no CUDA GPU",  # torch's AssertionError
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here")),
