@@ -28,10 +28,15 @@ def spec(tmp_path_factory):
     return dict(work=str(work), models=models)
 
 
-def test_parity_part_on_the_cpu(spec):
+def test_parity_part_on_the_cpu(spec, tmp_path):
     """transformers' greedy tokens, under preemption and chunking (eager: the
-    padded CPU path compiles, which is test_decode_graphs' business)."""
-    res = gpu.part_parity(gpu.DRY, spec, archs=("qwen3", "mistral-sw"), configs=["preempt-eager", "chunked-eager"])
+    padded CPU path compiles, which is test_decode_graphs' business). After each
+    architecture the part leaves what it checked, which a timeout would otherwise lose."""
+    partial = tmp_path / "parity.json"
+    res = gpu.part_parity(gpu.DRY, dict(spec, result=str(partial)), archs=("qwen3", "mistral-sw"),
+                          configs=["preempt-eager", "chunked-eager"])
+    left = json.loads(partial.read_text())
+    assert left["error"] == "timed out after 2 of 2 architectures" and left["archs"] == res["archs"]
     for arch in ("qwen3", "mistral-sw"):  # the windowed pool is sized apart: its requests preempt too
         assert res["archs"][arch]["preempt-eager"]["preemptions"] > 0, res["archs"][arch]
     assert res["ok"], res["archs"]
