@@ -1048,6 +1048,10 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     table = zeros(1, cfg.rotary_dim).float()  # the model's rotary dims
     rotary_triton(q, k, first, table, table)
     getattr(TRITON, act_and_mul_name(cfg))(zeros(1, 2 * cfg.intermediate_size))
+    if cfg.num_experts:  # one expert stands for all (the widths and top_k fix what compiles, not E)
+        H, I, top_k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
+        fused_moe_triton(x, zeros(1, 2 * I, H), zeros(1, H, I), zeros(1, top_k),
+                         torch.zeros(1, top_k, dtype=torch.int32, device=device))
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)
 
