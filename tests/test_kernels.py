@@ -712,6 +712,31 @@ def test_fused_moe_warm_up_launches_both_tiles(monkeypatch):
     assert tiles == {(16, False), (16, True), (64, False), (64, True)}
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_moe_warm_up_compiles_the_variants_a_bf16_model_launches(monkeypatch):
+    """Triton compiles a variant per pointer dtype as well as per constant: the launches of a bf16
+    model's steps, its routing weights fp32 (Mixtral's) or bf16 (Qwen's), both tiles, are the ones
+    warm-up launched, so that no long prefill compiles in the middle of traffic."""
+    launches = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launches.append(
+                (tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(sorted(constants.items()))))
+    monkeypatch.setattr(kernels, "_fused_moe_kernel", Recorded())
+    monkeypatch.setattr(kernels, "_silu_and_mul_kernel", RecordedKernel("silu", []))
+    _, w13, w2, _, _ = moe_case(1, 4, 2, 16, 24)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    kernels.warm_up_fused_moe_triton(w13, w2, top_k=2)
+    warm = set(launches)
+    for weights_dtype in (torch.float32, torch.bfloat16):
+        for T in (1, 130):  # the 16-row tile and the 64-row one
+            launches.clear()
+            x, _, _, topk_weights, topk_ids = moe_case(T, 4, 2, 16, 24)
+            kernels.fused_moe_triton(x.bfloat16(), w13, w2, topk_weights.to(weights_dtype), topk_ids)
+            assert len(launches) == 2 and set(launches) <= warm, (weights_dtype, T)
+
+
 @triton_only
 def test_fused_moe_triton_bad_shapes_raise_and_no_tokens():
     x, w13, w2, topk_weights, topk_ids = moe_case(3, 4, 2, 16, 24)
