@@ -275,6 +275,10 @@ class ModelConfig:
         return self.sliding_window if layer in self.sliding_layers else None
 
 
+# num_experts_per_tok where config.json leaves it out: each family's transformers config default
+MOE_TOP_K_DEFAULTS = {"MixtralForCausalLM": 2, "Qwen2MoeForCausalLM": 4, "Qwen3MoeForCausalLM": 8}
+
+
 def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields, read as transformers builds the model: Mixtral's
     every layer sparse, its experts intermediate_size wide, its top-k weights always renormalised
@@ -290,7 +294,7 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
         if c.get("use_sliding_window"):
             raise ModelLoadError(f"{arch} with use_sliding_window is not supported (its released checkpoints "
                                  "leave it off)")
-    top_k = c.get("num_experts_per_tok", 2)
+    top_k = c.get("num_experts_per_tok", MOE_TOP_K_DEFAULTS[arch])
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
         raise ModelLoadError(f"num_experts {experts!r}: sizes must be positive integers")
     if top_k > experts:

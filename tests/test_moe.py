@@ -148,6 +148,17 @@ def test_tensor_parallel_sizes_are_checked_for_the_experts():
     check_tensor_parallel(cfg, 2)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_top_k_left_out_of_config_json_is_transformers_default(arch):
+    """A config.json without num_experts_per_tok routes as transformers reads it: its family's default
+    (Mixtral 2, Qwen2-MoE 4, Qwen3-MoE 8), not one number for all."""
+    from transformers import AutoConfig
+    c = _config(arch, num_experts=8, num_local_experts=8)
+    del c["num_experts_per_tok"]
+    want = AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
+    assert ModelConfig.from_dict(c).num_experts_per_tok == want.num_experts_per_tok
+
+
 def test_mixtral_sliding_window_is_every_layer_s():
     cfg = ModelConfig.from_dict(_config("mixtral", sliding_window=12))
     assert (cfg.sliding_window, cfg.sliding_layers) == (12, (0, 1))
