@@ -196,6 +196,17 @@ def test_tensor_parallel_splits_every_expert(variant):
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
 
 
+def test_tensor_parallel_checks_the_widths_the_model_splits_by_their_config_names():
+    """Mixtral's experts are intermediate_size wide (config.json has no moe_intermediate_size): one
+    problem, by that name. A Qwen MoE whose every layer is sparse has no dense MLP to split: its
+    intermediate_size does not refuse a split its experts take."""
+    with pytest.raises(ValueError, match=r"ranks: intermediate_size=49 is not divisible by tensor_parallel_size=2$"):
+        check_tensor_parallel(ModelConfig.from_dict(_config("mixtral", intermediate_size=49)), 2)
+    check_tensor_parallel(ModelConfig.from_dict(_config("qwen3_moe", intermediate_size=127)), 2)
+    with pytest.raises(ValueError, match=r"ranks: intermediate_size=127 is not divisible"):  # its dense layer 1
+        check_tensor_parallel(ModelConfig.from_dict(_config("qwen2_moe", intermediate_size=127)), 2)
+
+
 def test_fused_moe_weight_loader_takes_this_rank_s_slice():
     """Rank 1 of 2 holds rows I/2.. of each expert's gate and up, and those columns of its down,
     from either layout."""
