@@ -207,6 +207,13 @@ def test_tensor_parallel_checks_the_widths_the_model_splits_by_their_config_name
         check_tensor_parallel(ModelConfig.from_dict(_config("qwen2_moe", intermediate_size=127)), 2)
 
 
+def test_the_routed_experts_request_field_is_refused_as_not_implemented():
+    """vLLM's routed_experts_prompt_start asks for each token's experts: refused (400, test_fields), for
+    that reason, not because there would be no experts (a Mixtral served here has them)."""
+    from nanoserve.entry import UNSUPPORTED_FIELDS
+    assert UNSUPPORTED_FIELDS["routed_experts_prompt_start"][1].endswith("is not implemented")
+
+
 def test_fused_moe_weight_loader_takes_this_rank_s_slice():
     """Rank 1 of 2 holds rows I/2.. of each expert's gate and up, and those columns of its down,
     from either layout."""
