@@ -532,11 +532,12 @@ def test_cuda_argmax_picks_the_references_index():
 
 
 @triton_only
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen2_moe"])
 def test_a_decoder_on_the_triton_backend_matches_the_references(model_root, arch):
     """The whole forward (prefill, then a decode of each prompt) with every op
     from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter);
-    Gemma 2: its soft caps, and a 20-token prompt past its 16-token window."""
+    Gemma 2: its soft caps, and a 20-token prompt past its 16-token window;
+    Qwen2-MoE: fused_moe_triton as its sparse layer calls it (router, shared expert, a dense layer beside)."""
     from conftest import make_model, step_logits
     from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
     from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
