@@ -84,6 +84,10 @@ def _first_that_works(what: str, candidates, fallback):
 # --------------------------------------------------------------------------- attention
 
 def _pick_attention(cfg, dtype, block_size):
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:  # neither the C nor the compiled attention caps
+        logger.info("[model] attention: the torch reference, which soft-caps the scores (Gemma 2)")
+        return "torch", kernels.store_kvcache_torch, kernels.paged_attention_torch
+
     def c():
         return _smoke(cfg, dtype, block_size, cpu_kernels.store_kvcache, cpu_kernels.paged_attention)
 
@@ -98,17 +102,15 @@ def _pick_attention(cfg, dtype, block_size):
 
 def _smoke(cfg, dtype, block_size, store, attend):
     """Build (and, for inductor, compile) by one decode over a one-block cache,
-    made as the engine makes its caches (outside inference mode: dynamo guards on it),
-    with the model's soft cap (Gemma 2's), which only the torch reference takes."""
+    made as the engine makes its caches (outside inference mode: dynamo guards on it)."""
     k_cache, v_cache = (torch.zeros(1, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype) for _ in "kv")
     with torch.inference_mode():
         kv = torch.zeros(1, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
         store(kv, kv, k_cache, v_cache, torch.full((1,), -1, dtype=torch.int64))  # slot -1: written nowhere
         query = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=dtype)
         one = torch.ones(1, dtype=torch.int32)
-        cap = getattr(cfg, "attn_logit_softcapping", None)
         attend(query, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32), one,
-               torch.tensor([0, 1], dtype=torch.int32), 1.0, **({} if cap is None else {"logits_soft_cap": cap}))
+               torch.tensor([0, 1], dtype=torch.int32), 1.0)
     return store, attend
 
 
@@ -116,8 +118,8 @@ def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, qu
                              sliding_window: int | None = None, logits_soft_cap: float | None = None):
     """All-decode steps through the compiled decode attention; steps with
     prefill chunks, a sliding window that masks a key (or once dynamo refuses
-    another graph) through the reference. No soft cap: a soft-capped model's smoke
-    test fails here, and it runs on the reference itself, by that name."""
+    another graph) through the reference. No soft cap: a soft-capped model runs on the
+    reference itself, by that name (_pick_attention)."""
     if logits_soft_cap is not None:
         raise ValueError("the compiled decode attention does not soft-cap attention scores (Gemma 2)")
     if not kernels.window_masks(seq_lens, sliding_window) and cpu_kernels.is_decode_only(query_start_loc):

@@ -625,7 +625,8 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
                                     "in vllm_xargs"),
     "kv_transfer_params": (_NO_DICT, "disaggregated serving (KV transfer) is not supported"),
     "ec_transfer_params": (_NO_DICT, "disaggregated serving (encoder-cache transfer) is not supported"),
-    "routed_experts_prompt_start": ((None, 0), "there is no mixture-of-experts routing data to return"),
+    "routed_experts_prompt_start": ((None, 0), "returning the experts a mixture-of-experts model routed each token "
+                                               "to is not implemented"),
     "media_io_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
     "mm_processor_kwargs": (_NO_DICT, "multimodal inputs are not supported"),
 }

@@ -1011,8 +1011,10 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
     gate_up = x.new_empty(T * k, 2 * I)  # one row a pair: pair t * k + j reads x[t]
     _grouped_gemm(x, w13, gate_up, None, sorted_ids, expert_ids, k, block_m)
     down = x.new_empty(T * k, H)
-    _grouped_gemm(silu_and_mul_triton(gate_up), w2, down, topk_weights.reshape(-1), sorted_ids, expert_ids, 1,
-                  block_m)
+    # the routing weights as fp32 whatever the router left them in (Mixtral fp32, Qwen the model's dtype): a
+    # pointer's dtype is part of a Triton variant, so one variant serves every model, the one warm-up compiled
+    weights = topk_weights.reshape(-1).to(torch.float32)
+    _grouped_gemm(silu_and_mul_triton(gate_up), w2, down, weights, sorted_ids, expert_ids, 1, block_m)
     return down.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 

@@ -275,6 +275,10 @@ class ModelConfig:
         return self.sliding_window if layer in self.sliding_layers else None
 
 
+# num_experts_per_tok where config.json leaves it out: each family's transformers config default
+MOE_TOP_K_DEFAULTS = {"MixtralForCausalLM": 2, "Qwen2MoeForCausalLM": 4, "Qwen3MoeForCausalLM": 8}
+
+
 def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     """ModelConfig's mixture-of-experts fields, read as transformers builds the model: Mixtral's
     every layer sparse, its experts intermediate_size wide, its top-k weights always renormalised
@@ -290,7 +294,7 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
         if c.get("use_sliding_window"):
             raise ModelLoadError(f"{arch} with use_sliding_window is not supported (its released checkpoints "
                                  "leave it off)")
-    top_k = c.get("num_experts_per_tok", 2)
+    top_k = c.get("num_experts_per_tok", MOE_TOP_K_DEFAULTS[arch])
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
         raise ModelLoadError(f"num_experts {experts!r}: sizes must be positive integers")
     if top_k > experts:
@@ -710,10 +714,16 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
         if (kv % tp_size) if tp_size <= kv else (tp_size % kv):
             problems.append(f"num_key_value_heads={kv} and tensor_parallel_size={tp_size}: one must divide "
                             f"the other (KV heads are split, or replicated when there are fewer than ranks)")
-        sizes = {"intermediate_size": cfg.intermediate_size, "moe_intermediate_size": cfg.moe_intermediate_size,
-                 "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size}
+        # the widths this model splits, by config.json's names: a dense layer's (if there is one: a MoE model's
+        # every layer may be sparse), every expert's (vLLM splits each, as a dense MLP's; Mixtral's is its
+        # intermediate_size), Qwen2-MoE's shared expert's
+        sizes = {"intermediate_size": cfg.intermediate_size} if cfg.num_layers > len(cfg.moe_layers) else {}
+        if cfg.num_experts:
+            experts = "intermediate_size" if cfg.architecture == "MixtralForCausalLM" else "moe_intermediate_size"
+            sizes[experts] = cfg.moe_intermediate_size
+        sizes["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
         problems += [f"{k}={v} is not divisible by tensor_parallel_size={tp_size}" for k, v in sizes.items()
-                     if v % tp_size]  # vLLM splits every expert's intermediate dim, as a dense MLP's
+                     if v % tp_size]
     if problems:
         raise ValueError("cannot split this model across ranks: " + "; ".join(problems))
 

@@ -532,11 +532,12 @@ def test_cuda_argmax_picks_the_references_index():
 
 
 @triton_only
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen2_moe"])
 def test_a_decoder_on_the_triton_backend_matches_the_references(model_root, arch):
     """The whole forward (prefill, then a decode of each prompt) with every op
     from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter);
-    Gemma 2: its soft caps, and a 20-token prompt past its 16-token window."""
+    Gemma 2: its soft caps, and a 20-token prompt past its 16-token window;
+    Qwen2-MoE: fused_moe_triton as its sparse layer calls it (router, shared expert, a dense layer beside)."""
     from conftest import make_model, step_logits
     from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
     from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
@@ -723,6 +724,31 @@ def test_fused_moe_warm_up_launches_both_tiles(monkeypatch):
     kernels.warm_up_fused_moe_triton(w13, w2, top_k=2)
     tiles = {(c["BLOCK_M"], c["MUL_ROUTED_WEIGHT"]) for name, _, c in launches if name == "_fused_moe_kernel"}
     assert tiles == {(16, False), (16, True), (64, False), (64, True)}
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_fused_moe_warm_up_compiles_the_variants_a_bf16_model_launches(monkeypatch):
+    """Triton compiles a variant per pointer dtype as well as per constant: the launches of a bf16
+    model's steps, its routing weights fp32 (Mixtral's) or bf16 (Qwen's), both tiles, are the ones
+    warm-up launched, so that no long prefill compiles in the middle of traffic."""
+    launches = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **constants: launches.append(
+                (tuple(a.dtype for a in args if isinstance(a, torch.Tensor)), tuple(sorted(constants.items()))))
+    monkeypatch.setattr(kernels, "_fused_moe_kernel", Recorded())
+    monkeypatch.setattr(kernels, "_silu_and_mul_kernel", RecordedKernel("silu", []))
+    _, w13, w2, _, _ = moe_case(1, 4, 2, 16, 24)
+    w13, w2 = w13.bfloat16(), w2.bfloat16()
+    kernels.warm_up_fused_moe_triton(w13, w2, top_k=2)
+    warm = set(launches)
+    for weights_dtype in (torch.float32, torch.bfloat16):
+        for T in (1, 130):  # the 16-row tile and the 64-row one
+            launches.clear()
+            x, _, _, topk_weights, topk_ids = moe_case(T, 4, 2, 16, 24)
+            kernels.fused_moe_triton(x.bfloat16(), w13, w2, topk_weights.to(weights_dtype), topk_ids)
+            assert len(launches) == 2 and set(launches) <= warm, (weights_dtype, T)
 
 
 @triton_only

@@ -148,6 +148,17 @@ def test_tensor_parallel_sizes_are_checked_for_the_experts():
     check_tensor_parallel(cfg, 2)
 
 
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_top_k_left_out_of_config_json_is_transformers_default(arch):
+    """A config.json without num_experts_per_tok routes as transformers reads it: its family's default
+    (Mixtral 2, Qwen2-MoE 4, Qwen3-MoE 8), not one number for all."""
+    from transformers import AutoConfig
+    c = _config(arch, num_experts=8, num_local_experts=8)
+    del c["num_experts_per_tok"]
+    want = AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
+    assert ModelConfig.from_dict(c).num_experts_per_tok == want.num_experts_per_tok
+
+
 def test_mixtral_sliding_window_is_every_layer_s():
     cfg = ModelConfig.from_dict(_config("mixtral", sliding_window=12))
     assert (cfg.sliding_window, cfg.sliding_layers) == (12, (0, 1))
@@ -183,6 +194,24 @@ def test_tensor_parallel_splits_every_expert(variant):
         llm.shutdown()
     hf = hf_model(path)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
+
+
+def test_tensor_parallel_checks_the_widths_the_model_splits_by_their_config_names():
+    """Mixtral's experts are intermediate_size wide (config.json has no moe_intermediate_size): one
+    problem, by that name. A Qwen MoE whose every layer is sparse has no dense MLP to split: its
+    intermediate_size does not refuse a split its experts take."""
+    with pytest.raises(ValueError, match=r"ranks: intermediate_size=49 is not divisible by tensor_parallel_size=2$"):
+        check_tensor_parallel(ModelConfig.from_dict(_config("mixtral", intermediate_size=49)), 2)
+    check_tensor_parallel(ModelConfig.from_dict(_config("qwen3_moe", intermediate_size=127)), 2)
+    with pytest.raises(ValueError, match=r"ranks: intermediate_size=127 is not divisible"):  # its dense layer 1
+        check_tensor_parallel(ModelConfig.from_dict(_config("qwen2_moe", intermediate_size=127)), 2)
+
+
+def test_the_routed_experts_request_field_is_refused_as_not_implemented():
+    """vLLM's routed_experts_prompt_start asks for each token's experts: refused (400, test_fields), for
+    that reason, not because there would be no experts (a Mixtral served here has them)."""
+    from nanoserve.entry import UNSUPPORTED_FIELDS
+    assert UNSUPPORTED_FIELDS["routed_experts_prompt_start"][1].endswith("is not implemented")
 
 
 def test_fused_moe_weight_loader_takes_this_rank_s_slice():
