@@ -12,7 +12,9 @@ here is needed to follow a request. Per op, in order of preference:
   torch references' results bit for bit on this model's shapes (checked here,
   every start-up), else inductor-fused copies (steps of 256+ tokens), else eager;
   Gemma's GELU-and-mul: the C kernel (the same check), else eager; Gemma's RMSNorm: eager;
-* greedy argmax: the C kernel over bf16 logits, else torch's.
+* greedy argmax: the C kernel over bf16 logits, else torch's;
+* a mixture-of-experts layer's experts: ``fused_moe_cpu``, the reference's result bit for
+  bit in fewer, larger ops (the reference's under --enforce-eager).
 
 A candidate that cannot be built or checked here is logged, with why, and the
 next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weights
@@ -21,8 +23,10 @@ with F.linear's results, not another kernel), except on a CPU with no bf16 matri
 instructions (AVX-512 BF16, AMX), where oneDNN emulates them at several times an
 fp32 GEMM's cost (RESULTS.md): there the C linear kernel keeps them bf16 and
 multiplies in fp32 (``WidenedLinear``), else (no AVX-512, no C compiler) they are
-held in fp32 (``Fp32Linear``). Also here, applied by the engine: the process-wide allocator
-settings (``tune_process``) and ``trim_heap``.
+held in fp32 (``Fp32Linear``); with the C linear kernel the experts' weights are
+packed for it too (``WidenedMoE``, one call per projection for all the experts). Also
+here, applied by the engine: the process-wide allocator settings (``tune_process``) and
+``trim_heap``.
 """
 from __future__ import annotations
 
@@ -430,7 +434,7 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k:
     order. The reference's index_add_ per expert was a small threaded op each (37 ms in a
     step with two threads and a loaded core); here the copy and the sum are one op each."""
     ys.mul_(weights[:, None].float())
-    return torch.empty_like(ys).index_copy_(0, order, ys).view(-1, k, ys.shape[1]).sum(1)
+    return torch.empty_like(ys).index_copy_(0, order, ys).view(ys.shape[0] // k, k, ys.shape[1]).sum(1)
 
 
 class WidenedMoE(nn.Module):
@@ -470,7 +474,7 @@ def has_bf16_matmul() -> bool:
 
 def prepare_model(model: nn.Module) -> int:
     """The CPU backends' ``prepare_model``: where the CPU has no bf16 matrix
-    instructions, bf16 linear weights for the C linear kernel, else in fp32 where
+    instructions, bf16 linear weights (and experts) for the C linear kernel, else in fp32 where
     the memory allows; otherwise packed where oneDNN can. Returns the bytes added
     to the weights' memory."""
     weight = model.model.embed_tokens.weight
