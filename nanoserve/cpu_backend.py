@@ -403,13 +403,16 @@ def check_c_linear() -> type[nn.Module]:
 def fused_moe_cpu(x, w13, w2, topk_weights, topk_ids, silu_and_mul=kernels.silu_and_mul_torch) -> torch.Tensor:
     """kernels.fused_moe_torch with fewer, larger ops, bit for bit its result: the rows
     gathered once, in expert order (moe_order), each expert's F.linear over its slice,
-    their weighted fp32 outputs summed per token by moe_combine."""
+    their weighted fp32 outputs summed per token by moe_combine. Weights of another dtype
+    than x (Fp32MoE's fp32 for a bf16 model) multiply x widened to theirs, and each
+    projection's output is rounded to x's dtype, as the reference's."""
     rows, order, weights, counts = moe_order(x, topk_weights, topk_ids, w13.shape[0])
     ys = torch.empty(rows.shape[0], x.shape[1], dtype=torch.float32)
     start = 0
     for e, n in enumerate(counts):
         if n:
-            ys[start:start + n] = F.linear(silu_and_mul(F.linear(rows[start:start + n], w13[e])), w2[e]).float()
+            h = silu_and_mul(F.linear(rows[start:start + n].to(w13.dtype), w13[e]).to(x.dtype))
+            ys[start:start + n] = F.linear(h.to(w2.dtype), w2[e]).to(x.dtype).float()
             start += n
     return moe_combine(ys, order, weights, topk_ids.shape[1]).to(x.dtype)
 
@@ -437,6 +440,12 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k:
     return torch.empty_like(ys).index_copy_(0, order, ys).view(ys.shape[0] // k, k, ys.shape[1]).sum(1)
 
 
+def _silu_and_mul_for(moe: nn.Module):
+    """The backend's silu_and_mul (the C kernel, checked on the dense MLP's width) where it
+    takes the experts' width (a multiple of 16), else the reference."""
+    return moe.backend.silu_and_mul if moe.w2_weight.shape[2] % 16 == 0 else kernels.silu_and_mul_torch
+
+
 class WidenedMoE(nn.Module):
     """A bf16 model's FusedMoE for a CPU with AVX-512 but no bf16 matrix instructions, as
     WidenedLinear for its linear layers: each expert's w13 and w2 stay bf16, packed for
@@ -448,9 +457,7 @@ class WidenedMoE(nn.Module):
     def __init__(self, moe: nn.Module):
         super().__init__()
         w13, w2 = moe.w13_weight.detach(), moe.w2_weight.detach()
-        # the backend's (the C kernel, checked on the dense MLP's width) where it takes this width
-        self.tp, self.silu_and_mul = moe.tp, moe.backend.silu_and_mul if w2.shape[2] % 16 == 0 \
-            else kernels.silu_and_mul_torch
+        self.tp, self.silu_and_mul = moe.tp, _silu_and_mul_for(moe)
         self.num_experts, self.n13, self.n2 = w13.shape[0], w13.shape[1], w2.shape[1]
         self.packed13 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w13])
         self.packed2 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w2])
@@ -461,6 +468,21 @@ class WidenedMoE(nn.Module):
         h = self.silu_and_mul(cpu_kernels.moe_linear(rows, self.packed13, self.n13, offsets))
         ys = cpu_kernels.moe_linear(h, self.packed2, self.n2, offsets).float()
         return self.tp.all_reduce(moe_combine(ys, order, weights, topk_ids.shape[1])).to(x.dtype)
+
+
+class Fp32MoE(nn.Module):
+    """A bf16 model's FusedMoE computed in fp32, as Fp32Linear for its linear layers (a CPU
+    without bf16 matrix instructions where the C linear cannot run): the experts' weights
+    held in fp32 (exactly the bf16 values), fused_moe_cpu over them."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.tp, self.silu_and_mul = moe.tp, _silu_and_mul_for(moe)
+        self.w13_weight, self.w2_weight = moe.w13_weight.detach().float(), moe.w2_weight.detach().float()
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(fused_moe_cpu(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                                self.silu_and_mul))
 
 
 def has_bf16_matmul() -> bool:
@@ -504,6 +526,8 @@ def prepare_model(model: nn.Module) -> int:
         avail = available_cpu_memory()
         if avail is None or extra < avail // 2:  # room to spare for the KV cache and the steps
             count = pack_linear_weights(model, Fp32Linear)
+            for parent, name, moe in _fused_moes(model):
+                setattr(parent, name, Fp32MoE(moe))
             trim_heap()  # the fp32 copies oneDNN packed from are freed, but glibc keeps them unless asked
             logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
                         "held in fp32, whose GEMMs are faster here (+%.2f GiB)", count, extra / 2**30)
@@ -545,8 +569,9 @@ def widen_experts(model: nn.Module) -> int:
 
 
 def _upcast_bytes(model: nn.Module) -> int:
-    """What Fp32Linear layers add: 2 more bytes a weight, 4 for a tied head's own copy."""
-    weights = [m.weight for _, _, m in _linears(model)]
+    """What Fp32Linear and Fp32MoE layers add: 2 more bytes a weight, 4 for a tied head's own copy."""
+    weights = [m.weight for _, _, m in _linears(model)] + [
+        w for _, _, m in _fused_moes(model) for w in (m.w13_weight, m.w2_weight)]
     tied = model.model.embed_tokens.weight.numel() * 4 if model.lm_head is None else 0
     return sum(w.numel() * 2 for w in weights) + tied
 
@@ -611,6 +636,6 @@ def trim_heap() -> bool:
 
 
 __all__ = ["build_cpu_backend", "prepare_model", "pack_model", "pack_linear_weights", "can_pack_linear_weights",
-           "has_bf16_matmul", "check_c_linear", "fused_moe_cpu", "moe_order", "moe_combine", "WidenedMoE",
+           "has_bf16_matmul", "check_c_linear", "fused_moe_cpu", "moe_order", "moe_combine", "WidenedMoE", "Fp32MoE",
            "widen_experts", "linear_in_order", "tune_process", "trim_heap", "check_same_as_torch",
            "compiled_elementwise_ops", "paged_attention_compiled"]

@@ -588,8 +588,8 @@ def test_c_linear_experts_where_the_cpu_has_no_bf16_matmul(model_root, monkeypat
     _, widened_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
                                   dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
     pad = cpu_kernels.LINEAR_PANEL
-    linears = [x.weight for x in plain_model.modules() if isinstance(x, Linear)] + [
-        plain_model.model.embed_tokens.weight]  # qwen3: a tied head
+    linears = [x.weight for x in plain_model.modules() if isinstance(x, Linear)] + (
+        [plain_model.model.embed_tokens.weight] if plain_model.lm_head is None else [])  # a tied head's copy
     experts = [w for x in plain_model.modules() if isinstance(x, FusedMoE) for w in (*x.w13_weight, *x.w2_weight)]
     padding = sum((-w.shape[0] % pad) * w.shape[1] for w in linears + experts)
     assert padding > sum((-w.shape[0] % pad) * w.shape[1] for w in linears)  # the experts' rows pad
@@ -597,4 +597,28 @@ def test_c_linear_experts_where_the_cpu_has_no_bf16_matmul(model_root, monkeypat
     monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
     plain = runner_with(kernels.TORCH, path)
     for a, b in zip(two_steps(widened, 30), two_steps(plain, 30)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+
+
+def test_fp32_experts_where_the_c_linear_cannot_run(model_root, monkeypatch):
+    """No bf16 matrix instructions and no C linear (faked): the experts are held in fp32 as the
+    linear weights are (Fp32MoE), the weights' bytes count them, and the logits are the bf16
+    reference's but for the order of fp32 sums."""
+    from nanoserve.model import FusedMoE, Linear
+    path = make_model(model_root, "qwen3_moe", moe_intermediate_size=40)
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_backend, "check_c_linear", _no_c_linear)
+    upcast = runner_with(kernels.TORCH, path)
+    moes = [m for m in upcast.model.modules() if isinstance(m, cpu_backend.Fp32MoE)]
+    assert len(moes) == 2 and all(m.w13_weight.dtype == torch.float32 for m in moes)
+    plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
+    _, upcast_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                 dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+    weights = sum(x.weight.numel() for x in plain_model.modules() if isinstance(x, Linear)) + sum(
+        x.w13_weight.numel() + x.w2_weight.numel() for x in plain_model.modules() if isinstance(x, FusedMoE))
+    tied = 4 * plain_model.model.embed_tokens.weight.numel() if plain_model.lm_head is None else 0
+    assert upcast_bytes - plain_bytes == 2 * weights + tied
+    monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = runner_with(kernels.TORCH, path)
+    for a, b in zip(two_steps(upcast, 30), two_steps(plain, 30)):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
