@@ -42,8 +42,11 @@ def get(name: str) -> Workload:
         return _random("W1", "w1", 64, (64, 512), (32, 256), 151936)
     if name == "W0":
         return _random("W0", "w0", 256, (64, 256), (32, 128), 32000)
+    if name == "WMOE":  # W0's first 16 requests on wmoe: W0's shapes through a mixture of experts
+        w = get("W0")
+        return Workload("WMOE", "wmoe", w.prompts[:16], w.output_lens[:16])
     if name == "W2":
         return _shared_prefix()
     if name == "tiny":  # a smoke test of the harness itself
         return _random("tiny", "w0", 8, (16, 32), (4, 8), 32000)
-    raise ValueError(f"unknown workload {name!r}: W0, W1, W2 or tiny")
+    raise ValueError(f"unknown workload {name!r}: W0, W1, W2, WMOE or tiny")

@@ -12,7 +12,9 @@ here is needed to follow a request. Per op, in order of preference:
   torch references' results bit for bit on this model's shapes (checked here,
   every start-up), else inductor-fused copies (steps of 256+ tokens), else eager;
   Gemma's GELU-and-mul: the C kernel (the same check), else eager; Gemma's RMSNorm: eager;
-* greedy argmax: the C kernel over bf16 logits, else torch's.
+* greedy argmax: the C kernel over bf16 logits, else torch's;
+* a mixture-of-experts layer's experts: ``fused_moe_cpu``, the reference's result bit for
+  bit in fewer, larger ops (the reference's under --enforce-eager).
 
 A candidate that cannot be built or checked here is logged, with why, and the
 next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weights
@@ -21,8 +23,10 @@ with F.linear's results, not another kernel), except on a CPU with no bf16 matri
 instructions (AVX-512 BF16, AMX), where oneDNN emulates them at several times an
 fp32 GEMM's cost (RESULTS.md): there the C linear kernel keeps them bf16 and
 multiplies in fp32 (``WidenedLinear``), else (no AVX-512, no C compiler) they are
-held in fp32 (``Fp32Linear``). Also here, applied by the engine: the process-wide allocator
-settings (``tune_process``) and ``trim_heap``.
+held in fp32 (``Fp32Linear``); with the C linear kernel the experts' weights are
+packed for it too (``WidenedMoE``, one call per projection for all the experts). Also
+here, applied by the engine: the process-wide allocator settings (``tune_process``) and
+``trim_heap``.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ import types
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoserve import cpu_kernels, kernels
@@ -66,7 +71,7 @@ def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: b
     name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
     return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul,
                    gelu_tanh_and_mul, kernels.gemma_rms_norm_torch, kernels.add_rms_norm(kernels.gemma_rms_norm_torch),
-                   argmax, kernels.fused_moe_torch, prepare_model)
+                   argmax, fused_moe_cpu, prepare_model)
 
 
 def _first_that_works(what: str, candidates, fallback):
@@ -395,6 +400,93 @@ def check_c_linear() -> type[nn.Module]:
     return WidenedLinear
 
 
+# --------------------------------------------------------------------------- mixture of experts
+
+def fused_moe_cpu(x, w13, w2, topk_weights, topk_ids, silu_and_mul=kernels.silu_and_mul_torch) -> torch.Tensor:
+    """kernels.fused_moe_torch with fewer, larger ops, bit for bit its result: the rows
+    gathered once, in expert order (moe_order), each expert's F.linear over its slice,
+    their weighted fp32 outputs summed per token by moe_combine. Weights of another dtype
+    than x (Fp32MoE's fp32 for a bf16 model) multiply x widened to theirs, and each
+    projection's output is rounded to x's dtype, as the reference's."""
+    rows, order, weights, counts = moe_order(x, topk_weights, topk_ids, w13.shape[0])
+    ys = torch.empty(rows.shape[0], x.shape[1], dtype=torch.float32)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            h = silu_and_mul(F.linear(rows[start:start + n].to(w13.dtype), w13[e]).to(x.dtype))
+            ys[start:start + n] = F.linear(h.to(w2.dtype), w2[e]).to(x.dtype).float()
+            start += n
+    return moe_combine(ys, order, weights, topk_ids.shape[1]).to(x.dtype)
+
+
+def moe_order(x, topk_weights, topk_ids, num_experts: int):
+    """(rows, order, weights, counts): the (token, choice) pairs' rows of x [T*k, H] grouped by
+    expert (one stable sort; expert e's are the counts[e] rows after the earlier experts'),
+    ``order`` their (token, choice) index and ``weights`` their routing weights, in that
+    order. Each token's choices are first put in increasing expert order, which
+    moe_combine's sum then follows, as the reference's index_add_ adds them."""
+    k = topk_ids.shape[1]
+    ids, choice = topk_ids.sort(dim=1, stable=True)
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    weights = topk_weights.gather(1, choice).reshape(-1)[order]
+    return x[order // k], order, weights, torch.bincount(flat, minlength=num_experts).tolist()
+
+
+def moe_combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
+    """fp32 [T, H]: the experts' outputs ys [T*k, H] (fp32, in moe_order's order) weighted,
+    copied to their (token, choice) rows, and summed over each token's choices in expert
+    order. The reference's index_add_ per expert was a small threaded op each (37 ms in a
+    step with two threads and a loaded core); here the copy and the sum are one op each."""
+    ys.mul_(weights[:, None].float())
+    return torch.empty_like(ys).index_copy_(0, order, ys).view(ys.shape[0] // k, k, ys.shape[1]).sum(1)
+
+
+def _silu_and_mul_for(moe: nn.Module):
+    """The backend's silu_and_mul (the C kernel, checked on the dense MLP's width) where it
+    takes the experts' width (a multiple of 16), else the reference."""
+    return moe.backend.silu_and_mul if moe.w2_weight.shape[2] % 16 == 0 else kernels.silu_and_mul_torch
+
+
+class WidenedMoE(nn.Module):
+    """A bf16 model's FusedMoE for a CPU with AVX-512 but no bf16 matrix instructions, as
+    WidenedLinear for its linear layers: each expert's w13 and w2 stay bf16, packed for
+    csrc/linear.c, which multiplies them in fp32; each projection is one C call for all
+    the experts (cpu_kernels.moe_linear) over the rows in moe_order's order, its output
+    rounded to bf16 as a bf16 F.linear's is: only the order of the fp32 sums differs
+    from the reference's (fused_moe_torch)."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        w13, w2 = moe.w13_weight.detach(), moe.w2_weight.detach()
+        self.tp, self.silu_and_mul = moe.tp, _silu_and_mul_for(moe)
+        self.num_experts, self.n13, self.n2 = w13.shape[0], w13.shape[1], w2.shape[1]
+        self.packed13 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w13])
+        self.packed2 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w2])
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        rows, order, weights, counts = moe_order(x, topk_weights, topk_ids, self.num_experts)
+        offsets = torch.tensor([0, *counts]).cumsum(0)
+        h = self.silu_and_mul(cpu_kernels.moe_linear(rows, self.packed13, self.n13, offsets))
+        ys = cpu_kernels.moe_linear(h, self.packed2, self.n2, offsets).float()
+        return self.tp.all_reduce(moe_combine(ys, order, weights, topk_ids.shape[1])).to(x.dtype)
+
+
+class Fp32MoE(nn.Module):
+    """A bf16 model's FusedMoE computed in fp32, as Fp32Linear for its linear layers (a CPU
+    without bf16 matrix instructions where the C linear cannot run): the experts' weights
+    held in fp32 (exactly the bf16 values), fused_moe_cpu over them."""
+
+    def __init__(self, moe: nn.Module):
+        super().__init__()
+        self.tp, self.silu_and_mul = moe.tp, _silu_and_mul_for(moe)
+        self.w13_weight, self.w2_weight = moe.w13_weight.detach().float(), moe.w2_weight.detach().float()
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(fused_moe_cpu(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                                self.silu_and_mul))
+
+
 def has_bf16_matmul() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX-512 BF16 or AMX); without,
     oneDNN's bf16 GEMM emulates it, several times slower than an fp32 GEMM (RESULTS.md)."""
@@ -406,7 +498,7 @@ def has_bf16_matmul() -> bool:
 
 def prepare_model(model: nn.Module) -> int:
     """The CPU backends' ``prepare_model``: where the CPU has no bf16 matrix
-    instructions, bf16 linear weights for the C linear kernel, else in fp32 where
+    instructions, bf16 linear weights (and experts) for the C linear kernel, else in fp32 where
     the memory allows; otherwise packed where oneDNN can. Returns the bytes added
     to the weights' memory."""
     weight = model.model.embed_tokens.weight
@@ -415,22 +507,29 @@ def prepare_model(model: nn.Module) -> int:
         if layer is WidenedLinear:  # the same bytes, but for the panels' padding
             embedding = model.model.embed_tokens
             before = sum(m.weight.numel() * 2 for _, _, m in _linears(model)) + embedding.weight.numel() * 2
+            experts_before = sum(m.w13_weight.numel() * 2 + m.w2_weight.numel() * 2 for _, _, m in _fused_moes(model))
             tied = model.lm_head is None
             count = pack_linear_weights(model, WidenedLinear)
+            widened_moes = widen_experts(model)
             if tied:  # the lookup reads the head's packed copy: one copy of the table, not two
                 embedding.rows = functools.partial(cpu_kernels.packed_rows, model.lm_head.packed)
                 embedding.weight = nn.Parameter(embedding.weight.new_empty(0, embedding.weight.shape[1]),
                                                 requires_grad=False)  # its device and dtype, for who asks
             trim_heap()  # the weights as loaded are freed, but glibc keeps them unless asked
             logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
-                        "kept in bf16 for the C linear kernel, which multiplies them in fp32%s", count,
+                        "%skept in bf16 for the C linear kernel, which multiplies them in fp32%s", count,
+                        f"and {widened_moes} layers' experts " if widened_moes else "",
                         " (the embedding lookup reads the tied head's copy)" if tied else "")
+            experts = sum(m.packed13.numel() * 2 + m.packed2.numel() * 2
+                          for m in model.modules() if isinstance(m, WidenedMoE))
             return sum(m.packed.numel() * 2 for m in model.modules() if isinstance(m, WidenedLinear)) \
-                + embedding.weight.numel() * 2 - before
+                + embedding.weight.numel() * 2 - before + experts - experts_before
         extra = _upcast_bytes(model)
         avail = available_cpu_memory()
         if avail is None or extra < avail // 2:  # room to spare for the KV cache and the steps
             count = pack_linear_weights(model, Fp32Linear)
+            for parent, name, moe in _fused_moes(model):
+                setattr(parent, name, Fp32MoE(moe))
             trim_heap()  # the fp32 copies oneDNN packed from are freed, but glibc keeps them unless asked
             logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
                         "held in fp32, whose GEMMs are faster here (+%.2f GiB)", count, extra / 2**30)
@@ -455,9 +554,26 @@ def _linears(model: nn.Module):
             for name, child in list(parent.named_children()) if isinstance(child, Linear)]
 
 
+def _fused_moes(model: nn.Module):
+    """(parent, name, FusedMoE) of every mixture-of-experts layer's experts."""
+    from nanoserve.model import FusedMoE
+    return [(parent, name, child) for parent in list(model.modules())
+            for name, child in list(parent.named_children()) if isinstance(child, FusedMoE)]
+
+
+def widen_experts(model: nn.Module) -> int:
+    """Replace every FusedMoE by a WidenedMoE of its weights, which are freed; returns how many
+    (none where the C linear cannot take them: an odd hidden or intermediate size)."""
+    moes = [m for m in _fused_moes(model) if m[2].w2_weight.shape[1] % 2 == 0 and m[2].w2_weight.shape[2] % 2 == 0]
+    for parent, name, child in moes:
+        setattr(parent, name, WidenedMoE(child))
+    return len(moes)
+
+
 def _upcast_bytes(model: nn.Module) -> int:
-    """What Fp32Linear layers add: 2 more bytes a weight, 4 for a tied head's own copy."""
-    weights = [m.weight for _, _, m in _linears(model)]
+    """What Fp32Linear and Fp32MoE layers add: 2 more bytes a weight, 4 for a tied head's own copy."""
+    weights = [m.weight for _, _, m in _linears(model)] + [
+        w for _, _, m in _fused_moes(model) for w in (m.w13_weight, m.w2_weight)]
     tied = model.model.embed_tokens.weight.numel() * 4 if model.lm_head is None else 0
     return sum(w.numel() * 2 for w in weights) + tied
 
@@ -522,5 +638,6 @@ def trim_heap() -> bool:
 
 
 __all__ = ["build_cpu_backend", "prepare_model", "pack_model", "pack_linear_weights", "can_pack_linear_weights",
-           "has_bf16_matmul", "check_c_linear", "linear_in_order", "tune_process", "trim_heap", "check_same_as_torch",
+           "has_bf16_matmul", "check_c_linear", "fused_moe_cpu", "moe_order", "moe_combine", "WidenedMoE", "Fp32MoE",
+           "widen_experts", "linear_in_order", "tune_process", "trim_heap", "check_same_as_torch",
            "compiled_elementwise_ops", "paged_attention_compiled"]

@@ -14,7 +14,8 @@ dot products take AVX-512 BF16's instruction where the CPU has it):
   for bit the torch references' results;
 * ``argmax``: greedy sampling over bf16 logits, torch's rules;
 * ``linear`` (csrc/linear.c): bf16 weights, fp32 arithmetic, for a CPU with no
-  bf16 matrix instructions (F.linear's products, summed in one fixed order).
+  bf16 matrix instructions (F.linear's products, summed in one fixed order);
+  ``moe_linear`` the same for every expert of a mixture-of-experts layer in one call.
 
 The libraries are built on first use with the system C compiler (``$CC``),
 ``-march=native``, and cached on disk under ``$NANOSERVE_CACHE_DIR`` (default
@@ -124,7 +125,8 @@ def row_ops_library() -> ctypes.CDLL:
 def linear_library() -> ctypes.CDLL:
     """csrc/linear.c."""
     return _declare(build_library(CSRC / "linear.c"),
-                    {"linear": ([_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], _I32)})
+                    {"linear": ([_P, _I64, _I64, _P, _I64, _P, _P, _I32, _I32], _I32),
+                     "moe_linear": ([_P, _I64, _I64, _P, _I64, _P, _I64, _P, _I32, _I32], _I32)})
 
 
 # --------------------------------------------------------------------------- attention
@@ -379,3 +381,21 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
                                                  int(out_dtype == torch.float32), torch.get_num_threads()):
         raise MemoryError(f"the C linear found no memory for {rows.shape[0]} rows widened to fp32")
     return out.view(*x.shape[:-1], n)
+
+
+def moe_linear(x: torch.Tensor, packed: torch.Tensor, n: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of x [M, K] (bf16; expert e's at offsets[e] .. offsets[e + 1], int64
+    [E + 1]) times its packed weight (``packed`` [E, ...]: pack_linear_weight of each expert's
+    [N, K]) transposed, in one call: bf16 [M, N], each row linear()'s result for its expert."""
+    E, k = packed.shape[0], packed.shape[2] * 2
+    if not (x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and packed.is_contiguous()
+            and offsets.dtype == torch.int64 and offsets.shape == (E + 1,) and offsets.is_contiguous()
+            and int(offsets[-1]) == x.shape[0]):
+        raise ValueError(f"the C moe_linear takes bf16 [M, {k}] and int64 offsets [{E + 1}] ending at M")
+    rows = x.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+    if rows.shape[0] and linear_library().moe_linear(rows.data_ptr(), rows.shape[0], k, packed.data_ptr(), E,
+                                                     offsets.data_ptr(), n, out.data_ptr(), 0,
+                                                     torch.get_num_threads()):
+        raise MemoryError(f"the C moe_linear found no memory for {rows.shape[0]} rows widened to fp32")
+    return out

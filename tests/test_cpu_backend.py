@@ -512,3 +512,116 @@ print(before - kept, kept - rss())
     freed, trimmed = map(int, subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                              check=True).stdout.split())
     assert freed < 64 and trimmed > 192, (freed, trimmed)
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+def _routing(T: int, E: int, k: int, dtype, unchosen: int | None = None, seed: int = 0):
+    """Random x [T, 64] and a top-k routing of T tokens over E experts (expert ``unchosen`` left out)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=gen)
+    if unchosen is not None:
+        logits[:, unchosen] = -torch.inf
+    weights, ids = torch.topk(torch.softmax(logits, -1), k)
+    return torch.randn(T, 64, generator=gen).to(dtype), (weights / weights.sum(-1, keepdim=True)).to(dtype), ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,k,unchosen", [(1, 4, 2, None), (7, 5, 2, 3), (33, 6, 3, 0), (64, 8, 1, 7)])
+def test_cpu_fused_moe_is_the_reference_bit_for_bit(dtype, T, E, k, unchosen):
+    """The CPU backend's fused_moe (one sort, one gather, a sum over each token's choices in expert
+    order) gives kernels.fused_moe_torch's result bit for bit, an expert nobody chose included."""
+    gen = torch.Generator().manual_seed(1)
+    w13 = (torch.randn(E, 2 * 48, 64, generator=gen) / 8).to(dtype)
+    w2 = (torch.randn(E, 64, 48, generator=gen) / 8).to(dtype)
+    x, weights, ids = _routing(T, E, k, dtype, unchosen)
+    assert unchosen is None or not (ids == unchosen).any()
+    with torch.inference_mode():
+        assert torch.equal(cpu_backend.fused_moe_cpu(x, w13, w2, weights, ids),
+                           kernels.fused_moe_torch(x, w13, w2, weights, ids))
+
+
+def test_the_cpu_backend_runs_the_cpu_fused_moe_and_enforce_eager_the_reference():
+    from conftest import hf_config
+    cfg = ModelConfig.from_dict({**hf_config("qwen3_moe").to_dict(), "architectures": ["Qwen3MoeForCausalLM"]})
+    assert cpu_backend.build_cpu_backend(cfg, torch.bfloat16, 16).fused_moe is cpu_backend.fused_moe_cpu
+    eager = cpu_backend.build_cpu_backend(cfg, torch.bfloat16, 16, enforce_eager=True)
+    assert eager.fused_moe is kernels.fused_moe_torch and eager.prepare_model is cpu_backend.pack_model
+
+
+@pytest.mark.parametrize("T,E,k,unchosen,inter", [(1, 4, 2, None, 48), (13, 5, 2, 1, 48), (40, 6, 3, 5, 40)])
+def test_widened_experts_are_the_reference_with_the_c_linear_s_sums(T, E, k, unchosen, inter, monkeypatch):
+    """WidenedMoE (both projections of every expert one C call each) is fused_moe_torch with each
+    F.linear summed as the C linear sums (linear_in_order): bit for bit, an expert nobody chose and
+    an intermediate size the C silu_and_mul does not take (40) included; bf16-close to F.linear's."""
+    _c_linear_or_skip()
+    from nanoserve.model import FusedMoE, TPGroup
+    gen = torch.Generator().manual_seed(2)
+    moe = FusedMoE(E, 64, inter, dataclasses.replace(kernels.TORCH, silu_and_mul=cpu_kernels.silu_and_mul),
+                   TPGroup())
+    with torch.no_grad():
+        moe.w13_weight.copy_(torch.randn(E, 2 * inter, 64, generator=gen) / 8)
+        moe.w2_weight.copy_(torch.randn(E, 64, inter, generator=gen) / 8)
+    moe = moe.to(torch.bfloat16)
+    x, weights, ids = _routing(T, E, k, torch.bfloat16, unchosen, seed=3)
+    widened = cpu_backend.WidenedMoE(moe)
+    with torch.inference_mode():
+        out = widened(x, weights, ids)
+        ref = kernels.fused_moe_torch(x, moe.w13_weight, moe.w2_weight, weights, ids)
+        torch.testing.assert_close(out, ref, atol=0.02, rtol=0.02)
+        monkeypatch.setattr(kernels.F, "linear", cpu_backend.linear_in_order)
+        assert torch.equal(out, kernels.fused_moe_torch(x, moe.w13_weight, moe.w2_weight, weights, ids))
+
+
+def test_c_linear_experts_where_the_cpu_has_no_bf16_matmul(model_root, monkeypatch, caplog):
+    """A bf16 mixture-of-experts model on a CPU without bf16 matrix instructions (faked): every
+    FusedMoE becomes a WidenedMoE, the weights' bytes count the experts' panel padding (an
+    intermediate size of 40: 2 x 40 gate and up rows pad to 96), and the logits are the
+    reference's but for the order of fp32 sums."""
+    _c_linear_or_skip()
+    from nanoserve.model import FusedMoE, Linear
+    path = make_model(model_root, "qwen3_moe", moe_intermediate_size=40)
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        widened = runner_with(kernels.TORCH, path)
+    assert "layers' experts kept in bf16 for the C linear kernel" in caplog.text
+    moes = [m for m in widened.model.modules() if isinstance(m, cpu_backend.WidenedMoE)]
+    assert len(moes) == 2 and not any(isinstance(m, FusedMoE) for m in widened.model.modules())
+    plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
+    _, widened_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                  dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+    pad = cpu_kernels.LINEAR_PANEL
+    linears = [x.weight for x in plain_model.modules() if isinstance(x, Linear)] + (
+        [plain_model.model.embed_tokens.weight] if plain_model.lm_head is None else [])  # a tied head's copy
+    experts = [w for x in plain_model.modules() if isinstance(x, FusedMoE) for w in (*x.w13_weight, *x.w2_weight)]
+    padding = sum((-w.shape[0] % pad) * w.shape[1] for w in linears + experts)
+    assert padding > sum((-w.shape[0] % pad) * w.shape[1] for w in linears)  # the experts' rows pad
+    assert widened_bytes - plain_bytes == 2 * padding
+    monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = runner_with(kernels.TORCH, path)
+    for a, b in zip(two_steps(widened, 30), two_steps(plain, 30)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+
+
+def test_fp32_experts_where_the_c_linear_cannot_run(model_root, monkeypatch):
+    """No bf16 matrix instructions and no C linear (faked): the experts are held in fp32 as the
+    linear weights are (Fp32MoE), the weights' bytes count them, and the logits are the bf16
+    reference's but for the order of fp32 sums."""
+    from nanoserve.model import FusedMoE, Linear
+    path = make_model(model_root, "qwen3_moe", moe_intermediate_size=40)
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu_backend, "check_c_linear", _no_c_linear)
+    upcast = runner_with(kernels.TORCH, path)
+    moes = [m for m in upcast.model.modules() if isinstance(m, cpu_backend.Fp32MoE)]
+    assert len(moes) == 2 and all(m.w13_weight.dtype == torch.float32 for m in moes)
+    plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
+    _, upcast_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                 dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+    weights = sum(x.weight.numel() for x in plain_model.modules() if isinstance(x, Linear)) + sum(
+        x.w13_weight.numel() + x.w2_weight.numel() for x in plain_model.modules() if isinstance(x, FusedMoE))
+    tied = 4 * plain_model.model.embed_tokens.weight.numel() if plain_model.lm_head is None else 0
+    assert upcast_bytes - plain_bytes == 2 * weights + tied
+    monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = runner_with(kernels.TORCH, path)
+    for a, b in zip(two_steps(upcast, 30), two_steps(plain, 30)):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)

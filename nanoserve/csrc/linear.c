@@ -114,3 +114,37 @@ int linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_
     free(x);
     return 0;
 }
+
+/* A mixture-of-experts layer's projection, every expert at once: x [M, K] (bf16) holds the
+   rows of expert e at offsets[e] .. offsets[e + 1] (offsets [E + 1]), wp the E experts'
+   packed weights one after another (each [ceil(N / 32), K / 2, 32, 2]); out [M, N] gets
+   each row times its expert's w^T (no bias), each output summed in linear()'s order, so
+   a row's result is what linear() gives it with that expert's weight alone. One parallel
+   region for all the experts: the (expert, panel) pairs are shared out between the
+   threads as they come free (an expert's rows vary), where a call per expert paid a
+   region and its barrier per expert, each a scheduler's wait on a loaded core. Returns 0,
+   or -1 if the widened rows found no memory. */
+int moe_linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_t E, const int64_t *offsets,
+               int64_t N, void *out, int out_fp32, int nthreads) {
+    const int64_t ldx = (K + 15) / 16 * 16 + 16, panels = (N + NR - 1) / NR;
+    float *x = aligned_alloc(64, (M > 0 ? M : 1) * ldx * sizeof(float));
+    if (x == NULL) return -1;
+    #pragma omp parallel num_threads(nthreads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            int64_t k = 0;
+            for (; k + 16 <= K; k += 16) _mm512_store_ps(x + m * ldx + k, load_bf16x16(x16 + m * K + k));
+            for (; k < K; k++) x[m * ldx + k] = bf16_to_f32(x16[m * K + k]);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < E * panels; t++) {
+            const int64_t e = t / panels, b = t % panels, first = offsets[e], rows = offsets[e + 1] - first;
+            if (rows > 0)
+                panel(rows, x + first * ldx, ldx, K, wp + (e * panels + b) * K * NR, NULL, out,
+                      first * N + b * NR, N, out_fp32, N - b * NR < NR ? (int)(N - b * NR) : NR);
+        }
+    }
+    free(x);
+    return 0;
+}
