@@ -436,8 +436,8 @@ def moe_order(x, topk_weights, topk_ids, num_experts: int):
 def moe_combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
     """fp32 [T, H]: the experts' outputs ys [T*k, H] (fp32, in moe_order's order) weighted,
     copied to their (token, choice) rows, and summed over each token's choices in expert
-    order. The reference's index_add_ per expert was a small threaded op each (37 ms in a
-    step with two threads and a loaded core); here the copy and the sum are one op each."""
+    order: one copy and one sum for all the experts, where the reference adds each
+    expert's rows in an op of its own (RESULTS.md)."""
     ys.mul_(weights[:, None].float())
     return torch.empty_like(ys).index_copy_(0, order, ys).view(ys.shape[0] // k, k, ys.shape[1]).sum(1)
 

@@ -120,10 +120,9 @@ int linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_
    packed weights one after another (each [ceil(N / 32), K / 2, 32, 2]); out [M, N] gets
    each row times its expert's w^T (no bias), each output summed in linear()'s order, so
    a row's result is what linear() gives it with that expert's weight alone. One parallel
-   region for all the experts: the (expert, panel) pairs are shared out between the
-   threads as they come free (an expert's rows vary), where a call per expert paid a
-   region and its barrier per expert, each a scheduler's wait on a loaded core. Returns 0,
-   or -1 if the widened rows found no memory. */
+   region for all the experts, not one (and its barrier) per expert: the (expert, panel)
+   pairs are shared out between the threads as they come free (an expert's rows vary).
+   Returns 0, or -1 if the widened rows found no memory. */
 int moe_linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_t E, const int64_t *offsets,
                int64_t N, void *out, int out_fp32, int nthreads) {
     const int64_t ldx = (K + 15) / 16 * 16 + 16, panels = (N + NR - 1) / NR;
