@@ -181,8 +181,7 @@ class ModelConfig:
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            why = UNSUPPORTED_WHY.get(arch, " (a mixture-of-experts model nanoserve does not serve)"
-                                      if "Moe" in str(arch) else "")
+            why = " (a mixture-of-experts model nanoserve does not serve)" if "Moe" in str(arch) else ""
             raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch in GEMMA3_ARCHITECTURES:
@@ -306,9 +305,6 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
                 norm_topk_prob=arch == "MixtralForCausalLM" or bool(c.get("norm_topk_prob", False)),
                 router_weights_fp32=arch == "MixtralForCausalLM", shared_expert_intermediate_size=shared)
 
-
-# Why an architecture nanoserve does not serve is not a small step from one it does.
-UNSUPPORTED_WHY: dict[str, str] = {}
 
 # What transformers' Gemma3TextConfig fills in for a key config.json leaves out: the hub's
 # Gemma 3 configs, written by transformers 4, leave out every default (a multimodal
