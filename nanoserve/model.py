@@ -366,8 +366,9 @@ def _check_gemma(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
-def _gemma3_layer_types(c: dict[str, Any]) -> list[str]:
-    """Gemma 3's layer_types, or (older configs) every sliding_window_pattern-th layer full, the rest sliding."""
+def _gemma_layer_types(c: dict[str, Any]) -> list[str]:
+    """Gemma 2's and 3's layer_types, or (older configs) every sliding_window_pattern-th layer full, the rest
+    sliding (Gemma 2's pattern 2: every other layer, from layer 0)."""
     pattern = c.get("sliding_window_pattern") or 6
     return c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                     for i in range(c["num_hidden_layers"])]
@@ -478,7 +479,7 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
 
 def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that use it, as transformers reads them: every layer of
-    Mistral's and Phi-3's; Gemma 3's ``layer_types``; with Qwen's use_sliding_window, those
+    Mistral's, Mixtral's and Phi-3's; Gemma 2's and 3's ``layer_types``; with Qwen's use_sliding_window, those
     ``layer_types`` names (by default the layers from max_window_layers on); none of Llama's or Granite's."""
     window, n = c.get("sliding_window"), c["num_hidden_layers"]
     if window is None or arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
@@ -488,7 +489,7 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window), tuple(range(n))
     if arch in GEMMA3_ARCHITECTURES or arch == "Gemma2ForCausalLM":  # always on, for the layers layer_types names
-        layers = tuple(i for i, t in enumerate(_gemma3_layer_types(c)) if t == "sliding_attention")
+        layers = tuple(i for i, t in enumerate(_gemma_layer_types(c)) if t == "sliding_attention")
         return (int(window) if layers else None), layers
     if not c.get("use_sliding_window", False):
         return None, ()
