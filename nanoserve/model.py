@@ -1211,6 +1211,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, backend, tp)
         # None: tied to the embedding (a CPU backend may set a packed copy here)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lora_config: LoRAConfig | None = None  # wrap_lora_layers' (LoRASlots reads max_cpu_loras)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -1644,7 +1645,7 @@ def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
     slots allocated now, before the KV cache is sized, as vLLM reserves its LoRA memory before
     profiling: the bytes they take, which the caller counts with the weights'."""
     step, dtype, device, total = LoRAStep(), lora_dtype(model), model.model.norm.weight.device, 0
-    model.lora_config = config  # LoRASlots reads max_cpu_loras
+    model.lora_config = config
     for t in lora_layers(model).values():
         layer = LoRALinear(getattr(t.parent, t.attr), step, t, config, dtype, device,
                            model.tp if t.row_parallel else None)
@@ -2740,7 +2741,7 @@ class ModelRunner:
         return {r: self.tp.store.get(LORA_ERROR_KEY.format(r)).decode() for r in failed.nonzero().flatten().tolist()}
 
     def _worker_lora(self, kind: str, lora_int_id: int, path: str = "", max_rank: int = 0,
-                     keep: list[int] = ()) -> None:
+                     keep: Iterable[int] = ()) -> None:
         """Ranks 1..N-1: _lora_control's message. A failure to load is reported to rank 0, never
         raised: the worker must go on serving the base model and the other adapters."""
         failed = torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device)
