@@ -127,15 +127,15 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool          # Qwen2: bias on q/k/v
-    qk_norm: bool                 # Qwen3: RMSNorm on q and k per head
+    attention_bias: bool          # Qwen2, Qwen2-MoE: bias on q/k/v
+    qk_norm: bool                 # Qwen3, Qwen3-MoE, Gemma 3: RMSNorm on q and k per head
     sliding_window: int | None    # the window of the layers that use one; None: no layer does
     sliding_layers: tuple[int, ...]  # the layers that attend to the last sliding_window positions only
     checkpoint_dtype: str
     eos_token_ids: list[int]
     rotary_dim: int = 0              # the leading dims of a head that RoPE turns (0, given: all of head_dim)
     attention_scale: float | None = None  # None: head_dim ** -0.5 (Granite's attention_multiplier,
-    #                                       Gemma 3's query_pre_attn_scalar ** -0.5)
+    #                                       Gemma's query_pre_attn_scalar ** -0.5)
     # Granite: Llama with three more scalars (transformers' names; 1.0 leaves Llama's math)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0   # each branch's output, before its residual add
@@ -1000,7 +1000,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k
+        if self.q_norm is not None:  # Qwen3 (and its MoE), Gemma 3: an RMSNorm over each head of q and of k
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         # The step's new K and V go into the paged cache first, so that attention
