@@ -2563,7 +2563,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, backend.argmax, logits_processors)
         # the adapters and their slots, where wrap_lora_layers has wrapped the model's layers
         self.lora = None if lora_layer(model) is None else LoRASlots(model)
-        self.lora_keep: list[int] = []  # reload_loras' step's adapters
+        self.lora_keep: list[int] = []  # the next step's adapters (reload_loras', or the engine's: none to reload)
         self.backend = backend
         self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
@@ -2695,8 +2695,8 @@ class ModelRunner:
         """Load an adapter (load_lora) into the layers under ``lora_int_id``, on every rank: this one
         first, so that an adapter it refuses (ValueError) is never sent; then the workers, each its
         own part from the same path. ValueError if one of them cannot (the path missing on its node):
-        then no rank keeps it, and the workers go on serving. ``keep``: LoRASlots.add's (None: the
-        adapters of the step reload_loras readied last, which may not have run yet: a runtime load
+        then no rank keeps it, and the workers go on serving. ``keep``: LoRASlots.add's (None: lora_keep,
+        the adapters of the step the engine readied last, which may not have run yet: a runtime load
         may come between the two on the model thread)."""
         keep = sorted(self.lora_keep if keep is None else keep)
         self.lora.add(lora_int_id, load_lora(path, self.model, max_rank), keep)

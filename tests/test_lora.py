@@ -221,6 +221,29 @@ def test_max_cpu_loras_keeps_that_many_host_copies(models, tmp_path):
     assert len(big.engine.runner.lora.adapters) == 3
 
 
+def test_a_runtime_load_before_a_step_keeps_that_step_s_host_copies(models, tmp_path):
+    """max_loras 1, max_cpu_loras 2: a step whose adapter is in host memory only (not in the slot)
+    reloads nothing, and an adapter loaded at runtime just before its launch, on the model thread,
+    must drop another host copy than the step's (else the launch finds its adapter nowhere)."""
+    c = make_adapter(models["base"], tmp_path / "c", targets=ATTN, r=3, seed=4)
+    la, lb, lc = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"])), \
+        LoRARequest("c", 3, str(c))
+    want = _tokens(_llm(models["base"], max_loras=1), PROMPTS[:1], [la])
+    llm = _llm(models["base"], max_loras=1, max_cpu_loras=2)
+    _tokens(llm, PROMPTS[:1], [la])
+    _tokens(llm, PROMPTS[:1], [lb])  # b in the slot; a in host memory only
+    runner = llm.engine.runner
+    execute, loads = runner.execute, []
+
+    def load_then_execute(*args, **kwargs):
+        if not loads:  # the server's load_lora_adapter, run on the model thread before this launch
+            loads.append(llm.engine.add_lora(lc))
+        return execute(*args, **kwargs)
+    runner.execute = load_then_execute
+    assert _tokens(llm, PROMPTS[:1], [la]) == want and loads == [True]
+    assert 2 not in runner.lora.adapters and {1, 3} <= set(runner.lora.adapters)
+
+
 def test_an_adapter_whose_file_vanished_fails_only_its_requests(models, tmp_path):
     """Dropped from host memory (max_cpu_loras) and its directory deleted since: the requests that need
     it end with why, the others in the same steps run on, and LLM.generate says why."""
