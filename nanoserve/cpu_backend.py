@@ -436,8 +436,8 @@ def moe_order(x, topk_weights, topk_ids, num_experts: int):
 def moe_combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int) -> torch.Tensor:
     """fp32 [T, H]: the experts' outputs ys [T*k, H] (fp32, in moe_order's order) weighted,
     copied to their (token, choice) rows, and summed over each token's choices in expert
-    order. The reference's index_add_ per expert was a small threaded op each (37 ms in a
-    step with two threads and a loaded core); here the copy and the sum are one op each."""
+    order: one copy and one sum for all the experts, where the reference adds each
+    expert's rows in an op of its own (RESULTS.md)."""
     ys.mul_(weights[:, None].float())
     return torch.empty_like(ys).index_copy_(0, order, ys).view(ys.shape[0] // k, k, ys.shape[1]).sum(1)
 
@@ -507,7 +507,7 @@ def prepare_model(model: nn.Module) -> int:
         if layer is WidenedLinear:  # the same bytes, but for the panels' padding
             embedding = model.model.embed_tokens
             before = sum(m.weight.numel() * 2 for _, _, m in _linears(model)) + embedding.weight.numel() * 2
-            experts_before = sum(m.w13_weight.numel() * 2 + m.w2_weight.numel() * 2 for _, _, m in _fused_moes(model))
+            experts_before = _expert_bytes(model)
             tied = model.lm_head is None
             count = pack_linear_weights(model, WidenedLinear)
             widened_moes = widen_experts(model)
@@ -520,10 +520,8 @@ def prepare_model(model: nn.Module) -> int:
                         "%skept in bf16 for the C linear kernel, which multiplies them in fp32%s", count,
                         f"and {widened_moes} layers' experts " if widened_moes else "",
                         " (the embedding lookup reads the tied head's copy)" if tied else "")
-            experts = sum(m.packed13.numel() * 2 + m.packed2.numel() * 2
-                          for m in model.modules() if isinstance(m, WidenedMoE))
             return sum(m.packed.numel() * 2 for m in model.modules() if isinstance(m, WidenedLinear)) \
-                + embedding.weight.numel() * 2 - before + experts - experts_before
+                + embedding.weight.numel() * 2 - before + _expert_bytes(model) - experts_before
         extra = _upcast_bytes(model)
         avail = available_cpu_memory()
         if avail is None or extra < avail // 2:  # room to spare for the KV cache and the steps
@@ -559,6 +557,15 @@ def _fused_moes(model: nn.Module):
     from nanoserve.model import FusedMoE
     return [(parent, name, child) for parent in list(model.modules())
             for name, child in list(parent.named_children()) if isinstance(child, FusedMoE)]
+
+
+def _expert_bytes(model: nn.Module) -> int:
+    """The experts' bf16 weights: a WidenedMoE's packed copies, a FusedMoE's as loaded (one
+    widen_experts leaves, whose width the C linear does not take)."""
+    from nanoserve.model import FusedMoE
+    return sum(t.numel() * 2 for m in model.modules()
+               for t in ((m.packed13, m.packed2) if isinstance(m, WidenedMoE) else
+                         (m.w13_weight, m.w2_weight) if isinstance(m, FusedMoE) else ()))
 
 
 def widen_experts(model: nn.Module) -> int:

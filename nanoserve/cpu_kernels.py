@@ -149,7 +149,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     """kernels.paged_attention_torch in C: the decodes of the step in one
     decode_attention call, its multi-token chunks in one chunk_attention call, both
     within the sliding window where one masks a key (neither reads a block before it).
-    No soft cap (Gemma 2's): cpu_backend's smoke test meets this error and picks another."""
+    No soft cap (Gemma 2's): cpu_backend._pick_attention gives a soft-capped model the reference."""
     if logits_soft_cap is not None:
         raise ValueError("the C attention kernels do not soft-cap attention scores (Gemma 2)")
     window = sliding_window if kernels.window_masks(seq_lens, sliding_window) else None

@@ -1942,6 +1942,9 @@ class LLMEngine:
         (failed_requests) and its rows run the base model, their output dropped: the rest of the step runs."""
         ids = {s.lora_int_id for s in inputs} - {None}
         if all(self.runner.lora.resident(i) for i in ids):
+            # reload_loras' keep all the same: a runtime load_lora_adapter may run on the model thread before
+            # this step's launch, and must not drop a host copy the step's slots are filled from
+            self.runner.lora_keep = sorted(ids)
             return
         failed = yield self.runner.reload_loras, {i: self.loras[i].lora_path for i in ids}, self.config.max_lora_rank
         ended = {}

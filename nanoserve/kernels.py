@@ -442,7 +442,7 @@ if triton is not None:
         The tile's head dimension is HEAD_DIM_PAD, HEAD_DIM's next power of two (tl.arange's
         and tl.dot's need): a padded head (Phi-3's 96 in 128) loads zeros past HEAD_DIM, which
         add nothing to q.k, and stores nothing there. PADDED is a constexpr branch, so a
-        power of two compiles with no mask along the head as before.
+        power of two compiles with no mask along the head.
 
         SOFT_CAP (Gemma 2's): each score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) before
         the mask; a constexpr, so that other models' kernels are compiled without it."""
@@ -703,8 +703,8 @@ if triton is not None:
 
 
 def _check_head_dim(head_dim: int) -> None:
-    """A power of two >= 16 (tl.dot's least), or a multiple of 8 up to 256 (Phi-3's 96, 80, 160,
-    192: vLLM's sizes), which the kernels pad to the next power of two with masks; past 256
+    """A power of two >= 16 (tl.dot's least), or a multiple of 8 from 16 to 256 (Phi-3's 96, 80,
+    160, 192: vLLM's sizes), which the kernels pad to the next power of two with masks; past 256
     padding would double a tile that no GPU run has checked."""
     power_of_two = not head_dim & (head_dim - 1)
     if head_dim < 16 or head_dim % 8 or (head_dim > 256 and not power_of_two):

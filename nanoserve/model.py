@@ -127,15 +127,15 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool          # Qwen2: bias on q/k/v
-    qk_norm: bool                 # Qwen3: RMSNorm on q and k per head
+    attention_bias: bool          # Qwen2, Qwen2-MoE: bias on q/k/v
+    qk_norm: bool                 # Qwen3, Qwen3-MoE, Gemma 3: RMSNorm on q and k per head
     sliding_window: int | None    # the window of the layers that use one; None: no layer does
     sliding_layers: tuple[int, ...]  # the layers that attend to the last sliding_window positions only
     checkpoint_dtype: str
     eos_token_ids: list[int]
     rotary_dim: int = 0              # the leading dims of a head that RoPE turns (0, given: all of head_dim)
     attention_scale: float | None = None  # None: head_dim ** -0.5 (Granite's attention_multiplier,
-    #                                       Gemma 3's query_pre_attn_scalar ** -0.5)
+    #                                       Gemma's query_pre_attn_scalar ** -0.5)
     # Granite: Llama with three more scalars (transformers' names; 1.0 leaves Llama's math)
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0   # each branch's output, before its residual add
@@ -181,8 +181,7 @@ class ModelConfig:
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
-            why = UNSUPPORTED_WHY.get(arch, " (a mixture-of-experts model nanoserve does not serve)"
-                                      if "Moe" in str(arch) else "")
+            why = " (a mixture-of-experts model nanoserve does not serve)" if "Moe" in str(arch) else ""
             raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
                                  f"{', '.join(SUPPORTED_ARCHITECTURES)}")
         if arch in GEMMA3_ARCHITECTURES:
@@ -307,9 +306,6 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
                 router_weights_fp32=arch == "MixtralForCausalLM", shared_expert_intermediate_size=shared)
 
 
-# Why an architecture nanoserve does not serve is not a small step from one it does.
-UNSUPPORTED_WHY: dict[str, str] = {}
-
 # What transformers' Gemma3TextConfig fills in for a key config.json leaves out: the hub's
 # Gemma 3 configs, written by transformers 4, leave out every default (a multimodal
 # checkpoint's text_config may hold only its sizes), and transformers reads them with these.
@@ -370,8 +366,9 @@ def _check_gemma(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     return c
 
 
-def _gemma3_layer_types(c: dict[str, Any]) -> list[str]:
-    """Gemma 3's layer_types, or (older configs) every sliding_window_pattern-th layer full, the rest sliding."""
+def _gemma_layer_types(c: dict[str, Any]) -> list[str]:
+    """Gemma 2's and 3's layer_types, or (older configs) every sliding_window_pattern-th layer full, the rest
+    sliding (Gemma 2's pattern 2: every other layer, from layer 0)."""
     pattern = c.get("sliding_window_pattern") or 6
     return c.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                     for i in range(c["num_hidden_layers"])]
@@ -482,7 +479,7 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
 
 def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that use it, as transformers reads them: every layer of
-    Mistral's and Phi-3's; Gemma 3's ``layer_types``; with Qwen's use_sliding_window, those
+    Mistral's, Mixtral's and Phi-3's; Gemma 2's and 3's ``layer_types``; with Qwen's use_sliding_window, those
     ``layer_types`` names (by default the layers from max_window_layers on); none of Llama's or Granite's."""
     window, n = c.get("sliding_window"), c["num_hidden_layers"]
     if window is None or arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
@@ -492,7 +489,7 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window), tuple(range(n))
     if arch in GEMMA3_ARCHITECTURES or arch == "Gemma2ForCausalLM":  # always on, for the layers layer_types names
-        layers = tuple(i for i, t in enumerate(_gemma3_layer_types(c)) if t == "sliding_attention")
+        layers = tuple(i for i, t in enumerate(_gemma_layer_types(c)) if t == "sliding_attention")
         return (int(window) if layers else None), layers
     if not c.get("use_sliding_window", False):
         return None, ()
@@ -1003,7 +1000,7 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3, Gemma 3: an RMSNorm over each head of q and of k
+        if self.q_norm is not None:  # Qwen3 (and its MoE), Gemma 3: an RMSNorm over each head of q and of k
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         # The step's new K and V go into the paged cache first, so that attention
@@ -1214,6 +1211,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, backend, tp)
         # None: tied to the embedding (a CPU backend may set a packed copy here)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lora_config: LoRAConfig | None = None  # wrap_lora_layers' (LoRASlots reads max_cpu_loras)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -1647,7 +1645,7 @@ def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
     slots allocated now, before the KV cache is sized, as vLLM reserves its LoRA memory before
     profiling: the bytes they take, which the caller counts with the weights'."""
     step, dtype, device, total = LoRAStep(), lora_dtype(model), model.model.norm.weight.device, 0
-    model.lora_config = config  # LoRASlots reads max_cpu_loras
+    model.lora_config = config
     for t in lora_layers(model).values():
         layer = LoRALinear(getattr(t.parent, t.attr), step, t, config, dtype, device,
                            model.tp if t.row_parallel else None)
@@ -2565,7 +2563,7 @@ class ModelRunner:
         self.sampler = Sampler(seed, backend.argmax, logits_processors)
         # the adapters and their slots, where wrap_lora_layers has wrapped the model's layers
         self.lora = None if lora_layer(model) is None else LoRASlots(model)
-        self.lora_keep: list[int] = []  # reload_loras' step's adapters
+        self.lora_keep: list[int] = []  # the next step's adapters (reload_loras', or the engine's: none to reload)
         self.backend = backend
         self.max_blocks = -(-(max_model_len or model.config.max_position_embeddings) // block_size)  # a table's widest
         self.decode_sizes = sorted(decode_sizes or [])
@@ -2697,8 +2695,8 @@ class ModelRunner:
         """Load an adapter (load_lora) into the layers under ``lora_int_id``, on every rank: this one
         first, so that an adapter it refuses (ValueError) is never sent; then the workers, each its
         own part from the same path. ValueError if one of them cannot (the path missing on its node):
-        then no rank keeps it, and the workers go on serving. ``keep``: LoRASlots.add's (None: the
-        adapters of the step reload_loras readied last, which may not have run yet: a runtime load
+        then no rank keeps it, and the workers go on serving. ``keep``: LoRASlots.add's (None: lora_keep,
+        the adapters of the step the engine readied last, which may not have run yet: a runtime load
         may come between the two on the model thread)."""
         keep = sorted(self.lora_keep if keep is None else keep)
         self.lora.add(lora_int_id, load_lora(path, self.model, max_rank), keep)
@@ -2743,7 +2741,7 @@ class ModelRunner:
         return {r: self.tp.store.get(LORA_ERROR_KEY.format(r)).decode() for r in failed.nonzero().flatten().tolist()}
 
     def _worker_lora(self, kind: str, lora_int_id: int, path: str = "", max_rank: int = 0,
-                     keep: list[int] = ()) -> None:
+                     keep: Iterable[int] = ()) -> None:
         """Ranks 1..N-1: _lora_control's message. A failure to load is reported to rank 0, never
         raised: the worker must go on serving the base model and the other adapters."""
         failed = torch.zeros(self.tp.world_size, dtype=torch.int32, device=self.device)

@@ -603,6 +603,25 @@ def test_c_linear_experts_where_the_cpu_has_no_bf16_matmul(model_root, monkeypat
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
 
 
+def test_experts_the_c_linear_cannot_take_stay_and_count_as_loaded(model_root, monkeypatch):
+    """An odd intermediate size (41: w2's K, which the C linear packs in pairs) leaves each FusedMoE
+    as loaded beside the widened linear layers: the bytes prepare_model adds are the linear
+    weights' panel padding only (it subtracted the experts' bytes as if they had been repacked)."""
+    _c_linear_or_skip()
+    from nanoserve.model import FusedMoE, Linear
+    path = make_model(model_root, "qwen3_moe", moe_intermediate_size=41)
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: False)
+    plain_model, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
+    model, widened_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                      dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+    assert not any(isinstance(m, cpu_backend.WidenedMoE) for m in model.modules())
+    assert sum(isinstance(m, FusedMoE) for m in model.modules()) == 2
+    pad = cpu_kernels.LINEAR_PANEL
+    linears = [x.weight for x in plain_model.modules() if isinstance(x, Linear)] + (
+        [plain_model.model.embed_tokens.weight] if plain_model.lm_head is None else [])
+    assert widened_bytes - plain_bytes == 2 * sum((-w.shape[0] % pad) * w.shape[1] for w in linears)
+
+
 def test_fp32_experts_where_the_c_linear_cannot_run(model_root, monkeypatch):
     """No bf16 matrix instructions and no C linear (faked): the experts are held in fp32 as the
     linear weights are (Fp32MoE), the weights' bytes count them, and the logits are the bf16

@@ -1,6 +1,7 @@
 """LoRA adapters (vLLM's multi-LoRA serving): an adapter in PEFT's format runs as the same
 model with its delta merged into the weights does in transformers, any mix of adapters and
 the base model in one step, each with its own prefix cache, offline and over HTTP."""
+import contextlib
 import json
 import os
 import shutil
@@ -219,6 +220,29 @@ def test_max_cpu_loras_keeps_that_many_host_copies(models, tmp_path):
     assert _tokens(llm, PROMPTS[:2] * 3, turns) == want
     assert max(held) == 2 and len(held) > 3  # a, b and c loaded, then dropped ones again
     assert len(big.engine.runner.lora.adapters) == 3
+
+
+def test_a_runtime_load_before_a_step_keeps_that_step_s_host_copies(models, tmp_path):
+    """max_loras 1, max_cpu_loras 2: a step whose adapter is in host memory only (not in the slot)
+    reloads nothing, and an adapter loaded at runtime just before its launch, on the model thread,
+    must drop another host copy than the step's (else the launch finds its adapter nowhere)."""
+    c = make_adapter(models["base"], tmp_path / "c", targets=ATTN, r=3, seed=4)
+    la, lb, lc = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"])), \
+        LoRARequest("c", 3, str(c))
+    want = _tokens(_llm(models["base"], max_loras=1), PROMPTS[:1], [la])
+    llm = _llm(models["base"], max_loras=1, max_cpu_loras=2)
+    _tokens(llm, PROMPTS[:1], [la])
+    _tokens(llm, PROMPTS[:1], [lb])  # b in the slot; a in host memory only
+    runner = llm.engine.runner
+    execute, loads = runner.execute, []
+
+    def load_then_execute(*args, **kwargs):
+        if not loads:  # the server's load_lora_adapter, run on the model thread before this launch
+            loads.append(llm.engine.add_lora(lc))
+        return execute(*args, **kwargs)
+    runner.execute = load_then_execute
+    assert _tokens(llm, PROMPTS[:1], [la]) == want and loads == [True]
+    assert 2 not in runner.lora.adapters and {1, 3} <= set(runner.lora.adapters)
 
 
 def test_an_adapter_whose_file_vanished_fails_only_its_requests(models, tmp_path):
@@ -588,11 +612,11 @@ def _named_while_unloading(s, body):
     assert result["r"].status_code == 404, result["r"].text
 
 
-def _named_while_loading(s, body, models):
-    """An adapter still loading is no model yet (vLLM lists one once loaded): a request naming it is a 404,
-    where it was a 400 naming its internal id ("LoRA adapter 4 is not loaded"); a second load of the name a 400."""
-    runner, entered, gate, result = s.engine.runner, threading.Event(), threading.Event(), {}
-    add = runner.add_lora
+@contextlib.contextmanager
+def _add_lora_held(runner):
+    """runner.add_lora held until the block ends (the adapter loading all the while); yields the event
+    set once a load has entered it."""
+    entered, gate, add = threading.Event(), threading.Event(), runner.add_lora
 
     def slow_add(*args):
         entered.set()
@@ -600,6 +624,17 @@ def _named_while_loading(s, body, models):
         add(*args)
     runner.add_lora = slow_add
     try:
+        yield entered
+    finally:
+        gate.set()
+        runner.add_lora = add
+
+
+def _named_while_loading(s, body, models):
+    """An adapter still loading is no model yet (vLLM lists one once loaded): a request naming it is a 404,
+    where it was a 400 naming its internal id ("LoRA adapter 4 is not loaded"); a second load of the name a 400."""
+    result = {}
+    with _add_lora_held(s.engine.runner) as entered:
         load = threading.Thread(target=lambda: result.update(load=httpx.post(
             s.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(models["a"])}, timeout=60)))
         load.start()
@@ -609,9 +644,6 @@ def _named_while_loading(s, body, models):
         assert "c" not in [m["id"] for m in httpx.get(s.url + "/v1/models").json()["data"]]
         again = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": str(models["a"])})
         assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
-    finally:
-        gate.set()
-        runner.add_lora = add
     load.join(60)
     assert result["load"].status_code == 200
     assert httpx.post(s.url + "/v1/completions", json={**body, "model": "c"}, timeout=60).status_code == 200
@@ -622,15 +654,7 @@ def _left_while_loading(s, body, models):
     not cancelled (Starlette cancels no plain handler when its client leaves), so the load completes and is
     named; the answer goes nowhere, and the name serves."""
     import socket
-    runner, entered, gate = s.engine.runner, threading.Event(), threading.Event()
-    add = runner.add_lora
-
-    def slow_add(*args):
-        entered.set()
-        gate.wait(30)
-        add(*args)
-    runner.add_lora = slow_add
-    try:
+    with _add_lora_held(s.engine.runner) as entered:
         payload = json.dumps({"lora_name": "d", "lora_path": str(models["a"])}).encode()
         host, port = s.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as client:
@@ -641,9 +665,6 @@ def _left_while_loading(s, body, models):
         while s.server.server_state.connections:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-    finally:
-        gate.set()
-        runner.add_lora = add
     deadline = time.monotonic() + 30
     while "d" not in s.app.state.server.loras:
         assert time.monotonic() < deadline, "the load that lost its client was never named"

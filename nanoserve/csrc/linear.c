@@ -83,6 +83,17 @@ static void panel(int64_t rows, const float *x, int64_t ldx, int64_t K, const ui
     }
 }
 
+/* x [M, ldx] (fp32) = the bf16 rows x16 [M, K] widened, the rows shared out between the
+   threads of the enclosing parallel region (an orphaned omp for). */
+static void widen_rows(const uint16_t *x16, int64_t M, int64_t K, float *x, int64_t ldx) {
+    #pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++) {
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) _mm512_store_ps(x + m * ldx + k, load_bf16x16(x16 + m * K + k));
+        for (; k < K; k++) x[m * ldx + k] = bf16_to_f32(x16[m * K + k]);
+    }
+}
+
 /* out [M, N] (fp32 if out_fp32, else bf16) = x [M, K] (bf16) . w^T + bias, with wp the
    packed weights and bias fp32 [ceil(N / 32) * 32] or NULL. K is even. The rows are
    widened to fp32 once, with a stride that keeps rows a multiple of 4 KiB apart out of
@@ -97,12 +108,7 @@ int linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_
     if (x == NULL) return -1;
     #pragma omp parallel num_threads(nthreads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            int64_t k = 0;
-            for (; k + 16 <= K; k += 16) _mm512_store_ps(x + m * ldx + k, load_bf16x16(x16 + m * K + k));
-            for (; k < K; k++) x[m * ldx + k] = bf16_to_f32(x16[m * K + k]);
-        }
+        widen_rows(x16, M, K, x, ldx);
         for (int64_t m0 = 0; m0 < M; m0 += chunk) {
             const int64_t rows = M - m0 < chunk ? M - m0 : chunk;
             #pragma omp for schedule(static)
@@ -120,10 +126,9 @@ int linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_
    packed weights one after another (each [ceil(N / 32), K / 2, 32, 2]); out [M, N] gets
    each row times its expert's w^T (no bias), each output summed in linear()'s order, so
    a row's result is what linear() gives it with that expert's weight alone. One parallel
-   region for all the experts: the (expert, panel) pairs are shared out between the
-   threads as they come free (an expert's rows vary), where a call per expert paid a
-   region and its barrier per expert, each a scheduler's wait on a loaded core. Returns 0,
-   or -1 if the widened rows found no memory. */
+   region for all the experts, not one (and its barrier) per expert: the (expert, panel)
+   pairs are shared out between the threads as they come free (an expert's rows vary).
+   Returns 0, or -1 if the widened rows found no memory. */
 int moe_linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, int64_t E, const int64_t *offsets,
                int64_t N, void *out, int out_fp32, int nthreads) {
     const int64_t ldx = (K + 15) / 16 * 16 + 16, panels = (N + NR - 1) / NR;
@@ -131,12 +136,7 @@ int moe_linear(const uint16_t *x16, int64_t M, int64_t K, const uint16_t *wp, in
     if (x == NULL) return -1;
     #pragma omp parallel num_threads(nthreads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++) {
-            int64_t k = 0;
-            for (; k + 16 <= K; k += 16) _mm512_store_ps(x + m * ldx + k, load_bf16x16(x16 + m * K + k));
-            for (; k < K; k++) x[m * ldx + k] = bf16_to_f32(x16[m * K + k]);
-        }
+        widen_rows(x16, M, K, x, ldx);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < E * panels; t++) {
             const int64_t e = t / panels, b = t % panels, first = offsets[e], rows = offsets[e + 1] - first;
