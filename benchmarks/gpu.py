@@ -1084,8 +1084,8 @@ def markdown(record: dict) -> str:
             f"≤ {TARGETS['host_ms']} ms{ok(ps.get('host_ms'), TARGETS['host_ms'])}")
         row("plain `engine.step()`, mean", _fmt((bd.get("plain_step_ms") or {}).get("mean"), " ms", 3))
     par = p.get("parity") or {}
-    row("greedy parity with transformers (fp32, 8 archs, a sliding window among them, "
-        "× plain/preempt/chunked × graphs/eager)",
+    row(f"greedy parity with transformers (fp32, {len(par.get('archs') or ARCHS)} archs: dense, Gemma, MoE, "
+        "a sliding window among them, × plain/preempt/chunked × graphs/eager)",
         par.get("summary") or par.get("error") or "—")
     ct = p.get("cuda_tests") or {}
     row("the suite's CUDA tests (graph replay == eager per captured size; padding writes no KV)",
