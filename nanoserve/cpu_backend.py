@@ -545,18 +545,22 @@ def pack_model(model: nn.Module) -> int:
     return 0
 
 
-def _linears(model: nn.Module):
-    """(parent, name, Linear) of every model.Linear."""
-    from nanoserve.model import Linear
+def _children(model: nn.Module, cls: type) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, child) of every module of type cls, so that it can be replaced."""
     return [(parent, name, child) for parent in list(model.modules())
-            for name, child in list(parent.named_children()) if isinstance(child, Linear)]
+            for name, child in list(parent.named_children()) if isinstance(child, cls)]
+
+
+def _linears(model: nn.Module):
+    """Every model.Linear, as _children gives them."""
+    from nanoserve.model import Linear
+    return _children(model, Linear)
 
 
 def _fused_moes(model: nn.Module):
-    """(parent, name, FusedMoE) of every mixture-of-experts layer's experts."""
+    """Every mixture-of-experts layer's experts (model.FusedMoE), as _children gives them."""
     from nanoserve.model import FusedMoE
-    return [(parent, name, child) for parent in list(model.modules())
-            for name, child in list(parent.named_children()) if isinstance(child, FusedMoE)]
+    return _children(model, FusedMoE)
 
 
 def _expert_bytes(model: nn.Module) -> int:
