@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib
 import inspect
@@ -2610,13 +2611,14 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool | None = None,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None
-             ) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, lora_request: LoRARequest | None = None,
+             chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Render the chat template (one conversation or a list) and generate, as
         vLLM's ``LLM.chat``; ``add_generation_prompt`` defaults to ``not continue_final_message``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt,
-                                       continue_final_message, tools, chat_template_kwargs) for c in conversations]
+                                       continue_final_message, tools, chat_template_kwargs,
+                                       content_format=chat_template_content_format) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request)
 
     def stats(self) -> dict[str, Any]:
@@ -2730,12 +2732,15 @@ def opens_reply(add_generation_prompt: bool | None, continue_final_message: bool
 def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None,
                         add_generation_prompt: bool | None = None, continue_final_message: bool = False,
                         tools: list[dict] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-                        documents: list[dict] | None = None) -> str:
+                        documents: list[dict] | None = None, content_format: str = "auto") -> str:
     """The conversation rendered by the tokenizer's chat template (or ``chat_template``),
     as vLLM renders it: ``tools``, ``documents`` (RAG) and ``chat_template_kwargs`` (e.g.
     enable_thinking) reach the template; assistant tool calls' JSON ``arguments`` are parsed first, as
     templates write them with ``| tojson``; ``continue_final_message`` leaves the
-    last message open (``add_generation_prompt`` then defaults to False)."""
+    last message open (``add_generation_prompt`` then defaults to False). Each message's content
+    reaches the template in ``content_format`` (vLLM's --chat-template-content-format): "string"
+    (text parts joined by newlines), "openai" (a list of {"type": "text", "text": ...} parts) or
+    "auto", the one the template reads (chat_template_content_format)."""
     if tokenizer is None:
         raise InvalidInput("messages", "chat needs a tokenizer, but this engine runs without one")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -2751,7 +2756,12 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
         raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs cannot set {', '.join(reserved)}: "
                                                    "they are the renderer's own arguments")
     import jinja2
-    messages = _template_messages(messages)  # its own error names the message: not the template's
+    if content_format not in CONTENT_FORMATS:
+        raise InvalidInput("chat_template_content_format", f"chat_template_content_format must be one of "
+                                                          f"{', '.join(CONTENT_FORMATS)}, got {content_format!r}")
+    if content_format == "auto":
+        content_format = chat_template_content_format(_template_text(tokenizer, chat_template, tools))
+    messages = _template_messages(messages, content_format)  # its own error names the message: not the template's
     try:
         return tokenizer.apply_chat_template(messages, tools=tools, documents=documents,
                                              chat_template=chat_template, tokenize=False,
@@ -2771,9 +2781,63 @@ def _template_arguments(tokenizer) -> set[str]:
     return {p.name for p in params if p.kind is not p.VAR_KEYWORD} | {"messages", "self"}
 
 
-def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def _template_text(tokenizer, chat_template: str | None, tools: list[dict] | None) -> str | None:
+    """The Jinja source that will render: ``chat_template``, else the tokenizer's (by name where it keeps
+    several, e.g. "tool_use"); None where there is none (apply_chat_template says so)."""
+    try:
+        return tokenizer.get_chat_template(chat_template, tools=tools)
+    except Exception:  # none at all, or an older tokenizer
+        return chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+
+
+@functools.lru_cache(maxsize=32)
+def chat_template_content_format(template: str | None) -> str:
+    """"openai" where the template loops over a message's content (``{% for part in message['content'] %}``:
+    it reads a list of parts, as Gemma 3's and Llama 4's do), else "string": how vLLM's "auto" detects
+    it, from the template's syntax tree. A message is any loop variable over ``messages`` or over a
+    variable set from it (``{% set loop_messages = messages[1:] %}``)."""
+    import jinja2
+    from jinja2 import nodes
+    if not isinstance(template, str):
+        return "string"
+    try:
+        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:  # rendering will name the error
+        return "string"
+    lists = {"messages"}
+    for assign in tree.find_all(nodes.Assign):  # aliases of messages, in the order written
+        if isinstance(assign.target, nodes.Name) and _reads(assign.node, lists):
+            lists.add(assign.target.name)
+    loops = list(tree.find_all(nodes.For))
+    messages = {loop.target.name for loop in loops if isinstance(loop.target, nodes.Name) and _reads(loop.iter, lists)}
+    return "openai" if any(_reads(loop.iter, messages, "content") for loop in loops) else "string"
+
+
+def _reads(node, names: set[str], key: str | None = None) -> bool:
+    """Whether ``node`` is one of ``names`` (or its ``key`` item, as ``m['content']`` or ``m.content``),
+    seen through filters, tests and slices (``messages[1:]``, ``m.content | list``)."""
+    from jinja2 import nodes
+    while isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem)
+                                                           and isinstance(node.arg, nodes.Slice)):
+        node = node.node
+    if key is not None:
+        if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key:
+            node = node.node
+        elif isinstance(node, nodes.Getattr) and node.attr == key:
+            node = node.node
+        else:
+            return False
+    return isinstance(node, nodes.Name) and node.name in names
+
+
+def _template_messages(messages: list[dict[str, Any]], content_format: str = "string") -> list[dict[str, Any]]:
     """The messages as vLLM hands them to a template: assistant tool calls with their JSON-string arguments
-    parsed, and a null content made "" (the server's come so already; transformers 5.17 renders None as "None")."""
+    parsed; a content in ``content_format``: "string" (text parts joined by newlines, a null content "":
+    transformers 5.17 renders None as "None") or "openai" (every content, a string too, as a list of
+    {"type": "text", "text": ...} parts; a null one as [])."""
     out = []
     for i, m in enumerate(messages):
         if isinstance(m, dict) and not isinstance(m.get("role"), str):  # the template renders it roleless, silently
@@ -2782,16 +2846,27 @@ def _template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         calls = m.get("tool_calls") if isinstance(m, dict) else None
         if isinstance(calls, list):
             m = {**m, "tool_calls": [_parsed_call(c, f"messages[{i}].tool_calls[{j}]") for j, c in enumerate(calls)]}
-        if isinstance(m, dict) and "content" in m and m["content"] is None:
-            m = {**m, "content": ""}
-        if isinstance(m, dict) and isinstance(m.get("content"), list):  # OpenAI content parts: their text
-            texts = [part_text(p) for p in m["content"]]  # (as the server joins them)
-            if None in texts:
-                raise InvalidInput("messages", f"messages[{i}].content: only text parts ({{'type': 'text', "
-                                               f"'text': ...}}) are supported")
-            m = {**m, "content": "\n".join(texts)}
+        if isinstance(m, dict) and "content" in m:
+            m = {**m, "content": _template_content(m["content"], content_format, i)}
         out.append(m)
     return out
+
+
+def _template_content(content: Any, content_format: str, i: int) -> Any:
+    """messages[i]'s content as _template_messages hands it on (another type as it is: the template's to refuse)."""
+    if content is None:
+        content = []
+    elif isinstance(content, str):
+        if content_format == "string":
+            return content
+        content = [content]
+    elif not isinstance(content, list):
+        return content
+    texts = [part_text(p) for p in content]  # OpenAI content parts: their text
+    if None in texts:
+        raise InvalidInput("messages", f"messages[{i}].content: only text parts ({{'type': 'text', "
+                                       f"'text': ...}}) are supported")
+    return "\n".join(texts) if content_format == "string" else [{"type": "text", "text": t} for t in texts]
 
 
 # the content parts vLLM's chat_utils reads as text: part type -> the key that holds the text

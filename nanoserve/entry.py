@@ -81,13 +81,13 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
-                              BeamSearchParams, CompletionOutput, EngineConfig, EngineDeadError, InvalidInput,
-                              LLMEngine, Logprob, LoRARequest, REASONING_PARSERS, RepetitionDetectionParams,
-                              RequestFailedError, RequestMetrics, RequestOutput, RequestOutputKind, SamplingParams,
-                              StructuredOutputsParams, TEXT_PARTS, THINK_TAGS, TokenizedPrompt, VLLM_ENGINE_ARGS,
-                              apply_chat_template, engine_config_from_kwargs, local_ranks, merge_deltas, model_thread,
-                              nested_deeper, opens_reply, parse_call_arguments, part_text, run_worker_node,
-                              vllm_arg_note)
+                              BeamSearchParams, CompletionOutput, CONTENT_FORMATS, EngineConfig, EngineDeadError,
+                              InvalidInput, LLMEngine, Logprob, LoRARequest, REASONING_PARSERS,
+                              RepetitionDetectionParams, RequestFailedError, RequestMetrics, RequestOutput,
+                              RequestOutputKind, SamplingParams, StructuredOutputsParams, TEXT_PARTS, THINK_TAGS,
+                              TokenizedPrompt, VLLM_ENGINE_ARGS, apply_chat_template, chat_template_content_format,
+                              engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
+                              opens_reply, parse_call_arguments, part_text, run_worker_node, vllm_arg_note)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -237,8 +237,6 @@ VLLM_FLAGS: list[tuple[str, dict[str, Any], tuple | None, str]] = [
     ("--disable-fastapi-docs", _ON_OFF, None, "nanoserve serves no /docs, /redoc or /openapi.json"),
     ("--enable-request-id-headers", _ON_OFF, None, "X-Request-Id is always echoed"),
     ("--disable-frontend-multiprocessing", _ON_OFF, None, "the HTTP server and the engine share one process"),
-    ("--chat-template-content-format", {"metavar": "FORMAT"}, ("auto", "string"),
-     "a message's text parts reach the template joined into one string"),
     ("--response-role", {"metavar": "ROLE"}, ("assistant",), "replies have the role assistant"),
     ("--api-server-count", {"type": int, "metavar": "N"}, (1,), "one process serves HTTP"),
     ("--enable-log-outputs", _ON_OFF, None, "outputs are not logged (--enable-log-requests logs the prompts)"),
@@ -413,6 +411,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("chat")
     g.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
                    help="the chat template, a file or an inline Jinja string (default: the tokenizer's)")
+    g.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
+                   help="how a message's content reaches the template: string (text parts joined by newlines), "
+                        "openai (a list of {type: text, text} parts), auto (the one the template reads)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="let requests bring their own chat_template (Jinja run on the server)")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -1048,8 +1049,8 @@ class ChatTemplateFields(OpenAIBaseModel):
     @field_validator("messages")
     @classmethod
     def _messages(cls, messages: Any) -> list[dict[str, Any]]:
-        """OpenAI chat messages -> [{role, content}] with text content, and what the
-        templates read besides: name, an assistant's tool_calls and reasoning, a tool's tool_call_id."""
+        """OpenAI chat messages -> [{role, content}] with text content (a string, text parts or None), and
+        what the templates read besides: name, an assistant's tool_calls and reasoning, a tool's tool_call_id."""
         if not isinstance(messages, list) or not messages:
             raise ValueError(f"messages must be a non-empty list of {{role, content}} objects, got {show(messages)}")
         out = []
@@ -1065,10 +1066,10 @@ class ChatTemplateFields(OpenAIBaseModel):
                 if None in texts:
                     raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}, or "
                                      f"{', '.join(list(TEXT_PARTS)[1:])}) are supported, got {show(content)}")
-                content = "\n".join(texts)
+                content = [{"type": "text", "text": t} for t in texts]  # the template's content format joins them
             elif content is not None and not isinstance(content, str):
                 raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
-            msg = {"role": m["role"], "content": content or ""}
+            msg = {"role": m["role"], "content": content}
             for key in ("name", "tool_call_id"):
                 if m.get(key) is not None:
                     if not isinstance(m[key], str):
@@ -1774,6 +1775,7 @@ class ServerState:
     renders: "OwnThreads" = field(default_factory=lambda: OwnThreads("nanoserve-template", "rendering",
                                                                        "chat templates"))
     chat_template: str | None = None                     # --chat-template
+    chat_template_content_format: str = "auto"           # --chat-template-content-format
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
     reasoning_parser: str | None = None                  # --reasoning-parser
@@ -1979,6 +1981,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         args.api_key, args.max_queue_len,
                         args.max_request_body_bytes, ServerMetrics(async_llm, args.served_model_name[0]),
                         chat_template=args.chat_template,
+                        chat_template_content_format=args.chat_template_content_format,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                         reasoning_parser=args.reasoning_parser,
@@ -1988,6 +1991,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+    log_content_format(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -2780,7 +2784,10 @@ class ChatGeneration(Generation):
     def echo_text(self, prompt_index: int) -> str:
         """As vLLM: the last message's content, if it has the role the reply takes."""
         last = self.req.messages[-1]
-        return (last["content"] or "") if last["role"] == self.role else ""
+        if last["role"] != self.role:
+            return ""
+        content = last["content"] or ""
+        return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
     def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
                extra: dict, echo: str = "") -> dict | None:
@@ -2868,6 +2875,17 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
     return render_chat(state, req, None if hidden else req.tools)
 
 
+def log_content_format(state: ServerState) -> None:
+    """The content format "auto" found in the chat template, as vLLM logs it (a template of a request's own is
+    detected when it comes)."""
+    tokenizer = state.engine.tokenizer
+    template = state.chat_template or getattr(tokenizer, "chat_template", None)
+    if state.chat_template_content_format == "auto" and isinstance(template, str):
+        logger.info("[entry] the chat template reads message contents as %s (--chat-template-content-format "
+                    "overrides)", {"openai": "lists of text parts", "string": "strings"}[
+                        chat_template_content_format(template)])
+
+
 def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCompletionToolsParam] | None) -> str:
     """Chat's prompt, and /tokenize's of messages: ``tools`` as the template sees them
     (on the tokenizer thread; raises InvalidInput)."""
@@ -2877,7 +2895,8 @@ def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCom
     tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
     kwargs = {**state.default_chat_template_kwargs, **req.template_kwargs()}  # the request's win, as vLLM's
     return apply_chat_template(state.engine.tokenizer, req.messages, req.chat_template or state.chat_template,
-                               req.add_generation_prompt, req.continue_final_message, tools, kwargs, req.documents)
+                               req.add_generation_prompt, req.continue_final_message, tools, kwargs, req.documents,
+                               state.chat_template_content_format)
 
 
 # =========================================================================== SSE

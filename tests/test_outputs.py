@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 import nanoserve
 from conftest import CORPUS, hf_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine import IncrementalDetokenizer, RequestOutputKind, merge_deltas
+from nanoserve.engine import IncrementalDetokenizer, RequestOutputKind, chat_template_content_format, merge_deltas
 from nanoserve.model import SamplerOutput
 
 EOS = 0  # conftest: the tokenizer's <|endoftext|> and the config's eos_token_id
@@ -639,6 +639,47 @@ def test_chat_takes_openai_content_parts(llm):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], p, use_tqdm=False)
     with pytest.raises(ValueError, match=r"messages\[1\].role must be a string such as 'user', got None"):
         llm.chat([MESSAGES[0], {"content": "hi"}], p, use_tqdm=False)  # was rendered with an empty role
+    assert not llm.engine.has_unfinished_requests()
+
+
+# A template that reads a message's content as parts, as Gemma 3's does (a string too).
+PARTS_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is string %}{{ m['content'] }}"
+                  "{% else %}{% for part in m['content'] %}<{{ part['text'] | trim }}>{% endfor %}{% endif %}"
+                  "{% endfor %}")
+
+
+@pytest.mark.parametrize("template, found", [
+    (PARTS_TEMPLATE, "openai"),
+    ("{% for m in messages %}{{ m['content'] }}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}", "openai"),
+    ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}{% for c in m['content'] | list %}"
+     "{{ c['text'] }}{% endfor %}{% endfor %}", "openai"),  # an alias of messages, a filtered content
+    ("{% for m in messages %}{% for c in other['content'] %}{{ c }}{% endfor %}{% endfor %}", "string"),
+    ("{% for m in messages %}{% for k in m['tool_calls'] %}{{ k }}{% endfor %}{% endfor %}", "string"),
+    ("{% for m in messages %", "string"),  # not Jinja: rendering names the error
+    (None, "string"),
+])
+def test_chat_template_content_format_is_detected(template, found):
+    """vLLM's "auto": "openai" where the template loops over a message's content, else "string"."""
+    assert chat_template_content_format(template) == found
+
+
+def test_chat_content_reaches_the_template_in_its_format(llm):
+    """Under "auto" a template that loops over parts gets every content as text parts, a string one too, as
+    vLLM hands them ({"type": "text", "text": ...}); a string template gets them joined; either is forced by
+    chat_template_content_format, and another value is refused."""
+    p = SamplingParams(temperature=0, max_tokens=1)
+    parts = [{"role": "system", "content": " be brief "},
+             {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "input_text", "text": "你好"}]},
+             {"role": "assistant", "content": None}]
+
+    def prompt(**kw):
+        return llm.chat(parts, p, use_tqdm=False, chat_template=PARTS_TEMPLATE, **kw)[0].prompt
+    assert prompt() == prompt(chat_template_content_format="openai") == "[system]<be brief>[user]<hi><你好>[assistant]"
+    assert prompt(chat_template_content_format="string") == "[system] be brief [user]hi \n你好[assistant]"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai"):
+        prompt(chat_template_content_format="list")
+    assert llm.chat(parts[:2], p, use_tqdm=False)[0].prompt.startswith("<|im_start|>system\n be brief <|im_end|>")
     assert not llm.engine.has_unfinished_requests()
 
 

@@ -630,6 +630,26 @@ def test_an_empty_tools_list_is_refused(server):
     assert render(server, tools=[]) == render(server)
 
 
+def test_content_format_of_a_request_template_and_the_flag(server, tiny_model, caplog):
+    """A request's own template that loops over a message's content gets its parts (vLLM's "auto" detects it
+    per template); --chat-template-content-format string forces them joined, and start-up logs what auto found."""
+    parts = ("{% for m in messages %}{% if m['content'] is string %}[{{ m['content'] }}]{% else %}"
+             "{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endif %}{% endfor %}")
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert render(server, messages=messages, chat_template=parts) == "<a><b>"
+    assert render(server, messages=[{"role": "user", "content": "ab"}], chat_template=parts) == "<ab>"
+    with ServerThread(tiny_model, "--chat-template", parts, "--chat-template-content-format", "string") as s:
+        assert render(s, messages=messages) == "[a\nb]"
+        with caplog.at_level("INFO", logger="nanoserve.entry"):
+            entry.log_content_format(s.app.state.server)  # "string" given: nothing detected, nothing said
+            s.app.state.server.chat_template_content_format = "auto"
+            entry.log_content_format(s.app.state.server)
+        assert render(s, messages=messages) == "<a><b>"
+    assert caplog.text.count("chat template") == 1 and "reads message contents as lists of text parts" in caplog.text
+    with pytest.raises(SystemExit):
+        parse_args(["--chat-template-content-format", "list"])
+
+
 def test_chat_template_flag_file_and_inline(template_file):
     base = ["--dtype", "float32"]
     assert parse_args([*base, "--chat-template", str(template_file)]).chat_template == TEMPLATE

@@ -332,7 +332,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"], ["--disable-custom-all-reduce"],
          ["--swap-space", "4.5"], ["--disable-log-requests"], ["--disable-fastapi-docs"],
          ["--enable-request-id-headers"], ["--disable-frontend-multiprocessing"], ["--tokenizer-mode", "auto"],
-         ["--chat-template-content-format", "string"], ["--response-role", "assistant"],
+         ["--response-role", "assistant"],
          ["--data-parallel-size", "1"], ["--api-server-count", "1"],
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"],
          ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
@@ -342,7 +342,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
-           ["--chat-template-content-format", "openai"], ["--response-role", "bot"], ["-dp", "2"],
+           ["--response-role", "bot"], ["-dp", "2"],
            ["--api-server-count", "4"], ["--logprobs-mode", "processed_logprobs"],
            ["--runner", "pooling"], ["--cpu-offload-gb", "2.5"],
            ["--tokenizer-revision", "v2"], ["--task", "embed"], ["--fully-sharded-loras"], ["--lora-dtype", "float16"]]
