@@ -81,12 +81,13 @@ def _tokenizer_dir(root: str) -> str:
 
 # qwen3_moe: one mixture-of-experts model through every all-architecture test (tests/test_moe.py has all three)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3", "gemma2", "qwen3_moe")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared")
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, GraniteMoeConfig, GraniteMoeSharedConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
@@ -125,6 +126,15 @@ def hf_config(arch: str, **overrides):
     elif arch == "qwen3_moe":  # q/k norm, head_dim not hidden / heads, the top-k renormalised, both layers sparse
         cls = Qwen3MoeConfig
         base.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    elif arch == "olmoe":  # q/k norms over all heads (k's 2 KV heads wide), every layer sparse, top 2 not renormalised
+        cls = OlmoeConfig
+        base.update(intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=None)
+    elif arch in ("granitemoe", "granitemoeshared"):  # Granite's scalars as "granite"'s; the shared expert 48 wide
+        cls = GraniteMoeSharedConfig if arch == "granitemoeshared" else GraniteMoeConfig
+        base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5,
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+        if arch == "granitemoeshared":
+            base.update(shared_intermediate_size=48)
     else:
         raise ValueError(arch)
     base.update(overrides)
