@@ -10,9 +10,10 @@ This module owns
   (its own layer: four norms of x * (1 + w), GELU, scaled embeddings, a second rotary
   embedding for the sliding-window layers), and Gemma 2's in it (no q/k norm, one rotary,
   soft caps on the attention scores and the logits); the mixture-of-experts MLP of Mixtral,
-  Qwen2-MoE, Qwen3-MoE, OLMoE and GraniteMoe(Shared) (a router, ``FusedMoE``'s stacked experts run
-  by the backend's ``fused_moe``, a shared expert) in the place of the dense one, in the layers that
-  have it (OLMoE's q/k norms over all heads, Granite's scalars are flags too);
+  Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared) and GLM-4.5 (a router, ``FusedMoE``'s stacked
+  experts run by the backend's ``fused_moe``, a shared expert; GLM's grouped sigmoid routing) in the
+  place of the dense one, in the layers that have it (OLMoE's q/k norms over all heads, Granite's
+  scalars are flags too);
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -69,7 +70,7 @@ GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES)  # Granite's four scalars
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     *GRANITE_MOE_ARCHITECTURES)
+                     *GRANITE_MOE_ARCHITECTURES, "Glm4MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                            *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
@@ -78,7 +79,7 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
 # the mixture-of-experts models' sizes, checked as SIZE_KEYS are (a key a family does not use is not read)
 MOE_SIZE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                 "shared_expert_intermediate_size", "decoder_sparse_step")
+                 "shared_expert_intermediate_size", "decoder_sparse_step", "n_routed_experts", "n_group", "topk_group")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -159,7 +160,14 @@ class ModelConfig:
     moe_intermediate_size: int = 0     # each expert's (intermediate_size stays the dense layers')
     moe_layers: tuple[int, ...] = ()   # the layers whose MLP is the experts; the rest are dense
     norm_topk_prob: bool = False       # the top-k weights renormalised to sum to 1
-    router_weights_fp32: bool = False  # Mixtral keeps them fp32; Qwen rounds them to the model's dtype
+    router_weights_fp32: bool = False  # Mixtral and GLM keep them fp32; the others round them to the model's dtype
+    # GLM-4.5's routing (DeepSeek-V3's; vLLM's grouped_topk): "sigmoid" scores, an fp32 router with its
+    # e_score_correction_bias added to the scores that choose (not to the weights), the top-k chosen from
+    # the topk_group best of num_expert_group groups, the weights times routed_scaling_factor
+    scoring_func: str = "softmax"
+    num_expert_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # a shared expert every token runs (0: none): Qwen2-MoE's,
     shared_expert_gate: bool = False          # scaled by sigmoid(shared_expert_gate(x)); GraniteMoeShared's, not
 
@@ -194,6 +202,8 @@ class ModelConfig:
             c = _gemma3_text_config(c)
         elif arch == "Gemma2ForCausalLM":
             c = _gemma2_config(c)
+        elif arch == "Glm4MoeForCausalLM":
+            c = _glm4_moe_config(c)
         quant = c.get("quantization_config")
         if quant:  # else its packed weights would fail to load as "unexpected tensors"
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -233,7 +243,8 @@ class ModelConfig:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=(arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False))
                             or (arch == "Qwen2MoeForCausalLM" and bool(c.get("qkv_bias", True)))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or gemma3,
+            qk_norm=(arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or gemma3
+                     or (arch == "Glm4MoeForCausalLM" and bool(c.get("use_qk_norm", False)))),
             sliding_window=window,
             sliding_layers=layers,
             checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
@@ -283,7 +294,8 @@ class ModelConfig:
 
 # num_experts and num_experts_per_tok where config.json leaves them out: each family's transformers config defaults
 MOE_DEFAULTS = {"MixtralForCausalLM": (8, 2), "Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8),
-                "OlmoeForCausalLM": (64, 8), "GraniteMoeForCausalLM": (8, 2), "GraniteMoeSharedForCausalLM": (8, 2)}
+                "OlmoeForCausalLM": (64, 8), "GraniteMoeForCausalLM": (8, 2), "GraniteMoeSharedForCausalLM": (8, 2),
+                "Glm4MoeForCausalLM": (128, 8)}
 # the families whose every layer is sparse, each expert intermediate_size wide (Qwen's have moe_intermediate_size)
 EXPERTS_OF_INTERMEDIATE_SIZE = ("MixtralForCausalLM", "OlmoeForCausalLM", *GRANITE_MOE_ARCHITECTURES)
 
@@ -293,14 +305,18 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     OLMoE's and Granite's every layer sparse, their experts intermediate_size wide; Qwen's sparse
     layers every decoder_sparse_step-th but mlp_only_layers (dense, intermediate_size wide). The
     top-k weights renormalised by Mixtral and Granite always (Granite's softmax over the top-k
-    logits is that), by Qwen and OLMoE as norm_topk_prob says; kept fp32 by Mixtral, rounded to
-    the model's dtype by the others. The shared expert: Qwen2-MoE's, gated; GraniteMoeShared's
-    (shared_intermediate_size, 0: none), not."""
+    logits is that), by Qwen, OLMoE and GLM as norm_topk_prob says; kept fp32 by Mixtral and GLM,
+    rounded to the model's dtype by the others. The shared expert: Qwen2-MoE's, gated; GraniteMoeShared's
+    (shared_intermediate_size, 0: none) and GLM's (n_shared_experts of moe_intermediate_size), not.
+    GLM's layers are sparse from first_k_dense_replace on, routed by _glm4_moe_routing."""
     n = c["num_hidden_layers"]
     default_experts, default_top_k = MOE_DEFAULTS[arch]
     if arch in EXPERTS_OF_INTERMEDIATE_SIZE:
         experts = c.get("num_local_experts", c.get("num_experts", default_experts))
         inter, layers = c["intermediate_size"], tuple(range(n))
+    elif arch == "Glm4MoeForCausalLM":
+        experts, inter = c.get("n_routed_experts", default_experts), c["moe_intermediate_size"]
+        layers = tuple(range(c.get("first_k_dense_replace", 1), n))
     else:
         experts, inter = c.get("num_experts", c.get("num_local_experts", default_experts)), c["moe_intermediate_size"]
         step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
@@ -317,14 +333,49 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
         raise ModelLoadError(f"{arch} with hidden_act {c['hidden_act']!r} is not supported (its experts run SiLU)")
     _check_olmoe_and_granite_moe(arch, c)
     shared = {"Qwen2MoeForCausalLM": c.get("shared_expert_intermediate_size"),
-              "GraniteMoeSharedForCausalLM": c.get("shared_intermediate_size", 0)}.get(arch) or 0
+              "GraniteMoeSharedForCausalLM": c.get("shared_intermediate_size", 0),
+              "Glm4MoeForCausalLM": _glm4_moe_shared_size(c, inter)}.get(arch) or 0
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ModelLoadError(f"shared_intermediate_size {shared!r}: sizes must be non-negative integers")
+    glm = arch == "Glm4MoeForCausalLM"
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, moe_layers=layers,
                 norm_topk_prob=(arch in ("MixtralForCausalLM", *GRANITE_MOE_ARCHITECTURES)
-                                or bool(c.get("norm_topk_prob", False))),
-                router_weights_fp32=arch == "MixtralForCausalLM", shared_expert_intermediate_size=shared,
-                shared_expert_gate=arch == "Qwen2MoeForCausalLM")
+                                or bool(c.get("norm_topk_prob", glm))),  # GLM's default is True
+                router_weights_fp32=arch in ("MixtralForCausalLM", "Glm4MoeForCausalLM"),
+                shared_expert_intermediate_size=shared, shared_expert_gate=arch == "Qwen2MoeForCausalLM",
+                **(_glm4_moe_routing(c, experts, top_k) if glm else {}))
+
+
+def _glm4_moe_shared_size(c: dict[str, Any], inter: int) -> int:
+    n = c.get("n_shared_experts", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ModelLoadError(f"n_shared_experts {n!r}: must be a non-negative integer")
+    return n * inter
+
+
+def _glm4_moe_routing(c: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
+    """GLM-4.5's grouped sigmoid routing, checked as transformers would need it to run: the experts
+    split into n_group equal groups of at least 2 (a group scores by its best two), topk_group of
+    them picked, holding at least top_k experts."""
+    groups, topk_group = c.get("n_group", 1), c.get("topk_group", 1)
+    first_dense = c.get("first_k_dense_replace", 1)
+    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
+        raise ModelLoadError(f"first_k_dense_replace {first_dense!r}: must be a non-negative integer")
+    if experts % groups or experts // groups < 2:
+        raise ModelLoadError(f"n_routed_experts {experts} cannot be split into n_group {groups} groups of 2 or more")
+    if topk_group > groups or topk_group * (experts // groups) < top_k:
+        raise ModelLoadError(f"topk_group {topk_group} of n_group {groups} groups hold fewer than "
+                             f"num_experts_per_tok {top_k} experts")
+    return dict(scoring_func="sigmoid", num_expert_group=groups, topk_group=topk_group,
+                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
+
+
+def _glm4_moe_config(c: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's config.json with what transformers fills in where it is left out: a rotary half of
+    each head (partial_rotary_factor 0.5)."""
+    if c.get("partial_rotary_factor") is None and _rope_params(c).get("partial_rotary_factor") is None:
+        c = {**c, "partial_rotary_factor": 0.5}
+    return c
 
 
 def _check_olmoe_and_granite_moe(arch: str, c: dict[str, Any]) -> None:
@@ -771,8 +822,9 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
             experts = ("intermediate_size" if cfg.architecture in EXPERTS_OF_INTERMEDIATE_SIZE
                        else "moe_intermediate_size")
             sizes[experts] = cfg.moe_intermediate_size
-        shared = ("shared_intermediate_size" if cfg.architecture == "GraniteMoeSharedForCausalLM"
-                  else "shared_expert_intermediate_size")
+        shared = {"GraniteMoeSharedForCausalLM": "shared_intermediate_size",
+                  "Glm4MoeForCausalLM": "moe_intermediate_size * n_shared_experts"}.get(
+                      cfg.architecture, "shared_expert_intermediate_size")
         sizes[shared] = cfg.shared_expert_intermediate_size
         problems += [f"{k}={v} is not divisible by tensor_parallel_size={tp_size}" for k, v in sizes.items()
                      if v % tp_size]
@@ -1128,6 +1180,40 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return topk_weights.to(weights_dtype), topk_ids
 
 
+def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int, renormalize: bool,
+                 num_expert_group: int, topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's routing (vLLM's grouped_topk, as transformers' Glm4MoeTopkRouter), in fp32: sigmoid
+    scores; the bias added to choose with (not to weigh by); each group scored by its best two; the
+    top_k among the topk_group best groups' experts, weighted by their scores, renormalised if asked,
+    times routed_scaling_factor. Returns (topk_weights [T, k] fp32, topk_ids [T, k])."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + e_score_correction_bias
+    T, E = choice.shape
+    group_scores = choice.view(T, num_expert_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    expert_mask = group_mask.unsqueeze(-1).expand(T, num_expert_group, E // num_expert_group).reshape(T, E)
+    topk_ids = torch.topk(choice.masked_fill(~expert_mask.bool(), float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+class Fp32Router(nn.Module):
+    """GLM-4.5's router: an fp32 weight scoring fp32 activations (transformers keeps it fp32 in a bf16
+    model, as vLLM does), and the fp32 e_score_correction_bias grouped_topk chooses with. Not a
+    ``Linear``: a backend that repacks the linear layers leaves it as it is."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
 class FusedMoE(nn.Module):
     """A layer's experts as two 3-D weights (vLLM's FusedMoE): ``w13_weight [E, 2 * I, H]``,
     each expert's gate rows then its up rows, and ``w2_weight [E, H, I]``. Under tensor
@@ -1178,13 +1264,15 @@ class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP (transformers' *SparseMoeBlock): the router ``gate`` scores
     the experts, each token runs its top-k (FusedMoE), their outputs weighted by the routing;
     a shared expert every token runs added (Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)),
-    GraniteMoeShared's not). Under tensor parallelism the experts' partial sums and the shared
+    GraniteMoeShared's and GLM's not; GLM routes by grouped_topk). Under tensor parallelism the experts' partial sums and the shared
     expert's are added before one all-reduce, as vLLM's: the gate is per token and every rank
     holds it whole, so scaling a rank's partial sum by it before the sum is exact."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
+        self.grouped = cfg.scoring_func == "sigmoid"  # GLM-4.5's routing
+        self.gate = (Fp32Router if self.grouped else ReplicatedLinear)(cfg.hidden_size, cfg.num_experts)
+        self.grouping = (cfg.num_expert_group, cfg.topk_group, cfg.routed_scaling_factor)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, backend, tp,
                                 reduce_results=False)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -1196,7 +1284,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights_dtype = torch.float32 if self.router_weights_fp32 else x.dtype
-        topk_weights, topk_ids = fused_topk(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        if self.grouped:
+            topk_weights, topk_ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k,
+                                                  self.renormalize, *self.grouping)
+        else:
+            topk_weights, topk_ids = fused_topk(self.gate(x), self.top_k, self.renormalize, weights_dtype)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
@@ -1515,6 +1607,11 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
         name = new + name[len(old):]
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, 0  # tied: the embedding is the head
+    if cfg.architecture == "Glm4MoeForCausalLM":
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m is not None and int(m[1]) >= cfg.num_layers:
+            return None, 0  # its multi-token-prediction layer (speculative decoding's, as vLLM skips it)
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     if cfg.num_experts:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's hub name for its router and experts
         expert = _expert_target(name, cfg)

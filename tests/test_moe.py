@@ -1,5 +1,5 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe, GraniteMoeShared)
-against transformers, the oracle: logits in one pass and in prefill chunks and greedy tokens through
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe, GraniteMoeShared,
+GLM-4.5) against transformers, the oracle: logits in one pass and in prefill chunks and greedy tokens through
 the engine; the experts loaded from the hub's tensors (what save_pretrained writes: per expert, or
 Granite's stacks) and from transformers 5's stacks; the sizes checked, the parameters counted; what
 is refused (other MoE families and options, adapters of the experts); and two ranks splitting every
@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ARCHS, MOE_ARCHS, hf_model
+from conftest import ARCHS, MOE_ARCHS, VOCAB, hf_model
 from nanoserve import LLM, LoRARequest, SamplingParams, kernels
 from nanoserve.model import (MLP, FusedMoE, ModelConfig, ModelLoadError, SparseMoeBlock, check_tensor_parallel,
                              load_model, num_parameters)
@@ -23,7 +23,7 @@ from test_parity import ATOL, LONG, PROMPTS, hf_logits, make_llm, nanoserve_logi
 N_NEW = 8
 ARCH_NAMES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
               "olmoe": "OlmoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
-              "granitemoeshared": "GraniteMoeSharedForCausalLM"}
+              "granitemoeshared": "GraniteMoeSharedForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW)
 
 
@@ -60,6 +60,9 @@ def test_layers_and_parameter_count_are_transformers_s(variant, arch):
     if arch == "qwen2_moe":  # layer 0 sparse with its gated shared expert, layer 1 dense (mlp_only_layers)
         assert isinstance(layers[0].mlp, SparseMoeBlock) and layers[0].mlp.shared_expert is not None
         assert layers[0].mlp.shared_expert_gate is not None and type(layers[1].mlp) is MLP
+    elif arch == "glm4_moe":  # layer 0 dense (first_k_dense_replace), layer 1 sparse with its ungated shared expert
+        assert type(layers[0].mlp) is MLP and layers[1].mlp.shared_expert is not None
+        assert layers[1].mlp.shared_expert_gate is None and layers[1].mlp.grouped
     elif arch == "granitemoeshared":  # every layer sparse, with its shared expert, ungated
         assert all(isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.shared_expert is not None
                    and layer.mlp.shared_expert_gate is None for layer in layers)
@@ -69,13 +72,15 @@ def test_layers_and_parameter_count_are_transformers_s(variant, arch):
 
 def test_sparse_layers_are_the_ones_transformers_builds():
     """decoder_sparse_step and mlp_only_layers pick Qwen's sparse layers; Mixtral's, OLMoE's and
-    Granite's are all (the last two given Qwen's keys, which they do not read)."""
+    Granite's are all (the last two given Qwen's keys, which they do not read); GLM's those from
+    first_k_dense_replace on."""
     from transformers import AutoModelForCausalLM
 
     from conftest import hf_config
     qwen_keys = {"decoder_sparse_step": 2, "mlp_only_layers": [3]}
     for arch, overrides in [("qwen3_moe", qwen_keys), ("qwen2_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}),
-                            ("mixtral", {}), ("olmoe", qwen_keys), ("granitemoe", qwen_keys)]:
+                            ("mixtral", {}), ("olmoe", qwen_keys), ("granitemoe", qwen_keys),
+                            ("glm4_moe", {"first_k_dense_replace": 2, **qwen_keys})]:
         hf_cfg = hf_config(arch, num_hidden_layers=5, **overrides)
         hf_cfg.architectures = [ARCH_NAMES[arch]]
         hf = AutoModelForCausalLM.from_config(hf_cfg)
@@ -128,6 +133,24 @@ def test_missing_or_unexpected_expert_tensors_are_load_errors(variant, tmp_path)
         make_llm(_copy_with(path, tmp_path / "wrong", wrong))
 
 
+def test_glm4_moe_loads_transformers_5_stacks_skips_its_mtp_layer_and_routes_in_fp32(variant, tmp_path):
+    """GLM-4.5's checkpoint holds a multi-token-prediction layer past num_hidden_layers (for speculative
+    decoding): it is not loaded, and not an unexpected tensor. transformers 5's stacked experts load to
+    the same logits. Its router and e_score_correction_bias stay fp32 in a bf16 model, as transformers
+    keeps them."""
+    path = variant("glm4_moe")
+    stacked = {k: v.contiguous() for k, v in hf_model(path).state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in stacked
+    mtp = {"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.mlp.experts.0.up_proj.weight":
+           torch.zeros(32, 64), "model.layers.2.shared_head.head.weight": torch.zeros(VOCAB, 64)}
+    out = _copy_with(path, tmp_path / "stacked", {**stacked, **mtp})
+    torch.testing.assert_close(nanoserve_logits(make_llm(out), LONG, [20, 37]), hf_logits(hf_model(path), LONG),
+                               atol=ATOL, rtol=ATOL)
+    gate = load_model(path, torch.bfloat16, torch.device("cpu"))[0].model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert gate.e_score_correction_bias.abs().sum() > 0  # conftest's, so that the parity test routes with it
+
+
 def _config(arch: str, **changes) -> dict:
     from conftest import hf_config
     c = hf_config(arch).to_dict()
@@ -143,15 +166,20 @@ def _config(arch: str, **changes) -> dict:
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, r"use_sliding_window is not supported"),
     ("mixtral", {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
     ("qwen3_moe", {"architectures": ["DeepseekV3ForCausalLM"]}, r"unsupported architecture 'DeepseekV3ForCausalLM'"),
-    ("qwen3_moe", {"architectures": ["Glm4MoeForCausalLM"]}, r"'Glm4MoeForCausalLM' \(a mixture-of-experts"),
+    ("qwen3_moe", {"architectures": ["Ernie4_5_MoeForCausalLM"]}, r"'Ernie4_5_MoeForCausalLM' \(a mixture-of-exp"),
     ("qwen3_moe", {"architectures": ["GptOssForCausalLM"]}, r"unsupported architecture 'GptOssForCausalLM'"),
     ("olmoe", {"clip_qkv": 8.0}, r"OlmoeForCausalLM with clip_qkv 8\.0 is not supported"),
     ("olmoe", {"head_dim": 32}, r"head_dim 32 \(not hidden_size / num_attention_heads, 16\) is not supported"),
     ("olmoe", {"sliding_window": 8}, r"OlmoeForCausalLM with a sliding_window is not supported"),
     ("granitemoe", {"attention_bias": True}, r"GraniteMoeForCausalLM with attention_bias is not supported"),
     ("granitemoeshared", {"shared_intermediate_size": -1}, r"shared_intermediate_size -1: sizes must be non-neg"),
-], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek", "glm4-moe", "gpt-oss",
-        "olmoe-clip-qkv", "olmoe-head-dim", "olmoe-window", "granite-attention-bias", "granite-shared-size"])
+    ("glm4_moe", {"n_group": 3}, r"n_routed_experts 8 cannot be split into n_group 3 groups of 2 or more"),
+    ("glm4_moe", {"n_group": 4, "num_experts_per_tok": 3}, r"topk_group 1 of n_group 4 groups hold fewer than "
+                                                           r"num_experts_per_tok 3 experts"),
+    ("glm4_moe", {"n_shared_experts": -1}, r"n_shared_experts -1: must be a non-negative integer"),
+], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek", "ernie-moe", "gpt-oss",
+        "olmoe-clip-qkv", "olmoe-head-dim", "olmoe-window", "granite-attention-bias", "granite-shared-size",
+        "glm-groups", "glm-topk-group", "glm-shared"])
 def test_configs_nanoserve_cannot_serve_are_refused(arch, changes, message):
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(_config(arch, **changes))
@@ -168,9 +196,9 @@ def test_tensor_parallel_sizes_are_checked_for_the_experts():
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_top_k_left_out_of_config_json_is_transformers_default(arch):
     """A config.json without num_experts_per_tok routes as transformers reads it: its family's default
-    (Mixtral 2, Qwen2-MoE 4, Qwen3-MoE 8, OLMoE 8, Granite 2), not one number for all."""
+    (Mixtral 2, Qwen2-MoE 4, Qwen3-MoE 8, OLMoE 8, Granite 2, GLM 8), not one number for all."""
     from transformers import AutoConfig
-    c = _config(arch, num_experts=8, num_local_experts=8)
+    c = _config(arch, num_experts=8, num_local_experts=8, **({"n_group": 1} if arch == "glm4_moe" else {}))
     del c["num_experts_per_tok"]
     want = AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
     assert ModelConfig.from_dict(c).num_experts_per_tok == want.num_experts_per_tok
@@ -229,6 +257,11 @@ def test_tensor_parallel_checks_the_widths_the_model_splits_by_their_config_name
                                          r"shared_intermediate_size=47 is not divisible"):  # Granite's names
         check_tensor_parallel(ModelConfig.from_dict(_config("granitemoeshared", intermediate_size=33,
                                                             shared_intermediate_size=47)), 2)
+    with pytest.raises(ValueError, match=r"ranks: moe_intermediate_size=33 is not divisible by tensor_parallel_size=4; "
+                                         r"moe_intermediate_size \* n_shared_experts=66 is not divisible by "
+                                         r"tensor_parallel_size=4$"):  # GLM's shared expert: n of the experts' width
+        check_tensor_parallel(ModelConfig.from_dict(_config("glm4_moe", moe_intermediate_size=33, n_shared_experts=2,
+                                                            intermediate_size=132)), 4)
 
 
 def test_the_routed_experts_request_field_is_refused_as_not_implemented():
