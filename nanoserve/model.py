@@ -154,7 +154,7 @@ class ModelConfig:
     # the sliding-window layers' rotary (theta, scaling) where it is not the others' (Gemma 3)
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
     qk_norm_whole: bool = False   # OLMoE: one RMSNorm over all of q's heads together, one over k's (not per head)
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared); num_experts 0: a dense model)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared), GLM-4.5; 0: a dense model)
     num_experts: int = 0
     num_experts_per_tok: int = 0       # top-k: the experts each token runs
     moe_intermediate_size: int = 0     # each expert's (intermediate_size stays the dense layers')
@@ -168,8 +168,8 @@ class ModelConfig:
     num_expert_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
-    shared_expert_intermediate_size: int = 0  # a shared expert every token runs (0: none): Qwen2-MoE's,
-    shared_expert_gate: bool = False          # scaled by sigmoid(shared_expert_gate(x)); GraniteMoeShared's, not
+    shared_expert_intermediate_size: int = 0  # a shared expert every token runs (Qwen2-MoE, GraniteMoeShared, GLM)
+    shared_expert_gate: bool = False          # Qwen2-MoE's: the shared expert scaled by sigmoid(shared_expert_gate(x))
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -1089,7 +1089,8 @@ class ShardedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:
             return self.backend.rms_norm(x, self.weight, self.eps)
-        mean_square = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True)) / (self.tp.world_size * x.shape[-1])
+        squares = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        mean_square = squares / (self.tp.world_size * x.shape[-1])
         return self.weight * (x.float() * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
@@ -1113,12 +1114,11 @@ class Attention(nn.Module):
         norm = GemmaRMSNorm if cfg.gemma else RMSNorm
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
-        if cfg.qk_norm_whole:  # OLMoE's: over this rank's q (and k) rows, the mean square all the ranks'
-            (q_full, kv_full, _), eps = self.qkv_proj.full_sizes, cfg.rms_norm_eps
-            self.q_norm = ShardedRMSNorm(q_full, self.q_size, self.qkv_proj.shard_rank(0) * self.q_size, eps, backend, tp)
-            self.k_norm = ShardedRMSNorm(kv_full, self.kv_size, self.qkv_proj.shard_rank(1) * self.kv_size, eps,
-                                         backend, tp)
         self.qk_norm_whole = cfg.qk_norm_whole
+        if self.qk_norm_whole:  # OLMoE's: this rank's q (and k) rows, the mean square over all the ranks'
+            (q_full, kv_full, _), qkv, eps = self.qkv_proj.full_sizes, self.qkv_proj, cfg.rms_norm_eps
+            self.q_norm = ShardedRMSNorm(q_full, self.q_size, qkv.shard_rank(0) * self.q_size, eps, backend, tp)
+            self.k_norm = ShardedRMSNorm(kv_full, self.kv_size, qkv.shard_rank(1) * self.kv_size, eps, backend, tp)
         self.rotary_emb = rotary_emb
         self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.sliding_window = sliding_window  # None: every earlier position is visible
@@ -1181,7 +1181,8 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 
 
 def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int, renormalize: bool,
-                 num_expert_group: int, topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_expert_group: int, topk_group: int,
+                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """GLM-4.5's routing (vLLM's grouped_topk, as transformers' Glm4MoeTopkRouter), in fp32: sigmoid
     scores; the bias added to choose with (not to weigh by); each group scored by its best two; the
     top_k among the topk_group best groups' experts, weighted by their scores, renormalised if asked,
@@ -1264,9 +1265,10 @@ class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP (transformers' *SparseMoeBlock): the router ``gate`` scores
     the experts, each token runs its top-k (FusedMoE), their outputs weighted by the routing;
     a shared expert every token runs added (Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)),
-    GraniteMoeShared's and GLM's not; GLM routes by grouped_topk). Under tensor parallelism the experts' partial sums and the shared
-    expert's are added before one all-reduce, as vLLM's: the gate is per token and every rank
-    holds it whole, so scaling a rank's partial sum by it before the sum is exact."""
+    GraniteMoeShared's and GLM's not); GLM's routing is grouped_topk. Under tensor parallelism the
+    experts' partial sums and the shared expert's are added before one all-reduce, as vLLM's: the
+    gate is per token and every rank holds it whole, so scaling a rank's partial sum by it before
+    the sum is exact."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()

@@ -86,8 +86,8 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granit
 
 def hf_config(arch: str, **overrides):
     from transformers import (Gemma2Config, Gemma3TextConfig, Glm4MoeConfig, GraniteConfig, GraniteMoeConfig,
-                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig,
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)

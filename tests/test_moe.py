@@ -78,7 +78,8 @@ def test_sparse_layers_are_the_ones_transformers_builds():
 
     from conftest import hf_config
     qwen_keys = {"decoder_sparse_step": 2, "mlp_only_layers": [3]}
-    for arch, overrides in [("qwen3_moe", qwen_keys), ("qwen2_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}),
+    for arch, overrides in [("qwen3_moe", qwen_keys),
+                            ("qwen2_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}),
                             ("mixtral", {}), ("olmoe", qwen_keys), ("granitemoe", qwen_keys),
                             ("glm4_moe", {"first_k_dense_replace": 2, **qwen_keys})]:
         hf_cfg = hf_config(arch, num_hidden_layers=5, **overrides)
