@@ -332,3 +332,12 @@ def test_a_sparse_layer_reduces_once_across_ranks(variant, monkeypatch):
         parts = [sparse_layer(rank, 2)(x) for rank in (0, 1)]
     assert calls == [(5, cfg.hidden_size)] * 2  # one a rank
     torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_of_granite_s_shared_mlp_is_refused_as_the_experts_are():
+    """GraniteMoeShared's shared_mlp sits beside block_sparse_moe, not under it: its adapter is named
+    an expert layer's (the load error says why), an attention adapter of the same layer is not."""
+    from nanoserve.model import _targets_experts
+    cfg = ModelConfig.from_dict(_config("granitemoeshared"))
+    assert _targets_experts("base_model.model.model.layers.1.shared_mlp.input_linear.lora_A.weight", cfg)
+    assert not _targets_experts("base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight", cfg)
