@@ -253,7 +253,7 @@ def make_arg_parser() -> argparse.ArgumentParser:
     p = _ArgumentParser(
         prog="python -m nanoserve", formatter_class=_HelpFormatter,
         description="Serve a Hugging Face model (Llama, Qwen2, Qwen3, Mistral, Gemma 2, Gemma 3, Granite, Phi-3; "
-                    "the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE) with an "
+                    "the mixture-of-experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe, GLM-4.5) with an "
                     "OpenAI-compatible API.")
     g = p.add_argument_group("model")
     g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",

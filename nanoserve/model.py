@@ -10,8 +10,10 @@ This module owns
   (its own layer: four norms of x * (1 + w), GELU, scaled embeddings, a second rotary
   embedding for the sliding-window layers), and Gemma 2's in it (no q/k norm, one rotary,
   soft caps on the attention scores and the logits); the mixture-of-experts MLP of Mixtral,
-  Qwen2-MoE and Qwen3-MoE (a router, ``FusedMoE``'s stacked experts run by the backend's
-  ``fused_moe``, Qwen2-MoE's shared expert) in the place of the dense one, in the layers that have it;
+  Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared) and GLM-4.5 (a router, ``FusedMoE``'s stacked
+  experts run by the backend's ``fused_moe``, a shared expert; GLM's grouped sigmoid routing) in the
+  place of the dense one, in the layers that have it (OLMoE's q/k norms over all heads, Granite's
+  scalars are flags too);
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -65,7 +67,10 @@ logger = logging.getLogger("nanoserve.model")
 LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # the latter: its text only
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
+GRANITE_ARCHITECTURES = ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES)  # Granite's four scalars
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
+                     *GRANITE_MOE_ARCHITECTURES, "Glm4MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                            *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
@@ -74,7 +79,7 @@ SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
 # the mixture-of-experts models' sizes, checked as SIZE_KEYS are (a key a family does not use is not read)
 MOE_SIZE_KEYS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                 "shared_expert_intermediate_size", "decoder_sparse_step")
+                 "shared_expert_intermediate_size", "decoder_sparse_step", "n_routed_experts", "n_group", "topk_group")
 DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "half": torch.float16}
 
@@ -148,14 +153,23 @@ class ModelConfig:
     hidden_act: str = "silu"      # the gated MLP's activation: silu, or Gemma's gelu_pytorch_tanh
     # the sliding-window layers' rotary (theta, scaling) where it is not the others' (Gemma 3)
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; num_experts 0: a dense model)
+    qk_norm_whole: bool = False   # OLMoE: one RMSNorm over all of q's heads together, one over k's (not per head)
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared), GLM-4.5; 0: a dense model)
     num_experts: int = 0
     num_experts_per_tok: int = 0       # top-k: the experts each token runs
     moe_intermediate_size: int = 0     # each expert's (intermediate_size stays the dense layers')
     moe_layers: tuple[int, ...] = ()   # the layers whose MLP is the experts; the rest are dense
     norm_topk_prob: bool = False       # the top-k weights renormalised to sum to 1
-    router_weights_fp32: bool = False  # Mixtral keeps them fp32; Qwen rounds them to the model's dtype
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert, gated by a sigmoid (0: none)
+    router_weights_fp32: bool = False  # Mixtral and GLM keep them fp32; the others round them to the model's dtype
+    # GLM-4.5's routing (DeepSeek-V3's; vLLM's grouped_topk): "sigmoid" scores, an fp32 router with its
+    # e_score_correction_bias added to the scores that choose (not to the weights), the top-k chosen from
+    # the topk_group best of num_expert_group groups, the weights times routed_scaling_factor
+    scoring_func: str = "softmax"
+    num_expert_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0  # a shared expert every token runs (Qwen2-MoE, GraniteMoeShared, GLM)
+    shared_expert_gate: bool = False          # Qwen2-MoE's: the shared expert scaled by sigmoid(shared_expert_gate(x))
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -188,6 +202,8 @@ class ModelConfig:
             c = _gemma3_text_config(c)
         elif arch == "Gemma2ForCausalLM":
             c = _gemma2_config(c)
+        elif arch == "Glm4MoeForCausalLM":
+            c = _glm4_moe_config(c)
         quant = c.get("quantization_config")
         if quant:  # else its packed weights would fail to load as "unexpected tensors"
             method = quant.get("quant_method") if isinstance(quant, dict) else quant
@@ -209,7 +225,7 @@ class ModelConfig:
         theta, scaling = _rope_from_config(c, arch, rotary_dim)
         eos = c.get("eos_token_id")
         window, layers = _sliding_window(arch, c)
-        granite = arch == "GraniteForCausalLM"  # transformers' Granite defaults are 1.0, its scale too
+        granite = arch in GRANITE_ARCHITECTURES  # transformers' Granite defaults are 1.0, its scale too
         return cls(
             architecture=arch,
             vocab_size=c["vocab_size"],
@@ -227,7 +243,8 @@ class ModelConfig:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             attention_bias=(arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False))
                             or (arch == "Qwen2MoeForCausalLM" and bool(c.get("qkv_bias", True)))),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or gemma3,
+            qk_norm=(arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or gemma3
+                     or (arch == "Glm4MoeForCausalLM" and bool(c.get("use_qk_norm", False)))),
             sliding_window=window,
             sliding_layers=layers,
             checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
@@ -243,6 +260,7 @@ class ModelConfig:
             attention_scale=(float(c.get("attention_multiplier", 1.0)) if granite else
                              float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None),
             sliding_rope=_sliding_rope(c) if gemma3 else None,
+            qk_norm_whole=arch == "OlmoeForCausalLM",
             **(_moe_config(arch, c) if arch in MOE_ARCHITECTURES else {}),
         )
 
@@ -274,36 +292,110 @@ class ModelConfig:
         return self.sliding_window if layer in self.sliding_layers else None
 
 
-# num_experts_per_tok where config.json leaves it out: each family's transformers config default
-MOE_TOP_K_DEFAULTS = {"MixtralForCausalLM": 2, "Qwen2MoeForCausalLM": 4, "Qwen3MoeForCausalLM": 8}
+# num_experts and num_experts_per_tok where config.json leaves them out: each family's transformers config defaults
+MOE_DEFAULTS = {"MixtralForCausalLM": (8, 2), "Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8),
+                "OlmoeForCausalLM": (64, 8), "GraniteMoeForCausalLM": (8, 2), "GraniteMoeSharedForCausalLM": (8, 2),
+                "Glm4MoeForCausalLM": (128, 8)}
+# the families whose every layer is sparse, each expert intermediate_size wide (Qwen's have moe_intermediate_size)
+EXPERTS_OF_INTERMEDIATE_SIZE = ("MixtralForCausalLM", "OlmoeForCausalLM", *GRANITE_MOE_ARCHITECTURES)
 
 
 def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig's mixture-of-experts fields, read as transformers builds the model: Mixtral's
-    every layer sparse, its experts intermediate_size wide, its top-k weights always renormalised
-    and kept fp32; Qwen's sparse layers every decoder_sparse_step-th but mlp_only_layers (dense,
-    intermediate_size wide), norm_topk_prob as the config says, the weights in the model's dtype."""
+    """ModelConfig's mixture-of-experts fields, read as transformers builds the model: Mixtral's,
+    OLMoE's and Granite's every layer sparse, their experts intermediate_size wide; Qwen's sparse
+    layers every decoder_sparse_step-th but mlp_only_layers (dense, intermediate_size wide). The
+    top-k weights renormalised by Mixtral and Granite always (Granite's softmax over the top-k
+    logits is that), by Qwen, OLMoE and GLM as norm_topk_prob says; kept fp32 by Mixtral and GLM,
+    rounded to the model's dtype by the others. The shared expert: Qwen2-MoE's, gated; GraniteMoeShared's
+    (shared_intermediate_size, 0: none) and GLM's (n_shared_experts of moe_intermediate_size), not.
+    GLM's layers are sparse from first_k_dense_replace on, routed by _glm4_moe_routing."""
     n = c["num_hidden_layers"]
-    if arch == "MixtralForCausalLM":
-        experts, inter, layers = c.get("num_local_experts", 8), c["intermediate_size"], tuple(range(n))
+    default_experts, default_top_k = MOE_DEFAULTS[arch]
+    if arch in EXPERTS_OF_INTERMEDIATE_SIZE:
+        experts = c.get("num_local_experts", c.get("num_experts", default_experts))
+        inter, layers = c["intermediate_size"], tuple(range(n))
+    elif arch == "Glm4MoeForCausalLM":
+        experts, inter = c.get("n_routed_experts", default_experts), c["moe_intermediate_size"]
+        layers = tuple(range(c.get("first_k_dense_replace", 1), n))
     else:
-        experts, inter = c.get("num_experts", c.get("num_local_experts")), c["moe_intermediate_size"]
+        experts, inter = c.get("num_experts", c.get("num_local_experts", default_experts)), c["moe_intermediate_size"]
         step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
         layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
         if c.get("use_sliding_window"):
             raise ModelLoadError(f"{arch} with use_sliding_window is not supported (its released checkpoints "
                                  "leave it off)")
-    top_k = c.get("num_experts_per_tok", MOE_TOP_K_DEFAULTS[arch])
+    top_k = c.get("num_experts_per_tok", default_top_k)
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 1:
         raise ModelLoadError(f"num_experts {experts!r}: sizes must be positive integers")
     if top_k > experts:
         raise ModelLoadError(f"num_experts_per_tok {top_k} is more than num_experts {experts}")
     if c.get("hidden_act", "silu") != "silu":  # fused_moe's experts are SiLU-gated
         raise ModelLoadError(f"{arch} with hidden_act {c['hidden_act']!r} is not supported (its experts run SiLU)")
-    shared = c["shared_expert_intermediate_size"] if arch == "Qwen2MoeForCausalLM" else 0
+    _check_olmoe_and_granite_moe(arch, c)
+    shared = {"Qwen2MoeForCausalLM": c.get("shared_expert_intermediate_size"),
+              "GraniteMoeSharedForCausalLM": c.get("shared_intermediate_size", 0),
+              "Glm4MoeForCausalLM": _glm4_moe_shared_size(c, inter)}.get(arch) or 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ModelLoadError(f"shared_intermediate_size {shared!r}: sizes must be non-negative integers")
+    glm = arch == "Glm4MoeForCausalLM"
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, moe_layers=layers,
-                norm_topk_prob=arch == "MixtralForCausalLM" or bool(c.get("norm_topk_prob", False)),
-                router_weights_fp32=arch == "MixtralForCausalLM", shared_expert_intermediate_size=shared)
+                norm_topk_prob=(arch in ("MixtralForCausalLM", *GRANITE_MOE_ARCHITECTURES)
+                                or bool(c.get("norm_topk_prob", glm))),  # GLM's default is True
+                router_weights_fp32=arch in ("MixtralForCausalLM", "Glm4MoeForCausalLM"),
+                shared_expert_intermediate_size=shared, shared_expert_gate=arch == "Qwen2MoeForCausalLM",
+                **(_glm4_moe_routing(c, experts, top_k) if glm else {}))
+
+
+def _glm4_moe_shared_size(c: dict[str, Any], inter: int) -> int:
+    n = c.get("n_shared_experts", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ModelLoadError(f"n_shared_experts {n!r}: must be a non-negative integer")
+    return n * inter
+
+
+def _glm4_moe_routing(c: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
+    """GLM-4.5's grouped sigmoid routing, checked as transformers would need it to run: the experts
+    split into n_group equal groups of at least 2 (a group scores by its best two), topk_group of
+    them picked, holding at least top_k experts."""
+    groups, topk_group = c.get("n_group", 1), c.get("topk_group", 1)
+    first_dense = c.get("first_k_dense_replace", 1)
+    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
+        raise ModelLoadError(f"first_k_dense_replace {first_dense!r}: must be a non-negative integer")
+    if experts % groups or experts // groups < 2:
+        raise ModelLoadError(f"n_routed_experts {experts} cannot be split into n_group {groups} groups of 2 or more")
+    if topk_group > groups or topk_group * (experts // groups) < top_k:
+        raise ModelLoadError(f"topk_group {topk_group} of n_group {groups} groups hold fewer than "
+                             f"num_experts_per_tok {top_k} experts")
+    return dict(scoring_func="sigmoid", num_expert_group=groups, topk_group=topk_group,
+                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
+
+
+def _glm4_moe_config(c: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5's config.json with what transformers fills in where it is left out: a rotary half of
+    each head (partial_rotary_factor 0.5)."""
+    if c.get("partial_rotary_factor") is None and _rope_params(c).get("partial_rotary_factor") is None:
+        c = {**c, "partial_rotary_factor": 0.5}
+    return c
+
+
+def _check_olmoe_and_granite_moe(arch: str, c: dict[str, Any]) -> None:
+    """What transformers' OLMoE and GraniteMoe can be configured to do that nanoserve does not
+    (their released checkpoints do none of it)."""
+    if arch not in ("OlmoeForCausalLM", *GRANITE_MOE_ARCHITECTURES):
+        return
+    if c.get("attention_bias"):  # transformers puts one on o_proj too, which nanoserve's has not
+        raise ModelLoadError(f"{arch} with attention_bias is not supported (its released checkpoints leave it off)")
+    if arch != "OlmoeForCausalLM":
+        return
+    if c.get("clip_qkv") is not None:
+        raise ModelLoadError(f"OlmoeForCausalLM with clip_qkv {c['clip_qkv']!r} is not supported (q, k and v "
+                             "are not clipped here; OLMoE-1B-7B leaves it null)")
+    if c.get("sliding_window") is not None:
+        raise ModelLoadError("OlmoeForCausalLM with a sliding_window is not supported")
+    head_dim, whole = c.get("head_dim"), c["hidden_size"] // c["num_attention_heads"]
+    if head_dim is not None and head_dim != whole:  # its q_norm is hidden_size wide, which q then is not
+        raise ModelLoadError(f"OlmoeForCausalLM with head_dim {head_dim} (not hidden_size / num_attention_heads, "
+                             f"{whole}) is not supported: its q norm is hidden_size wide")
 
 
 # What transformers' Gemma3TextConfig fills in for a key config.json leaves out: the hub's
@@ -480,9 +572,10 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
 def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that use it, as transformers reads them: every layer of
     Mistral's, Mixtral's and Phi-3's; Gemma 2's and 3's ``layer_types``; with Qwen's use_sliding_window, those
-    ``layer_types`` names (by default the layers from max_window_layers on); none of Llama's or Granite's."""
+    ``layer_types`` names (by default the layers from max_window_layers on); none of Llama's or Granite's
+    (dense or MoE)."""
     window, n = c.get("sliding_window"), c["num_hidden_layers"]
-    if window is None or arch in ("LlamaForCausalLM", "GraniteForCausalLM"):
+    if window is None or arch in ("LlamaForCausalLM", *GRANITE_ARCHITECTURES):
         return None, ()
     if arch == "Phi3ForCausalLM":  # every layer (Phi-3-mini-4k's 2047); one no sequence outgrows is none
         return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
@@ -506,11 +599,12 @@ def num_parameters(cfg: ModelConfig) -> int:
     layer = H * qkv + cfg.num_heads * D * H + 2 * H
     layer += qkv if cfg.attention_bias else 0
     layer += 2 * D if cfg.qk_norm else 0
+    layer += (cfg.num_heads + cfg.num_kv_heads) * D if cfg.qk_norm_whole else 0
     layer += 2 * H if cfg.gemma else 0  # its norms before and after the MLP
     # every expert is held (a token runs top-k of them, the memory is all of them), with the router
-    # and Qwen2-MoE's shared expert and its gate
+    # and the shared expert (and Qwen2-MoE's gate of it)
     sparse = cfg.num_experts * (3 * H * cfg.moe_intermediate_size + H)
-    sparse += 3 * H * cfg.shared_expert_intermediate_size + H if cfg.shared_expert_intermediate_size else 0
+    sparse += 3 * H * cfg.shared_expert_intermediate_size + (H if cfg.shared_expert_gate else 0)
     mlps = len(cfg.moe_layers) * sparse + (cfg.num_layers - len(cfg.moe_layers)) * 3 * H * I
     heads = 1 if cfg.tie_word_embeddings else 2
     return heads * cfg.vocab_size * H + cfg.num_layers * layer + mlps + H
@@ -627,16 +721,25 @@ class TPGroup:
     worker (a gloo broadcast's root waits for every receiver, so one hung
     worker would hang it for good), and a hung worker is then caught by the
     forward's collective timeout. World size 1 needs no group: every
-    collective is then the identity."""
+    collective is then the identity. ``reduce_results`` False (``partial()``): the
+    group of a layer whose partial sums its caller reduces, once for several
+    (vLLM's reduce_results=False), whose all_reduce is then the identity too."""
     rank: int = 0
     world_size: int = 1
     cpu_group: Any = None
     store: Any = None
+    reduce_results: bool = True
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.world_size > 1:
+        if self.world_size > 1 and self.reduce_results:
             dist.all_reduce(x)
         return x
+
+    def partial(self) -> "TPGroup":
+        """This group for a layer that leaves its partial sums to its caller's one all-reduce.
+        (The layer's tp, not a flag on it: a backend that replaces the layer, cpu_backend's,
+        reduces with the tp it takes from it.)"""
+        return dataclasses.replace(self, reduce_results=False)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor | None:
         """Every rank's ``x`` concatenated along the last dim, on rank 0 (None on the others)."""
@@ -712,13 +815,17 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
             problems.append(f"num_key_value_heads={kv} and tensor_parallel_size={tp_size}: one must divide "
                             f"the other (KV heads are split, or replicated when there are fewer than ranks)")
         # the widths this model splits, by config.json's names: a dense layer's (if there is one: a MoE model's
-        # every layer may be sparse), every expert's (vLLM splits each, as a dense MLP's; Mixtral's is its
-        # intermediate_size), Qwen2-MoE's shared expert's
+        # every layer may be sparse), every expert's (vLLM splits each, as a dense MLP's; Mixtral's, OLMoE's
+        # and Granite's is their intermediate_size), the shared expert's
         sizes = {"intermediate_size": cfg.intermediate_size} if cfg.num_layers > len(cfg.moe_layers) else {}
         if cfg.num_experts:
-            experts = "intermediate_size" if cfg.architecture == "MixtralForCausalLM" else "moe_intermediate_size"
+            experts = ("intermediate_size" if cfg.architecture in EXPERTS_OF_INTERMEDIATE_SIZE
+                       else "moe_intermediate_size")
             sizes[experts] = cfg.moe_intermediate_size
-        sizes["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+        shared = {"GraniteMoeSharedForCausalLM": "shared_intermediate_size",
+                  "Glm4MoeForCausalLM": "moe_intermediate_size * n_shared_experts"}.get(
+                      cfg.architecture, "shared_expert_intermediate_size")
+        sizes[shared] = cfg.shared_expert_intermediate_size
         problems += [f"{k}={v} is not divisible by tensor_parallel_size={tp_size}" for k, v in sizes.items()
                      if v % tp_size]
     if problems:
@@ -812,12 +919,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(Linear):
     """Y = XA with A's input columns split across ranks: each rank multiplies the
     slice of X it already holds (a column-parallel layer's output) and one
-    all-reduce sums the partial products."""
+    all-reduce sums the partial products (``reduce_results`` False: the caller's)."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, reduce_results: bool = True):
         super().__init__(in_features // tp.world_size, out_features)
         self.full_in_features = in_features
-        self.tp = tp
+        self.tp = tp if reduce_results else tp.partial()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(F.linear(x, self.weight))
@@ -967,6 +1074,29 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
 
 
+class ShardedRMSNorm(nn.Module):
+    """An RMSNorm over a dim that tensor parallelism splits (OLMoE's q and k norms, over all heads):
+    a rank holds its slice of the weight, from ``start``, and its slice of x; the mean square
+    is the all-reduced sum of the ranks' squares over ``world_size`` slices' widths (exact where
+    ranks replicate KV heads too: each is then counted as often as there are replicas, in both).
+    One rank: the backend's rms_norm, every other norm's."""
+
+    def __init__(self, full_dim: int, dim: int, start: int, eps: float, backend: Backend, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.full_dim, self.start, self.eps, self.backend, self.tp = full_dim, start, eps, backend, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return self.backend.rms_norm(x, self.weight, self.eps)
+        squares = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True))
+        mean_square = squares / (self.tp.world_size * x.shape[-1])
+        return self.weight * (x.float() * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        param.copy_(_read(loaded, (self.full_dim,), 0, self.start, param.shape[0]))
+
+
 class Attention(nn.Module):
     """Under tensor parallelism a rank computes its own heads: q/k/v come split by
     heads, its KV cache holds only its KV heads, and o_proj sums the ranks' parts."""
@@ -984,6 +1114,11 @@ class Attention(nn.Module):
         norm = GemmaRMSNorm if cfg.gemma else RMSNorm
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
+        self.qk_norm_whole = cfg.qk_norm_whole
+        if self.qk_norm_whole:  # OLMoE's: this rank's q (and k) rows, the mean square over all the ranks'
+            (q_full, kv_full, _), qkv, eps = self.qkv_proj.full_sizes, self.qkv_proj, cfg.rms_norm_eps
+            self.q_norm = ShardedRMSNorm(q_full, self.q_size, qkv.shard_rank(0) * self.q_size, eps, backend, tp)
+            self.k_norm = ShardedRMSNorm(kv_full, self.kv_size, qkv.shard_rank(1) * self.kv_size, eps, backend, tp)
         self.rotary_emb = rotary_emb
         self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.sliding_window = sliding_window  # None: every earlier position is visible
@@ -997,10 +1132,12 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm_whole:  # OLMoE: an RMSNorm over all of q's heads together, one over k's
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 (and its MoE), Gemma 3: an RMSNorm over each head of q and of k
+        if self.q_norm is not None and not self.qk_norm_whole:  # Qwen3 (and its MoE), Gemma 3: each head's
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
         # The step's new K and V go into the paged cache first, so that attention
@@ -1013,11 +1150,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup, intermediate_size: int | None = None):
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
         super().__init__()
-        inter = intermediate_size or cfg.intermediate_size  # Qwen2-MoE's shared expert: a width of its own
+        inter = intermediate_size or cfg.intermediate_size  # a shared expert's: a width of its own
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter] * 2, False, tp)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, tp, reduce_results)
         self.act_and_mul = getattr(backend, kernels.act_and_mul_name(cfg))  # Gemma's GELU-tanh, else SiLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1042,20 +1180,57 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return topk_weights.to(weights_dtype), topk_ids
 
 
+def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int, renormalize: bool,
+                 num_expert_group: int, topk_group: int,
+                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GLM-4.5's routing (vLLM's grouped_topk, as transformers' Glm4MoeTopkRouter), in fp32: sigmoid
+    scores; the bias added to choose with (not to weigh by); each group scored by its best two; the
+    top_k among the topk_group best groups' experts, weighted by their scores, renormalised if asked,
+    times routed_scaling_factor. Returns (topk_weights [T, k] fp32, topk_ids [T, k])."""
+    scores = router_logits.float().sigmoid()
+    choice = scores + e_score_correction_bias
+    T, E = choice.shape
+    group_scores = choice.view(T, num_expert_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    expert_mask = group_mask.unsqueeze(-1).expand(T, num_expert_group, E // num_expert_group).reshape(T, E)
+    topk_ids = torch.topk(choice.masked_fill(~expert_mask.bool(), float("-inf")), k=top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_weights * routed_scaling_factor, topk_ids
+
+
+class Fp32Router(nn.Module):
+    """GLM-4.5's router: an fp32 weight scoring fp32 activations (transformers keeps it fp32 in a bf16
+    model, as vLLM does), and the fp32 e_score_correction_bias grouped_topk chooses with. Not a
+    ``Linear``: a backend that repacks the linear layers leaves it as it is."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
 class FusedMoE(nn.Module):
     """A layer's experts as two 3-D weights (vLLM's FusedMoE): ``w13_weight [E, 2 * I, H]``,
     each expert's gate rows then its up rows, and ``w2_weight [E, H, I]``. Under tensor
     parallelism every rank holds every expert, its slice of each one's intermediate dim I (the
     gate and up rows, down's columns: Megatron's split of each expert's MLP), and one all-reduce
-    sums the ranks' partial outputs, as RowParallelLinear's. The backend's fused_moe runs them."""
+    sums the ranks' partial outputs, as RowParallelLinear's (``reduce_results`` False: the
+    caller's). The backend's fused_moe runs them."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend, tp: TPGroup):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend, tp: TPGroup,
+                 reduce_results: bool = True):
         super().__init__()
         self.num_experts, self.full_intermediate_size = num_experts, intermediate_size
         self.intermediate_size = intermediate_size // tp.world_size  # this rank's
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
-        self.backend, self.tp = backend, tp
+        self.backend, self.tp = backend, (tp if reduce_results else tp.partial())
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.backend.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
@@ -1089,25 +1264,40 @@ class FusedMoE(nn.Module):
 class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP (transformers' *SparseMoeBlock): the router ``gate`` scores
     the experts, each token runs its top-k (FusedMoE), their outputs weighted by the routing;
-    Qwen2-MoE adds a shared expert every token runs, scaled by sigmoid(shared_expert_gate(x))."""
+    a shared expert every token runs added (Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)),
+    GraniteMoeShared's and GLM's not); GLM's routing is grouped_topk. Under tensor parallelism the
+    experts' partial sums and the shared expert's are added before one all-reduce, as vLLM's: the
+    gate is per token and every rank holds it whole, so scaling a rank's partial sum by it before
+    the sum is exact."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.gate = ReplicatedLinear(cfg.hidden_size, cfg.num_experts)
-        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, backend, tp)
+        self.grouped = cfg.scoring_func == "sigmoid"  # GLM-4.5's routing
+        self.gate = (Fp32Router if self.grouped else ReplicatedLinear)(cfg.hidden_size, cfg.num_experts)
+        self.grouping = (cfg.num_expert_group, cfg.topk_group, cfg.routed_scaling_factor)
+        self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, backend, tp,
+                                reduce_results=False)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.router_weights_fp32 = cfg.router_weights_fp32
         shared = cfg.shared_expert_intermediate_size
-        self.shared_expert = MLP(cfg, backend, tp, shared) if shared else None
-        self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1) if shared else None
+        self.shared_expert = MLP(cfg, backend, tp, shared, reduce_results=False) if shared else None
+        self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1) if shared and cfg.shared_expert_gate else None
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights_dtype = torch.float32 if self.router_weights_fp32 else x.dtype
-        topk_weights, topk_ids = fused_topk(self.gate(x), self.top_k, self.renormalize, weights_dtype)
+        if self.grouped:
+            topk_weights, topk_ids = grouped_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k,
+                                                  self.renormalize, *self.grouping)
+        else:
+            topk_weights, topk_ids = fused_topk(self.gate(x), self.top_k, self.renormalize, weights_dtype)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -1368,10 +1558,25 @@ _EXPERT_PARTS = {"w1": ("w13_weight", 0), "gate_proj": ("w13_weight", 0), "w3": 
 _EXPERT_STACKS = {"experts.gate_up_proj": "experts.w13_weight", "experts.down_proj": "experts.w2_weight"}
 
 
+# Granite's MoE tensors (block_sparse_moe renamed mlp before this matches): the hub's router.layer and its
+# experts stored stacked, input_linear [E, 2I, H] (each expert's gate rows, then its up rows) and
+# output_linear [E, H, I]; transformers 5's router; GraniteMoeShared's shared_mlp, its gate and up fused
+# -> (parameter, shard: None fills every one)
+_GRANITE_MOE_TENSORS = {"mlp.router.layer.weight": ("mlp.gate.weight", 0), "mlp.router.weight": ("mlp.gate.weight", 0),
+                        "mlp.input_linear.weight": ("mlp.experts.w13_weight", None),
+                        "mlp.output_linear.weight": ("mlp.experts.w2_weight", None),
+                        "shared_mlp.input_linear.weight": ("mlp.shared_expert.gate_up_proj.weight", None),
+                        "shared_mlp.output_linear.weight": ("mlp.shared_expert.down_proj.weight", 0)}
+
+
 def _expert_target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None:
     """A mixture-of-experts checkpoint tensor's FusedMoE parameter and shard (None: the whole
     stack), or None for a tensor that is not an expert's. An expert index past num_experts is
     left as it is named, so that it is reported as an unexpected tensor."""
+    if cfg.architecture in GRANITE_MOE_ARCHITECTURES:
+        for suffix, (param, shard) in _GRANITE_MOE_TENSORS.items():
+            if name.endswith(f".{suffix}"):
+                return name[:-len(suffix)] + param, shard
     m = _EXPERT_KEY.fullmatch(name)
     if m is not None:
         expert, (param, half) = int(m[2]), _EXPERT_PARTS[m[3]]
@@ -1404,6 +1609,11 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
         name = new + name[len(old):]
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, 0  # tied: the embedding is the head
+    if cfg.architecture == "Glm4MoeForCausalLM":
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        if m is not None and int(m[1]) >= cfg.num_layers:
+            return None, 0  # its multi-token-prediction layer (speculative decoding's, as vLLM skips it)
+        name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     if cfg.num_experts:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's hub name for its router and experts
         expert = _expert_target(name, cfg)
@@ -1785,9 +1995,9 @@ def load_lora(path: str | Path, model: CausalLM, max_rank: int) -> dict[str, tup
 
 
 def _targets_experts(key: str, cfg: ModelConfig) -> bool:
-    """Whether an adapter's tensor belongs to a sparse layer's MLP (vLLM serves no LoRA of
-    FusedMoE either, before its fused-MoE LoRA kernels)."""
-    m = re.match(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.", key)
+    """Whether an adapter's tensor belongs to a sparse layer's MLP, or GraniteMoeShared's shared_mlp
+    beside it (vLLM serves no LoRA of FusedMoE either, before its fused-MoE LoRA kernels)."""
+    m = re.match(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:mlp|block_sparse_moe|shared_mlp)\.", key)
     return m is not None and int(m[1]) in cfg.moe_layers
 
 

@@ -81,11 +81,12 @@ def _tokenizer_dir(root: str) -> str:
 
 # qwen3_moe: one mixture-of-experts model through every all-architecture test (tests/test_moe.py has all three)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma3", "gemma2", "qwen3_moe")
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoe", "granitemoeshared", "glm4_moe")
 
 
 def hf_config(arch: str, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4MoeConfig, GraniteConfig, GraniteMoeConfig,
+                              GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -125,6 +126,20 @@ def hf_config(arch: str, **overrides):
     elif arch == "qwen3_moe":  # q/k norm, head_dim not hidden / heads, the top-k renormalised, both layers sparse
         cls = Qwen3MoeConfig
         base.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    elif arch == "olmoe":  # q/k norms over all heads (k's 2 KV heads wide), every layer sparse, top 2 not renormalised
+        cls = OlmoeConfig
+        base.update(intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=None)
+    elif arch in ("granitemoe", "granitemoeshared"):  # Granite's scalars as "granite"'s; the shared expert 48 wide
+        cls = GraniteMoeSharedConfig if arch == "granitemoeshared" else GraniteMoeConfig
+        base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5,
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+        if arch == "granitemoeshared":
+            base.update(shared_intermediate_size=48)
+    elif arch == "glm4_moe":  # layer 0 dense (first_k_dense_replace), layer 1 sparse: 8 experts in 2 groups, the top 2
+        cls = Glm4MoeConfig  # from the best group, scaled; a shared expert; q/k norm and bias; a rotary half (default)
+        base.update(head_dim=32, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                    topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                    use_qk_norm=True, attention_bias=True)
     else:
         raise ValueError(arch)
     base.update(overrides)
@@ -145,6 +160,9 @@ def make_model(root: Path, arch: str = "qwen3", seed: int = 0, dtype=torch.float
         for p in model.parameters():
             if p.dim() >= 2:  # 3: transformers 5's stacks of experts
                 p.normal_(0, 0.08)
+        for name, b in model.named_buffers():  # GLM's router bias (a buffer, saved): not zero, so that it counts
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(_tokenizer_dir(str(root))).save_pretrained(out)
     return out

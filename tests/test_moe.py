@@ -1,8 +1,9 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) against transformers, the oracle:
-logits in one pass and in prefill chunks and greedy tokens through the engine; the experts loaded
-from the hub's per-expert tensors (what save_pretrained writes) and from transformers 5's stacks;
-the sizes checked, the parameters counted; what is refused (other MoE families, adapters of the
-experts); and two ranks splitting every expert."""
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe, GraniteMoeShared,
+GLM-4.5) against transformers, the oracle: logits in one pass and in prefill chunks and greedy tokens through
+the engine; the experts loaded from the hub's tensors (what save_pretrained writes: per expert, or
+Granite's stacks) and from transformers 5's stacks; the sizes checked, the parameters counted; what
+is refused (other MoE families and options, adapters of the experts); and two ranks splitting every
+expert, with one all-reduce a sparse layer."""
 from __future__ import annotations
 
 import shutil
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import ARCHS, MOE_ARCHS, hf_model
+from conftest import ARCHS, MOE_ARCHS, VOCAB, hf_model
 from nanoserve import LLM, LoRARequest, SamplingParams, kernels
 from nanoserve.model import (MLP, FusedMoE, ModelConfig, ModelLoadError, SparseMoeBlock, check_tensor_parallel,
                              load_model, num_parameters)
@@ -20,6 +21,9 @@ from test_lora import make_adapter, merged_model
 from test_parity import ATOL, LONG, PROMPTS, hf_logits, make_llm, nanoserve_logits, variant  # noqa: F401
 
 N_NEW = 8
+ARCH_NAMES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "olmoe": "OlmoeForCausalLM", "granitemoe": "GraniteMoeForCausalLM",
+              "granitemoeshared": "GraniteMoeSharedForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 GREEDY = SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW)
 
 
@@ -55,24 +59,34 @@ def test_layers_and_parameter_count_are_transformers_s(variant, arch):
     layers = load_model(path, torch.float32, torch.device("cpu"))[0].model.layers
     if arch == "qwen2_moe":  # layer 0 sparse with its gated shared expert, layer 1 dense (mlp_only_layers)
         assert isinstance(layers[0].mlp, SparseMoeBlock) and layers[0].mlp.shared_expert is not None
-        assert type(layers[1].mlp) is MLP
+        assert layers[0].mlp.shared_expert_gate is not None and type(layers[1].mlp) is MLP
+    elif arch == "glm4_moe":  # layer 0 dense (first_k_dense_replace), layer 1 sparse with its ungated shared expert
+        assert type(layers[0].mlp) is MLP and layers[1].mlp.shared_expert is not None
+        assert layers[1].mlp.shared_expert_gate is None and layers[1].mlp.grouped
+    elif arch == "granitemoeshared":  # every layer sparse, with its shared expert, ungated
+        assert all(isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.shared_expert is not None
+                   and layer.mlp.shared_expert_gate is None for layer in layers)
     else:
         assert all(isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.shared_expert is None for layer in layers)
 
 
 def test_sparse_layers_are_the_ones_transformers_builds():
-    """decoder_sparse_step and mlp_only_layers pick Qwen's sparse layers; Mixtral's are all."""
+    """decoder_sparse_step and mlp_only_layers pick Qwen's sparse layers; Mixtral's, OLMoE's and
+    Granite's are all (the last two given Qwen's keys, which they do not read); GLM's those from
+    first_k_dense_replace on."""
     from transformers import AutoModelForCausalLM
 
     from conftest import hf_config
-    for arch, overrides in [("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [3]}),
+    qwen_keys = {"decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    for arch, overrides in [("qwen3_moe", qwen_keys),
                             ("qwen2_moe", {"decoder_sparse_step": 1, "mlp_only_layers": [0, 2]}),
-                            ("mixtral", {})]:
+                            ("mixtral", {}), ("olmoe", qwen_keys), ("granitemoe", qwen_keys),
+                            ("glm4_moe", {"first_k_dense_replace": 2, **qwen_keys})]:
         hf_cfg = hf_config(arch, num_hidden_layers=5, **overrides)
-        hf_cfg.architectures = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                                 "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
+        hf_cfg.architectures = [ARCH_NAMES[arch]]
         hf = AutoModelForCausalLM.from_config(hf_cfg)
-        want = tuple(i for i, layer in enumerate(hf.model.layers) if hasattr(layer.mlp, "experts"))
+        want = tuple(i for i, layer in enumerate(hf.model.layers)
+                     if hasattr(getattr(layer, "mlp", None) or layer.block_sparse_moe, "experts"))
         assert ModelConfig.from_dict(hf_cfg.to_dict()).moe_layers == want, arch
 
 
@@ -86,15 +100,19 @@ def _copy_with(src: Path, out: Path, tensors: dict[str, torch.Tensor]) -> Path:
     return out
 
 
-def test_hub_and_transformers_5_expert_layouts_load_alike(variant, tmp_path):
-    """save_pretrained writes the hub's per-expert tensors (Mixtral's block_sparse_moe.experts.E.w1/w2/w3):
-    the parity test loads those. transformers 5's own stacks (mlp.experts.gate_up_proj [E, 2I, H],
-    down_proj [E, H, I]) load to the same logits."""
-    path = variant("mixtral")
+@pytest.mark.parametrize("arch,hub_key,stack_key", [
+    ("mixtral", "block_sparse_moe.experts.3.w3.weight", "mlp.experts.gate_up_proj"),
+    ("granitemoeshared", "block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj")])
+def test_hub_and_transformers_5_expert_layouts_load_alike(variant, tmp_path, arch, hub_key, stack_key):
+    """save_pretrained writes the hub's tensors (Mixtral's per expert, block_sparse_moe.experts.E.w1/w2/w3;
+    Granite's stacked, input_linear [E, 2I, H], output_linear and router.layer): the parity test loads
+    those. transformers 5's own stacks (experts.gate_up_proj [E, 2I, H], down_proj [E, H, I], Granite's
+    router.weight) load to the same logits."""
+    path = variant(arch)
     hub = load_file(str(path / "model.safetensors"))
-    assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in hub
+    assert f"model.layers.0.{hub_key}" in hub
     stacked = {k: v.contiguous() for k, v in hf_model(path).state_dict().items()}
-    assert stacked["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
+    assert stacked[f"model.layers.0.{stack_key}"].shape[0] == 4 and set(stacked) != set(hub)
     out = _copy_with(path, tmp_path / "stacked", stacked)
     torch.testing.assert_close(nanoserve_logits(make_llm(out), LONG, [20, 37]), hf_logits(hf_model(path), LONG),
                                atol=ATOL, rtol=ATOL)
@@ -116,11 +134,28 @@ def test_missing_or_unexpected_expert_tensors_are_load_errors(variant, tmp_path)
         make_llm(_copy_with(path, tmp_path / "wrong", wrong))
 
 
+def test_glm4_moe_loads_transformers_5_stacks_skips_its_mtp_layer_and_routes_in_fp32(variant, tmp_path):
+    """GLM-4.5's checkpoint holds a multi-token-prediction layer past num_hidden_layers (for speculative
+    decoding): it is not loaded, and not an unexpected tensor. transformers 5's stacked experts load to
+    the same logits. Its router and e_score_correction_bias stay fp32 in a bf16 model, as transformers
+    keeps them."""
+    path = variant("glm4_moe")
+    stacked = {k: v.contiguous() for k, v in hf_model(path).state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in stacked
+    mtp = {"model.layers.2.eh_proj.weight": torch.zeros(64, 128), "model.layers.2.mlp.experts.0.up_proj.weight":
+           torch.zeros(32, 64), "model.layers.2.shared_head.head.weight": torch.zeros(VOCAB, 64)}
+    out = _copy_with(path, tmp_path / "stacked", {**stacked, **mtp})
+    torch.testing.assert_close(nanoserve_logits(make_llm(out), LONG, [20, 37]), hf_logits(hf_model(path), LONG),
+                               atol=ATOL, rtol=ATOL)
+    gate = load_model(path, torch.bfloat16, torch.device("cpu"))[0].model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert gate.e_score_correction_bias.abs().sum() > 0  # conftest's, so that the parity test routes with it
+
+
 def _config(arch: str, **changes) -> dict:
     from conftest import hf_config
     c = hf_config(arch).to_dict()
-    c["architectures"] = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                           "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]]
+    c["architectures"] = [ARCH_NAMES[arch]]
     return {**c, **changes}
 
 
@@ -132,9 +167,20 @@ def _config(arch: str, **changes) -> dict:
     ("qwen3_moe", {"use_sliding_window": True, "sliding_window": 8}, r"use_sliding_window is not supported"),
     ("mixtral", {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
     ("qwen3_moe", {"architectures": ["DeepseekV3ForCausalLM"]}, r"unsupported architecture 'DeepseekV3ForCausalLM'"),
-    ("qwen3_moe", {"architectures": ["GraniteMoeForCausalLM"]}, r"'GraniteMoeForCausalLM' \(a mixture-of-experts"),
+    ("qwen3_moe", {"architectures": ["Ernie4_5_MoeForCausalLM"]}, r"'Ernie4_5_MoeForCausalLM' \(a mixture-of-exp"),
     ("qwen3_moe", {"architectures": ["GptOssForCausalLM"]}, r"unsupported architecture 'GptOssForCausalLM'"),
-], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek", "granitemoe", "gpt-oss"])
+    ("olmoe", {"clip_qkv": 8.0}, r"OlmoeForCausalLM with clip_qkv 8\.0 is not supported"),
+    ("olmoe", {"head_dim": 32}, r"head_dim 32 \(not hidden_size / num_attention_heads, 16\) is not supported"),
+    ("olmoe", {"sliding_window": 8}, r"OlmoeForCausalLM with a sliding_window is not supported"),
+    ("granitemoe", {"attention_bias": True}, r"GraniteMoeForCausalLM with attention_bias is not supported"),
+    ("granitemoeshared", {"shared_intermediate_size": -1}, r"shared_intermediate_size -1: sizes must be non-neg"),
+    ("glm4_moe", {"n_group": 3}, r"n_routed_experts 8 cannot be split into n_group 3 groups of 2 or more"),
+    ("glm4_moe", {"n_group": 4, "num_experts_per_tok": 3}, r"topk_group 1 of n_group 4 groups hold fewer than "
+                                                           r"num_experts_per_tok 3 experts"),
+    ("glm4_moe", {"n_shared_experts": -1}, r"n_shared_experts -1: must be a non-negative integer"),
+], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek", "ernie-moe", "gpt-oss",
+        "olmoe-clip-qkv", "olmoe-head-dim", "olmoe-window", "granite-attention-bias", "granite-shared-size",
+        "glm-groups", "glm-topk-group", "glm-shared"])
 def test_configs_nanoserve_cannot_serve_are_refused(arch, changes, message):
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(_config(arch, **changes))
@@ -151,9 +197,9 @@ def test_tensor_parallel_sizes_are_checked_for_the_experts():
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_top_k_left_out_of_config_json_is_transformers_default(arch):
     """A config.json without num_experts_per_tok routes as transformers reads it: its family's default
-    (Mixtral 2, Qwen2-MoE 4, Qwen3-MoE 8), not one number for all."""
+    (Mixtral 2, Qwen2-MoE 4, Qwen3-MoE 8, OLMoE 8, Granite 2, GLM 8), not one number for all."""
     from transformers import AutoConfig
-    c = _config(arch, num_experts=8, num_local_experts=8)
+    c = _config(arch, num_experts=8, num_local_experts=8, **({"n_group": 1} if arch == "glm4_moe" else {}))
     del c["num_experts_per_tok"]
     want = AutoConfig.for_model(c["model_type"], **{k: v for k, v in c.items() if k != "model_type"})
     assert ModelConfig.from_dict(c).num_experts_per_tok == want.num_experts_per_tok
@@ -181,10 +227,13 @@ def test_attention_adapters_serve_and_expert_adapters_are_refused(variant, tmp_p
         llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=LoRARequest("experts", 2, str(experts)))
 
 
-def test_tensor_parallel_splits_every_expert(variant):
+@pytest.mark.parametrize("arch,overrides", [("qwen2_moe", {}), ("olmoe", {"num_key_value_heads": 1})],
+                         ids=["qwen2_moe", "olmoe-replicated-kv"])
+def test_tensor_parallel_splits_every_expert(variant, arch, overrides):
     """Two ranks, each holding its half of every expert's intermediate dim (and of the shared expert
-    and the dense layer): transformers' greedy tokens, under chunked prefill."""
-    path = variant("qwen2_moe")
+    and the dense layer): transformers' greedy tokens, under chunked prefill. OLMoE's q and k norms
+    span the ranks' heads (and its one KV head, which both ranks hold)."""
+    path = variant(arch, **overrides)
     llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=32, max_model_len=128,
               max_num_batched_tokens=16, tensor_parallel_size=2)
     try:
@@ -205,6 +254,15 @@ def test_tensor_parallel_checks_the_widths_the_model_splits_by_their_config_name
     check_tensor_parallel(ModelConfig.from_dict(_config("qwen3_moe", intermediate_size=127)), 2)
     with pytest.raises(ValueError, match=r"ranks: intermediate_size=127 is not divisible"):  # its dense layer 1
         check_tensor_parallel(ModelConfig.from_dict(_config("qwen2_moe", intermediate_size=127)), 2)
+    with pytest.raises(ValueError, match=r"ranks: intermediate_size=33 is not divisible by tensor_parallel_size=2; "
+                                         r"shared_intermediate_size=47 is not divisible"):  # Granite's names
+        check_tensor_parallel(ModelConfig.from_dict(_config("granitemoeshared", intermediate_size=33,
+                                                            shared_intermediate_size=47)), 2)
+    with pytest.raises(ValueError, match=r"ranks: moe_intermediate_size=33 is not divisible by tensor_parallel_size=4; "
+                                         r"moe_intermediate_size \* n_shared_experts=66 is not divisible by "
+                                         r"tensor_parallel_size=4$"):  # GLM's shared expert: n of the experts' width
+        check_tensor_parallel(ModelConfig.from_dict(_config("glm4_moe", moe_intermediate_size=33, n_shared_experts=2,
+                                                            intermediate_size=132)), 4)
 
 
 def test_the_routed_experts_request_field_is_refused_as_not_implemented():
@@ -252,3 +310,34 @@ def test_the_lora_memory_check_counts_the_slots_of_a_moe_model(variant, world_si
     cfg, config = ModelConfig.from_dir(variant("qwen2_moe")), LoRAConfig(2, 8)
     model = build_model(cfg, torch.float32, torch.device("cpu"), kernels.TORCH, TPGroup(world_size - 1, world_size))
     assert wrap_lora_layers(model, config) == lora_slot_bytes(cfg, config, world_size, torch.float32)
+
+
+def test_a_sparse_layer_reduces_once_across_ranks(variant, monkeypatch):
+    """Qwen2-MoE's sparse layer on each of two ranks (their slices of its experts and shared expert,
+    from the same checkpoint) calls all_reduce once, on the sum of its experts' partial output and its
+    gated shared expert's; the ranks' partial sums add up to the one-rank layer's output."""
+    from nanoserve import model as model_module
+    from nanoserve.model import TPGroup, build_model, load_weights
+    path = variant("qwen2_moe")
+    cfg, calls = ModelConfig.from_dir(path), []
+    monkeypatch.setattr(model_module.dist, "all_reduce", lambda t: calls.append(t.shape))  # each rank's partial
+
+    def sparse_layer(rank: int, world_size: int) -> SparseMoeBlock:
+        model = build_model(cfg, torch.float32, torch.device("cpu"), kernels.TORCH, TPGroup(rank, world_size))
+        load_weights(model, path)
+        return model.model.layers[0].mlp
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = sparse_layer(0, 1)(x)
+        parts = [sparse_layer(rank, 2)(x) for rank in (0, 1)]
+    assert calls == [(5, cfg.hidden_size)] * 2  # one a rank
+    torch.testing.assert_close(parts[0] + parts[1], whole, atol=1e-5, rtol=1e-5)
+
+
+def test_an_adapter_of_granite_s_shared_mlp_is_refused_as_the_experts_are():
+    """GraniteMoeShared's shared_mlp sits beside block_sparse_moe, not under it: its adapter is named
+    an expert layer's (the load error says why), an attention adapter of the same layer is not."""
+    from nanoserve.model import _targets_experts
+    cfg = ModelConfig.from_dict(_config("granitemoeshared"))
+    assert _targets_experts("base_model.model.model.layers.1.shared_mlp.input_linear.lora_A.weight", cfg)
+    assert not _targets_experts("base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight", cfg)

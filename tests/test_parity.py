@@ -466,14 +466,13 @@ def _phi3_dict(**kw) -> dict:
 
 
 @pytest.mark.parametrize("config,message", [
-    ({"architectures": ["GraniteMoeForCausalLM"]}, r"'GraniteMoeForCausalLM' \(a mixture-of-experts model"),
     ({"architectures": ["GraniteMoeHybridForCausalLM"]}, r"mixture-of-experts.*GraniteForCausalLM"),
     (_phi3_dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 8}), "short_factor and long_factor"),
     (_phi3_dict(rope_scaling={"type": "su", "short_factor": [1.0] * 8, "long_factor": [1.0] * 7}),
      "need 8 values each"),
     (_phi3_dict(partial_rotary_factor=0.5625), "partial_rotary_factor 0.5625 of head_dim 16 gives 9 rotary dims"),
     ({**_phi3_dict(architectures=["GraniteForCausalLM"]), "mlp_bias": True}, "mlp_bias"),
-], ids=["granite-moe", "granite-4-hybrid", "longrope-no-long-factor", "su-factor-length", "odd-rotary-dims",
+], ids=["granite-4-hybrid", "longrope-no-long-factor", "su-factor-length", "odd-rotary-dims",
         "mlp-bias"])
 def test_granite_and_phi3_refusals(config, message):
     from nanoserve.model import ModelConfig, ModelLoadError
