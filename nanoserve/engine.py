@@ -1380,8 +1380,9 @@ class LLMEngine:
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
         self.loras: dict[int, LoRARequest] = {}  # the adapters loaded, by lora_int_id
         self.lora_loads: dict[int, int] = {}     # ... and which load each is (the prefix cache's salt)
-        # requests ended because their adapter could not be loaded again (caller id -> why), for the
-        # caller to pop: AsyncLLM fails each with it, LLM.generate raises it
+        # requests ended for what went wrong with them alone (caller id -> why: their adapter could not be
+        # loaded again, a custom logits processor raised), for the caller to pop: AsyncLLM fails each
+        # with it, LLM.generate raises it
         self.failed_requests: dict[str, str] = {}
         self.load_counter = itertools.count()
         self.serials = itertools.count()  # Request.serial's
@@ -1954,9 +1955,14 @@ class LLMEngine:
                                                     f"could not be loaded again: {failed[seq.lora_int_id]}"
                 seq.lora_int_id = None
         for request_id, why in ended.items():
-            logger.error("[engine] %s: %s", request_id, why)
-            self.abort_request(request_id)
-        self.failed_requests.update(ended)
+            self._fail_request(request_id, why)
+
+    def _fail_request(self, request_id: str, why: str) -> None:
+        """End a request (the id its caller knows) for what went wrong with it alone, and keep why
+        in failed_requests for the caller: the rest of the step and the engine carry on."""
+        logger.error("[engine] %s: %s", request_id, why)
+        self.abort_request(request_id)
+        self.failed_requests[request_id] = why
 
     def _land(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
         """The oldest step in flight: its results to the host, then into its requests
@@ -2047,6 +2053,9 @@ class LLMEngine:
                 continue
             req, result = s.request, next(sampled)
             if req.status.is_finished:  # aborted while the step ran (or, async, finished by the step before)
+                continue
+            if result.error is not None:  # a custom logits processor raised for it: it alone ends
+                self._fail_request(self._caller_id(req), result.error)
                 continue
             if result.token_id == NO_TOKEN:
                 status = self._end_without_token(req)
