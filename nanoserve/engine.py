@@ -1924,10 +1924,10 @@ class LLMEngine:
         if self.in_flight and not self.in_flight[0].may_run_ahead:
             outputs += yield from self._land()
         step = self.schedule_step()
+        if step is not None and self.runner.lora is not None:
+            step = yield from self._reload_loras(*step)
         if step is not None:
             flight, inputs = step
-            if self.runner.lora is not None:
-                yield from self._reload_loras(flight, inputs)
             for s in flight.sched.scheduled:
                 s.request.num_output_placeholders += s.samples
             launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
@@ -1937,25 +1937,45 @@ class LLMEngine:
             outputs += yield from self._land()
         return outputs
 
-    def _reload_loras(self, flight: StepInFlight, inputs: list[SeqInput]) -> Generator[tuple[Callable, ...], Any, None]:
+    def _reload_loras(self, flight: StepInFlight, inputs: list[SeqInput]
+                      ) -> Generator[tuple[Callable, ...], Any, tuple[StepInFlight, list[SeqInput]] | None]:
         """The step's adapters that max_cpu_loras dropped from host memory, read again from their paths on
         the model thread. A request whose adapter cannot be (its file gone since) is ended with why
-        (failed_requests) and its rows run the base model, their output dropped: the rest of the step runs."""
+        (failed_requests) and taken out of the step before it runs: the step, or None if none is left."""
         ids = {s.lora_int_id for s in inputs} - {None}
         if all(self.runner.lora.resident(i) for i in ids):
             # reload_loras' keep all the same: a runtime load_lora_adapter may run on the model thread before
             # this step's launch, and must not drop a host copy the step's slots are filled from
             self.runner.lora_keep = sorted(ids)
-            return
+            return flight, inputs
         failed = yield self.runner.reload_loras, {i: self.loras[i].lora_path for i in ids}, self.config.max_lora_rank
         ended = {}
         for s, seq in zip(flight.sched.scheduled, inputs):
             if seq.lora_int_id in failed:
                 ended[self._caller_id(s.request)] = f"the LoRA adapter {self.loras[seq.lora_int_id].lora_name!r} " \
                                                     f"could not be loaded again: {failed[seq.lora_int_id]}"
-                seq.lora_int_id = None
         for request_id, why in ended.items():
             self._fail_request(request_id, why)
+        return self._without_finished(flight, inputs)
+
+    def _without_finished(self, flight: StepInFlight, inputs: list[SeqInput]
+                          ) -> tuple[StepInFlight, list[SeqInput]] | None:
+        """A step not launched yet without the requests ended since it was scheduled (None, and out of
+        in_flight, if none is left). The blocks they were to fill this step were freed unwritten: their
+        prefix hashes, registered as the step was scheduled, are forgotten."""
+        scheduled = flight.sched.scheduled
+        keep = [i for i, s in enumerate(scheduled) if not s.request.status.is_finished]
+        if len(keep) == len(scheduled):
+            return flight, inputs
+        bm = self.scheduler.block_manager
+        for s in scheduled:
+            if s.request.status.is_finished:
+                bm.forget_unwritten(s.block_table[s.start // bm.block_size:])
+        flight.sched.scheduled = [scheduled[i] for i in keep]
+        if not keep:
+            self.in_flight.remove(flight)
+            return None
+        return flight, [inputs[i] for i in keep]
 
     def _fail_request(self, request_id: str, why: str) -> None:
         """End a request (the id its caller knows) for what went wrong with it alone, and keep why
