@@ -2119,10 +2119,11 @@ class LLMEngine:
             return None
         return flight, [inputs[i] for i in keep]
 
-    def _fail_request(self, request_id: str, why: str) -> None:
+    def _fail_request(self, request_id: str, why: str, detail: str | None = None) -> None:
         """End a request (the id its caller knows) for what went wrong with it alone, and keep why
-        in failed_requests for the caller: the rest of the step and the engine carry on."""
-        logger.error("[engine] %s: %s", request_id, why)
+        in failed_requests for the caller (``detail``, if given, is for the log only, as a failed step's
+        traceback): the rest of the step and the engine carry on."""
+        logger.error("[engine] %s: %s", request_id, detail or why)
         self.abort_request(request_id)
         self.failed_requests[request_id] = why
 
@@ -2217,7 +2218,9 @@ class LLMEngine:
             if req.status.is_finished:  # aborted while the step ran (or, async, finished by the step before)
                 continue
             if result.error is not None:  # a custom logits processor raised for it: it alone ends
-                self._fail_request(self._caller_id(req), result.error)
+                self._fail_request(self._caller_id(req), f"the logits processor {result.error.processor} failed "
+                                                         f"for this request; the server log has the details",
+                                   detail=str(result.error))
                 continue
             if result.token_id == NO_TOKEN:
                 status = self._end_without_token(req)

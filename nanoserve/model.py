@@ -1880,7 +1880,7 @@ class SamplerOutput:
     token_ids: torch.Tensor
     packed: torch.Tensor
     num_logprobs: list[int | None]
-    failed: dict[int, str] = field(default_factory=dict)  # rows a custom processor failed for: why (not in packed)
+    failed: dict[int, LogitsProcessorFailed] = field(default_factory=dict)  # rows a custom processor failed for
 
     def results(self) -> list[SampleResult]:
         host = self.packed.tolist()
@@ -1902,7 +1902,7 @@ class SampleResult:
     logprob: float | None = None                     # of the sampled token (raw logits)
     top_logprobs: list[tuple[int, float]] | None = None
     rank: int | None = None                          # of the sampled token, as vLLM ranks it
-    error: str | None = None                         # why the row failed (a custom logits processor raised)
+    error: LogitsProcessorFailed | None = None       # why the row failed (a custom logits processor raised)
 
 
 # --------------------------------------------------------------------------- custom logits processors
@@ -2011,11 +2011,12 @@ class AdapterLogitsProcessor(LogitsProcessor):
 
 
 class LogitsProcessorFailed(Exception):
-    """A custom processor raised (its update_state or apply): the sampler finds the rows it fails for."""
+    """A custom processor raised (its update_state or apply): the sampler finds the rows it fails for.
+    Its words are for the log; a client is told only which processor (``processor``)."""
 
     def __init__(self, processor: LogitsProcessor, error: Exception):
-        super().__init__(f"the logits processor {type(processor).__name__} failed: "
-                         f"{type(error).__name__}: {first_line(error)}")
+        self.processor = type(processor).__name__
+        super().__init__(f"the logits processor {self.processor} failed: {type(error).__name__}: {first_line(error)}")
 
 
 class LogitsProcessorBatch:
@@ -2120,12 +2121,12 @@ class Sampler:
             try:
                 self._sample_batch(logits[i:i + 1], [r])
             except LogitsProcessorFailed as e:
-                failed[i] = str(e)
+                failed[i] = e
         keep = [i for i in range(len(rows)) if i not in failed]
         try:
             out = self._sample_batch(logits[keep], [rows[i] for i in keep]) if keep else None
         except LogitsProcessorFailed as e:
-            failed.update(dict.fromkeys(keep, str(e)))
+            failed.update(dict.fromkeys(keep, e))
             out = None
         token_ids = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # a failed row's: any valid id
         if out is None:

@@ -304,7 +304,7 @@ class Boom(TargetToken):
 
     def apply(self, logits):
         if self.booms:
-            raise RuntimeError("boom")
+            raise RuntimeError("secret-internal-detail")
         return super().apply(logits)
 
 
@@ -335,19 +335,25 @@ def _run_engine(engine, prompts, params):
     return outs, failed
 
 
-@pytest.mark.parametrize("processor, bad", [(Boom, {"boom": True}), (BoomPerRequest, {"bad_index": 1}),
-                                            (BoomPerRequest, {"bad_arity": 1})], ids=["apply", "adapter", "update"])
-def test_a_processor_that_raises_fails_only_the_requests_it_raises_for(tiny_model, plain, processor, bad):
-    """One request of four makes the processor raise: it alone fails, with the processor's name and error;
-    the others, greedy and seeded, sample what they do in a batch without it; the engine serves on."""
+@pytest.mark.parametrize("processor, bad, error", [
+    (Boom, {"boom": True}, "RuntimeError: secret-internal-detail"),
+    (BoomPerRequest, {"bad_index": 1}, "IndexError: index 1000000000 is out of bounds"),
+    (BoomPerRequest, {"bad_arity": 1}, "ValueError: a request's logits processor takes")],
+                         ids=["apply", "adapter", "update"])
+def test_a_processor_that_raises_fails_only_the_requests_it_raises_for(tiny_model, plain, processor, bad, error,
+                                                                       caplog):
+    """One request of four makes the processor raise: it alone fails, named by the processor (its error in the
+    log only, as a failed step's); the others, greedy and seeded, sample what they do in a batch without it;
+    the engine serves on."""
     engine = _llm(tiny_model, processor).engine
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, extra_args=bad),
               SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)]
     outs, failed = _run_engine(engine, PROMPTS, params)
-    assert list(failed) == ["r1"] and f"the logits processor {processor.__name__} failed: " in failed["r1"]
-    assert ("RuntimeError: boom" if processor is Boom else "Error: ") in failed["r1"]
+    assert failed == {"r1": f"the logits processor {processor.__name__} failed for this request; the server log "
+                            f"has the details"}
+    assert f"r1: the logits processor {processor.__name__} failed: {error}" in caplog.text
     keep = [0, 2, 3]
     want = plain.generate([PROMPTS[i] for i in keep], [params[i] for i in keep], use_tqdm=False)
     assert [outs[f"r{i}"] for i in keep] == [o.outputs[0].token_ids for o in want]
@@ -358,15 +364,15 @@ def test_a_processor_that_raises_fails_only_the_requests_it_raises_for(tiny_mode
 def test_a_raising_processor_is_the_llm_s_request_failed_error_and_the_server_s_500(tiny_model):
     from nanoserve.engine import RequestFailedError
     llm = _llm(tiny_model, Boom)
-    with pytest.raises(RequestFailedError, match=r"the logits processor Boom failed: RuntimeError: boom"):
+    with pytest.raises(RequestFailedError, match=r"the logits processor Boom failed for this request"):
         llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, extra_args={"boom": True}), use_tqdm=False)
     assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
     with ServerThread(tiny_model, "--logits-processors", "test_logits_processors:Boom") as s:
         body = {"model": str(tiny_model), "prompt": [5, 9, 11], "max_tokens": 4, "temperature": 0}
         bad = httpx.post(s.url + "/v1/completions", json={**body, "vllm_xargs": {"boom": True}},
                          timeout=60)
-        assert bad.status_code == 500
-        assert "the logits processor Boom failed: RuntimeError: boom" in bad.json()["error"]["message"]
+        assert bad.status_code == 500 and "the logits processor Boom failed" in bad.json()["error"]["message"]
+        assert "secret" not in bad.text and "RuntimeError" not in bad.text
         ok = httpx.post(s.url + "/v1/completions", json={**body, "vllm_xargs": {"target_token": 77},
                                                          "return_token_ids": True}, timeout=60)
         assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == [77] * 4
