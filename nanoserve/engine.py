@@ -2119,11 +2119,12 @@ class LLMEngine:
             return None
         return flight, [inputs[i] for i in keep]
 
-    def _fail_request(self, request_id: str, why: str, detail: str | None = None) -> None:
+    def _fail_request(self, request_id: str, why: str, detail: str | None = None,
+                      error: BaseException | None = None) -> None:
         """End a request (the id its caller knows) for what went wrong with it alone, and keep why
-        in failed_requests for the caller (``detail``, if given, is for the log only, as a failed step's
-        traceback): the rest of the step and the engine carry on."""
-        logger.error("[engine] %s: %s", request_id, detail or why)
+        in failed_requests for the caller (``detail``, if given, and ``error``'s traceback are for the
+        log only, as a failed step's): the rest of the step and the engine carry on."""
+        logger.error("[engine] %s: %s", request_id, detail or why, exc_info=error)
         self.abort_request(request_id)
         self.failed_requests[request_id] = why
 
@@ -2202,7 +2203,8 @@ class LLMEngine:
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
                     prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
         """A step's results into the requests: sampled tokens (``results``, one per
-        sequence that samples) and prompt logprobs (by the sequence's index)."""
+        sequence that samples) and prompt logprobs (by the sequence's index). A request
+        whose results raise here ends alone (_fail_output), not the step."""
         outputs: dict[str, RequestOutput] = {}
         sampled = iter(results)
         now = time.monotonic()
@@ -2210,35 +2212,45 @@ class LLMEngine:
         # This loop and what it calls run once per request per step: the status's plain attribute is read
         # rather than the is_finished property, counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
-            if prompt_logprobs and i in prompt_logprobs:
-                self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
-            if not s.samples:
-                continue
-            req, result = s.request, next(sampled)
-            if req.status.is_finished:  # aborted while the step ran (or, async, finished by the step before)
-                continue
-            if result.error is not None:  # a custom logits processor raised for it: it alone ends
-                self._fail_request(self._caller_id(req), f"the logits processor {result.error.processor} failed "
-                                                         f"for this request; the server log has the details",
-                                   detail=str(result.error))
-                continue
-            if result.token_id == NO_TOKEN:
-                status = self._end_without_token(req)
-            else:
-                self._append_token(req, result, now)
-                num_generated += 1
-                if req.grammar is not None:
-                    req.grammar.accept(result.token_id)
-                if req.thinking is not None:
-                    req.thinking.accept(result.token_id)
-                status = self._check_stop(req)
-            if status is not None:
-                self.scheduler.finish_request(req.request_id, status)
-                self.stats_counters["num_finished"] += 1
-            if req.status.is_finished or req.output_kind.every_step and req.stream_due():
-                self._collect(outputs, req)
+            result = next(sampled) if s.samples else None
+            try:
+                if prompt_logprobs and i in prompt_logprobs:
+                    self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
+                req = s.request
+                # no sample, or aborted while the step ran (or, async, finished by the step before)
+                if result is None or req.status.is_finished:
+                    continue
+                if result.error is not None:  # a custom logits processor raised for it: it alone ends
+                    self._fail_request(self._caller_id(req), f"the logits processor {result.error.processor} "
+                                                             f"failed for this request; the server log has the "
+                                                             f"details", detail=str(result.error))
+                    continue
+                if result.token_id == NO_TOKEN:
+                    status = self._end_without_token(req)
+                else:
+                    self._append_token(req, result, now)
+                    num_generated += 1
+                    if req.grammar is not None:
+                        req.grammar.accept(result.token_id)
+                    if req.thinking is not None:
+                        req.thinking.accept(result.token_id)
+                    status = self._check_stop(req)
+                if status is not None:
+                    self.scheduler.finish_request(req.request_id, status)
+                    self.stats_counters["num_finished"] += 1
+                if req.status.is_finished or req.output_kind.every_step and req.stream_due():
+                    self._collect(outputs, req)
+            except Exception as e:  # a bug met by this request's output (its text, stops, grammar): it alone ends
+                self._fail_output(outputs, s.request, e)
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
+
+    def _fail_output(self, outputs: dict[str, RequestOutput], req: Request, error: Exception) -> None:
+        """End a request whose step output could not be taken in (nothing of this step goes out for it)."""
+        request_id = self._caller_id(req)
+        outputs.pop(request_id, None)
+        self._fail_request(request_id, "taking in this request's output failed; the server log has the details",
+                           f"taking in its output failed: {type(error).__name__}: {first_line(error)}", error)
 
     def _append_prompt_logprobs(self, req: Request, start: int, rows: list[TokenLogprobs]) -> None:
         """Positions start + 1 ... of the prompt (a recomputed chunk replaces what
@@ -2350,7 +2362,7 @@ class LLMEngine:
     def _collect(self, outputs: dict[str, RequestOutput], req: Request) -> None:
         if self.beam_children and (child := self.beam_children.get(req.request_id)):
             self._beam_landed(outputs, *child, req)
-            del self.beam_children[req.request_id]  # only now: if the search raised, fail_step names it
+            del self.beam_children[req.request_id]  # only now: if the search raised, _fail_output names it
             return
         key = req.parent_id or req.request_id
         completion = self.completion_output(req)
