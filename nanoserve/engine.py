@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import enum
 import functools
@@ -35,13 +36,17 @@ import json
 import logging
 import math
 import os
+import pickle
 import re
+import subprocess
+import sys
 import threading
 import time
 import weakref
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Generator, Iterable, Sequence
 
 import torch
@@ -736,13 +741,15 @@ class StructuredOutputManager:
                                "outputs hold from the first token (not after the reasoning) and reasoning tokens "
                                "are not counted in the usage", reasoning_parser, " and ".join(THINK_TAGS))
         self.recent: collections.OrderedDict[str, Any] = collections.OrderedDict()  # by spec.key()
+        self.process: CompileProcess | None = None  # compile(stoppable=True)'s
         self.lock = threading.Lock()  # the server's grammar thread and the event loop both call compile
 
-    def compile(self, spec: StructuredOutputsParams | None):
+    def compile(self, spec: StructuredOutputsParams | None, ticket: threading.Event | None = None):
         """The compiled grammar of ``spec`` (None for None); InvalidInput naming it
         when it cannot be compiled. The server calls it ahead of time on a thread of
         its own, so that the event loop's call (add_request's) finds it here: xgrammar's
-        own cache could have dropped it meanwhile for others, under its byte bound."""
+        own cache could have dropped it meanwhile for others, under its byte bound.
+        With a ``ticket`` it compiles in the compile process, until stop_compile(ticket)."""
         if spec is None:
             return None
         key = spec.key()
@@ -751,7 +758,7 @@ class StructuredOutputManager:
                 self.recent.move_to_end(key)
                 return self.recent[key]
             compiler = self._compiler()
-        compiled = self._compile(compiler, spec)
+        compiled = self._compile(compiler if ticket is None else self.compile_process().compiler(ticket), spec)
         with self.lock:
             self.recent[key] = compiled
             if len(self.recent) > RECENT_GRAMMARS:
@@ -780,6 +787,22 @@ class StructuredOutputManager:
         last = last_think_tag(prompt_token_ids, self.think_ids)
         return None if last is None else "open" if prompt_token_ids[last] == self.think_ids[0] else "ended"
 
+    def compile_process(self) -> CompileProcess:
+        """The compile process of this tokenizer, started if it is not (seconds: the server calls this
+        before a compile's time limit starts)."""
+        with self.lock:
+            self._compiler()
+        if self.process is None:  # of() reads the whole vocabulary: not under the lock is_cached takes
+            self.process = CompileProcess.of(self.info, self.cache_bytes)
+        self.process.start()
+        return self.process
+
+    def stop_compile(self, ticket: threading.Event) -> None:
+        """End the ticket's compile (compile() raises), now or as it would start."""
+        ticket.set()
+        if self.process is not None:
+            self.process.stop(ticket)
+
     def _compiler(self):
         import xgrammar as xgr
         if self.tokenizer is None:
@@ -789,6 +812,7 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(self.eos_token_ids))
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
+            self.info = info  # the compile process's too
         return self.compiler
 
     def _compile(self, c, spec: StructuredOutputsParams):
@@ -812,6 +836,123 @@ class StructuredOutputManager:
             what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
                                                      f"{_XGRAMMAR_PREFIX.sub('', first_line(e))}") from None
+
+
+# The compile process's program: a GrammarCompiler over the tokenizer info it is sent ("ready" when built), then
+# compiles, each a (method, args, kwargs) in and (True, the grammar serialized) or (False, the error's words) out,
+# until its stdin closes.
+_COMPILE_PROCESS = r"""
+import os, pickle, sys
+import xgrammar as xgr
+src, dst = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+os.dup2(2, 1)  # what xgrammar prints goes to stderr, not into the replies
+info_json, cache_bytes = pickle.load(src)
+compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1,
+                               cache_limit_bytes=cache_bytes)
+pickle.dump("ready", dst)
+dst.flush()
+while True:
+    try:
+        method, args, kwargs = pickle.load(src)
+    except EOFError:
+        break
+    try:
+        reply = True, getattr(compiler, method)(*args, **kwargs).serialize_json()
+    except Exception as e:
+        reply = False, str(e)
+    pickle.dump(reply, dst)
+    dst.flush()
+"""
+
+
+class CompileStopped(RuntimeError):
+    pass
+
+
+class CompileProcess:
+    """A GrammarCompiler in a process of its own, which stop() kills, and with it the compile it runs:
+    xgrammar cannot stop a compile, and a small schema can take minutes (a pattern's a{50000}: the time
+    grows as the count squared). One compile at a time; the grammar comes back serialized. One per
+    tokenizer in the process (servers in one test process share it); started again by the next compile
+    after a stop. It costs a Python with xgrammar (and so torch) imported: seconds to start, ~250 MB."""
+    METHODS = ("compile_json_schema", "compile_regex", "compile_grammar", "compile_structural_tag")
+    _all: dict[str, CompileProcess] = {}
+    _all_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, info, cache_bytes: int) -> CompileProcess:
+        info_json = info.serialize_json()
+        key = hashlib.sha256(f"{cache_bytes}:{info_json}".encode()).hexdigest()
+        with cls._all_lock:
+            if key not in cls._all:
+                cls._all[key] = cls(info, info_json, cache_bytes)
+            return cls._all[key]
+
+    def __init__(self, info, info_json: str, cache_bytes: int):
+        self.info, self.info_json, self.cache_bytes = info, info_json, cache_bytes
+        self.process: subprocess.Popen | None = None
+        self.lock = threading.Lock()  # one compile at a time, and start()
+        self.state_lock = threading.Lock()  # compiling's, which stop() takes while a compile runs
+        self.compiling: tuple[threading.Event, subprocess.Popen] | None = None
+
+    def compiler(self, ticket: threading.Event) -> SimpleNamespace:
+        """A GrammarCompiler's stand-in, whose compile_* methods run here, until stop(ticket)."""
+        return SimpleNamespace(**{m: functools.partial(self._call, ticket, m) for m in self.METHODS})
+
+    def start(self) -> None:
+        """The process, started and ready if it is not (RuntimeError if it cannot be)."""
+        with self.lock:
+            if self.process is not None and self.process.poll() is None:
+                return
+            process = self.process = subprocess.Popen([sys.executable, "-c", _COMPILE_PROCESS],
+                                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            weakref.finalize(self, _end_process, process)  # at the latest at exit
+            try:
+                pickle.dump((self.info_json, self.cache_bytes), process.stdin)
+                process.stdin.flush()
+                ready = pickle.load(process.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError):
+                ready = None
+            if ready != "ready":
+                _end_process(process)
+                raise RuntimeError("the grammar compile process did not start; its stderr has why")
+
+    def stop(self, ticket: threading.Event) -> None:
+        """The ticket's compile ends (CompileStopped), now if it runs, else as it would start."""
+        with self.state_lock:
+            ticket.set()
+            if self.compiling is not None and self.compiling[0] is ticket:
+                self.compiling[1].kill()
+
+    def _call(self, ticket: threading.Event, method: str, *args, **kwargs):
+        import xgrammar as xgr
+        self.start()  # again after a stop
+        with self.lock:
+            with self.state_lock:
+                if ticket.is_set():
+                    raise CompileStopped("the compile was stopped")
+                process, self.compiling = self.process, (ticket, self.process)
+            try:
+                pickle.dump((method, args, kwargs), process.stdin)
+                process.stdin.flush()
+                ok, value = pickle.load(process.stdout)
+            except (OSError, EOFError, pickle.UnpicklingError):  # killed (stop), or died
+                _end_process(process)
+                raise CompileStopped("the compile was stopped") from None
+            finally:
+                with self.state_lock:
+                    self.compiling = None
+        if not ok:
+            raise RuntimeError(value)
+        return xgr.CompiledGrammar.deserialize_json(value, self.info)
+
+
+def _end_process(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait()
+    for pipe in (process.stdin, process.stdout):
+        with contextlib.suppress(OSError):
+            pipe.close()
 
 
 def _compile_structural_tag(compiler, tag: str | dict):
@@ -1381,8 +1522,9 @@ class LLMEngine:
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
         self.loras: dict[int, LoRARequest] = {}  # the adapters loaded, by lora_int_id
         self.lora_loads: dict[int, int] = {}     # ... and which load each is (the prefix cache's salt)
-        # requests ended because their adapter could not be loaded again (caller id -> why), for the
-        # caller to pop: AsyncLLM fails each with it, LLM.generate raises it
+        # requests ended for what went wrong with them alone (caller id -> why: their adapter could not be
+        # loaded again, a custom logits processor raised), for the caller to pop: AsyncLLM fails each
+        # with it, LLM.generate raises it
         self.failed_requests: dict[str, str] = {}
         self.load_counter = itertools.count()
         self.serials = itertools.count()  # Request.serial's
@@ -1924,10 +2066,10 @@ class LLMEngine:
         if self.in_flight and not self.in_flight[0].may_run_ahead:
             outputs += yield from self._land()
         step = self.schedule_step()
+        if step is not None and self.runner.lora is not None:
+            step = yield from self._reload_loras(*step)
         if step is not None:
             flight, inputs = step
-            if self.runner.lora is not None:
-                yield from self._reload_loras(flight, inputs)
             for s in flight.sched.scheduled:
                 s.request.num_output_placeholders += s.samples
             launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
@@ -1937,27 +2079,54 @@ class LLMEngine:
             outputs += yield from self._land()
         return outputs
 
-    def _reload_loras(self, flight: StepInFlight, inputs: list[SeqInput]) -> Generator[tuple[Callable, ...], Any, None]:
+    def _reload_loras(self, flight: StepInFlight, inputs: list[SeqInput]
+                      ) -> Generator[tuple[Callable, ...], Any, tuple[StepInFlight, list[SeqInput]] | None]:
         """The step's adapters that max_cpu_loras dropped from host memory, read again from their paths on
         the model thread. A request whose adapter cannot be (its file gone since) is ended with why
-        (failed_requests) and its rows run the base model, their output dropped: the rest of the step runs."""
+        (failed_requests) and taken out of the step before it runs: the step, or None if none is left."""
         ids = {s.lora_int_id for s in inputs} - {None}
         if all(self.runner.lora.resident(i) for i in ids):
             # reload_loras' keep all the same: a runtime load_lora_adapter may run on the model thread before
             # this step's launch, and must not drop a host copy the step's slots are filled from
             self.runner.lora_keep = sorted(ids)
-            return
+            return flight, inputs
         failed = yield self.runner.reload_loras, {i: self.loras[i].lora_path for i in ids}, self.config.max_lora_rank
         ended = {}
         for s, seq in zip(flight.sched.scheduled, inputs):
             if seq.lora_int_id in failed:
                 ended[self._caller_id(s.request)] = f"the LoRA adapter {self.loras[seq.lora_int_id].lora_name!r} " \
                                                     f"could not be loaded again: {failed[seq.lora_int_id]}"
-                seq.lora_int_id = None
         for request_id, why in ended.items():
-            logger.error("[engine] %s: %s", request_id, why)
-            self.abort_request(request_id)
-        self.failed_requests.update(ended)
+            self._fail_request(request_id, why)
+        return self._without_finished(flight, inputs)
+
+    def _without_finished(self, flight: StepInFlight, inputs: list[SeqInput]
+                          ) -> tuple[StepInFlight, list[SeqInput]] | None:
+        """A step not launched yet without the requests ended since it was scheduled (None, and out of
+        in_flight, if none is left). The blocks they were to fill this step were freed unwritten: their
+        prefix hashes, registered as the step was scheduled, are forgotten."""
+        scheduled = flight.sched.scheduled
+        keep = [i for i, s in enumerate(scheduled) if not s.request.status.is_finished]
+        if len(keep) == len(scheduled):
+            return flight, inputs
+        bm = self.scheduler.block_manager
+        for s in scheduled:
+            if s.request.status.is_finished:
+                bm.forget_unwritten(s.block_table[s.start // bm.block_size:])
+        flight.sched.scheduled = [scheduled[i] for i in keep]
+        if not keep:
+            self.in_flight.remove(flight)
+            return None
+        return flight, [inputs[i] for i in keep]
+
+    def _fail_request(self, request_id: str, why: str, detail: str | None = None,
+                      error: BaseException | None = None) -> None:
+        """End a request (the id its caller knows) for what went wrong with it alone, and keep why
+        in failed_requests for the caller (``detail``, if given, and ``error``'s traceback are for the
+        log only, as a failed step's): the rest of the step and the engine carry on."""
+        logger.error("[engine] %s: %s", request_id, detail or why, exc_info=error)
+        self.abort_request(request_id)
+        self.failed_requests[request_id] = why
 
     def _land(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
         """The oldest step in flight: its results to the host, then into its requests
@@ -2034,7 +2203,8 @@ class LLMEngine:
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
                     prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
         """A step's results into the requests: sampled tokens (``results``, one per
-        sequence that samples) and prompt logprobs (by the sequence's index)."""
+        sequence that samples) and prompt logprobs (by the sequence's index). A request
+        whose results raise here ends alone (_fail_output), not the step."""
         outputs: dict[str, RequestOutput] = {}
         sampled = iter(results)
         now = time.monotonic()
@@ -2042,30 +2212,45 @@ class LLMEngine:
         # This loop and what it calls run once per request per step: the status's plain attribute is read
         # rather than the is_finished property, counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
-            if prompt_logprobs and i in prompt_logprobs:
-                self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
-            if not s.samples:
-                continue
-            req, result = s.request, next(sampled)
-            if req.status.is_finished:  # aborted while the step ran (or, async, finished by the step before)
-                continue
-            if result.token_id == NO_TOKEN:
-                status = self._end_without_token(req)
-            else:
-                self._append_token(req, result, now)
-                num_generated += 1
-                if req.grammar is not None:
-                    req.grammar.accept(result.token_id)
-                if req.thinking is not None:
-                    req.thinking.accept(result.token_id)
-                status = self._check_stop(req)
-            if status is not None:
-                self.scheduler.finish_request(req.request_id, status)
-                self.stats_counters["num_finished"] += 1
-            if req.status.is_finished or req.output_kind.every_step and req.stream_due():
-                self._collect(outputs, req)
+            result = next(sampled) if s.samples else None
+            try:
+                if prompt_logprobs and i in prompt_logprobs:
+                    self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
+                req = s.request
+                # no sample, or aborted while the step ran (or, async, finished by the step before)
+                if result is None or req.status.is_finished:
+                    continue
+                if result.error is not None:  # a custom logits processor raised for it: it alone ends
+                    self._fail_request(self._caller_id(req), f"the logits processor {result.error.processor} "
+                                                             f"failed for this request; the server log has the "
+                                                             f"details", detail=str(result.error))
+                    continue
+                if result.token_id == NO_TOKEN:
+                    status = self._end_without_token(req)
+                else:
+                    self._append_token(req, result, now)
+                    num_generated += 1
+                    if req.grammar is not None:
+                        req.grammar.accept(result.token_id)
+                    if req.thinking is not None:
+                        req.thinking.accept(result.token_id)
+                    status = self._check_stop(req)
+                if status is not None:
+                    self.scheduler.finish_request(req.request_id, status)
+                    self.stats_counters["num_finished"] += 1
+                if req.status.is_finished or req.output_kind.every_step and req.stream_due():
+                    self._collect(outputs, req)
+            except Exception as e:  # a bug met by this request's output (its text, stops, grammar): it alone ends
+                self._fail_output(outputs, s.request, e)
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
+
+    def _fail_output(self, outputs: dict[str, RequestOutput], req: Request, error: Exception) -> None:
+        """End a request whose step output could not be taken in (nothing of this step goes out for it)."""
+        request_id = self._caller_id(req)
+        outputs.pop(request_id, None)
+        self._fail_request(request_id, "taking in this request's output failed; the server log has the details",
+                           f"taking in its output failed: {type(error).__name__}: {first_line(error)}", error)
 
     def _append_prompt_logprobs(self, req: Request, start: int, rows: list[TokenLogprobs]) -> None:
         """Positions start + 1 ... of the prompt (a recomputed chunk replaces what
@@ -2177,7 +2362,7 @@ class LLMEngine:
     def _collect(self, outputs: dict[str, RequestOutput], req: Request) -> None:
         if self.beam_children and (child := self.beam_children.get(req.request_id)):
             self._beam_landed(outputs, *child, req)
-            del self.beam_children[req.request_id]  # only now: if the search raised, fail_step names it
+            del self.beam_children[req.request_id]  # only now: if the search raised, _fail_output names it
             return
         key = req.parent_id or req.request_id
         completion = self.completion_output(req)

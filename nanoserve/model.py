@@ -2090,13 +2090,20 @@ class SamplerOutput:
     token_ids: torch.Tensor
     packed: torch.Tensor
     num_logprobs: list[int | None]
+    failed: dict[int, LogitsProcessorFailed] = field(default_factory=dict)  # rows a custom processor failed for
 
     def results(self) -> list[SampleResult]:
         host = self.packed.tolist()
         if self.packed.dim() == 1:
-            return [SampleResult(t) for t in host]
-        return [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w], r.rank)
-                for r, w in zip(unpack_logprob_rows(host), self.num_logprobs)]
+            done = [SampleResult(t) for t in host]
+        else:
+            done = [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w], r.rank)
+                    for r, w in zip(unpack_logprob_rows(host), self.num_logprobs)]
+        if not self.failed:
+            return done
+        rest = iter(done)
+        return [SampleResult(NO_TOKEN, error=self.failed[i]) if i in self.failed else next(rest)
+                for i in range(len(self.token_ids))]
 
 
 @dataclass(slots=True)
@@ -2105,6 +2112,7 @@ class SampleResult:
     logprob: float | None = None                     # of the sampled token (raw logits)
     top_logprobs: list[tuple[int, float]] | None = None
     rank: int | None = None                          # of the sampled token, as vLLM ranks it
+    error: LogitsProcessorFailed | None = None       # why the row failed (a custom logits processor raised)
 
 
 # --------------------------------------------------------------------------- custom logits processors
@@ -2212,6 +2220,15 @@ class AdapterLogitsProcessor(LogitsProcessor):
         return logits
 
 
+class LogitsProcessorFailed(Exception):
+    """A custom processor raised (its update_state or apply): the sampler finds the rows it fails for.
+    Its words are for the log; a client is told only which processor (``processor``)."""
+
+    def __init__(self, processor: LogitsProcessor, error: Exception):
+        self.processor = type(processor).__name__
+        super().__init__(f"the logits processor {self.processor} failed: {type(error).__name__}: {first_line(error)}")
+
+
 class LogitsProcessorBatch:
     """The custom processors, and the order of requests in their rows: vLLM's persistent batch,
     made here from each step's rows (only those that sample). A request keeps its row while
@@ -2228,10 +2245,16 @@ class LogitsProcessorBatch:
         update = None if ids == self.rows else self._batch_update(rows, ids)
         try:
             for p in self.processors:
-                p.update_state(update)
+                _call_processor(p, p.update_state, update)
         except BaseException:  # some processors saw the update, some not: the next one removes every row and
             self.rows = [-1] * len(self.rows)  # adds them again, for all of them (-1: no request's)
             raise
+
+    @staticmethod
+    def apply(processors: list[LogitsProcessor], logits: torch.Tensor) -> torch.Tensor:
+        for p in processors:
+            logits = _call_processor(p, p.apply, logits)
+        return logits
 
     def _batch_update(self, rows: list[SampleRequest], ids: list[int]) -> BatchUpdate:
         now = set(ids)
@@ -2262,6 +2285,15 @@ class LogitsProcessorBatch:
         return BatchUpdate(len(ids), [i for i in removed if i not in reused], added, moved)
 
 
+def _call_processor(p: LogitsProcessor, method: Callable, arg):
+    """A processor's method, whatever it raises (its own code: a bug, or a request it cannot take)
+    as a LogitsProcessorFailed, which fails only the requests it fails for (Sampler.sample)."""
+    try:
+        return method(arg)
+    except Exception as e:
+        raise LogitsProcessorFailed(p, e) from e
+
+
 class Sampler:
     """Batched sampling, in vLLM's order: logit bias and min_tokens -> penalties ->
     greedy or temperature -> min_p -> top-k/top-p -> sample. It runs where the
@@ -2282,7 +2314,37 @@ class Sampler:
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
         """logits [rows, vocab] in the model's dtype; every step but a greedy one
-        without bias or penalties works on an fp32 copy."""
+        without bias or penalties works on an fp32 copy. A custom processor that raises
+        fails only the rows it raises for (SamplerOutput.failed)."""
+        try:
+            return self._sample_batch(logits, rows)
+        except LogitsProcessorFailed as e:
+            logger.warning("[model] %s; finding the requests it fails for, a row at a time", e, exc_info=True)
+            return self._sample_isolating(logits, rows)
+
+    def _sample_isolating(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
+        """Each row sampled alone finds those a processor raises for; the rest are sampled again
+        together (all failed if it raises for them together). The processors see the rows
+        removed and added again (as a preempted request's): state they keep per row is rebuilt."""
+        failed = {}
+        for i, r in enumerate(rows):  # the unseeded rows' draws are thrown away: the generator moves on
+            try:
+                self._sample_batch(logits[i:i + 1], [r])
+            except LogitsProcessorFailed as e:
+                failed[i] = e
+        keep = [i for i in range(len(rows)) if i not in failed]
+        try:
+            out = self._sample_batch(logits[keep], [rows[i] for i in keep]) if keep else None
+        except LogitsProcessorFailed as e:
+            failed.update(dict.fromkeys(keep, e))
+            out = None
+        token_ids = torch.zeros(len(rows), dtype=torch.long, device=logits.device)  # a failed row's: any valid id
+        if out is None:
+            return SamplerOutput(token_ids, token_ids.new_empty(0), [], failed)
+        token_ids[to_device(keep, logits.device)] = out.token_ids
+        return SamplerOutput(token_ids, out.packed, out.num_logprobs, failed)
+
+    def _sample_batch(self, logits: torch.Tensor, rows: list[SampleRequest]) -> SamplerOutput:
         raw, none_left = logits, None
         ps = [r.params for r in rows]
         greedy = [p.temperature == 0.0 for p in ps]
@@ -2296,8 +2358,7 @@ class Sampler:
             logits = self._apply_bias_and_bans(logits.float(), rows)
             if custom is not None and custom.before:
                 logits = logits.clone() if logits is raw else logits  # raw: what logprobs read
-                for p in custom.before:
-                    logits = p.apply(logits)
+                logits = custom.apply(custom.before, logits)
             logits = self._apply_penalties(logits, rows)
             if _has_bias_or_bans(rows) or custom is not None:  # a row left all -inf would "sample" id 0: flag it
                 none_left = logits.amax(dim=-1).isneginf()
@@ -2381,8 +2442,8 @@ class Sampler:
             min_p = to_device([p.min_p for p in ps], dev)[:, None]
             threshold = probs.amax(dim=-1, keepdim=True) * min_p
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        for p in self.custom.after if self.custom is not None else ():
-            logits = p.apply(logits)
+        if self.custom is not None:
+            logits = self.custom.apply(self.custom.after, logits)
         logits = apply_top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
         sampled = self._draw(logits.softmax(dim=-1), self._uniforms(rows, dev))
         return torch.where(to_device(greedy, dev), argmax, sampled)

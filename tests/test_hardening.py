@@ -545,6 +545,43 @@ def test_a_failed_step_ends_only_its_requests(tiny_model, offline):
         s.wait_idle()
 
 
+class _BrokenDetokenizer:
+    def step(self, token_id):
+        raise RuntimeError("secret-internal-detail")
+
+
+def test_a_request_whose_output_cannot_be_taken_in_fails_alone(offline, caplog):
+    """A bug met by one request's output as its step lands (here its detokenizer raises) ends that request,
+    with words that show no internals (its traceback goes to the log); the others in its steps end as they
+    would without it, and LLM.generate raises RequestFailedError for it."""
+    from nanoserve.engine import RequestFailedError
+    engine, prompts = offline.engine, [[5, 9, 11, 3], [40, 41, 42], [100, 7, 7, 2]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, f"r{i}")
+    engine.scheduler.requests["r1"].detokenizer = _BrokenDetokenizer()
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    failed, engine.failed_requests = engine.failed_requests, {}
+    assert failed == {"r1": "taking in this request's output failed; the server log has the details"}
+    assert "r1: taking in its output failed: RuntimeError: secret-internal-detail" in caplog.text
+    want = offline.generate([prompts[0], prompts[2]], params, use_tqdm=False)
+    assert finals == {"r0": want[0].outputs[0].token_ids, "r2": want[1].outputs[0].token_ids}
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+    def broken_stop(req):
+        raise RuntimeError("secret-internal-detail")
+    engine._check_stop = broken_stop
+    try:
+        with pytest.raises(RequestFailedError, match="taking in this request's output failed"):
+            offline.generate([prompts[0]], params, use_tqdm=False)
+    finally:
+        del engine._check_stop
+    assert offline.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids == finals["r0"]
+
+
 def test_repeated_failures_turn_health_503(tiny_model):
     with ServerThread(tiny_model) as s:
         s.app.state.server.request_shutdown = None  # keep it up, to ask it (the CLI test sees the exit)

@@ -11,7 +11,7 @@ import torch
 from nanoserve import (LLM, AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality,
                        SamplingParams, process_dict_updates)
 from nanoserve.engine import InvalidInput
-from nanoserve.model import LogitsProcessorBatch, SampleRequest
+from nanoserve.model import LogitsProcessorBatch, LogitsProcessorFailed, SampleRequest
 
 from test_server import ServerThread
 
@@ -165,12 +165,13 @@ class FailsOnce(Recorder):
 
 
 def test_a_processor_that_raises_leaves_none_out_of_step():
-    """The step fails; the next update removes every row and adds them again, for every processor,
-    those that saw the failed update and those that did not."""
+    """The update fails, naming the processor; the next one removes every row and adds them again, for every
+    processor, those that saw the failed update and those that did not."""
     first, flaky, last = Recorder(), FailsOnce(), Recorder()
     batch = LogitsProcessorBatch([first, flaky, last])
     batch.update(_rows([0, 1, 2]))
-    pytest.raises(RuntimeError, batch.update, _rows([3, 1, 2, 4]))
+    with pytest.raises(LogitsProcessorFailed, match="the logits processor FailsOnce failed: RuntimeError: a bug"):
+        batch.update(_rows([3, 1, 2, 4]))
     batch.update(_rows([1, 4]))
     assert first.owners == flaky.owners == last.owners == {0: 1, 1: 4}
 
@@ -286,6 +287,96 @@ def test_a_processor_that_leaves_no_token_ends_the_request(tiny_model):
                                            SamplingParams(max_tokens=5, ignore_eos=True)], use_tqdm=False)
     assert outs[0].outputs[0].token_ids == [] and outs[0].outputs[0].finish_reason == "stop"
     assert len(outs[1].outputs[0].token_ids) == 5
+
+
+# ---------------------------------------------------------------- a processor that raises
+
+class Boom(TargetToken):
+    """Raises in apply where a row's extra_args ask it to (a processor's bug, met by some requests only)."""
+
+    def __init__(self, config, device, is_pin_memory):
+        super().__init__(config, device, is_pin_memory)
+        self.booms: dict[int, bool] = {}
+
+    def update_state(self, batch_update):
+        super().update_state(batch_update)
+        process_dict_updates(self.booms, batch_update, lambda params, _p, _o: (params.extra_args or {}).get("boom"))
+
+    def apply(self, logits):
+        if self.booms:
+            raise RuntimeError("secret-internal-detail")
+        return super().apply(logits)
+
+
+class BoomPerRequest(AdapterLogitsProcessor):
+    """Per request: "bad_index" indexes past the row (IndexError in apply), "bad_arity" gives a function
+    of one argument (ValueError in update_state)."""
+
+    def is_argmax_invariant(self):
+        return False
+
+    def new_req_logits_processor(self, params):
+        args = params.extra_args or {}
+        if args.get("bad_index"):
+            return lambda output_ids, row: row[10 ** 9]
+        if args.get("bad_arity"):
+            return lambda row: row
+        return None
+
+
+def _run_engine(engine, prompts, params):
+    """Every request to its end, in one batch: the outputs of those that finish, and why each that failed did."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(prompt, p, f"r{i}")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    failed, engine.failed_requests = engine.failed_requests, {}
+    return outs, failed
+
+
+@pytest.mark.parametrize("processor, bad, error", [
+    (Boom, {"boom": True}, "RuntimeError: secret-internal-detail"),
+    (BoomPerRequest, {"bad_index": 1}, "IndexError: index 1000000000 is out of bounds"),
+    (BoomPerRequest, {"bad_arity": 1}, "ValueError: a request's logits processor takes")],
+                         ids=["apply", "adapter", "update"])
+def test_a_processor_that_raises_fails_only_the_requests_it_raises_for(tiny_model, plain, processor, bad, error,
+                                                                       caplog):
+    """One request of four makes the processor raise: it alone fails, named by the processor (its error in the
+    log only, as a failed step's); the others, greedy and seeded, sample what they do in a batch without it;
+    the engine serves on."""
+    engine = _llm(tiny_model, processor).engine
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, extra_args=bad),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)]
+    outs, failed = _run_engine(engine, PROMPTS, params)
+    assert failed == {"r1": f"the logits processor {processor.__name__} failed for this request; the server log "
+                            f"has the details"}
+    assert f"r1: the logits processor {processor.__name__} failed: {error}" in caplog.text
+    keep = [0, 2, 3]
+    want = plain.generate([PROMPTS[i] for i in keep], [params[i] for i in keep], use_tqdm=False)
+    assert [outs[f"r{i}"] for i in keep] == [o.outputs[0].token_ids for o in want]
+    again, failed = _run_engine(engine, PROMPTS[:1], params[:1])  # and it serves the next ones
+    assert again == {"r0": outs["r0"]} and not failed
+
+
+def test_a_raising_processor_is_the_llm_s_request_failed_error_and_the_server_s_500(tiny_model):
+    from nanoserve.engine import RequestFailedError
+    llm = _llm(tiny_model, Boom)
+    with pytest.raises(RequestFailedError, match=r"the logits processor Boom failed for this request"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3, extra_args={"boom": True}), use_tqdm=False)
+    assert len(llm.generate([PROMPTS[0]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+    with ServerThread(tiny_model, "--logits-processors", "test_logits_processors:Boom") as s:
+        body = {"model": str(tiny_model), "prompt": [5, 9, 11], "max_tokens": 4, "temperature": 0}
+        bad = httpx.post(s.url + "/v1/completions", json={**body, "vllm_xargs": {"boom": True}},
+                         timeout=60)
+        assert bad.status_code == 500 and "the logits processor Boom failed" in bad.json()["error"]["message"]
+        assert "secret" not in bad.text and "RuntimeError" not in bad.text
+        ok = httpx.post(s.url + "/v1/completions", json={**body, "vllm_xargs": {"target_token": 77},
+                                                         "return_token_ids": True}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == [77] * 4
+        s.wait_idle()
 
 
 # ---------------------------------------------------------------- loading and refusing

@@ -247,7 +247,9 @@ def test_a_runtime_load_before_a_step_keeps_that_step_s_host_copies(models, tmp_
 
 def test_an_adapter_whose_file_vanished_fails_only_its_requests(models, tmp_path):
     """Dropped from host memory (max_cpu_loras) and its directory deleted since: the requests that need
-    it end with why, the others in the same steps run on, and LLM.generate says why."""
+    it end with why before any step runs for them, the others in the same steps run on, and LLM.generate
+    says why. The block its prompt filled was never written: restored, the adapter's request finds no
+    prefix-cache hit there."""
     from nanoserve.engine import RequestFailedError
     c = shutil.copytree(models["a"], tmp_path / "c")
     la, lb, lc = LoRARequest("a", 1, str(models["a"])), LoRARequest("b", 2, str(models["b"])), \
@@ -257,8 +259,10 @@ def test_an_adapter_whose_file_vanished_fails_only_its_requests(models, tmp_path
     _tokens(llm, PROMPTS[:2], [lc, lb])
     _tokens(llm, PROMPTS[:2], [la, lb])  # c out of host memory, and out of its slot
     shutil.rmtree(c)
-    engine = llm.engine
-    for i, (prompt, lora) in enumerate(zip([PROMPTS[0], PROMPTS[0], PROMPTS[1]], [la, lc, None])):
+    engine, runner = llm.engine, llm.engine.runner
+    steps, execute = [], runner.execute
+    runner.execute = lambda seqs: steps.append(len(seqs)) or execute(seqs)
+    for i, (prompt, lora) in enumerate(zip([PROMPTS[0], PROMPTS[3], PROMPTS[1]], [la, lc, None])):
         engine.add_request(engine.with_lora(engine.process_prompt(prompt), lora), GREEDY, f"r{i}")
     finals = {}
     while engine.has_unfinished_requests():
@@ -266,10 +270,17 @@ def test_an_adapter_whose_file_vanished_fails_only_its_requests(models, tmp_path
     assert list(engine.failed_requests) == ["r1"]
     assert "the LoRA adapter 'c' could not be loaded again" in engine.failed_requests.pop("r1")
     assert [finals[r].outputs[0].token_ids for r in ("r0", "r2")] == want
-    assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_blocks
+    assert steps and max(steps) == 2  # r1 was in none
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    steps.clear()
     with pytest.raises(RequestFailedError, match=r"'c' could not be loaded again: LoRA adapter .*cannot read"):
         llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=lc)
+    assert steps == []  # a step of its requests only: not run at all
     assert _tokens(llm, PROMPTS[:2], [la, None]) == want  # and the engine serves on
+    shutil.copytree(models["a"], c)
+    hits = bm.prefix_cache_hits
+    assert _tokens(llm, PROMPTS[3:], [lc]) == _tokens(llm, PROMPTS[3:], [la]) and bm.prefix_cache_hits == hits
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
