@@ -24,10 +24,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import enum
-import functools
 import hashlib
 import importlib
 import inspect
@@ -36,17 +34,13 @@ import json
 import logging
 import math
 import os
-import pickle
 import re
-import subprocess
-import sys
 import threading
 import time
 import weakref
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Generator, Iterable, Sequence
 
 import torch
@@ -741,15 +735,13 @@ class StructuredOutputManager:
                                "outputs hold from the first token (not after the reasoning) and reasoning tokens "
                                "are not counted in the usage", reasoning_parser, " and ".join(THINK_TAGS))
         self.recent: collections.OrderedDict[str, Any] = collections.OrderedDict()  # by spec.key()
-        self.process: CompileProcess | None = None  # compile(stoppable=True)'s
         self.lock = threading.Lock()  # the server's grammar thread and the event loop both call compile
 
-    def compile(self, spec: StructuredOutputsParams | None, ticket: threading.Event | None = None):
+    def compile(self, spec: StructuredOutputsParams | None):
         """The compiled grammar of ``spec`` (None for None); InvalidInput naming it
         when it cannot be compiled. The server calls it ahead of time on a thread of
         its own, so that the event loop's call (add_request's) finds it here: xgrammar's
-        own cache could have dropped it meanwhile for others, under its byte bound.
-        With a ``ticket`` it compiles in the compile process, until stop_compile(ticket)."""
+        own cache could have dropped it meanwhile for others, under its byte bound."""
         if spec is None:
             return None
         key = spec.key()
@@ -758,7 +750,7 @@ class StructuredOutputManager:
                 self.recent.move_to_end(key)
                 return self.recent[key]
             compiler = self._compiler()
-        compiled = self._compile(compiler if ticket is None else self.compile_process().compiler(ticket), spec)
+        compiled = self._compile(compiler, spec)
         with self.lock:
             self.recent[key] = compiled
             if len(self.recent) > RECENT_GRAMMARS:
@@ -787,22 +779,6 @@ class StructuredOutputManager:
         last = last_think_tag(prompt_token_ids, self.think_ids)
         return None if last is None else "open" if prompt_token_ids[last] == self.think_ids[0] else "ended"
 
-    def compile_process(self) -> CompileProcess:
-        """The compile process of this tokenizer, started if it is not (seconds: the server calls this
-        before a compile's time limit starts)."""
-        with self.lock:
-            self._compiler()
-        if self.process is None:  # of() reads the whole vocabulary: not under the lock is_cached takes
-            self.process = CompileProcess.of(self.info, self.cache_bytes)
-        self.process.start()
-        return self.process
-
-    def stop_compile(self, ticket: threading.Event) -> None:
-        """End the ticket's compile (compile() raises), now or as it would start."""
-        ticket.set()
-        if self.process is not None:
-            self.process.stop(ticket)
-
     def _compiler(self):
         import xgrammar as xgr
         if self.tokenizer is None:
@@ -812,7 +788,6 @@ class StructuredOutputManager:
             info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=sorted(self.eos_token_ids))
             self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=self.cache_bytes)
-            self.info = info  # the compile process's too
         return self.compiler
 
     def _compile(self, c, spec: StructuredOutputsParams):
@@ -836,123 +811,6 @@ class StructuredOutputManager:
             what = spec.given()[0]
             raise InvalidInput("structured_outputs", f"structured_outputs.{what} cannot be compiled: "
                                                      f"{_XGRAMMAR_PREFIX.sub('', first_line(e))}") from None
-
-
-# The compile process's program: a GrammarCompiler over the tokenizer info it is sent ("ready" when built), then
-# compiles, each a (method, args, kwargs) in and (True, the grammar serialized) or (False, the error's words) out,
-# until its stdin closes.
-_COMPILE_PROCESS = r"""
-import os, pickle, sys
-import xgrammar as xgr
-src, dst = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
-os.dup2(2, 1)  # what xgrammar prints goes to stderr, not into the replies
-info_json, cache_bytes = pickle.load(src)
-compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1,
-                               cache_limit_bytes=cache_bytes)
-pickle.dump("ready", dst)
-dst.flush()
-while True:
-    try:
-        method, args, kwargs = pickle.load(src)
-    except EOFError:
-        break
-    try:
-        reply = True, getattr(compiler, method)(*args, **kwargs).serialize_json()
-    except Exception as e:
-        reply = False, str(e)
-    pickle.dump(reply, dst)
-    dst.flush()
-"""
-
-
-class CompileStopped(RuntimeError):
-    pass
-
-
-class CompileProcess:
-    """A GrammarCompiler in a process of its own, which stop() kills, and with it the compile it runs:
-    xgrammar cannot stop a compile, and a small schema can take minutes (a pattern's a{50000}: the time
-    grows as the count squared). One compile at a time; the grammar comes back serialized. One per
-    tokenizer in the process (servers in one test process share it); started again by the next compile
-    after a stop. It costs a Python with xgrammar (and so torch) imported: seconds to start, ~250 MB."""
-    METHODS = ("compile_json_schema", "compile_regex", "compile_grammar", "compile_structural_tag")
-    _all: dict[str, CompileProcess] = {}
-    _all_lock = threading.Lock()
-
-    @classmethod
-    def of(cls, info, cache_bytes: int) -> CompileProcess:
-        info_json = info.serialize_json()
-        key = hashlib.sha256(f"{cache_bytes}:{info_json}".encode()).hexdigest()
-        with cls._all_lock:
-            if key not in cls._all:
-                cls._all[key] = cls(info, info_json, cache_bytes)
-            return cls._all[key]
-
-    def __init__(self, info, info_json: str, cache_bytes: int):
-        self.info, self.info_json, self.cache_bytes = info, info_json, cache_bytes
-        self.process: subprocess.Popen | None = None
-        self.lock = threading.Lock()  # one compile at a time, and start()
-        self.state_lock = threading.Lock()  # compiling's, which stop() takes while a compile runs
-        self.compiling: tuple[threading.Event, subprocess.Popen] | None = None
-
-    def compiler(self, ticket: threading.Event) -> SimpleNamespace:
-        """A GrammarCompiler's stand-in, whose compile_* methods run here, until stop(ticket)."""
-        return SimpleNamespace(**{m: functools.partial(self._call, ticket, m) for m in self.METHODS})
-
-    def start(self) -> None:
-        """The process, started and ready if it is not (RuntimeError if it cannot be)."""
-        with self.lock:
-            if self.process is not None and self.process.poll() is None:
-                return
-            process = self.process = subprocess.Popen([sys.executable, "-c", _COMPILE_PROCESS],
-                                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-            weakref.finalize(self, _end_process, process)  # at the latest at exit
-            try:
-                pickle.dump((self.info_json, self.cache_bytes), process.stdin)
-                process.stdin.flush()
-                ready = pickle.load(process.stdout)
-            except (OSError, EOFError, pickle.UnpicklingError):
-                ready = None
-            if ready != "ready":
-                _end_process(process)
-                raise RuntimeError("the grammar compile process did not start; its stderr has why")
-
-    def stop(self, ticket: threading.Event) -> None:
-        """The ticket's compile ends (CompileStopped), now if it runs, else as it would start."""
-        with self.state_lock:
-            ticket.set()
-            if self.compiling is not None and self.compiling[0] is ticket:
-                self.compiling[1].kill()
-
-    def _call(self, ticket: threading.Event, method: str, *args, **kwargs):
-        import xgrammar as xgr
-        self.start()  # again after a stop
-        with self.lock:
-            with self.state_lock:
-                if ticket.is_set():
-                    raise CompileStopped("the compile was stopped")
-                process, self.compiling = self.process, (ticket, self.process)
-            try:
-                pickle.dump((method, args, kwargs), process.stdin)
-                process.stdin.flush()
-                ok, value = pickle.load(process.stdout)
-            except (OSError, EOFError, pickle.UnpicklingError):  # killed (stop), or died
-                _end_process(process)
-                raise CompileStopped("the compile was stopped") from None
-            finally:
-                with self.state_lock:
-                    self.compiling = None
-        if not ok:
-            raise RuntimeError(value)
-        return xgr.CompiledGrammar.deserialize_json(value, self.info)
-
-
-def _end_process(process: subprocess.Popen) -> None:
-    process.kill()
-    process.wait()
-    for pipe in (process.stdin, process.stdout):
-        with contextlib.suppress(OSError):
-            pipe.close()
 
 
 def _compile_structural_tag(compiler, tag: str | dict):

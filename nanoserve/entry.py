@@ -1808,22 +1808,11 @@ class ServerState:
 
     async def compile_grammar(self, spec: StructuredOutputsParams) -> None:
         """``spec`` compiled ahead, off the loop (the engine's add_request finds it cached), within
-        GRAMMAR_COMPILE_TIMEOUT_S, else stopped. A 40-byte schema can take minutes (a pattern's a{50000}: the
-        time grows as the count squared), and xgrammar cannot stop a compile: it runs in the engine's compile
-        process, which is killed to stop it (and started again, before the next compile's limit starts)."""
-        so = self.engine.structured_outputs
-        if so.is_cached(spec):  # no compile: neither the limit nor a thread
+        GRAMMAR_COMPILE_TIMEOUT_S. xgrammar cannot stop a compile, and a 40-byte schema can take minutes (a
+        pattern's a{50000}: the time grows as the count squared)."""
+        if self.engine.structured_outputs.is_cached(spec):  # no compile: neither the limit nor a thread
             return
-        try:
-            await asyncio.to_thread(so.compile_process)
-        except InvalidInput:
-            pass  # no tokenizer: compile says so
-        future, ticket = None, threading.Event()
-        try:
-            future = await self.compiles.run(so.compile, spec, ticket, limit=GRAMMAR_COMPILE_TIMEOUT_S)
-        finally:
-            if future is None:  # past the limit, or left by its client: left running, it would hold a core
-                so.stop_compile(ticket)
+        future = await self.compiles.run(self.engine.structured_outputs.compile, spec, limit=GRAMMAR_COMPILE_TIMEOUT_S)
         if future is None:
             raise InvalidInput("structured_outputs", f"structured_outputs.{spec.given()[0]} did not compile within "
                                                      f"{GRAMMAR_COMPILE_TIMEOUT_S:g} s: simplify it (large "
