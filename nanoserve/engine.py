@@ -26,6 +26,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import enum
+import functools
 import hashlib
 import importlib
 import inspect
