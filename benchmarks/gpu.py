@@ -68,18 +68,23 @@ for _p in (str(HERE), str(ROOT)):
 # gemma3: a 32-token sliding layer, then a full one (its own norms, GELU and rotary bases on the device);
 # gemma2: Gemma 3's layout with soft caps on the attention scores (the Triton kernel's SOFT_CAP) and logits;
 # mixtral, qwen2_moe (a shared expert, then a dense layer), qwen3_moe: mixture-of-experts layers (the backend's
-#   fused_moe: on the device the Triton grouped GEMMs, captured in the "graphs" configs)
+#   fused_moe: on the device the Triton grouped GEMMs, captured in the "graphs" configs);
+# olmoe (q/k norms over all heads), granitemoeshared (Granite's scalars, an ungated shared expert), glm4_moe
+#   (a dense layer, then grouped sigmoid routing with its bias, fp32 router weights; a rotary half): the same
+#   kernels, routed and normed in other ways
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2",
-         "mixtral", "qwen2_moe", "qwen3_moe")
+         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one but gemma3 (its mixed window)
-# and the MoE models (padding rows routed to experts: qwen3_moe stands for the three):
+# and the MoE models (padding rows routed to experts: qwen3_moe stands for them all):
 # fewer configs keep the part within its time.
 ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("plain-graphs", "chunked-eager"),
                 "gemma3": ("plain-graphs", "preempt-graphs", "chunked-eager"),
                 "gemma2": ("plain-graphs", "chunked-eager"),
                 "mixtral": ("plain-graphs", "chunked-eager"), "qwen2_moe": ("plain-graphs", "chunked-eager"),
-                "qwen3_moe": ("plain-graphs", "preempt-graphs", "chunked-eager")}
+                "qwen3_moe": ("plain-graphs", "preempt-graphs", "chunked-eager"),
+                "olmoe": ("plain-graphs", "chunked-eager"), "granitemoeshared": ("plain-graphs", "chunked-eager"),
+                "glm4_moe": ("plain-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -208,14 +213,16 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4MoeConfig, GraniteConfig, GraniteMoeSharedConfig,
+                              LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
     cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig, granite=GraniteConfig,
                phi3=Phi3Config, gemma3=Gemma3TextConfig, gemma2=Gemma2Config, mixtral=MixtralConfig,
-               qwen2_moe=Qwen2MoeConfig, qwen3_moe=Qwen3MoeConfig)[arch.split("-")[0]]
+               qwen2_moe=Qwen2MoeConfig, qwen3_moe=Qwen3MoeConfig, olmoe=OlmoeConfig,
+               granitemoeshared=GraniteMoeSharedConfig, glm4_moe=Glm4MoeConfig)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
     if arch in ("gemma3", "gemma2"):
@@ -237,6 +244,15 @@ def tiny_hf_config(arch: str, max_pos: int):
                     mlp_only_layers=[1], norm_topk_prob=False)
     if arch == "qwen3_moe":
         base.update(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+    if arch == "olmoe":
+        base.update(intermediate_size=32, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, pad_token_id=None)
+    if arch == "granitemoeshared":
+        base.update(embedding_multiplier=3.0, residual_multiplier=0.4, attention_multiplier=0.09, logits_scaling=2.5,
+                    intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48)
+    if arch == "glm4_moe":
+        base.update(head_dim=32, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                    topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+                    use_qk_norm=True, attention_bias=True)
     return cls(**base)
 
 
@@ -257,6 +273,9 @@ def part_models(scale: Scale, spec: dict, archs=ARCHS, w1: bool = True) -> dict:
                 for p in model.parameters():
                     if p.dim() >= 2:  # 3: transformers 5's stacks of experts
                         p.normal_(0, 0.08)
+                for name, b in model.named_buffers():  # GLM's router bias: not zero, so that it counts
+                    if name.endswith("e_score_correction_bias"):
+                        b.normal_(0, 0.05)
             model.save_pretrained(out)
         res["tiny"][arch] = str(out)
     if not w1:
