@@ -207,12 +207,25 @@ def _pick_elementwise(cfg, dtype):
         return "torch", references
 
     def c():
-        return check_same_as_torch((cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul), cfg)
+        ops = (c_or_reference(cpu_kernels.rms_norm, kernels.rms_norm_torch, lambda x: x.shape[-1]),
+               cpu_kernels.rotary,
+               c_or_reference(cpu_kernels.silu_and_mul, kernels.silu_and_mul_torch, lambda g: g.shape[-1] // 2))
+        return check_same_as_torch(ops, cfg)
 
     def inductor():
         shapes = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         return check_same_as_torch(compiled_elementwise_ops(shapes), cfg)
     return _first_that_works("elementwise ops", [("c", c), ("inductor", inductor)], ("torch", references))
+
+
+def c_or_reference(c_op, reference, width):
+    """c_op where the C kernel takes the input's ``width(x)`` (a multiple of 16), else the reference: a layer
+    of another width than those checked at start-up may call the op (a shared expert's MLP, OLMoE's norm over
+    all of k's heads, each split across tensor-parallel ranks, 48 wide into 24)."""
+    @functools.wraps(c_op)
+    def op(x, *args):
+        return c_op(x, *args) if width(x) % 16 == 0 else reference(x, *args)
+    return op
 
 
 def check_same_as_torch(ops, cfg, num_tokens: int = COMPILED_ELEMENTWISE_MIN_ROWS + 1):

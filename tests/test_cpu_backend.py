@@ -227,7 +227,7 @@ def test_bf16_cpu_elementwise_ops_are_c_or_compiled_and_the_references_bit_for_b
     try:
         cpu_kernels.row_ops_library()
         backend = cpu_backend.build_cpu_backend(cfg, torch.bfloat16, 16)
-        assert backend.rms_norm is cpu_kernels.rms_norm
+        assert backend.rms_norm.__wrapped__ is cpu_kernels.rms_norm
         same_as_reference(backend, 100)
     except RuntimeError:  # no AVX-512 here: the compiled ops below are what runs
         pass
@@ -235,6 +235,24 @@ def test_bf16_cpu_elementwise_ops_are_c_or_compiled_and_the_references_bit_for_b
     backend = cpu_backend.build_cpu_backend(cfg, torch.bfloat16, 16)
     assert "elementwise ops: inductor" in backend.name
     same_as_reference(backend, 300)
+
+
+def test_c_elementwise_ops_take_widths_the_c_kernels_do_not(tiny_model):
+    """A layer of a width the start-up check did not see, and the C kernels do not take (not a multiple of 16:
+    a shared expert's 48 split across two ranks), runs the reference (it raised); the C kernel's widths run it."""
+    try:
+        cpu_kernels.row_ops_library()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    backend = cpu_backend.build_cpu_backend(ModelConfig.from_dir(tiny_model), torch.bfloat16, 16)
+    assert "elementwise ops: c" in backend.name
+    gen = torch.Generator().manual_seed(0)
+    for n in (24, 32):
+        gate_up, x, w = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((5, 2 * n), (5, n), (n,)))
+        assert torch.equal(backend.silu_and_mul(gate_up), kernels.silu_and_mul_torch(gate_up))
+        assert torch.equal(backend.rms_norm(x, w, 1e-6), kernels.rms_norm_torch(x, w, 1e-6))
+    with pytest.raises(ValueError, match="n % 16 == 0"):
+        cpu_kernels.silu_and_mul(torch.zeros(5, 48, dtype=torch.bfloat16))  # what the backend's op was
 
 
 def test_bf16_partial_rotary_takes_the_c_rotary_bit_for_bit(model_root):
