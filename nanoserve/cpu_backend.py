@@ -14,7 +14,8 @@ here is needed to follow a request. Per op, in order of preference:
   Gemma's GELU-and-mul: the C kernel (the same check), else eager; Gemma's RMSNorm: eager;
 * greedy argmax: the C kernel over bf16 logits, else torch's;
 * a mixture-of-experts layer's experts: ``fused_moe_cpu``, the reference's result bit for
-  bit in fewer, larger ops (the reference's under --enforce-eager).
+  bit in fewer, larger ops (the reference's under --enforce-eager), unless ``prepare_model``
+  replaced them (below).
 
 A candidate that cannot be built or checked here is logged, with why, and the
 next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weights
@@ -24,7 +25,9 @@ instructions (AVX-512 BF16, AMX), where oneDNN emulates them at several times an
 fp32 GEMM's cost (RESULTS.md): there the C linear kernel keeps them bf16 and
 multiplies in fp32 (``WidenedLinear``), else (no AVX-512, no C compiler) they are
 held in fp32 (``Fp32Linear``); with the C linear kernel the experts' weights are
-packed for it too (``WidenedMoE``, one call per projection for all the experts). Also
+packed for it too (``WidenedMoE``, one call per projection for all the experts). Where the
+CPU has them, each expert's weights are packed for oneDNN (``PackedMoE``) with a ``WidenedMoE``
+copy for decode-sized steps, at which oneDNN's GEMM is slower than the C linear. Also
 here, applied by the engine: the process-wide allocator settings (``tune_process``) and
 ``trim_heap``.
 """
@@ -535,8 +538,8 @@ def has_bf16_matmul() -> bool:
 def prepare_model(model: nn.Module) -> int:
     """The CPU backends' ``prepare_model``: where the CPU has no bf16 matrix
     instructions, bf16 linear weights (and experts) for the C linear kernel, else in fp32 where
-    the memory allows; otherwise packed where oneDNN can. Returns the bytes added
-    to the weights' memory."""
+    the memory allows; otherwise packed where oneDNN can, the experts too (PackedMoE). Returns
+    the bytes added to the weights' memory."""
     weight = model.model.embed_tokens.weight
     if can_pack_linear_weights(weight.dtype, weight.device) and not has_bf16_matmul():
         _, layer = _first_that_works("linear kernel", [("c", check_c_linear)], ("fp32", Fp32Linear))
