@@ -14,7 +14,8 @@ here is needed to follow a request. Per op, in order of preference:
   Gemma's GELU-and-mul: the C kernel (the same check), else eager; Gemma's RMSNorm: eager;
 * greedy argmax: the C kernel over bf16 logits, else torch's;
 * a mixture-of-experts layer's experts: ``fused_moe_cpu``, the reference's result bit for
-  bit in fewer, larger ops (the reference's under --enforce-eager).
+  bit in fewer, larger ops (the reference's under --enforce-eager), unless ``prepare_model``
+  replaced them (below).
 
 A candidate that cannot be built or checked here is logged, with why, and the
 next one is taken. Each CPU backend's ``prepare_model`` packs bf16 linear weights
@@ -24,7 +25,9 @@ instructions (AVX-512 BF16, AMX), where oneDNN emulates them at several times an
 fp32 GEMM's cost (RESULTS.md): there the C linear kernel keeps them bf16 and
 multiplies in fp32 (``WidenedLinear``), else (no AVX-512, no C compiler) they are
 held in fp32 (``Fp32Linear``); with the C linear kernel the experts' weights are
-packed for it too (``WidenedMoE``, one call per projection for all the experts). Also
+packed for it too (``WidenedMoE``, one call per projection for all the experts). Where the
+CPU has them, each expert's weights are packed for oneDNN (``PackedMoE``) with a ``WidenedMoE``
+copy for decode-sized steps, at which oneDNN's GEMM is slower than the C linear. Also
 here, applied by the engine: the process-wide allocator settings (``tune_process``) and
 ``trim_heap``.
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import itertools
 import logging
 import os
 import sys
@@ -56,6 +60,9 @@ COMPILED_ELEMENTWISE_MIN_ROWS = 256
 # GEMM primitives oneDNN (and ideep, again) keep: a step's ~5 weight shapes for the last
 # couple of dozen step sizes; building one that fell out costs ~0.3 ms.
 ONEDNN_CACHE_CAPACITY = 128
+# PackedMoE's steps of at most this many (token, choice) rows an expert on average run the C
+# linear (WidenedMoE), faster than oneDNN's bf16 GEMM at so few rows even with bf16 hardware.
+WIDENED_MAX_ROWS = 16
 
 
 def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: bool = False) -> Backend:
@@ -485,6 +492,38 @@ class WidenedMoE(nn.Module):
         return self.tp.all_reduce(moe_combine(ys, order, weights, topk_ids.shape[1])).to(x.dtype)
 
 
+class PackedMoE(nn.Module):
+    """A bf16 model's FusedMoE on a CPU with bf16 matrix instructions, as PackedLinear for its
+    linear layers: each expert's w13 and w2 packed for oneDNN once at load (a bf16 F.linear over
+    the weights as loaded reorders them on every call), with fused_moe_cpu's order and sums
+    around them: bit for bit the reference's (fused_moe_torch) result. oneDNN's GEMM costs
+    ~0.2 ms a call at a few rows, though, streaming the expert's weights at a third of the C
+    linear's rate (RESULTS.md), so ``widened`` (a WidenedMoE of the same experts, their
+    weights held twice) runs the steps of at most WIDENED_MAX_ROWS rows an expert on average:
+    decode steps, whose sums are then in the C linear's order."""
+
+    def __init__(self, moe: nn.Module, widened: WidenedMoE | None = None, batch_hint: int = 64):
+        super().__init__()
+        self.tp, self.silu_and_mul, self.widened = moe.tp, _silu_and_mul_for(moe), widened
+        pack = torch.ops.mkldnn._reorder_linear_weight
+        self.packed13 = [pack(w, batch_hint) for w in moe.w13_weight.detach()]
+        self.packed2 = [pack(w, batch_hint) for w in moe.w2_weight.detach()]
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.widened is not None and topk_ids.numel() <= WIDENED_MAX_ROWS * len(self.packed13):
+            return self.widened(x, topk_weights, topk_ids)
+        if not x.shape[0]:
+            return x.clone()
+        rows, order, weights, counts = moe_order(x, topk_weights, topk_ids, len(self.packed13))
+        linear = torch.ops.mkldnn._linear_pointwise
+        bounds = [(e, s - n, s) for e, (n, s) in enumerate(zip(counts, itertools.accumulate(counts))) if n]
+        # silu_and_mul works row by row: one call over every expert's rows is each call's result
+        h = self.silu_and_mul(torch.cat([linear(rows[a:b], self.packed13[e], None, "none", [], "")
+                                         for e, a, b in bounds]))
+        ys = torch.cat([linear(h[a:b], self.packed2[e], None, "none", [], "") for e, a, b in bounds]).float()
+        return self.tp.all_reduce(moe_combine(ys, order, weights, topk_ids.shape[1])).to(x.dtype)
+
+
 class Fp32MoE(nn.Module):
     """A bf16 model's FusedMoE computed in fp32, as Fp32Linear for its linear layers (a CPU
     without bf16 matrix instructions where the C linear cannot run): the experts' weights
@@ -512,8 +551,8 @@ def has_bf16_matmul() -> bool:
 def prepare_model(model: nn.Module) -> int:
     """The CPU backends' ``prepare_model``: where the CPU has no bf16 matrix
     instructions, bf16 linear weights (and experts) for the C linear kernel, else in fp32 where
-    the memory allows; otherwise packed where oneDNN can. Returns the bytes added
-    to the weights' memory."""
+    the memory allows; otherwise packed where oneDNN can, the experts too (PackedMoE). Returns
+    the bytes added to the weights' memory."""
     weight = model.model.embed_tokens.weight
     if can_pack_linear_weights(weight.dtype, weight.device) and not has_bf16_matmul():
         _, layer = _first_that_works("linear kernel", [("c", check_c_linear)], ("fp32", Fp32Linear))
@@ -547,7 +586,10 @@ def prepare_model(model: nn.Module) -> int:
             return extra
         logger.warning("[model] no bf16 matrix instructions on this CPU: fp32 linear weights would be faster, but "
                        "need %.2f GiB more than the %.2f GiB available; bf16 it is", extra / 2**30, avail / 2**30)
-    return pack_model(model)
+    added = pack_model(model)
+    if can_pack_linear_weights(weight.dtype, weight.device):
+        added += pack_experts(model)
+    return added
 
 
 def pack_model(model: nn.Module) -> int:
@@ -585,13 +627,36 @@ def _expert_bytes(model: nn.Module) -> int:
                          (m.w13_weight, m.w2_weight) if isinstance(m, FusedMoE) else ()))
 
 
+def _c_linear_takes(moe: nn.Module) -> bool:
+    """Whether the C linear takes these experts: it packs K (hidden, intermediate) in pairs."""
+    return moe.w2_weight.shape[1] % 2 == 0 and moe.w2_weight.shape[2] % 2 == 0
+
+
 def widen_experts(model: nn.Module) -> int:
     """Replace every FusedMoE by a WidenedMoE of its weights, which are freed; returns how many
     (none where the C linear cannot take them: an odd hidden or intermediate size)."""
-    moes = [m for m in _fused_moes(model) if m[2].w2_weight.shape[1] % 2 == 0 and m[2].w2_weight.shape[2] % 2 == 0]
+    moes = [m for m in _fused_moes(model) if _c_linear_takes(m[2])]
     for parent, name, child in moes:
         setattr(parent, name, WidenedMoE(child))
     return len(moes)
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Replace every FusedMoE by a PackedMoE of its weights, with a WidenedMoE copy for the small
+    steps where the C linear builds here and takes them; returns the bytes that copy adds."""
+    moes = _fused_moes(model)
+    if not moes:
+        return 0
+    c = _first_that_works("linear kernel for the experts' small steps", [("c", check_c_linear)], (None, None))[1]
+    added = 0
+    for parent, name, moe in moes:
+        widened = WidenedMoE(moe) if c and _c_linear_takes(moe) else None
+        setattr(parent, name, PackedMoE(moe, widened))
+        added += 0 if widened is None else (widened.packed13.numel() + widened.packed2.numel()) * 2
+    logger.info("[model] %d layers' experts packed for oneDNN%s", len(moes),
+                f", and for the C linear for steps of <= {WIDENED_MAX_ROWS} rows an expert "
+                f"(+{added / 2**20:.1f} MiB)" if added else "")
+    return added
 
 
 def _upcast_bytes(model: nn.Module) -> int:
@@ -662,6 +727,6 @@ def trim_heap() -> bool:
 
 
 __all__ = ["build_cpu_backend", "prepare_model", "pack_model", "pack_linear_weights", "can_pack_linear_weights",
-           "has_bf16_matmul", "check_c_linear", "fused_moe_cpu", "moe_order", "moe_combine", "WidenedMoE", "Fp32MoE",
-           "widen_experts", "linear_in_order", "tune_process", "trim_heap", "check_same_as_torch",
-           "compiled_elementwise_ops", "paged_attention_compiled"]
+           "has_bf16_matmul", "check_c_linear", "fused_moe_cpu", "moe_order", "moe_combine", "WidenedMoE",
+           "PackedMoE", "Fp32MoE", "widen_experts", "pack_experts", "linear_in_order", "tune_process", "trim_heap",
+           "check_same_as_torch", "compiled_elementwise_ops", "paged_attention_compiled"]

@@ -591,6 +591,97 @@ def test_widened_experts_are_the_reference_with_the_c_linear_s_sums(T, E, k, unc
         assert torch.equal(out, kernels.fused_moe_torch(x, moe.w13_weight, moe.w2_weight, weights, ids))
 
 
+def _packs_or_skip():
+    if not cpu_backend.can_pack_linear_weights(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("oneDNN cannot pack bf16 linear weights here")
+
+
+def _experts(E: int, inter: int, silu_and_mul=kernels.silu_and_mul_torch):
+    """A bf16 FusedMoE of E random experts, hidden 64, intermediate ``inter``."""
+    from nanoserve.model import FusedMoE, TPGroup
+    gen = torch.Generator().manual_seed(2)
+    moe = FusedMoE(E, 64, inter, dataclasses.replace(kernels.TORCH, silu_and_mul=silu_and_mul), TPGroup())
+    with torch.no_grad():
+        moe.w13_weight.copy_(torch.randn(E, 2 * inter, 64, generator=gen) / 8)
+        moe.w2_weight.copy_(torch.randn(E, 64, inter, generator=gen) / 8)
+    return moe.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("T,E,k,unchosen,inter", [(0, 4, 2, None, 48), (1, 4, 2, None, 48), (13, 5, 2, 1, 48),
+                                                  (40, 6, 3, 5, 40), (70, 8, 2, 0, 48)])
+def test_packed_experts_are_the_reference_bit_for_bit(T, E, k, unchosen, inter):
+    """PackedMoE (each expert's w13 and w2 packed for oneDNN once) gives fused_moe_torch's result
+    bit for bit: no step, one token, an expert nobody chose, an intermediate size the C
+    silu_and_mul does not take (40) included."""
+    _packs_or_skip()
+    moe = _experts(E, inter, cpu_kernels.silu_and_mul if inter % 16 == 0 else kernels.silu_and_mul_torch)
+    x, weights, ids = _routing(T, E, k, torch.bfloat16, unchosen, seed=3)
+    with torch.inference_mode():
+        out = cpu_backend.PackedMoE(moe)(x, weights, ids)
+        assert out.shape == x.shape and out.dtype == x.dtype
+        assert torch.equal(out, kernels.fused_moe_torch(x, moe.w13_weight, moe.w2_weight, weights, ids))
+
+
+def test_packed_experts_run_small_steps_through_their_c_linear_copy(monkeypatch):
+    """With a WidenedMoE copy, PackedMoE runs the steps of at most WIDENED_MAX_ROWS (token, choice)
+    rows an expert on average through it, and larger ones through oneDNN: the reference's result
+    bit for bit."""
+    _packs_or_skip()
+    _c_linear_or_skip()
+    E, k = 4, 2
+    moe = _experts(E, 48, cpu_kernels.silu_and_mul)
+    widened = cpu_backend.WidenedMoE(moe)
+    packed, calls = cpu_backend.PackedMoE(moe, widened), []
+    forward = widened.forward
+    monkeypatch.setattr(widened, "forward", lambda *args: calls.append(args[0].shape[0]) or forward(*args))
+    limit = cpu_backend.WIDENED_MAX_ROWS * E // k  # tokens
+    with torch.inference_mode():
+        for T in (1, limit, limit + 1, 3 * limit):
+            x, weights, ids = _routing(T, E, k, torch.bfloat16, seed=T)
+            out = packed(x, weights, ids)
+            if T > limit:
+                assert torch.equal(out, kernels.fused_moe_torch(x, moe.w13_weight, moe.w2_weight, weights, ids))
+            else:
+                assert torch.equal(out, forward(x, weights, ids))
+    assert calls == [1, limit]
+
+
+@pytest.mark.parametrize("c_linear", [True, False], ids=["c-linear", "no-c-linear"])
+def test_packed_experts_where_the_cpu_has_bf16_matmul(model_root, c_linear, monkeypatch, caplog):
+    """A bf16 mixture-of-experts model on a CPU with bf16 matrix instructions (faked on every CPU):
+    every FusedMoE becomes a PackedMoE, with a WidenedMoE copy for small steps where the C linear
+    builds (its bytes counted as added); a prefill's logits are the unpacked reference's bit for
+    bit, a decode's too without the C linear, else but for the order of fp32 sums."""
+    _packs_or_skip()
+    if c_linear:
+        _c_linear_or_skip()
+    else:
+        monkeypatch.setattr(cpu_backend, "check_c_linear", _no_c_linear)
+    from nanoserve.model import FusedMoE
+    path = make_model(model_root, "qwen3_moe")
+    monkeypatch.setattr(cpu_backend, "has_bf16_matmul", lambda: True)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        packed = runner_with(kernels.TORCH, path)
+    assert "2 layers' experts packed for oneDNN" in caplog.text
+    moes = [m for m in packed.model.modules() if isinstance(m, cpu_backend.PackedMoE)]
+    assert len(moes) == 2 and not any(isinstance(m, FusedMoE) for m in packed.model.modules())
+    assert all((m.widened is not None) == c_linear for m in moes)
+    _, plain_bytes = load_model(path, torch.bfloat16, torch.device("cpu"), kernels.TORCH)
+    _, packed_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                 dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+    copies = sum(2 * (m.widened.packed13.numel() + m.widened.packed2.numel()) for m in moes if m.widened)
+    assert (copies > 0) == c_linear and packed_bytes - plain_bytes == copies
+    monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
+    plain = runner_with(kernels.TORCH, path)
+    assert sum(isinstance(m, FusedMoE) for m in plain.model.modules()) == 2
+    (prefill, decode), (plain_prefill, plain_decode) = two_steps(packed, 30), two_steps(plain, 30)
+    assert torch.equal(prefill, plain_prefill)  # 90 tokens: 45 rows an expert, oneDNN's
+    if c_linear:
+        torch.testing.assert_close(decode, plain_decode, atol=0.05, rtol=0.02)
+    else:
+        assert torch.equal(decode, plain_decode)
+
+
 def test_c_linear_experts_where_the_cpu_has_no_bf16_matmul(model_root, monkeypatch, caplog):
     """A bf16 mixture-of-experts model on a CPU without bf16 matrix instructions (faked): every
     FusedMoE becomes a WidenedMoE, the weights' bytes count the experts' panel padding (an
