@@ -462,12 +462,6 @@ def moe_combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k:
     return torch.empty_like(ys).index_copy_(0, order, ys).view(ys.shape[0] // k, k, ys.shape[1]).sum(1)
 
 
-def _silu_and_mul_for(moe: nn.Module):
-    """The backend's silu_and_mul (the C kernel, checked on the dense MLP's width) where it
-    takes the experts' width (a multiple of 16), else the reference."""
-    return moe.backend.silu_and_mul if moe.w2_weight.shape[2] % 16 == 0 else kernels.silu_and_mul_torch
-
-
 class WidenedMoE(nn.Module):
     """A bf16 model's FusedMoE for a CPU with AVX-512 but no bf16 matrix instructions, as
     WidenedLinear for its linear layers: each expert's w13 and w2 stay bf16, packed for
@@ -479,7 +473,7 @@ class WidenedMoE(nn.Module):
     def __init__(self, moe: nn.Module):
         super().__init__()
         w13, w2 = moe.w13_weight.detach(), moe.w2_weight.detach()
-        self.tp, self.silu_and_mul = moe.tp, _silu_and_mul_for(moe)
+        self.tp, self.silu_and_mul = moe.tp, moe.backend.silu_and_mul
         self.num_experts, self.n13, self.n2 = w13.shape[0], w13.shape[1], w2.shape[1]
         self.packed13 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w13])
         self.packed2 = torch.stack([cpu_kernels.pack_linear_weight(w) for w in w2])
@@ -504,7 +498,7 @@ class PackedMoE(nn.Module):
 
     def __init__(self, moe: nn.Module, widened: WidenedMoE | None = None, batch_hint: int = 64):
         super().__init__()
-        self.tp, self.silu_and_mul, self.widened = moe.tp, _silu_and_mul_for(moe), widened
+        self.tp, self.silu_and_mul, self.widened = moe.tp, moe.backend.silu_and_mul, widened
         pack = torch.ops.mkldnn._reorder_linear_weight
         self.packed13 = [pack(w, batch_hint) for w in moe.w13_weight.detach()]
         self.packed2 = [pack(w, batch_hint) for w in moe.w2_weight.detach()]
@@ -531,7 +525,7 @@ class Fp32MoE(nn.Module):
 
     def __init__(self, moe: nn.Module):
         super().__init__()
-        self.tp, self.silu_and_mul = moe.tp, _silu_and_mul_for(moe)
+        self.tp, self.silu_and_mul = moe.tp, moe.backend.silu_and_mul
         self.w13_weight, self.w2_weight = moe.w13_weight.detach().float(), moe.w2_weight.detach().float()
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -643,14 +637,21 @@ def widen_experts(model: nn.Module) -> int:
 
 def pack_experts(model: nn.Module) -> int:
     """Replace every FusedMoE by a PackedMoE of its weights, with a WidenedMoE copy for the small
-    steps where the C linear builds here and takes them; returns the bytes that copy adds."""
+    steps where the C linear builds here and takes them, and the copy (the experts held twice)
+    fits in half the memory available, as the fp32 weights' rule; returns the bytes it adds."""
     moes = _fused_moes(model)
     if not moes:
         return 0
     c = _first_that_works("linear kernel for the experts' small steps", [("c", check_c_linear)], (None, None))[1]
+    copied = [moe for _, _, moe in moes if c and _c_linear_takes(moe)]
+    need, avail = sum((m.w13_weight.numel() + m.w2_weight.numel()) * 2 for m in copied), available_cpu_memory()
+    if copied and avail is not None and need >= avail // 2:
+        logger.info("[model] the experts get no C linear copy for small steps: it would need %.2f GiB of the "
+                    "%.2f GiB available", need / 2**30, avail / 2**30)
+        copied = []
     added = 0
     for parent, name, moe in moes:
-        widened = WidenedMoE(moe) if c and _c_linear_takes(moe) else None
+        widened = WidenedMoE(moe) if any(moe is m for m in copied) else None
         setattr(parent, name, PackedMoE(moe, widened))
         added += 0 if widened is None else (widened.packed13.numel() + widened.packed2.numel()) * 2
     logger.info("[model] %d layers' experts packed for oneDNN%s", len(moes),

@@ -129,8 +129,8 @@ def test_bf16_cpu_runs_the_c_kernels(tiny_model):
     llm = make_llm(tiny_model, dtype="bfloat16")
     b = llm.engine.backend
     assert (b.paged_attention, b.store_kvcache) == (cpu_kernels.paged_attention, cpu_kernels.store_kvcache)
-    assert (b.rms_norm, b.rotary, b.silu_and_mul, b.argmax) == (
-        cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul, cpu_kernels.argmax)
+    ops = [getattr(op, "__wrapped__", op) for op in (b.rms_norm, b.rotary, b.silu_and_mul, b.argmax)]
+    assert ops == [cpu_kernels.rms_norm, cpu_kernels.rotary, cpu_kernels.silu_and_mul, cpu_kernels.argmax]
     for c, ref in zip(two_steps(runner_with(b, tiny_model)), two_steps(runner_with(kernels.TORCH, tiny_model))):
         assert torch.isfinite(c).all()
         torch.testing.assert_close(c, ref, atol=0.05, rtol=0.02)
@@ -575,8 +575,9 @@ def test_widened_experts_are_the_reference_with_the_c_linear_s_sums(T, E, k, unc
     _c_linear_or_skip()
     from nanoserve.model import FusedMoE, TPGroup
     gen = torch.Generator().manual_seed(2)
-    moe = FusedMoE(E, 64, inter, dataclasses.replace(kernels.TORCH, silu_and_mul=cpu_kernels.silu_and_mul),
-                   TPGroup())
+    c_silu = cpu_backend.c_or_reference(cpu_kernels.silu_and_mul, kernels.silu_and_mul_torch,
+                                        lambda gate_up: gate_up.shape[-1] // 2)  # as the backend holds it
+    moe = FusedMoE(E, 64, inter, dataclasses.replace(kernels.TORCH, silu_and_mul=c_silu), TPGroup())
     with torch.no_grad():
         moe.w13_weight.copy_(torch.randn(E, 2 * inter, 64, generator=gen) / 8)
         moe.w2_weight.copy_(torch.randn(E, 64, inter, generator=gen) / 8)
@@ -671,6 +672,14 @@ def test_packed_experts_where_the_cpu_has_bf16_matmul(model_root, c_linear, monk
                                  dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
     copies = sum(2 * (m.widened.packed13.numel() + m.widened.packed2.numel()) for m in moes if m.widened)
     assert (copies > 0) == c_linear and packed_bytes - plain_bytes == copies
+    if c_linear:  # the copy only where it fits in half the memory available
+        available = cpu_backend.available_cpu_memory
+        monkeypatch.setattr(cpu_backend, "available_cpu_memory", lambda: 2 * copies)
+        with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+            _, tight_bytes = load_model(path, torch.bfloat16, torch.device("cpu"),
+                                        dataclasses.replace(kernels.TORCH, prepare_model=cpu_backend.prepare_model))
+        assert tight_bytes == plain_bytes and "the experts get no C linear copy" in caplog.text
+        monkeypatch.setattr(cpu_backend, "available_cpu_memory", available)
     monkeypatch.setattr(cpu_backend, "can_pack_linear_weights", lambda dtype, device: False)
     plain = runner_with(kernels.TORCH, path)
     assert sum(isinstance(m, FusedMoE) for m in plain.model.modules()) == 2
