@@ -2842,14 +2842,16 @@ def chat_template_content_format(template: str | None) -> str:
     """"openai" where the template loops over a message's content (``{% for part in message['content'] %}``:
     it reads a list of parts, as Gemma 3's and Llama 4's do), else "string": how vLLM's "auto" detects
     it, from the template's syntax tree. A message is any loop variable over ``messages`` or over a
-    variable set from it (``{% set loop_messages = messages[1:] %}``)."""
+    variable set from it (``{% set loop_messages = messages[1:] %}``). The template is parsed by the
+    environment transformers renders it in, as vLLM's is: it knows transformers' own tags ({% generation %})."""
     import jinja2
     from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
     if not isinstance(template, str):
         return "string"
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-    except jinja2.TemplateError:  # rendering will name the error
+        tree = _compile_jinja_template(template).environment.parse(template)
+    except (jinja2.TemplateError, ImportError):  # rendering will name the error
         return "string"
     lists = {"messages"}
     for assign in tree.find_all(nodes.Assign):  # aliases of messages, in the order written

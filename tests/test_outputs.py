@@ -654,6 +654,8 @@ PARTS_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is
     ("{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}", "openai"),
     ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}{% for c in m['content'] | list %}"
      "{{ c['text'] }}{% endfor %}{% endfor %}", "openai"),  # an alias of messages, a filtered content
+    ("{% for m in messages %}{% generation %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}"
+     "{% endgeneration %}{% endfor %}", "openai"),  # transformers' own tag (its assistant-mask tracker)
     ("{% for m in messages %}{% for c in other['content'] %}{{ c }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %}{% for k in m['tool_calls'] %}{{ k }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %", "string"),  # not Jinja: rendering names the error
