@@ -2830,11 +2830,13 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 
 def _template_text(tokenizer, chat_template: str | None, tools: list[dict] | None) -> str | None:
     """The Jinja source that will render: ``chat_template``, else the tokenizer's (by name where it keeps
-    several, e.g. "tool_use"); None where there is none (apply_chat_template says so)."""
+    several, e.g. "tool_use"); None where none can be picked (rendering then names why: no template, or
+    several named ones and no "default")."""
     try:
         return tokenizer.get_chat_template(chat_template, tools=tools)
-    except Exception:  # none at all, or an older tokenizer
-        return chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    except Exception:
+        template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
 
 
 @functools.lru_cache(maxsize=32)

@@ -685,6 +685,19 @@ def test_chat_content_reaches_the_template_in_its_format(llm):
     assert not llm.engine.has_unfinished_requests()
 
 
+def test_named_templates_without_a_default_are_the_renderer_s_clear_error(llm):
+    """A tokenizer of several named templates, none "default": without a name (or tools, for "tool_use") the
+    renderer's one-line error, not a TypeError from looking for the content format; a name renders."""
+    import copy
+
+    from nanoserve.engine import InvalidInput, apply_chat_template
+    tokenizer, messages = copy.copy(llm.engine.tokenizer), [{"role": "user", "content": "hi"}]
+    tokenizer.chat_template = {"tool_use": "T{{ messages[0]['content'] }}", "rag": "R{{ messages[0]['content'] }}"}
+    with pytest.raises(InvalidInput, match="multiple chat templates with no default"):
+        apply_chat_template(tokenizer, messages)
+    assert apply_chat_template(tokenizer, messages, chat_template="rag") == "Rhi"
+
+
 def test_chat_without_a_template_is_a_clear_error(tiny_model, tmp_path):
     bare = tmp_path / "no-template"
     shutil.copytree(tiny_model, bare)
