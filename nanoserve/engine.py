@@ -2846,15 +2846,18 @@ def chat_template_content_format(template: str | None) -> str:
     it, from the template's syntax tree. A message is any loop variable over ``messages`` or over a
     variable set from it (``{% set loop_messages = messages[1:] %}``). The template is parsed by the
     environment transformers renders it in, as vLLM's is: it knows transformers' own tags ({% generation %})."""
-    import jinja2
-    from jinja2 import nodes
-    from transformers.utils.chat_template_utils import _compile_jinja_template
     if not isinstance(template, str):
         return "string"
     try:
-        tree = _compile_jinja_template(template).environment.parse(template)
-    except (jinja2.TemplateError, ImportError):  # rendering will name the error
+        return _content_format(template)
+    except Exception:  # not Jinja, or too deep for its parser: rendering will name the error
         return "string"
+
+
+def _content_format(template: str) -> str:
+    from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    tree = _compile_jinja_template(template).environment.parse(template)
     lists = {"messages"}
     for assign in tree.find_all(nodes.Assign):  # aliases of messages, in the order written
         if isinstance(assign.target, nodes.Name) and _reads(assign.node, lists):

@@ -659,6 +659,7 @@ PARTS_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is
     ("{% for m in messages %}{% for c in other['content'] %}{{ c }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %}{% for k in m['tool_calls'] %}{{ k }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %", "string"),  # not Jinja: rendering names the error
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "string"),  # too deep for the parser: rendering names it
     (None, "string"),
 ])
 def test_chat_template_content_format_is_detected(template, found):
