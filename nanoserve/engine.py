@@ -2830,11 +2830,13 @@ CONTENT_FORMATS = ("auto", "string", "openai")
 
 def _template_text(tokenizer, chat_template: str | None, tools: list[dict] | None) -> str | None:
     """The Jinja source that will render: ``chat_template``, else the tokenizer's (by name where it keeps
-    several, e.g. "tool_use"); None where there is none (apply_chat_template says so)."""
+    several, e.g. "tool_use"); None where none can be picked (rendering then names why: no template, or
+    several named ones and no "default")."""
     try:
         return tokenizer.get_chat_template(chat_template, tools=tools)
-    except Exception:  # none at all, or an older tokenizer
-        return chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    except Exception:
+        template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
 
 
 @functools.lru_cache(maxsize=32)
@@ -2842,15 +2844,20 @@ def chat_template_content_format(template: str | None) -> str:
     """"openai" where the template loops over a message's content (``{% for part in message['content'] %}``:
     it reads a list of parts, as Gemma 3's and Llama 4's do), else "string": how vLLM's "auto" detects
     it, from the template's syntax tree. A message is any loop variable over ``messages`` or over a
-    variable set from it (``{% set loop_messages = messages[1:] %}``)."""
-    import jinja2
-    from jinja2 import nodes
+    variable set from it (``{% set loop_messages = messages[1:] %}``). The template is parsed by the
+    environment transformers renders it in, as vLLM's is: it knows transformers' own tags ({% generation %})."""
     if not isinstance(template, str):
         return "string"
     try:
-        tree = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
-    except jinja2.TemplateError:  # rendering will name the error
+        return _content_format(template)
+    except Exception:  # not Jinja, or too deep for its parser: rendering will name the error
         return "string"
+
+
+def _content_format(template: str) -> str:
+    from jinja2 import nodes
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    tree = _compile_jinja_template(template).environment.parse(template)
     lists = {"messages"}
     for assign in tree.find_all(nodes.Assign):  # aliases of messages, in the order written
         if isinstance(assign.target, nodes.Name) and _reads(assign.node, lists):

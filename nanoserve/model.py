@@ -2252,8 +2252,16 @@ class LogitsProcessorBatch:
 
     @staticmethod
     def apply(processors: list[LogitsProcessor], logits: torch.Tensor) -> torch.Tensor:
+        """Each processor's apply in turn; what is not logits of the shape it was given fails as a raise
+        does (else the sampler's next step on it would fail every row of the step)."""
         for p in processors:
-            logits = _call_processor(p, p.apply, logits)
+            out = _call_processor(p, p.apply, logits)
+            if not isinstance(out, torch.Tensor) or out.shape != logits.shape:
+                what = (f"shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                        else "None" if out is None else f"a {type(out).__name__}")
+                raise LogitsProcessorFailed(p, TypeError(f"apply returned {what}, not logits of shape "
+                                                         f"{tuple(logits.shape)}"))
+            logits = out
         return logits
 
     def _batch_update(self, rows: list[SampleRequest], ids: list[int]) -> BatchUpdate:

@@ -308,6 +308,13 @@ class Boom(TargetToken):
         return super().apply(logits)
 
 
+class ForgetsToReturn(Boom):
+    """Returns None where a row's extra_args ask it to (its bug: it forgot its return there)."""
+
+    def apply(self, logits):
+        return None if self.booms else TargetToken.apply(self, logits)
+
+
 class BoomPerRequest(AdapterLogitsProcessor):
     """Per request: "bad_index" indexes past the row (IndexError in apply), "bad_arity" gives a function
     of one argument (ValueError in update_state)."""
@@ -338,8 +345,9 @@ def _run_engine(engine, prompts, params):
 @pytest.mark.parametrize("processor, bad, error", [
     (Boom, {"boom": True}, "RuntimeError: secret-internal-detail"),
     (BoomPerRequest, {"bad_index": 1}, "IndexError: index 1000000000 is out of bounds"),
-    (BoomPerRequest, {"bad_arity": 1}, "ValueError: a request's logits processor takes")],
-                         ids=["apply", "adapter", "update"])
+    (BoomPerRequest, {"bad_arity": 1}, "ValueError: a request's logits processor takes"),
+    (ForgetsToReturn, {"boom": True}, "TypeError: apply returned None, not logits of shape (1, ")],
+                         ids=["apply", "adapter", "update", "returns-none"])
 def test_a_processor_that_raises_fails_only_the_requests_it_raises_for(tiny_model, plain, processor, bad, error,
                                                                        caplog):
     """One request of four makes the processor raise: it alone fails, named by the processor (its error in the

@@ -654,9 +654,12 @@ PARTS_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}]{% if m['content'] is
     ("{% for m in messages %}{% for c in m.content %}{{ c.text }}{% endfor %}{% endfor %}", "openai"),
     ("{% set loop_messages = messages[1:] %}{% for m in loop_messages %}{% for c in m['content'] | list %}"
      "{{ c['text'] }}{% endfor %}{% endfor %}", "openai"),  # an alias of messages, a filtered content
+    ("{% for m in messages %}{% generation %}{% for c in m['content'] %}{{ c['text'] }}{% endfor %}"
+     "{% endgeneration %}{% endfor %}", "openai"),  # transformers' own tag (its assistant-mask tracker)
     ("{% for m in messages %}{% for c in other['content'] %}{{ c }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %}{% for k in m['tool_calls'] %}{{ k }}{% endfor %}{% endfor %}", "string"),
     ("{% for m in messages %", "string"),  # not Jinja: rendering names the error
+    ("{{ " + "(" * 3000 + "1" + ")" * 3000 + " }}", "string"),  # too deep for the parser: rendering names it
     (None, "string"),
 ])
 def test_chat_template_content_format_is_detected(template, found):
@@ -681,6 +684,19 @@ def test_chat_content_reaches_the_template_in_its_format(llm):
         prompt(chat_template_content_format="list")
     assert llm.chat(parts[:2], p, use_tqdm=False)[0].prompt.startswith("<|im_start|>system\n be brief <|im_end|>")
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_named_templates_without_a_default_are_the_renderer_s_clear_error(llm):
+    """A tokenizer of several named templates, none "default": without a name (or tools, for "tool_use") the
+    renderer's one-line error, not a TypeError from looking for the content format; a name renders."""
+    import copy
+
+    from nanoserve.engine import InvalidInput, apply_chat_template
+    tokenizer, messages = copy.copy(llm.engine.tokenizer), [{"role": "user", "content": "hi"}]
+    tokenizer.chat_template = {"tool_use": "T{{ messages[0]['content'] }}", "rag": "R{{ messages[0]['content'] }}"}
+    with pytest.raises(InvalidInput, match="multiple chat templates with no default"):
+        apply_chat_template(tokenizer, messages)
+    assert apply_chat_template(tokenizer, messages, chat_template="rag") == "Rhi"
 
 
 def test_chat_without_a_template_is_a_clear_error(tiny_model, tmp_path):
