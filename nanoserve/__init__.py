@@ -5,6 +5,17 @@ Public API: ``LLM`` (offline), ``SamplingParams``, ``BeamSearchParams``, ``Struc
 (``LogitsProcessor``, ``AdapterLogitsProcessor``, ``BatchUpdate``, ``MoveDirectionality``, ``process_dict_updates``).
 The server is ``python -m nanoserve``.
 """
+import os
+import sys
+
+# OpenMP threads (torch's, oneDNN's, the C kernels') that wait at a barrier spin ~300,000 times before they
+# sleep (libgomp's default): on a CPU that another process also uses, a descheduled thread then stalls its
+# peers for whole time slices, and a mixture-of-experts step of many small parallel regions ran 20-40x
+# slower. 10,000 spins cost nothing measurable on an idle CPU (RESULTS.md, "OpenMP threads that wait").
+# libgomp reads it once, as torch loads it: imported after torch, this does nothing; a value set wins.
+if "torch" not in sys.modules:
+    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
 from nanoserve.engine import (LLM, BeamSearchParams, CompletionOutput, LoRARequest, RequestOutput, SamplingParams,
                               StructuredOutputsParams)
 from nanoserve.model import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality,

@@ -42,6 +42,7 @@ if TRITON_INTERPRETER_CLASH:
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+import nanoserve  # noqa: E402,F401 - first: it sets OpenMP's spin count, which libgomp reads as torch loads it
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import platform
+import subprocess
 import sys
 import warnings
 
@@ -762,3 +763,14 @@ def test_fp32_experts_where_the_c_linear_cannot_run(model_root, monkeypatch):
     plain = runner_with(kernels.TORCH, path)
     for a, b in zip(two_steps(upcast, 30), two_steps(plain, 30)):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.02)
+
+
+def test_importing_nanoserve_first_makes_openmp_threads_sleep_sooner():
+    """nanoserve's import sets libgomp's spin count (unless set) where torch is not loaded yet, as libgomp
+    reads it once when torch loads it; imported after torch it leaves the environment alone."""
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    show = "import os; print(os.environ.get('GOMP_SPINCOUNT'))"
+    for first, want in (("import nanoserve", "10000"), ("import torch, nanoserve", "None")):
+        out = subprocess.run([sys.executable, "-c", f"{first}; {show}"], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.stdout.strip() == want, out.stderr[-2000:]
