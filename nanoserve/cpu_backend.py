@@ -1,8 +1,9 @@
 """CPU backend: the fastest ``kernels.Backend`` this CPU can run, chosen once.
 
 Platform code beside the reading path, as gpt-fast keeps ``quantize.py`` beside
-its ``model.py``: the model runner calls ``build_cpu_backend`` once at start-up
-(model.py ``select_backend``) and hands the result to the layers; nothing else
+its ``model.py``: the engine (and each tensor-parallel worker) calls
+model.py ``select_backend`` once at start-up, which calls ``build_cpu_backend``
+on a CPU, and hands the result to the layers; nothing else
 here is needed to follow a request. Per op, in order of preference:
 
 * attention and the KV store: the C kernels (``cpu_kernels.py``, bf16 on a CPU
@@ -88,7 +89,7 @@ def _first_that_works(what: str, candidates, fallback):
             return name, make()
         except Exception as e:  # noqa: BLE001 - any build or check failure means: try the next one
             log = logger.info if name == "c" else logger.warning
-            log("[model] %s %r is not available here (--enforce-eager skips the attempt): %s", what, name,
+            log("[kernels] %s %r is not available here (--enforce-eager skips the attempt): %s", what, name,
                 first_line(e))
     return fallback
 
@@ -97,7 +98,7 @@ def _first_that_works(what: str, candidates, fallback):
 
 def _pick_attention(cfg, dtype, block_size):
     if getattr(cfg, "attn_logit_softcapping", None) is not None:  # neither the C nor the compiled attention caps
-        logger.info("[model] attention: the torch reference, which soft-caps the scores (Gemma 2)")
+        logger.info("[kernels] attention: the torch reference, which soft-caps the scores (Gemma 2)")
         return "torch", kernels.store_kvcache_torch, kernels.paged_attention_torch
 
     def c():
@@ -562,7 +563,7 @@ def prepare_model(model: nn.Module) -> int:
                 embedding.weight = nn.Parameter(embedding.weight.new_empty(0, embedding.weight.shape[1]),
                                                 requires_grad=False)  # its device and dtype, for who asks
             trim_heap()  # the weights as loaded are freed, but glibc keeps them unless asked
-            logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
+            logger.info("[kernels] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
                         "%skept in bf16 for the C linear kernel, which multiplies them in fp32%s", count,
                         f"and {widened_moes} layers' experts " if widened_moes else "",
                         " (the embedding lookup reads the tied head's copy)" if tied else "")
@@ -575,10 +576,10 @@ def prepare_model(model: nn.Module) -> int:
             for parent, name, moe in _fused_moes(model):
                 setattr(parent, name, Fp32MoE(moe))
             trim_heap()  # the fp32 copies oneDNN packed from are freed, but glibc keeps them unless asked
-            logger.info("[model] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
+            logger.info("[kernels] no bf16 matrix instructions on this CPU (AVX-512 BF16, AMX): %d linear weights "
                         "held in fp32, whose GEMMs are faster here (+%.2f GiB)", count, extra / 2**30)
             return extra
-        logger.warning("[model] no bf16 matrix instructions on this CPU: fp32 linear weights would be faster, but "
+        logger.warning("[kernels] no bf16 matrix instructions on this CPU: fp32 linear weights would be faster, but "
                        "need %.2f GiB more than the %.2f GiB available; bf16 it is", extra / 2**30, avail / 2**30)
     added = pack_model(model)
     if can_pack_linear_weights(weight.dtype, weight.device):
@@ -590,7 +591,7 @@ def pack_model(model: nn.Module) -> int:
     """bf16 linear weights packed for oneDNN (the same bytes, another layout); 0 bytes added."""
     weight = model.model.embed_tokens.weight
     if can_pack_linear_weights(weight.dtype, weight.device):
-        logger.debug("[model] %d linear weights packed for oneDNN", pack_linear_weights(model))
+        logger.debug("[kernels] %d linear weights packed for oneDNN", pack_linear_weights(model))
     return 0
 
 
@@ -646,7 +647,7 @@ def pack_experts(model: nn.Module) -> int:
     copied = [moe for _, _, moe in moes if c and _c_linear_takes(moe)]
     need, avail = sum((m.w13_weight.numel() + m.w2_weight.numel()) * 2 for m in copied), available_cpu_memory()
     if copied and avail is not None and need >= avail // 2:
-        logger.info("[model] the experts get no C linear copy for small steps: it would need %.2f GiB of the "
+        logger.info("[kernels] the experts get no C linear copy for small steps: it would need %.2f GiB of the "
                     "%.2f GiB available", need / 2**30, avail / 2**30)
         copied = []
     added = 0
@@ -654,7 +655,7 @@ def pack_experts(model: nn.Module) -> int:
         widened = WidenedMoE(moe) if any(moe is m for m in copied) else None
         setattr(parent, name, PackedMoE(moe, widened))
         added += 0 if widened is None else (widened.packed13.numel() + widened.packed2.numel()) * 2
-    logger.info("[model] %d layers' experts packed for oneDNN%s", len(moes),
+    logger.info("[kernels] %d layers' experts packed for oneDNN%s", len(moes),
                 f", and for the C linear for steps of <= {WIDENED_MAX_ROWS} rows an expert "
                 f"(+{added / 2**20:.1f} MiB)" if added else "")
     return added

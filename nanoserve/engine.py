@@ -524,7 +524,7 @@ class IncrementalDetokenizer:
         try:
             for token_id in self.ids:
                 stream.step(self.backend, token_id)
-        except Exception:  # noqa: BLE001 - as in _next
+        except Exception:  # noqa: BLE001 - as in LLMEngine.step
             return None
         return stream
 
@@ -1607,7 +1607,7 @@ class LLMEngine:
     def validate_params(self, params: SamplingParams) -> tuple[Any, list[list[int]]]:
         """Check ``params`` against this model (raises InvalidInput); returns the
         compiled grammar of its structured outputs (None without), from the cache
-        when the server compiled it ahead on its tokenizer thread, and its bad_words
+        when the server compiled it ahead on its grammar thread (ServerState.compile_grammar), and its bad_words
         tokenized (SamplingParams.bad_words_token_ids), once for both the check and the request."""
         vocab, cap = self.model_config.vocab_size, self.config.max_logprobs
         limit = vocab if cap == -1 else min(cap, vocab)  # -1: no cap (as vLLM's); more would be none to rank
@@ -2068,8 +2068,7 @@ class LLMEngine:
         sampled = iter(results)
         now = time.monotonic()
         num_generated = 0
-        # This loop and what it calls run once per request per step: the status's plain attribute is read
-        # rather than the is_finished property, counters are added up once a step.
+        # This loop and what it calls run once per request per step: counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
             result = next(sampled) if s.samples else None
             try:

@@ -20,7 +20,7 @@ This module owns
 
 It hands the engine layer prompts and ``SamplingParams`` through ``AsyncLLM``
 and reads back ``RequestOutput``s from one queue per HTTP request. Tokenizing runs on a thread of its own, never
-on the event loop. It never touches blocks, tensors or the scheduler's queues:
+on the event loop. It never touches blocks, the KV tensors or the scheduler's queues (prompt_embeds it only decodes):
 what it knows of them comes from ``engine.describe()`` and ``engine.stats()``.
 
 Read top to bottom: CLI -> protocol -> tool calls -> reasoning -> app -> handlers -> serving (admission,

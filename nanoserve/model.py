@@ -2821,8 +2821,9 @@ class ModelRunner:
     ``decode_sizes`` and written into persistent input buffers, whose padding
     rows store no KV (slot -1) and attend to one token of block 0; on CUDA,
     ``capture_cudagraphs`` records one graph per size over those buffers and a
-    step replays it, a few launches instead of hundreds. On the CPU the same
-    padded path runs eagerly (the tests check that it changes no output).
+    step replays it, a few launches instead of hundreds. On the CPU ``decode_sizes``
+    is empty unless cudagraph_capture_sizes is given (the tests give it, to check
+    that the padded path, run eagerly, changes no output).
 
     A model with LoRA layers (wrap_lora_layers) comes with its adapters' slots; the
     runner keeps the loaded adapters (LoRASlots) and sets each step's LoRAStep. A padded

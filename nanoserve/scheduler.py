@@ -167,8 +167,9 @@ class Scheduler:
                               self.block_manager.make_stats())
 
     def reset_prefix_cache(self) -> None:
-        """Forget the hashes of the free blocks (a failed step may have left KV
-        unwritten in blocks it registered)."""
+        """Forget the hashes of the free blocks: after a failed step (it may have
+        left KV unwritten in blocks it registered), and for LLM.reset_prefix_cache
+        (vLLM's; the benchmarks' cold starts)."""
         self.block_manager.reset_prefix_cache()
 
     # ---------------------------------------------------------------- the step
