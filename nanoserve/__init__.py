@@ -8,11 +8,12 @@ The server is ``python -m nanoserve``.
 import os
 import sys
 
-# OpenMP threads (torch's, oneDNN's, the C kernels') that wait at a barrier spin ~300,000 times before they
-# sleep (libgomp's default): on a CPU that another process also uses, a descheduled thread then stalls its
-# peers for whole time slices, and a mixture-of-experts step of many small parallel regions ran 20-40x
-# slower. 10,000 spins cost nothing measurable on an idle CPU (RESULTS.md, "OpenMP threads that wait").
-# libgomp reads it once, as torch loads it: imported after torch, this does nothing; a value set wins.
+# The one setting made at import, because no later moment exists: libgomp reads GOMP_SPINCOUNT once, as
+# torch loads it. OpenMP threads (torch's, oneDNN's, the C kernels') that wait at a barrier spin ~300,000
+# times before they sleep by default; on a CPU another process also uses, a descheduled thread then stalls
+# its peers for whole time slices, and a mixture-of-experts step (many small parallel regions) crawls.
+# 10,000 spins cost nothing measurable on an idle CPU (RESULTS.md, "OpenMP threads that wait"). Imported
+# after torch, this does nothing; a value the user set wins.
 if "torch" not in sys.modules:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
