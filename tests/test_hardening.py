@@ -596,6 +596,7 @@ def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(offline, caplog
         return real(req)
     monkeypatch.setattr(Request, "sample_request", broken)
     engine, prompts = offline.engine, [[5, 9, 11, 3], VICTIM, [100, 7, 7, 2]]
+    assert offline.reset_prefix_cache()  # VICTIM's blocks from tests before
     params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)]
