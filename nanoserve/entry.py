@@ -1766,6 +1766,8 @@ class ServerState:
     metrics: "ServerMetrics"
     body_timeout: float = BODY_TIMEOUT_S
     generations: set["Generation"] = field(default_factory=set)  # in flight
+    admitting: set[asyncio.Task] = field(default_factory=set)  # handlers in Generation.admit: not in the engine yet
+    ending: str | None = None  # why end_all ended what was in flight (the drain timeout)
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
@@ -1844,6 +1846,11 @@ class ServerState:
         if self.generations:
             logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(self.generations))
         self.async_llm.fail_all(EngineDeadError(why))
+        if self.admitting:  # tokenizing, compiling a grammar: else uvicorn cancels them later, a plain-text 500
+            logger.info("[entry] shutdown: ending %d request(s) not yet admitted", len(self.admitting))
+        self.ending = why
+        for task in self.admitting:
+            task.cancel()  # Generation.admit turns it into a 503 with why
 
 
 @dataclass
@@ -2447,7 +2454,9 @@ class Generation:
     async def admit(cls, state: ServerState, request_id: str, req: GenerationRequest) -> "Generation":
         """Cheap bounds first (prompts x n vs the queue; the engine's characters
         and length bounds before any per-token work), then tokenizing off the
-        loop, then the engine requests. Raises 400/429/503."""
+        loop, then the engine requests. Raises 400/429/503 (503 also when the drain timeout ends it: end_all)."""
+        task = asyncio.current_task()
+        state.admitting.add(task)
         try:
             params = req.sampling_params(state.engine.default_sampling, state.engine.override_max_tokens)
             gen = cls(state, request_id, req, params)
@@ -2465,6 +2474,13 @@ class Generation:
             raise req.invalid(e) from None
         except EngineDeadError as e:
             raise _engine_error(e) from None
+        except asyncio.CancelledError:
+            if state.ending is None:  # not end_all's: the client left, or a forced exit
+                raise
+            task.uncancel()
+            raise _engine_error(EngineDeadError(state.ending)) from None
+        finally:
+            state.admitting.discard(task)
 
     def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams):
         self.state, self.request_id, self.req, self.params = state, request_id, req, params

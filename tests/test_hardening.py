@@ -799,6 +799,37 @@ def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model,
     assert len(connected) == 1
 
 
+def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model, caplog):
+    """At the drain timeout a request not in the engine yet (here its grammar still compiling) ends as those in
+    it do, with a 503 in the error shape, not uvicorn's cancellation: a plain-text 500 and a traceback, after
+    DRAIN_GRACE_S more."""
+    caplog.set_level(logging.INFO)
+    s, release, entered, result = ServerThread(tiny_model, graceful=0.3), threading.Event(), threading.Event(), {}
+    so = s.engine.structured_outputs
+    compile_ = so.compile
+
+    def held(spec):
+        if spec is not None and spec.regex == "held[0-9]":
+            entered.set()
+            release.wait(60)
+        return compile_(spec)
+    so.compile = held
+    try:
+        with s:
+            worker = threading.Thread(target=lambda: result.setdefault("r", _post(s.url, {
+                "prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "held[0-9]"}})))
+            worker.start()
+            assert entered.wait(30)
+            s.stop()  # the drain, 0.3 s, then the 503 (uvicorn's cancel came DRAIN_GRACE_S later)
+            worker.join(30)
+    finally:
+        release.set()
+    err = _check_error(result["r"], 503, None)
+    assert "shutting down" in err["message"]
+    assert not any(rec.exc_info or "Traceback" in rec.getMessage() for rec in caplog.records)
+    assert "shutdown: ending 1 request(s) not yet admitted" in caplog.text
+
+
 # =========================================================================== logs
 
 def test_client_strings_cannot_forge_log_lines(server, caplog):
