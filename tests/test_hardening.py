@@ -799,33 +799,51 @@ def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model,
     assert len(connected) == 1
 
 
-def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model, caplog):
-    """At the drain timeout a request not in the engine yet (here its grammar still compiling) ends as those in
-    it do, with a 503 in the error shape, not uvicorn's cancellation: a plain-text 500 and a traceback, after
-    DRAIN_GRACE_S more."""
+@pytest.mark.parametrize("held", ["grammar", "body"])
+def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model, caplog, held):
+    """At the drain timeout a request the engine has not yet (its grammar still compiling, its body still
+    arriving) ends as those in it do, with a 503 in the error shape, not uvicorn's cancellation DRAIN_GRACE_S
+    later: a plain-text 500 and a traceback."""
     caplog.set_level(logging.INFO)
     s, release, entered, result = ServerThread(tiny_model, graceful=0.3), threading.Event(), threading.Event(), {}
     so = s.engine.structured_outputs
     compile_ = so.compile
 
-    def held(spec):
+    def held_compile(spec):
         if spec is not None and spec.regex == "held[0-9]":
             entered.set()
             release.wait(60)
         return compile_(spec)
-    so.compile = held
+    so.compile = held_compile
+
+    def post():
+        if held == "grammar":
+            r = _post(s.url, {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "held[0-9]"}})
+            result["r"] = r.status_code, r.text
+            return
+        with socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])), timeout=30) as c:
+            c.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt": ')
+            entered.set()
+            raw = b""
+            while chunk := c.recv(65536):
+                raw += chunk
+            head, _, body = raw.partition(b"\r\n\r\n")
+            result["r"] = int(head.split()[1]), body.decode()
     try:
         with s:
-            worker = threading.Thread(target=lambda: result.setdefault("r", _post(s.url, {
-                "prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "held[0-9]"}})))
+            worker = threading.Thread(target=post)
             worker.start()
             assert entered.wait(30)
-            s.stop()  # the drain, 0.3 s, then the 503 (uvicorn's cancel came DRAIN_GRACE_S later)
+            deadline = time.monotonic() + 30
+            while not s.app.state.server.admitting:  # its handler is waiting (for the body, for the grammar)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            s.stop()  # the drain: 0.3 s
             worker.join(30)
     finally:
         release.set()
-    err = _check_error(result["r"], 503, None)
-    assert "shutting down" in err["message"]
+    status, text = result["r"]
+    assert status == 503 and "shutting down" in json.loads(text)["error"]["message"], text
     assert not any(rec.exc_info or "Traceback" in rec.getMessage() for rec in caplog.records)
     assert "shutdown: ending 1 request(s) not yet admitted" in caplog.text
 
