@@ -1382,9 +1382,14 @@ class LLMEngine:
         self.loras: dict[int, LoRARequest] = {}  # the adapters loaded, by lora_int_id
         self.lora_loads: dict[int, int] = {}     # ... and which load each is (the prefix cache's salt)
         # requests ended for what went wrong with them alone (caller id -> why: their adapter could not be
-        # loaded again, a custom logits processor raised), for the caller to pop: AsyncLLM fails each
-        # with it, LLM.generate raises it
+        # loaded again, a custom logits processor raised, their inputs or output raised), for the caller to
+        # pop: AsyncLLM fails each with it, LLM.generate raises it
         self.failed_requests: dict[str, str] = {}
+        # step_work's verdict, for AsyncLLM's count of failed steps: whether a step served some request
+        # (took in its result, or computed its chunk), and whether one ran whose every request a bug of the
+        # engine's own ended (building its inputs, taking in its output: ``faults`` counts those requests)
+        self.step_served = self.step_faulted = False
+        self.faults = 0
         self.load_counter = itertools.count()
         self.serials = itertools.count()  # Request.serial's
 
@@ -1921,7 +1926,7 @@ class LLMEngine:
         next call, after that call launched its own: the host schedules step N+1 while
         the device runs step N. Between calls at most one step is in flight (none
         without async_scheduling)."""
-        outputs = []
+        outputs, self.step_served, self.step_faulted = [], False, False
         if self.in_flight and not self.in_flight[0].may_run_ahead:
             outputs += yield from self._land()
         step = self.schedule_step()
@@ -1996,8 +2001,15 @@ class LLMEngine:
             out = yield (out.get,)
         for s in flight.sched.scheduled:
             s.request.num_output_placeholders -= s.samples
+        faults = self.faults
         outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs)
         self.in_flight.pop(0)  # only now: if postprocess raised, fail_step ends its requests
+        # served: an output, or a request it left running (those it finished have an output; those ended
+        # before it landed were served by none: under async scheduling, the step after one that failed)
+        if outputs or not all(s.request.status.is_finished for s in flight.sched.scheduled):
+            self.step_served = True
+        elif self.faults > faults:
+            self.step_faulted = True
         return outputs
 
     def schedule_step(self) -> tuple[StepInFlight, list[SeqInput]] | None:
@@ -2011,13 +2023,17 @@ class LLMEngine:
         before = self.in_flight[-1].sched if self.in_flight else None  # async: its tokens are inputs here
         flight = StepInFlight(sched, False)
         self.in_flight.append(flight)
-        inputs = self.build_inputs(sched, before)
+        step = self._without_finished(flight, self.build_inputs(sched, before))  # less any whose inputs raised
+        if step is None:  # every request's inputs raised
+            self.step_faulted = True
+            return None
+        inputs = step[1]
         # The next step may be scheduled before this one lands unless a request that samples here
         # needs its output on the host for its next token, or prompt logprobs (the next chunk's) come back.
         # Custom logits processors read each request's output token ids, all of them, at every step.
         flight.may_run_ahead = self.config.async_scheduling and not any(i.prompt_logprob_ids for i in inputs) \
             and not self.logits_processor_classes and all(s.request.can_run_ahead for s in sched.scheduled if s.samples)
-        return flight, inputs
+        return step
 
     def fail_step(self) -> list[str]:
         """End the requests of the steps in flight (the failed one, and under async
@@ -2033,31 +2049,45 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
         return failed
 
-    def build_inputs(self, sched: SchedulerOutput, in_flight: SchedulerOutput | None = None) -> list[SeqInput]:
+    def build_inputs(self, sched: SchedulerOutput, in_flight: SchedulerOutput | None = None
+                     ) -> list[SeqInput | None]:
         """The scheduled step as plain data for the model runner. Token lists are
         sliced (copied) here so the model can run on another thread while the
         loop thread appends to requests. ``in_flight``: the step launched before
-        this one and not landed (async scheduling), whose sampled ids some inputs are."""
+        this one and not landed (async scheduling), whose sampled ids some inputs are.
+        A request whose inputs raise ends alone (_fail_input; None in its place)."""
         seqs, prev_rows = [], None
         now = time.monotonic()
         for s in sched.scheduled:
             req, start, num_new = s.request, s.start, s.num_new_tokens
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            token_ids, prev_row = req.token_ids[start:start + num_new], None
-            if not token_ids:  # async scheduling: its input is the token the step in flight samples
-                prev_rows = prev_rows or {x.request: i for i, x in enumerate(
-                    x for x in in_flight.scheduled if x.samples)}
-                token_ids, prev_row = [0], prev_rows[req]
-            seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.samples else None,
-                                 # only the request that skips the prefix cache computes prompt logprobs
-                                 # (prompt_logprob_ids' own first test, here to save a call per request per step)
-                                 req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache else None,
-                                 req.sampling_params.prompt_logprobs or 0, prev_row,
-                                 None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
-                                 else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
-                                 req.lora_int_id))
+            try:
+                token_ids, prev_row = req.token_ids[start:start + num_new], None
+                if not token_ids:  # async scheduling: its input is the token the step in flight samples
+                    prev_rows = prev_rows or {x.request: i for i, x in enumerate(
+                        x for x in in_flight.scheduled if x.samples)}
+                    token_ids, prev_row = [0], prev_rows[req]
+                seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.samples else None,
+                                     # only the request that skips the prefix cache computes prompt logprobs
+                                     # (prompt_logprob_ids' own first test, here to save a call per request)
+                                     req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache
+                                     else None,
+                                     req.sampling_params.prompt_logprobs or 0, prev_row,
+                                     None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
+                                     else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
+                                     req.lora_int_id))
+            except Exception as e:  # a bug met by this request's inputs (its grammar's mask, its sampling row)
+                self._fail_input(req, e)
+                seqs.append(None)
         return seqs
+
+    def _fail_input(self, req: Request, error: Exception) -> None:
+        """End a request whose step inputs could not be built (the step runs without it: _without_finished)."""
+        self.faults += 1
+        self._fail_request(self._caller_id(req), "building this request's step inputs failed; the server log "
+                                                 "has the details",
+                           f"building its step inputs failed: {type(error).__name__}: {first_line(error)}", error)
 
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
                     prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
@@ -2107,6 +2137,7 @@ class LLMEngine:
         """End a request whose step output could not be taken in (nothing of this step goes out for it)."""
         request_id = self._caller_id(req)
         outputs.pop(request_id, None)
+        self.faults += 1
         self._fail_request(request_id, "taking in this request's output failed; the server log has the details",
                            f"taking in its output failed: {type(error).__name__}: {first_line(error)}", error)
 
@@ -2995,7 +3026,9 @@ class AsyncLLM:
     step that raises ends only its own requests (``RequestFailedError``; under
     async scheduling those of the step still in flight too);
     MAX_CONSECUTIVE_STEP_FAILURES in a row end the loop (``EngineDeadError`` to
-    all, ``dead`` set, ``is_running`` False)."""
+    all, ``dead`` set, ``is_running`` False). A step whose every request a bug of
+    the engine's own ended one by one (LLMEngine.step_faulted) counts as failed:
+    alone in its step, a request cannot tell that bug from one that fails them all."""
 
     def __init__(self, engine: LLMEngine, executor: concurrent.futures.ThreadPoolExecutor | None = None):
         self.engine = engine
@@ -3059,6 +3092,16 @@ class AsyncLLM:
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise EngineDeadError(DEAD_MESSAGE) from None
                     continue
+                while engine.failed_requests:  # before outputs: their queues get why, not an abort
+                    request_id, why = engine.failed_requests.popitem()
+                    self._fail(request_id, RequestFailedError(why))
+                if engine.step_served:
+                    failures = 0
+                elif engine.step_faulted:  # a bug met by each of its requests counts as a failed step
+                    failures += 1
+                    logger.error("[engine] every request of the step failed (%d steps in a row)", failures)
+                    if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                        raise EngineDeadError(DEAD_MESSAGE)
                 if outputs is None and stepped:  # going idle after steps
                     stepped = False
                     await loop.run_in_executor(self.executor, engine.release_memory)
@@ -3067,10 +3110,7 @@ class AsyncLLM:
                     self.wakeup.clear()
                     await self.wakeup.wait()
                     continue
-                failures, stepped = 0, True
-                while engine.failed_requests:  # before outputs: their queues get why, not an abort
-                    request_id, why = engine.failed_requests.popitem()
-                    self._fail(request_id, RequestFailedError(why))
+                stepped = True
                 for out in outputs:  # a finished request's queue is dropped with its last output
                     queue = self.queues.pop(out.request_id, None) if out.finished else self.queues.get(out.request_id)
                     if queue is not None:
@@ -3091,14 +3131,15 @@ class AsyncLLM:
             self.dead.set()
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> list[RequestOutput] | None:
-        """engine.step_work() with its model work on the model thread; None when nothing ran."""
+        """engine.step_work() with its model work on the model thread; None when nothing ran
+        (nor was scheduled: a step whose every request's inputs raised ran nothing)."""
         work, result, ran = self.engine.step_work(), None, False
         try:
             while True:
                 fn, *args = work.send(result)
                 result, ran = await loop.run_in_executor(self.executor, fn, *args), True
         except StopIteration as done:
-            return done.value if ran else None
+            return done.value if ran or self.engine.step_faulted else None
 
     def add_request(self, prompt, params: SamplingParams, request_id: str, queue: asyncio.Queue,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE, priority: int = 0) -> None:

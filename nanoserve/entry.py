@@ -59,7 +59,7 @@ import uuid
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterable
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterable, Iterator
 
 import h11
 import torch
@@ -1766,6 +1766,8 @@ class ServerState:
     metrics: "ServerMetrics"
     body_timeout: float = BODY_TIMEOUT_S
     generations: set["Generation"] = field(default_factory=set)  # in flight
+    admitting: set[asyncio.Task] = field(default_factory=set)  # handlers before the engine (endable)
+    ending: str | None = None  # why end_all ended what was in flight (the drain timeout)
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
@@ -1844,6 +1846,27 @@ class ServerState:
         if self.generations:
             logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(self.generations))
         self.async_llm.fail_all(EngineDeadError(why))
+        if self.admitting:  # else uvicorn cancels them DRAIN_GRACE_S later: a plain-text 500 and a traceback
+            logger.info("[entry] shutdown: ending %d request(s) not yet admitted", len(self.admitting))
+        self.ending = why
+        for task in self.admitting:
+            task.cancel()  # endable turns it into a 503 with why
+
+    @contextlib.contextmanager
+    def endable(self) -> Iterator[None]:
+        """The work of a request before the engine has it (its body arriving, tokenizing, its grammar
+        compiling), which end_all ends with a 503 as it does the requests in the engine."""
+        task = asyncio.current_task()
+        self.admitting.add(task)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if self.ending is None:  # not end_all's: a forced exit
+                raise
+            task.uncancel()
+            raise _engine_error(EngineDeadError(self.ending)) from None
+        finally:
+            self.admitting.discard(task)
 
 
 @dataclass
@@ -2365,6 +2388,12 @@ async def read_json(request: Request, state: ServerState, parse: Callable[[dict[
     the size limit and no longer than the body timeout (a client that never sends it holds
     nothing); a large one is decoded and parsed off the loop (validating megabytes of
     messages takes seconds too), after ``check_raw`` looked at its bytes."""
+    with state.endable():
+        return await _read_json(request, state, parse, check_raw)
+
+
+async def _read_json(request: Request, state: ServerState, parse: Callable[[dict[str, Any]], Any],
+                     check_raw: Callable[[bytes, LLMEngine], None] | None) -> Any:
     limit = state.max_body_bytes
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
@@ -2448,6 +2477,11 @@ class Generation:
         """Cheap bounds first (prompts x n vs the queue; the engine's characters
         and length bounds before any per-token work), then tokenizing off the
         loop, then the engine requests. Raises 400/429/503."""
+        with state.endable():
+            return await cls._admit(state, request_id, req)
+
+    @classmethod
+    async def _admit(cls, state: ServerState, request_id: str, req: GenerationRequest) -> "Generation":
         try:
             params = req.sampling_params(state.engine.default_sampling, state.engine.override_max_tokens)
             gen = cls(state, request_id, req, params)

@@ -582,13 +582,99 @@ def test_a_request_whose_output_cannot_be_taken_in_fails_alone(offline, caplog):
     assert offline.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0].token_ids == finals["r0"]
 
 
-def test_repeated_failures_turn_health_503(tiny_model):
+def test_a_request_whose_step_inputs_cannot_be_built_fails_alone(offline, caplog, monkeypatch):
+    """A bug met by one request's step inputs (here its sampling row raises) ends that request before the
+    step runs, with words that show no internals; the others, greedy and seeded, end as they would without
+    it; the blocks its prefill was to write are free and not left in the prefix cache half written; and
+    LLM.generate raises RequestFailedError for it."""
+    from nanoserve.engine import Request, RequestFailedError
+    real, armed = Request.sample_request, [True]
+
+    def broken(req):
+        if armed and req.prompt_token_ids == VICTIM:
+            raise RuntimeError("secret-internal-detail")
+        return real(req)
+    monkeypatch.setattr(Request, "sample_request", broken)
+    engine, prompts = offline.engine, [[5, 9, 11, 3], VICTIM, [100, 7, 7, 2]]
+    assert offline.reset_prefix_cache()  # VICTIM's blocks from tests before
+    params = [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=6, ignore_eos=True)]
+    steps, execute = [], engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda seqs: steps.append(len(seqs)) or execute(seqs))
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(prompt, p, f"r{i}")
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    failed, engine.failed_requests = engine.failed_requests, {}
+    why = "building this request's step inputs failed; the server log has the details"
+    assert failed == {"r1": why} and steps and max(steps) == 2  # r1 was in no step that ran
+    assert "r1: building its step inputs failed: RuntimeError: secret-internal-detail" in caplog.text
+    want = [offline.generate([prompts[i]], params[i], use_tqdm=False)[0].outputs[0].token_ids for i in (0, 2)]
+    assert finals == {"r0": want[0], "r2": want[1]}
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    with pytest.raises(RequestFailedError, match="building this request's step inputs failed"):
+        offline.generate([VICTIM], params[0], use_tqdm=False)
+    armed.clear()
+    hits = bm.prefix_cache_hits
+    got = offline.generate([VICTIM], params[0], use_tqdm=False)[0].outputs[0].token_ids
+    assert bm.prefix_cache_hits == hits  # its blocks were never written: no hit on them
+    monkeypatch.undo()
+    engine.scheduler.reset_prefix_cache()
+    assert got == offline.generate([VICTIM], params[0], use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_requests_that_fail_beside_served_ones_make_no_failed_step(offline, monkeypatch):
+    """A step in which one request's inputs raise and another is served is no failed step: more of those
+    in a row than MAX_CONSECUTIVE_STEP_FAILURES leave the engine running, and the served ones right."""
+    import asyncio
+    from nanoserve.engine import MAX_CONSECUTIVE_STEP_FAILURES, AsyncLLM, Request, RequestFailedError
+    real = Request.sample_request
+    monkeypatch.setattr(Request, "sample_request", lambda req: _broken() if req.prompt_token_ids == VICTIM
+                        else real(req))
+    params = SamplingParams(temperature=0, max_tokens=1)  # one step a round: no step of a's alone between
+
+    async def serve():
+        front, served = AsyncLLM(offline.engine), []
+        front.start()
+        try:
+            for i in range(MAX_CONSECUTIVE_STEP_FAILURES + 1):
+                qa, qb = asyncio.Queue(), asyncio.Queue()
+                front.add_request([5, 9, 11, 3], params, f"a{i}", qa)  # both in the step that comes next
+                front.add_request(VICTIM, params, f"b{i}", qb)
+                assert isinstance(await asyncio.wait_for(qb.get(), 60), RequestFailedError)
+                while not (out := await asyncio.wait_for(qa.get(), 60)).finished:
+                    pass
+                served.append(out.outputs[0].token_ids)
+            return served, front.is_running
+        finally:
+            await front.shutdown()
+    served, running = asyncio.run(serve())
+    assert running and not offline.engine.has_unfinished_requests()
+    monkeypatch.undo()
+    want = offline.generate([[5, 9, 11, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert served == [want] * (MAX_CONSECUTIVE_STEP_FAILURES + 1)
+
+
+def _broken(*args):
+    raise RuntimeError("simulated failure: secret-internal-detail")
+
+
+@pytest.mark.parametrize("where", ["model step", "inputs", "output"])
+def test_repeated_failures_turn_health_503(tiny_model, monkeypatch, where):
+    """Steps that raise, or that a bug met by every request of ends request by request (building its
+    inputs, taking in its output), MAX_CONSECUTIVE_STEP_FAILURES in a row: the engine is dead."""
+    from nanoserve.engine import Request
     with ServerThread(tiny_model) as s:
         s.app.state.server.request_shutdown = None  # keep it up, to ask it (the CLI test sees the exit)
-
-        def broken(seqs):
-            raise RuntimeError("simulated device failure: secret-internal-detail")
-        s.engine.runner.execute = broken
+        if where == "model step":
+            s.engine.runner.execute = _broken
+        elif where == "inputs":
+            monkeypatch.setattr(Request, "sample_request", _broken)
+        else:
+            s.engine._check_stop = _broken
         for _ in range(3):
             _check_error(_post(s.url, {"prompt": "hi", "max_tokens": 2}), 500, None)
         r = httpx.get(s.url + "/health")
@@ -711,6 +797,55 @@ def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model,
     assert entry.main(["--model", str(tiny_model), "--port", "0", "--disable-log-stats", "--dtype", "float32",
                        "--num-kv-blocks", "16", "--max-model-len", "64"]) == 0
     assert len(connected) == 1
+
+
+@pytest.mark.parametrize("held", ["grammar", "body"])
+def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model, caplog, held):
+    """At the drain timeout a request the engine has not yet (its grammar still compiling, its body still
+    arriving) ends as those in it do, with a 503 in the error shape, not uvicorn's cancellation DRAIN_GRACE_S
+    later: a plain-text 500 and a traceback."""
+    caplog.set_level(logging.INFO)
+    s, release, entered, result = ServerThread(tiny_model, graceful=0.3), threading.Event(), threading.Event(), {}
+    so = s.engine.structured_outputs
+    compile_ = so.compile
+
+    def held_compile(spec):
+        if spec is not None and spec.regex == "held[0-9]":
+            entered.set()
+            release.wait(60)
+        return compile_(spec)
+    so.compile = held_compile
+
+    def post():
+        if held == "grammar":
+            r = _post(s.url, {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "held[0-9]"}})
+            result["r"] = r.status_code, r.text
+            return
+        with socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])), timeout=30) as c:
+            c.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt": ')
+            entered.set()
+            raw = b""
+            while chunk := c.recv(65536):
+                raw += chunk
+            head, _, body = raw.partition(b"\r\n\r\n")
+            result["r"] = int(head.split()[1]), body.decode()
+    try:
+        with s:
+            worker = threading.Thread(target=post)
+            worker.start()
+            assert entered.wait(30)
+            deadline = time.monotonic() + 30
+            while not s.app.state.server.admitting:  # its handler is waiting (for the body, for the grammar)
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            s.stop()  # the drain: 0.3 s
+            worker.join(30)
+    finally:
+        release.set()
+    status, text = result["r"]
+    assert status == 503 and "shutting down" in json.loads(text)["error"]["message"], text
+    assert not any(rec.exc_info or "Traceback" in rec.getMessage() for rec in caplog.records)
+    assert "shutdown: ending 1 request(s) not yet admitted" in caplog.text
 
 
 # =========================================================================== logs
