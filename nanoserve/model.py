@@ -2008,6 +2008,12 @@ def lora_layers(model: CausalLM) -> dict[str, LoRATarget]:
     return out
 
 
+def check_lora_supported(cfg: ModelConfig) -> None:
+    if cfg.kv_lora_rank:  # its projections are not q/k/v/o, and kv_b_proj is absorbed, never run as a layer
+        raise ModelLoadError(f"LoRA is not supported for {cfg.architecture} (multi-head latent attention): "
+                             "serve it without --enable-lora")
+
+
 def lora_dtype(model: CausalLM) -> torch.dtype:
     """Adapters run in the model's dtype, but on a CPU in fp32: there a bf16 matmul outside the packed
     kernels is 4-9x slower at LoRA's shapes (without bf16 instructions: RESULTS.md), and fp32 is the more exact."""
@@ -2019,6 +2025,7 @@ def lora_slot_bytes(cfg: ModelConfig, config: LoRAConfig, world_size: int, dtype
     """The bytes wrap_lora_layers allocates on one rank, from the config alone, for the memory check before
     loading: in every layer, each adapted module's A [slices x rank, its input columns] and B^T [slices x rank,
     its output rows] (lora_layers' split), in each of max_loras slots."""
+    check_lora_supported(cfg)
     hidden, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     kv = num_kv_heads_per_rank(cfg.num_kv_heads, world_size) * cfg.head_dim
     attention = [(3, hidden, q // world_size + 2 * kv), (1, q // world_size, hidden)]          # qkv, o
@@ -2035,6 +2042,7 @@ def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
     """Wrap every layer an adapter may change (after the backend prepared the base layers), its
     slots allocated now, before the KV cache is sized, as vLLM reserves its LoRA memory before
     profiling: the bytes they take, which the caller counts with the weights'."""
+    check_lora_supported(model.config)
     step, dtype, device, total = LoRAStep(), lora_dtype(model), model.model.norm.weight.device, 0
     model.lora_config = config
     for t in lora_layers(model).values():
