@@ -13,7 +13,8 @@ This module owns
   Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared) and GLM-4.5 (a router, ``FusedMoE``'s stacked
   experts run by the backend's ``fused_moe``, a shared expert; GLM's grouped sigmoid routing) in the
   place of the dense one, in the layers that have it (OLMoE's q/k norms over all heads, Granite's
-  scalars are flags too);
+  scalars are flags too); DeepSeek-V2/V3's multi-head latent attention (``MLAAttention``: the latent is
+  the KV cache, one tensor for K and V) in the place of the attention, with their routing;
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -1442,7 +1443,7 @@ class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP (transformers' *SparseMoeBlock): the router ``gate`` scores
     the experts, each token runs its top-k (FusedMoE), their outputs weighted by the routing;
     a shared expert every token runs added (Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)),
-    GraniteMoeShared's and GLM's not); GLM's routing is grouped_topk. Under tensor parallelism the
+    GraniteMoeShared's, GLM's and DeepSeek's not); GLM's and DeepSeek's routing is grouped_topk. Under tensor parallelism the
     experts' partial sums and the shared expert's are added before one all-reduce, as vLLM's: the
     gate is per token and every rank holds it whole, so scaling a rank's partial sum by it before
     the sum is exact."""
