@@ -920,8 +920,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
                        else "moe_intermediate_size")
             sizes[experts] = cfg.moe_intermediate_size
         shared = {"GraniteMoeSharedForCausalLM": "shared_intermediate_size",
-                  **dict.fromkeys(("Glm4MoeForCausalLM", *MLA_ARCHITECTURES), "moe_intermediate_size * n_shared_experts")
-                  }.get(
+                  **dict.fromkeys(("Glm4MoeForCausalLM", *MLA_ARCHITECTURES),
+                                  "moe_intermediate_size * n_shared_experts")}.get(
                       cfg.architecture, "shared_expert_intermediate_size")
         sizes[shared] = cfg.shared_expert_intermediate_size
         problems += [f"{k}={v} is not divisible by tensor_parallel_size={tp_size}" for k, v in sizes.items()
@@ -1443,9 +1443,9 @@ class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP (transformers' *SparseMoeBlock): the router ``gate`` scores
     the experts, each token runs its top-k (FusedMoE), their outputs weighted by the routing;
     a shared expert every token runs added (Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)),
-    GraniteMoeShared's, GLM's and DeepSeek's not); GLM's and DeepSeek's routing is grouped_topk. Under tensor parallelism the
-    experts' partial sums and the shared expert's are added before one all-reduce, as vLLM's: the
-    gate is per token and every rank holds it whole, so scaling a rank's partial sum by it before
+    GraniteMoeShared's, GLM's and DeepSeek's not); GLM's and DeepSeek's routing is grouped_topk. Under
+    tensor parallelism the experts' partial sums and the shared expert's are added before one
+    all-reduce, as vLLM's: the gate is per token and every rank holds it whole, so scaling a rank's partial sum by it before
     the sum is exact."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
