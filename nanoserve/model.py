@@ -1445,8 +1445,8 @@ class SparseMoeBlock(nn.Module):
     a shared expert every token runs added (Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)),
     GraniteMoeShared's, GLM's and DeepSeek's not); GLM's and DeepSeek's routing is grouped_topk. Under
     tensor parallelism the experts' partial sums and the shared expert's are added before one
-    all-reduce, as vLLM's: the gate is per token and every rank holds it whole, so scaling a rank's partial sum by it before
-    the sum is exact."""
+    all-reduce, as vLLM's: the gate is per token and every rank holds it whole, so scaling a rank's
+    partial sum by it before the sum is exact."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
