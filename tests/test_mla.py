@@ -143,3 +143,17 @@ def test_moe_layer_freq_is_vllm_s():
 def test_lora_is_refused_at_start_up(variant, tmp_path):
     with pytest.raises(ModelLoadError, match=r"LoRA is not supported for DeepseekV3ForCausalLM"):
         make_llm(variant("deepseek_v3"), enable_lora=True)
+
+
+def test_c_chunk_attention_takes_more_than_32_heads_on_one_kv_head():
+    """MQA of 48 heads (V3's 128 alike) over one KV head: the C chunk kernel's tile holds 32 / GROUP tokens,
+    so its heads run 32 and 16 at a time, a decode beside the chunk kept; the reference's result to bf16."""
+    from nanoserve import cpu_kernels
+    _c_or_skip(group=32, head_dim=64)
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(8, 16, 1, 64, generator=gen).bfloat16()
+    query = torch.randn(11, 48, 64, generator=gen).bfloat16()
+    batch = (query, cache, cache, torch.arange(1, 8, dtype=torch.int32).expand(2, -1).contiguous(),
+             torch.tensor([40, 60], dtype=torch.int32), torch.tensor([0, 1, 11], dtype=torch.int32), 0.1)
+    torch.testing.assert_close(cpu_kernels.paged_attention(*batch).float(),
+                               kernels.paged_attention_torch(*batch).float(), atol=0.02, rtol=0.02)
