@@ -71,9 +71,11 @@ for _p in (str(HERE), str(ROOT)):
 #   fused_moe: on the device the Triton grouped GEMMs, captured in the "graphs" configs);
 # olmoe (q/k norms over all heads), granitemoeshared (Granite's scalars, an ungated shared expert), glm4_moe
 #   (a dense layer, then grouped sigmoid routing with its bias, fp32 router weights; a rotary half): the same
-#   kernels, routed and normed in other ways
+#   kernels, routed and normed in other ways;
+# deepseek_v2 (no q_lora_rank, softmax routing), deepseek_v3 (noaux_tc routing, YaRN): multi-head latent
+#   attention, MQA of 4 heads over one 64-wide latent cache, K and V one tensor (the Triton store writes it once)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2",
-         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe")
+         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe", "deepseek_v2", "deepseek_v3")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one but gemma3 (its mixed window)
 # and the MoE models (padding rows routed to experts: qwen3_moe stands for them all):
@@ -84,7 +86,8 @@ ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("
                 "mixtral": ("plain-graphs", "chunked-eager"), "qwen2_moe": ("plain-graphs", "chunked-eager"),
                 "qwen3_moe": ("plain-graphs", "preempt-graphs", "chunked-eager"),
                 "olmoe": ("plain-graphs", "chunked-eager"), "granitemoeshared": ("plain-graphs", "chunked-eager"),
-                "glm4_moe": ("plain-graphs", "chunked-eager")}
+                "glm4_moe": ("plain-graphs", "chunked-eager"), "deepseek_v2": ("plain-graphs", "chunked-eager"),
+                "deepseek_v3": ("plain-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -213,8 +216,8 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import (Gemma2Config, Gemma3TextConfig, Glm4MoeConfig, GraniteConfig, GraniteMoeSharedConfig,
-                              LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4MoeConfig,
+                              GraniteConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
                               Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -222,7 +225,8 @@ def tiny_hf_config(arch: str, max_pos: int):
     cls = dict(llama=LlamaConfig, qwen2=Qwen2Config, qwen3=Qwen3Config, mistral=MistralConfig, granite=GraniteConfig,
                phi3=Phi3Config, gemma3=Gemma3TextConfig, gemma2=Gemma2Config, mixtral=MixtralConfig,
                qwen2_moe=Qwen2MoeConfig, qwen3_moe=Qwen3MoeConfig, olmoe=OlmoeConfig,
-               granitemoeshared=GraniteMoeSharedConfig, glm4_moe=Glm4MoeConfig)[arch.split("-")[0]]
+               granitemoeshared=GraniteMoeSharedConfig, glm4_moe=Glm4MoeConfig, deepseek_v2=DeepseekV2Config,
+               deepseek_v3=DeepseekV3Config)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
     if arch in ("gemma3", "gemma2"):
@@ -253,6 +257,14 @@ def tiny_hf_config(arch: str, max_pos: int):
         base.update(head_dim=32, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                     topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
                     use_qk_norm=True, attention_bias=True)
+    if arch.startswith("deepseek"):  # as tests/conftest.py's: a 32 + 32 latent, 4 heads, layer 1 sparse
+        base.update(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=24,
+                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                    first_k_dense_replace=1, routed_scaling_factor=2.5)
+        base.update(q_lora_rank=None, topk_method="greedy") if arch == "deepseek_v2" else base.update(
+            q_lora_rank=24, n_group=2, topk_group=1, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings":
+                max(max_pos // 4, 1), "mscale": 0.9, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
     return cls(**base)
 
 

@@ -165,16 +165,37 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         rows = query_start_loc[decodes].long()
         out[rows] = decode_attention(query[rows], k_cache, v_cache, block_tables[decodes],
                                      seq_lens[decodes], scale, window)
-    num_heads, head_dim = query.shape[1:]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     table = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     qsl = query_start_loc.to(torch.int32).contiguous()
+    group = num_heads // num_kv_heads
+    if group <= CHUNK_MAX_GROUP:
+        _chunk_attention(query, k_cache, v_cache, table, lens, qsl, out, scale, window)
+    elif num_kv_heads == 1:  # MQA of many heads (MLA's: DeepSeek-V3's 128): each head sees the one KV head alike
+        for h in range(0, num_heads, CHUNK_MAX_GROUP):
+            heads = slice(h, h + CHUNK_MAX_GROUP)
+            part = out[:, heads].contiguous()  # the decodes' rows as written above; the chunks' written now
+            _chunk_attention(query[:, heads].contiguous(), k_cache, v_cache, table, lens, qsl, part, scale, window)
+            out[:, heads] = part
+    else:
+        raise ValueError(f"the C chunk attention takes at most {CHUNK_MAX_GROUP} query heads per KV head, "
+                         f"got {group}")
+    return out
+
+
+# csrc/attention.c's ROWS: a chunk tile holds ROWS / GROUP query tokens' rows, at least one token's
+CHUNK_MAX_GROUP = 32
+
+
+def _chunk_attention(query, k_cache, v_cache, table, lens, qsl, out, scale, window) -> None:
+    """chunk_attention over query's heads (contiguous), into out (contiguous, query's shape)."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     attention_library(num_heads // num_kv_heads, head_dim).chunk_attention(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.stride(0),
-        lens.data_ptr(), qsl.data_ptr(), out.data_ptr(), num_seqs, num_kv_heads, block_size, float(scale),
+        lens.data_ptr(), qsl.data_ptr(), out.data_ptr(), lens.shape[0], num_kv_heads, block_size, float(scale),
         window or 0, torch.get_num_threads())
-    return out
 
 
 def decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale,

@@ -1439,7 +1439,7 @@ class LLMEngine:
         elem = torch.empty((), dtype=self.dtype).element_size()
         ranks = cfg.tensor_parallel_size if self.device.type == "cuda" else 1  # CPU ranks share one machine
         spec = KVCacheSpec(mc.num_layers, num_kv_heads_per_rank(mc.num_kv_heads, ranks), mc.head_dim, self.dtype,
-                           cfg.block_size)
+                           cfg.block_size, bool(mc.kv_lora_rank))
         kv_bytes = cfg.kv_cache_memory_bytes if cfg.num_kv_blocks is None else cfg.num_kv_blocks * spec.bytes_per_block
         # the LoRA slots too, allocated with the weights (wrap_lora_layers; fp32 on a CPU: lora_dtype)
         lora = 0 if cfg.lora_config is None else lora_slot_bytes(

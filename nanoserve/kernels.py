@@ -124,7 +124,8 @@ def store_kvcache_torch(key, value, k_cache, v_cache, slot_mapping) -> None:
     if not bool(valid.all()):
         slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
     k_flat.index_copy_(0, slot_mapping, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
+    if v_cache is not k_cache:  # one tensor for both (MLA's latent): written once
+        v_flat.index_copy_(0, slot_mapping, value.to(v_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -379,8 +380,10 @@ if triton is not None:
         vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
         num_kv_heads, block_size,
         HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        ONE_CACHE: tl.constexpr,
     ):
-        """One program per token: copy its [num_kv_heads, head_dim] K and V rows."""
+        """One program per token: copy its [num_kv_heads, head_dim] K and V rows (ONE_CACHE: K's
+        only, the caches being one tensor, MLA's latent)."""
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         if slot < 0:  # padding token: write nothing
@@ -393,13 +396,14 @@ if triton is not None:
         # CPU interpreter needs for a masked load.
         mask = (h < num_kv_heads) & (d < HEAD_DIM)
         k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d * k_stride_d, mask=mask)
-        v = tl.load(value_ptr + t * v_stride_t + h * v_stride_h + d * v_stride_d, mask=mask)
         kc = (k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
               + h * kc_stride_h + d * kc_stride_d)
-        vc = (v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
-              + h * vc_stride_h + d * vc_stride_d)
         tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        if not ONE_CACHE:
+            v = tl.load(value_ptr + t * v_stride_t + h * v_stride_h + d * v_stride_d, mask=mask)
+            vc = (v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
+                  + h * vc_stride_h + d * vc_stride_d)
+            tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
@@ -736,7 +740,7 @@ def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads, k_cache.shape[1],
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), ONE_CACHE=v_cache is k_cache,
     )
 
 

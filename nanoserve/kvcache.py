@@ -355,11 +355,13 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    one_tensor: bool = False  # K and V are one tensor (MLA: the cached latent is both key and value)
 
     @property
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        tensors = 1 if self.one_tensor else 2
+        return tensors * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
 
 @dataclass(slots=True)
@@ -550,11 +552,14 @@ def kv_budget(cache: CacheConfig, spec: KVCacheSpec, weight_bytes: int, device: 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device
                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Per layer, K and V of shape [num_blocks, block_size, num_kv_heads, head_dim]: one tensor
+    passed as both where spec.one_tensor (MLA's latent)."""
     shape = (num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
-    return [(torch.zeros(shape, dtype=spec.dtype, device=device),
-             torch.zeros(shape, dtype=spec.dtype, device=device))
-            for _ in range(spec.num_layers)]
+    caches = []
+    for _ in range(spec.num_layers):
+        k = torch.zeros(shape, dtype=spec.dtype, device=device)
+        caches.append((k, k if spec.one_tensor else torch.zeros(shape, dtype=spec.dtype, device=device)))
+    return caches
 
 
 def log_plan(plan: KVCachePlan, spec: KVCacheSpec, weight_bytes: int, max_model_len: int, per_request: int,

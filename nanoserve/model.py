@@ -13,7 +13,8 @@ This module owns
   Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared) and GLM-4.5 (a router, ``FusedMoE``'s stacked
   experts run by the backend's ``fused_moe``, a shared expert; GLM's grouped sigmoid routing) in the
   place of the dense one, in the layers that have it (OLMoE's q/k norms over all heads, Granite's
-  scalars are flags too);
+  scalars are flags too); DeepSeek-V2/V3's multi-head latent attention (``MLAAttention``: the latent is
+  the KV cache, one tensor for K and V) in the place of the attention, with their routing;
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
@@ -69,8 +70,10 @@ LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # the latter: its text only
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES)  # Granite's four scalars
+# DeepSeek-V2 and -V3 (and what shares V3's architecture: DeepSeek-R1, Kimi-K2): multi-head latent attention
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     *GRANITE_MOE_ARCHITECTURES, "Glm4MoeForCausalLM")
+                     *GRANITE_MOE_ARCHITECTURES, "Glm4MoeForCausalLM", *MLA_ARCHITECTURES)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                            *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
@@ -170,6 +173,15 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     shared_expert_intermediate_size: int = 0  # a shared expert every token runs (Qwen2-MoE, GraniteMoeShared, GLM)
     shared_expert_gate: bool = False          # Qwen2-MoE's: the shared expert scaled by sigmoid(shared_expert_gate(x))
+    fp32_router: bool = False  # GLM's and DeepSeek's: an fp32 router weight, routed by grouped_topk
+    # DeepSeek's multi-head latent attention (0: none). head_dim and num_kv_heads are then the KV cache's
+    # (kv_lora_rank + qk_rope_head_dim wide, one head), rotary_dim qk_rope_head_dim; the heads' own sizes:
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0          # 0: q_proj; else q_a_proj, q_a_layernorm, q_b_proj
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the rope dims stored as pairs (x0, x1), (x2, x3), ...: DeepSeek's
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -226,7 +238,7 @@ class ModelConfig:
         eos = c.get("eos_token_id")
         window, layers = _sliding_window(arch, c)
         granite = arch in GRANITE_ARCHITECTURES  # transformers' Granite defaults are 1.0, its scale too
-        return cls(
+        cfg = cls(
             architecture=arch,
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
@@ -263,6 +275,7 @@ class ModelConfig:
             qk_norm_whole=arch == "OlmoeForCausalLM",
             **(_moe_config(arch, c) if arch in MOE_ARCHITECTURES else {}),
         )
+        return _mla_config(cfg, c) if arch in MLA_ARCHITECTURES else cfg
 
     def __post_init__(self) -> None:
         self.rotary_dim = self.rotary_dim or self.head_dim
@@ -295,7 +308,9 @@ class ModelConfig:
 # num_experts and num_experts_per_tok where config.json leaves them out: each family's transformers config defaults
 MOE_DEFAULTS = {"MixtralForCausalLM": (8, 2), "Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8),
                 "OlmoeForCausalLM": (64, 8), "GraniteMoeForCausalLM": (8, 2), "GraniteMoeSharedForCausalLM": (8, 2),
-                "Glm4MoeForCausalLM": (128, 8)}
+                "Glm4MoeForCausalLM": (128, 8), "DeepseekV2ForCausalLM": (64, 6), "DeepseekV3ForCausalLM": (256, 8)}
+# first_k_dense_replace where config.json leaves it out (transformers' defaults)
+FIRST_DENSE_DEFAULTS = {"Glm4MoeForCausalLM": 1, "DeepseekV2ForCausalLM": 0, "DeepseekV3ForCausalLM": 3}
 # the families whose every layer is sparse, each expert intermediate_size wide (Qwen's have moe_intermediate_size)
 EXPERTS_OF_INTERMEDIATE_SIZE = ("MixtralForCausalLM", "OlmoeForCausalLM", *GRANITE_MOE_ARCHITECTURES)
 
@@ -314,9 +329,9 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     if arch in EXPERTS_OF_INTERMEDIATE_SIZE:
         experts = c.get("num_local_experts", c.get("num_experts", default_experts))
         inter, layers = c["intermediate_size"], tuple(range(n))
-    elif arch == "Glm4MoeForCausalLM":
+    elif arch in FIRST_DENSE_DEFAULTS:  # GLM-4.5, DeepSeek
         experts, inter = c.get("n_routed_experts", default_experts), c["moe_intermediate_size"]
-        layers = tuple(range(c.get("first_k_dense_replace", 1), n))
+        layers = _first_dense_then_sparse(arch, c, n)
     else:
         experts, inter = c.get("num_experts", c.get("num_local_experts", default_experts)), c["moe_intermediate_size"]
         step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or ())
@@ -334,20 +349,36 @@ def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     _check_olmoe_and_granite_moe(arch, c)
     shared = {"Qwen2MoeForCausalLM": c.get("shared_expert_intermediate_size"),
               "GraniteMoeSharedForCausalLM": c.get("shared_intermediate_size", 0),
-              "Glm4MoeForCausalLM": _glm4_moe_shared_size(c, inter)}.get(arch) or 0
+              "Glm4MoeForCausalLM": _glm4_moe_shared_size(c, inter),
+              "DeepseekV2ForCausalLM": _glm4_moe_shared_size(c, inter, default=2),
+              "DeepseekV3ForCausalLM": _glm4_moe_shared_size(c, inter)}.get(arch) or 0
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ModelLoadError(f"shared_intermediate_size {shared!r}: sizes must be non-negative integers")
     glm = arch == "Glm4MoeForCausalLM"
+    grouped = arch in ("Glm4MoeForCausalLM", *MLA_ARCHITECTURES)
     return dict(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, moe_layers=layers,
-                norm_topk_prob=(arch in ("MixtralForCausalLM", *GRANITE_MOE_ARCHITECTURES)
-                                or bool(c.get("norm_topk_prob", glm))),  # GLM's default is True
-                router_weights_fp32=arch in ("MixtralForCausalLM", "Glm4MoeForCausalLM"),
+                norm_topk_prob=(arch in ("MixtralForCausalLM", *GRANITE_MOE_ARCHITECTURES)  # GLM's, V3's default True
+                                or bool(c.get("norm_topk_prob", glm or arch == "DeepseekV3ForCausalLM"))),
+                router_weights_fp32=arch in ("MixtralForCausalLM", "Glm4MoeForCausalLM", *MLA_ARCHITECTURES),
                 shared_expert_intermediate_size=shared, shared_expert_gate=arch == "Qwen2MoeForCausalLM",
-                **(_glm4_moe_routing(c, experts, top_k) if glm else {}))
+                fp32_router=grouped,
+                **(_glm4_moe_routing(c, experts, top_k) if glm else
+                   _deepseek_routing(arch, c, experts, top_k) if grouped else {}))
 
 
-def _glm4_moe_shared_size(c: dict[str, Any], inter: int) -> int:
-    n = c.get("n_shared_experts", 1)
+def _first_dense_then_sparse(arch: str, c: dict[str, Any], n: int) -> tuple[int, ...]:
+    """GLM's and DeepSeek's sparse layers: from first_k_dense_replace on, every moe_layer_freq-th (vLLM's
+    DeepSeek rule; transformers reads no moe_layer_freq, and the released configs set it to 1)."""
+    first, freq = c.get("first_k_dense_replace", FIRST_DENSE_DEFAULTS[arch]), c.get("moe_layer_freq", 1)
+    for key, value, least in (("first_k_dense_replace", first, 0), ("moe_layer_freq", freq, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ModelLoadError(f"{key} {value!r}: must be an integer >= {least}")
+    return tuple(i for i in range(first, n) if i % freq == 0)
+
+
+def _glm4_moe_shared_size(c: dict[str, Any], inter: int, default: int = 1) -> int:
+    n = c.get("n_shared_experts", default)
+    n = 0 if n is None else n  # DeepSeek's: none (vLLM's reading of null)
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         raise ModelLoadError(f"n_shared_experts {n!r}: must be a non-negative integer")
     return n * inter
@@ -357,17 +388,71 @@ def _glm4_moe_routing(c: dict[str, Any], experts: int, top_k: int) -> dict[str, 
     """GLM-4.5's grouped sigmoid routing, checked as transformers would need it to run: the experts
     split into n_group equal groups of at least 2 (a group scores by its best two), topk_group of
     them picked, holding at least top_k experts."""
-    groups, topk_group = c.get("n_group", 1), c.get("topk_group", 1)
-    first_dense = c.get("first_k_dense_replace", 1)
-    if not isinstance(first_dense, int) or isinstance(first_dense, bool) or first_dense < 0:
-        raise ModelLoadError(f"first_k_dense_replace {first_dense!r}: must be a non-negative integer")
-    if experts % groups or experts // groups < 2:
-        raise ModelLoadError(f"n_routed_experts {experts} cannot be split into n_group {groups} groups of 2 or more")
+    groups, topk_group = c.get("n_group") or 1, c.get("topk_group") or 1
+    _check_groups(experts, top_k, groups, topk_group, least=2)
+    return dict(scoring_func="sigmoid", num_expert_group=groups, topk_group=topk_group,
+                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
+
+
+def _check_groups(experts: int, top_k: int, groups: int, topk_group: int, least: int) -> None:
+    if experts % groups or experts // groups < least:
+        raise ModelLoadError(f"n_routed_experts {experts} cannot be split into n_group {groups} groups of "
+                             f"{least} or more")
     if topk_group > groups or topk_group * (experts // groups) < top_k:
         raise ModelLoadError(f"topk_group {topk_group} of n_group {groups} groups hold fewer than "
                              f"num_experts_per_tok {top_k} experts")
-    return dict(scoring_func="sigmoid", num_expert_group=groups, topk_group=topk_group,
+
+
+# (topk_method, scoring_func) each DeepSeek architecture's transformers router implements
+DEEPSEEK_ROUTING = {"DeepseekV2ForCausalLM": (("greedy", "softmax"), ("group_limited_greedy", "softmax")),
+                    "DeepseekV3ForCausalLM": (("noaux_tc", "sigmoid"),)}
+
+
+def _deepseek_routing(arch: str, c: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
+    """DeepSeek's routing as transformers' routers do it. V2: softmax scores; the top-k of all experts
+    (topk_method greedy) or of the topk_group groups holding the best single experts (group_limited_greedy);
+    no correction bias. V3 (noaux_tc): GLM-4.5's grouped sigmoid routing with its bias. transformers' V2
+    router never renormalises; vLLM's does where norm_topk_prob says, as here (the released V2 configs
+    leave it false)."""
+    v3 = arch == "DeepseekV3ForCausalLM"
+    method = c.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = c.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    if (method, scoring) not in DEEPSEEK_ROUTING[arch]:
+        raise ModelLoadError(f"{arch} with topk_method {method!r} and scoring_func {scoring!r} is not supported "
+                             f"(its routing: {' or '.join(f'{m} with {s}' for m, s in DEEPSEEK_ROUTING[arch])})")
+    if v3:
+        return _glm4_moe_routing(c, experts, top_k)
+    groups, topk_group = (c.get("n_group") or 1, c.get("topk_group") or 1) if method != "greedy" else (1, 1)
+    _check_groups(experts, top_k, groups, topk_group, least=1)
+    return dict(scoring_func="softmax", num_expert_group=groups, topk_group=topk_group,
                 routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)))
+
+
+def _mla_config(cfg: "ModelConfig", c: dict[str, Any]) -> "ModelConfig":
+    """DeepSeek's attention sizes, read as transformers' DeepseekV2/V3Attention builds it. The KV cache
+    holds one latent a token: kv_lora_rank + qk_rope_head_dim wide, one head (the config's head_dim and
+    num_kv_heads here); the softmax scale is the full query head's, times YaRN's mscale_all_dim squared
+    (transformers' yarn_apply_mscale, vLLM's)."""
+    keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    sizes = {k: c.get(k) for k in keys} | {"q_lora_rank": c.get("q_lora_rank") or 0}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int)
+           or v < (0 if k == "q_lora_rank" else 1)}
+    if bad:
+        raise ModelLoadError(f"{', '.join(f'{k} {v!r}' for k, v in bad.items())}: sizes must be positive integers")
+    if sizes["qk_rope_head_dim"] % 2:
+        raise ModelLoadError(f"qk_rope_head_dim {sizes['qk_rope_head_dim']} must be even (rope turns pairs)")
+    if c.get("attention_bias"):
+        raise ModelLoadError(f"{cfg.architecture} with attention_bias is not supported (its released checkpoints "
+                             "leave it off)")
+    scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
+    rope = cfg.rope_scaling or {}
+    if rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
+    v3 = cfg.architecture == "DeepseekV3ForCausalLM"
+    return dataclasses.replace(
+        cfg, head_dim=sizes["kv_lora_rank"] + sizes["qk_rope_head_dim"], num_kv_heads=1,
+        rotary_dim=sizes["qk_rope_head_dim"], attention_scale=scale,
+        rope_interleave=bool(c.get("rope_interleave", True)) if v3 else True, **sizes)  # V2's: always pairs
 
 
 def _glm4_moe_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -597,6 +682,8 @@ def num_parameters(cfg: ModelConfig) -> int:
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
     layer = H * qkv + cfg.num_heads * D * H + 2 * H
+    if cfg.kv_lora_rank:
+        layer = _mla_parameters(cfg) + 2 * H
     layer += qkv if cfg.attention_bias else 0
     layer += 2 * D if cfg.qk_norm else 0
     layer += (cfg.num_heads + cfg.num_kv_heads) * D if cfg.qk_norm_whole else 0
@@ -608,6 +695,16 @@ def num_parameters(cfg: ModelConfig) -> int:
     mlps = len(cfg.moe_layers) * sparse + (cfg.num_layers - len(cfg.moe_layers)) * 3 * H * I
     heads = 1 if cfg.tie_word_embeddings else 2
     return heads * cfg.vocab_size * H + cfg.num_layers * layer + mlps + H
+
+
+def _mla_parameters(cfg: ModelConfig) -> int:
+    """One MLAAttention's: the query's projections (and norm), kv_a (and its norm), kv_b, o."""
+    H, heads, L = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+    q_out = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    Q = cfg.q_lora_rank
+    q = H * Q + Q + Q * q_out if Q else H * q_out
+    return q + H * (L + cfg.qk_rope_head_dim) + L + L * heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) \
+        + heads * cfg.v_head_dim * H
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device, config: ModelConfig) -> torch.dtype:
@@ -823,7 +920,8 @@ def check_tensor_parallel(cfg: ModelConfig, tp_size: int) -> None:
                        else "moe_intermediate_size")
             sizes[experts] = cfg.moe_intermediate_size
         shared = {"GraniteMoeSharedForCausalLM": "shared_intermediate_size",
-                  "Glm4MoeForCausalLM": "moe_intermediate_size * n_shared_experts"}.get(
+                  **dict.fromkeys(("Glm4MoeForCausalLM", *MLA_ARCHITECTURES),
+                                  "moe_intermediate_size * n_shared_experts")}.get(
                       cfg.architecture, "shared_expert_intermediate_size")
         sizes[shared] = cfg.shared_expert_intermediate_size
         problems += [f"{k}={v} is not divisible by tensor_parallel_size={tp_size}" for k, v in sizes.items()
@@ -1038,10 +1136,13 @@ def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
     factor, m, m_all = float(scaling["factor"]), scaling.get("mscale"), scaling.get("mscale_all_dim")
-    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    return yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched ``scale`` times (transformers' yarn_get_mscale)."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -1149,6 +1250,78 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(T, self.q_size))
 
 
+class KVBProj(nn.Module):
+    """kv_b_proj's weight [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank], this rank's heads' rows:
+    never multiplied as a linear layer (MLAAttention reads W_UK and W_UV out of it), so not a ``Linear``,
+    which a CPU backend would repack."""
+
+    def __init__(self, kv_lora_rank: int, rows_per_head: int, num_heads: int, tp: TPGroup):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_heads // tp.world_size * rows_per_head, kv_lora_rank))
+        self.full_rows, self.tp = num_heads * rows_per_head, tp
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        n = param.shape[0]
+        param.copy_(_read(loaded, (self.full_rows, param.shape[1]), 0, self.tp.rank * n, n))
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek's multi-head latent attention as vLLM runs it: the KV cache holds, per token, one latent
+    c (kv_lora_rank, after kv_a_layernorm) and the roped k_pe, one KV head (cfg.head_dim wide). Absorb:
+    q_nope[h] . (W_UK[h] c) = (W_UK[h]^T q_nope[h]) . c, and sum_t p_t W_UV[h] c_t = W_UV[h] sum_t p_t c_t,
+    so each head's query moves into the latent space, attention is MQA over the cached [c; k_pe] (the
+    same tensor serves as K and V: the output's first kv_lora_rank dims are the latent output), and
+    W_UV lifts the result. Prefill runs the same absorbed form (correct; more compute than expanding K
+    and V for long prompts, as vLLM's prefill does). Under tensor parallelism a rank holds its heads'
+    rows of q and kv_b, and its columns of o_proj; the latent and its projection are every rank's."""
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup):
+        super().__init__()
+        H, heads, L = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank
+        self.num_heads, self.num_kv_heads = heads // tp.world_size, 1  # this rank's
+        self.nope, self.rope, self.v_dim, self.kv_lora_rank = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                               cfg.v_head_dim, L)
+        q_out = heads * (self.nope + self.rope)
+        if cfg.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(H, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, backend)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, [q_out], False, tp)
+        else:
+            self.q_proj = ColumnParallelLinear(H, [q_out], False, tp)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(H, L + self.rope)
+        self.kv_a_layernorm = RMSNorm(L, cfg.rms_norm_eps, backend)
+        self.kv_b_proj = KVBProj(L, self.nope + self.v_dim, heads, tp)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, H, tp)
+        self.rotary_emb, self.rope_interleave = rotary_emb, cfg.rope_interleave
+        self.scale = cfg.attention_scale  # the full query head's, not the cache's width's (_mla_config)
+        self.attn_kwargs: dict[str, Any] = {}
+        self.backend = backend
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_pe = q.view(T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        q_pe, k_pe = self.rotary_emb(positions, self._rope_layout(q_pe), self._rope_layout(k_pe.view(T, 1, -1)))
+        kv = torch.cat([self.kv_a_layernorm(latent).unsqueeze(1), k_pe], dim=-1)  # [T, 1, kv_lora_rank + rope]
+        w_uk, w_uv = self.kv_b_proj.weight.view(self.num_heads, -1, self.kv_lora_rank).split(
+            [self.nope, self.v_dim], dim=1)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, kv_lora_rank]
+        cache = kv_cache[0]  # kv_cache[1] is the same tensor
+        self.backend.store_kvcache(kv, kv, cache, cache, meta.slot_mapping)
+        o = self.backend.paged_attention(torch.cat([q_latent, q_pe], dim=-1), cache, cache, meta.block_tables,
+                                         meta.seq_lens, meta.query_start_loc, self.scale)
+        out = torch.bmm(o[..., :self.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * self.v_dim))
+
+    def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
+        """The rope dims as the backend's rotary turns them (halves), contiguous. DeepSeek stores them as
+        pairs (x0, x1), (x2, x3), ...: the evens then the odds, as transformers' V3 reorders them (V2's
+        complex product turns the same pairs; q and k move alike, so their dot products are the same)."""
+        return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2) if self.rope_interleave else x.contiguous()
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup, intermediate_size: int | None = None,
                  reduce_results: bool = True):
@@ -1180,17 +1353,21 @@ def fused_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     return topk_weights.to(weights_dtype), topk_ids
 
 
-def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor, top_k: int, renormalize: bool,
-                 num_expert_group: int, topk_group: int,
-                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """GLM-4.5's routing (vLLM's grouped_topk, as transformers' Glm4MoeTopkRouter), in fp32: sigmoid
-    scores; the bias added to choose with (not to weigh by); each group scored by its best two; the
-    top_k among the topk_group best groups' experts, weighted by their scores, renormalised if asked,
-    times routed_scaling_factor. Returns (topk_weights [T, k] fp32, topk_ids [T, k])."""
-    scores = router_logits.float().sigmoid()
-    choice = scores + e_score_correction_bias
+def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Tensor | None, top_k: int,
+                 renormalize: bool, num_expert_group: int, topk_group: int, routed_scaling_factor: float,
+                 scoring_func: str = "sigmoid") -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's grouped_topk, in fp32: GLM-4.5's and DeepSeek-V3's routing (transformers' Glm4MoeTopkRouter,
+    DeepseekV3TopkRouter): sigmoid scores; the bias added to choose with (not to weigh by); each group
+    scored by its best two; the top_k among the topk_group best groups' experts, weighted by their scores,
+    renormalised if asked, times routed_scaling_factor. DeepSeek-V2's (DeepseekV2TopkRouter): softmax
+    scores, no bias, each group scored by its best expert (one group: the plain top-k of all).
+    Returns (topk_weights [T, k] fp32, topk_ids [T, k])."""
+    scores = router_logits.float().softmax(-1) if scoring_func == "softmax" else router_logits.float().sigmoid()
+    choice = scores if e_score_correction_bias is None else scores + e_score_correction_bias
     T, E = choice.shape
-    group_scores = choice.view(T, num_expert_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+    grouped = choice.view(T, num_expert_group, -1)
+    group_scores = grouped.max(dim=-1).values if e_score_correction_bias is None else \
+        grouped.topk(2, dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
     expert_mask = group_mask.unsqueeze(-1).expand(T, num_expert_group, E // num_expert_group).reshape(T, E)
@@ -1202,14 +1379,15 @@ def grouped_topk(router_logits: torch.Tensor, e_score_correction_bias: torch.Ten
 
 
 class Fp32Router(nn.Module):
-    """GLM-4.5's router: an fp32 weight scoring fp32 activations (transformers keeps it fp32 in a bf16
+    """GLM-4.5's and DeepSeek's router: an fp32 weight scoring fp32 activations (transformers keeps it fp32 in a bf16
     model, as vLLM does), and the fp32 e_score_correction_bias grouped_topk chooses with. Not a
     ``Linear``: a backend that repacks the linear layers leaves it as it is."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, correction_bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+        self.e_score_correction_bias = (nn.Parameter(torch.empty(num_experts, dtype=torch.float32))
+                                        if correction_bias else None)  # DeepSeek-V2's router has none
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)
@@ -1265,16 +1443,17 @@ class SparseMoeBlock(nn.Module):
     """A mixture-of-experts MLP (transformers' *SparseMoeBlock): the router ``gate`` scores
     the experts, each token runs its top-k (FusedMoE), their outputs weighted by the routing;
     a shared expert every token runs added (Qwen2-MoE's scaled by sigmoid(shared_expert_gate(x)),
-    GraniteMoeShared's and GLM's not); GLM's routing is grouped_topk. Under tensor parallelism the
-    experts' partial sums and the shared expert's are added before one all-reduce, as vLLM's: the
-    gate is per token and every rank holds it whole, so scaling a rank's partial sum by it before
-    the sum is exact."""
+    GraniteMoeShared's, GLM's and DeepSeek's not); GLM's and DeepSeek's routing is grouped_topk. Under
+    tensor parallelism the experts' partial sums and the shared expert's are added before one
+    all-reduce, as vLLM's: the gate is per token and every rank holds it whole, so scaling a rank's
+    partial sum by it before the sum is exact."""
 
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
-        self.grouped = cfg.scoring_func == "sigmoid"  # GLM-4.5's routing
-        self.gate = (Fp32Router if self.grouped else ReplicatedLinear)(cfg.hidden_size, cfg.num_experts)
-        self.grouping = (cfg.num_expert_group, cfg.topk_group, cfg.routed_scaling_factor)
+        self.grouped = cfg.fp32_router  # GLM-4.5's and DeepSeek's routing: grouped_topk
+        self.gate = (Fp32Router(cfg.hidden_size, cfg.num_experts, cfg.scoring_func == "sigmoid") if self.grouped
+                     else ReplicatedLinear(cfg.hidden_size, cfg.num_experts))
+        self.grouping = (cfg.num_expert_group, cfg.topk_group, cfg.routed_scaling_factor, cfg.scoring_func)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, backend, tp,
                                 reduce_results=False)
         self.top_k, self.renormalize = cfg.num_experts_per_tok, cfg.norm_topk_prob
@@ -1303,7 +1482,8 @@ class SparseMoeBlock(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup, index: int):
         super().__init__()
-        self.self_attn = Attention(cfg, rotary_emb, backend, tp, cfg.layer_window(index))
+        self.self_attn = (MLAAttention(cfg, rotary_emb, backend, tp) if cfg.kv_lora_rank
+                          else Attention(cfg, rotary_emb, backend, tp, cfg.layer_window(index)))
         self.mlp = SparseMoeBlock(cfg, backend, tp) if index in cfg.moe_layers else MLP(cfg, backend, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -1609,10 +1789,12 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
         name = new + name[len(old):]
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return None, 0  # tied: the embedding is the head
-    if cfg.architecture == "Glm4MoeForCausalLM":
+    if cfg.architecture in ("Glm4MoeForCausalLM", *MLA_ARCHITECTURES):
         m = re.match(r"model\.layers\.(\d+)\.", name)
         if m is not None and int(m[1]) >= cfg.num_layers:
             return None, 0  # its multi-token-prediction layer (speculative decoding's, as vLLM skips it)
+        if cfg.kv_lora_rank and ".self_attn." in name:  # MLA's projections: their own names, none fused
+            return name, 0
         name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
     if cfg.num_experts:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's hub name for its router and experts
@@ -1827,6 +2009,12 @@ def lora_layers(model: CausalLM) -> dict[str, LoRATarget]:
     return out
 
 
+def check_lora_supported(cfg: ModelConfig) -> None:
+    if cfg.kv_lora_rank:  # its projections are not q/k/v/o, and kv_b_proj is absorbed, never run as a layer
+        raise ModelLoadError(f"LoRA is not supported for {cfg.architecture} (multi-head latent attention): "
+                             "serve it without --enable-lora")
+
+
 def lora_dtype(model: CausalLM) -> torch.dtype:
     """Adapters run in the model's dtype, but on a CPU in fp32: there a bf16 matmul outside the packed
     kernels is 4-9x slower at LoRA's shapes (without bf16 instructions: RESULTS.md), and fp32 is the more exact."""
@@ -1838,6 +2026,7 @@ def lora_slot_bytes(cfg: ModelConfig, config: LoRAConfig, world_size: int, dtype
     """The bytes wrap_lora_layers allocates on one rank, from the config alone, for the memory check before
     loading: in every layer, each adapted module's A [slices x rank, its input columns] and B^T [slices x rank,
     its output rows] (lora_layers' split), in each of max_loras slots."""
+    check_lora_supported(cfg)
     hidden, inter, q = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim
     kv = num_kv_heads_per_rank(cfg.num_kv_heads, world_size) * cfg.head_dim
     attention = [(3, hidden, q // world_size + 2 * kv), (1, q // world_size, hidden)]          # qkv, o
@@ -1854,6 +2043,7 @@ def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
     """Wrap every layer an adapter may change (after the backend prepared the base layers), its
     slots allocated now, before the KV cache is sized, as vLLM reserves its LoRA memory before
     profiling: the bytes they take, which the caller counts with the weights'."""
+    check_lora_supported(model.config)
     step, dtype, device, total = LoRAStep(), lora_dtype(model), model.model.norm.weight.device, 0
     model.lora_config = config
     for t in lora_layers(model).values():
@@ -2765,7 +2955,7 @@ def plan_rank_kv_cache(model: CausalLM, weight_bytes: int, cache: CacheConfig) -
     cfg = model.config
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     kv_heads = num_kv_heads_per_rank(cfg.num_kv_heads, model.tp.world_size)
-    spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size)
+    spec = KVCacheSpec(cfg.num_layers, kv_heads, cfg.head_dim, dtype, cache.block_size, bool(cfg.kv_lora_rank))
     budget, graph_pool = kvcache.kv_budget(cache, spec, weight_bytes, device, cfg.max_position_embeddings,
                                            lambda: step_activation_bytes(model, cache))
     plan = kvcache.plan_kv_cache(spec, budget, cache.num_kv_blocks)

@@ -141,6 +141,18 @@ def hf_config(arch: str, **overrides):
         base.update(head_dim=32, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
                     topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
                     use_qk_norm=True, attention_bias=True)
+    elif arch in ("deepseek_v2", "deepseek_v3"):  # MLA: a 32 + 32 latent (C kernels' widths), 4 heads; layer 0
+        from transformers import DeepseekV2Config, DeepseekV3Config  # dense, layer 1: 8 experts, a shared one
+        cls = DeepseekV3Config if arch == "deepseek_v3" else DeepseekV2Config
+        base.update(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=32, v_head_dim=24,
+                    moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                    first_k_dense_replace=1, routed_scaling_factor=2.5)
+        if arch == "deepseek_v2":  # V-Lite's: no q_lora_rank, greedy softmax routing (not renormalised)
+            base.update(q_lora_rank=None, topk_method="greedy")
+        else:  # V3's noaux_tc routing in 2 groups, a q_lora_rank, YaRN with both mscales (scale and cos/sin)
+            base.update(q_lora_rank=24, n_group=2, topk_group=1, max_position_embeddings=512, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+                "mscale": 0.9, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
     else:
         raise ValueError(arch)
     base.update(overrides)

@@ -166,6 +166,16 @@ def test_store_kvcache(backend, block_size, num_kv_heads, head_dim, layout):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_store_kvcache_writes_one_tensor_once(backend):
+    """K and V one tensor (MLA's latent cache): the key is written, the value argument never read into it."""
+    cache = torch.zeros(2, 8, 1, 64, device=DEVICE)
+    key = torch.randn(3, 1, 64, device=DEVICE)
+    backend.store_kvcache(key, torch.full_like(key, float("nan")), cache, cache, torch.tensor([5, -1, 9], device=DEVICE))
+    assert torch.equal(cache.view(-1, 1, 64)[[5, 9]], key[[0, 2]])
+    assert cache.view(-1, 64).sum(-1).ne(0).sum() == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_store_kvcache_all_padding_and_empty(backend):
     k_cache = torch.randn(2, 8, 1, 32, device=DEVICE)
     before = k_cache.clone()
@@ -532,12 +542,13 @@ def test_cuda_argmax_picks_the_references_index():
 
 
 @triton_only
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen2_moe", "deepseek_v3"])
 def test_a_decoder_on_the_triton_backend_matches_the_references(model_root, arch):
     """The whole forward (prefill, then a decode of each prompt) with every op
     from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter);
     Gemma 2: its soft caps, and a 20-token prompt past its 16-token window;
-    Qwen2-MoE: fused_moe_triton as its sparse layer calls it (router, shared expert, a dense layer beside)."""
+    Qwen2-MoE: fused_moe_triton as its sparse layer calls it (router, shared expert, a dense layer beside);
+    DeepSeek-V3: MLA's MQA over one latent cache tensor, written once."""
     from conftest import make_model, step_logits
     from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
     from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
@@ -548,7 +559,7 @@ def test_a_decoder_on_the_triton_backend_matches_the_references(model_root, arch
     logits = []
     for backend in (kernels.TORCH, kernels.TRITON):
         model, _ = load_model(tiny_model, torch.float32, torch.device(DEVICE), backend)
-        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 16)
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 16, bool(cfg.kv_lora_rank))
         runner = ModelRunner(model, allocate_kv_cache(spec, 8, torch.device(DEVICE)), 16, torch.device(DEVICE),
                              backend)
         tables = [[1, 2], [3, 4]]

@@ -140,7 +140,8 @@ int64_t store_kvcache(const uint16_t *key, int64_t ldk, const uint16_t *value, i
         if (slots[t] == -1) continue;
         if (slots[t] < 0 || slots[t] >= num_slots) { bad++; continue; }
         memcpy(k_cache + slots[t] * row, key + t * ldk, row * sizeof(uint16_t));
-        memcpy(v_cache + slots[t] * row, value + t * ldv, row * sizeof(uint16_t));
+        if (v_cache != k_cache)  /* one tensor for both (MLA's latent): written once */
+            memcpy(v_cache + slots[t] * row, value + t * ldv, row * sizeof(uint16_t));
     }
     return bad;
 }
