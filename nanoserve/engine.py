@@ -2116,13 +2116,29 @@ class LLMEngine:
                 if result.token_id == NO_TOKEN:
                     status = self._end_without_token(req)
                 else:
+                    token = result.token_id
                     self._append_token(req, result, now)
                     num_generated += 1
                     if req.grammar is not None:
-                        req.grammar.accept(result.token_id)
+                        req.grammar.accept(token)
                     if req.thinking is not None:
-                        req.thinking.accept(result.token_id)
-                    status = self._check_stop(req)
+                        req.thinking.accept(token)
+                    status = self._check_stop(req)  # what the token ends: a stop token, the length, a repetition
+                    if req.detokenizer is not None:
+                        # Detokenize incrementally: its text (as vLLM's, a stop token's is left out unless asked
+                        # for), then the stop strings the new text ends (one ends it even at its length or a
+                        # repetition). At its end, the rest of a UTF-8 character the detokenizer held back comes.
+                        p, held = req.sampling_params, req.held_text
+                        by_token = status is RequestStatus.FINISHED_STOPPED  # a stop token, or a grammar's end
+                        if not by_token or p.include_stop_str_in_output:
+                            req.held_text = held + req.detokenizer.step(token)
+                        if not by_token and p.stop and len(req.output_token_ids) >= p.min_tokens \
+                                and self._check_stop_strings(req, len(held)):
+                            status = RequestStatus.FINISHED_STOPPED
+                        elif status is not None:
+                            req.held_text += req.detokenizer.flush()
+                        elif len(req.held_text) > 256:  # each token copies it: outputs release it (FINAL_ONLY's
+                            _release_text(req)          # only at the end)
                 if status is not None:
                     self.scheduler.finish_request(req.request_id, status)
                     self.stats_counters["num_finished"] += 1
@@ -2176,37 +2192,25 @@ class LLMEngine:
         req.last_token_time = now
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
-        """The finished status the new token puts the request in, if any."""
+        """The finished status the new token itself puts the request in, if any (postprocess then
+        detokenizes it: a stop string its text ends may still end the request)."""
         p, out = req.sampling_params, req.output_token_ids
         token, num_out = out[-1], len(out)
         done = num_out >= p.min_tokens
-        # As vLLM: a stop token's own text is left out unless asked for.
         if done and not p.ignore_eos and token in req.eos_token_ids:
-            self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
         if done and token in p.stop_token_ids:
             req.stop_reason = token
-            self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.is_terminated():
             # The constraint is complete: it ends on an EOS it accepted (ignore_eos or min_tokens kept the branch
             # above from seeing it), whose text stays out as an EOS's does.
-            self._flush_text(req, token if p.include_stop_str_in_output else None)
-            return RequestStatus.FINISHED_STOPPED
-        held = req.held_text
-        if req.detokenizer is not None:
-            req.held_text = held + req.detokenizer.step(token)
-        if done and p.stop and self._check_stop_strings(req, len(held)):
             return RequestStatus.FINISHED_STOPPED
         if num_out >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
-            self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
         if done and p.repetition_detection is not None and p.repetition_detection.found(out):
             req.stop_reason = "repetition_detected"  # vLLM's
-            self._flush_text(req, None)
             return RequestStatus.FINISHED_REPETITION
-        if len(req.held_text) > 256:  # each token copies it; outputs release it, FINAL_ONLY's only at the end
-            _release_text(req)
         return None
 
     def _end_without_token(self, req: Request) -> RequestStatus:
@@ -2218,17 +2222,9 @@ class LLMEngine:
             "[engine] %s: no token is left to sample after %d output tokens (%s); it stops there",
             req.request_id, len(req.output_token_ids), "its structured output is complete" if done else
             "allowed_token_ids, bad_words, logit_bias, min_tokens and its structured output leave none")
-        self._flush_text(req, None)
-        return RequestStatus.FINISHED_STOPPED
-
-    @staticmethod
-    def _flush_text(req: Request, last_token: int | None) -> None:
-        """Add the last token's text (if kept) and flush what the detokenizer held
-        back waiting for the rest of a UTF-8 character that will never come."""
-        if req.detokenizer is not None:
-            if last_token is not None:
-                req.held_text += req.detokenizer.step(last_token)
+        if req.detokenizer is not None:  # what it held back waiting for the rest of a UTF-8 character
             req.held_text += req.detokenizer.flush()
+        return RequestStatus.FINISHED_STOPPED
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
         """Find the earliest stop string that ends in the new text; truncate there.
