@@ -1337,11 +1337,13 @@ class LLMEngine:
             if config.lora_config is not None:  # the adapters' device slots, before the KV cache is sized
                 self.weight_bytes += wrap_lora_layers(model, config.lora_config)
             self.max_model_len, self.kv_plan, window, kv_caches = self._init_kv_cache(model)
+            block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching,
+                                         window)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy,
                                                        config.max_loras if config.enable_lora else None),
-                                       BlockManager(self.kv_plan.num_blocks, config.block_size,
-                                                    config.enable_prefix_caching, window))
+                                       block_manager)
+            self.info = self._engine_info(block_manager)
             self.logits_processor_classes = load_logits_processors(config.logits_processors or [])
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len,
@@ -1514,13 +1516,17 @@ class LLMEngine:
         the CPU, the heap glibc kept for the steps (tune_process) goes back to the system."""
         release_idle_memory(self.device, self.config.cpu_allocator_tuning)
 
-    def describe(self) -> EngineInfo:
-        cfg, bm = self.config, self.scheduler.block_manager
+    def _engine_info(self, bm: BlockManager) -> EngineInfo:
+        cfg = self.config
         return EngineInfo(cfg.model, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
                           str(self.device), self.weight_bytes, self.max_model_len, cfg.block_size,
                           bm.num_blocks, self.kv_plan.bytes_per_block,
                           kvcache.blocks_per_request(self.max_model_len, cfg.block_size, bm.sliding_window,
                                                      cfg.max_num_batched_tokens))
+
+    def describe(self) -> EngineInfo:
+        """What a front end may know of this engine (made at start-up: none of it changes)."""
+        return self.info
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -1737,7 +1743,7 @@ class LLMEngine:
         on the loop thread in between would pass the check and then run without the adapter."""
         if lora_int_id not in self.loras:
             return False
-        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id] + \
+        users = self.scheduler.lora_users(lora_int_id) + \
             [b.request_id for b in self.beam_searches.values() if b.prompt.lora_int_id == lora_int_id]
         if users:
             raise ValueError(f"the LoRA adapter {self.loras[lora_int_id].lora_name!r} serves {len(users)} "
@@ -1827,7 +1833,7 @@ class LLMEngine:
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if self._family(request_id) or request_id in self.beam_searches \
-                or any(rid in self.scheduler.requests for rid in ids):  # "a#0" vs a's children
+                or any(self.scheduler.get_request(rid) is not None for rid in ids):  # "a#0" vs a's children
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -1891,15 +1897,25 @@ class LLMEngine:
         for rid in children or self._family(request_id):
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
 
+    def abort_all(self) -> None:
+        """Abort every unfinished request (the server's loop, when the engine died)."""
+        for request_id in self.scheduler.get_request_ids():
+            self.abort_request(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: forget the prefix hashes of the free blocks (LLM.reset_prefix_cache's cold start)."""
+        self.scheduler.reset_prefix_cache()
+
     def _caller_id(self, req: Request) -> str:
         """The id the caller knows a request by: its own, its n > 1 family's, or its beam search's."""
         child = self.beam_children.get(req.request_id)
         return child[0].request_id if child is not None else req.parent_id or req.request_id
 
     def _family(self, request_id: str) -> list[str]:
-        if request_id in self.scheduler.requests:
+        """The unfinished requests' ids a caller's id stands for: its own, or its n > 1 children."""
+        if self.scheduler.get_request(request_id) is not None:
             return [request_id]
-        return list(self.scheduler.families.get(request_id, ()))
+        return [r.request_id for r in self.scheduler.family(request_id)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -1973,10 +1989,9 @@ class LLMEngine:
         keep = [i for i, s in enumerate(scheduled) if not s.request.status.is_finished]
         if len(keep) == len(scheduled):
             return flight, inputs
-        bm = self.scheduler.block_manager
         for s in scheduled:
             if s.request.status.is_finished:
-                bm.forget_unwritten(s.block_table[s.start // bm.block_size:])
+                self.scheduler.forget_unwritten(s)
         flight.sched.scheduled = [scheduled[i] for i in keep]
         if not keep:
             self.in_flight.remove(flight)
@@ -2267,7 +2282,7 @@ class LLMEngine:
     def _siblings(self, req: Request) -> list[Request]:
         if req.parent_id is None:
             return [req]
-        return [req] + [self.scheduler.requests[rid] for rid in self.scheduler.families.get(req.parent_id, ())]
+        return [req] + self.scheduler.family(req.parent_id)
 
     def completion_output(self, req: Request) -> CompletionOutput:
         """The request's output so far (under DELTA: what is new since its last
@@ -2698,7 +2713,7 @@ class LLM:
         """vLLM's: forget every cached prefix (a benchmark's cold start); False while a request holds blocks."""
         if self.engine.has_unfinished_requests():
             return False
-        self.engine.scheduler.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
         return True
 
     def __getattr__(self, name: str) -> Any:
@@ -3122,8 +3137,7 @@ class AsyncLLM:
                 logger.exception("[engine] the engine loop died")
             self.errored = e
             self.fail_all(EngineDeadError(DEAD_MESSAGE))
-            for request_id in list(engine.scheduler.requests):
-                engine.abort_request(request_id)
+            engine.abort_all()
             self.dead.set()
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> list[RequestOutput] | None:
