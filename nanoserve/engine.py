@@ -1950,8 +1950,9 @@ class LLMEngine:
             step = yield from self._reload_loras(*step)
         if step is not None:
             flight, inputs = step
-            for s in flight.sched.scheduled:
-                s.request.num_output_placeholders += s.samples
+            for s in flight.sched.scheduled:  # the token each will sample is on the device until the step lands
+                if s.will_sample:
+                    s.request.num_output_placeholders += 1
             launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
             flight.output = yield launch, inputs
         keep = 1 if step is not None and self.config.async_scheduling else 0  # this call's step, left running
@@ -2014,8 +2015,9 @@ class LLMEngine:
         out = flight.output
         if isinstance(out, AsyncModelRunnerOutput):
             out = yield (out.get,)
-        for s in flight.sched.scheduled:
-            s.request.num_output_placeholders -= s.samples
+        for s in flight.sched.scheduled:  # their sampled tokens are on the host now
+            if s.will_sample:
+                s.request.num_output_placeholders -= 1
         faults = self.faults
         outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs)
         self.in_flight.pop(0)  # only now: if postprocess raised, fail_step ends its requests
@@ -2047,7 +2049,8 @@ class LLMEngine:
         # needs its output on the host for its next token, or prompt logprobs (the next chunk's) come back.
         # Custom logits processors read each request's output token ids, all of them, at every step.
         flight.may_run_ahead = self.config.async_scheduling and not any(i.prompt_logprob_ids for i in inputs) \
-            and not self.logits_processor_classes and all(s.request.can_run_ahead for s in sched.scheduled if s.samples)
+            and not self.logits_processor_classes \
+            and all(s.request.can_run_ahead for s in sched.scheduled if s.will_sample)
         return step
 
     def fail_step(self) -> list[str]:
@@ -2081,9 +2084,9 @@ class LLMEngine:
                 token_ids, prev_row = req.token_ids[start:start + num_new], None
                 if not token_ids:  # async scheduling: its input is the token the step in flight samples
                     prev_rows = prev_rows or {x.request: i for i, x in enumerate(
-                        x for x in in_flight.scheduled if x.samples)}
+                        x for x in in_flight.scheduled if x.will_sample)}
                     token_ids, prev_row = [0], prev_rows[req]
-                seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.samples else None,
+                seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.will_sample else None,
                                      # only the request that skips the prefix cache computes prompt logprobs
                                      # (prompt_logprob_ids' own first test, here to save a call per request)
                                      req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache
@@ -2115,7 +2118,7 @@ class LLMEngine:
         num_generated = 0
         # This loop and what it calls run once per request per step: counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
-            result = next(sampled) if s.samples else None
+            result = next(sampled) if s.will_sample else None
             try:
                 if prompt_logprobs and i in prompt_logprobs:
                     self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])

@@ -91,9 +91,10 @@ class ScheduledRequest:
     # As vLLM's NewRequestData.block_ids: the runner needs nothing from the block
     # manager. The block manager's own list, which it never changes in place.
     block_table: list[int]
-    # Whether it reaches the end of the tokens (those still on the device included), so
-    # samples one: fixed here, as the request's tokens grow before an async step lands.
-    samples: bool
+    # Whether the chunk reaches the end of the tokens (those still on the device included), so
+    # the step samples a token for it (vLLM: not is_prefill_chunk). Fixed here: the request's
+    # tokens grow before an async step lands.
+    will_sample: bool
 
 
 @dataclass(slots=True)
