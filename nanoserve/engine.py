@@ -1258,9 +1258,12 @@ def _compilation_config(config: int | dict | None) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class StepInFlight:
-    """A launched step not landed yet; ``output``: a ModelRunnerOutput, or async an AsyncModelRunnerOutput."""
+    """A launched step not landed yet (vLLM: an entry of EngineCore's batch_queue); ``output``: a
+    ModelRunnerOutput, or async an AsyncModelRunnerOutput."""
     sched: SchedulerOutput
-    may_run_ahead: bool  # the next step may be scheduled before this one lands
+    # The next step may be scheduled before this one lands. vLLM's nearest: step_with_batch_queue defers a step's
+    # sampling, not its scheduling, while SchedulerOutput.pending_structured_output_tokens waits on this one's.
+    may_run_ahead: bool
     output: Any = None
 
 
@@ -1936,12 +1939,21 @@ class LLMEngine:
             raise
 
     def step_work(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
-        """Schedule, launch, land (postprocess), as a generator that yields its model
-        work, (function, *args), and is sent each result: step() runs it in place, the
-        server's loop on its model thread. With async_scheduling a step lands in the
-        next call, after that call launched its own: the host schedules step N+1 while
-        the device runs step N. Between calls at most one step is in flight (none
-        without async_scheduling)."""
+        """One step (vLLM's EngineCore.step; with async scheduling, step_with_batch_queue), as a
+        generator that yields its model work, (function, *args), and is sent each result:
+        step() runs it in place, the server's loop on its model thread.
+
+        Synchronously, each call is one step, start to end:
+
+            schedule_step()      the scheduler picks the requests and their chunks; their inputs
+            runner.execute       (yielded) the model runs them and samples: the results on the host
+            _land()              postprocess: tokens, text, stops, outputs
+
+        With async_scheduling a call launches its step (runner.execute_model: the results stay on
+        the device) and only then lands the step the call before launched: the host schedules step
+        N+1 while the device runs step N. A step in flight whose may_run_ahead is False lands at the
+        start of the next call instead, before it schedules. Between calls at most one step is in
+        flight (none without async_scheduling)."""
         outputs, self.step_served, self.step_faulted = [], False, False
         if self.in_flight and not self.in_flight[0].may_run_ahead:
             outputs += yield from self._land()
@@ -2010,7 +2022,8 @@ class LLMEngine:
 
     def _land(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
         """The oldest step in flight: its results to the host, then into its requests
-        (also those aborted, finished or preempted since it was launched)."""
+        (also those aborted, finished or preempted since it was launched). vLLM's
+        Scheduler.update_from_output and OutputProcessor in one (postprocess)."""
         flight = self.in_flight[0]
         out = flight.output
         if isinstance(out, AsyncModelRunnerOutput):
