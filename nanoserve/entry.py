@@ -2427,6 +2427,29 @@ async def _read_body(request: Request, limit: int) -> bytes:
 # engine requests, and the response or chunks built from their outputs.
 
 @dataclass(slots=True)
+class ParsedText:
+    """A chat choice's text after the reasoning and tool-call parsers (ChatGeneration.parse_text)."""
+    content: str
+    reasoning: str | None      # None: none, or not to be shown (include_reasoning false)
+    calls: list[dict]
+    finish_reason: str | None  # the output's, or "tool_calls" where the text ended in calls
+    blank: str | None          # a message's content where it has none: vLLM's parsers say "" or null
+
+
+def _chat_choice(index: int, body: dict, logprobs: dict | None, finish_reason: str | None, c: CompletionOutput,
+                 extra: dict | None) -> dict:
+    """A chat choice around its message or delta (``body``); of ``extra`` only token_ids (return_token_ids)."""
+    token_ids = {"token_ids": extra["token_ids"]} if extra and "token_ids" in extra else {}
+    return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": c.stop_reason, **token_ids}
+
+
+def _thought(reasoning: str | None) -> dict:
+    # vLLM v0.10's field, and the name vLLM renamed it to later (clients read one or the other)
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
+
+@dataclass(slots=True)
 class _Tracked:
     """One engine request's progress, for metrics and clean-up."""
     engine_id: str
@@ -2664,8 +2687,7 @@ class Generation:
             i = idx // self.params.n
             echo = self.echo_text(i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
-            choices.append(self.choice(idx, c.text, self.logprobs(c, 0, i if req.echo else None), c, False, extra,
-                                       echo))
+            choices.append(self.message_choice(idx, c, self.logprobs(c, 0, i if req.echo else None), extra, echo))
         return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
                 "choices": choices, "usage": self.usage(len(c.token_ids) for c in finals.values()),
                 **self.response_extra(extra, self.prompts[0].text)}
@@ -2773,10 +2795,20 @@ class CompletionGeneration(Generation):
         return [self._logprob_item(token_id, entry)
                 for token_id, entry in zip(self.prompts[prompt_index].token_ids, entries)]  # the first has none
 
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict:
-        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, **extra}
+    def message_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                       extra: dict | None = None, echo: str = "") -> dict:
+        """A response's choice: its whole text (``echo``, the prompt's, leads it)."""
+        return self._text_choice(index, echo + c.text, logprobs, c, extra)
+
+    def delta_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                     extra: dict | None = None, echo: str = "") -> dict:
+        """A stream chunk's choice: the text the step added, in the same shape."""
+        return self._text_choice(index, echo + c.delta_text, logprobs, c, extra)
+
+    @staticmethod
+    def _text_choice(index: int, text: str, logprobs: dict | None, c: CompletionOutput, extra: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, **(extra or {})}
 
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         """The legacy shape: parallel lists, top_logprobs keyed by token text."""
@@ -2823,12 +2855,12 @@ class ChatGeneration(Generation):
         content = last["content"] or ""
         return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict | None:
-        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's);
-        with --reasoning-parser only the content part is (as vLLM's)."""
+    def parse_text(self, index: int, text: str, c: CompletionOutput, stream: bool) -> ParsedText:
+        """Choice ``index``'s text through the parsers: with --reasoning-parser, the reasoning split off,
+        then, with tool calls asked for, the calls out of the content (the finish reason "tool_calls" once
+        one is made). A stream's parsers keep their place between chunks; a response's parse it whole."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
-        if (name := self.state.reasoning_parser) is not None:
+        if self.state.reasoning_parser is not None:
             parser = self.reasoner(index)
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
@@ -2843,21 +2875,31 @@ class ChatGeneration(Generation):
                 calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
             if made and finish == "stop" and not isinstance(self.req.tool_choice, dict):  # a forced named function
                 finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
-        content = echo + content
-        # vLLM v0.10's field, and the name vLLM renamed it to later (clients read one or the other)
-        thought = {"reasoning_content": reasoning, "reasoning": reasoning}
-        if stream:
-            delta = {**(thought if reasoning else {}),
-                     **({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-            if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
-                return None  # all of it held back: nothing to send yet
-            body = {"delta": delta}
-        else:
-            # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
-            body = {"message": {"role": self.role, "content": content or (None if calls else blank),
-                                **(thought if name else {}), **({"tool_calls": calls} if calls else {})}}
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
-                **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
+        return ParsedText(content, reasoning, calls, finish, blank)
+
+    def message_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                       extra: dict | None = None, echo: str = "") -> dict:
+        """A response's choice: the message its whole text parses into. ``echo`` (the last message's, when
+        the reply continues it) leads the content and is never parsed (as vLLM: it is the prompt's)."""
+        p = self.parse_text(index, c.text, c, stream=False)
+        content = echo + p.content
+        # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
+        message = {"role": self.role, "content": content or (None if p.calls else p.blank),
+                   **(_thought(p.reasoning) if self.state.reasoning_parser is not None else {}),
+                   **({"tool_calls": p.calls} if p.calls else {})}
+        return _chat_choice(index, {"message": message}, logprobs, p.finish_reason, c, extra)
+
+    def delta_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                     extra: dict | None = None, echo: str = "") -> dict | None:
+        """A stream chunk's choice: the delta the text the step added parses into (``echo`` as
+        message_choice's); None while the parsers hold all of it back and nothing else is new."""
+        p = self.parse_text(index, c.delta_text, c, stream=True)
+        content = echo + p.content
+        delta = {**(_thought(p.reasoning) if p.reasoning else {}),
+                 **({"content": content} if content else {}), **({"tool_calls": p.calls} if p.calls else {})}
+        if not delta and logprobs is None and p.finish_reason is None and not (extra or {}).get("token_ids"):
+            return None
+        return _chat_choice(index, {"delta": delta}, logprobs, p.finish_reason, c, extra)
 
     def reasoner(self, index: int) -> ReasoningParser:
         """Choice ``index``'s reasoning parser (with --reasoning-parser): it splits the text and counts the tokens."""
@@ -2967,7 +3009,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
                 extra = gen.extra(i, c.token_ids, first)
-                choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
+                choice = gen.delta_choice(idx, c, logprobs, extra, echo)
                 top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
                 if choice is not None or top:  # None: all of it held back (a tool call's text)
                     usage = {"usage": gen.usage([num_tokens[idx]], i)} if continuous else {}
@@ -3332,7 +3374,7 @@ class ResponsesGeneration(ChatGeneration):
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
         out = ResponseOutput()
-        self.feed(out, self.choice(0, c.text, self.logprobs(c, 0), c, False, {}), "message")
+        self.feed(out, self.message_choice(0, c, self.logprobs(c, 0)), "message")
         out.close()
         return self.body(model, out.items, c.finish_reason)
 
@@ -3352,7 +3394,7 @@ class ResponsesGeneration(ChatGeneration):
             async for _, output in self.outputs():
                 for c in output.outputs:
                     finish = c.finish_reason
-                    if (choice := self.choice(0, c.delta_text, self.logprobs(c, 0), c, True, {})) is not None:
+                    if (choice := self.delta_choice(0, c, self.logprobs(c, 0))) is not None:
                         for kind, fields in self.feed(out, choice, "delta"):
                             yield event(kind, **fields)
             for kind, fields in out.close():
@@ -3621,7 +3663,7 @@ class AnthropicGeneration(ChatGeneration):
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
-        choice, content, tools = self.choice(0, c.text, None, c, False, {}), AnthropicContent(), self.tool_streams
+        choice, content, tools = self.message_choice(0, c), AnthropicContent(), self.tool_streams
         content.feed(choice["message"], 0 in tools and tools[0].parser.CONTENT_AFTER_CALLS)
         content.close()
         return self.body(model, content.blocks, choice)
@@ -3636,7 +3678,7 @@ class AnthropicGeneration(ChatGeneration):
         try:
             async for _, output in self.outputs():
                 for c in output.outputs:
-                    if (choice := self.choice(0, c.delta_text, None, c, True, {})) is not None:
+                    if (choice := self.delta_choice(0, c)) is not None:
                         last = choice
                         for kind, fields in content.feed(choice["delta"]):
                             yield event(kind, **fields)
