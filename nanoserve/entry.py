@@ -2171,13 +2171,7 @@ async def _generate(request: Request, kind: type["Generation"], req: GenerationR
     state, request_id = _state(request), _request_id(request)
     if req is None:
         req = await read_json(request, state, functools.partial(kind.parse, request_id=request_id), kind.check_raw)
-    if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
-        if request.scope["nanoserve.request_id_given"]:
-            req.request_id = None
-        else:
-            request.scope["nanoserve.request_id"] = request_id = esc(req.request_id)
-    if "return_tokens_as_token_ids" not in req.model_fields_set:  # a request that does not say: the server's
-        req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
+    request_id = settle_request_fields(request, req, state)
     model = check_model(req, state)
     gen = await kind.admit(state, request_id, req)
     if state.log_requests:
@@ -2315,6 +2309,21 @@ def _state(request: Request) -> ServerState:
 
 def _request_id(request: Request) -> str:
     return request.scope["nanoserve.request_id"]
+
+
+def settle_request_fields(request: Request, req: GenerationRequest, state: ServerState) -> str:
+    """What the server settles in a body before admitting it; returns the request's id. The id is
+    X-Request-Id's, else the body's request_id (vLLM's field; the header wins, as in vLLM); a body's
+    id the header overrode is dropped, so that an error names the header's. return_tokens_as_token_ids,
+    where the body does not say, is the server's flag."""
+    if req.request_id is not None:
+        if request.scope["nanoserve.request_id_given"]:
+            req.request_id = None
+        else:
+            request.scope["nanoserve.request_id"] = esc(req.request_id)
+    if "return_tokens_as_token_ids" not in req.model_fields_set:
+        req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
+    return _request_id(request)
 
 
 def check_model(req: OpenAIBaseModel, state: ServerState) -> str:
