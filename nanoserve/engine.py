@@ -2100,10 +2100,7 @@ class LLMEngine:
                         x for x in in_flight.scheduled if x.will_sample)}
                     token_ids, prev_row = [0], prev_rows[req]
                 seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.will_sample else None,
-                                     # only the request that skips the prefix cache computes prompt logprobs
-                                     # (prompt_logprob_ids' own first test, here to save a call per request)
-                                     req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache
-                                     else None,
+                                     req.prompt_logprob_ids(start, num_new),
                                      req.sampling_params.prompt_logprobs or 0, prev_row,
                                      None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
                                      else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
