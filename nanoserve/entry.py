@@ -1766,7 +1766,7 @@ class ServerState:
     metrics: "ServerMetrics"
     body_timeout: float = BODY_TIMEOUT_S
     generations: set["Generation"] = field(default_factory=set)  # in flight
-    admitting: set[asyncio.Task] = field(default_factory=set)  # handlers before the engine (endable)
+    admitting: set[asyncio.Task] = field(default_factory=set)  # handlers before the engine, or outside it (endable)
     ending: str | None = None  # why end_all ended what was in flight (the drain timeout)
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
@@ -1847,7 +1847,7 @@ class ServerState:
             logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(self.generations))
         self.async_llm.fail_all(EngineDeadError(why))
         if self.admitting:  # else uvicorn cancels them DRAIN_GRACE_S later: a plain-text 500 and a traceback
-            logger.info("[entry] shutdown: ending %d request(s) not yet admitted", len(self.admitting))
+            logger.info("[entry] shutdown: ending %d request(s) not in the engine", len(self.admitting))
         self.ending = why
         for task in self.admitting:
             task.cancel()  # endable turns it into a 503 with why
@@ -1855,7 +1855,9 @@ class ServerState:
     @contextlib.contextmanager
     def endable(self) -> Iterator[None]:
         """The work of a request before the engine has it (its body arriving, tokenizing, its grammar
-        compiling), which end_all ends with a 503 as it does the requests in the engine."""
+        compiling), or of one it never has (/tokenize's, a LoRA adapter's load waiting for the model
+        thread), which end_all ends with a 503 as it does the requests in the engine. Not nested: the
+        inner one's end would take the task out of ``admitting``."""
         task = asyncio.current_task()
         self.admitting.add(task)
         try:
@@ -2228,9 +2230,10 @@ async def tokenize(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     check_model(req, state)
     try:
-        text = None if req.messages is None else await state.render_own_template(
-            req, lambda: render_chat(state, req, req.tools))
-        out = await state.off_loop(_tokenize, state, req, text)
+        with state.endable():
+            text = None if req.messages is None else await state.render_own_template(
+                req, lambda: render_chat(state, req, req.tools))
+            out = await state.off_loop(_tokenize, state, req, text)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
@@ -2262,7 +2265,8 @@ async def load_lora_adapter(request: Request) -> Response:
     lora = LoRARequest(req.lora_name, state.last_lora_id, req.lora_path)
     state.loading_loras.add(req.lora_name)  # held, so that a second load of the name waits for no one: a 400
     try:
-        await state.on_model_thread(state.engine.add_lora, lora)
+        with state.endable():
+            await state.on_model_thread(state.engine.add_lora, lora)
     except ValueError as e:
         raise bad_request(str(e), "lora_path") from None
     finally:
@@ -2284,7 +2288,8 @@ async def unload_lora_adapter(request: Request) -> Response:
     if not found:
         raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
     del state.loras[req.lora_name]  # with retire_lora, no await between: Generation.add_requests sees both or neither
-    await state.on_model_thread(state.engine.drop_lora_weights, lora.lora_int_id)
+    with state.endable():
+        await state.on_model_thread(state.engine.drop_lora_weights, lora.lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
@@ -2294,7 +2299,8 @@ async def detokenize(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     check_model(req, state)
     try:
-        return json_response({"prompt": await state.off_loop(state.engine.detokenize, req.tokens)})
+        with state.endable():
+            return json_response({"prompt": await state.off_loop(state.engine.detokenize, req.tokens)})
     except InvalidInput as e:
         raise req.invalid(e) from None
 
@@ -3737,7 +3743,9 @@ async def count_message_tokens(request: Request) -> Response:
         parse_body(AnthropicCountTokensRequest, body, request_id), AnthropicChatRequest, request_id))
     check_model(req, state)
     try:
-        _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req), req.add_special_tokens))
+        with state.endable():
+            _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req),
+                                                                        req.add_special_tokens))
         state.engine.check_prompt_length(len(ids), output_tokens=0)
     except InvalidInput as e:
         raise req.invalid(e) from None
