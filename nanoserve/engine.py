@@ -1258,9 +1258,12 @@ def _compilation_config(config: int | dict | None) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class StepInFlight:
-    """A launched step not landed yet; ``output``: a ModelRunnerOutput, or async an AsyncModelRunnerOutput."""
+    """A launched step not landed yet (vLLM: an entry of EngineCore's batch_queue); ``output``: a
+    ModelRunnerOutput, or async an AsyncModelRunnerOutput."""
     sched: SchedulerOutput
-    may_run_ahead: bool  # the next step may be scheduled before this one lands
+    # The next step may be scheduled before this one lands. vLLM's nearest: step_with_batch_queue defers a step's
+    # sampling, not its scheduling, while SchedulerOutput.pending_structured_output_tokens waits on this one's.
+    may_run_ahead: bool
     output: Any = None
 
 
@@ -1337,11 +1340,13 @@ class LLMEngine:
             if config.lora_config is not None:  # the adapters' device slots, before the KV cache is sized
                 self.weight_bytes += wrap_lora_layers(model, config.lora_config)
             self.max_model_len, self.kv_plan, window, kv_caches = self._init_kv_cache(model)
+            block_manager = BlockManager(self.kv_plan.num_blocks, config.block_size, config.enable_prefix_caching,
+                                         window)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy,
                                                        config.max_loras if config.enable_lora else None),
-                                       BlockManager(self.kv_plan.num_blocks, config.block_size,
-                                                    config.enable_prefix_caching, window))
+                                       block_manager)
+            self.info = self._engine_info(block_manager)
             self.logits_processor_classes = load_logits_processors(config.logits_processors or [])
             self.runner = ModelRunner(model, kv_caches, config.block_size, self.device, self.backend, config.seed,
                                       self.decode_sizes, self.max_model_len,
@@ -1514,13 +1519,17 @@ class LLMEngine:
         the CPU, the heap glibc kept for the steps (tune_process) goes back to the system."""
         release_idle_memory(self.device, self.config.cpu_allocator_tuning)
 
-    def describe(self) -> EngineInfo:
-        cfg, bm = self.config, self.scheduler.block_manager
+    def _engine_info(self, bm: BlockManager) -> EngineInfo:
+        cfg = self.config
         return EngineInfo(cfg.model, self.model_config.architecture, str(self.dtype).replace("torch.", ""),
                           str(self.device), self.weight_bytes, self.max_model_len, cfg.block_size,
                           bm.num_blocks, self.kv_plan.bytes_per_block,
                           kvcache.blocks_per_request(self.max_model_len, cfg.block_size, bm.sliding_window,
                                                      cfg.max_num_batched_tokens))
+
+    def describe(self) -> EngineInfo:
+        """What a front end may know of this engine (made at start-up: none of it changes)."""
+        return self.info
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
@@ -1737,7 +1746,7 @@ class LLMEngine:
         on the loop thread in between would pass the check and then run without the adapter."""
         if lora_int_id not in self.loras:
             return False
-        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_int_id == lora_int_id] + \
+        users = self.scheduler.lora_users(lora_int_id) + \
             [b.request_id for b in self.beam_searches.values() if b.prompt.lora_int_id == lora_int_id]
         if users:
             raise ValueError(f"the LoRA adapter {self.loras[lora_int_id].lora_name!r} serves {len(users)} "
@@ -1827,7 +1836,7 @@ class LLMEngine:
         request_id = str(next(self.request_counter)) if request_id is None else request_id
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         if self._family(request_id) or request_id in self.beam_searches \
-                or any(rid in self.scheduler.requests for rid in ids):  # "a#0" vs a's children
+                or any(self.scheduler.get_request(rid) is not None for rid in ids):  # "a#0" vs a's children
             raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -1891,15 +1900,25 @@ class LLMEngine:
         for rid in children or self._family(request_id):
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
 
+    def abort_all(self) -> None:
+        """Abort every unfinished request (the server's loop, when the engine died)."""
+        for request_id in self.scheduler.get_request_ids():
+            self.abort_request(request_id)
+
+    def reset_prefix_cache(self) -> None:
+        """vLLM's: forget the prefix hashes of the free blocks (LLM.reset_prefix_cache's cold start)."""
+        self.scheduler.reset_prefix_cache()
+
     def _caller_id(self, req: Request) -> str:
         """The id the caller knows a request by: its own, its n > 1 family's, or its beam search's."""
         child = self.beam_children.get(req.request_id)
         return child[0].request_id if child is not None else req.parent_id or req.request_id
 
     def _family(self, request_id: str) -> list[str]:
-        if request_id in self.scheduler.requests:
+        """The unfinished requests' ids a caller's id stands for: its own, or its n > 1 children."""
+        if self.scheduler.get_request(request_id) is not None:
             return [request_id]
-        return list(self.scheduler.families.get(request_id, ()))
+        return [r.request_id for r in self.scheduler.family(request_id)]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -1920,12 +1939,21 @@ class LLMEngine:
             raise
 
     def step_work(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
-        """Schedule, launch, land (postprocess), as a generator that yields its model
-        work, (function, *args), and is sent each result: step() runs it in place, the
-        server's loop on its model thread. With async_scheduling a step lands in the
-        next call, after that call launched its own: the host schedules step N+1 while
-        the device runs step N. Between calls at most one step is in flight (none
-        without async_scheduling)."""
+        """One step (vLLM's EngineCore.step; with async scheduling, step_with_batch_queue), as a
+        generator that yields its model work, (function, *args), and is sent each result:
+        step() runs it in place, the server's loop on its model thread.
+
+        Synchronously, each call is one step, start to end:
+
+            schedule_step()      the scheduler picks the requests and their chunks; their inputs
+            runner.execute       (yielded) the model runs them and samples: the results on the host
+            _land()              postprocess: tokens, text, stops, outputs
+
+        With async_scheduling a call launches its step (runner.execute_model: the results stay on
+        the device) and only then lands the step the call before launched: the host schedules step
+        N+1 while the device runs step N. A step in flight whose may_run_ahead is False lands at the
+        start of the next call instead, before it schedules. Between calls at most one step is in
+        flight (none without async_scheduling)."""
         outputs, self.step_served, self.step_faulted = [], False, False
         if self.in_flight and not self.in_flight[0].may_run_ahead:
             outputs += yield from self._land()
@@ -1934,8 +1962,9 @@ class LLMEngine:
             step = yield from self._reload_loras(*step)
         if step is not None:
             flight, inputs = step
-            for s in flight.sched.scheduled:
-                s.request.num_output_placeholders += s.samples
+            for s in flight.sched.scheduled:  # the token each will sample is on the device until the step lands
+                if s.will_sample:
+                    s.request.num_output_placeholders += 1
             launch = self.runner.execute_model if self.config.async_scheduling else self.runner.execute
             flight.output = yield launch, inputs
         keep = 1 if step is not None and self.config.async_scheduling else 0  # this call's step, left running
@@ -1973,10 +2002,9 @@ class LLMEngine:
         keep = [i for i, s in enumerate(scheduled) if not s.request.status.is_finished]
         if len(keep) == len(scheduled):
             return flight, inputs
-        bm = self.scheduler.block_manager
         for s in scheduled:
             if s.request.status.is_finished:
-                bm.forget_unwritten(s.block_table[s.start // bm.block_size:])
+                self.scheduler.forget_unwritten(s)
         flight.sched.scheduled = [scheduled[i] for i in keep]
         if not keep:
             self.in_flight.remove(flight)
@@ -1994,13 +2022,15 @@ class LLMEngine:
 
     def _land(self) -> Generator[tuple[Callable, ...], Any, list[RequestOutput]]:
         """The oldest step in flight: its results to the host, then into its requests
-        (also those aborted, finished or preempted since it was launched)."""
+        (also those aborted, finished or preempted since it was launched). vLLM's
+        Scheduler.update_from_output and OutputProcessor in one (postprocess)."""
         flight = self.in_flight[0]
         out = flight.output
         if isinstance(out, AsyncModelRunnerOutput):
             out = yield (out.get,)
-        for s in flight.sched.scheduled:
-            s.request.num_output_placeholders -= s.samples
+        for s in flight.sched.scheduled:  # their sampled tokens are on the host now
+            if s.will_sample:
+                s.request.num_output_placeholders -= 1
         faults = self.faults
         outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs)
         self.in_flight.pop(0)  # only now: if postprocess raised, fail_step ends its requests
@@ -2032,7 +2062,8 @@ class LLMEngine:
         # needs its output on the host for its next token, or prompt logprobs (the next chunk's) come back.
         # Custom logits processors read each request's output token ids, all of them, at every step.
         flight.may_run_ahead = self.config.async_scheduling and not any(i.prompt_logprob_ids for i in inputs) \
-            and not self.logits_processor_classes and all(s.request.can_run_ahead for s in sched.scheduled if s.samples)
+            and not self.logits_processor_classes \
+            and all(s.request.can_run_ahead for s in sched.scheduled if s.will_sample)
         return step
 
     def fail_step(self) -> list[str]:
@@ -2066,13 +2097,10 @@ class LLMEngine:
                 token_ids, prev_row = req.token_ids[start:start + num_new], None
                 if not token_ids:  # async scheduling: its input is the token the step in flight samples
                     prev_rows = prev_rows or {x.request: i for i, x in enumerate(
-                        x for x in in_flight.scheduled if x.samples)}
+                        x for x in in_flight.scheduled if x.will_sample)}
                     token_ids, prev_row = [0], prev_rows[req]
-                seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.samples else None,
-                                     # only the request that skips the prefix cache computes prompt logprobs
-                                     # (prompt_logprob_ids' own first test, here to save a call per request)
-                                     req.prompt_logprob_ids(start, num_new) if req.skip_reading_prefix_cache
-                                     else None,
+                seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.will_sample else None,
+                                     req.prompt_logprob_ids(start, num_new),
                                      req.sampling_params.prompt_logprobs or 0, prev_row,
                                      None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
                                      else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
@@ -2100,7 +2128,7 @@ class LLMEngine:
         num_generated = 0
         # This loop and what it calls run once per request per step: counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
-            result = next(sampled) if s.samples else None
+            result = next(sampled) if s.will_sample else None
             try:
                 if prompt_logprobs and i in prompt_logprobs:
                     self._append_prompt_logprobs(s.request, s.start, prompt_logprobs[i])
@@ -2116,13 +2144,29 @@ class LLMEngine:
                 if result.token_id == NO_TOKEN:
                     status = self._end_without_token(req)
                 else:
+                    token = result.token_id
                     self._append_token(req, result, now)
                     num_generated += 1
                     if req.grammar is not None:
-                        req.grammar.accept(result.token_id)
+                        req.grammar.accept(token)
                     if req.thinking is not None:
-                        req.thinking.accept(result.token_id)
-                    status = self._check_stop(req)
+                        req.thinking.accept(token)
+                    status = self._check_stop(req)  # what the token ends: a stop token, the length, a repetition
+                    if req.detokenizer is not None:
+                        # Detokenize incrementally: its text (as vLLM's, a stop token's is left out unless asked
+                        # for), then the stop strings the new text ends (one ends it even at its length or a
+                        # repetition). At its end, the rest of a UTF-8 character the detokenizer held back comes.
+                        p, held = req.sampling_params, req.held_text
+                        by_token = status is RequestStatus.FINISHED_STOPPED  # a stop token, or a grammar's end
+                        if not by_token or p.include_stop_str_in_output:
+                            req.held_text = held + req.detokenizer.step(token)
+                        if not by_token and p.stop and len(req.output_token_ids) >= p.min_tokens \
+                                and self._check_stop_strings(req, len(held)):
+                            status = RequestStatus.FINISHED_STOPPED
+                        elif status is not None:
+                            req.held_text += req.detokenizer.flush()
+                        elif len(req.held_text) > 256:  # each token copies it: outputs release it (FINAL_ONLY's
+                            _release_text(req)          # only at the end)
                 if status is not None:
                     self.scheduler.finish_request(req.request_id, status)
                     self.stats_counters["num_finished"] += 1
@@ -2176,37 +2220,25 @@ class LLMEngine:
         req.last_token_time = now
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
-        """The finished status the new token puts the request in, if any."""
+        """The finished status the new token itself puts the request in, if any (postprocess then
+        detokenizes it: a stop string its text ends may still end the request)."""
         p, out = req.sampling_params, req.output_token_ids
         token, num_out = out[-1], len(out)
         done = num_out >= p.min_tokens
-        # As vLLM: a stop token's own text is left out unless asked for.
         if done and not p.ignore_eos and token in req.eos_token_ids:
-            self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
         if done and token in p.stop_token_ids:
             req.stop_reason = token
-            self._flush_text(req, token if p.include_stop_str_in_output else None)
             return RequestStatus.FINISHED_STOPPED
         if req.grammar is not None and req.grammar.is_terminated():
             # The constraint is complete: it ends on an EOS it accepted (ignore_eos or min_tokens kept the branch
             # above from seeing it), whose text stays out as an EOS's does.
-            self._flush_text(req, token if p.include_stop_str_in_output else None)
-            return RequestStatus.FINISHED_STOPPED
-        held = req.held_text
-        if req.detokenizer is not None:
-            req.held_text = held + req.detokenizer.step(token)
-        if done and p.stop and self._check_stop_strings(req, len(held)):
             return RequestStatus.FINISHED_STOPPED
         if num_out >= req.max_tokens or len(req.token_ids) >= self.max_model_len:
-            self._flush_text(req, None)
             return RequestStatus.FINISHED_LENGTH
         if done and p.repetition_detection is not None and p.repetition_detection.found(out):
             req.stop_reason = "repetition_detected"  # vLLM's
-            self._flush_text(req, None)
             return RequestStatus.FINISHED_REPETITION
-        if len(req.held_text) > 256:  # each token copies it; outputs release it, FINAL_ONLY's only at the end
-            _release_text(req)
         return None
 
     def _end_without_token(self, req: Request) -> RequestStatus:
@@ -2218,17 +2250,9 @@ class LLMEngine:
             "[engine] %s: no token is left to sample after %d output tokens (%s); it stops there",
             req.request_id, len(req.output_token_ids), "its structured output is complete" if done else
             "allowed_token_ids, bad_words, logit_bias, min_tokens and its structured output leave none")
-        self._flush_text(req, None)
-        return RequestStatus.FINISHED_STOPPED
-
-    @staticmethod
-    def _flush_text(req: Request, last_token: int | None) -> None:
-        """Add the last token's text (if kept) and flush what the detokenizer held
-        back waiting for the rest of a UTF-8 character that will never come."""
-        if req.detokenizer is not None:
-            if last_token is not None:
-                req.held_text += req.detokenizer.step(last_token)
+        if req.detokenizer is not None:  # what it held back waiting for the rest of a UTF-8 character
             req.held_text += req.detokenizer.flush()
+        return RequestStatus.FINISHED_STOPPED
 
     def _check_stop_strings(self, req: Request, prev_len: int) -> bool:
         """Find the earliest stop string that ends in the new text; truncate there.
@@ -2271,7 +2295,7 @@ class LLMEngine:
     def _siblings(self, req: Request) -> list[Request]:
         if req.parent_id is None:
             return [req]
-        return [req] + [self.scheduler.requests[rid] for rid in self.scheduler.families.get(req.parent_id, ())]
+        return [req] + self.scheduler.family(req.parent_id)
 
     def completion_output(self, req: Request) -> CompletionOutput:
         """The request's output so far (under DELTA: what is new since its last
@@ -2702,7 +2726,7 @@ class LLM:
         """vLLM's: forget every cached prefix (a benchmark's cold start); False while a request holds blocks."""
         if self.engine.has_unfinished_requests():
             return False
-        self.engine.scheduler.reset_prefix_cache()
+        self.engine.reset_prefix_cache()
         return True
 
     def __getattr__(self, name: str) -> Any:
@@ -3126,8 +3150,7 @@ class AsyncLLM:
                 logger.exception("[engine] the engine loop died")
             self.errored = e
             self.fail_all(EngineDeadError(DEAD_MESSAGE))
-            for request_id in list(engine.scheduler.requests):
-                engine.abort_request(request_id)
+            engine.abort_all()
             self.dead.set()
 
     async def _step(self, loop: asyncio.AbstractEventLoop) -> list[RequestOutput] | None:

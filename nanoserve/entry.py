@@ -1766,7 +1766,7 @@ class ServerState:
     metrics: "ServerMetrics"
     body_timeout: float = BODY_TIMEOUT_S
     generations: set["Generation"] = field(default_factory=set)  # in flight
-    admitting: set[asyncio.Task] = field(default_factory=set)  # handlers before the engine (endable)
+    admitting: set[asyncio.Task] = field(default_factory=set)  # handlers before the engine, or outside it (endable)
     ending: str | None = None  # why end_all ended what was in flight (the drain timeout)
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
@@ -1847,7 +1847,7 @@ class ServerState:
             logger.info("[entry] shutdown: aborting %d request(s) still in flight", len(self.generations))
         self.async_llm.fail_all(EngineDeadError(why))
         if self.admitting:  # else uvicorn cancels them DRAIN_GRACE_S later: a plain-text 500 and a traceback
-            logger.info("[entry] shutdown: ending %d request(s) not yet admitted", len(self.admitting))
+            logger.info("[entry] shutdown: ending %d request(s) not in the engine", len(self.admitting))
         self.ending = why
         for task in self.admitting:
             task.cancel()  # endable turns it into a 503 with why
@@ -1855,7 +1855,9 @@ class ServerState:
     @contextlib.contextmanager
     def endable(self) -> Iterator[None]:
         """The work of a request before the engine has it (its body arriving, tokenizing, its grammar
-        compiling), which end_all ends with a 503 as it does the requests in the engine."""
+        compiling), or of one it never has (/tokenize's, a LoRA adapter's load waiting for the model
+        thread), which end_all ends with a 503 as it does the requests in the engine. Not nested: the
+        inner one's end would take the task out of ``admitting``."""
         task = asyncio.current_task()
         self.admitting.add(task)
         try:
@@ -2171,13 +2173,7 @@ async def _generate(request: Request, kind: type["Generation"], req: GenerationR
     state, request_id = _state(request), _request_id(request)
     if req is None:
         req = await read_json(request, state, functools.partial(kind.parse, request_id=request_id), kind.check_raw)
-    if req.request_id is not None:  # vLLM's body field; X-Request-Id wins, as in vLLM
-        if request.scope["nanoserve.request_id_given"]:
-            req.request_id = None
-        else:
-            request.scope["nanoserve.request_id"] = request_id = esc(req.request_id)
-    if "return_tokens_as_token_ids" not in req.model_fields_set:  # a request that does not say: the server's
-        req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
+    request_id = settle_request_fields(request, req, state)
     model = check_model(req, state)
     gen = await kind.admit(state, request_id, req)
     if state.log_requests:
@@ -2234,9 +2230,10 @@ async def tokenize(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     check_model(req, state)
     try:
-        text = None if req.messages is None else await state.render_own_template(
-            req, lambda: render_chat(state, req, req.tools))
-        out = await state.off_loop(_tokenize, state, req, text)
+        with state.endable():
+            text = None if req.messages is None else await state.render_own_template(
+                req, lambda: render_chat(state, req, req.tools))
+            out = await state.off_loop(_tokenize, state, req, text)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
@@ -2268,7 +2265,8 @@ async def load_lora_adapter(request: Request) -> Response:
     lora = LoRARequest(req.lora_name, state.last_lora_id, req.lora_path)
     state.loading_loras.add(req.lora_name)  # held, so that a second load of the name waits for no one: a 400
     try:
-        await state.on_model_thread(state.engine.add_lora, lora)
+        with state.endable():
+            await state.on_model_thread(state.engine.add_lora, lora)
     except ValueError as e:
         raise bad_request(str(e), "lora_path") from None
     finally:
@@ -2290,7 +2288,8 @@ async def unload_lora_adapter(request: Request) -> Response:
     if not found:
         raise ApiError(404, f"The lora adapter '{req.lora_name}' cannot be found.", param="lora_name")
     del state.loras[req.lora_name]  # with retire_lora, no await between: Generation.add_requests sees both or neither
-    await state.on_model_thread(state.engine.drop_lora_weights, lora.lora_int_id)
+    with state.endable():
+        await state.on_model_thread(state.engine.drop_lora_weights, lora.lora_int_id)
     return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
@@ -2300,7 +2299,8 @@ async def detokenize(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     check_model(req, state)
     try:
-        return json_response({"prompt": await state.off_loop(state.engine.detokenize, req.tokens)})
+        with state.endable():
+            return json_response({"prompt": await state.off_loop(state.engine.detokenize, req.tokens)})
     except InvalidInput as e:
         raise req.invalid(e) from None
 
@@ -2315,6 +2315,21 @@ def _state(request: Request) -> ServerState:
 
 def _request_id(request: Request) -> str:
     return request.scope["nanoserve.request_id"]
+
+
+def settle_request_fields(request: Request, req: GenerationRequest, state: ServerState) -> str:
+    """What the server settles in a body before admitting it; returns the request's id. The id is
+    X-Request-Id's, else the body's request_id (vLLM's field; the header wins, as in vLLM); a body's
+    id the header overrode is dropped, so that an error names the header's. return_tokens_as_token_ids,
+    where the body does not say, is the server's flag."""
+    if req.request_id is not None:
+        if request.scope["nanoserve.request_id_given"]:
+            req.request_id = None
+        else:
+            request.scope["nanoserve.request_id"] = esc(req.request_id)
+    if "return_tokens_as_token_ids" not in req.model_fields_set:
+        req.return_tokens_as_token_ids = state.return_tokens_as_token_ids
+    return _request_id(request)
 
 
 def check_model(req: OpenAIBaseModel, state: ServerState) -> str:
@@ -2425,6 +2440,29 @@ async def _read_body(request: Request, limit: int) -> bytes:
 # =========================================================================== serving
 # What a body becomes, as vLLM's serving_*.py: admission (the queue limit), the
 # engine requests, and the response or chunks built from their outputs.
+
+@dataclass(slots=True)
+class ParsedText:
+    """A chat choice's text after the reasoning and tool-call parsers (ChatGeneration.parse_text)."""
+    content: str
+    reasoning: str | None      # None: none, or not to be shown (include_reasoning false)
+    calls: list[dict]
+    finish_reason: str | None  # the output's, or "tool_calls" where the text ended in calls
+    blank: str | None          # a message's content where it has none: vLLM's parsers say "" or null
+
+
+def _chat_choice(index: int, body: dict, logprobs: dict | None, finish_reason: str | None, c: CompletionOutput,
+                 extra: dict | None) -> dict:
+    """A chat choice around its message or delta (``body``); of ``extra`` only token_ids (return_token_ids)."""
+    token_ids = {"token_ids": extra["token_ids"]} if extra and "token_ids" in extra else {}
+    return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": c.stop_reason, **token_ids}
+
+
+def _thought(reasoning: str | None) -> dict:
+    # vLLM v0.10's field, and the name vLLM renamed it to later (clients read one or the other)
+    return {"reasoning_content": reasoning, "reasoning": reasoning}
+
 
 @dataclass(slots=True)
 class _Tracked:
@@ -2664,8 +2702,7 @@ class Generation:
             i = idx // self.params.n
             echo = self.echo_text(i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
-            choices.append(self.choice(idx, c.text, self.logprobs(c, 0, i if req.echo else None), c, False, extra,
-                                       echo))
+            choices.append(self.message_choice(idx, c, self.logprobs(c, 0, i if req.echo else None), extra, echo))
         return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
                 "choices": choices, "usage": self.usage(len(c.token_ids) for c in finals.values()),
                 **self.response_extra(extra, self.prompts[0].text)}
@@ -2773,10 +2810,20 @@ class CompletionGeneration(Generation):
         return [self._logprob_item(token_id, entry)
                 for token_id, entry in zip(self.prompts[prompt_index].token_ids, entries)]  # the first has none
 
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict:
-        return {"index": index, "text": echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, **extra}
+    def message_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                       extra: dict | None = None, echo: str = "") -> dict:
+        """A response's choice: its whole text (``echo``, the prompt's, leads it)."""
+        return self._text_choice(index, echo + c.text, logprobs, c, extra)
+
+    def delta_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                     extra: dict | None = None, echo: str = "") -> dict:
+        """A stream chunk's choice: the text the step added, in the same shape."""
+        return self._text_choice(index, echo + c.delta_text, logprobs, c, extra)
+
+    @staticmethod
+    def _text_choice(index: int, text: str, logprobs: dict | None, c: CompletionOutput, extra: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, **(extra or {})}
 
     def logprobs_body(self, tokens: list[tuple], text_offset: int) -> dict:
         """The legacy shape: parallel lists, top_logprobs keyed by token text."""
@@ -2823,12 +2870,12 @@ class ChatGeneration(Generation):
         content = last["content"] or ""
         return content if isinstance(content, str) else "\n".join(part["text"] for part in content)
 
-    def choice(self, index: int, text: str, logprobs: dict | None, c: CompletionOutput, stream: bool,
-               extra: dict, echo: str = "") -> dict | None:
-        """``echo`` leads the content and is never parsed for tool calls (as vLLM: it is the prompt's);
-        with --reasoning-parser only the content part is (as vLLM's)."""
+    def parse_text(self, index: int, text: str, c: CompletionOutput, stream: bool) -> ParsedText:
+        """Choice ``index``'s text through the parsers: with --reasoning-parser, the reasoning split off,
+        then, with tool calls asked for, the calls out of the content (the finish reason "tool_calls" once
+        one is made). A stream's parsers keep their place between chunks; a response's parse it whole."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
-        if (name := self.state.reasoning_parser) is not None:
+        if self.state.reasoning_parser is not None:
             parser = self.reasoner(index)
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
@@ -2843,21 +2890,31 @@ class ChatGeneration(Generation):
                 calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
             if made and finish == "stop" and not isinstance(self.req.tool_choice, dict):  # a forced named function
                 finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
-        content = echo + content
-        # vLLM v0.10's field, and the name vLLM renamed it to later (clients read one or the other)
-        thought = {"reasoning_content": reasoning, "reasoning": reasoning}
-        if stream:
-            delta = {**(thought if reasoning else {}),
-                     **({"content": content} if content else {}), **({"tool_calls": calls} if calls else {})}
-            if not delta and logprobs is None and finish is None and not extra.get("token_ids"):
-                return None  # all of it held back: nothing to send yet
-            body = {"delta": delta}
-        else:
-            # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
-            body = {"message": {"role": self.role, "content": content or (None if calls else blank),
-                                **(thought if name else {}), **({"tool_calls": calls} if calls else {})}}
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": finish, "stop_reason": c.stop_reason,
-                **({"token_ids": extra["token_ids"]} if "token_ids" in extra else {})}
+        return ParsedText(content, reasoning, calls, finish, blank)
+
+    def message_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                       extra: dict | None = None, echo: str = "") -> dict:
+        """A response's choice: the message its whole text parses into. ``echo`` (the last message's, when
+        the reply continues it) leads the content and is never parsed (as vLLM: it is the prompt's)."""
+        p = self.parse_text(index, c.text, c, stream=False)
+        content = echo + p.content
+        # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
+        message = {"role": self.role, "content": content or (None if p.calls else p.blank),
+                   **(_thought(p.reasoning) if self.state.reasoning_parser is not None else {}),
+                   **({"tool_calls": p.calls} if p.calls else {})}
+        return _chat_choice(index, {"message": message}, logprobs, p.finish_reason, c, extra)
+
+    def delta_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
+                     extra: dict | None = None, echo: str = "") -> dict | None:
+        """A stream chunk's choice: the delta the text the step added parses into (``echo`` as
+        message_choice's); None while the parsers hold all of it back and nothing else is new."""
+        p = self.parse_text(index, c.delta_text, c, stream=True)
+        content = echo + p.content
+        delta = {**(_thought(p.reasoning) if p.reasoning else {}),
+                 **({"content": content} if content else {}), **({"tool_calls": p.calls} if p.calls else {})}
+        if not delta and logprobs is None and p.finish_reason is None and not (extra or {}).get("token_ids"):
+            return None
+        return _chat_choice(index, {"delta": delta}, logprobs, p.finish_reason, c, extra)
 
     def reasoner(self, index: int) -> ReasoningParser:
         """Choice ``index``'s reasoning parser (with --reasoning-parser): it splits the text and counts the tokens."""
@@ -2967,7 +3024,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
                 extra = gen.extra(i, c.token_ids, first)
-                choice = gen.choice(idx, c.delta_text, logprobs, c, True, extra, echo)
+                choice = gen.delta_choice(idx, c, logprobs, extra, echo)
                 top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
                 if choice is not None or top:  # None: all of it held back (a tool call's text)
                     usage = {"usage": gen.usage([num_tokens[idx]], i)} if continuous else {}
@@ -3332,7 +3389,7 @@ class ResponsesGeneration(ChatGeneration):
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
         out = ResponseOutput()
-        self.feed(out, self.choice(0, c.text, self.logprobs(c, 0), c, False, {}), "message")
+        self.feed(out, self.message_choice(0, c, self.logprobs(c, 0)), "message")
         out.close()
         return self.body(model, out.items, c.finish_reason)
 
@@ -3352,7 +3409,7 @@ class ResponsesGeneration(ChatGeneration):
             async for _, output in self.outputs():
                 for c in output.outputs:
                     finish = c.finish_reason
-                    if (choice := self.choice(0, c.delta_text, self.logprobs(c, 0), c, True, {})) is not None:
+                    if (choice := self.delta_choice(0, c, self.logprobs(c, 0))) is not None:
                         for kind, fields in self.feed(out, choice, "delta"):
                             yield event(kind, **fields)
             for kind, fields in out.close():
@@ -3621,7 +3678,7 @@ class AnthropicGeneration(ChatGeneration):
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
-        choice, content, tools = self.choice(0, c.text, None, c, False, {}), AnthropicContent(), self.tool_streams
+        choice, content, tools = self.message_choice(0, c), AnthropicContent(), self.tool_streams
         content.feed(choice["message"], 0 in tools and tools[0].parser.CONTENT_AFTER_CALLS)
         content.close()
         return self.body(model, content.blocks, choice)
@@ -3636,7 +3693,7 @@ class AnthropicGeneration(ChatGeneration):
         try:
             async for _, output in self.outputs():
                 for c in output.outputs:
-                    if (choice := self.choice(0, c.delta_text, None, c, True, {})) is not None:
+                    if (choice := self.delta_choice(0, c)) is not None:
                         last = choice
                         for kind, fields in content.feed(choice["delta"]):
                             yield event(kind, **fields)
@@ -3686,7 +3743,9 @@ async def count_message_tokens(request: Request) -> Response:
         parse_body(AnthropicCountTokensRequest, body, request_id), AnthropicChatRequest, request_id))
     check_model(req, state)
     try:
-        _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req), req.add_special_tokens))
+        with state.endable():
+            _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req),
+                                                                        req.add_special_tokens))
         state.engine.check_prompt_length(len(ids), output_tokens=0)
     except InvalidInput as e:
         raise req.invalid(e) from None

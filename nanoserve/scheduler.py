@@ -91,9 +91,10 @@ class ScheduledRequest:
     # As vLLM's NewRequestData.block_ids: the runner needs nothing from the block
     # manager. The block manager's own list, which it never changes in place.
     block_table: list[int]
-    # Whether it reaches the end of the tokens (those still on the device included), so
-    # samples one: fixed here, as the request's tokens grow before an async step lands.
-    samples: bool
+    # Whether the chunk reaches the end of the tokens (those still on the device included), so
+    # the step samples a token for it (vLLM: not is_prefill_chunk). Fixed here: the request's
+    # tokens grow before an async step lands.
+    will_sample: bool
 
 
 @dataclass(slots=True)
@@ -161,6 +162,28 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def get_request(self, request_id: str) -> "Request | None":
+        """The unfinished request of this id, if any."""
+        return self.requests.get(request_id)
+
+    def get_request_ids(self) -> list[str]:
+        """Every unfinished request's id (a copy: finishing them changes the queues)."""
+        return list(self.requests)
+
+    def family(self, parent_id: str) -> list["Request"]:
+        """An n > 1 request's children still unfinished (none for any other id)."""
+        return [self.requests[rid] for rid in self.families.get(parent_id, ())]
+
+    def lora_users(self, lora_int_id: int) -> list[str]:
+        """The ids of the unfinished requests that run with this LoRA adapter."""
+        return [r.request_id for r in self.requests.values() if r.lora_int_id == lora_int_id]
+
+    def forget_unwritten(self, scheduled: ScheduledRequest) -> None:
+        """A scheduled chunk whose request ended before its step was launched: the blocks it was
+        to fill were freed unwritten, so their prefix hashes, registered as it was scheduled, go."""
+        bm = self.block_manager
+        bm.forget_unwritten(scheduled.block_table[scheduled.start // bm.block_size:])
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,

@@ -44,7 +44,7 @@ def make(model, async_scheduling: bool, **kw) -> LLM:
             # never a position past the last one a request needs (Request.max_num_tokens)
             assert all(s.start + s.num_new_tokens < s.request.max_num_tokens
                        for s in engine.in_flight[-1].sched.scheduled)
-            ahead = [s.request for f in engine.in_flight[:-1] for s in f.sched.scheduled if s.samples]
+            ahead = [s.request for f in engine.in_flight[:-1] for s in f.sched.scheduled if s.will_sample]
             llm.launches.append((len(engine.in_flight), ahead))
             return launch(seqs)
         engine.runner.execute_model = recording

@@ -799,13 +799,16 @@ def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model,
     assert len(connected) == 1
 
 
-@pytest.mark.parametrize("held", ["grammar", "body"])
-def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model, caplog, held):
+@pytest.mark.parametrize("held", ["grammar", "body", "tokenize", "lora"])
+def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model, caplog, monkeypatch, held):
     """At the drain timeout a request the engine has not yet (its grammar still compiling, its body still
-    arriving) ends as those in it do, with a 503 in the error shape, not uvicorn's cancellation DRAIN_GRACE_S
+    arriving), or one the engine never has (/tokenize tokenizing, a LoRA adapter's load waiting for the model
+    thread), ends as those in it do, with a 503 in the error shape, not uvicorn's cancellation DRAIN_GRACE_S
     later: a plain-text 500 and a traceback."""
     caplog.set_level(logging.INFO)
-    s, release, entered, result = ServerThread(tiny_model, graceful=0.3), threading.Event(), threading.Event(), {}
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    s = ServerThread(tiny_model, *(["--enable-lora"] if held == "lora" else []), graceful=0.3)
+    release, entered, result = threading.Event(), threading.Event(), {}
     so = s.engine.structured_outputs
     compile_ = so.compile
 
@@ -816,10 +819,23 @@ def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model
         return compile_(spec)
     so.compile = held_compile
 
+    def holding(fn):  # on the tokenizer thread, or the model thread (which the shutdown waits for: see post)
+        def held_fn(*args, **kwargs):
+            entered.set()
+            release.wait(60)
+            return fn(*args, **kwargs)
+        return held_fn
+    s.engine.tokenize, s.engine.add_lora = holding(s.engine.tokenize), holding(s.engine.add_lora)
+
     def post():
-        if held == "grammar":
-            r = _post(s.url, {"prompt": "hi", "max_tokens": 4, "structured_outputs": {"regex": "held[0-9]"}})
+        if held != "body":
+            path, body = {"grammar": ("/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                                          "structured_outputs": {"regex": "held[0-9]"}}),
+                          "tokenize": ("/tokenize", {"prompt": "hi"}),
+                          "lora": ("/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "x"})}[held]
+            r = httpx.post(s.url + path, json=body, timeout=60)
             result["r"] = r.status_code, r.text
+            release.set()  # answered: the held work may end (the server's shutdown waits for its model thread)
             return
         with socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1])), timeout=30) as c:
             c.sendall(b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"prompt": ')
@@ -845,7 +861,7 @@ def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model
     status, text = result["r"]
     assert status == 503 and "shutting down" in json.loads(text)["error"]["message"], text
     assert not any(rec.exc_info or "Traceback" in rec.getMessage() for rec in caplog.records)
-    assert "shutdown: ending 1 request(s) not yet admitted" in caplog.text
+    assert "shutdown: ending 1 request(s) not in the engine" in caplog.text
 
 
 # =========================================================================== logs

@@ -66,7 +66,7 @@ def num_batched_tokens(out) -> int:
 def decode(out) -> None:
     """What the engine does after a step: a token for each request that sampled."""
     for s in out.scheduled:
-        if s.samples:
+        if s.will_sample:
             s.request.token_ids.append(7)
 
 
@@ -79,7 +79,7 @@ def test_fcfs_admission_and_states():
     assert plan(out) == [("a", 5), ("b", 3)]
     assert a.status == b.status == RequestStatus.RUNNING
     assert a.num_computed_tokens == 5 and num_batched_tokens(out) == 8
-    assert all(s.samples for s in out.scheduled)
+    assert all(s.will_sample for s in out.scheduled)
 
 
 def test_duplicate_request_id_is_rejected():
@@ -102,7 +102,7 @@ def test_token_budget_is_respected_and_the_rest_is_chunked():
     add(sched, "c", 2, 200)
     out = sched.schedule()
     assert plan(out) == [("a", 6), ("b", 4)]  # b gets what is left; c waits
-    assert [s.samples for s in out.scheduled] == [True, False]
+    assert [s.will_sample for s in out.scheduled] == [True, False]
     decode(out)
     out = sched.schedule()
     assert plan(out) == [("a", 1), ("b", 3), ("c", 2)]  # decode first, then the rest of b
@@ -115,7 +115,7 @@ def test_chunked_prefill_samples_only_on_the_last_chunk():
     chunks = []
     for _ in range(3):
         out = sched.schedule()
-        chunks.append((out.scheduled[0].start, out.scheduled[0].num_new_tokens, out.scheduled[0].samples))
+        chunks.append((out.scheduled[0].start, out.scheduled[0].num_new_tokens, out.scheduled[0].will_sample))
     assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
     assert req.num_computed_tokens == 20
 
@@ -128,15 +128,15 @@ def test_output_placeholders_are_computed_up_to_the_last_needed_position():
     sched = make(block_size=4)
     a = add(sched, "a", 7)
     a.max_num_tokens = 10
-    assert plan(out := sched.schedule()) == [("a", 7)] and out.scheduled[0].samples
+    assert plan(out := sched.schedule()) == [("a", 7)] and out.scheduled[0].will_sample
     a.num_output_placeholders = 1  # step 1 launched: its token (position 7) on the device
     out = sched.schedule()
-    assert plan(out) == [("a", 1)] and out.scheduled[0].samples and out.scheduled[0].start == 7
+    assert plan(out) == [("a", 1)] and out.scheduled[0].will_sample and out.scheduled[0].start == 7
     hashes = sched.block_manager.req_hashes["a"]
     assert len(hashes) == 1  # block 1 (positions 4-7) is full, but position 7's token is not known yet
     a.token_ids.append(70)  # step 2 launched, then step 1 lands
     out = sched.schedule()
-    assert plan(out) == [("a", 1)] and out.scheduled[0].samples and out.scheduled[0].start == 8
+    assert plan(out) == [("a", 1)] and out.scheduled[0].will_sample and out.scheduled[0].start == 8
     assert len(hashes) == 2  # known now: hashed
     a.token_ids.append(71)  # step 3 launched, then step 2 lands: step 3's token will be the 10th
     assert plan(sched.schedule()) == []  # so nothing more to compute (max_num_tokens - 1 = 9 computed)
@@ -449,7 +449,7 @@ class EngineSim:
                 self.kv[(table[p // bs], p % bs)] = tuple(req.token_ids[:p + 1])
         check_invariants(sched, self.kv)  # attention: every scheduled request reads only its own KV
         for s, choice in zip(out.scheduled, choices * 8):
-            if not s.samples:
+            if not s.will_sample:
                 continue
             req = s.request
             req.token_ids.append(choice % 2)
