@@ -2153,20 +2153,7 @@ class LLMEngine:
                         req.thinking.accept(token)
                     status = self._check_stop(req)  # what the token ends: a stop token, the length, a repetition
                     if req.detokenizer is not None:
-                        # Detokenize incrementally: its text (as vLLM's, a stop token's is left out unless asked
-                        # for), then the stop strings the new text ends (one ends it even at its length or a
-                        # repetition). At its end, the rest of a UTF-8 character the detokenizer held back comes.
-                        p, held = req.sampling_params, req.held_text
-                        by_token = status is RequestStatus.FINISHED_STOPPED  # a stop token, or a grammar's end
-                        if not by_token or p.include_stop_str_in_output:
-                            req.held_text = held + req.detokenizer.step(token)
-                        if not by_token and p.stop and len(req.output_token_ids) >= p.min_tokens \
-                                and self._check_stop_strings(req, len(held)):
-                            status = RequestStatus.FINISHED_STOPPED
-                        elif status is not None:
-                            req.held_text += req.detokenizer.flush()
-                        elif len(req.held_text) > 256:  # each token copies it: outputs release it (FINAL_ONLY's
-                            _release_text(req)          # only at the end)
+                        status = self._detokenize(req, token, status)  # and the stop strings its text ends
                 if status is not None:
                     self.scheduler.finish_request(req.request_id, status)
                     self.stats_counters["num_finished"] += 1
@@ -2176,6 +2163,24 @@ class LLMEngine:
                 self._fail_output(outputs, s.request, e)
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
+
+    def _detokenize(self, req: Request, token: int, status: RequestStatus | None) -> RequestStatus | None:
+        """Detokenize incrementally: the new token's text (as vLLM's, a stop token's is left out unless
+        asked for), then the stop strings the new text ends (one ends the request even at its length or
+        a repetition: ``status``, what the token itself ended). At the end, the rest of a UTF-8 character
+        the detokenizer held back comes. Returns the request's status after its text."""
+        p, held = req.sampling_params, req.held_text
+        by_token = status is RequestStatus.FINISHED_STOPPED  # a stop token, or a grammar's end
+        if not by_token or p.include_stop_str_in_output:
+            req.held_text = held + req.detokenizer.step(token)
+        if not by_token and p.stop and len(req.output_token_ids) >= p.min_tokens \
+                and self._check_stop_strings(req, len(held)):
+            return RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            req.held_text += req.detokenizer.flush()
+        elif len(req.held_text) > 256:  # each token copies it: outputs release it (FINAL_ONLY's only at the end)
+            _release_text(req)
+        return status
 
     def _fail_output(self, outputs: dict[str, RequestOutput], req: Request, error: Exception) -> None:
         """End a request whose step output could not be taken in (nothing of this step goes out for it)."""
