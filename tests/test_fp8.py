@@ -140,8 +140,8 @@ def test_bfloat16_holds_the_dequantized_weights_rounded_once(model_root):
 
 
 def generate(path: Path, **kw) -> tuple[list[list[int]], list[list[float]]]:
-    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=16, max_model_len=64,
-              max_num_batched_tokens=16, **kw)
+    llm = LLM(str(path), **{"dtype": "float32", "enforce_eager": True, **kw}, num_kv_blocks=16, max_model_len=64,
+              max_num_batched_tokens=16)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW, logprobs=0),
                             use_tqdm=False)
@@ -177,6 +177,14 @@ def test_greedy_tokens_are_transformers_on_the_dequantized_weights(model_root, c
     assert tokens == ref_tokens
     torch.testing.assert_close(torch.tensor(sum(logprobs, [])), torch.tensor(sum(ref_logprobs, [])),
                                atol=2e-4, rtol=1e-4)
+
+
+def test_bfloat16_serving_is_the_dequantized_checkpoints(model_root):
+    """In bf16, through the CPU backend's kernels (its linear weights packed as an unquantized model's):
+    the same tokens and logprobs as the dequantized checkpoint served in bf16."""
+    path = fp8_model(model_root, "qwen3", (48, 40), scale_dtype=torch.bfloat16)
+    cpu = dict(dtype="bfloat16", enforce_eager=False)
+    assert generate(path, **cpu) == generate(dequant_of(path), **cpu)
 
 
 def test_tensor_parallel_shards_are_cut_from_the_dequantized_weights(model_root):
