@@ -16,7 +16,8 @@ This module owns
   scalars are flags too); DeepSeek-V2/V3's multi-head latent attention (``MLAAttention``: the latent is
   the KV cache, one tensor for K and V) in the place of the attention, with their routing;
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
-  tensor parallelism each rank reads only its slices;
+  tensor parallelism each rank reads only its slices; an FP8 checkpoint's weights
+  (quant_method "fp8", block or per-tensor scales) dequantized into the model's dtype as they are read;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
   column/row-parallel linears, the vocab-parallel embedding and head, and
   ``run_worker``, the loop ranks 1..N-1 run;

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import VOCAB, hf_model, make_model
 from nanoserve import LLM, SamplingParams
-from nanoserve.model import ModelConfig, ModelLoadError, load_model
+from nanoserve.model import Fp8Slice, ModelConfig, ModelLoadError, load_model
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 _rng = torch.Generator().manual_seed(8)
@@ -137,6 +137,37 @@ def test_bfloat16_holds_the_dequantized_weights_rounded_once(model_root):
     theirs = dict(ref.named_parameters())
     assert all(torch.equal(p, theirs[n]) for n, p in model.named_parameters())
     assert weight_bytes == sum(p.numel() * 2 for p in model.parameters())  # the bf16 model's
+
+
+class TensorSlice:
+    """safetensors' slice of a tensor in memory: what a weight_loader is handed."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def get_shape(self) -> list[int]:
+        return list(self.t.shape)
+
+    def get_dtype(self) -> str:
+        return "F8_E4M3"
+
+    def __getitem__(self, key):
+        return self.t[key]
+
+
+@pytest.mark.parametrize("key", [(), (slice(None), slice(7, 41)), (slice(None), slice(None), slice(13, 61)),
+                                 (slice(1, 2), slice(0, 0))], ids=["whole", "rows", "columns", "empty"])
+def test_a_stack_of_experts_slices_as_its_dequantized_weights(key, monkeypatch):
+    """A 3-D stack (one grid of blocks per expert), its ue8m0 scales stored as bytes (2 ** (byte - 127)),
+    sliced through blocks, 5 rows dequantized at a time: each element times its own block's scale."""
+    monkeypatch.setattr(Fp8Slice, "ROWS_AT_A_TIME", 5)
+    torch.manual_seed(0)
+    q = (torch.randn(2, 50, 70) * 100).to(torch.float8_e4m3fn)
+    exponents = torch.randint(120, 130, (2, 4, 3), dtype=torch.uint8)  # 50 rows in 16s, 70 columns in 32s
+    weights = torch.stack([dequantize_block(q[e], 2.0 ** (exponents[e].float() - 127), (16, 32)) for e in range(2)])
+    fp8 = Fp8Slice("experts.gate_up_proj", TensorSlice(q), "experts.gate_up_proj_scale_inv", exponents, (16, 32))
+    assert fp8.get_shape() == [2, 50, 70]
+    assert torch.equal(fp8[key], weights[key])
 
 
 def generate(path: Path, **kw) -> tuple[list[list[int]], list[list[float]]]:
