@@ -320,7 +320,7 @@ class Fp8Config:
 
     @property
     def scale_suffix(self) -> str:
-        """The scale tensor's name beside a quantized weight's (``...q_proj.weight`` -> ``...q_proj.weight_scale_inv``)."""
+        """A weight's scale is named the weight's name and this (``q_proj.weight`` -> ``q_proj.weight_scale_inv``)."""
         return "_scale_inv" if self.weight_block_size else "_scale"
 
     def describe(self) -> str:
@@ -334,7 +334,8 @@ def fp8_config(quant: Any) -> Fp8Config | None:
     method (else a GPTQ/AWQ/... checkpoint's packed tensors would fail as "unexpected tensors")."""
     if not quant:
         return None
-    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    quant = quant if isinstance(quant, dict) else {"quant_method": quant}
+    method = quant.get("quant_method")
     if method != "fp8":
         raise ModelLoadError(f"the checkpoint is quantized with quant_method {method!r}, which nanoserve does not "
                              "serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) and "
@@ -348,7 +349,7 @@ def fp8_config(quant: Any) -> Fp8Config | None:
     if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2 or any(
             isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block)):
         raise ModelLoadError(f"FP8 checkpoint's weight_block_size {block!r} must be two positive integers")
-    if quant.get("expert_dtype", "fp8") != "fp8":
+    if (quant.get("expert_dtype") or "fp8") != "fp8":
         raise ModelLoadError(f"FP8 checkpoint with expert_dtype {quant['expert_dtype']!r} is not supported "
                              "(nanoserve reads fp8 experts)")
     if scale_fmt not in ("float", "ue8m0"):
