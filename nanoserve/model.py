@@ -16,7 +16,8 @@ This module owns
   scalars are flags too); DeepSeek-V2/V3's multi-head latent attention (``MLAAttention``: the latent is
   the KV cache, one tensor for K and V) in the place of the attention, with their routing;
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
-  tensor parallelism each rank reads only its slices;
+  tensor parallelism each rank reads only its slices; an FP8 checkpoint's weights
+  (quant_method "fp8", block or per-tensor scales) dequantized into the model's dtype as they are read;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
   column/row-parallel linears, the vocab-parallel embedding and head, and
   ``run_worker``, the loop ranks 1..N-1 run;
@@ -182,6 +183,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the rope dims stored as pairs (x0, x1), (x2, x3), ...: DeepSeek's
+    quantization: Fp8Config | None = None  # an FP8 checkpoint's (dequantized at load); None: unquantized
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -216,11 +218,7 @@ class ModelConfig:
             c = _gemma2_config(c)
         elif arch == "Glm4MoeForCausalLM":
             c = _glm4_moe_config(c)
-        quant = c.get("quantization_config")
-        if quant:  # else its packed weights would fail to load as "unexpected tensors"
-            method = quant.get("quant_method") if isinstance(quant, dict) else quant
-            raise ModelLoadError(f"the checkpoint is quantized (quant_method {method!r}); nanoserve serves "
-                                 "unquantized checkpoints only (bf16, fp16 or fp32 safetensors)")
+        quantization = fp8_config(c.get("quantization_config"))
         sizes = SIZE_KEYS + (MOE_SIZE_KEYS if arch in MOE_ARCHITECTURES else ())
         bad = {k: c[k] for k in sizes if c.get(k) is not None
                and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)}
@@ -273,6 +271,7 @@ class ModelConfig:
                              float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None),
             sliding_rope=_sliding_rope(c) if gemma3 else None,
             qk_norm_whole=arch == "OlmoeForCausalLM",
+            quantization=quantization,
             **(_moe_config(arch, c) if arch in MOE_ARCHITECTURES else {}),
         )
         return _mla_config(cfg, c) if arch in MLA_ARCHITECTURES else cfg
@@ -303,6 +302,63 @@ class ModelConfig:
         """The sliding window layer ``layer`` attends within, or None (full attention).
         (--disable-sliding-window keeps max_model_len within the window: it never acts.)"""
         return self.sliding_window if layer in self.sliding_layers else None
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Config:
+    """quantization_config of an FP8 checkpoint (quant_method "fp8": vLLM's Fp8Config, transformers'
+    FineGrainedFP8Config), as DeepSeek-V3/R1, Kimi-K2 and Qwen3-*-FP8 ship it. Each quantized linear
+    weight is stored float8_e4m3fn beside its scale: with ``weight_block_size`` [bm, bn] (block FP8),
+    ``<name>.weight_scale_inv`` holds one scale per bm x bn block ([ceil(out / bm), ceil(in / bn)],
+    the last blocks partial); without, ``<name>.weight_scale`` one per tensor, and a static
+    activation scheme adds ``input_scale``. The weight is fp8 (as fp32) times its block's scale.
+    nanoserve dequantizes each weight as it is read and serves the model in its dtype
+    (Fp8Slice); which weights are quantized is read from the tensors' dtypes, so
+    ``modules_to_not_convert`` / ``ignored_layers`` (stored unquantized) need no list here."""
+    weight_block_size: tuple[int, int] | None  # None: per-tensor scales
+    activation_scheme: str                     # "dynamic", or "static" (input_scale: not applied here)
+
+    @property
+    def scale_suffix(self) -> str:
+        """A weight's scale is named the weight's name and this (``q_proj.weight`` -> ``q_proj.weight_scale_inv``)."""
+        return "_scale_inv" if self.weight_block_size else "_scale"
+
+    def describe(self) -> str:
+        block = self.weight_block_size
+        return (f"block FP8 ({block[0]}x{block[1]} blocks)" if block else "per-tensor FP8") + \
+            f", {self.activation_scheme} activation scheme"
+
+
+def fp8_config(quant: Any) -> Fp8Config | None:
+    """config.json's quantization_config: None (unquantized), an FP8 one, or a refusal that names the
+    method (else a GPTQ/AWQ/... checkpoint's packed tensors would fail as "unexpected tensors")."""
+    if not quant:
+        return None
+    quant = quant if isinstance(quant, dict) else {"quant_method": quant}
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise ModelLoadError(f"the checkpoint is quantized with quant_method {method!r}, which nanoserve does not "
+                             "serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) and "
+                             "FP8 ones (quant_method 'fp8', block or per-tensor)")
+    fmt, scheme = quant.get("fmt") or "e4m3", str(quant.get("activation_scheme") or "dynamic").lower()
+    block, scale_fmt = quant.get("weight_block_size"), quant.get("scale_fmt") or "float"
+    if fmt != "e4m3":
+        raise ModelLoadError(f"FP8 checkpoint with fmt {fmt!r} is not supported (nanoserve reads e4m3 weights)")
+    if scheme not in ("dynamic", "static"):
+        raise ModelLoadError(f"FP8 checkpoint with activation_scheme {scheme!r} is not supported (dynamic or static)")
+    if block is not None and (not isinstance(block, (list, tuple)) or len(block) != 2 or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in block)):
+        raise ModelLoadError(f"FP8 checkpoint's weight_block_size {block!r} must be two positive integers")
+    if (quant.get("expert_dtype") or "fp8") != "fp8":
+        raise ModelLoadError(f"FP8 checkpoint with expert_dtype {quant['expert_dtype']!r} is not supported "
+                             "(nanoserve reads fp8 experts)")
+    if scale_fmt not in ("float", "ue8m0"):
+        raise ModelLoadError(f"FP8 checkpoint with scale_fmt {scale_fmt!r} is not supported (float or ue8m0)")
+    kv = sorted(k for k, v in quant.items() if "kv_cache" in k and v)
+    if kv:  # the scales of an fp8 KV cache (vLLM's --kv-cache-dtype fp8), which nanoserve does not have
+        raise ModelLoadError(f"FP8 checkpoint with {', '.join(kv)} (an fp8 KV cache) is not supported: nanoserve "
+                             "dequantizes the weights only, and its KV cache has the model's dtype")
+    return Fp8Config(weight_block_size=tuple(block) if block is not None else None, activation_scheme=scheme)
 
 
 # num_experts and num_experts_per_tok where config.json leaves them out: each family's transformers config defaults
@@ -1672,34 +1728,160 @@ def checkpoint_files(path: Path) -> list[Path]:
 def load_weights(model: CausalLM, path: Path) -> int:
     """Copy every checkpoint tensor into its (possibly fused) parameter, each
     layer's ``weight_loader`` reading only this rank's slice; returns this rank's
-    weight bytes. Every parameter must be filled exactly once."""
+    weight bytes. Every parameter must be filled exactly once. An FP8 checkpoint's
+    weights are read dequantized (Fp8Slice), their scales consumed with them."""
     from safetensors import safe_open
 
     cfg = model.config
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     pending = _expected_shards(params, modules)
-    for file in checkpoint_files(path):
+    files = checkpoint_files(path)
+    scales = _fp8_scales(files, cfg.quantization) if cfg.quantization else {}
+    scale_names, dequantized, input_scales = set(scales), collections.Counter(), 0
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
+                if _KV_CACHE_SCALE.search(name):
+                    raise ModelLoadError(f"tensor {name!r} in {file.name} is an fp8 KV-cache scale, which nanoserve "
+                                         "does not serve (its KV cache has the model's dtype)")
+                if name in scale_names:
+                    continue  # read with its weight
+                if cfg.quantization and name.endswith(_ACTIVATION_SCALES):
+                    input_scales += 1  # a static activation scale: activations are not quantized here
+                    continue
+                loaded = f.get_slice(name)
+                if loaded.get_dtype().startswith("F8_"):
+                    loaded = _fp8_slice(name, loaded, scales, cfg.quantization, file)
                 target, shard = _target_param(name, cfg)
                 if target is None:
                     continue
                 if target not in params:
                     raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
+                if isinstance(loaded, Fp8Slice):
+                    loaded.dtype = params[target].dtype
+                    dequantized[loaded.dtype] += 1
                 loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", default_weight_loader)
                 try:
-                    loader(params[target], f.get_slice(name), shard)
+                    loader(params[target], loaded, shard)
                 except _ShapeMismatch as e:
                     raise ModelLoadError(f"tensor {name!r} has shape {e.actual}, expected "
                                          f"{e.expected} from config.json") from None
                 pending -= ({(target, s) for s in range(_num_shards(target, modules))} if shard is None
                             else {(target, shard)})
+    if scales:  # a scale whose weight is not in the checkpoint (or is not fp8)
+        raise ModelLoadError(f"unexpected tensor {next(iter(scales))!r}: a scale with no fp8 weight beside it")
     if pending:
         missing = _describe_missing(pending, modules)
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
+    if cfg.quantization:
+        _log_fp8(cfg.quantization, dequantized, input_scales)
     return sum(p.numel() * p.element_size() for p in params.values())
+
+
+# =========================================================================== FP8 checkpoints
+# Served as vLLM's "fp8" checkpoints, but dequantized at load: each fp8 weight times its scales
+# becomes a weight of the model's dtype, so every kernel, backend, TP split and LoRA path serves
+# it as it serves an unquantized model. The price: the memory of the bf16 model (about 2x the
+# checkpoint), and outputs that are the dequantized weights' (vLLM on a GPU with FP8 support
+# also quantizes the activations, per token: its tokens may differ slightly).
+
+# vLLM's fp8 KV-cache scales (k_proj.k_scale, self_attn.kv_scale, attn.q_scale ...), and a static
+# activation scheme's per-tensor input scales (vLLM's input_scale, transformers' activation_scale)
+_KV_CACHE_SCALE = re.compile(r"\.(k|v|kv|q|prob)_scale$")
+_ACTIVATION_SCALES = (".input_scale", ".activation_scale", "_activation_scale")
+
+
+def _fp8_scales(files: list[Path], quant: Fp8Config) -> dict[str, torch.Tensor]:
+    """Every weight scale of the checkpoint (``...weight_scale_inv``, or per tensor ``...weight_scale``),
+    by name: a scale may sit in another shard file than its weight. Small (one number a 128x128 block)."""
+    from safetensors import safe_open
+
+    scales = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(quant.scale_suffix) and not _KV_CACHE_SCALE.search(name) \
+                        and not name.endswith(_ACTIVATION_SCALES):
+                    scales[name] = f.get_tensor(name)
+    return scales
+
+
+def _fp8_slice(name: str, loaded, scales: dict[str, torch.Tensor], quant: Fp8Config | None,
+               file: Path) -> "Fp8Slice":
+    """An fp8 checkpoint tensor with its scale (taken out of ``scales``), read dequantized."""
+    if quant is None:
+        raise ModelLoadError(f"tensor {name!r} in {file.name} is {loaded.get_dtype()}, but config.json has no "
+                             "quantization_config to say how it is scaled")
+    scale_name = name + quant.scale_suffix
+    if scale_name not in scales:
+        raise ModelLoadError(f"fp8 tensor {name!r} in {file.name} has no scale {scale_name!r} beside it")
+    return Fp8Slice(name, loaded, scale_name, scales.pop(scale_name), quant.weight_block_size)
+
+
+class Fp8Slice:
+    """An fp8 checkpoint tensor read as its dequantized values, in ``dtype``: what a layer's
+    ``weight_loader`` takes in place of safetensors' slice (``get_shape``, and ``[key]``, which reads
+    only the rows or columns asked for). The slice is cut first, then each element multiplied by its
+    own block's scale, so a tensor-parallel rank's shard, even one that cuts through a block, holds
+    exactly its rows of the whole dequantized weight. Dequantized at most 256 rows at a time: no fp32
+    copy of a whole tensor. A weight of more than two dims (a stack of experts) has one grid of
+    blocks per matrix, its scale the same leading dims."""
+    ROWS_AT_A_TIME = 256
+
+    def __init__(self, name: str, loaded, scale_name: str, scale: torch.Tensor,
+                 block: tuple[int, int] | None, dtype: torch.dtype = torch.float32):
+        self.loaded, self.dtype, self.shape = loaded, dtype, tuple(loaded.get_shape())
+        if len(self.shape) < 2:
+            raise ModelLoadError(f"fp8 tensor {name!r} has shape {self.shape}: a quantized weight is a matrix")
+        if scale.dtype == torch.uint8:  # ue8m0 scales stored as bytes: each a power of two's exponent
+            scale = scale.view(torch.float8_e8m0fnu)
+        lead, (rows, cols) = self.shape[:-2], self.shape[-2:]
+        if block is None:  # per tensor: one block the whole matrix
+            if scale.numel() != 1:
+                raise ModelLoadError(f"tensor {scale_name!r} has shape {tuple(scale.shape)}, expected one "
+                                     "per-tensor scale (no weight_block_size in quantization_config)")
+            block, scale = (rows, cols), scale.reshape((1,) * len(self.shape)).expand(*lead, 1, 1)
+        grid = (*lead, -(-rows // block[0]), -(-cols // block[1]))
+        if tuple(scale.shape) != grid:
+            raise ModelLoadError(f"tensor {scale_name!r} has shape {tuple(scale.shape)}, expected {grid}: "
+                                 f"{name!r} {self.shape} in blocks of {block[0]}x{block[1]}")
+        self.scale, self.block = scale, block
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return self.loaded.get_dtype()
+
+    def __getitem__(self, key: tuple[slice, ...]) -> torch.Tensor:
+        key = tuple(key) + (slice(None),) * (len(self.shape) - len(key))
+        (r0, r1), (c0, c1) = (key[d].indices(self.shape[d])[:2] for d in (-2, -1))
+        bm, bn = self.block
+        q = self.loaded[key]
+        scale = self.scale[key[:-2]].float()  # [..., block rows, block cols] of the leading dims asked for
+        out = torch.empty(q.shape, dtype=self.dtype)
+        a = r0
+        while a < r1:  # a chunk of rows within one block row
+            b = min(r1, (a // bm + 1) * bm, a + self.ROWS_AT_A_TIME)
+            row_scale = scale[..., a // bm, c0 // bn:-(-c1 // bn)].repeat_interleave(bn, -1)
+            row_scale = row_scale[..., c0 % bn:c0 % bn + (c1 - c0)]
+            out[..., a - r0:b - r0, :] = q[..., a - r0:b - r0, :].float() * row_scale.unsqueeze(-2)
+            a = b
+        return out
+
+
+def _log_fp8(quant: Fp8Config, dequantized: collections.Counter, input_scales: int) -> None:
+    dtype = max(dequantized, key=dequantized.get) if dequantized else torch.bfloat16
+    name = str(dtype).replace("torch.", "")
+    logger.info("[model] FP8 checkpoint (%s): %d fp8 weights dequantized to %s as they were loaded. The weights "
+                "are held dequantized: the memory is the %s model's (about %dx the checkpoint's), and the outputs "
+                "are the dequantized weights' (vLLM on a GPU with FP8 support computes W8A8, the activations "
+                "quantized per token, so its tokens may differ slightly)%s", quant.describe(),
+                sum(dequantized.values()), name, name, dtype.itemsize,
+                f"; {input_scales} static input scales not applied (activations are not quantized)"
+                if input_scales else "")
 
 
 def _describe_missing(pending: set[tuple[str, int]], modules: dict[str, nn.Module]) -> list[str]:

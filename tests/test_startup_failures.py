@@ -84,12 +84,14 @@ def test_more_memory_than_the_machine_has(tiny_model):
 
 
 def test_a_quantized_checkpoint_is_refused_by_name(tiny_model, tmp_path):
-    """Not "unexpected tensor ...weight_scale" from deep in the loader: its config says what it is."""
-    model = tmp_path / "fp8-ish"
+    """Not "unexpected tensor ...qweight" from deep in the loader: its config says what it is. (FP8, which
+    nanoserve serves dequantized: tests/test_fp8.py.)"""
+    model = tmp_path / "gptq-ish"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
     (model / "config.json").write_text(json.dumps(config))
     err = run_cli("--model", str(model), "--port", "0")
-    assert err == (f"error: cannot serve {model}: the checkpoint is quantized (quant_method 'fp8'); nanoserve "
-                   "serves unquantized checkpoints only (bf16, fp16 or fp32 safetensors)")
+    assert err == (f"error: cannot serve {model}: the checkpoint is quantized with quant_method 'gptq', which "
+                   "nanoserve does not serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) "
+                   "and FP8 ones (quant_method 'fp8', block or per-tensor)")
