@@ -326,7 +326,7 @@ def test_uvicorn_trace_level():
 
 # =========================================================================== flags taken without effect, or refused
 
-TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked-prefill"],
+TAKEN = [["--quantization", "fp8"], ["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked-prefill"],
          ["--optimization-level", "3"], ["--no-enable-chunked-prefill"], ["--kv-cache-dtype", "auto"],
          ["--load-format", "safetensors"],
          ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"], ["--disable-custom-all-reduce"],
@@ -340,7 +340,7 @@ TAKEN = [["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked
          ["--task", "generate"], ["--no-fully-sharded-loras"],
          ["--lora-dtype", "auto"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
-           ["-q", "fp8"], ["--load-format", "pt"], ["-pp", "2"],
+           ["-q", "gptq"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--response-role", "bot"], ["-dp", "2"],
            ["--api-server-count", "4"], ["--logprobs-mode", "processed_logprobs"],
@@ -668,7 +668,7 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
 
 
 @pytest.mark.parametrize("kwargs, why", [
-    ({"quantization": "awq"}, "quantization='awq' is not supported: nanoserve serves unquantized"),
+    ({"quantization": "awq"}, "quantization='awq' is not supported: nanoserve reads an FP8 checkpoint's"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported: the KV cache has the model's dtype"),
     ({"load_format": "pt"}, "load_format='pt' is not supported: "),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported: nanoserve has no pipeline"),
