@@ -140,7 +140,7 @@ def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, qu
     reference itself, by that name (_pick_attention)."""
     if logits_soft_cap is not None:
         raise ValueError("the compiled decode attention does not soft-cap attention scores (Gemma 2)")
-    if not kernels.window_masks(seq_lens, sliding_window) and cpu_kernels.is_decode_only(query_start_loc):
+    if not cpu_kernels.window_masks(seq_lens, sliding_window) and cpu_kernels.is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out

@@ -168,12 +168,6 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
     return out
 
 
-def window_masks(seq_lens: torch.Tensor, sliding_window: int | None) -> bool:
-    """Whether a step's sliding window hides a key from some query: a sequence is longer than it
-    (kernels without a window run the step through paged_attention_torch then). Reads seq_lens on the host."""
-    return sliding_window is not None and int(seq_lens.max()) > sliding_window
-
-
 def first_window_block(first_query: int, sliding_window: int | None, block_size: int) -> int:
     """The first block a window reads from a query at ``first_query`` on (0 without a window): those
     before hold keys no query sees, and may have gone back to the pool (kvcache's null block)."""
