@@ -779,7 +779,9 @@ class GemmaRMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """nn.Linear without the random init (the checkpoint overwrites it anyway,
-    and initialising 0.6B parameters costs seconds on a CPU)."""
+    and initialising 0.6B parameters costs seconds on a CPU). A backend's prepare_model may
+    replace it after loading (the CPU's, by a layer holding the weight packed or in fp32:
+    cpu_backend.pack_linear_weights)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -1399,7 +1401,8 @@ class FusedMoE(nn.Module):
     parallelism every rank holds every expert, its slice of each one's intermediate dim I (the
     gate and up rows, down's columns: Megatron's split of each expert's MLP), and one all-reduce
     sums the ranks' partial outputs, as RowParallelLinear's (``reduce_results`` False: the
-    caller's). The backend's fused_moe runs them."""
+    caller's). The backend's fused_moe runs them; a backend's prepare_model may replace the
+    layer after loading (the CPU's, by one holding the weights packed or in fp32: cpu_backend.prepare_model)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend, tp: TPGroup,
                  reduce_results: bool = True):
