@@ -2020,7 +2020,8 @@ def check_lora_supported(cfg: ModelConfig) -> None:
 
 def lora_dtype(model: CausalLM) -> torch.dtype:
     """Adapters run in the model's dtype, but on a CPU in fp32: there a bf16 matmul outside the packed
-    kernels is 4-9x slower at LoRA's shapes (without bf16 instructions: RESULTS.md), and fp32 is the more exact."""
+    kernels is much slower at LoRA's shapes without bf16 instructions (RESULTS.md, "What a LoRA adapter
+    costs"), and fp32 is the more exact."""
     weight = model.model.embed_tokens.weight  # the model's dtype (Gemma's norms are fp32)
     return torch.float32 if weight.device.type == "cpu" else weight.dtype
 
