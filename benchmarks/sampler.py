@@ -7,7 +7,9 @@ tokens a row's nucleus holds and the benchmark models' random weights give flat 
 - peaked: a language model's look, a few hundred likely tokens of falling (Zipf-like)
   logits over a long flat tail;
 - flat: a random-weight model's rows, where the nucleus takes most of the vocabulary.
-bf16 logits, as a bf16 model's head gives them. Prints the median of --repeat calls in ms.
+bf16 logits, as a bf16 model's head gives them. The Sampler takes the CPU backend's top-k/top-p
+(cpu_backend.top_k_top_p_by_candidates), as the engine's does on a CPU; --reference: model.py's.
+Prints the median of --repeat calls in ms.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
+from nanoserve import cpu_backend, kernels
 from nanoserve.model import SampleRequest, Sampler
 
 BASE = dict(temperature=0.7, top_p=1.0, top_k=0, min_p=0.0, seed=None, presence_penalty=0.0,
@@ -60,8 +63,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--reference", action="store_true", help="the reference top-k/top-p (it sorts top-p rows)")
     args = ap.parse_args()
-    sampler = Sampler()
+    top_k_top_p = kernels.top_k_top_p_reference if args.reference else cpu_backend.top_k_top_p_by_candidates
+    sampler = Sampler(top_k_top_p=top_k_top_p)
     print(f"{args.rows} rows x {args.vocab} vocabulary, {torch.get_num_threads()} threads, median of {args.repeat}")
     for shape in ("peaked", "flat"):
         logits = logits_of(shape, args.rows, args.vocab)

@@ -88,7 +88,7 @@ def run_model(args, root: Path):
     assert backend.paged_attention is cpu_kernels.paged_attention, backend.name
 
     def old_dispatch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None):
-        if kernels.window_masks(seq_lens, sliding_window) and not cpu_kernels.is_decode_only(query_start_loc):
+        if cpu_kernels.window_masks(seq_lens, sliding_window) and not cpu_kernels.is_decode_only(query_start_loc):
             return kernels.paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                  scale, sliding_window)
         return cpu_kernels.paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,

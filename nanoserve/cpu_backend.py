@@ -14,6 +14,8 @@ here is needed to follow a request. Per op, in order of preference:
   every start-up), else inductor-fused copies (steps of 256+ tokens), else eager;
   Gemma's GELU-and-mul: the C kernel (the same check), else eager; Gemma's RMSNorm: eager;
 * greedy argmax: the C kernel over bf16 logits, else torch's;
+* top-k/top-p: most top-p rows decided from their largest logits, without the reference's sort
+  (``top_k_top_p_by_candidates``; the same masks, also under --enforce-eager);
 * a mixture-of-experts layer's experts: ``fused_moe_cpu``, the reference's result bit for
   bit in fewer, larger ops (the reference's under --enforce-eager), unless ``prepare_model``
   replaced them (below).
@@ -51,7 +53,8 @@ from torch import nn
 from nanoserve import cpu_kernels, kernels
 from nanoserve.kernels import Backend
 from nanoserve.kvcache import available_cpu_memory
-from nanoserve.model import first_line  # no cycle: model imports this file only inside functions
+# no cycle: model imports this file only inside functions
+from nanoserve.model import TOP_K_WITHOUT_SORT, apply_top_k_top_p, first_line, to_device, top_k_top_p_thresholds
 
 logger = logging.getLogger("nanoserve.model")
 
@@ -68,10 +71,12 @@ WIDENED_MAX_ROWS = 16
 
 def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: bool = False) -> Backend:
     """``cfg`` is the model's ``ModelConfig`` (heads, sizes: the shapes to build
-    and check for); ``enforce_eager``: the torch references, nothing built."""
+    and check for); ``enforce_eager``: the torch references, nothing built (but top-p by candidates
+    and the weights packed, where they can be: the references' results in eager torch)."""
     if enforce_eager:
         packs = can_pack_linear_weights(dtype, torch.device("cpu"))
-        return dataclasses.replace(kernels.TORCH, prepare_model=pack_model) if packs else kernels.TORCH
+        return dataclasses.replace(kernels.TORCH, prepare_model=pack_model if packs else kernels.weights_as_loaded,
+                                   top_k_top_p=top_k_top_p_by_candidates)
     attention, store, attend = _pick_attention(cfg, dtype, block_size)
     elementwise, (rms_norm, rotary, silu_and_mul) = _pick_elementwise(cfg, dtype)
     gelu_tanh_and_mul = _pick_gelu_tanh_and_mul(cfg, dtype)
@@ -79,7 +84,7 @@ def build_cpu_backend(cfg, dtype: torch.dtype, block_size: int, enforce_eager: b
     name = f"cpu (attention: {attention}, elementwise ops: {elementwise}, argmax: {argmax_name})"
     return Backend(name, store, attend, rms_norm, kernels.add_rms_norm(rms_norm), rotary, silu_and_mul,
                    gelu_tanh_and_mul, kernels.gemma_rms_norm_torch, kernels.add_rms_norm(kernels.gemma_rms_norm_torch),
-                   argmax, fused_moe_cpu, prepare_model)
+                   argmax, fused_moe_cpu, prepare_model, top_k_top_p=top_k_top_p_by_candidates)
 
 
 def _first_that_works(what: str, candidates, fallback):
@@ -135,7 +140,7 @@ def paged_attention_compiled(query, k_cache, v_cache, block_tables, seq_lens, qu
     reference itself, by that name (_pick_attention)."""
     if logits_soft_cap is not None:
         raise ValueError("the compiled decode attention does not soft-cap attention scores (Gemma 2)")
-    if not kernels.window_masks(seq_lens, sliding_window) and cpu_kernels.is_decode_only(query_start_loc):
+    if not cpu_kernels.window_masks(seq_lens, sliding_window) and cpu_kernels.is_decode_only(query_start_loc):
         out = _run_compiled_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
         if out is not None:
             return out
@@ -335,6 +340,57 @@ def _pick_argmax(dtype):
     if dtype != torch.bfloat16:
         return "torch", kernels.argmax_torch
     return _first_that_works("argmax", [("c", c)], ("torch", kernels.argmax_torch))
+
+
+# --------------------------------------------------------------------------- top-k/top-p
+
+def top_k_top_p_by_candidates(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """model.apply_top_k_top_p's masks, bit for bit, with most top-p rows decided without a sort:
+    a large vocabulary's sort is many times slower than its topk on the CPU (RESULTS.md, "top-p
+    from the largest logits"). Each row's nucleus is read from its TOP_K_WITHOUT_SORT largest
+    logits and, without top-k, the row's log-normalizer over the whole vocabulary; a row they
+    cannot decide (its nucleus, or the ties of its k-th logit, run past them; or its k does) is
+    sorted, as the reference sorts it. Top-k alone is the reference's already (topk)."""
+    if all(p >= 1.0 for p in top_p):
+        return apply_top_k_top_p(logits, top_k, top_p)
+    V, dev = logits.shape[-1], logits.device
+    top_k = [k if 0 < k < V else 0 for k in top_k]
+    K = min(V, TOP_K_WITHOUT_SORT)
+    # every row takes K candidates, whatever its k: which rows a batch holds must not change a
+    # row's candidates (seeded rows are batch-invariant)
+    candidates = logits.topk(K, dim=-1).values
+    # a row without top-k needs its whole vocabulary's normalizer, which its candidates do not give
+    row_lse = logits.logsumexp(dim=-1, keepdim=True) if K < V else None
+    threshold, undecided = _candidate_thresholds(candidates, top_k, top_p, row_lse)
+    sort = sorted({i for i, k in enumerate(top_k) if k > K} | set(undecided.nonzero().flatten().tolist()))
+    if sort:
+        rows = to_device(sort, dev)
+        some = logits if len(sort) == len(top_k) else logits[rows]  # all rows: no copy
+        whole = some.sort(dim=-1, descending=True).values
+        threshold[rows] = top_k_top_p_thresholds(whole, [top_k[i] for i in sort], [top_p[i] for i in sort])
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _candidate_thresholds(largest: torch.Tensor, top_k: list[int], top_p: list[float],
+                          row_lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """model.top_k_top_p_thresholds from each row's largest logits (descending) and ``row_lse``
+    (None: the candidates are the whole row), and whether the candidates were too few to
+    decide a top-p row. (A row whose k is past them is given a wrong threshold: it is sorted.)"""
+    dev, K = largest.device, largest.shape[-1]
+    k = to_device(top_k, dev)[:, None]
+    kth = largest.gather(1, (k - 1).clamp(0, K - 1)).masked_fill(k == 0, float("-inf"))
+    p = to_device(top_p, dev, largest.dtype)[:, None]
+    if any(top_k):
+        largest = largest.masked_fill(largest < kth, float("-inf"))
+    probs = largest.softmax(dim=-1)  # over a row's top-k: all among the candidates unless undecided
+    if row_lse is not None:
+        probs = torch.where(k > 0, probs, (largest - row_lse).exp())
+    n = torch.searchsorted(probs.cumsum(dim=-1), p) + 1
+    least = largest.gather(1, n.clamp(max=K) - 1).masked_fill(p >= 1.0, float("-inf"))
+    undecided = torch.zeros(len(top_k), dtype=torch.bool, device=dev)
+    if row_lse is not None:  # a top-k row's k-th logit tied to the last candidate, or a nucleus past them
+        undecided = (torch.where(k > 0, largest[:, -1:] >= kth, n > K) & (p < 1.0)).squeeze(1)
+    return torch.maximum(kth, least), undecided
 
 
 # --------------------------------------------------------------------------- model and process

@@ -37,8 +37,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanoserve import kernels
-
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 # Cascade attention pays where many sequences share a long prefix; with few
@@ -138,6 +136,12 @@ def _check_attention_inputs(query, k_cache, v_cache) -> None:
         raise ValueError("the C attention kernels need contiguous caches")
 
 
+def window_masks(seq_lens: torch.Tensor, sliding_window: int | None) -> bool:
+    """Whether a step's sliding window hides a key from some query: a sequence is longer than it
+    (kernels without a window run the step through paged_attention_torch then). Reads seq_lens on the host."""
+    return sliding_window is not None and int(seq_lens.max()) > sliding_window
+
+
 def is_decode_only(query_start_loc: torch.Tensor) -> bool:
     """Every sequence of the step has exactly one query token (its next decode)."""
     return torch.equal(query_start_loc, torch.arange(query_start_loc.shape[0], dtype=query_start_loc.dtype,
@@ -152,7 +156,7 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
     No soft cap (Gemma 2's): cpu_backend._pick_attention gives a soft-capped model the reference."""
     if logits_soft_cap is not None:
         raise ValueError("the C attention kernels do not soft-cap attention scores (Gemma 2)")
-    window = sliding_window if kernels.window_masks(seq_lens, sliding_window) else None
+    window = sliding_window if window_masks(seq_lens, sliding_window) else None
     _check_attention_inputs(query, k_cache, v_cache)
     query = query.contiguous()  # the kernels index rows directly
     num_seqs = seq_lens.shape[0]

@@ -14,7 +14,8 @@ last resort, and where it pays as a Triton kernel:
 * ``rms_norm``, ``rotary``, ``silu_and_mul``, and Gemma's ``gelu_tanh_and_mul`` and
   ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch
   references and Triton kernels; the CPU's live behind the seam);
-* ``argmax``: greedy sampling;
+* ``argmax``: greedy sampling; ``top_k_top_p``: the sampler's top-k/top-p mask (its reference is
+  model.py's ``apply_top_k_top_p``, beside the rest of the sampler);
 * ``fused_moe``: a mixture-of-experts MLP after routing, as one grouped GEMM per
   projection over the tokens sorted by expert (vLLM's fused_moe; Triton's is capture-safe).
 
@@ -63,6 +64,12 @@ def no_moe_to_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
     """The references' ``warm_up_moe``: nothing to compile either."""
 
 
+def top_k_top_p_reference(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The references' ``top_k_top_p``: the sampler's own, which sorts each top-p row."""
+    from nanoserve.model import apply_top_k_top_p  # read with the Sampler; model.py imports this file
+    return apply_top_k_top_p(logits, top_k, top_p)
+
+
 @dataclass(frozen=True)
 class Backend:
     """One implementation of every op a model step calls, and what it needs of
@@ -83,6 +90,8 @@ class Backend:
     gemma_rms_norm(x [..., n], weight [n] fp32, eps) -> Gemma's: x / rms(x) * weight in fp32, rounded once
     gemma_fused_add_rms_norm(x, residual, weight, eps) -> (gemma_rms_norm(x + residual), x + residual)
     argmax(logits [rows, vocab]) -> int64 [rows]
+    top_k_top_p(logits [rows, vocab] fp32, top_k: list[int], top_p: list[float]) -> the logits with
+      each row's tokens outside its top-k and top-p set to -inf (model.apply_top_k_top_p's masks, bit for bit)
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k])
       -> [T, H]: a mixture-of-experts MLP once the router has chosen (vLLM's fused_experts);
       capture-safe in TRITON (ids are not range-checked: that would sync)
@@ -111,6 +120,7 @@ class Backend:
     prepare_model: Callable[[torch.nn.Module], int] = weights_as_loaded
     warm_up: Callable[..., None] = nothing_to_compile
     warm_up_moe: Callable[..., None] = no_moe_to_compile
+    top_k_top_p: Callable[..., torch.Tensor] = top_k_top_p_reference
     capture_safe: bool = False
 
 
@@ -156,12 +166,6 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
             out[chunk] = chunk_attention_torch(query[chunk], k_cache, v_cache, block_tables[i],
                                                lens[i], scale, sliding_window, logits_soft_cap)
     return out
-
-
-def window_masks(seq_lens: torch.Tensor, sliding_window: int | None) -> bool:
-    """Whether a step's sliding window hides a key from some query: a sequence is longer than it
-    (kernels without a window run the step through paged_attention_torch then). Reads seq_lens on the host."""
-    return sliding_window is not None and int(seq_lens.max()) > sliding_window
 
 
 def first_window_block(first_query: int, sliding_window: int | None, block_size: int) -> int:

@@ -835,7 +835,9 @@ class GemmaRMSNorm(nn.Module):
 
 class Linear(nn.Module):
     """nn.Linear without the random init (the checkpoint overwrites it anyway,
-    and initialising 0.6B parameters costs seconds on a CPU)."""
+    and initialising 0.6B parameters costs seconds on a CPU). A backend's prepare_model may
+    replace it after loading (the CPU's, by a layer holding the weight packed or in fp32:
+    cpu_backend.pack_linear_weights)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -1455,7 +1457,8 @@ class FusedMoE(nn.Module):
     parallelism every rank holds every expert, its slice of each one's intermediate dim I (the
     gate and up rows, down's columns: Megatron's split of each expert's MLP), and one all-reduce
     sums the ranks' partial outputs, as RowParallelLinear's (``reduce_results`` False: the
-    caller's). The backend's fused_moe runs them."""
+    caller's). The backend's fused_moe runs them; a backend's prepare_model may replace the
+    layer after loading (the CPU's, by one holding the weights packed or in fp32: cpu_backend.prepare_model)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend, tp: TPGroup,
                  reduce_results: bool = True):
@@ -2199,7 +2202,8 @@ def check_lora_supported(cfg: ModelConfig) -> None:
 
 def lora_dtype(model: CausalLM) -> torch.dtype:
     """Adapters run in the model's dtype, but on a CPU in fp32: there a bf16 matmul outside the packed
-    kernels is 4-9x slower at LoRA's shapes (without bf16 instructions: RESULTS.md), and fp32 is the more exact."""
+    kernels is much slower at LoRA's shapes without bf16 instructions (RESULTS.md, "What a LoRA adapter
+    costs"), and fp32 is the more exact."""
     weight = model.model.embed_tokens.weight  # the model's dtype (Gemma's norms are fp32)
     return torch.float32 if weight.device.type == "cpu" else weight.dtype
 
@@ -2682,10 +2686,12 @@ class Sampler:
     on the device, and only the sampled ids (and requested logprobs) come back,
     in one copy. Logprobs come from the raw logits."""
 
-    def __init__(self, seed: int = 0, argmax=kernels.argmax_torch, logits_processors: list[LogitsProcessor] = ()):
+    def __init__(self, seed: int = 0, argmax=kernels.argmax_torch, logits_processors: list[LogitsProcessor] = (),
+                 top_k_top_p=kernels.top_k_top_p_reference):
         self.seed = seed
         self.generators: dict[torch.device, torch.Generator] = {}  # unseeded rows' draws, per device
         self.argmax = argmax  # the backend's: greedy rows' argmax of the model's own logits
+        self.top_k_top_p = top_k_top_p  # the backend's: apply_top_k_top_p's masks
         self.custom = LogitsProcessorBatch(list(logits_processors)) if logits_processors else None
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRequest]) -> list[SampleResult]:
@@ -2824,7 +2830,7 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if self.custom is not None:
             logits = self.custom.apply(self.custom.after, logits)
-        logits = apply_top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
+        logits = self.top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
         sampled = self._draw(logits.softmax(dim=-1), self._uniforms(rows, dev))
         return torch.where(to_device(greedy, dev), argmax, sampled)
 
@@ -2903,9 +2909,8 @@ def _has_penalties(ps: list) -> bool:
                for p in ps)
 
 
-# Each row's this many largest logits decide its top-k (k up to this) and, on the CPU, its top-p
-# nucleus unless the nucleus runs past them: a 152k vocabulary's sort takes ~12x as long as its
-# topk there (RESULTS.md, "non-greedy sampling"). A row the candidates cannot decide is sorted.
+# Top-k up to this many takes each row's k-th largest logit from topk; a row with a larger k is
+# sorted, as a top-p row is.
 TOP_K_WITHOUT_SORT = 1024
 
 
@@ -2913,57 +2918,41 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     """Mask each row's logits below its threshold: its k-th largest logit (top-k), raised to the
     least logit of its top-p nucleus (the most likely tokens until their probability, after
     top-k, reaches top_p; at least one). Ties of a threshold are all kept: the set does not
-    depend on how a sort orders equal logits."""
+    depend on how a sort orders equal logits. The reference (Backend.top_k_top_p's): top-p
+    rows are sorted; a backend may decide them otherwise, with the same masks."""
     V, dev = logits.shape[-1], logits.device
     top_k = [k if 0 < k < V else 0 for k in top_k]
     if not any(top_k) and all(p >= 1.0 for p in top_p):
         return logits
     K = min(V, TOP_K_WITHOUT_SORT)
-    # On CUDA a sort is cheap, and asking which rows need one would wait for the GPU every step:
-    # there the candidates decide top-k only, and every top-p row is sorted.
-    p_by_candidates = not logits.is_cuda and any(p < 1.0 for p in top_p)
-    # top-k alone needs only each row's k largest; which rows a batch holds must not change a row's
-    # candidates (seeded rows are batch-invariant), so a batch with top-p takes K for every row
-    candidates = logits.topk(K if p_by_candidates else max(1, min(K, max(top_k))), dim=-1).values
-    # a row without top-k needs its whole vocabulary's normalizer, which its candidates do not give
-    row_lse = logits.logsumexp(dim=-1, keepdim=True) if K < V and p_by_candidates else None
-    threshold, undecided = _thresholds(candidates, top_k, top_p, row_lse)
-    sort = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k > K or (p < 1.0 and not p_by_candidates)]
-    if p_by_candidates:
-        sort = sorted(set(sort) | set(undecided.nonzero().flatten().tolist()))
+    # top-k alone needs only each row's k largest
+    candidates = logits.topk(max(1, min(K, max(top_k))), dim=-1).values
+    threshold = top_k_top_p_thresholds(candidates, top_k, [1.0] * len(top_k))
+    sort = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k > K or p < 1.0]
     if sort:
         rows = to_device(sort, dev)
         some = logits if len(sort) == len(top_k) else logits[rows]  # all rows: no copy
         whole = some.sort(dim=-1, descending=True).values
-        threshold[rows] = _thresholds(whole, [top_k[i] for i in sort], [top_p[i] for i in sort])[0]
+        threshold[rows] = top_k_top_p_thresholds(whole, [top_k[i] for i in sort], [top_p[i] for i in sort])
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 
-def _thresholds(largest: torch.Tensor, top_k: list[int], top_p: list[float],
-                row_lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's threshold from its largest logits, descending: the whole row sorted, or its
-    first candidates with ``row_lse``, each row's log-normalizer over the whole vocabulary.
-    And whether the candidates were too few to decide a row: its nucleus, or the ties of
-    its k-th logit, may run past them."""
+def top_k_top_p_thresholds(largest: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Each row's threshold from its largest logits, descending (the whole row sorted where it
+    has top-p). A row whose k is past them is given a wrong one: its caller sorts it."""
     dev, K = largest.device, largest.shape[-1]
     k = to_device(top_k, dev)[:, None]
-    kth = largest.gather(1, (k - 1).clamp(0, K - 1))  # a row whose k is past K is sorted instead
-    kth = kth.masked_fill(k == 0, float("-inf"))
-    undecided = torch.zeros(len(top_k), dtype=torch.bool, device=dev)
+    kth = largest.gather(1, (k - 1).clamp(0, K - 1)).masked_fill(k == 0, float("-inf"))
     if all(p >= 1.0 for p in top_p):
-        return kth, undecided
+        return kth
     p = to_device(top_p, dev, largest.dtype)[:, None]
     if any(top_k):
         largest = largest.masked_fill(largest < kth, float("-inf"))
-    probs = largest.softmax(dim=-1)  # over the row's top-k, or its whole vocabulary when sorted
-    if row_lse is not None:
-        probs = torch.where(k > 0, probs, (largest - row_lse).exp())
+    probs = largest.softmax(dim=-1)
     # the nucleus: the tokens before the first whose running sum reaches top_p, and that one
     n = torch.searchsorted(probs.cumsum(dim=-1), p) + 1
     least = largest.gather(1, n.clamp(max=K) - 1).masked_fill(p >= 1.0, float("-inf"))
-    if row_lse is not None:
-        undecided = (torch.where(k > 0, largest[:, -1:] >= kth, n > K) & (p < 1.0)).squeeze(1)
-    return torch.maximum(kth, least), undecided
+    return torch.maximum(kth, least)
 
 
 # =========================================================================== the runner
@@ -3212,7 +3201,7 @@ class ModelRunner:
         self.device = device
         self.tp = model.tp
         self.num_steps = 0  # under tensor parallelism: the step messages' numbers
-        self.sampler = Sampler(seed, backend.argmax, logits_processors)
+        self.sampler = Sampler(seed, backend.argmax, logits_processors, backend.top_k_top_p)
         # the adapters and their slots, where wrap_lora_layers has wrapped the model's layers
         self.lora = None if lora_layer(model) is None else LoRASlots(model)
         self.lora_keep: list[int] = []  # the next step's adapters (reload_loras', or the engine's: none to reload)

@@ -84,7 +84,8 @@ def test_fp32_cpu_compiles_decode_attention_unless_enforce_eager(model):
     b = compiled.engine.backend
     assert b.paged_attention is cpu_backend.paged_attention_compiled
     assert b.rms_norm is kernels.rms_norm_torch and b.argmax is kernels.argmax_torch  # fp32: the references
-    assert eager.engine.backend is kernels.TORCH
+    # the references, but top-p decided by candidates (the same masks) and, in fp32, the weights as loaded
+    assert eager.engine.backend == dataclasses.replace(kernels.TORCH, top_k_top_p=cpu_backend.top_k_top_p_by_candidates)
     assert tokens(compiled) == tokens(eager)
 
 

@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, hf_model
-from nanoserve import LLM, SamplingParams, StructuredOutputsParams, kernels
+from nanoserve import LLM, SamplingParams, StructuredOutputsParams, cpu_backend, kernels
 from nanoserve.engine import Request
-from nanoserve.model import NO_TOKEN, SampleRequest, Sampler, apply_top_k_top_p
+from nanoserve.model import NO_TOKEN, TOP_K_WITHOUT_SORT, SampleRequest, Sampler, apply_top_k_top_p
 
 try:
     from scipy.stats import chi2 as _scipy_chi2
@@ -273,6 +273,8 @@ def test_min_tokens_bans_eos_and_stop_ids_like_transformers(ignore_eos):
 # =========================================================================== top-k, top-p, min-p
 
 TOPKP = [(0, 1.0), (1, 1.0), (5, 1.0), (0, 0.5), (10, 0.8), (100, 0.9), (3, 0.05), (7, 0.999)]
+# Backend.top_k_top_p: the reference (it sorts each top-p row) and the CPU backend's (candidates)
+TOP_K_TOP_P = {"reference": apply_top_k_top_p, "cpu": cpu_backend.top_k_top_p_by_candidates}
 
 
 def _hf_top_k_top_p(x: torch.Tensor, k: int, p: float) -> torch.Tensor:
@@ -285,19 +287,20 @@ def _hf_top_k_top_p(x: torch.Tensor, k: int, p: float) -> torch.Tensor:
     return x[0]
 
 
+@pytest.mark.parametrize("impl", TOP_K_TOP_P)
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("top_k", [[0, 1, 5, 49, 50, 500, -1, 3], [3, 1500, 0, 7]], ids=["topk", "sorted"])
-def test_top_k_alone_matches_transformers(ties, top_k):
+def test_top_k_alone_matches_transformers(ties, top_k, impl):
     """Top-k without top-p takes each row's k-th largest from topk, not a sort of the vocabulary
     (up to model.TOP_K_WITHOUT_SORT; the second set is past it): the same tokens kept."""
-    from nanoserve.model import TOP_K_WITHOUT_SORT
+    top_k_top_p = TOP_K_TOP_P[impl]
     V = 2000
     logits = rand_logits(len(top_k), V, seed=3)
     if ties:
         logits = logits.round()
     logits[1, :100] = float("-inf")  # a row with top-k and tokens banned already
     assert (max(top_k) <= TOP_K_WITHOUT_SORT) == (top_k[1] == 1)
-    got = apply_top_k_top_p(logits.clone(), top_k, [1.0] * len(top_k))
+    got = top_k_top_p(logits.clone(), top_k, [1.0] * len(top_k))
     for i, k in enumerate(top_k):
         want = _hf_top_k_top_p(logits[i], k if 0 < k < V else 0, 1.0)
         assert finite_set(got[i]) == finite_set(want), k
@@ -312,13 +315,15 @@ def _with_ties(x: torch.Tensor, kept: set[int]) -> set[int]:
     return set((x >= least).nonzero().flatten().tolist())
 
 
+@pytest.mark.parametrize("impl", TOP_K_TOP_P)
 @pytest.mark.parametrize("ties", [False, True])
-def test_top_k_top_p_match_transformers(ties):
+def test_top_k_top_p_match_transformers(ties, impl):
+    top_k_top_p = TOP_K_TOP_P[impl]
     V = 50
     logits = rand_logits(len(TOPKP), V, seed=7)
     if ties:  # many equal logits: the k-th value's ties are all kept, as transformers
         logits = logits.round()
-    got = apply_top_k_top_p(logits.clone(), [k for k, _ in TOPKP], [p for _, p in TOPKP])
+    got = top_k_top_p(logits.clone(), [k for k, _ in TOPKP], [p for _, p in TOPKP])
     for i, (k, p) in enumerate(TOPKP):
         want = _hf_top_k_top_p(logits[i], k, p)
         assert finite_set(got[i]) == _with_ties(logits[i], finite_set(want)), (k, p)
@@ -338,11 +343,10 @@ def _peaked(rows: int, V: int, seed: int) -> torch.Tensor:
 
 
 def test_top_p_candidates_decide_or_the_row_is_sorted(monkeypatch):
-    """Past model.TOP_K_WITHOUT_SORT tokens, a row's nucleus comes from its largest logits
-    (topk) when it ends among them, else from a sort of the row: either way the set
+    """The CPU's top_k_top_p: past TOP_K_WITHOUT_SORT tokens, a row's nucleus comes from its largest
+    logits (topk) when it ends among them, else from a sort of the row: either way the set
     transformers keeps. Checked with the sort spied on, so that both paths are known to run."""
-    import nanoserve.model as model_mod
-    V = 3 * model_mod.TOP_K_WITHOUT_SORT
+    V = 3 * TOP_K_WITHOUT_SORT
     flat = rand_logits(4, V, seed=11, scale=0.5)  # the nucleus runs past the candidates
     logits = torch.cat([_peaked(4, V, seed=12), flat])
     top_k = [0, 20, 0, 2000, 0, 0, 30, 0]
@@ -354,43 +358,78 @@ def test_top_p_candidates_decide_or_the_row_is_sorted(monkeypatch):
         sorted_rows.extend(int((logits == row).all(dim=-1).nonzero()) for row in x)
         return real_sort(x, *a, **kw)
     monkeypatch.setattr(torch.Tensor, "sort", spy)
-    got = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    got = cpu_backend.top_k_top_p_by_candidates(logits.clone(), top_k, top_p)
     # row 3's k is past TOP_K_WITHOUT_SORT; row 4's nucleus (top-p alone over a flat row) runs past
     # the candidates, row 5's small one does not; rows 1 and 6 have their top-k; row 7 neither
     assert sorted_rows == [3, 4]
     for i, (k, p) in enumerate(zip(top_k, top_p)):
         want = finite_set(_hf_top_k_top_p(logits[i], k, p))
         assert finite_set(got[i]) == want, i
-    assert 1 < len(finite_set(got[0])) < 40 and len(finite_set(got[4])) > model_mod.TOP_K_WITHOUT_SORT
-    assert 100 < len(finite_set(got[5])) < model_mod.TOP_K_WITHOUT_SORT and finite_set(got[7]) == set(range(V))
+    assert 1 < len(finite_set(got[0])) < 40 and len(finite_set(got[4])) > TOP_K_WITHOUT_SORT
+    assert 100 < len(finite_set(got[5])) < TOP_K_WITHOUT_SORT and finite_set(got[7]) == set(range(V))
 
 
-def test_top_k_ties_past_the_candidates_are_sorted():
+@pytest.mark.parametrize("impl", TOP_K_TOP_P)
+def test_top_k_ties_past_the_candidates_are_sorted(impl):
     """A top-p row whose k-th logit has ties past the candidates: its top-k probabilities
     need them all, so the row is sorted. Here the candidates alone would give the largest
     token 0.00265 of the mass and keep it alone; the whole row gives it 0.00241 < top_p."""
-    from nanoserve.model import TOP_K_WITHOUT_SORT
+    top_k_top_p = TOP_K_TOP_P[impl]
     V = 2 * TOP_K_WITHOUT_SORT
     logits = rand_logits(1, V, seed=5, scale=0.5)  # all below 3
     logits[0, :TOP_K_WITHOUT_SORT + 100] = 3.0  # 1124 tokens tied at the 10th largest logit
     logits[0, 0] = 4.0
-    got = apply_top_k_top_p(logits.clone(), [10], [0.0025])
+    got = top_k_top_p(logits.clone(), [10], [0.0025])
     want = _with_ties(logits[0], finite_set(_hf_top_k_top_p(logits[0], 10, 0.0025)))
     assert finite_set(got[0]) == want == set(range(TOP_K_WITHOUT_SORT + 100))
 
 
-def test_top_k_top_p_rows_are_batch_invariant():
+@pytest.mark.parametrize("impl", TOP_K_TOP_P)
+def test_top_k_top_p_rows_are_batch_invariant(impl):
     """A row's mask is the same alone and beside rows that take other paths (a k past
     TOP_K_WITHOUT_SORT, top-k alone, a sorted top-p row): seeded requests depend on it."""
-    from nanoserve.model import TOP_K_WITHOUT_SORT
+    top_k_top_p = TOP_K_TOP_P[impl]
     V = 3 * TOP_K_WITHOUT_SORT
     logits = torch.cat([_peaked(3, V, seed=21), rand_logits(2, V, seed=22, scale=0.5)])
     top_k = [0, 40, TOP_K_WITHOUT_SORT + 5, 5, 0]
     top_p = [0.8, 0.95, 0.9, 1.0, 0.6]
-    together = apply_top_k_top_p(logits.clone(), top_k, top_p)
+    together = top_k_top_p(logits.clone(), top_k, top_p)
     for i in range(len(top_k)):
-        alone = apply_top_k_top_p(logits[i:i + 1].clone(), top_k[i:i + 1], top_p[i:i + 1])
+        alone = top_k_top_p(logits[i:i + 1].clone(), top_k[i:i + 1], top_p[i:i + 1])
         assert torch.equal(alone[0], together[i]), i
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_cpu_top_k_top_p_masks_as_the_reference(seed, monkeypatch):
+    """The CPU backend's top_k_top_p against the reference, bit for bit: logits with and without
+    ties (peaked and flat rows), top-k alone, top-p alone, both, a k past the candidates, nuclei
+    inside and past them, in one batch, in batches of one setting and each row alone. The sort is
+    spied on: the CPU's must decide some top-p rows from its candidates and sort others."""
+    K = TOP_K_WITHOUT_SORT
+    V = 4 * K
+    logits = torch.cat([_peaked(7, V, seed=30 + seed), rand_logits(7, V, seed=40 + seed, scale=0.5)])
+    logits[1::2] = (logits[1::2] * 4).round() / 4  # every other row full of ties
+    settings = [(0, 0.9), (0, 0.3), (50, 1.0), (50, 0.9), (K + 100, 1.0), (K + 100, 0.95), (0, 1.0)]
+    top_k, top_p = [k for k, _ in settings] * 2, [p for _, p in settings] * 2
+    sorted_rows = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda x, *a, **kw: sorted_rows.append(len(x)) or real_sort(x, *a, **kw))
+
+    def both(x, ks, ps):
+        want = apply_top_k_top_p(x.clone(), ks, ps)
+        sorted_rows.clear()
+        got = cpu_backend.top_k_top_p_by_candidates(x.clone(), ks, ps)
+        assert torch.equal(got, want), (ks, ps)
+        return got
+    together = both(logits, top_k, top_p)
+    nucleus = [len(finite_set(together[i])) for i in range(len(top_k))]
+    assert 0 < sum(sorted_rows) < sum(p < 1.0 for p in top_p)  # both ways ran
+    assert max(nucleus[i] for i in (7, 8)) > K and max(nucleus[i] for i in (0, 1)) < K  # top-p alone: past K, inside
+    for chosen in ([1.0] * len(top_p), top_p):  # top-k alone; top-p with top-k where set
+        both(logits, top_k, chosen)
+    both(logits, [0] * len(top_k), top_p)  # top-p alone
+    for i in range(len(top_k)):
+        assert torch.equal(both(logits[i:i + 1], top_k[i:i + 1], top_p[i:i + 1])[0], together[i]), i
 
 
 def _hf_pipeline(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
