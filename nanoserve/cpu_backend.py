@@ -54,7 +54,7 @@ from nanoserve import cpu_kernels, kernels
 from nanoserve.kernels import Backend
 from nanoserve.kvcache import available_cpu_memory
 # no cycle: model imports this file only inside functions
-from nanoserve.model import TOP_K_WITHOUT_SORT, apply_top_k_top_p, first_line, to_device, top_k_top_p_thresholds
+from nanoserve.model import TOP_K_WITHOUT_SORT, apply_top_k_top_p, first_line, sort_rows_for_thresholds, to_device
 
 logger = logging.getLogger("nanoserve.model")
 
@@ -353,7 +353,7 @@ def top_k_top_p_by_candidates(logits: torch.Tensor, top_k: list[int], top_p: lis
     sorted, as the reference sorts it. Top-k alone is the reference's already (topk)."""
     if all(p >= 1.0 for p in top_p):
         return apply_top_k_top_p(logits, top_k, top_p)
-    V, dev = logits.shape[-1], logits.device
+    V = logits.shape[-1]
     top_k = [k if 0 < k < V else 0 for k in top_k]
     K = min(V, TOP_K_WITHOUT_SORT)
     # every row takes K candidates, whatever its k: which rows a batch holds must not change a
@@ -364,10 +364,7 @@ def top_k_top_p_by_candidates(logits: torch.Tensor, top_k: list[int], top_p: lis
     threshold, undecided = _candidate_thresholds(candidates, top_k, top_p, row_lse)
     sort = sorted({i for i, k in enumerate(top_k) if k > K} | set(undecided.nonzero().flatten().tolist()))
     if sort:
-        rows = to_device(sort, dev)
-        some = logits if len(sort) == len(top_k) else logits[rows]  # all rows: no copy
-        whole = some.sort(dim=-1, descending=True).values
-        threshold[rows] = top_k_top_p_thresholds(whole, [top_k[i] for i in sort], [top_p[i] for i in sort])
+        sort_rows_for_thresholds(logits, sort, top_k, top_p, threshold)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
 

@@ -2920,7 +2920,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     top-k, reaches top_p; at least one). Ties of a threshold are all kept: the set does not
     depend on how a sort orders equal logits. The reference (Backend.top_k_top_p's): top-p
     rows are sorted; a backend may decide them otherwise, with the same masks."""
-    V, dev = logits.shape[-1], logits.device
+    V = logits.shape[-1]
     top_k = [k if 0 < k < V else 0 for k in top_k]
     if not any(top_k) and all(p >= 1.0 for p in top_p):
         return logits
@@ -2930,11 +2930,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     threshold = top_k_top_p_thresholds(candidates, top_k, [1.0] * len(top_k))
     sort = [i for i, (k, p) in enumerate(zip(top_k, top_p)) if k > K or p < 1.0]
     if sort:
-        rows = to_device(sort, dev)
-        some = logits if len(sort) == len(top_k) else logits[rows]  # all rows: no copy
-        whole = some.sort(dim=-1, descending=True).values
-        threshold[rows] = top_k_top_p_thresholds(whole, [top_k[i] for i in sort], [top_p[i] for i in sort])
+        sort_rows_for_thresholds(logits, sort, top_k, top_p, threshold)
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def sort_rows_for_thresholds(logits: torch.Tensor, rows: list[int], top_k: list[int], top_p: list[float],
+                             threshold: torch.Tensor) -> None:
+    """The thresholds of ``rows`` (in place) from their whole rows, sorted."""
+    index = to_device(rows, logits.device)
+    some = logits if len(rows) == len(top_k) else logits[index]  # all rows: no copy
+    whole = some.sort(dim=-1, descending=True).values
+    threshold[index] = top_k_top_p_thresholds(whole, [top_k[i] for i in rows], [top_p[i] for i in rows])
 
 
 def top_k_top_p_thresholds(largest: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

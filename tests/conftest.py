@@ -196,6 +196,22 @@ def hf_model(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def hf_greedy_logprobs(path: Path, prompts: list[list[int]], n_new: int
+                       ) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' greedy tokens (exactly n_new each) for each prompt, and each token's logprob."""
+    hf = hf_model(path)
+    tokens, logprobs = [], []
+    with torch.no_grad():
+        for p in prompts:
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new)
+            new = out[0, len(p):]
+            lp = hf(out).logits[0, len(p) - 1:-1].float().log_softmax(-1)
+            tokens.append(new.tolist())
+            logprobs.append(lp.gather(1, new[:, None]).squeeze(1).tolist())
+    return tokens, logprobs
+
+
 def step_logits(runner, seqs) -> torch.Tensor:
     """The logits of every token of one step (``SeqInput``s), in fp32 on the CPU:
     what the parity tests compare with transformers'."""

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, hf_model, make_model
+from conftest import VOCAB, hf_greedy_logprobs, make_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.model import Fp8Slice, ModelConfig, ModelLoadError, load_model
 
@@ -182,18 +182,8 @@ def generate(path: Path, **kw) -> tuple[list[list[int]], list[list[float]]]:
             [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
 
 
-def hf_reference(path: Path) -> tuple[list[list[int]], list[list[float]]]:
-    hf = hf_model(path)
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              do_sample=False, max_new_tokens=N_NEW, min_new_tokens=N_NEW)
-            new = out[0, len(p):]
-            tokens.append(new.tolist())
-            lp = hf(out).logits[0, len(p) - 1:-1].float().log_softmax(-1)
-            logprobs.append(lp.gather(1, new[:, None]).squeeze(1).tolist())
-    return tokens, logprobs
+def hf_reference(path) -> tuple[list[list[int]], list[list[float]]]:
+    return hf_greedy_logprobs(path, PROMPTS, N_NEW)
 
 
 def test_greedy_tokens_are_transformers_on_the_dequantized_weights(model_root, caplog):

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import VOCAB, hf_model, make_model
+from conftest import VOCAB, hf_greedy_logprobs, make_model
 from nanoserve import LLM, SamplingParams
 
 _rng = torch.Generator().manual_seed(26)
@@ -57,17 +57,7 @@ def generate(path, **kw) -> tuple[list[list[int]], list[list[float]], dict]:
 
 
 def hf_reference(path) -> tuple[list[list[int]], list[list[float]]]:
-    hf = hf_model(path)
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for p in PROMPTS:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              do_sample=False, max_new_tokens=N_NEW, min_new_tokens=N_NEW)
-            new = out[0, len(p):]
-            lp = hf(out).logits[0, len(p) - 1:-1].float().log_softmax(-1)
-            tokens.append(new.tolist())
-            logprobs.append(lp.gather(1, new[:, None]).squeeze(1).tolist())
-    return tokens, logprobs
+    return hf_greedy_logprobs(path, PROMPTS, N_NEW)
 
 
 @pytest.mark.parametrize("arch,overrides", MODELS, ids=["llama-kv1", "qwen2-vocab383-tied", "gemma3", "granite",
