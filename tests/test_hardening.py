@@ -699,7 +699,8 @@ sys.exit(main(sys.argv[1:]))
 
 def test_an_engine_that_cannot_recover_exits_1(tiny_model):
     proc = subprocess.Popen([sys.executable, "-c", BROKEN_CLI, "--model", str(tiny_model), "--dtype", "float32",
-                             "--num-kv-blocks", "64", "--port", "0", "--disable-log-stats"],
+                             "--num-kv-blocks", "64", "--port", "0", "--disable-log-stats",
+                             "--enforce-eager"],  # no decode attention compiled in the fresh process: ~4 s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = next(line for line in proc.stdout if line.strip().startswith("URL")).split()[1]

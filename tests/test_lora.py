@@ -425,7 +425,8 @@ def test_tensor_parallel_adapters_are_their_merged_models(model_root, tmp_path, 
     every step (chunked prefills beside decodes) gives the one-rank run's tokens and transformers'."""
     base = make_model(model_root, "llama", seed=3, num_key_value_heads=kv_heads)
     loras, merged = _adapters(base, tmp_path)
-    prompts, kw = PROMPTS + PROMPTS[:2], dict(max_num_batched_tokens=8, max_num_seqs=4)
+    # eager (the torch attention, as tests/test_tp.py): the spawned rank compiles no decode attention, ~4 s a start
+    prompts, kw = PROMPTS + PROMPTS[:2], dict(max_num_batched_tokens=8, max_num_seqs=4, enforce_eager=True)
     tp1 = _tokens(_llm(base, **kw), prompts, loras)
     llm = _llm(base, tensor_parallel_size=2, **kw)
     try:
@@ -444,7 +445,7 @@ def test_tensor_parallel_bad_adapters_are_refused_and_the_engine_serves_on(model
     shutil.copytree(models["a"], here / "adapter")
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # the spawned worker starts here and stays
-    llm = _llm(models["base"], tensor_parallel_size=2, max_lora_rank=4)
+    llm = _llm(models["base"], tensor_parallel_size=2, max_lora_rank=4, enforce_eager=True)  # as test_tp.py's
     try:
         monkeypatch.chdir(here)
         with pytest.raises(ValueError, match=r"rank\(s\) could not load it .*rank 1: .*cannot read adapter_config"):

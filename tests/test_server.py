@@ -811,18 +811,12 @@ def _start_cli(*flags: str) -> tuple[subprocess.Popen, str]:
     raise AssertionError(f"no banner: {''.join(banner)} {proc.stderr.read()}")
 
 
-def test_cli_bad_model_is_a_clear_error(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "nanoserve", "--model", str(tmp_path / "nope"), "--port", "0"],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
-    assert "does not exist" in out.stderr and "Traceback" not in out.stderr
-
-
 def test_sigterm_drains_the_stream_and_exits_0(tiny_model):
     # The drain waits only as long as the stream needs: a long --shutdown-timeout
     # keeps a slow, loaded machine from cutting it (that is the next test's case).
+    # --enforce-eager: the fresh process skips compiling the decode attention (~4 s), which the drain does not need
     proc, banner = _start_cli("--model", str(tiny_model), "--dtype", "float32", "--num-kv-blocks", "64",
-                              "--max-model-len", "512", "--port", "0", "--shutdown-timeout", "600")
+                              "--max-model-len", "512", "--port", "0", "--shutdown-timeout", "600", "--enforce-eager")
     try:
         for word in ("Qwen3ForCausalLM", "float32", "cpu", "weights", "64 blocks", "1024 tokens",
                      "2.00x at max-model-len 512", "http://127.0.0.1:"):

@@ -51,7 +51,8 @@ def test_unsupported_architecture(tiny_model, tmp_path):
 
 
 def test_kv_cache_too_small_for_max_model_len_suggests_values_that_fit(tiny_model):
-    flags = ["--model", str(tiny_model), "--port", "0", "--dtype", "float32"]
+    # --enforce-eager: the fresh process reaches the KV cache check without compiling the decode attention (~4 s)
+    flags = ["--model", str(tiny_model), "--port", "0", "--dtype", "float32", "--enforce-eager"]
     # float32: 16 KiB a block of 16 tokens, so 64 KiB buys 4 blocks, 64 tokens
     err = run_cli(*flags, "--kv-cache-memory-bytes", "64KiB", "--max-model-len", "256")
     assert "KV cache too small: 4 blocks hold 64 tokens" in err and "max_model_len=256 needs 16 blocks" in err

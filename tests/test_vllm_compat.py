@@ -569,7 +569,8 @@ def test_a_unix_socket_with_vllms_uds(tiny_model, tmp_path):
     stale.bind(path)
     stale.close()
     proc = subprocess.Popen([sys.executable, "-m", "nanoserve", str(tiny_model), "--uds", path, "--dtype", "float32",
-                             "--num-kv-blocks", "64", "--max-model-len", "256", "--uvicorn-log-level", "warning"],
+                             "--num-kv-blocks", "64", "--max-model-len", "256", "--uvicorn-log-level", "warning",
+                             "--enforce-eager"],  # no decode attention compiled in the fresh process: ~4 s
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -594,7 +595,8 @@ def test_a_copied_vllm_serve_line_runs(tiny_model):
         [sys.executable, "-m", "nanoserve", "serve", str(tiny_model), "--port", "0",  # vLLM's host: all interfaces
          "--dtype", "float32", "--num-kv-blocks", "64", "--max_model_len", "256", "--trust-remote-code",
          "--disable-log-requests", "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--swap-space", "4",
-         "--gpu-memory-utilization", "0.9", "--uvicorn-log-level", "warning", "--disable-log-stats"],
+         "--gpu-memory-utilization", "0.9", "--uvicorn-log-level", "warning", "--disable-log-stats",
+         "--enforce-eager"],  # vLLM's flag too; the fresh process compiles no decode attention (~4 s)
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         url = None
