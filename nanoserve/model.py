@@ -1796,6 +1796,10 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
             if kernels.TRITON is None:
                 raise ImportError("triton is not installed")
             kernels.probe_triton(cfg, dtype, device, block_size)
+            if cfg.architecture == GPT_OSS:  # GptOssExperts reads which expert each token chose on the host
+                logger.info("[kernels] Triton kernels; no CUDA graphs: gpt-oss's experts run the torch reference, "
+                            "which reads the routing on the host")
+                return dataclasses.replace(kernels.TRITON, capture_safe=False)
             return kernels.TRITON
         except Exception as e:  # noqa: BLE001 - Triton's compiler and launcher raise many kinds
             logger.warning("[kernels] Triton kernels unusable here (%s): torch references, no CUDA graphs",

@@ -176,3 +176,15 @@ def test_mxfp4_blocks_without_scales_are_refused(mxfp4_pair, tmp_path):
 def test_lora_is_refused_at_start_up(variant):
     with pytest.raises(ModelLoadError, match=r"LoRA is not supported for GptOssForCausalLM"):
         make_llm(variant("gpt_oss"), enable_lora=True)
+
+
+def test_no_cuda_graphs_for_its_host_routed_experts(variant, monkeypatch):
+    """On CUDA the Triton kernels serve it, but not captured: GptOssExperts reads the routing on the host."""
+    if kernels.TRITON is None:
+        pytest.skip("triton is not installed")
+    from nanoserve.model import select_backend
+    monkeypatch.setattr(kernels, "probe_triton", lambda *args: None)
+    backend = select_backend(ModelConfig.from_dir(variant("gpt_oss")), torch.bfloat16, torch.device("cuda"), 16)
+    assert backend.paged_attention is kernels.TRITON.paged_attention and not backend.capture_safe
+    assert select_backend(ModelConfig.from_dir(variant("qwen3_moe")), torch.bfloat16, torch.device("cuda"),
+                          16).capture_safe
