@@ -220,8 +220,9 @@ def part_env(scale: Scale, spec: dict) -> dict:
 
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
-    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4MoeConfig, GptOssConfig,
-                              GraniteConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4MoeConfig,
+                              GptOssConfig, GraniteConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
                               Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,

@@ -390,9 +390,10 @@ def _gpt_oss_config(c: dict[str, Any], mxfp4: bool) -> dict[str, Any]:
 
 
 # num_experts and num_experts_per_tok where config.json leaves them out: each family's transformers config defaults
-MOE_DEFAULTS = {"GptOssForCausalLM": (128, 4), "MixtralForCausalLM": (8, 2), "Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8),
+MOE_DEFAULTS = {"MixtralForCausalLM": (8, 2), "Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8),
                 "OlmoeForCausalLM": (64, 8), "GraniteMoeForCausalLM": (8, 2), "GraniteMoeSharedForCausalLM": (8, 2),
-                "Glm4MoeForCausalLM": (128, 8), "DeepseekV2ForCausalLM": (64, 6), "DeepseekV3ForCausalLM": (256, 8)}
+                "Glm4MoeForCausalLM": (128, 8), "DeepseekV2ForCausalLM": (64, 6), "DeepseekV3ForCausalLM": (256, 8),
+                GPT_OSS: (128, 4)}
 # first_k_dense_replace where config.json leaves it out (transformers' defaults)
 FIRST_DENSE_DEFAULTS = {"Glm4MoeForCausalLM": 1, "DeepseekV2ForCausalLM": 0, "DeepseekV3ForCausalLM": 3}
 # the families whose every layer is sparse, each expert intermediate_size wide (Qwen's have moe_intermediate_size)

@@ -178,9 +178,9 @@ def _config(arch: str, **changes) -> dict:
     ("glm4_moe", {"n_group": 4, "num_experts_per_tok": 3}, r"topk_group 1 of n_group 4 groups hold fewer than "
                                                            r"num_experts_per_tok 3 experts"),
     ("glm4_moe", {"n_shared_experts": -1}, r"n_shared_experts -1: must be a non-negative integer"),
-], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek-v3.2", "ernie-moe", "granite-hybrid",
-        "olmoe-clip-qkv", "olmoe-head-dim", "olmoe-window", "granite-attention-bias", "granite-shared-size",
-        "glm-groups", "glm-topk-group", "glm-shared"])
+], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek-v3.2", "ernie-moe",
+        "granite-hybrid", "olmoe-clip-qkv", "olmoe-head-dim", "olmoe-window", "granite-attention-bias",
+        "granite-shared-size", "glm-groups", "glm-topk-group", "glm-shared"])
 def test_configs_nanoserve_cannot_serve_are_refused(arch, changes, message):
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(_config(arch, **changes))
