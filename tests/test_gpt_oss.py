@@ -188,3 +188,26 @@ def test_no_cuda_graphs_for_its_host_routed_experts(variant, monkeypatch):
     assert backend.paged_attention is kernels.TRITON.paged_attention and not backend.capture_safe
     assert select_backend(ModelConfig.from_dir(variant("qwen3_moe")), torch.bfloat16, torch.device("cuda"),
                           16).capture_safe
+
+
+def test_mxfp4_slice_is_transformers_dequantization():
+    """Mxfp4Slice against transformers' convert_moe_packed_tensors on random bytes (every nibble, -0.0 among
+    them, exponents on both sides of 2 ** 0): the same values, whole and an expert's slice of columns."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from nanoserve.model import Mxfp4Slice
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(117, 137, (3, 10, 2), generator=gen, dtype=torch.uint8)
+
+    class Loaded:  # safetensors' slice: its shape and [key]
+        def get_shape(self):
+            return list(blocks.shape)
+
+        def __getitem__(self, key):
+            return blocks[key]
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    got = Mxfp4Slice(Loaded(), scales)
+    assert got.get_shape() == list(ref.shape) == [3, 64, 10]
+    assert torch.equal(got[(slice(None),)], ref)
+    assert torch.equal(got[slice(1, 2), slice(None), slice(4, 8)], ref[1:2, :, 4:8])
