@@ -73,9 +73,13 @@ for _p in (str(HERE), str(ROOT)):
 #   (a dense layer, then grouped sigmoid routing with its bias, fp32 router weights; a rotary half): the same
 #   kernels, routed and normed in other ways;
 # deepseek_v2 (no q_lora_rank, softmax routing), deepseek_v3 (noaux_tc routing, YaRN): multi-head latent
-#   attention, MQA of 4 heads over one 64-wide latent cache, K and V one tensor (the Triton store writes it once)
+#   attention, MQA of 4 heads over one 64-wide latent cache, K and V one tensor (the Triton store writes it once);
+# gpt_oss: attention sinks (the Triton kernel's SINKS variant), a sliding then a full layer, YaRN, biased experts
+#   with the clamped SwiGLU (a torch path of their own on every backend, which reads the routing on the host: its
+#   "graphs" config runs eager)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2",
-         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe", "deepseek_v2", "deepseek_v3")
+         "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe", "deepseek_v2", "deepseek_v3",
+         "gpt_oss")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one but gemma3 (its mixed window)
 # and the MoE models (padding rows routed to experts: qwen3_moe stands for them all):
@@ -87,7 +91,7 @@ ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("
                 "qwen3_moe": ("plain-graphs", "preempt-graphs", "chunked-eager"),
                 "olmoe": ("plain-graphs", "chunked-eager"), "granitemoeshared": ("plain-graphs", "chunked-eager"),
                 "glm4_moe": ("plain-graphs", "chunked-eager"), "deepseek_v2": ("plain-graphs", "chunked-eager"),
-                "deepseek_v3": ("plain-graphs", "chunked-eager")}
+                "deepseek_v3": ("plain-graphs", "chunked-eager"), "gpt_oss": ("plain-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -217,7 +221,8 @@ def part_env(scale: Scale, spec: dict) -> dict:
 def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
     from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4MoeConfig,
-                              GraniteConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig, MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
+                              GptOssConfig, GraniteConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
                               Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
@@ -226,7 +231,7 @@ def tiny_hf_config(arch: str, max_pos: int):
                phi3=Phi3Config, gemma3=Gemma3TextConfig, gemma2=Gemma2Config, mixtral=MixtralConfig,
                qwen2_moe=Qwen2MoeConfig, qwen3_moe=Qwen3MoeConfig, olmoe=OlmoeConfig,
                granitemoeshared=GraniteMoeSharedConfig, glm4_moe=Glm4MoeConfig, deepseek_v2=DeepseekV2Config,
-               deepseek_v3=DeepseekV3Config)[arch.split("-")[0]]
+               deepseek_v3=DeepseekV3Config, gpt_oss=GptOssConfig)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
     if arch in ("gemma3", "gemma2"):
@@ -265,6 +270,11 @@ def tiny_hf_config(arch: str, max_pos: int):
             q_lora_rank=24, n_group=2, topk_group=1, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings":
                 max(max_pos // 4, 1), "mscale": 0.9, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
+    if arch == "gpt_oss":  # as tests/conftest.py's: q wider than hidden, 8 experts (top 2), untruncated YaRN
+        base.update(head_dim=32, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=32,
+                    layer_types=["sliding_attention", "full_attention"], rope_parameters={
+                        "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                        "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": max(max_pos // 32, 1)})
     return cls(**base)
 
 
@@ -288,6 +298,9 @@ def part_models(scale: Scale, spec: dict, archs=ARCHS, w1: bool = True) -> dict:
                 for name, b in model.named_buffers():  # GLM's router bias: not zero, so that it counts
                     if name.endswith("e_score_correction_bias"):
                         b.normal_(0, 0.05)
+                for name, p in model.named_parameters():  # gpt-oss's sinks and biases: not ~0, so that they count
+                    if arch == "gpt_oss" and name.endswith(("sinks", "bias")):
+                        p.normal_(0, 0.5)
             model.save_pretrained(out)
         res["tiny"][arch] = str(out)
     if not w1:

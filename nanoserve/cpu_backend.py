@@ -105,6 +105,9 @@ def _pick_attention(cfg, dtype, block_size):
     if getattr(cfg, "attn_logit_softcapping", None) is not None:  # neither the C nor the compiled attention caps
         logger.info("[kernels] attention: the torch reference, which soft-caps the scores (Gemma 2)")
         return "torch", kernels.store_kvcache_torch, kernels.paged_attention_torch
+    if getattr(cfg, "attention_sinks", False):  # nor do they take sinks
+        logger.info("[kernels] attention: the torch reference, which takes attention sinks (gpt-oss)")
+        return "torch", kernels.store_kvcache_torch, kernels.paged_attention_torch
 
     def c():
         return _smoke(cfg, dtype, block_size, cpu_kernels.store_kvcache, cpu_kernels.paged_attention)

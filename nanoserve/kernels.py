@@ -56,7 +56,7 @@ def weights_as_loaded(model: torch.nn.Module) -> int:
 
 
 def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Tensor, max_context: int,
-                       logits_soft_cap: float | None = None) -> None:
+                       logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """The references' ``warm_up``: eager torch compiles nothing."""
 
 
@@ -78,9 +78,11 @@ class Backend:
 
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                    sliding_window=None, logits_soft_cap=None) -> out
+                    sliding_window=None, logits_soft_cap=None, sinks=None) -> out
       (a window: each query sees its last sliding_window positions; a soft cap, Gemma 2's:
-      each score s = scale * q.k becomes cap * tanh(s / cap) before the mask and softmax)
+      each score s = scale * q.k becomes cap * tanh(s / cap) before the mask and softmax;
+      sinks, gpt-oss's [heads]: a logit a head each softmax takes mass for, with no value;
+      a backend whose kernel has no sinks is not chosen for a model with them)
     rms_norm(x [..., n], weight [n], eps) -> normalised x
     fused_add_rms_norm(x, residual, weight, eps) -> (rms_norm(x + residual), x + residual)
     rotary(q [T, hq, d], k [T, hk, d], positions [T], cos_cache, sin_cache [max_positions, r]) -> (q, k)
@@ -146,11 +148,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                           scale, sliding_window: int | None = None,
-                          logits_soft_cap: float | None = None) -> torch.Tensor:
+                          logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: the step's decodes (q_len 1) in one batched SDPA call, each
     multi-token chunk in one of its own. With a sliding window a query at position
     p sees keys p - sliding_window + 1 .. p (transformers' and vLLM's window). With a
-    soft cap, the same written out (attend)."""
+    soft cap or sinks (gpt-oss's, one logit a head: attend), the same written out."""
     out = torch.empty_like(query)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -159,12 +161,12 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
         rows = torch.tensor([starts[i] for i in decodes], device=query.device)
         idx = torch.tensor(decodes, device=query.device)
         out[rows] = decode_attention_torch(query[rows], k_cache, v_cache, block_tables[idx],
-                                           seq_lens[idx], scale, sliding_window, logits_soft_cap)
+                                           seq_lens[idx], scale, sliding_window, logits_soft_cap, sinks)
     for i, q_len in enumerate(q_lens):
         if q_len > 1:
             chunk = slice(starts[i], starts[i] + q_len)
             out[chunk] = chunk_attention_torch(query[chunk], k_cache, v_cache, block_tables[i],
-                                               lens[i], scale, sliding_window, logits_soft_cap)
+                                               lens[i], scale, sliding_window, logits_soft_cap, sinks)
     return out
 
 
@@ -175,7 +177,8 @@ def first_window_block(first_query: int, sliding_window: int | None, block_size:
 
 
 def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scale,
-                           sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                           sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [seqs, heads, d], one token per sequence at its last position: every
     context padded to the longest, the padding masked."""
     n, num_heads, head_dim = query.shape
@@ -191,12 +194,14 @@ def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scal
     visible = key_pos < seq_lens[:, None]
     if sliding_window is not None:  # the query is at seq_len - 1
         visible &= key_pos >= seq_lens[:, None] - sliding_window
-    o = attend(q, k.to(q.dtype), v.to(q.dtype), visible[:, None, None, :], scale, logits_soft_cap)
+    sinks = None if sinks is None else sinks.view(num_kv_heads, num_heads // num_kv_heads, 1)  # q's rows
+    o = attend(q, k.to(q.dtype), v.to(q.dtype), visible[:, None, None, :], scale, logits_soft_cap, sinks)
     return o.reshape(n, num_heads, head_dim)
 
 
 def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, scale,
-                          sliding_window: int | None = None, logits_soft_cap: float | None = None) -> torch.Tensor:
+                          sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [q_len, heads, d]: the last q_len tokens of a sequence of seq_len,
     causal among themselves, seeing all of the cached prefix (in the window)."""
     q_len, block_size = query.shape[0], k_cache.shape[1]
@@ -206,7 +211,7 @@ def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, sc
     k = gather_kv(k_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
     v = gather_kv(v_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]
     q = query.transpose(0, 1)[None]                                                  # [1, heads, q_len, d]
-    plain = logits_soft_cap is None and (sliding_window is None or seq_len <= sliding_window)
+    plain = logits_soft_cap is None and sinks is None and (sliding_window is None or seq_len <= sliding_window)
     if q_len == seq_len and plain:  # plain causal: SDPA's fastest
         o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=scale,
                                            enable_gqa=True)
@@ -216,23 +221,33 @@ def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, sc
         visible = key_pos <= q_pos[:, None]
         if sliding_window is not None:
             visible &= key_pos > q_pos[:, None] - sliding_window
-        o = attend(q, k.to(q.dtype), v.to(q.dtype), visible, scale, logits_soft_cap)
+        o = attend(q, k.to(q.dtype), v.to(q.dtype), visible, scale, logits_soft_cap,
+                   None if sinks is None else sinks.view(-1, 1, 1))
     return o[0].transpose(0, 1)
 
 
-def attend(q, k, v, visible, scale, logits_soft_cap: float | None = None) -> torch.Tensor:
+def attend(q, k, v, visible, scale, logits_soft_cap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over q [..., heads, q_len, d] and k, v [..., kv_heads, ctx, d] (heads a multiple of
     kv_heads), ``visible`` a mask broadcast to the scores. SDPA has no soft cap: with one, the
     scores are written out as transformers' eager Gemma 2 attention computes them (in q's
-    dtype, capped before the mask, the softmax in fp32)."""
-    if logits_soft_cap is None:
+    dtype, capped before the mask, the softmax in fp32). Nor sinks (gpt-oss's: ``sinks``
+    broadcast to [..., heads, q_len, 1], a logit each row's softmax takes mass for but no value):
+    with them, written out as transformers' eager GptOssAttention, the sink an extra column."""
+    if logits_soft_cap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale,
                                               enable_gqa=q.shape[-3] != k.shape[-3])
     group = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
-    s = torch.tanh(q @ k.transpose(-1, -2) * scale / logits_soft_cap) * logits_soft_cap
-    p = s.masked_fill(~visible, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
-    return p @ v
+    s = q @ k.transpose(-1, -2) * scale
+    if logits_soft_cap is not None:
+        s = torch.tanh(s / logits_soft_cap) * logits_soft_cap
+    s = s.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        return s.softmax(-1, dtype=torch.float32).to(q.dtype) @ v
+    sink = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
+    p = torch.cat([s, sink], dim=-1).softmax(-1, dtype=torch.float32)[..., :-1]
+    return p.to(q.dtype) @ v
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -430,7 +445,7 @@ if triton is not None:
     def _paged_attention_kernel(
         out_ptr, query_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-        m_part_ptr, l_part_ptr, acc_part_ptr,
+        m_part_ptr, l_part_ptr, acc_part_ptr, sinks_ptr,
         scale, num_seqs, num_heads, block_size, min_partition, window, soft_cap,
         q_stride_t, q_stride_h, q_stride_d,
         o_stride_t, o_stride_h, o_stride_d,
@@ -440,6 +455,7 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr = False,
+        SINKS: tl.constexpr = False,
     ):
         """Grid (query tiles, kv heads, splits). With NUM_SPLITS == 1 a program
         walks its tile's whole visible context and writes the output; otherwise it
@@ -453,7 +469,11 @@ if triton is not None:
         power of two compiles with no mask along the head.
 
         SOFT_CAP (Gemma 2's): each score s = scale * q.k becomes soft_cap * tanh(s / soft_cap) before
-        the mask; a constexpr, so that other models' kernels are compiled without it."""
+        the mask; a constexpr, so that other models' kernels are compiled without it.
+
+        SINKS (gpt-oss's): a logit a head (sinks_ptr, fp32) that each row's softmax takes mass for but
+        no value: the running max and sum start from it (m = sink, l = 1) in split 0 only, so the
+        reduce counts it once."""
         PADDED: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
         tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -495,6 +515,10 @@ if triton is not None:
         # rather than NaN, without a branch.
         m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
+        if SINKS:
+            if split == 0:
+                m_i = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+                l_i = tl.where(row_ok, 1.0, 0.0)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
         kv_off_h = kv_head.to(tl.int64)
         for start in range(lo, hi, BLOCK_N):
@@ -776,7 +800,7 @@ def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
 
 def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                            sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out``, if given, receives the result (benchmarks/triton_gpu.py passes one
     filled with NaN to check that every element is written)."""
     _check_kv(None, None, k_cache, v_cache)
@@ -807,11 +831,11 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, quer
                                 block_tables.shape[1] * block_size)
     return _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                              out, block_m, block_q, num_splits, block_n, sliding_window=sliding_window,
-                             logits_soft_cap=logits_soft_cap)
+                             logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context: int,
-                                   logits_soft_cap: float | None = None) -> None:
+                                   logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> None:
     """Compile every attention variant a step can launch (Triton compiles one on
     its first launch, in the middle of traffic otherwise): the decode tile at
     each split-KV count a table of max_context tokens allows, and the chunk and
@@ -829,13 +853,14 @@ def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context
     for (block_m, block_n), num_splits in variants:
         _launch_attention(query, k_cache, v_cache, table, seq_lens, query_start_loc, 1.0,
                           torch.empty_like(query), block_m, block_m // group, num_splits, block_n,
-                          logits_soft_cap=logits_soft_cap)
+                          logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       scale, out, block_m, block_q, num_splits, block_n: int = _BLOCK_N_DECODE,
                       min_partition: int | None = None, sliding_window: int | None = None,
-                      logits_soft_cap: float | None = None, **launch_options) -> torch.Tensor:
+                      logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
+                      **launch_options) -> torch.Tensor:
     """``block_n`` and ``launch_options`` (Triton's num_warps, num_stages) are
     the knobs benchmarks/triton_gpu.py sweeps; the engine keeps the defaults."""
     num_tokens, num_heads, head_dim = query.shape
@@ -852,7 +877,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
     grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-        m_part, l_part, acc_part,
+        m_part, l_part, acc_part, out if sinks is None else sinks.float().contiguous(),
         float(scale), num_seqs, num_heads, k_cache.shape[1], min_partition,
         _NO_WINDOW if sliding_window is None else sliding_window,
         1.0 if logits_soft_cap is None else float(logits_soft_cap),
@@ -863,7 +888,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         NUM_SPLITS=num_splits,
         # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
         PRECISION="ieee" if query.dtype == torch.float32 else None,
-        SOFT_CAP=logits_soft_cap is not None,
+        SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
         **launch_options,
     )
     if num_splits > 1:
@@ -1049,7 +1074,8 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     first = torch.zeros(1, dtype=torch.long, device=device)  # slot 0, position 0
     store_kvcache_triton(k, k, cache, cache, first)
     warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION,
-                                   cfg.attn_logit_softcapping)
+                                   cfg.attn_logit_softcapping,
+                                   zeros(cfg.num_heads) if getattr(cfg, "attention_sinks", False) else None)
     fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
     rms_norm_triton(q, q[0, 0], 1e-6)  # Qwen3's q/k norm: one row a head
     if cfg.gemma:  # its norms: an fp32 weight

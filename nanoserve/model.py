@@ -73,8 +73,10 @@ GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausal
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES)  # Granite's four scalars
 # DeepSeek-V2 and -V3 (and what shares V3's architecture: DeepSeek-R1, Kimi-K2): multi-head latent attention
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# OpenAI's gpt-oss (20b, 120b): attention sinks, biases on q/k/v/o, experts with biases and a clamped SwiGLU
+GPT_OSS = "GptOssForCausalLM"
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
-                     *GRANITE_MOE_ARCHITECTURES, "Glm4MoeForCausalLM", *MLA_ARCHITECTURES)
+                     *GRANITE_MOE_ARCHITECTURES, "Glm4MoeForCausalLM", *MLA_ARCHITECTURES, GPT_OSS)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                            *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
@@ -184,6 +186,12 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False  # the rope dims stored as pairs (x0, x1), (x2, x3), ...: DeepSeek's
     quantization: Fp8Config | None = None  # an FP8 checkpoint's (dequantized at load); None: unquantized
+    # gpt-oss: a learned logit a head in each attention softmax (no value), the experts' clamped SwiGLU
+    # (GptOssExperts), and its hub checkpoints' MXFP4 experts (dequantized at load)
+    attention_sinks: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    mxfp4: bool = False
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -218,7 +226,8 @@ class ModelConfig:
             c = _gemma2_config(c)
         elif arch == "Glm4MoeForCausalLM":
             c = _glm4_moe_config(c)
-        quantization = fp8_config(c.get("quantization_config"))
+        mxfp4 = _mxfp4(arch, c.get("quantization_config"))
+        quantization = None if mxfp4 else fp8_config(c.get("quantization_config"))
         sizes = SIZE_KEYS + (MOE_SIZE_KEYS if arch in MOE_ARCHITECTURES else ())
         bad = {k: c[k] for k in sizes if c.get(k) is not None
                and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)}
@@ -251,7 +260,7 @@ class ModelConfig:
             max_position_embeddings=(c["max_position_embeddings"] if gemma else  # vLLM's exception: already scaled
                                      _scaled_max_positions(c.get("max_position_embeddings", 2048), scaling)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=(arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False))
+            attention_bias=(arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", arch == GPT_OSS))
                             or (arch == "Qwen2MoeForCausalLM" and bool(c.get("qkv_bias", True)))),
             qk_norm=(arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or gemma3
                      or (arch == "Glm4MoeForCausalLM" and bool(c.get("use_qk_norm", False)))),
@@ -273,6 +282,7 @@ class ModelConfig:
             qk_norm_whole=arch == "OlmoeForCausalLM",
             quantization=quantization,
             **(_moe_config(arch, c) if arch in MOE_ARCHITECTURES else {}),
+            **(_gpt_oss_config(c, mxfp4) if arch == GPT_OSS else {}),
         )
         return _mla_config(cfg, c) if arch in MLA_ARCHITECTURES else cfg
 
@@ -339,7 +349,7 @@ def fp8_config(quant: Any) -> Fp8Config | None:
     if method != "fp8":
         raise ModelLoadError(f"the checkpoint is quantized with quant_method {method!r}, which nanoserve does not "
                              "serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) and "
-                             "FP8 ones (quant_method 'fp8', block or per-tensor)")
+                             "FP8 ones (quant_method 'fp8', block or per-tensor), and gpt-oss's MXFP4 experts")
     fmt, scheme = quant.get("fmt") or "e4m3", str(quant.get("activation_scheme") or "dynamic").lower()
     block, scale_fmt = quant.get("weight_block_size"), quant.get("scale_fmt") or "float"
     if fmt != "e4m3":
@@ -361,14 +371,33 @@ def fp8_config(quant: Any) -> Fp8Config | None:
     return Fp8Config(weight_block_size=tuple(block) if block is not None else None, activation_scheme=scheme)
 
 
+def _mxfp4(arch: str, quant: Any) -> bool:
+    """Whether the checkpoint is gpt-oss's MXFP4 one (the hub's openai/gpt-oss-*: the experts' weights as fp4
+    blocks and e8m0 scales); MXFP4 is served for gpt-oss only."""
+    method = (quant.get("quant_method") if isinstance(quant, dict) else quant) if quant else None
+    if method == "mxfp4" and arch != GPT_OSS:
+        raise ModelLoadError(f"the checkpoint is quantized with quant_method 'mxfp4', which nanoserve serves for "
+                             f"{GPT_OSS} (its experts) only, not {arch}")
+    return method == "mxfp4"
+
+
+def _gpt_oss_config(c: dict[str, Any], mxfp4: bool) -> dict[str, Any]:
+    """gpt-oss's own fields, as transformers' GptOssConfig reads them."""
+    if not c.get("attention_bias", True):
+        raise ModelLoadError(f"{GPT_OSS} with attention_bias false is not supported (its checkpoints have them)")
+    return dict(attention_sinks=True, swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(c.get("swiglu_limit", 7.0)), mxfp4=mxfp4)
+
+
 # num_experts and num_experts_per_tok where config.json leaves them out: each family's transformers config defaults
 MOE_DEFAULTS = {"MixtralForCausalLM": (8, 2), "Qwen2MoeForCausalLM": (60, 4), "Qwen3MoeForCausalLM": (128, 8),
                 "OlmoeForCausalLM": (64, 8), "GraniteMoeForCausalLM": (8, 2), "GraniteMoeSharedForCausalLM": (8, 2),
-                "Glm4MoeForCausalLM": (128, 8), "DeepseekV2ForCausalLM": (64, 6), "DeepseekV3ForCausalLM": (256, 8)}
+                "Glm4MoeForCausalLM": (128, 8), "DeepseekV2ForCausalLM": (64, 6), "DeepseekV3ForCausalLM": (256, 8),
+                GPT_OSS: (128, 4)}
 # first_k_dense_replace where config.json leaves it out (transformers' defaults)
 FIRST_DENSE_DEFAULTS = {"Glm4MoeForCausalLM": 1, "DeepseekV2ForCausalLM": 0, "DeepseekV3ForCausalLM": 3}
 # the families whose every layer is sparse, each expert intermediate_size wide (Qwen's have moe_intermediate_size)
-EXPERTS_OF_INTERMEDIATE_SIZE = ("MixtralForCausalLM", "OlmoeForCausalLM", *GRANITE_MOE_ARCHITECTURES)
+EXPERTS_OF_INTERMEDIATE_SIZE = ("MixtralForCausalLM", "OlmoeForCausalLM", *GRANITE_MOE_ARCHITECTURES, GPT_OSS)
 
 
 def _moe_config(arch: str, c: dict[str, Any]) -> dict[str, Any]:
@@ -722,8 +751,10 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
         return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
         return int(window), tuple(range(n))
-    if arch in GEMMA3_ARCHITECTURES or arch == "Gemma2ForCausalLM":  # always on, for the layers layer_types names
-        layers = tuple(i for i, t in enumerate(_gemma_layer_types(c)) if t == "sliding_attention")
+    if arch in (*GEMMA3_ARCHITECTURES, "Gemma2ForCausalLM", GPT_OSS):  # always on, for the layers layer_types names
+        types = (c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+                 if arch == GPT_OSS else _gemma_layer_types(c))  # GptOssConfig's default: every other, from 0
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         return (int(window) if layers else None), layers
     if not c.get("use_sliding_window", False):
         return None, ()
@@ -747,6 +778,9 @@ def num_parameters(cfg: ModelConfig) -> int:
     # every expert is held (a token runs top-k of them, the memory is all of them), with the router
     # and the shared expert (and Qwen2-MoE's gate of it)
     sparse = cfg.num_experts * (3 * H * cfg.moe_intermediate_size + H)
+    if cfg.architecture == GPT_OSS:  # o_proj's bias and the sinks; the router's bias, the experts' two biases
+        layer += H + cfg.num_heads
+        sparse += cfg.num_experts * (1 + 2 * cfg.moe_intermediate_size + H)
     sparse += 3 * H * cfg.shared_expert_intermediate_size + (H if cfg.shared_expert_gate else 0)
     mlps = len(cfg.moe_layers) * sparse + (cfg.num_layers - len(cfg.moe_layers)) * 3 * H * I
     heads = 1 if cfg.tie_word_embeddings else 2
@@ -1075,17 +1109,22 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(Linear):
     """Y = XA with A's input columns split across ranks: each rank multiplies the
     slice of X it already holds (a column-parallel layer's output) and one
-    all-reduce sums the partial products (``reduce_results`` False: the caller's)."""
+    all-reduce sums the partial products (``reduce_results`` False: the caller's). A bias
+    (gpt-oss's o_proj) is rank 0's, zeros on the others: added once in the sum."""
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup, reduce_results: bool = True):
-        super().__init__(in_features // tp.world_size, out_features)
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup, reduce_results: bool = True,
+                 bias: bool = False):
+        super().__init__(in_features // tp.world_size, out_features, bias)
         self.full_in_features = in_features
         self.tp = tp if reduce_results else tp.partial()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight))
+        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        if param is self.bias:
+            param.copy_(_read(loaded, param.shape) if self.tp.rank == 0 else torch.zeros_like(param))
+            return
         n = param.shape[1]
         param.copy_(_read(loaded, (param.shape[0], self.full_in_features), 1, self.tp.rank * n, n))
 
@@ -1269,7 +1308,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, tp,
+                                        bias=cfg.attention_sinks)  # gpt-oss's o_proj has a bias too
         norm = GemmaRMSNorm if cfg.gemma else RMSNorm
         self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
         self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps, backend) if cfg.qk_norm else None
@@ -1285,7 +1325,17 @@ class Attention(nn.Module):
         # attention that no soft-capped model runs on need not take it
         self.logits_soft_cap = cfg.attn_logit_softcapping
         self.attn_kwargs = {} if self.logits_soft_cap is None else {"logits_soft_cap": self.logits_soft_cap}
+        # gpt-oss's sinks: a logit for each of this rank's heads (fp32, as the kernels read it), one keyword more
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32)) if cfg.attention_sinks else None
+        if self.sinks is not None:
+            self.attn_kwargs["sinks"] = self.sinks
+        self.tp = tp
         self.backend = backend
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        """The sinks (the one parameter held here): this rank's heads' of all the heads'."""
+        n = param.shape[0]
+        param.copy_(_read(loaded, (n * self.tp.world_size,), 0, self.tp.rank * n, n))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -1538,12 +1588,84 @@ class SparseMoeBlock(nn.Module):
         return self.tp.all_reduce(out)
 
 
+class GptOssExperts(nn.Module):
+    """gpt-oss's experts, held as transformers' GptOssExperts holds them: ``gate_up_proj [E, H, 2I]`` (gate
+    and up interleaved: columns 2j gate, 2j + 1 up), ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``,
+    ``down_proj_bias [E, H]``. Run by the torch reference on every backend, an expert at a time as
+    kernels.fused_moe_torch runs them: the fused MoE kernels (Triton's, the CPU's) have no biases nor this
+    clamped SwiGLU, and threading both through each was not worth a readable path. Under tensor parallelism
+    a rank holds its slice of each expert's I (a run of whole gate/up pairs, down's rows) and rank 0 the
+    down bias (zeros elsewhere), so the caller's one all-reduce sums to the whole."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        E, H = cfg.num_experts, cfg.hidden_size
+        self.full_intermediate_size = cfg.moe_intermediate_size
+        n = self.intermediate_size = cfg.moe_intermediate_size // tp.world_size  # this rank's
+        self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * n))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * n))
+        self.down_proj = nn.Parameter(torch.empty(E, n, H))
+        self.down_proj_bias = nn.Parameter(torch.empty(E, H))
+        self.alpha, self.limit, self.tp = cfg.swiglu_alpha, cfg.swiglu_limit, tp
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU (transformers' GptOssExperts._apply_gate): gate clamped above, up both ways,
+        (up + 1) * gate * sigmoid(alpha * gate)."""
+        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in topk_ids.unique().tolist():
+            token, slot = torch.where(topk_ids == e)
+            h = self.act(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
+            y = h @ self.down_proj[e] + self.down_proj_bias[e]
+            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype))
+        return out
+
+    def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
+        """This rank's slice of I of each expert, read an expert at a time (an MXFP4 checkpoint's are
+        dequantized so: Mxfp4Slice)."""
+        E, H, I, n = param.shape[0], self.down_proj.shape[2], self.full_intermediate_size, self.intermediate_size
+        start = self.tp.rank * n
+        if param is self.down_proj_bias:
+            param.copy_(_read(loaded, param.shape) if self.tp.rank == 0 else torch.zeros_like(param))
+        elif param is self.gate_up_proj_bias:
+            param.copy_(_read(loaded, (E, 2 * I), 1, 2 * start, 2 * n))
+        else:
+            full = (E, H, 2 * I) if param is self.gate_up_proj else (E, I, H)
+            dim, first, size = (2, 2 * start, 2 * n) if param is self.gate_up_proj else (1, start, n)
+            if tuple(loaded.get_shape()) != full:
+                raise _ShapeMismatch(tuple(loaded.get_shape()), full)
+            index = [slice(None)] * 3
+            for e in range(E):
+                index[0], index[dim] = slice(e, e + 1), slice(first, first + size)
+                param[e].copy_(loaded[tuple(index)][0])
+
+
+class GptOssMoE(nn.Module):
+    """gpt-oss's MLP (transformers' GptOssMLP): a router with a bias, the top-k of its logits, softmax over
+    those k only (in the logits' dtype), then the experts (GptOssExperts) and one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
+        super().__init__()
+        self.router = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.experts = GptOssExperts(cfg, tp)
+        self.top_k, self.tp = cfg.num_experts_per_tok, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, topk_ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        topk_weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        return self.tp.all_reduce(self.experts(x, topk_weights, topk_ids))
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup, index: int):
         super().__init__()
         self.self_attn = (MLAAttention(cfg, rotary_emb, backend, tp) if cfg.kv_lora_rank
                           else Attention(cfg, rotary_emb, backend, tp, cfg.layer_window(index)))
-        self.mlp = SparseMoeBlock(cfg, backend, tp) if index in cfg.moe_layers else MLP(cfg, backend, tp)
+        self.mlp = (GptOssMoE(cfg, backend, tp) if cfg.architecture == GPT_OSS else
+                    SparseMoeBlock(cfg, backend, tp) if index in cfg.moe_layers else MLP(cfg, backend, tp))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.residual_multiplier = cfg.residual_multiplier  # Granite's; 1.0 (no multiply) elsewhere
@@ -1678,6 +1800,10 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
             if kernels.TRITON is None:
                 raise ImportError("triton is not installed")
             kernels.probe_triton(cfg, dtype, device, block_size)
+            if cfg.architecture == GPT_OSS:  # GptOssExperts reads which expert each token chose on the host
+                logger.info("[kernels] Triton kernels; no CUDA graphs: gpt-oss's experts run the torch reference, "
+                            "which reads the routing on the host")
+                return dataclasses.replace(kernels.TRITON, capture_safe=False)
             return kernels.TRITON
         except Exception as e:  # noqa: BLE001 - Triton's compiler and launcher raise many kinds
             logger.warning("[kernels] Triton kernels unusable here (%s): torch references, no CUDA graphs",
@@ -1742,13 +1868,14 @@ def load_weights(model: CausalLM, path: Path) -> int:
     files = checkpoint_files(path)
     scales = _fp8_scales(files, cfg.quantization) if cfg.quantization else {}
     scale_names, dequantized, input_scales = set(scales), collections.Counter(), 0
+    mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if _KV_CACHE_SCALE.search(name):
                     raise ModelLoadError(f"tensor {name!r} in {file.name} is an fp8 KV-cache scale, which nanoserve "
                                          "does not serve (its KV cache has the model's dtype)")
-                if name in scale_names:
+                if name in scale_names or name in mxfp4_scales:
                     continue  # read with its weight
                 if cfg.quantization and name.endswith(_ACTIVATION_SCALES):
                     input_scales += 1  # a static activation scale: activations are not quantized here
@@ -1756,6 +1883,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 loaded = f.get_slice(name)
                 if loaded.get_dtype().startswith("F8_"):
                     loaded = _fp8_slice(name, loaded, scales, cfg.quantization, file)
+                if name.endswith(MXFP4_BLOCKS) and cfg.mxfp4:
+                    name, loaded = _mxfp4_slice(name, loaded, mxfp4_scales, file)
+                    dequantized[params[name].dtype if name in params else torch.float32] += 1
                 target, shard = _target_param(name, cfg)
                 if target is None:
                     continue
@@ -1780,6 +1910,11 @@ def load_weights(model: CausalLM, path: Path) -> int:
                              + (" ..." if len(missing) > 5 else ""))
     if cfg.quantization:
         _log_fp8(cfg.quantization, dequantized, input_scales)
+    if cfg.mxfp4:
+        dtype = str(next(iter(dequantized), torch.float32)).replace("torch.", "")
+        logger.info("[model] MXFP4 checkpoint: %d expert weights dequantized to %s as they were loaded (held "
+                    "dequantized: the memory is the %s model's, about 4x the checkpoint's experts)",
+                    sum(dequantized.values()), dtype, dtype)
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
@@ -1873,6 +2008,67 @@ class Fp8Slice:
             out[..., a - r0:b - r0, :] = q[..., a - r0:b - r0, :].float() * row_scale.unsqueeze(-2)
             a = b
         return out
+
+
+# =========================================================================== MXFP4 checkpoints
+# gpt-oss's hub checkpoints (quant_method "mxfp4"): each expert weight W [E, in, out] (transformers' layout)
+# stored as ``<name>_blocks`` uint8 [E, out, in / 32, 16], two fp4 (e2m1) values a byte, the low nibble first,
+# and ``<name>_scales`` uint8 [E, out, in / 32], one power of two a group of 32 (e8m0: 2 ** (byte - 127)):
+# transformers' integrations/mxfp4.py (convert_moe_packed_tensors). Dequantized at load, as FP8 is.
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _mxfp4_scale_files(files: list[Path]) -> dict[str, Path]:
+    """Every ``..._scales`` tensor's file, by name (a scale may sit in another shard than its blocks)."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            out.update({name: file for name in f.keys() if name.endswith(MXFP4_SCALES)})
+    return out
+
+
+def _mxfp4_slice(name: str, loaded, scale_files: dict[str, Path], file: Path) -> tuple[str, "Mxfp4Slice"]:
+    """``<name>_blocks`` and its scales -> (``<name>``, the weight read dequantized)."""
+    from safetensors import safe_open
+
+    base = name[:-len(MXFP4_BLOCKS)]
+    scale_file = scale_files.get(base + MXFP4_SCALES)
+    if scale_file is None:
+        raise ModelLoadError(f"MXFP4 tensor {name!r} in {file.name} has no scales {base + MXFP4_SCALES!r} beside it")
+    with safe_open(str(scale_file), framework="pt") as f:
+        scales = f.get_tensor(base + MXFP4_SCALES)
+    shape = tuple(loaded.get_shape())
+    if len(shape) != 4 or shape[-1] != 16 or tuple(scales.shape) != shape[:-1]:
+        raise ModelLoadError(f"MXFP4 tensor {name!r} has shape {shape} and its scales {tuple(scales.shape)}: expected "
+                             "[experts, out, in / 32, 16] and [experts, out, in / 32]")
+    return base, Mxfp4Slice(loaded, scales)
+
+
+class Mxfp4Slice:
+    """An MXFP4 expert stack read as its dequantized weight [E, in, out] (what the unquantized checkpoint
+    holds), in ``dtype``: ``get_shape`` and ``[key]``, which dequantizes only the experts the key asks for."""
+
+    def __init__(self, blocks, scales: torch.Tensor, dtype: torch.dtype = torch.float32):
+        self.blocks, self.scales, self.dtype = blocks, scales, dtype
+        E, out, groups, _ = blocks.get_shape()
+        self.shape = (E, groups * 32, out)
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return "MXFP4"
+
+    def __getitem__(self, key: tuple[slice, ...]) -> torch.Tensor:
+        key = tuple(key) + (slice(None),) * (3 - len(key))
+        blocks = self.blocks[key[0]].to(torch.int64)                      # [e, out, groups, 16]
+        values = torch.tensor(FP4_E2M1)[torch.stack([blocks & 0xF, blocks >> 4], -1)]  # [e, out, groups, 16, 2]
+        exponents = self.scales[key[0]].to(torch.int32) - 127             # [e, out, groups]
+        w = torch.ldexp(values.flatten(-2), exponents[..., None]).flatten(-2)  # [e, out, in]
+        return w.transpose(1, 2)[(slice(None), *key[1:])].to(self.dtype)
 
 
 def _log_fp8(quant: Fp8Config, dequantized: collections.Counter, input_scales: int) -> None:
@@ -1981,6 +2177,8 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
         if cfg.kv_lora_rank and ".self_attn." in name:  # MLA's projections: their own names, none fused
             return name, 0
         name = name.replace(".mlp.shared_experts.", ".mlp.shared_expert.")
+    if cfg.architecture == GPT_OSS and ".mlp." in name:  # router and experts: held under their own names
+        return name, 0
     if cfg.num_experts:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's hub name for its router and experts
         expert = _expert_target(name, cfg)
@@ -2195,6 +2393,9 @@ def lora_layers(model: CausalLM) -> dict[str, LoRATarget]:
 
 
 def check_lora_supported(cfg: ModelConfig) -> None:
+    if cfg.architecture == GPT_OSS:  # its experts are stacks of their own (GptOssExperts), not gate/up/down layers
+        raise ModelLoadError(f"LoRA is not supported for {GPT_OSS} (its experts run a path of their own, and no "
+                             "attention-only adapter path is tested for it): serve it without --enable-lora")
     if cfg.kv_lora_rank:  # its projections are not q/k/v/o, and kv_b_proj is absorbed, never run as a layer
         raise ModelLoadError(f"LoRA is not supported for {cfg.architecture} (multi-head latent attention): "
                              "serve it without --enable-lora")

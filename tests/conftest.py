@@ -178,6 +178,14 @@ def hf_config(arch: str, **overrides):
             base.update(q_lora_rank=24, n_group=2, topk_group=1, max_position_embeddings=512, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
                 "mscale": 0.9, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
+    elif arch == "gpt_oss":  # a 16-token sliding layer, then a full one; 8 experts (top 2), q wider than hidden;
+        from transformers import GptOssConfig  # YaRN as the released (factor 32, untruncated), 64 positions old
+        base.update(head_dim=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64})
+        cls = GptOssConfig
     else:
         raise ValueError(arch)
     base.update(overrides)

@@ -95,10 +95,11 @@ def make_batch(specs, block_size, head_dim, num_heads, num_kv_heads, poison, ext
 
 
 def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, sliding_window=None,
-                    soft_cap=None):
+                    soft_cap=None, sinks=None):
     """Dense float64 attention, one sequence at a time, straight from the definition
     (with a sliding window W, a query at p sees keys p - W + 1 .. p, as transformers';
-    with a soft cap c, each score s is c * tanh(s / c) before the mask, as Gemma 2's)."""
+    with a soft cap c, each score s is c * tanh(s / c) before the mask, as Gemma 2's;
+    with sinks, gpt-oss's, one more column of logit sinks[h] in each softmax, dropped after it)."""
     out = torch.empty(query.shape, dtype=torch.float64, device=query.device)
     block_size = k_cache.shape[1]
     group = query.shape[1] // k_cache.shape[2]
@@ -119,14 +120,19 @@ def naive_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
         if soft_cap is not None:
             scores = soft_cap * torch.tanh(scores / soft_cap)
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if sinks is not None:
+            sink = sinks.double()[:, None, None].expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v)
     return out
 
 
 def check_attention(backend: kernels.Backend, batch, sliding_window=None, **kw):
     query = batch[0]
     scale = query.shape[-1] ** -0.5
-    expected = naive_attention(*batch, scale, sliding_window, kw.get("logits_soft_cap"))
+    expected = naive_attention(*batch, scale, sliding_window, kw.get("logits_soft_cap"), kw.get("sinks"))
     got = backend.paged_attention(*batch, scale, sliding_window, **kw)
     assert got.dtype == query.dtype and got.shape == query.shape
     torch.testing.assert_close(got.double(), expected, atol=ATOL, rtol=RTOL)
@@ -263,6 +269,33 @@ def test_paged_attention_soft_cap(backend, scenario, window):
     capped = naive_attention(*batch, scale, window, 2.0)
     assert not torch.allclose(capped, naive_attention(*batch, scale, window), atol=1e-2)
     check_attention(backend, batch, window, logits_soft_cap=2.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_paged_attention_sinks(backend, scenario, window):
+    """gpt-oss's attention sinks: a logit a head in each softmax, with no value. Sinks near the
+    scores' size take a good share of the mass, so attention that ignored them would fail."""
+    torch.manual_seed(15)
+    batch = make_batch(SCENARIOS[scenario], 16, 64, 8, 2, POISON[backend.name])
+    sinks = torch.linspace(-2.0, 3.0, 8, device=DEVICE)
+    scale = batch[0].shape[-1] ** -0.5
+    assert not torch.allclose(naive_attention(*batch, scale, window, sinks=sinks),
+                              naive_attention(*batch, scale, window), atol=1e-2)
+    check_attention(backend, batch, window, sinks=sinks)
+
+
+@triton_only
+@pytest.mark.parametrize("soft_cap", [None, 3.0])
+def test_split_kv_sinks(monkeypatch, soft_cap):
+    """Sinks in split-KV's partials: split 0 starts from the sink, the others from nothing, so
+    the reduce counts it once; a sequence with an empty split too."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    torch.manual_seed(16)
+    batch = make_batch([(200, 1), (40, 1), (129, 1)], 16, 32, 4, 1, POISON["triton"])
+    assert kernels._num_kv_splits(True, 3, 1, batch[3].shape[1] * 16) > 2
+    check_attention(kernels.TRITON, batch, logits_soft_cap=soft_cap, sinks=torch.tensor([-1.0, 0.5, 2.0, 4.0]))
 
 
 @triton_only

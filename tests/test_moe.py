@@ -168,7 +168,7 @@ def _config(arch: str, **changes) -> dict:
     ("mixtral", {"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
     ("qwen3_moe", {"architectures": ["DeepseekV32ForCausalLM"]}, r"unsupported architecture 'DeepseekV32ForCausalL"),
     ("qwen3_moe", {"architectures": ["Ernie4_5_MoeForCausalLM"]}, r"'Ernie4_5_MoeForCausalLM' \(a mixture-of-exp"),
-    ("qwen3_moe", {"architectures": ["GptOssForCausalLM"]}, r"unsupported architecture 'GptOssForCausalLM'"),
+    ("qwen3_moe", {"architectures": ["GraniteMoeHybridForCausalLM"]}, r"unsupported architecture 'GraniteMoeHybr"),
     ("olmoe", {"clip_qkv": 8.0}, r"OlmoeForCausalLM with clip_qkv 8\.0 is not supported"),
     ("olmoe", {"head_dim": 32}, r"head_dim 32 \(not hidden_size / num_attention_heads, 16\) is not supported"),
     ("olmoe", {"sliding_window": 8}, r"OlmoeForCausalLM with a sliding_window is not supported"),
@@ -178,9 +178,9 @@ def _config(arch: str, **changes) -> dict:
     ("glm4_moe", {"n_group": 4, "num_experts_per_tok": 3}, r"topk_group 1 of n_group 4 groups hold fewer than "
                                                            r"num_experts_per_tok 3 experts"),
     ("glm4_moe", {"n_shared_experts": -1}, r"n_shared_experts -1: must be a non-negative integer"),
-], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek-v3.2", "ernie-moe", "gpt-oss",
-        "olmoe-clip-qkv", "olmoe-head-dim", "olmoe-window", "granite-attention-bias", "granite-shared-size",
-        "glm-groups", "glm-topk-group", "glm-shared"])
+], ids=["top-k", "no-experts", "moe-size", "sparse-step", "qwen-window", "act", "deepseek-v3.2", "ernie-moe",
+        "granite-hybrid", "olmoe-clip-qkv", "olmoe-head-dim", "olmoe-window", "granite-attention-bias",
+        "granite-shared-size", "glm-groups", "glm-topk-group", "glm-shared"])
 def test_configs_nanoserve_cannot_serve_are_refused(arch, changes, message):
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(_config(arch, **changes))

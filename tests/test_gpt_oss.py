@@ -1,0 +1,213 @@
+"""OpenAI's gpt-oss against transformers, the oracle: logits in one pass and over a cached prefix, and
+greedy tokens, with a sliding layer (16 tokens, shorter than the prompts) and a full one; attention
+sinks that change the output; YaRN (factor 32, untruncated); biases on q/k/v/o, the router and the
+experts; the clamped SwiGLU. The parameter count; bf16 through the CPU backend; the hub's MXFP4
+experts dequantized at load; greedy tokens under preemption, chunked prefill and prefix caching;
+what is refused."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import test_engine
+from conftest import hf_model
+from nanoserve import LLM, kernels
+from nanoserve.model import (GptOssMoE, ModelConfig, ModelLoadError, load_model, num_parameters)
+from test_cpu_backend import runner_with, two_steps
+from test_moe import GREEDY, check_parity, hf_greedy
+from test_parity import LONG, make_llm, variant  # noqa: F401
+
+
+def test_logits_and_greedy_match_hf(variant):
+    check_parity(variant("gpt_oss"))
+
+
+def test_config_layers_and_parameter_count_are_transformers_s(variant):
+    path = variant("gpt_oss")
+    cfg = ModelConfig.from_dir(path)
+    assert num_parameters(cfg) == sum(p.numel() for p in hf_model(path).parameters())
+    assert (cfg.sliding_window, cfg.sliding_layers, cfg.attention_sinks, cfg.attention_bias) == (16, (0,), True, True)
+    assert cfg.rope_scaling["truncate"] is False and cfg.rope_scaling["factor"] == 32.0
+    layers = load_model(path, torch.float32, torch.device("cpu"))[0].model.layers
+    assert all(isinstance(layer.mlp, GptOssMoE) for layer in layers)
+    assert layers[0].self_attn.sinks.shape == (4,) and layers[0].self_attn.o_proj.bias is not None
+
+
+def test_sinks_change_the_output(variant):
+    """The same model with its sinks at -inf (no mass taken) gives other logits: a kernel that ignored
+    sinks would fail test_logits_and_greedy_match_hf."""
+    path = variant("gpt_oss")
+    llm = make_llm(path)
+    from test_parity import nanoserve_logits
+    with_sinks = nanoserve_logits(llm, LONG, [len(LONG)])
+    for layer in llm.engine.runner.model.model.layers:
+        layer.self_attn.sinks.fill_(float("-inf"))
+    assert not torch.allclose(nanoserve_logits(llm, LONG, [len(LONG)]), with_sinks, atol=1e-2)
+
+
+def test_bf16_cpu_backend_takes_the_torch_attention_with_sinks(variant):
+    """bf16 on the CPU: the C attention has no sinks, so the backend takes the torch reference for
+    attention (its elementwise ops stay C where they build); the steps' logits are the all-torch
+    backend's to bf16 rounding, and greedy tokens run."""
+    path = variant("gpt_oss")
+    llm = make_llm(path, dtype="bfloat16")
+    assert llm.engine.backend.name.startswith("cpu (attention: torch,")
+    (cpu_prefill, cpu_decode), (ref_prefill, ref_decode) = (two_steps(runner_with(b, path))
+                                                            for b in (llm.engine.backend, kernels.TORCH))
+    assert torch.isfinite(cpu_prefill).all()
+    assert (cpu_prefill - ref_prefill).abs().median() < 0.02
+    torch.testing.assert_close(cpu_decode, ref_decode, atol=0.05, rtol=0.02)
+    outs = llm.generate([LONG[:23], LONG[5:12]], GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+def test_greedy_tokens_do_not_depend_on_preemption_chunks_or_prefix_hits(variant):
+    """test_engine's all-constraints run: preempted while chunked, prefix blocks shared, the same tokens
+    as the unconstrained run (which test_logits_and_greedy_match_hf checks against transformers)."""
+    path = variant("gpt_oss")
+    ref = test_engine.make_llm(path).generate(test_engine.PROMPTS, test_engine.GREEDY, use_tqdm=False)
+    llm = test_engine.make_llm(path, block_size=8, num_kv_blocks=17, max_num_batched_tokens=8, max_num_seqs=3)
+    outs = llm.generate(test_engine.PROMPTS, test_engine.GREEDY, use_tqdm=False)
+    assert test_engine.token_ids(outs) == test_engine.token_ids(ref)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    test_engine.assert_all_blocks_free(llm)
+
+
+def test_tensor_parallel_splits_heads_sinks_and_experts(variant):
+    """Two ranks, each with two of the four heads (and their sinks), half of each expert's intermediate
+    dim, o_proj's and down's biases added once: transformers' greedy tokens, under chunked prefill."""
+    path = variant("gpt_oss")
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=32, max_model_len=128,
+              max_num_batched_tokens=16, tensor_parallel_size=2)
+    try:
+        prompts = [LONG[:23], LONG[5:12]]
+        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = hf_model(path)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert stack [E, in, out] as the hub's gpt-oss stores it: blocks uint8 [E, out, in / 32, 16] (two
+    e2m1 values a byte, the low nibble first) and e8m0 scales uint8 [E, out, in / 32] (2 ** (byte - 127)),
+    each group of 32 scaled so that its largest value is at most 6, every value the nearest fp4 one."""
+    groups = w.transpose(1, 2).reshape(w.shape[0], w.shape[2], -1, 32)
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=1e-30) / 6)).clamp(-127, 127)
+    idx = ((groups / torch.exp2(exponent)[..., None])[..., None] - FP4).abs().argmin(-1).to(torch.uint8)
+    return idx[..., 0::2] | (idx[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(variant, tmp_path_factory):
+    """(an MXFP4 checkpoint of the tiny model, transformers' model with its experts set to transformers'
+    own dequantization of those blocks: the oracle)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+    src = variant("gpt_oss")
+    out = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    tensors, dequantized = load_file(str(src / "model.safetensors")), {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_quantize(tensors.pop(name))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (out / "config.json").write_text(json.dumps(config))
+    hf = hf_model(src)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name in dequantized:
+                assert not torch.equal(p, dequantized[name])  # fp4 rounding: the test sees its weights
+                p.copy_(dequantized[name])
+    return out, hf
+
+
+def test_mxfp4_checkpoint_is_dequantized_at_load(mxfp4_pair):
+    from test_parity import ATOL, hf_logits, nanoserve_logits
+    path, hf = mxfp4_pair
+    assert ModelConfig.from_dir(path).mxfp4
+    llm = make_llm(path)
+    torch.testing.assert_close(nanoserve_logits(llm, LONG, [len(LONG)]), hf_logits(hf, LONG), atol=ATOL, rtol=ATOL)
+    outs = llm.generate([LONG[:23]], GREEDY, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == hf_greedy(hf, LONG[:23], 8)
+
+
+def _config(**changes) -> dict:
+    from conftest import hf_config
+    return {**hf_config("gpt_oss").to_dict(), "architectures": ["GptOssForCausalLM"], **changes}
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"architectures": ["Qwen3MoeForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}},
+     r"quant_method 'mxfp4', which nanoserve serves for GptOssForCausalLM \(its experts\) only"),
+    ({"quantization_config": {"quant_method": "awq"}}, r"quant_method 'awq'.*gpt-oss's MXFP4 experts"),
+    ({"attention_bias": False}, r"GptOssForCausalLM with attention_bias false is not supported"),
+], ids=["mxfp4-elsewhere", "awq", "no-bias"])
+def test_configs_nanoserve_cannot_serve_are_refused(changes, message):
+    with pytest.raises(ModelLoadError, match=message):
+        ModelConfig.from_dict(_config(**changes))
+
+
+def test_mxfp4_blocks_without_scales_are_refused(mxfp4_pair, tmp_path):
+    from safetensors.torch import load_file, save_file
+    path, _ = mxfp4_pair
+    for f in path.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    tensors = load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"'model.layers.1.mlp.experts.down_proj_blocks'.* has no scales"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+def test_lora_is_refused_at_start_up(variant):
+    with pytest.raises(ModelLoadError, match=r"LoRA is not supported for GptOssForCausalLM"):
+        make_llm(variant("gpt_oss"), enable_lora=True)
+
+
+def test_no_cuda_graphs_for_its_host_routed_experts(variant, monkeypatch):
+    """On CUDA the Triton kernels serve it, but not captured: GptOssExperts reads the routing on the host."""
+    if kernels.TRITON is None:
+        pytest.skip("triton is not installed")
+    from nanoserve.model import select_backend
+    monkeypatch.setattr(kernels, "probe_triton", lambda *args: None)
+    backend = select_backend(ModelConfig.from_dir(variant("gpt_oss")), torch.bfloat16, torch.device("cuda"), 16)
+    assert backend.paged_attention is kernels.TRITON.paged_attention and not backend.capture_safe
+    assert select_backend(ModelConfig.from_dir(variant("qwen3_moe")), torch.bfloat16, torch.device("cuda"),
+                          16).capture_safe
+
+
+def test_mxfp4_slice_is_transformers_dequantization():
+    """Mxfp4Slice against transformers' convert_moe_packed_tensors on random bytes (every nibble, -0.0 among
+    them, exponents on both sides of 2 ** 0): the same values, whole and an expert's slice of columns."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from nanoserve.model import Mxfp4Slice
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(117, 137, (3, 10, 2), generator=gen, dtype=torch.uint8)
+
+    class Loaded:  # safetensors' slice: its shape and [key]
+        def get_shape(self):
+            return list(blocks.shape)
+
+        def __getitem__(self, key):
+            return blocks[key]
+    ref = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    got = Mxfp4Slice(Loaded(), scales)
+    assert got.get_shape() == list(ref.shape) == [3, 64, 10]
+    assert torch.equal(got[(slice(None),)], ref)
+    assert torch.equal(got[slice(1, 2), slice(None), slice(4, 8)], ref[1:2, :, 4:8])
