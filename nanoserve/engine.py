@@ -77,7 +77,7 @@ class InvalidInput(ValueError):
 # =========================================================================== parameters
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")  # one per constraint
-REASONING_PARSERS = ("deepseek_r1", "qwen3")  # vLLM's --reasoning-parser names nanoserve has
+REASONING_PARSERS = ("deepseek_r1", "openai_gptoss", "qwen3")  # vLLM's --reasoning-parser names nanoserve has
 THINK_TAGS = ("<think>", "</think>")  # what both of them read the reasoning between
 # JSON nested deeper than this is refused (a body, tool-call arguments): jinja, xgrammar or json itself may recurse
 # too far, and where json's own RecursionError falls depends on the process (torch.compile raises the limit)
@@ -727,7 +727,10 @@ class StructuredOutputManager:
         self.cache_bytes = cache_bytes
         self.compiler = None
         self.think_ids: tuple[int, int] | None = None  # (<think>, </think>): grammars start after the reasoning
-        if reasoning_parser is not None and tokenizer is not None:
+        if reasoning_parser == "openai_gptoss":  # vLLM's grammar starts after the final channel's header
+            logger.warning("[engine] --reasoning-parser openai_gptoss: structured outputs hold from the first token "
+                           "(not after the analysis channel), so a constrained reply is bare content")
+        elif reasoning_parser is not None and tokenizer is not None:
             vocab = tokenizer.get_vocab()
             if all(tag in vocab for tag in THINK_TAGS):
                 self.think_ids = tuple(vocab[tag] for tag in THINK_TAGS)

@@ -422,11 +422,13 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="the model's tool-call format: hermes (Qwen2.5, Qwen3: <tool_call>{...}</tool_call>), "
                         "llama3_json (Llama 3.1+: the output is one JSON object), "
                         "pythonic (Llama 3.2/4: the output is a Python list of calls), "
-                        "mistral (Mistral: [TOOL_CALLS] then the calls)")
+                        "mistral (Mistral: [TOOL_CALLS] then the calls), "
+                        "openai (gpt-oss: harmony messages to functions.NAME)")
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split chat output into reasoning_content (<think>...</think>) and content: deepseek_r1 "
-                        "(the output starts thinking), qwen3 (both tags needed); tool calls are read from the content, "
-                        "and structured outputs start after </think>")
+                        "(the output starts thinking), qwen3 (both tags needed), openai_gptoss (gpt-oss's harmony: "
+                        "the analysis channel is the reasoning, final the content); tool calls are read from the "
+                        "content, and structured outputs start after </think>")
     g.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
                    help="logprobs name tokens as token_id:N, unless a request's return_tokens_as_token_ids says")
     g.add_argument("--enable-prompt-tokens-details", action="store_true",
@@ -1605,8 +1607,18 @@ class NamedToolParser(ToolParser):
         return "", [{"name": self.name, "arguments": text}]
 
 
+class OpenAIToolParser(ToolParser):
+    """gpt-oss: a call is a harmony message to functions.NAME. HarmonyParser reads those with the reasoning
+    and content, for every choice of a server with this parser or --reasoning-parser openai_gptoss
+    (ChatGeneration.harmony), so this class only names the format; its feed is never called."""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        raise NotImplementedError("harmony output is read by HarmonyParser")
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser,
-                                              "mistral": MistralToolParser, "pythonic": PythonicToolParser}
+                                              "mistral": MistralToolParser, "openai": OpenAIToolParser,
+                                              "pythonic": PythonicToolParser}
 
 
 def tool_parser(tool_choice: Any, auto_parser: str | None) -> Callable[[], ToolParser] | None:
@@ -1674,6 +1686,10 @@ class ToolStream:
     def feed(self, delta_text: str, final: bool) -> tuple[str, list[dict], bool]:
         """(new content, OpenAI tool-call deltas, whether any call was made)."""
         content, found = self.parser.feed(delta_text, final)
+        return content, *self.deltas(found)
+
+    def deltas(self, found: list[dict[str, str]]) -> tuple[list[dict], bool]:
+        """A parser's calls -> (OpenAI tool-call deltas, whether any call was made)."""
         deltas = []
         for call in found:
             if "name" in call:  # a new call: its first delta names it
@@ -1681,7 +1697,7 @@ class ToolStream:
                 self.calls += 1
             else:
                 deltas.append({"index": self.calls - 1, "function": {"arguments": call["arguments"]}})
-        return content, deltas, self.calls > 0
+        return deltas, self.calls > 0
 
 
 def tool_call_body(call: dict[str, str]) -> dict[str, Any]:
@@ -1750,6 +1766,126 @@ class ReasoningParser:
             pos = len(text)
         self.held = text[pos:]
         return "".join(out["reasoning"]), "".join(out["content"])
+
+
+# =========================================================================== harmony (gpt-oss)
+
+class HarmonyParser:
+    """gpt-oss's harmony output for one choice, as vLLM serves it with --reasoning-parser openai_gptoss
+    and --tool-call-parser openai (harmony_utils.parse_chat_output and OpenAIToolParser): messages
+    ``[<|start|>assistant][ to=RECIPIENT]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>TYPE]<|message|>TEXT``,
+    each ended by <|end|>, <|call|> or <|return|> (the last two are EOS tokens, so usually not in the text).
+    The analysis channel is the reasoning; final, and commentary with no recipient (a preamble), the content;
+    a message to functions.NAME a tool call (with ``calls``; else dropped, as a call to any other recipient).
+    Messages of one kind are joined by a newline, as vLLM joins them. The markers are special tokens, so the
+    request keeps them in its text (skip_special_tokens false). An output that does not start as harmony
+    (a constraint held from the first token writes bare JSON) is all content. ``feed`` takes a stream's
+    deltas or (``whole``) a response's text, and gives (reasoning, content, calls) in ToolParser's call
+    shape; a possible marker's start is held until the next delta says. ``whole``: a call's arguments are
+    read as JSON and written back (as vLLM's), a call cut short is dropped; a stream sends them as they come."""
+    MESSAGE, CHANNEL, CONSTRAIN = "<|message|>", "<|channel|>", "<|constrain|>"
+    ENDS = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")  # <|start|>: a message its end did not close
+    OPENINGS = ("<|start|>", CHANNEL, "to=")  # how an output in harmony begins (blanks before it dropped)
+    RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+    WORD = re.compile(r"\s*([^\s<]+)")
+
+    def __init__(self, calls: bool, whole: bool = False):
+        self.calls, self.whole = calls, whole
+        self.harmony: bool | None = None  # undecided until the output's first characters say
+        self.held, self.header = "", None  # header: the open message's header text (None: in its body)
+        self.sink = None  # the open message's kind: "reasoning", "content", "call", or None (dropped)
+        self.name, self.content_type, self.body = "", "", []  # the open call's
+        self.fresh = None  # a stream's call named in this feed: its arguments go in the same delta
+        self.written = {"reasoning": False, "content": False}  # a later message of the kind starts on a new line
+
+    def feed(self, text: str, final: bool, cut: bool = False) -> tuple[str, str, list[dict[str, str]]]:
+        """``cut``: the output ended short (max_tokens) rather than on an EOS, which ends the last message."""
+        text, self.held = self.held + text, ""
+        if self.harmony is None:
+            head = text.lstrip()
+            if not head.startswith(self.OPENINGS) and not final and any(m.startswith(head) for m in self.OPENINGS):
+                self.held = text
+                return "", "", []
+            self.harmony = head.startswith(self.OPENINGS)
+            self.header = "" if self.harmony else None
+        if not self.harmony:
+            return "", text, []
+        out, calls, pos, self.fresh = {"reasoning": [], "content": []}, [], 0, None
+        while pos < len(text):
+            if self.header is not None:  # reading a header (short): up to <|message|>, maybe over several deltas
+                text, pos = self.header + text[pos:], 0
+                at = text.find(self.MESSAGE)
+                if at < 0:
+                    self.header = text
+                    break
+                self._open(text[:at], calls)
+                pos = at + len(self.MESSAGE)
+                continue
+            at, end = min(((a, m) for m in self.ENDS if (a := text.find(m, pos)) >= 0), default=(-1, ""))
+            stop = at if at >= 0 else len(text) - (0 if final else max(_tag_start(text[pos:], m) for m in self.ENDS))
+            self._write(text[pos:stop], out, calls)
+            if at < 0:
+                self.held = text[stop:]
+                break
+            self._close(calls)
+            pos = at + (0 if end == "<|start|>" else len(end))
+        if final and self.header is None:  # the output ended inside a message: on its EOS, or cut short
+            self._close(calls, whole=not cut)
+        return "".join(out["reasoning"]), "".join(out["content"]), calls
+
+    def _open(self, header: str, calls: list) -> None:
+        """A message's header is whole: where its text goes."""
+        self.header = None
+        channel = self.WORD.match(header, header.find(self.CHANNEL) + len(self.CHANNEL)) \
+            if self.CHANNEL in header else None
+        channel = channel.group(1) if channel else ""
+        recipient = self.RECIPIENT.search(header)
+        recipient = recipient.group(1) if recipient else ""
+        kind = self.WORD.match(header, header.find(self.CONSTRAIN) + len(self.CONSTRAIN)) \
+            if self.CONSTRAIN in header else None
+        self.content_type, self.body = kind.group(1) if kind else "", []
+        if recipient:
+            self.sink = "call" if recipient.startswith("functions.") and self.calls else None
+            self.name = recipient.removeprefix("functions.")
+            if self.sink and not self.whole:
+                self.fresh = {"name": self.name, "arguments": ""}
+                calls.append(self.fresh)
+        else:
+            self.sink = {"analysis": "reasoning", "final": "content", "commentary": "content"}.get(channel)
+            if self.sink and self.written[self.sink]:
+                self.body.append("\n")
+
+    def _write(self, text: str, out: dict, calls: list) -> None:
+        if not text or self.sink is None:
+            return
+        if self.sink == "call":
+            if self.whole:
+                self.body.append(text)
+            elif self.fresh is not None:
+                self.fresh["arguments"] += text
+            else:
+                calls.append({"arguments": text})
+            return
+        out[self.sink] += self.body + [text]
+        self.body, self.written[self.sink] = [], True
+
+    def _close(self, calls: list, whole: bool = True) -> None:
+        """The open message ended (``whole``) or the output did inside it."""
+        if self.sink == "call" and self.whole and whole:
+            calls.append({"name": self.name, "arguments": self._arguments("".join(self.body))})
+        self.sink, self.header, self.body, self.fresh = None, "", [], None
+
+    def _arguments(self, text: str) -> str:
+        """As vLLM's: JSON arguments (the constraint json, or none given) read and written back; else as written."""
+        if self.content_type and "json" not in self.content_type:
+            return text
+        values, end = _json_values(text, 0, "")
+        if len(values) != 1 or text[end:].strip() or not isinstance(values[0], dict):
+            return text
+        try:
+            return arguments_json(values[0])
+        except ValueError:
+            return text
 
 
 # =========================================================================== app
@@ -2847,9 +2983,12 @@ class ChatGeneration(Generation):
             raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
                                               '--tool-call-parser to be set')
         self.parser = tool_parser(req.tool_choice, state.tool_parser)  # None: no calls to parse
-        if self.parser is MistralToolParser:  # as vLLM's: [TOOL_CALLS] is a special token the text must keep
+        # gpt-oss: the output is harmony, whatever the request's tool choice (as vLLM's serving_chat reads it)
+        self.harmony = state.reasoning_parser == "openai_gptoss" or state.tool_parser == "openai"
+        if self.parser is MistralToolParser or self.harmony:  # as vLLM's: the parser reads special tokens
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
+        self.harmonies: dict[int, HarmonyParser] = {}  # likewise, for gpt-oss
         self.reasoners: dict[int, ReasoningParser] = {}  # likewise, with --reasoning-parser
         # as vLLM's get_chat_request_role: the reply's turn, or the last message's when it is continued
         self.role = "assistant" if opens_reply(req.add_generation_prompt, req.continue_final_message) \
@@ -2872,10 +3011,21 @@ class ChatGeneration(Generation):
 
     def parse_text(self, index: int, text: str, c: CompletionOutput, stream: bool) -> ParsedText:
         """Choice ``index``'s text through the parsers: with --reasoning-parser, the reasoning split off,
+        (gpt-oss: the harmony messages read into reasoning, content and, with the openai parser, calls),
         then, with tool calls asked for, the calls out of the content (the finish reason "tool_calls" once
         one is made). A stream's parsers keep their place between chunks; a response's parse it whole."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
-        if self.state.reasoning_parser is not None:
+        found = None  # calls a harmony parser read
+        if self.harmony:
+            if index not in self.harmonies:
+                self.harmonies[index] = HarmonyParser(self.parser is OpenAIToolParser, whole=not stream)
+            reasoning, content, found = self.harmonies[index].feed(text, finish is not None or not stream,
+                                                                   cut=finish not in (None, "stop"))
+            if not stream:  # as vLLM's parse_chat_output: null for none
+                reasoning = reasoning or None
+            blank = None
+            reasoning, content = reasoning if self.req.include_reasoning else None, content or ""
+        elif self.state.reasoning_parser is not None:
             parser = self.reasoner(index)
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
@@ -2883,7 +3033,11 @@ class ChatGeneration(Generation):
         if self.parser is not None:
             if index not in self.tool_streams:
                 self.tool_streams[index] = ToolStream(self.parser())
-            content, calls, made = self.tool_streams[index].feed(content, finish is not None or not stream)
+            tools = self.tool_streams[index]
+            if self.parser is OpenAIToolParser:  # read with the rest of the harmony
+                calls, made = tools.deltas(found or [])
+            else:
+                content, calls, made = tools.feed(content, finish is not None or not stream)
             if not stream:  # one feed: each call whole in its first delta
                 calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
             if self.req.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
@@ -2900,7 +3054,7 @@ class ChatGeneration(Generation):
         content = echo + p.content
         # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
         message = {"role": self.role, "content": content or (None if p.calls else p.blank),
-                   **(_thought(p.reasoning) if self.state.reasoning_parser is not None else {}),
+                   **(_thought(p.reasoning) if self.state.reasoning_parser is not None or self.harmony else {}),
                    **({"tool_calls": p.calls} if p.calls else {})}
         return _chat_choice(index, {"message": message}, logprobs, p.finish_reason, c, extra)
 

@@ -1,0 +1,154 @@
+"""gpt-oss's harmony output read as vLLM serves it (--reasoning-parser openai_gptoss, --tool-call-parser
+openai): HarmonyParser on crafted texts, whole and streamed a character at a time (every marker split
+across deltas); the tokenizer's harmony special tokens kept in the text a request parses; and the chat
+endpoint end to end on the tiny model, its output forced by a structured-outputs choice (the random model
+would never write harmony; the markers then come as plain text over several deltas, the harder case)."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from nanoserve.entry import HarmonyParser, parse_args
+from test_server import ServerThread
+from test_tools import TOOLS, chat, chat_stream
+
+THINK = "The user asks for the weather. Use the tool."
+BOTH = f"<|channel|>analysis<|message|>{THINK}<|end|><|start|>assistant<|channel|>final<|message|>It is sunny."
+# a call as gpt-oss writes it: <|call|> is an EOS token, so not in the text (with it, the same)
+CALL = (f"<|channel|>analysis<|message|>{THINK}<|end|><|start|>assistant<|channel|>commentary "
+        'to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris", "days": 3}')
+CASES = [  # text -> (reasoning, content, [(name, arguments)]) as a response reads it, ended on an EOS
+    (BOTH + "<|return|>", THINK, "It is sunny.", []),
+    (BOTH, THINK, "It is sunny.", []),
+    ("<|channel|>final<|message|>Just this.", None, "Just this.", []),  # no analysis: all content
+    (CALL, THINK, None, [("get_weather", '{"city": "Paris", "days": 3}')]),
+    (CALL + "<|call|>", THINK, None, [("get_weather", '{"city": "Paris", "days": 3}')]),
+    # the recipient in the header before the channel; a content type without <|constrain|>
+    (' to=functions.get_time<|channel|>commentary json<|message|>{"tz": "cet"}', None, None,
+     [("get_time", '{"tz": "cet"}')]),
+    # a preamble (commentary, no recipient) is content; messages of a kind are joined by newlines
+    ("<|channel|>analysis<|message|>a<|end|><|start|>assistant<|channel|>analysis<|message|>b<|end|>"
+     "<|start|>assistant<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+     'to=functions.get_time<|message|>{"tz": "utc"}<|call|>', "a\nb", "Checking.", [("get_time", '{"tz": "utc"}')]),
+    # a recipient that is no function (a built-in tool) is neither content nor a call; arguments not JSON stay text
+    ('<|channel|>analysis<|message|>r<|end|><|start|>assistant to=browser.search<|channel|>analysis<|message|>'
+     '{"q": 1}<|call|>', "r", None, []),
+    ('<|channel|>commentary to=functions.f <|constrain|>json<|message|>{oops', None, None, [("f", "{oops")]),
+    # not harmony at all (a constraint held from the first token writes bare JSON): all content
+    ('{"city": "Paris"}', None, '{"city": "Paris"}', []),
+    ("", None, None, []),
+]
+
+
+def whole(text: str, calls: bool = True, cut: bool = False):
+    reasoning, content, found = HarmonyParser(calls, whole=True).feed(text, True, cut)
+    return reasoning or None, content or None, [(c["name"], c["arguments"]) for c in found]
+
+
+def streamed(text: str, calls: bool = True, cut: bool = False, size: int = 1):
+    parser, reasoning, content, found = HarmonyParser(calls), "", "", []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)] or [""]
+    for i, piece in enumerate(pieces):
+        r, c, deltas = parser.feed(piece, i == len(pieces) - 1, cut)
+        reasoning, content = reasoning + r, content + c
+        for d in deltas:
+            if "name" in d:
+                found.append([d["name"], d["arguments"]])
+            else:
+                found[-1][1] += d["arguments"]
+    return reasoning or None, content or None, [tuple(f) for f in found]
+
+
+@pytest.mark.parametrize("text,reasoning,content,calls", CASES)
+def test_harmony_parser(text, reasoning, content, calls):
+    """A response's fields; a stream's deltas add up to the same (its arguments as the model wrote them),
+    however the text is cut, and leak no marker; without tool calls asked for, calls are dropped."""
+    assert whole(text) == (reasoning, content, calls)
+    for size in (1, 3, 1000):
+        r, c, found = streamed(text, size=size)
+        assert (r, c) == (reasoning, content)
+        assert [name for name, _ in found] == [name for name, _ in calls]
+        for (_, args), (_, want) in zip(found, calls):
+            assert args.replace(" ", "") == want.replace(" ", "")
+    assert whole(text, calls=False) == (reasoning, content, [])
+    assert streamed(text, calls=False) == (reasoning, content, [])
+
+
+def test_cut_short():
+    """max_tokens ends it mid-message: the reasoning so far (a marker's start held back while streaming
+    comes out at the end), and a call cut short is no call (as vLLM's: only whole messages are calls)."""
+    for text in ("<|channel|>analysis<|message|>Thinking about it", "<|channel|>analysis<|message|>Thinking <|en",
+                 "<|channel|>analy"):
+        want = text.partition("<|message|>")[2] or None
+        assert whole(text, cut=True) == (want, None, []) == streamed(text, cut=True, size=2)
+    text = '<|channel|>commentary to=functions.get_time<|message|>{"tz": "u'
+    assert whole(text, cut=True) == (None, None, [])
+    assert streamed(text, cut=True) == (None, None, [("get_time", '{"tz": "u')])  # a stream sent what came
+
+
+def test_special_tokens_are_kept_for_the_parser(tiny_model, tmp_path):
+    """The markers are special tokens: decoded with skip_special_tokens (the default) they vanish; a
+    harmony request decodes with them kept, so the parser sees them."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    markers = ["<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>", "<|call|>", "<|return|>"]
+    tok.add_special_tokens({"additional_special_tokens": markers})
+    ids = tok.encode(BOTH + "<|return|>", add_special_tokens=False)
+    assert sum(i in tok.all_special_ids for i in ids) == 7  # the markers, each one token
+    assert "<|" not in tok.decode(ids, skip_special_tokens=True)
+    assert whole(tok.decode(ids, skip_special_tokens=False)) == (THINK, "It is sunny.", [])
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    with ServerThread(tiny_model, "--enable-auto-tool-choice", "--tool-call-parser", "openai",
+                      "--reasoning-parser", "openai_gptoss", "--max-model-len", "512") as s:
+        yield s
+
+
+def reasoning_stream(server, **body):
+    chunks, content, calls, finish = chat_stream(server, **body)
+    reasoning = "".join(ch["choices"][0]["delta"].get("reasoning_content", "") for ch in chunks)
+    return reasoning, content, calls, finish
+
+
+def test_chat_reads_harmony(server):
+    """The flags parse; analysis -> reasoning_content (and reasoning, vLLM's later name), final -> content,
+    a call -> tool_calls with finish_reason tool_calls, whole and streamed; max_tokens cut mid-analysis
+    gives the reasoning so far; include_reasoning false drops it."""
+    args = parse_args(["--dtype", "float32", "--enable-auto-tool-choice", "--tool-call-parser", "openai",
+                       "--reasoning-parser", "openai_gptoss"])
+    assert (args.tool_call_parser, args.reasoning_parser) == ("openai", "openai_gptoss")
+    (choice,) = chat(server, structured_outputs={"choice": [BOTH]}, max_tokens=300)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": "It is sunny.", "reasoning_content": THINK,
+                                 "reasoning": THINK} and choice["finish_reason"] == "stop"
+    assert reasoning_stream(server, structured_outputs={"choice": [BOTH]}, max_tokens=300) == \
+        (THINK, "It is sunny.", [], "stop")
+    body = dict(tools=TOOLS, structured_outputs={"choice": [CALL]}, max_tokens=300)
+    (choice,) = chat(server, **body)["choices"]
+    (call,) = choice["message"]["tool_calls"]
+    assert (choice["message"]["content"], choice["message"]["reasoning_content"], choice["finish_reason"]) == \
+        (None, THINK, "tool_calls")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}
+    reasoning, content, calls, finish = reasoning_stream(server, **body)
+    assert (reasoning, content, finish) == (THINK, "", "tool_calls")
+    assert [c[0] for c in calls] == ["get_weather"] and json.loads(calls[0][1]) == {"city": "Paris", "days": 3}
+    # without tools the call is dropped, its reasoning stays
+    (choice,) = chat(server, structured_outputs={"choice": [CALL]}, max_tokens=300)["choices"]
+    assert choice["message"] == {"role": "assistant", "content": None, "reasoning_content": THINK,
+                                 "reasoning": THINK} and choice["finish_reason"] == "stop"
+    cut = len(server.engine.tokenizer.encode(BOTH.partition("<|end|>")[0], add_special_tokens=False)) - 3
+    (choice,) = chat(server, structured_outputs={"choice": [BOTH]}, max_tokens=cut, temperature=0)["choices"]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] is None
+    assert THINK.startswith(choice["message"]["reasoning_content"]) and choice["message"]["reasoning_content"]
+    reasoning, content, calls, finish = reasoning_stream(server, structured_outputs={"choice": [BOTH]},
+                                                         max_tokens=cut, temperature=0)  # the same tokens
+    assert (reasoning, content, finish) == (choice["message"]["reasoning_content"], "", "length")
+    (choice,) = chat(server, include_reasoning=False, structured_outputs={"choice": [BOTH]})["choices"]
+    assert choice["message"]["reasoning_content"] is None and choice["message"]["content"] == "It is sunny."
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "structured_outputs": {"choice": [BOTH]},
+                                                          "max_tokens": 300}, timeout=60)
+    assert r.json()["choices"][0]["text"] == BOTH  # the completions endpoint does not parse (as vLLM's)
+    server.wait_idle()
