@@ -447,7 +447,7 @@ def test_the_grammar_waits_for_the_end_of_the_reasoning(think_llm, model_root):
     from transformers import AutoTokenizer
     untagged = AutoTokenizer.from_pretrained(make_model(model_root, "qwen3"))
     assert StructuredOutputManager(untagged, vocab, eos, reasoning_parser="qwen3").think_ids is None
-    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, qwen3, got 'granite'"):
+    with pytest.raises(ValueError, match="reasoning_parser must be one of deepseek_r1, openai_gptoss, qwen3, got 'granite'"):
         LLM(str(make_model(model_root, "qwen3")), reasoning_parser="granite")
 
 
