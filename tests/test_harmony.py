@@ -114,10 +114,14 @@ def reasoning_stream(server, **body):
     return reasoning, content, calls, finish
 
 
-def test_chat_reads_harmony(server):
+def test_chat_reads_harmony(server, monkeypatch):
     """The flags parse; analysis -> reasoning_content (and reasoning, vLLM's later name), final -> content,
     a call -> tool_calls with finish_reason tool_calls, whole and streamed; max_tokens cut mid-analysis
-    gives the reasoning so far; include_reasoning false drops it."""
+    gives the reasoning so far; include_reasoning false drops it. Chat requests keep the special tokens."""
+    state = server.app.state.server
+    skips, add_request = [], state.async_llm.add_request
+    monkeypatch.setattr(state.async_llm, "add_request", lambda prompt, params, *a, **k:
+                        skips.append(params.skip_special_tokens) or add_request(prompt, params, *a, **k))
     args = parse_args(["--dtype", "float32", "--enable-auto-tool-choice", "--tool-call-parser", "openai",
                        "--reasoning-parser", "openai_gptoss"])
     assert (args.tool_call_parser, args.reasoning_parser) == ("openai", "openai_gptoss")
@@ -151,4 +155,5 @@ def test_chat_reads_harmony(server):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "structured_outputs": {"choice": [BOTH]},
                                                           "max_tokens": 300}, timeout=60)
     assert r.json()["choices"][0]["text"] == BOTH  # the completions endpoint does not parse (as vLLM's)
+    assert len(skips) == 9 and not any(skips[:-1]) and skips[-1]  # the completion decodes as it asks
     server.wait_idle()
