@@ -1792,7 +1792,8 @@ class HarmonyParser:
     def __init__(self, calls: bool, whole: bool = False):
         self.calls, self.whole = calls, whole
         self.harmony: bool | None = None  # undecided until the output's first characters say
-        self.held, self.header = "", None  # header: the open message's header text (None: in its body)
+        self.held, self.header = "", None  # header: the open message's header, read so far (None: in its body)
+        self.tail = ""
         self.sink = None  # the open message's kind: "reasoning", "content", "call", or None (dropped)
         self.name, self.content_type, self.body = "", "", []  # the open call's
         self.fresh = None  # a stream's call named in this feed: its arguments go in the same delta
@@ -1807,17 +1808,20 @@ class HarmonyParser:
                 self.held = text
                 return "", "", []
             self.harmony = head.startswith(self.OPENINGS)
-            self.header = "" if self.harmony else None
+            self.header = [] if self.harmony else None
         if not self.harmony:
             return "", text, []
         out, calls, pos, self.fresh = {"reasoning": [], "content": []}, [], 0, None
         while pos < len(text):
-            if self.header is not None:  # reading a header (short): up to <|message|>, maybe over several deltas
-                text, pos = self.header + text[pos:], 0
-                at = text.find(self.MESSAGE)
-                if at < 0:
-                    self.header = text
+            if self.header is not None:  # reading a header: up to <|message|>, maybe over several deltas
+                tail, piece = self.tail, text[pos:]  # tail: the header's end, which may hold <|message|>'s start
+                at = (tail + piece).find(self.MESSAGE)
+                self.header.append(piece)
+                if at < 0:  # each delta is read once, so a header never ended costs what its text does
+                    self.tail = (tail + piece)[-len(self.MESSAGE) + 1:]
                     break
+                text = "".join(self.header)
+                at += len(text) - len(piece) - len(tail)
                 self._open(text[:at], calls)
                 pos = at + len(self.MESSAGE)
                 continue
@@ -1835,7 +1839,7 @@ class HarmonyParser:
 
     def _open(self, header: str, calls: list) -> None:
         """A message's header is whole: where its text goes."""
-        self.header = None
+        self.header, self.tail = None, ""
         channel = self.WORD.match(header, header.find(self.CHANNEL) + len(self.CHANNEL)) \
             if self.CHANNEL in header else None
         channel = channel.group(1) if channel else ""
@@ -1873,7 +1877,7 @@ class HarmonyParser:
         """The open message ended (``whole``) or the output did inside it."""
         if self.sink == "call" and self.whole and whole:
             calls.append({"name": self.name, "arguments": self._arguments("".join(self.body))})
-        self.sink, self.header, self.body, self.fresh = None, "", [], None
+        self.sink, self.header, self.body, self.fresh = None, [], [], None
 
     def _arguments(self, text: str) -> str:
         """As vLLM's: JSON arguments (the constraint json, or none given) read and written back; else as written."""

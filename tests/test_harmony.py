@@ -157,3 +157,4 @@ def test_chat_reads_harmony(server, monkeypatch):
     assert r.json()["choices"][0]["text"] == BOTH  # the completions endpoint does not parse (as vLLM's)
     assert len(skips) == 9 and not any(skips[:-1]) and skips[-1]  # the completion decodes as it asks
     server.wait_idle()
+
