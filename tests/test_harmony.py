@@ -156,5 +156,11 @@ def test_chat_reads_harmony(server, monkeypatch):
                                                           "max_tokens": 300}, timeout=60)
     assert r.json()["choices"][0]["text"] == BOTH  # the completions endpoint does not parse (as vLLM's)
     assert len(skips) == 9 and not any(skips[:-1]) and skips[-1]  # the completion decodes as it asks
+    # a named function: its grammar holds from the first token, so the reply is bare JSON, which is no harmony
+    named = {"type": "function", "function": {"name": "get_time"}}
+    (choice,) = chat(server, tools=TOOLS, tool_choice=named, max_tokens=100)["choices"]
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_time" and json.loads(call["function"]["arguments"])["tz"] in ("utc", "cet")
+    assert choice["message"]["reasoning_content"] is None and not choice["message"]["content"]
     server.wait_idle()
 
