@@ -10,6 +10,7 @@ import json
 import httpx
 import pytest
 
+from nanoserve import entry
 from nanoserve.entry import HarmonyParser, parse_args
 from test_server import ServerThread
 from test_tools import TOOLS, chat, chat_stream
@@ -164,3 +165,26 @@ def test_chat_reads_harmony(server, monkeypatch):
     assert choice["message"]["reasoning_content"] is None and not choice["message"]["content"]
     server.wait_idle()
 
+
+
+def test_responses_and_messages_read_harmony(server, monkeypatch):
+    """The Responses API: the analysis a reasoning item, the call a function_call item; the Messages API
+    (its output forced through the chat body it becomes, as test_anthropic.py does): a thinking block, then
+    a tool_use block."""
+    body = dict(input="weather in Paris?", structured_outputs={"choice": [CALL]}, max_output_tokens=300,
+                tools=[{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                       for t in TOOLS])
+    r = httpx.post(server.url + "/v1/responses", json=body, timeout=60).json()
+    assert [i["type"] for i in r["output"]] == ["reasoning", "function_call"], r
+    assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": THINK}]
+    assert (r["output"][1]["name"], json.loads(r["output"][1]["arguments"])) == ("get_weather", {"city": "Paris",
+                                                                                               "days": 3})
+    chat_body = entry.AnthropicMessagesRequest.chat_body
+    monkeypatch.setattr(entry.AnthropicMessagesRequest, "chat_body", lambda self, rid: {
+        **chat_body(self, rid), "structured_outputs": {"choice": [CALL]}})
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    a = httpx.post(server.url + "/v1/messages", json=dict(model=server.args.served_model_name[0], max_tokens=300,
+                   messages=[{"role": "user", "content": "hi"}], tools=tools), timeout=60).json()
+    assert [b["type"] for b in a["content"]] == ["thinking", "tool_use"] and a["stop_reason"] == "tool_use", a
+    assert a["content"][0]["thinking"] == THINK and a["content"][1]["input"] == {"city": "Paris", "days": 3}
+    server.wait_idle()
