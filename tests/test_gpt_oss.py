@@ -14,10 +14,10 @@ import torch
 
 import test_engine
 from conftest import hf_model
-from nanoserve import LLM, kernels
+from nanoserve import kernels
 from nanoserve.model import (GptOssMoE, ModelConfig, ModelLoadError, load_model, num_parameters)
 from test_cpu_backend import runner_with, two_steps
-from test_moe import GREEDY, check_parity, hf_greedy
+from test_moe import GREEDY, check_parity, check_tp2_greedy, hf_greedy
 from test_parity import LONG, make_llm, variant  # noqa: F401
 
 
@@ -80,16 +80,7 @@ def test_greedy_tokens_do_not_depend_on_preemption_chunks_or_prefix_hits(variant
 def test_tensor_parallel_splits_heads_sinks_and_experts(variant):
     """Two ranks, each with two of the four heads (and their sinks), half of each expert's intermediate
     dim, o_proj's and down's biases added once: transformers' greedy tokens, under chunked prefill."""
-    path = variant("gpt_oss")
-    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=32, max_model_len=128,
-              max_num_batched_tokens=16, tensor_parallel_size=2)
-    try:
-        prompts = [LONG[:23], LONG[5:12]]
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    hf = hf_model(path)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+    check_tp2_greedy(variant("gpt_oss"))
 
 
 FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])

@@ -11,11 +11,11 @@ import torch
 
 import test_engine
 from conftest import hf_config, hf_model
-from nanoserve import LLM, kernels
+from nanoserve import kernels
 from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
 from nanoserve.model import MLP, MLAAttention, ModelConfig, ModelLoadError, SparseMoeBlock, load_model, num_parameters
 from test_cpu_backend import _c_or_skip, runner_with, two_steps
-from test_moe import GREEDY, check_parity, hf_greedy
+from test_moe import GREEDY, check_parity, check_tp2_greedy
 from test_parity import LONG, make_llm, variant  # noqa: F401
 
 # one group (of 2 experts) of 4 chosen: both experts from the best one's group, where greedy's second might not be
@@ -100,16 +100,7 @@ def test_bf16_cpu_runs_the_c_kernels(variant, arch):
 def test_tensor_parallel_splits_the_heads(variant, arch, overrides):
     """Two ranks, each with two of the four heads (its rows of q and kv_b, its columns of o), the latent
     and its cache on both: transformers' greedy tokens, under chunked prefill."""
-    path = variant(arch, **overrides)
-    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=32, max_model_len=128,
-              max_num_batched_tokens=16, tensor_parallel_size=2)
-    try:
-        prompts = [LONG[:23], LONG[5:12]]
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    finally:
-        llm.shutdown()
-    hf = hf_model(path)
-    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in prompts]
+    check_tp2_greedy(variant(arch, **overrides))
 
 
 def _config(arch: str, **changes) -> dict:

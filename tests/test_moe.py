@@ -233,7 +233,11 @@ def test_tensor_parallel_splits_every_expert(variant, arch, overrides):
     """Two ranks, each holding its half of every expert's intermediate dim (and of the shared expert
     and the dense layer): transformers' greedy tokens, under chunked prefill. OLMoE's q and k norms
     span the ranks' heads (and its one KV head, which both ranks hold)."""
-    path = variant(arch, **overrides)
+    check_tp2_greedy(variant(arch, **overrides))
+
+
+def check_tp2_greedy(path) -> None:
+    """Two ranks give transformers' greedy tokens for two prompts, under chunked prefill (16-token chunks)."""
     llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=32, max_model_len=128,
               max_num_batched_tokens=16, tensor_parallel_size=2)
     try:
