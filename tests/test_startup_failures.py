@@ -95,4 +95,4 @@ def test_a_quantized_checkpoint_is_refused_by_name(tiny_model, tmp_path):
     err = run_cli("--model", str(model), "--port", "0")
     assert err == (f"error: cannot serve {model}: the checkpoint is quantized with quant_method 'gptq', which "
                    "nanoserve does not serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) "
-                   "and FP8 ones (quant_method 'fp8', block or per-tensor)")
+                   "and FP8 ones (quant_method 'fp8', block or per-tensor), and gpt-oss's MXFP4 experts")
