@@ -54,6 +54,18 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert all(b.ref_cnt == 0 for b in llm.engine.scheduler.block_manager.blocks)
 
 
+def check_tokens_survive_preemption_chunks_and_prefix_hits(path) -> None:
+    """The all-constraints run (preempted while chunked, prefix blocks shared) gives the unconstrained
+    run's greedy tokens, and ends with every block free: a new model family's check."""
+    ref = make_llm(path).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = make_llm(path, block_size=8, num_kv_blocks=17, max_num_batched_tokens=8, max_num_seqs=3)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert token_ids(outs) == token_ids(ref)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert_all_blocks_free(llm)
+
+
 @pytest.fixture(scope="module")
 def reference(model):
     """The unconstrained run: everything fits, one step prefills all prompts."""

@@ -67,14 +67,7 @@ def test_bf16_cpu_backend_takes_the_torch_attention_with_sinks(variant):
 def test_greedy_tokens_do_not_depend_on_preemption_chunks_or_prefix_hits(variant):
     """test_engine's all-constraints run: preempted while chunked, prefix blocks shared, the same tokens
     as the unconstrained run (which test_logits_and_greedy_match_hf checks against transformers)."""
-    path = variant("gpt_oss")
-    ref = test_engine.make_llm(path).generate(test_engine.PROMPTS, test_engine.GREEDY, use_tqdm=False)
-    llm = test_engine.make_llm(path, block_size=8, num_kv_blocks=17, max_num_batched_tokens=8, max_num_seqs=3)
-    outs = llm.generate(test_engine.PROMPTS, test_engine.GREEDY, use_tqdm=False)
-    assert test_engine.token_ids(outs) == test_engine.token_ids(ref)
-    stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    test_engine.assert_all_blocks_free(llm)
+    test_engine.check_tokens_survive_preemption_chunks_and_prefix_hits(variant("gpt_oss"))
 
 
 def test_tensor_parallel_splits_heads_sinks_and_experts(variant):

@@ -67,14 +67,7 @@ def test_v3_softmax_scale_is_yarn_s_mscale_all_dim_squared(variant):
 def test_greedy_tokens_do_not_depend_on_preemption_chunks_or_prefix_hits(variant):
     """test_engine's all-constraints run on V3: preempted while chunked, prefix blocks shared, the same
     tokens as the unconstrained run (which test_logits_and_greedy_match_hf checks against transformers)."""
-    path = variant("deepseek_v3")
-    ref = test_engine.make_llm(path).generate(test_engine.PROMPTS, test_engine.GREEDY, use_tqdm=False)
-    llm = test_engine.make_llm(path, block_size=8, num_kv_blocks=17, max_num_batched_tokens=8, max_num_seqs=3)
-    outs = llm.generate(test_engine.PROMPTS, test_engine.GREEDY, use_tqdm=False)
-    assert test_engine.token_ids(outs) == test_engine.token_ids(ref)
-    stats = llm.stats()
-    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
-    test_engine.assert_all_blocks_free(llm)
+    test_engine.check_tokens_survive_preemption_chunks_and_prefix_hits(variant("deepseek_v3"))
 
 
 @pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
