@@ -1885,13 +1885,12 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     loaded = _fp8_slice(name, loaded, scales, cfg.quantization, file)
                 if name.endswith(MXFP4_BLOCKS) and cfg.mxfp4:
                     name, loaded = _mxfp4_slice(name, loaded, mxfp4_scales, file)
-                    dequantized[params[name].dtype if name in params else torch.float32] += 1
                 target, shard = _target_param(name, cfg)
                 if target is None:
                     continue
                 if target not in params:
                     raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
-                if isinstance(loaded, Fp8Slice):
+                if isinstance(loaded, (Fp8Slice, Mxfp4Slice)):  # dequantized straight into the parameter's dtype
                     loaded.dtype = params[target].dtype
                     dequantized[loaded.dtype] += 1
                 loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", default_weight_loader)
