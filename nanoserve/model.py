@@ -365,9 +365,9 @@ def fp8_config(quant: Any) -> Fp8Config | None:
     if scale_fmt not in ("float", "ue8m0"):
         raise ModelLoadError(f"FP8 checkpoint with scale_fmt {scale_fmt!r} is not supported (float or ue8m0)")
     kv = sorted(k for k, v in quant.items() if "kv_cache" in k and v)
-    if kv:  # the scales of an fp8 KV cache (vLLM's --kv-cache-dtype fp8), which nanoserve does not have
-        raise ModelLoadError(f"FP8 checkpoint with {', '.join(kv)} (an fp8 KV cache) is not supported: nanoserve "
-                             "dequantizes the weights only, and its KV cache has the model's dtype")
+    if kv:  # for vLLM's --kv-cache-dtype fp8; with its default (auto) vLLM leaves them unused, as here
+        logger.info("[model] FP8 checkpoint with %s: not applied, the KV cache holds the model's dtype (as vLLM's "
+                    "with --kv-cache-dtype auto)", ", ".join(kv))
     return Fp8Config(weight_block_size=tuple(block) if block is not None else None, activation_scheme=scheme)
 
 
@@ -1867,14 +1867,14 @@ def load_weights(model: CausalLM, path: Path) -> int:
     pending = _expected_shards(params, modules)
     files = checkpoint_files(path)
     scales = _fp8_scales(files, cfg.quantization) if cfg.quantization else {}
-    scale_names, dequantized, input_scales = set(scales), collections.Counter(), 0
+    scale_names, dequantized, input_scales, kv_scales = set(scales), collections.Counter(), 0, 0
     mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if _KV_CACHE_SCALE.search(name):
-                    raise ModelLoadError(f"tensor {name!r} in {file.name} is an fp8 KV-cache scale, which nanoserve "
-                                         "does not serve (its KV cache has the model's dtype)")
+                    kv_scales += 1  # as vLLM's --kv-cache-dtype auto: the KV cache has the model's dtype
+                    continue
                 if name in scale_names or name in mxfp4_scales:
                     continue  # read with its weight
                 if cfg.quantization and name.endswith(_ACTIVATION_SCALES):
@@ -1909,6 +1909,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
                              + (" ..." if len(missing) > 5 else ""))
     if cfg.quantization:
         _log_fp8(cfg.quantization, dequantized, input_scales)
+    if kv_scales:
+        logger.info("[model] %d fp8 KV-cache scales (k_scale, v_scale ...) not applied: the KV cache holds the "
+                    "model's dtype, as vLLM's with --kv-cache-dtype auto", kv_scales)
     if cfg.mxfp4:
         dtype = str(next(iter(dequantized), torch.float32)).replace("torch.", "")
         logger.info("[model] MXFP4 checkpoint: %d expert weights dequantized to %s as they were loaded (held "

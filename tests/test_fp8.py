@@ -246,12 +246,33 @@ def test_other_quantization_methods_are_refused_by_name(tiny_model, quant, messa
     ({"weight_block_size": [128]}, "FP8 checkpoint's weight_block_size [128] must be two positive integers"),
     ({"weight_block_size": [128, 0]}, "FP8 checkpoint's weight_block_size [128, 0] must be two positive integers"),
     ({"expert_dtype": "fp4"}, "FP8 checkpoint with expert_dtype 'fp4' is not supported"),
-    ({"kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "FP8 checkpoint with kv_cache_scheme (an fp8 KV cache) "
-                                                            "is not supported"),
-], ids=["e5m2", "scheme", "block-1", "block-0", "fp4-experts", "kv-cache"])
+], ids=["e5m2", "scheme", "block-1", "block-0", "fp4-experts"])
 def test_fp8_variants_not_served_are_refused(tiny_model, quant, message):
     with pytest.raises(ModelLoadError, match=r"^" + re.escape(message)):
         ModelConfig.from_dict(_config(tiny_model, quant_method="fp8", **quant))
+
+
+def test_fp8_kv_cache_scales_are_left_unused_as_vllms_auto_kv_cache_dtype_does(model_root, caplog):
+    """A checkpoint made for vLLM's --kv-cache-dtype fp8 (kv_cache_scheme, k_scale/v_scale tensors) loads
+    as without them: the KV cache holds the model's dtype, and each is logged, not refused."""
+    def add_scales(tensors):
+        for layer in range(2):
+            for kind in ("k", "v"):
+                tensors[f"model.layers.{layer}.self_attn.{kind}_proj.{kind}_scale"] = torch.tensor(0.5)
+    path = _edited(model_root, "kv-scales", add_scales)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float"}
+    (path / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    plain, _ = load_model(fp8_model(model_root, "qwen3", (48, 40)), torch.float32, torch.device("cpu"))
+    theirs = dict(plain.named_parameters())
+    assert all(torch.equal(p, theirs[name]) for name, p in model.named_parameters())
+    logs = [r.getMessage() for r in caplog.records]
+    assert "[model] FP8 checkpoint with kv_cache_scheme: not applied, the KV cache holds the model's dtype (as " \
+           "vLLM's with --kv-cache-dtype auto)" in logs
+    assert "[model] 4 fp8 KV-cache scales (k_scale, v_scale ...) not applied: the KV cache holds the model's " \
+           "dtype, as vLLM's with --kv-cache-dtype auto" in logs
 
 
 def _edited(model_root: Path, name: str, edit) -> Path:
@@ -276,10 +297,7 @@ Q = "model.layers.0.self_attn.q_proj"
      f"tensor '{Q}.weight_scale_inv' has shape (2, 2), expected (3, 2): '{Q}.weight' (128, 64) in blocks of 48x40"),
     ("stray-scale", lambda t: t.update({"model.layers.0.input_layernorm.weight_scale_inv": torch.ones(1)}),
      "unexpected tensor 'model.layers.0.input_layernorm.weight_scale_inv': a scale with no fp8 weight beside it"),
-    ("kv-scale", lambda t: t.update({"model.layers.0.self_attn.k_proj.k_scale": torch.tensor(1.0)}),
-     "tensor 'model.layers.0.self_attn.k_proj.k_scale' in model.safetensors is an fp8 KV-cache scale, which "
-     "nanoserve does not serve (its KV cache has the model's dtype)"),
-], ids=["no-scale", "bad-grid", "stray-scale", "kv-scale"])
+], ids=["no-scale", "bad-grid", "stray-scale"])
 def test_a_broken_fp8_checkpoint_is_refused_in_one_line(model_root, name, edit, message):
     path = _edited(model_root, name, edit)
     with pytest.raises(ModelLoadError) as e:
