@@ -271,13 +271,14 @@ def test_cuda_graphs_on_triton_the_experts_never_sync_and_warm_up_compiles_their
         monkeypatch.setattr(kernels, name, RecordedKernel(name, launches))
     guard = no_host_sync(monkeypatch)
     steps = []
-    for T in (3, 3, 200):  # two routings of one batch, then a prefill large enough for the 64-row tile
+    for T in (3, 3, 260):  # two routings of one batch, then a prefill large enough for the 64-row tile
         launches.clear()
         with guard, torch.no_grad():
             assert moe(torch.randn(T, cfg.hidden_size)).shape == (T, cfg.hidden_size)
         steps.append([(name, grid, sorted(c.items())) for name, grid, c in launches])
     assert steps[0] == steps[1] and len(steps[0]) == 3
-    assert {c["HAS_BIAS"] for name, _, c in launches if name == "_fused_moe_kernel"} == {True}
+    gemms = [dict(c) for step in steps for name, _, c in step if name == "_fused_moe_kernel"]
+    assert {c["HAS_BIAS"] for c in gemms} == {True} and {c["BLOCK_M"] for c in gemms} == {16, 64}
     launches.clear()
     experts = moe.experts
     kernels.warm_up_fused_moe_triton(experts.w13_weight, experts.w2_weight, moe.top_k, **experts.moe_kwargs)
