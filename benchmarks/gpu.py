@@ -75,8 +75,7 @@ for _p in (str(HERE), str(ROOT)):
 # deepseek_v2 (no q_lora_rank, softmax routing), deepseek_v3 (noaux_tc routing, YaRN): multi-head latent
 #   attention, MQA of 4 heads over one 64-wide latent cache, K and V one tensor (the Triton store writes it once);
 # gpt_oss: attention sinks (the Triton kernel's SINKS variant), a sliding then a full layer, YaRN, biased experts
-#   with the clamped SwiGLU (a torch path of their own on every backend, which reads the routing on the host: its
-#   "graphs" config runs eager)
+#   with the clamped SwiGLU (on the device Triton's fused MoE with biases and swigluoai, captured in "graphs")
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2",
          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe", "deepseek_v2", "deepseek_v3",
          "gpt_oss")

@@ -60,7 +60,7 @@ def nothing_to_compile(num_heads: int, k_cache: torch.Tensor, v_cache: torch.Ten
     """The references' ``warm_up``: eager torch compiles nothing."""
 
 
-def no_moe_to_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
+def no_moe_to_compile(w13: torch.Tensor, w2: torch.Tensor, top_k: int, **moe_kwargs) -> None:
     """The references' ``warm_up_moe``: nothing to compile either."""
 
 
@@ -94,15 +94,19 @@ class Backend:
     argmax(logits [rows, vocab]) -> int64 [rows]
     top_k_top_p(logits [rows, vocab] fp32, top_k: list[int], top_p: list[float]) -> the logits with
       each row's tokens outside its top-k and top-p set to -inf (model.apply_top_k_top_p's masks, bit for bit)
-    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k])
+    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, k], topk_ids [T, k],
+              w13_bias=None [E, 2I], w2_bias=None [E, H], activation="silu", swiglu_alpha=1.702,
+              swiglu_limit=7.0)
       -> [T, H]: a mixture-of-experts MLP once the router has chosen (vLLM's fused_experts);
-      capture-safe in TRITON (ids are not range-checked: that would sync)
+      capture-safe in TRITON (ids are not range-checked: that would sync). The biases, and an
+      activation other than silu (MOE_ACTIVATIONS: gpt-oss's swigluoai), only where
+      ``fused_moe_biases`` (the CPU's fused_moe takes neither)
 
     ``warm_up(num_heads, k_cache, v_cache, max_context, logits_soft_cap=None)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
     throwaway step (Triton's split-KV counts, which grow with the context).
-    ``warm_up_moe(w13, w2, top_k)`` the same for a mixture-of-experts layer's fused_moe
-    (Triton's large tile, which only a long prefill reaches).
+    ``warm_up_moe(w13, w2, top_k, **moe_kwargs)`` the same for a mixture-of-experts layer's fused_moe
+    (Triton's large tile, which only a long prefill reaches), with the layer's biases and activation.
 
     ``capture_safe``: no op syncs with the host or allocates by the data, so a CUDA
     graph can capture a forward (the torch references read seq_lens on the host).
@@ -124,6 +128,7 @@ class Backend:
     warm_up_moe: Callable[..., None] = no_moe_to_compile
     top_k_top_p: Callable[..., torch.Tensor] = top_k_top_p_reference
     capture_safe: bool = False
+    fused_moe_biases: bool = False  # fused_moe takes the biases and activations of gpt-oss's experts
 
 
 # =========================================================================== torch references
@@ -311,14 +316,35 @@ def gelu_tanh_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def swigluoai_and_mul_torch(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU (vLLM's swigluoai_and_mul, transformers' GptOssExperts._apply_gate): gate and
+    up interleaved (columns 2j, 2j + 1), gate clamped above at limit, up both ways, then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate, up = gate_up[..., ::2].clamp(max=limit), gate_up[..., 1::2].clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+MOE_ACTIVATIONS = ("silu", "gelu_tanh", "swigluoai")  # fused_moe's (vLLM's names; gelu_tanh: Gemma's GELU)
+
+
+def moe_act_torch(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """fused_moe_torch's activation, by its MOE_ACTIVATIONS name."""
+    if activation == "swigluoai":
+        return swigluoai_and_mul_torch(gate_up, alpha, limit)
+    return gelu_tanh_and_mul_torch(gate_up) if activation == "gelu_tanh" else silu_and_mul_torch(gate_up)
+
+
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor) -> torch.Tensor:
+                    topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                    activation: str = "silu", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
     """The experts of a mixture-of-experts MLP, after routing: token t's output is
     sum_j topk_weights[t, j] * expert_e(x[t]) over its chosen e = topk_ids[t, j], each
-    expert a SiLU gated MLP, w2[e] @ (silu(w13[e][:I] @ x) * (w13[e][I:] @ x)) (vLLM's
-    w13: gate rows, then up rows). Each expert runs once, on the tokens that chose it,
+    expert a gated MLP, w2[e] @ act(w13[e] @ x + w13_bias[e]) + w2_bias[e]; act silu(gate) * up
+    over vLLM's w13 (gate rows, then up rows), or another of MOE_ACTIVATIONS (swigluoai: gpt-oss's,
+    gate and up rows interleaved). Each expert runs once, on the tokens that chose it,
     and the weighted outputs are summed in fp32. Not capture-safe: which tokens
     chose which expert is read on the host."""
+    _check_moe_options(w13, w2, w13_bias, w2_bias, activation)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     flat_ids = topk_ids.reshape(-1)
     order = flat_ids.argsort(stable=True)        # the (token, choice) pairs grouped by expert
@@ -330,8 +356,9 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        h = silu_and_mul_torch(F.linear(x[rows], w13[e]))
-        y = F.linear(h, w2[e])
+        h = moe_act_torch(F.linear(x[rows], w13[e], None if w13_bias is None else w13_bias[e]), activation,
+                          swiglu_alpha, swiglu_limit)
+        y = F.linear(h, w2[e], None if w2_bias is None else w2_bias[e])
         out.index_add_(0, rows, y.float() * weights[start:start + n, None].float())
         start += n
     return out.to(x.dtype)
@@ -698,15 +725,33 @@ if triton is not None:
         gelu = (0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))).to(dt).to(tl.float32)
         tl.store(out_ptr + t * n + cols, (gelu * u).to(dt), mask=ok)
 
+    @triton.jit
+    def _swigluoai_and_mul_kernel(gate_up_ptr, out_ptr, n, alpha, limit, BLOCK: tl.constexpr):
+        """Grid (tokens, column blocks): gpt-oss's clamped SwiGLU, gate and up interleaved (columns 2j,
+        2j + 1), (up + 1) * gate * sigmoid(alpha * gate), rounded to the output's dtype where the torch
+        twin's steps round."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < n
+        dt = out_ptr.dtype.element_ty
+        g = tl.load(gate_up_ptr + t * 2 * n + 2 * cols, mask=ok, other=0.0).to(tl.float32)
+        u = tl.load(gate_up_ptr + t * 2 * n + 2 * cols + 1, mask=ok, other=0.0).to(tl.float32)
+        g = tl.minimum(g, limit).to(dt).to(tl.float32)  # clamped to limit as the dtype holds it, as torch's
+        u = tl.minimum(tl.maximum(u, -limit), limit).to(dt).to(tl.float32)
+        sigmoid = (1.0 / (1.0 + tl.exp(-(g * alpha).to(dt).to(tl.float32)))).to(dt).to(tl.float32)
+        glu = (g * sigmoid).to(dt).to(tl.float32)
+        tl.store(out_ptr + t * n + cols, ((u + 1.0).to(dt).to(tl.float32) * glu).to(dt), mask=ok)
+
     # num_pairs (T * k) changes with the batch: unspecialised, so a new batch compiles nothing.
     @triton.jit(do_not_specialize=["num_pairs"])
-    def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr,
+    def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, bias_ptr,
                           N, K, num_pairs, a_stride_m, a_stride_k, w_stride_e, w_stride_n, w_stride_k,
-                          c_stride_m, c_stride_n, PAIRS_PER_ROW: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                          c_stride_m, c_stride_n, bias_stride_e, bias_stride_n, PAIRS_PER_ROW: tl.constexpr,
+                          MUL_ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
         """Grid (blocks of sorted pairs, blocks of N): one expert's grouped GEMM on one tile,
-        c[pair] = a[pair // PAIRS_PER_ROW] @ w[expert]^T (times the pair's routing weight).
+        c[pair] = a[pair // PAIRS_PER_ROW] @ w[expert]^T (+ bias[expert]) (times the pair's routing weight).
         The first launch reads x (a token's row serves its k pairs: PAIRS_PER_ROW = k), the
         second the activations (one row a pair). A block past the last expert's exits: the grid is sized
         for the worst routing, so that it never depends on the data."""
@@ -726,6 +771,9 @@ if triton is not None:
             a = tl.load(rows + k[None, :] * a_stride_k, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(cols + k[:, None] * w_stride_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if HAS_BIAS:  # added to the fp32 sum before its one rounding, as F.linear's bias
+            bias = tl.load(bias_ptr + expert * bias_stride_e + n * bias_stride_n, mask=n_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
         dt = c_ptr.dtype.element_ty
         if MUL_ROUTED_WEIGHT:  # the expert's output rounded to the model's dtype first, as the reference's
             weight = tl.load(topk_weights_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)
@@ -951,14 +999,15 @@ def rotary_triton(q, k, positions, cos_cache, sin_cache):
     return q_out, k_out
 
 
-def _act_and_mul_triton(kernel, gate_up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up with ``kernel`` (SiLU's or GELU's): one program per token and column block."""
+def _act_and_mul_triton(kernel, gate_up: torch.Tensor, *args) -> torch.Tensor:
+    """act(gate) * up with ``kernel`` (SiLU's, GELU's, or swigluoai's, its ``args`` alpha and limit):
+    one program per token and column block."""
     gate_up = gate_up.contiguous()
     T, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(T, n, dtype=gate_up.dtype, device=gate_up.device)
     if T:
         block = min(1024, triton.next_power_of_2(n))
-        kernel[(T, triton.cdiv(n, block))](gate_up, out, n, BLOCK=block)
+        kernel[(T, triton.cdiv(n, block))](gate_up, out, n, *args, BLOCK=block)
     return out
 
 
@@ -968,6 +1017,17 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gelu_tanh_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return _act_and_mul_triton(_gelu_tanh_and_mul_kernel, gate_up)
+
+
+def swigluoai_and_mul_triton(gate_up: torch.Tensor, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    return _act_and_mul_triton(_swigluoai_and_mul_kernel, gate_up, float(alpha), float(limit))
+
+
+def moe_act_triton(gate_up: torch.Tensor, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """fused_moe_triton's activation, by its MOE_ACTIVATIONS name (moe_act_torch's twin)."""
+    if activation == "swigluoai":
+        return swigluoai_and_mul_triton(gate_up, alpha, limit)
+    return gelu_tanh_and_mul_triton(gate_up) if activation == "gelu_tanh" else silu_and_mul_triton(gate_up)
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
@@ -1014,51 +1074,69 @@ def _check_moe(x, w13, w2, topk_weights, topk_ids) -> None:
         raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype} and {w2.dtype}")
 
 
+def _check_moe_options(w13, w2, w13_bias, w2_bias, activation: str) -> None:
+    """The biases' shapes and dtypes, and the activation's name (a typo would otherwise run SiLU)."""
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"unknown MoE activation {activation!r}: one of {', '.join(MOE_ACTIVATIONS)}")
+    for name, bias, shape in (("w13_bias", w13_bias, w13.shape[:2]), ("w2_bias", w2_bias, w2.shape[:2])):
+        if bias is not None and (bias.shape != shape or bias.dtype != w13.dtype):
+            raise ValueError(f"need {name} {tuple(shape)} in {w13.dtype} (the weights'), got {tuple(bias.shape)} "
+                             f"in {bias.dtype}")
+
+
 def _moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
     """BLOCK_M of the grouped GEMMs: fixed by the shapes, so by a captured graph's batch."""
     large = num_tokens * top_k >= _MOE_BLOCK_M_LARGE * num_experts
     return _MOE_BLOCK_M_LARGE if large else _MOE_BLOCK_M_SMALL
 
 
-def _grouped_gemm(a, w, out, topk_weights, sorted_ids, expert_ids, pairs_per_row: int, block_m: int) -> None:
-    """out [T * k, N] = the grouped GEMM of each pair's row of ``a`` with its expert's w [E, N, K]."""
+def _grouped_gemm(a, w, out, topk_weights, bias, sorted_ids, expert_ids, pairs_per_row: int, block_m: int) -> None:
+    """out [T * k, N] = the grouped GEMM of each pair's row of ``a`` with its expert's w [E, N, K]
+    (any strides: gpt-oss's are transformers' [E, K, N] read transposed), plus its bias [E, N]."""
     N, K = w.shape[1], w.shape[2]
     grid = (expert_ids.shape[0], triton.cdiv(N, _MOE_BLOCK_N))
     weights = out if topk_weights is None else topk_weights  # unread without weights; any tensor is a pointer
-    _fused_moe_kernel[grid](a, w, out, weights, sorted_ids, expert_ids, N, K, out.shape[0], *a.stride(),
-                            *w.stride(), *out.stride(), PAIRS_PER_ROW=pairs_per_row,
-                            MUL_ROUTED_WEIGHT=topk_weights is not None, BLOCK_M=block_m, BLOCK_N=_MOE_BLOCK_N,
+    bias_or_w = w if bias is None else bias  # so for the bias (then unread, and its strides 0)
+    _fused_moe_kernel[grid](a, w, out, weights, sorted_ids, expert_ids, bias_or_w, N, K, out.shape[0], *a.stride(),
+                            *w.stride(), *out.stride(), *(bias.stride() if bias is not None else (0, 0)),
+                            PAIRS_PER_ROW=pairs_per_row, MUL_ROUTED_WEIGHT=topk_weights is not None,
+                            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_MOE_BLOCK_N,
                             BLOCK_K=_MOE_BLOCK_K, PRECISION="ieee" if a.dtype == torch.float32 else None)
 
 
-def fused_moe_triton(x, w13, w2, topk_weights, topk_ids) -> torch.Tensor:
-    """vLLM's fused_experts: align the pairs to experts' blocks, x @ w13[e]^T for each pair,
-    silu(gate) * up, @ w2[e]^T times the routing weight, then each token's k rows summed in
-    fp32. Capture-safe: no host sync, and every shape and grid follows from (T, k, E) alone."""
+def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation: str = "silu",
+                     swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
+    """vLLM's fused_experts: align the pairs to experts' blocks, x @ w13[e]^T + w13_bias[e] for each
+    pair, the activation (silu(gate) * up, or another of MOE_ACTIVATIONS), @ w2[e]^T + w2_bias[e] times
+    the routing weight, then each token's k rows summed in fp32 (fused_moe_torch's result). Capture-safe:
+    no host sync, and every shape and grid follows from (T, k, E) alone."""
     _check_moe(x, w13, w2, topk_weights, topk_ids)
+    _check_moe_options(w13, w2, w13_bias, w2_bias, activation)
     (T, H), (E, I), k = x.shape, (w2.shape[0], w2.shape[2]), topk_ids.shape[1]
     if T == 0 or k == 0:  # no pair: an empty grid, which Triton refuses
         return torch.zeros_like(x)
     block_m = _moe_block_m(T, k, E)
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, E, block_m)
     gate_up = x.new_empty(T * k, 2 * I)  # one row a pair: pair t * k + j reads x[t]
-    _grouped_gemm(x, w13, gate_up, None, sorted_ids, expert_ids, k, block_m)
+    _grouped_gemm(x, w13, gate_up, None, w13_bias, sorted_ids, expert_ids, k, block_m)
     down = x.new_empty(T * k, H)
     # the routing weights as fp32 whatever the router left them in (Mixtral fp32, Qwen the model's dtype): a
     # pointer's dtype is part of a Triton variant, so one variant serves every model, the one warm-up compiled
     weights = topk_weights.reshape(-1).to(torch.float32)
-    _grouped_gemm(silu_and_mul_triton(gate_up), w2, down, weights, sorted_ids, expert_ids, 1, block_m)
+    h = moe_act_triton(gate_up, activation, swiglu_alpha, swiglu_limit)
+    _grouped_gemm(h, w2, down, weights, w2_bias, sorted_ids, expert_ids, 1, block_m)
     return down.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
-def warm_up_fused_moe_triton(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> None:
-    """Compile both tiles of fused_moe_triton for these weights before traffic (Triton compiles
-    a variant on its first launch; a CUDA graph's capture cannot): a token, and a batch just
-    large enough for the 64-row tile, all routed to expert 0."""
+def warm_up_fused_moe_triton(w13: torch.Tensor, w2: torch.Tensor, top_k: int, **moe_kwargs) -> None:
+    """Compile both tiles of fused_moe_triton for these weights, and the layer's biases and activation
+    (``moe_kwargs``, fused_moe_triton's), before traffic (Triton compiles a variant on its first launch; a
+    CUDA graph's capture cannot): a token, and a batch just large enough for the 64-row tile, all
+    routed to expert 0."""
     E, H = w13.shape[0], w13.shape[2]
     for T in (1, -(-_MOE_BLOCK_M_LARGE * E // top_k)):
         ids = torch.zeros(T, top_k, dtype=torch.int32, device=w13.device)
-        fused_moe_triton(w13.new_zeros(T, H), w13, w2, torch.ones(T, top_k, device=w13.device), ids)
+        fused_moe_triton(w13.new_zeros(T, H), w13, w2, torch.ones(T, top_k, device=w13.device), ids, **moe_kwargs)
 
 
 def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int) -> None:
@@ -1086,8 +1164,12 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     getattr(TRITON, act_and_mul_name(cfg))(zeros(1, 2 * cfg.intermediate_size))
     if cfg.num_experts:  # one expert stands for all (the widths and top_k fix what compiles, not E)
         H, I, top_k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-        fused_moe_triton(x, zeros(1, 2 * I, H), zeros(1, H, I), zeros(1, top_k),
-                         torch.zeros(1, top_k, dtype=torch.int32, device=device))
+        w13, w2, moe_kwargs = zeros(1, 2 * I, H), zeros(1, H, I), {}
+        if cfg.moe_activation == "swigluoai":  # gpt-oss's experts: biases, transformers' layout read transposed
+            w13, w2 = zeros(1, H, 2 * I).transpose(1, 2), zeros(1, I, H).transpose(1, 2)
+            moe_kwargs = dict(w13_bias=zeros(1, 2 * I), w2_bias=zeros(1, H), activation="swigluoai")
+        fused_moe_triton(x, w13, w2, zeros(1, top_k), torch.zeros(1, top_k, dtype=torch.int32, device=device),
+                         **moe_kwargs)
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)
 
@@ -1096,9 +1178,11 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
 
 TORCH = Backend("torch", store_kvcache_torch, paged_attention_torch, rms_norm_torch,
                 add_rms_norm(rms_norm_torch), rotary_torch, silu_and_mul_torch, gelu_tanh_and_mul_torch,
-                gemma_rms_norm_torch, add_rms_norm(gemma_rms_norm_torch), argmax_torch, fused_moe_torch)
+                gemma_rms_norm_torch, add_rms_norm(gemma_rms_norm_torch), argmax_torch, fused_moe_torch,
+                fused_moe_biases=True)
 TRITON = None if triton is None else Backend(
     "triton", store_kvcache_triton, paged_attention_triton, rms_norm_triton, fused_add_rms_norm_triton,
     rotary_triton, silu_and_mul_triton, gelu_tanh_and_mul_triton, gemma_rms_norm_triton,
     gemma_fused_add_rms_norm_triton, argmax_cuda, fused_moe_triton,
-    warm_up=warm_up_paged_attention_triton, warm_up_moe=warm_up_fused_moe_triton, capture_safe=True)
+    warm_up=warm_up_paged_attention_triton, warm_up_moe=warm_up_fused_moe_triton, capture_safe=True,
+    fused_moe_biases=True)

@@ -189,6 +189,7 @@ class ModelConfig:
     # gpt-oss: a learned logit a head in each attention softmax (no value), the experts' clamped SwiGLU
     # (GptOssExperts), and its hub checkpoints' MXFP4 experts (dequantized at load)
     attention_sinks: bool = False
+    moe_activation: str = "silu"  # the experts' (kernels.MOE_ACTIVATIONS): gpt-oss's swigluoai, with biases
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     mxfp4: bool = False
@@ -385,7 +386,7 @@ def _gpt_oss_config(c: dict[str, Any], mxfp4: bool) -> dict[str, Any]:
     """gpt-oss's own fields, as transformers' GptOssConfig reads them."""
     if not c.get("attention_bias", True):
         raise ModelLoadError(f"{GPT_OSS} with attention_bias false is not supported (its checkpoints have them)")
-    return dict(attention_sinks=True, swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
+    return dict(attention_sinks=True, moe_activation="swigluoai", swiglu_alpha=float(c.get("swiglu_alpha", 1.702)),
                 swiglu_limit=float(c.get("swiglu_limit", 7.0)), mxfp4=mxfp4)
 
 
@@ -1519,6 +1520,11 @@ class FusedMoE(nn.Module):
         self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
         self.backend, self.tp = backend, (tp if reduce_results else tp.partial())
 
+    @property
+    def moe_kwargs(self) -> dict:
+        """fused_moe's keywords for these experts: none (no biases, SiLU), as warm-up compiles them."""
+        return {}
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.backend.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
 
@@ -1591,13 +1597,14 @@ class SparseMoeBlock(nn.Module):
 class GptOssExperts(nn.Module):
     """gpt-oss's experts, held as transformers' GptOssExperts holds them: ``gate_up_proj [E, H, 2I]`` (gate
     and up interleaved: columns 2j gate, 2j + 1 up), ``gate_up_proj_bias [E, 2I]``, ``down_proj [E, I, H]``,
-    ``down_proj_bias [E, H]``. Run by the torch reference on every backend, an expert at a time as
-    kernels.fused_moe_torch runs them: the fused MoE kernels (Triton's, the CPU's) have no biases nor this
-    clamped SwiGLU, and threading both through each was not worth a readable path. Under tensor parallelism
-    a rank holds its slice of each expert's I (a run of whole gate/up pairs, down's rows) and rank 0 the
-    down bias (zeros elsewhere), so the caller's one all-reduce sums to the whole."""
+    ``down_proj_bias [E, H]``. The backend's fused_moe runs them (vLLM's gpt-oss: activation swigluoai, which
+    reads gate and up interleaved, and the biases) on the weights read transposed (w13_weight, w2_weight:
+    views in fused_moe's [E, 2I, H] and [E, H, I], no copy); a backend whose fused_moe takes no biases (the
+    CPU's) leaves them to the reference, kernels.fused_moe_torch. Under tensor parallelism a rank holds its
+    slice of each expert's I (a run of whole gate/up pairs, down's rows) and rank 0 the down bias (zeros
+    elsewhere), so the caller's one all-reduce sums to the whole."""
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
         E, H = cfg.num_experts, cfg.hidden_size
         self.full_intermediate_size = cfg.moe_intermediate_size
@@ -1606,22 +1613,26 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * n))
         self.down_proj = nn.Parameter(torch.empty(E, n, H))
         self.down_proj_bias = nn.Parameter(torch.empty(E, H))
-        self.alpha, self.limit, self.tp = cfg.swiglu_alpha, cfg.swiglu_limit, tp
+        self.fused_moe = backend.fused_moe if backend.fused_moe_biases else kernels.fused_moe_torch
+        self.activation, self.alpha, self.limit = cfg.moe_activation, cfg.swiglu_alpha, cfg.swiglu_limit
+        self.tp = tp
 
-    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The clamped SwiGLU (transformers' GptOssExperts._apply_gate): gate clamped above, up both ways,
-        (up + 1) * gate * sigmoid(alpha * gate)."""
-        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+    @property
+    def w13_weight(self) -> torch.Tensor:
+        return self.gate_up_proj.transpose(1, 2)
+
+    @property
+    def w2_weight(self) -> torch.Tensor:
+        return self.down_proj.transpose(1, 2)
+
+    @property
+    def moe_kwargs(self) -> dict:
+        """fused_moe's keywords for these experts (their forward's, and warm-up's)."""
+        return dict(w13_bias=self.gate_up_proj_bias, w2_bias=self.down_proj_bias, activation=self.activation,
+                    swiglu_alpha=self.alpha, swiglu_limit=self.limit)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
-        for e in topk_ids.unique().tolist():
-            token, slot = torch.where(topk_ids == e)
-            h = self.act(x[token] @ self.gate_up_proj[e] + self.gate_up_proj_bias[e])
-            y = h @ self.down_proj[e] + self.down_proj_bias[e]
-            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype))
-        return out
+        return self.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids, **self.moe_kwargs)
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
         """This rank's slice of I of each expert, read an expert at a time (an MXFP4 checkpoint's are
@@ -1650,7 +1661,7 @@ class GptOssMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: Backend, tp: TPGroup):
         super().__init__()
         self.router = ReplicatedLinear(cfg.hidden_size, cfg.num_experts, bias=True)
-        self.experts = GptOssExperts(cfg, tp)
+        self.experts = GptOssExperts(cfg, backend, tp)
         self.top_k, self.tp = cfg.num_experts_per_tok, tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -1800,10 +1811,6 @@ def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, b
             if kernels.TRITON is None:
                 raise ImportError("triton is not installed")
             kernels.probe_triton(cfg, dtype, device, block_size)
-            if cfg.architecture == GPT_OSS:  # GptOssExperts reads which expert each token chose on the host
-                logger.info("[kernels] Triton kernels; no CUDA graphs: gpt-oss's experts run the torch reference, "
-                            "which reads the routing on the host")
-                return dataclasses.replace(kernels.TRITON, capture_safe=False)
             return kernels.TRITON
         except Exception as e:  # noqa: BLE001 - Triton's compiler and launcher raise many kinds
             logger.warning("[kernels] Triton kernels unusable here (%s): torch references, no CUDA graphs",
@@ -3459,9 +3466,10 @@ class ModelRunner:
             attention = self.model.model.layers[0].self_attn
             self.backend.warm_up(attention.num_heads, *self.kv_caches[0], self.max_blocks * self.block_size,
                                  **attention.attn_kwargs)
-            moe = next((m for m in self.model.modules() if isinstance(m, SparseMoeBlock)), None)
+            moe = next((m for m in self.model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoE))), None)
             if moe is not None:  # every sparse layer has the same shapes: one compiles them all
-                self.backend.warm_up_moe(moe.experts.w13_weight, moe.experts.w2_weight, moe.top_k)
+                experts = moe.experts
+                self.backend.warm_up_moe(experts.w13_weight, experts.w2_weight, moe.top_k, **experts.moe_kwargs)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

@@ -3,7 +3,8 @@ greedy tokens, with a sliding layer (16 tokens, shorter than the prompts) and a 
 sinks that change the output; YaRN (factor 32, untruncated); biases on q/k/v/o, the router and the
 experts; the clamped SwiGLU. The parameter count; bf16 through the CPU backend; the hub's MXFP4
 experts dequantized at load; greedy tokens under preemption, chunked prefill and prefix caching;
-what is refused."""
+what is refused. Its experts through fused_moe: Triton's (the interpreter) against the torch twin, the
+twin against transformers' GptOssExperts, and on CUDA captured (no host read, warm-up's variants)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +18,7 @@ from conftest import hf_model
 from nanoserve import kernels
 from nanoserve.model import (GptOssMoE, ModelConfig, ModelLoadError, load_model, num_parameters)
 from test_cpu_backend import runner_with, two_steps
+from test_kernels import moe_case, triton_only
 from test_moe import GREEDY, check_parity, check_tp2_greedy, hf_greedy
 from test_parity import LONG, make_llm, variant  # noqa: F401
 
@@ -162,16 +164,138 @@ def test_lora_is_refused_at_start_up(variant):
         make_llm(variant("gpt_oss"), enable_lora=True)
 
 
-def test_no_cuda_graphs_for_its_host_routed_experts(variant, monkeypatch):
-    """On CUDA the Triton kernels serve it, but not captured: GptOssExperts reads the routing on the host."""
-    if kernels.TRITON is None:
-        pytest.skip("triton is not installed")
-    from nanoserve.model import select_backend
+# --------------------------------------------------------------------------- its experts through fused_moe
+
+def gpt_oss_moe_case(T, E, k, H, I, routing, limit=1.0):
+    """test_kernels' MoE case as gpt-oss's experts: transformers' layout [E, H, 2I] and [E, I, H] read
+    transposed (as GptOssExperts hands them to fused_moe), random biases, and a SwiGLU limit that the
+    inputs exceed (so that a kernel without the clamps differs)."""
+    x, w13, w2, topk_weights, topk_ids = moe_case(T, E, k, H, I, routing, ids_dtype=torch.int32)
+    g = torch.Generator().manual_seed(T * 31 + E)
+    w13 = w13.transpose(1, 2).contiguous().transpose(1, 2) * 3  # gate/up values well past the limit
+    w2 = w2.transpose(1, 2).contiguous().transpose(1, 2)
+    kwargs = dict(w13_bias=torch.randn(E, 2 * I, generator=g), w2_bias=torch.randn(E, H, generator=g),
+                  activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=limit)
+    return (x, w13, w2, topk_weights, topk_ids), kwargs
+
+
+@triton_only
+@pytest.mark.parametrize("T,E,k,H,I,routing", [
+    (1, 4, 2, 16, 24, "random"),     # one token (a decode)
+    (7, 8, 2, 40, 20, "skewed"),     # experts nobody chose; H, I not multiples of the tiles
+    (13, 5, 1, 16, 40, "random"),    # k = 1
+    (5, 3, 3, 16, 16, "random"),     # every expert chosen by every token
+    (70, 2, 2, 32, 48, "random"),    # 140 pairs over 2 experts: the 64-row tile
+], ids=["T1", "unchosen", "k1", "all-experts", "block64"])
+def test_fused_moe_triton_with_biases_and_swigluoai_is_the_torch_twin_s(T, E, k, H, I, routing):
+    args, kwargs = gpt_oss_moe_case(T, E, k, H, I, routing)
+    gate_up = args[0] @ args[1][0].T
+    assert (gate_up.abs() > kwargs["swiglu_limit"]).float().mean() > 0.2  # the clamps bite
+    want = kernels.fused_moe_torch(*args, **kwargs)
+    torch.testing.assert_close(kernels.fused_moe_triton(*args, **kwargs), want, rtol=1e-4, atol=1e-4)
+    for change in ({"w13_bias": None}, {"w2_bias": None}, {"activation": "silu"}):  # each part shows
+        assert not torch.allclose(kernels.fused_moe_torch(*args, **{**kwargs, **change}), want, atol=1e-2)
+
+
+@triton_only
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_fused_moe_triton_with_biases_and_the_other_activations(activation):
+    args, kwargs = gpt_oss_moe_case(9, 4, 2, 16, 24, "random")
+    kwargs["activation"] = activation
+    torch.testing.assert_close(kernels.fused_moe_triton(*args, **kwargs), kernels.fused_moe_torch(*args, **kwargs),
+                               rtol=1e-4, atol=1e-4)
+
+
+@triton_only
+def test_swigluoai_and_mul_triton_is_the_torch_twin_s():
+    """Both clamps (gate above only, up both ways) and a width that is not a power of two."""
+    gate_up = torch.randn(3, 2 * 40, generator=torch.Generator().manual_seed(1)) * 6
+    want = kernels.swigluoai_and_mul_torch(gate_up, 1.5, 2.0)
+    torch.testing.assert_close(kernels.swigluoai_and_mul_triton(gate_up, 1.5, 2.0), want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(want, kernels.swigluoai_and_mul_torch(gate_up, 1.5, 50.0))
+
+
+def test_experts_through_fused_moe_are_transformers_gpt_oss_experts():
+    """The oracle for the torch twin: transformers' GptOssExperts (interleaved gate/up, biases, the
+    clamped SwiGLU, an expert a token at a time) against ours, which hands its weights transposed to
+    fused_moe: on the references and on the CPU backend (whose fused_moe takes no biases: the reference
+    serves), with a limit the values pass and experts nobody chose."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as HfExperts
+
+    from conftest import hf_config
+    from nanoserve.cpu_backend import build_cpu_backend
+    from nanoserve.model import GptOssExperts, TPGroup
+    hf = HfExperts(hf_config("gpt_oss", swiglu_limit=0.5))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    cfg = ModelConfig.from_dict(_config(swiglu_limit=0.5))
+    T, E = 6, cfg.num_experts
+    x = torch.randn(T, cfg.hidden_size, generator=g)
+    topk_ids = torch.stack([torch.randperm(E // 2, generator=g)[:2] for _ in range(T)])  # experts 4..7 idle
+    topk_weights = torch.rand(T, 2, generator=g).softmax(-1)
+    want = hf(x, topk_ids, topk_weights)
+    cpu = build_cpu_backend(cfg, torch.float32, 16, enforce_eager=False)
+    assert not cpu.fused_moe_biases
+    for backend in (kernels.TORCH, cpu):
+        ours = GptOssExperts(cfg, backend, TPGroup())
+        ours.load_state_dict(hf.state_dict())
+        assert ours.fused_moe is kernels.fused_moe_torch
+        torch.testing.assert_close(ours(x, topk_weights, topk_ids), want, rtol=1e-5, atol=1e-5)
+    for name, value in (("limit", 50.0), ("alpha", 3.0)):  # the data make both show
+        setattr(ours, name, value)
+        assert not torch.allclose(ours(x, topk_weights, topk_ids), want, atol=1e-3), name
+        setattr(ours, name, getattr(hf, name))
+
+
+@pytest.mark.skipif(kernels.TRITON is None, reason="triton is not installed")
+def test_cuda_graphs_on_triton_the_experts_never_sync_and_warm_up_compiles_their_variants(variant, monkeypatch):
+    """On CUDA the Triton kernels serve gpt-oss captured: its MoE layer (router, top-k, softmax, the fused
+    experts) reads nothing on the host (test_kernels' guard, the kernels recorded rather than run), and
+    launches the same grids for any routing; warm-up with the experts' moe_kwargs launches every variant
+    (biases, swigluoai, both tiles) that the layer's steps launch."""
+    from nanoserve.model import GptOssMoE, TPGroup, select_backend
+    from test_kernels import RecordedKernel, no_host_sync
     monkeypatch.setattr(kernels, "probe_triton", lambda *args: None)
-    backend = select_backend(ModelConfig.from_dir(variant("gpt_oss")), torch.bfloat16, torch.device("cuda"), 16)
-    assert backend.paged_attention is kernels.TRITON.paged_attention and not backend.capture_safe
-    assert select_backend(ModelConfig.from_dir(variant("qwen3_moe")), torch.bfloat16, torch.device("cuda"),
-                          16).capture_safe
+    cfg = ModelConfig.from_dir(variant("gpt_oss"))
+    backend = select_backend(cfg, torch.bfloat16, torch.device("cuda"), 16)
+    assert backend is kernels.TRITON and backend.capture_safe
+    moe = GptOssMoE(cfg, kernels.TRITON, TPGroup())
+    assert moe.experts.fused_moe is kernels.fused_moe_triton
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_()
+    launches = []
+    for name in ("_fused_moe_kernel", "_swigluoai_and_mul_kernel"):
+        monkeypatch.setattr(kernels, name, RecordedKernel(name, launches))
+    guard = no_host_sync(monkeypatch)
+    steps = []
+    for T in (3, 3, 260):  # two routings of one batch, then a prefill large enough for the 64-row tile
+        launches.clear()
+        with guard, torch.no_grad():
+            assert moe(torch.randn(T, cfg.hidden_size)).shape == (T, cfg.hidden_size)
+        steps.append([(name, grid, sorted(c.items())) for name, grid, c in launches])
+    assert steps[0] == steps[1] and len(steps[0]) == 3
+    gemms = [dict(c) for step in steps for name, _, c in step if name == "_fused_moe_kernel"]
+    assert {c["HAS_BIAS"] for c in gemms} == {True} and {c["BLOCK_M"] for c in gemms} == {16, 64}
+    launches.clear()
+    experts = moe.experts
+    kernels.warm_up_fused_moe_triton(experts.w13_weight, experts.w2_weight, moe.top_k, **experts.moe_kwargs)
+    warm = [(name, sorted(c.items())) for name, _, c in launches]
+    assert all((name, c) in warm for step in steps for name, _, c in step)
+
+
+def test_bad_biases_and_activations_are_one_line_errors():
+    args, kwargs = gpt_oss_moe_case(3, 4, 2, 16, 24, "random")
+    ops = [kernels.fused_moe_torch] + ([kernels.fused_moe_triton] if kernels.TRITON else [])
+    for op in ops:
+        with pytest.raises(ValueError, match=r"need w13_bias \(4, 48\)"):
+            op(*args, **{**kwargs, "w13_bias": kwargs["w13_bias"][:, :-1]})
+        with pytest.raises(ValueError, match=r"need w2_bias \(4, 16\) in torch.float32.*torch.float64"):
+            op(*args, **{**kwargs, "w2_bias": kwargs["w2_bias"].double()})
+        with pytest.raises(ValueError, match=r"unknown MoE activation 'swiglu': one of silu, gelu_tanh, swigluoai"):
+            op(*args, **{**kwargs, "activation": "swiglu"})
 
 
 def test_mxfp4_slice_is_transformers_dequantization():

@@ -27,7 +27,8 @@ def cfg(tiny_model) -> ModelConfig:
 @needs_triton
 def test_the_triton_probe_launches_every_kernel(cfg, model_root, monkeypatch):
     """kernels.probe_triton launches each Triton kernel once (a new kernel the model uses must be probed too):
-    SiLU's for the Qwen3 model, GELU's (and Gemma's norms) for a Gemma 3, the experts' for a MoE model."""
+    SiLU's for the Qwen3 model, GELU's (and Gemma's norms) for a Gemma 3, the experts' for a MoE model,
+    gpt-oss's clamped SwiGLU for its experts."""
     names = [n for n, v in vars(kernels).items() if n.endswith("_kernel") and hasattr(v, "__getitem__")]
     launched = set()
 
@@ -43,13 +44,16 @@ def test_the_triton_probe_launches_every_kernel(cfg, model_root, monkeypatch):
     gemma = ModelConfig.from_dir(make_model(model_root, "gemma3"))
     for tp in (1, 2):  # a rank's widths under tensor parallelism
         kernels.probe_triton(shard_config(cfg, tp), torch.float32, torch.device("cpu"), 16)
-    assert launched == set(names) - {"_gelu_tanh_and_mul_kernel", "_fused_moe_kernel"}
+    moe_only = {"_fused_moe_kernel", "_swigluoai_and_mul_kernel"}
+    assert launched == set(names) - {"_gelu_tanh_and_mul_kernel", *moe_only}
     kernels.probe_triton(gemma, torch.float32, torch.device("cpu"), 16)
-    assert launched == set(names) - {"_fused_moe_kernel"}
-    moe = ModelConfig.from_dir(make_model(model_root, "qwen3_moe"))
-    for tp in (1, 2):
-        kernels.probe_triton(shard_config(moe, tp), torch.float32, torch.device("cpu"), 16)
-    assert len(names) == 8 and launched == set(names)
+    assert launched == set(names) - moe_only
+    for arch in ("qwen3_moe", "gpt_oss"):
+        moe = ModelConfig.from_dir(make_model(model_root, arch))
+        for tp in (1, 2):
+            kernels.probe_triton(shard_config(moe, tp), torch.float32, torch.device("cpu"), 16)
+        assert launched == set(names) - ({"_swigluoai_and_mul_kernel"} if arch == "qwen3_moe" else set())
+    assert len(names) == 9
 
 
 @needs_triton

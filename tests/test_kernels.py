@@ -575,13 +575,14 @@ def test_cuda_argmax_picks_the_references_index():
 
 
 @triton_only
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_a_decoder_on_the_triton_backend_matches_the_references(model_root, arch):
     """The whole forward (prefill, then a decode of each prompt) with every op
     from kernels.TRITON gives kernels.TORCH's logits (fp32, the interpreter);
     Gemma 2: its soft caps, and a 20-token prompt past its 16-token window;
     Qwen2-MoE: fused_moe_triton as its sparse layer calls it (router, shared expert, a dense layer beside);
-    DeepSeek-V3: MLA's MQA over one latent cache tensor, written once."""
+    DeepSeek-V3: MLA's MQA over one latent cache tensor, written once;
+    gpt-oss: attention sinks, and its experts (biases, clamped SwiGLU) through fused_moe_triton."""
     from conftest import make_model, step_logits
     from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
     from nanoserve.model import ModelConfig, ModelRunner, SeqInput, load_model
@@ -821,11 +822,33 @@ def test_fused_moe_triton_on_cuda_in_bf16_and_graph_replay():
     no further from the fp32 reference than torch's bf16 reference is (twice, in norm), at
     both tiles; then captured in a CUDA graph and replayed on other routings and inputs,
     each replay equal to an eager call (the graph baked in no routing)."""
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    E, k, H, I = 128, 8, 2048, 768
-    g = torch.Generator(device=dev).manual_seed(0)
-    w13 = (torch.randn(E, 2 * I, H, device=dev, generator=g) * H ** -0.5).to(dt)
-    w2 = (torch.randn(E, H, I, device=dev, generator=g) * I ** -0.5).to(dt)
+    E, H, I = 128, 2048, 768
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5
+    w2 = torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5
+    check_fused_moe_on_cuda(w13.bfloat16(), w2.bfloat16(), 8, g, (1, 7, 64, 1100))  # 1100 * 8 >= 64 * 128
+
+
+@cuda_only
+def test_gpt_oss_fused_moe_triton_on_cuda_in_bf16_and_graph_replay():
+    """The same at gpt-oss-20b's widths (32 experts, 4 a token, H = I = 2880) as GptOssExperts calls it:
+    transformers' [E, H, 2I] and [E, I, H] read transposed, biases, swigluoai with its limit reached."""
+    E, H, I = 32, 2880, 2880
+    g = torch.Generator(device="cuda").manual_seed(0)
+    gate_up = (torch.randn(E, H, 2 * I, device="cuda", generator=g) * 3 * H ** -0.5).bfloat16()
+    down = (torch.randn(E, I, H, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    biases = dict(w13_bias=torch.randn(E, 2 * I, device="cuda", generator=g).bfloat16(),
+                  w2_bias=torch.randn(E, H, device="cuda", generator=g).bfloat16())
+    check_fused_moe_on_cuda(gate_up.transpose(1, 2), down.transpose(1, 2), 4, g, (1, 7, 64, 600),  # 600 * 4 >= 64 * 32
+                            **biases, activation="swigluoai", swiglu_alpha=1.702, swiglu_limit=7.0)
+
+
+def check_fused_moe_on_cuda(w13, w2, k, g, token_counts, **moe_kwargs) -> None:
+    """fused_moe_triton on bf16 weights (and moe_kwargs' biases and activation): within twice torch's
+    bf16 reference's error (in norm) of the fp32 reference at each token count and routing; then a
+    batch of 8 captured and replayed on other routings and inputs, each replay equal to an eager call."""
+    dev, dt, (E, H) = w13.device, w13.dtype, (w13.shape[0], w13.shape[2])
+    fp32_kwargs = {name: v.float() if isinstance(v, torch.Tensor) else v for name, v in moe_kwargs.items()}
 
     def inputs(T, routing):
         ids = torch.arange(k, device=dev).expand(T, k) if routing == "same" else \
@@ -836,25 +859,26 @@ def test_fused_moe_triton_on_cuda_in_bf16_and_graph_replay():
     def error(out, want):
         return float((out.float() - want).norm() / want.norm())
 
-    for T in (1, 7, 64, 1100):  # 1100 * 8 pairs >= 64 * 128: the 64-row tile
+    for T in token_counts:
         for routing in ("random", "same"):
             x, weights, ids = inputs(T, routing)
-            want = kernels.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
-            bf16 = error(kernels.fused_moe_torch(x, w13, w2, weights, ids), want)
-            got = error(kernels.fused_moe_triton(x, w13, w2, weights, ids), want)
+            want = kernels.fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids, **fp32_kwargs)
+            bf16 = error(kernels.fused_moe_torch(x, w13, w2, weights, ids, **moe_kwargs), want)
+            got = error(kernels.fused_moe_triton(x, w13, w2, weights, ids, **moe_kwargs), want)
             assert got <= max(2 * bf16, 1e-3), (T, routing, got, bf16)
 
     x, weights, ids = inputs(8, "random")
     side = torch.cuda.Stream()  # warm up (compile) off the capture, as torch.cuda.graph's docs do
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        kernels.fused_moe_triton(x, w13, w2, weights, ids)
+        kernels.fused_moe_triton(x, w13, w2, weights, ids, **moe_kwargs)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = kernels.fused_moe_triton(x, w13, w2, weights, ids)
+        out = kernels.fused_moe_triton(x, w13, w2, weights, ids, **moe_kwargs)
     for routing in ("same", "random", "same"):
         for buf, new in zip((x, weights, ids), inputs(8, routing)):
             buf.copy_(new)
         graph.replay()
-        torch.testing.assert_close(out, kernels.fused_moe_triton(x, w13, w2, weights, ids), rtol=0, atol=0)
+        eager = kernels.fused_moe_triton(x, w13, w2, weights, ids, **moe_kwargs)
+        torch.testing.assert_close(out, eager, rtol=0, atol=0)
