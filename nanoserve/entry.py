@@ -1069,7 +1069,8 @@ class ChatTemplateFields(OpenAIBaseModel):
                     raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}, or "
                                      f"{', '.join(list(TEXT_PARTS)[1:])}) are supported, got {show(content)}")
                 content = [{"type": "text", "text": t} for t in texts]  # the template's content format joins them
-            elif content is not None and not isinstance(content, str):
+            elif not isinstance(content, str) and (content is not None or m["role"] != "assistant" and "content" in m):
+                # null only for an assistant's (one that calls tools), as OpenAI's message types and vLLM's
                 raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
             msg = {"role": m["role"], "content": content}
             for key in ("name", "tool_call_id"):
