@@ -2387,10 +2387,8 @@ def _tokenize(state: ServerState, req: TokenizeRequest, text: str | None) -> dic
         text = req.prompt if req.messages is None else render_chat(state, req, req.tools)
     special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
     _, ids = engine.tokenize(text, add_special_tokens=special)
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-    if req.return_token_strs:
-        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-    return out
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,  # token_strs null, as vLLM's
+            "token_strs": engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -2645,6 +2643,13 @@ class Generation:
     object_name: ClassVar[str]
     chunk_object: ClassVar[str]
     id_prefix: ClassVar[str]
+    # The fields vLLM's response models always serialize, null where the request asked for nothing: a client
+    # reading one by name finds it on both servers (with_nulls adds them; values set elsewhere win)
+    RESPONSE_NULLS: ClassVar[tuple[str, ...]] = ("service_tier", "kv_transfer_params", "ec_transfer_params",
+                                                 "metrics")
+    CHOICE_NULLS: ClassVar[tuple[str, ...]] = ()
+    DELTA_NULLS: ClassVar[tuple[str, ...]] = ()
+    USAGE_NULLS: ClassVar[tuple[str, ...]] = ("prompt_tokens_details", "completion_tokens_details")
     check_raw: ClassVar[Callable[[bytes, LLMEngine], None] | None] = None  # a large body's bytes, before decoding
 
     @classmethod
@@ -2844,9 +2849,17 @@ class Generation:
             echo = self.echo_text(i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
             choices.append(self.message_choice(idx, c, self.logprobs(c, 0, i if req.echo else None), extra, echo))
-        return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
-                "choices": choices, "usage": self.usage(len(c.token_ids) for c in finals.values()),
-                **self.response_extra(extra, self.prompts[0].text)}
+        usage = self.usage(len(c.token_ids) for c in finals.values())
+        return with_nulls({"id": self.response_id, "object": self.object_name, "created": self.created,
+                           "model": model, "choices": [self.choice_nulls(c) for c in choices],
+                           "system_fingerprint": SYSTEM_FINGERPRINT, "usage": with_nulls(usage, self.USAGE_NULLS),
+                           **self.response_extra(extra, self.prompts[0].text)}, self.RESPONSE_NULLS)
+
+    def choice_nulls(self, choice: dict) -> dict:
+        return with_nulls(choice, self.CHOICE_NULLS)
+
+    def delta_nulls(self, choice: dict) -> dict:
+        return with_nulls(choice, self.DELTA_NULLS)
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
@@ -2906,6 +2919,21 @@ class Generation:
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
         return {}
 
+    def stream_extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
+        return self.extra(prompt_index, token_ids, first)
+
+    def chunk_usage(self, num_output_tokens: Iterable[int], prompt_index: int) -> dict[str, Any]:
+        """A chunk's continuous usage (of its choice so far)."""
+        return self.usage(num_output_tokens, prompt_index)
+
+
+SYSTEM_FINGERPRINT = f"nanoserve-{__version__}"  # vLLM's is "vllm-<version>-<config hash>"
+
+
+def with_nulls(obj: dict, keys: Iterable[str]) -> dict:
+    """``obj`` with each of ``keys`` it lacks, as null (see Generation.RESPONSE_NULLS)."""
+    return obj | {k: None for k in keys if k not in obj}
+
 
 def _lp(value: float | None) -> float | None:
     # JSON has no -inf; vLLM reports such a logprob as -9999.0
@@ -2916,6 +2944,8 @@ class CompletionGeneration(Generation):
     schema = CompletionRequest
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl-"
+    CHOICE_NULLS = ("token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts")
+    DELTA_NULLS = ("prompt_token_ids", "token_ids")
 
     @staticmethod
     def check_raw(raw: bytes, engine: LLMEngine) -> None:
@@ -2940,6 +2970,14 @@ class CompletionGeneration(Generation):
         """(On the tokenizer thread) the prompt_embeds' tensors, then prompt's prompts, as vLLM orders them."""
         return [load_prompt_embeds(e, self.state.engine) for e in self.req.prompt_embeds or ()] + \
             list(self.req.prompt or ())
+
+    def stream_extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
+        """As vLLM's: a stream's echo sends the prompt's ids with its text (without return_token_ids too)."""
+        extra = self.extra(prompt_index, token_ids, first)
+        prompt = self.prompts[prompt_index]
+        if first and self.req.echo and prompt.prompt_embeds is None:
+            extra.setdefault("prompt_token_ids", prompt.token_ids)
+        return extra
 
     def echo_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]
@@ -2980,6 +3018,10 @@ class CompletionGeneration(Generation):
 class ChatGeneration(Generation):
     schema = ChatCompletionRequest
     object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    RESPONSE_NULLS = Generation.RESPONSE_NULLS + ("prompt_logprobs", "prompt_token_ids", "prompt_text")
+    CHOICE_NULLS, DELTA_NULLS = ("token_ids", "routed_experts"), ("token_ids",)
+    MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
+    FIRST_CHUNK_NULLS = ("prompt_token_ids", "prompt_text")  # beside the role's delta
     auto_needs_parser: ClassVar[bool] = True  # "auto" without --enable-auto-tool-choice: a 400, as vLLM's chat
 
     def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
@@ -3075,6 +3117,15 @@ class ChatGeneration(Generation):
             return None
         return _chat_choice(index, {"delta": delta}, logprobs, p.finish_reason, c, extra)
 
+    def choice_nulls(self, choice: dict) -> dict:
+        return with_nulls({**choice, "message": with_nulls(choice["message"], self.MESSAGE_NULLS)}, self.CHOICE_NULLS)
+
+    def delta_nulls(self, choice: dict) -> dict:
+        """vLLM's chat chunk has stop_reason only where it has a finish_reason."""
+        if choice["finish_reason"] is None:
+            choice = {k: v for k, v in choice.items() if k != "stop_reason"}
+        return with_nulls(choice, self.DELTA_NULLS)
+
     def reasoner(self, index: int) -> ReasoningParser:
         """Choice ``index``'s reasoning parser (with --reasoning-parser): it splits the text and counts the tokens."""
         if index not in self.reasoners:
@@ -3098,6 +3149,9 @@ class ChatGeneration(Generation):
             usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
         return usage
 
+    def chunk_usage(self, num_output_tokens: Iterable[int], prompt_index: int) -> dict[str, Any]:
+        return with_nulls(self.usage(num_output_tokens, prompt_index), ("completion_tokens_details",))  # as vLLM's
+
     def reasoning_tokens(self) -> int:
         return sum(r.num_reasoning_tokens for r in self.reasoners.values())
 
@@ -3110,8 +3164,9 @@ class ChatGeneration(Generation):
                             for text, lp, ranked in tokens]}
 
     def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
-        return [{**head, "choices": [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]} for i in range(self.req.n)]
+        return [with_nulls({**head, "choices": [{"index": i, "delta": {"role": self.role, "content": ""},
+                                                 "logprobs": None, "finish_reason": None}]}, self.FIRST_CHUNK_NULLS)
+                for i in range(self.req.n)]
 
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
         """What vLLM puts beside a chat response's choices rather than in them."""
@@ -3167,7 +3222,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     final_usage = force or (opts is not None and opts.include_usage)
     continuous = force or (final_usage and opts.continuous_usage_stats)
     for chunk in gen.first_chunks(head):
-        yield sse({**chunk, "usage": gen.usage([0], 0)} if continuous else chunk)
+        yield sse({**chunk, "usage": gen.chunk_usage([0], 0)} if continuous else chunk)
     try:
         async for i, out in gen.outputs():
             for c in out.outputs:  # DELTA outputs: only what this step added
@@ -3182,14 +3237,19 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 unsent.discard(idx)
                 logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                extra = gen.extra(i, c.token_ids, first)
+                extra = gen.stream_extra(i, c.token_ids, first)
                 choice = gen.delta_choice(idx, c, logprobs, extra, echo)
                 top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
                 if choice is not None or top:  # None: all of it held back (a tool call's text)
-                    usage = {"usage": gen.usage([num_tokens[idx]], i)} if continuous else {}
-                    yield sse({**head, "choices": [choice] if choice is not None else [], **top, **usage})
+                    usage = {"usage": gen.chunk_usage([num_tokens[idx]], i)} if continuous else {}
+                    # as vLLM's: the fingerprint on each finishing chunk, or on the usage chunk that follows them
+                    last = {"system_fingerprint": SYSTEM_FINGERPRINT} \
+                        if choice is not None and choice["finish_reason"] is not None and not final_usage else {}
+                    yield sse({**head, "choices": [gen.delta_nulls(choice)] if choice is not None else [], **top,
+                               **usage, **last})
         if final_usage:
-            yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values())})
+            yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values()),
+                       "system_fingerprint": SYSTEM_FINGERPRINT})
     except ClientDisconnect:
         raise  # nobody to tell
     except Exception as e:  # the status line is gone: report in the stream
