@@ -3318,7 +3318,8 @@ async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generati
 
 RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields: handed to the chat request, which checks them
     "top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
-    "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs", "priority", "vllm_xargs"})
+    "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs", "priority", "vllm_xargs",
+    "presence_penalty", "frequency_penalty"})  # vLLM 0.32's ResponsesRequest has both
 RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text", "truncate_prompt_tokens": "truncation"}  # chat's name -> the body's
 NO_STORE = "this server keeps no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1)"
@@ -3510,7 +3511,8 @@ class ResponseOutput:
     """One response's output items, built from chat deltas (a stream's, or a whole message as one):
     ``feed`` and ``close`` give the events that build them, as (type, fields) pairs."""
 
-    def __init__(self):
+    def __init__(self, logprobs: bool = True):
+        self.logprobs = logprobs        # asked for: else a finished text part's are null, as vLLM's
         self.items: list[dict] = []     # the finished ones
         self.item: dict | None = None   # the one being built (a text item's text is in its part)
         self.part: dict = {}
@@ -3533,7 +3535,7 @@ class ResponseOutput:
         if self.item is None or self.item["type"] != kind:
             events += self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
                                   "status": "in_progress", "content": [],
-                                  **({"role": "assistant"} if kind == "message" else {"summary": []})})
+                                  **({"role": "assistant", "phase": None} if kind == "message" else {"summary": []})})
             self.part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
                 if kind == "message" else {"type": "reasoning_text", "text": ""}
             events.append(("response.content_part.added", {**self._where(), "content_index": 0,
@@ -3570,6 +3572,8 @@ class ResponseOutput:
             if item["type"] == "message":  # a last token without text (EOS): its logprob, as a whole response has it
                 part["logprobs"], self.unsent = part["logprobs"] + self.unsent, []
             done = {**where, "content_index": 0, **{k: v for k, v in part.items() if k in ("text", "logprobs")}}
+            if item["type"] == "message" and not self.logprobs:
+                part["logprobs"] = None
             events = [(f"response.{part['type']}.done", done),
                       ("response.content_part.done", {**where, "content_index": 0, "part": part})]
         item["status"] = "completed"
@@ -3607,7 +3611,7 @@ class ResponsesGeneration(ChatGeneration):
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
-        out = ResponseOutput()
+        out = ResponseOutput(self.params.logprobs is not None)
         self.feed(out, self.message_choice(0, c, self.logprobs(c, 0)), "message")
         out.close()
         return self.body(model, out.items, c.finish_reason)
@@ -3623,7 +3627,7 @@ class ResponsesGeneration(ChatGeneration):
         head = self.body(model, [], None)
         yield event("response.created", response=head)
         yield event("response.in_progress", response=head)
-        out, finish = ResponseOutput(), None
+        out, finish = ResponseOutput(self.params.logprobs is not None), None
         try:
             async for _, output in self.outputs():
                 for c in output.outputs:
@@ -3653,19 +3657,33 @@ class ResponsesGeneration(ChatGeneration):
         status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
         room, output_tokens = self.state.engine.max_model_len - prompt, self.num_output_tokens()
         usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
-                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens(),
-                                          "cache_write_tokens": 0},
-                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()}}
+                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens(), "cache_write_tokens": 0,
+                                          "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(), "tool_output_tokens": 0,
+                                           "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []}}
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
                 "background": False, "error": None, "model": model, "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "max_output_tokens": min(params.max_tokens or room, room), "temperature": params.temperature,
                 "top_p": params.top_p, "top_logprobs": params.logprobs, "previous_response_id": None,
-                "text": src.text or {"format": {"type": "text"}}, "tools": [t.model_dump() for t in src.tools or []],
+                "text": src.text and response_text(src.text), "tools": [t.model_dump() for t in src.tools or []],
                 **{k: getattr(src, k) for k in ("instructions", "max_tool_calls", "metadata", "parallel_tool_calls",
-                                                "service_tier", "tool_choice", "truncation", "user")},
+                                                "service_tier", "truncation", "user")},
+                # as vLLM's: without tools, "auto" is reported as what it comes to
+                "tool_choice": "none" if not src.tools and src.tool_choice == "auto" else src.tool_choice,
                 "reasoning": src.reasoning and src.reasoning.model_dump(exclude_unset=True),  # as sent
-                "usage": None if finish_reason is None else usage}
+                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "usage": None if finish_reason is None else usage,
+                **dict.fromkeys(("prompt", "kv_transfer_params", "ec_transfer_params", "input_messages",
+                                 "output_messages"))}  # vLLM's, null here as there (without its tool server)
+
+
+def response_text(text: dict) -> dict:
+    """The request's ``text`` as vLLM's model echoes it: its unset fields null."""
+    fmt = text.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        fmt = with_nulls(fmt, ("description", "strict"))
+    return with_nulls({**text, **({"format": fmt} if "format" in text else {})}, ("verbosity",))
 
 
 async def create_response(request: Request) -> Response:
