@@ -387,7 +387,8 @@ def diff(case: Case, a: Answer, b: Answer) -> list[tuple]:
         compare(a.body, b.body, "", True, case.sampled, out)
         return out
     ka, kb = fold([chunk_kind(c) for c in a.chunks]), fold([chunk_kind(c) for c in b.chunks])
-    if ka != kb:
+    # vLLM under load may merge two steps' tokens into one chunk: compare which kinds come in which order
+    if [k.split(" x")[0] for k in ka] != [k.split(" x")[0] for k in kb]:
         out.append(("stream", "chunks", " ".join(ka), " ".join(kb)))
     if not case.sampled and stream_text(a.chunks) != stream_text(b.chunks):
         out.append(("stream", "text", stream_text(a.chunks), stream_text(b.chunks)))
