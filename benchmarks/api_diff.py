@@ -236,10 +236,13 @@ KEPT: list[tuple[str, Any]] = [
     ("guided_* honoured (vLLM 0.32 ignores)", lambda r: r[0] in ("cmpl.guided_json", "cmpl.guided_regex",
                                                                    "cmpl.guided_choice", "chat.guided_choice")),
     ("best_of refused (vLLM 0.32 ignores)", lambda r: r[0] == "cmpl.best_of2"),
-    ("invalid UTF-8 shown as U+FFFD", lambda r: r[0] in ("cmpl.logit_bias", "cmpl.logit_bias_big",
-                                                          "cmpl.allowed_ids") and r[1].endswith(".text")),
+    ("invalid UTF-8 shown as U+FFFD", lambda r: r[0] in ("cmpl.logit_bias", "cmpl.logit_bias_big", "cmpl.allowed_ids",
+                                                          "chat.logit_bias") and r[1].endswith((".text", ".content"))),
     ("forced tool calls without a parser", lambda r: r[0] in ("chat.tools_required", "chat.tools_named",
-                                                              "chat.stream_tools_required")),
+                                                              "chat.stream_tools_required") and r[2] == "status"),
+    # not on purpose: left to do (README says so too)
+    ("OPEN: vLLM forces calls in the parser's format", lambda r: r[0] in ("chat.tools_required", "chat.tools_named",
+                                                                         "chat.stream_tools_required")),
     ("continue_final_message implies no gen. prompt", lambda r: r[0] == "chat.continue_and_add"),
     ("echo with max_tokens 0 counts no token", lambda r: r[0] == "cmpl.echo_max0"),
     ("prompt and messages together: 400", lambda r: r[0] == "tok.both"),
@@ -307,7 +310,8 @@ def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list) -
         if set(a) != set(b):
             out.append((path, "keys", sorted(set(a) - set(b)), sorted(set(b) - set(a))))
         for k in sorted(set(a) & set(b)):
-            if k in IGNORED_VALUES or (sampled and k in SAMPLED_VALUES):
+            ignored = k in IGNORED_VALUES and (k != "message" or path.endswith(".error"))  # an error's text
+            if ignored or (sampled and k in SAMPLED_VALUES):
                 compare(a[k], b[k], f"{path}.{k}", False, sampled, out)
             else:
                 compare(a[k], b[k], f"{path}.{k}", values, sampled, out)
@@ -441,11 +445,13 @@ def main() -> int:
         name, where, what, x, y = row
         x, y = (json.dumps(v) for v in (x, y))
         print(f"{name:28} {short(where, 34):34} {what:7} {short(x, w):{w}} {short(y, w):{w}} {kept(row)}")
-    known = sum(bool(kept(r)) for r in rows)
+    known = sum(bool(kept(r)) and not kept(r).startswith("OPEN") for r in rows)
     reasons = collections.Counter(kept(r) or "(not known)" for r in rows)
     print("\n" + "\n".join(f"{n:4} {why}" for why, n in reasons.most_common()))
     print(f"\n{len(cases)} cases, {differing} differ, {len(rows)} differences "
           f"({known} known and kept, {len(rows) - known} other)")
+    if any(kept(r).startswith("OPEN") for r in rows):
+        print("(OPEN rows are known differences still to fix)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1, default=str)
