@@ -2922,6 +2922,10 @@ class Generation:
     def stream_extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
         return self.extra(prompt_index, token_ids, first)
 
+    def stream_top(self, extra: dict, prompt_index: int, first: bool) -> dict:
+        """What a stream chunk has beside its choice: what a response has there, in a choice's first chunk."""
+        return self.response_extra(extra, self.prompts[prompt_index].text) if first else {}
+
     def chunk_usage(self, num_output_tokens: Iterable[int], prompt_index: int) -> dict[str, Any]:
         """A chunk's continuous usage (of its choice so far)."""
         return self.usage(num_output_tokens, prompt_index)
@@ -3021,7 +3025,6 @@ class ChatGeneration(Generation):
     RESPONSE_NULLS = Generation.RESPONSE_NULLS + ("prompt_logprobs", "prompt_token_ids", "prompt_text")
     CHOICE_NULLS, DELTA_NULLS = ("token_ids", "routed_experts"), ("token_ids",)
     MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
-    FIRST_CHUNK_NULLS = ("prompt_token_ids", "prompt_text")  # beside the role's delta
     auto_needs_parser: ClassVar[bool] = True  # "auto" without --enable-auto-tool-choice: a 400, as vLLM's chat
 
     def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
@@ -3163,10 +3166,16 @@ class ChatGeneration(Generation):
         return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
                             for text, lp, ranked in tokens]}
 
-    def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
-        return [with_nulls({**head, "choices": [{"index": i, "delta": {"role": self.role, "content": ""},
-                                                 "logprobs": None, "finish_reason": None}]}, self.FIRST_CHUNK_NULLS)
-                for i in range(self.req.n)]
+    def first_chunks(self, head: dict) -> list[dict]:
+        """The first delta of each choice carries the role, and (as vLLM's) the prompt's ids and text if asked."""
+        prompt = self.prompts[0]
+        top = {"prompt_token_ids": prompt.token_ids if self.req.return_token_ids else None,
+               "prompt_text": prompt.text if self.req.return_prompt_text else None}
+        return [{**head, "choices": [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
+                                      "finish_reason": None}], **top} for i in range(self.req.n)]
+
+    def stream_top(self, extra: dict, prompt_index: int, first: bool) -> dict:
+        return {}  # the role chunk had them
 
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
         """What vLLM puts beside a chat response's choices rather than in them."""
@@ -3239,7 +3248,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
                 extra = gen.stream_extra(i, c.token_ids, first)
                 choice = gen.delta_choice(idx, c, logprobs, extra, echo)
-                top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
+                top = gen.stream_top(extra, i, first)
                 if choice is not None or top:  # None: all of it held back (a tool call's text)
                     usage = {"usage": gen.chunk_usage([num_tokens[idx]], i)} if continuous else {}
                     # as vLLM's: the fingerprint on each finishing chunk, or on the usage chunk that follows them

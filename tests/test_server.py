@@ -387,6 +387,15 @@ def test_stream_echo_sends_the_prompts_ids_first(server):
     assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
 
 
+def test_chat_stream_sends_the_prompts_ids_with_the_role(server):
+    """As vLLM's: return_token_ids puts the prompt's ids on the role chunk, and no other."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 3}).json()
+    role, *rest = _chunks(server, "/v1/chat/completions", body)
+    assert role["choices"][0]["delta"]["role"] == "assistant" and role["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert rest and all("prompt_token_ids" not in c for c in rest)
+
+
 # =========================================================================== raw SSE
 
 def test_sse_framing_with_httpx(server):
