@@ -1069,7 +1069,8 @@ class ChatTemplateFields(OpenAIBaseModel):
                     raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}, or "
                                      f"{', '.join(list(TEXT_PARTS)[1:])}) are supported, got {show(content)}")
                 content = [{"type": "text", "text": t} for t in texts]  # the template's content format joins them
-            elif not isinstance(content, str) and (content is not None or m["role"] != "assistant" and "content" in m):
+            elif not isinstance(content, str) and (content is not None or (m["role"] != "assistant" and
+                                                                            "content" in m)):
                 # null only for an assistant's (one that calls tools), as OpenAI's message types and vLLM's
                 raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
             msg = {"role": m["role"], "content": content}
@@ -2922,10 +2923,6 @@ class Generation:
     def stream_extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
         return self.extra(prompt_index, token_ids, first)
 
-    def stream_top(self, extra: dict, prompt_index: int, first: bool) -> dict:
-        """What a stream chunk has beside its choice: what a response has there, in a choice's first chunk."""
-        return self.response_extra(extra, self.prompts[prompt_index].text) if first else {}
-
     def chunk_usage(self, num_output_tokens: Iterable[int], prompt_index: int) -> dict[str, Any]:
         """A chunk's continuous usage (of its choice so far)."""
         return self.usage(num_output_tokens, prompt_index)
@@ -3174,9 +3171,6 @@ class ChatGeneration(Generation):
         return [{**head, "choices": [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
                                       "finish_reason": None}], **top} for i in range(self.req.n)]
 
-    def stream_top(self, extra: dict, prompt_index: int, first: bool) -> dict:
-        return {}  # the role chunk had them
-
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
         """What vLLM puts beside a chat response's choices rather than in them."""
         out = {k: v for k, v in extra.items() if k in ("prompt_token_ids", "prompt_logprobs")}
@@ -3247,15 +3241,13 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
                 extra = gen.stream_extra(i, c.token_ids, first)
-                choice = gen.delta_choice(idx, c, logprobs, extra, echo)
-                top = gen.stream_top(extra, i, first)
-                if choice is not None or top:  # None: all of it held back (a tool call's text)
+                choice = gen.delta_choice(idx, c, logprobs, extra, echo)  # chat's prompt ids rode its role chunk
+                if choice is not None:  # None: all of it held back (a tool call's text)
                     usage = {"usage": gen.chunk_usage([num_tokens[idx]], i)} if continuous else {}
                     # as vLLM's: the fingerprint on each finishing chunk, or on the usage chunk that follows them
                     last = {"system_fingerprint": SYSTEM_FINGERPRINT} \
-                        if choice is not None and choice["finish_reason"] is not None and not final_usage else {}
-                    yield sse({**head, "choices": [gen.delta_nulls(choice)] if choice is not None else [], **top,
-                               **usage, **last})
+                        if choice["finish_reason"] is not None and not final_usage else {}
+                    yield sse({**head, "choices": [gen.delta_nulls(choice)], **usage, **last})
         if final_usage:
             yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values()),
                        "system_fingerprint": SYSTEM_FINGERPRINT})

@@ -347,7 +347,8 @@ def test_response_keys_as_vllms(server):
                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
     assert set(chat) == VLLM_KEYS["cmpl"] | {"prompt_logprobs", "prompt_token_ids", "prompt_text"}
     assert set(chat["choices"][0]) == VLLM_KEYS["chat.choice"] and set(chat["usage"]) == VLLM_KEYS["usage"]
-    assert set(chat["choices"][0]["message"]) == VLLM_KEYS["message"] and chat["choices"][0]["message"]["refusal"] is None
+    message = chat["choices"][0]["message"]
+    assert set(message) == VLLM_KEYS["message"] and message["refusal"] is None
     tok = httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).json()
     assert tok["token_strs"] is None
 
