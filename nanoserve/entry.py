@@ -1069,7 +1069,9 @@ class ChatTemplateFields(OpenAIBaseModel):
                     raise ValueError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}, or "
                                      f"{', '.join(list(TEXT_PARTS)[1:])}) are supported, got {show(content)}")
                 content = [{"type": "text", "text": t} for t in texts]  # the template's content format joins them
-            elif content is not None and not isinstance(content, str):
+            elif not isinstance(content, str) and (content is not None or (m["role"] != "assistant" and
+                                                                            "content" in m)):
+                # null only for an assistant's (one that calls tools), as OpenAI's message types and vLLM's
                 raise ValueError(f"{where}.content must be a string or a list of text parts, got {show(content)}")
             msg = {"role": m["role"], "content": content}
             for key in ("name", "tool_call_id"):
@@ -2386,10 +2388,8 @@ def _tokenize(state: ServerState, req: TokenizeRequest, text: str | None) -> dic
         text = req.prompt if req.messages is None else render_chat(state, req, req.tools)
     special = req.add_special_tokens if req.add_special_tokens is not None else req.messages is None
     _, ids = engine.tokenize(text, add_special_tokens=special)
-    out: dict[str, Any] = {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
-    if req.return_token_strs:
-        out["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
-    return out
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,  # token_strs null, as vLLM's
+            "token_strs": engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
 
 async def load_lora_adapter(request: Request) -> Response:
@@ -2644,6 +2644,13 @@ class Generation:
     object_name: ClassVar[str]
     chunk_object: ClassVar[str]
     id_prefix: ClassVar[str]
+    # The fields vLLM's response models always serialize, null where the request asked for nothing: a client
+    # reading one by name finds it on both servers (with_nulls adds them; values set elsewhere win)
+    RESPONSE_NULLS: ClassVar[tuple[str, ...]] = ("service_tier", "kv_transfer_params", "ec_transfer_params",
+                                                 "metrics")
+    CHOICE_NULLS: ClassVar[tuple[str, ...]] = ()
+    DELTA_NULLS: ClassVar[tuple[str, ...]] = ()
+    USAGE_NULLS: ClassVar[tuple[str, ...]] = ("prompt_tokens_details", "completion_tokens_details")
     check_raw: ClassVar[Callable[[bytes, LLMEngine], None] | None] = None  # a large body's bytes, before decoding
 
     @classmethod
@@ -2843,9 +2850,17 @@ class Generation:
             echo = self.echo_text(i) if req.echo else ""
             extra = self.extra(i, c.token_ids, first=True)
             choices.append(self.message_choice(idx, c, self.logprobs(c, 0, i if req.echo else None), extra, echo))
-        return {"id": self.response_id, "object": self.object_name, "created": self.created, "model": model,
-                "choices": choices, "usage": self.usage(len(c.token_ids) for c in finals.values()),
-                **self.response_extra(extra, self.prompts[0].text)}
+        usage = self.usage(len(c.token_ids) for c in finals.values())
+        return with_nulls({"id": self.response_id, "object": self.object_name, "created": self.created,
+                           "model": model, "choices": [self.choice_nulls(c) for c in choices],
+                           "system_fingerprint": SYSTEM_FINGERPRINT, "usage": with_nulls(usage, self.USAGE_NULLS),
+                           **self.response_extra(extra, self.prompts[0].text)}, self.RESPONSE_NULLS)
+
+    def choice_nulls(self, choice: dict) -> dict:
+        return with_nulls(choice, self.CHOICE_NULLS)
+
+    def delta_nulls(self, choice: dict) -> dict:
+        return with_nulls(choice, self.DELTA_NULLS)
 
     def _observe(self, t: _Tracked, out: RequestOutput) -> None:
         metrics, m = self.state.metrics, out.metrics
@@ -2905,6 +2920,21 @@ class Generation:
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
         return {}
 
+    def stream_extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
+        return self.extra(prompt_index, token_ids, first)
+
+    def chunk_usage(self, num_output_tokens: Iterable[int], prompt_index: int) -> dict[str, Any]:
+        """A chunk's continuous usage (of its choice so far)."""
+        return self.usage(num_output_tokens, prompt_index)
+
+
+SYSTEM_FINGERPRINT = f"nanoserve-{__version__}"  # vLLM's is "vllm-<version>-<config hash>"
+
+
+def with_nulls(obj: dict, keys: Iterable[str]) -> dict:
+    """``obj`` with each of ``keys`` it lacks, as null (see Generation.RESPONSE_NULLS)."""
+    return obj | {k: None for k in keys if k not in obj}
+
 
 def _lp(value: float | None) -> float | None:
     # JSON has no -inf; vLLM reports such a logprob as -9999.0
@@ -2915,6 +2945,8 @@ class CompletionGeneration(Generation):
     schema = CompletionRequest
     object_name = chunk_object = "text_completion"
     id_prefix = "cmpl-"
+    CHOICE_NULLS = ("token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts")
+    DELTA_NULLS = ("prompt_token_ids", "token_ids")
 
     @staticmethod
     def check_raw(raw: bytes, engine: LLMEngine) -> None:
@@ -2939,6 +2971,14 @@ class CompletionGeneration(Generation):
         """(On the tokenizer thread) the prompt_embeds' tensors, then prompt's prompts, as vLLM orders them."""
         return [load_prompt_embeds(e, self.state.engine) for e in self.req.prompt_embeds or ()] + \
             list(self.req.prompt or ())
+
+    def stream_extra(self, prompt_index: int, token_ids: list[int], first: bool) -> dict:
+        """As vLLM's: a stream's echo sends the prompt's ids with its text (without return_token_ids too)."""
+        extra = self.extra(prompt_index, token_ids, first)
+        prompt = self.prompts[prompt_index]
+        if first and self.req.echo and prompt.prompt_embeds is None:
+            extra.setdefault("prompt_token_ids", prompt.token_ids)
+        return extra
 
     def echo_text(self, prompt_index: int) -> str:
         prompt = self.prompts[prompt_index]
@@ -2979,6 +3019,9 @@ class CompletionGeneration(Generation):
 class ChatGeneration(Generation):
     schema = ChatCompletionRequest
     object_name, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+    RESPONSE_NULLS = Generation.RESPONSE_NULLS + ("prompt_logprobs", "prompt_token_ids", "prompt_text")
+    CHOICE_NULLS, DELTA_NULLS = ("token_ids", "routed_experts"), ("token_ids",)
+    MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
     auto_needs_parser: ClassVar[bool] = True  # "auto" without --enable-auto-tool-choice: a 400, as vLLM's chat
 
     def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
@@ -3074,6 +3117,15 @@ class ChatGeneration(Generation):
             return None
         return _chat_choice(index, {"delta": delta}, logprobs, p.finish_reason, c, extra)
 
+    def choice_nulls(self, choice: dict) -> dict:
+        return with_nulls({**choice, "message": with_nulls(choice["message"], self.MESSAGE_NULLS)}, self.CHOICE_NULLS)
+
+    def delta_nulls(self, choice: dict) -> dict:
+        """vLLM's chat chunk has stop_reason only where it has a finish_reason."""
+        if choice["finish_reason"] is None:
+            choice = {k: v for k, v in choice.items() if k != "stop_reason"}
+        return with_nulls(choice, self.DELTA_NULLS)
+
     def reasoner(self, index: int) -> ReasoningParser:
         """Choice ``index``'s reasoning parser (with --reasoning-parser): it splits the text and counts the tokens."""
         if index not in self.reasoners:
@@ -3097,6 +3149,9 @@ class ChatGeneration(Generation):
             usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
         return usage
 
+    def chunk_usage(self, num_output_tokens: Iterable[int], prompt_index: int) -> dict[str, Any]:
+        return with_nulls(self.usage(num_output_tokens, prompt_index), ("completion_tokens_details",))  # as vLLM's
+
     def reasoning_tokens(self) -> int:
         return sum(r.num_reasoning_tokens for r in self.reasoners.values())
 
@@ -3108,9 +3163,13 @@ class ChatGeneration(Generation):
         return {"content": [{**item(text, lp), "top_logprobs": [item(t, v) for t, v in ranked[:top]]}
                             for text, lp, ranked in tokens]}
 
-    def first_chunks(self, head: dict) -> list[dict]:  # the first delta of each choice carries the role
+    def first_chunks(self, head: dict) -> list[dict]:
+        """The first delta of each choice carries the role, and (as vLLM's) the prompt's ids and text if asked."""
+        prompt = self.prompts[0]
+        top = {"prompt_token_ids": prompt.token_ids if self.req.return_token_ids else None,
+               "prompt_text": prompt.text if self.req.return_prompt_text else None}
         return [{**head, "choices": [{"index": i, "delta": {"role": self.role, "content": ""}, "logprobs": None,
-                                      "finish_reason": None}]} for i in range(self.req.n)]
+                                      "finish_reason": None}], **top} for i in range(self.req.n)]
 
     def response_extra(self, extra: dict, prompt_text: str | None) -> dict:
         """What vLLM puts beside a chat response's choices rather than in them."""
@@ -3166,7 +3225,7 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
     final_usage = force or (opts is not None and opts.include_usage)
     continuous = force or (final_usage and opts.continuous_usage_stats)
     for chunk in gen.first_chunks(head):
-        yield sse({**chunk, "usage": gen.usage([0], 0)} if continuous else chunk)
+        yield sse({**chunk, "usage": gen.chunk_usage([0], 0)} if continuous else chunk)
     try:
         async for i, out in gen.outputs():
             for c in out.outputs:  # DELTA outputs: only what this step added
@@ -3181,14 +3240,17 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 unsent.discard(idx)
                 logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
-                extra = gen.extra(i, c.token_ids, first)
-                choice = gen.delta_choice(idx, c, logprobs, extra, echo)
-                top = gen.response_extra(extra, gen.prompts[i].text) if first else {}
-                if choice is not None or top:  # None: all of it held back (a tool call's text)
-                    usage = {"usage": gen.usage([num_tokens[idx]], i)} if continuous else {}
-                    yield sse({**head, "choices": [choice] if choice is not None else [], **top, **usage})
+                extra = gen.stream_extra(i, c.token_ids, first)
+                choice = gen.delta_choice(idx, c, logprobs, extra, echo)  # chat's prompt ids rode its role chunk
+                if choice is not None:  # None: all of it held back (a tool call's text)
+                    usage = {"usage": gen.chunk_usage([num_tokens[idx]], i)} if continuous else {}
+                    # as vLLM's: the fingerprint on each finishing chunk, or on the usage chunk that follows them
+                    last = {"system_fingerprint": SYSTEM_FINGERPRINT} \
+                        if choice["finish_reason"] is not None and not final_usage else {}
+                    yield sse({**head, "choices": [gen.delta_nulls(choice)], **usage, **last})
         if final_usage:
-            yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values())})
+            yield sse({**head, "choices": [], "usage": gen.usage(num_tokens.values()),
+                       "system_fingerprint": SYSTEM_FINGERPRINT})
     except ClientDisconnect:
         raise  # nobody to tell
     except Exception as e:  # the status line is gone: report in the stream
@@ -3257,7 +3319,8 @@ async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generati
 
 RESPONSES_PASSED_ON = frozenset({  # vLLM's extra fields: handed to the chat request, which checks them
     "top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos", "logit_bias", "skip_special_tokens",
-    "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs", "priority", "vllm_xargs"})
+    "include_stop_str_in_output", "request_id", "cache_salt", "structured_outputs", "priority", "vllm_xargs",
+    "presence_penalty", "frequency_penalty"})  # vLLM 0.32's ResponsesRequest has both
 RESPONSES_NAMES = {"messages": "input", "max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
                    "response_format": "text", "truncate_prompt_tokens": "truncation"}  # chat's name -> the body's
 NO_STORE = "this server keeps no responses (as vLLM without VLLM_ENABLE_RESPONSES_API_STORE=1)"
@@ -3449,7 +3512,8 @@ class ResponseOutput:
     """One response's output items, built from chat deltas (a stream's, or a whole message as one):
     ``feed`` and ``close`` give the events that build them, as (type, fields) pairs."""
 
-    def __init__(self):
+    def __init__(self, logprobs: bool = True):
+        self.logprobs = logprobs        # asked for: else a finished text part's are null, as vLLM's
         self.items: list[dict] = []     # the finished ones
         self.item: dict | None = None   # the one being built (a text item's text is in its part)
         self.part: dict = {}
@@ -3472,7 +3536,7 @@ class ResponseOutput:
         if self.item is None or self.item["type"] != kind:
             events += self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
                                   "status": "in_progress", "content": [],
-                                  **({"role": "assistant"} if kind == "message" else {"summary": []})})
+                                  **({"role": "assistant", "phase": None} if kind == "message" else {"summary": []})})
             self.part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
                 if kind == "message" else {"type": "reasoning_text", "text": ""}
             events.append(("response.content_part.added", {**self._where(), "content_index": 0,
@@ -3509,6 +3573,8 @@ class ResponseOutput:
             if item["type"] == "message":  # a last token without text (EOS): its logprob, as a whole response has it
                 part["logprobs"], self.unsent = part["logprobs"] + self.unsent, []
             done = {**where, "content_index": 0, **{k: v for k, v in part.items() if k in ("text", "logprobs")}}
+            if item["type"] == "message" and not self.logprobs:
+                part["logprobs"] = None
             events = [(f"response.{part['type']}.done", done),
                       ("response.content_part.done", {**where, "content_index": 0, "part": part})]
         item["status"] = "completed"
@@ -3546,7 +3612,7 @@ class ResponsesGeneration(ChatGeneration):
 
     def response(self, model: str, finals: dict[int, CompletionOutput]) -> dict[str, Any]:
         (c,) = finals.values()
-        out = ResponseOutput()
+        out = ResponseOutput(self.params.logprobs is not None)
         self.feed(out, self.message_choice(0, c, self.logprobs(c, 0)), "message")
         out.close()
         return self.body(model, out.items, c.finish_reason)
@@ -3562,7 +3628,7 @@ class ResponsesGeneration(ChatGeneration):
         head = self.body(model, [], None)
         yield event("response.created", response=head)
         yield event("response.in_progress", response=head)
-        out, finish = ResponseOutput(), None
+        out, finish = ResponseOutput(self.params.logprobs is not None), None
         try:
             async for _, output in self.outputs():
                 for c in output.outputs:
@@ -3592,19 +3658,33 @@ class ResponsesGeneration(ChatGeneration):
         status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
         room, output_tokens = self.state.engine.max_model_len - prompt, self.num_output_tokens()
         usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
-                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens(),
-                                          "cache_write_tokens": 0},
-                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()}}
+                 "input_tokens_details": {"cached_tokens": self.num_cached_tokens(), "cache_write_tokens": 0,
+                                          "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+                 "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens(), "tool_output_tokens": 0,
+                                           "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []}}
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
                 "background": False, "error": None, "model": model, "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
                 "max_output_tokens": min(params.max_tokens or room, room), "temperature": params.temperature,
                 "top_p": params.top_p, "top_logprobs": params.logprobs, "previous_response_id": None,
-                "text": src.text or {"format": {"type": "text"}}, "tools": [t.model_dump() for t in src.tools or []],
+                "text": src.text and response_text(src.text), "tools": [t.model_dump() for t in src.tools or []],
                 **{k: getattr(src, k) for k in ("instructions", "max_tool_calls", "metadata", "parallel_tool_calls",
-                                                "service_tier", "tool_choice", "truncation", "user")},
+                                                "service_tier", "truncation", "user")},
+                # as vLLM's: without tools, "auto" is reported as what it comes to
+                "tool_choice": "none" if not src.tools and src.tool_choice == "auto" else src.tool_choice,
                 "reasoning": src.reasoning and src.reasoning.model_dump(exclude_unset=True),  # as sent
-                "usage": None if finish_reason is None else usage}
+                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "usage": None if finish_reason is None else usage,
+                **dict.fromkeys(("prompt", "kv_transfer_params", "ec_transfer_params", "input_messages",
+                                 "output_messages"))}  # vLLM's, null here as there (without its tool server)
+
+
+def response_text(text: dict) -> dict:
+    """The request's ``text`` as vLLM's model echoes it: its unset fields null."""
+    fmt = text.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        fmt = with_nulls(fmt, ("description", "strict"))
+    return with_nulls({**text, **({"format": fmt} if "format" in text else {})}, ("verbosity",))
 
 
 async def create_response(request: Request) -> Response:

@@ -582,4 +582,9 @@ def test_messages_as_vllms_chat_utils(server):
                     [{"type": ["text"], "text": "a"}]):
         r = send(server, "chat", {**BASE["chat"], "messages": [{"role": "user", "content": content}]})
         assert r.status == 400 and r.body["error"]["param"] == "messages", (content, r.body)
+    # null content: only an assistant's (vLLM's message types); a message without content is taken
+    for role, status in (("user", 400), ("system", 400), ("tool", 400), ("assistant", 200)):
+        r = send(server, "chat", {**BASE["chat"], "messages": [{"role": "user"}, {"role": role, "content": None}]})
+        assert r.status == status, (role, r.body)
+        assert status == 200 or "messages[1].content" in r.body["error"]["message"], r.body
     server.wait_idle()

@@ -13,7 +13,7 @@ import pytest
 from nanoserve import entry
 from nanoserve.entry import HarmonyParser, parse_args
 from test_server import ServerThread
-from test_tools import TOOLS, chat, chat_stream
+from test_tools import NULLS, TOOLS, chat, chat_stream
 
 THINK = "The user asks for the weather. Use the tool."
 BOTH = f"<|channel|>analysis<|message|>{THINK}<|end|><|start|>assistant<|channel|>final<|message|>It is sunny."
@@ -127,7 +127,7 @@ def test_chat_reads_harmony(server, monkeypatch):
                        "--reasoning-parser", "openai_gptoss"])
     assert (args.tool_call_parser, args.reasoning_parser) == ("openai", "openai_gptoss")
     (choice,) = chat(server, structured_outputs={"choice": [BOTH]}, max_tokens=300)["choices"]
-    assert choice["message"] == {"role": "assistant", "content": "It is sunny.", "reasoning_content": THINK,
+    assert choice["message"] == {**NULLS, "role": "assistant", "content": "It is sunny.", "reasoning_content": THINK,
                                  "reasoning": THINK} and choice["finish_reason"] == "stop"
     assert reasoning_stream(server, structured_outputs={"choice": [BOTH]}, max_tokens=300) == \
         (THINK, "It is sunny.", [], "stop")
@@ -142,7 +142,7 @@ def test_chat_reads_harmony(server, monkeypatch):
     assert [c[0] for c in calls] == ["get_weather"] and json.loads(calls[0][1]) == {"city": "Paris", "days": 3}
     # without tools the call is dropped, its reasoning stays
     (choice,) = chat(server, structured_outputs={"choice": [CALL]}, max_tokens=300)["choices"]
-    assert choice["message"] == {"role": "assistant", "content": None, "reasoning_content": THINK,
+    assert choice["message"] == {**NULLS, "role": "assistant", "content": None, "reasoning_content": THINK,
                                  "reasoning": THINK} and choice["finish_reason"] == "stop"
     cut = len(server.engine.tokenizer.encode(BOTH.partition("<|end|>")[0], add_special_tokens=False)) - 3
     (choice,) = chat(server, structured_outputs={"choice": [BOTH]}, max_tokens=cut, temperature=0)["choices"]

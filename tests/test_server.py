@@ -206,7 +206,8 @@ def test_multi_prompt_token_ids_and_n(server, offline):
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     assert [c["text"] for c in r["choices"]] == [c.text for c in choices]
     assert r["usage"] == {"prompt_tokens": p0 + p1, "completion_tokens": sum(len(c.token_ids) for c in choices),
-                          "total_tokens": p0 + p1 + sum(len(c.token_ids) for c in choices)}
+                          "total_tokens": p0 + p1 + sum(len(c.token_ids) for c in choices),
+                          "prompt_tokens_details": None, "completion_tokens_details": None}  # vLLM's nulls
     with httpx.stream("POST", server.url + "/v1/completions", json={
             "prompt": ["The quick", "hello world"], "max_tokens": 6, "temperature": 0, "stream": True}) as s:
         chunks = [json.loads(p) for p in sse_events(s.read().decode())[:-1]]
@@ -266,7 +267,9 @@ def test_stream_of_deltas_adds_up_to_the_response(server, logprobs):
     with httpx.stream("POST", server.url + "/v1/completions",
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
         chunks = [json.loads(p) for p in sse_events(s.read().decode())[:-1]]
-    assert chunks[-1]["usage"] == whole["usage"] and whole["usage"]["completion_tokens"] == 16
+    # the usage chunk has no details keys, vLLM's (whose response has them null)
+    assert {**chunks[-1]["usage"], "prompt_tokens_details": None, "completion_tokens_details": None} == \
+        whole["usage"] and whole["usage"]["completion_tokens"] == 16
     for want in whole["choices"]:
         mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == want["index"]]
         assert "".join(c["text"] for c in mine) == want["text"] == texts[want["index"]]
@@ -319,6 +322,79 @@ def test_chat_message_shape_and_role_as_vllm(server):
     with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}) as s:
         first = json.loads(sse_events(s.read().decode())[0])
     assert first["choices"][0]["delta"]["role"] == "user"
+
+
+# The keys vLLM 0.32's response models serialize (measured with benchmarks/api_diff.py against its server)
+VLLM_KEYS = {
+    "cmpl": {"id", "object", "created", "model", "choices", "service_tier", "system_fingerprint", "usage",
+             "kv_transfer_params", "ec_transfer_params", "metrics"},
+    "cmpl.choice": {"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids", "prompt_logprobs",
+                    "prompt_token_ids", "routed_experts"},
+    "usage": {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details",
+              "completion_tokens_details"},
+    "chat.choice": {"index", "message", "logprobs", "finish_reason", "stop_reason", "token_ids", "routed_experts"},
+    "message": {"role", "content", "refusal", "annotations", "audio", "function_call", "reasoning"},
+}
+
+
+def test_response_keys_as_vllms(server):
+    """Every key vLLM's answer has is there (null where nothing was asked), and no other."""
+    cmpl = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}).json()
+    assert set(cmpl) == VLLM_KEYS["cmpl"] and set(cmpl["choices"][0]) == VLLM_KEYS["cmpl.choice"]
+    assert set(cmpl["usage"]) == VLLM_KEYS["usage"] and cmpl["choices"][0]["token_ids"] is None
+    assert cmpl["system_fingerprint"].startswith("nanoserve-") and cmpl["kv_transfer_params"] is None
+    chat = httpx.post(server.url + "/v1/chat/completions",
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).json()
+    assert set(chat) == VLLM_KEYS["cmpl"] | {"prompt_logprobs", "prompt_token_ids", "prompt_text"}
+    assert set(chat["choices"][0]) == VLLM_KEYS["chat.choice"] and set(chat["usage"]) == VLLM_KEYS["usage"]
+    message = chat["choices"][0]["message"]
+    assert set(message) == VLLM_KEYS["message"] and message["refusal"] is None
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "hi"}).json()
+    assert tok["token_strs"] is None
+
+
+def _chunks(server, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True, "max_tokens": 3,
+                                                       "ignore_eos": True}) as s:
+        return [json.loads(p) for p in sse_events(s.read().decode())[:-1]]
+
+
+@pytest.mark.parametrize("usage", [False, True])
+def test_stream_chunk_keys_as_vllms(server, usage):
+    """A completions chunk's choice has null token ids; a chat chunk's has stop_reason only where it finishes,
+    and its role chunk null prompt fields; the fingerprint rides the finishing chunk, or the usage chunk after."""
+    opts = {"stream_options": {"include_usage": True}} if usage else {}
+    cmpl = _chunks(server, "/v1/completions", {"prompt": "hi", **opts})
+    assert all(set(c["choices"][0]) == {"index", "text", "logprobs", "finish_reason", "stop_reason",
+                                        "prompt_token_ids", "token_ids"} for c in cmpl if c["choices"])
+    chat = _chunks(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **opts})
+    role, *deltas = [c for c in chat if c["choices"]]
+    assert role["prompt_token_ids"] is None and role["prompt_text"] is None
+    assert deltas and deltas[-1]["choices"][0]["finish_reason"] == "length"
+    assert [set(c["choices"][0]) for c in deltas] == [{"index", "delta", "logprobs", "finish_reason", "token_ids"} |
+                                                      ({"stop_reason"} if c["choices"][0]["finish_reason"] else set())
+                                                      for c in deltas]
+    assert all("stop_reason" not in c["choices"][0] for c in deltas[:-1])
+    for chunks in (cmpl, chat):
+        marked = [i for i, c in enumerate(chunks) if "system_fingerprint" in c]
+        assert marked == [len(chunks) - 1]  # the usage chunk, or the last (finishing) one
+        assert (chunks[-1]["choices"] == []) == usage
+
+
+def test_stream_echo_sends_the_prompts_ids_first(server):
+    """As vLLM's: a completions stream that echoes sends the prompt's token ids in its first chunk."""
+    chunks = _chunks(server, "/v1/completions", {"prompt": [5, 6, 7], "echo": True})
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [5, 6, 7]
+    assert all(c["choices"][0]["prompt_token_ids"] is None for c in chunks[1:])
+
+
+def test_chat_stream_sends_the_prompts_ids_with_the_role(server):
+    """As vLLM's: return_token_ids puts the prompt's ids on the role chunk, and no other."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/chat/completions", json={**body, "max_tokens": 3}).json()
+    role, *rest = _chunks(server, "/v1/chat/completions", body)
+    assert role["choices"][0]["delta"]["role"] == "assistant" and role["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert rest and all("prompt_token_ids" not in c for c in rest)
 
 
 # =========================================================================== raw SSE

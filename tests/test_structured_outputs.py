@@ -590,18 +590,18 @@ def test_http_reasoning_tokens_are_counted(think_server):
     with httpx.stream("POST", think_server.url + "/v1/chat/completions", timeout=120,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
-    assert chunks[-1]["usage"] == usage
+    assert {**chunks[-1]["usage"], "prompt_tokens_details": None} == usage  # a stream's usage has no null details
     responses = {"input": "hi", **same, "max_output_tokens": 60}
     whole = _post(think_server, "/v1/responses", responses).json()
     assert [i["type"] for i in whole["output"]] == ["reasoning", "message"]
-    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": 3}
+    assert whole["usage"]["output_tokens_details"]["reasoning_tokens"] == 3
     streamed = _post(think_server, "/v1/responses", {**responses, "stream": True}).text
     final = json.loads(streamed.rstrip().rpartition("data: ")[2])
     assert final["type"] == "response.completed" and final["response"]["usage"] == whole["usage"]
     state = think_server.app.state.server
     state.reasoning_parser = None
     try:
-        assert "completion_tokens_details" not in _post(think_server, "/v1/chat/completions", body).json()["usage"]
+        assert _post(think_server, "/v1/chat/completions", body).json()["usage"]["completion_tokens_details"] is None
     finally:
         state.reasoning_parser = "deepseek_r1"
 

@@ -52,6 +52,7 @@ RENDERED_HISTORY = ('<|im_start|>system\nTools: get_weather(city,days) get_time(
                     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}</tool_call>'
                     '<|im_end|>\n<|im_start|>tool [call_1]\nsunny<|im_end|>\n<|im_start|>assistant\n')
 SEEDS = range(4)
+NULLS = dict.fromkeys(("refusal", "annotations", "audio", "function_call", "reasoning"))  # what vLLM's message has null
 
 
 def parse(text: str):
@@ -538,13 +539,13 @@ def test_auto_parses_the_calls_the_model_writes(server):
     assert [streamed[i] for i in sorted(streamed)] == want
     # no call in the text: content as it is
     plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})["choices"][0]
-    assert plain["message"] == {"role": "assistant", "content": "No tools <needed>."}
+    assert plain["message"] == {**NULLS, "role": "assistant", "content": "No tools <needed>."}
     assert plain["finish_reason"] == "stop"
     assert chat_stream(server, tools=TOOLS, structured_outputs={"choice": ["No tools <needed>."]})[1:] == \
         ("No tools <needed>.", [], "stop")
     # tool_choice "none": the tools reach the template, the output is not parsed
     none = chat(server, tools=TOOLS, tool_choice="none", structured_outputs={"choice": [FORCED]}, max_tokens=300)
-    assert none["choices"][0]["message"] == {"role": "assistant", "content": FORCED}
+    assert none["choices"][0]["message"] == {**NULLS, "role": "assistant", "content": FORCED}
     server.wait_idle()
 
 
@@ -574,7 +575,7 @@ def test_auto_reads_each_parsers_format(server, name, monkeypatch):
         assert (choice["message"]["content"] or "") == told
         assert chat_stream(server, **body)[1:] == (told, want, "tool_calls")
         plain = chat(server, tools=TOOLS, structured_outputs={"choice": ["No tools [needed]."]})["choices"][0]
-        assert plain["message"] == {"role": "assistant", "content": "No tools [needed]."}
+        assert plain["message"] == {**NULLS, "role": "assistant", "content": "No tools [needed]."}
         assert skips == {name != "mistral"}
     finally:
         state.tool_parser = "hermes"
@@ -821,7 +822,7 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
     text = THOUGHT + "It is sunny."
     (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
     thought = "\nThe user wants the weather.\n"
-    assert choice["message"] == {"role": "assistant", "reasoning_content": thought, "reasoning": thought,
+    assert choice["message"] == {**NULLS, "role": "assistant", "reasoning_content": thought, "reasoning": thought,
                                  "content": "\n\nIt is sunny."}
     chunks, reasoning, content, _, finish = chat_reasoning_stream(server, structured_outputs={"choice": [text]},
                                                                   max_tokens=300)
@@ -839,7 +840,7 @@ def test_reasoning_parser_on_chat(server, name, monkeypatch):
                                                          "tool_calls")
     inner = "<think>" + FORCED + "</think>No call."
     (choice,) = chat(server, tools=TOOLS, structured_outputs={"choice": [inner]}, max_tokens=400)["choices"]
-    assert choice["message"] == {"role": "assistant", "reasoning_content": FORCED, "reasoning": FORCED,
+    assert choice["message"] == {**NULLS, "role": "assistant", "reasoning_content": FORCED, "reasoning": FORCED,
                                  "content": "No call."} and choice["finish_reason"] == "stop"
     (choice,) = chat(server, include_reasoning=False, structured_outputs={"choice": [text]})["choices"]
     assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (None, "\n\nIt is sunny.")
@@ -892,7 +893,7 @@ def test_no_reasoning_parser_splits_nothing(server):
     assert server.app.state.server.reasoning_parser is None
     text = THOUGHT + "It is sunny."
     (choice,) = chat(server, structured_outputs={"choice": [text]}, max_tokens=300)["choices"]
-    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["message"] == {**NULLS, "role": "assistant", "content": text}
     chunks, reasoning, content, _, _ = chat_reasoning_stream(server, structured_outputs={"choice": [text]},
                                                              max_tokens=300)
     assert (reasoning, content) == ("", text)
