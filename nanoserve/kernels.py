@@ -1168,7 +1168,7 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
         gemma_rms_norm_triton(q, q[0, 0].float(), 1e-6)
     table = zeros(1, cfg.rotary_dim).float()  # the model's rotary dims
     if cfg.kv_lora_rank:  # MLA turns q_pe and k_pe, rotary_dim wide
-        q, k = q[..., v_dim:].contiguous(), k[..., v_dim:].contiguous()
+        q, k = zeros(1, cfg.num_heads, cfg.rotary_dim), zeros(1, cfg.num_kv_heads, cfg.rotary_dim)
     rotary_triton(q, k, first, table, table)
     getattr(TRITON, act_and_mul_name(cfg))(zeros(1, 2 * cfg.intermediate_size))
     if cfg.num_experts:  # one expert stands for all (the widths and top_k fix what compiles, not E)
