@@ -455,19 +455,27 @@ def latent_reference(batch):
     return out[..., :v_cache.shape[-1]]
 
 
-def check_latent(backend, batch, **kw):
-    got = backend.paged_attention(*batch, batch[0].shape[-1] ** -0.5, **kw)
-    assert got.shape == (*batch[0].shape[:2], batch[2].shape[-1])
-    torch.testing.assert_close(got, latent_reference(batch), atol=ATOL, rtol=RTOL)
+def check_latent(backend, batch, v_apart=False):
+    """v_apart: V a tensor of its own, the latent's first dims times -0.5 (so the output is the latent
+    output times -0.5): the kernel must read it, not K's tile."""
+    query, cache, v_cache, *rest = batch
+    v_cache = (v_cache * -0.5) if v_apart else v_cache
+    got = backend.paged_attention(query, cache, v_cache, *rest, query.shape[-1] ** -0.5)
+    assert got.shape == (*query.shape[:2], v_cache.shape[-1])
+    torch.testing.assert_close(got, latent_reference(batch) * (-0.5 if v_apart else 1), atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scenario", ["decode", "chunked", "mixed"])
-def test_latent_attention_splits_main_and_rope(backend, scenario):
+@pytest.mark.parametrize("v_apart", [False, True], ids=["v-in-k", "v-apart"])
+def test_latent_attention_splits_main_and_rope(backend, scenario, v_apart):
     """A 32 + 16 latent (the released 512 + 64's shape, small): scores over all 48 dims, values and
-    output the first 32 (Triton: two dots, 32 and 16 padded to tl.dot's 16), in decodes and chunks."""
+    output the first 32 (Triton: two dots, 32 and 16 padded to tl.dot's 16), in decodes and chunks;
+    V a view of K's first dims (Triton's ONE_CACHE: the K tile serves as V) or a tensor of its own."""
     torch.manual_seed(20)
-    check_latent(backend, make_latent_batch(SCENARIOS[scenario], 32, 16, 4, POISON[backend.name]))
+    batch = make_latent_batch(SCENARIOS[scenario], 32, 16, 4, POISON[backend.name])
+    assert kernels._value_in_key(batch[1], batch[2]) and not kernels._value_in_key(batch[1], batch[2] * 1)
+    check_latent(backend, batch, v_apart)
 
 
 @triton_only
