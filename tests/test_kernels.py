@@ -957,3 +957,58 @@ def test_fused_moe_triton_on_cuda_in_bf16_and_graph_replay():
             buf.copy_(new)
         graph.replay()
         torch.testing.assert_close(out, kernels.fused_moe_triton(x, w13, w2, weights, ids), rtol=0, atol=0)
+
+
+@cuda_only
+@pytest.mark.parametrize("heads", [16, 128])
+def test_latent_attention_on_cuda_in_bf16_and_graph_replay(heads):
+    """The compiled MLA attention at the released models' 512 + 64 latent (V2-Lite's 16 heads, V3's 128 in
+    head blocks of 16), bf16: no further from the fp32 reference than torch's bf16 reference is (twice, in
+    norm), decodes (split-KV) and a mixed step; then a decode step (store, attention) captured in a CUDA
+    graph with a max_model_len-wide table and replayed on other contexts, each replay equal to an eager call."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    num_blocks, bs, width = 300, 16, 256
+    cache = torch.randn(num_blocks, bs, 1, 576, device=dev, generator=g).to(dt)
+    # 4096 tokens a row (blocks shared between rows, as a prefix's are), each row's first block its own
+    table = torch.randint(5, num_blocks, (4, width), device=dev, generator=g, dtype=torch.int32)
+    table[:, 0] = torch.arange(1, 5, device=dev)
+
+    def step(seq_lens, q_lens):
+        qsl = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
+        query = torch.randn(int(qsl[-1]), heads, 576, device=dev, generator=g).to(dt)
+        return query, cache, cache[..., :512], table[:len(seq_lens)], torch.tensor(seq_lens, dtype=torch.int32,
+                                                                                  device=dev), qsl
+
+    def error(out, want):
+        return float((out.float() - want).norm() / want.norm())
+
+    for seq_lens, q_lens in (([1200, 40, 700, 1], [1, 1, 1, 1]), ([300, 50, 9], [1, 50, 3])):
+        batch = step(seq_lens, q_lens)
+        want = kernels.paged_attention_torch(batch[0].float(), cache.float(), cache[..., :512].float(), *batch[3:],
+                                             0.07)
+        bf16 = error(kernels.paged_attention_torch(*batch, 0.07), want)
+        assert error(kernels.paged_attention_triton(*batch, 0.07), want) <= max(2 * bf16, 1e-3)
+
+    query, _, _, tables, seq_lens, qsl = step([1200, 40, 700, 1], [1, 1, 1, 1])
+    kv = torch.randn(4, 1, 576, device=dev, generator=g).to(dt)
+    slots = torch.zeros(4, dtype=torch.int64, device=dev)
+
+    def decode():
+        kernels.store_kvcache_triton(kv, kv, cache, cache, slots)
+        return kernels.paged_attention_triton(query, cache, cache[..., :512], tables, seq_lens, qsl, 0.07)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode()
+    for lens in ([5, 4000, 33, 2], [1200, 40, 700, 1]):
+        seq_lens.copy_(torch.tensor(lens, device=dev))
+        slots.copy_(tables[:, 0].long() * bs + 1)  # position 1 of each sequence's first block
+        for buf in (query, kv):
+            buf.copy_(torch.randn(buf.shape, device=dev, generator=g))
+        graph.replay()
+        torch.testing.assert_close(out, decode(), rtol=0, atol=0)
