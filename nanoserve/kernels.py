@@ -792,7 +792,7 @@ def _check_head_dim(head_dim: int, rope_dim: int = 0) -> None:
     power_of_two = not head_dim & (head_dim - 1)
     if head_dim < 16 or head_dim % 8 or (head_dim > 256 and not power_of_two):
         raise ValueError(f"the Triton kernels need head_dim to be a multiple of 8 from 16 to 256, "
-                         f"or a larger power of two (MLA: kv_lora_rank so), got {head_dim}")
+                         f"or a larger power of two, got {head_dim}")
     if rope_dim % 8 or not 0 <= rope_dim <= head_dim:
         raise ValueError(f"the Triton kernels need K's dims past V's (MLA's qk_rope_head_dim) to be a "
                          f"multiple of 8 up to V's {head_dim}, got {rope_dim}")

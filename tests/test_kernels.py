@@ -521,7 +521,7 @@ def test_latent_warm_up_and_probe_take_the_576_latent():
                           hidden_size=64, intermediate_size=64, hidden_act="silu", gemma=False, num_experts=0,
                           attn_logit_softcapping=None)
     kernels.probe_triton(cfg, torch.float32, torch.device(DEVICE), 16)
-    with pytest.raises(ValueError, match=r"a larger power of two \(MLA: kv_lora_rank so\), got 576"):
+    with pytest.raises(ValueError, match=r"multiple of 8 from 16 to 256, or a larger power of two, got 576"):
         kernels.probe_triton(SimpleNamespace(**{**vars(cfg), "kv_lora_rank": 0}), torch.float32,
                              torch.device(DEVICE), 16)
 
