@@ -152,6 +152,19 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
+def gather_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv of K and of V; where V is K itself (MLA's latent, paged_attention_torch), one gather."""
+    k = gather_kv(k_cache, block_table)
+    return k, (k[..., :v_cache.shape[3]] if _value_in_key(k_cache, v_cache) else gather_kv(v_cache, block_table))
+
+
+def _value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether V is K's own first dims (MLA's latent, or K itself): the same memory, laid out alike."""
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+            and v_cache.dtype == k_cache.dtype)
+
+
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                           scale, sliding_window: int | None = None,
                           logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,7 +172,12 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
     multi-token chunk in one of its own. With a sliding window a query at position
     p sees keys p - sliding_window + 1 .. p (transformers' and vLLM's window). With a
     soft cap or sinks (gpt-oss's, one logit a head: attend), the same written out. A V
-    narrower than K (MLA's) gives an output as narrow: SDPA takes a value width of its own."""
+    narrower than K gives an output as narrow: SDPA takes a value width of its own. MLA's (V the latent's
+    first dims) attends with the whole latent as V and keeps V's dims: one gather, and SDPA's kernels for
+    one width (a V gathered through the strided view took a CPU decode a quarter longer, a prefill more)."""
+    if v_cache.shape[3] < k_cache.shape[3] and _value_in_key(k_cache, v_cache):
+        return paged_attention_torch(query, k_cache, k_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     sliding_window, logits_soft_cap, sinks)[..., :v_cache.shape[3]]
     out = query.new_empty(*query.shape[:2], v_cache.shape[3])
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
@@ -192,8 +210,8 @@ def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scal
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     width = -(-int(seq_lens.max()) // block_size)
     first = first_window_block(int(seq_lens.min()) - 1, sliding_window, block_size)
-    k = gather_kv(k_cache, block_tables[:, first:width]).transpose(1, 2)  # [n, kv_heads, ctx, d]
-    v = gather_kv(v_cache, block_tables[:, first:width]).transpose(1, 2)
+    k, v = (x.transpose(1, 2)  # [n, kv_heads, ctx, d]
+            for x in gather_kv_pair(k_cache, v_cache, block_tables[:, first:width]))
     # Each KV head's group of query heads as its rows of queries: one SDPA call
     # without copying K and V per query head.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -215,8 +233,8 @@ def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, sc
     n_blocks = -(-seq_len // block_size)
     first = first_window_block(seq_len - q_len, sliding_window, block_size)
     start = first * block_size
-    k = gather_kv(k_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
-    v = gather_kv(v_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]
+    k, v = (x[:seq_len - start].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+            for x in gather_kv_pair(k_cache, v_cache, block_table[first:n_blocks]))
     q = query.transpose(0, 1)[None]                                                  # [1, heads, q_len, d]
     plain = logits_soft_cap is None and sinks is None and (sliding_window is None or seq_len <= sliding_window)
     if q_len == seq_len and plain:  # plain causal: SDPA's fastest
@@ -941,12 +959,6 @@ def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context
         _launch_attention(query, k_cache, v_cache, table, seq_lens, query_start_loc, 1.0,
                           query.new_empty(1, num_heads, head_dim), block_m, block_m // _tile_heads(block_m, group),
                           num_splits, block_n, logits_soft_cap=logits_soft_cap, sinks=sinks)
-
-
-def _value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether V is K's own first dims (MLA's latent, or K itself): the same memory, laid out alike."""
-    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
-            and v_cache.dtype == k_cache.dtype)
 
 
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
