@@ -1384,8 +1384,9 @@ class MLAAttention(nn.Module):
     so each head's query moves into the latent space, attention is MQA over the cached [c; k_pe] (one
     tensor: K is all of it, V its first kv_lora_rank dims, c, a view; the output is the latent output,
     kv_lora_rank wide), and W_UV lifts the result. Prefill runs the same absorbed form (correct; more
-    compute than expanding K and V for long prompts, as vLLM's prefill does). Under tensor parallelism a rank holds its heads'
-    rows of q and kv_b, and its columns of o_proj; the latent and its projection are every rank's."""
+    compute than expanding K and V for long prompts, as vLLM's prefill does). Under tensor parallelism a
+    rank holds its heads' rows of q and kv_b, and its columns of o_proj; the latent and its projection are
+    every rank's."""
 
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup):
         super().__init__()
