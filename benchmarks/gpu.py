@@ -74,11 +74,13 @@ for _p in (str(HERE), str(ROOT)):
 #   kernels, routed and normed in other ways;
 # deepseek_v2 (no q_lora_rank, softmax routing), deepseek_v3 (noaux_tc routing, YaRN): multi-head latent
 #   attention, MQA of 4 heads over one 64-wide latent cache, K and V one tensor (the Triton store writes it once);
+#   deepseek_v3-576: the released models' 512 + 64 latent (the Triton attention's two dots, the K tile as V),
+#   32 heads in two blocks of 16;
 # gpt_oss: attention sinks (the Triton kernel's SINKS variant), a sliding then a full layer, YaRN, biased experts
 #   with the clamped SwiGLU (on the device Triton's fused MoE with biases and swigluoai, captured in "graphs")
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2",
          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe", "deepseek_v2", "deepseek_v3",
-         "gpt_oss")
+         "deepseek_v3-576", "gpt_oss")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one but gemma3 (its mixed window)
 # and the MoE models (padding rows routed to experts: qwen3_moe stands for them all):
@@ -90,7 +92,8 @@ ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("
                 "qwen3_moe": ("plain-graphs", "preempt-graphs", "chunked-eager"),
                 "olmoe": ("plain-graphs", "chunked-eager"), "granitemoeshared": ("plain-graphs", "chunked-eager"),
                 "glm4_moe": ("plain-graphs", "chunked-eager"), "deepseek_v2": ("plain-graphs", "chunked-eager"),
-                "deepseek_v3": ("plain-graphs", "chunked-eager"), "gpt_oss": ("plain-graphs", "chunked-eager")}
+                "deepseek_v3": ("plain-graphs", "chunked-eager"), "deepseek_v3-576": ("plain-graphs", "chunked-eager"),
+                "gpt_oss": ("plain-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -269,6 +272,8 @@ def tiny_hf_config(arch: str, max_pos: int):
             q_lora_rank=24, n_group=2, topk_group=1, rope_parameters={
                 "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings":
                 max(max_pos // 4, 1), "mscale": 0.9, "mscale_all_dim": 0.8, "beta_fast": 32, "beta_slow": 1})
+    if arch == "deepseek_v3-576":
+        base.update(kv_lora_rank=512, qk_rope_head_dim=64, num_attention_heads=32, num_key_value_heads=32)
     if arch == "gpt_oss":  # as tests/conftest.py's: q wider than hidden, 8 experts (top 2), untruncated YaRN
         base.update(head_dim=32, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=32,
                     layer_types=["sliding_attention", "full_attention"], rope_parameters={
@@ -873,8 +878,8 @@ def part_serve(scale: Scale, spec: dict) -> dict:
 def part_cuda_tests(scale: Scale, spec: dict) -> dict:
     """The test suite's CUDA-only tests (tests/test_decode_graphs.py: graph replay ==
     eager for every captured size, padding rows write no KV; tests/test_lora.py: the same
-    with adapter rows; tests/test_kernels.py: the fused-MoE kernel in bf16 and replayed in a
-    graph) with compiled Triton
+    with adapter rows; tests/test_kernels.py: the fused-MoE kernel and MLA's 512 + 64 attention in
+    bf16 and replayed in a graph) with compiled Triton
     (the suite's default TRITON_INTERPRET=1 skips them). Needs pytest, carried in
     .whl; in the dry run they skip, and the part checks only that pytest ran."""
     import importlib.util

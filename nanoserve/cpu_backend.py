@@ -118,7 +118,22 @@ def _pick_attention(cfg, dtype, block_size):
     name, (store, attend) = _first_that_works(
         "attention backend", candidates,
         ("torch", (kernels.store_kvcache_torch, kernels.paged_attention_torch)))
+    if getattr(cfg, "kv_lora_rank", 0) and name != "torch":  # the reference takes MLA's narrower V itself
+        attend = value_as_whole_latent(attend)
     return name, store, attend
+
+
+def value_as_whole_latent(paged_attention):
+    """An attention whose kernels take V as wide as K, given MLA's V (the first kv_lora_rank dims of K's
+    tensor, a view): it attends with all of K as V and keeps V's dims of the output (the rope dims'
+    share of the weighted sum, 64 of 576 for the released models, is computed and dropped)."""
+    def attend(query, k_cache, v_cache, *args, **kwargs):
+        if v_cache.shape[3] == k_cache.shape[3]:
+            return paged_attention(query, k_cache, v_cache, *args, **kwargs)
+        if not kernels._value_in_key(k_cache, v_cache):
+            raise ValueError("a V narrower than K must be K's own first dims here (MLA's latent)")
+        return paged_attention(query, k_cache, k_cache, *args, **kwargs)[..., :v_cache.shape[3]]
+    return attend
 
 
 def _smoke(cfg, dtype, block_size, store, attend):

@@ -11,6 +11,9 @@ last resort, and where it pays as a Triton kernel:
   position ``seq_len - q_len + j`` and attends to positions ``0 .. that`` through
   the sequence's block table (causal inside the chunk, full over the prefix);
   GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
+  V may be narrower than K (DeepSeek's MLA: ``v_cache`` is the first kv_lora_rank dims
+  of the latent's one tensor, ``k_cache`` all of it): scores over K's width, the
+  output V's width;
 * ``rms_norm``, ``rotary``, ``silu_and_mul``, and Gemma's ``gelu_tanh_and_mul`` and
   ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch
   references and Triton kernels; the CPU's live behind the seam);
@@ -29,7 +32,8 @@ built in ``cpu_backend.py``; this file never needs them.
 
 Shapes (vLLM's names):
   query            [num_tokens, num_heads, head_dim]
-  k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+  k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim] (v_cache's last dim may be
+                   narrower: MLA's kv_lora_rank of head_dim = kv_lora_rank + qk_rope_head_dim)
   block_tables     int32 [num_seqs, max_blocks]
   seq_lens         int32 [num_seqs]      context length after this step
   query_start_loc  int32 [num_seqs + 1]  where each sequence's tokens start in query
@@ -79,7 +83,9 @@ class Backend:
     store_kvcache(key, value, k_cache, v_cache, slot_mapping) -> None
     paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                     sliding_window=None, logits_soft_cap=None, sinks=None) -> out
-      (a window: each query sees its last sliding_window positions; a soft cap, Gemma 2's:
+      (out [num_tokens, num_heads, v_cache's head_dim]: MLA's V is the first kv_lora_rank dims of
+      the latent, a view of K's tensor, so its output is that wide;
+      a window: each query sees its last sliding_window positions; a soft cap, Gemma 2's:
       each score s = scale * q.k becomes cap * tanh(s / cap) before the mask and softmax;
       sinks, gpt-oss's [heads]: a logit a head each softmax takes mass for, with no value;
       a backend whose kernel has no sinks is not chosen for a model with them)
@@ -151,14 +157,33 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return blocks.view(*block_table.shape[:-1], -1, *cache.shape[2:])
 
 
+def gather_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gather_kv of K and of V; where V is K itself (MLA's latent, paged_attention_torch), one gather."""
+    k = gather_kv(k_cache, block_table)
+    return k, (k[..., :v_cache.shape[3]] if _value_in_key(k_cache, v_cache) else gather_kv(v_cache, block_table))
+
+
+def _value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether V is K's own first dims (MLA's latent, or K itself): the same memory, laid out alike."""
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
+            and v_cache.dtype == k_cache.dtype)
+
+
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                           scale, sliding_window: int | None = None,
                           logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: the step's decodes (q_len 1) in one batched SDPA call, each
     multi-token chunk in one of its own. With a sliding window a query at position
     p sees keys p - sliding_window + 1 .. p (transformers' and vLLM's window). With a
-    soft cap or sinks (gpt-oss's, one logit a head: attend), the same written out."""
-    out = torch.empty_like(query)
+    soft cap or sinks (gpt-oss's, one logit a head: attend), the same written out. A V
+    narrower than K gives an output as narrow: SDPA takes a value width of its own. MLA's (V the latent's
+    first dims) attends with the whole latent as V and keeps V's dims: one gather, and SDPA's kernels for
+    one width (a V gathered through the strided view took a CPU decode a quarter longer, a prefill more)."""
+    if v_cache.shape[3] < k_cache.shape[3] and _value_in_key(k_cache, v_cache):
+        return paged_attention_torch(query, k_cache, k_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     sliding_window, logits_soft_cap, sinks)[..., :v_cache.shape[3]]
+    out = query.new_empty(*query.shape[:2], v_cache.shape[3])
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     q_lens = [b - a for a, b in zip(starts, starts[1:])]
     decodes = [i for i, n in enumerate(q_lens) if n == 1]
@@ -190,8 +215,8 @@ def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scal
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     width = -(-int(seq_lens.max()) // block_size)
     first = first_window_block(int(seq_lens.min()) - 1, sliding_window, block_size)
-    k = gather_kv(k_cache, block_tables[:, first:width]).transpose(1, 2)  # [n, kv_heads, ctx, d]
-    v = gather_kv(v_cache, block_tables[:, first:width]).transpose(1, 2)
+    k, v = (x.transpose(1, 2)  # [n, kv_heads, ctx, d]
+            for x in gather_kv_pair(k_cache, v_cache, block_tables[:, first:width]))
     # Each KV head's group of query heads as its rows of queries: one SDPA call
     # without copying K and V per query head.
     q = query.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -201,7 +226,7 @@ def decode_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, scal
         visible &= key_pos >= seq_lens[:, None] - sliding_window
     sinks = None if sinks is None else sinks.view(num_kv_heads, num_heads // num_kv_heads, 1)  # q's rows
     o = attend(q, k.to(q.dtype), v.to(q.dtype), visible[:, None, None, :], scale, logits_soft_cap, sinks)
-    return o.reshape(n, num_heads, head_dim)
+    return o.reshape(n, num_heads, v_cache.shape[3])
 
 
 def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, scale,
@@ -213,8 +238,8 @@ def chunk_attention_torch(query, k_cache, v_cache, block_table, seq_len: int, sc
     n_blocks = -(-seq_len // block_size)
     first = first_window_block(seq_len - q_len, sliding_window, block_size)
     start = first * block_size
-    k = gather_kv(k_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
-    v = gather_kv(v_cache, block_table[first:n_blocks])[:seq_len - start].transpose(0, 1)[None]
+    k, v = (x[:seq_len - start].transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+            for x in gather_kv_pair(k_cache, v_cache, block_table[first:n_blocks]))
     q = query.transpose(0, 1)[None]                                                  # [1, heads, q_len, d]
     plain = logits_soft_cap is None and sinks is None and (sliding_window is None or seq_len <= sliding_window)
     if q_len == seq_len and plain:  # plain causal: SDPA's fastest
@@ -399,6 +424,9 @@ _BLOCK_M_DECODE = 16        # rows of a tile when the batch is all decodes (tl.d
 _BLOCK_M_CHUNK, _BLOCK_N_CHUNK = 64, 32
 _BLOCK_M_PREFILL, _BLOCK_N_PREFILL = 128, 64
 _PREFILL_TILE_MIN_TOKENS_PER_SEQ = 256
+# Heads wider than 256 (MLA's 512-wide latent): vLLM's tile for it (BLOCK_H 16, BLOCK_N 32), every
+# batch; untuned here (no GPU run has measured it).
+_BLOCK_M_WIDE, _BLOCK_N_WIDE = 16, 32
 # Split-KV: an all-decode batch has only num_seqs * num_kv_heads programs, each
 # walking its whole context; too few leave most SMs idle. Splitting each context
 # into partitions multiplies the programs (a reduce kernel merges them): split
@@ -425,31 +453,42 @@ if triton is not None:
         kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
         vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
         num_kv_heads, block_size,
-        HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-        ONE_CACHE: tl.constexpr,
+        HEADS_PAD: tl.constexpr, MAIN: tl.constexpr, MAIN_PAD: tl.constexpr, REST: tl.constexpr,
+        REST_PAD: tl.constexpr, ONE_CACHE: tl.constexpr,
     ):
-        """One program per token: copy its [num_kv_heads, head_dim] K and V rows (ONE_CACHE: K's
-        only, the caches being one tensor, MLA's latent)."""
+        """One program per token: copy its [num_kv_heads, MAIN + REST] K and V rows (ONE_CACHE: K's
+        only, the caches being one tensor, MLA's latent). A row is copied in the parts _head_parts
+        splits it into, each padded to a power of two (*_PAD): MLA's 576 as 512 + 64, not 1024."""
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
         if slot < 0:  # padding token: write nothing
             return
         block, offset = slot // block_size, slot % block_size
-        h = tl.arange(0, HEADS_PAD)[:, None]
-        d = tl.arange(0, HEAD_DIM_PAD)[None, :]
-        # (d < HEAD_DIM) masks a padded head (96 in 128); for a power of two it is
-        # always true and gives the mask the full [heads, dim] shape, which Triton's
-        # CPU interpreter needs for a masked load.
-        mask = (h < num_kv_heads) & (d < HEAD_DIM)
-        k = tl.load(key_ptr + t * k_stride_t + h * k_stride_h + d * k_stride_d, mask=mask)
-        kc = (k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
-              + h * kc_stride_h + d * kc_stride_d)
-        tl.store(kc, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        k_src, v_src = key_ptr + t * k_stride_t, value_ptr + t * v_stride_t
+        k_dst = k_cache_ptr + block * kc_stride_b + offset * kc_stride_s
+        v_dst = v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
+        _copy_heads(k_src, k_dst, num_kv_heads, k_stride_h, k_stride_d, kc_stride_h, kc_stride_d, 0, MAIN,
+                    MAIN_PAD, HEADS_PAD)
+        if REST > 0:
+            _copy_heads(k_src, k_dst, num_kv_heads, k_stride_h, k_stride_d, kc_stride_h, kc_stride_d, MAIN, REST,
+                        REST_PAD, HEADS_PAD)
         if not ONE_CACHE:
-            v = tl.load(value_ptr + t * v_stride_t + h * v_stride_h + d * v_stride_d, mask=mask)
-            vc = (v_cache_ptr + block * vc_stride_b + offset * vc_stride_s
-                  + h * vc_stride_h + d * vc_stride_d)
-            tl.store(vc, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            _copy_heads(v_src, v_dst, num_kv_heads, v_stride_h, v_stride_d, vc_stride_h, vc_stride_d, 0, MAIN,
+                        MAIN_PAD, HEADS_PAD)
+            if REST > 0:
+                _copy_heads(v_src, v_dst, num_kv_heads, v_stride_h, v_stride_d, vc_stride_h, vc_stride_d, MAIN,
+                            REST, REST_PAD, HEADS_PAD)
+
+    @triton.jit
+    def _copy_heads(src, dst, num_heads, s_stride_h, s_stride_d, d_stride_h, d_stride_d, FIRST: tl.constexpr,
+                    WIDTH: tl.constexpr, WIDTH_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+        """dims FIRST .. FIRST + WIDTH of each head's row, src to dst (cast to dst's dtype). The mask has the
+        full [heads, dims] shape even where (d < ...) is always true: the CPU interpreter needs that."""
+        h = tl.arange(0, HEADS_PAD)[:, None]
+        d = FIRST + tl.arange(0, WIDTH_PAD)[None, :]
+        mask = (h < num_heads) & (d < FIRST + WIDTH)
+        x = tl.load(src + h * s_stride_h + d * s_stride_d, mask=mask)
+        tl.store(dst + h * d_stride_h + d * d_stride_d, x.to(dst.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
@@ -479,12 +518,15 @@ if triton is not None:
         kc_stride_b, kc_stride_s, kc_stride_h, kc_stride_d,
         vc_stride_b, vc_stride_s, vc_stride_h, vc_stride_d,
         bt_stride_s, bt_stride_b,
-        GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+        GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr = False,
-        SINKS: tl.constexpr = False,
+        SINKS: tl.constexpr = False, ROPE_DIM: tl.constexpr = 0, ROPE_PAD: tl.constexpr = 16,
+        ONE_CACHE: tl.constexpr = False,
     ):
-        """Grid (query tiles, kv heads, splits). With NUM_SPLITS == 1 a program
+        """Grid (query tiles, kv heads x head blocks, splits). A program's rows are BLOCK_Q
+        tokens times HEADS of its KV head's GROUP query heads (HEADS = GROUP but for MLA's many
+        heads on one wide latent, which take blocks of HEADS). With NUM_SPLITS == 1 a program
         walks its tile's whole visible context and writes the output; otherwise it
         walks partition `split` of it only and writes its running max / sum /
         accumulator for _split_kv_reduce_kernel to merge. A query at position p sees
@@ -500,10 +542,22 @@ if triton is not None:
 
         SINKS (gpt-oss's): a logit a head (sinks_ptr, fp32) that each row's softmax takes mass for but
         no value: the running max and sum start from it (m = sink, l = 1) in split 0 only, so the
-        reduce counts it once."""
+        reduce counts it once.
+
+        ROPE_DIM (MLA's qk_rope_head_dim, vLLM's BLOCK_DPE): K and the query are HEAD_DIM + ROPE_DIM
+        wide, V HEAD_DIM: q.k = q[:HEAD_DIM].k[:HEAD_DIM] + q[HEAD_DIM:].k[HEAD_DIM:], two dots whose
+        widths are powers of two (512 + 64 rather than 576 padded to 1024; ROPE_PAD: the rope part's
+        power of two, at least tl.dot's 16), and the accumulator and output HEAD_DIM wide.
+
+        ONE_CACHE (MLA's latent): V is the first HEAD_DIM dims of K's own tensor, so the K tile's main
+        part, transposed, is the V tile: read once, not twice (compiled for sm_90 by Triton 3.9, the
+        512 + 64 tile then takes 53 KB of shared memory rather than 84, and its 4 warps spill no registers,
+        where 368 to 432 bytes spilled)."""
         PADDED: tl.constexpr = HEAD_DIM_PAD != HEAD_DIM
+        HEAD_BLOCKS: tl.constexpr = (GROUP + HEADS - 1) // HEADS
         tile = tl.program_id(0)
-        kv_head = tl.program_id(1)
+        kv_head = tl.program_id(1) // HEAD_BLOCKS
+        first_head = tl.program_id(1) % HEAD_BLOCKS * HEADS  # of the group's
         split = tl.program_id(2)
         seq = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
         q_start = tl.load(query_start_loc_ptr + seq)
@@ -515,9 +569,10 @@ if triton is not None:
         context_len = seq_len - q_len  # tokens cached before this step
 
         rows = tl.arange(0, BLOCK_M)
-        q_idx = q_tile_start + rows // GROUP                   # token within this step
-        head = kv_head * GROUP + rows % GROUP
-        row_ok = (rows < BLOCK_Q * GROUP) & (q_idx < q_len)
+        q_idx = q_tile_start + rows // HEADS                   # token within this step
+        in_group = first_head + rows % HEADS
+        head = kv_head * GROUP + in_group
+        row_ok = (rows < BLOCK_Q * HEADS) & (q_idx < q_len) & (in_group < GROUP)
         q_pos = context_len + q_idx                            # its position in the sequence
         token = (q_start + q_idx).to(tl.int64)
         d = tl.arange(0, HEAD_DIM_PAD)
@@ -526,6 +581,11 @@ if triton is not None:
             q_mask = q_mask & (d[None, :] < HEAD_DIM)
         q = tl.load(query_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h
                     + d[None, :] * q_stride_d, mask=q_mask, other=0.0)
+        if ROPE_DIM > 0:
+            dr = HEAD_DIM + tl.arange(0, ROPE_PAD)
+            rope_ok = dr < HEAD_DIM + ROPE_DIM
+            q_rope = tl.load(query_ptr + token[:, None] * q_stride_t + head[:, None] * q_stride_h
+                             + dr[None, :] * q_stride_d, mask=row_ok[:, None] & rope_ok[None, :], other=0.0)
 
         # Keys first_key .. (last query of the tile's position) are visible to some row.
         num_keys = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
@@ -561,15 +621,24 @@ if triton is not None:
             k = tl.load(k_cache_ptr + block[None, :] * kc_stride_b + offset[None, :] * kc_stride_s
                         + kv_off_h * kc_stride_h + d[:, None] * kc_stride_d,
                         mask=k_mask, other=0.0)                 # [HEAD_DIM_PAD, BLOCK_N]
-            v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_s
-                        + kv_off_h * vc_stride_h + d[None, :] * vc_stride_d,
-                        mask=v_mask, other=0.0)                 # [BLOCK_N, HEAD_DIM_PAD]
+            if ONE_CACHE:
+                v = tl.trans(k)
+            else:
+                v = tl.load(v_cache_ptr + block[:, None] * vc_stride_b + offset[:, None] * vc_stride_s
+                            + kv_off_h * vc_stride_h + d[None, :] * vc_stride_d,
+                            mask=v_mask, other=0.0)             # [BLOCK_N, HEAD_DIM_PAD]
+            qk = tl.dot(q, k.to(q.dtype), input_precision=PRECISION)
+            if ROPE_DIM > 0:
+                k_rope = tl.load(k_cache_ptr + block[None, :] * kc_stride_b + offset[None, :] * kc_stride_s
+                                 + kv_off_h * kc_stride_h + dr[:, None] * kc_stride_d,
+                                 mask=k_ok[None, :] & rope_ok[:, None], other=0.0)  # [ROPE_PAD, BLOCK_N]
+                qk += tl.dot(q_rope, k_rope.to(q.dtype), input_precision=PRECISION)
             if SOFT_CAP:  # tanh(y) = 1 - 2 / (exp(2y) + 1), y clamped where tanh is +-1 in fp32
-                y = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * (scale / soft_cap)
+                y = qk * (scale / soft_cap)
                 y = tl.minimum(tl.maximum(y, -15.0), 15.0)
                 s = (soft_cap * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0))
             else:
-                s = tl.dot(q, k.to(q.dtype), input_precision=PRECISION) * qk_scale
+                s = qk * qk_scale
             visible = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -782,14 +851,27 @@ if triton is not None:
                  mask=pair_ok[:, None] & n_ok[None, :])
 
 
-def _check_head_dim(head_dim: int) -> None:
+def _check_head_dim(head_dim: int, rope_dim: int = 0) -> None:
     """A power of two >= 16 (tl.dot's least), or a multiple of 8 from 16 to 256 (Phi-3's 96, 80,
     160, 192: vLLM's sizes), which the kernels pad to the next power of two with masks; past 256
-    padding would double a tile that no GPU run has checked."""
+    padding would double a tile that no GPU run has checked. ``rope_dim``: how much wider K is than
+    V (MLA's qk_rope_head_dim past kv_lora_rank, its own dot), a multiple of 8 up to head_dim."""
     power_of_two = not head_dim & (head_dim - 1)
     if head_dim < 16 or head_dim % 8 or (head_dim > 256 and not power_of_two):
         raise ValueError(f"the Triton kernels need head_dim to be a multiple of 8 from 16 to 256, "
                          f"or a larger power of two, got {head_dim}")
+    if rope_dim % 8 or not 0 <= rope_dim <= head_dim:
+        raise ValueError(f"the Triton kernels need K's dims past V's (MLA's qk_rope_head_dim) to be a "
+                         f"multiple of 8 up to V's {head_dim}, got {rope_dim}")
+
+
+def _head_parts(head_dim: int) -> tuple[int, int]:
+    """A cache row's width as the parts the store copies: itself where _check_head_dim takes it,
+    else (MLA's latent, 576) the largest power of two below it and the rest (512 + 64)."""
+    if head_dim <= 256 or not head_dim & (head_dim - 1):
+        return head_dim, 0
+    main = 1 << (head_dim.bit_length() - 1)
+    return main, head_dim - main
 
 
 def _check_kv(key, value, k_cache, v_cache) -> None:
@@ -797,11 +879,20 @@ def _check_kv(key, value, k_cache, v_cache) -> None:
         raise ValueError(f"k_cache and v_cache must both be [num_blocks, block_size, "
                          f"num_kv_heads, head_dim], got {tuple(k_cache.shape)} and "
                          f"{tuple(v_cache.shape)}")
-    if key is not None and (key.shape != value.shape or key.dim() != 3
-                            or key.shape[1:] != k_cache.shape[2:]):
+    if key.shape != value.shape or key.dim() != 3 or key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"key and value must be [num_tokens, {k_cache.shape[2]}, "
                          f"{k_cache.shape[3]}], got {tuple(key.shape)} and {tuple(value.shape)}")
-    _check_head_dim(k_cache.shape[3])
+    _check_head_dim(*_head_parts(k_cache.shape[3]))
+
+
+def _check_attention_caches(k_cache, v_cache) -> None:
+    """K and V alike but for V's width, which may be less than K's (MLA's kv_lora_rank of the
+    latent's kv_lora_rank + qk_rope_head_dim): the rest of K is the rope part of the scores."""
+    if k_cache.dim() != 4 or v_cache.dim() != 4 or v_cache.shape[:3] != k_cache.shape[:3] \
+            or v_cache.shape[3] > k_cache.shape[3]:
+        raise ValueError(f"k_cache and v_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                         f"V's head_dim at most K's, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _check_head_dim(v_cache.shape[3], k_cache.shape[3] - v_cache.shape[3])
 
 
 def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -811,18 +902,25 @@ def store_kvcache_triton(key, value, k_cache, v_cache, slot_mapping) -> None:
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
         return
+    main, rest = _head_parts(head_dim)
     _store_kvcache_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         *key.stride(), *value.stride(), *k_cache.stride(), *v_cache.stride(),
         num_kv_heads, k_cache.shape[1],
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), ONE_CACHE=v_cache is k_cache,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), MAIN=main, MAIN_PAD=triton.next_power_of_2(main),
+        REST=rest, REST_PAD=triton.next_power_of_2(max(rest, 1)), ONE_CACHE=v_cache is k_cache,
     )
 
 
 def _tile_shape(all_decodes: bool, num_tokens: int, num_seqs: int, head_dim: int,
                 group: int) -> tuple[int, int]:
-    """(BLOCK_M rows, BLOCK_N keys) of the attention tiles for this batch."""
+    """(BLOCK_M rows, BLOCK_N keys) of the attention tiles for this batch; head_dim: V's, the
+    accumulator's. Rows cover a KV head's whole group of query heads, except on a head wider than
+    256 (MLA's 512-wide latent): there 16 rows (vLLM's BLOCK_H) already hold a 32 KB fp32
+    accumulator, and a group of more heads (DeepSeek's 16 to 128 on one latent) takes more programs,
+    16 heads each (_tile_heads), not taller tiles."""
+    if head_dim > 256:
+        return _BLOCK_M_WIDE, _BLOCK_N_WIDE
     if all_decodes:
         block_m, block_n = _BLOCK_M_DECODE, _BLOCK_N_DECODE
     elif head_dim <= 128 and num_tokens >= _PREFILL_TILE_MIN_TOKENS_PER_SEQ * num_seqs:
@@ -832,7 +930,13 @@ def _tile_shape(all_decodes: bool, num_tokens: int, num_seqs: int, head_dim: int
     return max(block_m, triton.next_power_of_2(group)), block_n
 
 
-def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
+def _tile_heads(block_m: int, group: int) -> int:
+    """How many of a group's query heads a tile's rows take: all (the rows are tokens x group),
+    or, for a group taller than the tile (MLA's many heads on a wide latent), BLOCK_M at a time."""
+    return min(group, block_m)
+
+
+def _num_kv_splits(all_decodes: bool, num_seqs: int, programs_per_seq: int,
                    max_context: int) -> int:
     """How many partitions to split each context into (1 = no split-KV), a
     power of two: enough for ~_SPLIT_KV_TARGET_PROGRAMS programs, and no more
@@ -841,7 +945,7 @@ def _num_kv_splits(all_decodes: bool, num_seqs: int, num_kv_heads: int,
     real seq_lens would cost a device sync per layer."""
     if not all_decodes:
         return 1
-    wanted = triton.next_power_of_2(-(-_SPLIT_KV_TARGET_PROGRAMS // (num_seqs * num_kv_heads)))
+    wanted = triton.next_power_of_2(-(-_SPLIT_KV_TARGET_PROGRAMS // (num_seqs * programs_per_seq)))
     fits = 1 << max(0, (max_context // _SPLIT_KV_MIN_PARTITION).bit_length() - 1)  # largest power of 2 <=
     return min(wanted, _SPLIT_KV_MAX_SPLITS, fits)
 
@@ -850,12 +954,13 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, quer
                            sliding_window: int | None = None, logits_soft_cap: float | None = None,
                            sinks: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out``, if given, receives the result (benchmarks/triton_gpu.py passes one
-    filled with NaN to check that every element is written)."""
-    _check_kv(None, None, k_cache, v_cache)
+    filled with NaN to check that every element is written). A v_cache narrower than k_cache
+    (MLA's: the latent's first kv_lora_rank dims) gives an output that wide."""
+    _check_attention_caches(k_cache, v_cache)
     if query.dim() != 3 or query.shape[2] != k_cache.shape[3]:
         raise ValueError(f"query must be [num_tokens, num_heads, {k_cache.shape[3]}], "
                          f"got {tuple(query.shape)}")
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, num_heads, head_dim = *query.shape[:2], v_cache.shape[3]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of "
@@ -866,7 +971,7 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, quer
         raise ValueError(f"need block_tables [{num_seqs}, max_blocks] and query_start_loc "
                          f"[{num_seqs + 1}], got {tuple(block_tables.shape)} and "
                          f"{tuple(query_start_loc.shape)}")
-    out = torch.empty_like(query) if out is None else out
+    out = query.new_empty(num_tokens, num_heads, head_dim) if out is None else out
     if num_tokens == 0:
         return out
     group = num_heads // num_kv_heads
@@ -874,8 +979,9 @@ def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, quer
     # the kernel is correct for any tile shape, this only picks the cheaper one.
     all_decodes = num_tokens == num_seqs
     block_m, block_n = _tile_shape(all_decodes, num_tokens, num_seqs, head_dim, group)
-    block_q = block_m // group
-    num_splits = _num_kv_splits(all_decodes, num_seqs, num_kv_heads,
+    heads = _tile_heads(block_m, group)
+    block_q = block_m // heads
+    num_splits = _num_kv_splits(all_decodes, num_seqs, num_kv_heads * -(-group // heads),
                                 block_tables.shape[1] * block_size)
     return _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                              out, block_m, block_q, num_splits, block_n, sliding_window=sliding_window,
@@ -887,11 +993,11 @@ def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context
     """Compile every attention variant a step can launch (Triton compiles one on
     its first launch, in the middle of traffic otherwise): the decode tile at
     each split-KV count a table of max_context tokens allows, and the chunk and
-    prefill tiles, with the model's soft cap or without. One sequence of one token,
-    reading block 0, does for each."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    prefill tiles, with the model's soft cap or without (and MLA's split, where v_cache is
+    narrower). One sequence of one token, reading block 0, does for each."""
+    num_kv_heads, head_dim = k_cache.shape[2], v_cache.shape[3]
     group, dev = num_heads // num_kv_heads, k_cache.device
-    query = torch.zeros(1, num_heads, head_dim, dtype=k_cache.dtype, device=dev)
+    query = torch.zeros(1, num_heads, k_cache.shape[3], dtype=k_cache.dtype, device=dev)
     table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
     seq_lens = torch.ones(1, dtype=torch.int32, device=dev)
     query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=dev)
@@ -900,19 +1006,23 @@ def warm_up_paged_attention_triton(num_heads: int, k_cache, v_cache, max_context
     variants += [(_tile_shape(False, n, 1, head_dim, group), 1) for n in (2, _PREFILL_TILE_MIN_TOKENS_PER_SEQ)]
     for (block_m, block_n), num_splits in variants:
         _launch_attention(query, k_cache, v_cache, table, seq_lens, query_start_loc, 1.0,
-                          torch.empty_like(query), block_m, block_m // group, num_splits, block_n,
-                          logits_soft_cap=logits_soft_cap, sinks=sinks)
+                          query.new_empty(1, num_heads, head_dim), block_m, block_m // _tile_heads(block_m, group),
+                          num_splits, block_n, logits_soft_cap=logits_soft_cap, sinks=sinks)
 
 
 def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                       scale, out, block_m, block_q, num_splits, block_n: int = _BLOCK_N_DECODE,
                       min_partition: int | None = None, sliding_window: int | None = None,
                       logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
-                      **launch_options) -> torch.Tensor:
+                      heads: int | None = None, **launch_options) -> torch.Tensor:
     """``block_n`` and ``launch_options`` (Triton's num_warps, num_stages) are
-    the knobs benchmarks/triton_gpu.py sweeps; the engine keeps the defaults."""
-    num_tokens, num_heads, head_dim = query.shape
+    the knobs benchmarks/triton_gpu.py sweeps; the engine keeps the defaults. ``heads``: the
+    query heads a tile takes (_tile_heads' unless given; block_q * heads <= block_m)."""
+    num_tokens, num_heads, head_dim = *query.shape[:2], v_cache.shape[3]
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    heads = _tile_heads(block_m, group) if heads is None else heads
+    rope_dim = k_cache.shape[3] - head_dim  # MLA's: K's (and the query's) dims past V's
     if min_partition is None:
         min_partition = _SPLIT_KV_MIN_PARTITION
     if num_splits > 1:
@@ -922,7 +1032,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
                                    dtype=torch.float32)
     else:  # unused by the kernel; any tensor will do as a pointer
         m_part = l_part = acc_part = out
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads, num_splits)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads * -(-group // heads), num_splits)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         m_part, l_part, acc_part, out if sinks is None else sinks.float().contiguous(),
@@ -931,9 +1041,10 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         1.0 if logits_soft_cap is None else float(logits_soft_cap),
         *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         *block_tables.stride(),
-        GROUP=num_heads // num_kv_heads, BLOCK_Q=block_q, BLOCK_M=block_m,
+        GROUP=group, HEADS=heads, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        NUM_SPLITS=num_splits,
+        NUM_SPLITS=num_splits, ROPE_DIM=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(max(rope_dim, 1))),
+        ONE_CACHE=_value_in_key(k_cache, v_cache),
         # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
@@ -1144,14 +1255,16 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     them: a head_dim they do not take, a tile larger than this GPU's shared memory,
     no C compiler for Triton's launchers. Launches every op once on one token at
     the model's (a rank's) widths, which fix what Triton compiles; the attention
-    through its warm-up at a context that also splits (the reduce kernel)."""
-    _check_head_dim(cfg.head_dim)
+    through its warm-up at a context that also splits (the reduce kernel). MLA (cfg.kv_lora_rank):
+    the latent's one tensor as K, its first kv_lora_rank dims as V, and rope on the rope dims."""
+    v_dim = cfg.kv_lora_rank or cfg.head_dim
+    _check_head_dim(v_dim, cfg.head_dim - v_dim)
     zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
     q, k = zeros(1, cfg.num_heads, cfg.head_dim), zeros(1, cfg.num_kv_heads, cfg.head_dim)
     cache, x = zeros(1, block_size, *k.shape[1:]), zeros(1, cfg.hidden_size)
     first = torch.zeros(1, dtype=torch.long, device=device)  # slot 0, position 0
     store_kvcache_triton(k, k, cache, cache, first)
-    warm_up_paged_attention_triton(cfg.num_heads, cache, cache, 2 * _SPLIT_KV_MIN_PARTITION,
+    warm_up_paged_attention_triton(cfg.num_heads, cache, cache[..., :v_dim], 2 * _SPLIT_KV_MIN_PARTITION,
                                    cfg.attn_logit_softcapping,
                                    zeros(cfg.num_heads) if getattr(cfg, "attention_sinks", False) else None)
     fused_add_rms_norm_triton(rms_norm_triton(x, x[0], 1e-6), x, x[0], 1e-6)
@@ -1160,6 +1273,8 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
         gemma_fused_add_rms_norm_triton(gemma_rms_norm_triton(x, x[0].float(), 1e-6), x, x[0].float(), 1e-6)
         gemma_rms_norm_triton(q, q[0, 0].float(), 1e-6)
     table = zeros(1, cfg.rotary_dim).float()  # the model's rotary dims
+    if cfg.kv_lora_rank:  # MLA turns q_pe and k_pe, rotary_dim wide
+        q, k = zeros(1, cfg.num_heads, cfg.rotary_dim), zeros(1, cfg.num_kv_heads, cfg.rotary_dim)
     rotary_triton(q, k, first, table, table)
     getattr(TRITON, act_and_mul_name(cfg))(zeros(1, 2 * cfg.intermediate_size))
     if cfg.num_experts:  # one expert stands for all (the widths and top_k fix what compiles, not E)

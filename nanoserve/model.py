@@ -1333,6 +1333,10 @@ class Attention(nn.Module):
         self.tp = tp
         self.backend = backend
 
+    def attention_caches(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V that paged_attention reads: the layer's caches as they are (MLAAttention's differ)."""
+        return kv_cache
+
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
         """The sinks (the one parameter held here): this rank's heads' of all the heads'."""
         n = param.shape[0]
@@ -1378,11 +1382,12 @@ class MLAAttention(nn.Module):
     """DeepSeek's multi-head latent attention as vLLM runs it: the KV cache holds, per token, one latent
     c (kv_lora_rank, after kv_a_layernorm) and the roped k_pe, one KV head (cfg.head_dim wide). Absorb:
     q_nope[h] . (W_UK[h] c) = (W_UK[h]^T q_nope[h]) . c, and sum_t p_t W_UV[h] c_t = W_UV[h] sum_t p_t c_t,
-    so each head's query moves into the latent space, attention is MQA over the cached [c; k_pe] (the
-    same tensor serves as K and V: the output's first kv_lora_rank dims are the latent output), and
-    W_UV lifts the result. Prefill runs the same absorbed form (correct; more compute than expanding K
-    and V for long prompts, as vLLM's prefill does). Under tensor parallelism a rank holds its heads'
-    rows of q and kv_b, and its columns of o_proj; the latent and its projection are every rank's."""
+    so each head's query moves into the latent space, attention is MQA over the cached [c; k_pe] (one
+    tensor: K is all of it, V its first kv_lora_rank dims, c, a view; the output is the latent output,
+    kv_lora_rank wide), and W_UV lifts the result. Prefill runs the same absorbed form (correct; more
+    compute than expanding K and V for long prompts, as vLLM's prefill does). Under tensor parallelism a
+    rank holds its heads' rows of q and kv_b, and its columns of o_proj; the latent and its projection are
+    every rank's."""
 
     def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup):
         super().__init__()
@@ -1419,10 +1424,15 @@ class MLAAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, kv_lora_rank]
         cache = kv_cache[0]  # kv_cache[1] is the same tensor
         self.backend.store_kvcache(kv, kv, cache, cache, meta.slot_mapping)
-        o = self.backend.paged_attention(torch.cat([q_latent, q_pe], dim=-1), cache, cache, meta.block_tables,
-                                         meta.seq_lens, meta.query_start_loc, self.scale)
-        out = torch.bmm(o[..., :self.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
+        o = self.backend.paged_attention(torch.cat([q_latent, q_pe], dim=-1), *self.attention_caches(kv_cache),
+                                         meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale)
+        out = torch.bmm(o.transpose(0, 1), w_uv.transpose(1, 2))  # [heads, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(T, self.num_heads * self.v_dim))
+
+    def attention_caches(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V that paged_attention reads: the latent's tensor, and its first kv_lora_rank dims, c
+        (vLLM's kv_c_and_k_pe_cache and kv_c_cache)."""
+        return kv_cache[0], kv_cache[0][..., :self.kv_lora_rank]
 
     def _rope_layout(self, x: torch.Tensor) -> torch.Tensor:
         """The rope dims as the backend's rotary turns them (halves), contiguous. DeepSeek stores them as
@@ -3464,8 +3474,8 @@ class ModelRunner:
             self.model(*dummy_step(cfg, q_lens, self.block_size, self.device), self.kv_caches)
         if self.device.type == "cuda":  # the attention variants longer contexts launch
             attention = self.model.model.layers[0].self_attn
-            self.backend.warm_up(attention.num_heads, *self.kv_caches[0], self.max_blocks * self.block_size,
-                                 **attention.attn_kwargs)
+            self.backend.warm_up(attention.num_heads, *attention.attention_caches(self.kv_caches[0]),
+                                 self.max_blocks * self.block_size, **attention.attn_kwargs)
             moe = next((m for m in self.model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoE))), None)
             if moe is not None:  # every sparse layer has the same shapes: one compiles them all
                 experts = moe.experts

@@ -10,8 +10,8 @@ each Triton wrapper of kernels.py with the shapes of the models that
 benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16), of a
 model whose query-head group is not a power of two (Qwen2.5-0.5B), of Gemma 3
 1B (its norm and GELU kernels, head_dim 256), of Phi-3-mini (head_dim 96, padded), of Gemma 2 2B
-(its soft-capped attention) and of Qwen3-30B-A3B's experts (the fused-MoE grouped GEMMs, both
-tiles), at every
+(its soft-capped attention), of Qwen3-30B-A3B's experts (the fused-MoE grouped GEMMs, both
+tiles) and of DeepSeek-V2-Lite's and -V3's latent attention (512 + 64, 16 and 128 heads), at every
 decode batch the engine captures in a CUDA graph and at its chunk and prefill
 tiles, records each launch instead of running it, and compiles the distinct
 variants to cubins: all of them, except that of the variants that differ only in
@@ -48,6 +48,8 @@ MODELS = [
 ]
 # (name, dtype, hidden, experts, experts a token, an expert's intermediate): fused_moe's grouped GEMMs
 MOE_MODELS = [("qwen3-30b-a3b", "bfloat16", 2048, 128, 8, 768)]
+# (name, dtype, heads, kv_lora_rank, qk_rope_head_dim, max_model_len): MLA's store and attention over its latent
+MLA_MODELS = [("deepseek-v2-lite", "bfloat16", 16, 512, 64, 163840), ("deepseek-v3", "bfloat16", 128, 512, 64, 163840)]
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: graphs are captured up to it
 
 
@@ -68,6 +70,8 @@ def _variants() -> dict[tuple, tuple]:
             _launch_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
         for model in MOE_MODELS:
             _launch_moe_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
+        for model in MLA_MODELS:
+            _launch_mla_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
     return {key[:3]: value for key, value in record_launches(engine_launches).items()}
 
 
@@ -139,7 +143,7 @@ def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
         (b.rms_norm, b.fused_add_rms_norm)
     weight = (lambda n: torch.empty(n, dtype=torch.float32)) if gemma else (lambda n: torch.empty(n, dtype=dt))
     num_blocks = 64
-    k_cache = torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=dt)
+    k_cache, v_cache = (torch.empty(num_blocks, block_size, kv_heads, head_dim, dtype=dt) for _ in "kv")
     cos = sin = torch.empty(max_len, head_dim, dtype=torch.float32)
     width = max_len // block_size  # the graphs' block tables span max_model_len
     steps = [[1] * n for n in decode_sizes]          # every captured decode batch
@@ -152,14 +156,37 @@ def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
         if qk_norm:
             q, k = rms_norm(q, weight(head_dim), 1e-6), rms_norm(k, weight(head_dim), 1e-6)
         q, k = b.rotary(q, k, torch.empty(T, dtype=torch.int64), cos, sin)
-        b.store_kvcache(k, v, k_cache, k_cache, torch.empty(T, dtype=torch.int64))
-        b.paged_attention(q, k_cache, k_cache, torch.empty(n, width, dtype=torch.int32),
+        b.store_kvcache(k, v, k_cache, v_cache, torch.empty(T, dtype=torch.int64))
+        b.paged_attention(q, k_cache, v_cache, torch.empty(n, width, dtype=torch.int32),
                           torch.empty(n, dtype=torch.int32), torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5,
                           **soft_cap(model))
         x = torch.empty(T, hidden, dtype=dt)
         rms_norm(x, weight(hidden), 1e-6)
         fused_add_rms_norm(x, x, weight(hidden), 1e-6)
         (b.gelu_tanh_and_mul if gemma else b.silu_and_mul)(torch.empty(T, 2 * inter, dtype=dt))
+
+
+def _mla_steps(decode_sizes) -> list[list[int]]:
+    """The q_lens of the steps _launch_like_the_engine takes, with MLA's fewer prefill sizes (its tile is one)."""
+    return [[1] * n for n in decode_sizes] + [[600, 700], [1, 1, 37, 1]]
+
+
+def _launch_mla_like_the_engine(b, torch, model, decode_sizes, block_size=16):
+    """MLAAttention's store and attention: the latent's one tensor written once, K all of it, V (a view) its
+    first kv_lora_rank dims; and its rotary over the rope dims."""
+    name, dtype, heads, rank, rope, max_len = model
+    dt = getattr(torch, dtype)
+    cache = torch.empty(64, block_size, 1, rank + rope, dtype=dt)
+    cos = sin = torch.empty(max_len, rope, dtype=torch.float32)
+    for q_lens in _mla_steps(decode_sizes):
+        T, n = sum(q_lens), len(q_lens)
+        b.rotary(torch.empty(T, heads, rope, dtype=dt), torch.empty(T, 1, rope, dtype=dt),
+                 torch.empty(T, dtype=torch.int64), cos, sin)
+        kv = torch.empty(T, 1, rank + rope, dtype=dt)
+        b.store_kvcache(kv, kv, cache, cache, torch.empty(T, dtype=torch.int64))
+        b.paged_attention(torch.empty(T, heads, rank + rope, dtype=dt), cache, cache[..., :rank],
+                          torch.empty(n, max_len // block_size, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
+                          torch.empty(n + 1, dtype=torch.int32), 0.1)
 
 
 def _launch_moe_like_the_engine(b, torch, model, decode_sizes):
@@ -246,7 +273,15 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     assert moe == {(16, False), (16, True), (64, False), (64, True)}  # both tiles, both GEMMs
     assert {a["SOFT_CAP"] for a in attention} == {False, True}
     padded = {(v["kernel"], v["constants"]["HEAD_DIM"]) for v in compiled if v["constants"].get("HEAD_DIM_PAD") == 128}
-    assert {("_store_kvcache_kernel", 96), ("_paged_attention_kernel", 96), ("_split_kv_reduce_kernel", 96)} <= padded
+    assert {("_paged_attention_kernel", 96), ("_split_kv_reduce_kernel", 96)} <= padded
+    assert any(v["constants"].get("MAIN") == 96 and v["constants"]["MAIN_PAD"] == 128 for v in compiled)  # the store
+    # MLA's latent: the store's two parts, the attention's two dots, 16 heads a tile however many the group has
+    assert any(v["constants"].get("MAIN") == 512 and v["constants"]["REST"] == 64 for v in compiled)
+    mla = {(a["HEADS"], a["GROUP"], a["NUM_SPLITS"] > 1) for a in attention if a["ROPE_DIM"] == 64}
+    assert mla == {(16, 16, False), (16, 16, True), (16, 128, False), (16, 128, True)}
+    assert all(a["HEAD_DIM"] == 512 and (a["BLOCK_M"], a["BLOCK_N"]) == (16, 32) for a in attention if a["ROPE_DIM"])
+    assert {a["ONE_CACHE"] for a in attention} == {False, True}  # V read apart, and MLA's V out of K's tile
+    assert all(a["ONE_CACHE"] for a in attention if a["ROPE_DIM"])
     assert all(v["cubin_bytes"] > 0 for v in compiled)
 
 
@@ -264,19 +299,35 @@ def test_warm_up_builds_every_attention_variant_that_traffic_launches(model):
     max_model_len wide), prefill or mixed step launches are all among those the
     backend's warm-up launched."""
     torch = pytest.importorskip("torch")
+    _, dtype, _, heads, kv_heads, head_dim, _, _, max_len = model
+    k_cache, v_cache = (torch.empty(4, 16, kv_heads, head_dim, dtype=getattr(torch, dtype)) for _ in "kv")
+    check_warm_up_covers_traffic(heads, k_cache, v_cache, max_len, **soft_cap(model))
+
+
+@pytest.mark.parametrize("model", MLA_MODELS, ids=[m[0] for m in MLA_MODELS])
+def test_warm_up_builds_every_latent_attention_variant_that_traffic_launches(model):
+    """The same for MLA's attention: K the latent's tensor, V its first kv_lora_rank dims (MLAAttention's
+    attention_caches, which the runner's warm-up passes too)."""
+    torch = pytest.importorskip("torch")
+    _, dtype, heads, rank, rope, max_len = model
+    cache = torch.empty(4, 16, 1, rank + rope, dtype=getattr(torch, dtype))
+    check_warm_up_covers_traffic(heads, cache, cache[..., :rank], max_len)
+
+
+def check_warm_up_covers_traffic(heads, k_cache, v_cache, max_len, **kwargs):
     from nanoserve import kernels
     if kernels.TRITON is None:
         pytest.skip("triton is not installed")
-    _, dtype, _, heads, kv_heads, head_dim, _, _, max_len = model
-    block_size = 16
-    k_cache = torch.empty(4, block_size, kv_heads, head_dim, dtype=getattr(torch, dtype))
+    import torch
+    block_size = k_cache.shape[1]
     max_blocks = -(-max_len // block_size)
 
     def attend(q_lens, width):
         T, n = sum(q_lens), len(q_lens)
-        kernels.TRITON.paged_attention(torch.empty(T, heads, head_dim, dtype=k_cache.dtype), k_cache, k_cache,
-                                       torch.empty(n, width, dtype=torch.int32), torch.empty(n, dtype=torch.int32),
-                                       torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5, **soft_cap(model))
+        kernels.TRITON.paged_attention(torch.empty(T, heads, k_cache.shape[3], dtype=k_cache.dtype), k_cache,
+                                       v_cache, torch.empty(n, width, dtype=torch.int32),
+                                       torch.empty(n, dtype=torch.int32), torch.empty(n + 1, dtype=torch.int32),
+                                       0.1, **kwargs)
 
     def traffic():
         widths = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)} | {3, max_blocks})
@@ -288,8 +339,7 @@ def test_warm_up_builds_every_attention_variant_that_traffic_launches(model):
 
     attention = ("_paged_attention_kernel", "_split_kv_reduce_kernel")
     launched = {k for k in record_launches(traffic) if k[0] in attention}
-    warm = record_launches(lambda: kernels.TRITON.warm_up(heads, k_cache, k_cache, max_blocks * block_size,
-                                                          **soft_cap(model)))
+    warm = record_launches(lambda: kernels.TRITON.warm_up(heads, k_cache, v_cache, max_blocks * block_size, **kwargs))
     assert launched, "the recorder saw no attention launch"
     missing = sorted(launched - set(warm))
     assert not missing, f"traffic would compile {len(missing)} variant(s) the warm-up did not: {missing[:3]}"

@@ -142,7 +142,7 @@ def check_attention(backend: kernels.Backend, batch, sliding_window=None, **kw):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size,num_kv_heads,head_dim",
-                         [(8, 2, 32), (16, 3, 64), (32, 1, 128), (8, 2, 96), (16, 1, 80)])
+                         [(8, 2, 32), (16, 3, 64), (32, 1, 128), (8, 2, 96), (16, 1, 80), (8, 2, 576)])
 @pytest.mark.parametrize("layout", ["contiguous", "strided"])
 def test_store_kvcache(backend, block_size, num_kv_heads, head_dim, layout):
     torch.manual_seed(0)
@@ -172,13 +172,15 @@ def test_store_kvcache(backend, block_size, num_kv_heads, head_dim, layout):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_store_kvcache_writes_one_tensor_once(backend):
-    """K and V one tensor (MLA's latent cache): the key is written, the value argument never read into it."""
-    cache = torch.zeros(2, 8, 1, 64, device=DEVICE)
-    key = torch.randn(3, 1, 64, device=DEVICE)
+@pytest.mark.parametrize("width", [64, 576])
+def test_store_kvcache_writes_one_tensor_once(backend, width):
+    """K and V one tensor (MLA's latent cache; 576: the released models', 512 + 64): the key is written,
+    the value argument never read into it."""
+    cache = torch.zeros(2, 8, 1, width, device=DEVICE)
+    key = torch.randn(3, 1, width, device=DEVICE)
     backend.store_kvcache(key, torch.full_like(key, float("nan")), cache, cache, torch.tensor([5, -1, 9], device=DEVICE))
-    assert torch.equal(cache.view(-1, 1, 64)[[5, 9]], key[[0, 2]])
-    assert cache.view(-1, 64).sum(-1).ne(0).sum() == 2
+    assert torch.equal(cache.view(-1, 1, width)[[5, 9]], key[[0, 2]])
+    assert cache.view(-1, width).sum(-1).ne(0).sum() == 2
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -377,6 +379,9 @@ def test_tile_shape_heuristic():
     assert kernels._tile_shape(False, 2112, 65, 128, 2) == (64, 32)   # 64 decodes + one 2048 chunk
     assert kernels._tile_shape(False, 8192, 8, 128, 2) == (128, 64)   # long prompts
     assert kernels._tile_shape(False, 8192, 8, 256, 8) == (64, 32)    # head_dim 256
+    for all_decodes in (True, False):  # MLA's 512-wide latent: 16 rows, 16 of its 128 heads a program
+        assert kernels._tile_shape(all_decodes, 8192, 8, 512, 128) == (16, 32)
+    assert kernels._tile_heads(16, 128) == 16 and kernels._tile_heads(16, 4) == 4 and kernels._tile_heads(32, 32) == 32
 
 
 @triton_only
@@ -432,6 +437,95 @@ def test_split_kv_splits_each_context_of_a_graph_wide_table(num_splits):
     torch.testing.assert_close(got.double(), naive_attention(*batch, scale), atol=ATOL, rtol=RTOL)
 
 
+# --------------------------------------------------------------------------- MLA's latent: V narrower than K
+
+def make_latent_batch(specs, latent, rope, num_heads, poison):
+    """make_batch's paged cache as MLA's one tensor of latent + rope dims (one KV head), and V its first
+    ``latent`` dims, a view (MLAAttention's attention_caches)."""
+    query, cache, _, *rest = make_batch(specs, 16, latent + rope, num_heads, 1, poison)
+    return (query, cache, cache[..., :latent], *rest)
+
+
+def latent_reference(batch):
+    """kernels.paged_attention_torch over the one tensor as both K and V (its poison made finite: the
+    reference gathers whole blocks), the output's first latent dims: attention in MLA's absorbed form."""
+    query, cache, v_cache, *rest = batch
+    cache = torch.nan_to_num(cache, nan=POISON["torch"])
+    out = kernels.paged_attention_torch(query, cache, cache, *rest, query.shape[-1] ** -0.5)
+    return out[..., :v_cache.shape[-1]]
+
+
+def check_latent(backend, batch, v_apart=False):
+    """v_apart: V a tensor of its own, the latent's first dims times -0.5 (so the output is the latent
+    output times -0.5): the kernel must read it, not K's tile."""
+    query, cache, v_cache, *rest = batch
+    v_cache = (v_cache * -0.5) if v_apart else v_cache
+    got = backend.paged_attention(query, cache, v_cache, *rest, query.shape[-1] ** -0.5)
+    assert got.shape == (*query.shape[:2], v_cache.shape[-1])
+    torch.testing.assert_close(got, latent_reference(batch) * (-0.5 if v_apart else 1), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scenario", ["decode", "chunked", "mixed"])
+@pytest.mark.parametrize("v_apart", [False, True], ids=["v-in-k", "v-apart"])
+def test_latent_attention_splits_main_and_rope(backend, scenario, v_apart):
+    """A 32 + 16 latent (the released 512 + 64's shape, small): scores over all 48 dims, values and
+    output the first 32 (Triton: two dots, 32 and 16 padded to tl.dot's 16), in decodes and chunks;
+    V a view of K's first dims (Triton's ONE_CACHE: the K tile serves as V) or a tensor of its own."""
+    torch.manual_seed(20)
+    batch = make_latent_batch(SCENARIOS[scenario], 32, 16, 4, POISON[backend.name])
+    assert kernels._value_in_key(batch[1], batch[2]) and not kernels._value_in_key(batch[1], batch[2] * 1)
+    check_latent(backend, batch, v_apart)
+
+
+@triton_only
+def test_latent_attention_split_kv_and_head_blocks(monkeypatch):
+    """Split-KV's partials and reduce at V's width; and a group of 6 heads in blocks of 4 (as 128 heads
+    take blocks of 16 on the 512-wide latent), the second block half empty, in a decode and a chunk."""
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    torch.manual_seed(21)
+    batch = make_latent_batch([(200, 1), (40, 1), (129, 1)], 32, 16, 4, POISON["triton"])
+    assert kernels._num_kv_splits(True, 3, 1, batch[3].shape[1] * 16) > 2
+    check_latent(kernels.TRITON, batch)
+    batch = make_latent_batch([(12, 1), (20, 9)], 32, 16, 6, POISON["triton"])
+    query = batch[0]
+    got = kernels._launch_attention(*batch, query.shape[-1] ** -0.5, query.new_empty(10, 6, 32), block_m=16,
+                                    block_q=4, num_splits=2, block_n=16, min_partition=16, heads=4)
+    torch.testing.assert_close(got, latent_reference(batch), atol=ATOL, rtol=RTOL)
+
+
+@triton_only
+def test_latent_attention_at_the_released_models_512_plus_64():
+    """DeepSeek-V2/V3's 576-wide latent, 32 heads (two blocks of 16 in a 16 x 32 tile), a decode beside a
+    chunk over a cached prefix, and a decode whose context splits: the reference's latent output."""
+    torch.manual_seed(22)
+    batch = make_latent_batch([(20, 1), (9, 3)], 512, 64, 32, POISON["triton"])
+    assert kernels._tile_shape(False, 4, 2, 512, 32) == (16, 32) and kernels._tile_heads(16, 32) == 16
+    check_latent(kernels.TRITON, batch)
+    query = batch[0]
+    got = kernels._launch_attention(*batch[:1], *batch[1:], query.shape[-1] ** -0.5, query.new_empty(4, 32, 512),
+                                    block_m=16, block_q=1, num_splits=2, min_partition=16)
+    torch.testing.assert_close(got, latent_reference(batch), atol=ATOL, rtol=RTOL)
+
+
+@triton_only
+def test_latent_warm_up_and_probe_take_the_576_latent():
+    """The warm-up compiles the split's variants (and writes no KV); probe_triton no longer refuses a
+    released model's latent (kv_lora_rank 512 + qk_rope_head_dim 64), which sent it to the references."""
+    from types import SimpleNamespace
+    cache = torch.randn(2, 16, 1, 576, device=DEVICE)
+    before = cache.clone()
+    kernels.TRITON.warm_up(16, cache, cache[..., :512], 2048)
+    assert torch.equal(cache, before)
+    cfg = SimpleNamespace(num_heads=16, num_kv_heads=1, head_dim=576, kv_lora_rank=512, rotary_dim=64,
+                          hidden_size=64, intermediate_size=64, hidden_act="silu", gemma=False, num_experts=0,
+                          attn_logit_softcapping=None)
+    kernels.probe_triton(cfg, torch.float32, torch.device(DEVICE), 16)
+    with pytest.raises(ValueError, match=r"multiple of 8 from 16 to 256, or a larger power of two, got 576"):
+        kernels.probe_triton(SimpleNamespace(**{**vars(cfg), "kv_lora_rank": 0}), torch.float32,
+                             torch.device(DEVICE), 16)
+
+
 # --------------------------------------------------------------------------- plumbing
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -462,6 +556,11 @@ def test_bad_shapes_raise():
     cache = torch.randn(3, 8, 3, 32)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         kernels.paged_attention_triton(torch.randn(2, 4, 32), cache, cache, **seq)
+    cache = torch.randn(3, 8, 1, 48)  # V narrower than K: MLA's latent, whose rope part must be a multiple of 8
+    with pytest.raises(ValueError, match="V's head_dim at most K's"):
+        kernels.paged_attention_triton(torch.randn(2, 4, 32), cache[..., :32], cache, **seq)
+    with pytest.raises(ValueError, match="qk_rope_head_dim.* multiple of 8 up to V's 16, got 28"):
+        kernels.paged_attention_triton(torch.randn(2, 4, 44), cache[..., :44], cache[..., :16], **seq)
 
 
 # --------------------------------------------------------------------------- the other references
@@ -882,3 +981,58 @@ def check_fused_moe_on_cuda(w13, w2, k, g, token_counts, **moe_kwargs) -> None:
         graph.replay()
         eager = kernels.fused_moe_triton(x, w13, w2, weights, ids, **moe_kwargs)
         torch.testing.assert_close(out, eager, rtol=0, atol=0)
+
+
+@cuda_only
+@pytest.mark.parametrize("heads", [16, 128])
+def test_latent_attention_on_cuda_in_bf16_and_graph_replay(heads):
+    """The compiled MLA attention at the released models' 512 + 64 latent (V2-Lite's 16 heads, V3's 128 in
+    head blocks of 16), bf16: no further from the fp32 reference than torch's bf16 reference is (twice, in
+    norm), decodes (split-KV) and a mixed step; then a decode step (store, attention) captured in a CUDA
+    graph with a max_model_len-wide table and replayed on other contexts, each replay equal to an eager call."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    num_blocks, bs, width = 300, 16, 256
+    cache = torch.randn(num_blocks, bs, 1, 576, device=dev, generator=g).to(dt)
+    # 4096 tokens a row (blocks shared between rows, as a prefix's are), each row's first block its own
+    table = torch.randint(5, num_blocks, (4, width), device=dev, generator=g, dtype=torch.int32)
+    table[:, 0] = torch.arange(1, 5, device=dev)
+
+    def step(seq_lens, q_lens):
+        qsl = torch.tensor([0, *q_lens], device=dev).cumsum(0).to(torch.int32)
+        query = torch.randn(int(qsl[-1]), heads, 576, device=dev, generator=g).to(dt)
+        return query, cache, cache[..., :512], table[:len(seq_lens)], torch.tensor(seq_lens, dtype=torch.int32,
+                                                                                  device=dev), qsl
+
+    def error(out, want):
+        return float((out.float() - want).norm() / want.norm())
+
+    for seq_lens, q_lens in (([1200, 40, 700, 1], [1, 1, 1, 1]), ([300, 50, 9], [1, 50, 3])):
+        batch = step(seq_lens, q_lens)
+        want = kernels.paged_attention_torch(batch[0].float(), cache.float(), cache[..., :512].float(), *batch[3:],
+                                             0.07)
+        bf16 = error(kernels.paged_attention_torch(*batch, 0.07), want)
+        assert error(kernels.paged_attention_triton(*batch, 0.07), want) <= max(2 * bf16, 1e-3)
+
+    query, _, _, tables, seq_lens, qsl = step([1200, 40, 700, 1], [1, 1, 1, 1])
+    kv = torch.randn(4, 1, 576, device=dev, generator=g).to(dt)
+    slots = torch.zeros(4, dtype=torch.int64, device=dev)
+
+    def decode():
+        kernels.store_kvcache_triton(kv, kv, cache, cache, slots)
+        return kernels.paged_attention_triton(query, cache, cache[..., :512], tables, seq_lens, qsl, 0.07)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        decode()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode()
+    for lens in ([5, 4000, 33, 2], [1200, 40, 700, 1]):
+        seq_lens.copy_(torch.tensor(lens, device=dev))
+        slots.copy_(tables[:, 0].long() * bs + 1)  # position 1 of each sequence's first block
+        for buf in (query, kv):
+            buf.copy_(torch.randn(buf.shape, device=dev, generator=g))
+        graph.replay()
+        torch.testing.assert_close(out, decode(), rtol=0, atol=0)

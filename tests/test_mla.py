@@ -2,21 +2,23 @@
 pass and over a cached prefix, greedy tokens (V2 without a q_lora_rank and greedy routing, V2 with one and
 group-limited routing, V3 with noaux_tc routing and YaRN's two mscales); the parameters counted; the KV
 cache one latent a token (kv_lora_rank + qk_rope_head_dim, one tensor for K and V); greedy tokens under
-preemption, chunked prefill and prefix caching; bf16 on the CPU's C kernels; two ranks splitting the heads;
-what is refused."""
+preemption, chunked prefill and prefix caching; bf16 on the CPU's C kernels; the Triton attention (interpreted)
+over the latent split; two ranks splitting the heads; what is refused."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 import test_engine
-from conftest import hf_config, hf_model
+from conftest import TRITON_INTERPRETER_CLASH, hf_config, hf_model
 from nanoserve import kernels
 from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
 from nanoserve.model import MLP, MLAAttention, ModelConfig, ModelLoadError, SparseMoeBlock, load_model, num_parameters
 from test_cpu_backend import _c_or_skip, runner_with, two_steps
-from test_moe import GREEDY, check_parity, check_tp2_greedy
-from test_parity import LONG, make_llm, variant  # noqa: F401
+from test_moe import GREEDY, N_NEW, check_parity, check_tp2_greedy, hf_greedy
+from test_parity import LONG, PROMPTS, make_llm, variant  # noqa: F401
 
 # one group (of 2 experts) of 4 chosen: both experts from the best one's group, where greedy's second might not be
 V2_GROUPED = {"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1}
@@ -87,6 +89,27 @@ def test_bf16_cpu_runs_the_c_kernels(variant, arch):
     torch.testing.assert_close(c_decode, ref_decode, atol=0.05, rtol=0.02)
     outs = llm.generate([LONG[:23], LONG[5:12]], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+
+
+@pytest.mark.skipif(kernels.TRITON is None or TRITON_INTERPRETER_CLASH is not None,
+                    reason=TRITON_INTERPRETER_CLASH or "triton is not installed")
+def test_greedy_on_the_triton_attention_is_transformers_s(variant, monkeypatch):
+    """The GPU's MLA path on the CPU: Triton's store and attention (interpreted) over V3's latent, K all 32 + 32
+    dims of it and V the first 32 (the split as at 512 + 64, two dots, a 32-wide output), decodes padded to 4
+    rows in the graphs' buffers and split in up to 4 partitions of 32 tokens (512 on a GPU): transformers' greedy
+    tokens. (The pointwise ops stay the references': interpreted, they would take most of a minute.)"""
+    from nanoserve import engine
+    monkeypatch.setattr(kernels, "_SPLIT_KV_MIN_PARTITION", 32)
+    backend = dataclasses.replace(kernels.TORCH, name="triton-attention", store_kvcache=kernels.TRITON.store_kvcache,
+                                  paged_attention=kernels.TRITON.paged_attention)
+    monkeypatch.setattr(engine, "select_backend", lambda *args, **kwargs: backend)
+    path = variant("deepseek_v3")
+    llm = make_llm(path, cudagraph_capture_sizes=[1, 2, 4], max_model_len=128)  # tables of 8 blocks: 4 splits
+    assert llm.engine.runner.backend is backend
+    prompts = [LONG, PROMPTS[3]]  # 57 and 23 tokens: the first decode's context splits in two
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    hf = hf_model(path)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, N_NEW) for p in prompts]
 
 
 @pytest.mark.parametrize("arch,overrides", [CASES[1], CASES[2]], ids=IDS[1:])
