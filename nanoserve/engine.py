@@ -646,8 +646,10 @@ class Request:
     @property
     def can_speculate(self) -> bool:
         """Whether draft tokens may be proposed for it: only if its sampling is the same at every position
-        of a step (as vLLM skips penalties; bans, grammars and thinking budgets change from token to token)."""
-        return self.can_run_ahead and len(self.output_token_ids) >= self.sampling_params.min_tokens
+        of a step (as vLLM skips penalties; bans, grammars and thinking budgets change from token to token),
+        and its prompt has token ids to match (an embeddings prompt's are stand-ins)."""
+        return self.can_run_ahead and len(self.output_token_ids) >= self.sampling_params.min_tokens \
+            and self.prompt_embeds is None
 
     def stream_due(self) -> bool:
         """Whether a stream (DELTA) sends this step's token now: always, but with a

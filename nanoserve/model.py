@@ -49,7 +49,7 @@ import os
 import pickle
 import re
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -2691,7 +2691,7 @@ class SampleResult:
     error: LogitsProcessorFailed | None = None       # why the row failed (a custom logits processor raised)
     # Speculative decoding: the tokens the same step emitted after this one, in order (the drafts
     # accepted after it, then the sampler's own); its drafts accepted are len(following) of them
-    following: list["SampleResult"] = field(default_factory=list)
+    following: Sequence["SampleResult"] = ()
 
 
 # --------------------------------------------------------------------------- custom logits processors
