@@ -6,6 +6,7 @@ This module owns
 * tokenizing prompts and detokenizing outputs incrementally, stop conditions;
 * chat templates (``apply_chat_template``); the sampling defaults of generation_config.json;
 * structured outputs: xgrammar grammars compiled once, a matcher per request;
+* speculative decoding's drafts (``spec_decode.NgramProposer``), asked for after each step;
 * ``LLMEngine.step()``: schedule -> execute -> postprocess, the loop every
   front end drives (``step_work``; with async scheduling step N+1 is launched
   before step N lands); the offline ``LLM`` class drives it in a plain loop, and

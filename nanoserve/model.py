@@ -25,7 +25,8 @@ This module owns
   handed to every layer when the model is built;
 * ``ModelRunner``: turns one scheduled step (plain lists) into tensors, runs the
   forward over the flattened tokens of all requests (no padding to a
-  rectangle), computes logits only for the rows that are sampled, and samples.
+  rectangle), computes logits only for the rows that are sampled, and samples
+  (speculative decoding: a row for each draft position, ``Sampler.sample_speculative``).
 
 It knows nothing of queues or HTTP. The KV tensors it writes come from
 ``kvcache``; the attention and the other per-token ops come from ``kernels``

@@ -36,6 +36,7 @@ import heapq
 import itertools
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -99,7 +100,7 @@ class ScheduledRequest:
     will_sample: bool
     # Speculative decoding: the draft tokens computed after the request's last token in this chunk
     # (vLLM's scheduled_spec_decode_tokens), those the token budget left of Request.spec_token_ids
-    spec_token_ids: list[int] = field(default_factory=list)
+    spec_token_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -233,7 +234,7 @@ class Scheduler:
             if table is None and (table := self._preempt_until_fits(req, num_new, out)) is None:
                 break  # req itself was preempted: nothing after it is left to schedule
             scheduled.append(ScheduledRequest(req, start, num_new, table, start + num_new >= end,
-                                              spec[:max(0, start + num_new - end)] if spec else []))
+                                              spec[:max(0, start + num_new - end)] if spec else ()))
             if spec:
                 req.spec_token_ids = []  # the engine proposes again once this step lands
             # victims are never scheduled ones: none reads it back. With drafts, the engine rolls it back

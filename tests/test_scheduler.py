@@ -531,8 +531,8 @@ def test_draft_tokens_ride_in_a_decode_within_the_budget():
         r.token_ids.append(99)
     a.spec_token_ids, b.spec_token_ids = [7, 8, 9], [5, 6]
     out = sched.schedule()
-    assert [(s.request.request_id, s.num_new_tokens, s.spec_token_ids, s.will_sample) for s in out.scheduled] == \
-        [("a", 4, [7, 8, 9], True), ("b", 1, [], True)]  # 1 + 3 for a; b's drafts are past the budget
+    got = [(s.request.request_id, s.num_new_tokens, list(s.spec_token_ids), s.will_sample) for s in out.scheduled]
+    assert got == [("a", 4, [7, 8, 9], True), ("b", 1, [], True)]  # 1 + 3 for a; b's drafts are past the budget
     assert a.num_computed_tokens == 8 and a.spec_token_ids == [] and len(sched.block_manager.req_to_blocks["a"]) == 2
     a.num_computed_tokens = 5  # the engine's roll-back: one draft accepted
     a.token_ids += [7, 3]
