@@ -38,8 +38,13 @@ def model(model_root):
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    return token_ids(make_llm(model).generate(PROMPTS, GREEDY, use_tqdm=False))
+def plain(model):
+    return make_llm(model)
+
+
+@pytest.fixture(scope="module")
+def reference(plain):
+    return token_ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
 
 
 @pytest.fixture(scope="module")
@@ -176,8 +181,8 @@ def mid_run_stops(ref: list[int], tokenizer) -> tuple[int, str]:
     raise AssertionError("no stop string in the middle of a run: choose other prompts")
 
 
-def test_stops_inside_an_accepted_run(spec_llm, model, reference, oracle):
-    plain, prompt = make_llm(model), PROMPTS[2]
+def test_stops_inside_an_accepted_run(spec_llm, plain, reference, oracle):
+    prompt = PROMPTS[2]
     stop_token, stop = mid_run_stops(reference[2], plain.get_tokenizer())
     cases = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),  # 1 + 4 + 2: one draft left at the end
              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop_token_ids=[stop_token]),
@@ -211,9 +216,8 @@ def test_a_stream_gets_several_tokens_a_step(spec_llm, reference, oracle):
     assert sum(deltas, []) == reference[0] and max(map(len, deltas)) == 1 + NGRAM["num_speculative_tokens"]
 
 
-def test_requests_speculation_cannot_serve_run_without_drafts(spec_llm, model):
+def test_requests_speculation_cannot_serve_run_without_drafts(spec_llm, plain):
     """Penalties and min_tokens change the distribution from one position to the next: no drafts (as vLLM)."""
-    plain = make_llm(model)
     before = spec_llm.stats()["spec_decode_num_drafts"]
     for params in (SamplingParams(temperature=0, max_tokens=20, repetition_penalty=1.3, ignore_eos=True),
                    SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.5, ignore_eos=True)):
