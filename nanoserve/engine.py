@@ -6,6 +6,7 @@ This module owns
 * tokenizing prompts and detokenizing outputs incrementally, stop conditions;
 * chat templates (``apply_chat_template``); the sampling defaults of generation_config.json;
 * structured outputs: xgrammar grammars compiled once, a matcher per request;
+* speculative decoding's drafts (``spec_decode.NgramProposer``), asked for after each step;
 * ``LLMEngine.step()``: schedule -> execute -> postprocess, the loop every
   front end drives (``step_work``; with async scheduling step N+1 is launched
   before step N lands); the offline ``LLM`` class drives it in a plain loop, and
@@ -56,6 +57,7 @@ from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, Log
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
 from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.spec_decode import NgramProposer, SpeculativeConfig
 
 logger = logging.getLogger("nanoserve.engine")
 
@@ -590,6 +592,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_placeholders: int = 0  # sampled tokens still on the device (steps launched, not landed)
+    spec_token_ids: list[int] = field(default_factory=list)  # speculative decoding: its drafts for the next step
     token_ids: list[int] = field(default_factory=list)          # prompt + output
     output_token_ids: list[int] = field(default_factory=list)
     # The detokenized output: text_pieces, which no stop string can cut any more (joined only into an
@@ -640,6 +643,14 @@ class Request:
         p = self.sampling_params
         return self.grammar is None and self.thinking is None and not self.bad_words_token_ids and \
             p.presence_penalty == p.frequency_penalty == 0 and p.repetition_penalty == 1
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether draft tokens may be proposed for it: only if its sampling is the same at every position
+        of a step (as vLLM skips penalties; bans, grammars and thinking budgets change from token to token),
+        and its prompt has token ids to match (an embeddings prompt's are stand-ins)."""
+        return self.can_run_ahead and len(self.output_token_ids) >= self.sampling_params.min_tokens \
+            and self.prompt_embeds is None
 
     def stream_due(self) -> bool:
         """Whether a stream (DELTA) sends this step's token now: always, but with a
@@ -1072,6 +1083,9 @@ class EngineConfig:
     max_loras: int = 1         # as vLLM's: adapters on the device at once (its slots), so in one step
     max_cpu_loras: int | None = None  # as vLLM's: adapters kept in host memory (None: max_loras); others are
     #                                   read again from their paths when a step needs them
+    # As vLLM's (--speculative-config): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
+    # "prompt_lookup_min"}, a SpeculativeConfig once checked; None: no speculative decoding
+    speculative_config: dict[str, Any] | SpeculativeConfig | None = None
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -1134,6 +1148,13 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+            if self.async_scheduling:  # as vLLM did at first: a step's input would be a run of tokens still
+                # on the device, of a length known only once it lands
+                logger.warning("[engine] async_scheduling is turned off: it does not work with speculative "
+                               "decoding (yet)")
+                self.async_scheduling = False
 
     @property
     def lora_config(self) -> LoRAConfig | None:
@@ -1386,6 +1407,10 @@ class LLMEngine:
                                                           self.eos_token_ids, reasoning_parser=config.reasoning_parser)
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
+        self.proposer = self._proposer()
+        if self.proposer is not None:  # vLLM's spec-decode metrics (its acceptance rate: accepted / draft tokens)
+            self.stats_counters.update(spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+                                       spec_decode_num_accepted_tokens=0)
         self.in_flight: list[StepInFlight] = []
         self.beam_searches: dict[str, BeamSearch] = {}
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
@@ -1404,6 +1429,17 @@ class LLMEngine:
         self.serials = itertools.count()  # Request.serial's
 
     # ---------------------------------------------------------------- start-up
+    def _proposer(self) -> NgramProposer | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.logits_processor_classes:  # they act on a request's row with its output so far, one a step
+            logger.warning("[engine] speculative decoding is off: custom logits processors are loaded")
+            return None
+        logger.info("[engine] speculative decoding: %s, up to %d draft tokens a step (n-grams of %d to %d)",
+                    spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return NgramProposer(spec)
+
     def _freed_window(self, num_blocks: int, max_model_len: int) -> int | None:
         """The sliding window whose out-of-window blocks the block manager frees: only where
         every layer has it (a full-attention layer reads every block), and where the pool holds
@@ -2104,12 +2140,14 @@ class LLMEngine:
                     prev_rows = prev_rows or {x.request: i for i, x in enumerate(
                         x for x in in_flight.scheduled if x.will_sample)}
                     token_ids, prev_row = [0], prev_rows[req]
+                if s.spec_token_ids:  # the drafts follow its last token (the slice ends there)
+                    token_ids += s.spec_token_ids
                 seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.will_sample else None,
                                      req.prompt_logprob_ids(start, num_new),
                                      req.sampling_params.prompt_logprobs or 0, prev_row,
                                      None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
                                      else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
-                                     req.lora_int_id))
+                                     req.lora_int_id, s.spec_token_ids or None))
             except Exception as e:  # a bug met by this request's inputs (its grammar's mask, its sampling row)
                 self._fail_input(req, e)
                 seqs.append(None)
@@ -2146,28 +2184,56 @@ class LLMEngine:
                                                              f"failed for this request; the server log has the "
                                                              f"details", detail=str(result.error))
                     continue
-                if result.token_id == NO_TOKEN:
-                    status = self._end_without_token(req)
-                else:
-                    token = result.token_id
-                    self._append_token(req, result, now)
-                    num_generated += 1
-                    if req.grammar is not None:
-                        req.grammar.accept(token)
-                    if req.thinking is not None:
-                        req.thinking.accept(token)
-                    status = self._check_stop(req)  # what the token ends: a stop token, the length, a repetition
-                    if req.detokenizer is not None:
-                        status = self._detokenize(req, token, status)  # and the stop strings its text ends
+                if s.spec_token_ids:
+                    self._count_accepted(req, len(s.spec_token_ids), len(result.following))
+                status = self._take_token(req, result, now)
+                num_generated += result.token_id != NO_TOKEN
+                for more in result.following:  # speculative decoding: the drafts accepted, then a bonus token
+                    if status is not None:
+                        break  # what came after a stop is dropped
+                    status = self._take_token(req, more, now)
+                    num_generated += more.token_id != NO_TOKEN
                 if status is not None:
                     self.scheduler.finish_request(req.request_id, status)
                     self.stats_counters["num_finished"] += 1
+                elif self.proposer is not None and req.can_speculate:
+                    self._propose(req)
                 if req.status.is_finished or req.output_kind.every_step and req.stream_due():
                     self._collect(outputs, req)
             except Exception as e:  # a bug met by this request's output (its text, stops, grammar): it alone ends
                 self._fail_output(outputs, s.request, e)
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
+
+    def _take_token(self, req: Request, result: SampleResult, now: float) -> RequestStatus | None:
+        """A sampled token into its request: the status it ends the request with, if any."""
+        if result.token_id == NO_TOKEN:
+            return self._end_without_token(req)
+        token = result.token_id
+        self._append_token(req, result, now)
+        if req.grammar is not None:
+            req.grammar.accept(token)
+        if req.thinking is not None:
+            req.thinking.accept(token)
+        status = self._check_stop(req)  # what the token ends: a stop token, the length, a repetition
+        if req.detokenizer is not None:
+            status = self._detokenize(req, token, status)  # and the stop strings its text ends
+        return status
+
+    def _count_accepted(self, req: Request, num_draft: int, num_accepted: int) -> None:
+        """A speculative step's drafts, into vLLM's counters; the rejected ones' KV is not the request's:
+        its computed tokens go back to before them (later steps write over their slots)."""
+        req.num_computed_tokens -= num_draft - num_accepted
+        c = self.stats_counters
+        c["spec_decode_num_drafts"] += 1
+        c["spec_decode_num_draft_tokens"] += num_draft
+        c["spec_decode_num_accepted_tokens"] += num_accepted
+
+    def _propose(self, req: Request) -> None:
+        """Its drafts for the next step: no more than the tokens it may still emit, less the one that
+        step samples itself (so no draft's position passes max_model_len either)."""
+        k = min(self.config.speculative_config.num_speculative_tokens, req.max_num_tokens - req.num_tokens - 1)
+        req.spec_token_ids = self.proposer.propose(req.token_ids, k)
 
     def _detokenize(self, req: Request, token: int, status: RequestStatus | None) -> RequestStatus | None:
         """Detokenize incrementally: the new token's text (as vLLM's, a stop token's is left out unless

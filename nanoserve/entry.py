@@ -351,6 +351,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--async-scheduling", action="store_true",
                    help="schedule and launch step N+1 before step N's tokens reach the host, hiding host work "
                         "behind the GPU's (same outputs; not with --tensor-parallel-size > 1)")
+    g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                   help="as vLLM's: speculative decoding with n-gram (prompt lookup) drafts, e.g. '{\"method\": "
+                        "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": "
+                        "2}' (no draft models; turns --async-scheduling off)")
 
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
@@ -4005,6 +4009,12 @@ _ENGINE_SERIES = [  # (kind, name, help, engine.stats() key)
     (CounterMetricFamily, "num_preemptions", "Preemptions", "num_preemptions"),
     (CounterMetricFamily, "prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
     (CounterMetricFamily, "generation_tokens", "Tokens generated", "generation_tokens"),
+    # with --speculative-config only (vLLM's spec_decode_* counters)
+    (CounterMetricFamily, "spec_decode_num_drafts", "Steps that ran draft tokens, a request each",
+     "spec_decode_num_drafts"),
+    (CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens run", "spec_decode_num_draft_tokens"),
+    (CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted",
+     "spec_decode_num_accepted_tokens"),
 ]
 
 
@@ -4071,6 +4081,8 @@ class ServerMetrics:
     def collect(self):
         s = self.async_llm.engine.stats()
         for kind, name, doc, key in _ENGINE_SERIES:
+            if key not in s:  # a counter of a feature that is off
+                continue
             family = kind(f"nanoserve:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], s[key])
             yield family

@@ -25,7 +25,8 @@ This module owns
   handed to every layer when the model is built;
 * ``ModelRunner``: turns one scheduled step (plain lists) into tensors, runs the
   forward over the flattened tokens of all requests (no padding to a
-  rectangle), computes logits only for the rows that are sampled, and samples.
+  rectangle), computes logits only for the rows that are sampled, and samples
+  (speculative decoding: a row for each draft position, ``Sampler.sample_speculative``).
 
 It knows nothing of queues or HTTP. The KV tensors it writes come from
 ``kvcache``; the attention and the other per-token ops come from ``kernels``
@@ -49,7 +50,7 @@ import os
 import pickle
 import re
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -2709,6 +2710,9 @@ class SampleResult:
     top_logprobs: list[tuple[int, float]] | None = None
     rank: int | None = None                          # of the sampled token, as vLLM ranks it
     error: LogitsProcessorFailed | None = None       # why the row failed (a custom logits processor raised)
+    # Speculative decoding: the tokens the same step emitted after this one, in order (the drafts
+    # accepted after it, then the sampler's own); its drafts accepted are len(following) of them
+    following: Sequence["SampleResult"] = ()
 
 
 # --------------------------------------------------------------------------- custom logits processors
@@ -3039,8 +3043,15 @@ class Sampler:
         return logits - counts * column("frequency_penalty") - (counts > 0).to(dtype) * column("presence_penalty")
 
     def _sample(self, logits, rows, greedy):
-        ps, dev = [r.params for r in rows], logits.device
+        dev = logits.device
         argmax = logits.argmax(dim=-1)
+        sampled = self._draw(self._truncated(logits, rows, greedy).softmax(dim=-1), self._uniforms(rows, dev))
+        return torch.where(to_device(greedy, dev), argmax, sampled)
+
+    def _truncated(self, logits, rows, greedy):
+        """The logits a random row samples from: over its temperature, then min-p, the custom
+        processors that act after them, top-k and top-p."""
+        ps, dev = [r.params for r in rows], logits.device
         temp = to_device([1.0 if g else p.temperature for g, p in zip(greedy, ps)], dev)[:, None]
         logits = logits / temp
         if any(p.min_p > 0 for p in ps):
@@ -3050,9 +3061,7 @@ class Sampler:
             logits = logits.masked_fill(probs < threshold, float("-inf"))
         if self.custom is not None:
             logits = self.custom.apply(self.custom.after, logits)
-        logits = self.top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
-        sampled = self._draw(logits.softmax(dim=-1), self._uniforms(rows, dev))
-        return torch.where(to_device(greedy, dev), argmax, sampled)
+        return self.top_k_top_p(logits, [p.top_k for p in ps], [p.top_p for p in ps])
 
     @staticmethod
     def _draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -3078,6 +3087,100 @@ class Sampler:
                 g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
                 u[i] = torch.rand((), dtype=torch.float64, device=dev, generator=g)
         return 1.0 - u  # rand is in [0, 1)
+
+    @torch.no_grad()
+    def sample_speculative(self, logits: torch.Tensor, rows: list[SampleRequest],
+                           drafts: list[list[int]]) -> "SpecSamplerOutput":
+        """vLLM's rejection sampler for drafts without a distribution (n-gram's: one-hot). Row i has
+        len(drafts[i]) + 1 rows of logits, one a position: draft t at a position is accepted where a
+        greedy row's argmax is t, and a random row's with probability p(t), p its distribution after
+        bias, temperature, min-p, top-k and top-p; at the first rejection the row samples from p less
+        t (renormalized), so each token it emits has p's distribution; with all accepted, one more
+        (the bonus) is sampled from the last position's p. The engine sends no row that penalties,
+        bans, a grammar or custom processors act on (their logits would differ from one position to
+        the next); logit_bias and allowed_token_ids act alike at every position."""
+        dev = logits.device
+        counts = [len(d) + 1 for d in drafts]
+        expanded = [r for r, c in zip(rows, counts) for _ in range(c)]
+        offsets = [j for c in counts for j in range(c)]  # each position's output index past the row's
+        draft = to_device(host_ints(itertools.chain.from_iterable([*d, -1] for d in drafts)), dev)
+        greedy = [r.params.temperature == 0.0 for r in expanded]
+        has_draft = draft >= 0
+        x, none_left = logits, None
+        if _has_bias_or_bans(expanded):
+            x = self._apply_bias_and_bans(logits.float(), expanded)
+            none_left = x.amax(dim=-1).isneginf()
+        argmax = self.argmax(logits) if x is logits else x.argmax(dim=-1)
+        accept, token = draft == argmax, argmax
+        if not all(greedy):
+            probs = self._truncated(x.float(), expanded, greedy).softmax(dim=-1)
+            index = draft.clamp(min=0)[:, None]
+            p_draft = probs.gather(1, index).squeeze(1)
+            rest = probs.scatter(1, index, 0.0).where(has_draft[:, None], probs)  # p less the draft
+            u_accept, u_draw = self._speculative_uniforms(expanded, offsets, dev)
+            random = ~to_device(greedy, dev)
+            # where p is all on the draft, rest is empty: never rejected (u <= 1 = p(t)), drawn from nothing
+            accept = torch.where(random, has_draft & (u_accept <= p_draft), accept)
+            token = torch.where(random, self._draw(rest, u_draw), token)
+        token = torch.where(accept, draft, token)
+        if none_left is not None:
+            token, accept = token.masked_fill(none_left, NO_TOKEN), accept & ~none_left
+        want = [r.params.logprobs for r in expanded]
+        if all(w is None for w in want):
+            packed = torch.stack([token, accept.long()], dim=1)
+        else:
+            listed = [r.params.logprob_token_ids or [] for r in expanded]
+            width = max(w or 0 for w in want)
+            chosen = None if not any(listed) else to_device([ids + [-1] * (width - len(ids)) for ids in listed], dev)
+            packed = logprob_rows(logits, token.clamp(min=0), width, chosen)
+            packed[:, 0] = token
+            packed = torch.cat([packed, accept.double()[:, None]], dim=1)
+        return SpecSamplerOutput(token, packed, want, counts)
+
+    def _speculative_uniforms(self, rows: list[SampleRequest], offsets: list[int], dev: torch.device
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two numbers in (0, 1] a position: the draft's test, and the draw where it is rejected
+        (or the bonus). A seeded row's come from (seed, output index), as _uniforms' do."""
+        if dev not in self.generators:
+            self.generators[dev] = torch.Generator(device=dev).manual_seed(self.seed)
+        u = torch.rand(2, len(rows), dtype=torch.float64, device=dev, generator=self.generators[dev])
+        for i, (r, j) in enumerate(zip(rows, offsets)):
+            if r.params.seed is not None:
+                index = len(r.output_token_ids) + r.num_output_placeholders + j
+                g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
+                u[1, i], u[0, i] = torch.rand(2, dtype=torch.float64, device=dev, generator=g)
+        return 1.0 - u[0], 1.0 - u[1]
+
+
+@dataclass(slots=True)
+class SpecSamplerOutput:
+    """A speculative step's samples (Sampler.sample_speculative), one row a position: the token each
+    emits, whether its draft was accepted, and logprobs if asked (``packed``, one copy to the host).
+    ``counts``: each sequence's positions. Its results() has one SampleResult a sequence, the rest of
+    what it emitted in ``following``."""
+    token_ids: torch.Tensor
+    packed: torch.Tensor
+    num_logprobs: list[int | None]
+    counts: list[int]
+
+    def results(self) -> list[SampleResult]:
+        host = self.packed.tolist()
+        if self.packed.dtype == torch.int64:
+            rows = [SampleResult(t) for t, _ in host]
+        else:
+            rows = [SampleResult(r.token_id) if w is None else SampleResult(r.token_id, r.logprob, r.top[:w], r.rank)
+                    for r, w in zip(unpack_logprob_rows([h[:-1] for h in host]), self.num_logprobs)]
+        out, start = [], 0
+        for c in self.counts:
+            emitted = []
+            for j in range(start, start + c):  # up to the first rejected draft, or the bonus
+                emitted.append(rows[j])
+                if not host[j][-1] or rows[j].token_id == NO_TOKEN:
+                    break
+            emitted[0].following = emitted[1:]
+            out.append(emitted[0])
+            start += c
+        return out
 
 
 @dataclass(slots=True)
@@ -3224,6 +3327,8 @@ class SeqInput:
     # rows, in the place of their token ids' embeddings (stand-ins)
     prompt_embeds: torch.Tensor | None = None
     lora_int_id: int | None = None  # the LoRA adapter it runs with (ModelRunner.add_lora's id)
+    # speculative decoding: the draft tokens that end token_ids, each position's logits sampled
+    draft_token_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -3709,7 +3814,11 @@ class ModelRunner:
                 raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
                                           f"connection): {first_line(e)}") from e
         # on the logits' device: the sampler runs there
-        sampled = self.sampler.sample(logits, [seqs[i].sample for i in rows]) if rows else None
+        drafts = [seqs[i].draft_token_ids or [] for i in rows]
+        if any(drafts):
+            sampled = self.sampler.sample_speculative(logits, [seqs[i].sample for i in rows], drafts)
+        else:
+            sampled = self.sampler.sample(logits, [seqs[i].sample for i in rows]) if rows else None
         self.prev_sampled = None if sampled is None else sampled.token_ids
         return AsyncModelRunnerOutput(sampled, prompt_logprobs)
 
@@ -3735,6 +3844,11 @@ class ModelRunner:
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
                          sum(len(s.token_ids) for s in seqs), len(rows))
         prompt_logprobs = self._prompt_logprobs(seqs, hidden) if any(s.prompt_logprob_ids for s in seqs) else {}
+        if any(seqs[i].draft_token_ids for i in rows):  # speculative decoding: a row for each draft too
+            ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
+            picked = host_ints([p for i in rows for p in range(ends[i] - 1 - len(seqs[i].draft_token_ids or ()),
+                                                                ends[i])])
+            return self.model.compute_logits(hidden[to_device(picked, self.device)]), prompt_logprobs
         return (self.model.compute_logits(hidden[last[to_device(host_ints(rows), self.device)]]) if rows else None), \
             prompt_logprobs
 

@@ -20,6 +20,8 @@ Rules:
 * vLLM's ``priority`` policy orders both queues by (priority, arrival) instead,
   lower values first: the one preempted is the running request last in that order,
   and a preempted one waits in its place by it.
+* speculative decoding: a running request's draft tokens (Request.spec_token_ids) ride
+  in its decode's chunk, counted in the budget and given slots as any token is;
 * with LoRA, the running requests use at most ``max_loras`` distinct adapters (the
   device's slots), so every step does: as vLLM's, a waiting request whose adapter
   would be one too many is passed over, in its place, until one of them finishes.
@@ -34,6 +36,7 @@ import heapq
 import itertools
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -95,6 +98,9 @@ class ScheduledRequest:
     # the step samples a token for it (vLLM: not is_prefill_chunk). Fixed here: the request's
     # tokens grow before an async step lands.
     will_sample: bool
+    # Speculative decoding: the draft tokens computed after the request's last token in this chunk
+    # (vLLM's scheduled_spec_decode_tokens), those the token budget left of Request.spec_token_ids
+    spec_token_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -214,7 +220,10 @@ class Scheduler:
             if req.num_output_placeholders:  # async scheduling (vLLM's num_output_placeholders): the token
                 # still on the device is computed next, but no position past the last one the request needs
                 end = min(end + req.num_output_placeholders, req.max_num_tokens - 1)
-            num_new = min(end - start, budget)
+            # Speculative decoding: a decode's drafts are computed after its last token, their slots and
+            # blocks taken as any token's; the budget may cut them short
+            spec = req.spec_token_ids
+            num_new = min(end + len(spec) - start, budget)
             if num_new <= 0:  # its token in flight is its last: nothing more to compute
                 i += 1
                 continue
@@ -224,8 +233,13 @@ class Scheduler:
             table = bm.allocate_slots(req.request_id, req.token_ids, start + num_new)
             if table is None and (table := self._preempt_until_fits(req, num_new, out)) is None:
                 break  # req itself was preempted: nothing after it is left to schedule
-            scheduled.append(ScheduledRequest(req, start, num_new, table, start + num_new == end))
-            req.num_computed_tokens = start + num_new  # victims are never scheduled ones: none reads it back
+            scheduled.append(ScheduledRequest(req, start, num_new, table, start + num_new >= end,
+                                              spec[:max(0, start + num_new - end)] if spec else ()))
+            if spec:
+                req.spec_token_ids = []  # the engine proposes again once this step lands
+            # victims are never scheduled ones: none reads it back. With drafts, the engine rolls it back
+            # past the rejected ones when the step lands.
+            req.num_computed_tokens = start + num_new
             budget -= num_new
             i += 1
         return budget
@@ -285,6 +299,7 @@ class Scheduler:
         self.block_manager.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []  # drafts follow a decode: its recomputation samples first
         self._wait(req, front=True)
         self.num_preemptions += 1
         out.preempted.append(req.request_id)

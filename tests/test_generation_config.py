@@ -82,8 +82,8 @@ def test_vllm_prompt_dicts_and_unknown_llm_arguments(model_with_defaults):
         SamplingParams(temperature=2.5)
     # a positive temperature under 0.01 is raised to 0.01, as vLLM's: it samples, only 0 is greedy
     assert [SamplingParams(temperature=t).temperature for t in (1e-6, 0.005, 0.0, 0.5)] == [0.01, 0.01, 0.0, 0.5]
-    with pytest.raises(ValueError, match="nanoserve does not have: speculative_config, tensor_parallel_sizes"):
-        make_llm(model_with_defaults, speculative_config={}, tensor_parallel_sizes=2)
+    with pytest.raises(ValueError, match="nanoserve does not have: kv_transfer_config, tensor_parallel_sizes"):
+        make_llm(model_with_defaults, kv_transfer_config={}, tensor_parallel_sizes=2)
 
 
 def test_http_requests_get_the_defaults_for_what_they_leave_out(model_with_defaults):

@@ -37,6 +37,7 @@ class FakeRequest:
     priority: int = 0
     arrival_time: float = field(default_factory=lambda: next(_CLOCK))
     lora_int_id: int | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -517,3 +518,25 @@ def test_a_waiting_prompt_is_hashed_once_not_at_every_schedule(monkeypatch):
     assert waiting.block_hashes == list(sched.block_manager._hash_chain(waiting.token_ids, None))[:6]
     sched.finish_request("a", RequestStatus.FINISHED_ABORTED)
     assert plan(sched.schedule()) == [("b", 28)] and first.status == RequestStatus.FINISHED_ABORTED
+
+
+def test_draft_tokens_ride_in_a_decode_within_the_budget():
+    """Speculative decoding: a decode's drafts take slots and budget as any token; the budget cuts them
+    short; a preempted request's are dropped (its recomputation samples before it drafts again)."""
+    sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=5)
+    a, b = add(sched, "a", 4), add(sched, "b", 4)
+    assert plan(sched.schedule()) == [("a", 4), ("b", 1)]
+    assert plan(sched.schedule()) == [("b", 3)]  # b's prompt, chunked
+    for r in (a, b):
+        r.token_ids.append(99)
+    a.spec_token_ids, b.spec_token_ids = [7, 8, 9], [5, 6]
+    out = sched.schedule()
+    got = [(s.request.request_id, s.num_new_tokens, list(s.spec_token_ids), s.will_sample) for s in out.scheduled]
+    assert got == [("a", 4, [7, 8, 9], True), ("b", 1, [], True)]  # 1 + 3 for a; b's drafts are past the budget
+    assert a.num_computed_tokens == 8 and a.spec_token_ids == [] and len(sched.block_manager.req_to_blocks["a"]) == 2
+    a.num_computed_tokens = 5  # the engine's roll-back: one draft accepted
+    a.token_ids += [7, 3]
+    a.spec_token_ids, b.token_ids = [1, 2, 3, 4], b.token_ids + [98]
+    out = sched.schedule()  # a's 1 + 4 need a third block: none is free, b is preempted
+    assert plan(out) == [("a", 5)] and out.preempted == ["b"] and b.spec_token_ids == []
+

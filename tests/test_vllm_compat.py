@@ -685,8 +685,8 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
      "max_cudagraph_capture_size is given twice"),
     ({"compilation_config": {"cudagraph_capture_sizes": [1, 2, 4], "max_cudagraph_capture_size": 8}},
      "max_cudagraph_capture_size (8) must be the largest of cudagraph_capture_sizes (4)"),
-    ({"speculative_config": {}, "enable_sleep_mode": True},
-     "nanoserve does not have: enable_sleep_mode, speculative_config;"),
+    ({"kv_transfer_config": {}, "enable_sleep_mode": True},
+     "nanoserve does not have: enable_sleep_mode, kv_transfer_config;"),
     ({"max_model_len": "128"}, "max_model_len must be an integer, got '128'"),  # a TypeError from a comparison
     ({"max_model_len": 12.5}, "max_model_len must be an integer, got 12.5"),  # served "12.5 tokens"
     ({"seed": 2**70}, "seed must be in [-2**63, 2**64), got 1180591620717411303424"),  # failed at the first request
