@@ -14,7 +14,7 @@ from conftest import VOCAB, make_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import EngineConfig, RequestOutputKind
 from nanoserve.model import SampleRequest, Sampler
-from nanoserve.spec_decode import NgramProposer, SpeculativeConfig
+from nanoserve.engine import NgramProposer, SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 _rng = torch.Generator().manual_seed(7)
