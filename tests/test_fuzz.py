@@ -35,7 +35,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import VOCAB, make_model  # noqa: E402
-from nanoserve.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
+from nanoserve.engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams  # noqa: E402
 from nanoserve.kvcache import BlockManager  # noqa: E402
 from nanoserve.scheduler import RequestStatus  # noqa: E402
 
@@ -124,6 +124,9 @@ def draw_plan(seed: int, model: str, small: bool = False) -> Plan:
             extra["stop_token_ids"] = [rng.randrange(1, VOCAB) for _ in range(20)]
         if rng.random() < 0.1:
             extra["prompt_logprobs"] = 1
+        if rng.random() < 0.08:  # a grammar's state moves with each token: preemption must not replay it
+            extra["structured_outputs"] = StructuredOutputsParams(
+                **rng.choice([{"regex": r"[a-e ]{1,12}"}, {"choice": ["yes", "no", "maybe so"]}]))
         lengths = [2, 5, 12] if small else [2, 5, 12, 24, None]
         params = SamplingParams(n=n, max_tokens=rng.choice(lengths if "min_tokens" in extra else [1, *lengths]),
                                 **extra,
@@ -329,6 +332,7 @@ class Round:
                 continue
             assert p.key in self.done, f"{self.tag}: {p.key} ({p.rid}) never finished"
             self.coverage["checked" if p.checked else "unchecked"] += 1
+            self.coverage["structured"] += p.params.structured_outputs is not None
             self.coverage[f"n={p.params.n}"] += 1
             for i in range(p.params.n):
                 got, want = self.finished[(p.key, i)], self.refs[p.key][i]
@@ -525,6 +529,38 @@ def test_block_manager_fuzz():
     for seed in range(50):
         coverage += fuzz_block_manager(seed)
     assert coverage["hits"] and coverage["refused"] and coverage["appends"]
+
+
+# ================================================================ the bugs it found
+
+def run_alone(engine: LLMEngine, items: list[tuple[str, list[int]]], params: SamplingParams) -> dict:
+    for rid, prompt in items:
+        engine.add_request(prompt, params, request_id=rid)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return done
+
+
+def test_a_prefix_hit_on_blocks_a_dropped_chunk_was_to_write_is_recomputed(refs, monkeypatch):
+    """x's inputs raise as its step is built, so x's chunk is dropped; y, admitted in the same step,
+    hit the blocks x registered for that chunk. y read KV nobody wrote (its tokens were wrong) and the
+    blocks stayed cached for every later hit: now y is preempted and recomputed, the hashes go."""
+    from nanoserve.engine import Request
+    path, ref = refs["llama"]
+    shared = [(7 * i) % 300 + 1 for i in range(24)]  # 3 full blocks of 8
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = ref(shared + [5, 6, 7], greedy)[0].token_ids
+    real = Request.sample_request
+    monkeypatch.setattr(Request, "sample_request",
+                        lambda r: (_ for _ in ()).throw(RuntimeError("x's row")) if r.request_id == "x" else real(r))
+    engine = LLMEngine(EngineConfig(str(path), dtype="float32", max_model_len=MAX_LEN, num_kv_blocks=32, block_size=8))
+    assert run_alone(engine, [("x", shared), ("y", shared + [5, 6, 7])], greedy) == {"y": want}
+    assert list(engine.failed_requests) == ["x"] and engine.stats()["num_preemptions"] == 1
+    monkeypatch.undo()
+    assert run_alone(engine, [("z", shared + [5, 6, 7])], greedy) == {"z": want}  # no hit on unwritten KV
+    check_books(engine, "the end")
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_total_blocks"]
 
 
 # ================================================================ many seeds, by hand
