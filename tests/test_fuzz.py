@@ -5,18 +5,24 @@ Each engine round draws a small engine (a KV cache that forces preemption, a ste
 that chunks prefills, prefix caching on or off, async scheduling or not, FCFS or priority)
 on a tiny full-attention or all-sliding-window model, and a workload: arrival steps,
 prompts (some sharing prefixes, some longer than a block, one near max_model_len),
-max_tokens, n, greedy or seeded sampling, stop strings, and aborts at a random step or in a
-chosen state (waiting, running, preempted, mid-prefill). After every step it checks the
+max_tokens, n, greedy or seeded sampling, stop strings, penalties, min_tokens, stop token ids,
+prompt logprobs, structured outputs, ids reused once free, a request whose inputs raise as a
+step is built (a bug's, injected; some beside a request sharing its prefix), and aborts at a
+random step or in a chosen state (waiting, running, preempted, mid-prefill). After every step it checks the
 block pool's books and the queues, that every output is a prefix of the same request run
 alone, and that no request finishes twice; at the end that every request not aborted
 finished once with the tokens, text and finish reason of that run, that every block is
 free (cached ones only evictable) and that the stats add up; then it replays a few prompts
 on the same engine, greedy, against the reference (a stale cached block would show).
 
-The BlockManager round runs random allocate / append / free / cache-hit / reset ops
-against a plain model of what must hold: which blocks each request holds, what each full
-block was written with (a hit must be a block written with the same prefix and salt),
-when an allocation must fail, and the free count.
+Greedy tokens are compared exactly, seeded ones too (the sampler seeds each token's draw by
+(seed, output index)), except where the run alone's top two (greedy) or k-th and next (top-k)
+logprobs are within TIE: a row's logits differ in their last bits with the batch's shape.
+
+The BlockManager round runs random allocate / append / free / cache-hit / reset ops (and with
+a sliding window, freeing the blocks before it) against a plain model of what must hold: which
+blocks each request holds, what each full block was written with (a hit must be a block written
+with the same prefix and salt), when an allocation must fail, and the free count.
 
 CI runs a few seeds; many more: ``python tests/test_fuzz.py --seeds 200``.
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import random
 import sys
 import tempfile
@@ -35,7 +42,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import VOCAB, make_model  # noqa: E402
-from nanoserve.engine import EngineConfig, LLMEngine, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanoserve.engine import EngineConfig, LLMEngine, Request, SamplingParams, StructuredOutputsParams  # noqa: E402
 from nanoserve.kvcache import BlockManager  # noqa: E402
 from nanoserve.scheduler import RequestStatus  # noqa: E402
 
@@ -65,6 +72,7 @@ class Planned:
     abort: tuple | None = None   # (kind, step): kind one of ABORTS; step: the step for "step"
     priority: int = 0
     reuse: bool = False          # take the id of a request that finished or was aborted, if any
+    fail_at: int | None = None   # its inputs raise as the engine builds this many of its chunks (a bug's)
     rid: str = ""                # the engine's id: key, unless it reuses one
 
     def __post_init__(self) -> None:
@@ -138,7 +146,14 @@ def draw_plan(seed: int, model: str, small: bool = False) -> Plan:
             kind = rng.choice(ABORTS)
             abort = (kind, arrival + rng.randrange(0, 30) if kind == "step" else None)
         priority = rng.choice([-1, 0, 1]) if engine["scheduling_policy"] == "priority" else 0
-        requests.append(Planned(f"r{i}", prompt, params, arrival, abort, priority, reuse=rng.random() < 0.2))
+        fail_at = rng.randrange(1, 6) if rng.random() < 0.08 else None
+        requests.append(Planned(f"r{i}", prompt, params, arrival, abort, priority, rng.random() < 0.2, fail_at))
+    if rng.random() < 0.2:  # a request whose first chunk's inputs raise, beside one that shares its prefix
+        arrival, base = rng.randrange(0, arrival + 1), rng.choice(bases)
+        greedy = SamplingParams(temperature=0, max_tokens=rng.choice([2, 5]), ignore_eos=True, logprobs=TOP_K + 1)
+        for j in range(2):
+            tail = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 9))]
+            requests.append(Planned(f"r{len(requests)}", base + tail, greedy, arrival, fail_at=1 - j or None))
     return Plan(seed, model, engine, requests)
 
 
@@ -274,6 +289,7 @@ class Round:
         self.finished: dict[tuple[str, int], object] = {}  # (key, index) -> its finished completion
         self.done, self.aborted = set(), set()       # keys
         self.requests = []                           # every engine Request added (n > 1: each child)
+        self.victims: dict = {}                      # Request -> [its plan's fail_at, chunks built]
         self.prompt_tokens = self.step = 0
 
     def add_due(self) -> None:
@@ -285,7 +301,10 @@ class Round:
             self.engine.add_request(p.prompt, p.params, request_id=p.rid, priority=p.priority)
             self.live[p.rid] = p
             sched = self.engine.scheduler
-            self.requests += sched.family(p.rid) or [sched.get_request(p.rid)]
+            added = sched.family(p.rid) or [sched.get_request(p.rid)]
+            self.requests += added
+            if p.fail_at:
+                self.victims.update((r, [p.fail_at, 0]) for r in added)
             self.prompt_tokens += len(p.prompt)
 
     def abort_due(self) -> None:
@@ -298,6 +317,25 @@ class Round:
                 ids = [p.rid] if p.params.n == 1 else [f"{p.rid}#{i}" for i in range(p.params.n)]
                 assert not set(ids) & set(self.bm.req_to_blocks), \
                     f"{self.tag}: step {self.step}: aborted {p.key} ({p.rid}) still holds blocks"
+
+    def building(self, req) -> None:
+        """Called as the engine builds a chunk's inputs: a victim's raise at its plan's count."""
+        if (v := self.victims.get(req)) is not None:
+            v[1] += 1
+            if v[1] == v[0]:
+                raise RuntimeError(f"injected: {req.request_id}'s inputs")
+
+    def take_failed(self) -> None:
+        """The requests the engine ended for their inputs' bug: as aborted, their blocks free."""
+        for rid in list(self.engine.failed_requests):
+            p = self.live[rid]
+            assert p.fail_at and p.key not in self.aborted | self.done, f"{self.tag}: {p.key} ({rid}) failed"
+            del self.engine.failed_requests[rid]
+            self.aborted.add(p.key)
+            self.free_ids.append(rid)
+            self.coverage["failed (injected)"] += 1
+            assert not any(r.request_id in self.bm.req_to_blocks for r, _ in self.victims.items()
+                           if r.status.is_finished), f"{self.tag}: failed {p.key} still holds blocks"
 
     def take(self, outputs: list) -> None:
         """A step's outputs: each a prefix of the run alone, none after its request finished or was aborted."""
@@ -378,20 +416,30 @@ def run_round(plan: Plan, path: Path, ref: Reference, coverage: Counter) -> None
     coverage["window" if r.bm.sliding_window else "full-attention"] += 1
     for k in ("enable_prefix_caching", "async_scheduling"):
         coverage[f"{k}={plan.engine[k]}"] += 1
-    while r.pending or engine.has_unfinished_requests():
-        r.add_due()
-        r.abort_due()
-        check_books(engine, f"{r.tag}: before step {r.step}")
-        before = engine.stats()["num_preemptions"]
-        try:
-            outputs = engine.step()
-        except Exception as e:
-            raise AssertionError(f"{r.tag}: step {r.step} raised {type(e).__name__}: {e}") from e
-        r.take(outputs)
-        coverage["preemptions"] += engine.stats()["num_preemptions"] - before
-        check_books(engine, f"{r.tag}: after step {r.step}")
-        r.step += 1
-        assert r.step < 3000, f"{r.tag}: the engine has not finished after {r.step} steps"
+    real = Request.prompt_logprob_ids  # called for every chunk as its inputs are built
+
+    def building(req, start, num_new_tokens):
+        r.building(req)
+        return real(req, start, num_new_tokens)
+    Request.prompt_logprob_ids = building
+    try:
+        while r.pending or engine.has_unfinished_requests():
+            r.add_due()
+            r.abort_due()
+            check_books(engine, f"{r.tag}: before step {r.step}")
+            before = engine.stats()["num_preemptions"]
+            try:
+                outputs = engine.step()
+            except Exception as e:
+                raise AssertionError(f"{r.tag}: step {r.step} raised {type(e).__name__}: {e}") from e
+            r.take_failed()
+            r.take(outputs)
+            coverage["preemptions"] += engine.stats()["num_preemptions"] - before
+            check_books(engine, f"{r.tag}: after step {r.step}")
+            r.step += 1
+            assert r.step < 3000, f"{r.tag}: the engine has not finished after {r.step} steps"
+    finally:
+        Request.prompt_logprob_ids = real
     r.check_completions()
     r.check_end()
     replay(engine, plan, ref, r.tag)
@@ -421,15 +469,18 @@ def fuzz_block_manager(seed: int, num_ops: int = 400) -> Counter:
     rng = random.Random(seed)
     bs = rng.choice([2, 4, 8])
     num_blocks = rng.randrange(4, 24)
-    bm = BlockManager(num_blocks, bs, enable_prefix_caching=rng.random() < 0.8)
+    window = rng.choice([None, None, bs + 1, 2 * bs, 3 * bs - 1])  # the blocks before it freed as requests go
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=rng.random() < 0.8, sliding_window=window)
+    null, ids = bm.null_block, {b.block_id for b in bm.blocks} - {bm.null_block}
     bases = [[rng.randrange(50) for _ in range(rng.randrange(1, 4 * bs))] for _ in range(3)]
     live: dict[str, dict] = {}      # rid -> {"tokens", "salt", "n": tokens covered}
     written: dict[int, tuple] = {}  # block -> (salt, the whole prefix through it) once full
     coverage, counter = Counter(), 0
-    tag = f"block manager seed {seed} (block_size {bs}, {num_blocks} blocks, prefix caching {bm.enable_prefix_caching})"
+    tag = f"block manager seed {seed} (block_size {bs}, {num_blocks} blocks, window {window}, " \
+          f"prefix caching {bm.enable_prefix_caching})"
 
     def held() -> set[int]:
-        return {b for r in live for b in bm.req_to_blocks.get(r, [])}
+        return {b for r in live for b in bm.req_to_blocks.get(r, []) if b != null}
 
     def write(rid: str, old_table: list[int], start: int, end: int) -> None:
         st, table = live[rid], bm.req_to_blocks[rid]
@@ -448,20 +499,24 @@ def fuzz_block_manager(seed: int, num_ops: int = 400) -> Counter:
             salt = rng.choice([None, None, "s"])
             hits = bm.get_computed_blocks(tokens, salt)
             for i, b in enumerate(hits):
+                if b == null:  # before the window of the first token to compute: never read
+                    assert i < bm._first_window_block(len(hits) * bs), f"{tag}: {rid} null hit {i} in the window"
+                    continue
                 assert written.get(b) == (salt, tuple(tokens[:(i + 1) * bs])), \
                     f"{tag}: {rid} hit block {b} at {i}, written {written.get(b)}"
             assert len(hits) * bs < len(tokens), f"{tag}: the whole prompt hit: nothing left to compute"
             end = len(hits) * bs + rng.randrange(1, len(tokens) - len(hits) * bs + 1)
             free_before, h = bm.num_free_blocks, held()
             assert free_before == bm.num_blocks - len(h), f"{tag}: free count {free_before}, {len(h)} held"
-            need = bm.blocks_needed(end) - len(hits) + sum(1 for b in hits if b not in h)
+            need = bm.blocks_needed(end) - len(hits) + sum(1 for b in hits if b != null and b not in h)
             table = bm.allocate_slots(rid, tokens, end, hits, salt)
             assert (table is None) == (need > free_before), f"{tag}: {rid} allocation {table} with need {need}, " \
                                                             f"{free_before} free"
             if table is None:
                 coverage["refused"] += 1
                 continue
-            coverage["hits"] += len(hits)
+            coverage["hits"] += sum(b != null for b in hits)
+            coverage["null hits"] += sum(b == null for b in hits)
             live[rid] = {"tokens": tokens, "salt": salt, "n": end}
             assert table[:len(hits)] == hits and len(table) == bm.blocks_needed(end), f"{tag}: {rid} table {table}"
             write(rid, [], len(hits) * bs, end)
@@ -482,6 +537,14 @@ def fuzz_block_manager(seed: int, num_ops: int = 400) -> Counter:
             write(rid, old, st["n"], end)
             st["n"] = end
             coverage["appends"] += 1
+        elif op < 0.8 and window is not None:  # as the scheduler does before each chunk
+            rid = rng.choice(list(live))
+            old = bm.req_to_blocks[rid]
+            bm.free_skipped_blocks(rid, live[rid]["n"])
+            table, first = bm.req_to_blocks[rid], bm._first_window_block(live[rid]["n"])
+            assert len(table) == len(old) and all(b == null for b in table[:first]) and \
+                table[first:] == old[first:], f"{tag}: {rid} skipped {old} -> {table}"
+            coverage["skips"] += sum(b != null for b in old[:first])
         elif op < 0.97:
             rid = rng.choice(list(live))
             bm.free(rid)
@@ -493,12 +556,13 @@ def fuzz_block_manager(seed: int, num_ops: int = 400) -> Counter:
             coverage["resets"] += 1
         h = held()
         assert bm.num_free_blocks == bm.num_blocks - len(h), f"{tag}: free count {bm.num_free_blocks}, {len(h)} held"
-        assert set(bm.free_blocks) == set(range(bm.num_blocks)) - h, f"{tag}: the free list is not the unheld blocks"
-        for b in range(bm.num_blocks):
+        assert set(bm.free_blocks) == ids - h, f"{tag}: the free list is not the unheld blocks"
+        for b in ids:
             assert bm.blocks[b].ref_cnt == sum(b in bm.req_to_blocks[r] for r in live), f"{tag}: block {b} ref_cnt"
     for rid in list(live):
         bm.free(rid)
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_cnt == 0 for b in bm.blocks), f"{tag}: not all free"
+    coverage["window rounds" if window else "full rounds"] += 1
     return coverage
 
 
@@ -509,8 +573,9 @@ def refs(model_root):
     return {m: (model_path(model_root, m), Reference(model_path(model_root, m))) for m in MODELS}
 
 
-# Small rounds that between them preempt, abort, reuse an id, chunk, hit the prefix cache, run n > 1
-# and async scheduling, on each model (test_engine_fuzz checks they still do)
+# Small rounds that between them preempt, abort, reuse an id, fail a request's inputs beside one
+# sharing its prefix (seed 11), chunk, hit the prefix cache, run n > 1 and async scheduling, on each
+# model (test_engine_fuzz checks they still do)
 CI_SEEDS = [3, 11, 13]
 
 
@@ -522,13 +587,14 @@ def test_engine_fuzz(refs, model):
         run_round(draw_plan(seed, model, small=True), path, ref, coverage)
     assert coverage["preemptions"] and coverage["checked"] and coverage["n=3"] and coverage["prefix-cache hit rounds"]
     assert coverage["async_scheduling=True"] and coverage["id reused"] and any(k.startswith("abort:") for k in coverage)
+    assert coverage["failed (injected)"]
 
 
 def test_block_manager_fuzz():
     coverage = Counter()
     for seed in range(50):
         coverage += fuzz_block_manager(seed)
-    assert coverage["hits"] and coverage["refused"] and coverage["appends"]
+    assert coverage["hits"] and coverage["refused"] and coverage["appends"] and coverage["null hits"]
 
 
 # ================================================================ the bugs it found
@@ -546,7 +612,6 @@ def test_a_prefix_hit_on_blocks_a_dropped_chunk_was_to_write_is_recomputed(refs,
     """x's inputs raise as its step is built, so x's chunk is dropped; y, admitted in the same step,
     hit the blocks x registered for that chunk. y read KV nobody wrote (its tokens were wrong) and the
     blocks stayed cached for every later hit: now y is preempted and recomputed, the hashes go."""
-    from nanoserve.engine import Request
     path, ref = refs["llama"]
     shared = [(7 * i) % 300 + 1 for i in range(24)]  # 3 full blocks of 8
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -573,6 +638,7 @@ def main() -> int:
     ap.add_argument("--bm-seeds", type=int, default=500, help="BlockManager rounds")
     ap.add_argument("--root", default=None, help="where the tiny models are saved (default: a temporary directory)")
     args = ap.parse_args()
+    logging.getLogger("nanoserve").setLevel(logging.CRITICAL)  # the injected failures' tracebacks
     root = Path(args.root or tempfile.mkdtemp(prefix="nanoserve-fuzz-"))
     failures, coverage, t0 = [], Counter(), time.perf_counter()
     for seed in range(args.start, args.start + args.bm_seeds):
