@@ -414,7 +414,7 @@ def run_round(plan: Plan, path: Path, ref: Reference, coverage: Counter) -> None
     engine = r.engine
     coverage["rounds"] += 1
     coverage["window" if r.bm.sliding_window else "full-attention"] += 1
-    for k in ("enable_prefix_caching", "async_scheduling"):
+    for k in ("enable_prefix_caching", "async_scheduling", "scheduling_policy"):
         coverage[f"{k}={plan.engine[k]}"] += 1
     real = Request.prompt_logprob_ids  # called for every chunk as its inputs are built
 
@@ -636,6 +636,7 @@ def main() -> int:
     ap.add_argument("--start", type=int, default=0, help="the first seed")
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--bm-seeds", type=int, default=500, help="BlockManager rounds")
+    ap.add_argument("--minutes", type=float, default=None, help="start no round after this long")
     ap.add_argument("--root", default=None, help="where the tiny models are saved (default: a temporary directory)")
     args = ap.parse_args()
     logging.getLogger("nanoserve").setLevel(logging.CRITICAL)  # the injected failures' tracebacks
@@ -646,10 +647,11 @@ def main() -> int:
             coverage += fuzz_block_manager(seed)
         except AssertionError as e:
             failures.append(str(e).splitlines()[0])
-    for model in args.models:
-        path = model_path(root, model)
-        ref = Reference(path)
-        for seed in range(args.start, args.start + args.seeds):
+    refs = {m: (model_path(root, m), Reference(model_path(root, m))) for m in args.models}
+    for seed in range(args.start, args.start + args.seeds):
+        if args.minutes is not None and time.perf_counter() - t0 > 60 * args.minutes:
+            break
+        for model, (path, ref) in refs.items():
             t = time.perf_counter()
             try:
                 run_round(draw_plan(seed, model), path, ref, coverage)
