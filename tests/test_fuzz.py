@@ -432,8 +432,8 @@ def run_round(plan: Plan, path: Path, ref: Reference, coverage: Counter) -> None
                 outputs = engine.step()
             except Exception as e:
                 raise AssertionError(f"{r.tag}: step {r.step} raised {type(e).__name__}: {e}") from e
+            r.take(outputs)  # async: a step may land (outputs) before the next one's inputs fail
             r.take_failed()
-            r.take(outputs)
             coverage["preemptions"] += engine.stats()["num_preemptions"] - before
             check_books(engine, f"{r.tag}: after step {r.step}")
             r.step += 1
