@@ -289,7 +289,7 @@ class Round:
         self.finished: dict[tuple[str, int], object] = {}  # (key, index) -> its finished completion
         self.done, self.aborted = set(), set()       # keys
         self.requests = []                           # every engine Request added (n > 1: each child)
-        self.victims: dict = {}                      # Request -> [its plan's fail_at, chunks built]
+        self.victims: dict = {}                      # Request -> [its plan's fail_at, chunks built, plan key]
         self.prompt_tokens = self.step = 0
 
     def add_due(self) -> None:
@@ -304,7 +304,7 @@ class Round:
             added = sched.family(p.rid) or [sched.get_request(p.rid)]
             self.requests += added
             if p.fail_at:
-                self.victims.update((r, [p.fail_at, 0]) for r in added)
+                self.victims.update((r, [p.fail_at, 0, p.key]) for r in added)
             self.prompt_tokens += len(p.prompt)
 
     def abort_due(self) -> None:
@@ -334,8 +334,8 @@ class Round:
             self.aborted.add(p.key)
             self.free_ids.append(rid)
             self.coverage["failed (injected)"] += 1
-            assert not any(r.request_id in self.bm.req_to_blocks for r, _ in self.victims.items()
-                           if r.status.is_finished), f"{self.tag}: failed {p.key} still holds blocks"
+            assert not any(r.request_id in self.bm.req_to_blocks for r, v in self.victims.items() if v[2] == p.key), \
+                f"{self.tag}: failed {p.key} ({rid}) still holds blocks"
 
     def take(self, outputs: list) -> None:
         """A step's outputs: each a prefix of the run alone, none after its request finished or was aborted."""
