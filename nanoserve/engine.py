@@ -2123,17 +2123,12 @@ class LLMEngine:
 
     def _without_finished(self, flight: StepInFlight, inputs: list[SeqInput]
                           ) -> tuple[StepInFlight, list[SeqInput]] | None:
-        """A step not launched yet without the requests ended since it was scheduled (None, and out of
-        in_flight, if none is left). The blocks they were to fill this step were freed unwritten: their
-        prefix hashes, registered as the step was scheduled, are forgotten."""
-        scheduled = flight.sched.scheduled
-        keep = [i for i, s in enumerate(scheduled) if not s.request.status.is_finished]
-        if len(keep) == len(scheduled):
+        """A step not launched yet without the requests ended since it was scheduled, and those that
+        would have read the blocks they were to fill (Scheduler.drop_unwritten): None, and out of
+        in_flight, if none is left."""
+        if not any(s.request.status.is_finished for s in flight.sched.scheduled):
             return flight, inputs
-        for s in scheduled:
-            if s.request.status.is_finished:
-                self.scheduler.forget_unwritten(s)
-        flight.sched.scheduled = [scheduled[i] for i in keep]
+        keep = self.scheduler.drop_unwritten(flight.sched)
         if not keep:
             self.in_flight.remove(flight)
             return None

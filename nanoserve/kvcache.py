@@ -256,17 +256,18 @@ class BlockManager:
         self.req_to_blocks[request_id] = table
 
     def forget_unwritten(self, block_ids: list[int]) -> None:
-        """Forget the hashes of those of these blocks that are free: the step that was to write their KV
-        was not run for the request that registered them (the engine dropped it). Held ones are another
-        request's too, which reads or writes them itself."""
+        """Forget the hashes of these blocks: the step that was to write their KV was not run for the
+        request that registered them (the engine dropped it, and the readers of them that step:
+        Scheduler.drop_unwritten), so no hit may find them. Those free are evicted first."""
         for b in block_ids:
             block = self.blocks[b]
-            if b == self.null_block or block.ref_cnt or block.block_hash is None:
+            if b == self.null_block or block.block_hash is None:
                 continue
             if self.cached.get(block.block_hash) == b:
                 del self.cached[block.block_hash]
             block.block_hash = None
-            self.free_blocks.move_to_end(b, last=False)  # nothing reusable in it: evict it first
+            if block.ref_cnt == 0:  # nothing reusable in it: evict it first
+                self.free_blocks.move_to_end(b, last=False)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

@@ -185,11 +185,30 @@ class Scheduler:
         """The ids of the unfinished requests that run with this LoRA adapter."""
         return [r.request_id for r in self.requests.values() if r.lora_int_id == lora_int_id]
 
-    def forget_unwritten(self, scheduled: ScheduledRequest) -> None:
-        """A scheduled chunk whose request ended before its step was launched: the blocks it was
-        to fill were freed unwritten, so their prefix hashes, registered as it was scheduled, go."""
-        bm = self.block_manager
-        bm.forget_unwritten(scheduled.block_table[scheduled.start // bm.block_size:])
+    def drop_unwritten(self, out: SchedulerOutput) -> list[int]:
+        """Take out of a step not launched yet the chunks of the requests that ended since it was
+        scheduled; returns the indices of the chunks kept. The blocks a dropped chunk was to fill
+        stay unwritten, so their prefix hashes, registered as it was scheduled, go. A request
+        admitted in the same step on prefix-cache hits of those blocks would read KV nobody wrote
+        (and cache its own blocks on it): it is preempted, to be recomputed, and its chunk goes too."""
+        bm, dropped, unwritten = self.block_manager, set(), set()
+        grew = True
+        while grew:  # a preempted reader's own blocks are unwritten too: one reader may make another
+            grew = False
+            for i, s in enumerate(out.scheduled):
+                if i in dropped:
+                    continue
+                if not s.request.status.is_finished:
+                    if unwritten.isdisjoint(s.block_table[:-(-s.start // bm.block_size)]):
+                        continue
+                    self._preempt(s.request, out)
+                dropped.add(i)
+                unwritten.update(s.block_table[s.start // bm.block_size:])
+                grew = True
+        bm.forget_unwritten(sorted(unwritten))
+        keep = [i for i in range(len(out.scheduled)) if i not in dropped]
+        out.scheduled = [out.scheduled[i] for i in keep]
+        return keep
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
