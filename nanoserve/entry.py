@@ -1170,10 +1170,22 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         if super().structured_spec() is not None:
             raise InvalidInput("tool_choice", f"tool_choice {show(self.tool_choice)} constrains the output to tool "
                                               "calls: it cannot be combined with another structured-output field")
+        if self._call_format == "mistral":
+            return StructuredOutputsParams(json=self.mistral_schema())
         if self._call_format is not None:  # a string: the engine's grammar cache keys on it
             return StructuredOutputsParams(structural_tag=json.dumps(FORCED_CALL_TAGS[self._call_format](
                 self.tools, self.tool_choice, self.parallel_tool_calls is False)))
         return StructuredOutputsParams(json=self.tool_schema())
+
+    def mistral_schema(self) -> dict:
+        """vLLM 0.32's forced call with the mistral parser (a tokenizer of transformers'): a JSON list of
+        {"name", "arguments"}, one for a named function."""
+        tools = _forced_tools(self.tools, self.tool_choice)
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "arguments": t.function.parameters or {"type": "object"}},
+                  "required": ["name", "arguments"]} for t in tools]
+        return {"type": "array", "minItems": 1, **({"maxItems": 1} if isinstance(self.tool_choice, dict) else {}),
+                "items": {"type": "object", "anyOf": items}}
 
     def forces_call(self) -> bool:
         return isinstance(self.tool_choice, dict) or self.tool_choice == "required"
@@ -1637,7 +1649,9 @@ def tool_parser(tool_choice: Any, auto_parser: str | None, call_format: str | No
                 ) -> Callable[[], ToolParser] | None:
     """What makes a parser for each of this request's choices: none for "none" (or no tools). A forced
     call written in a parser's own format (``call_format``) is read back by that parser."""
-    if call_format is not None and tool_choice != "auto":
+    if call_format == "mistral":  # its list, as "required"'s (whose parser reads "arguments" too)
+        return RequiredToolParser
+    if call_format is not None:
         return TOOL_PARSERS[call_format]
     if isinstance(tool_choice, dict):
         return functools.partial(NamedToolParser, tool_choice["function"]["name"])
@@ -1651,8 +1665,9 @@ def tool_parser(tool_choice: Any, auto_parser: str | None, call_format: str | No
 # structural form, a "required" or named call is written in that format, under an xgrammar structural tag
 # ({"type": "structural_tag", "format": ...}), and read back by the parser. A tool's arguments follow its
 # parameters' schema only where the tool says "strict": true; otherwise any JSON value (vLLM's
-# --tool-strict-level auto). Only hermes here yet; the other parsers keep the JSON list (vLLM 0.32 keeps it for
-# pythonic and writes mistral's [{"name", "arguments"}] array, llama3_json's and harmony's own formats).
+# --tool-strict-level auto). Only hermes here yet: vLLM 0.32 has llama3_json's and harmony's own formats too;
+# mistral's is a JSON list of {"name", "arguments"} (ChatCompletionRequest.mistral_schema); pythonic keeps
+# vLLM's older JSON list.
 
 def _forced_tools(tools: list[ChatCompletionToolsParam], tool_choice: Any) -> list[ChatCompletionToolsParam]:
     """The tools the call may be of: the named one, or for "required" all of them."""
@@ -3090,7 +3105,8 @@ class ChatGeneration(Generation):
     @classmethod
     def settle(cls, state: ServerState, req: ChatCompletionRequest) -> None:
         """A forced call takes the tool parser's own format where it has one (FORCED_CALL_TAGS)."""
-        if req.forces_call() and state.tool_parser in FORCED_CALL_TAGS and state.strict_tool_calling:
+        if req.forces_call() and (state.tool_parser in FORCED_CALL_TAGS and state.strict_tool_calling
+                                  or state.tool_parser == "mistral"):  # (vLLM's mistral: whatever the variable)
             req._call_format = state.tool_parser
 
     def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
@@ -3101,7 +3117,8 @@ class ChatGeneration(Generation):
         self.parser = tool_parser(req.tool_choice, state.tool_parser, req._call_format)  # None: no calls to parse
         # gpt-oss: the output is harmony, whatever the request's tool choice (as vLLM's serving_chat reads it)
         self.harmony = state.reasoning_parser == "openai_gptoss" or state.tool_parser == "openai"
-        if self.parser is MistralToolParser or self.harmony:  # as vLLM's: the parser reads special tokens
+        if self.parser is MistralToolParser or req._call_format == "mistral" or self.harmony:  # as vLLM's: the
+            # parser reads special tokens
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
         self.harmonies: dict[int, HarmonyParser] = {}  # likewise, for gpt-oss
