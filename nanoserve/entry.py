@@ -3117,8 +3117,8 @@ class ChatGeneration(Generation):
         self.parser = tool_parser(req.tool_choice, state.tool_parser, req._call_format)  # None: no calls to parse
         # gpt-oss: the output is harmony, whatever the request's tool choice (as vLLM's serving_chat reads it)
         self.harmony = state.reasoning_parser == "openai_gptoss" or state.tool_parser == "openai"
-        if self.parser is MistralToolParser or req._call_format == "mistral" or self.harmony:  # as vLLM's: the
-            # parser reads special tokens
+        # as vLLM's: the parser reads special tokens
+        if self.parser is MistralToolParser or req._call_format == "mistral" or self.harmony:
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
         self.harmonies: dict[int, HarmonyParser] = {}  # likewise, for gpt-oss

@@ -304,9 +304,10 @@ LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=1)
 @pytest.mark.parametrize("choice", ["auto", "none", "required", {"type": "function", "name": "get_weather"}])
 def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blanks, choice, reasoning):
     """response.completed carries the non-streamed body's output: the same items in the same order (only their
-    ids differ), with their logprobs, whole and cut short (e.g. "required" cut inside a call: the calls made,
-    in both, and no text: hermes drops a call cut short), with and without a reasoning parser (the cuts fall after the thought:
-    one cut inside it is split as vLLM's parsers split it, which differs between a stream and a whole text)."""
+    ids differ), with their logprobs, whole and cut short (e.g. "required" cut inside a call: the calls made, in
+    both, and no text: hermes drops a call cut short), with and without a reasoning parser (the cuts fall after
+    the thought: one cut inside it is split as vLLM's parsers split it, which differs between a stream and a
+    whole text)."""
     monkeypatch.setattr(server.app.state.server, "reasoning_parser", reasoning)
     body = dict(input="weather?", tools=TOOLS, tool_choice=choice, temperature=0, **LOGPROBS)
     if choice in ("auto", "none"):  # the hermes text the model writes: forced
