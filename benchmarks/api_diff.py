@@ -241,9 +241,6 @@ KEPT: list[tuple[str, Any]] = [
                                                           "chat.logit_bias") and r[1].endswith((".text", ".content"))),
     ("forced tool calls without a parser", lambda r: r[0] in ("chat.tools_required", "chat.tools_named",
                                                               "chat.stream_tools_required") and r[2] == "status"),
-    # not on purpose: left to do (README says so too)
-    ("OPEN: vLLM forces calls in the parser's format", lambda r: r[0] in ("chat.tools_required", "chat.tools_named",
-                                                                         "chat.stream_tools_required")),
     ("continue_final_message implies no gen. prompt", lambda r: r[0] == "chat.continue_and_add"),
     ("echo with max_tokens 0 counts no token", lambda r: r[0] == "cmpl.echo_max0"),
     ("prompt and messages together: 400", lambda r: r[0] == "tok.both"),

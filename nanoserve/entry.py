@@ -861,7 +861,7 @@ class GenerationRequest(OpenAIBaseModel):
         ignored = [name for name in BEAM_SEARCH_IGNORES if name in self.model_fields_set
                    and getattr(self, name) not in (None, fields[name].default, [], {})]
         if params.structured_outputs is not None:  # tool_choice's, named as such (not as the tools' schemas)
-            ignored.append("tool_choice" if self.tool_schema() is not None else self.param_name("structured_outputs"))
+            ignored.append("tool_choice" if self.forces_call() else self.param_name("structured_outputs"))
         if ignored:
             raise InvalidInput(ignored[0], f"{ignored[0]} does not apply to beam search (use_beam_search), which "
                                            f"reads n (the beam width), max_tokens, ignore_eos, length_penalty, "
@@ -913,9 +913,9 @@ class GenerationRequest(OpenAIBaseModel):
     def num_prompts(self) -> int:
         return 1
 
-    def tool_schema(self) -> dict | None:
-        """(Chat's) the constraint of a forced tool call."""
-        return None
+    def forces_call(self) -> bool:
+        """(Chat's) whether tool_choice forces a call, which then is the output's constraint."""
+        return False
 
     def echo_only(self) -> bool:
         """Completions' echo with max_tokens 0 (scoring a prompt): one token is
@@ -1128,6 +1128,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     reasoning_effort: typing.Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     tool_choice: Any = None  # check_tool_choice says what it takes
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
+    _call_format: str | None = PrivateAttr(None)  # the tool parser whose own format a forced call takes, if any
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
@@ -1156,7 +1157,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return "top_logprobs" if engine_param == "logprobs" else super().param_name(engine_param)
 
     def invalid(self, e: InvalidInput) -> ApiError:
-        if e.param == "structured_outputs" and self.tool_schema() is not None:  # xgrammar refused them
+        if e.param == "structured_outputs" and self.forces_call():  # xgrammar refused the tools' schemas
             return bad_request(f"the tools' {self.tool_schema_field} are not JSON schemas xgrammar can compile: "
                                f"{str(e).partition(': ')[2]}", "tools")
         return super().invalid(e)
@@ -1168,21 +1169,37 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def structured_spec(self) -> StructuredOutputsParams | None:
-        schema = self.tool_schema()
-        if schema is None:
+        if not self.forces_call():
             return super().structured_spec()
         if super().structured_spec() is not None:
             raise InvalidInput("tool_choice", f"tool_choice {show(self.tool_choice)} constrains the output to tool "
                                               "calls: it cannot be combined with another structured-output field")
-        return StructuredOutputsParams(json=schema)
+        if self._call_format == "mistral":
+            return StructuredOutputsParams(json=self.mistral_schema())
+        if self._call_format is not None:  # a string: the engine's grammar cache keys on it
+            return StructuredOutputsParams(structural_tag=json.dumps(FORCED_CALL_TAGS[self._call_format](
+                self.tools, self.tool_choice, self.parallel_tool_calls is False)))
+        return StructuredOutputsParams(json=self.tool_schema())
 
-    def tool_schema(self) -> dict | None:
-        """vLLM's constraint for a forced call: a named function's parameters, or for
-        "required" an array of {name, parameters} objects, each of one of the tools."""
+    def mistral_schema(self) -> dict:
+        """vLLM 0.32's forced call with the mistral parser (a tokenizer of transformers'): a JSON list of
+        {"name", "arguments"}, one for a named function."""
+        tools = _forced_tools(self.tools, self.tool_choice)
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "arguments": t.function.parameters or {"type": "object"}},
+                  "required": ["name", "arguments"]} for t in tools]
+        return {"type": "array", "minItems": 1, **({"maxItems": 1} if isinstance(self.tool_choice, dict) else {}),
+                "items": {"type": "object", "anyOf": items}}
+
+    def forces_call(self) -> bool:
+        return isinstance(self.tool_choice, dict) or self.tool_choice == "required"
+
+    def tool_schema(self) -> dict:
+        """vLLM's JSON constraint for a forced call (without a parser that has its own): a named function's
+        parameters, or for "required" an array of {name, parameters} objects, each of one of the tools
+        (at most one with parallel_tool_calls false)."""
         if isinstance(self.tool_choice, dict):
             return _parameters(find_tool(self.tools, self.tool_choice["function"]["name"]))
-        if self.tool_choice != "required":
-            return None
         defs: dict[str, Any] = {}
         items = []
         for tool in self.tools:
@@ -1193,8 +1210,8 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
                     raise InvalidInput("tools", f"tools define $defs.{name} twice, differently")
             items.append({"properties": {"name": {"type": "string", "enum": [tool.function.name]},
                                          "parameters": params}, "required": ["name", "parameters"]})
-        return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items},
-                **({"$defs": defs} if defs else {})}
+        return {"type": "array", "minItems": 1, **({"maxItems": 1} if self.parallel_tool_calls is False else {}),
+                "items": {"type": "object", "anyOf": items}, **({"$defs": defs} if defs else {})}
 
     def requested_prompt_logprobs(self) -> int | None:  # as vLLM: echo asks for them (a stream has no room for them)
         if self.prompt_logprobs is None and self.echo and not self.stream:
@@ -1399,6 +1416,7 @@ def dumps(obj: Any) -> str:
 
 class ToolParser:
     CONTENT_AFTER_CALLS: ClassVar[bool] = False  # where a response's content stands: before its calls, or after
+    streamed: bool = False  # fed a stream's deltas (ToolStream says), not a whole response
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
         raise NotImplementedError
@@ -1408,7 +1426,9 @@ class HermesToolParser(ToolParser):
     """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number
     of them. As vLLM's, the content is the text before the first call (the text between and after
     calls is dropped); a block that is not such JSON is text before the first call and dropped after
-    it (vLLM's non-streamed parser then returns the whole output as text, which a stream cannot)."""
+    it (vLLM's non-streamed parser then returns the whole output as text, which a stream cannot). A block
+    the output's end leaves open and that is no call is text in a response, and dropped in a stream
+    (vLLM's streamed parser never shows text after <tool_call>: a forced call cut short by max_tokens)."""
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self):
@@ -1443,7 +1463,9 @@ class HermesToolParser(ToolParser):
             self.called = True
             calls.append(call)
             return []
-        return [] if self.called else [self.START + body + (self.END if closed else "")]
+        if self.called or (self.streamed and not closed):
+            return []
+        return [self.START + body + (self.END if closed else "")]
 
 
 def _tag_start(text: str, tag: str) -> int:
@@ -1627,13 +1649,55 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3
                                               "pythonic": PythonicToolParser}
 
 
-def tool_parser(tool_choice: Any, auto_parser: str | None) -> Callable[[], ToolParser] | None:
-    """What makes a parser for each of this request's choices: none for "none" (or no tools)."""
+def tool_parser(tool_choice: Any, auto_parser: str | None, call_format: str | None = None
+                ) -> Callable[[], ToolParser] | None:
+    """What makes a parser for each of this request's choices: none for "none" (or no tools). A forced
+    call written in a parser's own format (``call_format``) is read back by that parser."""
+    if call_format == "mistral":  # its list, as "required"'s (whose parser reads "arguments" too)
+        return RequiredToolParser
+    if call_format is not None:
+        return TOOL_PARSERS[call_format]
     if isinstance(tool_choice, dict):
         return functools.partial(NamedToolParser, tool_choice["function"]["name"])
     if tool_choice == "required":
         return RequiredToolParser
     return TOOL_PARSERS.get(auto_parser) if tool_choice == "auto" else None  # no --tool-call-parser: none
+
+
+# =========================================================================== forced calls in a parser's format
+# As vLLM 0.32 (its VLLM_ENFORCE_STRICT_TOOL_CALLING, on by default): with a tool parser whose format has a
+# structural form, a "required" or named call is written in that format, under an xgrammar structural tag
+# ({"type": "structural_tag", "format": ...}), and read back by the parser. A tool's arguments follow its
+# parameters' schema only where the tool says "strict": true; otherwise any JSON value (vLLM's
+# --tool-strict-level auto). Only hermes here yet: vLLM 0.32 has llama3_json's and harmony's own formats too;
+# mistral's is a JSON list of {"name", "arguments"} (ChatCompletionRequest.mistral_schema); pythonic keeps
+# vLLM's older JSON list.
+
+def _forced_tools(tools: list[ChatCompletionToolsParam], tool_choice: Any) -> list[ChatCompletionToolsParam]:
+    """The tools the call may be of: the named one, or for "required" all of them."""
+    return [find_tool(tools, tool_choice["function"]["name"])] if isinstance(tool_choice, dict) else tools
+
+
+def _arguments_format(tool: ChatCompletionToolsParam) -> dict:
+    """A call's arguments: the tool's schema where it is strict, else any JSON (xgrammar's schema ``true``)."""
+    strict = tool.function.strict is True and tool.function.parameters is not None
+    return {"type": "json_schema", "json_schema": tool.function.parameters if strict else True}
+
+
+def hermes_call_tag(tools: list[ChatCompletionToolsParam], tool_choice: Any, single: bool) -> dict:
+    """<tool_call>{"name": ..., "arguments": ...}</tool_call>, one or more (one for a named function or
+    ``single``: parallel_tool_calls false), each with or without a newline inside its tags."""
+    start, end = HermesToolParser.START, HermesToolParser.END
+    tags = [{"type": "tag", "begin": f'{start}{nl}{{"name": "{tool.function.name}", "arguments": ',
+             "content": _arguments_format(tool), "end": f"}}{nl}{end}"}
+            for tool in _forced_tools(tools, tool_choice) for nl in ("\n", "")]
+    return {"type": "structural_tag", "format": {
+        "type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+        "stop_after_first": single or isinstance(tool_choice, dict)}}
+
+
+FORCED_CALL_TAGS: dict[str, Callable[[list[ChatCompletionToolsParam], Any, bool], dict]] = {
+    "hermes": hermes_call_tag}
 
 
 _BLANKS = re.compile(r"\s*")
@@ -1654,20 +1718,22 @@ def _json_values(text: str, pos: int, sep: str) -> tuple[list[Any], int]:
 
 
 def _json_call(value: Any) -> dict[str, str] | None:
-    """{"name": ..., "arguments" (or "parameters"): {...}}, as JSON text or parsed -> a call, else None."""
+    """{"name": ..., "arguments" (or "parameters"): ...}, as JSON text or parsed -> a call, else None. As
+    vLLM's parsers, the arguments are any JSON value (a forced call's grammar allows one for a tool that is
+    not strict), sent as its JSON text."""
     if isinstance(value, str):
         values, end = _json_values(value, 0, "")
         value = values[0] if len(values) == 1 and not value[end:].strip() else None
-    args = value.get("arguments", value.get("parameters", {})) if isinstance(value, dict) else None
-    if not isinstance(args, dict) or not isinstance(value.get("name"), str):
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
+    args = value.get("arguments", value.get("parameters", {}))
     try:
         return {"name": value["name"], "arguments": arguments_json(args)}
     except ValueError:  # NaN or Infinity (the model wrote 1e999), or too deep: not JSON to us, so not a call
         return None
 
 
-def arguments_json(args: dict) -> str:
+def arguments_json(args: Any) -> str:
     """A call's arguments as JSON text that goes out as UTF-8: a lone surrogate the model wrote
     escaped ("\\ud800") stays escaped. ValueError where they are not JSON (NaN, Infinity) or are
     nested deeper than a request may send them back (whether json itself could read them depends
@@ -1686,8 +1752,9 @@ class ToolStream:
     """One choice's tool calls: its parser, and how many calls it began; ``feed`` gives
     a delta's parts in OpenAI's shape. A response that is not streamed is one feed."""
 
-    def __init__(self, parser: ToolParser):
+    def __init__(self, parser: ToolParser, streamed: bool = False):
         self.parser, self.calls = parser, 0
+        parser.streamed = streamed
 
     def feed(self, delta_text: str, final: bool) -> tuple[str, list[dict], bool]:
         """(new content, OpenAI tool-call deltas, whether any call was made)."""
@@ -1926,6 +1993,7 @@ class ServerState:
     chat_template_content_format: str = "auto"           # --chat-template-content-format
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
+    strict_tool_calling: bool = True                     # $VLLM_ENFORCE_STRICT_TOOL_CALLING: forced calls in its format
     reasoning_parser: str | None = None                  # --reasoning-parser
     exclude_tools_when_tool_choice_none: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under a request's own
@@ -2155,6 +2223,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         chat_template_content_format=args.chat_template_content_format,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                        strict_tool_calling=os.environ.get("VLLM_ENFORCE_STRICT_TOOL_CALLING", "true").lower()
+                        in ("true", "1"),
                         reasoning_parser=args.reasoning_parser,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
@@ -2672,6 +2742,7 @@ class Generation:
     @classmethod
     async def _admit(cls, state: ServerState, request_id: str, req: GenerationRequest) -> "Generation":
         try:
+            cls.settle(state, req)
             params = req.sampling_params(state.engine.default_sampling, state.engine.override_max_tokens)
             gen = cls(state, request_id, req, params)
             check_queue(state, req, gen.params.n)
@@ -2688,6 +2759,10 @@ class Generation:
             raise req.invalid(e) from None
         except EngineDeadError as e:
             raise _engine_error(e) from None
+
+    @classmethod
+    def settle(cls, state: ServerState, req: GenerationRequest) -> None:
+        """What the request takes from the server before its sampling parameters are made."""
 
     def __init__(self, state: ServerState, request_id: str, req: GenerationRequest, params: SamplingParams):
         self.state, self.request_id, self.req, self.params = state, request_id, req, params
@@ -3027,16 +3102,27 @@ class ChatGeneration(Generation):
     CHOICE_NULLS, DELTA_NULLS = ("token_ids", "routed_experts"), ("token_ids",)
     MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
     auto_needs_parser: ClassVar[bool] = True  # "auto" without --enable-auto-tool-choice: a 400, as vLLM's chat
+    # a chat stream reads its calls as vLLM's streamed parsers do (ToolParser.streamed); the other APIs' streams
+    # end with the whole response (Responses' response.completed), so they read theirs as a response does
+    streams_calls: ClassVar[bool] = True
+
+    @classmethod
+    def settle(cls, state: ServerState, req: ChatCompletionRequest) -> None:
+        """A forced call takes the tool parser's own format where it has one (FORCED_CALL_TAGS)."""
+        if req.forces_call() and (state.tool_parser in FORCED_CALL_TAGS and state.strict_tool_calling
+                                  or state.tool_parser == "mistral"):  # (vLLM's mistral: whatever the variable)
+            req._call_format = state.tool_parser
 
     def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
         super().__init__(state, request_id, req, params)
         if req.tool_choice == "auto" and state.tool_parser is None and self.auto_needs_parser:
             raise InvalidInput("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
                                               '--tool-call-parser to be set')
-        self.parser = tool_parser(req.tool_choice, state.tool_parser)  # None: no calls to parse
+        self.parser = tool_parser(req.tool_choice, state.tool_parser, req._call_format)  # None: no calls to parse
         # gpt-oss: the output is harmony, whatever the request's tool choice (as vLLM's serving_chat reads it)
         self.harmony = state.reasoning_parser == "openai_gptoss" or state.tool_parser == "openai"
-        if self.parser is MistralToolParser or self.harmony:  # as vLLM's: the parser reads special tokens
+        # as vLLM's: the parser reads special tokens
+        if self.parser is MistralToolParser or req._call_format == "mistral" or self.harmony:
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
         self.harmonies: dict[int, HarmonyParser] = {}  # likewise, for gpt-oss
@@ -3083,7 +3169,7 @@ class ChatGeneration(Generation):
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""
         if self.parser is not None:
             if index not in self.tool_streams:
-                self.tool_streams[index] = ToolStream(self.parser())
+                self.tool_streams[index] = ToolStream(self.parser(), stream and self.streams_calls)
             tools = self.tool_streams[index]
             if self.parser is OpenAIToolParser:  # read with the rest of the harmony
                 calls, made = tools.deltas(found or [])
@@ -3104,7 +3190,8 @@ class ChatGeneration(Generation):
         p = self.parse_text(index, c.text, c, stream=False)
         content = echo + p.content
         # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
-        message = {"role": self.role, "content": content or (None if p.calls else p.blank),
+        forced = self.req._call_format is not None  # vLLM's forced call has text, "" for none
+        message = {"role": self.role, "content": content or ("" if forced else None if p.calls else p.blank),
                    **(_thought(p.reasoning) if self.state.reasoning_parser is not None or self.harmony else {}),
                    **({"tool_calls": p.calls} if p.calls else {})}
         return _chat_choice(index, {"message": message}, logprobs, p.finish_reason, c, extra)
@@ -3598,6 +3685,7 @@ class ResponsesGeneration(ChatGeneration):
     schema = ResponsesChatRequest
     object_name, id_prefix = "response", "resp_"
     auto_needs_parser = False  # as vLLM's Responses path: the tools reach the template, the text is not parsed
+    streams_calls = False
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> ResponsesChatRequest:
@@ -3714,6 +3802,7 @@ class AnthropicTool(_Strict):
     name: str = Field(min_length=1)
     description: str | None = None
     input_schema: dict = Field(description='a JSON schema such as {"type": "object", "properties": {...}}')
+    strict: bool | None = None  # true: a forced call's input follows input_schema (with a parser of its own format)
 
 
 class AnthropicToolChoice(_Strict):
@@ -3753,7 +3842,8 @@ class AnthropicCountTokensRequest(OpenAIBaseModel):
                 raise InvalidInput("tools", f'tools[{i}].input_schema must be an object\'s schema ({{"type": '
                                             f'"object", ...}}), got "type": {show(t.input_schema["type"])}')
         tools = None if self.tools is None else [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": {"type": "object", **t.input_schema}}}
+            "name": t.name, "description": t.description, "parameters": {"type": "object", **t.input_schema},
+            "strict": t.strict}}
             for t in self.tools]
         return {"model": self.model, "messages": messages, "tools": tools,
                 # an assistant message last is continued (Anthropic's prefill), unless it ends in calls
@@ -3913,6 +4003,7 @@ class AnthropicGeneration(ChatGeneration):
     """A chat generation whose response and stream are Anthropic's Messages API's."""
     schema = AnthropicChatRequest
     object_name, id_prefix = "message", "msg_"
+    streams_calls = False
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> AnthropicChatRequest:

@@ -18,11 +18,12 @@ from pydantic import TypeAdapter
 
 from test_server import ServerThread, _check_error, _metrics
 from test_tools import CLOCK, FORCED, RENDERED_HISTORY, TEMPLATE, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
-from test_tools import TOOLS as CHAT_TOOLS
+from test_tools import STRICT_TOOLS as CHAT_TOOLS
 from test_tools import calls_of, chat_stream
 
-TOOLS = [{"type": "function", "name": "get_weather", "description": "the forecast", "parameters": WEATHER},
-         {"type": "function", "name": "get_time", "parameters": CLOCK}]
+# strict: a forced call's arguments follow the schema (with hermes, vLLM 0.32 constrains only a strict tool's)
+TOOLS = [{"type": "function", "name": "get_weather", "description": "the forecast", "parameters": WEATHER,
+          "strict": True}, {"type": "function", "name": "get_time", "parameters": CLOCK, "strict": True}]
 CALLS = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -239,8 +240,7 @@ def test_hermes_calls_become_function_call_items(server, client):
     assert [[c["name"], c["arguments"]] for c in calls] == CALLS
     assert all(c["type"] == "function_call" and c["status"] == "completed" and c["id"].startswith("fc_")
                and c["call_id"] for c in calls) and len({c["call_id"] for c in calls}) == 2
-    assert r["tools"] == [{"description": None, **TOOLS[0], "strict": None},
-                          {"description": None, **TOOLS[1], "strict": None}]
+    assert r["tools"] == [{"description": None, **TOOLS[0]}, {"description": None, **TOOLS[1]}]
     events, final = stream(server, **body)
     assert output_text(final) == TOLD
     assert [[c["name"], c["arguments"]] for c in final["output"][1:]] == CALLS
@@ -304,9 +304,10 @@ LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=1)
 @pytest.mark.parametrize("choice", ["auto", "none", "required", {"type": "function", "name": "get_weather"}])
 def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blanks, choice, reasoning):
     """response.completed carries the non-streamed body's output: the same items in the same order (only their
-    ids differ), with their logprobs, whole and cut short (e.g. "required" cut inside a call: the calls made,
-    then the text left over, in both), with and without a reasoning parser (the cuts fall after the thought:
-    one cut inside it is split as vLLM's parsers split it, which differs between a stream and a whole text)."""
+    ids differ), with their logprobs, whole and cut short (e.g. "required" cut inside a call: the calls made, in
+    both, and no text: hermes drops a call cut short), with and without a reasoning parser (the cuts fall after
+    the thought: one cut inside it is split as vLLM's parsers split it, which differs between a stream and a
+    whole text)."""
     monkeypatch.setattr(server.app.state.server, "reasoning_parser", reasoning)
     body = dict(input="weather?", tools=TOOLS, tool_choice=choice, temperature=0, **LOGPROBS)
     if choice in ("auto", "none"):  # the hermes text the model writes: forced
@@ -326,8 +327,8 @@ def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blan
         assert comparable(final["output"]) == comparable(whole["output"]), limit
         assert (final["status"], final["usage"]["output_tokens"]) == (whole["status"], whole["usage"]["output_tokens"])
         kinds.add(tuple(item["type"] for item in whole["output"]))
-    if choice == "required":  # a cut inside a call: the calls before it, then its text
-        assert ("function_call", "message") in kinds or ("function_call", "function_call", "message") in kinds, kinds
+    if choice == "required":  # a cut inside a (hermes) call: the calls before it, no text (vLLM's parser drops it)
+        assert len(kinds) > 1 and all(set(k) == {"function_call"} for k in kinds), kinds
     server.wait_idle()
 
 

@@ -71,16 +71,16 @@ def fits(name: str, args) -> bool:
 
 # =========================================================================== parsers, on crafted texts
 
-def parse_once(parser, text: str, final: bool = True) -> tuple[str, list[tuple[str, str]]]:
-    """As a response that is not streamed reads it: the whole text in one feed."""
-    content, deltas, made = ToolStream(parser).feed(text, final)
+def parse_once(parser, text: str, final: bool = True, streamed: bool = False) -> tuple[str, list[tuple[str, str]]]:
+    """As a response that is not streamed reads it: the whole text in one feed (``streamed``: as a stream's)."""
+    content, deltas, made = ToolStream(parser, streamed).feed(text, final)
     assert all("id" in d for d in deltas) and made == bool(deltas)  # each call whole in its first delta
     return content, [(d["function"]["name"], d["function"]["arguments"]) for d in deltas]
 
 
 def stream_by_pieces(parser, pieces: list[str]) -> tuple[str, list[tuple[str, str]], bool]:
     """Feed ``pieces`` one by one, as a stream would: the concatenated content and calls."""
-    stream, content, calls, made = ToolStream(parser), "", [], False
+    stream, content, calls, made = ToolStream(parser, streamed=True), "", [], False
     for i, piece in enumerate(pieces):
         delta, deltas, made = stream.feed(piece, i == len(pieces) - 1)
         content += delta
@@ -150,6 +150,17 @@ def test_deep_arguments_are_no_call_whatever_the_recursion_limit():
 def test_hermes_parser(text, content, calls):
     assert parse_once(HermesToolParser(), text) == (content, calls)
     assert stream_by_chars(HermesToolParser(), text) == (content, calls, bool(calls))
+
+
+def test_hermes_stream_drops_an_open_block():
+    """As vLLM's: a block the end leaves open (a forced call cut short) is text in a response, none in a
+    stream; one whose JSON is a whole call is a call in both."""
+    for text in ("<tool_call>", 'Hi <tool_call>\n{"name": "get", "argu'):
+        assert parse_once(HermesToolParser(), text) == (text, [])
+        assert stream_by_chars(HermesToolParser(), text) == (text.partition("<tool_call>")[0], [], False)
+    whole = '<tool_call>{"name": "a", "arguments": "x"}'  # any JSON value is arguments, as vLLM's parsers
+    assert parse_once(HermesToolParser(), whole) == ("", [("a", '"x"')])
+    assert stream_by_chars(HermesToolParser(), whole) == ("", [("a", '"x"')], True)
 
 
 def test_hermes_holds_back_only_what_may_be_a_call():
@@ -240,8 +251,9 @@ PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pyt
 
 
 def test_a_stream_adds_up_to_the_response_however_it_is_cut():
-    """The deltas of any cut of the text into pieces add up to what one feed gives (the response that is
-    not streamed), for texts built from tags, calls, brackets, escapes and their fragments."""
+    """The deltas of any cut of the text into pieces add up to what one feed of a stream gives (the response
+    that is not streamed but for a hermes block left open, test_hermes_stream_drops_an_open_block), for texts
+    built from tags, calls, brackets, escapes and their fragments."""
     from hypothesis import given, settings, strategies as st
 
     frags = ["<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "a", "arguments": {"x": [1]}}',
@@ -256,7 +268,9 @@ def test_a_stream_adds_up_to_the_response_however_it_is_cut():
         text = "".join(parts)
         cuts = sorted({c for c in cuts if c <= len(text)})
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        content, calls = parse_once(PARSERS[name](), text)
+        content, calls = parse_once(PARSERS[name](), text, streamed=True)
+        if name != "hermes":
+            assert parse_once(PARSERS[name](), text) == (content, calls)
         assert stream_by_pieces(PARSERS[name](), pieces)[:2] == (content, calls)
     check()
 
@@ -450,45 +464,115 @@ def no_blanks(tiny_model) -> dict[str, float]:
     return {str(i): -100 for i in range(len(tok)) if not tok.decode([i]).strip()}
 
 
+STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]  # arguments per the schema
+
+
+@pytest.fixture(params=["hermes", "json", "mistral"])
+def call_format(request, server, monkeypatch):
+    """The format a forced call takes: the hermes parser's own (vLLM 0.32's), with VLLM_ENFORCE_STRICT_TOOL_CALLING
+    off vLLM's JSON form (as without a parser), or the mistral parser's list of {"name", "arguments"}."""
+    monkeypatch.setattr(server.app.state.server, "strict_tool_calling", request.param == "hermes")
+    if request.param == "mistral":
+        monkeypatch.setattr(server.app.state.server, "tool_parser", "mistral")
+    return request.param
+
+
+def written(server, choice: dict) -> str:
+    """The text the model wrote (its token ids detokenized), before any parser read it."""
+    return httpx.post(server.url + "/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"]
+
+
+def check_written(server, choice: dict, call_format: str, calls: list, first_only: bool = False) -> None:
+    """The output is in the format asked for, and reads back (hermes: with its own parser) as ``calls`` (the
+    first of them with ``first_only``: parallel_tool_calls false, which mistral's list does not bound)."""
+    text = written(server, choice)
+    if call_format == "hermes":
+        assert text.startswith("<tool_call>"), text
+        assert [list(c) for c in parse_once(HermesToolParser(), text)[1]] == calls
+    elif call_format == "mistral":
+        assert text.startswith("[{") and '"parameters"' not in text and '"arguments"' in text, text  # its key
+        assert [list(c) for c in parse_once(RequiredToolParser(), text)[1]][:1 if first_only else None] == calls
+    else:
+        assert text[:1] in ("[", "{"), text  # vLLM's JSON form: a list of calls, or a named call's arguments
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_makes_valid_calls(server, no_blanks, stream):
+def test_required_makes_valid_calls(server, no_blanks, call_format, stream):
+    """One call with parallel_tool_calls false (the grammar stops after it: vLLM's stop_after_first, or the
+    JSON list's maxItems 1; mistral's list is not bounded, and the first call is kept), the same streamed;
+    without it, n=2 choices of one or more calls each."""
     for seed in SEEDS:
-        body = dict(tools=TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200,
-                    logit_bias=no_blanks)
+        body = dict(tools=STRICT_TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200,
+                    logit_bias=no_blanks, parallel_tool_calls=False)
         if stream:
             _, content, calls, finish = chat_stream(server, **body)
             assert content == ""
         else:
-            (choice,) = chat(server, **body)["choices"]
+            (choice,) = chat(server, **body, return_token_ids=True)["choices"]
             calls, finish = calls_of(choice["message"]), choice["finish_reason"]
-            assert choice["message"]["content"] is None
-            # the same seed streamed gives the same calls
-            assert chat_stream(server, **body)[2] == calls
-        assert finish == "tool_calls" and calls, (finish, calls)
+            check_written(server, choice, call_format, calls, first_only=True)
+            assert choice["message"]["content"] == ("" if call_format != "json" else None)  # vLLM 0.32's: ""
+            assert chat_stream(server, **body)[2] == calls  # the same seed streamed gives the same call
+        assert finish in ("tool_calls", "length" if call_format == "mistral" else None) and len(calls) == 1, \
+            (finish, calls)  # (mistral's list may run on to max_tokens)
         assert all(fits(name, json.loads(args)) for name, args in calls), calls  # re-encoded: strict JSON
+    if stream:
+        return
+    body = dict(tools=STRICT_TOOLS, tool_choice="required", temperature=1.0, seed=0, max_tokens=120,
+                logit_bias=no_blanks, n=2, return_token_ids=True)
+    for choice in chat(server, **body)["choices"]:
+        calls = calls_of(choice["message"])
+        assert calls and all(fits(name, json.loads(args)) for name, args in calls), calls
+        assert choice["finish_reason"] in ("tool_calls", "length")  # more calls may follow until max_tokens
+        check_written(server, choice, call_format, calls)
 
 
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])
-def test_named_function_makes_a_valid_call(server, no_blanks, name):
+def test_named_function_makes_a_valid_call(server, no_blanks, call_format, name):
     named = {"type": "function", "function": {"name": name}}
     for seed in SEEDS:
-        body = dict(tools=TOOLS, tool_choice=named, temperature=1.0, seed=seed, max_tokens=200, logit_bias=no_blanks)
-        (choice,) = chat(server, **body)["choices"]
+        body = dict(tools=STRICT_TOOLS, tool_choice=named, temperature=1.0, seed=seed, max_tokens=200,
+                    logit_bias=no_blanks)
+        (choice,) = chat(server, **body, return_token_ids=True)["choices"]
         (call,) = calls_of(choice["message"])
+        check_written(server, choice, call_format, [call])
         assert call[0] == name and fits(name, parse(call[1])), call
-        assert choice["message"]["content"] is None
+        assert choice["message"]["content"] == ("" if call_format != "json" else None)
         assert choice["finish_reason"] == "stop"  # as OpenAI and vLLM finish a forced function
         chunks, content, calls, finish = chat_stream(server, **body)
-        assert content == "" and calls == [call] and finish == "stop"
-        if len(call[1]) > 1:  # the arguments came in fragments after the call's first delta
+        assert content == "" and finish == "stop"
+        assert calls == [call]
+        if len(call[1]) > 1 and call_format == "json":  # the arguments came in fragments after its first delta
             assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 1
+
+
+def test_hermes_forced_call_grammar():
+    """The structural tag of a forced hermes call takes the parser's format, with or without the newlines,
+    of the named function only (once), or of any tool ("required": one or more; one with parallel_tool_calls
+    false); a strict tool's arguments follow its schema, any other tool's are any JSON (vLLM's default)."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    tools = [entry.ChatCompletionToolsParam.model_validate(t) for t in (STRICT_TOOLS[0], TOOLS[1])]
+
+    def grammar(choice, single=False):
+        return xgr.Grammar.from_structural_tag(json.dumps(entry.hermes_call_tag(tools, choice, single)))
+
+    w = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    t = '<tool_call>{"name": "get_time", "arguments": "any JSON"}</tool_call>'
+    required, named = grammar("required"), grammar({"type": "function", "function": {"name": "get_time"}})
+    for text in (w, t, w + t, t + t):
+        assert accepts(required, text), text
+    for text in ("", "Sure. " + w, w.replace("3", "0"), w + " ", '[{"name": "get_time", "parameters": {}}]'):
+        assert not accepts(required, text), text  # nothing around the calls; the strict tool's schema holds
+    assert accepts(named, t) and not accepts(named, w) and not accepts(named, t + t)
+    assert accepts(grammar("required", single=True), w) and not accepts(grammar("required", single=True), w + t)
 
 
 def test_echo_leads_the_content_and_is_no_part_of_a_call(server, no_blanks):
     """As vLLM: chat echo (here the continued assistant message) is content put before the parsed output,
     never text the tool parser reads: the named function's arguments stay the model's JSON alone."""
     body = dict(messages=USER + [{"role": "assistant", "content": "Sure"}], continue_final_message=True, echo=True,
-                tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0,
+                tools=STRICT_TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, temperature=0,
                 max_tokens=200, logit_bias=no_blanks)
     (choice,) = chat(server, **body)["choices"]
     (call,) = calls_of(choice["message"])
@@ -682,8 +766,8 @@ BAD = [  # body (over USER), param, words the message must have
     (dict(tools=TOOLS, parallel_tool_calls="maybe"), "parallel_tool_calls", "parallel_tool_calls"),
     (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice",
      "cannot be combined"),
-    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
-          tool_choice="required"), "tools", "xgrammar can compile"),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}, "strict": True}}],
+          tool_choice="required"), "tools", "xgrammar can compile"),  # (hermes reads a strict tool's schema only)
     (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]),
      "messages", "messages[1].tool_calls[0].function.name"),
     (dict(messages=[HISTORY[0], {"role": "assistant", "tool_calls": "x"}]), "messages", "messages[1].tool_calls"),
@@ -868,7 +952,7 @@ def test_reasoning_parser_without_a_closing_tag(server, monkeypatch):
     assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == (None, text)
     assert chat_reasoning_stream(server, structured_outputs={"choice": [text]}, max_tokens=300)[1:3] == ("", text)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    (choice,) = chat(server, tools=TOOLS, tool_choice=named, max_tokens=300)["choices"]
+    (choice,) = chat(server, tools=STRICT_TOOLS, tool_choice=named, max_tokens=300)["choices"]
     (call,) = choice["message"]["tool_calls"]
     assert choice["message"]["reasoning_content"] is None and parse(call["function"]["arguments"])
     monkeypatch.setattr(state, "reasoning_parser", "qwen3")
