@@ -305,8 +305,8 @@ def test_sdk(server):
         final = s.get_final_message()
     assert final.content[0].text == m.content[0].text and final.stop_reason == "max_tokens"
     assert final.usage.output_tokens == 10 and final.usage.input_tokens == m.usage.input_tokens
-    called = client.messages.create(model=model, max_tokens=400, messages=USER, tools=TOOLS,
-                                    tool_choice={"type": "tool", "name": "get_time"})
+    called = client.messages.create(model=model, max_tokens=400, messages=USER, tools=TOOLS,  # seeded: no chance
+                                    tool_choice={"type": "tool", "name": "get_time"}, extra_body={"seed": 0})
     assert called.content[-1].type == "tool_use" and called.content[-1].name == "get_time"
     assert client.messages.count_tokens(model=model, messages=USER).input_tokens == m.usage.input_tokens
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
