@@ -2,7 +2,8 @@
 abort_request), and of the BlockManager alone.
 
 Each engine round draws a small engine (a KV cache that forces preemption, a step budget
-that chunks prefills, prefix caching on or off, async scheduling or not, FCFS or priority)
+that chunks prefills, prefix caching on or off, async scheduling or not, FCFS or priority,
+n-gram speculative decoding or not)
 on a tiny full-attention or all-sliding-window model, and a workload: arrival steps,
 prompts (some sharing prefixes, some longer than a block, one near max_model_len),
 max_tokens, n, greedy or seeded sampling, stop strings, penalties, min_tokens, stop token ids,
@@ -16,7 +17,7 @@ free (cached ones only evictable) and that the stats add up; then it replays a f
 on the same engine, greedy, against the reference (a stale cached block would show).
 
 Greedy tokens are compared exactly, seeded ones too (the sampler seeds each token's draw by
-(seed, output index)), except where the run alone's top two (greedy) or k-th and next (top-k)
+(seed, output index)) where the engine does not speculate, except where the run alone's top two (greedy) or k-th and next (top-k)
 logprobs are within TIE: a row's logits differ in their last bits with the batch's shape.
 
 The BlockManager round runs random allocate / append / free / cache-hit / reset ops (and with
@@ -74,13 +75,16 @@ class Planned:
     reuse: bool = False          # take the id of a request that finished or was aborted, if any
     fail_at: int | None = None   # its inputs raise as the engine builds this many of its chunks (a bug's)
     rid: str = ""                # the engine's id: key, unless it reuses one
+    speculative: bool = False    # its engine drafts tokens (n-gram speculative decoding)
 
     def __post_init__(self) -> None:
         self.rid = self.rid or self.key
 
     @property
-    def checked(self) -> bool:  # unseeded sampling depends on the batch: its tokens are not compared
-        return self.params.temperature == 0 or self.params.seed is not None
+    def checked(self) -> bool:
+        """Unseeded sampling depends on the batch: its tokens are not compared; nor, with speculative
+        decoding, seeded ones (the draws follow which drafts a step verified, as vLLM's)."""
+        return self.params.temperature == 0 or (self.params.seed is not None and not self.speculative)
 
 
 @dataclasses.dataclass
@@ -154,6 +158,14 @@ def draw_plan(seed: int, model: str, small: bool = False) -> Plan:
         for j in range(2):
             tail = [rng.randrange(1, VOCAB) for _ in range(rng.randrange(1, 9))]
             requests.append(Planned(f"r{len(requests)}", base + tail, greedy, arrival, fail_at=1 - j or None))
+    spec = random.Random(-1 - seed)  # a stream of its own: what each seed drew before speculation stays
+    # not beside async scheduling, which speculation turns off; lookups down to 1 token, so the tiny
+    # models' repetitive outputs find drafts
+    if spec.random() < 0.3 and not engine["async_scheduling"]:
+        engine["speculative_config"] = {"method": "ngram", "num_speculative_tokens": spec.choice([1, 2, 4]),
+                                        "prompt_lookup_min": 1, "prompt_lookup_max": spec.choice([1, 3])}
+        for p in requests:
+            p.speculative = True
     return Plan(seed, model, engine, requests)
 
 
@@ -442,6 +454,10 @@ def run_round(plan: Plan, path: Path, ref: Reference, coverage: Counter) -> None
         Request.prompt_logprob_ids = real
     r.check_completions()
     r.check_end()
+    if "speculative_config" in plan.engine:
+        coverage["speculative rounds"] += 1
+        coverage["draft tokens"] += engine.stats()["spec_decode_num_draft_tokens"]
+        coverage["accepted drafts"] += engine.stats()["spec_decode_num_accepted_tokens"]
     replay(engine, plan, ref, r.tag)
 
 
@@ -574,9 +590,10 @@ def refs(model_root):
 
 
 # Small rounds that between them preempt, abort, reuse an id, fail a request's inputs beside one
-# sharing its prefix (seed 11), chunk, hit the prefix cache, run n > 1 and async scheduling, on each
+# sharing its prefix (seed 11), chunk, hit the prefix cache, run n > 1, async scheduling and speculative
+# decoding, on each
 # model (test_engine_fuzz checks they still do)
-CI_SEEDS = [3, 11, 13]
+CI_SEEDS = [3, 11, 13, 17]  # 3 and 17 speculate (17 accepts drafts)
 
 
 @pytest.mark.parametrize("model", list(MODELS))
@@ -587,7 +604,7 @@ def test_engine_fuzz(refs, model):
         run_round(draw_plan(seed, model, small=True), path, ref, coverage)
     assert coverage["preemptions"] and coverage["checked"] and coverage["n=3"] and coverage["prefix-cache hit rounds"]
     assert coverage["async_scheduling=True"] and coverage["id reused"] and any(k.startswith("abort:") for k in coverage)
-    assert coverage["failed (injected)"]
+    assert coverage["failed (injected)"] and coverage["accepted drafts"]
 
 
 def test_block_manager_fuzz():
