@@ -16,9 +16,10 @@ finished once with the tokens, text and finish reason of that run, that every bl
 free (cached ones only evictable) and that the stats add up; then it replays a few prompts
 on the same engine, greedy, against the reference (a stale cached block would show).
 
-Greedy tokens are compared exactly, seeded ones too (the sampler seeds each token's draw by
-(seed, output index)) where the engine does not speculate, except where the run alone's top two (greedy) or k-th and next (top-k)
-logprobs are within TIE: a row's logits differ in their last bits with the batch's shape.
+Greedy tokens are compared exactly, seeded ones too where the engine does not speculate (the
+sampler seeds each token's draw by (seed, output index)), except where the run alone's top two
+(greedy) or k-th and next (top-k) logprobs are within TIE: a row's logits differ in their last
+bits with the batch's shape.
 
 The BlockManager round runs random allocate / append / free / cache-hit / reset ops (and with
 a sliding window, freeing the blocks before it) against a plain model of what must hold: which
