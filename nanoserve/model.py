@@ -3091,6 +3091,23 @@ class Sampler:
     @torch.no_grad()
     def sample_speculative(self, logits: torch.Tensor, rows: list[SampleRequest],
                            drafts: list[list[int]]) -> "SpecSamplerOutput":
+        """A step where some rows have drafts: row i has len(drafts[i]) + 1 rows of logits. The rows
+        without drafts go through the whole sampler (``sample``: penalties, bans, min_tokens, grammars
+        act on them), those with drafts through the rejection sampler (``_sample_drafted``)."""
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if not plain:
+            return self._sample_drafted(logits, rows, drafts)
+        first = list(itertools.accumulate([len(d) + 1 for d in drafts], initial=0))
+        drafted = [i for i, d in enumerate(drafts) if d]
+        spec_rows = [j for i in drafted for j in range(first[i], first[i + 1])]
+        out = self._sample_drafted(logits[to_device(spec_rows, logits.device)], [rows[i] for i in drafted],
+                                   [drafts[i] for i in drafted])
+        out.plain = (plain, self.sample(logits[to_device([first[i] for i in plain], logits.device)],
+                                        [rows[i] for i in plain]))
+        return out
+
+    def _sample_drafted(self, logits: torch.Tensor, rows: list[SampleRequest],
+                        drafts: list[list[int]]) -> "SpecSamplerOutput":
         """vLLM's rejection sampler for drafts without a distribution (n-gram's: one-hot). Row i has
         len(drafts[i]) + 1 rows of logits, one a position: draft t at a position is accepted where a
         greedy row's argmax is t, and a random row's with probability p(t), p its distribution after
@@ -3162,8 +3179,19 @@ class SpecSamplerOutput:
     packed: torch.Tensor
     num_logprobs: list[int | None]
     counts: list[int]
+    # the step's sequences without drafts (their indices among all), sampled by Sampler.sample
+    plain: tuple[list[int], SamplerOutput] | None = None
 
     def results(self) -> list[SampleResult]:
+        drafted = self._drafted_results()
+        if self.plain is None:
+            return drafted
+        indices, out = self.plain
+        merged = dict(zip(indices, out.results()))
+        rest = iter(drafted)
+        return [merged[i] if i in merged else next(rest) for i in range(len(indices) + len(drafted))]
+
+    def _drafted_results(self) -> list[SampleResult]:
         host = self.packed.tolist()
         if self.packed.dtype == torch.int64:
             rows = [SampleResult(t) for t, _ in host]

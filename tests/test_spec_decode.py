@@ -230,6 +230,23 @@ def test_requests_speculation_cannot_serve_run_without_drafts(spec_llm, plain):
         token_ids(plain.generate(PROMPTS, params, use_tqdm=False))
 
 
+def test_requests_without_drafts_keep_their_penalties_grammars_and_bans_beside_drafting_ones(spec_llm, plain):
+    """A step where some rows verify drafts samples the others with the whole sampler: a penalty, a
+    grammar, min_tokens and bad words still act on them (the fuzz test's seeds 126 and 145 found
+    them sampled without their penalty)."""
+    from nanoserve import StructuredOutputsParams
+    others = [SamplingParams(temperature=0, max_tokens=20, presence_penalty=0.5, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex="[a-e]{4,9}")),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=15),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words=["a", "b", "c"])]
+    prompts, params = PROMPTS + [PROMPTS[0]] * len(others), [GREEDY] * len(PROMPTS) + others
+    before = spec_llm.stats()["spec_decode_num_accepted_tokens"]
+    assert token_ids(spec_llm.generate(prompts, params, use_tqdm=False)) == \
+        token_ids(plain.generate(prompts, params, use_tqdm=False))
+    assert spec_llm.stats()["spec_decode_num_accepted_tokens"] > before  # the greedy rows did draft beside them
+
+
 # ---------------------------------------------------------------- the rejection sampler
 
 def test_rejection_sampling_keeps_the_target_distribution():
