@@ -3074,19 +3074,21 @@ class Sampler:
         # clamped for a row of NaNs (nothing left to sample), which the caller flags
         return torch.searchsorted(cdf, u[:, None] * cdf[:, -1:]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
-    def _uniforms(self, rows, dev: torch.device) -> torch.Tensor:
-        """A number in (0, 1] for each row (fp64): unseeded rows from the sampler's own
-        generator, a seeded row from one seeded by (seed, output index), so it draws
-        the same however it was batched, chunked or preempted."""
+    def _uniforms(self, rows, dev: torch.device, offsets: list[int] | None = None, count: int = 1) -> torch.Tensor:
+        """A number in (0, 1] for each row (fp64; ``count`` > 1: [count, rows], the speculative
+        sampler's draft test and draw): unseeded rows from the sampler's own generator, a seeded
+        row from one seeded by (seed, output index), so it draws the same however it was batched,
+        chunked or preempted. ``offsets``: each row's position past its next token (a draft's)."""
         if dev not in self.generators:
             self.generators[dev] = torch.Generator(device=dev).manual_seed(self.seed)
-        u = torch.rand(len(rows), dtype=torch.float64, device=dev, generator=self.generators[dev])
+        u = torch.rand(count, len(rows), dtype=torch.float64, device=dev, generator=self.generators[dev])
         for i, r in enumerate(rows):
-            if r.params.seed is not None:
-                index = len(r.output_token_ids) + r.num_output_placeholders  # the token this row samples
+            if r.params.seed is not None:  # the token this row samples
+                index = len(r.output_token_ids) + r.num_output_placeholders + (offsets[i] if offsets else 0)
                 g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
-                u[i] = torch.rand((), dtype=torch.float64, device=dev, generator=g)
-        return 1.0 - u  # rand is in [0, 1)
+                u[:, i] = torch.rand(count, dtype=torch.float64, device=dev, generator=g).flip(0)
+        u = 1.0 - u  # rand is in [0, 1)
+        return u[0] if count == 1 else u
 
     @torch.no_grad()
     def sample_speculative(self, logits: torch.Tensor, rows: list[SampleRequest],
@@ -3134,7 +3136,7 @@ class Sampler:
             index = draft.clamp(min=0)[:, None]
             p_draft = probs.gather(1, index).squeeze(1)
             rest = probs.scatter(1, index, 0.0).where(has_draft[:, None], probs)  # p less the draft
-            u_accept, u_draw = self._speculative_uniforms(expanded, offsets, dev)
+            u_accept, u_draw = self._uniforms(expanded, dev, offsets, count=2)
             random = ~to_device(greedy, dev)
             # where p is all on the draft, rest is empty: never rejected (u <= 1 = p(t)), drawn from nothing
             accept = torch.where(random, has_draft & (u_accept <= p_draft), accept)
@@ -3153,20 +3155,6 @@ class Sampler:
             packed[:, 0] = token
             packed = torch.cat([packed, accept.double()[:, None]], dim=1)
         return SpecSamplerOutput(token, packed, want, counts)
-
-    def _speculative_uniforms(self, rows: list[SampleRequest], offsets: list[int], dev: torch.device
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two numbers in (0, 1] a position: the draft's test, and the draw where it is rejected
-        (or the bonus). A seeded row's come from (seed, output index), as _uniforms' do."""
-        if dev not in self.generators:
-            self.generators[dev] = torch.Generator(device=dev).manual_seed(self.seed)
-        u = torch.rand(2, len(rows), dtype=torch.float64, device=dev, generator=self.generators[dev])
-        for i, (r, j) in enumerate(zip(rows, offsets)):
-            if r.params.seed is not None:
-                index = len(r.output_token_ids) + r.num_output_placeholders + j
-                g = torch.Generator(device=dev).manual_seed(hash((r.params.seed, index)) & 0x7FFF_FFFF_FFFF_FFFF)
-                u[1, i], u[0, i] = torch.rand(2, dtype=torch.float64, device=dev, generator=g)
-        return 1.0 - u[0], 1.0 - u[1]
 
 
 @dataclass(slots=True)
