@@ -366,7 +366,9 @@ def part_parity(scale: Scale, spec: dict, archs=ARCHS, configs=None) -> dict:
             # whole requests: one request's window, a chunk and the null block, in chunks, so the five preempt
             **kinds, "preempt": dict(num_kv_blocks=1 + blocks_per_request(max_len, bs, window, scale.chunk_tokens),
                                      max_num_batched_tokens=scale.chunk_tokens)}
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
+        # transformers' own attention: 5.17 (the device image's) picks SDPA for Gemma 2, which drops
+        # its score soft cap (5.25 refuses SDPA there), and so would not be the oracle
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").to(dev).eval()
         refs, gaps = [], []  # gaps: transformers' top-2 logit gap at each new token (a near-tie, or a bug?)
         for p in prompts:
             with torch.no_grad():
@@ -755,11 +757,15 @@ def part_hf_cb(scale: Scale, spec: dict) -> dict:
     between versions (5.17 block_size, later page_size), so only the fields this
     version has are passed. On the CPU: hf_peer's explicit cache, no graphs."""
     import dataclasses
+    import importlib.util
 
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
     dev = scale.device
+    if dev == "cpu" and importlib.util.find_spec("psutil") is None:  # on CUDA it asks torch.cuda
+        raise RuntimeError("transformers' continuous batching reads the CPU's memory through psutil, "
+                           "which is not installed (without it, it refuses: 'more than available memory 0')")
     w = w1_workload(scale)
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(spec["models"]["w1"], dtype=torch.bfloat16).to(dev).eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 
 # The Triton interpreter is chosen when triton is first imported: set it before any test imports nanoserve.
@@ -224,9 +225,16 @@ def tiny_model(model_root) -> Path:
     return make_model(model_root, "qwen3")
 
 
-def hf_model(path: Path):
+def hf_model(path: Path, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **hf_attention(path)).eval()
+
+
+def hf_attention(path: Path) -> dict:
+    """Gemma 2's score soft cap is in transformers' eager attention only: 5.17 (the GPU image's) would
+    pick SDPA, which drops the cap (5.25 refuses SDPA there and runs eager)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") else {}
 
 
 def hf_greedy_logprobs(path: Path, prompts: list[list[int]], n_new: int

@@ -10,8 +10,10 @@ each Triton wrapper of kernels.py with the shapes of the models that
 benchmarks/gpu.py runs (its tiny fp32 models, W1's Qwen3-0.6B in bf16), of a
 model whose query-head group is not a power of two (Qwen2.5-0.5B), of Gemma 3
 1B (its norm and GELU kernels, head_dim 256), of Phi-3-mini (head_dim 96, padded), of Gemma 2 2B
-(its soft-capped attention), of Qwen3-30B-A3B's experts (the fused-MoE grouped GEMMs, both
-tiles) and of DeepSeek-V2-Lite's and -V3's latent attention (512 + 64, 16 and 128 heads), at every
+(its soft-capped attention), of gpt-oss-20b (attention sinks; experts with biases and swigluoai, their
+weights in transformers' layout read transposed), of Qwen3-30B-A3B's experts (the fused-MoE grouped GEMMs,
+both tiles), of DeepSeek-V2-Lite's and -V3's latent attention (512 + 64, 16 and 128 heads) and of
+gpu.py's fp32 parity models of the same kernels (MoE, MLA at 32 + 32 and at 512 + 64), at every
 decode batch the engine captures in a CUDA graph and at its chunk and prefill
 tiles, records each launch instead of running it, and compiles the distinct
 variants to cubins: all of them, except that of the variants that differ only in
@@ -45,17 +47,30 @@ MODELS = [
     ("gemma-3-1b", "bfloat16", 1152, 4, 1, 256, 6912, True, 32768),  # Gemma's ops; head_dim 256
     ("phi-3-mini", "bfloat16", 3072, 32, 32, 96, 8192, False, 4096),  # head_dim 96: tiles padded to 128
     ("gemma-2-2b", "bfloat16", 2304, 8, 4, 256, 9216, False, 8192),  # the soft-capped attention (SOFT_CAP)
+    ("gpt-oss-20b", "bfloat16", 2880, 64, 8, 64, 2880, False, 131072),  # attention sinks (SINKS)
+    ("tiny-gpt_oss", "float32", 64, 4, 2, 32, 64, False, 512),  # gpu.py's parity model: sinks in fp32
 ]
 # (name, dtype, hidden, experts, experts a token, an expert's intermediate): fused_moe's grouped GEMMs
-MOE_MODELS = [("qwen3-30b-a3b", "bfloat16", 2048, 128, 8, 768)]
+MOE_MODELS = [("qwen3-30b-a3b", "bfloat16", 2048, 128, 8, 768), ("gpt-oss-20b", "bfloat16", 2880, 32, 4, 2880),
+              ("tiny-qwen3_moe", "float32", 64, 4, 2, 32), ("tiny-gpt_oss", "float32", 64, 8, 2, 64)]
 # (name, dtype, heads, kv_lora_rank, qk_rope_head_dim, max_model_len): MLA's store and attention over its latent
-MLA_MODELS = [("deepseek-v2-lite", "bfloat16", 16, 512, 64, 163840), ("deepseek-v3", "bfloat16", 128, 512, 64, 163840)]
+MLA_MODELS = [("deepseek-v2-lite", "bfloat16", 16, 512, 64, 163840), ("deepseek-v3", "bfloat16", 128, 512, 64, 163840),
+              ("tiny-deepseek_v3", "float32", 4, 32, 32, 512), ("tiny-deepseek_v3-576", "float32", 32, 512, 64, 512)]
 MAX_NUM_SEQS = 256  # vLLM's default max_num_seqs: graphs are captured up to it
 
 
-def soft_cap(model) -> dict:
-    """The attention's keyword for a soft-capped model (Gemma 2's 50), none for the others."""
-    return {"logits_soft_cap": 50.0} if model[0].startswith("gemma-2") else {}
+def gpt_oss(model) -> bool:
+    """gpt-oss's (20b's, or gpu.py's tiny one's) shapes: its sinks and its experts' biases and activation."""
+    return "gpt-oss" in model[0] or "gpt_oss" in model[0]
+
+
+def attention_kwargs(model) -> dict:
+    """The attention's keyword for a soft-capped model (Gemma 2's 50) or one with sinks (gpt-oss's, a
+    logit a head), none for the others."""
+    import torch
+    if model[0].startswith("gemma-2"):
+        return {"logits_soft_cap": 50.0}
+    return {"sinks": torch.empty(model[3], dtype=torch.float32)} if gpt_oss(model) else {}
 
 
 def _variants() -> dict[tuple, tuple]:
@@ -159,7 +174,7 @@ def _launch_like_the_engine(b, torch, model, decode_sizes, block_size=16):
         b.store_kvcache(k, v, k_cache, v_cache, torch.empty(T, dtype=torch.int64))
         b.paged_attention(q, k_cache, v_cache, torch.empty(n, width, dtype=torch.int32),
                           torch.empty(n, dtype=torch.int32), torch.empty(n + 1, dtype=torch.int32), head_dim ** -0.5,
-                          **soft_cap(model))
+                          **attention_kwargs(model))
         x = torch.empty(T, hidden, dtype=dt)
         rms_norm(x, weight(hidden), 1e-6)
         fused_add_rms_norm(x, x, weight(hidden), 1e-6)
@@ -195,9 +210,15 @@ def _launch_moe_like_the_engine(b, torch, model, decode_sizes):
     name, dtype, hidden, experts, top_k, inter = model
     dt = getattr(torch, dtype)
     w13, w2 = torch.empty(experts, 2 * inter, hidden, dtype=dt), torch.empty(experts, hidden, inter, dtype=dt)
+    moe_kwargs = {}
+    if gpt_oss(model):  # as GptOssExperts calls it: transformers' [E, H, 2I] and [E, I, H] read transposed
+        w13 = torch.empty(experts, hidden, 2 * inter, dtype=dt).transpose(1, 2)
+        w2 = torch.empty(experts, inter, hidden, dtype=dt).transpose(1, 2)
+        moe_kwargs = dict(w13_bias=torch.empty(experts, 2 * inter, dtype=dt),
+                          w2_bias=torch.empty(experts, hidden, dtype=dt), activation="swigluoai")
     for T in [*decode_sizes, 1300, 4096]:
         ids = torch.zeros(T, top_k, dtype=torch.int32)  # the routing changes no launch
-        b.fused_moe(torch.empty(T, hidden, dtype=dt), w13, w2, torch.empty(T, top_k), ids)
+        b.fused_moe(torch.empty(T, hidden, dtype=dt), w13, w2, torch.empty(T, top_k), ids, **moe_kwargs)
 
 
 def _compile(item):
@@ -271,17 +292,31 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     moe = {(v["constants"]["BLOCK_M"], v["constants"]["MUL_ROUTED_WEIGHT"]) for v in compiled
            if v["kernel"] == "_fused_moe_kernel" and v["dtype"] == "*bf16"}
     assert moe == {(16, False), (16, True), (64, False), (64, True)}  # both tiles, both GEMMs
+    # gpt-oss's experts: both GEMMs with their biases, both tiles in bf16, and gpu.py's fp32 parity model's
+    biased = {(v["dtype"], v["constants"]["BLOCK_M"], v["constants"]["MUL_ROUTED_WEIGHT"]) for v in compiled
+              if v["kernel"] == "_fused_moe_kernel" and v["constants"]["HAS_BIAS"]}
+    assert {("*bf16", m, w) for m in (16, 64) for w in (False, True)} <= biased
+    assert {("*fp32", 16, False), ("*fp32", 16, True)} <= biased
+    assert {("_swigluoai_and_mul_kernel", "*bf16"), ("_swigluoai_and_mul_kernel", "*fp32")} <= kinds
     assert {a["SOFT_CAP"] for a in attention} == {False, True}
+    assert {(v["dtype"], v["constants"]["SINKS"]) for v in compiled if v["kernel"] == "_paged_attention_kernel"} == \
+        {("*bf16", False), ("*bf16", True), ("*fp32", False), ("*fp32", True)}
     padded = {(v["kernel"], v["constants"]["HEAD_DIM"]) for v in compiled if v["constants"].get("HEAD_DIM_PAD") == 128}
     assert {("_paged_attention_kernel", 96), ("_split_kv_reduce_kernel", 96)} <= padded
     assert any(v["constants"].get("MAIN") == 96 and v["constants"]["MAIN_PAD"] == 128 for v in compiled)  # the store
     # MLA's latent: the store's two parts, the attention's two dots, 16 heads a tile however many the group has
     assert any(v["constants"].get("MAIN") == 512 and v["constants"]["REST"] == 64 for v in compiled)
-    mla = {(a["HEADS"], a["GROUP"], a["NUM_SPLITS"] > 1) for a in attention if a["ROPE_DIM"] == 64}
+    latent = [(v["dtype"], v["constants"]) for v in compiled
+              if v["kernel"] == "_paged_attention_kernel" and v["constants"]["ROPE_DIM"]]
+    mla = {(a["HEADS"], a["GROUP"], a["NUM_SPLITS"] > 1) for dt, a in latent if dt == "*bf16"}
     assert mla == {(16, 16, False), (16, 16, True), (16, 128, False), (16, 128, True)}
-    assert all(a["HEAD_DIM"] == 512 and (a["BLOCK_M"], a["BLOCK_N"]) == (16, 32) for a in attention if a["ROPE_DIM"])
+    assert all(a["HEAD_DIM"] == 512 and (a["BLOCK_M"], a["BLOCK_N"]) == (16, 32)
+               for _, a in latent if a["ROPE_DIM"] == 64)
+    # gpu.py's fp32 parity models: deepseek_v3-576's 32 heads on 512 + 64, deepseek's 32 + 32
+    assert {(dt, a["HEAD_DIM"], a["ROPE_DIM"], a["GROUP"]) for dt, a in latent if dt == "*fp32"} == \
+        {("*fp32", 512, 64, 32), ("*fp32", 32, 32, 4)}
     assert {a["ONE_CACHE"] for a in attention} == {False, True}  # V read apart, and MLA's V out of K's tile
-    assert all(a["ONE_CACHE"] for a in attention if a["ROPE_DIM"])
+    assert all(a["ONE_CACHE"] for _, a in latent)
     assert all(v["cubin_bytes"] > 0 for v in compiled)
 
 
@@ -301,7 +336,7 @@ def test_warm_up_builds_every_attention_variant_that_traffic_launches(model):
     torch = pytest.importorskip("torch")
     _, dtype, _, heads, kv_heads, head_dim, _, _, max_len = model
     k_cache, v_cache = (torch.empty(4, 16, kv_heads, head_dim, dtype=getattr(torch, dtype)) for _ in "kv")
-    check_warm_up_covers_traffic(heads, k_cache, v_cache, max_len, **soft_cap(model))
+    check_warm_up_covers_traffic(heads, k_cache, v_cache, max_len, **attention_kwargs(model))
 
 
 @pytest.mark.parametrize("model", MLA_MODELS, ids=[m[0] for m in MLA_MODELS])

@@ -138,8 +138,11 @@ def test_cuda_tests_part_ignores_the_image_pytest_plugins(tmp_path, monkeypatch)
     """On the device, the carried pytest sits beside the image's own plugins
     (pytest-cov, xdist, ...), built for another pytest: one that breaks on import
     must not fail the part. Here a plugin that raises stands in for them (the
-    CUDA tests themselves skip on the CPU)."""
+    CUDA tests themselves skip on the CPU). Nor may a file it collects import what the image lacks
+    and .whl does not carry (openai: test_server's, which test_lora imported at first)."""
     (tmp_path / "broken_plugin.py").write_text("raise ImportError('built for another pytest')\n")
+    (tmp_path / "openai").mkdir()
+    (tmp_path / "openai" / "__init__.py").write_text("raise ImportError('not in the GPU image')\n")
     info = tmp_path / "broken_plugin-1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-plugin\nVersion: 1.0\n")

@@ -17,7 +17,6 @@ from safetensors.torch import save_file
 from nanoserve import LLM, LoRARequest, SamplingParams
 
 from conftest import hf_model, make_model
-from test_server import ServerThread
 
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
@@ -477,8 +476,15 @@ def test_tensor_parallel_bad_adapters_are_refused_and_the_engine_serves_on(model
         llm.shutdown()
 
 
+def serve(*args):
+    """test_server's ServerThread, imported only by the tests that serve: test_server needs openai, which
+    the GPU image lacks, and gpu.py's cuda_tests part collects this file there for its graph test."""
+    from test_server import ServerThread
+    return ServerThread(*args)
+
+
 def test_the_server_serves_adapters_by_model_name(models):
-    with ServerThread(models["base"], "--enable-lora", "--lora-modules", f"a={models['a']}",
+    with serve(models["base"], "--enable-lora", "--lora-modules", f"a={models['a']}",
                       json.dumps({"name": "b", "path": str(models["b"])})) as s:
         listed = {m["id"]: m for m in httpx.get(s.url + "/v1/models").json()["data"]}
         assert listed["a"]["parent"] == str(models["base"]) and listed["a"]["root"] == str(models["a"])
@@ -499,7 +505,7 @@ def test_the_server_reloads_start_up_adapters_and_fails_one_whose_file_vanished(
     directory is gone, a request for a is a 500 that says why, and b's are served on."""
     a = shutil.copytree(models["a"], tmp_path / "a")
     body = {"prompt": PROMPTS[1], "max_tokens": 10, "min_tokens": 10, "temperature": 0, "return_token_ids": True}
-    with ServerThread(models["base"], "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
+    with serve(models["base"], "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
                       "--lora-modules", f"a={a}", f"b={models['b']}") as s:
         def complete(name):
             return httpx.post(s.url + "/v1/completions", json={**body, "model": name}, timeout=60)
@@ -519,10 +525,10 @@ def test_adapters_load_and_unload_while_serving(models, monkeypatch):
     serves by its name, one in use is not unloaded from under its request, and an unloaded
     name is a 404 again. Without the variable the endpoints do not exist."""
     body = {"prompt": PROMPTS[1], "max_tokens": 10, "min_tokens": 10, "temperature": 0, "return_token_ids": True}
-    with ServerThread(models["base"], "--enable-lora") as s:
+    with serve(models["base"], "--enable-lora") as s:
         assert httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": "x"}).status_code == 404
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-    with ServerThread(models["base"], "--enable-lora") as s:
+    with serve(models["base"], "--enable-lora") as s:
         load = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(models["a"])})
         assert load.status_code == 200 and load.text == "Success: LoRA adapter 'a' added successfully."
         again = httpx.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(models["a"])})

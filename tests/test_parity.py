@@ -502,10 +502,9 @@ def test_gemma2_reads_as_transformers_builds_it_and_every_part_matters(variant):
 def test_gemma2_bf16_is_transformers_bit_for_bit(variant):
     """In bf16 the torch references' soft-capped attention (written out: SDPA has no cap) and capped
     logits round as transformers' eager Gemma 2 does: its logits bit for bit."""
-    from transformers import AutoModelForCausalLM
     path = variant("gemma2")
     llm = make_llm(path, dtype="bfloat16", enforce_eager=True)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = hf_model(path, torch.bfloat16)
     assert torch.equal(nanoserve_logits(llm, LONG, [len(LONG)]), hf_logits(hf, LONG))
 
 
