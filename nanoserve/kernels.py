@@ -161,10 +161,10 @@ def gather_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gather_kv of K and of V; where V is K itself (MLA's latent, paged_attention_torch), one gather."""
     k = gather_kv(k_cache, block_table)
-    return k, (k[..., :v_cache.shape[3]] if _value_in_key(k_cache, v_cache) else gather_kv(v_cache, block_table))
+    return k, (k[..., :v_cache.shape[3]] if value_in_key(k_cache, v_cache) else gather_kv(v_cache, block_table))
 
 
-def _value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether V is K's own first dims (MLA's latent, or K itself): the same memory, laid out alike."""
     return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
             and v_cache.dtype == k_cache.dtype)
@@ -180,7 +180,7 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
     narrower than K gives an output as narrow: SDPA takes a value width of its own. MLA's (V the latent's
     first dims) attends with the whole latent as V and keeps V's dims: one gather, and SDPA's kernels for
     one width (a V gathered through the strided view took a CPU decode a quarter longer, a prefill more)."""
-    if v_cache.shape[3] < k_cache.shape[3] and _value_in_key(k_cache, v_cache):
+    if v_cache.shape[3] < k_cache.shape[3] and value_in_key(k_cache, v_cache):
         return paged_attention_torch(query, k_cache, k_cache, block_tables, seq_lens, query_start_loc, scale,
                                      sliding_window, logits_soft_cap, sinks)[..., :v_cache.shape[3]]
     out = query.new_empty(*query.shape[:2], v_cache.shape[3])
@@ -1044,7 +1044,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         GROUP=group, HEADS=heads, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         NUM_SPLITS=num_splits, ROPE_DIM=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(max(rope_dim, 1))),
-        ONE_CACHE=_value_in_key(k_cache, v_cache),
+        ONE_CACHE=value_in_key(k_cache, v_cache),
         # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,
