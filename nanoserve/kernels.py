@@ -13,14 +13,22 @@ last resort, and where it pays as a Triton kernel:
   GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
   V may be narrower than K (DeepSeek's MLA: ``v_cache`` is the first kv_lora_rank dims
   of the latent's one tensor, ``k_cache`` all of it): scores over K's width, the
-  output V's width;
+  output V's width; per layer, optionally a sliding window, Gemma 2's soft cap on the
+  scores and gpt-oss's attention sinks;
 * ``rms_norm``, ``rotary``, ``silu_and_mul``, and Gemma's ``gelu_tanh_and_mul`` and
   ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch
   references and Triton kernels; the CPU's live behind the seam);
 * ``argmax``: greedy sampling; ``top_k_top_p``: the sampler's top-k/top-p mask (its reference is
   model.py's ``apply_top_k_top_p``, beside the rest of the sampler);
 * ``fused_moe``: a mixture-of-experts MLP after routing, as one grouped GEMM per
-  projection over the tokens sorted by expert (vLLM's fused_moe; Triton's is capture-safe).
+  projection over the tokens sorted by expert (vLLM's fused_moe; Triton's is capture-safe),
+  with gpt-oss's expert biases and clamped SwiGLU (``swigluoai``) where the backend takes them.
+
+On a request's path: model.py's ``Attention.forward`` (and ``MLAAttention.forward``) calls
+``store_kvcache`` then ``paged_attention`` through the ``Backend`` the model was built with,
+and goes on to ``o_proj`` with the output; the sampler calls ``argmax`` and ``top_k_top_p``.
+Read top to bottom: ``Backend`` -> the torch references -> the Triton kernels -> their
+launchers (``*_triton``) -> ``probe_triton`` -> the two backends, ``TORCH`` and ``TRITON``.
 
 The seam is ``Backend``: one object holding one implementation of each op.
 model.py's ``select_backend`` picks one, called once at start-up by the engine
@@ -108,7 +116,7 @@ class Backend:
       activation other than silu (MOE_ACTIVATIONS: gpt-oss's swigluoai), only where
       ``fused_moe_biases`` (the CPU's fused_moe takes neither)
 
-    ``warm_up(num_heads, k_cache, v_cache, max_context, logits_soft_cap=None)`` builds, before traffic,
+    ``warm_up(num_heads, k_cache, v_cache, max_context, logits_soft_cap=None, sinks=None)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
     throwaway step (Triton's split-KV counts, which grow with the context).
     ``warm_up_moe(w13, w2, top_k, **moe_kwargs)`` the same for a mixture-of-experts layer's fused_moe
