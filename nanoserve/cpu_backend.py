@@ -130,7 +130,7 @@ def value_as_whole_latent(paged_attention):
     def attend(query, k_cache, v_cache, *args, **kwargs):
         if v_cache.shape[3] == k_cache.shape[3]:
             return paged_attention(query, k_cache, v_cache, *args, **kwargs)
-        if not kernels._value_in_key(k_cache, v_cache):
+        if not kernels.value_in_key(k_cache, v_cache):
             raise ValueError("a V narrower than K must be K's own first dims here (MLA's latent)")
         return paged_attention(query, k_cache, k_cache, *args, **kwargs)[..., :v_cache.shape[3]]
     return attend

@@ -13,14 +13,22 @@ last resort, and where it pays as a Triton kernel:
   GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``;
   V may be narrower than K (DeepSeek's MLA: ``v_cache`` is the first kv_lora_rank dims
   of the latent's one tensor, ``k_cache`` all of it): scores over K's width, the
-  output V's width;
+  output V's width; per layer, optionally a sliding window, Gemma 2's soft cap on the
+  scores and gpt-oss's attention sinks;
 * ``rms_norm``, ``rotary``, ``silu_and_mul``, and Gemma's ``gelu_tanh_and_mul`` and
   ``gemma_rms_norm``: the pointwise work between the decoder's matmuls (torch
   references and Triton kernels; the CPU's live behind the seam);
 * ``argmax``: greedy sampling; ``top_k_top_p``: the sampler's top-k/top-p mask (its reference is
   model.py's ``apply_top_k_top_p``, beside the rest of the sampler);
 * ``fused_moe``: a mixture-of-experts MLP after routing, as one grouped GEMM per
-  projection over the tokens sorted by expert (vLLM's fused_moe; Triton's is capture-safe).
+  projection over the tokens sorted by expert (vLLM's fused_moe; Triton's is capture-safe),
+  with gpt-oss's expert biases and clamped SwiGLU (``swigluoai``) where the backend takes them.
+
+On a request's path: model.py's ``Attention.forward`` (and ``MLAAttention.forward``) calls
+``store_kvcache`` then ``paged_attention`` through the ``Backend`` the model was built with,
+and goes on to ``o_proj`` with the output; the sampler calls ``argmax`` and ``top_k_top_p``.
+Read top to bottom: ``Backend`` -> the torch references -> the Triton kernels -> their
+launchers (``*_triton``) -> ``probe_triton`` -> the two backends, ``TORCH`` and ``TRITON``.
 
 The seam is ``Backend``: one object holding one implementation of each op.
 model.py's ``select_backend`` picks one, called once at start-up by the engine
@@ -108,7 +116,7 @@ class Backend:
       activation other than silu (MOE_ACTIVATIONS: gpt-oss's swigluoai), only where
       ``fused_moe_biases`` (the CPU's fused_moe takes neither)
 
-    ``warm_up(num_heads, k_cache, v_cache, max_context, logits_soft_cap=None)`` builds, before traffic,
+    ``warm_up(num_heads, k_cache, v_cache, max_context, logits_soft_cap=None, sinks=None)`` builds, before traffic,
     the attention variants that a step's shape alone would not reach in a
     throwaway step (Triton's split-KV counts, which grow with the context).
     ``warm_up_moe(w13, w2, top_k, **moe_kwargs)`` the same for a mixture-of-experts layer's fused_moe
@@ -161,10 +169,10 @@ def gather_kv_pair(k_cache: torch.Tensor, v_cache: torch.Tensor,
                    block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """gather_kv of K and of V; where V is K itself (MLA's latent, paged_attention_torch), one gather."""
     k = gather_kv(k_cache, block_table)
-    return k, (k[..., :v_cache.shape[3]] if _value_in_key(k_cache, v_cache) else gather_kv(v_cache, block_table))
+    return k, (k[..., :v_cache.shape[3]] if value_in_key(k_cache, v_cache) else gather_kv(v_cache, block_table))
 
 
-def _value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def value_in_key(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether V is K's own first dims (MLA's latent, or K itself): the same memory, laid out alike."""
     return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
             and v_cache.dtype == k_cache.dtype)
@@ -180,7 +188,7 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
     narrower than K gives an output as narrow: SDPA takes a value width of its own. MLA's (V the latent's
     first dims) attends with the whole latent as V and keeps V's dims: one gather, and SDPA's kernels for
     one width (a V gathered through the strided view took a CPU decode a quarter longer, a prefill more)."""
-    if v_cache.shape[3] < k_cache.shape[3] and _value_in_key(k_cache, v_cache):
+    if v_cache.shape[3] < k_cache.shape[3] and value_in_key(k_cache, v_cache):
         return paged_attention_torch(query, k_cache, k_cache, block_tables, seq_lens, query_start_loc, scale,
                                      sliding_window, logits_soft_cap, sinks)[..., :v_cache.shape[3]]
     out = query.new_empty(*query.shape[:2], v_cache.shape[3])
@@ -1044,7 +1052,7 @@ def _launch_attention(query, k_cache, v_cache, block_tables, seq_lens, query_sta
         GROUP=group, HEADS=heads, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         NUM_SPLITS=num_splits, ROPE_DIM=rope_dim, ROPE_PAD=max(16, triton.next_power_of_2(max(rope_dim, 1))),
-        ONE_CACHE=_value_in_key(k_cache, v_cache),
+        ONE_CACHE=value_in_key(k_cache, v_cache),
         # fp32 inputs get exact fp32 products, not TF32: fp32 is the precise path.
         PRECISION="ieee" if query.dtype == torch.float32 else None,
         SOFT_CAP=logits_soft_cap is not None, SINKS=sinks is not None,

@@ -6,19 +6,26 @@ This module owns
 * prefix caching: a full block's hash chains its parent's hash with its token ids,
   so equal prefixes map to equal blocks; a block whose ref count drops to zero
   stays cached at the end of an LRU free list until allocation takes it;
+* with a sliding window on every layer, freeing the blocks no window reads any
+  more (their places in a table become the null block, block 0);
+* forgetting the hashes of blocks a dropped or failed step never wrote
+  (``forget_unwritten``, ``reset_prefix_cache``), so no hit reads KV nobody wrote;
 * slot mapping (token position -> slot in the KV tensors);
 * sizing and allocating the KV tensors themselves from a memory budget.
 
 It knows nothing of HTTP, text or sampling: requests are ids and token lists.
 It hands the scheduler "can this request have these slots?" answers, the block
 tables (which reach the model runner in the scheduler's output) and its stats;
-the model runner gets the KV tensors.
+the model runner gets the KV tensors, and computes each token's slot with
+``slot_mapping``. On a request's path: ``Scheduler.schedule`` calls
+``get_computed_blocks`` then ``allocate_slots``; ``Scheduler.finish_request`` calls ``free``.
 """
 from __future__ import annotations
 
 import hashlib
 import itertools
 import logging
+import os
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -322,11 +329,9 @@ class BlockManager:
             return
         hashes = self.req_hashes.setdefault(request_id, [])
         table = self.req_to_blocks[request_id]
-        bs = self.block_size
-        for i in range(len(hashes), num_full):
-            parent = hashes[-1] if hashes else _salt_hash(salt)
-            h = hash_block(parent, token_ids[i * bs:(i + 1) * bs])
-            hashes.append(h)
+        first_new = len(hashes)  # the chain extends hashes, up to block num_full - 1
+        for i, h in enumerate(itertools.islice(self._hash_chain(token_ids, salt, hashes), first_new, num_full),
+                              first_new):
             block = self.blocks[table[i]]
             if block.block_hash is None:
                 block.block_hash = h
@@ -351,6 +356,7 @@ def slot_mapping(block_tables: torch.Tensor, seq_ids: torch.Tensor, positions: t
 
 @dataclass(slots=True)
 class KVCacheSpec:
+    """What one block holds across the layers: its bytes decide how many blocks a budget buys."""
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -433,7 +439,6 @@ def default_cpu_budget(weight_bytes: int) -> int:
     """vLLM-CPU's default KV space is 4 GiB; we also leave room beside the weights
     so that a small machine does not swap."""
     try:
-        import os
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
         total = 8 * 2**30

@@ -8,6 +8,14 @@ and prefill chunks (many) share one forward pass. Each scheduled request
 carries its block table, so the engine hands the model runner its inputs
 without ever asking the block manager itself.
 
+On a request's path: the engine's ``add_request`` puts it in the waiting queue
+(``Scheduler.add_request``); each step ``LLMEngine.schedule_step`` calls
+``Scheduler.schedule``, which asks kvcache's ``BlockManager`` for prefix-cache hits
+(``get_computed_blocks``) and slots (``allocate_slots``); the ``SchedulerOutput`` it
+returns becomes the model runner's inputs in ``LLMEngine.build_inputs``. When the
+step lands the engine ends finished requests with ``finish_request``, which frees
+their blocks.
+
 Rules:
 * running requests first, in admission order, then waiting ones in arrival order,
   while the token budget (``max_num_batched_tokens``), ``max_num_seqs`` and the
@@ -24,7 +32,13 @@ Rules:
   in its decode's chunk, counted in the budget and given slots as any token is;
 * with LoRA, the running requests use at most ``max_loras`` distinct adapters (the
   device's slots), so every step does: as vLLM's, a waiting request whose adapter
-  would be one too many is passed over, in its place, until one of them finishes.
+  would be one too many is passed over, in its place, until one of them finishes;
+* async scheduling: a request's sampled token may still be on the device when the
+  next step is scheduled (``Request.num_output_placeholders``): that token is
+  scheduled as its next input all the same; a step dropped before its launch takes
+  back the prefix hashes of the blocks it was to write (``drop_unwritten``);
+* with a sliding window on every layer, the blocks no window still reads go back
+  to the pool as a request moves on (``BlockManager.free_skipped_blocks``).
 
 It does not import torch: it moves request objects and integers only.
 """
@@ -105,6 +119,8 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step, as schedule() hands it to the engine: the chunks to compute, running
+    requests first, then those admitted, and the ids preempted while making room."""
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
 
@@ -122,6 +138,10 @@ class SchedulerStats:
 
 
 class Scheduler:
+    """vLLM v1's Scheduler in small: ``schedule()`` once a step, ``finish_request`` when
+    one ends. It only moves request objects between its queues and asks the block
+    manager for blocks; the engine owns what a request holds (tokens, text, outputs)."""
+
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
@@ -199,11 +219,12 @@ class Scheduler:
                 if i in dropped:
                     continue
                 if not s.request.status.is_finished:
-                    if unwritten.isdisjoint(s.block_table[:-(-s.start // bm.block_size)]):
+                    reads = s.block_table[:bm.blocks_needed(s.start)]  # its computed prefix's blocks
+                    if unwritten.isdisjoint(reads):
                         continue
                     self._preempt(s.request, out)
                 dropped.add(i)
-                unwritten.update(s.block_table[s.start // bm.block_size:])
+                unwritten.update(s.block_table[s.start // bm.block_size:])  # the blocks its chunk was to write
                 grew = True
         bm.forget_unwritten(sorted(unwritten))
         keep = [i for i in range(len(out.scheduled)) if i not in dropped]
@@ -222,6 +243,9 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the step
     def schedule(self) -> SchedulerOutput:
+        """The next step: running requests first (their decodes and chunks, preempting
+        when blocks run out), then waiting ones while the budget lasts. Each chunk's
+        ``num_computed_tokens`` advances here, before the step runs, as in vLLM."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
@@ -230,7 +254,8 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # Once per running request per step: locals, and the block manager asked once when the slots fit.
+        # Runs once per running request per step: hence the locals, and one allocate_slots call
+        # when the slots fit (the common case).
         bm, running, scheduled = self.block_manager, self.running, out.scheduled
         i = 0
         while i < len(running) and budget > 0:
@@ -252,12 +277,14 @@ class Scheduler:
             table = bm.allocate_slots(req.request_id, req.token_ids, start + num_new)
             if table is None and (table := self._preempt_until_fits(req, num_new, out)) is None:
                 break  # req itself was preempted: nothing after it is left to schedule
-            scheduled.append(ScheduledRequest(req, start, num_new, table, start + num_new >= end,
-                                              spec[:max(0, start + num_new - end)] if spec else ()))
+            scheduled.append(ScheduledRequest(req, start, num_new, block_table=table,
+                                              will_sample=start + num_new >= end,
+                                              spec_token_ids=spec[:max(0, start + num_new - end)] if spec else ()))
             if spec:
                 req.spec_token_ids = []  # the engine proposes again once this step lands
-            # victims are never scheduled ones: none reads it back. With drafts, the engine rolls it back
-            # past the rejected ones when the step lands.
+            # Advanced before the step runs: a preemption later in this schedule never picks a request
+            # already scheduled, so nothing undoes it. With drafts, the engine moves it back past the
+            # rejected ones when the step lands.
             req.num_computed_tokens = start + num_new
             budget -= num_new
             i += 1
@@ -297,7 +324,7 @@ class Scheduler:
             table = bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits, req.cache_salt,
                                       req.block_hashes)
             if table is None:
-                break  # no room: it waits, and so does everyone behind it (FCFS)
+                break  # no room: it waits, and so does everyone behind it (head-of-line, as vLLM's)
             bm.record_prefix_query(req.num_tokens, num_computed)
             del self.waiting[req.request_id]
             if req.status == RequestStatus.WAITING:
@@ -305,8 +332,8 @@ class Scheduler:
             req.num_computed_tokens = num_computed + num_new
             req.status = RequestStatus.RUNNING
             self._run(req)
-            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, table,
-                                                  num_computed + num_new == req.num_tokens))
+            out.scheduled.append(ScheduledRequest(req, num_computed, num_new, block_table=table,
+                                                  will_sample=num_computed + num_new == req.num_tokens))
             budget -= num_new
             logger.debug("[scheduler] admit %s: %d tokens, %d prefix-cached, chunk %d",
                          req.request_id, req.num_tokens, num_computed, num_new)

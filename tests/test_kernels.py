@@ -474,7 +474,7 @@ def test_latent_attention_splits_main_and_rope(backend, scenario, v_apart):
     V a view of K's first dims (Triton's ONE_CACHE: the K tile serves as V) or a tensor of its own."""
     torch.manual_seed(20)
     batch = make_latent_batch(SCENARIOS[scenario], 32, 16, 4, POISON[backend.name])
-    assert kernels._value_in_key(batch[1], batch[2]) and not kernels._value_in_key(batch[1], batch[2] * 1)
+    assert kernels.value_in_key(batch[1], batch[2]) and not kernels.value_in_key(batch[1], batch[2] * 1)
     check_latent(backend, batch, v_apart)
 
 
