@@ -190,3 +190,18 @@ def test_pooling_server_truncates_and_refuses_generation(pooling_server):
         r = httpx.post(pooling_server.url + path, json=body, timeout=30)
         assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"], r.text
     assert httpx.get(pooling_server.url + "/v1/models", timeout=30).status_code == 200
+
+
+def test_generate_server_refuses_embeddings_and_cli_flags(tiny_model):
+    from test_server import ServerThread, parse_args
+    with ServerThread(tiny_model) as s:
+        r = httpx.post(s.url + "/v1/embeddings", json={"input": "hi"}, timeout=30)
+        assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"], r.text
+    args = parse_args(["--model", str(tiny_model), "--task", "embed", "--override-pooler-config",
+                       '{"pooling_type": "mean"}'])
+    assert (args.runner, args.pooler_config) == ("auto", {"pooling_type": "mean"})
+    from nanoserve.entry import engine_config
+    config = engine_config(args)
+    assert config.runner == "pooling" and config.pooler_config.pooling_type == "MEAN"
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tiny_model), "--runner", "generate", "--convert", "embed"])
