@@ -3102,9 +3102,9 @@ def run_worker_node(config: EngineConfig) -> int:
 
 # =========================================================================== offline API
 
-_POOLING = "nanoserve runs generative models only (generate, chat, beam_search)"
+_POOLING = "the pooling runner makes embeddings only (embed, encode)"
 VLLM_LLM_METHODS_MISSING = {
-    **{name: _POOLING for name in ("encode", "embed", "classify", "score", "reward")},
+    **{name: _POOLING for name in ("classify", "score", "reward")},
     "sleep": "there is no sleep mode (the weights and KV cache stay on the device)", "wake_up": "there is no sleep mode",
     "start_profile": "run torch.profiler around generate() instead", "stop_profile": "run torch.profiler instead",
     "llm_engine": "the engine is LLM.engine (nanoserve's LLMEngine, not vLLM's)",
