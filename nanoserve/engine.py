@@ -502,8 +502,12 @@ class PoolerConfig:
     def resolved(self, path: Path) -> "PoolerConfig":
         """The fields left None filled from the checkpoint's sentence-transformers files, then vLLM's defaults."""
         st = sentence_transformers_pooling(path) or {}
-        return PoolerConfig(self.pooling_type or st.get("pooling_type") or "LAST",
-                            next(v for v in (self.use_activation, st.get("use_activation"), True) if v is not None))
+        pooling_type = self.pooling_type or st.get("pooling_type") or "LAST"
+        if pooling_type not in POOLING_TYPES:  # CLS: an encoder's [CLS] token
+            raise ValueError(f"{path}'s sentence-transformers pooling is {pooling_type}; nanoserve pools "
+                             f"{' or '.join(POOLING_TYPES)} (--pooler-config's pooling_type overrides it)")
+        return PoolerConfig(pooling_type, next(v for v in (self.use_activation, st.get("use_activation"), True)
+                                               if v is not None))
 
 
 def sentence_transformers_pooling(path: Path) -> dict[str, Any] | None:
@@ -526,9 +530,6 @@ def sentence_transformers_pooling(path: Path) -> dict[str, Any] | None:
                     found["pooling_type"] = kind
     except (ValueError, TypeError, KeyError, AttributeError) as e:
         raise ValueError(f"{modules_file} (sentence-transformers) cannot be read: {type(e).__name__}: {e}") from None
-    if found.get("pooling_type") not in (None, *POOLING_TYPES):
-        raise ValueError(f"{path}'s sentence-transformers pooling is {found['pooling_type']}; nanoserve pools "
-                         f"{' or '.join(POOLING_TYPES)} (--pooler-config '{{\"pooling_type\": \"LAST\"}}' overrides it)")
     return found
 
 
@@ -3181,7 +3182,8 @@ class LLM:
                                                      c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason)
                                   for c in out.outputs]) for out in results]
 
-    def embed(self, prompts, *, use_tqdm: bool = True, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+    def embed(self, prompts, *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | list[PoolingParams] | None = None,
               lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
         """vLLM's: an embedding vector per prompt (``outputs.embedding``), with the pooling runner."""
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(

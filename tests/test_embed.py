@@ -90,6 +90,9 @@ def test_bare_decoder_and_sentence_transformers_checkpoints_pick_pooling(model_r
     assert llm.engine.runner_type == "pooling"
     got = embeddings(llm.embed(PROMPTS[2], use_tqdm=False))[0]
     torch.testing.assert_close(got, hf_hidden(st_dir, PROMPTS[2]).mean(0), atol=2e-5, rtol=1e-4)  # no Normalize
+    (st_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
+    with pytest.raises(ValueError, match="sentence-transformers pooling is CLS; nanoserve pools LAST or MEAN"):
+        LLM(str(st_dir), dtype="float32", num_kv_blocks=16)
 
 
 def test_matryoshka_dimensions_and_refusals(model_root):
