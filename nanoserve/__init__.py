@@ -1,7 +1,8 @@
 """nanoserve: a small, readable LLM inference server in the shape of vLLM.
 
 Public API: ``LLM`` (offline), ``SamplingParams``, ``BeamSearchParams``, ``StructuredOutputsParams``,
-``RequestOutput``, ``CompletionOutput``, ``LoRARequest``, and vLLM's custom logits processor interface
+``RequestOutput``, ``CompletionOutput``, ``PoolingParams`` and ``EmbeddingRequestOutput`` (``LLM.embed``),
+``LoRARequest``, and vLLM's custom logits processor interface
 (``LogitsProcessor``, ``AdapterLogitsProcessor``, ``BatchUpdate``, ``MoveDirectionality``, ``process_dict_updates``).
 The server is ``python -m nanoserve``.
 """
@@ -17,12 +18,12 @@ import sys
 if "torch" not in sys.modules:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from nanoserve.engine import (LLM, BeamSearchParams, CompletionOutput, LoRARequest, RequestOutput, SamplingParams,
-                              StructuredOutputsParams)
+from nanoserve.engine import (LLM, BeamSearchParams, CompletionOutput, EmbeddingRequestOutput, LoRARequest,
+                              PoolingParams, RequestOutput, SamplingParams, StructuredOutputsParams)
 from nanoserve.model import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality,
                              process_dict_updates)
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "LoRARequest", "LogitsProcessor", "AdapterLogitsProcessor", "BatchUpdate",
-           "MoveDirectionality", "process_dict_updates"]
+           "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput", "LoRARequest", "LogitsProcessor",
+           "AdapterLogitsProcessor", "BatchUpdate", "MoveDirectionality", "process_dict_updates"]
 __version__ = "0.1.0"

@@ -56,7 +56,8 @@ from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, Log
                              load_model, load_tokenizer, log_tensor_parallel, lora_slot_bytes, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
-from nanoserve.scheduler import SCHEDULING_POLICIES, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.scheduler import (SCHEDULING_POLICIES, RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
+                                 SchedulerOutput)
 
 logger = logging.getLogger("nanoserve.engine")
 
@@ -457,6 +458,170 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
 
 
+# =========================================================================== pooling (embeddings)
+# vLLM's pooling runner for decoder models (--runner pooling, as_embedding_model): a prompt is
+# prefilled, never sampled from; its pooler turns the final-norm hidden states into one vector.
+
+POOLING_TYPES = ("LAST", "MEAN")  # vLLM's SequencePoolingType has CLS too (an encoder's [CLS] token)
+RUNNERS = ("auto", "generate", "pooling")
+CONVERTS = ("auto", "none", "embed")  # vLLM's classify, reward ... heads are not built here
+TASKS = ("auto", "generate", "embed", "embedding")  # older vLLM's --task: embed(ding) is the pooling runner
+
+
+@dataclass(slots=True)
+class PoolerConfig:
+    """vLLM's --pooler-config for embeddings: how the hidden states become one vector.
+    None fields are filled from a sentence-transformers checkpoint's modules.json, then
+    from vLLM's defaults for a decoder (LAST token, normalized)."""
+    pooling_type: str | None = None
+    use_activation: bool | None = None  # embeddings: L2-normalize (vLLM's name since `normalize` went)
+
+    @classmethod
+    def from_dict(cls, given: dict[str, Any] | None) -> "PoolerConfig":
+        given = dict(given or {})
+        if "normalize" in given:  # vLLM 0.32's own words
+            raise ValueError("pooler_config: Parameter `normalize` was removed; use `use_activation` instead.")
+        if "seq_pooling_type" in given:  # vLLM's internal name for the same field
+            if "pooling_type" in given:
+                raise ValueError("pooler_config: Cannot set both `pooling_type` and `seq_pooling_type`")
+            given["pooling_type"] = given.pop("seq_pooling_type")
+        unknown = sorted(set(given) - {"pooling_type", "use_activation"})
+        if unknown:
+            raise ValueError(f"pooler_config: {', '.join(unknown)} not supported here (pooling_type and "
+                             f"use_activation are)")
+        config = cls(**given)
+        if config.pooling_type is not None:
+            config.pooling_type = str(config.pooling_type).upper()
+            if config.pooling_type not in POOLING_TYPES:
+                raise ValueError(f"pooler_config: pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                                 f"{given['pooling_type']!r}")
+        if config.use_activation is not None and not isinstance(config.use_activation, bool):
+            raise ValueError(f"pooler_config: use_activation must be true or false, got {config.use_activation!r}")
+        return config
+
+    def resolved(self, path: Path) -> "PoolerConfig":
+        """The fields left None filled from the checkpoint's sentence-transformers files, then vLLM's defaults."""
+        st = sentence_transformers_pooling(path) or {}
+        pooling_type = self.pooling_type or st.get("pooling_type") or "LAST"
+        if pooling_type not in POOLING_TYPES:  # CLS: an encoder's [CLS] token
+            raise ValueError(f"{path}'s sentence-transformers pooling is {pooling_type}; nanoserve pools "
+                             f"{' or '.join(POOLING_TYPES)} (--pooler-config's pooling_type overrides it)")
+        return PoolerConfig(pooling_type, next(v for v in (self.use_activation, st.get("use_activation"), True)
+                                               if v is not None))
+
+
+def sentence_transformers_pooling(path: Path) -> dict[str, Any] | None:
+    """vLLM's get_pooling_config: a sentence-transformers checkpoint's modules.json names its Pooling
+    module (whose config.json says which pooling) and whether a Normalize module follows; None without."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        pooling = next((m for m in modules if m.get("type", "").endswith(".Pooling")), None)
+        normalize = any(m.get("type", "").endswith(".Normalize") for m in modules)
+        found: dict[str, Any] = {"use_activation": normalize}
+        if pooling is not None and (path / pooling["path"] / "config.json").is_file():
+            for key, value in json.loads((path / pooling["path"] / "config.json").read_text()).items():
+                name = value if key == "pooling_mode" and isinstance(value, str) else key if value is True else ""
+                kind = name.replace("pooling_mode_", "").split("_", 1)[0]  # pooling_mode_mean_tokens: MEAN
+                kind = "LAST" if "lasttoken" in kind else kind.upper()
+                if kind in ("CLS", "LAST", "MEAN"):  # vLLM's sequence poolings (include_prompt: not one)
+                    found["pooling_type"] = kind
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ValueError(f"{modules_file} (sentence-transformers) cannot be read: {type(e).__name__}: {e}") from None
+    return found
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """vLLM's PoolingParams for embeddings: ``dimensions`` keeps the first N of a Matryoshka
+    model's vector (then normalizes); ``use_activation`` None takes the pooler config's;
+    ``truncate_prompt_tokens`` as SamplingParams' (-1: as many as max_model_len holds)."""
+    dimensions: int | None = None
+    use_activation: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("dimensions", "truncate_prompt_tokens"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        if self.dimensions is not None and self.dimensions < 1:
+            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1, got {self.truncate_prompt_tokens}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"use_activation must be true or false, got {self.use_activation!r}")
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    data: torch.Tensor  # fp32, on the host
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """vLLM's: a pooling request's result (it is finished in the step that computes it)."""
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's LLM.embed() result: ``outputs.embedding``, a list of floats."""
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.num_cached_tokens, out.finished)
+
+
+def resolve_runner(config: EngineConfig, path: Path, model_config: ModelConfig) -> str:
+    """vLLM's runner "auto": pooling for a sentence-transformers checkpoint (a Pooling module in
+    its modules.json) or a bare decoder (Qwen3Model), else generate. A bare decoder cannot generate."""
+    runner = config.runner
+    if runner == "auto":
+        st = sentence_transformers_pooling(path)
+        runner = "pooling" if model_config.base_model or st is not None and "pooling_type" in st else "generate"
+    if runner == "generate" and model_config.base_model:
+        raise ValueError(f"config.json names {model_config.architecture[:-len('ForCausalLM')]}Model, a decoder "
+                         f"without its LM head: it makes embeddings only (--runner pooling)")
+    return runner
+
+
+def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
+    """hf_overrides as every rank loads the model: the pooling runner has no LM head (vLLM's pooling
+    models have none), so it loads as if tied: a checkpoint's lm_head.weight is skipped, and one without is whole."""
+    if resolve_runner(config, path, ModelConfig.from_dir(path, config.hf_overrides)) != "pooling":
+        return config.hf_overrides
+    return {**(config.hf_overrides or {}), "tie_word_embeddings": True}
+
+
+def finish_embedding(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
+    """vLLM's EmbeddingPoolerHead: Matryoshka's first ``dimensions`` first, then L2-normalize."""
+    if dimensions is not None:
+        pooled = pooled[:dimensions]
+    return torch.nn.functional.normalize(pooled, p=2, dim=-1) if normalize else pooled
+
+
 # =========================================================================== detokenizer
 
 class IncrementalDetokenizer:
@@ -616,6 +781,10 @@ class Request:
     prompt_embeds: torch.Tensor | None = None  # TokenizedPrompt's: the model's input for the prompt's positions
     lora_int_id: int | None = None    # the LoRA adapter it runs with (TokenizedPrompt's)
     serial: int = -1                  # unique for the engine's life, where a caller may reuse an id
+    # The pooling runner's (embeddings): the request is its prompt's prefill and nothing more. MEAN
+    # pooling adds up the chunks' hidden-state sums in ``pooled`` (fp32, on the host).
+    pooling_params: PoolingParams | None = None
+    pooled: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -687,7 +856,8 @@ class Request:
         """The prompt tokens whose logprobs a chunk of ``num_new_tokens`` from
         ``start`` computes (its row at position p predicts token p + 1); None when
         none are asked for or all are known (a preempted request recomputing)."""
-        if not self.skip_reading_prefix_cache or len(self.prompt_logprobs) >= self.num_prompt_tokens:
+        if not self.skip_reading_prefix_cache or self.prompt_logprobs is None \
+                or len(self.prompt_logprobs) >= self.num_prompt_tokens:  # (MEAN pooling skips it too, asking none)
             return None
         n = self.num_prompt_tokens
         return self.prompt_token_ids[start + 1:min(start + num_new_tokens, n - 1) + 1] or None
@@ -1173,6 +1343,13 @@ class EngineConfig:
     # As vLLM's (--speculative-config): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
     # "prompt_lookup_min"}, a SpeculativeConfig once checked; None: no speculative decoding
     speculative_config: dict[str, Any] | SpeculativeConfig | None = None
+    # As vLLM's --runner / --convert (and older vLLM's --task embed): "pooling" serves embeddings (LLM.embed,
+    # /v1/embeddings) instead of generating; "auto" picks it for a sentence-transformers checkpoint
+    # (modules.json) or a bare decoder (Qwen3Model). pooler_config: vLLM's --pooler-config (PoolerConfig).
+    runner: str = "auto"
+    convert: str = "auto"
+    task: str = "auto"
+    pooler_config: dict[str, Any] | PoolerConfig | None = None
 
     tensor_parallel_size: int = 1      # ranks the model is split across (one process each)
     distributed_init_method: str | None = None  # tcp://HOST:PORT or env:// (torchrun); None: a local port
@@ -1235,6 +1412,7 @@ class EngineConfig:
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling does not work with tensor_parallel_size > 1 (yet): the workers "
                              "would need the previous step's sampled token ids, which stay on rank 0's device")
+        self._check_runner()
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
             if self.async_scheduling:  # as vLLM did at first: a step's input would be a run of tokens still
@@ -1242,6 +1420,34 @@ class EngineConfig:
                 logger.warning("[engine] async_scheduling is turned off: it does not work with speculative "
                                "decoding (yet)")
                 self.async_scheduling = False
+
+    def _check_runner(self) -> None:
+        """runner, convert, task and pooler_config as vLLM reads them: task embed and convert embed
+        ask for the pooling runner, which a runner "generate" given beside them contradicts."""
+        for name, allowed in (("runner", RUNNERS), ("convert", CONVERTS), ("task", TASKS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r} "
+                                 f"(nanoserve's pooling runner makes embeddings only)")
+        asks_pooling = [f"{k}={v}" for k, v in (("task", self.task), ("convert", self.convert))
+                        if v in ("embed", "embedding")] + (["pooler_config"] if self.pooler_config else [])
+        asks_generate = [f"{k}=generate" for k in ("runner", "task") if getattr(self, k) == "generate"]
+        if asks_pooling and asks_generate:
+            raise ValueError(f"{asks_pooling[0]} needs the pooling runner, but {asks_generate[0]} was given")
+        if asks_pooling:
+            self.runner = "pooling"
+        if not isinstance(self.pooler_config, PoolerConfig):
+            if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
+                raise ValueError(f"pooler_config must be an object, got {self.pooler_config!r}")
+            self.pooler_config = PoolerConfig.from_dict(self.pooler_config)
+
+    def check_pooling_runner(self) -> None:
+        """What the pooling runner does not run with (once the engine has resolved runner "auto")."""
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config does not apply to the pooling runner: it samples no tokens")
+        if self.async_scheduling:
+            logger.warning("[engine] async_scheduling is turned off: the pooling runner samples nothing that "
+                           "a next step could wait for")
+            self.async_scheduling = False
 
     @property
     def lora_config(self) -> LoRAConfig | None:
@@ -1281,10 +1487,8 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
                       "logprobs are the raw model distribution's, before penalties, bias and temperature"),
     "optimization_level": (int, None, "nanoserve picks its kernels itself (enforce_eager: the torch references; "
                                       "CUDA graphs: cudagraph_capture_sizes)"),  # vLLM's -O
-    "runner": (str, ("auto", "generate"), "nanoserve runs generative models only"),
     "fully_sharded_loras": (bool, (False,), "an adapter is split as its layer is, vLLM's default"),
     "lora_dtype": (str, ("auto",), "LoRA adapters run in the model's dtype (on a CPU in fp32, faster there)"),
-    "task": (str, ("auto", "generate"), "nanoserve runs generative models only"),
 }
 VLLM_RENAMED = {"num_gpu_blocks_override": "num_kv_blocks"}  # vLLM's name -> EngineConfig's
 
@@ -1423,6 +1627,16 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(path, config.hf_overrides)
         if config.hf_overrides:
             logger.info("[engine] config.json overridden (hf_overrides): %s", json.dumps(config.hf_overrides))
+        self.runner_type = resolve_runner(config, path, self.model_config)  # "generate" or "pooling"
+        self.pooler_config: PoolerConfig | None = None
+        if self.runner_type == "pooling":
+            if config.runner == "auto":  # vLLM's line
+                logger.info("[engine] Resolved `--runner auto` to `--runner pooling`. Pass the value explicitly "
+                            "to silence this message.")
+            config.check_pooling_runner()
+            self.pooler_config = config.pooler_config.resolved(path)
+            logger.info("[engine] pooling runner: embeddings, %s pooling of the final hidden states%s",
+                        self.pooler_config.pooling_type, ", normalized" if self.pooler_config.use_activation else "")
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
             torch.cuda.set_device(self.device)
@@ -1448,7 +1662,8 @@ class LLMEngine:
                                           self.device, config.block_size, config.enforce_eager)
             self.compile_time_s = time.perf_counter() - t0
             self.decode_sizes = self._decode_sizes()
-            model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp, config.hf_overrides,
+            model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp,
+                                                  model_overrides(config, path),
                                                   config.max_model_len)
             if config.lora_config is not None:  # the adapters' device slots, before the KV cache is sized
                 self.weight_bytes += wrap_lora_layers(model, config.lora_config)
@@ -1689,7 +1904,7 @@ class LLMEngine:
 
     def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, truncate_prompt_tokens: int | None = None,
                        add_special_tokens: bool = True, truncation_side: str = "left",
-                       max_tokens: int | None = None) -> TokenizedPrompt:
+                       max_tokens: int | None = None, output_tokens: int = 1) -> TokenizedPrompt:
         """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
         or the first with truncation_side "right"; -1: as many as leave ``max_tokens``,
         at least one, to the output) and validate (raises InvalidInput); safe off the loop thread."""
@@ -1704,7 +1919,7 @@ class LLMEngine:
         if keep is not None and len(token_ids) > keep:
             token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
             text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
-        self.validate_prompt(token_ids)
+        self.validate_prompt(token_ids, output_tokens)
         return TokenizedPrompt(text, token_ids)
 
     def _embeds_prompt(self, embeds: torch.Tensor, keep: int | None, truncation_side: str) -> TokenizedPrompt:
@@ -1730,8 +1945,9 @@ class LLMEngine:
         digest = hashlib.sha256(embeds.view(torch.uint8).numpy()).hexdigest()
         return TokenizedPrompt(None, [0] * len(embeds), prompt_embeds=embeds, embeds_digest=digest)
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        self.check_prompt_length(len(token_ids))  # before the per-token checks: they cost as much as the list
+    def validate_prompt(self, token_ids: list[int], output_tokens: int = 1) -> None:
+        """``output_tokens``: 0 for an embedding, which needs no room beside its prompt."""
+        self.check_prompt_length(len(token_ids), output_tokens)  # before the per-token checks: they cost as much
         self._check_token_ids("prompt", token_ids)
 
     def check_prompt_length(self, num_tokens: int, output_tokens: int = 1) -> None:
@@ -1827,6 +2043,9 @@ class LLMEngine:
         the prompt's blocks through the prefix cache); returns its id. ``output_kind``
         says what step() reports of it (RequestOutputKind); ``priority`` (vLLM's, lower
         first) needs the priority scheduling policy; ``lora_request``: the adapter it runs with."""
+        if isinstance(params, PoolingParams) or params is None and self.runner_type == "pooling":
+            return self.add_pooling_request(prompt, params or PoolingParams(), request_id, priority, lora_request)
+        self.check_runner("generate")
         params = params or SamplingParams()
         self.check_priority(priority)
         if isinstance(params, BeamSearchParams):
@@ -1835,6 +2054,72 @@ class LLMEngine:
         prompt = self.process_prompt(prompt, params.truncate_prompt_tokens, max_tokens=params.max_tokens)
         prompt = self.with_lora(prompt, lora_request)
         return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind, priority)
+
+    def check_runner(self, runner: str) -> None:
+        """Generation needs the generate runner, embeddings the pooling one (vLLM's words)."""
+        if runner == self.runner_type:
+            return
+        if runner == "generate":
+            raise InvalidInput("model", "LLM.generate() is only supported for generative models. Try passing "
+                                        "`--runner generate` to use the model as a generative model.")
+        raise InvalidInput("model", "LLM.encode() is only supported for pooling models. Try passing `--runner "
+                                    "pooling` to use the model as a pooling model.")
+
+    def process_pooling_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, params: PoolingParams,
+                               add_special_tokens: bool = True) -> TokenizedPrompt:
+        """process_prompt for an embedding: no room for output, so truncate_prompt_tokens -1 keeps max_model_len."""
+        if isinstance(prompt, torch.Tensor):
+            raise InvalidInput("prompt", "the pooling runner takes text or token ids, not prompt_embeds")
+        keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+        return self.process_prompt(prompt, keep, add_special_tokens, output_tokens=0)
+
+    def check_pooling_params(self, params: PoolingParams) -> PoolingParams:
+        """``params`` against this model (vLLM's PoolingParams.verify), with the pooler config's defaults in."""
+        if not isinstance(params, PoolingParams):
+            raise InvalidInput("pooling_params", f"pooling_params must be a PoolingParams, got "
+                                                 f"{type(params).__name__}")
+        self.check_runner("pooling")
+        d, mc = params.dimensions, self.model_config
+        if d is not None:
+            if not mc.is_matryoshka:
+                raise InvalidInput("dimensions", f"This model does not support Matryoshka embeddings; dimensions "
+                                                 f"must be unset (received dimensions={d}).")
+            if not 1 <= d <= mc.hidden_size:
+                raise InvalidInput("dimensions", f"This model only supports dimensions in range "
+                                                 f"[1, {mc.hidden_size}], got {d}.")
+            if mc.matryoshka_dimensions is not None and d not in mc.matryoshka_dimensions:
+                raise InvalidInput("dimensions", f"This model only supports Matryoshka dimensions "
+                                                 f"{list(mc.matryoshka_dimensions)}, got {d}.")
+        if params.use_activation is None:
+            params = dataclasses.replace(params, use_activation=self.pooler_config.use_activation)
+        return params
+
+    def add_pooling_request(self, prompt: str | Sequence[int] | TokenizedPrompt, params: PoolingParams,
+                            request_id: str | None = None, priority: int = 0,
+                            lora_request: LoRARequest | None = None) -> str:
+        """Validate and queue an embedding request (the pooling runner's); returns its id."""
+        params = self.check_pooling_params(params)
+        self.check_priority(priority)
+        prompt = self.with_lora(self.process_pooling_prompt(prompt, params), lora_request)
+        return self._add_pooling_validated(prompt, params, request_id, priority)
+
+    def _add_pooling_validated(self, prompt: TokenizedPrompt, params: PoolingParams, request_id: str | None,
+                               priority: int = 0) -> str:
+        """A prefill-only request: scheduled as any prompt (chunked, batched, prefix-cached), it ends in
+        the step that computes its last token, with no token sampled. MEAN pooling needs every
+        position's hidden state, so it reads no cached prefix (as vLLM's skip_reading_prefix_cache)."""
+        if prompt.lora_int_id is not None and prompt.lora_int_id not in self.loras:
+            raise InvalidInput("model", f"LoRA adapter {prompt.lora_int_id} is not loaded")
+        request_id = str(next(self.request_counter)) if request_id is None else request_id
+        if self._family(request_id) or request_id in self.beam_searches:
+            raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
+        self.scheduler.add_request(Request(
+            request_id, prompt.text, prompt.token_ids, SamplingParams(max_tokens=1), 0, self.eos_token_ids, None,
+            cache_salt=self._salt(prompt) if self.config.enable_prefix_caching else None,
+            skip_reading_prefix_cache=self.pooler_config.pooling_type == "MEAN", priority=priority,
+            lora_int_id=prompt.lora_int_id, serial=next(self.serials), pooling_params=params))
+        self.stats_counters["prompt_tokens"] += len(prompt.token_ids)
+        return request_id
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's: load an adapter into the model, once per lora_int_id; True if it was loaded now."""
@@ -2155,7 +2440,7 @@ class LLMEngine:
             if s.will_sample:
                 s.request.num_output_placeholders -= 1
         faults = self.faults
-        outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs)
+        outputs = self.postprocess(flight.sched, out.sampled, out.prompt_logprobs, out.pooled)
         self.in_flight.pop(0)  # only now: if postprocess raised, fail_step ends its requests
         # served: an output, or a request it left running (those it finished have an output; those ended
         # before it landed were served by none: under async scheduling, the step after one that failed)
@@ -2224,16 +2509,26 @@ class LLMEngine:
                     token_ids, prev_row = [0], prev_rows[req]
                 if s.spec_token_ids:  # the drafts follow its last token (the slice ends there)
                     token_ids += s.spec_token_ids
-                seqs.append(SeqInput(token_ids, start, s.block_table, req.sample_request() if s.will_sample else None,
+                pools = req.pooling_params is not None
+                seqs.append(SeqInput(token_ids, start, s.block_table,
+                                     req.sample_request() if s.will_sample and not pools else None,
                                      req.prompt_logprob_ids(start, num_new),
                                      req.sampling_params.prompt_logprobs or 0, prev_row,
                                      None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
                                      else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
-                                     req.lora_int_id, s.spec_token_ids or None))
+                                     req.lora_int_id, s.spec_token_ids or None,
+                                     self._pooling_rows(s) if pools else None))
             except Exception as e:  # a bug met by this request's inputs (its grammar's mask, its sampling row)
                 self._fail_input(req, e)
                 seqs.append(None)
         return seqs
+
+    def _pooling_rows(self, s: ScheduledRequest) -> str | None:
+        """What a pooling request's chunk hands back (SeqInput.pooling): MEAN adds up every chunk's rows,
+        LAST needs the last chunk's last row only."""
+        if self.pooler_config.pooling_type == "MEAN":
+            return "SUM"
+        return "LAST" if s.will_sample else None
 
     def _fail_input(self, req: Request, error: Exception) -> None:
         """End a request whose step inputs could not be built (the step runs without it: _without_finished)."""
@@ -2243,16 +2538,20 @@ class LLMEngine:
                            f"building its step inputs failed: {type(error).__name__}: {first_line(error)}", error)
 
     def postprocess(self, sched: SchedulerOutput, results: list[SampleResult],
-                    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None) -> list[RequestOutput]:
+                    prompt_logprobs: dict[int, list[TokenLogprobs]] | None = None,
+                    pooled: dict[int, torch.Tensor] | None = None) -> list[RequestOutput | PoolingRequestOutput]:
         """A step's results into the requests: sampled tokens (``results``, one per
-        sequence that samples) and prompt logprobs (by the sequence's index). A request
-        whose results raise here ends alone (_fail_output), not the step."""
+        sequence that samples), prompt logprobs and pooled hidden states (by the sequence's
+        index). A request whose results raise here ends alone (_fail_output), not the step."""
         outputs: dict[str, RequestOutput] = {}
         sampled = iter(results)
         now = time.monotonic()
         num_generated = 0
         # This loop and what it calls run once per request per step: counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
+            if s.request.pooling_params is not None:
+                self._take_pooled(outputs, s, (pooled or {}).get(i))
+                continue
             result = next(sampled) if s.will_sample else None
             try:
                 if prompt_logprobs and i in prompt_logprobs:
@@ -2286,6 +2585,27 @@ class LLMEngine:
                 self._fail_output(outputs, s.request, e)
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
+
+    def _take_pooled(self, outputs: dict[str, Any], s: ScheduledRequest, rows: torch.Tensor | None) -> None:
+        """A pooling request's chunk: MEAN's sums added up (from its first position again after a
+        preemption); its last chunk ends it with its embedding, its blocks freed (and left cached)."""
+        req = s.request
+        if req.status.is_finished or rows is None:  # aborted while the step ran; a LAST request's earlier chunk
+            return
+        try:
+            if self.pooler_config.pooling_type == "MEAN":
+                req.pooled = rows if s.start == 0 else req.pooled + rows
+            if not s.will_sample:
+                return
+            data = req.pooled / req.num_prompt_tokens if self.pooler_config.pooling_type == "MEAN" else rows
+            p = req.pooling_params
+            data = finish_embedding(data, p.dimensions, p.use_activation)
+            self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            self.stats_counters["num_finished"] += 1
+            outputs[req.request_id] = PoolingRequestOutput(req.request_id, PoolingOutput(data), req.prompt_token_ids,
+                                                           req.num_cached_tokens)
+        except Exception as e:  # a bug met by this request's output: it alone ends
+            self._fail_output(outputs, req, e)
 
     def _take_token(self, req: Request, result: SampleResult, now: float) -> RequestStatus | None:
         """A sampled token into its request: the status it ends the request with, if any."""
@@ -2628,8 +2948,8 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
     return [WorkerSpec(path, r, config.tensor_parallel_size,
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
-                       config.seed, threads, config.cpu_allocator_tuning, level, config.hf_overrides,
-                       config.lora_config)
+                       config.seed, threads, config.cpu_allocator_tuning, level,
+                       model_overrides(config, Path(path)), config.lora_config)
             for r in ranks]
 
 
@@ -2783,9 +3103,9 @@ def run_worker_node(config: EngineConfig) -> int:
 
 # =========================================================================== offline API
 
-_POOLING = "nanoserve runs generative models only (generate, chat, beam_search)"
+_POOLING = "the pooling runner makes embeddings only (embed, encode)"
 VLLM_LLM_METHODS_MISSING = {
-    **{name: _POOLING for name in ("encode", "embed", "classify", "score", "reward")},
+    **{name: _POOLING for name in ("classify", "score", "reward")},
     "sleep": "there is no sleep mode (the weights and KV cache stay on the device)", "wake_up": "there is no sleep mode",
     "start_profile": "run torch.profiler around generate() instead", "stop_profile": "run torch.profiler instead",
     "llm_engine": "the engine is LLM.engine (nanoserve's LLMEngine, not vLLM's)",
@@ -2810,6 +3130,7 @@ class LLM:
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """``priority``: each prompt's, as vLLM's (lower first), under scheduling_policy="priority";
         ``lora_request``: the LoRA adapter of every prompt, or of each (needs enable_lora)."""
+        self.engine.check_runner("generate")
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_requests")
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
@@ -2843,6 +3164,7 @@ class LLM:
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ValueError(f"concurrency_limit must be None or >= 1, got {concurrency_limit!r}")
         engine = self.engine
+        engine.check_runner("generate")
         inputs = [engine.with_lora(engine.process_prompt(p, max_tokens=params.max_tokens), lora_request)
                   for p in _as_prompt_list(prompts)]
         batch, results = concurrency_limit or max(len(inputs), 1), []
@@ -2859,6 +3181,31 @@ class LLM:
         return [BeamSearchOutput([BeamSearchSequence(out.prompt_token_ids + c.token_ids, c.logprobs,
                                                      c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason)
                                   for c in out.outputs]) for out in results]
+
+    def embed(self, prompts, *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | list[PoolingParams] | None = None,
+              lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's: an embedding vector per prompt (``outputs.embedding``), with the pooling runner."""
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
+            prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")]
+
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+               use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's: the pooler's output per prompt (``outputs.data``, a tensor); pooling_task "embed" only."""
+        engine = self.engine
+        engine.check_runner("pooling")
+        if pooling_task != "embed":
+            raise ValueError(f"pooling_task must be 'embed' (LLM.embed): nanoserve's pooling runner makes "
+                             f"embeddings only, got {pooling_task!r}")
+        prompts = _as_prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "lora_requests")
+        params = [engine.check_pooling_params(PoolingParams() if p is None else p)
+                  for p in _per_prompt(pooling_params, len(prompts), "pooling_params")]
+        inputs = [engine.with_lora(engine.process_pooling_prompt(prompt, p), lora)
+                  for prompt, p, lora in zip(prompts, params, loras)]  # all checked before any is queued
+        ids = [engine._add_pooling_validated(prompt, p, None) for prompt, p in zip(inputs, params)]
+        return self._run(ids, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults applied."""
@@ -2909,6 +3256,11 @@ class LLM:
                 if failed := [self.engine.failed_requests.pop(i) for i in ids if i in self.engine.failed_requests]:
                     raise RequestFailedError(failed[0])
                 for out in outputs:
+                    if isinstance(out, PoolingRequestOutput):  # one output, at its end
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                        continue
                     merged = children.setdefault(out.request_id, {})
                     for c in out.outputs:
                         merged[c.index] = c

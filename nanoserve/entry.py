@@ -82,7 +82,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
                               BeamSearchParams, CompletionOutput, CONTENT_FORMATS, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, Logprob, LoRARequest, REASONING_PARSERS,
+                              InvalidInput, LLMEngine, Logprob, LoRARequest, PoolingParams, REASONING_PARSERS,
                               RepetitionDetectionParams, RequestFailedError, RequestMetrics, RequestOutput,
                               RequestOutputKind, SamplingParams, StructuredOutputsParams, TEXT_PARTS, THINK_TAGS,
                               TokenizedPrompt, VLLM_ENGINE_ARGS, apply_chat_template, chat_template_content_format,
@@ -278,6 +278,18 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="config.json keys laid over the checkpoint's, as vLLM's, e.g. YaRN for a long context: "
                         "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
                         "\"original_max_position_embeddings\": 32768}}'")
+    g.add_argument("--runner", default="auto", choices=["auto", "generate", "pooling"],
+                   help="pooling: serve embeddings (/v1/embeddings) instead of generating; auto picks it for a "
+                        "sentence-transformers checkpoint (modules.json) or a bare decoder (config.json's "
+                        "Qwen3Model, MistralModel ...)")
+    g.add_argument("--convert", default="auto", choices=["auto", "none", "embed"],
+                   help="embed: a decoder's final hidden states pooled into embeddings (the pooling runner)")
+    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "embedding"],
+                   help="older vLLM's spelling: embed is --runner pooling")
+    g.add_argument("--pooler-config", "--override-pooler-config", type=_json_object, default=None, metavar="JSON",
+                   help="the pooling runner's pooler, as vLLM's: '{\"pooling_type\": \"MEAN\", "
+                        "\"use_activation\": false}' (LAST or MEAN; use_activation: L2-normalize; "
+                        "default: the checkpoint's sentence-transformers config, else LAST, normalized)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; the first is used in responses "
                         "(default: the --model value)")
@@ -2253,6 +2265,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
+        Route("/v1/embeddings", create_embedding, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", retrieve_response, methods=["POST"]),
@@ -2270,6 +2283,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
            Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"])]
           if args.enable_lora and runtime_lora_updating() else []),
     ]
+    routes = routes_for_runner(routes, async_llm.engine.runner_type)
     # CORS outermost (vLLM has it inside its API-key check): a preflight never meets
     # the key check, and every answer a browser reads, a 401 included, has its headers.
     app = Starlette(routes=routes, lifespan=lifespan,
@@ -2464,6 +2478,125 @@ def _tokenize(state: ServerState, req: TokenizeRequest, text: str | None) -> dic
     _, ids = engine.tokenize(text, add_special_tokens=special)
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids,  # token_strs null, as vLLM's
             "token_strs": engine.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+# ---------------------------------------------------------------- embeddings (the pooling runner)
+# vLLM's /v1/embeddings (entrypoints/pooling/embed): served when the engine runs the pooling runner, which
+# serves no generation; each runner's server answers the other's endpoints with a 404, as vLLM mounts
+# only its own (here with why).
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/invocations")
+
+
+class EmbeddingRequest(OpenAIBaseModel):
+    prompt_field: ClassVar[str] = "input"
+    input: Any = None  # one of PROMPT_SHAPES
+    encoding_format: typing.Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+    priority: int = 0
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, p: Any) -> list[str | list[int]]:
+        """Only the shape, as CompletionRequest's prompt: the engine checks the token ids."""
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p and isinstance(p[0], int) and not isinstance(p[0], bool):
+            return [p]
+        if isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p)):
+            return list(p)
+        raise ValueError(f"input must be {PROMPT_SHAPES} (and not empty), got {show(p)}")
+
+    def param_name(self, engine_param: str) -> str:
+        return "input" if engine_param == "prompt" else super().param_name(engine_param)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(self.dimensions, self.use_activation, self.truncate_prompt_tokens)
+
+
+async def create_embedding(request: Request) -> Response:
+    """POST /v1/embeddings: one engine request per input, batched by the scheduler as any prompts."""
+    state, request_id = _state(request), _request_id(request)
+    if state.engine.runner_type != "pooling":
+        raise ApiError(404, "this server generates text (--runner generate): /v1/embeddings needs an embedding "
+                            "model served with --runner pooling")
+    req = await read_json(request, state, functools.partial(parse_body, EmbeddingRequest, request_id=request_id))
+    if req.input is None:
+        raise bad_request(f"input is required: {PROMPT_SHAPES}", "input")
+    model = check_model(req, state)
+    if len(req.input) > MAX_ENGINE_REQUESTS:
+        raise bad_request(f"input holds {len(req.input)} prompts, more than the server takes in one request "
+                          f"({MAX_ENGINE_REQUESTS}); send them in several requests", "input")
+    engine, queue, ids = state.engine, asyncio.Queue(), []
+    try:
+        with state.endable():
+            params = engine.check_pooling_params(req.pooling_params())
+            engine.check_priority(req.priority)
+            prompts = await state.off_loop(lambda: [engine.process_pooling_prompt(
+                p, params, req.add_special_tokens) for p in req.input])
+        for i, prompt in enumerate(prompts):
+            ids.append(request_id if len(prompts) == 1 else f"{request_id}-{i}")
+            state.async_llm.add_request(prompt, params, ids[-1], queue, priority=req.priority)
+        vectors = await _embeddings_or_disconnect(request, queue, ids)
+    except InvalidInput as e:
+        raise req.invalid(e) from None
+    except (EngineDeadError, RequestFailedError) as e:
+        raise _engine_error(e) from None
+    finally:
+        for engine_id in ids:  # those not finished: an error, or the client gone
+            state.async_llm.abort(engine_id, queue)
+    if vectors is None:
+        return Response(status_code=499)  # nobody is listening
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    return json_response({
+        "id": f"embd-{request_id}", "object": "list", "created": int(time.time()), "model": model,
+        "data": [{"index": i, "object": "embedding", "embedding": _encode_embedding(v, req.encoding_format)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+
+
+async def _embeddings_or_disconnect(request: Request, queue: asyncio.Queue, ids: list[str]
+                                    ) -> list[torch.Tensor] | None:
+    """Each engine request's vector, in order; None if the client left first."""
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        queue.put_nowait(ClientDisconnect())
+
+    watcher, found = asyncio.ensure_future(watch()), {}
+    try:
+        while len(found) < len(ids):
+            out = await queue.get()
+            if isinstance(out, ClientDisconnect):
+                return None
+            if isinstance(out, Exception):
+                raise out
+            found[out.request_id] = out.outputs.data
+    finally:
+        watcher.cancel()
+    return [found[i] for i in ids]
+
+
+def _encode_embedding(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    """vLLM's: a list of floats, or base64 of its float32 bytes, little-endian (the openai SDK's default)."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode()
+    return vector.tolist()
+
+
+def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:
+    """Each runner's server answers the other's endpoints with a 404 that says why."""
+    async def not_generating(request: Request) -> Response:
+        raise ApiError(404, f"this server makes embeddings (--runner pooling): {esc(request.url.path)} needs a "
+                            f"generative model (--runner generate); /v1/embeddings is served")
+    if runner != "pooling":
+        return routes
+    return [Route(r.path, not_generating, methods=r.methods) if r.path.startswith(GENERATION_PATHS) else r
+            for r in routes]
 
 
 async def load_lora_adapter(request: Request) -> Response:

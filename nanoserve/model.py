@@ -194,6 +194,12 @@ class ModelConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     mxfp4: bool = False
+    # Embedding models (the pooling runner): a checkpoint of the decoder without its LM head, which
+    # config.json names as such (Qwen3Model, MistralModel: vLLM pools those by default), and the
+    # Matryoshka sizes its vectors may be cut to (None: any, where is_matryoshka says it may be cut)
+    base_model: bool = False
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -218,6 +224,10 @@ class ModelConfig:
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
+        base_model = isinstance(arch, str) and arch.endswith("Model") and f"{arch[:-5]}ForCausalLM" in \
+            SUPPORTED_ARCHITECTURES  # its decoder alone: the same layers, under the same config keys
+        if base_model:
+            arch = f"{arch[:-5]}ForCausalLM"
         if arch not in SUPPORTED_ARCHITECTURES:
             why = " (a mixture-of-experts model nanoserve does not serve)" if "Moe" in str(arch) else ""
             raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
@@ -285,6 +295,9 @@ class ModelConfig:
             quantization=quantization,
             **(_moe_config(arch, c) if arch in MOE_ARCHITECTURES else {}),
             **(_gpt_oss_config(c, mxfp4) if arch == GPT_OSS else {}),
+            base_model=base_model,
+            is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
+            matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
         )
         return _mla_config(cfg, c) if arch in MLA_ARCHITECTURES else cfg
 
@@ -1903,6 +1916,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     loaded = _fp8_slice(name, loaded, scales, cfg.quantization, file)
                 if name.endswith(MXFP4_BLOCKS) and cfg.mxfp4:
                     name, loaded = _mxfp4_slice(name, loaded, mxfp4_scales, file)
+                if name.startswith(_BASE_MODEL_PREFIXES):  # saved from the decoder alone (Qwen3Model), as vLLM's
+                    name = "model." + name                   # pooling loader takes both layouts
                 target, shard = _target_param(name, cfg)
                 if target is None:
                     continue
@@ -2175,6 +2190,9 @@ def _expert_target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 _VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+_BASE_MODEL_PREFIXES = ("layers.", "embed_tokens.", "norm.")
 
 
 def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
@@ -3345,14 +3363,19 @@ class SeqInput:
     lora_int_id: int | None = None  # the LoRA adapter it runs with (ModelRunner.add_lora's id)
     # speculative decoding: the draft tokens that end token_ids, each position's logits sampled
     draft_token_ids: list[int] | None = None
+    # the pooling runner (embeddings): what of this chunk's final hidden states comes back,
+    # "LAST" its last row, "SUM" the sum of its rows (MEAN pooling, added up chunk by chunk); None: nothing
+    pooling: str | None = None
 
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
     """One step's results: a SampleResult per sequence that samples, in order,
-    and the prompt logprobs of the sequences that asked, by their index in the step."""
+    the prompt logprobs of the sequences that asked, and the pooled hidden states
+    (fp32, on the host) of those that pool, both by their index in the step."""
     sampled: list[SampleResult]
     prompt_logprobs: dict[int, list[TokenLogprobs]]
+    pooled: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class AsyncModelRunnerOutput:
@@ -3360,8 +3383,10 @@ class AsyncModelRunnerOutput:
     their copy to pinned host memory is queued now, behind the sampler and before the next step;
     ``get()`` waits for it (the step's only device -> host sync) and returns the ModelRunnerOutput."""
 
-    def __init__(self, sampled: SamplerOutput | None, prompt_logprobs: dict[int, list[TokenLogprobs]]):
+    def __init__(self, sampled: SamplerOutput | None, prompt_logprobs: dict[int, list[TokenLogprobs]],
+                 pooled: dict[int, torch.Tensor] | None = None):
         self.sampled, self.prompt_logprobs, self.copied = sampled, prompt_logprobs, None
+        self.pooled = pooled or {}
         if sampled is not None and sampled.packed.is_cuda:
             stream = torch.cuda.current_stream(sampled.packed.device)  # the copy's, whatever device is current
             sampled.packed = sampled.packed.to("cpu", non_blocking=True)  # into pinned memory
@@ -3371,7 +3396,23 @@ class AsyncModelRunnerOutput:
     def get(self) -> ModelRunnerOutput:
         if self.copied is not None:
             self.copied.synchronize()
-        return ModelRunnerOutput(self.sampled.results() if self.sampled is not None else [], self.prompt_logprobs)
+        return ModelRunnerOutput(self.sampled.results() if self.sampled is not None else [], self.prompt_logprobs,
+                                 self.pooled)
+
+
+def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The pooling sequences' share of a step's final-norm hidden states (vLLM's pooler, before its
+    head), in fp32 on the host: a chunk's last row, or the sum of its rows. The rows are the
+    sequences' tokens in order (a padded decode has one per sequence, its one token)."""
+    out, start = {}, 0
+    for i, s in enumerate(seqs):
+        end = start + len(s.token_ids)
+        if s.pooling == "LAST":
+            out[i] = hidden[end - 1].float()
+        elif s.pooling == "SUM":
+            out[i] = hidden[start:end].float().sum(0)
+        start = end
+    return {i: v.cpu() for i, v in out.items()}
 
 
 def dummy_step(cfg: ModelConfig, q_lens: list[int], block_size: int, device: torch.device
@@ -3819,13 +3860,13 @@ class ModelRunner:
         message, and they join the forward's collectives."""
         rows = [i for i, s in enumerate(seqs) if s.sample is not None]
         if self.tp.world_size == 1:
-            logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
+            logits, prompt_logprobs, pooled = self.compute_step_logits(seqs, rows)
         else:
             try:
                 # the workers need no sampling parameters: they never sample
                 self.tp.send_step(self.num_steps, ([dataclasses.replace(s, sample=None) for s in seqs], rows))
                 self.num_steps += 1
-                logits, prompt_logprobs = self.compute_step_logits(seqs, rows)
+                logits, prompt_logprobs, pooled = self.compute_step_logits(seqs, rows)
             except RuntimeError as e:  # gloo's and NCCL's errors: one line that says what happened
                 raise TensorParallelError(f"a tensor-parallel step failed (a worker died, hung or lost its "
                                           f"connection): {first_line(e)}") from e
@@ -3836,13 +3877,13 @@ class ModelRunner:
         else:
             sampled = self.sampler.sample(logits, [seqs[i].sample for i in rows]) if rows else None
         self.prev_sampled = None if sampled is None else sampled.token_ids
-        return AsyncModelRunnerOutput(sampled, prompt_logprobs)
+        return AsyncModelRunnerOutput(sampled, prompt_logprobs, pooled)
 
     def compute_step_logits(self, seqs: list[SeqInput], rows: list[int]
-                            ) -> tuple[torch.Tensor | None, dict[int, list[TokenLogprobs]]]:
+                            ) -> tuple[torch.Tensor | None, dict[int, list[TokenLogprobs]], dict[int, torch.Tensor]]:
         """The forward over the step's tokens, then the logits of the ``rows`` that
-        sample (None when none does, and on ranks other than 0) and the prompt
-        logprobs the sequences ask for (empty on ranks other than 0)."""
+        sample (None when none does, and on ranks other than 0), the prompt
+        logprobs the sequences ask for and their pooled hidden states (both empty on ranks other than 0)."""
         if self._is_padded_decode(seqs):
             hidden = self._run_decode_padded(seqs)  # one row per sequence
             last = torch.arange(len(seqs), device=self.device)
@@ -3860,13 +3901,14 @@ class ModelRunner:
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
                          sum(len(s.token_ids) for s in seqs), len(rows))
         prompt_logprobs = self._prompt_logprobs(seqs, hidden) if any(s.prompt_logprob_ids for s in seqs) else {}
+        pooled = pool_hidden_states(seqs, hidden) if self.tp.rank == 0 and any(s.pooling for s in seqs) else {}
         if any(seqs[i].draft_token_ids for i in rows):  # speculative decoding: a row for each draft too
             ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
             picked = host_ints([p for i in rows for p in range(ends[i] - 1 - len(seqs[i].draft_token_ids or ()),
                                                                 ends[i])])
-            return self.model.compute_logits(hidden[to_device(picked, self.device)]), prompt_logprobs
+            return self.model.compute_logits(hidden[to_device(picked, self.device)]), prompt_logprobs, pooled
         return (self.model.compute_logits(hidden[last[to_device(host_ints(rows), self.device)]]) if rows else None), \
-            prompt_logprobs
+            prompt_logprobs, pooled
 
     def _prompt_logprobs(self, seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
         """The rows' logprobs of the prompt tokens they predict, for the sequences

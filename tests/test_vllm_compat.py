@@ -335,17 +335,17 @@ TAKEN = [["--quantization", "fp8"], ["--trust-remote-code"], ["--no-trust-remote
          ["--response-role", "assistant"],
          ["--data-parallel-size", "1"], ["--api-server-count", "1"],
          ["--enable-log-outputs"], ["--logprobs-mode", "raw_logprobs"],
-         ["--runner", "generate"], ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
+         ["--cpu-offload-gb", "0.0"], ["--use-v2-block-manager"],
          ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
-         ["--task", "generate"], ["--no-fully-sharded-loras"],
+         ["--no-fully-sharded-loras"],
          ["--lora-dtype", "auto"]]
 REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
            ["-q", "gptq"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--response-role", "bot"], ["-dp", "2"],
            ["--api-server-count", "4"], ["--logprobs-mode", "processed_logprobs"],
-           ["--runner", "pooling"], ["--cpu-offload-gb", "2.5"],
-           ["--tokenizer-revision", "v2"], ["--task", "embed"], ["--fully-sharded-loras"], ["--lora-dtype", "float16"]]
+           ["--cpu-offload-gb", "2.5"],
+           ["--tokenizer-revision", "v2"], ["--fully-sharded-loras"], ["--lora-dtype", "float16"]]
 
 
 def test_scheduling_policy_priority_over_http(tiny_model, monkeypatch):
@@ -663,7 +663,7 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
     assert warm.num_cached_tokens > 0 and plain.reset_prefix_cache() is True
     cold = plain.generate(long, greedy, use_tqdm=False)[0]
     assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
-    for name, why in (("encode", "generative models only"), ("sleep", "no sleep mode"), ("llm_engine", "LLM.engine")):
+    for name, why in (("classify", "embeddings only"), ("sleep", "no sleep mode"), ("llm_engine", "LLM.engine")):
         with pytest.raises(AttributeError, match=f"LLM.{name} is vLLM's, and nanoserve does not have it: .*{why}"):
             getattr(plain, name)
     assert not hasattr(plain, "no_such_thing")
@@ -677,7 +677,7 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
     ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported: "),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported: nanoserve keeps every weight on the device"),
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported: "),
-    ({"task": "embed"}, "task='embed' is not supported: nanoserve runs generative models only"),
+    ({"task": "classify"}, "task must be one of auto, generate, embed, embedding, got 'classify'"),
     ({"compilation_config": {"cudagraph_mode": "FULL"}}, "compilation_config['cudagraph_mode'] is not supported"),
     ({"compilation_config": "3"}, "compilation_config must be an int (a level) or a dict, got str"),
     ({"num_kv_blocks": 8, "num_gpu_blocks_override": 8}, "num_kv_blocks is given twice"),
