@@ -17,7 +17,7 @@ It knows nothing of HTTP, text or sampling: requests are ids and token lists.
 It hands the scheduler "can this request have these slots?" answers, the block
 tables (which reach the model runner in the scheduler's output) and its stats;
 the model runner gets the KV tensors, and computes each token's slot with
-``slot_mapping``. On a request's path: ``Scheduler.schedule`` calls
+``compute_slot_mapping``. On a request's path: ``Scheduler.schedule`` calls
 ``get_computed_blocks`` then ``allocate_slots``; ``Scheduler.finish_request`` calls ``free``.
 """
 from __future__ import annotations
@@ -345,7 +345,7 @@ def slot(block_table: list[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
-def slot_mapping(block_tables: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
+def compute_slot_mapping(block_tables: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor,
                  block_size: int) -> torch.Tensor:
     """``slot`` of each token of a step, for all of them at once (no Python loop per token)."""
     block_ids = block_tables[seq_ids, positions // block_size].long()

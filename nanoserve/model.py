@@ -14,7 +14,12 @@ This module owns
   experts run by the backend's ``fused_moe``, a shared expert; GLM's grouped sigmoid routing) in the
   place of the dense one, in the layers that have it (OLMoE's q/k norms over all heads, Granite's
   scalars are flags too); DeepSeek-V2/V3's multi-head latent attention (``MLAAttention``: the latent is
-  the KV cache, one tensor for K and V) in the place of the attention, with their routing;
+  the KV cache, one tensor for K and V) in the place of the attention, with their routing; gpt-oss
+  (``GptOssMoE``: experts with biases and a clamped SwiGLU, attention sinks, its MXFP4 experts
+  dequantized at load);
+* LoRA adapters (``wrap_lora_layers``: device slots beside the base linears, a row's adapter picked
+  per token), custom logits processors, prompt logprobs, and the pooling runner's hidden states
+  (embeddings: a chunk's last row or its rows' sum, no logits);
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices; an FP8 checkpoint's weights
   (quant_method "fp8", block or per-tensor scales) dequantized into the model's dtype as they are read;
@@ -64,7 +69,7 @@ from torch import nn
 from nanoserve import kernels, kvcache
 from nanoserve.kernels import Backend
 from nanoserve.kvcache import CacheConfig, KVCachePlan, KVCacheSpec
-from nanoserve.kvcache import slot_mapping as compute_slot_mapping
+from nanoserve.kvcache import compute_slot_mapping
 
 logger = logging.getLogger("nanoserve.model")
 LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
@@ -1358,6 +1363,8 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
+        """One layer's attention over the step's flattened tokens: qkv -> (q/k norm) -> rotary ->
+        backend.store_kvcache -> backend.paged_attention (kernels.py, or cpu_backend.py) -> o_proj."""
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm_whole:  # OLMoE: an RMSNorm over all of q's heads together, one over k's
@@ -1410,6 +1417,7 @@ class MLAAttention(nn.Module):
         self.nope, self.rope, self.v_dim, self.kv_lora_rank = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                                                                cfg.v_head_dim, L)
         q_out = heads * (self.nope + self.rope)
+        self.q_lora_rank = cfg.q_lora_rank  # V2-Lite projects q directly; V2/V3 through a low-rank q_a/q_b
         if cfg.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(H, cfg.q_lora_rank)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, backend)
@@ -1427,8 +1435,10 @@ class MLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
+        """q and the latent -> rotary on their rope parts -> backend.store_kvcache of [c; k_pe] -> q absorbed
+        into the latent space -> backend.paged_attention (MQA over the latent) -> W_UV -> o_proj."""
         T = x.shape[0]
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
         q_pe, k_pe = self.rotary_emb(positions, self._rope_layout(q_pe), self._rope_layout(k_pe.view(T, 1, -1)))
@@ -3907,8 +3917,8 @@ class ModelRunner:
             picked = host_ints([p for i in rows for p in range(ends[i] - 1 - len(seqs[i].draft_token_ids or ()),
                                                                 ends[i])])
             return self.model.compute_logits(hidden[to_device(picked, self.device)]), prompt_logprobs, pooled
-        return (self.model.compute_logits(hidden[last[to_device(host_ints(rows), self.device)]]) if rows else None), \
-            prompt_logprobs, pooled
+        logits = self.model.compute_logits(hidden[last[to_device(host_ints(rows), self.device)]]) if rows else None
+        return logits, prompt_logprobs, pooled
 
     def _prompt_logprobs(self, seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, list[TokenLogprobs]]:
         """The rows' logprobs of the prompt tokens they predict, for the sequences

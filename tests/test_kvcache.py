@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanoserve.kvcache import (BlockManager, KVCacheSpec, check_fits, hash_block, plan_kv_cache,
-                               slot_mapping)
+                               compute_slot_mapping)
 
 BS = 4
 
@@ -254,7 +254,7 @@ def test_slot_mapping_follows_the_block_table():
     block_tables = torch.tensor([[5, 2, 0], [7, 1, 3]], dtype=torch.int32)
     seq_ids = torch.tensor([0, 0, 0, 1, 1])
     positions = torch.tensor([0, 3, 4, 2, 9])
-    got = slot_mapping(block_tables, seq_ids, positions, block_size=4)
+    got = compute_slot_mapping(block_tables, seq_ids, positions, block_size=4)
     assert got.tolist() == [5 * 4 + 0, 5 * 4 + 3, 2 * 4 + 0, 7 * 4 + 2, 3 * 4 + 1]
 
 
