@@ -4177,6 +4177,12 @@ class ServerMetrics:
             family = kind(f"nanoserve:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], s[key])
             yield family
+        if "spec_decode_num_accepted_tokens_per_pos" in s:  # vLLM's: one series a draft position, 0 to k - 1
+            family = CounterMetricFamily("nanoserve:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position", labels=["model_name", "position"])
+            for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                family.add_metric([self.model_name, str(pos)], n)
+            yield family
 
 
 class _Renamed:

@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram drafts (vLLM's speculative_config): the proposer's matches,
 the config's checks, greedy tokens equal to the engine's without drafts (while drafts are
 accepted and rejected, cut by stops, preempted), the rejection sampler's distribution, and
-vLLM's spec-decode counters on /metrics."""
+vLLM's spec-decode counters (per draft position too) on /metrics."""
 from __future__ import annotations
 
 import logging
@@ -216,6 +216,36 @@ def test_a_stream_gets_several_tokens_a_step(spec_llm, reference, oracle):
     assert sum(deltas, []) == reference[0] and max(map(len, deltas)) == 1 + NGRAM["num_speculative_tokens"]
 
 
+def test_accepted_tokens_per_position(spec_llm, reference):
+    """vLLM's per-position counter: drafts of the greedy continuation whose token at position 0, 1, 2,
+    then none is wrong, in turn; a draft whose first wrong token is at i counts at positions 0 to i - 1."""
+    engine, prompt, ref = spec_llm.engine, PROMPTS[2], reference[2]
+    accepted = []  # each draft's accepted length, as the reference decides it
+
+    def propose(token_ids, k):
+        done = len(token_ids) - len(prompt)
+        draft, wrong = ref[done:done + k], len(accepted) % 4
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % VOCAB
+        if draft:
+            accepted.append(min(wrong, len(draft)))
+        return draft
+    before = spec_llm.stats()
+    engine.proposer.propose, original = propose, engine.proposer.propose
+    try:
+        assert token_ids(spec_llm.generate([prompt], GREEDY, use_tqdm=False)) == [ref]
+    finally:
+        engine.proposer.propose = original
+    s = spec_llm.stats()
+    per_pos = [n - m for n, m in zip(s["spec_decode_num_accepted_tokens_per_pos"],
+                                     before["spec_decode_num_accepted_tokens_per_pos"])]
+    want = [sum(a > i for a in accepted) for i in range(NGRAM["num_speculative_tokens"])]
+    assert per_pos == want and want[0] > want[1] > want[2] > 0, (per_pos, want)
+    assert s["spec_decode_num_drafts"] - before["spec_decode_num_drafts"] == len(accepted)
+    assert sum(per_pos) == s["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert_all_blocks_free(spec_llm)
+
+
 def test_requests_speculation_cannot_serve_run_without_drafts(spec_llm, plain):
     """Penalties and min_tokens change the distribution from one position to the next: no drafts (as vLLM)."""
     before = spec_llm.stats()["spec_decode_num_drafts"]
@@ -281,3 +311,8 @@ def test_metrics_carry_vllms_spec_decode_counters():
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
     assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'spec_decode_num_accepted_tokens_per_pos' not in text  # vLLM's per-position series: with them only
+    engine.stats = lambda: {**stats, **spec, "spec_decode_num_accepted_tokens_per_pos": [3, 1, 0]}
+    text = generate_latest(ServerMetrics(SimpleNamespace(engine=engine), "m").exposed).decode()
+    for pos, n in enumerate((3, 1, 0)):
+        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {n}.0' in text
