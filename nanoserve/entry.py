@@ -4199,7 +4199,8 @@ class _Renamed:
 
 
 async def log_stats_periodically(state: ServerState, interval: float) -> None:
-    """vLLM's periodic line: throughput, queues, KV usage, prefix hit rate, while busy."""
+    """vLLM's periodic line: throughput, queues, KV usage, prefix hit rate, while busy; and with drafts in
+    the interval, vLLM's spec-decode line after it."""
     last, last_time = state.engine.stats(), time.monotonic()
     while True:
         await asyncio.sleep(interval)
@@ -4214,7 +4215,27 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
                         "running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
                         prompt_tps, gen_tps, s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                         100 * hits / queries if queries else 0.0)
+        if line := spec_decode_line(last, s, dt):
+            logger.info("[entry] %s", line)
         last, last_time = s, now
+
+
+def spec_decode_line(last: dict[str, Any], s: dict[str, Any], dt: float) -> str | None:
+    """vLLM's SpecDecoding line over the interval from stats ``last`` to ``s`` (``dt`` seconds); None
+    without drafts in it. As vLLM's: the mean acceptance length counts the bonus token (1 + accepted /
+    drafts), and a position's rate is the drafts that had their token there accepted / all drafts."""
+    if "spec_decode_num_drafts" not in s:
+        return None
+    drafts, drafted, accepted = (s[k] - last[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                          "spec_decode_num_accepted_tokens"))
+    if not drafts:
+        return None
+    per_pos = [(n - m) / drafts for n, m in zip(s["spec_decode_num_accepted_tokens_per_pos"],
+                                                last["spec_decode_num_accepted_tokens_per_pos"])]
+    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, Accepted throughput: "
+            f"{accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, Accepted: {accepted} "
+            f"tokens, Drafted: {drafted} tokens, Per-position acceptance rate: "
+            f"{', '.join(f'{r:.3f}' for r in per_pos)}, Avg Draft acceptance rate: {100 * accepted / drafted:.1f}%")
 
 
 # =========================================================================== start-up and shutdown

@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram drafts (vLLM's speculative_config): the proposer's matches,
 the config's checks, greedy tokens equal to the engine's without drafts (while drafts are
 accepted and rejected, cut by stops, preempted), the rejection sampler's distribution, and
-vLLM's spec-decode counters (per draft position too) on /metrics."""
+vLLM's spec-decode counters (per draft position too) on /metrics and its periodic log line."""
 from __future__ import annotations
 
 import logging
@@ -316,3 +316,17 @@ def test_metrics_carry_vllms_spec_decode_counters():
     text = generate_latest(ServerMetrics(SimpleNamespace(engine=engine), "m").exposed).decode()
     for pos, n in enumerate((3, 1, 0)):
         assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {n}.0' in text
+
+
+def test_the_periodic_spec_decode_line_is_vllms():
+    from nanoserve.entry import spec_decode_line
+    last = {"spec_decode_num_drafts": 1, "spec_decode_num_draft_tokens": 3, "spec_decode_num_accepted_tokens": 1,
+            "spec_decode_num_accepted_tokens_per_pos": [1, 0, 0]}
+    now = {"spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 15, "spec_decode_num_accepted_tokens": 9,
+           "spec_decode_num_accepted_tokens_per_pos": [4, 3, 2]}
+    assert spec_decode_line(last, now, 2.0) == (
+        "SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 4.00 tokens/s, Drafted throughput: "
+        "6.00 tokens/s, Accepted: 8 tokens, Drafted: 12 tokens, Per-position acceptance rate: 0.750, 0.750, 0.500, "
+        "Avg Draft acceptance rate: 66.7%")
+    assert spec_decode_line(now, now, 2.0) is None  # no drafts in the interval: no line
+    assert spec_decode_line({}, {"prompt_tokens": 1}, 2.0) is None  # speculation off
