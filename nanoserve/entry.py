@@ -546,8 +546,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 args.vllm_notes.append(vllm_arg_note(given, value, taken, note, "flag"))
             except ValueError as e:
                 parser.error(str(e))
-    try:  # EngineConfig's checks, as argparse's: one line and exit 2, before anything loads
-        engine_config(args)
+    try:  # EngineConfig's checks, as argparse's: one line and exit 2, before anything loads; silent, since
+        with _unlogged("nanoserve.engine"):  # serve() builds it again, once logging is set up, and that logs
+            engine_config(args)
     except ValueError as e:
         parser.error(str(e))
     args.api_key, args.api_key_from = api_keys(args.api_key)
@@ -4303,6 +4304,17 @@ def configure_logging(level: str, uvicorn_level: str | None = None, quiet_paths:
     logging.getLogger("uvicorn.error").addFilter(_cancellations_in_one_line)
     quiet = frozenset(quiet_paths)
     logging.getLogger("uvicorn.access").filters[:] = [functools.partial(_not_quiet, quiet)] if quiet else []
+
+
+@contextlib.contextmanager
+def _unlogged(name: str) -> Iterator[None]:
+    """Logger ``name`` drops its records meanwhile."""
+    log = logging.getLogger(name)
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def _not_quiet(quiet: frozenset[str], record: logging.LogRecord) -> bool:

@@ -330,3 +330,15 @@ def test_the_periodic_spec_decode_line_is_vllms():
         "Avg Draft acceptance rate: 66.7%")
     assert spec_decode_line(now, now, 2.0) is None  # no drafts in the interval: no line
     assert spec_decode_line({}, {"prompt_tokens": 1}, 2.0) is None  # speculation off
+
+
+def test_the_server_warns_once_that_async_scheduling_is_off(monkeypatch, caplog, capsys, tmp_path):
+    """parse_args checks the engine config and serve() builds it again: the warning comes from the second only."""
+    from nanoserve import entry
+    monkeypatch.setattr(entry, "configure_logging", lambda *levels: None)  # leave pytest's handlers alone
+    no_socket = str(tmp_path / "missing" / "s.sock")  # the server stops at its socket, before loading a model
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        assert entry.main(["--model", "m", "--uds", no_socket, "--async-scheduling",
+                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 1
+    assert caplog.text.count("async_scheduling is turned off") == 1, caplog.text
+    assert "cannot listen on" in capsys.readouterr().err
