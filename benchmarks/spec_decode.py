@@ -133,9 +133,12 @@ def batched(args, spec: dict) -> None:
         base_decode = statistics.median(x["decode_tok_s"] for x in runs["A"])
         for name, rs in runs.items():
             row[name] = summary(rs, runs["A"][0]["tokens"])
+            paired = [b["tok_s"] / a["tok_s"] for a, b in zip(runs["A"], rs)]  # a round's B over its A: drift cancels
             row[name].update(ratio=row[name]["tok_s_median"] / base,
-                             decode_ratio=row[name]["decode_tok_s_median"] / base_decode)
-            print(f"c={c} {name}: {row[name]['tok_s_median']:.1f} tok/s (x{row[name]['ratio']:.2f}), decode "
+                             decode_ratio=row[name]["decode_tok_s_median"] / base_decode,
+                             round_ratios=[round(x, 3) for x in paired], round_ratio_median=statistics.median(paired))
+            print(f"c={c} {name}: {row[name]['tok_s_median']:.1f} tok/s (x{row[name]['ratio']:.2f}; rounds' median "
+                  f"x{row[name]['round_ratio_median']:.2f}), decode "
                   f"{row[name]['decode_tok_s_median']:.1f} tok/s (x{row[name]['decode_ratio']:.2f}), acceptance "
                   f"{row[name].get('acceptance_rate')}, per position {row[name].get('per_position')}, "
                   f"same tokens {row[name]['same_tokens']}", flush=True)
