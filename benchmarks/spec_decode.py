@@ -93,13 +93,26 @@ def spec_delta(before: dict, after: dict) -> dict:
 
 def run_batch(llm, prompts: list[list[int]], output_len: int) -> dict:
     from nanoserve import SamplingParams
+    engine, steps = llm.engine, []
+    step = engine.step
+
+    def timed_step():  # each engine step's time: what a verification step costs against a decode step
+        t = time.perf_counter()
+        out = step()
+        steps.append(time.perf_counter() - t)
+        return out
     before = llm.stats()
+    engine.step = timed_step
     start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
-                                                detokenize=False), use_tqdm=False)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True,
+                                                    detokenize=False), use_tqdm=False)
+    finally:
+        del engine.step
     wall = time.perf_counter() - start
     first, last = max(o.metrics.first_token_time for o in outs), max(o.metrics.last_token_time for o in outs)
     return dict(tok_s=len(prompts) * output_len / wall, decode_tok_s=len(prompts) * (output_len - 1) / (last - first),
+                step_ms=1000 * statistics.median(steps[1:]), num_steps=len(steps),  # [1:]: past the prefill
                 tokens=[list(o.outputs[0].token_ids) for o in outs], **spec_delta(before, llm.stats()))
 
 
@@ -136,10 +149,13 @@ def batched(args, spec: dict) -> None:
             paired = [b["tok_s"] / a["tok_s"] for a, b in zip(runs["A"], rs)]  # a round's B over its A: drift cancels
             row[name].update(ratio=row[name]["tok_s_median"] / base,
                              decode_ratio=row[name]["decode_tok_s_median"] / base_decode,
-                             round_ratios=[round(x, 3) for x in paired], round_ratio_median=statistics.median(paired))
+                             round_ratios=[round(x, 3) for x in paired], round_ratio_median=statistics.median(paired),
+                             step_ratios=[round(b["step_ms"] / a["step_ms"], 3) for a, b in zip(runs["A"], rs)])
             print(f"c={c} {name}: {row[name]['tok_s_median']:.1f} tok/s (x{row[name]['ratio']:.2f}; rounds' median "
                   f"x{row[name]['round_ratio_median']:.2f}), decode "
-                  f"{row[name]['decode_tok_s_median']:.1f} tok/s (x{row[name]['decode_ratio']:.2f}), acceptance "
+                  f"{row[name]['decode_tok_s_median']:.1f} tok/s (x{row[name]['decode_ratio']:.2f}), a step "
+                  f"{row[name]['step_ms_median']:.1f} ms (x{statistics.median(row[name]['step_ratios']):.2f}), "
+                  f"acceptance "
                   f"{row[name].get('acceptance_rate')}, per position {row[name].get('per_position')}, "
                   f"same tokens {row[name]['same_tokens']}", flush=True)
     report["load_after"] = os.getloadavg()
@@ -155,6 +171,9 @@ def summary(rs: list[dict], tokens: list[list[int]]) -> dict:
     row = {"tok_s_median": statistics.median(r["tok_s"] for r in rs), "tok_s": [round(r["tok_s"], 1) for r in rs],
            "decode_tok_s_median": statistics.median(r["decode_tok_s"] for r in rs),
            "decode_tok_s": [round(r["decode_tok_s"], 1) for r in rs],
+           "step_ms_median": statistics.median(r["step_ms"] for r in rs),
+           "step_ms": [round(r["step_ms"], 1) for r in rs],
+           "steps_per_run": statistics.median(r["num_steps"] for r in rs),
            "same_tokens": sum(r["tokens"] == tokens for r in rs) / len(rs)}
     drafts = sum(r.get("spec_decode_num_drafts", 0) for r in rs)
     if drafts:
