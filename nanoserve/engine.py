@@ -1710,9 +1710,12 @@ class LLMEngine:
         self.request_counter = itertools.count()
         self.stats_counters = {"prompt_tokens": 0, "generation_tokens": 0, "num_finished": 0}
         self.proposer = self._proposer()
-        if self.proposer is not None:  # vLLM's spec-decode metrics (its acceptance rate: accepted / draft tokens)
+        if self.proposer is not None:  # vLLM's spec-decode metrics (its acceptance rate: accepted / draft tokens;
+            # per position: how many drafts had their i-th token accepted, i from 0 to k - 1)
+            k = config.speculative_config.num_speculative_tokens
             self.stats_counters.update(spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-                                       spec_decode_num_accepted_tokens=0)
+                                       spec_decode_num_accepted_tokens=0,
+                                       spec_decode_num_accepted_tokens_per_pos=[0] * k)
         self.in_flight: list[StepInFlight] = []
         self.beam_searches: dict[str, BeamSearch] = {}
         self.beam_children: dict[str, tuple[BeamSearch, int]] = {}  # a round's one-token requests: search, beam
@@ -2630,6 +2633,9 @@ class LLMEngine:
         c["spec_decode_num_drafts"] += 1
         c["spec_decode_num_draft_tokens"] += num_draft
         c["spec_decode_num_accepted_tokens"] += num_accepted
+        per_pos = c["spec_decode_num_accepted_tokens_per_pos"]
+        for i in range(num_accepted):  # the accepted ones are a prefix of the drafts
+            per_pos[i] += 1
 
     def _propose(self, req: Request) -> None:
         """Its drafts for the next step: no more than the tokens it may still emit, less the one that
@@ -2798,8 +2804,10 @@ class LLMEngine:
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict[str, Any]:
         s = self.scheduler.make_stats()
+        counters = {k: list(v) if isinstance(v, list) else v  # a copy: callers subtract one call's from a later one's
+                    for k, v in self.stats_counters.items()}
         return {"num_running": s.num_running, "num_waiting": s.num_waiting, "num_preemptions": s.num_preemptions,
-                **dataclasses.asdict(s.kv_cache), **self.stats_counters}
+                **dataclasses.asdict(s.kv_cache), **counters}
 
     # ---------------------------------------------------------------- tensor-parallel workers
     def check_health(self) -> None:

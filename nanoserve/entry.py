@@ -558,8 +558,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 args.vllm_notes.append(vllm_arg_note(given, value, taken, note, "flag"))
             except ValueError as e:
                 parser.error(str(e))
-    try:  # EngineConfig's checks, as argparse's: one line and exit 2, before anything loads
-        engine_config(args)
+    try:  # EngineConfig's checks, as argparse's: one line and exit 2, before anything loads; silent, since
+        with _unlogged("nanoserve.engine"):  # serve() builds it again, once logging is set up, and that logs
+            engine_config(args)
     except ValueError as e:
         parser.error(str(e))
     args.api_key, args.api_key_from = api_keys(args.api_key)
@@ -4310,6 +4311,12 @@ class ServerMetrics:
             family = kind(f"nanoserve:{name}", doc, labels=["model_name"])
             family.add_metric([self.model_name], s[key])
             yield family
+        if "spec_decode_num_accepted_tokens_per_pos" in s:  # vLLM's: one series a draft position, 0 to k - 1
+            family = CounterMetricFamily("nanoserve:spec_decode_num_accepted_tokens_per_pos",
+                                         "Accepted tokens per draft position", labels=["model_name", "position"])
+            for pos, n in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                family.add_metric([self.model_name, str(pos)], n)
+            yield family
 
 
 class _Renamed:
@@ -4326,7 +4333,8 @@ class _Renamed:
 
 
 async def log_stats_periodically(state: ServerState, interval: float) -> None:
-    """vLLM's periodic line: throughput, queues, KV usage, prefix hit rate, while busy."""
+    """vLLM's periodic line: throughput, queues, KV usage, prefix hit rate, while busy; and with drafts in
+    the interval, vLLM's spec-decode line after it."""
     last, last_time = state.engine.stats(), time.monotonic()
     while True:
         await asyncio.sleep(interval)
@@ -4341,7 +4349,27 @@ async def log_stats_periodically(state: ServerState, interval: float) -> None:
                         "running: %d reqs, waiting: %d reqs, KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
                         prompt_tps, gen_tps, s["num_running"], s["num_waiting"], 100 * s["kv_cache_usage"],
                         100 * hits / queries if queries else 0.0)
+        if line := spec_decode_line(last, s, dt):
+            logger.info("[entry] %s", line)
         last, last_time = s, now
+
+
+def spec_decode_line(last: dict[str, Any], s: dict[str, Any], dt: float) -> str | None:
+    """vLLM's SpecDecoding line over the interval from stats ``last`` to ``s`` (``dt`` seconds); None
+    without drafts in it. As vLLM's: the mean acceptance length counts the bonus token (1 + accepted /
+    drafts), and a position's rate is the drafts that had their token there accepted / all drafts."""
+    if "spec_decode_num_drafts" not in s:
+        return None
+    drafts, drafted, accepted = (s[k] - last[k] for k in ("spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+                                                          "spec_decode_num_accepted_tokens"))
+    if not drafts:
+        return None
+    per_pos = [(n - m) / drafts for n, m in zip(s["spec_decode_num_accepted_tokens_per_pos"],
+                                                last["spec_decode_num_accepted_tokens_per_pos"])]
+    return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, Accepted throughput: "
+            f"{accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, Accepted: {accepted} "
+            f"tokens, Drafted: {drafted} tokens, Per-position acceptance rate: "
+            f"{', '.join(f'{r:.3f}' for r in per_pos)}, Avg Draft acceptance rate: {100 * accepted / drafted:.1f}%")
 
 
 # =========================================================================== start-up and shutdown
@@ -4409,6 +4437,17 @@ def configure_logging(level: str, uvicorn_level: str | None = None, quiet_paths:
     logging.getLogger("uvicorn.error").addFilter(_cancellations_in_one_line)
     quiet = frozenset(quiet_paths)
     logging.getLogger("uvicorn.access").filters[:] = [functools.partial(_not_quiet, quiet)] if quiet else []
+
+
+@contextlib.contextmanager
+def _unlogged(name: str) -> Iterator[None]:
+    """Logger ``name`` drops its records meanwhile."""
+    log = logging.getLogger(name)
+    was, log.disabled = log.disabled, True
+    try:
+        yield
+    finally:
+        log.disabled = was
 
 
 def _not_quiet(quiet: frozenset[str], record: logging.LogRecord) -> bool:

@@ -1,7 +1,7 @@
 """Speculative decoding with n-gram drafts (vLLM's speculative_config): the proposer's matches,
 the config's checks, greedy tokens equal to the engine's without drafts (while drafts are
 accepted and rejected, cut by stops, preempted), the rejection sampler's distribution, and
-vLLM's spec-decode counters on /metrics."""
+vLLM's spec-decode counters (per draft position too) on /metrics and its periodic log line."""
 from __future__ import annotations
 
 import logging
@@ -216,6 +216,36 @@ def test_a_stream_gets_several_tokens_a_step(spec_llm, reference, oracle):
     assert sum(deltas, []) == reference[0] and max(map(len, deltas)) == 1 + NGRAM["num_speculative_tokens"]
 
 
+def test_accepted_tokens_per_position(spec_llm, reference):
+    """vLLM's per-position counter: drafts of the greedy continuation whose token at position 0, 1, 2,
+    then none is wrong, in turn; a draft whose first wrong token is at i counts at positions 0 to i - 1."""
+    engine, prompt, ref = spec_llm.engine, PROMPTS[2], reference[2]
+    accepted = []  # each draft's accepted length, as the reference decides it
+
+    def propose(token_ids, k):
+        done = len(token_ids) - len(prompt)
+        draft, wrong = ref[done:done + k], len(accepted) % 4
+        if wrong < len(draft):
+            draft[wrong] = (draft[wrong] + 1) % VOCAB
+        if draft:
+            accepted.append(min(wrong, len(draft)))
+        return draft
+    before = spec_llm.stats()
+    engine.proposer.propose, original = propose, engine.proposer.propose
+    try:
+        assert token_ids(spec_llm.generate([prompt], GREEDY, use_tqdm=False)) == [ref]
+    finally:
+        engine.proposer.propose = original
+    s = spec_llm.stats()
+    per_pos = [n - m for n, m in zip(s["spec_decode_num_accepted_tokens_per_pos"],
+                                     before["spec_decode_num_accepted_tokens_per_pos"])]
+    want = [sum(a > i for a in accepted) for i in range(NGRAM["num_speculative_tokens"])]
+    assert per_pos == want and want[0] > want[1] > want[2] > 0, (per_pos, want)
+    assert s["spec_decode_num_drafts"] - before["spec_decode_num_drafts"] == len(accepted)
+    assert sum(per_pos) == s["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    assert_all_blocks_free(spec_llm)
+
+
 def test_requests_speculation_cannot_serve_run_without_drafts(spec_llm, plain):
     """Penalties and min_tokens change the distribution from one position to the next: no drafts (as vLLM)."""
     before = spec_llm.stats()["spec_decode_num_drafts"]
@@ -281,3 +311,34 @@ def test_metrics_carry_vllms_spec_decode_counters():
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 4.0' in text
     assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 9.0' in text
     assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'spec_decode_num_accepted_tokens_per_pos' not in text  # vLLM's per-position series: with them only
+    engine.stats = lambda: {**stats, **spec, "spec_decode_num_accepted_tokens_per_pos": [3, 1, 0]}
+    text = generate_latest(ServerMetrics(SimpleNamespace(engine=engine), "m").exposed).decode()
+    for pos, n in enumerate((3, 1, 0)):
+        assert f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} {n}.0' in text
+
+
+def test_the_periodic_spec_decode_line_is_vllms():
+    from nanoserve.entry import spec_decode_line
+    last = {"spec_decode_num_drafts": 1, "spec_decode_num_draft_tokens": 3, "spec_decode_num_accepted_tokens": 1,
+            "spec_decode_num_accepted_tokens_per_pos": [1, 0, 0]}
+    now = {"spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 15, "spec_decode_num_accepted_tokens": 9,
+           "spec_decode_num_accepted_tokens_per_pos": [4, 3, 2]}
+    assert spec_decode_line(last, now, 2.0) == (
+        "SpecDecoding metrics: Mean acceptance length: 3.00, Accepted throughput: 4.00 tokens/s, Drafted throughput: "
+        "6.00 tokens/s, Accepted: 8 tokens, Drafted: 12 tokens, Per-position acceptance rate: 0.750, 0.750, 0.500, "
+        "Avg Draft acceptance rate: 66.7%")
+    assert spec_decode_line(now, now, 2.0) is None  # no drafts in the interval: no line
+    assert spec_decode_line({}, {"prompt_tokens": 1}, 2.0) is None  # speculation off
+
+
+def test_the_server_warns_once_that_async_scheduling_is_off(monkeypatch, caplog, capsys, tmp_path):
+    """parse_args checks the engine config and serve() builds it again: the warning comes from the second only."""
+    from nanoserve import entry
+    monkeypatch.setattr(entry, "configure_logging", lambda *levels: None)  # leave pytest's handlers alone
+    no_socket = str(tmp_path / "missing" / "s.sock")  # the server stops at its socket, before loading a model
+    with caplog.at_level(logging.WARNING, logger="nanoserve"):
+        assert entry.main(["--model", "m", "--uds", no_socket, "--async-scheduling",
+                           "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}']) == 1
+    assert caplog.text.count("async_scheduling is turned off") == 1, caplog.text
+    assert "cannot listen on" in capsys.readouterr().err
