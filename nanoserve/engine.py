@@ -19,6 +19,9 @@ the KV cache (the block manager and the model runner do). At start-up it sizes
 and allocates the KV cache (``kvcache``) and hands the ``BlockManager`` to the
 scheduler; at run time it talks to the scheduler only, whose output carries
 each scheduled request's block table.
+
+Read from a server request's side: ``AsyncLLM`` (near the end) -> ``LLMEngine.add_request``
+-> ``LLMEngine.step_work``; from Python's: ``LLM.generate`` -> the same two.
 """
 from __future__ import annotations
 
@@ -1619,7 +1622,12 @@ GRAPH_POOL_SLACK = 64 * 2**20
 
 
 class LLMEngine:
-    """Synchronous engine: ``add_request`` then call ``step()`` until done."""
+    """The engine core (vLLM's LLMEngine and EngineCore in one), synchronous: ``add_request``, then
+    ``step()`` until done. A request's path through it: ``add_request`` (validate, tokenize) ->
+    ``Scheduler.add_request``; each ``step_work``: ``schedule_step`` (``Scheduler.schedule``) ->
+    ``build_inputs`` (a ``SeqInput`` a request) -> ``ModelRunner.execute_model`` (model.py) -> ``_land``
+    (sampled tokens, drafts, detokenize, stops) -> ``RequestOutput``s, which ``AsyncLLM`` puts on each
+    request's queue for the server."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -2265,8 +2273,10 @@ class LLMEngine:
             rid = ids[i]
             # The n children of one prompt always share its blocks: with prefix
             # caching off, a salt private to the family still lets them.
-            salt = self._salt(prompt) if self.config.enable_prefix_caching else family if params.n == 1 \
-                else f"n:{request_id}"
+            if self.config.enable_prefix_caching:
+                salt = self._salt(prompt)
+            else:
+                salt = family if params.n == 1 else f"n:{request_id}"
             self.scheduler.add_request(Request(
                 rid, text, token_ids, child, max_tokens, self.eos_token_ids,
                 self._detokenizer([] if prompt.prompt_embeds is not None else token_ids, params),
@@ -2513,14 +2523,15 @@ class LLMEngine:
                 if s.spec_token_ids:  # the drafts follow its last token (the slice ends there)
                     token_ids += s.spec_token_ids
                 pools = req.pooling_params is not None
-                seqs.append(SeqInput(token_ids, start, s.block_table,
-                                     req.sample_request() if s.will_sample and not pools else None,
-                                     req.prompt_logprob_ids(start, num_new),
-                                     req.sampling_params.prompt_logprobs or 0, prev_row,
-                                     None if req.prompt_embeds is None or start >= len(req.prompt_embeds)
-                                     else req.prompt_embeds[start:start + num_new],  # the prompt's rows only
-                                     req.lora_int_id, s.spec_token_ids or None,
-                                     self._pooling_rows(s) if pools else None))
+                embeds = None if req.prompt_embeds is None or start >= len(req.prompt_embeds) \
+                    else req.prompt_embeds[start:start + num_new]  # the prompt's rows only
+                seqs.append(SeqInput(
+                    token_ids, start, s.block_table,
+                    sample=req.sample_request() if s.will_sample and not pools else None,
+                    prompt_logprob_ids=req.prompt_logprob_ids(start, num_new),
+                    num_prompt_logprobs=req.sampling_params.prompt_logprobs or 0, prev_sample_row=prev_row,
+                    prompt_embeds=embeds, lora_int_id=req.lora_int_id, draft_token_ids=s.spec_token_ids or None,
+                    pooling=self._pooling_rows(s) if pools else None))
             except Exception as e:  # a bug met by this request's inputs (its grammar's mask, its sampling row)
                 self._fail_input(req, e)
                 seqs.append(None)

@@ -2400,7 +2400,9 @@ async def invocations(request: Request) -> Response:
 
 
 async def _generate(request: Request, kind: type["Generation"], req: GenerationRequest | None = None) -> Response:
-    """Completions and chat: parse, admit, then stream or collect."""
+    """Completions and chat: parse, admit (``Generation.admit``: tokenize off the loop, then
+    ``AsyncLLM.add_request`` in engine.py), then stream (``stream_events``) or collect the
+    ``RequestOutput``s the engine puts on the generation's queue."""
     state, request_id = _state(request), _request_id(request)
     if req is None:
         req = await read_json(request, state, functools.partial(kind.parse, request_id=request_id), kind.check_raw)
