@@ -19,11 +19,15 @@ from pydantic import TypeAdapter
 from test_server import ServerThread, _check_error, _metrics
 from test_tools import CLOCK, FORCED, RENDERED_HISTORY, TEMPLATE, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
 from test_tools import STRICT_TOOLS as CHAT_TOOLS
+from test_tools import TOOLS as LOOSE_CHAT_TOOLS
 from test_tools import calls_of, chat_stream
 
 # strict: a forced call's arguments follow the schema (with hermes, vLLM 0.32 constrains only a strict tool's)
 TOOLS = [{"type": "function", "name": "get_weather", "description": "the forecast", "parameters": WEATHER,
           "strict": True}, {"type": "function", "name": "get_time", "parameters": CLOCK, "strict": True}]
+# for an output forced by a structured-outputs choice: as vLLM 0.32's, a strict tool's calls would be an
+# alternative to the choice (a structural tag for "auto")
+LOOSE_TOOLS = [{**t, "strict": False} for t in TOOLS]
 CALLS = [["get_weather", '{"city": "Paris", "days": 3}'], ["get_time", '{"tz": "cet"}']]
 EVENT = TypeAdapter(ResponseStreamEvent)
 
@@ -233,19 +237,20 @@ def test_json_schema_text_format(server, client, monkeypatch):
 def test_hermes_calls_become_function_call_items(server, client):
     """The model's <tool_call>s (forced, as tests/test_tools.py does) are function_call items after the message
     of the text before them; streamed, their arguments arrive in function_call_arguments events."""
-    body = dict(input="weather in Paris?", tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300)
+    body = dict(input="weather in Paris?", tools=LOOSE_TOOLS, structured_outputs={"choice": [FORCED]},
+                max_output_tokens=300)
     r = create(server, **body)
     (message, *calls) = r["output"]
     assert message["type"] == "message" and output_text(r) == TOLD and r["status"] == "completed"
     assert [[c["name"], c["arguments"]] for c in calls] == CALLS
     assert all(c["type"] == "function_call" and c["status"] == "completed" and c["id"].startswith("fc_")
                and c["call_id"] for c in calls) and len({c["call_id"] for c in calls}) == 2
-    assert r["tools"] == [{"description": None, **TOOLS[0]}, {"description": None, **TOOLS[1]}]
+    assert r["tools"] == [{"description": None, **LOOSE_TOOLS[0]}, {"description": None, **LOOSE_TOOLS[1]}]
     events, final = stream(server, **body)
     assert output_text(final) == TOLD
     assert [[c["name"], c["arguments"]] for c in final["output"][1:]] == CALLS
     assert [e["type"] for e in events].count("response.function_call_arguments.done") == 2
-    sdk = client.responses.create(model=server.args.served_model_name[0], input="weather in Paris?", tools=TOOLS,
+    sdk = client.responses.create(model=server.args.served_model_name[0], input="weather in Paris?", tools=LOOSE_TOOLS,
                                   max_output_tokens=300, extra_body={"structured_outputs": {"choice": [FORCED]}})
     assert [[c.name, c.arguments] for c in sdk.output if c.type == "function_call"] == CALLS
     # parallel_tool_calls false keeps the first call; tool_choice "none" leaves the text as it is
@@ -276,7 +281,7 @@ def test_auto_without_a_parser_leaves_the_text(server, monkeypatch):
     """As vLLM's Responses path: without --enable-auto-tool-choice the tools reach the template and the text is
     not parsed (chat completions answers 400 there)."""
     monkeypatch.setattr(server.app.state.server, "tool_parser", None)
-    r = create(server, input="x", tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300)
+    r = create(server, input="x", tools=LOOSE_TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300)
     assert output_text(r) == FORCED and [i["type"] for i in r["output"]] == ["message"]
     # the tools are in the prompt, also with --exclude-tools-when-tool-choice-none (only "none" hides them)
     monkeypatch.setattr(server.app.state.server, "exclude_tools_when_tool_choice_none", True)
@@ -336,11 +341,11 @@ def test_logprobs_of_a_text_before_calls(server):
     """A message followed by function calls: the whole response's logprobs are all the output's (as vLLM's whole
     response, and chat's logprobs.content); a stream's message is done when the first call begins, so its
     logprobs are those of the tokens up to there: a prefix."""
-    body = dict(input="weather?", tools=TOOLS, structured_outputs={"choice": [FORCED]}, temperature=0,
+    body = dict(input="weather?", tools=LOOSE_TOOLS, structured_outputs={"choice": [FORCED]}, temperature=0,
                 max_output_tokens=300, **LOGPROBS)
     whole, final = create(server, **body)["output"], stream(server, **body)[1]["output"]
     assert [i["type"] for i in whole] == [i["type"] for i in final] == ["message", "function_call", "function_call"]
-    want = chat(server, messages=[{"role": "user", "content": "weather?"}], tools=CHAT_TOOLS, temperature=0,
+    want = chat(server, messages=[{"role": "user", "content": "weather?"}], tools=LOOSE_CHAT_TOOLS, temperature=0,
                 structured_outputs={"choice": [FORCED]}, max_tokens=300, logprobs=True, top_logprobs=1)
     (lps,), (streamed,) = ([part["logprobs"] for part in r[0]["content"]] for r in (whole, final))
     assert comparable(lps) == comparable(want["choices"][0]["logprobs"]["content"])
@@ -362,8 +367,8 @@ SHAPES = {  # a Responses body, and the chat body that asks the same (both greed
                     dict(messages=ASK, response_format={"type": "json_schema", "json_schema": {"name": "n",
                                                                                              "schema": SCHEMA}},
                          max_tokens=60)),
-    "auto": (dict(input=ASK, tools=TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300),
-             dict(messages=ASK, tools=CHAT_TOOLS, structured_outputs={"choice": [FORCED]}, max_tokens=300)),
+    "auto": (dict(input=ASK, tools=LOOSE_TOOLS, structured_outputs={"choice": [FORCED]}, max_output_tokens=300),
+             dict(messages=ASK, tools=LOOSE_CHAT_TOOLS, structured_outputs={"choice": [FORCED]}, max_tokens=300)),
     "none": (dict(input=ASK, tools=TOOLS, tool_choice="none", max_output_tokens=8),
              dict(messages=ASK, tools=CHAT_TOOLS, tool_choice="none", max_tokens=8)),
     "required": (dict(input=ASK, tools=TOOLS, tool_choice="required", max_output_tokens=80),  # cut in a call
@@ -425,8 +430,8 @@ def test_the_same_answer_as_chat(server, no_blanks, shape):
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
 def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch, name):
     monkeypatch.setattr(server.app.state.server, "reasoning_parser", name)
-    body = dict(input="weather?", tools=TOOLS, structured_outputs={"choice": [THOUGHT + FORCED]}, max_output_tokens=400,
-                reasoning={"effort": "low"})
+    body = dict(input="weather?", tools=LOOSE_TOOLS, structured_outputs={"choice": [THOUGHT + FORCED]},
+                max_output_tokens=400, reasoning={"effort": "low"})
     r = create(server, **body)
     assert [i["type"] for i in r["output"]] == ["reasoning", "message", "function_call", "function_call"]
     assert r["output"][0]["content"] == [{"type": "reasoning_text", "text": "\nThe user wants the weather.\n"}]

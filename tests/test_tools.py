@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -19,8 +20,9 @@ import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams, entry
-from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, MistralToolParser, NamedToolParser,
-                            PythonicToolParser, RequiredToolParser, ToolStream, load_chat_template, parse_args)
+from nanoserve.entry import (HermesToolParser, Llama3JsonForcedParser, Llama3JsonToolParser, MistralToolParser,
+                            NamedToolParser, PythonicToolParser, RequiredToolParser, ToolStream, load_chat_template,
+                            parse_args)
 from test_server import ServerThread, _check_error, sse_events
 
 # Prints what a Qwen-style template prints: the tools, each past call with its arguments as JSON, tool results.
@@ -184,6 +186,30 @@ def test_llama3_json_parser(text, content, calls):
     assert stream_by_chars(Llama3JsonToolParser(), text)[:2] == (content, calls)
 
 
+@pytest.mark.parametrize("text,content,calls", [  # what vLLM 0.32's llama3_json parser reads in each (its peer, run)
+    ('{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    ('{"name": "f", "parameters": {"a": 1}} junk {"name": "g", "parameters": {"b": 2}} tail', "",
+     [("f", '{"a": 1}'), ("g", '{"b": 2}')]),  # the text around the calls dropped
+    ('{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": [{"b": "é"}]}', "",
+     [("f", '{"a": 1}'), ("g", '[{"b": "é"}]')]),
+    # a "{" right where an object ended is skipped: two calls back to back read as none (the second's arguments
+    # are an object without a name), or as the first alone (arguments that hold no "{")
+    ('{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": {"b": 2}}',
+     '{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": {"b": 2}}', []),
+    ('{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": 3}', "", [("f", '{"a": 1}')]),
+    # an object that is no call, a "{" that starts no JSON, a call cut short: all of it is content
+    ('{"name": "f", "parameters": {"a": 1}} {}', '{"name": "f", "parameters": {"a": 1}} {}', []),
+    ('{"name": "f", "parameters": {"a": 1}} {oops', '{"name": "f", "parameters": {"a": 1}} {oops', []),
+    ('{"name": "f", "parameters": {"a": 1}', '{"name": "f", "parameters": {"a": 1}', []),
+    ('{"name": "f"}', '{"name": "f"}', []),
+    ('{"name": 3, "parameters": {}}', '{"name": 3, "parameters": {}}', []),
+])
+def test_llama3_json_forced_parser(text, content, calls):
+    """A forced llama3_json call (xgrammar's llama tag, which starts the output) read as vLLM 0.32 reads it."""
+    assert parse_once(Llama3JsonForcedParser(), text) == (content, calls)
+    assert stream_by_chars(Llama3JsonForcedParser(), text)[:2] == (content, calls)
+
+
 @pytest.mark.parametrize("text,content,calls", [
     ('[get_weather(city="Paris", days=3), f()]', "", [("get_weather", '{"city": "Paris", "days": 3}'), ("f", "{}")]),
     ("  <|python_start|>[g(x=[1, {'k': None}], y=True, s='é')]<|python_end|>", "",
@@ -247,7 +273,8 @@ def test_required_and_named_parsers_stream_as_they_parse():
 
 
 PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
-           "mistral": MistralToolParser, "required": RequiredToolParser, "named": lambda: NamedToolParser("f")}
+           "mistral": MistralToolParser, "required": RequiredToolParser, "named": lambda: NamedToolParser("f"),
+           "llama3_json_forced": Llama3JsonForcedParser}
 
 
 def test_a_stream_adds_up_to_the_response_however_it_is_cut():
@@ -300,6 +327,7 @@ def test_reading_a_stream_is_linear_in_its_text(monkeypatch):
                                               for i in range(n)),
                 "required": "[" + ", ".join(call % ("parameters", i) for i in range(n)) + "]",
                 "llama3_json": "; ".join(call % ("parameters", i) for i in range(n)),
+                "llama3_json_forced": "; ".join(call % ("parameters", i) for i in range(n)),
                 "pythonic": "[" + ", ".join(f"get_weather(city='Paris \\'{i}\\'', days=[3, {{'x': '}}'}}])"
                                             for i in range(n)) + "]",
                 "mistral": "Sure. [TOOL_CALLS][" + ", ".join(call % ("arguments", i) for i in range(n)) + "]",
@@ -467,13 +495,14 @@ def no_blanks(tiny_model) -> dict[str, float]:
 STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]  # arguments per the schema
 
 
-@pytest.fixture(params=["hermes", "json", "mistral"])
+@pytest.fixture(params=["hermes", "json", "mistral", "llama3_json"])
 def call_format(request, server, monkeypatch):
     """The format a forced call takes: the hermes parser's own (vLLM 0.32's), with VLLM_ENFORCE_STRICT_TOOL_CALLING
-    off vLLM's JSON form (as without a parser), or the mistral parser's list of {"name", "arguments"}."""
-    monkeypatch.setattr(server.app.state.server, "strict_tool_calling", request.param == "hermes")
-    if request.param == "mistral":
-        monkeypatch.setattr(server.app.state.server, "tool_parser", "mistral")
+    off vLLM's JSON form (as without a parser), the mistral parser's list of {"name", "arguments"}, or the
+    llama3_json parser's {"name", "parameters"} (xgrammar's builtin llama tag)."""
+    monkeypatch.setattr(server.app.state.server, "strict_tool_calling", request.param != "json")
+    if request.param in ("mistral", "llama3_json"):
+        monkeypatch.setattr(server.app.state.server, "tool_parser", request.param)
     return request.param
 
 
@@ -489,6 +518,9 @@ def check_written(server, choice: dict, call_format: str, calls: list, first_onl
     if call_format == "hermes":
         assert text.startswith("<tool_call>"), text
         assert [list(c) for c in parse_once(HermesToolParser(), text)[1]] == calls
+    elif call_format == "llama3_json":
+        assert text.startswith('{"name": "') and '"parameters": ' in text, text
+        assert [list(c) for c in parse_once(Llama3JsonForcedParser(), text)[1]] == calls
     elif call_format == "mistral":
         assert text.startswith("[{") and '"parameters"' not in text and '"arguments"' in text, text  # its key
         assert [list(c) for c in parse_once(RequiredToolParser(), text)[1]][:1 if first_only else None] == calls
@@ -546,26 +578,139 @@ def test_named_function_makes_a_valid_call(server, no_blanks, call_format, name)
             assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 1
 
 
-def test_hermes_forced_call_grammar():
-    """The structural tag of a forced hermes call takes the parser's format, with or without the newlines,
-    of the named function only (once), or of any tool ("required": one or more; one with parallel_tool_calls
-    false); a strict tool's arguments follow its schema, any other tool's are any JSON (vLLM's default)."""
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def call_grammar(parser: str, tools: list[dict], choice, parallel=None, level="auto", output=None):
+    """The grammar of vLLM 0.32's structural tag over the calls (None where it takes none)."""
     import xgrammar as xgr
+    tag = entry.tool_call_tag(parser, [entry.ChatCompletionToolsParam.model_validate(t) for t in tools], choice,
+                              parallel, level, output)
+    return None if tag is None else xgr.Grammar.from_structural_tag(json.dumps(tag))
+
+
+def test_hermes_call_grammar():
+    """The structural tag of hermes calls takes the parser's format, with or without the newlines: of the named
+    function only (once); of any tool for "required" (one or more, nothing around them; one with
+    parallel_tool_calls false); for "auto" free text in which each call opened (<tool_call>) is whole. A strict
+    tool's arguments follow its schema, any other tool's are any JSON (vLLM's default --tool-strict-level)."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
-    tools = [entry.ChatCompletionToolsParam.model_validate(t) for t in (STRICT_TOOLS[0], TOOLS[1])]
-
-    def grammar(choice, single=False):
-        return xgr.Grammar.from_structural_tag(json.dumps(entry.hermes_call_tag(tools, choice, single)))
-
+    tools = [STRICT_TOOLS[0], TOOLS[1]]
     w = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
     t = '<tool_call>{"name": "get_time", "arguments": "any JSON"}</tool_call>'
-    required, named = grammar("required"), grammar({"type": "function", "function": {"name": "get_time"}})
+    required, named = call_grammar("hermes", tools, "required"), call_grammar("hermes", tools, NAMED_TIME)
     for text in (w, t, w + t, t + t):
         assert accepts(required, text), text
     for text in ("", "Sure. " + w, w.replace("3", "0"), w + " ", '[{"name": "get_time", "parameters": {}}]'):
         assert not accepts(required, text), text  # nothing around the calls; the strict tool's schema holds
     assert accepts(named, t) and not accepts(named, w) and not accepts(named, t + t)
-    assert accepts(grammar("required", single=True), w) and not accepts(grammar("required", single=True), w + t)
+    single = call_grammar("hermes", tools, "required", parallel=False)
+    assert accepts(single, w) and not accepts(single, w + t)
+    auto = call_grammar("hermes", tools, "auto")
+    for text in ("", "No call.", "Sure. " + w + " then " + t + " done", w + w):
+        assert accepts(auto, text), text
+    for text in ("Sure. " + w.replace("3", "0"), "Sure. <tool_call>oops</tool_call>", "<tool_call>{"):
+        assert not accepts(auto, text), text  # a call opened is whole, and the strict tool's follows its schema
+    single = call_grammar("hermes", tools, "auto", parallel=False)
+    assert accepts(single, "Sure. " + w) and not accepts(single, w + t) and not accepts(single, w + " bye")
+
+
+def test_which_calls_take_a_tag():
+    """As vLLM 0.32's _apply_structural_tag and resolve_tool_strictness: forced calls always; "auto" where a tool
+    is strict, --tool-strict-level is function (the envelope: any JSON arguments) or parameter (every tool's
+    arguments per its schema), or parallel_tool_calls is false, unless a structured output of the request's
+    own stands beside the calls (then only where a tool is strict or the level says, the two as alternatives);
+    the parsers that have no tag (mistral, pythonic) never."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    bad_days = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 0}}</tool_call>'
+    junk = '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>'
+    assert call_grammar("hermes", TOOLS, "auto") is None
+    for parser in ("mistral", "pythonic"):
+        assert call_grammar(parser, STRICT_TOOLS, "required") is None
+    function = call_grammar("hermes", TOOLS, "auto", level="function")
+    assert accepts(function, junk) and not accepts(function, "<tool_call>{}</tool_call>")
+    parameter = call_grammar("hermes", TOOLS, "auto", level="parameter")
+    assert not accepts(parameter, junk) and not accepts(parameter, bad_days)
+    assert accepts(parameter, bad_days.replace("0", "2"))
+    assert accepts(call_grammar("hermes", TOOLS, "auto", parallel=False), "Hi " + junk)
+    regex = {"type": "regex", "pattern": "[a-z]{3}"}
+    assert call_grammar("hermes", TOOLS, "auto", parallel=False, output=regex) is None
+    either = call_grammar("hermes", STRICT_TOOLS, "auto", output=regex)
+    assert accepts(either, "abc") and accepts(either, bad_days.replace("0", "2")) and not accepts(either, "Hi abc")
+
+
+def test_llama_tag_is_xgrammars_builtin():
+    """llama3_json's tag is xgrammar's builtin "llama" structure, as vLLM 0.32 asks for it (each tool's strict
+    settled first; parallel_tool_calls false stops the list of calls after one)."""
+    import xgrammar as xgr
+    for tools, level in ((STRICT_TOOLS, "auto"), ([STRICT_TOOLS[0], TOOLS[1]], "auto"), (TOOLS, "function"),
+                         (TOOLS, "parameter")):
+        for choice in ("auto", "required", NAMED_TIME):
+            for parallel in (None, False):
+                ours = entry.tool_call_tag("llama3_json", [entry.ChatCompletionToolsParam.model_validate(t)
+                                                           for t in tools], choice, parallel, level)
+                pinned = [{**t, "function": {**t["function"], "strict": level == "parameter"
+                                             or t["function"].get("strict") is True}} for t in tools]
+                theirs = xgr.get_model_structural_tag("llama", tools=pinned, tool_choice=choice, reasoning=False,
+                                                      parallel_tool_calls=parallel is not False)
+                assert xgr.StructuralTag.model_validate(ours).model_dump() == theirs.model_dump(), (choice, level)
+
+
+def test_harmony_call_grammar():
+    """gpt-oss's tag (vLLM 0.32's own): an analysis and a commentary message, each optional, then one call to
+    functions.NAME (its recipient before or after the channel, either JSON content type, ended by <|end|> or
+    by the EOS); for "auto" a final message instead."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    call = '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"tz": "cet"}'
+    think = "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant"
+    final = "<|channel|>final<|message|>It is noon."
+    named = call_grammar("openai", STRICT_TOOLS, NAMED_TIME)
+    for text in (call, think + call, call + "<|end|>", ' to=functions.get_time<|channel|>analysis json<|message|>{"tz":'
+                 '"utc"}'):
+        assert accepts(named, text), text
+    for text in ("", think, final, call.replace("cet", "pst"), call.replace("get_time", "get_weather"), call + call):
+        assert not accepts(named, text), text
+    assert accepts(call_grammar("openai", STRICT_TOOLS, "auto"), think + final)
+    assert not accepts(call_grammar("openai", STRICT_TOOLS, "required"), think + final)
+
+
+def test_auto_calls_under_the_tag(server, no_blanks, tiny_model, monkeypatch):
+    """End to end: "auto" with a strict tool beside the request's own regex lets the model write the regex's
+    text or hermes calls (vLLM 0.32's "or" of the two); a bias against the regex's letters makes a random model
+    take the calls: one (parallel_tool_calls false) whole call per its schema, read back by the parser. Without
+    a strict tool the regex alone holds. And which "auto" requests the engine gets the tag for, as the server's
+    --tool-strict-level and VLLM_ENFORCE_STRICT_TOOL_CALLING say."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    letters = {str(i): -100 for i in range(len(tok)) if re.fullmatch("[a-z]+", tok.decode([i]))}
+    body = dict(structured_outputs={"regex": "[a-z]{3}"}, parallel_tool_calls=False, temperature=1.0,
+                max_tokens=200, logit_bias={**no_blanks, **letters})
+    for seed in SEEDS:
+        (choice,) = chat(server, tools=STRICT_TOOLS, seed=seed, **body)["choices"]
+        (call,) = calls_of(choice["message"])
+        assert fits(call[0], json.loads(call[1])) and not choice["message"]["content"], choice
+        assert choice["finish_reason"] == "tool_calls"
+        assert chat_stream(server, tools=STRICT_TOOLS, seed=seed, **body)[1:] == ("", [call], "tool_calls")
+        (choice,) = chat(server, tools=TOOLS, seed=seed, **body)["choices"]
+        assert re.fullmatch("[a-z]{3}", choice["message"]["content"]) and "tool_calls" not in choice["message"]
+    state, specs, add_request = server.app.state.server, [], server.app.state.server.async_llm.add_request
+    monkeypatch.setattr(state.async_llm, "add_request", lambda prompt, params, *a, **k:
+                        specs.append(params.structured_outputs) or add_request(prompt, params, *a, **k))
+
+    def tag(strict: bool = False, **settings) -> str | None:
+        """The type of the format the engine got for an "auto" request (None: no constraint)."""
+        for name, value in settings.items():
+            monkeypatch.setattr(state, name, value)
+        specs.clear()
+        chat(server, tools=STRICT_TOOLS if strict else TOOLS, max_tokens=1)
+        return specs[0] and json.loads(specs[0].structural_tag)["format"]["type"]
+    assert parse_args(["--tool-strict-level", "parameter"]).tool_strict_level == "parameter"
+    with pytest.raises(SystemExit):
+        parse_args(["--tool-strict-level", "strict"])
+    assert tag() is None and tag(strict=True) == "triggered_tags"
+    assert tag(tool_strict_level="function") == "triggered_tags" == tag(tool_strict_level="parameter")
+    assert tag(tool_strict_level="auto", strict_tool_calling=False, strict=True) is None
+    server.wait_idle()
 
 
 def test_echo_leads_the_content_and_is_no_part_of_a_call(server, no_blanks):
