@@ -3352,8 +3352,11 @@ class ChatGeneration(Generation):
                 calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
             if self.req.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
                 calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
-            if made and finish == "stop" and not isinstance(self.req.tool_choice, dict):  # a forced named function
-                finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
+            # as vLLM's: a forced named function ends with "stop" (as OpenAI's); a response to "required" that
+            # stopped says "tool_calls" whether or not its text read as calls, a stream where it sent one
+            named, required = isinstance(self.req.tool_choice, dict), self.req.tool_choice == "required"
+            if finish == "stop" and not named and (made or (required and not stream)):
+                finish = "tool_calls"
         return ParsedText(content, reasoning, calls, finish, blank)
 
     def message_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
@@ -3363,7 +3366,7 @@ class ChatGeneration(Generation):
         p = self.parse_text(index, c.text, c, stream=False)
         content = echo + p.content
         # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
-        forced = self.req._call_format is not None  # vLLM's forced call has text, "" for none
+        forced = self.req.forces_call() and self.state.tool_parser is not None  # vLLM's has text, "" for none
         message = {"role": self.role, "content": content or ("" if forced else None if p.calls else p.blank),
                    **(_thought(p.reasoning) if self.state.reasoning_parser is not None or self.harmony else {}),
                    **({"tool_calls": p.calls} if p.calls else {})}

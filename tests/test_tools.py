@@ -543,7 +543,7 @@ def test_required_makes_valid_calls(server, no_blanks, call_format, stream):
             (choice,) = chat(server, **body, return_token_ids=True)["choices"]
             calls, finish = calls_of(choice["message"]), choice["finish_reason"]
             check_written(server, choice, call_format, calls, first_only=True)
-            assert choice["message"]["content"] == ("" if call_format != "json" else None)  # vLLM 0.32's: ""
+            assert choice["message"]["content"] == ""  # vLLM 0.32's, with any parser
             assert chat_stream(server, **body)[2] == calls  # the same seed streamed gives the same call
         assert finish in ("tool_calls", "length" if call_format == "mistral" else None) and len(calls) == 1, \
             (finish, calls)  # (mistral's list may run on to max_tokens)
@@ -569,13 +569,28 @@ def test_named_function_makes_a_valid_call(server, no_blanks, call_format, name)
         (call,) = calls_of(choice["message"])
         check_written(server, choice, call_format, [call])
         assert call[0] == name and fits(name, parse(call[1])), call
-        assert choice["message"]["content"] == ("" if call_format != "json" else None)
+        assert choice["message"]["content"] == ""
         assert choice["finish_reason"] == "stop"  # as OpenAI and vLLM finish a forced function
         chunks, content, calls, finish = chat_stream(server, **body)
         assert content == "" and finish == "stop"
         assert calls == [call]
         if len(call[1]) > 1 and call_format == "json":  # the arguments came in fragments after its first delta
             assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 1
+
+
+def test_a_required_response_that_stopped_says_tool_calls(server, no_blanks, monkeypatch):
+    """As vLLM 0.32's: a response to "required" that stopped has finish_reason "tool_calls" even where its text
+    reads as no call (here llama3_json's reading made to find none; the text is then the content); its stream
+    says so only where it sent a call."""
+    monkeypatch.setattr(server.app.state.server, "tool_parser", "llama3_json")
+    monkeypatch.setattr(Llama3JsonForcedParser, "read", lambda self, body: None)
+    body = dict(tools=STRICT_TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=0,
+                max_tokens=200, logit_bias=no_blanks)
+    (choice,) = chat(server, **body)["choices"]
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"].startswith('{"name": "')
+    assert choice["finish_reason"] == "tool_calls"
+    assert chat_stream(server, **body)[2:] == ([], "stop")
+    server.wait_idle()
 
 
 NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
