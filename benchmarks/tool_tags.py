@@ -8,7 +8,9 @@ beside a request's own json or regex constraint) the peer's interpreter builds t
 would build (its ChatCompletionRequest through DelegatingParser._apply_structural_tag) and prints the structural
 tag it gets; this interpreter builds nanoserve's (entry.tool_call_tag), and both are compared after xgrammar's
 StructuralTag has read them (so defaults written or left out compare equal). Then vLLM's llama3_json parser and
-nanoserve's Llama3JsonForcedParser read the same texts. Prints each difference and the counts; exits 1 on any.
+nanoserve's Llama3JsonForcedParser read the same texts, and vLLM's hermes parser and nanoserve's read the same
+chat streams (3000 random texts of tags and JSON fragments, cut at random into deltas). Prints each difference
+and the counts; exits 1 on any.
 Needs the peer venv (benchmarks/PEERS.md); nothing is served.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +39,23 @@ TEXTS = ['{"name": "f", "parameters": {"a": 1}}', '{"name": "f", "parameters": {
          '"arguments": [1]} y', '{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": {"b": 2}}',
          '{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": 3}', '{"name": "f", "parameters": {}} {}',
          '{"name": "f", "parameters": {"a": 1', '{"name": "f"}', '{"name": 3, "parameters": {}}', "plain text"]
+
+
+# hermes chat streams: texts of these pieces, cut at random
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "</tool_", '{"name": "a", "arguments": {"x": [1]}}',
+             '{"name": "b", "parameters": {}}', '{"name": "c", "arguments": {"s": "}]\\"{"}}', '{"name":', ' "d"',
+             ', "arguments":', ' {"y": 2', "}", "}}", "[", "]", "{", '"', "\\", ",", " ", "\n", "x", "é", "<",
+             '"arguments": ', '"name": "e"', "\t", '"nam', 'e"']
+
+
+def streams(n: int = 3000, seed: int = 0) -> list[list[str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12)))
+        cuts = sorted({rng.randint(0, len(text)) for _ in range(rng.randint(0, 10))})
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""])
+    return out
 
 
 def cases() -> list[dict]:
@@ -79,7 +99,21 @@ def vllm_side() -> None:
     for text in TEXTS:
         r = parser.extract_tool_calls(text, None)
         readings.append([[c.function.name, c.function.arguments] for c in r.tool_calls] if r.tools_called else None)
-    json.dump({"tags": tags, "readings": readings}, sys.stdout)
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+    streamed = []
+    for pieces in streams():
+        parser, text, content, calls = Hermes2ProToolParser(tokenizer, None), "", "", []
+        for piece in pieces:
+            delta = parser.extract_tool_calls_streaming(text, text + piece, piece, [], [], [], None)
+            text += piece
+            content += (delta.content or "") if delta else ""
+            for d in (delta.tool_calls or []) if delta else []:
+                if d.function and d.function.name:
+                    calls.append([d.function.name, d.function.arguments or ""])
+                elif d.function and d.function.arguments:
+                    calls[d.index][1] += d.function.arguments
+        streamed.append([content, calls])
+    json.dump({"tags": tags, "readings": readings, "streams": streamed}, sys.stdout)
 
 
 def main() -> int:
@@ -92,7 +126,8 @@ def main() -> int:
         return 0
     import xgrammar as xgr
     from nanoserve.engine import StructuredOutputsParams
-    from nanoserve.entry import ChatCompletionToolsParam, Llama3JsonForcedParser, output_format, tool_call_tag
+    from nanoserve.entry import (ChatCompletionToolsParam, HermesToolParser, Llama3JsonForcedParser, ToolStream,
+                                 output_format, tool_call_tag)
     run = subprocess.run([args.peer, __file__, "--vllm-side"], capture_output=True, text=True, check=True)
     theirs = json.loads(run.stdout)
 
@@ -116,8 +151,23 @@ def main() -> int:
         if ours != want:
             misread += 1
             print("llama3_json reads differently:", repr(text), "ours", ours, "vLLM", want)
-    print(f"{len(theirs['tags'])} tags, {differ} differ; {len(TEXTS)} llama3_json texts, {misread} read differently")
-    return 1 if differ or misread else 0
+    unlike = 0
+    for pieces, want in zip(streams(), theirs["streams"]):
+        stream, content, calls = ToolStream(HermesToolParser(), streamed=True), "", []
+        for i, piece in enumerate(pieces):
+            delta, found, _ = stream.feed(piece, i == len(pieces) - 1)
+            content += delta
+            for d in found:
+                if "id" in d:
+                    calls.append([d["function"]["name"], d["function"]["arguments"]])
+                else:
+                    calls[d["index"]][1] += d["function"]["arguments"]
+        if [content, calls] != want:
+            unlike += 1
+            print("hermes streams differently:", pieces, "ours", [content, calls], "vLLM", want)
+    print(f"{len(theirs['tags'])} tags, {differ} differ; {len(TEXTS)} llama3_json texts, {misread} read "
+          f"differently; {len(theirs['streams'])} hermes streams, {unlike} differ")
+    return 1 if differ or misread or unlike else 0
 
 
 if __name__ == "__main__":

@@ -1456,15 +1456,21 @@ class HermesToolParser(ToolParser):
     """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number
     of them. As vLLM's, the content is the text before the first call (the text between and after
     calls is dropped); a block that is not such JSON is text before the first call and dropped after
-    it (vLLM's non-streamed parser then returns the whole output as text, which a stream cannot). A block
-    the output's end leaves open and that is no call is text in a response, and dropped in a stream
-    (vLLM's streamed parser never shows text after <tool_call>: a forced call cut short by max_tokens)."""
+    it (vLLM's non-streamed parser then returns the whole output as text). A block the output's end
+    leaves open and that is no call is text. A chat stream is read as vLLM 0.32's streamed parser reads
+    it (HermesStreamBlock): the content is the text before the first <tool_call> (a tag's start at the
+    output's end never goes out); each block's call starts once its name is whole, and its arguments
+    follow as the model writes them; after a block that closed with no name, no later block is read."""
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self):
         self.held, self.body, self.called = "", None, False  # held: may start a tag; body: an open call's text
+        self.block: HermesStreamBlock | None = None  # a stream's open block
+        self.stuck = False  # a stream's block closed with no name: vLLM's reads none after it
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.streamed:
+            return self._feed_stream(text)
         text, pos, content, calls = self.held + text, 0, [], []
         while True:  # each turn finds the next tag: a call's start outside one, its end inside
             tag = self.START if self.body is None else self.END
@@ -1493,9 +1499,141 @@ class HermesToolParser(ToolParser):
             self.called = True
             calls.append(call)
             return []
-        if self.called or (self.streamed and not closed):
+        if self.called:
             return []
         return [self.START + body + (self.END if closed else "")]
+
+    def _feed_stream(self, text: str) -> tuple[str, list[dict[str, str]]]:
+        """A stream's delta, as vLLM 0.32's extract_tool_calls_streaming reads the text so far. Nothing is
+        flushed at the end: a tag's start held there stays unsent, as vLLM's does."""
+        text, pos, content, calls = self.held + text, 0, [], []
+        while True:
+            tag = self.START if self.block is None else self.END
+            at = text.find(tag, pos)
+            cut = at if at >= 0 else max(pos, len(text) - _tag_start(text, tag))
+            if self.block is not None and not self.stuck:
+                self.block.add(text[pos:cut])
+            elif self.block is None and not self.called:
+                content.append(text[pos:cut])
+            if at < 0:
+                break
+            pos = at + len(tag)
+            if self.block is None:
+                self.block, self.called = HermesStreamBlock(), True
+            else:
+                self.stuck = self.stuck or not self.block.read(True, calls)
+                self.block = None
+        self.held = text[cut:]
+        if self.block is not None and not self.stuck:
+            self.block.read(False, calls)
+        return "".join(content), calls
+
+
+class HermesStreamBlock:
+    """One <tool_call> block of a hermes chat stream, read as vLLM 0.32's streamed parser reads it at each
+    delta (it re-reads all the text; here each character is read about once): the call starts once a
+    ``"name": "..."`` in it is whole; its arguments are the text after the first ``"arguments":``, sent as
+    it comes but for its blanks at the end and, where the block is whole (closed by </tool_call>, or its
+    text so far a whole JSON value), the "}" that ends it and the blanks before that."""
+    NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
+    ARGUMENTS = re.compile(r'"arguments"\s*:')
+    # the start of a match that the text to come may still complete (held for the next search)
+    NAME_TAIL = re.compile(r'"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"[^"]*)?)?)?)?)?)?)?\Z')
+    ARGUMENTS_TAIL = re.compile(r'"(?:a(?:r(?:g(?:u(?:m(?:e(?:n(?:t(?:s(?:"\s*)?)?)?)?)?)?)?)?)?)?\Z')
+    MARKS = re.compile(r'[][{}"\\]')
+
+    def __init__(self):
+        self.parts, self.size = [], 0  # the block's text
+        self.name, self.name_text = None, ""  # name_text: where a name may still be found
+        self.args_text: str | None = ""  # where "arguments": may still be found; None once it was
+        self.pending: list[str] = []  # the arguments' text not sent yet
+        self.started = False  # the arguments' first character came (the blanks before it are not theirs)
+        # whether the text so far is one whole JSON value, as vLLM's json.loads would say: a bracket's value
+        # that closed (``end``: where), valid (``valid``), with only blanks after it (not ``more``)
+        self.depth, self.in_str, self.skip, self.end, self.valid, self.more = 0, False, -1, None, False, False
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        self._scan(text)
+        self.parts.append(text)
+        self.size += len(text)
+        if self.name is None:
+            self.name_text += text
+        if self.args_text is None:
+            self._arguments(text)
+            return
+        self.args_text += text
+        if (m := self.ARGUMENTS.search(self.args_text)) is not None:
+            rest, self.args_text = self.args_text[m.end():], None
+            self._arguments(rest)
+        else:
+            tail = self.ARGUMENTS_TAIL.search(self.args_text)
+            self.args_text = self.args_text[tail.start():] if tail else ""
+
+    def _arguments(self, text: str) -> None:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        if text:
+            self.pending.append(text)
+
+    def _scan(self, text: str) -> None:
+        """Follow the JSON's brackets and strings over ``text``, the block's next characters."""
+        base = self.size
+        if self.end is None and self.depth == 0 and not self.in_str:  # the value has not started yet
+            head = text.lstrip()
+            if head and head[0] not in "{[":  # no bracket's value: vLLM's json.loads never reads a call here
+                self.end, self.more = base, True
+                return
+        for m in self.MARKS.finditer(text):
+            if self.end is not None:
+                break
+            ch, at = m.group(), base + m.start()
+            if at == self.skip:  # escaped
+                continue
+            if self.in_str:
+                self.skip = at + 1 if ch == "\\" else self.skip
+                self.in_str = ch != '"'
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "[{":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth <= 0:  # the value closed (or a bracket closed nothing): read it once, as vLLM's
+                    self.end = at + 1
+                    whole = "".join(self.parts) + text[:m.end()]
+                    self.valid = self.depth == 0 and _loads(whole.strip())
+        if self.end is not None and not self.more:
+            self.more = bool(text[max(0, self.end - base):].strip())
+
+    def read(self, closed: bool, calls: list) -> bool:
+        """What vLLM's parser sends for this block now (``closed``: by </tool_call>); whether it is named."""
+        call = {"arguments": ""}  # this read's part of the call
+        if self.name is None:
+            if (m := self.NAME.search(self.name_text)) is None:
+                tail = self.NAME_TAIL.search(self.name_text)
+                self.name_text = self.name_text[tail.start():] if tail else ""
+                return False
+            self.name, self.name_text, call["name"] = m.group(1), "", m.group(1)
+        text = "".join(self.pending)
+        keep = len(text.rstrip())
+        if (closed or (self.valid and not self.more)) and text[:keep].endswith("}"):
+            keep = len(text[:keep - 1].rstrip())
+        call["arguments"], self.pending = text[:keep], [text[keep:]] if text[keep:] else []
+        if "name" in call or call["arguments"]:
+            calls.append(call)
+        return True
+
+
+def _loads(text: str) -> bool:
+    """Whether ``text`` is one JSON value to Python's json (vLLM's is_complete_json)."""
+    try:
+        json.loads(text)
+        return True
+    except (ValueError, RecursionError):
+        return False
 
 
 def _tag_start(text: str, tag: str) -> int:

@@ -418,7 +418,9 @@ def test_the_same_answer_as_chat(server, no_blanks, shape):
     got, want = responses_answer(final), answer({"content": content, "calls": calls}, streamed)
     if got["content"] and got["calls"] and final["output"][0]["type"] == "message":  # a text before calls
         want["logprobs"] = want["logprobs"][:len(got["logprobs"])]
-    assert got == want and finish == choice["finish_reason"]
+    # (a hermes chat stream's arguments are as the model wrote them, vLLM 0.32's; a response's written back)
+    parsed = [{**a, "calls": [[n, json.loads(args, strict=False)] for n, args in a["calls"]]} for a in (got, want)]
+    assert parsed[0] == parsed[1] and finish == choice["finish_reason"]
     assert (final["usage"]["output_tokens"], final["status"]) == (usage["completion_tokens"], whole["status"])
     if shape in ("auto", "required", "named"):
         assert got["calls"], got  # the shape makes calls
