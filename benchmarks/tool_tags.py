@@ -159,7 +159,7 @@ def main() -> int:
             content += delta
             for d in found:
                 if "id" in d:
-                    calls.append([d["function"]["name"], d["function"]["arguments"]])
+                    calls.append([d["function"]["name"], d["function"].get("arguments", "")])
                 else:
                     calls[d["index"]][1] += d["function"]["arguments"]
         if [content, calls] != want:

@@ -1610,20 +1610,20 @@ class HermesStreamBlock:
 
     def read(self, closed: bool, calls: list) -> bool:
         """What vLLM's parser sends for this block now (``closed``: by </tool_call>); whether it is named."""
-        call = {"arguments": ""}  # this read's part of the call
         if self.name is None:
             if (m := self.NAME.search(self.name_text)) is None:
                 tail = self.NAME_TAIL.search(self.name_text)
                 self.name_text = self.name_text[tail.start():] if tail else ""
                 return False
-            self.name, self.name_text, call["name"] = m.group(1), "", m.group(1)
+            self.name, self.name_text = m.group(1), ""
+            calls.append({"name": self.name})  # as vLLM's: the name, then the arguments in a delta of their own
         text = "".join(self.pending)
         keep = len(text.rstrip())
         if (closed or (self.valid and not self.more)) and text[:keep].endswith("}"):
             keep = len(text[:keep - 1].rstrip())
-        call["arguments"], self.pending = text[:keep], [text[keep:]] if text[keep:] else []
-        if "name" in call or call["arguments"]:
-            calls.append(call)
+        if keep:
+            calls.append({"arguments": text[:keep]})
+        self.pending = [text[keep:]] if text[keep:] else []
         return True
 
 
@@ -2077,8 +2077,11 @@ class ToolStream:
         """A parser's calls -> (OpenAI tool-call deltas, whether any call was made)."""
         deltas = []
         for call in found:
-            if "name" in call:  # a new call: its first delta names it
-                deltas.append({"index": self.calls, **tool_call_body(call)})
+            if "name" in call:  # a new call: its first delta names it (hermes' stream: by its name alone)
+                body = tool_call_body({"arguments": "", **call})
+                if "arguments" not in call:
+                    del body["function"]["arguments"]
+                deltas.append({"index": self.calls, **body})
                 self.calls += 1
             else:
                 deltas.append({"index": self.calls - 1, "function": {"arguments": call["arguments"]}})
@@ -3516,8 +3519,11 @@ class ChatGeneration(Generation):
         message_choice's); None while the parsers hold all of it back and nothing else is new."""
         p = self.parse_text(index, c.delta_text, c, stream=True)
         content = echo + p.content
+        # vLLM's hermes stream sends its calls with the delta's content set, so null where there is none
+        null = p.calls and self.parser is HermesToolParser and self.streams_calls
         delta = {**(_thought(p.reasoning) if p.reasoning else {}),
-                 **({"content": content} if content else {}), **({"tool_calls": p.calls} if p.calls else {})}
+                 **({"content": content} if content else {"content": None} if null else {}),
+                 **({"tool_calls": p.calls} if p.calls else {})}
         if not delta and logprobs is None and p.finish_reason is None and not (extra or {}).get("token_ids"):
             return None
         return _chat_choice(index, {"delta": delta}, logprobs, p.finish_reason, c, extra)
