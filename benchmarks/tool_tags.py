@@ -9,8 +9,8 @@ would build (its ChatCompletionRequest through DelegatingParser._apply_structura
 tag it gets; this interpreter builds nanoserve's (entry.tool_call_tag), and both are compared after xgrammar's
 StructuralTag has read them (so defaults written or left out compare equal). Then vLLM's llama3_json parser and
 nanoserve's Llama3JsonForcedParser read the same texts, and vLLM's hermes parser and nanoserve's read the same
-chat streams (3000 random texts of tags and JSON fragments, cut at random into deltas). Prints each difference
-and the counts; exits 1 on any.
+chat streams (3000 random texts of tags and JSON fragments, cut at random into deltas) and responses (3000
+more, whole). Prints each difference and the counts; exits 1 on any.
 Needs the peer venv (benchmarks/PEERS.md); nothing is served.
 """
 
@@ -48,13 +48,32 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "</tool_", '{"nam
              '"arguments": ', '"name": "e"', "\t", '"nam', 'e"']
 
 
-def streams(n: int = 3000, seed: int = 0) -> list[list[str]]:
+def streams(n: int = 3000, seed: int = 0, fragments: list[str] = FRAGMENTS) -> list[list[str]]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(0, 12)))
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
         cuts = sorted({rng.randint(0, len(text)) for _ in range(rng.randint(0, 10))})
         out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""])
+    return out
+
+
+BODIES = ['{"name": "a", "arguments": {"x": [1]}}', '{"name": "b", "arguments": "s"}', '{"name": "c"}',
+          '{"name": "d", "parameters": {}}', "[1]", "{oops", '{"name": 3, "arguments": {}}', "",
+          '{"name": "e", "arguments": {"s": "</tool_call>"}}', '{"name": "f", "arguments": {}} x']
+
+
+def responses(n: int = 3000, seed: int = 1) -> list[str]:
+    """Whole outputs for hermes' response reading: text, then blocks of calls (most of them whole) or not,
+    the last maybe left open; half of them random texts of FRAGMENTS. No control characters, which vLLM's
+    strict JSON refuses in a string and nanoserve's reading takes (README)."""
+    plain = [f for f in FRAGMENTS if f not in "\n\t"]
+    rng, out = random.Random(seed), ["".join(p) for p in streams(n // 2, seed, plain)]
+    for _ in range(n - len(out)):
+        blocks = [f"<tool_call>{rng.choice(['', ' '])}{rng.choice(BODIES[:2] * 12 + BODIES)}</tool_call>"
+                  f"{rng.choice(['', ' ', ' and '])}" for _ in range(rng.randint(0, 3))]
+        end = rng.choice(["", "", "", "<tool_call>", "<tool_call>{"])
+        out.append(rng.choice(["", "Sure. ", "<tool"]) + "".join(blocks) + end)
     return out
 
 
@@ -113,7 +132,11 @@ def vllm_side() -> None:
                 elif d.function and d.function.arguments:
                     calls[d.index][1] += d.function.arguments
         streamed.append([content, calls])
-    json.dump({"tags": tags, "readings": readings, "streams": streamed}, sys.stdout)
+    whole = []
+    for text in responses():
+        r = Hermes2ProToolParser(tokenizer, None).extract_tool_calls(text, None)
+        whole.append([r.content or "", [[c.function.name, c.function.arguments] for c in r.tool_calls]])
+    json.dump({"tags": tags, "readings": readings, "streams": streamed, "responses": whole}, sys.stdout)
 
 
 def main() -> int:
@@ -165,8 +188,14 @@ def main() -> int:
         if [content, calls] != want:
             unlike += 1
             print("hermes streams differently:", pieces, "ours", [content, calls], "vLLM", want)
+    for text, want in zip(responses(), theirs["responses"]):
+        content, calls = HermesToolParser().feed(text, True)
+        if [content, [[c["name"], c["arguments"]] for c in calls]] != want:
+            unlike += 1
+            print("hermes reads differently:", repr(text), "ours", [content, calls], "vLLM", want)
     print(f"{len(theirs['tags'])} tags, {differ} differ; {len(TEXTS)} llama3_json texts, {misread} read "
-          f"differently; {len(theirs['streams'])} hermes streams, {unlike} differ")
+          f"differently; {len(theirs['streams'])} hermes streams and {len(theirs['responses'])} responses, "
+          f"{unlike} differ")
     return 1 if differ or misread or unlike else 0
 
 

@@ -1454,54 +1454,50 @@ class ToolParser:
 
 class HermesToolParser(ToolParser):
     """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number
-    of them. As vLLM's, the content is the text before the first call (the text between and after
-    calls is dropped); a block that is not such JSON is text before the first call and dropped after
-    it (vLLM's non-streamed parser then returns the whole output as text). A block the output's end
-    leaves open and that is no call is text. A chat stream is read as vLLM 0.32's streamed parser reads
-    it (HermesStreamBlock): the content is the text before the first <tool_call> (a tag's start at the
-    output's end never goes out); each block's call starts once its name is whole, and its arguments
-    follow as the model writes them; after a block that closed with no name, no later block is read."""
+    of them. A response is read as vLLM's hermes parser reads a whole output: the content is the text
+    before the first <tool_call> (the text between and after calls is dropped), and every block (to its
+    </tool_call>, the last maybe to the output's end) must be a call, else the whole output is content
+    (a forced call cut short by max_tokens too). The content streams until the first <tool_call>, the rest
+    is read at the end. A chat stream is read as vLLM 0.32's streamed parser reads it (HermesStreamBlock):
+    the content is the text before the first <tool_call> (a tag's start at the output's end never goes
+    out); each block's call starts once its name is whole, and its arguments follow as the model writes
+    them; after a block that closed with no name, no later block is read."""
     START, END = "<tool_call>", "</tool_call>"
+    BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # vLLM's tool_call_regex
 
     def __init__(self):
-        self.held, self.body, self.called = "", None, False  # held: may start a tag; body: an open call's text
+        self.held, self.body, self.called = "", None, False  # held: may start a tag; body: the text from it
         self.block: HermesStreamBlock | None = None  # a stream's open block
         self.stuck = False  # a stream's block closed with no name: vLLM's reads none after it
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
         if self.streamed:
             return self._feed_stream(text)
-        text, pos, content, calls = self.held + text, 0, [], []
-        while True:  # each turn finds the next tag: a call's start outside one, its end inside
-            tag = self.START if self.body is None else self.END
-            at = text.find(tag, pos)
-            cut = at if at >= 0 else max(pos, len(text) - (0 if final else _tag_start(text, tag)))
-            if self.body is not None:
-                self.body.append(text[pos:cut])
-            elif not self.called:
-                content.append(text[pos:cut])
+        text, content, self.held = self.held + text, "", ""
+        if self.body is None:  # before the first <tool_call>: content, as it comes
+            at = text.find(self.START)
             if at < 0:
-                break
-            pos = at + len(tag)
-            if self.body is None:
-                self.body = []
-            else:
-                content += self._close(calls, closed=True)
-        self.held = text[cut:]
-        if final and self.body is not None:  # closed by the end of the output
-            content += self._close(calls, closed=False)
-        return "".join(content), calls
+                cut = len(text) - (0 if final else _tag_start(text, self.START))
+                self.held = text[cut:]
+                return text[:cut], []
+            self.body, content, text = [], text[:at], text[at:]
+        self.body.append(text)
+        if not final:
+            return content, []
+        rest = "".join(self.body)
+        calls = self.read(rest)
+        return (content, calls) if calls is not None else (content + rest, [])
 
-    def _close(self, calls: list, closed: bool) -> list[str]:
-        """The open call is whole: a call, or (if not one) text."""
-        body, self.body = "".join(self.body), None
-        if (call := _json_call(body)) is not None:
-            self.called = True
+    def read(self, text: str) -> list[dict[str, str]] | None:
+        """The calls of the text from the first <tool_call> on, or None where a block is no call."""
+        calls = []
+        for closed, left_open in self.BLOCKS.findall(text):
+            values, end = _json_values(closed or left_open, 0, "")
+            value = values[0] if len(values) == 1 and not (closed or left_open)[end:].strip() else None
+            if not (isinstance(value, dict) and "arguments" in value) or (call := _json_call(value)) is None:
+                return None
             calls.append(call)
-            return []
-        if self.called:
-            return []
-        return [self.START + body + (self.END if closed else "")]
+        return calls
 
     def _feed_stream(self, text: str) -> tuple[str, list[dict[str, str]]]:
         """A stream's delta, as vLLM 0.32's extract_tool_calls_streaming reads the text so far. Nothing is
