@@ -1,8 +1,10 @@
 """What reading a streamed response's tool calls costs the event loop: N calls in
 hermes tags (and as tool_choice "required"'s JSON array) fed to ``ToolStream`` a
-token at a time (the demo model's tokenizer cuts the text), as a chat stream feeds
-them. Parsing runs on the server's one loop thread: a cost that grows faster than
-the text stalls every other client.
+token at a time (the demo model's tokenizer cuts the text): "hermes" as a Responses
+or Messages stream reads them (as a response), "hermes-chat" as a chat stream (vLLM
+0.32's streamed reading: each call's arguments sent as they come). Parsing runs on
+the server's one loop thread: a cost that grows faster than the text stalls every
+other client.
 
     python benchmarks/tool_stream.py               # 5 and 400 calls
     python benchmarks/tool_stream.py --calls 5 400 2000
@@ -23,7 +25,8 @@ CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "days": %d, "unit
 
 def texts(n: int) -> dict[str, str]:
     calls = [CALL % i for i in range(n)]
-    return {"hermes": "I will check.\n" + "".join(f"<tool_call>\n{c}\n</tool_call>\n" for c in calls),
+    hermes = "I will check.\n" + "".join(f"<tool_call>\n{c}\n</tool_call>\n" for c in calls)
+    return {"hermes": hermes, "hermes-chat": hermes,
             "required": "[" + ", ".join(c.replace('"arguments"', '"parameters"') for c in calls) + "]"}
 
 
@@ -32,8 +35,8 @@ def tokens(tok: Tokenizer, text: str) -> list[str]:
     return [text[a:b] for a, b in zip([0] + ends, ends)] + [text[ends[-1]:]]
 
 
-def feed_all(parser, pieces: list[str]) -> tuple[float, int]:
-    stream, made, start = ToolStream(parser), 0, time.perf_counter()
+def feed_all(parser, pieces: list[str], chat: bool) -> tuple[float, int]:
+    stream, made, start = ToolStream(parser, streamed=chat), 0, time.perf_counter()
     for i, piece in enumerate(pieces):
         made += sum("id" in d for d in stream.feed(piece, i == len(pieces) - 1)[1])
     return time.perf_counter() - start, made
@@ -47,11 +50,11 @@ def main() -> None:
     for n in args.calls:
         for name, text in texts(n).items():
             pieces = tokens(tok, text)
-            runs = [feed_all({"hermes": HermesToolParser, "required": RequiredToolParser}[name](), pieces)
-                    for _ in range(3 if n <= 100 else 1)]
+            parser = {"hermes": HermesToolParser, "hermes-chat": HermesToolParser, "required": RequiredToolParser}
+            runs = [feed_all(parser[name](), pieces, name == "hermes-chat") for _ in range(3 if n <= 100 else 1)]
             secs = min(s for s, _ in runs)
             assert runs[0][1] == n, (name, n, runs[0][1])
-            print(f"{name:8} {n:5} calls  {len(pieces):7} deltas  {len(text):8} chars  {secs * 1e3:9.1f} ms  "
+            print(f"{name:11} {n:5} calls  {len(pieces):7} deltas  {len(text):8} chars  {secs * 1e3:9.1f} ms  "
                   f"{secs / len(pieces) * 1e6:7.2f} us/delta")
 
 

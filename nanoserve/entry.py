@@ -440,6 +440,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                         "pythonic (Llama 3.2/4: the output is a Python list of calls), "
                         "mistral (Mistral: [TOOL_CALLS] then the calls), "
                         "openai (gpt-oss: harmony messages to functions.NAME)")
+    g.add_argument("--tool-strict-level", default="auto", choices=TOOL_STRICT_LEVELS,
+                   help='which calls a structural tag of the parser\'s format holds (hermes, llama3_json, openai): '
+                        'auto (forced calls, and "auto" where a tool is strict), function (every request with '
+                        'tools), parameter (the same, every tool\'s arguments per its schema as if strict)')
     g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                    help="split chat output into reasoning_content (<think>...</think>) and content: deepseek_r1 "
                         "(the output starts thinking), qwen3 (both tags needed), openai_gptoss (gpt-oss's harmony: "
@@ -874,7 +878,7 @@ class GenerationRequest(OpenAIBaseModel):
         ignored = [name for name in BEAM_SEARCH_IGNORES if name in self.model_fields_set
                    and getattr(self, name) not in (None, fields[name].default, [], {})]
         if params.structured_outputs is not None:  # tool_choice's, named as such (not as the tools' schemas)
-            ignored.append("tool_choice" if self.forces_call() else self.param_name("structured_outputs"))
+            ignored.append("tool_choice" if self.tools_constrain() else self.param_name("structured_outputs"))
         if ignored:
             raise InvalidInput(ignored[0], f"{ignored[0]} does not apply to beam search (use_beam_search), which "
                                            f"reads n (the beam width), max_tokens, ignore_eos, length_penalty, "
@@ -929,6 +933,10 @@ class GenerationRequest(OpenAIBaseModel):
     def forces_call(self) -> bool:
         """(Chat's) whether tool_choice forces a call, which then is the output's constraint."""
         return False
+
+    def tools_constrain(self) -> bool:
+        """(Chat's) whether the output's constraint comes from the tools alone."""
+        return self.forces_call()
 
     def echo_only(self) -> bool:
         """Completions' echo with max_tokens 0 (scoring a prompt): one token is
@@ -1142,6 +1150,7 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
     tool_choice: Any = None  # check_tool_choice says what it takes
     parallel_tool_calls: bool | None = None  # false: only the first tool call is returned (as vLLM)
     _call_format: str | None = PrivateAttr(None)  # the tool parser whose own format a forced call takes, if any
+    _calls_tag: str | None = PrivateAttr(None)  # vLLM 0.32's structural tag over the calls (JSON text), if any
 
     @model_validator(mode="after")
     def _chat_rules(self) -> "ChatCompletionRequest":
@@ -1169,8 +1178,29 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
             return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
         return "top_logprobs" if engine_param == "logprobs" else super().param_name(engine_param)
 
+    def settle_tools(self, parser: str | None, strict_tool_calling: bool, level: str) -> None:
+        """The server's side of the calls' constraint: the format a forced call takes (mistral's list whatever
+        $VLLM_ENFORCE_STRICT_TOOL_CALLING says, as vLLM's), and the structural tag of the parser's format."""
+        tagged = parser in TOOL_CALL_TAGS and strict_tool_calling
+        if self.forces_call() and (tagged or parser == "mistral"):
+            self._call_format = parser
+        if not tagged:
+            return
+        own = super().structured_spec()
+        try:
+            output = None if own is None or self.forces_call() else output_format(own)
+        except (ValueError, TypeError, AttributeError):  # a constraint that is no format stays alone (as vLLM's),
+            return                                        # for its compile to name what is wrong
+        if own is None or output is not None:
+            tag = tool_call_tag(parser, self.tools, self.tool_choice, self.parallel_tool_calls, level, output)
+            self._calls_tag = None if tag is None else json.dumps(tag)  # a string: the grammar cache keys on it
+
+    def tools_constrain(self) -> bool:
+        """Whether the output's constraint comes from the tools alone (a forced call, or the calls' tag)."""
+        return self.forces_call() or (self._calls_tag is not None and super().structured_spec() is None)
+
     def invalid(self, e: InvalidInput) -> ApiError:
-        if e.param == "structured_outputs" and self.forces_call():  # xgrammar refused the tools' schemas
+        if e.param == "structured_outputs" and self.tools_constrain():  # xgrammar refused the tools' schemas
             return bad_request(f"the tools' {self.tool_schema_field} are not JSON schemas xgrammar can compile: "
                                f"{str(e).partition(': ')[2]}", "tools")
         return super().invalid(e)
@@ -1182,16 +1212,16 @@ class ChatCompletionRequest(GenerationRequest, ChatTemplateFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def structured_spec(self) -> StructuredOutputsParams | None:
-        if not self.forces_call():
-            return super().structured_spec()
-        if super().structured_spec() is not None:
+        own = super().structured_spec()
+        if self.forces_call() and own is not None:
             raise InvalidInput("tool_choice", f"tool_choice {show(self.tool_choice)} constrains the output to tool "
                                               "calls: it cannot be combined with another structured-output field")
+        if self._calls_tag is not None:
+            return StructuredOutputsParams(structural_tag=self._calls_tag)
+        if not self.forces_call():
+            return own
         if self._call_format == "mistral":
             return StructuredOutputsParams(json=self.mistral_schema())
-        if self._call_format is not None:  # a string: the engine's grammar cache keys on it
-            return StructuredOutputsParams(structural_tag=json.dumps(FORCED_CALL_TAGS[self._call_format](
-                self.tools, self.tool_choice, self.parallel_tool_calls is False)))
         return StructuredOutputsParams(json=self.tool_schema())
 
     def mistral_schema(self) -> dict:
@@ -1437,48 +1467,182 @@ class ToolParser:
 
 class HermesToolParser(ToolParser):
     """Qwen2.5/Qwen3 and Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, any number
-    of them. As vLLM's, the content is the text before the first call (the text between and after
-    calls is dropped); a block that is not such JSON is text before the first call and dropped after
-    it (vLLM's non-streamed parser then returns the whole output as text, which a stream cannot). A block
-    the output's end leaves open and that is no call is text in a response, and dropped in a stream
-    (vLLM's streamed parser never shows text after <tool_call>: a forced call cut short by max_tokens)."""
+    of them. A response is read as vLLM's hermes parser reads a whole output: the content is the text
+    before the first <tool_call> (the text between and after calls is dropped), and every block (to its
+    </tool_call>, the last maybe to the output's end) must be a call, else the whole output is content
+    (a forced call cut short by max_tokens too). The content streams until the first <tool_call>, the rest
+    is read at the end. A chat stream is read as vLLM 0.32's streamed parser reads it (HermesStreamBlock):
+    the content is the text before the first <tool_call> (a tag's start at the output's end never goes
+    out); each block's call starts once its name is whole, and its arguments follow as the model writes
+    them; after a block that closed with no name, no later block is read."""
     START, END = "<tool_call>", "</tool_call>"
+    BLOCKS = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)  # vLLM's tool_call_regex
 
     def __init__(self):
-        self.held, self.body, self.called = "", None, False  # held: may start a tag; body: an open call's text
+        self.held, self.body, self.called = "", None, False  # held: may start a tag; body: the text from it
+        self.block: HermesStreamBlock | None = None  # a stream's open block
+        self.stuck = False  # a stream's block closed with no name: vLLM's reads none after it
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.streamed:
+            return self._feed_stream(text)
+        text, content, self.held = self.held + text, "", ""
+        if self.body is None:  # before the first <tool_call>: content, as it comes
+            at = text.find(self.START)
+            if at < 0:
+                cut = len(text) - (0 if final else _tag_start(text, self.START))
+                self.held = text[cut:]
+                return text[:cut], []
+            self.body, content, text = [], text[:at], text[at:]
+        self.body.append(text)
+        if not final:
+            return content, []
+        rest = "".join(self.body)
+        calls = self.read(rest)
+        return (content, calls) if calls is not None else (content + rest, [])
+
+    def read(self, text: str) -> list[dict[str, str]] | None:
+        """The calls of the text from the first <tool_call> on, or None where a block is no call."""
+        calls = []
+        for closed, left_open in self.BLOCKS.findall(text):
+            values, end = _json_values(closed or left_open, 0, "")
+            value = values[0] if len(values) == 1 and not (closed or left_open)[end:].strip() else None
+            if not (isinstance(value, dict) and "arguments" in value) or (call := _json_call(value)) is None:
+                return None
+            calls.append(call)
+        return calls
+
+    def _feed_stream(self, text: str) -> tuple[str, list[dict[str, str]]]:
+        """A stream's delta, as vLLM 0.32's extract_tool_calls_streaming reads the text so far. Nothing is
+        flushed at the end: a tag's start held there stays unsent, as vLLM's does."""
         text, pos, content, calls = self.held + text, 0, [], []
-        while True:  # each turn finds the next tag: a call's start outside one, its end inside
-            tag = self.START if self.body is None else self.END
+        while True:
+            tag = self.START if self.block is None else self.END
             at = text.find(tag, pos)
-            cut = at if at >= 0 else max(pos, len(text) - (0 if final else _tag_start(text, tag)))
-            if self.body is not None:
-                self.body.append(text[pos:cut])
-            elif not self.called:
+            cut = at if at >= 0 else max(pos, len(text) - _tag_start(text, tag))
+            if self.block is not None and not self.stuck:
+                self.block.add(text[pos:cut])
+            elif self.block is None and not self.called:
                 content.append(text[pos:cut])
             if at < 0:
                 break
             pos = at + len(tag)
-            if self.body is None:
-                self.body = []
+            if self.block is None:
+                self.block, self.called = HermesStreamBlock(), True
             else:
-                content += self._close(calls, closed=True)
+                self.stuck = self.stuck or not self.block.read(True, calls)
+                self.block = None
         self.held = text[cut:]
-        if final and self.body is not None:  # closed by the end of the output
-            content += self._close(calls, closed=False)
+        if self.block is not None and not self.stuck:
+            self.block.read(False, calls)
         return "".join(content), calls
 
-    def _close(self, calls: list, closed: bool) -> list[str]:
-        """The open call is whole: a call, or (if not one) text."""
-        body, self.body = "".join(self.body), None
-        if (call := _json_call(body)) is not None:
-            self.called = True
-            calls.append(call)
-            return []
-        if self.called or (self.streamed and not closed):
-            return []
-        return [self.START + body + (self.END if closed else "")]
+
+class HermesStreamBlock:
+    """One <tool_call> block of a hermes chat stream, read as vLLM 0.32's streamed parser reads it at each
+    delta (it re-reads all the text; here each character is read about once): the call starts once a
+    ``"name": "..."`` in it is whole; its arguments are the text after the first ``"arguments":``, sent as
+    it comes but for its blanks at the end and, where the block is whole (closed by </tool_call>, or its
+    text so far a whole JSON value), the "}" that ends it and the blanks before that."""
+    NAME = re.compile(r'"name"\s*:\s*"([^"]+)"')
+    ARGUMENTS = re.compile(r'"arguments"\s*:')
+    # the start of a match that the text to come may still complete (held for the next search)
+    NAME_TAIL = re.compile(r'"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"[^"]*)?)?)?)?)?)?)?\Z')
+    ARGUMENTS_TAIL = re.compile(r'"(?:a(?:r(?:g(?:u(?:m(?:e(?:n(?:t(?:s(?:"\s*)?)?)?)?)?)?)?)?)?)?\Z')
+    MARKS = re.compile(r'[][{}"\\]')
+
+    def __init__(self):
+        self.parts, self.size = [], 0  # the block's text
+        self.name, self.name_text = None, ""  # name_text: where a name may still be found
+        self.args_text: str | None = ""  # where "arguments": may still be found; None once it was
+        self.pending: list[str] = []  # the arguments' text not sent yet
+        self.started = False  # the arguments' first character came (the blanks before it are not theirs)
+        # whether the text so far is one whole JSON value, as vLLM's json.loads would say: a bracket's value
+        # that closed (``end``: where), valid (``valid``), with only blanks after it (not ``more``)
+        self.depth, self.in_str, self.skip, self.end, self.valid, self.more = 0, False, -1, None, False, False
+
+    def add(self, text: str) -> None:
+        if not text:
+            return
+        self._scan(text)
+        self.parts.append(text)
+        self.size += len(text)
+        if self.name is None:
+            self.name_text += text
+        if self.args_text is None:
+            self._arguments(text)
+            return
+        self.args_text += text
+        if (m := self.ARGUMENTS.search(self.args_text)) is not None:
+            rest, self.args_text = self.args_text[m.end():], None
+            self._arguments(rest)
+        else:
+            tail = self.ARGUMENTS_TAIL.search(self.args_text)
+            self.args_text = self.args_text[tail.start():] if tail else ""
+
+    def _arguments(self, text: str) -> None:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        if text:
+            self.pending.append(text)
+
+    def _scan(self, text: str) -> None:
+        """Follow the JSON's brackets and strings over ``text``, the block's next characters."""
+        base = self.size
+        if self.end is None and self.depth == 0 and not self.in_str:  # the value has not started yet
+            head = text.lstrip()
+            if head and head[0] not in "{[":  # no bracket's value: vLLM's json.loads never reads a call here
+                self.end, self.more = base, True
+                return
+        for m in self.MARKS.finditer(text):
+            if self.end is not None:
+                break
+            ch, at = m.group(), base + m.start()
+            if at == self.skip:  # escaped
+                continue
+            if self.in_str:
+                self.skip = at + 1 if ch == "\\" else self.skip
+                self.in_str = ch != '"'
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "[{":
+                self.depth += 1
+            else:
+                self.depth -= 1
+                if self.depth <= 0:  # the value closed (or a bracket closed nothing): read it once, as vLLM's
+                    self.end = at + 1
+                    whole = "".join(self.parts) + text[:m.end()]
+                    self.valid = self.depth == 0 and _loads(whole.strip())
+        if self.end is not None and not self.more:
+            self.more = bool(text[max(0, self.end - base):].strip())
+
+    def read(self, closed: bool, calls: list) -> bool:
+        """What vLLM's parser sends for this block now (``closed``: by </tool_call>); whether it is named."""
+        if self.name is None:
+            if (m := self.NAME.search(self.name_text)) is None:
+                tail = self.NAME_TAIL.search(self.name_text)
+                self.name_text = self.name_text[tail.start():] if tail else ""
+                return False
+            self.name, self.name_text = m.group(1), ""
+            calls.append({"name": self.name})  # as vLLM's: the name, then the arguments in a delta of their own
+        text = "".join(self.pending)
+        keep = len(text.rstrip())
+        if (closed or (self.valid and not self.more)) and text[:keep].endswith("}"):
+            keep = len(text[:keep - 1].rstrip())
+        if keep:
+            calls.append({"arguments": text[:keep]})
+        self.pending = [text[keep:]] if text[keep:] else []
+        return True
+
+
+def _loads(text: str) -> bool:
+    """Whether ``text`` is one JSON value to Python's json (vLLM's is_complete_json)."""
+    try:
+        json.loads(text)
+        return True
+    except (ValueError, RecursionError):
+        return False
 
 
 def _tag_start(text: str, tag: str) -> int:
@@ -1505,7 +1669,7 @@ class WholeOutputToolParser(ToolParser):
             self.head = head[:len(head) - len(body)].rstrip() + body  # blanks after the tag say nothing
             if body.startswith(self.OPEN) or (body and not self.TAG.startswith(body)):
                 self.is_call = body.startswith(self.OPEN)
-        if not final:
+        if not final or self.is_call is False:  # (decided in this feed: the rest is content too)
             return ("", []) if self.is_call is not False else ("".join(self.parts), [])
         text = "".join(self.parts)
         body = text.strip()
@@ -1525,6 +1689,28 @@ class Llama3JsonToolParser(WholeOutputToolParser):
         values, end = _json_values(body, 0, ";")
         calls = [_json_call(v) for v in values]
         return None if None in calls or body[end:].strip() else calls
+
+
+class Llama3JsonForcedParser(Llama3JsonToolParser):
+    """A forced llama3_json call (xgrammar's llama tag: {"name": ..., "parameters": ...}, for "required" among
+    free text) read as vLLM 0.32's llama3_json parser reads a whole output: every JSON object in it is a call,
+    the text around them dropped; one that is no call, or a "{" that starts no JSON, makes it all content. As
+    vLLM's, a "{" right where an object ended counts as inside it: two calls back to back read as none."""
+
+    def read(self, body: str) -> list[dict[str, str]] | None:
+        calls, end, decoder = [], -1, json.JSONDecoder(strict=False)
+        for at in (m.start() for m in re.finditer("{", body)):
+            if at <= end:
+                continue
+            try:
+                value, end = decoder.raw_decode(body, at)
+            except (ValueError, RecursionError):
+                return None
+            keyed = isinstance(value, dict) and "name" in value and ("arguments" in value or "parameters" in value)
+            if (call := _json_call(value) if keyed else None) is None:
+                return None
+            calls.append(call)
+        return calls or None
 
 
 class PythonicToolParser(WholeOutputToolParser):
@@ -1662,14 +1848,18 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3
                                               "pythonic": PythonicToolParser}
 
 
+# how a forced call in a parser's own format reads where that parser's "auto" reading differs
+FORCED_CALL_PARSERS: dict[str, type[ToolParser]] = {
+    "mistral": RequiredToolParser,  # its list, as "required"'s (whose parser reads "arguments" too)
+    "llama3_json": Llama3JsonForcedParser}
+
+
 def tool_parser(tool_choice: Any, auto_parser: str | None, call_format: str | None = None
                 ) -> Callable[[], ToolParser] | None:
     """What makes a parser for each of this request's choices: none for "none" (or no tools). A forced
     call written in a parser's own format (``call_format``) is read back by that parser."""
-    if call_format == "mistral":  # its list, as "required"'s (whose parser reads "arguments" too)
-        return RequiredToolParser
     if call_format is not None:
-        return TOOL_PARSERS[call_format]
+        return FORCED_CALL_PARSERS.get(call_format, TOOL_PARSERS[call_format])
     if isinstance(tool_choice, dict):
         return functools.partial(NamedToolParser, tool_choice["function"]["name"])
     if tool_choice == "required":
@@ -1677,40 +1867,158 @@ def tool_parser(tool_choice: Any, auto_parser: str | None, call_format: str | No
     return TOOL_PARSERS.get(auto_parser) if tool_choice == "auto" else None  # no --tool-call-parser: none
 
 
-# =========================================================================== forced calls in a parser's format
-# As vLLM 0.32 (its VLLM_ENFORCE_STRICT_TOOL_CALLING, on by default): with a tool parser whose format has a
-# structural form, a "required" or named call is written in that format, under an xgrammar structural tag
-# ({"type": "structural_tag", "format": ...}), and read back by the parser. A tool's arguments follow its
-# parameters' schema only where the tool says "strict": true; otherwise any JSON value (vLLM's
-# --tool-strict-level auto). Only hermes here yet: vLLM 0.32 has llama3_json's and harmony's own formats too;
-# mistral's is a JSON list of {"name", "arguments"} (ChatCompletionRequest.mistral_schema); pythonic keeps
-# vLLM's older JSON list.
+# =========================================================================== tool calls under a structural tag
+# As vLLM 0.32 (Parser._apply_structural_tag, tool_parsers/structural_tag_registry.py): a tool parser whose
+# format has a structural tag (hermes; llama3_json: xgrammar's builtin "llama"; openai: harmony) writes a
+# "required" or named call in that format, under an xgrammar structural tag, and reads it back
+# ($VLLM_ENFORCE_STRICT_TOOL_CALLING, on unless 0). "auto" takes the tag too where a tool says "strict": true,
+# --tool-strict-level is function or parameter, or parallel_tool_calls is false: the text stays free, but a
+# call once opened (the tag's trigger) is whole. A tool's arguments follow its schema where the tool is strict
+# (every tool with --tool-strict-level parameter), else any JSON. mistral's forced call is a JSON list of
+# {"name", "arguments"} (ChatCompletionRequest.mistral_schema); pythonic's keeps vLLM's older JSON list.
+
+TOOL_STRICT_LEVELS = ("auto", "function", "parameter")  # vLLM's --tool-strict-level, weakest first
+SINGLE_CALL_LISTS = ("triggered_tags", "token_triggered_tags", "tags_with_separator")  # what repeats calls
+
+
+@dataclass(frozen=True)
+class TagTool:
+    """A tool as a structural tag writes its calls: its name, and its arguments' JSON schema (True: any JSON)."""
+    name: str
+    arguments: dict | bool
+
 
 def _forced_tools(tools: list[ChatCompletionToolsParam], tool_choice: Any) -> list[ChatCompletionToolsParam]:
-    """The tools the call may be of: the named one, or for "required" all of them."""
+    """The tools a call may be of: the named one, or all of them."""
     return [find_tool(tools, tool_choice["function"]["name"])] if isinstance(tool_choice, dict) else tools
 
 
-def _arguments_format(tool: ChatCompletionToolsParam) -> dict:
-    """A call's arguments: the tool's schema where it is strict, else any JSON (xgrammar's schema ``true``)."""
-    strict = tool.function.strict is True and tool.function.parameters is not None
-    return {"type": "json_schema", "json_schema": tool.function.parameters if strict else True}
+def tag_tools(tools: list[ChatCompletionToolsParam], tool_choice: Any, level: str) -> list[TagTool] | None:
+    """vLLM's resolve_tool_strictness: the tools a call may be of (the named one, else all), each strict where
+    it says so or the level is "parameter"; None where "auto" stays free (level "auto" and no strict tool)."""
+    if tool_choice == "auto" and level == "auto" and not any(t.function.strict is True for t in tools):
+        return None
+    return [TagTool(t.function.name, t.function.parameters if t.function.parameters is not None
+                    and (level == "parameter" or t.function.strict is True) else True)
+            for t in _forced_tools(tools, tool_choice)]
 
 
-def hermes_call_tag(tools: list[ChatCompletionToolsParam], tool_choice: Any, single: bool) -> dict:
-    """<tool_call>{"name": ..., "arguments": ...}</tool_call>, one or more (one for a named function or
-    ``single``: parallel_tool_calls false), each with or without a newline inside its tags."""
+def _arguments(tool: TagTool) -> dict:
+    return {"type": "json_schema", "json_schema": tool.arguments}
+
+
+def hermes_tag(tools: list[TagTool], choice: str) -> dict:
+    """<tool_call>{"name": ..., "arguments": ...}</tool_call>, each with or without a newline inside its tags:
+    after free text for "auto", one or more calls and nothing else for "required", one for a named function."""
     start, end = HermesToolParser.START, HermesToolParser.END
-    tags = [{"type": "tag", "begin": f'{start}{nl}{{"name": "{tool.function.name}", "arguments": ',
-             "content": _arguments_format(tool), "end": f"}}{nl}{end}"}
-            for tool in _forced_tools(tools, tool_choice) for nl in ("\n", "")]
-    return {"type": "structural_tag", "format": {
-        "type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
-        "stop_after_first": single or isinstance(tool_choice, dict)}}
+    tags = [{"type": "tag", "begin": f'{start}{nl}{{"name": "{tool.name}", "arguments": ', "content": _arguments(tool),
+             "end": f"}}{nl}{end}"} for tool in tools for nl in ("\n", "")]
+    if choice == "auto":
+        return {"type": "triggered_tags", "triggers": [start], "tags": tags}
+    return {"type": "tags_with_separator", "tags": tags, "separator": "", "at_least_one": True,
+            "stop_after_first": choice == "forced"}
 
 
-FORCED_CALL_TAGS: dict[str, Callable[[list[ChatCompletionToolsParam], Any, bool], dict]] = {
-    "hermes": hermes_call_tag}
+def llama_tag(tools: list[TagTool], choice: str) -> dict:
+    """xgrammar's builtin "llama" format: {"name": ..., "parameters": ...}; a named function's call alone, else
+    calls among free text ("required": the output starts with one), the think tags never written outside one."""
+    tags = [{"type": "tag", "begin": f'{{"name": "{tool.name}", "parameters": ', "content": _arguments(tool),
+             "end": "}"} for tool in tools]
+    if choice == "forced":
+        return tags[0]
+    return {"type": "triggered_tags", "triggers": ['{"name": '], "tags": tags, "excludes": list(THINK_TAGS),
+            "at_least_one": choice == "required"}
+
+
+HARMONY_CALL_CHANNELS = ("<|channel|>commentary", "<|channel|>analysis", "<|channel|>final")
+HARMONY_CONSTRAINS = (" json", " <|constrain|>json")
+# a message ends with <|end|>, or with the grammar ("") where an EOS token (<|call|>, <|return|>) closes it:
+# xgrammar lets no stop token be written inside a structure
+HARMONY_ENDS = ["<|end|>", ""]
+
+
+def harmony_tag(tools: list[TagTool], choice: str) -> dict:
+    """vLLM's harmony tag (gpt-oss): an analysis message and a commentary one, each optional, then one call, a
+    message to functions.NAME (the recipient before or after its channel, either JSON content type) or, for
+    "auto", a final message of any text."""
+    calls = [{"type": "tag", "begin": begin, "content": _arguments(tool), "end": HARMONY_ENDS}
+             for tool in tools for begin in _harmony_call_begins(tool.name)]
+    finals = [{"type": "tag", "begin": f"<|channel|>final{constrain}<|message|>", "content": {"type": "any_text"},
+               "end": HARMONY_ENDS} for constrain in HARMONY_CONSTRAINS + ("",)] if choice == "auto" else []
+    return {"type": "sequence", "elements": [_harmony_message("analysis"), _harmony_message("commentary"),
+                                             {"type": "or", "elements": calls + finals}]}
+
+
+def _harmony_call_begins(name: str) -> list[str]:
+    return [begin for pattern in (" to=functions.{name}{channel}{constrain}<|message|>",
+                                  "{channel} to=functions.{name}{constrain}<|message|>")
+            for constrain in HARMONY_CONSTRAINS for channel in HARMONY_CALL_CHANNELS
+            for begin in [pattern.format(name=name, channel=channel, constrain=constrain)]]
+
+
+def _harmony_message(channel: str) -> dict:
+    """An optional whole message on ``channel`` and the next one's start."""
+    return {"type": "optional", "content": {"type": "sequence", "elements": [
+        {"type": "tag", "begin": f"<|channel|>{channel}<|message|>", "content": {"type": "any_text"}, "end": "<|end|>"},
+        {"type": "const_string", "value": "<|start|>assistant"}]}}
+
+
+TOOL_CALL_TAGS: dict[str, Callable[[list[TagTool], str], dict]] = {
+    "hermes": hermes_tag, "llama3_json": llama_tag, "openai": harmony_tag}
+
+
+def tool_call_tag(parser: str, tools: list[ChatCompletionToolsParam], tool_choice: Any,
+                  parallel_tool_calls: bool | None, level: str, output: dict | None = None) -> dict | None:
+    """vLLM 0.32's structural tag over a request's calls in ``parser``'s format, or None where they take none.
+    ``output``: the format of the request's own structured output, which "auto" allows instead of calls (vLLM
+    then takes "required"'s calls); parallel_tool_calls false stops every list of calls after its first."""
+    choice = "forced" if isinstance(tool_choice, dict) else tool_choice
+    if parser not in TOOL_CALL_TAGS or not tools or choice not in ("auto", "required", "forced"):
+        return None
+    single = parallel_tool_calls is False
+    if single and not (choice == "auto" and output is not None):  # bounding the calls takes their envelope
+        level = max(level, "function", key=TOOL_STRICT_LEVELS.index)
+    chosen = tag_tools(tools, tool_choice, level)
+    if chosen is None:
+        return None
+    if choice == "auto" and output is not None:
+        fmt = {"type": "or", "elements": [TOOL_CALL_TAGS[parser](chosen, "required"), output]}
+    else:
+        fmt = TOOL_CALL_TAGS[parser](chosen, choice)
+    return {"type": "structural_tag", "format": _single_call(fmt) if single else fmt}
+
+
+def _single_call(fmt: Any) -> Any:
+    """vLLM's limit_to_single_tool_call: every list of calls in ``fmt`` stops after its first."""
+    if isinstance(fmt, list):
+        return [_single_call(f) for f in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    out = {k: _single_call(v) for k, v in fmt.items()}
+    return {**out, "stop_after_first": True} if out.get("type") in SINGLE_CALL_LISTS else out
+
+
+def output_format(spec: StructuredOutputsParams) -> dict | None:
+    """vLLM's structured_outputs_to_format: a request's own structured output as a structural tag's format."""
+    if spec.json_object:
+        return {"type": "json_schema", "json_schema": {"type": "object"}}
+    if spec.json is not None:
+        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        return {"type": "json_schema", "json_schema": schema}
+    if spec.regex is not None:
+        return {"type": "regex", "pattern": spec.regex}
+    if spec.choice is not None:
+        return {"type": "or", "elements": [{"type": "const_string", "value": c} for c in spec.choice]}
+    if spec.grammar is not None:
+        return {"type": "grammar", "grammar": spec.grammar}
+    if spec.structural_tag is None:
+        return None
+    tag = json.loads(spec.structural_tag) if isinstance(spec.structural_tag, str) else spec.structural_tag
+    if isinstance(tag, dict) and "structures" in tag:  # the older form
+        return {"type": "triggered_tags", "triggers": tag.get("triggers"), "tags": [
+            {"type": "tag", "begin": s.get("begin"), "content": {"type": "json_schema", "json_schema": s.get("schema")},
+             "end": s.get("end")} for s in tag["structures"]]}
+    return tag.get("format") if isinstance(tag, dict) else None
 
 
 _BLANKS = re.compile(r"\s*")
@@ -1778,8 +2086,11 @@ class ToolStream:
         """A parser's calls -> (OpenAI tool-call deltas, whether any call was made)."""
         deltas = []
         for call in found:
-            if "name" in call:  # a new call: its first delta names it
-                deltas.append({"index": self.calls, **tool_call_body(call)})
+            if "name" in call:  # a new call: its first delta names it (hermes' stream: by its name alone)
+                body = tool_call_body({"arguments": "", **call})
+                if "arguments" not in call:
+                    del body["function"]["arguments"]
+                deltas.append({"index": self.calls, **body})
                 self.calls += 1
             else:
                 deltas.append({"index": self.calls - 1, "function": {"arguments": call["arguments"]}})
@@ -2006,7 +2317,8 @@ class ServerState:
     chat_template_content_format: str = "auto"           # --chat-template-content-format
     trust_request_chat_template: bool = False
     tool_parser: str | None = None                       # --tool-call-parser, with --enable-auto-tool-choice
-    strict_tool_calling: bool = True                     # $VLLM_ENFORCE_STRICT_TOOL_CALLING: forced calls in its format
+    strict_tool_calling: bool = True                     # $VLLM_ENFORCE_STRICT_TOOL_CALLING: calls in its format
+    tool_strict_level: str = "auto"                      # --tool-strict-level: which calls a structural tag holds
     reasoning_parser: str | None = None                  # --reasoning-parser
     exclude_tools_when_tool_choice_none: bool = False
     default_chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # under a request's own
@@ -2237,7 +2549,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                         strict_tool_calling=os.environ.get("VLLM_ENFORCE_STRICT_TOOL_CALLING", "true").lower()
-                        in ("true", "1"),
+                        in ("true", "1"), tool_strict_level=args.tool_strict_level,
                         reasoning_parser=args.reasoning_parser,
                         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
@@ -3244,10 +3556,8 @@ class ChatGeneration(Generation):
 
     @classmethod
     def settle(cls, state: ServerState, req: ChatCompletionRequest) -> None:
-        """A forced call takes the tool parser's own format where it has one (FORCED_CALL_TAGS)."""
-        if req.forces_call() and (state.tool_parser in FORCED_CALL_TAGS and state.strict_tool_calling
-                                  or state.tool_parser == "mistral"):  # (vLLM's mistral: whatever the variable)
-            req._call_format = state.tool_parser
+        """The calls take the tool parser's own format where it has one (TOOL_CALL_TAGS, mistral's list)."""
+        req.settle_tools(state.tool_parser, state.strict_tool_calling, state.tool_strict_level)
 
     def __init__(self, state: ServerState, request_id: str, req: ChatCompletionRequest, params: SamplingParams):
         super().__init__(state, request_id, req, params)
@@ -3315,8 +3625,11 @@ class ChatGeneration(Generation):
                 calls = [{k: v for k, v in call.items() if k != "index"} for call in calls]
             if self.req.parallel_tool_calls is False:  # vLLM parses them all, then drops all but the first
                 calls = [call for i, call in enumerate(calls) if call.get("index", i) == 0]
-            if made and finish == "stop" and not isinstance(self.req.tool_choice, dict):  # a forced named function
-                finish = "tool_calls"                                 # ends with "stop", as OpenAI's and vLLM's do
+            # as vLLM's: a forced named function ends with "stop" (as OpenAI's); a response to "required" that
+            # stopped says "tool_calls" whether or not its text read as calls, a stream where it sent one
+            named, required = isinstance(self.req.tool_choice, dict), self.req.tool_choice == "required"
+            if finish == "stop" and not named and (made or (required and not stream)):
+                finish = "tool_calls"
         return ParsedText(content, reasoning, calls, finish, blank)
 
     def message_choice(self, index: int, c: CompletionOutput, logprobs: dict | None = None,
@@ -3326,7 +3639,7 @@ class ChatGeneration(Generation):
         p = self.parse_text(index, c.text, c, stream=False)
         content = echo + p.content
         # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
-        forced = self.req._call_format is not None  # vLLM's forced call has text, "" for none
+        forced = self.req.forces_call() and self.state.tool_parser is not None  # vLLM's has text, "" for none
         message = {"role": self.role, "content": content or ("" if forced else None if p.calls else p.blank),
                    **(_thought(p.reasoning) if self.state.reasoning_parser is not None or self.harmony else {}),
                    **({"tool_calls": p.calls} if p.calls else {})}
@@ -3338,8 +3651,11 @@ class ChatGeneration(Generation):
         message_choice's); None while the parsers hold all of it back and nothing else is new."""
         p = self.parse_text(index, c.delta_text, c, stream=True)
         content = echo + p.content
+        # vLLM's hermes stream sends its calls with the delta's content set, so null where there is none
+        null = p.calls and self.parser is HermesToolParser and self.streams_calls
         delta = {**(_thought(p.reasoning) if p.reasoning else {}),
-                 **({"content": content} if content else {}), **({"tool_calls": p.calls} if p.calls else {})}
+                 **({"content": content} if content else {"content": None} if null else {}),
+                 **({"tool_calls": p.calls} if p.calls else {})}
         if not delta and logprobs is None and p.finish_reason is None and not (extra or {}).get("token_ids"):
             return None
         return _chat_choice(index, {"delta": delta}, logprobs, p.finish_reason, c, extra)

@@ -88,11 +88,16 @@ def text_of(m: dict) -> str:
 @pytest.fixture
 def forced(monkeypatch):
     """Forces the output of the next requests to the text given (a structured-outputs choice on the chat request
-    the body becomes: the Messages API has no such field, and the random model would never write a call)."""
+    the body becomes: the Messages API has no such field, and the random model would never write a call). Its
+    tools are made not strict: as vLLM 0.32's, a strict tool's calls would be an alternative to the choice."""
     def force(text: str) -> None:
         chat_body = entry.AnthropicMessagesRequest.chat_body
-        monkeypatch.setattr(entry.AnthropicMessagesRequest, "chat_body", lambda self, rid: {
-            **chat_body(self, rid), "structured_outputs": {"choice": [text]}})
+
+        def body(self, rid: str) -> dict:
+            out = chat_body(self, rid)
+            tools = [{**t, "function": {**t["function"], "strict": None}} for t in out.get("tools") or []]
+            return {**out, **({"tools": tools} if tools else {}), "structured_outputs": {"choice": [text]}}
+        monkeypatch.setattr(entry.AnthropicMessagesRequest, "chat_body", body)
     return force
 
 

@@ -13,7 +13,7 @@ import pytest
 from nanoserve import entry
 from nanoserve.entry import HarmonyParser, parse_args
 from test_server import ServerThread
-from test_tools import NULLS, TOOLS, chat, chat_stream
+from test_tools import NULLS, STRICT_TOOLS, TOOLS, chat, chat_stream, fits, parse, written
 
 THINK = "The user asks for the weather. Use the tool."
 BOTH = f"<|channel|>analysis<|message|>{THINK}<|end|><|start|>assistant<|channel|>final<|message|>It is sunny."
@@ -157,12 +157,43 @@ def test_chat_reads_harmony(server, monkeypatch):
                                                           "max_tokens": 300}, timeout=60)
     assert r.json()["choices"][0]["text"] == BOTH  # the completions endpoint does not parse (as vLLM's)
     assert len(skips) == 9 and not any(skips[:-1]) and skips[-1]  # the completion decodes as it asks
-    # a named function: its grammar holds from the first token, so the reply is bare JSON, which is no harmony
+    server.wait_idle()
+
+
+@pytest.fixture(scope="module")
+def no_openings(tiny_model) -> dict[str, float]:
+    """A logit_bias against "<" (but in the EOS) and every blank but a space. The harmony tag lets the output
+    start with a message's <|channel|> or with a call's " to=functions.NAME", and in an analysis message a random
+    model would write free text until max_tokens: the bias makes it take the call at once (the grammar alone
+    writes every marker the call needs) and keeps its JSON from wandering in whitespace."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return {str(i): -100 for i in range(len(tok)) if i not in tok.all_special_ids
+            and ("<" in (text := tok.decode([i])) or (not text.strip() and text != " "))}
+
+
+def test_forced_and_strict_calls_take_the_harmony_tag(server, no_openings):
+    """vLLM 0.32's harmony structural tag makes a random model write a harmony call: a named function's, one of
+    any tool's for "required", and for "auto" where a tool is strict (without one "auto" is free, and the random
+    text is content); read back as a call with arguments per the tool's schema, content "", finish_reason
+    "stop" for the named function and "tool_calls" otherwise, whole and streamed."""
     named = {"type": "function", "function": {"name": "get_time"}}
-    (choice,) = chat(server, tools=TOOLS, tool_choice=named, max_tokens=100)["choices"]
-    (call,) = choice["message"]["tool_calls"]
-    assert call["function"]["name"] == "get_time" and json.loads(call["function"]["arguments"])["tz"] in ("utc", "cet")
-    assert choice["message"]["reasoning_content"] is None and not choice["message"]["content"]
+    for seed in range(2):
+        body = dict(temperature=1.0, seed=seed, max_tokens=200, logit_bias=no_openings, return_token_ids=True)
+        for choice, finish in ((named, "stop"), ("required", "tool_calls"), ("auto", "tool_calls")):
+            (out,) = chat(server, tools=STRICT_TOOLS, tool_choice=choice, **body)["choices"]
+            text = written(server, out)
+            assert text.startswith(" to=functions.") and "<|message|>" in text, text
+            (call,) = out["message"]["tool_calls"]
+            name, args = call["function"]["name"], json.loads(call["function"]["arguments"])
+            assert fits(name, args) and (name == "get_time" or choice != named), (choice, text)
+            assert (out["message"]["content"], out["finish_reason"]) == (None if choice == "auto" else "", finish)
+            _, content, calls, streamed_finish = reasoning_stream(server, tools=STRICT_TOOLS, tool_choice=choice,
+                                                                  **body)
+            assert (content, streamed_finish) == ("", finish)  # the same tokens: the same call, as written
+            assert [(n, parse(a)) for n, a in calls] == [(name, args)]
+        (out,) = chat(server, tools=TOOLS, tool_choice="auto", **body)["choices"]
+        assert "tool_calls" not in out["message"] and out["message"]["content"], out
     server.wait_idle()
 
 

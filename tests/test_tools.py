@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -19,8 +20,9 @@ import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams, entry
-from nanoserve.entry import (HermesToolParser, Llama3JsonToolParser, MistralToolParser, NamedToolParser,
-                            PythonicToolParser, RequiredToolParser, ToolStream, load_chat_template, parse_args)
+from nanoserve.entry import (HermesToolParser, Llama3JsonForcedParser, Llama3JsonToolParser, MistralToolParser,
+                            NamedToolParser, PythonicToolParser, RequiredToolParser, ToolStream, load_chat_template,
+                            parse_args)
 from test_server import ServerThread, _check_error, sse_events
 
 # Prints what a Qwen-style template prints: the tools, each past call with its arguments as JSON, tool results.
@@ -61,6 +63,12 @@ def parse(text: str):
     return json.loads(text, strict=False)
 
 
+def same_calls(streamed: list, whole: list) -> bool:
+    """A stream's calls are a response's: as vLLM 0.32's, hermes streams the arguments as the model wrote them,
+    and a response has them read and written back (the same JSON, maybe other blanks)."""
+    return [(n, parse(a)) for n, a in streamed] == [(n, parse(a)) for n, a in whole]
+
+
 def fits(name: str, args) -> bool:
     """A hand-written check of the two parameter schemas above."""
     if name == "get_weather":
@@ -87,7 +95,7 @@ def stream_by_pieces(parser, pieces: list[str]) -> tuple[str, list[tuple[str, st
         for d in deltas:
             if "id" in d:  # a call's first delta names it
                 assert d["index"] == len(calls) and d["type"] == "function" and d["id"].startswith("chatcmpl-tool-")
-                calls.append([d["function"]["name"], d["function"]["arguments"]])
+                calls.append([d["function"]["name"], d["function"].get("arguments", "")])
             else:
                 assert set(d) == {"index", "function"} and set(d["function"]) == {"arguments"}
                 calls[d["index"]][1] += d["function"]["arguments"]
@@ -111,9 +119,15 @@ HERMES_CASES = [  # text -> (content, [(name, arguments)])
     ("cut short <tool", "cut short <tool", []),
     # as vLLM's: the content is the text before the first call, as written; text between and after calls is not
     ('Hi <tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b", "arguments": {}}'
-     '</tool_call> bye <tool_call>{"name": broken}</tool_call> <tool_call>{"oops', "Hi ", [("a", "{}"), ("b", "{}")]),
-    ('<tool_call>[1]</tool_call> <tool_call>{"name": "a"}</tool_call>\n', "<tool_call>[1]</tool_call> ",
-     [("a", "{}")]),  # a block that is no call before the first call is text
+     '</tool_call> bye', "Hi ", [("a", "{}"), ("b", "{}")]),
+    # any block that is no call (no JSON, no "arguments", a call cut short) makes the whole output content
+    ('Hi <tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b", "arguments": {}}'
+     '</tool_call> bye <tool_call>{"name": broken}</tool_call> <tool_call>{"oops',
+     'Hi <tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "b", "arguments": {}}'
+     '</tool_call> bye <tool_call>{"name": broken}</tool_call> <tool_call>{"oops', []),
+    ('<tool_call>[1]</tool_call> <tool_call>{"name": "a", "arguments": {}}</tool_call>\n',
+     '<tool_call>[1]</tool_call> <tool_call>{"name": "a", "arguments": {}}</tool_call>\n', []),
+    ('<tool_call>{"name": "a"}</tool_call>', '<tool_call>{"name": "a"}</tool_call>', []),
     # arguments that must go out as UTF-8 JSON: a lone surrogate stays escaped; Infinity is no JSON, so no call
     ('<tool_call>{"name": "a", "arguments": {"c": "\\ud800é"}}</tool_call>', "", [("a", '{"c": "\\ud800\\u00e9"}')]),
     ('<tool_call>{"name": "a", "arguments": {"c": 1e999}}</tool_call>',
@@ -146,21 +160,81 @@ def test_deep_arguments_are_no_call_whatever_the_recursion_limit():
                       )[1] == [("a", json.dumps({"c": json.loads(shallow)}))]
 
 
+def vllm_hermes_stream(pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+    """vLLM 0.32's streamed hermes reading (Hermes2ProToolParser.extract_tool_calls_streaming), done as it does
+    it, all the text read again at each delta, written afresh here (benchmarks/tool_tags.py checks it against
+    vLLM's own on random texts cut at random): the content is the text before the first <tool_call> (a tag's
+    start at the end held back); each block (to </tool_call>, or the end less a partial one, stripped) whole
+    where closed or a whole JSON value; its call named by the first "name": "...", once whole (no later block
+    read before); its arguments the text after "arguments":, of a whole block less the "}" that ends it,
+    sent where longer than what went before."""
+    start, end = HermesToolParser.START, HermesToolParser.END
+    name_re, args_re = re.compile(r'"name"\s*:\s*"([^"]+)"'), re.compile(r'"arguments"\s*:\s*')
+    text, content, calls, sent = "", "", [], []
+
+    def whole(body: str) -> bool:
+        try:
+            json.loads(body)
+            return True
+        except (ValueError, RecursionError):  # (vLLM's parser then fails the whole delta: it sends nothing)
+            return False
+    for piece in pieces:
+        text += piece
+        first = text.find(start)
+        content = text[:first if first >= 0 else len(text) - entry._tag_start(text, start)]
+        blocks, pos = [], 0
+        while (at := text.find(start, pos)) >= 0:
+            close = text.find(end, at + len(start))
+            body = text[at + len(start):close if close >= 0 else len(text) - entry._tag_start(text, end)].strip()
+            blocks.append((body, close >= 0 or (bool(body) and whole(body))))
+            if close < 0:
+                break
+            pos = close + len(end)
+        for i, (body, closed) in enumerate(blocks):
+            if i == len(calls):
+                if (m := name_re.search(body)) is None:
+                    break
+                calls.append([m.group(1), ""])
+                sent.append(0)
+            if (m := args_re.search(body)) is not None:
+                args = body[m.end():]
+                args = args.rstrip()[:-1].rstrip() if closed and args.rstrip().endswith("}") else args
+                if len(args) > sent[i]:
+                    calls[i][1], sent[i] = calls[i][1] + args[sent[i]:], len(args)
+    return content, [tuple(c) for c in calls]
+
+
 @pytest.mark.parametrize("text,content,calls", HERMES_CASES)
 def test_hermes_parser(text, content, calls):
+    """A response as vLLM's reads it whole; a stream as vLLM 0.32's streamed parser reads it, a character at a
+    time: no text after the first <tool_call>, a call named as soon as its name is whole, its arguments as
+    written (a response's are read and written back)."""
     assert parse_once(HermesToolParser(), text) == (content, calls)
-    assert stream_by_chars(HermesToolParser(), text) == (content, calls, bool(calls))
+    assert stream_by_chars(HermesToolParser(), text) == (*vllm_hermes_stream(list(text)),
+                                                         bool(vllm_hermes_stream(list(text))[1]))
 
 
-def test_hermes_stream_drops_an_open_block():
-    """As vLLM's: a block the end leaves open (a forced call cut short) is text in a response, none in a
-    stream; one whose JSON is a whole call is a call in both."""
-    for text in ("<tool_call>", 'Hi <tool_call>\n{"name": "get", "argu'):
-        assert parse_once(HermesToolParser(), text) == (text, [])
-        assert stream_by_chars(HermesToolParser(), text) == (text.partition("<tool_call>")[0], [], False)
+def test_hermes_stream_reads_as_vllm_0_32s():
+    """The stream: a call cut short is named before its arguments are whole; the arguments go out as written,
+    as they come; a block that is no call stops the content and, closed with no name, the reading of every
+    later block; a tag's start at the end never goes out. A response reads those as vLLM's whole parser."""
+    cut = 'Hi <tool_call>\n{"name": "get", "arguments": {"x": [1, '
+    assert parse_once(HermesToolParser(), cut) == (cut, [])
+    assert stream_by_chars(HermesToolParser(), cut) == ("Hi ", [("get", '{"x": [1,')], True)
+    spaced = '<tool_call>{"name":"a","arguments" :{"x":1} }\n</tool_call>'
+    assert parse_once(HermesToolParser(), spaced) == ("", [("a", '{"x": 1}')])
+    assert stream_by_chars(HermesToolParser(), spaced) == ("", [("a", '{"x":1}')], True)
+    stream, deltas = ToolStream(HermesToolParser(), streamed=True), 0
+    for ch in spaced:
+        deltas += len(stream.feed(ch, False)[1])
+    assert deltas == len('{"x":1}') + 1  # the name, then each character of the arguments
     whole = '<tool_call>{"name": "a", "arguments": "x"}'  # any JSON value is arguments, as vLLM's parsers
     assert parse_once(HermesToolParser(), whole) == ("", [("a", '"x"')])
     assert stream_by_chars(HermesToolParser(), whole) == ("", [("a", '"x"')], True)
+    nameless = '<tool_call>[1]</tool_call>text<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+    assert parse_once(HermesToolParser(), nameless) == (nameless, [])
+    assert stream_by_chars(HermesToolParser(), nameless) == ("", [], False)
+    assert stream_by_chars(HermesToolParser(), "cut short <tool") == ("cut short ", [], False)
 
 
 def test_hermes_holds_back_only_what_may_be_a_call():
@@ -182,6 +256,30 @@ def test_hermes_holds_back_only_what_may_be_a_call():
 def test_llama3_json_parser(text, content, calls):
     assert parse_once(Llama3JsonToolParser(), text) == (content, calls)
     assert stream_by_chars(Llama3JsonToolParser(), text)[:2] == (content, calls)
+
+
+@pytest.mark.parametrize("text,content,calls", [  # what vLLM 0.32's llama3_json parser reads in each (its peer, run)
+    ('{"name": "f", "parameters": {"a": 1}}', "", [("f", '{"a": 1}')]),
+    ('{"name": "f", "parameters": {"a": 1}} junk {"name": "g", "parameters": {"b": 2}} tail', "",
+     [("f", '{"a": 1}'), ("g", '{"b": 2}')]),  # the text around the calls dropped
+    ('{"name": "f", "parameters": {"a": 1}}; {"name": "g", "arguments": [{"b": "é"}]}', "",
+     [("f", '{"a": 1}'), ("g", '[{"b": "é"}]')]),
+    # a "{" right where an object ended is skipped: two calls back to back read as none (the second's arguments
+    # are an object without a name), or as the first alone (arguments that hold no "{")
+    ('{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": {"b": 2}}',
+     '{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": {"b": 2}}', []),
+    ('{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": 3}', "", [("f", '{"a": 1}')]),
+    # an object that is no call, a "{" that starts no JSON, a call cut short: all of it is content
+    ('{"name": "f", "parameters": {"a": 1}} {}', '{"name": "f", "parameters": {"a": 1}} {}', []),
+    ('{"name": "f", "parameters": {"a": 1}} {oops', '{"name": "f", "parameters": {"a": 1}} {oops', []),
+    ('{"name": "f", "parameters": {"a": 1}', '{"name": "f", "parameters": {"a": 1}', []),
+    ('{"name": "f"}', '{"name": "f"}', []),
+    ('{"name": 3, "parameters": {}}', '{"name": 3, "parameters": {}}', []),
+])
+def test_llama3_json_forced_parser(text, content, calls):
+    """A forced llama3_json call (xgrammar's llama tag, which starts the output) read as vLLM 0.32 reads it."""
+    assert parse_once(Llama3JsonForcedParser(), text) == (content, calls)
+    assert stream_by_chars(Llama3JsonForcedParser(), text)[:2] == (content, calls)
 
 
 @pytest.mark.parametrize("text,content,calls", [
@@ -247,13 +345,15 @@ def test_required_and_named_parsers_stream_as_they_parse():
 
 
 PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
-           "mistral": MistralToolParser, "required": RequiredToolParser, "named": lambda: NamedToolParser("f")}
+           "mistral": MistralToolParser, "required": RequiredToolParser, "named": lambda: NamedToolParser("f"),
+           "llama3_json_forced": Llama3JsonForcedParser}
 
 
 def test_a_stream_adds_up_to_the_response_however_it_is_cut():
     """The deltas of any cut of the text into pieces add up to what one feed of a stream gives (the response
-    that is not streamed but for a hermes block left open, test_hermes_stream_drops_an_open_block), for texts
-    built from tags, calls, brackets, escapes and their fragments."""
+    that is not streamed), for texts built from tags, calls, brackets, escapes and their fragments; hermes'
+    add up to what vLLM 0.32's streamed parser sends for those pieces (which a cut may change: a block's
+    closing "}" is sent where a delta ends while its JSON is not whole)."""
     from hypothesis import given, settings, strategies as st
 
     frags = ["<tool_call>", "</tool_call>", "<tool", "_call>", '{"name": "a", "arguments": {"x": [1]}}',
@@ -268,9 +368,11 @@ def test_a_stream_adds_up_to_the_response_however_it_is_cut():
         text = "".join(parts)
         cuts = sorted({c for c in cuts if c <= len(text)})
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        if name == "hermes":  # vLLM 0.32's stream reads each delta as it comes, not as the whole text
+            assert stream_by_pieces(PARSERS[name](), pieces)[:2] == vllm_hermes_stream(pieces)
+            return
         content, calls = parse_once(PARSERS[name](), text, streamed=True)
-        if name != "hermes":
-            assert parse_once(PARSERS[name](), text) == (content, calls)
+        assert parse_once(PARSERS[name](), text) == (content, calls)
         assert stream_by_pieces(PARSERS[name](), pieces)[:2] == (content, calls)
     check()
 
@@ -300,6 +402,7 @@ def test_reading_a_stream_is_linear_in_its_text(monkeypatch):
                                               for i in range(n)),
                 "required": "[" + ", ".join(call % ("parameters", i) for i in range(n)) + "]",
                 "llama3_json": "; ".join(call % ("parameters", i) for i in range(n)),
+                "llama3_json_forced": "; ".join(call % ("parameters", i) for i in range(n)),
                 "pythonic": "[" + ", ".join(f"get_weather(city='Paris \\'{i}\\'', days=[3, {{'x': '}}'}}])"
                                             for i in range(n)) + "]",
                 "mistral": "Sure. [TOOL_CALLS][" + ", ".join(call % ("arguments", i) for i in range(n)) + "]",
@@ -419,7 +522,7 @@ def chat_stream(server, **body) -> tuple[list[dict], str, list[list[str]], str]:
         for d in delta.get("tool_calls", []):
             if "id" in d:
                 assert d["index"] == len(calls) and d["type"] == "function"
-                calls.append([d["function"]["name"], d["function"]["arguments"]])
+                calls.append([d["function"]["name"], d["function"].get("arguments", "")])
             else:
                 calls[d["index"]][1] += d["function"]["arguments"]
         finish = choice["finish_reason"] or finish
@@ -464,16 +567,28 @@ def no_blanks(tiny_model) -> dict[str, float]:
     return {str(i): -100 for i in range(len(tok)) if not tok.decode([i]).strip()}
 
 
+@pytest.fixture(scope="module")
+def strict_json(tiny_model, no_blanks) -> dict[str, float]:
+    """no_blanks, and a bias against control characters, which xgrammar's JSON lets stand in strings: such
+    JSON is not strict, so vLLM 0.32's hermes stream (and nanoserve's) never sees a call's JSON whole and
+    sends the "}" that closes it in the arguments; a test that reads hermes streams' arguments as JSON."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    return {**no_blanks, **{str(i): -100 for i in range(len(tok))
+                            if any(ord(c) < 32 or ord(c) == 127 for c in tok.decode([i]))}}
+
+
 STRICT_TOOLS = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]  # arguments per the schema
 
 
-@pytest.fixture(params=["hermes", "json", "mistral"])
+@pytest.fixture(params=["hermes", "json", "mistral", "llama3_json"])
 def call_format(request, server, monkeypatch):
     """The format a forced call takes: the hermes parser's own (vLLM 0.32's), with VLLM_ENFORCE_STRICT_TOOL_CALLING
-    off vLLM's JSON form (as without a parser), or the mistral parser's list of {"name", "arguments"}."""
-    monkeypatch.setattr(server.app.state.server, "strict_tool_calling", request.param == "hermes")
-    if request.param == "mistral":
-        monkeypatch.setattr(server.app.state.server, "tool_parser", "mistral")
+    off vLLM's JSON form (as without a parser), the mistral parser's list of {"name", "arguments"}, or the
+    llama3_json parser's {"name", "parameters"} (xgrammar's builtin llama tag)."""
+    monkeypatch.setattr(server.app.state.server, "strict_tool_calling", request.param != "json")
+    if request.param in ("mistral", "llama3_json"):
+        monkeypatch.setattr(server.app.state.server, "tool_parser", request.param)
     return request.param
 
 
@@ -489,6 +604,9 @@ def check_written(server, choice: dict, call_format: str, calls: list, first_onl
     if call_format == "hermes":
         assert text.startswith("<tool_call>"), text
         assert [list(c) for c in parse_once(HermesToolParser(), text)[1]] == calls
+    elif call_format == "llama3_json":
+        assert text.startswith('{"name": "') and '"parameters": ' in text, text
+        assert [list(c) for c in parse_once(Llama3JsonForcedParser(), text)[1]] == calls
     elif call_format == "mistral":
         assert text.startswith("[{") and '"parameters"' not in text and '"arguments"' in text, text  # its key
         assert [list(c) for c in parse_once(RequiredToolParser(), text)[1]][:1 if first_only else None] == calls
@@ -497,13 +615,13 @@ def check_written(server, choice: dict, call_format: str, calls: list, first_onl
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_required_makes_valid_calls(server, no_blanks, call_format, stream):
+def test_required_makes_valid_calls(server, no_blanks, strict_json, call_format, stream):
     """One call with parallel_tool_calls false (the grammar stops after it: vLLM's stop_after_first, or the
     JSON list's maxItems 1; mistral's list is not bounded, and the first call is kept), the same streamed;
     without it, n=2 choices of one or more calls each."""
     for seed in SEEDS:
         body = dict(tools=STRICT_TOOLS, tool_choice="required", temperature=1.0, seed=seed, max_tokens=200,
-                    logit_bias=no_blanks, parallel_tool_calls=False)
+                    logit_bias=strict_json if call_format == "hermes" else no_blanks, parallel_tool_calls=False)
         if stream:
             _, content, calls, finish = chat_stream(server, **body)
             assert content == ""
@@ -511,8 +629,8 @@ def test_required_makes_valid_calls(server, no_blanks, call_format, stream):
             (choice,) = chat(server, **body, return_token_ids=True)["choices"]
             calls, finish = calls_of(choice["message"]), choice["finish_reason"]
             check_written(server, choice, call_format, calls, first_only=True)
-            assert choice["message"]["content"] == ("" if call_format != "json" else None)  # vLLM 0.32's: ""
-            assert chat_stream(server, **body)[2] == calls  # the same seed streamed gives the same call
+            assert choice["message"]["content"] == ""  # vLLM 0.32's, with any parser
+            assert same_calls(chat_stream(server, **body)[2], calls)  # the same seed streamed: the same call
         assert finish in ("tool_calls", "length" if call_format == "mistral" else None) and len(calls) == 1, \
             (finish, calls)  # (mistral's list may run on to max_tokens)
         assert all(fits(name, json.loads(args)) for name, args in calls), calls  # re-encoded: strict JSON
@@ -522,50 +640,185 @@ def test_required_makes_valid_calls(server, no_blanks, call_format, stream):
                 logit_bias=no_blanks, n=2, return_token_ids=True)
     for choice in chat(server, **body)["choices"]:
         calls = calls_of(choice["message"])
-        assert calls and all(fits(name, json.loads(args)) for name, args in calls), calls
         assert choice["finish_reason"] in ("tool_calls", "length")  # more calls may follow until max_tokens
         check_written(server, choice, call_format, calls)
+        if call_format == "hermes" and choice["finish_reason"] == "length" and not calls:  # as vLLM reads it,
+            assert choice["message"]["content"] == written(server, choice)  # a call cut short: all content
+            continue
+        assert calls and all(fits(name, json.loads(args)) for name, args in calls), calls
 
 
 @pytest.mark.parametrize("name", ["get_weather", "get_time"])
-def test_named_function_makes_a_valid_call(server, no_blanks, call_format, name):
+def test_named_function_makes_a_valid_call(server, no_blanks, strict_json, call_format, name):
     named = {"type": "function", "function": {"name": name}}
     for seed in SEEDS:
         body = dict(tools=STRICT_TOOLS, tool_choice=named, temperature=1.0, seed=seed, max_tokens=200,
-                    logit_bias=no_blanks)
+                    logit_bias=strict_json if call_format == "hermes" else no_blanks)
         (choice,) = chat(server, **body, return_token_ids=True)["choices"]
         (call,) = calls_of(choice["message"])
         check_written(server, choice, call_format, [call])
         assert call[0] == name and fits(name, parse(call[1])), call
-        assert choice["message"]["content"] == ("" if call_format != "json" else None)
+        assert choice["message"]["content"] == ""
         assert choice["finish_reason"] == "stop"  # as OpenAI and vLLM finish a forced function
         chunks, content, calls, finish = chat_stream(server, **body)
         assert content == "" and finish == "stop"
-        assert calls == [call]
-        if len(call[1]) > 1 and call_format == "json":  # the arguments came in fragments after its first delta
-            assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 1
+        assert same_calls(calls, [call])
+        if len(call[1]) > 1 and call_format in ("json", "hermes"):  # the arguments came in fragments
+            assert sum(1 for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls", [])) > 2
+        if call_format == "hermes":  # vLLM 0.32's chunks: the name alone first, the content null beside calls
+            first = next(ch["choices"][0]["delta"] for ch in chunks if ch["choices"][0]["delta"].get("tool_calls"))
+            assert first["content"] is None and set(first["tool_calls"][0]["function"]) == {"name"}, first
 
 
-def test_hermes_forced_call_grammar():
-    """The structural tag of a forced hermes call takes the parser's format, with or without the newlines,
-    of the named function only (once), or of any tool ("required": one or more; one with parallel_tool_calls
-    false); a strict tool's arguments follow its schema, any other tool's are any JSON (vLLM's default)."""
+def test_a_required_response_that_stopped_says_tool_calls(server, no_blanks, monkeypatch):
+    """As vLLM 0.32's: a response to "required" that stopped has finish_reason "tool_calls" even where its text
+    reads as no call (here llama3_json's reading made to find none; the text is then the content); its stream
+    says so only where it sent a call."""
+    monkeypatch.setattr(server.app.state.server, "tool_parser", "llama3_json")
+    monkeypatch.setattr(Llama3JsonForcedParser, "read", lambda self, body: None)
+    body = dict(tools=STRICT_TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=1.0, seed=0,
+                max_tokens=200, logit_bias=no_blanks)
+    (choice,) = chat(server, **body)["choices"]
+    assert "tool_calls" not in choice["message"] and choice["message"]["content"].startswith('{"name": "')
+    assert choice["finish_reason"] == "tool_calls"
+    assert chat_stream(server, **body)[2:] == ([], "stop")
+    server.wait_idle()
+
+
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def call_grammar(parser: str, tools: list[dict], choice, parallel=None, level="auto", output=None):
+    """The grammar of vLLM 0.32's structural tag over the calls (None where it takes none)."""
     import xgrammar as xgr
+    tag = entry.tool_call_tag(parser, [entry.ChatCompletionToolsParam.model_validate(t) for t in tools], choice,
+                              parallel, level, output)
+    return None if tag is None else xgr.Grammar.from_structural_tag(json.dumps(tag))
+
+
+def test_hermes_call_grammar():
+    """The structural tag of hermes calls takes the parser's format, with or without the newlines: of the named
+    function only (once); of any tool for "required" (one or more, nothing around them; one with
+    parallel_tool_calls false); for "auto" free text in which each call opened (<tool_call>) is whole. A strict
+    tool's arguments follow its schema, any other tool's are any JSON (vLLM's default --tool-strict-level)."""
     from xgrammar.testing import _is_grammar_accept_string as accepts
-    tools = [entry.ChatCompletionToolsParam.model_validate(t) for t in (STRICT_TOOLS[0], TOOLS[1])]
-
-    def grammar(choice, single=False):
-        return xgr.Grammar.from_structural_tag(json.dumps(entry.hermes_call_tag(tools, choice, single)))
-
+    tools = [STRICT_TOOLS[0], TOOLS[1]]
     w = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
     t = '<tool_call>{"name": "get_time", "arguments": "any JSON"}</tool_call>'
-    required, named = grammar("required"), grammar({"type": "function", "function": {"name": "get_time"}})
+    required, named = call_grammar("hermes", tools, "required"), call_grammar("hermes", tools, NAMED_TIME)
     for text in (w, t, w + t, t + t):
         assert accepts(required, text), text
     for text in ("", "Sure. " + w, w.replace("3", "0"), w + " ", '[{"name": "get_time", "parameters": {}}]'):
         assert not accepts(required, text), text  # nothing around the calls; the strict tool's schema holds
     assert accepts(named, t) and not accepts(named, w) and not accepts(named, t + t)
-    assert accepts(grammar("required", single=True), w) and not accepts(grammar("required", single=True), w + t)
+    single = call_grammar("hermes", tools, "required", parallel=False)
+    assert accepts(single, w) and not accepts(single, w + t)
+    auto = call_grammar("hermes", tools, "auto")
+    for text in ("", "No call.", "Sure. " + w + " then " + t + " done", w + w):
+        assert accepts(auto, text), text
+    for text in ("Sure. " + w.replace("3", "0"), "Sure. <tool_call>oops</tool_call>", "<tool_call>{"):
+        assert not accepts(auto, text), text  # a call opened is whole, and the strict tool's follows its schema
+    single = call_grammar("hermes", tools, "auto", parallel=False)
+    assert accepts(single, "Sure. " + w) and not accepts(single, w + t) and not accepts(single, w + " bye")
+
+
+def test_which_calls_take_a_tag():
+    """As vLLM 0.32's _apply_structural_tag and resolve_tool_strictness: forced calls always; "auto" where a tool
+    is strict, --tool-strict-level is function (the envelope: any JSON arguments) or parameter (every tool's
+    arguments per its schema), or parallel_tool_calls is false, unless a structured output of the request's
+    own stands beside the calls (then only where a tool is strict or the level says, the two as alternatives);
+    the parsers that have no tag (mistral, pythonic) never."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    bad_days = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "days": 0}}</tool_call>'
+    junk = '<tool_call>{"name": "get_weather", "arguments": [1]}</tool_call>'
+    assert call_grammar("hermes", TOOLS, "auto") is None
+    for parser in ("mistral", "pythonic"):
+        assert call_grammar(parser, STRICT_TOOLS, "required") is None
+    function = call_grammar("hermes", TOOLS, "auto", level="function")
+    assert accepts(function, junk) and not accepts(function, "<tool_call>{}</tool_call>")
+    parameter = call_grammar("hermes", TOOLS, "auto", level="parameter")
+    assert not accepts(parameter, junk) and not accepts(parameter, bad_days)
+    assert accepts(parameter, bad_days.replace("0", "2"))
+    assert accepts(call_grammar("hermes", TOOLS, "auto", parallel=False), "Hi " + junk)
+    regex = {"type": "regex", "pattern": "[a-z]{3}"}
+    assert call_grammar("hermes", TOOLS, "auto", parallel=False, output=regex) is None
+    either = call_grammar("hermes", STRICT_TOOLS, "auto", output=regex)
+    assert accepts(either, "abc") and accepts(either, bad_days.replace("0", "2")) and not accepts(either, "Hi abc")
+
+
+def test_llama_tag_is_xgrammars_builtin():
+    """llama3_json's tag is xgrammar's builtin "llama" structure, as vLLM 0.32 asks for it (each tool's strict
+    settled first; parallel_tool_calls false stops the list of calls after one)."""
+    import xgrammar as xgr
+    for tools, level in ((STRICT_TOOLS, "auto"), ([STRICT_TOOLS[0], TOOLS[1]], "auto"), (TOOLS, "function"),
+                         (TOOLS, "parameter")):
+        for choice in ("auto", "required", NAMED_TIME):
+            for parallel in (None, False):
+                ours = entry.tool_call_tag("llama3_json", [entry.ChatCompletionToolsParam.model_validate(t)
+                                                           for t in tools], choice, parallel, level)
+                pinned = [{**t, "function": {**t["function"], "strict": level == "parameter"
+                                             or t["function"].get("strict") is True}} for t in tools]
+                theirs = xgr.get_model_structural_tag("llama", tools=pinned, tool_choice=choice, reasoning=False,
+                                                      parallel_tool_calls=parallel is not False)
+                assert xgr.StructuralTag.model_validate(ours).model_dump() == theirs.model_dump(), (choice, level)
+
+
+def test_harmony_call_grammar():
+    """gpt-oss's tag (vLLM 0.32's own): an analysis and a commentary message, each optional, then one call to
+    functions.NAME (its recipient before or after the channel, either JSON content type, ended by <|end|> or
+    by the EOS); for "auto" a final message instead."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+    call = '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"tz": "cet"}'
+    think = "<|channel|>analysis<|message|>Use the tool.<|end|><|start|>assistant"
+    final = "<|channel|>final<|message|>It is noon."
+    named = call_grammar("openai", STRICT_TOOLS, NAMED_TIME)
+    for text in (call, think + call, call + "<|end|>", ' to=functions.get_time<|channel|>analysis json<|message|>{"tz":'
+                 '"utc"}'):
+        assert accepts(named, text), text
+    for text in ("", think, final, call.replace("cet", "pst"), call.replace("get_time", "get_weather"), call + call):
+        assert not accepts(named, text), text
+    assert accepts(call_grammar("openai", STRICT_TOOLS, "auto"), think + final)
+    assert not accepts(call_grammar("openai", STRICT_TOOLS, "required"), think + final)
+
+
+def test_auto_calls_under_the_tag(server, strict_json, tiny_model, monkeypatch):
+    """End to end: "auto" with a strict tool beside the request's own regex lets the model write the regex's
+    text or hermes calls (vLLM 0.32's "or" of the two); a bias against the regex's letters makes a random model
+    take the calls: one (parallel_tool_calls false) whole call per its schema, read back by the parser. Without
+    a strict tool the regex alone holds. And which "auto" requests the engine gets the tag for, as the server's
+    --tool-strict-level and VLLM_ENFORCE_STRICT_TOOL_CALLING say."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    letters = {str(i): -100 for i in range(len(tok)) if re.fullmatch("[a-z]+", tok.decode([i]))}
+    body = dict(structured_outputs={"regex": "[a-z]{3}"}, parallel_tool_calls=False, temperature=1.0,
+                max_tokens=200, logit_bias={**strict_json, **letters})
+    for seed in SEEDS:
+        (choice,) = chat(server, tools=STRICT_TOOLS, seed=seed, **body)["choices"]
+        (call,) = calls_of(choice["message"])
+        assert fits(call[0], json.loads(call[1])) and not choice["message"]["content"], choice
+        assert choice["finish_reason"] == "tool_calls"
+        _, content, calls, finish = chat_stream(server, tools=STRICT_TOOLS, seed=seed, **body)
+        assert (content, finish) == ("", "tool_calls") and same_calls(calls, [call])
+        (choice,) = chat(server, tools=TOOLS, seed=seed, **body)["choices"]
+        assert re.fullmatch("[a-z]{3}", choice["message"]["content"]) and "tool_calls" not in choice["message"]
+    state, specs, add_request = server.app.state.server, [], server.app.state.server.async_llm.add_request
+    monkeypatch.setattr(state.async_llm, "add_request", lambda prompt, params, *a, **k:
+                        specs.append(params.structured_outputs) or add_request(prompt, params, *a, **k))
+
+    def tag(strict: bool = False, **settings) -> str | None:
+        """The type of the format the engine got for an "auto" request (None: no constraint)."""
+        for name, value in settings.items():
+            monkeypatch.setattr(state, name, value)
+        specs.clear()
+        chat(server, tools=STRICT_TOOLS if strict else TOOLS, max_tokens=1)
+        return specs[0] and json.loads(specs[0].structural_tag)["format"]["type"]
+    assert parse_args(["--tool-strict-level", "parameter"]).tool_strict_level == "parameter"
+    with pytest.raises(SystemExit):
+        parse_args(["--tool-strict-level", "strict"])
+    assert tag() is None and tag(strict=True) == "triggered_tags"
+    assert tag(tool_strict_level="function") == "triggered_tags" == tag(tool_strict_level="parameter")
+    assert tag(tool_strict_level="auto", strict_tool_calling=False, strict=True) is None
+    server.wait_idle()
 
 
 def test_echo_leads_the_content_and_is_no_part_of_a_call(server, no_blanks):
@@ -578,7 +831,7 @@ def test_echo_leads_the_content_and_is_no_part_of_a_call(server, no_blanks):
     (call,) = calls_of(choice["message"])
     assert choice["message"]["content"] == "Sure" and call[0] == "get_time" and fits("get_time", parse(call[1])), call
     _, content, calls, finish = chat_stream(server, **body)
-    assert (content, calls, finish) == ("Sure", [call], choice["finish_reason"])
+    assert (content, finish) == ("Sure", choice["finish_reason"]) and same_calls(calls, [call])
 
 
 def test_required_hands_xgrammar_a_defs_that_is_not_an_object(server):

@@ -1,0 +1,203 @@
+"""nanoserve's structural tags over tool calls, format for format against vLLM 0.32's own.
+
+    python benchmarks/tool_tags.py [--peer benchmarks/.peers/vllm/bin/python]
+
+For every case (parser hermes / llama3_json / openai; strict and loose tools; tool_choice auto, required or a
+named function; parallel_tool_calls absent or false; --tool-strict-level auto, function or parameter; "auto"
+beside a request's own json or regex constraint) the peer's interpreter builds the request vLLM's chat server
+would build (its ChatCompletionRequest through DelegatingParser._apply_structural_tag) and prints the structural
+tag it gets; this interpreter builds nanoserve's (entry.tool_call_tag), and both are compared after xgrammar's
+StructuralTag has read them (so defaults written or left out compare equal). Then vLLM's llama3_json parser and
+nanoserve's Llama3JsonForcedParser read the same texts, and vLLM's hermes parser and nanoserve's read the same
+chat streams (3000 random texts of tags and JSON fragments, cut at random into deltas) and responses (3000
+more, whole). Prints each difference and the counts; exits 1 on any.
+Needs the peer venv (benchmarks/PEERS.md); nothing is served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CLOCK = {"type": "object", "properties": {"tz": {"enum": ["utc", "cet"]}}}
+TOOLSETS = {
+    "one strict": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, "strict": True}},
+                   {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}],
+    "loose": [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+              {"type": "function", "function": {"name": "bare", "strict": False}}],
+}
+CHOICES = {"auto": "auto", "required": "required", "named": {"type": "function", "function": {"name": "get_weather"}}}
+OUTPUTS = {None: None, "json": {"json": {"type": "object"}}, "regex": {"regex": "[a-z]+"}}
+PEER_MODELS = {"hermes": "hermes", "llama3_json": "llama", "openai": "harmony"}
+TEXTS = ['{"name": "f", "parameters": {"a": 1}}', '{"name": "f", "parameters": {"a": 1}} x {"name": "g", '
+         '"arguments": [1]} y', '{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": {"b": 2}}',
+         '{"name": "f", "parameters": {"a": 1}}{"name": "g", "parameters": 3}', '{"name": "f", "parameters": {}} {}',
+         '{"name": "f", "parameters": {"a": 1', '{"name": "f"}', '{"name": 3, "parameters": {}}', "plain text"]
+
+
+# hermes chat streams: texts of these pieces, cut at random
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool", "_call>", "</tool_", '{"name": "a", "arguments": {"x": [1]}}',
+             '{"name": "b", "parameters": {}}', '{"name": "c", "arguments": {"s": "}]\\"{"}}', '{"name":', ' "d"',
+             ', "arguments":', ' {"y": 2', "}", "}}", "[", "]", "{", '"', "\\", ",", " ", "\n", "x", "é", "<",
+             '"arguments": ', '"name": "e"', "\t", '"nam', 'e"']
+
+
+def streams(n: int = 3000, seed: int = 0, fragments: list[str] = FRAGMENTS) -> list[list[str]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
+        cuts = sorted({rng.randint(0, len(text)) for _ in range(rng.randint(0, 10))})
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""])
+    return out
+
+
+BODIES = ['{"name": "a", "arguments": {"x": [1]}}', '{"name": "b", "arguments": "s"}', '{"name": "c"}',
+          '{"name": "d", "parameters": {}}', "[1]", "{oops", '{"name": 3, "arguments": {}}', "",
+          '{"name": "e", "arguments": {"s": "</tool_call>"}}', '{"name": "f", "arguments": {}} x']
+
+
+def responses(n: int = 3000, seed: int = 1) -> list[str]:
+    """Whole outputs for hermes' response reading: text, then blocks of calls (most of them whole) or not,
+    the last maybe left open; half of them random texts of FRAGMENTS. No control characters, which vLLM's
+    strict JSON refuses in a string and nanoserve's reading takes (README)."""
+    plain = [f for f in FRAGMENTS if f not in "\n\t"]
+    rng, out = random.Random(seed), ["".join(p) for p in streams(n // 2, seed, plain)]
+    for _ in range(n - len(out)):
+        blocks = [f"<tool_call>{rng.choice(['', ' '])}{rng.choice(BODIES[:2] * 12 + BODIES)}</tool_call>"
+                  f"{rng.choice(['', ' ', ' and '])}" for _ in range(rng.randint(0, 3))]
+        end = rng.choice(["", "", "", "<tool_call>", "<tool_call>{"])
+        out.append(rng.choice(["", "Sure. ", "<tool"]) + "".join(blocks) + end)
+    return out
+
+
+def cases() -> list[dict]:
+    """The requests compared (a constraint of the request's own beside "auto" only; none with gpt-oss, whose
+    vLLM wraps it in harmony first)."""
+    return [dict(parser=parser, tools=TOOLSETS[tools], tool_choice=CHOICES[choice], parallel=parallel, level=level,
+                 output=OUTPUTS[output])
+            for parser, tools, choice, parallel, level, output in itertools.product(
+                PEER_MODELS, TOOLSETS, CHOICES, (None, False), ("auto", "function", "parameter"), OUTPUTS)
+            if output is None or (choice == "auto" and parser != "openai")]
+
+
+def vllm_side() -> None:
+    """(Run by the peer's interpreter.) vLLM's tags and llama3_json readings, as JSON on stdout."""
+    import logging
+    logging.disable(logging.CRITICAL)
+    import vllm.parser.harmony  # noqa: F401  (registers harmony's tag)
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.abstract_parser import DelegatingParser
+    from vllm.tool_parsers.abstract_tool_parser import ToolParser
+    from vllm.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+    from vllm.tool_parsers.tool_strict_level import ToolStrictLevel
+
+    class Parser:  # the two attributes _apply_structural_tag reads, and the tool parser's tag builder
+        def __init__(self, model: str, level: str):
+            tool_parser = type("P", (), {"structural_tag_model": model, "default_tool_strict_level": None,
+                                         "get_structural_tag": ToolParser.get_structural_tag})
+            self._tool_parser, self.tool_strict_level = tool_parser(), ToolStrictLevel.from_name(level)
+
+    tags = []
+    for c in cases():
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": c["tools"],
+                "tool_choice": c["tool_choice"], **({"structured_outputs": c["output"]} if c["output"] else {}),
+                **({} if c["parallel"] is None else {"parallel_tool_calls": c["parallel"]})}
+        req = DelegatingParser._apply_structural_tag(Parser(PEER_MODELS[c["parser"]], c["level"]),
+                                                     ChatCompletionRequest.model_validate(body))
+        so = req.structured_outputs
+        tags.append(json.loads(so.structural_tag) if so is not None and so.structural_tag else None)
+    tokenizer = type("T", (), {"get_vocab": lambda self: {"<|python_tag|>": 0}})()
+    parser, readings = Llama3JsonToolParser(tokenizer, None), []
+    for text in TEXTS:
+        r = parser.extract_tool_calls(text, None)
+        readings.append([[c.function.name, c.function.arguments] for c in r.tool_calls] if r.tools_called else None)
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+    streamed = []
+    for pieces in streams():
+        parser, text, content, calls = Hermes2ProToolParser(tokenizer, None), "", "", []
+        for piece in pieces:
+            delta = parser.extract_tool_calls_streaming(text, text + piece, piece, [], [], [], None)
+            text += piece
+            content += (delta.content or "") if delta else ""
+            for d in (delta.tool_calls or []) if delta else []:
+                if d.function and d.function.name:
+                    calls.append([d.function.name, d.function.arguments or ""])
+                elif d.function and d.function.arguments:
+                    calls[d.index][1] += d.function.arguments
+        streamed.append([content, calls])
+    whole = []
+    for text in responses():
+        r = Hermes2ProToolParser(tokenizer, None).extract_tool_calls(text, None)
+        whole.append([r.content or "", [[c.function.name, c.function.arguments] for c in r.tool_calls]])
+    json.dump({"tags": tags, "readings": readings, "streams": streamed, "responses": whole}, sys.stdout)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--peer", default=str(Path(__file__).parent / ".peers" / "vllm" / "bin" / "python"))
+    ap.add_argument("--vllm-side", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.vllm_side:
+        vllm_side()
+        return 0
+    import xgrammar as xgr
+    from nanoserve.engine import StructuredOutputsParams
+    from nanoserve.entry import (ChatCompletionToolsParam, HermesToolParser, Llama3JsonForcedParser, ToolStream,
+                                 output_format, tool_call_tag)
+    run = subprocess.run([args.peer, __file__, "--vllm-side"], capture_output=True, text=True, check=True)
+    theirs = json.loads(run.stdout)
+
+    def norm(tag: dict | None) -> dict | None:
+        return None if tag is None else xgr.StructuralTag.model_validate(tag).model_dump()
+    differ = 0
+    for c, want in zip(cases(), theirs["tags"]):
+        tools = [ChatCompletionToolsParam.model_validate(t) for t in c["tools"]]
+        output = None if c["output"] is None else output_format(StructuredOutputsParams(**c["output"]))
+        ours = tool_call_tag(c["parser"], tools, c["tool_choice"], c["parallel"], c["level"], output)
+        if norm(ours) != norm(want):
+            differ += 1
+            print("tag differs:", {k: v for k, v in c.items() if k != "tools"}, "\n  ours ", json.dumps(ours),
+                  "\n  vLLM ", json.dumps(want))
+    misread = 0
+    for text, want in zip(TEXTS, theirs["readings"]):
+        parser = Llama3JsonForcedParser()
+        parser.streamed = False
+        calls = parser.feed(text, True)[1]
+        ours = [[c["name"], c["arguments"]] for c in calls] or None
+        if ours != want:
+            misread += 1
+            print("llama3_json reads differently:", repr(text), "ours", ours, "vLLM", want)
+    unlike = 0
+    for pieces, want in zip(streams(), theirs["streams"]):
+        stream, content, calls = ToolStream(HermesToolParser(), streamed=True), "", []
+        for i, piece in enumerate(pieces):
+            delta, found, _ = stream.feed(piece, i == len(pieces) - 1)
+            content += delta
+            for d in found:
+                if "id" in d:
+                    calls.append([d["function"]["name"], d["function"].get("arguments", "")])
+                else:
+                    calls[d["index"]][1] += d["function"]["arguments"]
+        if [content, calls] != want:
+            unlike += 1
+            print("hermes streams differently:", pieces, "ours", [content, calls], "vLLM", want)
+    for text, want in zip(responses(), theirs["responses"]):
+        content, calls = HermesToolParser().feed(text, True)
+        if [content, [[c["name"], c["arguments"]] for c in calls]] != want:
+            unlike += 1
+            print("hermes reads differently:", repr(text), "ours", [content, calls], "vLLM", want)
+    print(f"{len(theirs['tags'])} tags, {differ} differ; {len(TEXTS)} llama3_json texts, {misread} read "
+          f"differently; {len(theirs['streams'])} hermes streams and {len(theirs['responses'])} responses, "
+          f"{unlike} differ")
+    return 1 if differ or misread or unlike else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
