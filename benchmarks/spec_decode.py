@@ -140,8 +140,8 @@ def batched(args, spec: dict) -> None:
         cases.update({f"{prefix}loop": (side, lambda: None),
                       f"{prefix}partial": (side, lambda side=side: corrupted(engines[side], args.corrupt)),
                       f"{prefix}rejected": (side, lambda side=side: always_rejected(engines[side], args.k))})
-    report = {"speculative_config": spec, "schedule": args.schedule, "model": args.model, "dtype": str(engines["A"].engine.dtype),
-              "output_len": args.output_len, "rounds": args.rounds, "corrupt": args.corrupt,
+    report = {"speculative_config": spec, "schedule": args.schedule, "model": args.model,
+              "dtype": str(engines["A"].engine.dtype), "output_len": args.output_len, "rounds": args.rounds, "corrupt": args.corrupt,
               "load_before": os.getloadavg(), "concurrency": {}}
     for c in args.concurrency:
         prompts, runs = pool[:c], {name: [] for name in cases}

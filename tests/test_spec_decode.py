@@ -104,6 +104,14 @@ def test_speculative_config_as_vllm_takes_it(tiny_model, capsys, caplog):
     config = engine_config(parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", '
                                        '"num_speculative_tokens": 2, "prompt_lookup_max": 3}']))
     assert config.speculative_config == SpeculativeConfig("ngram", 2, 3, 3)  # one bound stands for both
+    config = engine_config(parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", '
+                                       '"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": '
+                                       '[[1, 4, 2], [5, 256, 0]]}']))
+    assert config.speculative_config.num_speculative_tokens_per_batch_size == ((1, 4, 2), (5, 256, 0))
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                                                            '"num_speculative_tokens_per_batch_size": [[2, 4, 1]]}'])
+    assert "The first batch-size range must start at 1" in capsys.readouterr().err
     assert EngineConfig("m", speculative_config={"model": "[ngram]", "num_speculative_tokens": 1}
                         ).speculative_config == SpeculativeConfig("ngram", 1, 5, 5)  # vLLM's older spelling
     with pytest.raises(SystemExit):
