@@ -1,7 +1,8 @@
 """Speculative decoding with n-gram drafts (vLLM's speculative_config): the proposer's matches,
 the config's checks, greedy tokens equal to the engine's without drafts (while drafts are
-accepted and rejected, cut by stops, preempted), the rejection sampler's distribution, and
-vLLM's spec-decode counters (per draft position too) on /metrics and its periodic log line."""
+accepted and rejected, cut by stops, preempted), vLLM's dynamic schedule of drafts by batch size,
+the rejection sampler's distribution, and vLLM's spec-decode counters (per draft position too) on
+/metrics and its periodic log line."""
 from __future__ import annotations
 
 import logging
