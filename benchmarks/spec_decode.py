@@ -30,6 +30,10 @@ speculation, then B with it in three cases, in one round, the order rotated from
   (seeded): acceptance near a half at 0.3, falling from position to position as a real model's does;
 * ``rejected``: k tokens of id 1 every step, none accepted (the worst case).
 
+With ``--schedule '[[1, 8, 3], [9, 256, 0]]'`` a third engine, C, speculates with that
+``num_speculative_tokens_per_batch_size`` (vLLM's dynamic speculative decoding: drafts by batch size),
+in the same three cases (``C:loop``, ...), rotated with the others.
+
 Each run reports output tokens/s over the whole call (prefill included) and over the decode (from the
 last first token to the last token), and B's acceptance, per draft position too (vLLM's
 ``spec_decode_num_accepted_tokens_per_pos`` / drafts). Results go to
@@ -123,22 +127,30 @@ def batched(args, spec: dict) -> None:
     common = dict(skip_tokenizer_init=True, enable_prefix_caching=False, dtype=args.dtype, kv_cache_memory_bytes=2**30)
     path = str(args.models / args.model)
     engines = {"A": LLM(path, **common), "B": LLM(path, **common, speculative_config=spec)}
+    if args.schedule is not None:  # C: the same drafts, by batch size
+        engines["C"] = LLM(path, **common, speculative_config={**spec,
+                                                              "num_speculative_tokens_per_batch_size": args.schedule})
     for llm in engines.values():  # warm-up: another prompt, long enough to speculate, and a batch
         llm.generate([list(range(200, 264)) * 2] * 4, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     g = torch.Generator().manual_seed(0)
     pool = [torch.randint(100, 32000, (64,), generator=g).tolist() for _ in range(max(args.concurrency))]
-    cases = {"A": lambda: None, "loop": lambda: None, "partial": lambda: corrupted(engines["B"], args.corrupt),
-             "rejected": lambda: always_rejected(engines["B"], args.k)}
-    report = {"speculative_config": spec, "model": args.model, "dtype": str(engines["A"].engine.dtype),
-              "output_len": args.output_len, "rounds": args.rounds, "corrupt": args.corrupt,
+    cases = {"A": ("A", lambda: None)}  # name: (engine, the drafts' swap)
+    for side in [s for s in engines if s != "A"]:
+        prefix = "" if side == "B" else f"{side}:"  # B's names as before the schedule
+        cases.update({f"{prefix}loop": (side, lambda: None),
+                      f"{prefix}partial": (side, lambda side=side: corrupted(engines[side], args.corrupt)),
+                      f"{prefix}rejected": (side, lambda side=side: always_rejected(engines[side], args.k))})
+    report = {"speculative_config": spec, "schedule": args.schedule, "model": args.model,
+              "dtype": str(engines["A"].engine.dtype), "output_len": args.output_len, "rounds": args.rounds, "corrupt": args.corrupt,
               "load_before": os.getloadavg(), "concurrency": {}}
     for c in args.concurrency:
         prompts, runs = pool[:c], {name: [] for name in cases}
         for r in range(args.rounds):
             names = list(cases)
             for name in names[r % len(names):] + names[:r % len(names)]:  # rotated: no case always runs first
-                undo = cases[name]()
-                runs[name].append(run_batch(engines["A" if name == "A" else "B"], prompts, args.output_len))
+                side, swap = cases[name]
+                undo = swap()
+                runs[name].append(run_batch(engines[side], prompts, args.output_len))
                 if undo is not None:
                     undo()
         report["concurrency"][c] = row = {}
@@ -198,6 +210,9 @@ def main() -> None:
                     help="batched: requests at once, e.g. 1,8,32 (default: the single-stream cases)")
     ap.add_argument("--model", default="w0", help="batched: the model under --models")
     ap.add_argument("--output-len", type=int, default=128, help="batched: tokens each request generates")
+    ap.add_argument("--schedule", type=json.loads, default=None,
+                    help="batched: also run C, speculating with this num_speculative_tokens_per_batch_size (JSON), "
+                         "e.g. '[[1, 8, 3], [9, 256, 0]]'")
     ap.add_argument("--corrupt", type=float, default=0.3, help="batched: the partial case's chance of a wrong "
                                                                "draft token")
     args = ap.parse_args()

@@ -1218,11 +1218,14 @@ DRAFT_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculat
 @dataclass(slots=True, frozen=True)
 class SpeculativeConfig:
     """vLLM's SpeculativeConfig, its n-gram fields: up to ``num_speculative_tokens`` drafts a step,
-    found by matching the last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``."""
+    found by matching the last n tokens, n from ``prompt_lookup_max`` down to ``prompt_lookup_min``.
+    ``num_speculative_tokens_per_batch_size``: vLLM's dynamic speculative decoding, the drafts a step
+    allows by its batch size (validated, sorted ``(range_start, range_end, k)``, ranges inclusive)."""
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
 
     @classmethod
     def from_dict(cls, config: Any) -> "SpeculativeConfig":
@@ -1234,7 +1237,8 @@ class SpeculativeConfig:
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object such as '{{\"method\": \"ngram\", "
                              f"\"num_speculative_tokens\": 3}}', got {config!r}")
-        fields = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+        fields = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                  "num_speculative_tokens_per_batch_size")
         if unknown := sorted(set(config) - set(fields)):
             raise ValueError(f"speculative_config: {', '.join(map(repr, unknown))} not supported: nanoserve takes "
                              f"{', '.join(fields)} (n-gram speculation)")
@@ -1255,7 +1259,72 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return cls(method, k, hi, lo)
+        schedule = config.get("num_speculative_tokens_per_batch_size")
+        if schedule is not None:
+            try:
+                schedule = tuple(validate_and_normalize_dynamic_sd_schedule(schedule))
+            except ValueError as e:
+                raise ValueError(f"speculative_config: {e}") from None
+        return cls(method, k, hi, lo, schedule)
+
+
+# vLLM's dynamic speculative decoding (v1/spec_decode/dynamic/utils.py): a schedule of inclusive batch-size
+# ranges, each with the drafts a step of that many requests allows. Drafts pay where a step's cost hardly
+# grows with its tokens (few requests: the weights are read once either way) and lose where the step is
+# compute-bound (many requests), so a schedule speculates at low batch sizes and stops above some size.
+
+def validate_and_normalize_dynamic_sd_schedule(schedule: Any) -> list[tuple[int, int, int]]:
+    """``num_speculative_tokens_per_batch_size`` checked as vLLM checks it, sorted by range start:
+    ValueError with vLLM's message (one line) for what it refuses."""
+    if not isinstance(schedule, list | tuple):  # vLLM's field is a list; JSON gives one
+        raise ValueError("num_speculative_tokens_per_batch_size must be a non-empty list of "
+                         "(range_start, range_end, num_speculative_tokens) entries.")
+    if not schedule:
+        raise ValueError("num_speculative_tokens_per_batch_size must not be empty.")
+    parsed = []
+    for entry in schedule:
+        if not isinstance(entry, list | tuple) or len(entry) != 3:
+            raise ValueError("Each num_speculative_tokens_per_batch_size entry must be a 3-item sequence: "
+                             "(range_start, range_end, num_speculative_tokens).")
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in entry):  # vLLM's pydantic field
+            # takes integers only too (its int() would truncate 2.5 silently)
+            raise ValueError(f"num_speculative_tokens_per_batch_size entries must be integers, got {list(entry)!r}.")
+        start, end, k = entry
+        if start <= 0 or end <= 0:
+            raise ValueError(f"Batch-size range ({start}, {end}) must be positive.")
+        if start > end:
+            raise ValueError(f"Batch-size range start must be <= end for ({start}, {end}, {k}).")
+        if k < 0:
+            raise ValueError("num_speculative_tokens_per_batch_size values must be >= 0.")
+        parsed.append((start, end, k))
+    parsed.sort(key=lambda e: e[0])
+    for (_, previous_end, _), (start, _, _) in zip(parsed, parsed[1:]):
+        if start <= previous_end:
+            raise ValueError("Batch-size ranges must be non-overlapping and sorted.")
+    if parsed[0][0] != 1:
+        raise ValueError("The first batch-size range must start at 1 so every runtime batch size has a defined "
+                         "schedule.")
+    return parsed
+
+
+def build_dynamic_sd_schedule_lookup(schedule: Sequence[tuple[int, int, int]], max_batch_size: int,
+                                     num_speculative_tokens: int) -> list[int]:
+    """The schedule as a table, batch size -> drafts a step allows (index 0 unused), as vLLM's: each k
+    capped at ``num_speculative_tokens``; a gap between ranges, and the sizes past the last range up to
+    ``max_batch_size``, take the k of the range before them."""
+    table = [0] * (max_batch_size + 1)
+    next_size, last_k = 1, 0
+    for start, end, k in validate_and_normalize_dynamic_sd_schedule(schedule):
+        for size in range(next_size, min(start, max_batch_size + 1)):  # a gap: the previous range's k
+            table[size] = min(num_speculative_tokens, last_k)
+        for size in range(max(start, next_size), min(end, max_batch_size) + 1):
+            table[size] = min(num_speculative_tokens, k)
+        next_size, last_k = max(next_size, end + 1), k
+        if next_size > max_batch_size:
+            break
+    for size in range(next_size, max_batch_size + 1):  # the tail: the last range's k
+        table[size] = min(num_speculative_tokens, last_k)
+    return table
 
 
 class NgramProposer:
@@ -1680,7 +1749,8 @@ class LLMEngine:
                                          window)
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy,
-                                                       config.max_loras if config.enable_lora else None),
+                                                       config.max_loras if config.enable_lora else None,
+                                                       *self._spec_schedule()),
                                        block_manager)
             self.info = self._engine_info(block_manager)
             self.logits_processor_classes = load_logits_processors(config.logits_processors or [])
@@ -1742,6 +1812,16 @@ class LLMEngine:
         self.serials = itertools.count()  # Request.serial's
 
     # ---------------------------------------------------------------- start-up
+    def _spec_schedule(self) -> tuple[int, list[int] | None]:
+        """The scheduler's num_spec_tokens and dynamic_sd_lookup (as vLLM's scheduler builds it, over
+        batch sizes 1 to max_num_seqs)."""
+        spec = self.config.speculative_config
+        if spec is None:
+            return 0, None
+        schedule = spec.num_speculative_tokens_per_batch_size
+        return spec.num_speculative_tokens, None if schedule is None else build_dynamic_sd_schedule_lookup(
+            schedule, self.config.max_num_seqs, spec.num_speculative_tokens)
+
     def _proposer(self) -> NgramProposer | None:
         spec = self.config.speculative_config
         if spec is None:
@@ -1749,8 +1829,10 @@ class LLMEngine:
         if self.logits_processor_classes:  # they act on a request's row with its output so far, one a step
             logger.warning("[engine] speculative decoding is off: custom logits processors are loaded")
             return None
-        logger.info("[engine] speculative decoding: %s, up to %d draft tokens a step (n-grams of %d to %d)",
-                    spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        logger.info("[engine] speculative decoding: %s, up to %d draft tokens a step (n-grams of %d to %d)%s",
+                    spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                    f", by batch size {list(spec.num_speculative_tokens_per_batch_size)}"
+                    if spec.num_speculative_tokens_per_batch_size else "")
         return NgramProposer(spec)
 
     def _freed_window(self, num_blocks: int, max_model_len: int) -> int | None:
@@ -2592,7 +2674,7 @@ class LLMEngine:
                     self.scheduler.finish_request(req.request_id, status)
                     self.stats_counters["num_finished"] += 1
                 elif self.proposer is not None and req.can_speculate:
-                    self._propose(req)
+                    self._propose(req, sched.num_spec_tokens_to_schedule)
                 if req.status.is_finished or req.output_kind.every_step and req.stream_due():
                     self._collect(outputs, req)
             except Exception as e:  # a bug met by this request's output (its text, stops, grammar): it alone ends
@@ -2648,10 +2730,11 @@ class LLMEngine:
         for i in range(num_accepted):  # the accepted ones are a prefix of the drafts
             per_pos[i] += 1
 
-    def _propose(self, req: Request) -> None:
-        """Its drafts for the next step: no more than the tokens it may still emit, less the one that
-        step samples itself (so no draft's position passes max_model_len either)."""
-        k = min(self.config.speculative_config.num_speculative_tokens, req.max_num_tokens - req.num_tokens - 1)
+    def _propose(self, req: Request, num_spec_tokens: int) -> None:
+        """Its drafts for the next step: up to ``num_spec_tokens`` (the step that landed allows them: its
+        batch size's, with a dynamic schedule), no more than the tokens it may still emit, less the one
+        that step samples itself (so no draft's position passes max_model_len either)."""
+        k = min(num_spec_tokens, req.max_num_tokens - req.num_tokens - 1)
         req.spec_token_ids = self.proposer.propose(req.token_ids, k)
 
     def _detokenize(self, req: Request, token: int, status: RequestStatus | None) -> RequestStatus | None:

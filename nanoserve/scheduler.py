@@ -29,7 +29,9 @@ Rules:
   lower values first: the one preempted is the running request last in that order,
   and a preempted one waits in its place by it.
 * speculative decoding: a running request's draft tokens (Request.spec_token_ids) ride
-  in its decode's chunk, counted in the budget and given slots as any token is;
+  in its decode's chunk, counted in the budget and given slots as any token is; each step
+  says how many drafts the engine may propose after it (vLLM's num_spec_tokens_to_schedule:
+  num_speculative_tokens, or with a dynamic schedule the k for this step's batch size);
 * with LoRA, the running requests use at most ``max_loras`` distinct adapters (the
   device's slots), so every step does: as vLLM's, a waiting request whose adapter
   would be one too many is passed over, in its place, until one of them finishes;
@@ -91,6 +93,10 @@ class SchedulerConfig:
     max_model_len: int = 4096
     policy: str = "fcfs"
     max_loras: int | None = None  # distinct LoRA adapters the running requests may use (None: LoRA is off)
+    num_spec_tokens: int = 0      # speculative decoding's num_speculative_tokens (0: off)
+    # vLLM's dynamic speculative decoding: batch size -> drafts a step allows, 1 to max_num_seqs
+    # (engine.build_dynamic_sd_schedule_lookup); None: num_spec_tokens at every size
+    dynamic_sd_lookup: list[int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
@@ -123,6 +129,8 @@ class SchedulerOutput:
     requests first, then those admitted, and the ids preempted while making room."""
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    # Speculative decoding: drafts the engine may propose for each request once this step lands (vLLM's)
+    num_spec_tokens_to_schedule: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -251,7 +259,14 @@ class Scheduler:
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # as vLLM: after a preemption, admit nothing new this step
             self._schedule_waiting(out, budget)
+        out.num_spec_tokens_to_schedule = self._num_spec_tokens(len(out.scheduled))
         return out
+
+    def _num_spec_tokens(self, batch_size: int) -> int:
+        """As vLLM's scheduler: the dynamic schedule's k for the requests this step computes (decodes,
+        prefill chunks and all), else num_speculative_tokens."""
+        lookup = self.config.dynamic_sd_lookup
+        return lookup[batch_size] if lookup is not None and batch_size > 0 else self.config.num_spec_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # Runs once per running request per step: hence the locals, and one allocate_slots call

@@ -1,7 +1,8 @@
 """Speculative decoding with n-gram drafts (vLLM's speculative_config): the proposer's matches,
 the config's checks, greedy tokens equal to the engine's without drafts (while drafts are
-accepted and rejected, cut by stops, preempted), the rejection sampler's distribution, and
-vLLM's spec-decode counters (per draft position too) on /metrics and its periodic log line."""
+accepted and rejected, cut by stops, preempted), vLLM's dynamic schedule of drafts by batch size,
+the rejection sampler's distribution, and vLLM's spec-decode counters (per draft position too) on
+/metrics and its periodic log line."""
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ from conftest import VOCAB, make_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine import EngineConfig, RequestOutputKind
 from nanoserve.model import SampleRequest, Sampler
-from nanoserve.engine import NgramProposer, SpeculativeConfig
+from nanoserve.engine import NgramProposer, SpeculativeConfig, build_dynamic_sd_schedule_lookup
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 _rng = torch.Generator().manual_seed(7)
@@ -81,6 +82,16 @@ def test_ngram_proposer_takes_the_longest_match_at_its_earliest_place():
     ({**NGRAM, "prompt_lookup_min": 5}, "prompt_lookup_min (5) must be <= prompt_lookup_max (4)"),
     ({**NGRAM, "prompt_lookup_max": 0, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
     ({**NGRAM, "disable_by_batch_size": 4}, "'disable_by_batch_size' not supported"),
+    # vLLM's dynamic speculative decoding schedule, refused with vLLM's messages
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": []}, "num_speculative_tokens_per_batch_size must not be empty"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": 3}, "must be a non-empty list of (range_start, range_end"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 4]]}, "entry must be a 3-item sequence"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[0, 4, 1]]}, "Batch-size range (0, 4) must be positive"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 4, 1], [6, 5, 1]]}, "start must be <= end for (6, 5, 1)"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 4, -1]]}, "values must be >= 0"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[5, 9, 0], [1, 5, 3]]}, "must be non-overlapping and sorted"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[2, 9, 1]]}, "The first batch-size range must start at 1"),
+    ({**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 2.5, 1]]}, "entries must be integers, got [1, 2.5, 1]"),
     ("ngram", "speculative_config must be a JSON object"),
 ])
 def test_bad_speculative_configs_are_refused_in_one_line(config, why):
@@ -94,6 +105,14 @@ def test_speculative_config_as_vllm_takes_it(tiny_model, capsys, caplog):
     config = engine_config(parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", '
                                        '"num_speculative_tokens": 2, "prompt_lookup_max": 3}']))
     assert config.speculative_config == SpeculativeConfig("ngram", 2, 3, 3)  # one bound stands for both
+    config = engine_config(parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", '
+                                       '"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": '
+                                       '[[1, 4, 2], [5, 256, 0]]}']))
+    assert config.speculative_config.num_speculative_tokens_per_batch_size == ((1, 4, 2), (5, 256, 0))
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, '
+                                                            '"num_speculative_tokens_per_batch_size": [[2, 4, 1]]}'])
+    assert "The first batch-size range must start at 1" in capsys.readouterr().err
     assert EngineConfig("m", speculative_config={"model": "[ngram]", "num_speculative_tokens": 1}
                         ).speculative_config == SpeculativeConfig("ngram", 1, 5, 5)  # vLLM's older spelling
     with pytest.raises(SystemExit):
@@ -105,6 +124,17 @@ def test_speculative_config_as_vllm_takes_it(tiny_model, capsys, caplog):
     assert "async_scheduling is turned off" in caplog.text
     with pytest.raises(ValueError, match="speculative_config: draft models are not supported"):
         LLM(str(tiny_model), speculative_config={"method": "draft_model", "model": "x", "num_speculative_tokens": 2})
+
+
+def test_a_dynamic_schedule_is_looked_up_as_vllms():
+    """A batch size's k: its range's, capped at num_speculative_tokens; a gap between ranges and the
+    sizes past the last range carry the range before them; ranges may come unsorted."""
+    assert build_dynamic_sd_schedule_lookup([(32, 128, 2), (1, 16, 3)], 40, 3) == [0] + [3] * 31 + [2] * 9
+    assert build_dynamic_sd_schedule_lookup([(1, 1, 5), (2, 3, 0)], 6, 4) == [0, 4, 0, 0, 0, 0, 0]
+    assert build_dynamic_sd_schedule_lookup([(1, 64, 2)], 2, 3) == [0, 2, 2]
+    config = EngineConfig("m", speculative_config={**NGRAM, "num_speculative_tokens_per_batch_size": [[3, 9, 0],
+                                                                                                       [1, 2, 3]]})
+    assert config.speculative_config.num_speculative_tokens_per_batch_size == ((1, 2, 3), (3, 9, 0))
 
 
 # ---------------------------------------------------------------- same tokens as without drafts
@@ -142,6 +172,80 @@ def test_steps_without_drafts_still_take_the_padded_decode_path(model, reference
     assert padded and llm.stats()["spec_decode_num_accepted_tokens"] > 0
 
 
+def known_continuations(reference):
+    """A proposer's propose that drafts the greedy continuation itself: every draft is accepted."""
+    futures = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+
+    def known(token_ids, k):
+        for prompt, ref in futures.items():
+            if tuple(token_ids[:len(prompt)]) == prompt:
+                done = len(token_ids) - len(prompt)
+                return ref[done:done + k]
+        return []
+    return known
+
+
+def spec_counts(llm: LLM, before: dict) -> tuple[int, int]:
+    s = llm.stats()
+    return s["spec_decode_num_drafts"] - before["spec_decode_num_drafts"], \
+        s["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+
+
+def test_a_dynamic_schedule_drafts_alone_and_not_beside_others(model, reference):
+    """Batch size 1 -> 3 drafts, 2 to 64 -> none: one request alone speculates, three together (admitted
+    in one step, finishing in one) never do; greedy tokens are the engine's without speculation."""
+    llm = make_llm(model, speculative_config={**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 1, 3],
+                                                                                                  [2, 64, 0]]})
+    before = llm.stats()
+    assert token_ids(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == reference[:1]
+    drafts, drafted = spec_counts(llm, before)
+    assert drafts > 0 and drafted > drafts  # drafts of more than one token
+    before = llm.stats()
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == reference
+    assert spec_counts(llm, before) == (0, 0)
+    assert_all_blocks_free(llm)
+
+
+def test_the_scheduler_picks_k_by_the_steps_batch_size(model, reference):
+    """As vLLM's scheduler: a step's num_spec_tokens_to_schedule is the schedule's k for the requests that
+    step computes, and the drafts proposed once it lands (run by the next step) are at most that many."""
+    table = {1: 3, 2: 1}  # 3 and more: 0
+    llm = make_llm(model, speculative_config={**NGRAM, "num_speculative_tokens_per_batch_size": [[1, 1, 3],
+                                                                                                  [2, 2, 1],
+                                                                                                  [3, 8, 0]]})
+    engine, steps, finished = llm.engine, [], {}
+    schedule = engine.scheduler.schedule
+    engine.proposer.propose = known_continuations(reference)  # drafts as long as k allows, every step
+
+    def recorded():
+        out = schedule()
+        steps.append((len(out.scheduled), out.num_spec_tokens_to_schedule,
+                      max((len(s.spec_token_ids) for s in out.scheduled), default=0)))
+        return out
+    engine.scheduler.schedule = recorded
+    try:
+        for i, (prompt, num_steps) in enumerate(((PROMPTS[0], 3), (PROMPTS[2], 3), (PROMPTS[1], None))):
+            engine.add_request(prompt, GREEDY, request_id=str(i))  # they join one by one
+            for _ in range(num_steps or 10**6):
+                finished.update({o.request_id: o for o in engine.step() if o.finished})
+                if not engine.has_unfinished_requests():
+                    break
+    finally:
+        del engine.scheduler.schedule
+    assert [token_ids([finished[str(i)]])[0] for i in range(3)] == [reference[0], reference[2], reference[1]]
+    assert all(k == table.get(batch, 0) for batch, k, _ in steps), steps
+    assert all(longest <= k for (_, k, _), (_, _, longest) in zip(steps, steps[1:])), steps
+    # (batch size, k, longest draft run): alone 3 drafts, at two requests 1, at three none; a step runs the
+    # drafts the step before it allowed (the first at two requests, those proposed when one ran alone)
+    assert steps[:8] == [(1, 3, 0), (1, 3, 3), (1, 3, 3), (2, 1, 3), (2, 1, 1), (2, 1, 1), (3, 0, 1), (3, 0, 0)]
+    assert all(longest == 0 for (batch, _, _), (_, _, longest) in zip(steps, steps[1:]) if batch >= 3), steps
+    # the counters with k varying: per position up to the largest k; every draft was accepted (the oracle's)
+    s = llm.stats()
+    per_pos = s["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 3 and per_pos[0] == s["spec_decode_num_drafts"] > per_pos[1] > per_pos[2] > 0
+    assert sum(per_pos) == s["spec_decode_num_accepted_tokens"] == s["spec_decode_num_draft_tokens"]
+
+
 def test_random_rows_take_the_rejection_path(spec_llm, reference):
     """top_k=1 makes each distribution one-hot: the random path (accept with p(t), else draw from p
     less t) must then emit the greedy tokens, for every one of n > 1 samples."""
@@ -156,15 +260,7 @@ def test_random_rows_take_the_rejection_path(spec_llm, reference):
 def oracle(spec_llm, reference):
     """Drafts of the greedy continuation itself: every one is accepted, so stops fall inside runs."""
     engine = spec_llm.engine
-    propose, futures = engine.proposer.propose, {tuple(p): r for p, r in zip(PROMPTS, reference)}
-
-    def known(token_ids, k):
-        for prompt, ref in futures.items():
-            if tuple(token_ids[:len(prompt)]) == prompt:
-                done = len(token_ids) - len(prompt)
-                return ref[done:done + k]
-        return []
-    engine.proposer.propose = known
+    engine.proposer.propose, propose = known_continuations(reference), engine.proposer.propose
     yield
     engine.proposer.propose = propose
 
