@@ -366,7 +366,8 @@ def make_arg_parser() -> argparse.ArgumentParser:
     g.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                    help="as vLLM's: speculative decoding with n-gram (prompt lookup) drafts, e.g. '{\"method\": "
                         "\"ngram\", \"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": "
-                        "2}' (no draft models; turns --async-scheduling off)")
+                        "2}', and \"num_speculative_tokens_per_batch_size\": [[1, 8, 3], [9, 256, 0]] for fewer or no "
+                        "drafts in bigger batches (no draft models; turns --async-scheduling off)")
 
     g = p.add_argument_group("KV cache")
     g.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128],
