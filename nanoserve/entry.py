@@ -657,6 +657,8 @@ def _coerces_to(value: Any, harmless: Any) -> bool:
         return False
 
 
+# vLLM's older fields for repetition_detection's max_pattern_size, min_pattern_size and min_count
+FLAT_REPETITION = ("max_repetition_pattern_size", "min_repetition_pattern_size", "repetition_min_count")
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar", "structural_tag")
 
@@ -879,7 +881,17 @@ class GenerationRequest(OpenAIBaseModel):
                                                            "min_repetition_pattern_size and repetition_min_count, "
                                                            "not both")
             return self.repetition_detection
-        return RepetitionDetectionParams(*flat) if any(flat) else None
+        if not any(flat):
+            return None
+        try:
+            return RepetitionDetectionParams(*flat)
+        except InvalidInput:  # the engine's rule, in the names of the fields this body gave
+            max_size, min_size, _ = flat
+            culprit = FLAT_REPETITION[0 if max_size < 0 else 1 if not 0 <= min_size <= max_size else 2]
+            given = ", ".join(f"{name} {value}" for name, value in zip(FLAT_REPETITION, flat))
+            raise InvalidInput(culprit, f"{culprit}: these fields need 0 <= min_repetition_pattern_size <= "
+                                        f"max_repetition_pattern_size and, with max_repetition_pattern_size > 0, "
+                                        f"repetition_min_count >= 2; got {given}") from None
 
     def structured_spec(self) -> StructuredOutputsParams | None:
         """The one constraint this body asks for, from whichever field it used."""

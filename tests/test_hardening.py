@@ -950,14 +950,21 @@ def test_the_engine_trims_the_heap_each_time_it_goes_idle(tiny_model, monkeypatc
         assert trims == []
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 3}, "repetition_min_count": 2}, "not both"),
-    ({"repetition_detection": {"max_pattern_size": 2, "count": 3}}, "unknown field(s) ['count']"),
-    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "min_count >= 2"),
+@pytest.mark.parametrize("body, param, message", [
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 3}, "repetition_min_count": 2},
+     "repetition_detection", "not both"),
+    ({"repetition_detection": {"max_pattern_size": 2, "count": 3}}, "repetition_detection",
+     "unknown field(s) ['count']"),
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "repetition_detection", "min_count >= 2"),
+    # vLLM's older flat fields: the error names one of them (it named repetition_detection, which the body has not)
     ({"max_repetition_pattern_size": 1, "min_repetition_pattern_size": 2, "repetition_min_count": 2},
-     "min_pattern_size <= max_pattern_size"),
+     "min_repetition_pattern_size", "0 <= min_repetition_pattern_size <= max_repetition_pattern_size"),
+    ({"min_repetition_pattern_size": 3}, "min_repetition_pattern_size", "got max_repetition_pattern_size 0, "
+                                                                        "min_repetition_pattern_size 3"),
+    ({"max_repetition_pattern_size": 2}, "repetition_min_count", "repetition_min_count >= 2"),
+    ({"max_repetition_pattern_size": -1}, "max_repetition_pattern_size", "max_repetition_pattern_size -1"),
 ])
-def test_bad_repetition_detection_is_a_400_naming_it(server, body, message):
-    err = _check_error(_post(server.url, {"prompt": "hi", "max_tokens": 2, **body}), 400, "repetition_detection")
-    assert message in err["message"], err
+def test_bad_repetition_detection_is_a_400_naming_it(server, body, param, message):
+    err = _check_error(_post(server.url, {"prompt": "hi", "max_tokens": 2, **body}), 400, param)
+    assert message in err["message"] and param in err["message"], err
 
