@@ -1318,17 +1318,22 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
             try:  # UTF-8 cannot encode a lone surrogate
                 json.dumps({key: value}, ensure_ascii=False, allow_nan=False).encode("utf-8")
             except UnicodeEncodeError:
-                raise bad_request(f"{esc(key)} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                raise bad_request(f"{_key_name(key)} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
                                   f"text", esc(key)) from None
             except ValueError:
-                raise bad_request(f"{esc(key)} holds NaN, Infinity or a number beyond a double's range (such as "
-                                  f"1e999), which are not JSON numbers", esc(key)) from None
+                raise bad_request(f"{_key_name(key)} holds NaN, Infinity or a number beyond a double's range (such "
+                                  f"as 1e999), which are not JSON numbers", esc(key)) from None
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # only then can a field be nested that deep
         for key, value in body.items():
             if nested_deeper(value, MAX_JSON_DEPTH - 1):
-                raise bad_request(f"{esc(key)} is nested more than {MAX_JSON_DEPTH} levels deep (counting the "
+                raise bad_request(f"{_key_name(key)} is nested more than {MAX_JSON_DEPTH} levels deep (counting the "
                                   f"body's own)", esc(key))
     return body
+
+
+def _key_name(key: str) -> str:
+    """A body's key as an error's message names it: an empty one is still a field, named as JSON spells it."""
+    return esc(key) or '""'
 
 
 def _json_type(value: Any) -> str:

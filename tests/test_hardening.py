@@ -363,6 +363,15 @@ def test_numbers_json_has_not_are_a_400_naming_the_field(server, path, body, par
     server.wait_idle()
 
 
+def test_a_field_with_an_empty_name_is_named_as_json_spells_it(server):
+    """A key "" is a field like any other: its error began with nothing (" holds NaN, ...")."""
+    for body, words in [('{"prompt": "hi", "": NaN}', "NaN, Infinity"),
+                        ('{"prompt": "hi", "": "\\ud800"}', "surrogate"),
+                        ('{"prompt": "hi", "": ' + "[" * 200 + "]" * 200 + "}", "nested")]:
+        err = _check_error(_post(server.url, body), 400, "")
+        assert err["message"].startswith('"" ') and words in err["message"], err
+
+
 def test_an_integer_too_long_for_python_is_a_400_that_says_so(server):
     """Python's json refuses an integer of more than 4,300 digits with its own advice ("use
     sys.set_int_max_str_digits() to increase the limit"), which was the 400's message, after "not valid JSON"."""
