@@ -503,10 +503,16 @@ def check_stream(path: str, text: str) -> str:
                 assert code not in ("api_error", "overloaded_error") and not str(code).startswith("5"), frame
             else:
                 EVENTS[path].validate_python(event)
+            if kind.startswith("content_block_"):  # Anthropic's blocks: numbered from 0, each stopped before the next
+                last = kinds.count("content_block_start") - 1
+                assert event["index"] == last == kinds[:-1].count("content_block_stop"), (kinds, event)
         end = {"/v1/responses": "response.completed", "/v1/messages": "message_stop"}[path]
         assert kinds[-1] in (end, "error"), kinds
+        if kinds[-1] == end and path == "/v1/messages":
+            assert kinds.count("content_block_start") == kinds.count("content_block_stop"), kinds
         return kinds[-1]
     assert frames[-1] == "data: [DONE]", text[-300:]
+    finished = Counter()
     for frame in frames[:-1]:
         assert frame.startswith("data: ") and "\n" not in frame, repr(frame)
         event = json.loads(frame[len("data: "):])
@@ -515,6 +521,9 @@ def check_stream(path: str, text: str) -> str:
             return "error"
         if event["object"] != "text_completion":  # the SDK's type has no null finish_reason, which a chunk has
             check_shape(event)
+        finished.update(c["index"] for c in event["choices"] if c["finish_reason"] is not None)
+    # every choice (prompts x n of them) ends once; none is lost
+    assert sorted(finished) == list(range(len(finished))) and set(finished.values()) == {1}, finished
     return "[DONE]"
 
 
@@ -523,6 +532,9 @@ def check_shape(obj: dict) -> None:
     nanoserve) answer otherwise on purpose: a completion's first echoed token has a null logprob (OpenAI's
     legacy answer too), a continued chat message has the role of the message it continues."""
     kind = "message" if obj.get("type") == "message" else obj.get("object")
+    if kind in ("text_completion", "chat.completion"):  # every choice, each once, none still running
+        assert [c["index"] for c in obj["choices"]] == list(range(len(obj["choices"]))), obj["choices"]
+        assert all(c["finish_reason"] is not None for c in obj["choices"]), obj["choices"]
     if kind in SDK_TYPES:
         obj = json.loads(json.dumps(obj))
         for choice in obj.get("choices", ()):
