@@ -53,7 +53,7 @@ from conftest import make_model  # noqa: E402
 from nanoserve.entry import (AnthropicCountTokensRequest, AnthropicMessagesRequest, ChatCompletionRequest,  # noqa: E402
                              CompletionRequest, DetokenizeRequest, ResponsesRequest, TokenizeRequest,
                              RESPONSES_PASSED_ON, UNSUPPORTED_FIELDS, esc)
-from test_server import ServerThread  # noqa: E402
+from test_server import ServerThread, _metrics  # noqa: E402
 from test_tools import CLOCK, TOOLS, WEATHER  # noqa: E402
 
 FLAGS = ("--max-model-len", "128", "--max-request-body-bytes", "262144")
@@ -654,6 +654,9 @@ def check_still_serving(server: ServerThread) -> None:
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
     assert httpx.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
     server.wait_idle(timeout=30)
+    metrics = _metrics(server.url)  # Prometheus' text, parsed; the gauges back at rest
+    assert metrics["nanoserve:num_requests_running"] == metrics["nanoserve:num_requests_waiting"] == 0, metrics
+    assert metrics["nanoserve:kv_cache_usage_perc"] == 0, metrics
 
 
 def start_server(model_dir: Path, template_dir: Path, config: int = 0) -> ServerThread:
