@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import heapq
 import json
@@ -67,6 +68,7 @@ CONFIGS = (
      "--max-num-seqs", "2", "--max-queue-len", "6", "--max-num-batched-tokens", "32", "--enable-prefix-caching"),
     ("--enable-auto-tool-choice", "--tool-call-parser", "mistral", "--async-scheduling",
      "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'),
+    ("--enable-auto-tool-choice", "--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss"),
 )
 TIMEOUT = 120.0  # any answer takes far less: past it, the server hung
 CI_SEEDS = (0, 1)
@@ -224,6 +226,11 @@ FORCED = (
     "<think>hmm</think>answer", "<think>unterminated", "</think>after", "<think></think>", "<think><think>x</think>",
     '<think>a</think><tool_call>{"name": "get_time", "arguments": {"tz": "cet"}}</tool_call>',
     '<think><tool_call>{"name": "get_time", "arguments": {}}</tool_call></think>', "\n\n", "{", "",
+    "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>hi",
+    '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{"tz": "utc"}<|call|>',
+    '<|channel|>commentary to=functions.nope<|message|>{"a": [<|end|>', "<|start|><|start|><|channel|>",
+    ' to=functions.get_weather<|channel|>commentary json<|message|>{"city": "x", "days": 1}<|end|>to=',
+    "<|channel|>analysis<|message|>a<|end|><|start|>assistant to=browser.search<|channel|>analysis<|message|>b",
 )
 FORCING = tuple({"choice": [text]} for text in FORCED)
 INTS = (0, 1, -1, 2, 3, 5, 16, 20, 21, 127, 128, 129, 255, 256, 383, 384, 385, 1024, 1025, 16384, 16385, 2**31,
@@ -602,7 +609,7 @@ def answer(client: httpx.Client, url: str, path: str, raw: bytes, headers: dict,
         check_shape(r.json())
     if r.status_code == 200 and any(word in r.text for word in ('"tool_calls":[{', '"function_call"', '"tool_use"')):
         coverage["tool calls parsed"] += 1
-    if r.status_code == 200 and '"reasoning_content":"' in r.text or '"thinking":"' in r.text:
+    if r.status_code == 200 and any(word in r.text for word in ('"reasoning_content":"', '"thinking":"')):
         coverage["reasoning parsed"] += 1
 
 
@@ -613,8 +620,9 @@ def hang_up(url: str, path: str, raw: bytes, read: int) -> None:
         s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
                   f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
         got = 0
-        while got < read and (chunk := s.recv(read - got)):
-            got += len(chunk)
+        with contextlib.suppress(ConnectionResetError):  # an answer before the whole body (a 413): the rest unread
+            while got < read and (chunk := s.recv(read - got)):
+                got += len(chunk)
 
 
 def fuzz(server: ServerThread, seed: int, requests: int, coverage: Counter, deadline: float | None = None,
