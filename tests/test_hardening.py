@@ -4,6 +4,7 @@ by patching the model runner or the tokenizer in the test; nothing here waits
 on a clock except with deadlines far beyond what a loaded machine needs."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -807,6 +808,26 @@ def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model,
     assert entry.main(["--model", str(tiny_model), "--port", "0", "--disable-log-stats", "--dtype", "float32",
                        "--num-kv-blocks", "16", "--max-model-len", "64"]) == 0
     assert len(connected) == 1
+
+
+def test_connections_turn_nagle_off():
+    """bind_socket's socket named no protocol, so asyncio (which uvicorn serves it with) left Nagle's algorithm on
+    for every connection, and an answer's body, written after its headers, waited for the client's delayed ACK:
+    ~40 ms each JSON answer (the API fuzz found every request that slow). Now each connection has TCP_NODELAY."""
+    async def accepted_nodelay() -> int:
+        loop, sock = asyncio.get_running_loop(), entry.bind_socket("127.0.0.1", 0)
+        seen = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                seen.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        server = await loop.create_server(Probe, sock=sock)  # as uvicorn's serve(sockets=...) does
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            nodelay = await asyncio.wait_for(seen, 60)
+            writer.close()
+        return nodelay
+    assert asyncio.run(accepted_nodelay())
 
 
 @pytest.mark.parametrize("held", ["grammar", "body", "tokenize", "lora"])
