@@ -71,7 +71,7 @@ CONFIGS = (
     ("--enable-auto-tool-choice", "--tool-call-parser", "openai", "--reasoning-parser", "openai_gptoss"),
 )
 TIMEOUT = 120.0  # any answer takes far less: past it, the server hung
-CI_SEEDS = (0, 1)
+CI_SEEDS = (0, 1, 2)
 CI_REQUESTS = 100  # a seed
 
 # ================================================================ what is sent
