@@ -675,6 +675,8 @@ def _coerces_to(value: Any, harmless: Any) -> bool:
         return False
 
 
+# vLLM's older fields for repetition_detection's max_pattern_size, min_pattern_size and min_count
+FLAT_REPETITION = ("max_repetition_pattern_size", "min_repetition_pattern_size", "repetition_min_count")
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar", "structural_tag")
 
@@ -897,7 +899,17 @@ class GenerationRequest(OpenAIBaseModel):
                                                            "min_repetition_pattern_size and repetition_min_count, "
                                                            "not both")
             return self.repetition_detection
-        return RepetitionDetectionParams(*flat) if any(flat) else None
+        if not any(flat):
+            return None
+        try:
+            return RepetitionDetectionParams(*flat)
+        except InvalidInput:  # the engine's rule, in the names of the fields this body gave
+            max_size, min_size, _ = flat
+            culprit = FLAT_REPETITION[0 if max_size < 0 else 1 if not 0 <= min_size <= max_size else 2]
+            given = ", ".join(f"{name} {value}" for name, value in zip(FLAT_REPETITION, flat))
+            raise InvalidInput(culprit, f"{culprit}: these fields need 0 <= min_repetition_pattern_size <= "
+                                        f"max_repetition_pattern_size and, with max_repetition_pattern_size > 0, "
+                                        f"repetition_min_count >= 2; got {given}") from None
 
     def structured_spec(self) -> StructuredOutputsParams | None:
         """The one constraint this body asks for, from whichever field it used."""
@@ -1350,17 +1362,22 @@ def parse_json_object(raw: bytes, yielding: bool = False) -> dict[str, Any]:
             try:  # UTF-8 cannot encode a lone surrogate
                 json.dumps({key: value}, ensure_ascii=False, allow_nan=False).encode("utf-8")
             except UnicodeEncodeError:
-                raise bad_request(f"{esc(key)} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
+                raise bad_request(f"{_key_name(key)} holds a lone UTF-16 surrogate (such as \\ud800), which is not "
                                   f"text", esc(key)) from None
             except ValueError:
-                raise bad_request(f"{esc(key)} holds NaN, Infinity or a number beyond a double's range (such as "
-                                  f"1e999), which are not JSON numbers", esc(key)) from None
+                raise bad_request(f"{_key_name(key)} holds NaN, Infinity or a number beyond a double's range (such "
+                                  f"as 1e999), which are not JSON numbers", esc(key)) from None
     if text.count("[") + text.count("{") > MAX_JSON_DEPTH:  # only then can a field be nested that deep
         for key, value in body.items():
             if nested_deeper(value, MAX_JSON_DEPTH - 1):
-                raise bad_request(f"{esc(key)} is nested more than {MAX_JSON_DEPTH} levels deep (counting the "
+                raise bad_request(f"{_key_name(key)} is nested more than {MAX_JSON_DEPTH} levels deep (counting the "
                                   f"body's own)", esc(key))
     return body
+
+
+def _key_name(key: str) -> str:
+    """A body's key as an error's message names it: an empty one is still a field, named as JSON spells it."""
+    return esc(key) or '""'
 
 
 def _json_type(value: Any) -> str:
@@ -4734,7 +4751,10 @@ def bind_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
                 raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
         os.unlink(uds)
     family = socket.AF_UNIX if uds is not None else socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # TCP named as the protocol: asyncio turns Nagle off (TCP_NODELAY) only on connections whose socket says
+    # IPPROTO_TCP, and with it on, a response's body (or an SSE event) written after its headers waited for
+    # the client's delayed ACK, ~40 ms an answer
+    sock = socket.socket(family, socket.SOCK_STREAM, 0 if uds is not None else socket.IPPROTO_TCP)
     if uds is None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -4,6 +4,7 @@ by patching the model runner or the tokenizer in the test; nothing here waits
 on a clock except with deadlines far beyond what a loaded machine needs."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -361,6 +362,15 @@ def test_numbers_json_has_not_are_a_400_naming_the_field(server, path, body, par
     r = _post(server.url, {"prompt": "NaN Infinity 1e999", "max_tokens": 1, "unknown_field": 1e300, "user": "9" * 400})
     assert r.status_code == 200, r.text
     server.wait_idle()
+
+
+def test_a_field_with_an_empty_name_is_named_as_json_spells_it(server):
+    """A key "" is a field like any other: its error began with nothing (" holds NaN, ...")."""
+    for body, words in [('{"prompt": "hi", "": NaN}', "NaN, Infinity"),
+                        ('{"prompt": "hi", "": "\\ud800"}', "surrogate"),
+                        ('{"prompt": "hi", "": ' + "[" * 200 + "]" * 200 + "}", "nested")]:
+        err = _check_error(_post(server.url, body), 400, "")
+        assert err["message"].startswith('"" ') and words in err["message"], err
 
 
 def test_an_integer_too_long_for_python_is_a_400_that_says_so(server):
@@ -800,6 +810,26 @@ def test_the_banner_url_takes_connections_before_uvicorn_has_started(tiny_model,
     assert len(connected) == 1
 
 
+def test_connections_turn_nagle_off():
+    """bind_socket's socket named no protocol, so asyncio (which uvicorn serves it with) left Nagle's algorithm on
+    for every connection, and an answer's body, written after its headers, waited for the client's delayed ACK:
+    ~40 ms each JSON answer (the API fuzz found every request that slow). Now each connection has TCP_NODELAY."""
+    async def accepted_nodelay() -> int:
+        loop, sock = asyncio.get_running_loop(), entry.bind_socket("127.0.0.1", 0)
+        seen = loop.create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport):
+                seen.set_result(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+        server = await loop.create_server(Probe, sock=sock)  # as uvicorn's serve(sockets=...) does
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            nodelay = await asyncio.wait_for(seen, 60)
+            writer.close()
+        return nodelay
+    assert asyncio.run(accepted_nodelay())
+
+
 @pytest.mark.parametrize("held", ["grammar", "body", "tokenize", "lora"])
 def test_a_request_still_being_admitted_at_the_drain_timeout_is_a_503(tiny_model, caplog, monkeypatch, held):
     """At the drain timeout a request the engine has not yet (its grammar still compiling, its body still
@@ -950,14 +980,21 @@ def test_the_engine_trims_the_heap_each_time_it_goes_idle(tiny_model, monkeypatc
         assert trims == []
 
 
-@pytest.mark.parametrize("body, message", [
-    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 3}, "repetition_min_count": 2}, "not both"),
-    ({"repetition_detection": {"max_pattern_size": 2, "count": 3}}, "unknown field(s) ['count']"),
-    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "min_count >= 2"),
+@pytest.mark.parametrize("body, param, message", [
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 3}, "repetition_min_count": 2},
+     "repetition_detection", "not both"),
+    ({"repetition_detection": {"max_pattern_size": 2, "count": 3}}, "repetition_detection",
+     "unknown field(s) ['count']"),
+    ({"repetition_detection": {"max_pattern_size": 2, "min_count": 1}}, "repetition_detection", "min_count >= 2"),
+    # vLLM's older flat fields: the error names one of them (it named repetition_detection, which the body has not)
     ({"max_repetition_pattern_size": 1, "min_repetition_pattern_size": 2, "repetition_min_count": 2},
-     "min_pattern_size <= max_pattern_size"),
+     "min_repetition_pattern_size", "0 <= min_repetition_pattern_size <= max_repetition_pattern_size"),
+    ({"min_repetition_pattern_size": 3}, "min_repetition_pattern_size", "got max_repetition_pattern_size 0, "
+                                                                        "min_repetition_pattern_size 3"),
+    ({"max_repetition_pattern_size": 2}, "repetition_min_count", "repetition_min_count >= 2"),
+    ({"max_repetition_pattern_size": -1}, "max_repetition_pattern_size", "max_repetition_pattern_size -1"),
 ])
-def test_bad_repetition_detection_is_a_400_naming_it(server, body, message):
-    err = _check_error(_post(server.url, {"prompt": "hi", "max_tokens": 2, **body}), 400, "repetition_detection")
-    assert message in err["message"], err
+def test_bad_repetition_detection_is_a_400_naming_it(server, body, param, message):
+    err = _check_error(_post(server.url, {"prompt": "hi", "max_tokens": 2, **body}), 400, param)
+    assert message in err["message"] and param in err["message"], err
 
