@@ -1556,7 +1556,28 @@ class HermesToolParser(ToolParser):
         return "".join(content), calls
 
 
-class HermesStreamBlock:
+class JSONBrackets:
+    """JSON text read a piece at a time, each character once: where its brackets open and close a
+    value (those inside strings, or escaped, do not). Its user keeps ``depth`` from the steps."""
+    MARKS = re.compile(r'[][{}"\\]')
+    in_str: bool
+    skip: int  # the place of a character a backslash escapes
+
+    def _bracket(self, ch: str, at: int) -> int:
+        """``ch``, one of MARKS, at place ``at``: +1 where a bracket opens a value, -1 where one closes, else 0."""
+        if at == self.skip:  # escaped
+            return 0
+        if self.in_str:
+            self.skip = at + 1 if ch == "\\" else self.skip
+            self.in_str = ch != '"'
+            return 0
+        if ch == '"':
+            self.in_str = True
+            return 0
+        return 1 if ch in "[{" else -1
+
+
+class HermesStreamBlock(JSONBrackets):
     """One <tool_call> block of a hermes chat stream, read as vLLM 0.32's streamed parser reads it at each
     delta (it re-reads all the text; here each character is read about once): the call starts once a
     ``"name": "..."`` in it is whole; its arguments are the text after the first ``"arguments":``, sent as
@@ -1567,7 +1588,6 @@ class HermesStreamBlock:
     # the start of a match that the text to come may still complete (held for the next search)
     NAME_TAIL = re.compile(r'"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"[^"]*)?)?)?)?)?)?)?\Z')
     ARGUMENTS_TAIL = re.compile(r'"(?:a(?:r(?:g(?:u(?:m(?:e(?:n(?:t(?:s(?:"\s*)?)?)?)?)?)?)?)?)?)?\Z')
-    MARKS = re.compile(r'[][{}"\\]')
 
     def __init__(self):
         self.parts, self.size = [], 0  # the block's text
@@ -1616,22 +1636,13 @@ class HermesStreamBlock:
         for m in self.MARKS.finditer(text):
             if self.end is not None:
                 break
-            ch, at = m.group(), base + m.start()
-            if at == self.skip:  # escaped
-                continue
-            if self.in_str:
-                self.skip = at + 1 if ch == "\\" else self.skip
-                self.in_str = ch != '"'
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "[{":
-                self.depth += 1
-            else:
-                self.depth -= 1
-                if self.depth <= 0:  # the value closed (or a bracket closed nothing): read it once, as vLLM's
-                    self.end = at + 1
-                    whole = "".join(self.parts) + text[:m.end()]
-                    self.valid = self.depth == 0 and _loads(whole.strip())
+            at = base + m.start()
+            step = self._bracket(m.group(), at)
+            self.depth += step
+            if step < 0 and self.depth <= 0:  # the value closed (or a bracket closed nothing): read it once, as vLLM's
+                self.end = at + 1
+                whole = "".join(self.parts) + text[:m.end()]
+                self.valid = self.depth == 0 and _loads(whole.strip())
         if self.end is not None and not self.more:
             self.more = bool(text[max(0, self.end - base):].strip())
 
@@ -1796,10 +1807,9 @@ class MistralToolParser(ToolParser):
         return None if None in calls else calls
 
 
-class RequiredToolParser(ToolParser):
+class RequiredToolParser(ToolParser, JSONBrackets):
     """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"},
     ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once."""
-    MARKS = re.compile(r'[][{}"\\]')
     CONTENT_AFTER_CALLS = True  # its content is what the calls leave over at the end (cut short)
 
     def __init__(self):
@@ -1811,25 +1821,15 @@ class RequiredToolParser(ToolParser):
         self.parts.append(text)
         self.size += len(text)
         for m in self.MARKS.finditer(text):
-            ch, at = m.group(), base + m.start()
-            if at == self.skip:  # escaped
-                continue
-            if self.in_str:
-                self.skip = at + 1 if ch == "\\" else self.skip
-                self.in_str = ch != '"'
-            elif ch == '"':
-                self.in_str = True
-            elif ch in "[{":
-                self.depth += 1
-                if self.depth == 2:  # a value of the array starts
-                    self.value, start = [], m.start()
-            else:
-                self.depth -= 1
-                if self.depth == 1 and self.value is not None:
-                    body, self.value = "".join(self.value) + text[start:m.end()], None
-                    if (call := _json_call(body)) is not None:
-                        calls.append(call)
-                        self.end, self.called = base + m.end(), True
+            step = self._bracket(m.group(), base + m.start())
+            self.depth += step
+            if step > 0 and self.depth == 2:  # a value of the array starts
+                self.value, start = [], m.start()
+            elif step < 0 and self.depth == 1 and self.value is not None:
+                body, self.value = "".join(self.value) + text[start:m.end()], None
+                if (call := _json_call(body)) is not None:
+                    calls.append(call)
+                    self.end, self.called = base + m.end(), True
         if self.value is not None:
             self.value.append(text[start:])
         if not final:
