@@ -67,6 +67,10 @@ logger = logging.getLogger("nanoserve.engine")
 _SAMPLING_EPS = 1e-5  # as vLLM: a temperature below this is greedy
 _MIN_TEMP = 1e-2      # as vLLM's _MAX_TEMP: a smaller positive one is raised to this (1/t overflows)
 _FP32_MAX = torch.finfo(torch.float32).max  # the sampler adds logit_bias to fp32 logits
+# The sampler divides a seen token's positive fp32 logit by repetition_penalty (and multiplies a negative one): a
+# smaller one overflows the logit to inf, or rounds to 0 (0 / 0), and a row with NaN samples garbage (an unused id,
+# past any grammar); a larger one rounds to inf (0 * inf)
+_REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine is dead: /health 503, the server exits
 
 
@@ -251,8 +255,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not _is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "in [-2, 2]")
-        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "> 0")
+        low, high = _REPETITION_PENALTY_RANGE
+        if not _is_num(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            bad("repetition_penalty", f"in [{low:g}, {high:g}] (> 0; fp32 logits cannot take a smaller or larger one)")
         if self.seed is not None:
             _check_int(self, "seed")
             if not -2**63 <= self.seed < 2**63:  # vLLM's range (a torch.long)

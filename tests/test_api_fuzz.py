@@ -303,6 +303,7 @@ SPECIAL = {
     "vllm_xargs": ({"a": 1}, {"a": [1, "b", 2.5]}, {"": ""}),
     "stream_options": ({}, {"include_usage": True}, {"include_usage": False, "continuous_usage_stats": True},
                        {"include_usage": None}),
+    "repetition_penalty": (5e-324, 1e-30, 1e30, 1e308),
     "repetition_detection": ({"max_pattern_size": 4, "min_count": 2}, {"max_pattern_size": 1, "min_pattern_size": 2},
                              {"min_count": 2}, {}),
     "documents": ([{"title": "a", "text": "b"}], [], [{}]),
@@ -460,14 +461,17 @@ EVENTS = {"/v1/responses": pydantic.TypeAdapter(ResponseStreamEvent),
           "/v1/messages": pydantic.TypeAdapter(RawMessageStreamEvent)}
 
 class Failures(logging.Handler):
-    """Every record at ERROR or above, or carrying a traceback, of any logger."""
+    """Every record at ERROR or above, or carrying a traceback, of any logger; and the engine's word that
+    a grammar refused a sampled token (the sampler drew one its bitmask did not allow)."""
 
     def __init__(self):
         super().__init__(logging.WARNING)
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.levelno >= logging.ERROR or record.exc_info or "Traceback" in record.getMessage():
+        message = record.getMessage()
+        if record.levelno >= logging.ERROR or record.exc_info or "Traceback" in message or (
+                record.name == "nanoserve.engine" and "grammar refused" in message):
             self.records.append(record)
 
 
@@ -538,7 +542,8 @@ def check_stream(path: str, text: str) -> str:
 def check_shape(obj: dict) -> None:
     """A whole answer or a chunk of a stream as the SDK's type of it reads it, but for what vLLM (and
     nanoserve) answer otherwise on purpose: a completion's first echoed token has a null logprob (OpenAI's
-    legacy answer too), a continued chat message has the role of the message it continues."""
+    legacy answer too), a continued chat message has the role of the message it continues, and
+    repetition_detection's finish_reason is "repetition"."""
     kind = "message" if obj.get("type") == "message" else obj.get("object")
     if kind in ("text_completion", "chat.completion"):  # every choice, each once, none still running
         assert [c["index"] for c in obj["choices"]] == list(range(len(obj["choices"]))), obj["choices"]
@@ -553,6 +558,8 @@ def check_shape(obj: dict) -> None:
             for key in ("message", "delta"):
                 if isinstance(choice.get(key), dict) and choice[key].get("role") is not None:
                     choice[key]["role"] = "assistant"
+            if choice.get("finish_reason") == "repetition":
+                choice["finish_reason"] = "stop"
         SDK_TYPES[kind].model_validate(obj)
     else:
         assert set(obj) in ({"count", "max_model_len", "tokens", "token_strs"}, {"prompt"},

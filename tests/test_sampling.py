@@ -779,6 +779,8 @@ INVALID = [
     ("presence_penalty", dict(presence_penalty=2.5)), ("presence_penalty", dict(presence_penalty=-2.01)),
     ("frequency_penalty", dict(frequency_penalty=3)), ("frequency_penalty", dict(frequency_penalty=math.nan)),
     ("repetition_penalty", dict(repetition_penalty=0)), ("repetition_penalty", dict(repetition_penalty=-1.0)),
+    ("repetition_penalty", dict(repetition_penalty=5e-324)), ("repetition_penalty", dict(repetition_penalty=1e-31)),
+    ("repetition_penalty", dict(repetition_penalty=1e31)),
     ("logit_bias", dict(logit_bias={"a": 1.0})), ("logit_bias", dict(logit_bias={1: "x"})),
     ("logit_bias", dict(logit_bias={1: None})), ("logit_bias", dict(logit_bias=[1, 2])),
     ("logit_bias", dict(logit_bias={1: math.nan})), ("logit_bias", dict(logit_bias={1: math.inf})),
@@ -826,6 +828,20 @@ def test_logprob_token_ids_give_those_tokens_logprobs(llm):
 def test_invalid_sampling_params_name_the_parameter(name, kw):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)
+
+
+def test_repetition_penalty_edges_sample_valid_tokens(llm):
+    """A penalty of 5e-324 (> 0, as the only rule was) is 0 in fp32: the sampler's seen logits became inf and
+    NaN, and every token drawn was the unused id 383, even past a grammar (the API fuzz found it). The range
+    now taken stays finite: at both its ends every token is one of the tokenizer's, and a grammar holds."""
+    tokenizer_ids = len(llm.engine.tokenizer)
+    for penalty in (1e-30, 1e30):
+        for so in (None, StructuredOutputsParams(choice=["hello world"])):
+            params = SamplingParams(temperature=1.0, repetition_penalty=penalty, max_tokens=6, n=3, seed=1,
+                                    structured_outputs=so)
+            for c in llm.generate([PROMPT + " fox fox fox"], params, use_tqdm=False)[0].outputs:
+                assert all(t < tokenizer_ids for t in c.token_ids), (penalty, c.token_ids)
+                assert so is None or "hello world".startswith(c.text), (penalty, c.text)
 
 
 def test_valid_edges_are_accepted():
