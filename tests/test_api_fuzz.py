@@ -488,7 +488,7 @@ def check_error(path: str, r: httpx.Response, body) -> dict:
     err = err["error"]
     assert set(err) == {"message", "type", "param", "code"}, err
     assert err["code"] == r.status_code and isinstance(err["message"], str) and err["message"], err
-    assert err["message"] == err["message"].strip(), err  # a sentence, not one whose subject is missing
+    assert err["message"] == err["message"].lstrip(), err  # a sentence, not one whose subject is missing
     param = err["param"]
     if param is not None and isinstance(body, dict):
         assert isinstance(param, str), err
