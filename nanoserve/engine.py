@@ -2206,11 +2206,8 @@ class LLMEngine:
         """A prefill-only request: scheduled as any prompt (chunked, batched, prefix-cached), it ends in
         the step that computes its last token, with no token sampled. MEAN pooling needs every
         position's hidden state, so it reads no cached prefix (as vLLM's skip_reading_prefix_cache)."""
-        if prompt.lora_int_id is not None and prompt.lora_int_id not in self.loras:
-            raise InvalidInput("model", f"LoRA adapter {prompt.lora_int_id} is not loaded")
-        request_id = str(next(self.request_counter)) if request_id is None else request_id
-        if self._family(request_id) or request_id in self.beam_searches:
-            raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
+        self._check_lora_loaded(prompt)
+        request_id = self._new_request_id(request_id)
         self.scheduler.add_request(Request(
             request_id, prompt.text, prompt.token_ids, SamplingParams(max_tokens=1), 0, self.eos_token_ids, None,
             cache_salt=self._salt(prompt) if self.config.enable_prefix_caching else None,
@@ -2282,9 +2279,7 @@ class LLMEngine:
         """A beam search (BeamSearch): its one output comes when it ends, whatever the output kind."""
         if prompt.prompt_embeds is not None:  # as vLLM's: its rounds' prompts are token ids
             raise InvalidInput("prompt_embeds", "beam search takes token or text prompts, not prompt_embeds")
-        request_id = str(next(self.request_counter)) if request_id is None else request_id
-        if request_id in self.beam_searches or self._family(request_id):
-            raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         room = self.max_model_len - len(prompt.token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         bound = 700 / math.log(max(self.max_model_len, 2))  # past it, length ** length_penalty overflows a float
@@ -2337,18 +2332,14 @@ class LLMEngine:
         """add_request's second half, for a prompt and params already checked. ``family``: the
         salt under which requests that share a prompt share its blocks with prefix caching off
         (a beam search's; an n > 1 family's own is its id)."""
-        if prompt.lora_int_id is not None and prompt.lora_int_id not in self.loras:  # unloaded since it was named
-            raise InvalidInput("model", f"LoRA adapter {prompt.lora_int_id} is not loaded")
+        self._check_lora_loaded(prompt)
         whole = {k: self.model_config.vocab_size for k in ("logprobs", "prompt_logprobs") if getattr(params, k) == -1}
         params = dataclasses.replace(params, **whole) if whole else params  # our copy: the caller's keeps its -1
         text, token_ids = prompt.text, prompt.token_ids
         if prompt.prompt_embeds is not None:
             self._check_embeds_params(params)
-        request_id = str(next(self.request_counter)) if request_id is None else request_id
+        request_id = self._new_request_id(request_id, params.n)
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        if self._family(request_id) or request_id in self.beam_searches \
-                or any(self.scheduler.get_request(rid) is not None for rid in ids):  # "a#0" vs a's children
-            raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         prompt_logprobs = None if params.prompt_logprobs is None else [None]
@@ -2426,6 +2417,21 @@ class LLMEngine:
         """The id the caller knows a request by: its own, its n > 1 family's, or its beam search's."""
         child = self.beam_children.get(req.request_id)
         return child[0].request_id if child is not None else req.parent_id or req.request_id
+
+    def _new_request_id(self, request_id: str | None, n: int = 1) -> str:
+        """The caller's id, or the next number; InvalidInput where an unfinished request, an n > 1 family or a
+        beam search has it, or (n > 1) a request has one of its children's ids, "id#i" ("a#0" vs a's children)."""
+        request_id = str(next(self.request_counter)) if request_id is None else request_id
+        children = [f"{request_id}#{i}" for i in range(n)] if n > 1 else []
+        if self._family(request_id) or request_id in self.beam_searches \
+                or any(self.scheduler.get_request(rid) is not None for rid in children):
+            raise InvalidInput("request_id", f"request id {request_id!r} is already in use")
+        return request_id
+
+    def _check_lora_loaded(self, prompt: TokenizedPrompt) -> None:
+        """The prompt's adapter is still loaded (it may have been unloaded since the request named it)."""
+        if prompt.lora_int_id is not None and prompt.lora_int_id not in self.loras:
+            raise InvalidInput("model", f"LoRA adapter {prompt.lora_int_id} is not loaded")
 
     def _family(self, request_id: str) -> list[str]:
         """The unfinished requests' ids a caller's id stands for: its own, or its n > 1 children."""
