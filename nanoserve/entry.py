@@ -2895,13 +2895,8 @@ async def create_embedding(request: Request) -> Response:
 async def _embeddings_or_disconnect(request: Request, queue: asyncio.Queue, ids: list[str]
                                     ) -> list[torch.Tensor] | None:
     """Each engine request's vector, in order; None if the client left first."""
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        queue.put_nowait(ClientDisconnect())
-
-    watcher, found = asyncio.ensure_future(watch()), {}
-    try:
+    found = {}
+    async with watch_disconnect(request.receive, queue):
         while len(found) < len(ids):
             out = await queue.get()
             if isinstance(out, ClientDisconnect):
@@ -2909,8 +2904,6 @@ async def _embeddings_or_disconnect(request: Request, queue: asyncio.Queue, ids:
             if isinstance(out, Exception):
                 raise out
             found[out.request_id] = out.outputs.data
-    finally:
-        watcher.cancel()
     return [found[i] for i in ids]
 
 
@@ -3027,7 +3020,7 @@ async def _collect_or_disconnect(request: Request, gen: "Generation") -> dict[in
     """Run a non-streaming request to the end, or abort it (and give None) when the client leaves."""
     why = "the server stopped"  # unless we get further
     try:
-        async with watch_disconnect(request.receive, gen):
+        async with watch_disconnect(request.receive, gen.queue):
             finals = await gen.collect()
         why = ""
         return finals
@@ -3842,7 +3835,7 @@ class EventStream:
     async def __call__(self, scope, receive, send) -> None:
         why = "the server stopped"  # unless we get further
         try:
-            async with watch_disconnect(receive, self.gen):
+            async with watch_disconnect(receive, self.gen.queue):
                 await send({"type": "http.response.start", "status": 200, "headers": [
                     (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                     (b"x-accel-buffering", b"no")]})
@@ -3857,13 +3850,14 @@ class EventStream:
 
 
 @contextlib.asynccontextmanager
-async def watch_disconnect(receive: Callable[[], Awaitable[dict]], gen: Generation) -> AsyncIterator[None]:
+async def watch_disconnect(receive: Callable[[], Awaitable[dict]], queue: asyncio.Queue) -> AsyncIterator[None]:
     """A task of its own listens for the client leaving, since the handler waits on
-    the Generation's queue, not on the client: it puts ClientDisconnect there."""
+    the engine's output ``queue`` (a Generation's, or the embeddings'), not on the
+    client: it puts ClientDisconnect there."""
     async def watch() -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        gen.queue.put_nowait(ClientDisconnect())
+        queue.put_nowait(ClientDisconnect())
 
     task = asyncio.ensure_future(watch())
     try:
