@@ -208,3 +208,18 @@ def test_generate_server_refuses_embeddings_and_cli_flags(tiny_model):
     assert config.runner == "pooling" and config.pooler_config.pooling_type == "MEAN"
     with pytest.raises(SystemExit):
         parse_args(["--model", str(tiny_model), "--runner", "generate", "--convert", "embed"])
+
+
+def test_a_client_that_leaves_aborts_its_embeddings(pooling_server):
+    """The handler waits on its output queue; watch_disconnect puts the client's leaving there, and the
+    requests are aborted, not computed to the end: no request finishes, every block is free again."""
+    pooling_server.delay = 1.0  # 200 tokens in chunks of 16: 13 steps of >= 1 s, far beyond the 0.4 s read
+    try:
+        before = pooling_server.stats()["num_finished"]
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(pooling_server.url + "/v1/embeddings", json={"input": [list(range(10, 210))]},
+                       timeout=httpx.Timeout(5, read=0.4))
+        pooling_server.wait_idle(timeout=30)
+        assert pooling_server.stats()["num_finished"] == before
+    finally:
+        pooling_server.delay = 0.0
