@@ -581,6 +581,7 @@ def main() -> None:
     ap.add_argument("--compare", nargs="+", metavar="LABEL_OR_JSON",
                     help="print a side-by-side table of earlier results (serve-<label>.json) and exit")
     args = ap.parse_args()
+    import psutil  # noqa: F401  (TreePeak's): missing, it failed after the server started, leaving it running
     if args.compare:
         return compare(args.compare, args.out)
 
