@@ -2730,9 +2730,8 @@ class LLMEngine:
         return status
 
     def _count_accepted(self, req: Request, num_draft: int, num_accepted: int) -> None:
-        """A speculative step's drafts, into vLLM's counters; the rejected ones' KV is not the request's:
-        its computed tokens go back to before them (later steps write over their slots)."""
-        req.num_computed_tokens -= num_draft - num_accepted
+        """A speculative step's drafts, into vLLM's counters; the scheduler takes the rejected ones back."""
+        self.scheduler.reject_draft_tokens(req, num_draft - num_accepted)
         c = self.stats_counters
         c["spec_decode_num_drafts"] += 1
         c["spec_decode_num_draft_tokens"] += num_draft

@@ -239,6 +239,12 @@ class Scheduler:
         out.scheduled = [out.scheduled[i] for i in keep]
         return keep
 
+    def reject_draft_tokens(self, request: "Request", num_rejected: int) -> None:
+        """A speculative step landed (vLLM's update_from_output): the drafts it rejected were computed
+        but are not the request's, so its computed tokens go back to before them; their slots stay
+        allocated and the next step writes over them."""
+        request.num_computed_tokens -= num_rejected
+
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.num_preemptions,
                               self.block_manager.make_stats())
@@ -298,8 +304,8 @@ class Scheduler:
             if spec:
                 req.spec_token_ids = []  # the engine proposes again once this step lands
             # Advanced before the step runs: a preemption later in this schedule never picks a request
-            # already scheduled, so nothing undoes it. With drafts, the engine moves it back past the
-            # rejected ones when the step lands.
+            # already scheduled, so nothing undoes it. With drafts, reject_draft_tokens moves it back
+            # past the rejected ones when the step lands.
             req.num_computed_tokens = start + num_new
             budget -= num_new
             i += 1
