@@ -45,10 +45,11 @@ class ChatTemplateWorker:
     templates are then refused."""
 
     def __init__(self, tokenizer: Any, max_chars: int | None, memory_bytes: int = MEMORY_BYTES):
-        self.setup = {"chat_template": tokenizer.chat_template, "special_tokens_map": tokenizer.special_tokens_map,
-                      "memory_bytes": memory_bytes, "max_chars": max_chars}
-        self.memory_bytes = memory_bytes
         self.error: str | None = _unsupported(tokenizer)
+        self.setup = None if self.error else {
+            "chat_template": tokenizer.chat_template, "special_tokens_map": tokenizer.special_tokens_map,
+            "memory_bytes": memory_bytes, "max_chars": max_chars}
+        self.memory_bytes, self.max_chars = memory_bytes, max_chars
         self.turn = threading.Lock()  # one render (or start) at a time
         self.guard = threading.Lock()  # proc and current, between a render's thread and abandon's
         self.proc: subprocess.Popen | None = None
@@ -63,6 +64,8 @@ class ChatTemplateWorker:
                 try:
                     self._ensure_started()
                 except OSError as e:  # no process can start here: every request template is refused
+                    if self.closed:  # the server stopped as it started
+                        return
                     self.error = f"no worker process can start ({e})"
             if self.error:
                 logger.warning("[entry] --trust-request-chat-template: requests' own chat templates will be "
@@ -238,7 +241,7 @@ class WorkerTokenizer:
         if "error" in out:
             raise _RenderError(out["error"])
         raise InvalidInput("chat_template", LIMIT_WORDS[out["limit"]].format(
-            limit=self.limit, mib=self.worker.memory_bytes >> 20, max_chars=self.worker.setup["max_chars"]))
+            limit=self.limit, mib=self.worker.memory_bytes >> 20, max_chars=self.worker.max_chars))
 
 
 class _RenderError(Exception):

@@ -5,8 +5,9 @@ One server (and so one worker) for the file. Nothing waits on a clock but with d
 machine's needs; the one short limit applies only to a render that no machine finishes within it."""
 from __future__ import annotations
 
-import json
+import logging
 import resource
+import sys
 import threading
 import time
 
@@ -174,3 +175,35 @@ def test_a_server_without_a_worker_refuses_request_templates(server, monkeypatch
                        "chat_template")
     assert "cannot run a request's chat_template: no worker process can start (test)" in err["message"], err
     assert _post(server, {"messages": USER, "max_tokens": 1}).status_code == 200  # the server's own still renders
+
+
+def test_where_no_worker_can_start_one_line_says_so_at_start(tiny_model, monkeypatch, caplog):
+    """A tokenizer class with its own apply_chat_template (the worker runs transformers'), or a platform where
+    no process starts: one warning at start-up, no worker, and render_own_template's 400 names the reason."""
+    from transformers import AutoTokenizer
+    from nanoserve.template_worker import ChatTemplateWorker
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+
+    class Own(type(tokenizer)):
+        def apply_chat_template(self, *args, **kwargs):
+            return "its own"
+    tokenizer.__class__ = Own
+    caplog.set_level(logging.WARNING, logger="nanoserve")
+    own = ChatTemplateWorker(tokenizer, None)
+    own.start_soon()
+    assert own.proc is None and own.error == "Own has its own apply_chat_template, which the worker does not run"
+    tokenizer.__class__ = Own.__bases__[0]
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    none = ChatTemplateWorker(tokenizer, None)
+    none.start_soon()
+    deadline = time.monotonic() + 60
+    while none.error is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert none.proc is None and none.error.startswith("no worker process can start (")
+    deadline = time.monotonic() + 60
+    while len(caplog.records) < 2:  # logged after the error is set, on the starting thread
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and all("requests' own chat templates will be refused" in line for line in lines), lines
