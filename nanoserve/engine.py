@@ -3487,6 +3487,8 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
                                              chat_template=chat_template, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kwargs)
+    except InvalidInput:  # the renderer's own (a server's template worker: its limits)
+        raise
     except jinja2.TemplateSyntaxError as e:
         raise InvalidInput("chat_template", f"the chat template is not valid Jinja: {e} (line {e.lineno})") from None
     except Exception as e:  # the template's own raise_exception, jinja errors, malformed messages
@@ -3532,8 +3534,7 @@ def chat_template_content_format(template: str | None) -> str:
 
 def _content_format(template: str) -> str:
     from jinja2 import nodes
-    from transformers.utils.chat_template_utils import _compile_jinja_template
-    tree = _compile_jinja_template(template).environment.parse(template)
+    tree = _template_environment().parse(template)
     lists = {"messages"}
     for assign in tree.find_all(nodes.Assign):  # aliases of messages, in the order written
         if isinstance(assign.target, nodes.Name) and _reads(assign.node, lists):
@@ -3541,6 +3542,14 @@ def _content_format(template: str) -> str:
     loops = list(tree.find_all(nodes.For))
     messages = {loop.target.name for loop in loops if isinstance(loop.target, nodes.Name) and _reads(loop.iter, lists)}
     return "openai" if any(_reads(loop.iter, messages, "content") for loop in loops) else "string"
+
+
+@functools.lru_cache(maxsize=1)
+def _template_environment():
+    """transformers' Jinja environment, to parse a template: compiling one would fold its constants, and a
+    request's own ``{{ 'x' * 10**10 }}`` would allocate 10 GB in the server (its render runs in a worker: entry.py)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    return _compile_jinja_template("").environment
 
 
 def _reads(node, names: set[str], key: str | None = None) -> bool:

@@ -36,7 +36,6 @@ import base64
 import binascii
 import concurrent.futures
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import functools
@@ -88,6 +87,7 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               TokenizedPrompt, VLLM_ENGINE_ARGS, apply_chat_template, chat_template_content_format,
                               engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
                               opens_reply, parse_call_arguments, part_text, run_worker_node, vllm_arg_note)
+from nanoserve.template_worker import ChatTemplateWorker, WorkerTokenizer
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -104,7 +104,7 @@ DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event loop
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
 CHAT_TEMPLATE_TIMEOUT_S = 10.0       # a request's own chat_template must render within this (else 400)
-MAX_OVERDUE_COMPILES = 2             # of each (compiles, renders) past it, left to finish; more: 503 until they end
+MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish; more: 503 until they end
 # how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999,
 # and 200 digits or more: with an exponent under 100, no shorter number is past a double's range; looked for from
 # a run's first digit only, else each digit of a long run starts a new try)
@@ -2326,11 +2326,11 @@ class ServerState:
     # Tokenizing (and chat templates) run here: never on the loop, nor on the model thread.
     tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoserve-tokenizer"))
-    # Structured-output grammars compile (compile_grammar), and a request's own chat template renders
-    # (render_own_template), not on the tokenizer thread: tokenizing the requests behind them must not wait for them.
+    # Structured-output grammars compile (compile_grammar) not on the tokenizer thread: tokenizing the requests
+    # behind them must not wait for them.
     compiles: "OwnThreads" = field(default_factory=lambda: OwnThreads("nanoserve-grammar", "compiling", "grammars"))
-    renders: "OwnThreads" = field(default_factory=lambda: OwnThreads("nanoserve-template", "rendering",
-                                                                       "chat templates"))
+    # where a request's own chat template renders (--trust-request-chat-template): see render_own_template
+    template_worker: ChatTemplateWorker | None = None
     chat_template: str | None = None                     # --chat-template
     chat_template_content_format: str = "auto"           # --chat-template-content-format
     trust_request_chat_template: bool = False
@@ -2379,23 +2379,27 @@ class ServerState:
                                                      f"many alternatives, a very large schema)")
         future.result()  # InvalidInput where it cannot be compiled
 
-    async def render_own_template(self, req: "ChatTemplateFields", render: Callable[[], str]) -> str | None:
+    async def render_own_template(self, req: "ChatTemplateFields", render: Callable[[Any], str]) -> str | None:
         """The prompt of a request that brings its own chat_template (--trust-request-chat-template), rendered
-        ahead within CHAT_TEMPLATE_TIMEOUT_S, else stopped; None for any other (the tokenizer thread renders it).
-        Jinja has no limit of its own: two nested loops (90 bytes) rendered for hours, and every request waited."""
+        ahead: ``render(tokenizer)`` on a thread of its own, with a tokenizer whose render runs in the template
+        worker, within CHAT_TEMPLATE_TIMEOUT_S and its memory cap (nanoserve/template_worker.py); None for any
+        other request (the tokenizer thread renders it). In the server's process, ``{{ 'x' * 10**10 }}`` would take
+        10 GB, and two nested loops (90 bytes) rendered for hours."""
         if req.chat_template is None or not self.trust_request_chat_template:
             return None
-        call, stop = stoppable(render)
-        future = None
+        worker = self.template_worker
+        if worker is None or worker.error:
+            raise InvalidInput("chat_template", f"this server cannot run a request's chat_template: "
+                                                f"{worker.error if worker else 'it has no template worker'}")
+        left = threading.Event()
+        tokenizer = WorkerTokenizer(self.engine.tokenizer, worker, CHAT_TEMPLATE_TIMEOUT_S, left)
+        future = on_daemon_thread("nanoserve-template", render, tokenizer)
         try:
-            future = await self.renders.run(call, limit=CHAT_TEMPLATE_TIMEOUT_S)
-        finally:
-            if future is None:  # past the limit, or left by its client: left running, it held a core and the GIL
-                stop()
-        if future is None:
-            raise InvalidInput("chat_template", f"chat_template did not render within {CHAT_TEMPLATE_TIMEOUT_S:g} s: "
-                                                f"simplify it (loops within loops, very long strings)")
-        return future.result()  # InvalidInput where it does not render
+            return await asyncio.shield(future)  # InvalidInput where it does not render
+        except asyncio.CancelledError:  # its client left (or the drain ended it): the worker stops rendering it
+            worker.abandon(left)
+            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: never "not retrieved"
+            raise
 
     def end_all(self, why: str) -> None:
         """The drain timeout: what is still in flight ends now, each stream with
@@ -2430,10 +2434,9 @@ class ServerState:
 
 @dataclass
 class OwnThreads:
-    """Work that may run long (an xgrammar compile, a request's Jinja render), one at a time, each on a daemon
-    thread of its own, waited for up to a limit: one past it, or left by its client, finishes on its thread (or is
-    stopped: see stoppable), holding up neither the next one nor the exit. With MAX_OVERDUE_COMPILES of them
-    still running, a 503."""
+    """Work that may run long (an xgrammar compile), one at a time, each on a daemon thread of its own, waited
+    for up to a limit: one past it, or left by its client, finishes on its thread, holding up neither the next
+    one nor the exit. With MAX_OVERDUE_COMPILES of them still running, a 503."""
     thread_name: str
     doing: str  # the 503's words: "the server is still {doing} {n} {what} ..."
     what: str
@@ -2458,39 +2461,6 @@ class OwnThreads:
     def _overdue_ended(self, future: asyncio.Future) -> None:
         self.overdue -= 1
         future.exception()  # read, or asyncio logs it as never retrieved
-
-
-class _Stop(Exception):
-    """Raised in a thread by stoppable's stop()."""
-
-
-def stoppable(fn: Callable[[], Any]) -> tuple[Callable[[], Any], Callable[[], None]]:
-    """fn as a call, and a stop() that ends that call, from another thread, at its next Python instruction
-    (PyThreadState_SetAsyncExc: Jinja's loops are Python; a long C call, such as a string's repetition, ends
-    first). Nothing is raised in the calling thread once the call has returned. (A pending exception is never
-    cleared with SetAsyncExc(id, NULL): in CPython 3.11 that leaves the eval breaker set, and code traced with
-    sys.settrace then hangs.)"""
-    lock, running, sent = threading.Lock(), [], []
-
-    def call() -> Any:
-        with lock:
-            running.append(threading.get_ident())
-        try:
-            return fn()
-        finally:
-            with lock:
-                running.clear()
-            if sent:  # a stop sent as fn returned lands here, at a backward jump, not in the caller
-                with contextlib.suppress(_Stop):
-                    for _ in range(1000):
-                        pass
-
-    def stop() -> None:
-        with lock:
-            if running:
-                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(running.pop()), ctypes.py_object(_Stop))
-                sent.append(True)
-    return call, stop
 
 
 def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -2575,11 +2545,16 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+    if args.trust_request_chat_template:
+        engine = async_llm.engine
+        state.template_worker = ChatTemplateWorker(engine.tokenizer, engine.max_prompt_chars)
     log_content_format(state)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         async_llm.start()
+        if state.template_worker is not None:
+            state.template_worker.start_soon()
         tasks = [asyncio.create_task(_exit_when_dead(state))]
         if not args.disable_log_stats:
             tasks.append(asyncio.create_task(log_stats_periodically(state, args.log_stats_interval)))
@@ -2592,6 +2567,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                 gen.close("shutdown")
             await async_llm.shutdown()
             state.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+            if state.template_worker is not None:
+                state.template_worker.close()
 
     routes = [
         Route("/v1/completions", create_completion, methods=["POST"]),
@@ -2795,7 +2772,7 @@ async def tokenize(request: Request) -> Response:
     try:
         with state.endable():
             text = None if req.messages is None else await state.render_own_template(
-                req, lambda: render_chat(state, req, req.tools))
+                req, lambda tokenizer: render_chat(state, req, req.tools, tokenizer))
             out = await state.off_loop(_tokenize, state, req, text)
     except InvalidInput as e:
         raise req.invalid(e) from None
@@ -3590,7 +3567,8 @@ class ChatGeneration(Generation):
         self.prompt_text: str | None = None  # rendered ahead from the request's own chat_template
 
     async def render_own_template(self) -> None:
-        self.prompt_text = await self.state.render_own_template(self.req, lambda: chat_prompt(self.state, self.req))
+        self.prompt_text = await self.state.render_own_template(
+            self.req, lambda tokenizer: chat_prompt(self.state, self.req, tokenizer))
 
     def prompt_inputs(self) -> list[str | list[int]]:
         return [chat_prompt(self.state, self.req) if self.prompt_text is None else self.prompt_text]
@@ -3731,10 +3709,10 @@ class ChatGeneration(Generation):
         return {**out, "prompt_text": prompt_text} if self.req.return_prompt_text and prompt_text is not None else out
 
 
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> str:
+def chat_prompt(state: ServerState, req: ChatCompletionRequest, tokenizer: Any = None) -> str:
     """Chat's prompt: the tools hidden where tool_choice "none" asks it (--exclude-tools-when-tool-choice-none)."""
     hidden = req.tool_choice == "none" and state.exclude_tools_when_tool_choice_none
-    return render_chat(state, req, None if hidden else req.tools)
+    return render_chat(state, req, None if hidden else req.tools, tokenizer)
 
 
 def log_content_format(state: ServerState) -> None:
@@ -3748,16 +3726,20 @@ def log_content_format(state: ServerState) -> None:
                         chat_template_content_format(template)])
 
 
-def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCompletionToolsParam] | None) -> str:
-    """Chat's prompt, and /tokenize's of messages: ``tools`` as the template sees them
-    (on the tokenizer thread; raises InvalidInput)."""
+def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCompletionToolsParam] | None,
+                tokenizer: Any = None) -> str:
+    """Chat's prompt, and /tokenize's of messages: ``tools`` as the template sees them (on the tokenizer
+    thread; raises InvalidInput); ``tokenizer`` in the engine's place (a request's own template's WorkerTokenizer)."""
     if req.chat_template is not None and not state.trust_request_chat_template:
         raise InvalidInput("chat_template", "this server does not run a request's chat_template: start it with "
                                             "--trust-request-chat-template, or use --chat-template FILE")
+    if req.chat_template is not None and tokenizer is None:  # a path that forgot render_own_template
+        raise InvalidInput("chat_template", "a request's chat_template renders only in the template worker")
     tools = None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
     kwargs = {**state.default_chat_template_kwargs, **req.template_kwargs()}  # the request's win, as vLLM's
-    return apply_chat_template(state.engine.tokenizer, req.messages, req.chat_template or state.chat_template,
-                               req.add_generation_prompt, req.continue_final_message, tools, kwargs, req.documents,
+    return apply_chat_template(tokenizer or state.engine.tokenizer, req.messages,
+                               req.chat_template or state.chat_template, req.add_generation_prompt,
+                               req.continue_final_message, tools, kwargs, req.documents,
                                state.chat_template_content_format)
 
 
