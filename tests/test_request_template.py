@@ -1,5 +1,5 @@
 """A request's own chat_template (--trust-request-chat-template) renders in a worker process
-(nanoserve/template_worker.py): a template that would take the server's memory or hold its GIL in one C call
+(entry.py ChatTemplateWorker): a template that would take the server's memory or hold its GIL in one C call
 is a 400 naming chat_template, the server stays healthy, and what renders, renders as in the server's process.
 One server (and so one worker) for the file. Nothing waits on a clock but with deadlines far past a loaded
 machine's needs; the one short limit applies only to a render that no machine finishes within it."""
@@ -181,7 +181,7 @@ def test_where_no_worker_can_start_one_line_says_so_at_start(tiny_model, monkeyp
     """A tokenizer class with its own apply_chat_template (the worker runs transformers'), or a platform where
     no process starts: one warning at start-up, no worker, and render_own_template's 400 names the reason."""
     from transformers import AutoTokenizer
-    from nanoserve.template_worker import ChatTemplateWorker
+    from nanoserve.entry import ChatTemplateWorker
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
 
     class Own(type(tokenizer)):
