@@ -1,5 +1,5 @@
 """The pooling runner (embeddings) against transformers: a decoder's final-norm hidden state at the
-last token (normalized), or the mean of all of them, through chunked prefill, prefix caching and
+last token (normalized), the mean of all of them, or the first's (CLS), through chunked prefill, prefix caching and
 batching; a bare-decoder checkpoint (Qwen3Model) and a sentence-transformers one chosen by
 --runner auto; /v1/embeddings' shapes (the openai SDK's base64 too) and its refusals."""
 from __future__ import annotations
@@ -60,6 +60,21 @@ def test_mean_pooling_unnormalized_reads_no_cached_prefix(model_root):
     torch.testing.assert_close(got.norm(), torch.tensor(1.0))
 
 
+def test_cls_pooling_is_the_first_token_s_through_chunks_and_reads_no_cached_prefix(model_root):
+    """vLLM pools CLS on a decoder too: the first position's hidden state (causal: the first token's
+    alone). Prompts of 20 and 22 tokens come in chunks of 8; the second round finds nothing cached."""
+    path = make_model(model_root, "qwen3")
+    llm = LLM(str(path), runner="pooling", pooler_config={"pooling_type": "cls"}, dtype="float32",
+              max_num_batched_tokens=8, max_num_seqs=4, num_kv_blocks=32, block_size=8)
+    outs = llm.embed(PROMPTS, use_tqdm=False) + llm.embed(PROMPTS[:1], use_tqdm=False)
+    assert outs[-1].num_cached_tokens == 0
+    for prompt, got in zip(PROMPTS + PROMPTS[:1], embeddings(outs)):
+        torch.testing.assert_close(got, torch.nn.functional.normalize(hf_hidden(path, prompt)[0], dim=-1))
+    assert not torch.equal(embeddings(outs)[0], embeddings(outs)[2])  # prompts 0 and 2 start differently
+    stats = llm.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
 def test_bare_decoder_and_sentence_transformers_checkpoints_pick_pooling(model_root, tmp_path):
     """config.json's Qwen3Model (tensors without "model.", no lm_head) and a modules.json with a Pooling
     module both resolve --runner auto to pooling; the latter's pooling mode and Normalize are taken."""
@@ -91,8 +106,9 @@ def test_bare_decoder_and_sentence_transformers_checkpoints_pick_pooling(model_r
     got = embeddings(llm.embed(PROMPTS[2], use_tqdm=False))[0]
     torch.testing.assert_close(got, hf_hidden(st_dir, PROMPTS[2]).mean(0), atol=2e-5, rtol=1e-4)  # no Normalize
     (st_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "cls"}))
-    with pytest.raises(ValueError, match="sentence-transformers pooling is CLS; nanoserve pools LAST or MEAN"):
-        LLM(str(st_dir), dtype="float32", num_kv_blocks=16)
+    llm = LLM(str(st_dir), dtype="float32", num_kv_blocks=16)
+    got = embeddings(llm.embed(PROMPTS[2], use_tqdm=False))[0]
+    torch.testing.assert_close(got, hf_hidden(st_dir, PROMPTS[2])[0])  # CLS: the first token's
 
 
 def test_matryoshka_dimensions_and_refusals(model_root):
@@ -126,7 +142,10 @@ def test_matryoshka_dimensions_and_refusals(model_root):
 @pytest.mark.parametrize("kwargs, error", [
     (dict(task="embed", runner="generate"), "task=embed needs the pooling runner"),
     (dict(runner="pooling", pooler_config={"normalize": True}), "`normalize` was removed; use `use_activation`"),
-    (dict(runner="pooling", pooler_config={"pooling_type": "CLS"}), "pooling_type must be one of LAST, MEAN"),
+    (dict(runner="pooling", pooler_config={"pooling_type": "all"}),
+     "pooling_type ALL pools each token .* embeddings take one of CLS, LAST, MEAN"),
+    (dict(runner="pooling", pooler_config={"pooling_type": "STEP"}), "pooling_type STEP pools each token"),
+    (dict(runner="pooling", pooler_config={"pooling_type": "max"}), "pooling_type must be one of CLS, LAST, MEAN"),
     (dict(convert="classify"), "convert must be one of auto, none, embed"),
 ])
 def test_engine_config_refusals(kwargs, error):
