@@ -578,6 +578,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+    metrics: RequestMetrics | None = None  # the server's latency histograms (first_token_time: the vector's)
 
 
 @dataclass(slots=True)
@@ -2663,7 +2664,7 @@ class LLMEngine:
         # This loop and what it calls run once per request per step: counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
             if s.request.pooling_params is not None:
-                self._take_pooled(outputs, s, (pooled or {}).get(i))
+                self._take_pooled(outputs, s, (pooled or {}).get(i), now)
                 continue
             result = next(sampled) if s.will_sample else None
             try:
@@ -2699,7 +2700,8 @@ class LLMEngine:
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
 
-    def _take_pooled(self, outputs: dict[str, Any], s: ScheduledRequest, rows: torch.Tensor | None) -> None:
+    def _take_pooled(self, outputs: dict[str, Any], s: ScheduledRequest, rows: torch.Tensor | None,
+                     now: float) -> None:
         """A pooling request's chunk: MEAN's sums added up, CLS's first row kept (both from its first
         position again after a preemption); its last chunk ends it with its embedding, its blocks freed
         (and left cached)."""
@@ -2719,8 +2721,9 @@ class LLMEngine:
             data = finish_embedding(data, p.dimensions, p.use_activation)
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             self.stats_counters["num_finished"] += 1
-            outputs[req.request_id] = PoolingRequestOutput(req.request_id, PoolingOutput(data), req.prompt_token_ids,
-                                                           req.num_cached_tokens)
+            outputs[req.request_id] = PoolingRequestOutput(
+                req.request_id, PoolingOutput(data), req.prompt_token_ids, req.num_cached_tokens,
+                metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, now, now))
         except Exception as e:  # a bug met by this request's output: it alone ends
             self._fail_output(outputs, req, e)
 
