@@ -2167,12 +2167,12 @@ class LLMEngine:
                                     "pooling` to use the model as a pooling model.")
 
     def process_pooling_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, params: PoolingParams,
-                               add_special_tokens: bool = True) -> TokenizedPrompt:
+                               add_special_tokens: bool = True, truncation_side: str = "left") -> TokenizedPrompt:
         """process_prompt for an embedding: no room for output, so truncate_prompt_tokens -1 keeps max_model_len."""
         if isinstance(prompt, torch.Tensor):
             raise InvalidInput("prompt", "the pooling runner takes text or token ids, not prompt_embeds")
         keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-        return self.process_prompt(prompt, keep, add_special_tokens, output_tokens=0)
+        return self.process_prompt(prompt, keep, add_special_tokens, truncation_side, output_tokens=0)
 
     def check_pooling_params(self, params: PoolingParams) -> PoolingParams:
         """``params`` against this model (vLLM's PoolingParams.verify), with the pooler config's defaults in."""

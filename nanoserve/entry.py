@@ -2853,8 +2853,11 @@ class EmbeddingRequest(ChatTemplateFields):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    truncation_side: typing.Literal["left", "right"] = "left"  # left: keep the last tokens, right: the first
     use_activation: bool | None = None
     priority: int = 0
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID)  # X-Request-Id wins, as vLLM's
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @model_validator(mode="before")
     @classmethod
@@ -2942,6 +2945,8 @@ async def create_embedding(request: Request, schema: type[EmbeddingRequest] = Em
 async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) -> Response:
     """An EmbeddingRequest's engine requests, admitted as completions' are (--max-queue-len, before and
     after tokenizing), each observed in /metrics as vLLM observes a pooling request."""
+    if req.request_id is not None and not request.scope["nanoserve.request_id_given"]:
+        request.scope["nanoserve.request_id"] = esc(req.request_id)
     request_id = _request_id(request)
     if req.input is None and req.messages is None:
         raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
@@ -2999,10 +3004,15 @@ def _pooling_prompts(state: ServerState, req: EmbeddingRequest, params: PoolingP
     engine = state.engine
     if req.messages is None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
-        return [engine.process_pooling_prompt(p, params, special) for p in req.input]
-    texts = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
-             for chat, text in zip(req.messages, texts)]
-    return [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens)) for text in texts]
+        prompts = [engine.process_pooling_prompt(p, params, special, req.truncation_side) for p in req.input]
+    else:
+        texts = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
+                 for chat, text in zip(req.messages, texts)]
+        prompts = [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens), req.truncation_side)
+                   for text in texts]
+    for p in prompts:
+        p.cache_salt = req.cache_salt
+    return prompts
 
 
 async def _embeddings_or_disconnect(request: Request, queue: asyncio.Queue, ids: list[str],

@@ -229,10 +229,25 @@ def test_embeddings_endpoint_refusals(pooling_server, body, status, says):
     pooling_server.wait_idle()
 
 
-def test_pooling_server_truncates_and_refuses_generation(pooling_server):
+def test_pooling_server_truncates_and_refuses_generation(pooling_server, tiny_model):
     r = httpx.post(pooling_server.url + "/v1/embeddings",
                    json={"input": [list(range(5, 300))], "truncate_prompt_tokens": 10}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10, r.text
+    # vLLM's truncation_side, request_id (the response's id) and cache_salt (who shares cached blocks)
+    r = httpx.post(pooling_server.url + "/v1/embeddings", json={
+        "input": [list(range(5, 300))], "truncate_prompt_tokens": 10, "truncation_side": "right",
+        "request_id": "mine"}, timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == "embd-mine", r.text
+    want = torch.nn.functional.normalize(hf_hidden(tiny_model, list(range(5, 15)))[-1], dim=-1)
+    torch.testing.assert_close(torch.tensor(r.json()["data"][0]["embedding"]), want)
+    hits = []
+    for salt in ("a", "b", "a"):
+        before = pooling_server.stats()["prefix_cache_hits"]
+        r = httpx.post(pooling_server.url + "/v1/embeddings", json={"input": [list(range(40, 80))],
+                                                                    "cache_salt": salt}, timeout=30)
+        assert r.status_code == 200, r.text
+        hits.append(pooling_server.stats()["prefix_cache_hits"] - before)
+    assert hits[0] == hits[1] == 0 < hits[2], hits
     for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": []}),
                        ("/v1/messages/count_tokens", {"messages": []})):  # vLLM mounts Anthropic's for generation
         r = httpx.post(pooling_server.url + path, json=body, timeout=30)
