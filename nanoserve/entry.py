@@ -2856,7 +2856,7 @@ class EmbeddingRequest(ChatTemplateFields):
     truncation_side: typing.Literal["left", "right"] = "left"  # left: keep the last tokens, right: the first
     use_activation: bool | None = None
     priority: int = 0
-    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID)  # X-Request-Id wins, as vLLM's
+    request_id: str | None = None  # X-Request-Id wins, as vLLM's
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @model_validator(mode="before")
@@ -2866,6 +2866,12 @@ class EmbeddingRequest(ChatTemplateFields):
             return data
         if "normalize" in data:  # vLLM's words (reject_removed_pooling_parameters)
             raise InvalidInput("normalize", "Parameter `normalize` was removed; use `use_activation` instead.")
+        for name, (harmless, why) in UNSUPPORTED_FIELDS.items():  # as GenerationRequest's
+            if name in data and not any(_coerces_to(data[name], v) for v in harmless):
+                raise InvalidInput(name, f"{name} is not supported: {why}")
+        if data.get("padding") not in (None, "do_not_pad"):  # vLLM's pooling field: max_length pads the prompt
+            raise InvalidInput("padding", f"padding is not supported: padding a prompt to max_length is not "
+                                          f"implemented (each is embedded as it is), got {show(data['padding'])}")
         given = data.get("input")
         if "messages" not in data and (_is_conversation(given) or isinstance(given, list) and given
                                        and all(_is_conversation(c) for c in given)):
@@ -2883,6 +2889,11 @@ class EmbeddingRequest(ChatTemplateFields):
         if isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p)):
             return list(p)
         raise ValueError(f"input must be {PROMPT_SHAPES} (and not empty), got {show(p)}")
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, v: str) -> str:
+        return GenerationRequest._request_id(v)  # one that can be logged and echoed in X-Request-Id
 
     @field_validator("messages")
     @classmethod
