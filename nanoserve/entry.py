@@ -2944,7 +2944,8 @@ async def create_pooling(request: Request) -> Response:
 
 
 async def create_embedding(request: Request, schema: type[EmbeddingRequest] = EmbeddingRequest) -> Response:
-    """POST /v1/embeddings: one engine request per input, batched by the scheduler as any prompts."""
+    """POST /v1/embeddings (and a pooling server's /invocations; /pooling with its schema): one engine
+    request per prompt or chat, batched by the scheduler as any prompts."""
     state = _state(request)
     if state.engine.runner_type != "pooling":
         raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs an "
@@ -4790,8 +4791,8 @@ class ServerMetrics:
 
     def observe_pooled(self, out: PoolingRequestOutput) -> None:
         """A pooling request's end, as vLLM observes one: its vector is its first (and only) output, so
-        time to first token, queue, prefill and e2e latency, its prompt tokens and no output tokens, and
-        a success with finished_reason stop."""
+        time to first token, queue, prefill and e2e latency, its prompt tokens and no output tokens, a
+        time per output token of 0 (vLLM's for fewer than two), and a success with finished_reason stop."""
         m = out.metrics
         self.count_finished("stop")
         if m is None:
@@ -4801,6 +4802,7 @@ class ServerMetrics:
             self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
         self.e2e_latency.observe(time.monotonic() - m.arrival_time)
         self.observe_finished(m, len(out.prompt_token_ids), [0])
+        self.time_per_output_token.observe(0.0)
 
     def count_finished(self, reason: str, n: int = 1) -> None:
         if n > 0:

@@ -406,11 +406,13 @@ def test_max_queue_len_and_metrics(pooling_server, tiny_model):
     assert grew["vllm:request_success_total{finished_reason=stop}"] == 8
     for series in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",
                    "request_prefill_time_seconds", "request_inference_time_seconds", "request_decode_time_seconds",
-                   "request_prompt_tokens", "request_generation_tokens", "request_params_n"):
+                   "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                   "request_time_per_output_token_seconds"):
         assert grew[f"vllm:{series}_count"] == 8, series
     assert grew["vllm:request_prompt_tokens_sum"] == 8 + 5 and grew["vllm:request_generation_tokens_sum"] == 0
     assert grew["vllm:request_queue_time_seconds_sum"] > 0  # four waited for the held step
-    assert grew["vllm:request_decode_time_seconds_sum"] == 0
+    assert grew["vllm:request_decode_time_seconds_sum"] == grew["vllm:request_time_per_output_token_seconds_sum"] == 0
+    assert grew.get("vllm:request_params_max_tokens_count", 0) == 0  # vLLM's: a pooling request has none
     assert grew["vllm:request_rejected_total{code=429}"] == 1
 
 
