@@ -470,7 +470,8 @@ class RequestOutput:
 # vLLM's pooling runner for decoder models (--runner pooling, as_embedding_model): a prompt is
 # prefilled, never sampled from; its pooler turns the final-norm hidden states into one vector.
 
-POOLING_TYPES = ("LAST", "MEAN")  # vLLM's SequencePoolingType has CLS too (an encoder's [CLS] token)
+POOLING_TYPES = ("CLS", "LAST", "MEAN")  # vLLM's SequencePoolingType (CLS, on a decoder: the first token's)
+TOKEN_POOLING_TYPES = ("ALL", "STEP")  # vLLM's TokenPoolingType: a vector per token (token_embed, token_classify)
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed")  # vLLM's classify, reward ... heads are not built here
 TASKS = ("auto", "generate", "embed", "embedding")  # older vLLM's --task: embed(ding) is the pooling runner
@@ -500,6 +501,10 @@ class PoolerConfig:
         config = cls(**given)
         if config.pooling_type is not None:
             config.pooling_type = str(config.pooling_type).upper()
+            if config.pooling_type in TOKEN_POOLING_TYPES:
+                raise ValueError(f"pooler_config: pooling_type {config.pooling_type} pools each token (vLLM's "
+                                 f"token_embed and token_classify tasks), which nanoserve does not serve; "
+                                 f"embeddings take one of {', '.join(POOLING_TYPES)}")
             if config.pooling_type not in POOLING_TYPES:
                 raise ValueError(f"pooler_config: pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
                                  f"{given['pooling_type']!r}")
@@ -511,9 +516,6 @@ class PoolerConfig:
         """The fields left None filled from the checkpoint's sentence-transformers files, then vLLM's defaults."""
         st = sentence_transformers_pooling(path) or {}
         pooling_type = self.pooling_type or st.get("pooling_type") or "LAST"
-        if pooling_type not in POOLING_TYPES:  # CLS: an encoder's [CLS] token
-            raise ValueError(f"{path}'s sentence-transformers pooling is {pooling_type}; nanoserve pools "
-                             f"{' or '.join(POOLING_TYPES)} (--pooler-config's pooling_type overrides it)")
         return PoolerConfig(pooling_type, next(v for v in (self.use_activation, st.get("use_activation"), True)
                                                if v is not None))
 
@@ -576,6 +578,7 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+    metrics: RequestMetrics | None = None  # the server's latency histograms (first_token_time: the vector's)
 
 
 @dataclass(slots=True)
@@ -790,7 +793,7 @@ class Request:
     lora_int_id: int | None = None    # the LoRA adapter it runs with (TokenizedPrompt's)
     serial: int = -1                  # unique for the engine's life, where a caller may reuse an id
     # The pooling runner's (embeddings): the request is its prompt's prefill and nothing more. MEAN
-    # pooling adds up the chunks' hidden-state sums in ``pooled`` (fp32, on the host).
+    # pooling adds up the chunks' hidden-state sums in ``pooled`` (fp32, on the host), CLS keeps its first row.
     pooling_params: PoolingParams | None = None
     pooled: torch.Tensor | None = None
 
@@ -865,7 +868,7 @@ class Request:
         ``start`` computes (its row at position p predicts token p + 1); None when
         none are asked for or all are known (a preempted request recomputing)."""
         if not self.skip_reading_prefix_cache or self.prompt_logprobs is None \
-                or len(self.prompt_logprobs) >= self.num_prompt_tokens:  # (MEAN pooling skips it too, asking none)
+                or len(self.prompt_logprobs) >= self.num_prompt_tokens:  # (MEAN, CLS pooling skip it too, asking none)
             return None
         n = self.num_prompt_tokens
         return self.prompt_token_ids[start + 1:min(start + num_new_tokens, n - 1) + 1] or None
@@ -2164,12 +2167,12 @@ class LLMEngine:
                                     "pooling` to use the model as a pooling model.")
 
     def process_pooling_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, params: PoolingParams,
-                               add_special_tokens: bool = True) -> TokenizedPrompt:
+                               add_special_tokens: bool = True, truncation_side: str = "left") -> TokenizedPrompt:
         """process_prompt for an embedding: no room for output, so truncate_prompt_tokens -1 keeps max_model_len."""
         if isinstance(prompt, torch.Tensor):
             raise InvalidInput("prompt", "the pooling runner takes text or token ids, not prompt_embeds")
         keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-        return self.process_prompt(prompt, keep, add_special_tokens, output_tokens=0)
+        return self.process_prompt(prompt, keep, add_special_tokens, truncation_side, output_tokens=0)
 
     def check_pooling_params(self, params: PoolingParams) -> PoolingParams:
         """``params`` against this model (vLLM's PoolingParams.verify), with the pooler config's defaults in."""
@@ -2205,13 +2208,14 @@ class LLMEngine:
                                priority: int = 0) -> str:
         """A prefill-only request: scheduled as any prompt (chunked, batched, prefix-cached), it ends in
         the step that computes its last token, with no token sampled. MEAN pooling needs every
-        position's hidden state, so it reads no cached prefix (as vLLM's skip_reading_prefix_cache)."""
+        position's hidden state and CLS the first's, so they read no cached prefix (as vLLM's
+        skip_reading_prefix_cache)."""
         self._check_lora_loaded(prompt)
         request_id = self._new_request_id(request_id)
         self.scheduler.add_request(Request(
             request_id, prompt.text, prompt.token_ids, SamplingParams(max_tokens=1), 0, self.eos_token_ids, None,
             cache_salt=self._salt(prompt) if self.config.enable_prefix_caching else None,
-            skip_reading_prefix_cache=self.pooler_config.pooling_type == "MEAN", priority=priority,
+            skip_reading_prefix_cache=self.pooler_config.pooling_type != "LAST", priority=priority,
             lora_int_id=prompt.lora_int_id, serial=next(self.serials), pooling_params=params))
         self.stats_counters["prompt_tokens"] += len(prompt.token_ids)
         return request_id
@@ -2632,9 +2636,12 @@ class LLMEngine:
 
     def _pooling_rows(self, s: ScheduledRequest) -> str | None:
         """What a pooling request's chunk hands back (SeqInput.pooling): MEAN adds up every chunk's rows,
-        LAST needs the last chunk's last row only."""
-        if self.pooler_config.pooling_type == "MEAN":
+        LAST needs the last chunk's last row only, CLS the first chunk's first row."""
+        kind = self.pooler_config.pooling_type
+        if kind == "MEAN":
             return "SUM"
+        if kind == "CLS":
+            return "FIRST" if s.start == 0 else None
         return "LAST" if s.will_sample else None
 
     def _fail_input(self, req: Request, error: Exception) -> None:
@@ -2657,7 +2664,7 @@ class LLMEngine:
         # This loop and what it calls run once per request per step: counters are added up once a step.
         for i, s in enumerate(sched.scheduled):
             if s.request.pooling_params is not None:
-                self._take_pooled(outputs, s, (pooled or {}).get(i))
+                self._take_pooled(outputs, s, (pooled or {}).get(i), now)
                 continue
             result = next(sampled) if s.will_sample else None
             try:
@@ -2693,24 +2700,30 @@ class LLMEngine:
         self.stats_counters["generation_tokens"] += num_generated
         return list(outputs.values())
 
-    def _take_pooled(self, outputs: dict[str, Any], s: ScheduledRequest, rows: torch.Tensor | None) -> None:
-        """A pooling request's chunk: MEAN's sums added up (from its first position again after a
-        preemption); its last chunk ends it with its embedding, its blocks freed (and left cached)."""
-        req = s.request
-        if req.status.is_finished or rows is None:  # aborted while the step ran; a LAST request's earlier chunk
+    def _take_pooled(self, outputs: dict[str, Any], s: ScheduledRequest, rows: torch.Tensor | None,
+                     now: float) -> None:
+        """A pooling request's chunk: MEAN's sums added up, CLS's first row kept (both from its first
+        position again after a preemption); its last chunk ends it with its embedding, its blocks freed
+        (and left cached)."""
+        req, kind = s.request, self.pooler_config.pooling_type
+        # aborted while the step ran; a LAST request's earlier chunk, a CLS request's later one (but its last)
+        if req.status.is_finished or rows is None and (kind != "CLS" or not s.will_sample):
             return
         try:
-            if self.pooler_config.pooling_type == "MEAN":
+            if kind == "MEAN":
                 req.pooled = rows if s.start == 0 else req.pooled + rows
+            elif kind == "CLS" and rows is not None:
+                req.pooled = rows
             if not s.will_sample:
                 return
-            data = req.pooled / req.num_prompt_tokens if self.pooler_config.pooling_type == "MEAN" else rows
+            data = req.pooled / req.num_prompt_tokens if kind == "MEAN" else req.pooled if kind == "CLS" else rows
             p = req.pooling_params
             data = finish_embedding(data, p.dimensions, p.use_activation)
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             self.stats_counters["num_finished"] += 1
-            outputs[req.request_id] = PoolingRequestOutput(req.request_id, PoolingOutput(data), req.prompt_token_ids,
-                                                           req.num_cached_tokens)
+            outputs[req.request_id] = PoolingRequestOutput(
+                req.request_id, PoolingOutput(data), req.prompt_token_ids, req.num_cached_tokens,
+                metrics=RequestMetrics(req.arrival_time, req.first_scheduled_time, now, now))
         except Exception as e:  # a bug met by this request's output: it alone ends
             self._fail_output(outputs, req, e)
 

@@ -84,8 +84,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoserve import __version__
 from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSON_DEPTH, MAX_LOGPROBS, AsyncLLM,
                               BeamSearchParams, CompletionOutput, CONTENT_FORMATS, EngineConfig, EngineDeadError,
-                              InvalidInput, LLMEngine, Logprob, LoRARequest, PoolingParams, REASONING_PARSERS,
-                              RepetitionDetectionParams, RequestFailedError, RequestMetrics, RequestOutput,
+                              InvalidInput, LLMEngine, Logprob, LoRARequest, PoolingParams, PoolingRequestOutput,
+                              REASONING_PARSERS, RepetitionDetectionParams, RequestFailedError, RequestMetrics,
+                              RequestOutput,
                               RequestOutputKind, SamplingParams, StructuredOutputsParams, TEXT_PARTS, THINK_TAGS,
                               TokenizedPrompt, VLLM_ENGINE_ARGS, apply_chat_template, chat_template_content_format,
                               engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
@@ -2576,6 +2577,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", create_embedding, methods=["POST"]),
+        Route("/pooling", create_pooling, methods=["POST"]),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", retrieve_response, methods=["POST"]),
@@ -2797,19 +2799,63 @@ def _tokenize(state: ServerState, req: TokenizeRequest, text: str | None) -> dic
 # serves no generation; each runner's server answers the other's endpoints with a 404, as vLLM mounts
 # only its own (here with why).
 
-GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/invocations")
+# /v1/messages/count_tokens too: vLLM mounts Anthropic's routes for generation only (/tokenize serves both)
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
 
 
-class EmbeddingRequest(OpenAIBaseModel):
+EMBED_DTYPES = {"float32": (torch.float32, "<f4"), "float16": (torch.float16, "<f2"),  # vLLM's embed_dtype:
+                "bfloat16": (torch.bfloat16, "<u2"), "fp8_e4m3": (torch.float8_e4m3fn, "u1"),  # the bytes of
+                "fp8_e5m2": (torch.float8_e5m2, "u1")}  # each, read as the numpy type of their width
+
+
+def _is_conversation(value: Any) -> bool:
+    """vLLM's test for chat messages given as ``input``: a non-empty list of objects with a string role."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
+
+
+class EmbeddingRequest(ChatTemplateFields):
+    """vLLM's /v1/embeddings body: ``input`` (prompts), or ``messages`` (one chat, or a list of chats)
+    that the chat template renders, as vLLM's EmbeddingChatRequest and EmbeddingBatchChatRequest;
+    chat messages given as ``input`` are taken as ``messages``, as vLLM's."""
     prompt_field: ClassVar[str] = "input"
+    # the response's: its id's prefix, and each vector's object and field
+    id_prefix: ClassVar[str] = "embd-"
+    vector_object: ClassVar[str] = "embedding"
+    vector_field: ClassVar[str] = "embedding"
     input: Any = None  # one of PROMPT_SHAPES
-    encoding_format: typing.Literal["float", "base64"] = "float"
+    add_generation_prompt: bool = False  # vLLM's pooling default: the chat is embedded as it is
+    add_special_tokens: bool | None = None  # left out: true for input, false for messages (the template adds them)
+    encoding_format: typing.Literal["float", "base64", "bytes", "bytes_only"] = "float"
+    embed_dtype: typing.Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
+    endianness: typing.Literal["native", "big", "little"] = "native"
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    add_special_tokens: bool = True
+    truncation_side: typing.Literal["left", "right"] = "left"  # left: keep the last tokens, right: the first
     use_activation: bool | None = None
     priority: int = 0
+    request_id: str | None = None  # X-Request-Id wins, as vLLM's
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_input_and_removed_fields(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if "normalize" in data:  # vLLM's words (reject_removed_pooling_parameters)
+            raise InvalidInput("normalize", "Parameter `normalize` was removed; use `use_activation` instead.")
+        for name, (harmless, why) in UNSUPPORTED_FIELDS.items():  # as GenerationRequest's
+            if name in data and not any(_coerces_to(data[name], v) for v in harmless):
+                raise InvalidInput(name, f"{name} is not supported: {why}")
+        if data.get("padding") not in (None, "do_not_pad"):  # vLLM's pooling field: max_length pads the prompt
+            raise InvalidInput("padding", f"padding is not supported: padding a prompt to max_length is not "
+                                          f"implemented (each is embedded as it is), got {show(data['padding'])}")
+        given = data.get("input")
+        if "messages" not in data and (_is_conversation(given) or isinstance(given, list) and given
+                                       and all(_is_conversation(c) for c in given)):
+            data = {**{k: v for k, v in data.items() if k != "input"}, "messages": given}
+        return data
 
     @field_validator("input")
     @classmethod
@@ -2823,56 +2869,145 @@ class EmbeddingRequest(OpenAIBaseModel):
             return list(p)
         raise ValueError(f"input must be {PROMPT_SHAPES} (and not empty), got {show(p)}")
 
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, v: str) -> str:
+        return GenerationRequest._request_id(v)  # one that can be logged and echoed in X-Request-Id
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, messages: Any) -> list[list[dict[str, Any]]]:
+        """One chat, or a non-empty list of chats (vLLM's batch): always a list of chats here."""
+        if isinstance(messages, list) and messages and all(isinstance(c, list) for c in messages):
+            return [ChatTemplateFields._messages(c) for c in messages]
+        return [ChatTemplateFields._messages(messages)]
+
+    @model_validator(mode="after")
+    def _input_or_messages(self) -> "EmbeddingRequest":
+        if self.input is not None and self.messages is not None:
+            raise InvalidInput("messages", "input or messages, not both: input's prompts, or messages' chats")
+        return self
+
     def param_name(self, engine_param: str) -> str:
-        return "input" if engine_param == "prompt" else super().param_name(engine_param)
+        if engine_param == "prompt":
+            return "messages" if self.messages is not None else "input"
+        return super().param_name(engine_param)
+
+    def num_prompts(self) -> int:
+        return len(self.input if self.messages is None else self.messages)
 
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(self.dimensions, self.use_activation, self.truncate_prompt_tokens)
 
 
-async def create_embedding(request: Request) -> Response:
-    """POST /v1/embeddings: one engine request per input, batched by the scheduler as any prompts."""
-    state, request_id = _state(request), _request_id(request)
+class PoolingRequest(EmbeddingRequest):
+    """vLLM's /pooling body: an embeddings body with the pooling ``task`` (an embedding model's: embed),
+    without ``dimensions``; the answer holds each vector as a "pooling" object's ``data``."""
+    id_prefix: ClassVar[str] = "pool-"
+    vector_object: ClassVar[str] = "pooling"
+    vector_field: ClassVar[str] = "data"
+    task: str | None = None
+
+    @model_validator(mode="after")
+    def _embed_task(self) -> "PoolingRequest":
+        if self.dimensions is not None:  # vLLM's words
+            raise InvalidInput("dimensions", "dimensions is currently not supported")
+        if self.task not in (None, "embed"):
+            raise InvalidInput("task", f"Unsupported task: {self.task!r} Supported tasks: ('embed',)")
+        return self
+
+
+async def create_pooling(request: Request) -> Response:
+    """POST /pooling (vLLM's): the embedding model's pooler output, as /v1/embeddings computes it."""
+    return await create_embedding(request, PoolingRequest)
+
+
+async def create_embedding(request: Request, schema: type[EmbeddingRequest] = EmbeddingRequest) -> Response:
+    """POST /v1/embeddings (and a pooling server's /invocations; /pooling with its schema): one engine
+    request per prompt or chat, batched by the scheduler as any prompts."""
+    state = _state(request)
     if state.engine.runner_type != "pooling":
-        raise ApiError(404, "this server generates text (--runner generate): /v1/embeddings needs an embedding "
-                            "model served with --runner pooling")
-    req = await read_json(request, state, functools.partial(parse_body, EmbeddingRequest, request_id=request_id))
-    if req.input is None:
-        raise bad_request(f"input is required: {PROMPT_SHAPES}", "input")
+        raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs an "
+                            f"embedding model served with --runner pooling")
+    req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
+    return await _embed(request, state, req)
+
+
+async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) -> Response:
+    """An EmbeddingRequest's engine requests, admitted as completions' are (--max-queue-len, before and
+    after tokenizing), each observed in /metrics as vLLM observes a pooling request."""
+    if req.request_id is not None and not request.scope["nanoserve.request_id_given"]:
+        request.scope["nanoserve.request_id"] = esc(req.request_id)
+    request_id = _request_id(request)
+    if req.input is None and req.messages is None:
+        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
     model = check_model(req, state)
-    if len(req.input) > MAX_ENGINE_REQUESTS:
-        raise bad_request(f"input holds {len(req.input)} prompts, more than the server takes in one request "
-                          f"({MAX_ENGINE_REQUESTS}); send them in several requests", "input")
-    engine, queue, ids = state.engine, asyncio.Queue(), []
+    lora = state.loras.get(req.model)
+    engine, queue, ids, prompts = state.engine, asyncio.Queue(), [], []
     try:
         with state.endable():
+            check_queue(state, req, 1)
             params = engine.check_pooling_params(req.pooling_params())
             engine.check_priority(req.priority)
-            prompts = await state.off_loop(lambda: [engine.process_pooling_prompt(
-                p, params, req.add_special_tokens) for p in req.input])
+            texts = await _render_chats(state, req)
+            prompts = await state.off_loop(_pooling_prompts, state, req, params, texts)
+            check_queue(state, req, 1)  # again: others may have queued meanwhile
         for i, prompt in enumerate(prompts):
+            prompt.lora_int_id = None if lora is None else lora.lora_int_id
             ids.append(request_id if len(prompts) == 1 else f"{request_id}-{i}")
             state.async_llm.add_request(prompt, params, ids[-1], queue, priority=req.priority)
-        vectors = await _embeddings_or_disconnect(request, queue, ids)
+        vectors = await _embeddings_or_disconnect(request, queue, ids, state.metrics)
     except InvalidInput as e:
         raise req.invalid(e) from None
     except (EngineDeadError, RequestFailedError) as e:
         raise _engine_error(e) from None
     finally:
         for engine_id in ids:  # those not finished: an error, or the client gone
+            if state.async_llm.queues.get(engine_id) is queue:
+                state.metrics.count_finished("abort")  # as a completion's aborted choices
             state.async_llm.abort(engine_id, queue)
     if vectors is None:
         return Response(status_code=499)  # nobody is listening
     num_tokens = sum(len(p.token_ids) for p in prompts)
-    return json_response({
-        "id": f"embd-{request_id}", "object": "list", "created": int(time.time()), "model": model,
-        "data": [{"index": i, "object": "embedding", "embedding": _encode_embedding(v, req.encoding_format)}
-                 for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens}})
+    head = {"id": f"{req.id_prefix}{request_id}", "object": "list", "created": int(time.time()), "model": model}
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    if req.encoding_format in ("bytes", "bytes_only"):
+        return _bytes_response(vectors, req, {**head, "usage": usage})
+    return json_response({**head, "data": [{"index": i, "object": req.vector_object,
+                                            req.vector_field: _encode_embedding(v, req)}
+                                           for i, v in enumerate(vectors)], "usage": usage})
 
 
-async def _embeddings_or_disconnect(request: Request, queue: asyncio.Queue, ids: list[str]
-                                    ) -> list[torch.Tensor] | None:
+async def _render_chats(state: ServerState, req: EmbeddingRequest) -> list[str | None] | None:
+    """Each chat's prompt where the request brings its own chat_template (rendered ahead, within its time
+    limit: ServerState.render_own_template), else None for the tokenizer thread to render; None for input."""
+    if req.messages is None:
+        return None
+    chats = [req.model_copy(update={"messages": chat}) for chat in req.messages]
+    return [await state.render_own_template(chat, functools.partial(render_chat, state, chat, None))
+            for chat in chats]
+
+
+def _pooling_prompts(state: ServerState, req: EmbeddingRequest, params: PoolingParams,
+                     texts: list[str | None] | None) -> list[TokenizedPrompt]:
+    """On the tokenizer thread: input's prompts, or messages' chats rendered by the chat template
+    (with no special tokens of the tokenizer's own unless asked, as vLLM's)."""
+    engine = state.engine
+    if req.messages is None:
+        special = True if req.add_special_tokens is None else req.add_special_tokens
+        prompts = [engine.process_pooling_prompt(p, params, special, req.truncation_side) for p in req.input]
+    else:
+        texts = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
+                 for chat, text in zip(req.messages, texts)]
+        prompts = [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens), req.truncation_side)
+                   for text in texts]
+    for p in prompts:
+        p.cache_salt = req.cache_salt
+    return prompts
+
+
+async def _embeddings_or_disconnect(request: Request, queue: asyncio.Queue, ids: list[str],
+                                    metrics: "ServerMetrics") -> list[torch.Tensor] | None:
     """Each engine request's vector, in order; None if the client left first."""
     found = {}
     async with watch_disconnect(request.receive, queue):
@@ -2883,24 +3018,51 @@ async def _embeddings_or_disconnect(request: Request, queue: asyncio.Queue, ids:
             if isinstance(out, Exception):
                 raise out
             found[out.request_id] = out.outputs.data
+            metrics.observe_pooled(out)
     return [found[i] for i in ids]
 
 
-def _encode_embedding(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
-    """vLLM's: a list of floats, or base64 of its float32 bytes, little-endian (the openai SDK's default)."""
-    if encoding_format == "base64":
-        return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode()
+def _embedding_bytes(vector: torch.Tensor, req: EmbeddingRequest) -> bytes:
+    """vLLM's tensor2binary: the vector as ``embed_dtype``'s bytes, in ``endianness``'s order (native:
+    this machine's, as vLLM's)."""
+    dtype, view = EMBED_DTYPES[req.embed_dtype]
+    array = vector.to(dtype).view(torch.uint8).numpy().view(view)
+    if req.endianness == "big" or req.endianness == "native" and sys.byteorder == "big":
+        array = array.byteswap()
+    return array.tobytes()
+
+
+def _encode_embedding(vector: torch.Tensor, req: EmbeddingRequest) -> list[float] | str:
+    """vLLM's: a list of floats (embed_dtype does not apply), or base64 of embed_dtype's bytes (float32,
+    little-endian on this machine: what the openai SDK asks for and decodes)."""
+    if req.encoding_format == "base64":
+        return base64.b64encode(_embedding_bytes(vector, req)).decode()
     return vector.tolist()
 
 
+def _bytes_response(vectors: list[torch.Tensor], req: EmbeddingRequest, head: dict[str, Any]) -> Response:
+    """vLLM's encoding_format bytes: the vectors' bytes one after another (application/octet-stream),
+    and where each lies in a `metadata` header (bytes_only: none)."""
+    chunks = [_embedding_bytes(v, req) for v in vectors]
+    offsets = list(itertools.accumulate(map(len, chunks), initial=0))
+    data = [{"index": i, "embed_dtype": req.embed_dtype, "endianness": req.endianness, "start": offsets[i],
+             "end": offsets[i + 1], "shape": list(v.shape)} for i, v in enumerate(vectors)]
+    metadata = {"id": head["id"], "created": head["created"], "model": head["model"], "data": data,
+                "usage": head["usage"]}
+    headers = None if req.encoding_format == "bytes_only" else {"metadata": dumps(metadata)}
+    return Response(b"".join(chunks), 200, headers, media_type="application/octet-stream")
+
+
 def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:
-    """Each runner's server answers the other's endpoints with a 404 that says why."""
+    """Each runner's server answers the other's endpoints with a 404 that says why; a pooling server's
+    /invocations (SageMaker's) takes an embeddings body, as vLLM's."""
     async def not_generating(request: Request) -> Response:
         raise ApiError(404, f"this server makes embeddings (--runner pooling): {esc(request.url.path)} needs a "
                             f"generative model (--runner generate); /v1/embeddings is served")
     if runner != "pooling":
         return routes
-    return [Route(r.path, not_generating, methods=r.methods) if r.path.startswith(GENERATION_PATHS) else r
+    return [Route(r.path, not_generating, methods=r.methods) if r.path.startswith(GENERATION_PATHS)
+            else Route(r.path, create_embedding, methods=r.methods) if r.path == "/invocations" else r
             for r in routes]
 
 
@@ -3400,7 +3562,7 @@ class Generation:
             if m is not None:
                 metrics.e2e_latency.observe(time.monotonic() - m.arrival_time)
                 metrics.observe_finished(m, len(self.prompts[t.index].token_ids), list(t.num_output_tokens.values()),
-                                         self.params)
+                                         self.params.n, self.params.max_tokens)
 
     def close(self, why: str = "") -> None:
         """Abort what has not finished (a disconnect, an error, a shutdown)."""
@@ -4919,13 +5081,14 @@ class ServerMetrics:
         self._rejected = Counter("nanoserve:request_rejected", "Requests answered with an error status "
                                  "(429: the queue was full)", ["model_name", "code"], registry=self.registry)
 
-    def observe_finished(self, m: RequestMetrics, num_prompt: int, num_output: list[int], params: SamplingParams):
+    def observe_finished(self, m: RequestMetrics, num_prompt: int, num_output: list[int], n: int = 1,
+                         max_tokens: int | None = None):
         """vLLM's per-request series, at the end of an engine request (``num_output``: each of its n completions')."""
         self.prompt_tokens.observe(num_prompt)
         self.generation_tokens.observe(sum(num_output))
-        self.params_n.observe(params.n)
-        if params.max_tokens is not None:
-            self.params_max_tokens.observe(params.max_tokens)
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
         if m.first_scheduled_time is None or m.first_token_time is None:
             return
         self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
@@ -4933,6 +5096,21 @@ class ServerMetrics:
         self.inference_time.observe(m.last_token_time - m.first_scheduled_time)
         if max(num_output, default=0) > 1:  # the longest completion's gaps
             self.time_per_output_token.observe((m.last_token_time - m.first_token_time) / (max(num_output) - 1))
+
+    def observe_pooled(self, out: PoolingRequestOutput) -> None:
+        """A pooling request's end, as vLLM observes one: its vector is its first (and only) output, so
+        time to first token, queue, prefill and e2e latency, its prompt tokens and no output tokens, a
+        time per output token of 0 (vLLM's for fewer than two), and a success with finished_reason stop."""
+        m = out.metrics
+        self.count_finished("stop")
+        if m is None:
+            return
+        self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+        if m.first_scheduled_time is not None:
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        self.e2e_latency.observe(time.monotonic() - m.arrival_time)
+        self.observe_finished(m, len(out.prompt_token_ids), [0])
+        self.time_per_output_token.observe(0.0)
 
     def count_finished(self, reason: str, n: int = 1) -> None:
         if n > 0:

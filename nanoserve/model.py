@@ -3374,7 +3374,8 @@ class SeqInput:
     # speculative decoding: the draft tokens that end token_ids, each position's logits sampled
     draft_token_ids: list[int] | None = None
     # the pooling runner (embeddings): what of this chunk's final hidden states comes back,
-    # "LAST" its last row, "SUM" the sum of its rows (MEAN pooling, added up chunk by chunk); None: nothing
+    # "LAST" its last row, "FIRST" its first (CLS pooling's, in a prompt's first chunk), "SUM" the sum of
+    # its rows (MEAN pooling, added up chunk by chunk); None: nothing
     pooling: str | None = None
 
 
@@ -3412,13 +3413,16 @@ class AsyncModelRunnerOutput:
 
 def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
     """The pooling sequences' share of a step's final-norm hidden states (vLLM's pooler, before its
-    head), in fp32 on the host: a chunk's last row, or the sum of its rows. The rows are the
-    sequences' tokens in order (a padded decode has one per sequence, its one token)."""
+    head), in fp32 on the host: a chunk's last row, its first, or the sum of its rows. The rows are the
+    sequences' tokens in order (a padded decode has one per sequence, its one token); CLS's first row
+    is its prompt's first token's (a pooling sequence never decodes)."""
     out, start = {}, 0
     for i, s in enumerate(seqs):
         end = start + len(s.token_ids)
         if s.pooling == "LAST":
             out[i] = hidden[end - 1].float()
+        elif s.pooling == "FIRST":
+            out[i] = hidden[start].float()
         elif s.pooling == "SUM":
             out[i] = hidden[start:end].float().sum(0)
         start = end
