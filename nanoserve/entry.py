@@ -108,6 +108,7 @@ LARGE_BODY_BYTES = 2**20             # a larger body is decoded off the event lo
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0     # a constraint must compile within this (else 400), as vLLM bounds a regex's
 CHAT_TEMPLATE_TIMEOUT_S = 10.0       # a request's own chat_template must render within this (else 400)
 MAX_OVERDUE_COMPILES = 2             # compiles past it, left to finish; more: 503 until they end
+MAX_TEMPLATE_RENDERS = 4             # requests' own chat templates rendering or waiting their turn; more: 503
 # how a lone surrogate gets into JSON text, and how Python's json takes numbers JSON has not (NaN, Infinity, 1e999,
 # and 200 digits or more: with an exponent under 100, no shorter number is past a double's range; looked for from
 # a run's first digit only, else each digit of a long run starts a new try)
@@ -2334,6 +2335,7 @@ class ServerState:
     compiles: "OwnThreads" = field(default_factory=lambda: OwnThreads("nanoserve-grammar", "compiling", "grammars"))
     # where a request's own chat template renders (--trust-request-chat-template): see render_own_template
     template_worker: ChatTemplateWorker | None = None
+    template_renders: int = 0  # its renders in flight: one renders, the others wait their turn
     chat_template: str | None = None                     # --chat-template
     chat_template_content_format: str = "auto"           # --chat-template-content-format
     trust_request_chat_template: bool = False
@@ -2394,15 +2396,23 @@ class ServerState:
         if worker is None or worker.error:
             raise InvalidInput("chat_template", f"this server cannot run a request's chat_template: "
                                                 f"{worker.error if worker else 'it has no template worker'}")
+        if self.template_renders >= MAX_TEMPLATE_RENDERS:  # one worker, one render at a time: 10 s each at worst
+            raise ApiError(503, f"the server is rendering {self.template_renders} requests' own chat templates, "
+                                f"one at a time: retry later")
         left = threading.Event()
         tokenizer = WorkerTokenizer(self.engine.tokenizer, worker, CHAT_TEMPLATE_TIMEOUT_S, left)
+        self.template_renders += 1
         future = on_daemon_thread("nanoserve-template", render, tokenizer)
+        future.add_done_callback(self._template_render_done)  # its thread's end, not its client's
         try:
             return await asyncio.shield(future)  # InvalidInput where it does not render
         except asyncio.CancelledError:  # its client left (or the drain ended it): the worker stops rendering it
             worker.abandon(left)
             future.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: never "not retrieved"
             raise
+
+    def _template_render_done(self, _: asyncio.Future) -> None:
+        self.template_renders -= 1
 
     def end_all(self, why: str) -> None:
         """The drain timeout: what is still in flight ends now, each stream with

@@ -102,6 +102,30 @@ def test_a_client_that_leaves_mid_render_leaves_no_worker_stuck(server, monkeypa
     assert _worker_pid(server) != pid
 
 
+def test_renders_past_the_queue_limit_are_a_503(server):
+    """One worker renders one template at a time; with MAX_TEMPLATE_RENDERS rendering or waiting their turn,
+    the next request template is a 503 at once, not a wait of 10 s per template ahead of it."""
+    worker, state = server.app.state.server.template_worker, server.app.state.server
+    _worker_pid(server)
+    body = {"messages": USER, "chat_template": "{{ 'queued' }}", "return_token_strs": True}
+    results: list[httpx.Response] = []
+    with worker.turn:  # the worker is busy: every render waits for its turn
+        senders = [threading.Thread(target=lambda: results.append(_post(server, body, "/tokenize")))
+                   for _ in range(entry.MAX_TEMPLATE_RENDERS)]
+        for t in senders:
+            t.start()
+        deadline = time.monotonic() + 60
+        while state.template_renders < entry.MAX_TEMPLATE_RENDERS:
+            assert time.monotonic() < deadline, state.template_renders
+            time.sleep(0.01)
+        err = _check_error(_post(server, body, "/tokenize"), 503, None)
+        assert "one at a time: retry later" in err["message"], err
+    for t in senders:
+        t.join(60)
+    assert [r.status_code for r in results] == [200] * entry.MAX_TEMPLATE_RENDERS, [r.text for r in results]
+    assert state.template_renders == 0
+
+
 def test_a_render_ended_by_shutdown_is_killed_at_once(tiny_model, monkeypatch):
     """The drain ends a request still rendering (a cancellation, as any other end of its handler): its render
     is killed then, not at the limit, and the worker ends with the server."""
