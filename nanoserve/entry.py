@@ -2970,9 +2970,10 @@ async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) ->
         return Response(status_code=499)  # nobody is listening
     num_tokens = sum(len(p.token_ids) for p in prompts)
     head = {"id": f"{req.id_prefix}{request_id}", "object": "list", "created": int(time.time()), "model": model}
-    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}  # the bytes header's, as vLLM's
     if req.encoding_format in ("bytes", "bytes_only"):
         return _bytes_response(vectors, req, {**head, "usage": usage})
+    usage = with_nulls({**usage, "completion_tokens": 0}, Generation.USAGE_NULLS)  # vLLM's UsageInfo, whole
     return json_response({**head, "data": [{"index": i, "object": req.vector_object,
                                             req.vector_field: _encode_embedding(v, req)}
                                            for i, v in enumerate(vectors)], "usage": usage})

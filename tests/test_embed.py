@@ -188,7 +188,8 @@ def test_embeddings_endpoint_shapes(pooling_server, tiny_model):
     assert body["object"] == "list" and body["id"].startswith("embd-") and isinstance(body["created"], int)
     assert body["model"] == str(tiny_model)
     n = sum(len(tokenizer.encode(t)) for t in texts)
-    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,  # vLLM's UsageInfo
+                             "prompt_tokens_details": None, "completion_tokens_details": None}
     assert [(d["object"], d["index"]) for d in body["data"]] == [("embedding", 0), ("embedding", 1), ("embedding", 2)]
     for d, w in zip(body["data"], want):
         torch.testing.assert_close(torch.tensor(d["embedding"]), w, atol=2e-5, rtol=1e-4)
