@@ -557,8 +557,6 @@ class PoolingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
-        if self.dimensions is not None and self.dimensions < 1:
-            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1, got {self.truncate_prompt_tokens}")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
@@ -2191,6 +2189,11 @@ class LLMEngine:
             if mc.matryoshka_dimensions is not None and d not in mc.matryoshka_dimensions:
                 raise InvalidInput("dimensions", f"This model only supports Matryoshka dimensions "
                                                  f"{list(mc.matryoshka_dimensions)}, got {d}.")
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:  # vLLM's TokenizeParams' words (no room for output)
+            raise InvalidInput("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} cannot be greater than "
+                                                         f"max_model_len = {self.max_model_len}. Please request a "
+                                                         f"smaller truncation size.")
         if params.use_activation is None:
             params = dataclasses.replace(params, use_activation=self.pooler_config.use_activation)
         return params

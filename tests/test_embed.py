@@ -215,6 +215,8 @@ def test_embeddings_endpoint_shapes(pooling_server, tiny_model):
     ({"input": "hi", "embed_dtype": "int8"}, 400, "embed_dtype"),
     ({"input": "hi", "normalize": True}, 400, "`normalize` was removed; use `use_activation`"),
     ({"input": "hi", "padding": "max_length"}, 400, "padding is not supported"),
+    ({"input": "hi", "dimensions": 0}, 400, "does not support Matryoshka"),  # the model's check, as vLLM's
+    ({"input": "hi", "truncate_prompt_tokens": 257}, 400, "cannot be greater than max_model_len = 256"),
     ({"input": "hi", "mm_processor_kwargs": {"a": 1}}, 400, "multimodal inputs are not supported"),
     ({"input": "hi", "request_id": "a\nb"}, 400, "request_id must be 1 to 1024 printable characters"),
     ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "input or messages, not both"),
