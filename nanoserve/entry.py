@@ -2832,7 +2832,9 @@ class EmbeddingRequest(ChatTemplateFields):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    truncation_side: typing.Literal["left", "right"] = "left"  # left: keep the last tokens, right: the first
+    padding: typing.Literal["max_length", "do_not_pad"] | None = None  # max_length: pad to max_model_len
+    truncation_side: typing.Literal["left", "right"] | None = None  # left: keep the last tokens, right: the
+    # first; None: the tokenizer's (vLLM's), right for most
     use_activation: bool | None = None
     priority: int = 0
     request_id: str | None = None  # X-Request-Id wins, as vLLM's
@@ -2848,9 +2850,6 @@ class EmbeddingRequest(ChatTemplateFields):
         for name, (harmless, why) in UNSUPPORTED_FIELDS.items():  # as GenerationRequest's
             if name in data and not any(_coerces_to(data[name], v) for v in harmless):
                 raise InvalidInput(name, f"{name} is not supported: {why}")
-        if data.get("padding") not in (None, "do_not_pad"):  # vLLM's pooling field: max_length pads the prompt
-            raise InvalidInput("padding", f"padding is not supported: padding a prompt to max_length is not "
-                                          f"implemented (each is embedded as it is), got {show(data['padding'])}")
         given = data.get("input")
         if "messages" not in data and (_is_conversation(given) or isinstance(given, list) and given
                                        and all(_is_conversation(c) for c in given)):
@@ -2996,12 +2995,13 @@ def _pooling_prompts(state: ServerState, req: EmbeddingRequest, params: PoolingP
     engine = state.engine
     if req.messages is None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
-        prompts = [engine.process_pooling_prompt(p, params, special, req.truncation_side) for p in req.input]
+        prompts = [engine.process_pooling_prompt(p, params, special, req.truncation_side, req.padding)
+                   for p in req.input]
     else:
         texts = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
                  for chat, text in zip(req.messages, texts)]
-        prompts = [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens), req.truncation_side)
-                   for text in texts]
+        prompts = [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens), req.truncation_side,
+                                                 req.padding) for text in texts]
     for p in prompts:
         p.cache_salt = req.cache_salt
     return prompts
