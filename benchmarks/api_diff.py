@@ -12,6 +12,12 @@ value except ids, timestamps and, where a request samples (temperature > 0), its
 the sequence of chunk kinds (role, content, finish, usage ...; runs of one kind folded), the text the deltas add
 up to, each kind's chunk shape, and the closing ``[DONE]``.
 
+``--battery pooling`` sends the embeddings battery instead, to two servers run with ``--runner pooling`` (vLLM:
+``--runner pooling --dtype float32``): vectors (floats, base64 or bytes, decoded by ``embed_dtype`` and
+``endianness``) are compared value by value within VECTOR_TOL of the vector's scale, plus one rounding step of a
+narrower ``embed_dtype``; the too-long and truncation cases assume ``--max-model-len`` and the dimensions cases a
+hidden size of 128 (benchmarks/RESULTS.md has the models used).
+
 Only the standard library and httpx; the servers are not started here (benchmarks/PEERS.md says how).
 """
 
@@ -39,6 +45,7 @@ FLOAT_TOL = 2e-3
 # an embedding sent as embed_dtype's bytes: each value may round one of its steps either way (relative)
 DTYPE_STEP = {"float32": 0.0, "float16": 2 ** -10, "bfloat16": 2 ** -7, "fp8_e4m3": 2 ** -3, "fp8_e5m2": 2 ** -2}
 VECTOR_MIN_LEN = 16   # a list of at least this many floats is a vector: one row for its worst value, not one each
+VECTOR_TOL = 1e-4     # fp32 vectors of the same model: 2.5e-6 apart at most when measured (RESULTS.md)
 
 
 @dataclass
@@ -333,6 +340,48 @@ def pooling_battery(model: str, max_len: int) -> list[Case]:
     ])
 
 
+def make_pooling_models(root: str) -> None:
+    """The pooling battery's models under root: a tiny random Qwen3 (hidden 128, head_dim 32: vLLM's CPU
+    attention has no kernel for 16) with the demo model's tokenizer and chat template (qwen3-pool: LAST, the
+    decoder default), and sentence-transformers copies (modules.json, 1_Pooling, Normalize) pooling MEAN (also
+    Matryoshka: matryoshka_dimensions [32, 64, 128]) and CLS. Needs torch and transformers (nanoserve's venv)."""
+    import pathlib
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    out, demo = pathlib.Path(root), pathlib.Path(__file__).resolve().parent.parent / "nanoserve" / "demo_model"
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # sharper than the default init: vectors that differ from prompt to prompt
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    base = out / "qwen3-pool"
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(demo).save_pretrained(base)
+    shutil.copy(demo / "chat_template.jinja", base / "chat_template.jinja")
+    for pooling in ("mean", "cls"):
+        d = out / f"qwen3-pool-st-{pooling}"
+        shutil.copytree(base, d, dirs_exist_ok=True)
+        (d / "1_Pooling").mkdir(exist_ok=True)
+        (d / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+        (d / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 128, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+            "pooling_mode_lasttoken": False}))
+        if pooling == "mean":
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [32, 64, 128]}, indent=2))
+    print(f"api_diff: wrote {base} and its -st-mean and -st-cls copies")
+
+
 def _param_names_field(row: tuple) -> bool:
     case, where, what, a, b = row
     return where.endswith(".error.param") and (what == "type" or (isinstance(b, str) and b.startswith("body.")) or
@@ -509,14 +558,14 @@ def is_vector(value: Any) -> bool:
 
 
 def compare_vectors(a: list[float], b: list[float], path: str, step: float, out: list) -> None:
-    """Two embeddings: their lengths, and the value furthest past its tolerance if any is: FLOAT_TOL of
+    """Two embeddings: their lengths, and the value furthest past its tolerance if any is: VECTOR_TOL of
     the vector's largest magnitude (at least 1), plus a rounding step of the value's own where it came
     as a narrower dtype's bytes."""
     if len(a) != len(b):
         out.append((path, "len", len(a), len(b)))
         return
     scale = max(1.0, *map(abs, a), *map(abs, b))
-    excess, i = max((abs(x - y) - FLOAT_TOL * scale - step * max(abs(x), abs(y)), i)
+    excess, i = max((abs(x - y) - VECTOR_TOL * scale - step * max(abs(x), abs(y)), i)
                     for i, (x, y) in enumerate(zip(a, b)))
     if excess > 0:
         out.append((f"{path}[{i}]", "vector", a[i], b[i]))
@@ -606,8 +655,9 @@ def short(value: Any, width: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("a", help="base URL of the first server (nanoserve)")
-    p.add_argument("b", help="base URL of the second server (vLLM)")
+    p.add_argument("a", nargs="?", help="base URL of the first server (nanoserve)")
+    p.add_argument("b", nargs="?", help="base URL of the second server (vLLM)")
+    p.add_argument("--make-pooling-models", metavar="DIR", help="write the pooling battery's models there, and exit")
     p.add_argument("--model", default="demo", help="the served model name both use")
     p.add_argument("--battery", choices=["generate", "pooling"], default="generate",
                    help="pooling: the embeddings battery, for two servers run with --runner pooling")
@@ -619,6 +669,11 @@ def main() -> int:
     p.add_argument("--width", type=int, default=70)
     p.add_argument("--wait", type=float, default=120, help="seconds to wait for each server's /health")
     args = p.parse_args()
+    if args.make_pooling_models:
+        make_pooling_models(args.make_pooling_models)
+        return 0
+    if not (args.a and args.b):
+        p.error("two base URLs are needed: nanoserve's, then vLLM's")
     la, lb = args.labels.split(",")
     make = pooling_battery if args.battery == "pooling" else battery
     cases = [c for c in make(args.model, args.max_model_len) if c.name.startswith(args.only)]
