@@ -12,14 +12,22 @@ value except ids, timestamps and, where a request samples (temperature > 0), its
 the sequence of chunk kinds (role, content, finish, usage ...; runs of one kind folded), the text the deltas add
 up to, each kind's chunk shape, and the closing ``[DONE]``.
 
+``--battery pooling`` sends the embeddings battery instead, to two servers run with ``--runner pooling`` (vLLM:
+``--runner pooling --dtype float32``): vectors (floats, base64 or bytes, decoded by ``embed_dtype`` and
+``endianness``) are compared value by value within VECTOR_TOL of the vector's scale, plus one rounding step of a
+narrower ``embed_dtype``; the too-long and truncation cases assume ``--max-model-len`` and the dimensions cases a
+hidden size of 128 (benchmarks/RESULTS.md has the models used).
+
 Only the standard library and httpx; the servers are not started here (benchmarks/PEERS.md says how).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import collections
 import json
+import struct
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,6 +42,10 @@ SAMPLED_VALUES = {"text", "content", "logprobs", "top_logprobs", "token", "bytes
                   "token_logprobs", "text_offset", "completion_tokens", "total_tokens", "finish_reason",
                   "stop_reason", "output_text", "reasoning_content", "delta", "arguments", "tool_calls"}
 FLOAT_TOL = 2e-3
+# an embedding sent as embed_dtype's bytes: each value may round one of its steps either way (relative)
+DTYPE_STEP = {"float32": 0.0, "float16": 2 ** -10, "bfloat16": 2 ** -7, "fp8_e4m3": 2 ** -3, "fp8_e5m2": 2 ** -2}
+VECTOR_MIN_LEN = 16   # a list of at least this many floats is a vector: one row for its worst value, not one each
+VECTOR_TOL = 1e-4     # fp32 vectors of the same model: 2.5e-6 apart at most when measured (RESULTS.md)
 
 
 @dataclass
@@ -53,6 +65,14 @@ class Case:
         if not isinstance(self.body, dict) or not self.path.startswith("/v1/"):
             return False
         return self.body.get("temperature", 1) is None or self.body.get("temperature", 1) > 0
+
+    @property
+    def step(self) -> float:
+        """embed_dtype's rounding step (relative) where its vectors come as that dtype's bytes: two servers'
+        fp32 values a hair apart may round to neighbouring values."""
+        body = self.body if isinstance(self.body, dict) else {}
+        binary = body.get("encoding_format") in ("base64", "bytes", "bytes_only")
+        return DTYPE_STEP.get(body.get("embed_dtype", "float32"), 0.0) if binary else 0.0
 
 
 @dataclass
@@ -212,10 +232,154 @@ def battery(model: str, max_len: int) -> list[Case]:
         Case("detok.str", "/detokenize", {"model": model, "tokens": "abc"}),
         Case("detok.none", "/detokenize", {"model": model}),
     ]
+    return _drop_nulls(cases)
+
+
+def _drop_nulls(cases: list[Case]) -> list[Case]:
     for case in cases:  # an explicit null stands for "leave it out" only where a case says so
         if isinstance(case.body, dict):
             case.body = {k: v for k, v in case.body.items() if v is not None or k == "max_tokens"}
     return cases
+
+
+def pooling_battery(model: str, max_len: int) -> list[Case]:
+    """The pooling runner's endpoints (a server started with --runner pooling): /v1/embeddings in each input
+    shape and encoding, /pooling, /tokenize, /detokenize, /v1/models, and the generation routes it refuses."""
+    E, P = "/v1/embeddings", "/pooling"
+    long_prompt = " ".join(map(str, range(max_len)))  # over max_len tokens, none repeating: which end is kept shows
+    e = {"model": model, "input": "import os\n"}
+    msgs = [{"role": "user", "content": "def f"}]
+
+    def emb(name: str, **kw) -> Case:
+        return Case("emb." + name, E, {**e, **kw})
+
+    def pool(name: str, **kw) -> Case:
+        return Case("pool." + name, P, {**e, **kw})
+
+    return _drop_nulls([
+        Case("models", "/v1/models", method="GET"),
+        Case("health", "/health", method="GET"),
+        Case("emb.get", E, method="GET"),
+        Case("emb.not_json", E, b"{not json"), Case("emb.body_list", E, [1, 2]), Case("emb.empty_body", E, {}),
+        emb("str"), emb("list_str", input=["import os\n", "def f"]), emb("ids", input=[100, 200, 300]),
+        emb("ids_list", input=[[100, 200], [300]]), emb("float", encoding_format="float"),
+        emb("base64", encoding_format="base64"), emb("base64_list", input=["a", "b c"], encoding_format="base64"),
+        emb("format_bad", encoding_format="hex"),
+        emb("no_model", model=None), emb("wrong_model", model="nope"), emb("no_input", input=None),
+        emb("empty_str", input=""), emb("empty_list", input=[]), emb("empty_ids", input=[[]]),
+        emb("list_empty_str", input=["a", ""]), emb("int", input=5), emb("float_list", input=[1.5, 2.5]),
+        emb("mixed", input=["a", 5]), emb("dict", input={"text": "a"}), emb("bool_list", input=[True]),
+        emb("ids_oov", input=[999999]), emb("ids_neg", input=[-1]), emb("unknown_field", foo=1),
+        emb("long", input=long_prompt), emb("long_ids", input=[5] * (max_len + 1)),
+        emb("exact_len_ids", input=[5] * max_len),
+        emb("trunc", input=long_prompt, truncate_prompt_tokens=20),
+        emb("trunc_right", input=long_prompt, truncate_prompt_tokens=20, truncation_side="right"),
+        emb("trunc_side_bad", truncation_side="middle"),
+        emb("trunc_neg1", input=long_prompt, truncate_prompt_tokens=-1),
+        emb("trunc_big", truncate_prompt_tokens=max_len + 1), emb("trunc_neg2", truncate_prompt_tokens=-2),
+        emb("trunc_zero", truncate_prompt_tokens=0), emb("trunc_str", truncate_prompt_tokens="5"),
+        emb("dims", dimensions=32), emb("dims_full", dimensions=128), emb("dims_big", dimensions=129),
+        emb("dims_odd", dimensions=7), emb("dims_zero", dimensions=0), emb("dims_neg", dimensions=-1),
+        emb("dims_str", dimensions="32"), emb("dims_base64", dimensions=32, encoding_format="base64"),
+        emb("use_activation_false", use_activation=False), emb("use_activation_true", use_activation=True),
+        emb("use_activation_str", use_activation="x"),
+        emb("normalize", normalize=True), emb("normalize_false", normalize=False),
+        emb("user", user="u1"), emb("user_int", user=5), emb("request_id", request_id="my-req-1"),
+        emb("request_id_int", request_id=5), emb("priority", priority=1), emb("priority_str", priority="high"),
+        emb("cache_salt", cache_salt="s"), emb("cache_salt_empty", cache_salt=""),
+        emb("add_special_false", add_special_tokens=False),
+        emb("padding", padding="max_length"), emb("padding_none", padding="do_not_pad"),
+        emb("padding_trunc", input=long_prompt, padding="max_length", truncate_prompt_tokens=5),
+        emb("padding_bad", padding="longest"),
+        emb("mm_kwargs", mm_processor_kwargs={"a": 1}),
+        emb("f16", encoding_format="base64", embed_dtype="float16"),
+        emb("bf16", encoding_format="base64", embed_dtype="bfloat16"),
+        emb("fp8_e4m3", encoding_format="base64", embed_dtype="fp8_e4m3"),
+        emb("fp8_e5m2", encoding_format="base64", embed_dtype="fp8_e5m2"),
+        emb("f32_big", encoding_format="base64", endianness="big"),
+        emb("f16_little", encoding_format="base64", embed_dtype="float16", endianness="little"),
+        emb("dtype_float_format", embed_dtype="float16"),
+        emb("dtype_bad", encoding_format="base64", embed_dtype="int8"),
+        emb("endian_bad", encoding_format="base64", endianness="middle"),
+        emb("bytes", input=["a", "b c"], encoding_format="bytes"),
+        emb("bytes_only", input=["a", "b c"], encoding_format="bytes_only"),
+        emb("bytes_bf16_big", encoding_format="bytes", embed_dtype="bfloat16", endianness="big"),
+        emb("messages", input=None, messages=msgs),
+        emb("messages_batch", input=None, messages=[msgs, [{"role": "user", "content": "x"}]]),
+        emb("messages_gen", input=None, messages=msgs, add_generation_prompt=True),
+        emb("messages_continue", input=None, messages=msgs + [{"role": "assistant", "content": "def f"}],
+            continue_final_message=True),
+        emb("messages_special", input=None, messages=msgs, add_special_tokens=True),
+        emb("messages_parts", input=None, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}]),
+        emb("messages_kwargs", input=None, messages=msgs, chat_template_kwargs={"x": 1}),
+        emb("messages_in_input", input=msgs), emb("messages_batch_in_input", input=[msgs, msgs]),
+        emb("messages_and_input", messages=msgs), emb("messages_empty", input=None, messages=[]),
+        emb("messages_str", input=None, messages="hi"), emb("messages_bad_role", input=None,
+                                                          messages=[{"role": "robot", "content": "a"}]),
+        emb("messages_empty_chat", input=None, messages=[msgs, []]),
+        emb("messages_long", input=None, messages=[{"role": "user", "content": long_prompt}]),
+        emb("messages_trunc", input=None, messages=[{"role": "user", "content": long_prompt}],
+            truncate_prompt_tokens=10),
+        emb("messages_dims", input=None, messages=msgs, dimensions=32),
+        Case("invocations", "/invocations", e),
+        pool("unset"), pool("embed", task="embed"), pool("list", input=["a", "b c"], task="embed"),
+        pool("token_embed", task="token_embed"), pool("classify", task="classify"), pool("other", task="x"),
+        pool("encode", task="encode"), pool("dims", dimensions=32), pool("base64", encoding_format="base64"),
+        pool("bytes", encoding_format="bytes"), pool("messages", input=None, messages=msgs),
+        pool("empty", input=""), pool("unknown_field", foo=1), pool("use_activation_false", use_activation=False),
+        Case("tok.prompt", "/tokenize", {"model": model, "prompt": "import os\n"}),
+        Case("tok.messages", "/tokenize", {"model": model, "messages": msgs}),
+        Case("tok.int", "/tokenize", {"model": model, "prompt": 5}),
+        Case("detok.basic", "/detokenize", {"model": model, "tokens": [100, 200, 300]}),
+        Case("detok.str", "/detokenize", {"model": model, "tokens": "abc"}),
+        Case("gen.completions", "/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2}),
+        Case("gen.chat", "/v1/chat/completions", {"model": model, "messages": msgs, "max_tokens": 2}),
+        Case("gen.messages", "/v1/messages", {"model": model, "messages": msgs, "max_tokens": 2}),
+        Case("gen.count_tokens", "/v1/messages/count_tokens", {"model": model, "messages": msgs}),
+        Case("gen.responses", "/v1/responses", {"model": model, "input": "a", "max_output_tokens": 2}),
+    ])
+
+
+def make_pooling_models(root: str) -> None:
+    """The pooling battery's models under root: a tiny random Qwen3 (hidden 128, head_dim 32: vLLM's CPU
+    attention has no kernel for 16) with the demo model's tokenizer and chat template (qwen3-pool: LAST, the
+    decoder default), and sentence-transformers copies (modules.json, 1_Pooling, Normalize) pooling MEAN (also
+    Matryoshka: matryoshka_dimensions [32, 64, 128]) and CLS. Needs torch and transformers (nanoserve's venv)."""
+    import pathlib
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config
+    out, demo = pathlib.Path(root), pathlib.Path(__file__).resolve().parent.parent / "nanoserve" / "demo_model"
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # sharper than the default init: vectors that differ from prompt to prompt
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.08)
+    base = out / "qwen3-pool"
+    model.save_pretrained(base)
+    AutoTokenizer.from_pretrained(demo).save_pretrained(base)
+    shutil.copy(demo / "chat_template.jinja", base / "chat_template.jinja")
+    for pooling in ("mean", "cls"):
+        d = out / f"qwen3-pool-st-{pooling}"
+        shutil.copytree(base, d, dirs_exist_ok=True)
+        (d / "1_Pooling").mkdir(exist_ok=True)
+        (d / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+        (d / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": 128, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+            "pooling_mode_lasttoken": False}))
+        if pooling == "mean":
+            cfg = json.loads((d / "config.json").read_text())
+            (d / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [32, 64, 128]}, indent=2))
+    print(f"api_diff: wrote {base} and its -st-mean and -st-cls copies")
 
 
 def _param_names_field(row: tuple) -> bool:
@@ -243,8 +407,10 @@ KEPT: list[tuple[str, Any]] = [
                                                               "chat.stream_tools_required") and r[2] == "status"),
     ("continue_final_message implies no gen. prompt", lambda r: r[0] == "chat.continue_and_add"),
     ("echo with max_tokens 0 counts no token", lambda r: r[0] == "cmpl.echo_max0"),
-    ("prompt and messages together: 400", lambda r: r[0] == "tok.both"),
+    ("prompt and messages together: 400", lambda r: r[0] in ("tok.both", "emb.messages_and_input")),
     ("an id outside the vocabulary: 400", lambda r: r[0] == "detok.oov"),
+    ("a bool is no token id (pydantic takes true as 1)", lambda r: r[0] == "emb.bool_list"),
+    ("FCFS refuses priority != 0 (vLLM's docs; its code ignores it)", lambda r: r[0] == "emb.priority"),
     ("OpenAI's Response has error: null", lambda r: r[0].startswith("resp.") and r[2] == "keys" and r[3] == ["error"]
      and r[4] == []),
 ]
@@ -255,6 +421,14 @@ def kept(row: tuple) -> str:
 
 
 def send(client: httpx.Client, base: str, case: Case) -> Answer:
+    """One case's answer; a connection the server dropped is status 0 (a crash shows, the battery goes on)."""
+    try:
+        return _send(client, base, case)
+    except httpx.TransportError as e:
+        return Answer(0, f"{type(e).__name__}: {e}")
+
+
+def _send(client: httpx.Client, base: str, case: Case) -> Answer:
     url = base.rstrip("/") + case.path
     if case.method == "GET":
         r = client.get(url)
@@ -263,7 +437,9 @@ def send(client: httpx.Client, base: str, case: Case) -> Answer:
         else {"json": case.body}
     if not case.stream:
         r = client.post(url, **kw)
-        return Answer(r.status_code, _parse(r.text))
+        if r.headers.get("content-type", "").startswith("application/octet-stream"):
+            return Answer(r.status_code, bytes_answer(case, r))
+        return Answer(r.status_code, decode_base64(case, _parse(r.text)))
     with client.stream("POST", url, **kw) as r:
         if r.status_code != 200:
             return Answer(r.status_code, _parse(r.read().decode()))
@@ -273,6 +449,53 @@ def send(client: httpx.Client, base: str, case: Case) -> Answer:
                 data = line[len("data: "):]
                 chunks.append(data if data == "[DONE]" else _parse(data))
         return Answer(200, None, chunks)
+
+
+def decode_vector(raw: bytes, dtype: str, endianness: str) -> list[float]:
+    """vLLM's binary2tensor in the standard library: embed_dtype's bytes in endianness's order."""
+    order = ">" if endianness == "big" or endianness == "native" and sys.byteorder == "big" else "<"
+    if dtype in ("float32", "float16"):
+        size = 4 if dtype == "float32" else 2
+        return list(struct.unpack(f"{order}{len(raw) // size}{'f' if size == 4 else 'e'}", raw))
+    if dtype == "bfloat16":  # the high half of a float32
+        halves = struct.unpack(f"{order}{len(raw) // 2}H", raw)
+        return list(struct.unpack(f"<{len(halves)}f", struct.pack(f"<{len(halves)}I", *(h << 16 for h in halves))))
+    man_bits, bias = {"fp8_e4m3": (3, 7), "fp8_e5m2": (2, 15)}[dtype]
+    out = []
+    for b in raw:
+        exp, man = (b & 0x7F) >> man_bits, b & ((1 << man_bits) - 1)
+        value = man / (1 << man_bits) * 2.0 ** (1 - bias) if exp == 0 else \
+            (1 + man / (1 << man_bits)) * 2.0 ** (exp - bias)  # e4m3fn's NaN and e5m2's inf: not in an embedding
+        out.append(-value if b & 0x80 else value)
+    return out
+
+
+def decode_base64(case: Case, body: Any) -> Any:
+    """An embeddings answer's base64 vectors as floats (fp32 sums differ in the last bits between servers)."""
+    req = case.body if isinstance(case.body, dict) else {}
+    if req.get("encoding_format") != "base64" or not isinstance(body, dict) or not isinstance(body.get("data"), list):
+        return body
+    dtype, endianness = req.get("embed_dtype", "float32"), req.get("endianness", "native")
+    for item in body["data"]:
+        for key in ("embedding", "data"):
+            if isinstance(item, dict) and isinstance(item.get(key), str):
+                item[key] = decode_vector(base64.b64decode(item[key]), dtype, endianness)
+    return body
+
+
+def bytes_answer(case: Case, r: httpx.Response) -> dict:
+    """encoding_format bytes (bytes_only): the metadata header, and the vectors it places (without it: the
+    request's embed_dtype, the body cut in as many equal parts as the request has prompts)."""
+    req = case.body if isinstance(case.body, dict) else {}
+    dtype, endianness = req.get("embed_dtype", "float32"), req.get("endianness", "native")
+    metadata = _parse(r.headers["metadata"]) if "metadata" in r.headers else None
+    if isinstance(metadata, dict):
+        spans = [(d["start"], d["end"]) for d in metadata["data"]]
+    else:
+        n = len(req["input"]) if isinstance(req.get("input"), list) and isinstance(req["input"][0], str) else 1
+        spans = [(i * len(r.content) // n, (i + 1) * len(r.content) // n) for i in range(n)]
+    return {"content-type": r.headers["content-type"], "metadata": metadata,
+            "vectors": [decode_vector(r.content[a:b], dtype, endianness) for a, b in spans]}
 
 
 def wait_ready(client: httpx.Client, base: str, timeout: float) -> None:
@@ -299,10 +522,13 @@ def kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list) -> None:
+def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list, step: float = 0.0) -> None:
     """Record (path, what, a, b) for each place a and b differ: type, keys, length or value."""
     if kind(a) != kind(b) and not {kind(a), kind(b)} <= {"int", "float"}:
         out.append((path, "type", kind(a), kind(b)))
+        return
+    if values and is_vector(a) and is_vector(b):
+        compare_vectors(a, b, path, step, out)
         return
     if isinstance(a, dict):
         if set(a) != set(b):
@@ -310,19 +536,39 @@ def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list) -
         for k in sorted(set(a) & set(b)):
             ignored = k in IGNORED_VALUES and (k != "message" or path.endswith(".error"))  # an error's text
             if ignored or (sampled and k in SAMPLED_VALUES):
-                compare(a[k], b[k], f"{path}.{k}", False, sampled, out)
+                compare(a[k], b[k], f"{path}.{k}", False, sampled, out, step)
             else:
-                compare(a[k], b[k], f"{path}.{k}", values, sampled, out)
+                compare(a[k], b[k], f"{path}.{k}", values, sampled, out, step)
     elif isinstance(a, list):
         if values and len(a) != len(b):
             out.append((path, "len", len(a), len(b)))
         for i, (x, y) in enumerate(zip(a, b)):
-            compare(x, y, f"{path}[{i}]", values, sampled, out)
+            compare(x, y, f"{path}[{i}]", values, sampled, out, step)
     elif values and a != b:
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
                 and abs(a - b) <= FLOAT_TOL * max(1.0, abs(a), abs(b)):
             return
         out.append((path, "value", a, b))
+
+
+def is_vector(value: Any) -> bool:
+    return isinstance(value, list) and len(value) >= VECTOR_MIN_LEN and \
+        all(isinstance(x, float) or isinstance(x, int) and not isinstance(x, bool) for x in value) and \
+        any(isinstance(x, float) for x in value)
+
+
+def compare_vectors(a: list[float], b: list[float], path: str, step: float, out: list) -> None:
+    """Two embeddings: their lengths, and the value furthest past its tolerance if any is: VECTOR_TOL of
+    the vector's largest magnitude (at least 1), plus a rounding step of the value's own where it came
+    as a narrower dtype's bytes."""
+    if len(a) != len(b):
+        out.append((path, "len", len(a), len(b)))
+        return
+    scale = max(1.0, *map(abs, a), *map(abs, b))
+    excess, i = max((abs(x - y) - VECTOR_TOL * scale - step * max(abs(x), abs(y)), i)
+                    for i, (x, y) in enumerate(zip(a, b)))
+    if excess > 0:
+        out.append((f"{path}[{i}]", "vector", a[i], b[i]))
 
 
 def chunk_kind(chunk: Any) -> str:
@@ -386,7 +632,7 @@ def diff(case: Case, a: Answer, b: Answer) -> list[tuple]:
             compare(a.body, b.body, "", True, False, out)
         return out
     if not case.stream:
-        compare(a.body, b.body, "", True, case.sampled, out)
+        compare(a.body, b.body, "", True, case.sampled, out, case.step)
         return out
     ka, kb = fold([chunk_kind(c) for c in a.chunks]), fold([chunk_kind(c) for c in b.chunks])
     # vLLM under load may merge two steps' tokens into one chunk: compare which kinds come in which order
@@ -409,9 +655,12 @@ def short(value: Any, width: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("a", help="base URL of the first server (nanoserve)")
-    p.add_argument("b", help="base URL of the second server (vLLM)")
+    p.add_argument("a", nargs="?", help="base URL of the first server (nanoserve)")
+    p.add_argument("b", nargs="?", help="base URL of the second server (vLLM)")
+    p.add_argument("--make-pooling-models", metavar="DIR", help="write the pooling battery's models there, and exit")
     p.add_argument("--model", default="demo", help="the served model name both use")
+    p.add_argument("--battery", choices=["generate", "pooling"], default="generate",
+                   help="pooling: the embeddings battery, for two servers run with --runner pooling")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--labels", default="nanoserve,vllm")
     p.add_argument("--only", default="", help="run the cases whose name starts with this")
@@ -420,8 +669,14 @@ def main() -> int:
     p.add_argument("--width", type=int, default=70)
     p.add_argument("--wait", type=float, default=120, help="seconds to wait for each server's /health")
     args = p.parse_args()
+    if args.make_pooling_models:
+        make_pooling_models(args.make_pooling_models)
+        return 0
+    if not (args.a and args.b):
+        p.error("two base URLs are needed: nanoserve's, then vLLM's")
     la, lb = args.labels.split(",")
-    cases = [c for c in battery(args.model, args.max_model_len) if c.name.startswith(args.only)]
+    make = pooling_battery if args.battery == "pooling" else battery
+    cases = [c for c in make(args.model, args.max_model_len) if c.name.startswith(args.only)]
     record, rows, differing = [], [], 0
     with httpx.Client(timeout=120) as client:
         for base in (args.a, args.b):

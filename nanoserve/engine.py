@@ -557,8 +557,6 @@ class PoolingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"{name} must be an integer, got {v!r}")
-        if self.dimensions is not None and self.dimensions < 1:
-            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1, got {self.truncate_prompt_tokens}")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
@@ -2005,7 +2003,8 @@ class LLMEngine:
 
     def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, truncate_prompt_tokens: int | None = None,
                        add_special_tokens: bool = True, truncation_side: str = "left",
-                       max_tokens: int | None = None, output_tokens: int = 1) -> TokenizedPrompt:
+                       max_tokens: int | None = None, output_tokens: int = 1,
+                       pad_to: int | None = None) -> TokenizedPrompt:
         """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
         or the first with truncation_side "right"; -1: as many as leave ``max_tokens``,
         at least one, to the output) and validate (raises InvalidInput); safe off the loop thread."""
@@ -2018,8 +2017,10 @@ class LLMEngine:
             return self._embeds_prompt(prompt, keep, truncation_side)
         text, token_ids = self.tokenize(prompt, add_special_tokens)
         if keep is not None and len(token_ids) > keep:
-            token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
+            token_ids = token_ids[len(token_ids) - keep:] if truncation_side == "left" else token_ids[:keep]
             text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
+        if pad_to is not None and len(token_ids) < pad_to:  # after truncation, as transformers' (and vLLM's)
+            token_ids = token_ids + [self._pad_token_id()] * (pad_to - len(token_ids))
         self.validate_prompt(token_ids, output_tokens)
         return TokenizedPrompt(text, token_ids)
 
@@ -2038,7 +2039,7 @@ class LLMEngine:
                                                 f"of shape [tokens, {hidden}] (the model's hidden size), got "
                                                 f"{embeds.layout} {embeds.dtype} of shape {list(embeds.shape)}")
         if keep is not None:
-            embeds = embeds[-keep:] if truncation_side == "left" else embeds[:keep]
+            embeds = embeds[len(embeds) - keep:] if truncation_side == "left" else embeds[:keep]
         self.check_prompt_length(len(embeds))
         embeds = embeds.to("cpu", self.dtype).contiguous()  # the steps carry it from the host, as token ids
         if not torch.isfinite(embeds).all():  # NaN spreads through attention to the other rows' outputs
@@ -2167,12 +2168,25 @@ class LLMEngine:
                                     "pooling` to use the model as a pooling model.")
 
     def process_pooling_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, params: PoolingParams,
-                               add_special_tokens: bool = True, truncation_side: str = "left") -> TokenizedPrompt:
-        """process_prompt for an embedding: no room for output, so truncate_prompt_tokens -1 keeps max_model_len."""
+                               add_special_tokens: bool = True, truncation_side: str | None = None,
+                               padding: str | None = None) -> TokenizedPrompt:
+        """process_prompt for an embedding: no room for output, so truncate_prompt_tokens -1 keeps max_model_len.
+        ``truncation_side`` None is the tokenizer's (vLLM's TokenizeParams): "right", keep the first tokens, for
+        most tokenizers and without one. ``padding`` "max_length" appends pad tokens up to max_model_len (for
+        models trained on fixed-length inputs, as vLLM's)."""
         if isinstance(prompt, torch.Tensor):
             raise InvalidInput("prompt", "the pooling runner takes text or token ids, not prompt_embeds")
         keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-        return self.process_prompt(prompt, keep, add_special_tokens, truncation_side, output_tokens=0)
+        side = truncation_side or getattr(self.tokenizer, "truncation_side", None) or "right"
+        pad_to = self.max_model_len if padding == "max_length" else None
+        return self.process_prompt(prompt, keep, add_special_tokens, side, output_tokens=0, pad_to=pad_to)
+
+    def _pad_token_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            raise InvalidInput("padding", "padding max_length needs the tokenizer's pad token, and this model's "
+                                          "tokenizer has none")
+        return pad
 
     def check_pooling_params(self, params: PoolingParams) -> PoolingParams:
         """``params`` against this model (vLLM's PoolingParams.verify), with the pooler config's defaults in."""
@@ -2191,6 +2205,11 @@ class LLMEngine:
             if mc.matryoshka_dimensions is not None and d not in mc.matryoshka_dimensions:
                 raise InvalidInput("dimensions", f"This model only supports Matryoshka dimensions "
                                                  f"{list(mc.matryoshka_dimensions)}, got {d}.")
+        keep = params.truncate_prompt_tokens
+        if keep is not None and keep > self.max_model_len:  # vLLM's TokenizeParams' words (no room for output)
+            raise InvalidInput("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} cannot be greater than "
+                                                         f"max_model_len = {self.max_model_len}. Please request a "
+                                                         f"smaller truncation size.")
         if params.use_activation is None:
             params = dataclasses.replace(params, use_activation=self.pooler_config.use_activation)
         return params

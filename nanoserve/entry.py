@@ -2842,7 +2842,9 @@ class EmbeddingRequest(ChatTemplateFields):
     dimensions: int | None = None
     user: str | None = None
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    truncation_side: typing.Literal["left", "right"] = "left"  # left: keep the last tokens, right: the first
+    padding: typing.Literal["max_length", "do_not_pad"] | None = None  # max_length: pad to max_model_len
+    truncation_side: typing.Literal["left", "right"] | None = None  # left: keep the last tokens, right: the
+    # first; None: the tokenizer's (vLLM's), right for most
     use_activation: bool | None = None
     priority: int = 0
     request_id: str | None = None  # X-Request-Id wins, as vLLM's
@@ -2858,9 +2860,6 @@ class EmbeddingRequest(ChatTemplateFields):
         for name, (harmless, why) in UNSUPPORTED_FIELDS.items():  # as GenerationRequest's
             if name in data and not any(_coerces_to(data[name], v) for v in harmless):
                 raise InvalidInput(name, f"{name} is not supported: {why}")
-        if data.get("padding") not in (None, "do_not_pad"):  # vLLM's pooling field: max_length pads the prompt
-            raise InvalidInput("padding", f"padding is not supported: padding a prompt to max_length is not "
-                                          f"implemented (each is embedded as it is), got {show(data['padding'])}")
         given = data.get("input")
         if "messages" not in data and (_is_conversation(given) or isinstance(given, list) and given
                                        and all(_is_conversation(c) for c in given)):
@@ -2980,9 +2979,10 @@ async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) ->
         return Response(status_code=499)  # nobody is listening
     num_tokens = sum(len(p.token_ids) for p in prompts)
     head = {"id": f"{req.id_prefix}{request_id}", "object": "list", "created": int(time.time()), "model": model}
-    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}  # the bytes header's, as vLLM's
     if req.encoding_format in ("bytes", "bytes_only"):
         return _bytes_response(vectors, req, {**head, "usage": usage})
+    usage = with_nulls({**usage, "completion_tokens": 0}, Generation.USAGE_NULLS)  # vLLM's UsageInfo, whole
     return json_response({**head, "data": [{"index": i, "object": req.vector_object,
                                             req.vector_field: _encode_embedding(v, req)}
                                            for i, v in enumerate(vectors)], "usage": usage})
@@ -3005,12 +3005,13 @@ def _pooling_prompts(state: ServerState, req: EmbeddingRequest, params: PoolingP
     engine = state.engine
     if req.messages is None:
         special = True if req.add_special_tokens is None else req.add_special_tokens
-        prompts = [engine.process_pooling_prompt(p, params, special, req.truncation_side) for p in req.input]
+        prompts = [engine.process_pooling_prompt(p, params, special, req.truncation_side, req.padding)
+                   for p in req.input]
     else:
         texts = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
                  for chat, text in zip(req.messages, texts)]
-        prompts = [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens), req.truncation_side)
-                   for text in texts]
+        prompts = [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens), req.truncation_side,
+                                                 req.padding) for text in texts]
     for p in prompts:
         p.cache_salt = req.cache_salt
     return prompts

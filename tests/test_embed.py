@@ -130,7 +130,7 @@ def test_matryoshka_dimensions_and_refusals(model_root):
         llm.embed([list(range(5, 38))], use_tqdm=False)
     assert len(llm.embed([list(range(5, 37))], use_tqdm=False)[0].prompt_token_ids) == 32  # no room for output
     out = llm.embed([list(range(5, 50))], pooling_params=PoolingParams(truncate_prompt_tokens=-1), use_tqdm=False)[0]
-    assert out.prompt_token_ids == list(range(18, 50))  # the last max_model_len tokens
+    assert out.prompt_token_ids == list(range(5, 37))  # max_model_len tokens, from the tokenizer's side (right)
     with pytest.raises(InvalidInput, match="the prompt is empty"):
         llm.embed([[]], use_tqdm=False)
     with pytest.raises(ValueError, match=r"LLM.generate\(\) is only supported for generative models"):
@@ -188,7 +188,8 @@ def test_embeddings_endpoint_shapes(pooling_server, tiny_model):
     assert body["object"] == "list" and body["id"].startswith("embd-") and isinstance(body["created"], int)
     assert body["model"] == str(tiny_model)
     n = sum(len(tokenizer.encode(t)) for t in texts)
-    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n}
+    assert body["usage"] == {"prompt_tokens": n, "total_tokens": n, "completion_tokens": 0,  # vLLM's UsageInfo
+                             "prompt_tokens_details": None, "completion_tokens_details": None}
     assert [(d["object"], d["index"]) for d in body["data"]] == [("embedding", 0), ("embedding", 1), ("embedding", 2)]
     for d, w in zip(body["data"], want):
         torch.testing.assert_close(torch.tensor(d["embedding"]), w, atol=2e-5, rtol=1e-4)
@@ -213,7 +214,10 @@ def test_embeddings_endpoint_shapes(pooling_server, tiny_model):
     ({"input": "hi", "encoding_format": "bits"}, 400, "encoding_format"),
     ({"input": "hi", "embed_dtype": "int8"}, 400, "embed_dtype"),
     ({"input": "hi", "normalize": True}, 400, "`normalize` was removed; use `use_activation`"),
-    ({"input": "hi", "padding": "max_length"}, 400, "padding is not supported"),
+    ({"input": "hi", "padding": "longest"}, 400, "padding must be"),
+    ({"input": "hi", "dimensions": 0}, 400, "does not support Matryoshka"),  # the model's check, as vLLM's
+    ({"input": "hi", "truncate_prompt_tokens": 257}, 400, "cannot be greater than max_model_len = 256"),
+    ({"input": "hi", "truncate_prompt_tokens": 0}, 400, "the prompt is empty"),
     ({"input": "hi", "mm_processor_kwargs": {"a": 1}}, 400, "multimodal inputs are not supported"),
     ({"input": "hi", "request_id": "a\nb"}, 400, "request_id must be 1 to 1024 printable characters"),
     ({"input": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "input or messages, not both"),
@@ -233,9 +237,24 @@ def test_embeddings_endpoint_refusals(pooling_server, body, status, says):
 
 
 def test_pooling_server_truncates_and_refuses_generation(pooling_server, tiny_model):
-    r = httpx.post(pooling_server.url + "/v1/embeddings",
-                   json={"input": [list(range(5, 300))], "truncate_prompt_tokens": 10}, timeout=30)
-    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10, r.text
+    def vector(body: dict) -> torch.Tensor:
+        r = httpx.post(pooling_server.url + "/v1/embeddings", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return torch.tensor(r.json()["data"][0]["embedding"])
+
+    def last(prompt: list[int]) -> torch.Tensor:
+        return torch.nn.functional.normalize(hf_hidden(tiny_model, prompt)[-1], dim=-1)
+
+    # truncation_side unset is the tokenizer's, as vLLM's: "right" here, the first tokens kept
+    assert pooling_server.engine.tokenizer.truncation_side == "right"
+    torch.testing.assert_close(vector({"input": [list(range(5, 300))], "truncate_prompt_tokens": 10}),
+                               last(list(range(5, 15))))
+    torch.testing.assert_close(vector({"input": [list(range(5, 300))], "truncate_prompt_tokens": 10,
+                                       "truncation_side": "left"}), last(list(range(290, 300))))
+    # padding max_length appends the pad token up to max_model_len, after truncation (vLLM's, transformers')
+    pad = pooling_server.engine.tokenizer.pad_token_id
+    torch.testing.assert_close(vector({"input": [list(range(5, 300))], "truncate_prompt_tokens": 10,
+                                       "padding": "max_length"}), last(list(range(5, 15)) + [pad] * 246))
     # vLLM's truncation_side, request_id (the response's id) and cache_salt (who shares cached blocks)
     r = httpx.post(pooling_server.url + "/v1/embeddings", json={
         "input": [list(range(5, 300))], "truncate_prompt_tokens": 10, "truncation_side": "right",
