@@ -8,9 +8,13 @@ beside a request's own json or regex constraint) the peer's interpreter builds t
 would build (its ChatCompletionRequest through DelegatingParser._apply_structural_tag) and prints the structural
 tag it gets; this interpreter builds nanoserve's (entry.tool_call_tag), and both are compared after xgrammar's
 StructuralTag has read them (so defaults written or left out compare equal). Then vLLM's llama3_json parser and
-nanoserve's Llama3JsonForcedParser read the same texts, and vLLM's hermes parser and nanoserve's read the same
-chat streams (3000 random texts of tags and JSON fragments, cut at random into deltas) and responses (3000
-more, whole). Prints each difference and the counts; exits 1 on any.
+nanoserve's read the same texts, and vLLM's hermes parser and nanoserve's read the same chat streams (3000
+random texts of tags and JSON fragments, cut at random into deltas) and responses (3000 more, whole). Then
+llama3_json's chat streams, delta by delta (vLLM's own DelegatingParser.parse_delta, which "auto", "required"
+and a named function all take with the strict tool calling on), and its responses (extract_tool_calls), of
+3000 outputs like a model's (calls with and without separators, text around them, cut short) and 3000 random
+texts of JSON fragments, each cut at random into deltas. Prints each difference and the counts (--quiet: the
+counts only); exits 1 on any.
 Needs the peer venv (benchmarks/PEERS.md); nothing is served.
 """
 
@@ -77,6 +81,44 @@ def responses(n: int = 3000, seed: int = 1) -> list[str]:
     return out
 
 
+# llama3_json outputs: calls as a model writes them, with what may stand around and between them
+LLAMA_CALLS = ['{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', '{"name": "f", "parameters": {}}',
+               '{"name": "g", "arguments": {"s": "a \\"q\\" }]{", "n": [1, 2.5, -3e2, true, null]}}',
+               '{"name": "h", "parameters": {"x": {"y": [{"z": "é"}]}}}', '{"name":"k","parameters":{"a":1}}',
+               '{"name": "u", "parameters": {"s": "\\u00e9\\n"}}', '{"name": "v", "parameters": "text"}']
+LLAMA_SEPS = ["; ", "; ", ";", " ", "\n", "", ";\n", " and "]
+LLAMA_FRAGMENTS = [*LLAMA_CALLS, "<|python_tag|>", "; ", '{"name": ', '"f"', ', "parameters": ', "{", "}", "[", "]",
+                   '"', "\\", ",", ":", " ", "\n", "x", "1", "-", ".", "tru", "null", '"\\u00', "é"]
+
+
+def llama_texts(n: int = 3000, seed: int = 2) -> list[str]:
+    """Half like a model's output (maybe <|python_tag|> or text first, calls joined, text after, cut short),
+    half random texts of LLAMA_FRAGMENTS."""
+    rng, out = random.Random(seed), []
+    for _ in range(n // 2):
+        calls = [rng.choice(LLAMA_CALLS) for _ in range(rng.randint(0, 3))]
+        text = rng.choice(["", "", "", "<|python_tag|>", "Sure. "]) + "".join(
+            c + (rng.choice(LLAMA_SEPS) if i < len(calls) - 1 else "") for i, c in enumerate(calls))
+        text += rng.choice(["", "", "", " done", "; ", "\n"])
+        out.append(text[:rng.randint(0, len(text))] if rng.random() < 0.2 else text)
+    out += ["".join(rng.choice(LLAMA_FRAGMENTS) for _ in range(rng.randint(0, 10))) for _ in range(n - len(out))]
+    return out
+
+
+def llama_streams(seed: int = 3) -> list[list[str]]:
+    """Each of llama_texts cut into deltas: mostly of a few characters (as tokens), else at a few random places."""
+    rng, out = random.Random(seed), []
+    for text in llama_texts():
+        if rng.random() < 0.7:
+            cuts, at = [], 0
+            while (at := at + rng.randint(1, 6)) < len(text):
+                cuts.append(at)
+        else:
+            cuts = sorted({rng.randint(0, len(text)) for _ in range(rng.randint(0, 6))})
+        out.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""])
+    return out
+
+
 def cases() -> list[dict]:
     """The requests compared (a constraint of the request's own beside "auto" only; none with gpt-oss, whose
     vLLM wraps it in harmony first)."""
@@ -136,22 +178,84 @@ def vllm_side() -> None:
     for text in responses():
         r = Hermes2ProToolParser(tokenizer, None).extract_tool_calls(text, None)
         whole.append([r.content or "", [[c.function.name, c.function.arguments] for c in r.tool_calls]])
-    json.dump({"tags": tags, "readings": readings, "streams": streamed, "responses": whole}, sys.stdout)
+    json.dump({"tags": tags, "readings": readings, "streams": streamed, "responses": whole,
+               **vllm_llama(tokenizer)}, sys.stdout)
+
+
+def vllm_llama(tokenizer) -> dict:
+    """(Peer.) llama3_json's chat streams as vLLM's chat server reads them (one parser per choice, fed each delta;
+    its request's tool_choice routes nothing here: with the strict tool calling on, "required" and a named
+    function read as "auto"), and its responses."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.parser.abstract_parser import DelegatingParser
+    from vllm.tool_parsers.llama_tool_parser import Llama3JsonToolParser
+
+    class Parser(DelegatingParser):
+        tool_parser_cls = Llama3JsonToolParser
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                    "tools": [{"type": "function", "function": {"name": "f"}}],
+                                                    "tool_choice": "required"})
+    streams = []
+    for pieces in llama_streams():
+        parser, deltas = Parser(tokenizer), []
+        for i, piece in enumerate(pieces):
+            d = parser.parse_delta(piece, [], request, prompt_token_ids=[1], finished=i == len(pieces) - 1)
+            deltas.append(None if d is None else [d.content or "", [
+                {"index": t.index, "id": t.id is not None, **t.function.model_dump(exclude_unset=True)}
+                for t in d.tool_calls or []]])
+        streams.append(deltas)
+    whole = []
+    for text in llama_texts():
+        r = Llama3JsonToolParser(tokenizer).extract_tool_calls(text, request)
+        whole.append([r.content or "", [[c.function.name, c.function.arguments] for c in r.tool_calls]])
+    return {"llama_streams": streams, "llama_responses": whole}
+
+
+def llama_differences(theirs: dict, show) -> tuple[int, int]:
+    """How many of llama3_json's chat streams (delta by delta, each of "auto"'s and "required"'s parser) and
+    responses nanoserve reads otherwise than vLLM."""
+    from nanoserve.entry import ToolStream, tool_parser
+    parsers = {"auto": tool_parser("auto", "llama3_json"), "required": tool_parser("required", "llama3_json",
+                                                                                    "llama3_json")}
+    streams = 0
+    for pieces, want in zip(llama_streams(), theirs["llama_streams"]):
+        for choice, parser in parsers.items():
+            stream, ours = ToolStream(parser(), streamed=True), []
+            for i, piece in enumerate(pieces):
+                content, found, _ = stream.feed(piece, i == len(pieces) - 1)
+                ours.append([content, [{"index": d["index"], "id": "id" in d, **d["function"]} for d in found]])
+            # vLLM's None (no chunk) and a delta of nothing are one chunk-less step to a client
+            same = all((w or ["", []]) == o for w, o in zip(want, ours))
+            if not same:
+                streams += 1
+                show(f"llama3_json ({choice}) streams differently:", pieces, "\n  ours", ours, "\n  vLLM", want)
+                break
+    responses = 0
+    for text, want in zip(llama_texts(), theirs["llama_responses"]):
+        for choice, parser in parsers.items():
+            content, found, _ = ToolStream(parser()).feed(text, True)
+            if [content, [[d["function"]["name"], d["function"]["arguments"]] for d in found]] != want:
+                responses += 1
+                show(f"llama3_json ({choice}) reads differently:", repr(text), "ours", [content, found], "vLLM", want)
+                break
+    return streams, responses
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peer", default=str(Path(__file__).parent / ".peers" / "vllm" / "bin" / "python"))
     ap.add_argument("--vllm-side", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--quiet", action="store_true", help="print the counts only")
     args = ap.parse_args()
     if args.vllm_side:
         vllm_side()
         return 0
     import xgrammar as xgr
     from nanoserve.engine import StructuredOutputsParams
-    from nanoserve.entry import (ChatCompletionToolsParam, HermesToolParser, Llama3JsonForcedParser, ToolStream,
-                                 output_format, tool_call_tag)
+    from nanoserve.entry import (ChatCompletionToolsParam, HermesToolParser, ToolStream, output_format, tool_call_tag,
+                                 tool_parser)
     run = subprocess.run([args.peer, __file__, "--vllm-side"], capture_output=True, text=True, check=True)
+    show = (lambda *a: None) if args.quiet else print
     theirs = json.loads(run.stdout)
 
     def norm(tag: dict | None) -> dict | None:
@@ -163,17 +267,17 @@ def main() -> int:
         ours = tool_call_tag(c["parser"], tools, c["tool_choice"], c["parallel"], c["level"], output)
         if norm(ours) != norm(want):
             differ += 1
-            print("tag differs:", {k: v for k, v in c.items() if k != "tools"}, "\n  ours ", json.dumps(ours),
+            show("tag differs:", {k: v for k, v in c.items() if k != "tools"}, "\n  ours ", json.dumps(ours),
                   "\n  vLLM ", json.dumps(want))
     misread = 0
     for text, want in zip(TEXTS, theirs["readings"]):
-        parser = Llama3JsonForcedParser()
+        parser = tool_parser("required", "llama3_json", "llama3_json")()  # a forced call's reading
         parser.streamed = False
         calls = parser.feed(text, True)[1]
         ours = [[c["name"], c["arguments"]] for c in calls] or None
         if ours != want:
             misread += 1
-            print("llama3_json reads differently:", repr(text), "ours", ours, "vLLM", want)
+            show("llama3_json reads differently:", repr(text), "ours", ours, "vLLM", want)
     unlike = 0
     for pieces, want in zip(streams(), theirs["streams"]):
         stream, content, calls = ToolStream(HermesToolParser(), streamed=True), "", []
@@ -187,16 +291,18 @@ def main() -> int:
                     calls[d["index"]][1] += d["function"]["arguments"]
         if [content, calls] != want:
             unlike += 1
-            print("hermes streams differently:", pieces, "ours", [content, calls], "vLLM", want)
+            show("hermes streams differently:", pieces, "ours", [content, calls], "vLLM", want)
     for text, want in zip(responses(), theirs["responses"]):
         content, calls = HermesToolParser().feed(text, True)
         if [content, [[c["name"], c["arguments"]] for c in calls]] != want:
             unlike += 1
-            print("hermes reads differently:", repr(text), "ours", [content, calls], "vLLM", want)
+            show("hermes reads differently:", repr(text), "ours", [content, calls], "vLLM", want)
+    llama_streamed, llama_read = llama_differences(theirs, show)
     print(f"{len(theirs['tags'])} tags, {differ} differ; {len(TEXTS)} llama3_json texts, {misread} read "
           f"differently; {len(theirs['streams'])} hermes streams and {len(theirs['responses'])} responses, "
-          f"{unlike} differ")
-    return 1 if differ or misread or unlike else 0
+          f"{unlike} differ; {len(theirs['llama_streams'])} llama3_json chat streams, {llama_streamed} differ, and "
+          f"as many responses, {llama_read} differ")
+    return 1 if differ or misread or unlike or llama_streamed or llama_read else 0
 
 
 if __name__ == "__main__":
