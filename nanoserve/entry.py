@@ -1806,7 +1806,7 @@ class Llama3JsonToolParser(ToolParser):
                 elif prev:
                     prev_json = json.dumps(prev, ensure_ascii=False)
                     if args_json != prev_json:
-                        diff = os.path.commonprefix([prev_json, args_json])[sent:]
+                        diff = args_json[:_common_prefix(prev_json, args_json)][sent:]
                 if diff is not None:
                     self.streamed_args_for_tool[index] += diff
                     delta = [{"index": index, "arguments": diff}]
@@ -1864,7 +1864,7 @@ class Llama3JsonToolParser(ToolParser):
 # (its MalformedJSON and PartialJSON, an assertion, an IndexError) makes vLLM's parser send nothing: here a
 # ValueError or an IndexError.
 _JSON_MARKS = re.compile(r'["\[\]{}]')
-_STRING_BODY = re.compile(r'"(?:[^"\\]|\\[\s\S])*')
+_STRING_BODY = re.compile(r'"[^"\\]*(?:\\[\s\S][^"\\]*)*')  # to its closing quote, or a lone "\\" at the end
 _WORDS = ("null", "true", "false", "Infinity")
 
 
@@ -2085,6 +2085,19 @@ def _complete_num(s: str, top: bool) -> tuple[int, str | bool]:
     while s[i - 1] in ".-+eE":
         cut, i = True, i - 1
     return (i, "") if cut or (i == len(s) and not top) else (i, True)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix (vLLM's find_common_prefix), found by halving: each step
+    compares two slices at C speed where a loop would step a character at a time."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _loads_strict(text: str) -> bool:
