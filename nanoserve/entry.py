@@ -1499,11 +1499,17 @@ class HermesToolParser(ToolParser):
     def __init__(self):
         self.held, self.body, self.called = "", None, False  # held: may start a tag; body: the text from it
         self.block: HermesStreamBlock | None = None  # a stream's open block
+        self.last: HermesStreamBlock | None = None  # the last block vLLM's stream reading reached
         self.stuck = False  # a stream's block closed with no name: vLLM's reads none after it
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
         if self.streamed:
-            return self._feed_stream(text)
+            content, calls = self._feed_stream(text)
+            if final and calls and not (self.last is not None and self.last.sent_arguments):
+                # vLLM's finalize_generation: the last block its reading reached sent no arguments, so they read
+                # as {} not yet sent, which go out with the last delta's last call
+                calls[-1] = {**calls[-1], "arguments": calls[-1].get("arguments", "") + "{}"}
+            return content, calls
         text, content, self.held = self.held + text, "", ""
         if self.body is None:  # before the first <tool_call>: content, as it comes
             at = text.find(self.START)
@@ -1547,6 +1553,7 @@ class HermesToolParser(ToolParser):
             pos = at + len(tag)
             if self.block is None:
                 self.block, self.called = HermesStreamBlock(), True
+                self.last = self.last if self.stuck else self.block
             else:
                 self.stuck = self.stuck or not self.block.read(True, calls)
                 self.block = None
@@ -1595,6 +1602,7 @@ class HermesStreamBlock(JSONBrackets):
         self.args_text: str | None = ""  # where "arguments": may still be found; None once it was
         self.pending: list[str] = []  # the arguments' text not sent yet
         self.started = False  # the arguments' first character came (the blanks before it are not theirs)
+        self.sent_arguments = False  # some of them went out
         # whether the text so far is one whole JSON value, as vLLM's json.loads would say: a bracket's value
         # that closed (``end``: where), valid (``valid``), with only blanks after it (not ``more``)
         self.depth, self.in_str, self.skip, self.end, self.valid, self.more = 0, False, -1, None, False, False
@@ -1661,6 +1669,7 @@ class HermesStreamBlock(JSONBrackets):
             keep = len(text[:keep - 1].rstrip())
         if keep:
             calls.append({"arguments": text[:keep]})
+            self.sent_arguments = True
         self.pending = [text[keep:]] if text[keep:] else []
         return True
 

@@ -166,7 +166,8 @@ def vllm_hermes_stream(pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
     start at the end held back); each block (to </tool_call>, or the end less a partial one, stripped) whole
     where closed or a whole JSON value; its call named by the first "name": "...", once whole (no later block
     read before); its arguments the text after "arguments":, of a whole block less the "}" that ends it,
-    sent where longer than what went before."""
+    sent where longer than what went before; where the last delta sends some of a call and the last block read
+    sent no arguments, "{}" goes out after it (finalize_generation: they read as {} not sent yet)."""
     start, end = HermesToolParser.START, HermesToolParser.END
     name_re, args_re = re.compile(r'"name"\s*:\s*"([^"]+)"'), re.compile(r'"arguments"\s*:\s*')
     text, content, calls, sent = "", "", [], []
@@ -179,6 +180,7 @@ def vllm_hermes_stream(pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
             return False
     for piece in pieces:
         text += piece
+        before = [list(c) for c in calls]
         first = text.find(start)
         content = text[:first if first >= 0 else len(text) - entry._tag_start(text, start)]
         blocks, pos = [], 0
@@ -189,9 +191,11 @@ def vllm_hermes_stream(pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
             if close < 0:
                 break
             pos = close + len(end)
+        last_sent = False  # whether the last block read sent arguments
         for i, (body, closed) in enumerate(blocks):
             if i == len(calls):
                 if (m := name_re.search(body)) is None:
+                    last_sent = False
                     break
                 calls.append([m.group(1), ""])
                 sent.append(0)
@@ -200,6 +204,10 @@ def vllm_hermes_stream(pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
                 args = args.rstrip()[:-1].rstrip() if closed and args.rstrip().endswith("}") else args
                 if len(args) > sent[i]:
                     calls[i][1], sent[i] = calls[i][1] + args[sent[i]:], len(args)
+            last_sent = sent[i] > 0
+    changed = [i for i, c in enumerate(calls) if i >= len(before) or c != before[i]]
+    if changed and not last_sent:
+        calls[changed[-1]][1] += "{}"
     return content, [tuple(c) for c in calls]
 
 
@@ -234,6 +242,13 @@ def test_hermes_stream_reads_as_vllm_0_32s():
     assert parse_once(HermesToolParser(), nameless) == (nameless, [])
     assert stream_by_chars(HermesToolParser(), nameless) == ("", [], False)
     assert stream_by_chars(HermesToolParser(), "cut short <tool") == ("cut short ", [], False)
+    # the last delta names a call that sent no arguments: "{}" goes out with it (vLLM's finalize_generation)
+    assert stream_by_pieces(HermesToolParser(), ['<tool_call>{"na', 'me": "a"}</tool_call>']) == ("", [("a", "{}")],
+                                                                                                   True)
+    assert stream_by_pieces(HermesToolParser(), ['<tool_call>{"name": "a"', '}</tool_call>']) == ("", [("a", "")],
+                                                                                                   True)
+    assert stream_by_pieces(HermesToolParser(), ['<tool_call>{"name": "a", "arguments": {"x": 1}}</tool_call>'
+                                                 '<tool_call>{"na', 'me": "b"'])[1] == [("a", '{"x": 1}'), ("b", "{}")]
 
 
 def test_hermes_holds_back_only_what_may_be_a_call():
