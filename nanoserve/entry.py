@@ -2185,14 +2185,21 @@ class MistralToolParser(ToolParser):
 
 class RequiredToolParser(ToolParser, JSONBrackets):
     """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"},
-    ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once."""
+    ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once. A chat
+    stream is read as vLLM 0.32's (RequiredCallScan): each call sent once its name is whole and its
+    "parameters" value has begun, with the arguments so far as written, then the rest as it comes."""
     CONTENT_AFTER_CALLS = True  # its content is what the calls leave over at the end (cut short)
+    STREAM_AS_WRITTEN: ClassVar[bool] = True  # a chat stream: vLLM's required reading (else each call whole)
 
     def __init__(self):
         self.parts, self.size, self.end, self.called = [], 0, 0, False  # end: where the last call ends
         self.depth, self.in_str, self.skip, self.value = 0, False, -1, None  # value: an open call's text
+        self.scan: RequiredCallScan | None = None
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.streamed and self.STREAM_AS_WRITTEN:
+            self.scan = self.scan or RequiredCallScan()
+            return "", self.scan.feed(text)
         base, start, calls = self.size, 0, []
         self.parts.append(text)
         self.size += len(text)
@@ -2213,6 +2220,136 @@ class RequiredToolParser(ToolParser, JSONBrackets):
         rest = "".join(self.parts)[self.end:].strip()  # what the calls do not account for (cut short): text
         rest = rest.removeprefix(",").lstrip() if self.called else rest
         return ("" if rest == "]" else rest), calls
+
+
+class MistralForcedParser(RequiredToolParser):
+    """mistral's forced call, a JSON list of {"name", "arguments"} (vLLM 0.32 streams it through its mistral
+    parser, not checked here): read as "required"'s list, a stream's calls each whole when its JSON closes."""
+    STREAM_AS_WRITTEN = False
+
+
+@dataclass
+class RequiredCallSpan:
+    """Where a call of "required"'s array stands in the text (vLLM's _RequiredToolCallSpan): its name, once its
+    string closed, and where that ended; where its "parameters" value starts and (once known) ends."""
+    name: str | None = None
+    name_end: int | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+    def ready_at(self, length: int) -> bool:
+        """Whether the text's first ``length`` characters made it ready to send."""
+        return (self.name is not None and self.name_end is not None and self.name_end <= length
+                and self.args_start is not None and self.args_start < length)
+
+
+class RequiredCallScan:
+    """A chat stream's "required" array read as vLLM 0.32's extract_required_tool_call_streaming reads it: its
+    _scan_required_tool_calls (one pass, string- and nesting-aware, reading only the array's elements' keys; a
+    "{" outside the array, or the array's end, ends it) kept between deltas, as every prefix of the text scans
+    alike; then each call ready (its name whole, its "parameters" begun) is sent with its arguments so far, as
+    written, and the rest as it comes."""
+    KEY, COLON, VALUE, IN_STRING, IN_CONTAINER, IN_SCALAR, AFTER = range(7)  # what the element's scan expects
+
+    def __init__(self):
+        self.text, self.spans, self.done = "", [], 0  # done: the spans wholly sent
+        self.depth, self.in_string, self.escaped, self.string_start, self.stopped = 0, False, False, 0, False
+        self.cur: RequiredCallSpan | None = None
+        self.expect, self.key, self.value_start = self.KEY, None, 0
+
+    def feed(self, delta: str) -> list[dict[str, str]]:
+        sent_len = len(self.text)
+        self.text += delta
+        self._scan(sent_len)
+        if not self.text:
+            return []
+        calls = []
+        for index in range(self.done, len(self.spans)):
+            span = self.spans[index]
+            if span.name is None or span.args_start is None:
+                break
+            end = span.args_end if span.args_end is not None else len(self.text)
+            if span.ready_at(sent_len):
+                if new := self.text[min(end, sent_len):end]:
+                    calls.append({"index": index, "name": None, "arguments": new})
+            else:
+                calls.append({"index": index, "name": span.name, "arguments": self.text[span.args_start:end]})
+            if index == self.done and span.args_end is not None:
+                self.done += 1
+        return calls
+
+    def _scan(self, start: int) -> None:
+        text = self.text
+        for i in range(start, len(text)):
+            if self.stopped:
+                return
+            ch = text[i]
+            element = self.depth == 2 and self.cur is not None
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if element and self.expect == self.KEY:
+                        self.key, self.expect = text[self.string_start + 1:i], self.COLON
+                    elif element and self.expect == self.IN_STRING:
+                        self._end_value(i + 1)
+            elif ch == '"':
+                self.in_string, self.string_start = True, i
+                if element and self.expect == self.VALUE:
+                    self._start_value(i, self.IN_STRING)
+            elif ch in "{[":
+                if self.depth == 0 and ch != "[" or self.depth == 1 and ch != "{":
+                    self.stopped = True
+                    return
+                if self.depth == 1:
+                    self.cur = RequiredCallSpan()
+                    self.spans.append(self.cur)
+                    self.expect, self.key = self.KEY, None
+                elif element and self.expect == self.VALUE:
+                    self._start_value(i, self.IN_CONTAINER)
+                self.depth += 1
+            elif ch in "}]":
+                if element and self.expect == self.IN_SCALAR:
+                    self._end_value(i)
+                self.depth -= 1
+                if self.depth == 2 and self.cur is not None and self.expect == self.IN_CONTAINER:
+                    self._end_value(i + 1)
+                elif self.depth == 1:
+                    self.cur = None
+                elif self.depth <= 0:
+                    self.stopped = True
+                    return
+            elif not element:
+                continue
+            elif ch == ":":
+                self.expect = self.VALUE if self.expect == self.COLON else self.expect
+            elif ch == ",":
+                if self.expect == self.IN_SCALAR:
+                    self._end_value(i)
+                self.expect, self.key = self.KEY, None
+            elif ch.isspace():
+                if self.expect == self.IN_SCALAR:
+                    self._end_value(i)
+            elif self.expect == self.VALUE:
+                self._start_value(i, self.IN_SCALAR)
+
+    def _start_value(self, pos: int, state: int) -> None:
+        self.value_start, self.expect = pos, state
+        if self.key == "parameters":
+            self.cur.args_start = pos
+
+    def _end_value(self, pos: int) -> None:
+        if self.key == "parameters":
+            self.cur.args_end = pos
+        elif self.key == "name" and self.expect == self.IN_STRING:
+            try:
+                self.cur.name, self.cur.name_end = json.loads(self.text[self.value_start:pos]), pos
+            except json.JSONDecodeError:
+                self.cur.name = None
+        self.expect = self.AFTER
 
 
 class NamedToolParser(ToolParser):
@@ -2244,7 +2381,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3
 
 # how a forced call in a parser's own format reads where that parser's "auto" reading differs
 FORCED_CALL_PARSERS: dict[str, type[ToolParser]] = {
-    "mistral": RequiredToolParser}  # its list, as "required"'s (whose parser reads "arguments" too)
+    "mistral": MistralForcedParser}  # its list, as "required"'s (whose parser reads "arguments" too)
 
 
 def tool_parser(tool_choice: Any, auto_parser: str | None, call_format: str | None = None
@@ -2479,16 +2616,17 @@ class ToolStream:
         """A parser's calls -> (OpenAI tool-call deltas, whether any call's delta was made)."""
         deltas = []
         for call in found:  # each the last call's unless it says its index (llama3_json's stream)
-            if "name" in call:  # a new call: its first delta names it (hermes' stream: by its name alone)
+            if call.get("name") is not None:  # a new call: its first delta names it (hermes' stream: by its name alone)
                 index = call.get("index", self.calls)
                 body = tool_call_body({"arguments": "", **call})
                 if "arguments" not in call:
                     del body["function"]["arguments"]
                 deltas.append({"index": index, **body})
                 self.calls = max(self.calls, index + 1)
-            else:
+            else:  # (a name of None goes out as null: vLLM's "required" stream sends it)
                 deltas.append({"index": call.get("index", self.calls - 1),
-                               "function": {"arguments": call["arguments"]}})
+                               "function": {**({"name": None} if "name" in call else {}),
+                                            "arguments": call["arguments"]}})
         self.sent = self.sent or bool(deltas)  # (vLLM's tools_streamed: any delta of a call, named or not)
         return deltas, self.sent
 
