@@ -1826,9 +1826,9 @@ class Llama3JsonToolParser(ToolParser):
 
     def _calls_so_far(self) -> tuple[list[Any], list[bool]]:
         """vLLM's reading of the calls' text: partial JSON values, each after the last one's end and two more
-        characters, each with whether it is whole. A value read whole with more text after it never changes,
-        so it is kept, and the text from the first one not kept is read again (all of it, where a call's
-        remains may change how vLLM reads the text before: see _partial_json_loads)."""
+        characters, each with whether it is whole. A call read whole with more text after it reads the same
+        whatever follows, so it is kept and only the text after it is read again at each delta (all the text,
+        in the one case where what follows could change vLLM's reading of a kept call: below)."""
         allow_str = self.current_tool_name_sent  # a name is sent whole
         if self.whole and (mark := _JSON_MARKS.search(self.rest)) and mark.group() == '"':
             # vLLM reads the text from each call's start: where the rest starts with a string, the brackets
