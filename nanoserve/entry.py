@@ -2353,12 +2353,16 @@ class RequiredCallScan:
 
 
 class NamedToolParser(ToolParser):
-    """A named tool_choice: the output is that function's arguments, streamed as they come."""
+    """A named tool_choice: the output is that function's arguments, streamed as they come (a chat stream as
+    vLLM 0.32's extract_named_tool_call_streaming: a delta for each step, one that added no text too)."""
 
     def __init__(self, name: str):
         self.name, self.begun = name, False
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.streamed:
+            first, self.begun = not self.begun, True
+            return "", [{"name": self.name, "arguments": text} if first else {"arguments": text}]
         if self.begun or not (text or final):
             return "", [{"arguments": text}] if text else []
         self.begun = True

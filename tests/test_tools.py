@@ -406,6 +406,13 @@ def test_required_and_named_parsers_stream_as_they_parse():
     assert stream_by_chars(NamedToolParser("f"), '{"x": 1}')[1] == [("f", '{"x": 1}')]
     assert parse_once(NamedToolParser("f"), "", final=False) == ("", [])
     assert parse_once(NamedToolParser("f"), "") == ("", [("f", "")])
+    # a chat stream, as vLLM 0.32's: a delta for each step, one that added no text (part of a character) too
+    stream = ToolStream(NamedToolParser("f"), streamed=True)
+    assert [[{k: v for k, v in d.items() if k != "id"} for d in stream.feed(piece, False)[1]]
+            for piece in ["", '{"x"', "", ": 1}"]] == [
+        [{"index": 0, "type": "function", "function": {"name": "f", "arguments": ""}}],
+        [{"index": 0, "function": {"arguments": '{"x"'}}], [{"index": 0, "function": {"arguments": ""}}],
+        [{"index": 0, "function": {"arguments": ": 1}"}}]]
 
 
 PARSERS = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
