@@ -107,12 +107,13 @@ def llama_texts(n: int = 3000, seed: int = 2) -> list[str]:
 
 
 def llama_streams(seed: int = 3) -> list[list[str]]:
-    """Each of llama_texts cut into deltas: mostly of a few characters (as tokens), else at a few random places."""
+    """Each of llama_texts cut into deltas: mostly of a few characters (as tokens; some empty, see cut), else at
+    a few random places."""
     rng, out = random.Random(seed), []
     for text in llama_texts():
         if rng.random() < 0.7:
             cuts, at = [], 0
-            while (at := at + rng.randint(1, 6)) < len(text):
+            while (at := at + rng.choice([0, *range(1, 7)])) < len(text):
                 cuts.append(at)
         else:
             cuts = sorted({rng.randint(0, len(text)) for _ in range(rng.randint(0, 6))})
@@ -191,9 +192,10 @@ def named_streams(seed: int = 5) -> list[list[str]]:
 
 
 def cut(text: str, rng: random.Random) -> list[str]:
-    """``text`` cut into deltas of a few characters (as tokens)."""
+    """``text`` cut into deltas of a few characters (as tokens), some of them empty (a token that holds part
+    of a character: the step adds no text, but vLLM's parser still reads it)."""
     cuts, at = [], 0
-    while (at := at + rng.randint(1, 6)) < len(text):
+    while (at := at + rng.choice([0, *range(1, 7)])) < len(text):
         cuts.append(at)
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])] or [""]
 
