@@ -1,12 +1,12 @@
 """What reading a streamed response's tool calls costs the event loop: N calls in
 hermes tags (and as tool_choice "required"'s JSON array) fed to ``ToolStream`` a
 token at a time (the demo model's tokenizer cuts the text): "hermes" as a Responses
-or Messages stream reads them (as a response), "hermes-chat" as a chat stream (vLLM
-0.32's streamed reading: each call's arguments sent as they come); "llama3_json-chat"
-N calls joined by "; " as a llama3_json chat stream (vLLM's reading, which reads the
-call being written again at each delta: its cost grows with a call's length). Parsing
-runs on the server's one loop thread: a cost that grows faster than the text stalls
-every other client.
+or Messages stream reads them (as a response), "hermes-chat" and "required-chat" as a
+chat stream (vLLM 0.32's streamed reading: each call's arguments sent as they come);
+"llama3_json-chat" N calls joined by "; " as a llama3_json chat stream (vLLM's reading,
+which reads the call being written again at each delta: its cost grows with a call's
+length). Parsing runs on the server's one loop thread: a cost that grows faster than
+the text stalls every other client.
 
     python benchmarks/tool_stream.py               # 5 and 400 calls
     python benchmarks/tool_stream.py --calls 5 400 2000
@@ -30,7 +30,7 @@ def texts(n: int) -> dict[str, str]:
     hermes = "I will check.\n" + "".join(f"<tool_call>\n{c}\n</tool_call>\n" for c in calls)
     llama = [c.replace('"arguments"', '"parameters"') for c in calls]
     return {"hermes": hermes, "hermes-chat": hermes, "required": "[" + ", ".join(llama) + "]",
-            "llama3_json-chat": "; ".join(llama)}
+            "required-chat": "[" + ", ".join(llama) + "]", "llama3_json-chat": "; ".join(llama)}
 
 
 def tokens(tok: Tokenizer, text: str) -> list[str]:
@@ -54,7 +54,7 @@ def main() -> None:
         for name, text in texts(n).items():
             pieces = tokens(tok, text)
             parser = {"hermes": HermesToolParser, "hermes-chat": HermesToolParser, "required": RequiredToolParser,
-                      "llama3_json-chat": Llama3JsonToolParser}
+                      "required-chat": RequiredToolParser, "llama3_json-chat": Llama3JsonToolParser}
             runs = [feed_all(parser[name](), pieces, name.endswith("-chat")) for _ in range(3 if n <= 100 else 1)]
             secs = min(s for s, _ in runs)
             assert runs[0][1] == n, (name, n, runs[0][1])
