@@ -1503,11 +1503,17 @@ class HermesToolParser(ToolParser):
     def __init__(self):
         self.held, self.body, self.called = "", None, False  # held: may start a tag; body: the text from it
         self.block: HermesStreamBlock | None = None  # a stream's open block
+        self.last: HermesStreamBlock | None = None  # the last block vLLM's stream reading reached
         self.stuck = False  # a stream's block closed with no name: vLLM's reads none after it
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
         if self.streamed:
-            return self._feed_stream(text)
+            content, calls = self._feed_stream(text)
+            if final and calls and not (self.last is not None and self.last.sent_arguments):
+                # vLLM's finalize_generation: the last block its reading reached sent no arguments, so they read
+                # as {} not yet sent, which go out with the last delta's last call
+                calls[-1] = {**calls[-1], "arguments": calls[-1].get("arguments", "") + "{}"}
+            return content, calls
         text, content, self.held = self.held + text, "", ""
         if self.body is None:  # before the first <tool_call>: content, as it comes
             at = text.find(self.START)
@@ -1551,6 +1557,7 @@ class HermesToolParser(ToolParser):
             pos = at + len(tag)
             if self.block is None:
                 self.block, self.called = HermesStreamBlock(), True
+                self.last = self.last if self.stuck else self.block
             else:
                 self.stuck = self.stuck or not self.block.read(True, calls)
                 self.block = None
@@ -1599,6 +1606,7 @@ class HermesStreamBlock(JSONBrackets):
         self.args_text: str | None = ""  # where "arguments": may still be found; None once it was
         self.pending: list[str] = []  # the arguments' text not sent yet
         self.started = False  # the arguments' first character came (the blanks before it are not theirs)
+        self.sent_arguments = False  # some of them went out
         # whether the text so far is one whole JSON value, as vLLM's json.loads would say: a bracket's value
         # that closed (``end``: where), valid (``valid``), with only blanks after it (not ``more``)
         self.depth, self.in_str, self.skip, self.end, self.valid, self.more = 0, False, -1, None, False, False
@@ -1665,6 +1673,7 @@ class HermesStreamBlock(JSONBrackets):
             keep = len(text[:keep - 1].rstrip())
         if keep:
             calls.append({"arguments": text[:keep]})
+            self.sent_arguments = True
         self.pending = [text[keep:]] if text[keep:] else []
         return True
 
@@ -1685,7 +1694,7 @@ def _tag_start(text: str, tag: str) -> int:
 
 class WholeOutputToolParser(ToolParser):
     """A format where the whole output is the calls (maybe after TAG) or else content, as vLLM's
-    llama3_json and pythonic: its first characters decide (OPEN starts calls), text streams as it
+    pythonic: its first characters decide (OPEN starts calls), text streams as it
     comes, calls are held to the end and read there by ``read`` (None: not calls, so content)."""
     TAG, OPEN = "", ""
 
@@ -1713,30 +1722,49 @@ class WholeOutputToolParser(ToolParser):
         raise NotImplementedError
 
 
-class Llama3JsonToolParser(WholeOutputToolParser):
-    """Llama 3.1+ JSON tool calls: the whole output is {"name": ..., "parameters": {...}} (several
-    joined by ";"), maybe after <|python_tag|>; anything else is content."""
-    TAG, OPEN = "<|python_tag|>", "{"
+class Llama3JsonToolParser(ToolParser):
+    """Llama 3.1+ JSON tool calls, {"name": ..., "parameters" (or "arguments"): ...}, read as vLLM 0.32's
+    llama3_json parser reads them for "auto" and (strict tool calling on) a forced call alike. A response: every
+    JSON object in the text is a call, the text around them dropped; one that is no call, or a "{" that starts
+    no JSON, makes it all content. As vLLM's, a "{" right where an object ended counts as inside it: two calls
+    back to back read as none. A chat stream, as its extract_tool_calls_streaming: an output that does not start
+    with "{" (or <|python_tag|>) is content; else it is calls, joined by any two characters ("; "), each named
+    once its name is whole (vLLM's partial JSON reading), its arguments sent as far as they read the same at two
+    deltas (JSON written afresh), the rest once the call is whole. Its quirks are vLLM's: a call is named only at
+    a delta after the one where it began; text after a call stops the reading of later calls."""
+    TAG = "<|python_tag|>"
+    KEEP_WHOLE: ClassVar[bool] = True  # keep the calls read whole (False: read all again each delta, as vLLM)
 
-    def read(self, body: str) -> list[dict[str, str]] | None:
-        values, end = _json_values(body, 0, ";")
-        calls = [_json_call(v) for v in values]
-        return None if None in calls or body[end:].strip() else calls
+    def __init__(self):
+        self.parts: list[str] = []  # a response's text
+        self.head = ""  # a stream's start, until it says whether it holds calls (is_call)
+        self.is_call: bool | None = None
+        self.rest = ""  # a stream's text from its first call not read whole
+        self.whole: list[dict] = []  # the calls read whole before it (JSON that later text cannot change)
+        self.read_text: list[str] = []  # their text
+        # vLLM's state, by its names
+        self.prev_tool_call_arr: list[Any] = []
+        self.current_tool_id, self.current_tool_name_sent = -1, False
+        self.streamed_args_for_tool: list[str] = []
 
+    def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.streamed:
+            return self._feed_stream(text, final)
+        self.parts.append(text)
+        if not final:  # any "{" to come may start a call, which takes the text before it out of the content
+            return "", []
+        text = "".join(self.parts)
+        calls = self.read(text)
+        return ("", calls) if calls else (text, [])
 
-class Llama3JsonForcedParser(Llama3JsonToolParser):
-    """A forced llama3_json call (xgrammar's llama tag: {"name": ..., "parameters": ...}, for "required" among
-    free text) read as vLLM 0.32's llama3_json parser reads a whole output: every JSON object in it is a call,
-    the text around them dropped; one that is no call, or a "{" that starts no JSON, makes it all content. As
-    vLLM's, a "{" right where an object ended counts as inside it: two calls back to back read as none."""
-
-    def read(self, body: str) -> list[dict[str, str]] | None:
+    def read(self, text: str) -> list[dict[str, str]] | None:
+        """vLLM's extract_tool_calls: the calls of a whole output, or None where it is content."""
         calls, end, decoder = [], -1, json.JSONDecoder(strict=False)
-        for at in (m.start() for m in re.finditer("{", body)):
+        for at in (m.start() for m in re.finditer("{", text)):
             if at <= end:
                 continue
             try:
-                value, end = decoder.raw_decode(body, at)
+                value, end = decoder.raw_decode(text, at)
             except (ValueError, RecursionError):
                 return None
             keyed = isinstance(value, dict) and "name" in value and ("arguments" in value or "parameters" in value)
@@ -1744,6 +1772,354 @@ class Llama3JsonForcedParser(Llama3JsonToolParser):
                 return None
             calls.append(call)
         return calls or None
+
+    def _feed_stream(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.is_call is None:
+            self.head += text
+            if self.head.startswith(("{", self.TAG)):
+                self.is_call, text = True, self.head.removeprefix(self.TAG)
+            elif not self.TAG.startswith(self.head):
+                self.is_call = False
+        if not self.is_call:  # (a start of the tag is content until the tag is whole, as vLLM's)
+            return text, []
+        self.rest += text
+        calls = self._read_stream() or []
+        if final and calls:  # vLLM's finalize_generation: the last call's arguments not sent yet
+            calls[-1] = {**calls[-1], "arguments": calls[-1].get("arguments", "") + self._unstreamed_arguments()}
+        return "", calls
+
+    def _read_stream(self) -> list[dict] | None:
+        """What vLLM's extract_tool_calls_streaming sends for the text so far (it reads it all again; here the
+        calls read whole are kept, see _calls_so_far). None: nothing (vLLM's None, also where it fails)."""
+        try:
+            tool_call_arr, is_complete = self._calls_so_far()
+            if not tool_call_arr:
+                return None
+            current, index = tool_call_arr[self.current_tool_id], self.current_tool_id
+            if len(tool_call_arr) > index + 1:  # a new call: what the last one's arguments still lack, first
+                delta = None
+                if index >= 0 and (args := current.get("arguments")):
+                    diff = json.dumps(args, ensure_ascii=False)[len(self.streamed_args_for_tool[index]):]
+                    self.streamed_args_for_tool[index] += diff
+                    delta = [{"index": index, "arguments": diff}]
+                self.current_tool_id, self.current_tool_name_sent = len(tool_call_arr) - 1, False
+                self.streamed_args_for_tool.append("")
+                return delta
+            delta = None
+            if not self.current_tool_name_sent:
+                if name := current.get("name"):
+                    if not isinstance(name, str):  # vLLM's DeltaFunctionCall refuses it: the delta fails
+                        return None
+                    delta, self.current_tool_name_sent = [{"index": index, "name": name}], True
+            elif args := current.get("arguments"):
+                args_json, sent = json.dumps(args, ensure_ascii=False), len(self.streamed_args_for_tool[index])
+                prev, diff = self.prev_tool_call_arr[index].get("arguments"), None
+                if is_complete[index]:
+                    diff = args_json[sent:]
+                elif prev:
+                    prev_json = json.dumps(prev, ensure_ascii=False)
+                    if args_json != prev_json:
+                        diff = args_json[:_common_prefix(prev_json, args_json)][sent:]
+                if diff is not None:
+                    self.streamed_args_for_tool[index] += diff
+                    delta = [{"index": index, "arguments": diff}]
+            self.prev_tool_call_arr = tool_call_arr
+            return delta
+        except (ValueError, IndexError, TypeError, AttributeError, RecursionError):  # vLLM's sends nothing
+            return None
+
+    def _calls_so_far(self) -> tuple[list[Any], list[bool]]:
+        """vLLM's reading of the calls' text: partial JSON values, each after the last one's end and two more
+        characters, each with whether it is whole. A call read whole with more text after it reads the same
+        whatever follows, so it is kept and only the text after it is read again at each delta (all the text,
+        in the one case where what follows could change vLLM's reading of a kept call: below)."""
+        allow_str = self.current_tool_name_sent  # a name is sent whole
+        if self.whole and (mark := _JSON_MARKS.search(self.rest)) and mark.group() == '"':
+            # vLLM reads the text from each call's start: where the rest starts with a string, the brackets
+            # scanned over it from a call's start may fail where the rest's own reading does not
+            self.rest, self.whole, self.read_text = "".join(self.read_text) + self.rest, [], []
+        tool_call_arr, is_complete, keep = list(self.whole), [True] * len(self.whole), self.KEEP_WHOLE
+        pos = 0
+        while pos < len(self.rest):
+            obj, end = _partial_json_loads(self.rest[pos:], allow_str)
+            is_complete.append(_loads_strict(self.rest[pos:pos + end]))
+            gap = self.rest[pos + end:pos + end + 2]
+            if "parameters" in obj:
+                if "arguments" in obj:
+                    raise ValueError("model generated both parameters and arguments")
+                obj["arguments"] = obj["parameters"]
+            tool_call_arr.append(obj)
+            # kept: read whole with more text after it (then it stays so), a call, the two characters after
+            # it written and no JSON marks (else the text after them reads otherwise from the call's start)
+            keep = keep and pos + end < len(self.rest) and isinstance(obj, dict) and len(gap) == 2 \
+                and not _JSON_MARKS.search(gap)
+            pos += end + 2
+            if keep:
+                self.whole.append(obj)
+                self.read_text.append(self.rest[:pos])
+                self.rest, pos = self.rest[pos:], 0
+        return tool_call_arr, is_complete
+
+    def _unstreamed_arguments(self) -> str:
+        """vLLM's get_remaining_unstreamed_args: the last call's arguments that were read but not sent."""
+        if not self.prev_tool_call_arr or not isinstance(last := self.prev_tool_call_arr[-1], dict):
+            return ""
+        index, args = len(self.prev_tool_call_arr) - 1, last.get("arguments", {})
+        expected = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        actual = self.streamed_args_for_tool[index] if index < len(self.streamed_args_for_tool) else ""
+        return expected[len(actual):] if expected.startswith(actual) else ""
+
+
+# --------------------------------------------------------------------------- partial JSON, as vLLM reads it
+# vLLM's streamed llama3_json reading completes the JSON written so far with partial_json_parser 0.2.1 (its
+# loads: fix_fast, then json.loads), so what a stream sends depends on that completion, quirks and all: this is
+# that algorithm, for the two ways vLLM asks for it (all partial values, or none but strings). Every failure
+# (its MalformedJSON and PartialJSON, an assertion, an IndexError) makes vLLM's parser send nothing: here a
+# ValueError or an IndexError.
+_JSON_MARKS = re.compile(r'["\[\]{}]')
+_STRING_BODY = re.compile(r'"[^"\\]*(?:\\[\s\S][^"\\]*)*')  # to its closing quote, or a lone "\\" at the end
+_WORDS = ("null", "true", "false", "Infinity")
+
+
+def _partial_json_loads(text: str, allow_str: bool) -> tuple[Any, int]:
+    """vLLM's partial_json_loads: the value the text so far reads as, and where it ends (the text's end, or a
+    whole first value's where more follows)."""
+    head, tail = _fix_fast(text, allow_str)
+    try:
+        return json.loads(head + tail), len(text)
+    except json.JSONDecodeError as e:
+        if "Extra data" in e.msg:
+            return json.JSONDecoder().raw_decode(text)
+        raise
+
+
+def _escaped(text: str, at: int) -> bool:
+    """Whether the character at ``at`` follows an odd run of backslashes."""
+    k = at
+    while k > 0 and text[k - 1] == "\\":
+        k -= 1
+    return (at - k) % 2 == 1
+
+
+def _closers(stack: list[tuple[int, str]]) -> str:
+    return "".join("}" if ch == "{" else "]" for _, ch in reversed(stack))
+
+
+def _fix_fast(s: str, allow_str: bool) -> tuple[str, str]:
+    """partial_json_parser's fix_fast: (the text kept, what completes it), its containers found by a scan of
+    the brackets and quotes."""
+    marks = [(m.start(), m.group()) for m in _JSON_MARKS.finditer(s)]
+    if not marks or marks[0][1] == '"':
+        return _fix(s, allow_str, True)
+    stack, in_string, string_start, string_end = [], False, -1, -1
+    i, ch = marks[-1]
+    for at, mark in marks:
+        if mark == '"':
+            if not in_string:
+                in_string, string_start = True, at
+            elif not _escaped(s, at):
+                in_string, string_end = False, at
+        elif not in_string:
+            if mark in "}]":
+                if stack.pop()[1] != ("{" if mark == "}" else "["):  # (IndexError where none is open)
+                    raise ValueError("mismatched bracket")
+            else:
+                stack.append((at, mark))
+    if not stack:
+        return s, ""
+    if not allow_str and in_string:  # cut before the last key
+        if stack[-1][0] > string_end and stack[-1][1] == "{":
+            return s[:stack[-1][0] + 1], _closers(stack)
+        comma = s.rfind(",", max(stack[-1][0], string_end) + 1, string_start)
+        if comma != -1:
+            return s[:comma], _closers(stack)
+        return _before_last_key(s, stack[-1][0], string_end, stack)
+    if in_string != (string_end < string_start):
+        raise ValueError("string bounds")
+    if in_string:
+        if stack[-1][1] == "[":
+            head, tail = _fix(s[string_start:], allow_str)
+            return s[:string_start] + head, tail + _closers(stack)
+        start = max(string_end, stack[-1][0])
+        if "," in s[start + 1:string_start]:
+            comma = s.rindex(",", start, string_start)
+            head, tail = _fix("{" + s[comma + 1:], allow_str)
+            return s[:comma] + head[1:], tail + _closers(stack[:-1])
+        if ":" in s[start + 1:string_start]:
+            head, tail = _fix(s[string_start:], allow_str)
+            return s[:string_start] + head, tail + _closers(stack)
+        return s[:string_start], _closers(stack)
+    comma = s.rfind(",", max(string_end, i) + 1)
+    if comma != -1:
+        i, ch = stack[-1]
+        if not s[comma + 1:].strip():
+            return s[:comma], _closers(stack)
+        if ch != "[":
+            raise ValueError("a comma after an object's value")
+        head, tail = _fix(ch + s[comma + 1:], allow_str)
+        if not head[1:] + tail[:-1].strip():
+            return s[:comma] + head[1:], tail + _closers(stack[:-1])
+        return s[:comma + 1] + head[1:], tail + _closers(stack[:-1])
+    if ch in "]}":
+        if s[i + 1:].strip():
+            raise ValueError("text after a closed container")
+        return s, _closers(stack)
+    if ch in "[{":
+        head, tail = _fix(s[i:], allow_str)
+        return s[:i] + head, tail + _closers(stack[:-1])
+    i, ch = stack[-1]
+    if ch == "[":
+        return s, _closers(stack)
+    colon, comma = s.rfind(":", string_end), s.rfind(",", i + 1, string_start)
+    if comma == -1:
+        head, tail = _fix(s[i:], allow_str)
+        return s[:i] + head, tail + _closers(stack[:-1])
+    if colon == -1:
+        if s.rfind(":", max(i, comma) + 1, string_start) != -1:
+            return s, _closers(stack)
+        head, tail = _fix("{" + s[comma + 1:], allow_str)
+        if not head[1:] + tail[:-1].strip():
+            return s[:comma] + head[1:], tail + _closers(stack[:-1])
+        return s[:comma + 1] + head[1:], tail + _closers(stack)
+    if colon <= comma:
+        raise ValueError("a key without a colon")
+    head, tail = _fix("{" + s[comma + 1:], allow_str)
+    if not head[1:] + tail[:-1].strip():
+        return s[:comma] + head[1:], tail + _closers(stack[:-1])
+    return s[:comma + 1] + head[1:], tail + _closers(stack[:-1])
+
+
+def _before_last_key(s: str, container: int, string_end: int, stack: list[tuple[int, str]]) -> tuple[str, str]:
+    """fix_fast's truncate_before_last_key_start."""
+    key = string_end
+    while True:
+        key = s.rfind('"', container, key)
+        if key == -1:
+            return s[:container + 1], _closers(stack)
+        if _escaped(s, key):
+            key -= 1
+            continue
+        comma = s.rfind(",", container, key)
+        return (s[:container + 1] if comma == -1 else s[:comma]), _closers(stack)
+
+
+def _fix(s: str, allow_str: bool, top: bool = False) -> tuple[str, str]:
+    """partial_json_parser's _fix: a descent over the value (of the text stripped, cut where the text is not)."""
+    result = _complete_any(s.strip(), allow_str, top)
+    if result is False:
+        raise ValueError("partial JSON")
+    index, completion = result
+    return s[:index], "" if completion is True else completion
+
+
+def _complete_any(s: str, allow_str: bool, top: bool = False) -> tuple[int, str | bool] | bool:
+    """(how much of ``s`` stays, and what completes it: True where nothing need), or False: drop it."""
+    ch = s[_BLANKS.match(s).end()]
+    if ch == '"':
+        return _complete_str(s, allow_str)
+    if ch in "1234567890":
+        return _complete_num(s, top)
+    if ch == "[":
+        return _complete_container(s, allow_str, "]")
+    if ch == "{":
+        return _complete_container(s, allow_str, "}")
+    for word in _WORDS:
+        if s.startswith(word):
+            return len(word), True
+        if word.startswith(s):
+            return 0, word
+    if ch == "-":
+        if len(s) == 1:
+            return False
+        if s[1] != "I":
+            return _complete_num(s, top)
+    for word in ("-Infinity", "NaN"):
+        if s.startswith(word):
+            return len(word), True
+        if word.startswith(s):
+            return 0, word
+    raise ValueError(f"unexpected character {ch!r}")
+
+
+def _complete_str(s: str, allow_str: bool) -> tuple[int, str | bool] | bool:
+    if s[0] != '"':
+        raise ValueError("a key that is no string")
+    i = _STRING_BODY.match(s).end()
+    if i < len(s) and s[i] == '"':
+        return i + 1, True
+    if not allow_str:
+        return False
+    for escape, width in (("\\u", 5), ("\\U", 9), ("\\x", 3)):  # an escape cut short goes
+        at = s.rfind(escape, max(0, i - width), i)
+        if at != -1 and not _escaped(s, at):
+            return at, '"'
+    return i, '"'
+
+
+def _complete_container(s: str, allow_str: bool, close: str) -> tuple[int, str | bool]:
+    """An array's or (``close`` "}") an object's values, each read by _complete_any: as far as they are
+    whole, then the last one's completion."""
+    i = j = 1
+    try:
+        while True:
+            j = _BLANKS.match(s, j).end()
+            if s[j] == close:
+                return j + 1, True
+            if close == "}":
+                key = _complete_str(s[j:], allow_str)
+                if not (key and key[1] is True):
+                    return i, close
+                j = _BLANKS.match(s, j + key[0]).end()
+                if s[j] != ":":
+                    raise ValueError("expected ':'")
+                j = _BLANKS.match(s, j + 1).end()
+            result = _complete_any(s[j:], allow_str)
+            if result is False:
+                return i, close
+            if result[1] is not True:
+                return j + result[0], result[1] + close
+            i = j = j + result[0]
+            j = _BLANKS.match(s, j).end()
+            if s[j] == ",":
+                j += 1
+            elif s[j] == close:
+                return j + 1, True
+            else:
+                raise ValueError(f"expected ',' or {close!r}")
+    except IndexError:
+        return i, close
+
+
+def _complete_num(s: str, top: bool) -> tuple[int, str | bool]:
+    i = 1
+    while i < len(s) and s[i] in "1234567890.-+eE":
+        i += 1
+    cut = False
+    while s[i - 1] in ".-+eE":
+        cut, i = True, i - 1
+    return (i, "") if cut or (i == len(s) and not top) else (i, True)
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """The length of the longest common prefix (vLLM's find_common_prefix), found by halving: each step
+    compares two slices at C speed where a loop would step a character at a time."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _loads_strict(text: str) -> bool:
+    """vLLM's is_complete_json (strict JSON; a RecursionError fails the delta, as there)."""
+    try:
+        json.loads(text)
+        return True
+    except json.JSONDecodeError:
+        return False
 
 
 class PythonicToolParser(WholeOutputToolParser):
@@ -1813,14 +2189,21 @@ class MistralToolParser(ToolParser):
 
 class RequiredToolParser(ToolParser, JSONBrackets):
     """tool_choice "required": the output is the JSON array the schema allows, [{"name", "parameters"},
-    ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once."""
+    ...]. A scan of its brackets and strings finds where each call ends; its JSON is read then, once. A chat
+    stream is read as vLLM 0.32's (RequiredCallScan): each call sent once its name is whole and its
+    "parameters" value has begun, with the arguments so far as written, then the rest as it comes."""
     CONTENT_AFTER_CALLS = True  # its content is what the calls leave over at the end (cut short)
+    STREAM_AS_WRITTEN: ClassVar[bool] = True  # a chat stream: vLLM's required reading (else each call whole)
 
     def __init__(self):
         self.parts, self.size, self.end, self.called = [], 0, 0, False  # end: where the last call ends
         self.depth, self.in_str, self.skip, self.value = 0, False, -1, None  # value: an open call's text
+        self.scan: RequiredCallScan | None = None
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.streamed and self.STREAM_AS_WRITTEN:
+            self.scan = self.scan or RequiredCallScan()
+            return "", self.scan.feed(text)
         base, start, calls = self.size, 0, []
         self.parts.append(text)
         self.size += len(text)
@@ -1843,13 +2226,147 @@ class RequiredToolParser(ToolParser, JSONBrackets):
         return ("" if rest == "]" else rest), calls
 
 
+class MistralForcedParser(RequiredToolParser):
+    """mistral's forced call, a JSON list of {"name", "arguments"} (vLLM 0.32 streams it through its mistral
+    parser, not checked here): read as "required"'s list, a stream's calls each whole when its JSON closes."""
+    STREAM_AS_WRITTEN = False
+
+
+@dataclass
+class RequiredCallSpan:
+    """Where a call of "required"'s array stands in the text (vLLM's _RequiredToolCallSpan): its name, once its
+    string closed, and where that ended; where its "parameters" value starts and (once known) ends."""
+    name: str | None = None
+    name_end: int | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+
+    def ready_at(self, length: int) -> bool:
+        """Whether the text's first ``length`` characters made it ready to send."""
+        return (self.name is not None and self.name_end is not None and self.name_end <= length
+                and self.args_start is not None and self.args_start < length)
+
+
+class RequiredCallScan:
+    """A chat stream's "required" array read as vLLM 0.32's extract_required_tool_call_streaming reads it: its
+    _scan_required_tool_calls (one pass, string- and nesting-aware, reading only the array's elements' keys; a
+    "{" outside the array, or the array's end, ends it) kept between deltas, as every prefix of the text scans
+    alike; then each call ready (its name whole, its "parameters" begun) is sent with its arguments so far, as
+    written, and the rest as it comes."""
+    KEY, COLON, VALUE, IN_STRING, IN_CONTAINER, IN_SCALAR, AFTER = range(7)  # what the element's scan expects
+
+    def __init__(self):
+        self.text, self.spans, self.done = "", [], 0  # done: the spans wholly sent
+        self.depth, self.in_string, self.escaped, self.string_start, self.stopped = 0, False, False, 0, False
+        self.cur: RequiredCallSpan | None = None
+        self.expect, self.key, self.value_start = self.KEY, None, 0
+
+    def feed(self, delta: str) -> list[dict[str, str]]:
+        sent_len = len(self.text)
+        self.text += delta
+        self._scan(sent_len)
+        if not self.text:
+            return []
+        calls = []
+        for index in range(self.done, len(self.spans)):
+            span = self.spans[index]
+            if span.name is None or span.args_start is None:
+                break
+            end = span.args_end if span.args_end is not None else len(self.text)
+            if span.ready_at(sent_len):
+                if new := self.text[min(end, sent_len):end]:
+                    calls.append({"index": index, "name": None, "arguments": new})
+            else:
+                calls.append({"index": index, "name": span.name, "arguments": self.text[span.args_start:end]})
+            if index == self.done and span.args_end is not None:
+                self.done += 1
+        return calls
+
+    def _scan(self, start: int) -> None:
+        text = self.text
+        for i in range(start, len(text)):
+            if self.stopped:
+                return
+            ch = text[i]
+            element = self.depth == 2 and self.cur is not None
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+                    if element and self.expect == self.KEY:
+                        self.key, self.expect = text[self.string_start + 1:i], self.COLON
+                    elif element and self.expect == self.IN_STRING:
+                        self._end_value(i + 1)
+            elif ch == '"':
+                self.in_string, self.string_start = True, i
+                if element and self.expect == self.VALUE:
+                    self._start_value(i, self.IN_STRING)
+            elif ch in "{[":
+                if self.depth == 0 and ch != "[" or self.depth == 1 and ch != "{":
+                    self.stopped = True
+                    return
+                if self.depth == 1:
+                    self.cur = RequiredCallSpan()
+                    self.spans.append(self.cur)
+                    self.expect, self.key = self.KEY, None
+                elif element and self.expect == self.VALUE:
+                    self._start_value(i, self.IN_CONTAINER)
+                self.depth += 1
+            elif ch in "}]":
+                if element and self.expect == self.IN_SCALAR:
+                    self._end_value(i)
+                self.depth -= 1
+                if self.depth == 2 and self.cur is not None and self.expect == self.IN_CONTAINER:
+                    self._end_value(i + 1)
+                elif self.depth == 1:
+                    self.cur = None
+                elif self.depth <= 0:
+                    self.stopped = True
+                    return
+            elif not element:
+                continue
+            elif ch == ":":
+                self.expect = self.VALUE if self.expect == self.COLON else self.expect
+            elif ch == ",":
+                if self.expect == self.IN_SCALAR:
+                    self._end_value(i)
+                self.expect, self.key = self.KEY, None
+            elif ch.isspace():
+                if self.expect == self.IN_SCALAR:
+                    self._end_value(i)
+            elif self.expect == self.VALUE:
+                self._start_value(i, self.IN_SCALAR)
+
+    def _start_value(self, pos: int, state: int) -> None:
+        self.value_start, self.expect = pos, state
+        if self.key == "parameters":
+            self.cur.args_start = pos
+
+    def _end_value(self, pos: int) -> None:
+        if self.key == "parameters":
+            self.cur.args_end = pos
+        elif self.key == "name" and self.expect == self.IN_STRING:
+            try:
+                self.cur.name, self.cur.name_end = json.loads(self.text[self.value_start:pos]), pos
+            except json.JSONDecodeError:
+                self.cur.name = None
+        self.expect = self.AFTER
+
+
 class NamedToolParser(ToolParser):
-    """A named tool_choice: the output is that function's arguments, streamed as they come."""
+    """A named tool_choice: the output is that function's arguments, streamed as they come (a chat stream as
+    vLLM 0.32's extract_named_tool_call_streaming: a delta for each step, one that added no text too)."""
 
     def __init__(self, name: str):
         self.name, self.begun = name, False
 
     def feed(self, text: str, final: bool) -> tuple[str, list[dict[str, str]]]:
+        if self.streamed:
+            first, self.begun = not self.begun, True
+            return "", [{"name": self.name, "arguments": text} if first else {"arguments": text}]
         if self.begun or not (text or final):
             return "", [{"arguments": text}] if text else []
         self.begun = True
@@ -1872,8 +2389,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3
 
 # how a forced call in a parser's own format reads where that parser's "auto" reading differs
 FORCED_CALL_PARSERS: dict[str, type[ToolParser]] = {
-    "mistral": RequiredToolParser,  # its list, as "required"'s (whose parser reads "arguments" too)
-    "llama3_json": Llama3JsonForcedParser}
+    "mistral": MistralForcedParser}  # its list, as "required"'s (whose parser reads "arguments" too)
 
 
 def tool_parser(tool_choice: Any, auto_parser: str | None, call_format: str | None = None
@@ -2096,27 +2612,31 @@ class ToolStream:
     a delta's parts in OpenAI's shape. A response that is not streamed is one feed."""
 
     def __init__(self, parser: ToolParser, streamed: bool = False):
-        self.parser, self.calls = parser, 0
+        self.parser, self.calls, self.sent = parser, 0, False
         parser.streamed = streamed
 
     def feed(self, delta_text: str, final: bool) -> tuple[str, list[dict], bool]:
-        """(new content, OpenAI tool-call deltas, whether any call was made)."""
+        """(new content, OpenAI tool-call deltas, whether any call's delta was made)."""
         content, found = self.parser.feed(delta_text, final)
         return content, *self.deltas(found)
 
     def deltas(self, found: list[dict[str, str]]) -> tuple[list[dict], bool]:
-        """A parser's calls -> (OpenAI tool-call deltas, whether any call was made)."""
+        """A parser's calls -> (OpenAI tool-call deltas, whether any call's delta was made)."""
         deltas = []
-        for call in found:
-            if "name" in call:  # a new call: its first delta names it (hermes' stream: by its name alone)
+        for call in found:  # each the last call's unless it says its index (llama3_json's stream)
+            if call.get("name") is not None:  # a new call: its first delta names it (hermes' stream: by its name alone)
+                index = call.get("index", self.calls)
                 body = tool_call_body({"arguments": "", **call})
                 if "arguments" not in call:
                     del body["function"]["arguments"]
-                deltas.append({"index": self.calls, **body})
-                self.calls += 1
-            else:
-                deltas.append({"index": self.calls - 1, "function": {"arguments": call["arguments"]}})
-        return deltas, self.calls > 0
+                deltas.append({"index": index, **body})
+                self.calls = max(self.calls, index + 1)
+            else:  # (a name of None goes out as null: vLLM's "required" stream sends it)
+                deltas.append({"index": call.get("index", self.calls - 1),
+                               "function": {**({"name": None} if "name" in call else {}),
+                                            "arguments": call["arguments"]}})
+        self.sent = self.sent or bool(deltas)  # (vLLM's tools_streamed: any delta of a call, named or not)
+        return deltas, self.sent
 
 
 def tool_call_body(call: dict[str, str]) -> dict[str, Any]:
