@@ -45,6 +45,7 @@ FLOAT_TOL = 2e-3
 # an embedding sent as embed_dtype's bytes: each value may round one of its steps either way (relative)
 DTYPE_STEP = {"float32": 0.0, "float16": 2 ** -10, "bfloat16": 2 ** -7, "fp8_e4m3": 2 ** -3, "fp8_e5m2": 2 ** -2}
 VECTOR_MIN_LEN = 16   # a list of at least this many floats is a vector: one row for its worst value, not one each
+VECTOR_KEYS = {"embedding", "data", "vectors"}  # where vectors are: a completion's token_logprobs is no vector
 VECTOR_TOL = 1e-4     # fp32 vectors of the same model: 2.5e-6 apart at most when measured (RESULTS.md)
 
 
@@ -83,7 +84,7 @@ class Answer:
 
 
 def battery(model: str, max_len: int) -> list[Case]:
-    long_prompt = "x = 1\n" * max_len               # ~4 tokens a line: over max_len
+    long_prompt = " ".join(map(str, range(max_len)))  # over max_len tokens, none repeating: which end is kept shows
     C, CH, R = "/v1/completions", "/v1/chat/completions", "/v1/responses"
     c = {"model": model, "prompt": "import os\n", "max_tokens": 8, "temperature": 0}
     msgs = [{"role": "user", "content": "def f"}]
@@ -142,9 +143,22 @@ def battery(model: str, max_len: int) -> list[Case]:
         cc("logit_bias", logit_bias={"100": 100}), cc("logit_bias_badkey", logit_bias={"abc": 1}),
         cc("logit_bias_big", logit_bias={"100": 1000}), cc("logit_bias_oov", logit_bias={"999999": 1}),
         cc("seed", temperature=1.0, seed=7), cc("seed_str", seed="x"),
-        cc("max_tokens_past", max_tokens=100000), cc("max_tokens_neg", max_tokens=-1),
+        cc("max_tokens_past", max_tokens=100000), cc("max_tokens_room", max_tokens=max_len - 1),
+        cc("max_tokens_neg", max_tokens=-1),
         cc("max_tokens_str", max_tokens="abc"), cc("long_prompt", prompt=long_prompt),
         cc("long_prompt_trunc", prompt=long_prompt, truncate_prompt_tokens=20),
+        cc("trunc_right", prompt=long_prompt, truncate_prompt_tokens=20, truncation_side="right"),
+        cc("trunc_left", prompt=long_prompt, truncate_prompt_tokens=20, truncation_side="left"),
+        cc("trunc_echo", prompt=long_prompt, truncate_prompt_tokens=20, echo=True),
+        cc("echo_ids", echo=True, return_token_ids=True),
+        cc("trunc_neg1", prompt=long_prompt, truncate_prompt_tokens=-1),
+        # max_tokens 1: both keep max_model_len - 1 tokens, so the ids show which end is kept
+        cc("trunc_neg1_ids", prompt=long_prompt, truncate_prompt_tokens=-1, max_tokens=1, return_token_ids=True),
+        cc("trunc_zero", truncate_prompt_tokens=0), cc("trunc_big", truncate_prompt_tokens=max_len + 1),
+        cc("trunc_max", prompt=long_prompt, truncate_prompt_tokens=max_len), cc("trunc_neg2", truncate_prompt_tokens=-2),
+        cc("trunc_short", truncate_prompt_tokens=20), cc("trunc_side_bad", truncation_side="middle"),
+        cc("trunc_stream", prompt=long_prompt, truncate_prompt_tokens=20, stream=True),
+        cc("logprobs_long", max_tokens=20, logprobs=1, ignore_eos=True),
         cc("empty_prompt", prompt=""), cc("empty_list", prompt=[]), cc("empty_ids", prompt=[[]]),
         cc("ids", prompt=[100, 200, 300]), cc("ids_list", prompt=[[100, 200], [300]]),
         cc("str_list", prompt=["import os\n", "def "]), cc("mixed_list", prompt=["a", 5]),
@@ -194,6 +208,14 @@ def battery(model: str, max_len: int) -> list[Case]:
         chat("guided_choice", guided_choice=["yes", "no"]), chat("so_regex", structured_outputs={"regex": "[a-z]{3}"}),
         chat("logit_bias", logit_bias={"100": 100}), chat("seed", temperature=1.0, seed=7),
         chat("max_tokens_past", max_tokens=100000), chat("long", messages=[{"role": "user", "content": long_prompt}]),
+        chat("trunc", messages=[{"role": "user", "content": long_prompt}], truncate_prompt_tokens=20,
+             return_token_ids=True),
+        chat("trunc_right", messages=[{"role": "user", "content": long_prompt}], truncate_prompt_tokens=20,
+             truncation_side="right"),
+        chat("trunc_neg1", messages=[{"role": "user", "content": long_prompt}], truncate_prompt_tokens=-1),
+        chat("trunc_zero", truncate_prompt_tokens=0), chat("trunc_big", truncate_prompt_tokens=max_len + 1),
+        chat("trunc_stream", messages=[{"role": "user", "content": long_prompt}], truncate_prompt_tokens=20,
+             stream=True),
         chat("unknown_field", foo=1), chat("n_str", n="x"), chat("temp_neg", temperature=-1),
         chat("user_name", messages=[{"role": "user", "content": "def f", "name": "bob"}]),
         chat("tool_msg", messages=msgs + [{"role": "assistant", "content": None, "tool_calls": [
@@ -216,7 +238,13 @@ def battery(model: str, max_len: int) -> list[Case]:
                                       "previous_response_id": "resp_nope"}),
         Case("resp.json_schema", R, {"model": model, "input": "x", "max_output_tokens": 8, "temperature": 0,
                                      "text": {"format": {"type": "json_schema", "name": "s", "schema": schema}}}),
+        Case("resp.long", R, {"model": model, "input": long_prompt, "max_output_tokens": 8, "temperature": 0}),
+        Case("resp.trunc_auto", R, {"model": model, "input": long_prompt, "max_output_tokens": 8, "temperature": 0,
+                                    "truncation": "auto"}),
+        Case("resp.trunc_disabled", R, {"model": model, "input": long_prompt, "max_output_tokens": 8,
+                                        "temperature": 0, "truncation": "disabled"}),
         Case("tok.prompt", "/tokenize", {"model": model, "prompt": "import os\n"}),
+        Case("tok.trunc", "/tokenize", {"model": model, "prompt": long_prompt, "truncate_prompt_tokens": 20}),
         Case("tok.no_model", "/tokenize", {"prompt": "import os\n"}),
         Case("tok.strs", "/tokenize", {"model": model, "prompt": "import os", "return_token_strs": True}),
         Case("tok.special", "/tokenize", {"model": model, "prompt": "import", "add_special_tokens": False}),
@@ -411,6 +439,11 @@ KEPT: list[tuple[str, Any]] = [
     ("an id outside the vocabulary: 400", lambda r: r[0] == "detok.oov"),
     ("a bool is no token id (pydantic takes true as 1)", lambda r: r[0] == "emb.bool_list"),
     ("FCFS refuses priority != 0 (vLLM's docs; its code ignores it)", lambda r: r[0] == "emb.priority"),
+    ("truncated echo: the tokens the model saw", lambda r: r[0] == "cmpl.trunc_echo" and r[1].endswith(".text")),
+    ("echo with return_token_ids echoes the prompt", lambda r: r[0] == "cmpl.echo_ids" and r[1].endswith(".text")),
+    ("-1 leaves max_tokens to the output", lambda r: r[0] in ("cmpl.trunc_neg1", "chat.trunc_neg1", "resp.trunc_auto")
+     and r[2] != "keys"),
+    ("max_tokens past the room left: 400 (vLLM clamps)", lambda r: r[0] in ("cmpl.max_tokens_room", "cmpl.trunc_max")),
     ("OpenAI's Response has error: null", lambda r: r[0].startswith("resp.") and r[2] == "keys" and r[3] == ["error"]
      and r[4] == []),
 ]
@@ -527,7 +560,7 @@ def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list, s
     if kind(a) != kind(b) and not {kind(a), kind(b)} <= {"int", "float"}:
         out.append((path, "type", kind(a), kind(b)))
         return
-    if values and is_vector(a) and is_vector(b):
+    if values and path_key(path) in VECTOR_KEYS and is_vector(a) and is_vector(b):
         compare_vectors(a, b, path, step, out)
         return
     if isinstance(a, dict):
@@ -549,6 +582,11 @@ def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list, s
                 and abs(a - b) <= FLOAT_TOL * max(1.0, abs(a), abs(b)):
             return
         out.append((path, "value", a, b))
+
+
+def path_key(path: str) -> str:
+    """The key a value sits under, list indices aside: "data[0].embedding" -> "embedding", "vectors[1]" -> "vectors"."""
+    return path.rsplit(".", 1)[-1].split("[", 1)[0]
 
 
 def is_vector(value: Any) -> bool:

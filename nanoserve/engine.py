@@ -2011,6 +2011,7 @@ class LLMEngine:
         if isinstance(prompt, TokenizedPrompt):
             return prompt
         keep = truncate_prompt_tokens
+        self.check_truncation(keep)
         if keep == -1:  # as vLLM's: all that fits beside the output (it was max_model_len, which never fits)
             keep = max(1, self.max_model_len - (max_tokens or 1))
         if isinstance(prompt, torch.Tensor):
@@ -2023,6 +2024,13 @@ class LLMEngine:
             token_ids = token_ids + [self._pad_token_id()] * (pad_to - len(token_ids))
         self.validate_prompt(token_ids, output_tokens)
         return TokenizedPrompt(text, token_ids)
+
+    def check_truncation(self, keep: int | None) -> None:
+        """vLLM's TokenizeParams' rule: no truncation to more tokens than max_model_len (it could not fit)."""
+        if keep is not None and keep > self.max_model_len:
+            raise InvalidInput("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} cannot be greater than "
+                                                         f"max_model_len = {self.max_model_len}. Please request a "
+                                                         f"smaller truncation size.")
 
     def _embeds_prompt(self, embeds: torch.Tensor, keep: int | None, truncation_side: str) -> TokenizedPrompt:
         """A prompt given as embeddings (vLLM's prompt_embeds): [tokens, hidden_size], or [1, tokens,
@@ -2205,11 +2213,7 @@ class LLMEngine:
             if mc.matryoshka_dimensions is not None and d not in mc.matryoshka_dimensions:
                 raise InvalidInput("dimensions", f"This model only supports Matryoshka dimensions "
                                                  f"{list(mc.matryoshka_dimensions)}, got {d}.")
-        keep = params.truncate_prompt_tokens
-        if keep is not None and keep > self.max_model_len:  # vLLM's TokenizeParams' words (no room for output)
-            raise InvalidInput("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} cannot be greater than "
-                                                         f"max_model_len = {self.max_model_len}. Please request a "
-                                                         f"smaller truncation size.")
+        self.check_truncation(params.truncate_prompt_tokens)
         if params.use_activation is None:
             params = dataclasses.replace(params, use_activation=self.pooler_config.use_activation)
         return params

@@ -385,6 +385,8 @@ def test_sampling_fields_offline(tiny_model):
     llm.engine.abort_request(rid)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens=129 cannot be greater than max_model_len = 128\."):
+        run(truncate_prompt_tokens=129)  # vLLM's TokenizeParams: it was taken, as if no truncation was asked
     with pytest.raises(ValueError, match="allowed_token_ids"):
         llm.generate([PROMPT], SamplingParams(allowed_token_ids=[10**6]), use_tqdm=False)
     with pytest.raises(ValueError, match="bad_words"):  # not the tokenizer's TypeError, and before queueing any

@@ -385,6 +385,12 @@ def test_truncating_to_fit_fits(server, offline_small):
         assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == kept, r.text
     out = offline_small.generate([[5] * 100], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)
     assert len(out[0].prompt_token_ids) == offline_small.engine.max_model_len - 4
+    for path, body in (("/v1/completions", {"prompt": [5] * 4}), ("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "hi"}]})):  # more than max_model_len: vLLM's 400 (it was served whole)
+        r = _post(server.url, {**body, "truncate_prompt_tokens": limit + 1, "max_tokens": 1}, path=path)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "truncate_prompt_tokens", r.text
+        assert err["message"].startswith(f"truncate_prompt_tokens={limit + 1} cannot be greater than max_model_len")
     server.wait_idle()
 
 
