@@ -79,7 +79,7 @@ class InvalidInput(ValueError):
     "prompt", "request_id", "token_ids"), for a front end to name its own field."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
+        super().__init__(re.sub(r"\s*\n\s*", " ", message))  # one line, even where it shows a tensor's repr
         self.param = param
 
 
@@ -92,6 +92,7 @@ THINK_TAGS = ("<think>", "</think>")  # what both of them read the reasoning bet
 # too far, and where json's own RecursionError falls depends on the process (torch.compile raises the limit)
 MAX_JSON_DEPTH = 128
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
+MAX_N_SEQUENCES = 16384  # vLLM's bound on n (its VLLM_MAX_N_SEQUENCES): each is a request, made up front
 
 
 @dataclass(slots=True)
@@ -109,6 +110,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):  # the others' contents are xgrammar's to refuse
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InvalidInput("structured_outputs", f"structured_outputs.{name} must be True or False, got "
+                                                         f"{getattr(self, name)!r}")
         given = self.given()
         if len(given) != 1:
             raise InvalidInput("structured_outputs", "structured_outputs must set exactly one of json, regex, "
@@ -195,24 +200,32 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # vLLM's: bad_words tokenized
 
     def __post_init__(self) -> None:
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        if isinstance(self.repetition_detection, dict):
-            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+        self.structured_outputs = _nested_params(self.structured_outputs, "structured_outputs",
+                                                 StructuredOutputsParams)
+        self.repetition_detection = _nested_params(self.repetition_detection, "repetition_detection",
+                                                   RepetitionDetectionParams)
+        for name in _BOOL_FIELDS:  # a non-bool went as far as the detokenizer, and failed the request there
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInput(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.seed == -1:  # as vLLM's: -1 asks for a random seed (UIs send it for "regenerate")
+        # `==` and truthiness below must not meet a tensor or an array (their answer is one per element)
+        if _is_int(self.seed) and self.seed == -1:  # as vLLM's: -1 asks for a random seed ("regenerate")
             self.seed = None
-        if self.thinking_token_budget == -1:  # as vLLM's request field: no budget
+        if _is_int(self.thinking_token_budget) and self.thinking_token_budget == -1:  # as vLLM's: no budget
             self.thinking_token_budget = None
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidInput("logit_bias", f"logit_bias must be a dict of token ids to numbers, got "
+                                             f"{type(self.logit_bias).__name__}")
         if self.logprob_token_ids is not None and not isinstance(self.logprob_token_ids, (list, tuple)):
             raise InvalidInput("logprob_token_ids", f"logprob_token_ids must be a list, got {self.logprob_token_ids!r}")
         self.logprob_token_ids = list(self.logprob_token_ids or ()) or None  # as vLLM's: [] asks for nothing
-        for name in ("stop", "stop_token_ids", "bad_words"):
+        for name in ("stop", "stop_token_ids", "bad_words", "allowed_token_ids"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
                 raise InvalidInput(name, f"{name} must be a list, got {value!r}")
-            setattr(self, name, list(value or []))
+            if name != "allowed_token_ids":  # its None (all) and [] (refused by _verify) differ
+                setattr(self, name, list(value or []))
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -241,8 +254,8 @@ class SamplingParams:
         def bad(name, rule):
             raise InvalidInput(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
         _check_int(self, "n")
-        if self.n < 1:
-            bad("n", ">= 1")
+        if not 1 <= self.n <= MAX_N_SEQUENCES:
+            bad("n", f"in [1, {MAX_N_SEQUENCES}]")
         if not _is_num(self.temperature) or not 0 <= self.temperature <= 2:
             bad("temperature", "in [0, 2]")  # as vLLM's and OpenAI's
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -341,11 +354,19 @@ class BeamSearchParams:
         w = self.beam_width
         if not isinstance(w, int) or isinstance(w, bool) or w < 1:
             raise InvalidInput("beam_width", f"beam_width must be an integer >= 1, got {w!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise InvalidInput("max_tokens", f"max_tokens must be None or >= 1 for beam search, got "
                                              f"{self.max_tokens!r}")
         if not _is_num(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise InvalidInput("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not _is_num(self.temperature) or not 0 <= self.temperature < math.inf:  # taken, and changes nothing
+            raise InvalidInput("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # read by the beams' requests, where it failed them
+                raise InvalidInput(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (list, tuple)):
+            raise InvalidInput("allowed_token_ids", f"allowed_token_ids must be a list, got "
+                                                    f"{type(self.allowed_token_ids).__name__}")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) > MAX_LOGPROB_TOKEN_IDS:
             # vLLM ranks more than that by the top 2 x beam_width of all tokens: a beam may find no candidate
             raise InvalidInput("allowed_token_ids", f"allowed_token_ids must hold at most {MAX_LOGPROB_TOKEN_IDS} "
@@ -377,8 +398,29 @@ def _is_num(x: Any) -> bool:
 
 def _check_int(p: SamplingParams, name: str) -> None:
     v = getattr(p, name)
-    if not isinstance(v, int) or isinstance(v, bool):
+    if not _is_int(v):
         raise InvalidInput(name, f"{name} must be an integer, got {v!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                "detokenize")
+
+
+def _nested_params(value: Any, name: str, cls: type) -> Any:
+    """A SamplingParams field that holds params of its own: ``cls``, None, or a dict of its fields."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidInput(name, f"{name} must be a {cls.__name__} or a dict of its fields, got "
+                                 f"{type(value).__name__}")
+    try:
+        return cls(**value)
+    except TypeError as e:  # a key it has not, or one not a string
+        raise InvalidInput(name, f"{name}: {e}") from None
 
 
 # =========================================================================== outputs
@@ -553,14 +595,15 @@ class PoolingParams:
     def __post_init__(self) -> None:
         for name in ("dimensions", "truncate_prompt_tokens"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if v is not None and not _is_int(v):
+                raise InvalidInput(name, f"{name} must be an integer, got {v!r}")
         if self.dimensions is not None and self.dimensions < 1:
-            raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
+            raise InvalidInput("dimensions", f"dimensions must be >= 1, got {self.dimensions}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
-            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1, got {self.truncate_prompt_tokens}")
+            raise InvalidInput("truncate_prompt_tokens", f"truncate_prompt_tokens must be >= 1, or -1, got "
+                                                         f"{self.truncate_prompt_tokens}")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
-            raise ValueError(f"use_activation must be true or false, got {self.use_activation!r}")
+            raise InvalidInput("use_activation", f"use_activation must be true or false, got {self.use_activation!r}")
 
 
 @dataclass(slots=True)
