@@ -2264,11 +2264,14 @@ class LLMEngine:
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora=True (the server's --enable-lora)")
         if not all(hasattr(lora_request, k) for k in ("lora_name", "lora_int_id", "lora_path")):
-            raise ValueError(f"lora_request must be a LoRARequest (lora_name, lora_int_id, lora_path), got "
-                             f"{type(lora_request).__name__}")
+            raise InvalidInput("lora_request", f"lora_request must be a LoRARequest (lora_name, lora_int_id, "
+                                               f"lora_path), got {type(lora_request).__name__}")
         lora_id = lora_request.lora_int_id
-        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
-            raise ValueError(f"lora_int_id must be an integer >= 1, got {lora_id!r}")
+        if not _is_int(lora_id) or lora_id < 1:
+            raise InvalidInput("lora_request", f"lora_request.lora_int_id must be an integer >= 1, got {lora_id!r}")
+        if not isinstance(lora_request.lora_name, str) or not isinstance(lora_request.lora_path, (str, os.PathLike)):
+            raise InvalidInput("lora_request", f"lora_request.lora_name must be a string and .lora_path a directory's "
+                                               f"path, got {lora_request.lora_name!r} and {lora_request.lora_path!r}")
         known = self.loras.get(lora_id)
         if known is not None:
             if known.lora_path != lora_request.lora_path:
@@ -3290,6 +3293,9 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_requests")
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        if priority is not None and not isinstance(priority, (list, tuple)):  # vLLM's: one per prompt
+            raise InvalidInput("priority", f"priority must be a list of integers, one per prompt, got "
+                                           f"{type(priority).__name__}")
         priority = _per_prompt(0 if priority is None else list(priority), len(prompts), "priorities")
         for p in priority:
             self.engine.check_priority(p)
@@ -3318,7 +3324,10 @@ class LLM:
         """vLLM's: each prompt's beam_width best sequences (BeamSearch), at most
         ``concurrency_limit`` prompts searched at a time."""
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
-            raise ValueError(f"concurrency_limit must be None or >= 1, got {concurrency_limit!r}")
+            raise InvalidInput("concurrency_limit", f"concurrency_limit must be None or >= 1, got "
+                                                    f"{concurrency_limit!r}")
+        if not isinstance(params, BeamSearchParams):  # as generate's sampling_params
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
         engine.check_runner("generate")
         inputs = [engine.with_lora(engine.process_prompt(p, max_tokens=params.max_tokens), lora_request)
@@ -3352,8 +3361,8 @@ class LLM:
         engine = self.engine
         engine.check_runner("pooling")
         if pooling_task != "embed":
-            raise ValueError(f"pooling_task must be 'embed' (LLM.embed): nanoserve's pooling runner makes "
-                             f"embeddings only, got {pooling_task!r}")
+            raise InvalidInput("pooling_task", f"pooling_task must be 'embed' (LLM.embed): nanoserve's pooling "
+                                               f"runner makes embeddings only, got {pooling_task!r}")
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_requests")
         params = [engine.check_pooling_params(PoolingParams() if p is None else p)
@@ -3374,7 +3383,7 @@ class LLM:
              chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Render the chat template (one conversation or a list) and generate, as
         vLLM's ``LLM.chat``; ``add_generation_prompt`` defaults to ``not continue_final_message``."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt,
                                        continue_final_message, tools, chat_template_kwargs,
                                        content_format=chat_template_content_format) for c in conversations]
@@ -3442,6 +3451,17 @@ class LLM:
         return [final[i] for i in ids]
 
 
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """LLM.chat's messages: one conversation (a list of message dicts) or a non-empty list of them."""
+    conversations = [messages] if isinstance(messages, (list, tuple)) and messages \
+        and isinstance(messages[0], dict) else messages
+    if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+            isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in conversations):
+        raise InvalidInput("messages", "messages must be a conversation (a non-empty list of message dicts) or a "
+                                       "non-empty list of conversations")
+    return [list(c) for c in conversations]
+
+
 def _as_prompt_list(prompts) -> list:
     """A prompt or a list of them: text, token ids, or vLLM's prompt dicts
     ({"prompt": text} / {"prompt_token_ids": ids})."""
@@ -3507,13 +3527,23 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
     "auto", the one the template reads (chat_template_content_format)."""
     if tokenizer is None:
         raise InvalidInput("messages", "chat needs a tokenizer, but this engine runs without one")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise InvalidInput("chat_template", f"chat_template must be a Jinja template's text, got "
+                                            f"{type(chat_template).__name__}")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidInput("chat_template", "this model's tokenizer has no chat template; pass chat_template=... "
                                             "or use generate() with a plain prompt")
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidInput(name, f"{name} must be True or False, got {value!r}")
     add_generation_prompt = opens_reply(add_generation_prompt, continue_final_message)
     if add_generation_prompt and continue_final_message:  # vLLM's words (its check_generation_prompt's)
         raise InvalidInput("continue_final_message", "Cannot set both `continue_final_message` and "
                                                      "`add_generation_prompt` to True.")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs must be a dict, got "
+                                                   f"{type(chat_template_kwargs).__name__}")
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & _template_arguments(tokenizer))
     if reserved:
