@@ -2057,10 +2057,12 @@ class LLMEngine:
         if isinstance(prompt, torch.Tensor):
             return self._embeds_prompt(prompt, keep, truncation_side)
         text, token_ids = self.tokenize(prompt, add_special_tokens)
-        if keep is not None and len(token_ids) > keep:
+        truncated = keep is not None and len(token_ids) > keep
+        if truncated:
             token_ids = token_ids[-keep:] if truncation_side == "left" else token_ids[:keep]
+        self.validate_prompt(token_ids, output_tokens)  # before the tokenizer decodes them (an id past C's long)
+        if truncated:
             text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
-        self.validate_prompt(token_ids, output_tokens)
         return TokenizedPrompt(text, token_ids)
 
     def _embeds_prompt(self, embeds: torch.Tensor, keep: int | None, truncation_side: str) -> TokenizedPrompt:

@@ -95,3 +95,12 @@ def test_beam_search_takes_only_beam_search_params(llm):
 
 def test_encode_names_a_bad_pooling_task_in_one_line(pooling_llm):
     _refused(lambda: pooling_llm.encode("hi", pooling_task=torch.randn(20, 20)), "pooling_task")
+
+
+def test_truncated_token_ids_are_checked_before_they_are_decoded(llm):
+    """truncate_prompt_tokens kept ids past a C long, which the tokenizer's decode met first (OverflowError)."""
+    _refused(lambda: llm.generate([2**64] * 30, SamplingParams(truncate_prompt_tokens=5, max_tokens=2),
+                                  use_tqdm=False), "prompt")
+    out = llm.generate([9999, 5, 6], SamplingParams(truncate_prompt_tokens=2, max_tokens=2, temperature=0),
+                       use_tqdm=False)[0]  # the id dropped is never read
+    assert out.prompt_token_ids == [5, 6] and len(out.outputs[0].token_ids) == 2
