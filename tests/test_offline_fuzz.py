@@ -88,8 +88,8 @@ def weird(rng: random.Random, depth: int = 0):
 
 
 USER = [{"role": "user", "content": "hello world"}]
-CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]},
-                {"role": "assistant", "content": "Hel"}]
+CONVERSATION = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}, {"role": "assistant", "content": "Hel"}]
 TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
 
 
@@ -213,8 +213,10 @@ def mutate_value(rng: random.Random, value):
         out[rng.choice(list(out))] = weird(rng)
         return out
     if isinstance(value, torch.Tensor):
-        return rng.choice([value.T, value[:, :7], value * math.inf, value.half(), value[None], value.to_sparse(),
-                           torch.empty(0, 64), value.repeat(20, 1)])
+        ops = [lambda: value.transpose(0, -1), lambda: value[..., :7], lambda: value * math.inf, value.half,
+               lambda: value[None], value.to_sparse, lambda: torch.empty(0, 64),
+               lambda: value.repeat(20, *[1] * (value.dim() - 1))]  # of a tensor of any shape
+        return rng.choice(ops)()
     return weird(rng)
 
 

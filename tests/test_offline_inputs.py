@@ -40,7 +40,8 @@ def test_params_refuse_in_one_line_naming_the_field(make, param):
 
 
 def test_params_still_take_what_they_took():
-    assert SamplingParams(seed=-1).seed is None and SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(thinking_token_budget=-1).thinking_token_budget is None
     assert SamplingParams(allowed_token_ids=(3, 3, 4)).allowed_token_ids == [3, 4]
     assert SamplingParams(n=16384, temperature=1.0).n == 16384  # vLLM's VLLM_MAX_N_SEQUENCES
     assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs.choice == ["a"]
