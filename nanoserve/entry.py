@@ -520,6 +520,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             parser.error(str(e))
     checks = [("--port", 0 <= args.port <= 65535, "in [0, 65535]"),
+              ("--host", _host_name(args.host), "a host name or address"),
               ("--max-num-seqs", args.max_num_seqs is None or args.max_num_seqs >= 1, ">= 1"),
               ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
@@ -546,7 +547,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             uvicorn.config.create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None,
                                               uvicorn.config.SSL_PROTOCOL_VERSION, args.ssl_cert_reqs,
                                               args.ssl_ca_certs, args.ssl_ciphers)
-        except OSError as e:  # ssl.SSLError too
+        except (OSError, ValueError) as e:  # ssl.SSLError too; ValueError: a NUL in a path
             parser.error(f"cannot serve HTTPS with --ssl-certfile {args.ssl_certfile} (--ssl-keyfile "
                          f"{args.ssl_keyfile}): {e}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -581,6 +582,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     args.api_key, args.api_key_from = api_keys(args.api_key)
     return args
+
+
+def _host_name(host: str) -> bool:
+    """Whether the socket module can look ``host`` up: it raised TypeError (a traceback at start-up, after the
+    checks) on a NUL or on a name its IDNA codec cannot encode, as a lone surrogate from undecodable argv bytes."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return "\x00" not in host
 
 
 def api_keys(flag: list[str] | None) -> tuple[list[str] | None, str | None]:

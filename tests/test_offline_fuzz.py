@@ -397,7 +397,7 @@ CLI_VALUES = ("", " ", "0", "1", "2", "-1", "-2", "3", "8", "16", "17", "64", "1
               '{"pooling_type": "MEAN"}', '{"method": "ngram", "num_speculative_tokens": 2}',
               '{"cudagraph_capture_sizes": [1, 2]}', '{"max_new_tokens": -1}', '{"temperature": "x"}', "{",
               "[" * 2000, "a=b", "=", "x=", "/", "/api", "api", "tcp://h:1", "env://", "\udcff", "é", "🙂",
-              "--", "-", "--model", "fcfs", "priority", "hermes", "qwen3", "float32", "cpu", "cuda", "pooling",
+              "--", "-", "--model", "::1", "127.0.0.1", "x\x00", "fcfs", "priority", "hermes", "qwen3", "float32", "cpu", "cuda", "pooling",
               "embed", "generate", "string", "debug", "/nonexistent/file", "/dev/null")
 
 
