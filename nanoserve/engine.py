@@ -79,7 +79,7 @@ class InvalidInput(ValueError):
     "prompt", "request_id", "token_ids"), for a front end to name its own field."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(message)
+        super().__init__(re.sub(r"\s*\n\s*", " ", message))  # one line, even where it shows a tensor's repr
         self.param = param
 
 
@@ -92,6 +92,7 @@ THINK_TAGS = ("<think>", "</think>")  # what both of them read the reasoning bet
 # too far, and where json's own RecursionError falls depends on the process (torch.compile raises the limit)
 MAX_JSON_DEPTH = 128
 MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
+MAX_N_SEQUENCES = 16384  # vLLM's bound on n (its VLLM_MAX_N_SEQUENCES): each is a request, made up front
 
 
 @dataclass(slots=True)
@@ -109,6 +110,10 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON without free whitespace between tokens
 
     def __post_init__(self) -> None:
+        for name in ("json_object", "disable_any_whitespace"):  # the others' contents are xgrammar's to refuse
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise InvalidInput("structured_outputs", f"structured_outputs.{name} must be True or False, got "
+                                                         f"{getattr(self, name)!r}")
         given = self.given()
         if len(given) != 1:
             raise InvalidInput("structured_outputs", "structured_outputs must set exactly one of json, regex, "
@@ -195,24 +200,32 @@ class SamplingParams:
     _bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)  # vLLM's: bad_words tokenized
 
     def __post_init__(self) -> None:
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        if isinstance(self.repetition_detection, dict):
-            self.repetition_detection = RepetitionDetectionParams(**self.repetition_detection)
+        self.structured_outputs = _nested_params(self.structured_outputs, "structured_outputs",
+                                                 StructuredOutputsParams)
+        self.repetition_detection = _nested_params(self.repetition_detection, "repetition_detection",
+                                                   RepetitionDetectionParams)
+        for name in _BOOL_FIELDS:  # a non-bool went as far as the detokenizer, and failed the request there
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidInput(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.seed == -1:  # as vLLM's: -1 asks for a random seed (UIs send it for "regenerate")
+        # `==` and truthiness below must not meet a tensor or an array (their answer is one per element)
+        if _is_int(self.seed) and self.seed == -1:  # as vLLM's: -1 asks for a random seed ("regenerate")
             self.seed = None
-        if self.thinking_token_budget == -1:  # as vLLM's request field: no budget
+        if _is_int(self.thinking_token_budget) and self.thinking_token_budget == -1:  # as vLLM's: no budget
             self.thinking_token_budget = None
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidInput("logit_bias", f"logit_bias must be a dict of token ids to numbers, got "
+                                             f"{type(self.logit_bias).__name__}")
         if self.logprob_token_ids is not None and not isinstance(self.logprob_token_ids, (list, tuple)):
             raise InvalidInput("logprob_token_ids", f"logprob_token_ids must be a list, got {self.logprob_token_ids!r}")
         self.logprob_token_ids = list(self.logprob_token_ids or ()) or None  # as vLLM's: [] asks for nothing
-        for name in ("stop", "stop_token_ids", "bad_words"):
+        for name in ("stop", "stop_token_ids", "bad_words", "allowed_token_ids"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (list, tuple)):
                 raise InvalidInput(name, f"{name} must be a list, got {value!r}")
-            setattr(self, name, list(value or []))
+            if name != "allowed_token_ids":  # its None (all) and [] (refused by _verify) differ
+                setattr(self, name, list(value or []))
         if self.logit_bias:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
@@ -241,8 +254,8 @@ class SamplingParams:
         def bad(name, rule):
             raise InvalidInput(name, f"{name} must be {rule}, got {getattr(self, name)!r}")
         _check_int(self, "n")
-        if self.n < 1:
-            bad("n", ">= 1")
+        if not 1 <= self.n <= MAX_N_SEQUENCES:
+            bad("n", f"in [1, {MAX_N_SEQUENCES}]")
         if not _is_num(self.temperature) or not 0 <= self.temperature <= 2:
             bad("temperature", "in [0, 2]")  # as vLLM's and OpenAI's
         if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
@@ -341,11 +354,19 @@ class BeamSearchParams:
         w = self.beam_width
         if not isinstance(w, int) or isinstance(w, bool) or w < 1:
             raise InvalidInput("beam_width", f"beam_width must be an integer >= 1, got {w!r}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise InvalidInput("max_tokens", f"max_tokens must be None or >= 1 for beam search, got "
                                              f"{self.max_tokens!r}")
         if not _is_num(self.length_penalty) or not math.isfinite(self.length_penalty):
             raise InvalidInput("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not _is_num(self.temperature) or not 0 <= self.temperature < math.inf:  # taken, and changes nothing
+            raise InvalidInput("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):  # read by the beams' requests, where it failed them
+                raise InvalidInput(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (list, tuple)):
+            raise InvalidInput("allowed_token_ids", f"allowed_token_ids must be a list, got "
+                                                    f"{type(self.allowed_token_ids).__name__}")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) > MAX_LOGPROB_TOKEN_IDS:
             # vLLM ranks more than that by the top 2 x beam_width of all tokens: a beam may find no candidate
             raise InvalidInput("allowed_token_ids", f"allowed_token_ids must hold at most {MAX_LOGPROB_TOKEN_IDS} "
@@ -377,8 +398,29 @@ def _is_num(x: Any) -> bool:
 
 def _check_int(p: SamplingParams, name: str) -> None:
     v = getattr(p, name)
-    if not isinstance(v, int) or isinstance(v, bool):
+    if not _is_int(v):
         raise InvalidInput(name, f"{name} must be an integer, got {v!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                "detokenize")
+
+
+def _nested_params(value: Any, name: str, cls: type) -> Any:
+    """A SamplingParams field that holds params of its own: ``cls``, None, or a dict of its fields."""
+    if value is None or isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise InvalidInput(name, f"{name} must be a {cls.__name__} or a dict of its fields, got "
+                                 f"{type(value).__name__}")
+    try:
+        return cls(**value)
+    except TypeError as e:  # a key it has not, or one not a string
+        raise InvalidInput(name, f"{name}: {e}") from None
 
 
 # =========================================================================== outputs
@@ -555,12 +597,13 @@ class PoolingParams:
     def __post_init__(self) -> None:
         for name in ("dimensions", "truncate_prompt_tokens"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"{name} must be an integer, got {v!r}")
+            if v is not None and not _is_int(v):
+                raise InvalidInput(name, f"{name} must be an integer, got {v!r}")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
-            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1, got {self.truncate_prompt_tokens}")
+            raise InvalidInput("truncate_prompt_tokens", f"truncate_prompt_tokens must be >= 1, or -1, got "
+                                                         f"{self.truncate_prompt_tokens}")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
-            raise ValueError(f"use_activation must be true or false, got {self.use_activation!r}")
+            raise InvalidInput("use_activation", f"use_activation must be true or false, got {self.use_activation!r}")
 
 
 @dataclass(slots=True)
@@ -2017,12 +2060,15 @@ class LLMEngine:
         if isinstance(prompt, torch.Tensor):
             return self._embeds_prompt(prompt, keep, truncation_side)
         text, token_ids = self.tokenize(prompt, add_special_tokens)
-        if keep is not None and len(token_ids) > keep:
+        truncated = keep is not None and len(token_ids) > keep
+        if truncated:
             token_ids = token_ids[len(token_ids) - keep:] if truncation_side == "left" else token_ids[:keep]
-            text = None if self.tokenizer is None else self.tokenizer.decode(token_ids)  # what the model saw
+        kept = token_ids
         if pad_to is not None and len(token_ids) < pad_to:  # after truncation, as transformers' (and vLLM's)
             token_ids = token_ids + [self._pad_token_id()] * (pad_to - len(token_ids))
-        self.validate_prompt(token_ids, output_tokens)
+        self.validate_prompt(token_ids, output_tokens)  # before the tokenizer decodes them (an id past C's long)
+        if truncated:
+            text = None if self.tokenizer is None else self.tokenizer.decode(kept)  # what the model saw
         return TokenizedPrompt(text, token_ids)
 
     def check_truncation(self, keep: int | None) -> None:
@@ -2248,11 +2294,14 @@ class LLMEngine:
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need enable_lora=True (the server's --enable-lora)")
         if not all(hasattr(lora_request, k) for k in ("lora_name", "lora_int_id", "lora_path")):
-            raise ValueError(f"lora_request must be a LoRARequest (lora_name, lora_int_id, lora_path), got "
-                             f"{type(lora_request).__name__}")
+            raise InvalidInput("lora_request", f"lora_request must be a LoRARequest (lora_name, lora_int_id, "
+                                               f"lora_path), got {type(lora_request).__name__}")
         lora_id = lora_request.lora_int_id
-        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 1:
-            raise ValueError(f"lora_int_id must be an integer >= 1, got {lora_id!r}")
+        if not _is_int(lora_id) or lora_id < 1:
+            raise InvalidInput("lora_request", f"lora_request.lora_int_id must be an integer >= 1, got {lora_id!r}")
+        if not isinstance(lora_request.lora_name, str) or not isinstance(lora_request.lora_path, (str, os.PathLike)):
+            raise InvalidInput("lora_request", f"lora_request.lora_name must be a string and .lora_path a directory's "
+                                               f"path, got {lora_request.lora_name!r} and {lora_request.lora_path!r}")
         known = self.loras.get(lora_id)
         if known is not None:
             if known.lora_path != lora_request.lora_path:
@@ -3282,6 +3331,9 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_requests")
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        if priority is not None and not isinstance(priority, (list, tuple)):  # vLLM's: one per prompt
+            raise InvalidInput("priority", f"priority must be a list of integers, one per prompt, got "
+                                           f"{type(priority).__name__}")
         priority = _per_prompt(0 if priority is None else list(priority), len(prompts), "priorities")
         for p in priority:
             self.engine.check_priority(p)
@@ -3310,7 +3362,10 @@ class LLM:
         """vLLM's: each prompt's beam_width best sequences (BeamSearch), at most
         ``concurrency_limit`` prompts searched at a time."""
         if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
-            raise ValueError(f"concurrency_limit must be None or >= 1, got {concurrency_limit!r}")
+            raise InvalidInput("concurrency_limit", f"concurrency_limit must be None or >= 1, got "
+                                                    f"{concurrency_limit!r}")
+        if not isinstance(params, BeamSearchParams):  # as generate's sampling_params
+            raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
         engine.check_runner("generate")
         inputs = [engine.with_lora(engine.process_prompt(p, max_tokens=params.max_tokens), lora_request)
@@ -3344,8 +3399,8 @@ class LLM:
         engine = self.engine
         engine.check_runner("pooling")
         if pooling_task != "embed":
-            raise ValueError(f"pooling_task must be 'embed' (LLM.embed): nanoserve's pooling runner makes "
-                             f"embeddings only, got {pooling_task!r}")
+            raise InvalidInput("pooling_task", f"pooling_task must be 'embed' (LLM.embed): nanoserve's pooling "
+                                               f"runner makes embeddings only, got {pooling_task!r}")
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_requests")
         params = [engine.check_pooling_params(PoolingParams() if p is None else p)
@@ -3366,7 +3421,7 @@ class LLM:
              chat_template_content_format: str = "auto") -> list[RequestOutput]:
         """Render the chat template (one conversation or a list) and generate, as
         vLLM's ``LLM.chat``; ``add_generation_prompt`` defaults to ``not continue_final_message``."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = _conversations(messages)
         prompts = [apply_chat_template(self.engine.tokenizer, c, chat_template, add_generation_prompt,
                                        continue_final_message, tools, chat_template_kwargs,
                                        content_format=chat_template_content_format) for c in conversations]
@@ -3434,6 +3489,17 @@ class LLM:
         return [final[i] for i in ids]
 
 
+def _conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """LLM.chat's messages: one conversation (a list of message dicts) or a non-empty list of them."""
+    conversations = [messages] if isinstance(messages, (list, tuple)) and messages \
+        and isinstance(messages[0], dict) else messages
+    if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+            isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in conversations):
+        raise InvalidInput("messages", "messages must be a conversation (a non-empty list of message dicts) or a "
+                                       "non-empty list of conversations")
+    return [list(c) for c in conversations]
+
+
 def _as_prompt_list(prompts) -> list:
     """A prompt or a list of them: text, token ids, or vLLM's prompt dicts
     ({"prompt": text} / {"prompt_token_ids": ids})."""
@@ -3499,13 +3565,23 @@ def apply_chat_template(tokenizer, messages: list[dict[str, Any]], chat_template
     "auto", the one the template reads (chat_template_content_format)."""
     if tokenizer is None:
         raise InvalidInput("messages", "chat needs a tokenizer, but this engine runs without one")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise InvalidInput("chat_template", f"chat_template must be a Jinja template's text, got "
+                                            f"{type(chat_template).__name__}")
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidInput("chat_template", "this model's tokenizer has no chat template; pass chat_template=... "
                                             "or use generate() with a plain prompt")
+    for name, value in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidInput(name, f"{name} must be True or False, got {value!r}")
     add_generation_prompt = opens_reply(add_generation_prompt, continue_final_message)
     if add_generation_prompt and continue_final_message:  # vLLM's words (its check_generation_prompt's)
         raise InvalidInput("continue_final_message", "Cannot set both `continue_final_message` and "
                                                      "`add_generation_prompt` to True.")
+    if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+        raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs must be a dict, got "
+                                                   f"{type(chat_template_kwargs).__name__}")
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & _template_arguments(tokenizer))
     if reserved:

@@ -44,6 +44,7 @@ import io
 import itertools
 import json
 import logging
+import math
 import os
 import pickle
 import re
@@ -144,14 +145,21 @@ def _parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a number of bytes such as 4294967296 or 4GiB, got {text!r}")
     number, prefix, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
     base = 1024 if suffix.startswith("i") or suffix == "" else 1000
-    return int(number * base ** " KMGT".index(prefix or " "))
+    return _whole(number * base ** " KMGT".index(prefix or " "), text, "bytes")
+
+
+def _whole(number: float, text: str, what: str) -> int:
+    """A parsed size as an int: a number too long for a float is infinite, which int() cannot take."""
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}{'...' if len(text) > 40 else ''} is too many {what}")
+    return int(number)
 
 
 def _json_list(text: str) -> list[str]:
     """--allowed-origins and its kin, as vLLM takes them: a JSON list of strings."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
         value = None
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
@@ -162,7 +170,7 @@ def _json_object_or_level(text: str) -> dict[str, Any] | int:
     """--compilation-config, as vLLM's: a JSON object, or an integer (a level)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
         value = None
     if not isinstance(value, (dict, int)) or isinstance(value, bool):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"cudagraph_capture_sizes\": [1, 2, 4]}}' "
@@ -175,7 +183,7 @@ def _lora_module(text: str) -> LoRARequest:
     (its "base_model_name" is the served model's anyway). Ids are given in parse_args."""
     try:
         value = json.loads(text) if text.lstrip().startswith("{") else dict(zip(("name", "path"), text.split("=", 1)))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
         value = None
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str) \
             or not value["name"] or not value["path"]:
@@ -187,7 +195,7 @@ def _json_object(text: str) -> dict[str, Any]:
     """--override-generation-config and its kin: a JSON object."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
         value = None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r}")
@@ -204,7 +212,7 @@ def _token_count(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected a number of tokens such as 4096, 32k or 32K, got {text!r}")
     number, unit = m.groups()
     scale = (1000 if unit.islower() else 1024) ** ("kmgt".index(unit.lower()) + 1) if unit else 1
-    return int(float(number) * scale)
+    return _whole(float(number) * scale, text, "tokens")
 
 
 def _dashes(arg: str) -> str:
@@ -500,6 +508,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_arg_parser()
     argv = [_dashes(a) for a in (sys.argv[1:] if argv is None else argv)]
+    if given := next((a for a in argv if a.startswith("-") and a.endswith("=--")), None):
+        # Python 3.11's argparse takes --flag=-- as an empty list, which no check expects
+        parser.error(f"{given.partition('=')[0]}: '--' is not a value")
     if argv[:1] == ["serve"]:  # `nanoserve serve MODEL`, as `vllm serve MODEL` (a directory named serve: ./serve)
         argv = argv[1:]
     args = parser.parse_args(argv)
@@ -513,6 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as e:
             parser.error(str(e))
     checks = [("--port", 0 <= args.port <= 65535, "in [0, 65535]"),
+              ("--host", _host_name(args.host), "a host name or address"),
               ("--max-num-seqs", args.max_num_seqs is None or args.max_num_seqs >= 1, ">= 1"),
               ("--gpu-memory-utilization", 0 < args.gpu_memory_utilization <= 1, "in (0, 1]"),
               ("--max-queue-len", args.max_queue_len is None or args.max_queue_len >= 1, ">= 1"),
@@ -539,7 +551,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             uvicorn.config.create_ssl_context(args.ssl_certfile, args.ssl_keyfile, None,
                                               uvicorn.config.SSL_PROTOCOL_VERSION, args.ssl_cert_reqs,
                                               args.ssl_ca_certs, args.ssl_ciphers)
-        except OSError as e:  # ssl.SSLError too
+        except (OSError, ValueError) as e:  # ssl.SSLError too; ValueError: a NUL in a path
             parser.error(f"cannot serve HTTPS with --ssl-certfile {args.ssl_certfile} (--ssl-keyfile "
                          f"{args.ssl_keyfile}): {e}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -576,6 +588,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _host_name(host: str) -> bool:
+    """Whether the socket module can look ``host`` up: it raised TypeError (a traceback at start-up, after the
+    checks) on a NUL or on a name its IDNA codec cannot encode, as a lone surrogate from undecodable argv bytes."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return "\x00" not in host
+
+
 def api_keys(flag: list[str] | None) -> tuple[list[str] | None, str | None]:
     """The keys a request may bring, and where they came from: as vLLM, --api-key's (a list)
     wins, then $NANOSERVE_API_KEY, then $VLLM_API_KEY; an empty key is unset."""
@@ -589,9 +611,15 @@ def api_keys(flag: list[str] | None) -> tuple[list[str] | None, str | None]:
 
 def load_chat_template(value: str) -> str:
     """--chat-template, as vLLM reads it: a file's text, or the value itself when it is a template."""
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text()
+    try:
+        path = Path(value).expanduser()
+        if path.is_file():
+            return path.read_text()
+    except (OSError, RuntimeError) as e:  # a name too long for a file's (ENAMETOOLONG), ~nosuchuser, unreadable
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(f"--chat-template {value[:60]!r}: cannot read it as a file ({e.__class__.__name__}: "
+                         f"{getattr(e, 'strerror', None) or e}), and it is not a Jinja template either") from None
     if any(c in value for c in "{}\n"):
         return value
     raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")

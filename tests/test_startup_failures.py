@@ -96,3 +96,20 @@ def test_a_quantized_checkpoint_is_refused_by_name(tiny_model, tmp_path):
     assert err == (f"error: cannot serve {model}: the checkpoint is quantized with quant_method 'gptq', which "
                    "nanoserve does not serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) "
                    "and FP8 ones (quant_method 'fp8', block or per-tensor), and gpt-oss's MXFP4 experts")
+
+
+@pytest.mark.parametrize("flags", [
+    ["--max-model-len", "9" * 400], ["--kv-cache-memory-bytes", "9" * 400],  # OverflowError: float inf to int
+    ["--max-cudagraph-capture-size=--"],  # Python 3.11's argparse: [], then TypeError comparing it
+    ["--hf-overrides", "[" * 5000],  # RecursionError from json
+    ["--chat-template", "9" * 400], ["--chat-template", "~no-such-user-x/t.jinja"],  # OSError, RuntimeError
+    ["--host", "\udcff"], ["--host", "x\x00"],  # TypeError as the socket was bound, after parse_args
+    ["--ssl-certfile", "x\x00"],  # ValueError from ssl (argv from Python only: a process's cannot hold NUL)
+], ids=["max-model-len", "kv-cache-memory-bytes", "dashes", "hf-overrides", "template-name", "template-home",
+        "host-surrogate", "host-nul", "certfile-nul"])
+def test_flag_values_refused_in_one_line(tiny_model, flags, capsys):
+    """Found by tests/test_offline_fuzz.py's CLI fuzz: each was a traceback."""
+    with pytest.raises(SystemExit) as e:
+        parse_args([str(tiny_model), *flags])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("python -m nanoserve: error: "), err
