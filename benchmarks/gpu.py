@@ -18,7 +18,7 @@ session started in (the device tool sends that one), once:
       prometheus_client==0.26.0 httpx==0.29.0 httpcore==1.0.9 h11==0.16.0 anyio==4.16.0 \\
       pydantic==2.14.4 pydantic_core==2.50.5 annotated_types==0.8.0 typing_inspection==0.4.5 \\
       typing_extensions==4.16.0 click==8.5.1 pytest==9.2.0 pytest-timeout==2.4.0 pluggy==1.7.0 \\
-      iniconfig==2.3.1 pygments==2.21.0 packaging==26.4
+      iniconfig==2.3.1 pygments==2.21.0 packaging==26.4 partial-json-parser==0.2.1.1.post7
     { git rev-parse HEAD; git status --porcelain --untracked-files=no; } > .whl/COMMIT
 
 (.git does not travel to the device machine: the script reads the commit from
@@ -32,9 +32,9 @@ budget is 450 s):
 
 and copy files_at/gpu-w1.json to benchmarks/results/gpu-w1.json, and gpu-w1.md
 into RESULTS.md. The device image (torch 2.11+cu130, Triton 3.6, transformers
-5.17) lacks uvicorn, starlette and pydantic (the server's) and pytest (the
-cuda_tests part's); the other wheels pin what those need to the versions this
-repository is tested with.
+5.17) lacks uvicorn, starlette, pydantic and partial-json-parser (the server's)
+and pytest (the cuda_tests part's); the other wheels pin what those need to the
+versions this repository is tested with.
 
 Every part runs in a fresh process of its own (an exception, a CUDA error or a
 hang ends that part only: its error goes into the JSON and the next part runs),

@@ -65,8 +65,10 @@ from pathlib import Path
 from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, ClassVar, Iterable, Iterator
 
 import h11
+import partial_json_parser
 import torch
 import uvicorn
+from partial_json_parser.core.options import Allow
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -1853,7 +1855,9 @@ class Llama3JsonToolParser(ToolParser):
                     delta = [{"index": index, "arguments": diff}]
             self.prev_tool_call_arr = tool_call_arr
             return delta
-        except (ValueError, IndexError, TypeError, AttributeError, RecursionError):  # vLLM's sends nothing
+        # vLLM's sends nothing (partial_json_parser's MalformedJSON is a ValueError; its scan of the brackets
+        # asserts, and pops an empty stack, where they do not match)
+        except (ValueError, IndexError, AssertionError, TypeError, AttributeError, RecursionError):
             return None
 
     def _calls_so_far(self) -> tuple[list[Any], list[bool]]:
@@ -1861,7 +1865,7 @@ class Llama3JsonToolParser(ToolParser):
         characters, each with whether it is whole. A call read whole with more text after it reads the same
         whatever follows, so it is kept and only the text after it is read again at each delta (all the text,
         in the one case where what follows could change vLLM's reading of a kept call: below)."""
-        allow_str = self.current_tool_name_sent  # a name is sent whole
+        flags = Allow.ALL if self.current_tool_name_sent else Allow.ALL & ~Allow.STR  # a name is sent whole
         if self.whole and (mark := _JSON_MARKS.search(self.rest)) and mark.group() == '"':
             # vLLM reads the text from each call's start: where the rest starts with a string, the brackets
             # scanned over it from a call's start may fail where the rest's own reading does not
@@ -1869,7 +1873,7 @@ class Llama3JsonToolParser(ToolParser):
         tool_call_arr, is_complete, keep = list(self.whole), [True] * len(self.whole), self.KEEP_WHOLE
         pos = 0
         while pos < len(self.rest):
-            obj, end = _partial_json_loads(self.rest[pos:], allow_str)
+            obj, end = partial_json_loads(self.rest[pos:], flags)
             is_complete.append(_loads_strict(self.rest[pos:pos + end]))
             gap = self.rest[pos + end:pos + end + 2]
             if "parameters" in obj:
@@ -1899,233 +1903,18 @@ class Llama3JsonToolParser(ToolParser):
 
 
 # --------------------------------------------------------------------------- partial JSON, as vLLM reads it
-# vLLM's streamed llama3_json reading completes the JSON written so far with partial_json_parser 0.2.1 (its
-# loads: fix_fast, then json.loads), so what a stream sends depends on that completion, quirks and all: this is
-# that algorithm, for the two ways vLLM asks for it (all partial values, or none but strings). Every failure
-# (its MalformedJSON and PartialJSON, an assertion, an IndexError) makes vLLM's parser send nothing: here a
-# ValueError or an IndexError.
-_JSON_MARKS = re.compile(r'["\[\]{}]')
-_STRING_BODY = re.compile(r'"[^"\\]*(?:\\[\s\S][^"\\]*)*')  # to its closing quote, or a lone "\\" at the end
-_WORDS = ("null", "true", "false", "Infinity")
+_JSON_MARKS = re.compile(r'["\[\]{}]')  # what partial_json_parser's fast completion scans for
 
 
-def _partial_json_loads(text: str, allow_str: bool) -> tuple[Any, int]:
-    """vLLM's partial_json_loads: the value the text so far reads as, and where it ends (the text's end, or a
-    whole first value's where more follows)."""
-    head, tail = _fix_fast(text, allow_str)
+def partial_json_loads(text: str, flags: Allow) -> tuple[Any, int]:
+    """vLLM's partial_json_loads: the value the text so far reads as (partial_json_parser completes it, as
+    vLLM's does), and where it ends: the text's end, or a whole first value's where more follows."""
     try:
-        return json.loads(head + tail), len(text)
+        return partial_json_parser.loads(text, flags), len(text)
     except json.JSONDecodeError as e:
         if "Extra data" in e.msg:
             return json.JSONDecoder().raw_decode(text)
         raise
-
-
-def _escaped(text: str, at: int) -> bool:
-    """Whether the character at ``at`` follows an odd run of backslashes."""
-    k = at
-    while k > 0 and text[k - 1] == "\\":
-        k -= 1
-    return (at - k) % 2 == 1
-
-
-def _closers(stack: list[tuple[int, str]]) -> str:
-    return "".join("}" if ch == "{" else "]" for _, ch in reversed(stack))
-
-
-def _fix_fast(s: str, allow_str: bool) -> tuple[str, str]:
-    """partial_json_parser's fix_fast: (the text kept, what completes it), its containers found by a scan of
-    the brackets and quotes."""
-    marks = [(m.start(), m.group()) for m in _JSON_MARKS.finditer(s)]
-    if not marks or marks[0][1] == '"':
-        return _fix(s, allow_str, True)
-    stack, in_string, string_start, string_end = [], False, -1, -1
-    i, ch = marks[-1]
-    for at, mark in marks:
-        if mark == '"':
-            if not in_string:
-                in_string, string_start = True, at
-            elif not _escaped(s, at):
-                in_string, string_end = False, at
-        elif not in_string:
-            if mark in "}]":
-                if stack.pop()[1] != ("{" if mark == "}" else "["):  # (IndexError where none is open)
-                    raise ValueError("mismatched bracket")
-            else:
-                stack.append((at, mark))
-    if not stack:
-        return s, ""
-    if not allow_str and in_string:  # cut before the last key
-        if stack[-1][0] > string_end and stack[-1][1] == "{":
-            return s[:stack[-1][0] + 1], _closers(stack)
-        comma = s.rfind(",", max(stack[-1][0], string_end) + 1, string_start)
-        if comma != -1:
-            return s[:comma], _closers(stack)
-        return _before_last_key(s, stack[-1][0], string_end, stack)
-    if in_string != (string_end < string_start):
-        raise ValueError("string bounds")
-    if in_string:
-        if stack[-1][1] == "[":
-            head, tail = _fix(s[string_start:], allow_str)
-            return s[:string_start] + head, tail + _closers(stack)
-        start = max(string_end, stack[-1][0])
-        if "," in s[start + 1:string_start]:
-            comma = s.rindex(",", start, string_start)
-            head, tail = _fix("{" + s[comma + 1:], allow_str)
-            return s[:comma] + head[1:], tail + _closers(stack[:-1])
-        if ":" in s[start + 1:string_start]:
-            head, tail = _fix(s[string_start:], allow_str)
-            return s[:string_start] + head, tail + _closers(stack)
-        return s[:string_start], _closers(stack)
-    comma = s.rfind(",", max(string_end, i) + 1)
-    if comma != -1:
-        i, ch = stack[-1]
-        if not s[comma + 1:].strip():
-            return s[:comma], _closers(stack)
-        if ch != "[":
-            raise ValueError("a comma after an object's value")
-        head, tail = _fix(ch + s[comma + 1:], allow_str)
-        if not head[1:] + tail[:-1].strip():
-            return s[:comma] + head[1:], tail + _closers(stack[:-1])
-        return s[:comma + 1] + head[1:], tail + _closers(stack[:-1])
-    if ch in "]}":
-        if s[i + 1:].strip():
-            raise ValueError("text after a closed container")
-        return s, _closers(stack)
-    if ch in "[{":
-        head, tail = _fix(s[i:], allow_str)
-        return s[:i] + head, tail + _closers(stack[:-1])
-    i, ch = stack[-1]
-    if ch == "[":
-        return s, _closers(stack)
-    colon, comma = s.rfind(":", string_end), s.rfind(",", i + 1, string_start)
-    if comma == -1:
-        head, tail = _fix(s[i:], allow_str)
-        return s[:i] + head, tail + _closers(stack[:-1])
-    if colon == -1:
-        if s.rfind(":", max(i, comma) + 1, string_start) != -1:
-            return s, _closers(stack)
-        head, tail = _fix("{" + s[comma + 1:], allow_str)
-        if not head[1:] + tail[:-1].strip():
-            return s[:comma] + head[1:], tail + _closers(stack[:-1])
-        return s[:comma + 1] + head[1:], tail + _closers(stack)
-    if colon <= comma:
-        raise ValueError("a key without a colon")
-    head, tail = _fix("{" + s[comma + 1:], allow_str)
-    if not head[1:] + tail[:-1].strip():
-        return s[:comma] + head[1:], tail + _closers(stack[:-1])
-    return s[:comma + 1] + head[1:], tail + _closers(stack[:-1])
-
-
-def _before_last_key(s: str, container: int, string_end: int, stack: list[tuple[int, str]]) -> tuple[str, str]:
-    """fix_fast's truncate_before_last_key_start."""
-    key = string_end
-    while True:
-        key = s.rfind('"', container, key)
-        if key == -1:
-            return s[:container + 1], _closers(stack)
-        if _escaped(s, key):
-            key -= 1
-            continue
-        comma = s.rfind(",", container, key)
-        return (s[:container + 1] if comma == -1 else s[:comma]), _closers(stack)
-
-
-def _fix(s: str, allow_str: bool, top: bool = False) -> tuple[str, str]:
-    """partial_json_parser's _fix: a descent over the value (of the text stripped, cut where the text is not)."""
-    result = _complete_any(s.strip(), allow_str, top)
-    if result is False:
-        raise ValueError("partial JSON")
-    index, completion = result
-    return s[:index], "" if completion is True else completion
-
-
-def _complete_any(s: str, allow_str: bool, top: bool = False) -> tuple[int, str | bool] | bool:
-    """(how much of ``s`` stays, and what completes it: True where nothing need), or False: drop it."""
-    ch = s[_BLANKS.match(s).end()]
-    if ch == '"':
-        return _complete_str(s, allow_str)
-    if ch in "1234567890":
-        return _complete_num(s, top)
-    if ch == "[":
-        return _complete_container(s, allow_str, "]")
-    if ch == "{":
-        return _complete_container(s, allow_str, "}")
-    for word in _WORDS:
-        if s.startswith(word):
-            return len(word), True
-        if word.startswith(s):
-            return 0, word
-    if ch == "-":
-        if len(s) == 1:
-            return False
-        if s[1] != "I":
-            return _complete_num(s, top)
-    for word in ("-Infinity", "NaN"):
-        if s.startswith(word):
-            return len(word), True
-        if word.startswith(s):
-            return 0, word
-    raise ValueError(f"unexpected character {ch!r}")
-
-
-def _complete_str(s: str, allow_str: bool) -> tuple[int, str | bool] | bool:
-    if s[0] != '"':
-        raise ValueError("a key that is no string")
-    i = _STRING_BODY.match(s).end()
-    if i < len(s) and s[i] == '"':
-        return i + 1, True
-    if not allow_str:
-        return False
-    for escape, width in (("\\u", 5), ("\\U", 9), ("\\x", 3)):  # an escape cut short goes
-        at = s.rfind(escape, max(0, i - width), i)
-        if at != -1 and not _escaped(s, at):
-            return at, '"'
-    return i, '"'
-
-
-def _complete_container(s: str, allow_str: bool, close: str) -> tuple[int, str | bool]:
-    """An array's or (``close`` "}") an object's values, each read by _complete_any: as far as they are
-    whole, then the last one's completion."""
-    i = j = 1
-    try:
-        while True:
-            j = _BLANKS.match(s, j).end()
-            if s[j] == close:
-                return j + 1, True
-            if close == "}":
-                key = _complete_str(s[j:], allow_str)
-                if not (key and key[1] is True):
-                    return i, close
-                j = _BLANKS.match(s, j + key[0]).end()
-                if s[j] != ":":
-                    raise ValueError("expected ':'")
-                j = _BLANKS.match(s, j + 1).end()
-            result = _complete_any(s[j:], allow_str)
-            if result is False:
-                return i, close
-            if result[1] is not True:
-                return j + result[0], result[1] + close
-            i = j = j + result[0]
-            j = _BLANKS.match(s, j).end()
-            if s[j] == ",":
-                j += 1
-            elif s[j] == close:
-                return j + 1, True
-            else:
-                raise ValueError(f"expected ',' or {close!r}")
-    except IndexError:
-        return i, close
-
-
-def _complete_num(s: str, top: bool) -> tuple[int, str | bool]:
-    i = 1
-    while i < len(s) and s[i] in "1234567890.-+eE":
-        i += 1
-    cut = False
-    while s[i - 1] in ".-+eE":
-        cut, i = True, i - 1
-    return (i, "") if cut or (i == len(s) and not top) else (i, True)
 
 
 def _common_prefix(a: str, b: str) -> int:

@@ -332,6 +332,14 @@ def test_llama3_json_chat_stream_is_vllm_0_32s():
         ["", [named(0, "a", arguments='{"x": [1, 2]}')]]]
 
 
+def test_llama3_json_chat_stream_with_brackets_that_do_not_match_sends_vllm_0_32s():
+    """Where a call's brackets do not match, partial_json_parser fails by an assertion (or an empty stack's pop):
+    as vLLM 0.32's (its peer, run), the stream sends nothing more from there, and raises nothing."""
+    assert llama_chunks(list('{"name": "a", "parameters": {"x": 1]}')) == [["", [named(0, "a")]]]
+    assert llama_chunks(list('{"name": "a", "parameters": {"x": [1}}')) == [
+        ["", [named(0, "a")]], ["", [args(0, '{"x": [')]]]
+
+
 class UnkeptLlama3JsonToolParser(Llama3JsonToolParser):
     KEEP_WHOLE = False  # all the calls' text read again at each delta, as vLLM's does
 
