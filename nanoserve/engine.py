@@ -187,7 +187,7 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None  # the logprobs of these tokens instead of the top-N (at most 128)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # words never to complete (their last token is banned after the rest)
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: all that leave max_tokens)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len - 1, as vLLM 0.32)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # taken as vLLM's: fast tokenizers decode as they do anyway
     detokenize: bool = True         # False: token ids only (as vLLM; benchmarks use it)
@@ -305,7 +305,7 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None:
             _check_int(self, "truncate_prompt_tokens")
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
-                bad("truncate_prompt_tokens", "None, -1 (as many as leave max_tokens to the output) or >= 1")
+                bad("truncate_prompt_tokens", "None, -1 (all but one token of max_model_len) or >= 1")
         if self.stop and not self.detokenize:
             bad("stop", "empty when detokenize=False (stop strings need the text)")
         if self.stream_interval is not None:
@@ -2028,10 +2028,12 @@ class LLMEngine:
         if self.tokenizer is None:
             raise InvalidInput("prompt", "a text prompt needs a tokenizer, but skip_tokenizer_init=True; "
                                          "pass token ids")
-        if len(prompt) > self.max_prompt_chars:
-            raise InvalidInput("prompt", f"the prompt ({len(prompt)} characters) is too long: no text over "
-                                         f"{self.max_prompt_chars} characters fits in max_model_len="
-                                         f"{self.max_model_len} tokens of this tokenizer")
+        if len(prompt) > self.max_prompt_chars:  # vLLM 0.32's words and param (TokenizeParams._text_len_check)
+            raise InvalidInput("input_text", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                             f"However, your prompt contains {len(prompt)} characters (more than "
+                                             f"{self.max_prompt_chars} characters, which is the upper bound for "
+                                             f"{self.max_model_len} input tokens). Please reduce the length of the "
+                                             f"input prompt.")
         try:
             prompt.encode("utf-8")  # fails on a lone surrogate, on which the tokenizer raises TypeError
         except UnicodeEncodeError:
@@ -2046,17 +2048,16 @@ class LLMEngine:
 
     def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, truncate_prompt_tokens: int | None = None,
                        add_special_tokens: bool = True, truncation_side: str = "left",
-                       max_tokens: int | None = None, output_tokens: int = 1,
-                       pad_to: int | None = None) -> TokenizedPrompt:
+                       output_tokens: int = 1, pad_to: int | None = None) -> TokenizedPrompt:
         """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
-        or the first with truncation_side "right"; -1: as many as leave ``max_tokens``,
-        at least one, to the output) and validate (raises InvalidInput); safe off the loop thread."""
+        or the first with truncation_side "right"; -1: all but ``output_tokens``) and
+        validate (raises InvalidInput); safe off the loop thread."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
         keep = truncate_prompt_tokens
         self.check_truncation(keep)
-        if keep == -1:  # as vLLM's: all that fits beside the output (it was max_model_len, which never fits)
-            keep = max(1, self.max_model_len - (max_tokens or 1))
+        if keep == -1:  # vLLM 0.32's max_truncation_tokens: one token of room kept, max_tokens then clamped to it
+            keep = max(1, self.max_model_len - output_tokens)
         if isinstance(prompt, torch.Tensor):
             return self._embeds_prompt(prompt, keep, truncation_side)
         text, token_ids = self.tokenize(prompt, add_special_tokens)
@@ -2108,15 +2109,28 @@ class LLMEngine:
 
     def check_prompt_length(self, num_tokens: int, output_tokens: int = 1) -> None:
         """Also before there is a list: the server counts a huge body's token ids in its bytes. A prompt
-        only counted (Anthropic's count_tokens) needs no ``output_tokens`` beside it, as in vLLM's."""
+        only counted (Anthropic's count_tokens) or embedded needs no ``output_tokens`` beside it, as in vLLM's."""
         if not num_tokens:
             raise InvalidInput("prompt", "the prompt is empty: give at least one token")
+        if num_tokens > self.max_model_len:
+            # vLLM 0.32's words and param (TokenizeParams._token_len_check): clients match "maximum context length"
+            raise InvalidInput("input_tokens", f"This model's maximum context length is {self.max_model_len} tokens. "
+                                               f"However, your prompt contains {num_tokens} input tokens, which "
+                                               f"exceeds this limit even without any output tokens. Please reduce "
+                                               f"the length of the input prompt.")
         if num_tokens + output_tokens > self.max_model_len:
-            # vLLM's wording: clients match "maximum context length" to detect an overflow
-            also = " (at least one output token must also fit)" if output_tokens else ""
-            raise InvalidInput("prompt", f"This model's maximum context length is {self.max_model_len} tokens. "
-                                         f"However, your request has {num_tokens} input tokens. Please reduce the "
-                                         f"length of the prompt{also}.")
+            # vLLM's get_max_tokens clamps max_tokens to the room, here none: its SamplingParams' 400, then why
+            raise InvalidInput("max_tokens", f"max_tokens must be at least 1, got 0. (The prompt's {num_tokens} "
+                                             f"tokens fill max_model_len, leaving no room for an output token: "
+                                             f"shorten the prompt.)")
+
+    def resolve_max_tokens(self, num_prompt: int, max_tokens: int | None) -> int:
+        """The one place of the length rule (vLLM 0.32's get_max_tokens): a request's max_tokens (the server
+        folded in the generation config's default and cap) is clamped to the room the prompt leaves in
+        max_model_len, never refused; None is all the room. Offline as served: vLLM's scheduler ends a request
+        at max_model_len with finish_reason "length" too."""
+        room = self.max_model_len - num_prompt
+        return room if max_tokens is None else min(max_tokens, room)
 
     def validate_params(self, params: SamplingParams) -> tuple[Any, list[list[int]]]:
         """Check ``params`` against this model (raises InvalidInput); returns the
@@ -2205,9 +2219,9 @@ class LLMEngine:
         params = params or SamplingParams()
         self.check_priority(priority)
         if isinstance(params, BeamSearchParams):
-            return self.add_beam_search(self.with_lora(self.process_prompt(prompt, max_tokens=params.max_tokens),
+            return self.add_beam_search(self.with_lora(self.process_prompt(prompt),
                                                        lora_request), params, request_id, priority)
-        prompt = self.process_prompt(prompt, params.truncate_prompt_tokens, max_tokens=params.max_tokens)
+        prompt = self.process_prompt(prompt, params.truncate_prompt_tokens)
         prompt = self.with_lora(prompt, lora_request)
         return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind, priority)
 
@@ -2356,8 +2370,7 @@ class LLMEngine:
         if prompt.prompt_embeds is not None:  # as vLLM's: its rounds' prompts are token ids
             raise InvalidInput("prompt_embeds", "beam search takes token or text prompts, not prompt_embeds")
         request_id = self._new_request_id(request_id)
-        room = self.max_model_len - len(prompt.token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = self.resolve_max_tokens(len(prompt.token_ids), params.max_tokens)
         bound = 700 / math.log(max(self.max_model_len, 2))  # past it, length ** length_penalty overflows a float
         if abs(params.length_penalty) > bound:
             raise InvalidInput("length_penalty", f"length_penalty must be within +-{bound:.1f} for max_model_len "
@@ -2416,8 +2429,7 @@ class LLMEngine:
             self._check_embeds_params(params)
         request_id = self._new_request_id(request_id, params.n)
         ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        room = self.max_model_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = self.resolve_max_tokens(len(token_ids), params.max_tokens)
         prompt_logprobs = None if params.prompt_logprobs is None else [None]
         for i in range(params.n):
             child = params
@@ -3341,7 +3353,7 @@ class LLM:
         if (wrong := next((p for p in params if not isinstance(p, SamplingParams)), None)) is not None:  # {} too
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(wrong).__name__}")
         engine = self.engine
-        inputs = [engine.with_lora(engine.process_prompt(prompt, p.truncate_prompt_tokens, max_tokens=p.max_tokens),
+        inputs = [engine.with_lora(engine.process_prompt(prompt, p.truncate_prompt_tokens),
                                    lora) for prompt, p, lora in zip(prompts, params, loras)]  # all before any
         checked = [engine.validate_params(p) for p in params]  # (grammar, bad_words) each
         for prompt, p in zip(inputs, params):  # what _add_validated would refuse, before any is queued
@@ -3368,7 +3380,7 @@ class LLM:
             raise TypeError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         engine = self.engine
         engine.check_runner("generate")
-        inputs = [engine.with_lora(engine.process_prompt(p, max_tokens=params.max_tokens), lora_request)
+        inputs = [engine.with_lora(engine.process_prompt(p), lora_request)
                   for p in _as_prompt_list(prompts)]
         batch, results = concurrency_limit or max(len(inputs), 1), []
         for start in range(0, len(inputs), batch):

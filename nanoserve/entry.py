@@ -3693,13 +3693,14 @@ class Generation:
             cls.settle(state, req)
             params = req.sampling_params(state.engine.default_sampling, state.engine.override_max_tokens)
             gen = cls(state, request_id, req, params)
+            gen.check_max_tokens()
             check_queue(state, req, gen.params.n)
             await gen.render_own_template()
             prompts = await state.off_loop(gen.process_prompts)
             if gen.params.structured_outputs is not None:
                 await state.compile_grammar(gen.params.structured_outputs)
             for prompt in prompts:
-                gen.check_length(len(prompt.token_ids))
+                gen.check_min_tokens(len(prompt.token_ids))
             check_queue(state, req, gen.params.n)  # again: others may have queued meanwhile
             await gen.add_requests(prompts)
             return gen
@@ -3734,7 +3735,7 @@ class Generation:
         """On the tokenizer thread: render, tokenize and check every prompt."""
         req = self.req
         prompts = [self.state.engine.process_prompt(p, req.truncate_prompt_tokens, req.add_special_tokens,
-                                                    req.truncation_side, self.params.max_tokens)
+                                                    req.truncation_side)
                    for p in self.prompt_inputs()]
         for p in prompts:
             p.cache_salt = req.cache_salt
@@ -3742,19 +3743,24 @@ class Generation:
         self.params.update_from_tokenizer(self.state.engine.tokenizer)  # its bad_words, not on the loop
         return prompts
 
-    def check_length(self, num_prompt: int) -> None:
-        """OpenAI's rule: prompt + the body's max_tokens must fit (a cap from the model's generation
-        config is the engine's to apply to the room left, as vLLM's get_max_tokens does). A prompt too
-        long by itself is the engine's error, raised first."""
+    def check_max_tokens(self) -> None:
+        """vLLM 0.32's one bound on the body's max_tokens, before tokenizing: at most max_model_len
+        (TokenizeParams). Past the room a prompt leaves it is clamped, not refused (the engine's
+        resolve_max_tokens, vLLM's get_max_tokens)."""
         max_tokens, max_model_len = self.req.requested_max_tokens(), self.state.engine.max_model_len
-        if max_tokens is not None and num_prompt + max_tokens > max_model_len:
-            name, what = self.req.param_name("max_tokens"), self.req.prompt_field
-            raise bad_request(  # vLLM's wording, which clients match, then what to do
-                f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-                f"context length is {max_model_len} "
-                f"tokens and your request has {num_prompt} input tokens ({max_tokens} > {max_model_len} - "
-                f"{num_prompt}). Lower {name} to at most {max(max_model_len - num_prompt, 0)} or shorten the "
-                f"{what}.", name)
+        if max_tokens is not None and max_tokens > max_model_len:
+            name = self.req.param_name("max_tokens")
+            raise bad_request(f"{name}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+                              f"Please request fewer output tokens.", name)
+
+    def check_min_tokens(self, num_prompt: int) -> None:
+        """vLLM's server builds SamplingParams with the clamped max_tokens, so min_tokens past the room is its
+        400 (where offline the request would end at max_model_len with fewer)."""
+        max_tokens = self.state.engine.resolve_max_tokens(num_prompt, self.params.max_tokens)
+        if self.params.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got "
+                              f"{self.params.min_tokens}. (The prompt's {num_prompt} tokens leave room for "
+                              f"{max_tokens} in max_model_len.)", "min_tokens")
 
     async def add_requests(self, prompts: list[TokenizedPrompt]) -> None:
         """One engine request per prompt, each putting its outputs in ``self.queue``. Between
@@ -5030,7 +5036,7 @@ class ResponsesGeneration(ChatGeneration):
         from_request echoes them (the sampling ones as applied); the usage's details always, as vLLM's."""
         src, params, prompt = self.src, self.params, len(self.prompts[0].token_ids)
         status = "in_progress" if finish_reason is None else "incomplete" if finish_reason == "length" else "completed"
-        room, output_tokens = self.state.engine.max_model_len - prompt, self.num_output_tokens()
+        output_tokens = self.num_output_tokens()
         usage = {"input_tokens": prompt, "output_tokens": output_tokens, "total_tokens": prompt + output_tokens,
                  "input_tokens_details": {"cached_tokens": self.num_cached_tokens(), "cache_write_tokens": 0,
                                           "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
@@ -5039,7 +5045,8 @@ class ResponsesGeneration(ChatGeneration):
         return {"id": self.response_id, "object": "response", "created_at": self.created, "status": status,
                 "background": False, "error": None, "model": model, "output": output,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-                "max_output_tokens": min(params.max_tokens or room, room), "temperature": params.temperature,
+                "max_output_tokens": self.state.engine.resolve_max_tokens(prompt, params.max_tokens),
+                "temperature": params.temperature,
                 "top_p": params.top_p, "top_logprobs": params.logprobs, "previous_response_id": None,
                 "text": src.text and response_text(src.text), "tools": [t.model_dump() for t in src.tools or []],
                 **{k: getattr(src, k) for k in ("instructions", "max_tool_calls", "metadata", "parallel_tool_calls",

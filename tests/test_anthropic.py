@@ -347,7 +347,7 @@ BAD = [  # body (the model added unless given), status, a word the message must 
     ({"messages": M}, 400, "max_tokens"),
     ({"messages": M, "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": M, "max_tokens": "many"}, 400, "max_tokens"),
-    ({"messages": M, "max_tokens": 500}, 400, "max_tokens"),  # over --max-model-len with the prompt
+    ({"messages": M, "max_tokens": 100000}, 400, "max_tokens"),  # over --max-model-len itself (with the prompt: clamped)
     ({"model": None, "messages": M, "max_tokens": 1}, 400, "model"),
     ({"model": "claude-x", "messages": M, "max_tokens": 1}, 404, "model"),
     ({"max_tokens": 1}, 400, "messages"),
@@ -454,7 +454,8 @@ def test_count_tokens_is_bounded_as_a_message_is(server):
     r = post("/v1/messages/count_tokens", fits)
     assert r.status_code == 200 and limit - (two - one) // 10 <= r.json()["input_tokens"] <= limit, r.text
     over = post("/v1/messages/count_tokens", 2 * limit)
-    check_error(over, 400, f"maximum context length is {limit} tokens. However, your request has ")
+    check_error(over, 400, f"maximum context length is {limit} tokens. However, your prompt contains ")
     check_error(post("/v1/messages", 2 * limit, max_tokens=1), 400, over.json()["error"]["message"][:-1])
-    check_error(post("/v1/messages/count_tokens", server.engine.max_prompt_chars // 6 + 1), 400, "no text over")
+    check_error(post("/v1/messages/count_tokens", server.engine.max_prompt_chars // 6 + 1), 400,
+                f"(more than {server.engine.max_prompt_chars} characters, which is the upper bound")
     server.wait_idle()

@@ -173,7 +173,8 @@ FIELDS = {path: sorted({name for s in schemas for name in s.model_fields} | set(
                        | (RESPONSES_PASSED_ON if path == "/v1/responses" else set()))
           for path, schemas in SCHEMAS.items()}
 # A field an error may name though the body left it out: one it requires (or that another it gave requires)
-REQUIRED = {"prompt", "messages", "input", "max_tokens", "model", "tokens", "X-Request-Id", "repetition_min_count"}
+REQUIRED = {"prompt", "messages", "input", "max_tokens", "model", "tokens", "X-Request-Id", "repetition_min_count",
+            "input_tokens", "input_text"}  # these two: vLLM 0.32's names for the prompt's length, which clients read
 
 BIG_INTS = (2**31 - 1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64, -2**63 - 1, 10**30, 10**300)
 WORDS = ("", " ", "a", "0", "1", "-1", "1.5", "1e3", "NaN", "true", "null", "none", "auto", "required", "text",

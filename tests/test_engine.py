@@ -287,8 +287,9 @@ def small(model):
 
 
 @pytest.mark.parametrize("prompt, match", [
-    ([1] * 40, r"maximum context length is 32 tokens. However, your request has 40 input tokens"),
-    ([1] * 32, r"maximum context length is 32 tokens.*32 input tokens.*one output token"),  # exactly max_model_len leaves no room for an output token
+    ([1] * 40, r"^This model's maximum context length is 32 tokens. However, your prompt contains 40 input tokens, "
+               r"which exceeds this limit even without any output tokens"),
+    ([1] * 32, r"^max_tokens must be at least 1, got 0\. \(The prompt's 32 tokens fill max_model_len"),  # no room left
     ([], r"empty"),
     ("", r"empty"),
     ([1, VOCAB, 2], rf"\[0, {VOCAB}\)"),

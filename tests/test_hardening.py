@@ -116,7 +116,7 @@ def test_health_answers_while_a_large_body_is_decoded(server, monkeypatch):
     monkeypatch.setattr(entry, "parse_json_object", held_parse)
     too_long = [1] * (server.engine.max_model_len + 1)
     body = {"prompt": [too_long] * (entry.LARGE_BODY_BYTES // (3 * len(too_long)) + 1), "max_tokens": 1}
-    _check_error(_health_while_held(server, body, entered, release), 400, "prompt")  # too long, found after decoding
+    _check_error(_health_while_held(server, body, entered, release), 400, "input_tokens")  # too long, after decoding
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations", "/tokenize"])
@@ -149,16 +149,16 @@ def test_a_huge_token_id_prompt_is_refused_from_its_bytes(server, monkeypatch):
                         lambda raw, yielding=False: decoded.append(1) or parse(raw, yielding))
     num = entry.LARGE_BODY_BYTES // 3 + 1000
     raw = '{"model": "m",  "prompt" :\n [ 7,' + " 1," * (num - 2) + ' 3 ], "max_tokens": 1}'
-    err = _check_error(_post(server.url, raw), 400, "prompt")
+    err = _check_error(_post(server.url, raw), 400, "input_tokens")
     assert err["message"].startswith(f"This model's maximum context length is {server.engine.max_model_len} "
-                                      f"tokens. However, your request has {num} input tokens.")
+                                      f"tokens. However, your prompt contains {num} input tokens, which exceeds")
     assert decoded == []
     pad = " " * entry.LARGE_BODY_BYTES  # JSON whitespace: large, and a prompt that fits
     assert _post(server.url, '{"prompt": [5, 6, 7],' + pad + '"max_tokens": 1}').status_code == 200
     assert decoded == [1]
     for body in ({"prompt": [1] * num, "stop": ["prompt"]}, {"prompt": [1] * num, "user": "é"},
                  {"prompt": [[1] * num]}):
-        _check_error(_post(server.url, json.dumps(body)), 400, "prompt")
+        _check_error(_post(server.url, json.dumps(body)), 400, "input_tokens")
     assert "not valid JSON" in _check_error(_post(server.url, '{"prompt": [' + "1, " * num), 400, None)["message"]
     assert decoded == [1] * 5
     # truncated to what fits, a huge prompt is a good request: decoded, and served
@@ -176,18 +176,20 @@ def test_a_text_longer_than_any_prompt_that_fits_is_refused_untokenized(server):
     try:
         bound = server.engine.max_prompt_chars
         assert 0 < bound < 2**20
-        for path, body, param in [
-                ("/v1/completions", {"prompt": "x" * (bound + 1)}, "prompt"),
-                ("/v1/completions", {"prompt": ["hi", "x" * (bound + 1)]}, "prompt"),
-                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (bound + 1)}]}, "messages"),
-                ("/tokenize", {"prompt": "x" * (bound + 1)}, "prompt")]:
-            err = _check_error(_post(server.url, body, path), 400, param)
-            assert f"no text over {bound} characters fits" in err["message"], err
+        for path, body in [
+                ("/v1/completions", {"prompt": "x" * (bound + 1)}),
+                ("/v1/completions", {"prompt": ["hi", "x" * (bound + 1)]}),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * (bound + 1)}]}),
+                ("/tokenize", {"prompt": "x" * (bound + 1)})]:
+            err = _check_error(_post(server.url, body, path), 400, "input_text")  # vLLM's words and param
+            assert err["message"].startswith("This model's maximum context length is "
+                                             f"{server.engine.max_model_len} tokens. However, your prompt contains "), err
+            assert f"(more than {bound} characters, which is the upper bound for" in err["message"], err
         assert all(n <= bound for n in calls), calls  # only "hi" was tokenized
     finally:
         del tokenizer.encode
     # a token-id prompt over the limit is refused on its length, before its ids are checked
-    err = _check_error(_post(server.url, {"prompt": [1] + ["a"] * 100_000}), 400, "prompt")
+    err = _check_error(_post(server.url, {"prompt": [1] + ["a"] * 100_000}), 400, "input_tokens")
     assert "maximum context length" in err["message"]
     server.wait_idle()
 
@@ -377,14 +379,24 @@ def test_allowed_token_ids_reach_the_sampler_once_each(server, monkeypatch):
 
 
 def test_truncating_to_fit_fits(server, offline_small):
-    """truncate_prompt_tokens -1 keeps the prompt's last tokens that leave max_tokens (at least one) to the
-    output, as vLLM's: it kept max_model_len of them, which no request can have, so it was always a 400."""
+    """truncate_prompt_tokens -1 keeps max_model_len - 1 tokens, whatever max_tokens, which is then clamped to the
+    one token left (vLLM 0.32's max_truncation_tokens and get_max_tokens); truncating to max_model_len leaves no
+    room: vLLM's clamped "max_tokens must be at least 1, got 0"."""
     limit = server.engine.max_model_len
-    for body, kept in (({"max_tokens": 3}, limit - 3), ({}, limit - 16)):  # completions' default max_tokens
-        r = _post(server.url, {"prompt": [5] * (limit + 50), "truncate_prompt_tokens": -1, **body})
-        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == kept, r.text
-    out = offline_small.generate([[5] * 100], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)
-    assert len(out[0].prompt_token_ids) == offline_small.engine.max_model_len - 4
+    for body in ({"max_tokens": 3}, {}):  # completions' default max_tokens 16 too
+        r = _post(server.url, {"prompt": [5] * (limit + 50), "truncate_prompt_tokens": -1, "ignore_eos": True, **body})
+        assert r.status_code == 200, r.text
+        out = r.json()
+        usage = out["usage"]
+        assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (limit - 1, 1, limit)
+        assert out["choices"][0]["finish_reason"] == "length"
+    err = _check_error(_post(server.url, {"prompt": [5] * (limit + 50), "truncate_prompt_tokens": limit}), 400,
+                       "max_tokens")
+    assert err["message"].startswith("max_tokens must be at least 1, got 0."), err
+    out = offline_small.generate([[5] * 100], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1,
+                                                             ignore_eos=True), use_tqdm=False)
+    assert len(out[0].prompt_token_ids) == offline_small.engine.max_model_len - 1
+    assert len(out[0].outputs[0].token_ids) == 1 and out[0].outputs[0].finish_reason == "length"
     for path, body in (("/v1/completions", {"prompt": [5] * 4}), ("/v1/chat/completions", {"messages": [
             {"role": "user", "content": "hi"}]})):  # more than max_model_len: vLLM's 400 (it was served whole)
         r = _post(server.url, {**body, "truncate_prompt_tokens": limit + 1, "max_tokens": 1}, path=path)

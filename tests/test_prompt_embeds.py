@@ -176,7 +176,7 @@ def _zip_bomb() -> str:
 ], ids=["base64", "not-zip", "dict", "shape", "sparse", "too-long", "zip-bomb"])
 def test_bad_embeddings_are_400s(server, value, says):
     r = _complete(server, {"prompt_embeds": value})
-    assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt_embeds", "prompt"), r.text
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("prompt_embeds", "prompt", "input_tokens"), r.text
     assert says in r.json()["error"]["message"], r.text
 
 

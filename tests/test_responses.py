@@ -372,8 +372,8 @@ SHAPES = {  # a Responses body, and the chat body that asks the same (both greed
     "named": (dict(input=ASK, tools=TOOLS, tool_choice=NAMED[0], max_output_tokens=80),
               dict(messages=ASK, tools=CHAT_TOOLS, tool_choice=NAMED[1], max_tokens=80)),
     "truncation": (dict(input="x " * 600, truncation="auto", max_output_tokens=5, ignore_eos=True),
-                   dict(messages=[{"role": "user", "content": "x " * 600}], truncate_prompt_tokens=512 - 5,
-                        max_tokens=5, ignore_eos=True)),
+                   dict(messages=[{"role": "user", "content": "x " * 600}], truncate_prompt_tokens=512 - 1,
+                        max_tokens=5, ignore_eos=True)),  # max_model_len - 1 kept, max_tokens clamped to 1
 }
 
 
@@ -566,8 +566,9 @@ BAD = [  # body, param, words the message must have
     ({"input": "x", "temperature": "hot"}, "temperature", "temperature"),
     ({"input": "x", "temperature": -1}, "temperature", "temperature"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
-    ({"input": "x", "max_output_tokens": 10000}, "max_output_tokens", "Lower max_output_tokens to at most"),
-    ({"input": "x" * 4000}, "input", "maximum context length"),
+    ({"input": "x", "max_output_tokens": 10000}, "max_output_tokens", "max_output_tokens=10000 cannot be greater "
+                                                                      "than max_model_len="),
+    ({"input": "x" * 4000}, "input_tokens", "maximum context length"),
     ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": -2}, "top_logprobs", "top_logprobs"),
     ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 99}, "top_logprobs", ""),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
@@ -600,11 +601,13 @@ def test_chat_only_fields_are_ignored(server, caplog):
 
 
 def test_truncation_auto_leaves_room_for_the_answer(server):
-    """As vLLM's: truncation "auto" keeps the input's last tokens that leave max_output_tokens; "disabled" (the
-    default) refuses an input too long for the context."""
+    """As vLLM 0.32's: truncation "auto" keeps the input's last max_model_len - 1 tokens, and max_output_tokens is
+    clamped to the one left (reported as applied); "disabled" (the default) refuses an input too long for the
+    context."""
     room = server.engine.max_model_len
     body = dict(input="x " * room, max_output_tokens=5, temperature=0, ignore_eos=True)
     assert httpx.post(server.url + "/v1/responses", json=body, timeout=60).status_code == 400
     r = create(server, **body, truncation="auto")
-    assert r["usage"]["input_tokens"] == room - 5 and r["usage"]["output_tokens"] == 5, r["usage"]
+    assert r["usage"]["input_tokens"] == room - 1 and r["usage"]["output_tokens"] == 1, r["usage"]
+    assert r["status"] == "incomplete" and r["max_output_tokens"] == 1, r
     server.wait_idle()

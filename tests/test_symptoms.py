@@ -77,24 +77,36 @@ def test_server_wont_start_or_out_of_memory_at_startup(tiny_model, monkeypatch, 
 
 def test_prompt_rejected(server, logs):
     """Prompt rejected (400)."""
-    # a prompt that alone is as long as --max-model-len
+    # a prompt longer than --max-model-len by itself: vLLM 0.32's words and param
     r = _post(server.url, {"prompt": list(range(1, 301)), "max_tokens": 1}, "long-prompt-1")
     err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == "prompt"
-    assert "This model's maximum context length is 256 tokens. However, your request has 300 input tokens" \
-        in err["message"]
-    # a prompt that fits, but not with max_tokens
-    r = _post(server.url, {"prompt": list(range(1, 201)), "max_tokens": 100}, "long-prompt-2")
+    assert r.status_code == 400 and err["param"] == "input_tokens", err
+    assert err["message"] == ("This model's maximum context length is 256 tokens. However, your prompt contains 300 "
+                              "input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                              "the length of the input prompt.")
+    # exactly --max-model-len: max_tokens is clamped to the room, none (vLLM's SamplingParams check)
+    r = _post(server.url, {"prompt": list(range(1, 257)), "max_tokens": 5}, "long-prompt-2")
     err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == "max_tokens"
-    assert err["message"].startswith("'max_tokens' or 'max_completion_tokens' is too large: 100. This model's "
-                                     "maximum context length is 256 "
-                                     "tokens and your request has 200 input tokens (100 > 256 - 200).")
-    assert "Lower max_tokens to at most 56" in err["message"]
+    assert r.status_code == 400 and err["param"] == "max_tokens", err
+    assert err["message"].startswith("max_tokens must be at least 1, got 0."), err
+    # max_tokens past --max-model-len whatever the prompt (vLLM's TokenizeParams check), chat's own field named
+    r = _post(server.url, {"prompt": "hi", "max_tokens": 257}, "long-prompt-3")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "max_tokens", err
+    assert err["message"] == "max_tokens=257 cannot be greater than max_model_len=256. Please request fewer output tokens."
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert r.json()["error"]["message"].startswith("max_completion_tokens=1000 cannot be greater than max_model_len=256.")
+    # min_tokens the room cannot hold (vLLM builds SamplingParams with the clamped max_tokens)
+    r = _post(server.url, {"prompt": list(range(1, 251)), "max_tokens": 20, "min_tokens": 10})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "min_tokens", err
+    assert err["message"].startswith("min_tokens must be less than or equal to max_tokens=6, got 10."), err
     lines = logs()
     assert any(line.startswith("[entry] long-prompt-1: POST /v1/completions -> 400: This model's maximum context length")
                for line in lines), lines
-    assert any(line.startswith("[entry] long-prompt-2: POST /v1/completions -> 400: 'max_tokens' or")
+    assert any(line.startswith("[entry] long-prompt-3: POST /v1/completions -> 400: max_tokens=257 cannot")
                for line in lines), lines
 
 
@@ -178,10 +190,32 @@ def test_output_cut_short(server, logs):
                    json={"messages": messages, "ignore_eos": True}).json()
     assert r["choices"][0]["finish_reason"] == "length"
     assert r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] == 256
+    # max_tokens past the room the prompt leaves: served, clamped to it (vLLM 0.32's get_max_tokens)
+    r = _post(server.url, {"prompt": list(range(1, 201)), "max_tokens": 100, "ignore_eos": True}, "cut-room").json()
+    assert r["choices"][0]["finish_reason"] == "length", r
+    assert (r["usage"]["prompt_tokens"], r["usage"]["completion_tokens"], r["usage"]["total_tokens"]) == (200, 56, 256)
+    r = httpx.post(server.url + "/v1/chat/completions", headers={"X-Request-Id": "cut-chat-room"}, timeout=30,
+                   json={"messages": messages, "max_tokens": 200, "ignore_eos": True}).json()
+    assert r["choices"][0]["finish_reason"] == "length", r
+    assert r["usage"]["prompt_tokens"] == n_prompt and r["usage"]["completion_tokens"] == 256 - n_prompt, r["usage"]
+    r = httpx.post(server.url + "/v1/responses", timeout=30,
+                   json={"input": messages, "max_output_tokens": 200, "ignore_eos": True}).json()
+    assert r["status"] == "incomplete" and r["max_output_tokens"] == 256 - n_prompt, r  # as applied, as vLLM's
+    assert r["usage"]["input_tokens"] == n_prompt and r["usage"]["output_tokens"] == 256 - n_prompt, r["usage"]
+    r = httpx.post(server.url + "/v1/messages", timeout=30,
+                   json={"model": server.args.served_model_name[0], "messages": messages, "max_tokens": 200,
+                         "ignore_eos": True}).json()
+    assert r["stop_reason"] == "max_tokens", r
+    assert r["usage"]["input_tokens"] == n_prompt and r["usage"]["output_tokens"] == 256 - n_prompt, r["usage"]
     key = "nanoserve:request_success_total{finished_reason=length}"
-    assert _metrics(server.url)[key] == before.get(key, 0) + 3
-    for rid in ("cut-default", "cut-5", "cut-chat"):
+    assert _metrics(server.url)[key] == before.get(key, 0) + 7
+    for rid in ("cut-default", "cut-5", "cut-chat", "cut-room", "cut-chat-room"):
         assert any(line.startswith(f"[entry] {rid}: finished (length) in ") for line in logs()), rid
+    # beam search's max_tokens too (vLLM's to_beam_search_params takes the clamped one)
+    r = _post(server.url, {"prompt": list(range(1, 251)), "max_tokens": 50, "use_beam_search": True, "n": 2,
+                           "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 2 and r.json()["usage"]["prompt_tokens"] == 250
 
 
 def test_throughput_drops_under_load_preemptions(tiny_model, logs):
