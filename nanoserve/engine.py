@@ -204,9 +204,7 @@ class SamplingParams:
                                                  StructuredOutputsParams)
         self.repetition_detection = _nested_params(self.repetition_detection, "repetition_detection",
                                                    RepetitionDetectionParams)
-        for name in _BOOL_FIELDS:  # a non-bool went as far as the detokenizer, and failed the request there
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidInput(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        _check_bools(self, _BOOL_FIELDS)  # a non-bool went as far as the detokenizer, and failed the request there
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         # `==` and truthiness below must not meet a tensor or an array (their answer is one per element)
@@ -361,9 +359,8 @@ class BeamSearchParams:
             raise InvalidInput("length_penalty", f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if not _is_num(self.temperature) or not 0 <= self.temperature < math.inf:  # taken, and changes nothing
             raise InvalidInput("temperature", f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
-            if not isinstance(getattr(self, name), bool):  # read by the beams' requests, where it failed them
-                raise InvalidInput(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        # read by the beams' requests, where a non-bool failed them
+        _check_bools(self, ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"))
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, (list, tuple)):
             raise InvalidInput("allowed_token_ids", f"allowed_token_ids must be a list, got "
                                                     f"{type(self.allowed_token_ids).__name__}")
@@ -404,6 +401,12 @@ def _check_int(p: SamplingParams, name: str) -> None:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_bools(p: Any, names: Iterable[str]) -> None:
+    for name in names:
+        if not isinstance(getattr(p, name), bool):
+            raise InvalidInput(name, f"{name} must be True or False, got {getattr(p, name)!r}")
 
 
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
@@ -1335,7 +1338,7 @@ def validate_and_normalize_dynamic_sd_schedule(schedule: Any) -> list[tuple[int,
         if not isinstance(entry, list | tuple) or len(entry) != 3:
             raise ValueError("Each num_speculative_tokens_per_batch_size entry must be a 3-item sequence: "
                              "(range_start, range_end, num_speculative_tokens).")
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in entry):  # vLLM's pydantic field
+        if not all(_is_int(x) for x in entry):  # vLLM's pydantic field
             # takes integers only too (its int() would truncate 2.5 silently)
             raise ValueError(f"num_speculative_tokens_per_batch_size entries must be integers, got {list(entry)!r}.")
         start, end, k = entry
