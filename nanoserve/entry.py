@@ -157,12 +157,17 @@ def _whole(number: float, text: str, what: str) -> int:
     return int(number)
 
 
+def _json_or_none(text: str) -> Any:
+    """A flag's JSON value, None where it is not JSON (or nested too deep for json: a RecursionError)."""
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+
+
 def _json_list(text: str) -> list[str]:
     """--allowed-origins and its kin, as vLLM takes them: a JSON list of strings."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-        value = None
+    value = _json_or_none(text)
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings such as '[\"*\"]', got {text!r}")
     return value
@@ -170,10 +175,7 @@ def _json_list(text: str) -> list[str]:
 
 def _json_object_or_level(text: str) -> dict[str, Any] | int:
     """--compilation-config, as vLLM's: a JSON object, or an integer (a level)."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-        value = None
+    value = _json_or_none(text)
     if not isinstance(value, (dict, int)) or isinstance(value, bool):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"cudagraph_capture_sizes\": [1, 2, 4]}}' "
                                          f"or a level, got {text!r}")
@@ -183,10 +185,7 @@ def _json_object_or_level(text: str) -> dict[str, Any] | int:
 def _lora_module(text: str) -> LoRARequest:
     """--lora-modules' items as vLLM takes them: NAME=PATH, or a JSON object with "name" and "path"
     (its "base_model_name" is the served model's anyway). Ids are given in parse_args."""
-    try:
-        value = json.loads(text) if text.lstrip().startswith("{") else dict(zip(("name", "path"), text.split("=", 1)))
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-        value = None
+    value = _json_or_none(text) if text.lstrip().startswith("{") else dict(zip(("name", "path"), text.split("=", 1)))
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(value.get("path"), str) \
             or not value["name"] or not value["path"]:
         raise argparse.ArgumentTypeError(f"expected NAME=PATH or '{{\"name\": NAME, \"path\": PATH}}', got {text!r}")
@@ -195,10 +194,7 @@ def _lora_module(text: str) -> LoRARequest:
 
 def _json_object(text: str) -> dict[str, Any]:
     """--override-generation-config and its kin: a JSON object."""
-    try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested too deep
-        value = None
+    value = _json_or_none(text)
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"temperature\": 0.5}}', got {text!r}")
     return value
@@ -613,17 +609,18 @@ def api_keys(flag: list[str] | None) -> tuple[list[str] | None, str | None]:
 
 def load_chat_template(value: str) -> str:
     """--chat-template, as vLLM reads it: a file's text, or the value itself when it is a template."""
+    error = None
     try:
         path = Path(value).expanduser()
         if path.is_file():
             return path.read_text()
     except (OSError, RuntimeError) as e:  # a name too long for a file's (ENAMETOOLONG), ~nosuchuser, unreadable
-        if any(c in value for c in "{}\n"):
-            return value
-        raise ValueError(f"--chat-template {value[:60]!r}: cannot read it as a file ({e.__class__.__name__}: "
-                         f"{getattr(e, 'strerror', None) or e}), and it is not a Jinja template either") from None
+        error = e
     if any(c in value for c in "{}\n"):
         return value
+    if error is not None:
+        raise ValueError(f"--chat-template {value[:60]!r}: cannot read it as a file ({error.__class__.__name__}: "
+                         f"{getattr(error, 'strerror', None) or error}), and it is not a Jinja template either")
     raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template either")
 
 
@@ -3296,10 +3293,9 @@ async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) ->
             params = engine.check_pooling_params(req.pooling_params())
             engine.check_priority(req.priority)
             texts = await _render_chats(state, req)
-            prompts = await state.off_loop(_pooling_prompts, state, req, params, texts)
+            prompts = await state.off_loop(_pooling_prompts, state, req, params, texts, lora)
             check_queue(state, req, 1)  # again: others may have queued meanwhile
         for i, prompt in enumerate(prompts):
-            prompt.lora_int_id = None if lora is None else lora.lora_int_id
             ids.append(request_id if len(prompts) == 1 else f"{request_id}-{i}")
             state.async_llm.add_request(prompt, params, ids[-1], queue, priority=req.priority)
         vectors = await _embeddings_or_disconnect(request, queue, ids, state.metrics)
@@ -3336,21 +3332,20 @@ async def _render_chats(state: ServerState, req: EmbeddingRequest) -> list[str |
 
 
 def _pooling_prompts(state: ServerState, req: EmbeddingRequest, params: PoolingParams,
-                     texts: list[str | None] | None) -> list[TokenizedPrompt]:
+                     texts: list[str | None] | None, lora: LoRARequest | None) -> list[TokenizedPrompt]:
     """On the tokenizer thread: input's prompts, or messages' chats rendered by the chat template
     (with no special tokens of the tokenizer's own unless asked, as vLLM's)."""
-    engine = state.engine
     if req.messages is None:
-        special = True if req.add_special_tokens is None else req.add_special_tokens
-        prompts = [engine.process_pooling_prompt(p, params, special, req.truncation_side, req.padding)
-                   for p in req.input]
+        sources, special = req.input, req.add_special_tokens is not False
     else:
-        texts = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
-                 for chat, text in zip(req.messages, texts)]
-        prompts = [engine.process_pooling_prompt(text, params, bool(req.add_special_tokens), req.truncation_side,
-                                                 req.padding) for text in texts]
-    for p in prompts:
+        sources = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
+                   for chat, text in zip(req.messages, texts)]
+        special = bool(req.add_special_tokens)
+    prompts = [state.engine.process_pooling_prompt(p, params, special, req.truncation_side, req.padding)
+               for p in sources]
+    for p in prompts:  # as Generation.process_prompts
         p.cache_salt = req.cache_salt
+        p.lora_int_id = None if lora is None else lora.lora_int_id
     return prompts
 
 
@@ -4303,6 +4298,10 @@ class ChatTemplateWorker:
 
     def start_soon(self) -> None:
         """Start the worker on a thread (the server's start-up does not wait); one line in the log if it cannot."""
+        def refuse() -> None:
+            logger.warning("[entry] --trust-request-chat-template: requests' own chat templates will be refused: %s",
+                           self.error)
+
         def start() -> None:
             with self.turn:
                 try:
@@ -4311,12 +4310,9 @@ class ChatTemplateWorker:
                     if self.closed:  # the server stopped as it started
                         return
                     self.error = f"no worker process can start ({e})"
-            if self.error:
-                logger.warning("[entry] --trust-request-chat-template: requests' own chat templates will be "
-                               "refused: %s", self.error)
+                    refuse()
         if self.error:
-            logger.warning("[entry] --trust-request-chat-template: requests' own chat templates will be refused: %s",
-                           self.error)
+            refuse()
         else:
             threading.Thread(target=start, name="nanoserve-template-start", daemon=True).start()
 
@@ -4490,13 +4486,6 @@ class WorkerTokenizer:
 class _RenderError(Exception):
     """An exception the render raised, by its words (``str(e) or type(e).__name__``, as the engine words it)."""
 
-    def __init__(self, words: str):
-        super().__init__(words)
-        self.words = words
-
-    def __str__(self) -> str:
-        return self.words
-
 
 def _RenderedSyntaxError(words: str, lineno: int | None) -> Exception:
     """jinja2's TemplateSyntaxError as the render raised it: its words and line."""
@@ -4512,7 +4501,6 @@ def _RenderedSyntaxError(words: str, lineno: int | None) -> Exception:
 
 def serve_template_worker(r_fd: int, w_fd: int) -> None:
     """Render each request that comes, until the server closes the pipe (or ends)."""
-    import signal
     from_server, to_server = Connection(r_fd, writable=False), Connection(w_fd, readable=False)
     try:
         setup = pickle.loads(from_server.recv_bytes())
@@ -4578,7 +4566,6 @@ def _cap_worker_memory(extra: int) -> None:
     """No more than ``extra`` bytes beyond what the worker holds now: past it, an allocation is a MemoryError
     (RLIMIT_DATA: the heap and private mappings, where Python's large objects go; RLIMIT_AS as well, for
     kernels before 4.7, where RLIMIT_DATA did not cover mappings)."""
-    import resource
     status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
     for limit, key in ((resource.RLIMIT_DATA, "VmData"), (resource.RLIMIT_AS, "VmSize")):
         cap = int(status[key].split()[0]) * 1024 + extra
