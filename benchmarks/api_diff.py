@@ -355,6 +355,7 @@ def pooling_battery(model: str, max_len: int) -> list[Case]:
         pool("encode", task="encode"), pool("dims", dimensions=32), pool("base64", encoding_format="base64"),
         pool("bytes", encoding_format="bytes"), pool("messages", input=None, messages=msgs),
         pool("empty", input=""), pool("unknown_field", foo=1), pool("use_activation_false", use_activation=False),
+        *score_cases(model, long_prompt),
         Case("tok.prompt", "/tokenize", {"model": model, "prompt": "import os\n"}),
         Case("tok.messages", "/tokenize", {"model": model, "messages": msgs}),
         Case("tok.int", "/tokenize", {"model": model, "prompt": 5}),
@@ -366,6 +367,48 @@ def pooling_battery(model: str, max_len: int) -> list[Case]:
         Case("gen.count_tokens", "/v1/messages/count_tokens", {"model": model, "messages": msgs}),
         Case("gen.responses", "/v1/responses", {"model": model, "input": "a", "max_output_tokens": 2}),
     ])
+
+
+def score_cases(model: str, long_prompt: str) -> list[Case]:
+    """/score and /rerank with an embedding model (vLLM's bi-encoder): each field pair, 1:1, 1:N, N:N,
+    top_n, truncation, and bad inputs."""
+    docs = ["import os\n", "def f", "x = 1"]
+
+    def score(name: str, path: str = "/score", **kw) -> Case:
+        return Case("score." + name, path, {"model": model, **kw})
+
+    def rerank(name: str, path: str = "/rerank", **kw) -> Case:
+        return Case("rerank." + name, path, {"model": model, "query": "import os", "documents": docs, **kw})
+
+    return [
+        score("1_1", queries="import os", documents="def f"), score("1_n", queries="import os", documents=docs),
+        score("n_n", queries=docs[:2], documents=docs[1:]), score("v1", "/v1/score", text_1="a", text_2=docs),
+        score("items", queries="a", items=docs), score("data", data_1="a", data_2=["b"]),
+        score("request_id", queries="a", documents="b", request_id="s-1"),
+        score("n_m", queries=docs[:2], documents=docs), score("n_1", queries=docs[:2], documents="a"),
+        score("empty_1", queries=[], documents="a"), score("empty_2", queries="a", documents=[]),
+        score("missing", text_1="a"), score("none"), score("int", queries=5, documents="a"),
+        score("ids", queries=[1, 2], documents="a"), score("empty_str", queries="a", documents=""),
+        score("mm", queries={"content": [{"type": "text", "text": "a"}]}, documents="b"),
+        score("long", queries="a", documents=long_prompt),
+        score("trunc", queries="a", documents=long_prompt, truncate_prompt_tokens=20),
+        score("trunc_big", queries="a", documents="b", truncate_prompt_tokens=100000),
+        score("max_doc", queries="a", documents=long_prompt, max_tokens_per_doc=5),
+        score("max_query", queries=long_prompt, documents="b", max_tokens_per_query=5),
+        score("max_doc_neg", queries="a", documents="b", max_tokens_per_doc=-1),
+        score("max_query_big", queries="a", documents="b", max_tokens_per_query=100000),
+        score("dims", queries="a", documents="b", dimensions=32),
+        score("normalize", queries="a", documents="b", normalize=False),
+        score("use_activation_false", queries="a", documents=docs, use_activation=False),
+        score("instruction", queries="a", documents="b", instruction="find code"),
+        score("wrong_model", queries="a", documents="b", model="nope"),
+        score("rerank_body", query="a", documents=docs),
+        rerank("basic"), rerank("v1", "/v1/rerank"), rerank("v2", "/v2/rerank"), rerank("top_n", top_n=2),
+        rerank("top_n_big", top_n=9), rerank("top_n_neg", top_n=-1), rerank("one_doc", documents="def f"),
+        rerank("return_documents", return_documents=False), rerank("no_query", query=None),
+        rerank("query_list", query=["a"]), rerank("no_docs", documents=[]), rerank("int_doc", documents=[5]),
+        rerank("request_id", request_id="r-1"),
+    ]
 
 
 def make_pooling_models(root: str) -> None:

@@ -649,6 +649,69 @@ class EmbeddingRequestOutput:
                    out.num_cached_tokens, out.finished)
 
 
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float  # the cosine similarity of the pair's two embeddings
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """vLLM's LLM.score() result for an embedding model (its bi-encoder): the pair's ids and tokens
+    joined by the pad token (as vLLM's), ``outputs.score`` their embeddings' cosine similarity."""
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @classmethod
+    def from_pair(cls, a: PoolingRequestOutput, b: PoolingRequestOutput,
+                  pad_token_id: int | None) -> "ScoringRequestOutput":
+        tokens = a.prompt_token_ids + ([] if pad_token_id is None else [pad_token_id]) + b.prompt_token_ids
+        return cls(f"{a.request_id}_{b.request_id}", ScoringOutput(cosine_score(a.outputs.data, b.outputs.data)),
+                   tokens, a.num_cached_tokens + b.num_cached_tokens)
+
+
+def cosine_score(a: torch.Tensor, b: torch.Tensor) -> float:
+    """vLLM's bi-encoder score: cosine similarity in fp32 (norms clamped at 1e-8)."""
+    return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0).item()
+
+
+def score_inputs(data_1: Any, data_2: Any, architecture: str, names: tuple[str, str] = ("data_1", "data_2")
+                 ) -> tuple[list[str], list[str]]:
+    """vLLM's validate_score_input: each side a text or a list of texts, paired 1:1, 1:N or N:N
+    (multimodal {"content": ...} items are refused, as vLLM refuses them for a text-only model)."""
+    sides = []
+    for name, data in zip(names, (data_1, data_2)):
+        items = data if isinstance(data, list) else [data]
+        for i, item in enumerate(items):
+            if isinstance(item, dict) and "content" in item:
+                raise InvalidInput(name, f"MultiModalParam is not supported for {architecture}")
+            if not isinstance(item, str):
+                where = name if data is item else f"{name}[{i}]"
+                raise InvalidInput(name, f"{where} must be a string (or a list of strings), got "
+                                         f"{type(item).__name__}")
+        sides.append(list(items))
+    first, second = sides
+    if len(first) > 1 and len(first) != len(second):  # vLLM's words
+        raise InvalidInput(names[1], "Input lengths must be either 1:1, 1:N or N:N")
+    if not first:
+        raise InvalidInput(names[0], "At least one text element must be given")
+    if not second:
+        raise InvalidInput(names[1], "At least one text_pair element must be given")
+    return first, second
+
+
+def score_pairs(outs: list[PoolingRequestOutput], num_queries: int, pad_token_id: int | None
+                ) -> list[ScoringRequestOutput]:
+    """The queries' and documents' embeddings (queries first) as scored pairs: one query against each
+    document (1:N), or each query against its document (N:N)."""
+    queries, docs = outs[:num_queries], outs[num_queries:]
+    if len(queries) == 1:
+        queries = queries * len(docs)
+    return [ScoringRequestOutput.from_pair(q, d, pad_token_id) for q, d in zip(queries, docs)]
+
+
 def resolve_runner(config: EngineConfig, path: Path, model_config: ModelConfig) -> str:
     """vLLM's runner "auto": pooling for a sentence-transformers checkpoint (a Pooling module in
     its modules.json) or a bare decoder (Qwen3Model), else generate. A bare decoder cannot generate."""
@@ -3315,9 +3378,9 @@ def run_worker_node(config: EngineConfig) -> int:
 
 # =========================================================================== offline API
 
-_POOLING = "the pooling runner makes embeddings only (embed, encode)"
+_POOLING = "the pooling runner makes embeddings only (embed, encode, and score with them)"
 VLLM_LLM_METHODS_MISSING = {
-    **{name: _POOLING for name in ("classify", "score", "reward")},
+    **{name: _POOLING for name in ("classify", "reward")},
     "sleep": "there is no sleep mode (the weights and KV cache stay on the device)", "wake_up": "there is no sleep mode",
     "start_profile": "run torch.profiler around generate() instead", "stop_profile": "run torch.profiler instead",
     "llm_engine": "the engine is LLM.engine (nanoserve's LLMEngine, not vLLM's)",
@@ -3424,6 +3487,26 @@ class LLM:
                   for prompt, p, lora in zip(prompts, params, loras)]  # all checked before any is queued
         ids = [engine._add_pooling_validated(prompt, p, None) for prompt, p in zip(inputs, params)]
         return self._run(ids, use_tqdm)
+
+    def score(self, data_1, data_2, /, *, use_tqdm: bool = True, pooling_params: PoolingParams | None = None,
+              lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+              tokenization_kwargs: dict[str, Any] | None = None,
+              chat_template: str | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's, for an embedding model (its bi-encoder): each text of ``data_1`` and ``data_2`` embedded
+        once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings.
+        ``chat_template`` is a cross-encoder's, which a bi-encoder ignores (as vLLM's)."""
+        if self.engine.runner_type != "pooling":  # vLLM's words
+            raise InvalidInput("model", "LLM.score() is only supported for pooling models. Try passing "
+                                        "`--runner pooling` to use the model as a pooling model.")
+        if tokenization_kwargs:
+            raise InvalidInput("tokenization_kwargs", "tokenization_kwargs is not supported: truncate with "
+                                                      "PoolingParams(truncate_prompt_tokens=N)")
+        if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
+            raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
+        queries, docs = score_inputs(data_1, data_2, self.engine.model_config.architecture)
+        outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
+                           pooling_task="embed")
+        return score_pairs(outs, len(queries), getattr(self.engine.tokenizer, "pad_token_id", None))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults applied."""

@@ -93,7 +93,8 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               RequestOutputKind, SamplingParams, StructuredOutputsParams, TEXT_PARTS, THINK_TAGS,
                               TokenizedPrompt, VLLM_ENGINE_ARGS, apply_chat_template, chat_template_content_format,
                               engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
-                              opens_reply, parse_call_arguments, part_text, run_worker_node, vllm_arg_note)
+                              opens_reply, parse_call_arguments, part_text, run_worker_node, score_inputs,
+                              score_pairs, vllm_arg_note, PoolingOutput, ScoringRequestOutput)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -2922,6 +2923,8 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", create_embedding, methods=["POST"]),
         Route("/pooling", create_pooling, methods=["POST"]),
+        *(Route(path, create_score, methods=["POST"]) for path in ("/score", "/v1/score")),
+        *(Route(path, create_rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/v1/responses", create_response, methods=["POST"]),
         Route("/v1/responses/{response_id}", retrieve_response, methods=["GET"]),
         Route("/v1/responses/{response_id}/cancel", retrieve_response, methods=["POST"]),
@@ -3158,7 +3161,34 @@ def _is_conversation(value: Any) -> bool:
         isinstance(m, dict) and isinstance(m.get("role"), str) for m in value)
 
 
-class EmbeddingRequest(ChatTemplateFields):
+class PoolingBasicRequest(OpenAIBaseModel):
+    """The fields every pooling body shares (vLLM's PoolingBasicRequestMixin, with use_activation)."""
+    user: str | None = None
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    padding: typing.Literal["max_length", "do_not_pad"] | None = None  # max_length: pad to max_model_len
+    truncation_side: typing.Literal["left", "right"] | None = None  # left: keep the last tokens, right: the
+    # first; None: the tokenizer's (vLLM's), right for most
+    use_activation: bool | None = None
+    priority: int = 0
+    request_id: str | None = None  # X-Request-Id wins, as vLLM's
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, (harmless, why) in UNSUPPORTED_FIELDS.items():  # as GenerationRequest's
+                if name in data and not any(_coerces_to(data[name], v) for v in harmless):
+                    raise InvalidInput(name, f"{name} is not supported: {why}")
+        return data
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, v: str) -> str:
+        return GenerationRequest._request_id(v)  # one that can be logged and echoed in X-Request-Id
+
+
+class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
     """vLLM's /v1/embeddings body: ``input`` (prompts), or ``messages`` (one chat, or a list of chats)
     that the chat template renders, as vLLM's EmbeddingChatRequest and EmbeddingBatchChatRequest;
     chat messages given as ``input`` are taken as ``messages``, as vLLM's."""
@@ -3174,26 +3204,14 @@ class EmbeddingRequest(ChatTemplateFields):
     embed_dtype: typing.Literal["float32", "float16", "bfloat16", "fp8_e4m3", "fp8_e5m2"] = "float32"
     endianness: typing.Literal["native", "big", "little"] = "native"
     dimensions: int | None = None
-    user: str | None = None
-    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
-    padding: typing.Literal["max_length", "do_not_pad"] | None = None  # max_length: pad to max_model_len
-    truncation_side: typing.Literal["left", "right"] | None = None  # left: keep the last tokens, right: the
-    # first; None: the tokenizer's (vLLM's), right for most
-    use_activation: bool | None = None
-    priority: int = 0
-    request_id: str | None = None  # X-Request-Id wins, as vLLM's
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
 
     @model_validator(mode="before")
     @classmethod
     def _chat_input_and_removed_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        if "normalize" in data:  # vLLM's words (reject_removed_pooling_parameters)
+        if "normalize" in data:  # vLLM's words (reject_removed_pooling_parameters; its scoring ignores it)
             raise InvalidInput("normalize", "Parameter `normalize` was removed; use `use_activation` instead.")
-        for name, (harmless, why) in UNSUPPORTED_FIELDS.items():  # as GenerationRequest's
-            if name in data and not any(_coerces_to(data[name], v) for v in harmless):
-                raise InvalidInput(name, f"{name} is not supported: {why}")
         given = data.get("input")
         if "messages" not in data and (_is_conversation(given) or isinstance(given, list) and given
                                        and all(_is_conversation(c) for c in given)):
@@ -3211,11 +3229,6 @@ class EmbeddingRequest(ChatTemplateFields):
         if isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p)):
             return list(p)
         raise ValueError(f"input must be {PROMPT_SHAPES} (and not empty), got {show(p)}")
-
-    @field_validator("request_id")
-    @classmethod
-    def _request_id(cls, v: str) -> str:
-        return GenerationRequest._request_id(v)  # one that can be logged and echoed in X-Request-Id
 
     @field_validator("messages")
     @classmethod
@@ -3277,13 +3290,35 @@ async def create_embedding(request: Request, schema: type[EmbeddingRequest] = Em
 
 
 async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) -> Response:
-    """An EmbeddingRequest's engine requests, admitted as completions' are (--max-queue-len, before and
-    after tokenizing), each observed in /metrics as vLLM observes a pooling request."""
+    """An EmbeddingRequest's vectors, one per prompt or chat, as vLLM's embeddings (or /pooling) answer."""
+    if req.input is None and req.messages is None:
+        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
+    pooled = await _pool(request, state, req, functools.partial(_pooling_prompts, state, req))
+    if pooled is None:
+        return Response(status_code=499)  # nobody is listening
+    request_id, model, prompts, vectors = pooled
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    head = {"id": f"{req.id_prefix}{request_id}", "object": "list", "created": int(time.time()), "model": model}
+    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}  # the bytes header's, as vLLM's
+    if req.encoding_format in ("bytes", "bytes_only"):
+        return _bytes_response(vectors, req, {**head, "usage": usage})
+    usage = with_nulls({**usage, "completion_tokens": 0}, Generation.USAGE_NULLS)  # vLLM's UsageInfo, whole
+    return json_response({**head, "data": [{"index": i, "object": req.vector_object,
+                                            req.vector_field: _encode_embedding(v, req)}
+                                           for i, v in enumerate(vectors)], "usage": usage})
+
+
+Pooled = tuple[str, str, list[TokenizedPrompt], list[torch.Tensor]]  # request id, model, prompts, vectors
+
+
+async def _pool(request: Request, state: ServerState, req: PoolingBasicRequest,
+                make_prompts: Callable[..., list[TokenizedPrompt]]) -> Pooled | None:
+    """A pooling body's engine requests, one per prompt that ``make_prompts(params, texts, lora)`` makes on
+    the tokenizer thread, admitted as completions' are (--max-queue-len, before and after tokenizing), each
+    observed in /metrics as vLLM observes a pooling request; None if the client left first."""
     if req.request_id is not None and not request.scope["nanoserve.request_id_given"]:
         request.scope["nanoserve.request_id"] = esc(req.request_id)
     request_id = _request_id(request)
-    if req.input is None and req.messages is None:
-        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
     model = check_model(req, state)
     lora = state.loras.get(req.model)
     engine, queue, ids, prompts = state.engine, asyncio.Queue(), [], []
@@ -3293,7 +3328,7 @@ async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) ->
             params = engine.check_pooling_params(req.pooling_params())
             engine.check_priority(req.priority)
             texts = await _render_chats(state, req)
-            prompts = await state.off_loop(_pooling_prompts, state, req, params, texts, lora)
+            prompts = await state.off_loop(make_prompts, params, texts, lora)
             check_queue(state, req, 1)  # again: others may have queued meanwhile
         for i, prompt in enumerate(prompts):
             ids.append(request_id if len(prompts) == 1 else f"{request_id}-{i}")
@@ -3308,17 +3343,7 @@ async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) ->
             if state.async_llm.queues.get(engine_id) is queue:
                 state.metrics.count_finished("abort")  # as a completion's aborted choices
             state.async_llm.abort(engine_id, queue)
-    if vectors is None:
-        return Response(status_code=499)  # nobody is listening
-    num_tokens = sum(len(p.token_ids) for p in prompts)
-    head = {"id": f"{req.id_prefix}{request_id}", "object": "list", "created": int(time.time()), "model": model}
-    usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}  # the bytes header's, as vLLM's
-    if req.encoding_format in ("bytes", "bytes_only"):
-        return _bytes_response(vectors, req, {**head, "usage": usage})
-    usage = with_nulls({**usage, "completion_tokens": 0}, Generation.USAGE_NULLS)  # vLLM's UsageInfo, whole
-    return json_response({**head, "data": [{"index": i, "object": req.vector_object,
-                                            req.vector_field: _encode_embedding(v, req)}
-                                           for i, v in enumerate(vectors)], "usage": usage})
+    return None if vectors is None else (request_id, model, prompts, vectors)
 
 
 async def _render_chats(state: ServerState, req: EmbeddingRequest) -> list[str | None] | None:
@@ -3341,6 +3366,11 @@ def _pooling_prompts(state: ServerState, req: EmbeddingRequest, params: PoolingP
         sources = [text if text is not None else render_chat(state, req.model_copy(update={"messages": chat}), None)
                    for chat, text in zip(req.messages, texts)]
         special = bool(req.add_special_tokens)
+    return _tokenize_pooled(state, req, params, sources, special, lora)
+
+
+def _tokenize_pooled(state: ServerState, req: PoolingBasicRequest, params: PoolingParams, sources: list,
+                     special: bool, lora: LoRARequest | None) -> list[TokenizedPrompt]:
     prompts = [state.engine.process_pooling_prompt(p, params, special, req.truncation_side, req.padding)
                for p in sources]
     for p in prompts:  # as Generation.process_prompts
@@ -3394,6 +3424,187 @@ def _bytes_response(vectors: list[torch.Tensor], req: EmbeddingRequest, head: di
                 "usage": head["usage"]}
     headers = None if req.encoding_format == "bytes_only" else {"metadata": dumps(metadata)}
     return Response(b"".join(chunks), 200, headers, media_type="application/octet-stream")
+
+
+# ---------------------------------------------------------------- score and rerank (the pooling runner)
+# vLLM's Score and Rerank APIs (entrypoints/pooling/scoring) for an embedding model, its bi-encoder: each
+# text embedded once, each pair scored by the cosine similarity of its two embeddings.
+
+# vLLM's ScoreRequest: any of these pairs of fields, the first that the body completes
+SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+
+
+class ScoringRequest(PoolingBasicRequest):
+    """What score and rerank bodies share (vLLM's ScoringRequestMixin). ``instruction`` and
+    ``chat_template_kwargs`` are a cross-encoder's score template's, which a bi-encoder does not read."""
+    messages: ClassVar[None] = None  # no chats: the texts are embedded as given, with special tokens
+    add_special_tokens: ClassVar[None] = None
+    max_tokens_per_query: int = 0
+    max_tokens_per_doc: int = 0
+    instruction: str | None = None
+    chat_template_kwargs: dict | None = None
+    _sides: tuple[list[str], list[str]] = PrivateAttr(([], []))
+
+    def side_names(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def side_values(self) -> tuple[Any, Any]:
+        return getattr(self, self.side_names()[0]), getattr(self, self.side_names()[1])
+
+    def check_inputs(self, architecture: str) -> None:
+        """The texts, paired as vLLM pairs them (1:1, 1:N, N:N), or an InvalidInput naming the field."""
+        self._sides = score_inputs(*self.side_values(), architecture, self.side_names())
+
+    @property
+    def sides(self) -> tuple[list[str], list[str]]:
+        return self._sides
+
+    @property
+    def prompt_field(self) -> str:  # what check_queue names when a request holds too many texts
+        return self.side_names()[1]
+
+    def num_prompts(self) -> int:
+        return len(self._sides[0]) + len(self._sides[1])
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(None, self.use_activation, self.truncate_prompt_tokens)
+
+
+class ScoreRequest(ScoringRequest):
+    """vLLM's /score body: queries and documents (or queries and items, data_1 and data_2, text_1 and
+    text_2), each a text or a list of texts."""
+    queries: Any = None
+    documents: Any = None
+    items: Any = None
+    data_1: Any = None
+    data_2: Any = None
+    text_1: Any = None
+    text_2: Any = None
+    _names: tuple[str, str] = PrivateAttr(SCORE_FIELDS[0])
+
+    @model_validator(mode="after")
+    def _one_pair(self) -> "ScoreRequest":
+        given = self.model_fields_set
+        pair = next((p for p in SCORE_FIELDS if set(p) <= given), None)
+        if pair is None:
+            missing = next((b if a in given else a for a, b in SCORE_FIELDS if a in given or b in given), "queries")
+            raise InvalidInput(missing, f"{missing} is required: a score body pairs queries and documents (or "
+                                        f"queries and items, data_1 and data_2, text_1 and text_2)")
+        self._names = pair
+        return self
+
+    def side_names(self) -> tuple[str, str]:
+        return self._names
+
+
+class RerankRequest(ScoringRequest):
+    """vLLM's /rerank body (Jina's and Cohere's shape): one query, its documents, the top_n best (0: all).
+    Cohere's return_documents is not vLLM's field: every result carries its document, as vLLM's."""
+    query: Any = None
+    documents: Any = None
+    top_n: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _query_and_documents(self) -> "RerankRequest":
+        for name in ("query", "documents"):
+            if name not in self.model_fields_set:
+                raise InvalidInput(name, f"{name} is required: a rerank body has a query and its documents")
+        if isinstance(self.query, list):
+            raise InvalidInput("query", f"query must be one text, got {show(self.query)}")
+        return self
+
+    def side_names(self) -> tuple[str, str]:
+        return "query", "documents"
+
+
+async def create_score(request: Request) -> Response:
+    """POST /score and /v1/score (vLLM's): each pair's score, in the order of the pairs."""
+    req, pooled = await _score(request, ScoreRequest)
+    if pooled is None:
+        return Response(status_code=499)  # nobody is listening
+    request_id, model, prompts, vectors = pooled
+    scores, num_tokens = _pair_scores(req, prompts, vectors)
+    usage = with_nulls({"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+                       Generation.USAGE_NULLS)
+    return json_response({"id": f"score-{request_id}", "object": "list", "created": int(time.time()),
+                          "model": model, "data": [{"index": i, "object": "score", "score": s.outputs.score}
+                                                   for i, s in enumerate(scores)], "usage": usage})
+
+
+async def create_rerank(request: Request) -> Response:
+    """POST /rerank, /v1/rerank and /v2/rerank (vLLM's, in Jina's and Cohere's shape): the documents by
+    relevance to the query, best first (ties in their order), the top_n of them."""
+    req, pooled = await _score(request, RerankRequest)
+    if pooled is None:
+        return Response(status_code=499)
+    request_id, model, prompts, vectors = pooled
+    scores, num_tokens = _pair_scores(req, prompts, vectors)
+    results = sorted(({"index": i, "document": {"text": doc, "multi_modal": None},
+                       "relevance_score": s.outputs.score} for i, (doc, s) in enumerate(zip(req.sides[1], scores))),
+                     key=lambda r: r["relevance_score"], reverse=True)
+    return json_response({"id": f"score-{request_id}", "model": model,
+                          "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+                          "results": results[:req.top_n or None]})
+
+
+async def _score(request: Request, schema: type[ScoringRequest]) -> tuple[ScoringRequest, Pooled | None]:
+    """The body's texts embedded: queries first, then documents (None if the client left)."""
+    state = _state(request)
+    if state.engine.runner_type != "pooling":
+        raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs an "
+                            f"embedding model served with --runner pooling")
+    req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
+    try:
+        req.check_inputs(state.engine.model_config.architecture)
+        for name in ("max_tokens_per_query", "max_tokens_per_doc"):
+            _check_token_limit(getattr(req, name), name, state.engine.max_model_len)
+    except InvalidInput as e:
+        raise req.invalid(e) from None
+    return req, await _pool(request, state, req, functools.partial(_score_prompts, state, req))
+
+
+def _check_token_limit(value: int, name: str, max_model_len: int) -> None:
+    """vLLM's words for max_tokens_per_query and max_tokens_per_doc (0: no limit)."""
+    if value < 0:
+        raise InvalidInput(name, f"{name} must be a non-negative integer")
+    if value >= max_model_len:
+        raise InvalidInput(name, f"{name} ({value}) must be less than max_model_len ({max_model_len}).")
+
+
+def _score_prompts(state: ServerState, req: ScoringRequest, params: PoolingParams, texts: None,
+                   lora: LoRARequest | None) -> list[TokenizedPrompt]:
+    """On the tokenizer thread: each side's texts (cut to max_tokens_per_query/doc tokens first, as
+    vLLM's) tokenized with special tokens; an error names the side's field."""
+    prompts = []
+    for name, side, limit in zip(req.side_names(), req.sides, (req.max_tokens_per_query, req.max_tokens_per_doc)):
+        if limit:
+            side = [_truncate_text(t, state.engine.tokenizer, limit) for t in side]
+        try:
+            prompts += _tokenize_pooled(state, req, params, side, True, lora)
+        except InvalidInput as e:
+            raise InvalidInput(name if e.param == "prompt" else e.param, str(e)) from None
+    return prompts
+
+
+def _truncate_text(text: str, tokenizer: Any, max_tokens: int) -> str:
+    """vLLM's truncate_text_to_tokens: the text cut where its first max_tokens tokens end (by the
+    tokenizer's offsets, so that the text is tokenized once more as sent, special tokens and all)."""
+    while text:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+        if len(enc["input_ids"]) <= max_tokens:
+            break
+        end = min(offsets[max_tokens - 1][1], offsets[max_tokens][0])
+        text = text[:min(end, len(text) - 1)]
+    return text
+
+
+def _pair_scores(req: ScoringRequest, prompts: list[TokenizedPrompt],
+                 vectors: list[torch.Tensor]) -> tuple[list[ScoringRequestOutput], int]:
+    """Each pair's score, and the tokens embedded (each text once, as vLLM counts them)."""
+    outs = [PoolingRequestOutput(str(i), PoolingOutput(v), list(p.token_ids)) for i, (p, v) in
+            enumerate(zip(prompts, vectors))]
+    return score_pairs(outs, len(req.sides[0]), None), sum(len(p.token_ids) for p in prompts)
 
 
 def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:

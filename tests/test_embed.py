@@ -299,8 +299,8 @@ def test_pooling_server_truncates_and_refuses_generation(pooling_server, tiny_mo
 def test_generate_server_refuses_embeddings_and_cli_flags(tiny_model):
     from test_server import ServerThread, parse_args
     with ServerThread(tiny_model) as s:
-        for path in ("/v1/embeddings", "/pooling"):
-            r = httpx.post(s.url + path, json={"input": "hi"}, timeout=30)
+        for path in ("/v1/embeddings", "/pooling", "/score", "/v1/score", "/rerank", "/v2/rerank"):
+            r = httpx.post(s.url + path, json={"input": "hi", "query": "a", "documents": ["b"]}, timeout=30)
             assert r.status_code == 404 and "--runner pooling" in r.json()["error"]["message"], r.text
     args = parse_args(["--model", str(tiny_model), "--task", "embed", "--override-pooler-config",
                        '{"pooling_type": "mean"}'])
