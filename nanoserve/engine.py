@@ -2159,7 +2159,7 @@ class LLMEngine:
             raise InvalidInput("prompt_embeds", f"prompt_embeds must be a dense float32, bfloat16 or float16 tensor "
                                                 f"of shape [tokens, {hidden}] (the model's hidden size), got "
                                                 f"{embeds.layout} {embeds.dtype} of shape {list(embeds.shape)}")
-        if keep is not None:
+        if keep is not None and len(embeds) > keep:  # (a keep past the rows would slice from the end)
             embeds = embeds[len(embeds) - keep:] if truncation_side == "left" else embeds[:keep]
         self.check_prompt_length(len(embeds))
         embeds = embeds.to("cpu", self.dtype).contiguous()  # the steps carry it from the host, as token ids

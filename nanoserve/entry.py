@@ -615,7 +615,8 @@ def load_chat_template(value: str) -> str:
         path = Path(value).expanduser()
         if path.is_file():
             return path.read_text()
-    except (OSError, RuntimeError) as e:  # a name too long for a file's (ENAMETOOLONG), ~nosuchuser, unreadable
+    except (OSError, RuntimeError, UnicodeDecodeError) as e:  # a name too long for a file's (ENAMETOOLONG),
+        # ~nosuchuser, unreadable, not UTF-8 text
         error = e
     if any(c in value for c in "{}\n"):
         return value
@@ -1488,15 +1489,20 @@ def esc(text: str) -> str:
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    try:
-        body = dumps(obj).encode()
-    except UnicodeEncodeError:  # a lone surrogate, which only an escape carries: a tool_use block's input, the
-        body = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()  # model's "\\ud800" parsed
-    return Response(body, status, headers, media_type="application/json")
+    return Response(dumps(obj).encode(), status, headers, media_type="application/json")
 
 
 def dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    """JSON as a body or an SSE event carries it: UTF-8 as it is, except that an object holding a lone
+    surrogate (which only an escape makes: a tool call's "\\ud800" the model wrote, parsed) goes all
+    escaped, since UTF-8 cannot carry one."""
+    text = json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    if not text.isascii():
+        try:
+            text.encode()
+        except UnicodeEncodeError:
+            return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+    return text
 
 
 # =========================================================================== tool calls

@@ -228,3 +228,6 @@ def test_odd_tensors_and_other_endpoints(server, model_root):
         r = _complete(server, {"prompt_embeds": b64(e), "truncate_prompt_tokens": 4, "truncation_side": side,
                                "return_token_ids": True})
         assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == hf_greedy(hf, rows), (side, r.text)
+    for keep in (15, -1):  # more than the rows (-1: max_model_len's): all of them kept, as a token-id prompt's
+        r = _complete(server, {"prompt_embeds": b64(e), "truncate_prompt_tokens": keep, "return_token_ids": True})
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == hf_greedy(hf, e), (keep, r.text)

@@ -340,6 +340,19 @@ def test_llama3_json_chat_stream_with_brackets_that_do_not_match_sends_vllm_0_32
         ["", [named(0, "a")]], ["", [args(0, '{"x": [')]]]
 
 
+def test_a_streamed_call_whose_json_escapes_a_lone_surrogate_goes_out_escaped():
+    """The model may write "\\ud800" inside a call's JSON: read, it is a lone surrogate, which UTF-8 cannot
+    carry, so the events holding it go out in ASCII escapes (once, a stream died mid-call on the encode)."""
+    text = '{"name": "f", "parameters": {"a": "x\\ud800y"}}'
+    stream, events = ToolStream(Llama3JsonToolParser(), streamed=True), []
+    for i in range(0, len(text), 5):
+        _, deltas, _ = stream.feed(text[i:i + 5], i + 5 >= len(text))
+        events += [entry.sse({"tool_calls": [d]}).encode() for d in deltas]
+    sent = "".join(json.loads(e[len(b"data: "):])["tool_calls"][0]["function"].get("arguments", "") for e in events)
+    assert json.loads(sent) == {"a": "x\ud800y"}
+    assert entry.json_response({"a": "\ud800", "b": "é"}).body == b'{"a":"\\ud800","b":"\\u00e9"}'
+
+
 class UnkeptLlama3JsonToolParser(Llama3JsonToolParser):
     KEEP_WHOLE = False  # all the calls' text read again at each delta, as vLLM's does
 
@@ -1089,6 +1102,10 @@ def test_chat_template_flag_file_and_inline(template_file):
     assert load_chat_template(inline) == inline
     with pytest.raises(SystemExit):
         parse_args([*base, "--chat-template", "no/such/file.jinja"])
+    binary = template_file.with_name("binary.jinja")
+    binary.write_bytes(b"\xd0\x00\xff")
+    with pytest.raises(ValueError, match=r"--chat-template .*binary.jinja.*cannot read it as a file \(UnicodeDecode"):
+        load_chat_template(str(binary))
     with pytest.raises(SystemExit):
         parse_args([*base, "--enable-auto-tool-choice"])  # needs --tool-call-parser
     with pytest.raises(SystemExit):
