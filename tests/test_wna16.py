@@ -173,6 +173,7 @@ CASES = {  # id: (make, args): one of each format's layouts, bit widths and zero
     "ct-w4a16-group-sym": ("ct", dict(bits=4, strategy="group", sym=True)),
     "ct-w4a16-group-asym": ("ct", dict(bits=4, strategy="group", sym=False)),
     "ct-w8a16-channel-asym": ("ct", dict(bits=8, strategy="channel", sym=False)),
+    "ct-w8a16-naive-asym": ("ct", dict(bits=8, strategy="group", sym=False, fmt="naive-quantized")),
 }
 
 
