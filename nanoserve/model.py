@@ -22,7 +22,8 @@ This module owns
   (embeddings: a chunk's last row or its rows' sum, no logits);
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices; an FP8 checkpoint's weights
-  (quant_method "fp8", block or per-tensor scales) dequantized into the model's dtype as they are read;
+  (quant_method "fp8", block or per-tensor scales), and a GPTQ, AWQ or compressed-tensors int4/int8
+  weight-only one's, dequantized into the model's dtype as they are read;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
   column/row-parallel linears, the vocab-parallel embedding and head, and
   ``run_worker``, the loop ranks 1..N-1 run;
