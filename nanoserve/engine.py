@@ -1652,9 +1652,10 @@ VLLM_ENGINE_ARGS: dict[str, tuple[type, tuple | None, str]] = {
     "enable_chunked_prefill": (bool, None, "prompts are always prefilled in chunks of at most max_num_batched_tokens, "
                                            "which changes no output (raise it to prefill whole prompts in one step)"),
     "kv_cache_dtype": (str, ("auto",), "the KV cache has the model's dtype (no fp8 KV cache)"),
-    "quantization": (str, (None, "fp8"), "nanoserve reads an FP8 checkpoint's quantization from its config.json and "
-                                         "holds its weights dequantized; it quantizes no unquantized checkpoint "
-                                         "(vLLM's online fp8) and serves no other method"),
+    "quantization": (str, (None, "fp8", "gptq", "gptq_marlin", "awq", "awq_marlin", "compressed-tensors"),
+                     "nanoserve reads an FP8, GPTQ, AWQ or compressed-tensors checkpoint's quantization from its "
+                     "config.json and holds its weights dequantized; it quantizes no unquantized checkpoint "
+                     "(vLLM's online fp8) and serves no other method"),
     "load_format": (str, ("auto", "safetensors"), "nanoserve loads safetensors weights only"),
     "cpu_offload_gb": (float, (0,), "nanoserve keeps every weight on the device (no CPU offloading)"),
     "pipeline_parallel_size": (int, (1,), "nanoserve has no pipeline parallelism; tensor_parallel_size splits a model"),

@@ -22,7 +22,8 @@ This module owns
   (embeddings: a chunk's last row or its rows' sum, no logits);
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices; an FP8 checkpoint's weights
-  (quant_method "fp8", block or per-tensor scales) dequantized into the model's dtype as they are read;
+  (quant_method "fp8", block or per-tensor scales), and a GPTQ, AWQ or compressed-tensors int4/int8
+  weight-only one's, dequantized into the model's dtype as they are read;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
   column/row-parallel linears, the vocab-parallel embedding and head, and
   ``run_worker``, the loop ranks 1..N-1 run;
@@ -191,7 +192,8 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the rope dims stored as pairs (x0, x1), (x2, x3), ...: DeepSeek's
-    quantization: Fp8Config | None = None  # an FP8 checkpoint's (dequantized at load); None: unquantized
+    # an FP8 or int4/int8 weight-only checkpoint's (dequantized at load); None: unquantized
+    quantization: Fp8Config | WNA16Config | None = None
     # gpt-oss: a learned logit a head in each attention softmax (no value), the experts' clamped SwiGLU
     # (GptOssExperts), and its hub checkpoints' MXFP4 experts (dequantized at load)
     attention_sinks: bool = False
@@ -244,7 +246,7 @@ class ModelConfig:
         elif arch == "Glm4MoeForCausalLM":
             c = _glm4_moe_config(c)
         mxfp4 = _mxfp4(arch, c.get("quantization_config"))
-        quantization = None if mxfp4 else fp8_config(c.get("quantization_config"))
+        quantization = None if mxfp4 else quantization_config(c.get("quantization_config"))
         sizes = SIZE_KEYS + (MOE_SIZE_KEYS if arch in MOE_ARCHITECTURES else ())
         bad = {k: c[k] for k in sizes if c.get(k) is not None
                and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)}
@@ -368,8 +370,9 @@ def fp8_config(quant: Any) -> Fp8Config | None:
     method = quant.get("quant_method")
     if method != "fp8":
         raise ModelLoadError(f"the checkpoint is quantized with quant_method {method!r}, which nanoserve does not "
-                             "serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) and "
-                             "FP8 ones (quant_method 'fp8', block or per-tensor), and gpt-oss's MXFP4 experts")
+                             "serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors), FP8 "
+                             "ones (quant_method 'fp8', block or per-tensor), int4/int8 weight-only ones "
+                             "(quant_method 'gptq', 'awq' or 'compressed-tensors'), and gpt-oss's MXFP4 experts")
     fmt, scheme = quant.get("fmt") or "e4m3", str(quant.get("activation_scheme") or "dynamic").lower()
     block, scale_fmt = quant.get("weight_block_size"), quant.get("scale_fmt") or "float"
     if fmt != "e4m3":
@@ -399,6 +402,159 @@ def _mxfp4(arch: str, quant: Any) -> bool:
         raise ModelLoadError(f"the checkpoint is quantized with quant_method 'mxfp4', which nanoserve serves for "
                              f"{GPT_OSS} (its experts) only, not {arch}")
     return method == "mxfp4"
+
+
+# quant_method -> what config.json says of it (the methods served dequantized besides FP8 and MXFP4)
+_WNA16_METHODS = ("gptq", "awq", "compressed-tensors")
+# compressed-tensors' weight-only formats: int codes packed 32 / bits to an int32 (weight_packed), or one int8
+# a code (the weight itself, int8)
+_CT_FORMATS = ("pack-quantized", "naive-quantized", "int-quantized")
+
+
+@dataclass(frozen=True, slots=True)
+class WNA16Config:
+    """quantization_config of a weight-only integer checkpoint (vLLM's "WNA16": int4 or int8 weights,
+    activations in the model's dtype): GPTQ (quant_method "gptq"), AWQ ("awq", its GEMM layout) or
+    llm-compressor's compressed-tensors w4a16/w8a16 ("compressed-tensors"). Each weight is stored as
+    unsigned codes q, one scale s and zero point z a group of ``group_size`` input columns (-1: a row's
+    whole input), and is (q - z) * s; the symmetric schemes' z is 2 ** (bits - 1). nanoserve dequantizes
+    each weight as it is read (PackedIntSlice), as it does FP8's; which weights are quantized is read
+    from the tensors' names (``qweight``, ``weight_packed``), so the modules left unquantized load as
+    they are."""
+    method: str             # "gptq", "awq" or "compressed-tensors"
+    bits: int               # 4 or 8
+    group_size: int         # -1: one group a row (compressed-tensors' "channel" strategy)
+    symmetric: bool
+    checkpoint_format: str  # gptq: "gptq" (v1: zeros stored minus one) or "gptq_v2"; awq: "gemm";
+                            # compressed-tensors: one of _CT_FORMATS
+    desc_act: bool = False  # GPTQ's act-order: each input column's group read from g_idx
+
+    @property
+    def packed_suffix(self) -> str:
+        """A quantized weight's codes are named its module's name and this."""
+        return {"gptq": ".qweight", "awq": ".qweight"}.get(
+            self.method, ".weight_packed" if self.checkpoint_format == "pack-quantized" else ".weight")
+
+    @property
+    def companion_suffixes(self) -> tuple[str, ...]:
+        """The tensors read with a quantized weight (its scales, zero points ...), named as it is."""
+        if self.method in ("gptq", "awq"):
+            return ".scales", ".qzeros", ".g_idx"
+        return ".weight_scale", ".weight_zero_point", ".weight_shape", ".weight_g_idx"
+
+    def describe(self) -> str:
+        name = {"gptq": "GPTQ", "awq": "AWQ", "compressed-tensors": "compressed-tensors"}[self.method]
+        groups = "one group a row" if self.group_size == -1 else f"groups of {self.group_size}"
+        detail = {"gptq": f", {self.checkpoint_format} format" + (", desc_act" if self.desc_act else ""),
+                  "awq": ", GEMM layout", "compressed-tensors": f", {self.checkpoint_format}"}[self.method]
+        return f"{name} int{self.bits}, {groups}, {'symmetric' if self.symmetric else 'asymmetric'}{detail}"
+
+
+def quantization_config(quant: Any) -> Fp8Config | WNA16Config | None:
+    """config.json's quantization_config: None (unquantized), an FP8 or weight-only integer one, or a
+    refusal that names the method or the variant nanoserve does not serve."""
+    method = (quant.get("quant_method") if isinstance(quant, dict) else quant) if quant else None
+    if method not in _WNA16_METHODS:
+        return fp8_config(quant)
+    if not isinstance(quant, dict):
+        raise ModelLoadError(f"quantization_config {quant!r} must be an object with its quant_method's keys")
+    return {"gptq": _gptq_config, "awq": _awq_config, "compressed-tensors": _compressed_tensors_config}[method](quant)
+
+
+def _int_key(quant: dict, method: str, *keys: str, default: Any = None) -> int:
+    """The first of ``keys`` quantization_config has, which must be an integer (else ``default``)."""
+    value = next((quant[k] for k in keys if k in quant), default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ModelLoadError(f"{method} checkpoint's quantization_config needs an integer {keys[0]}, "
+                             f"got {value!r}")
+    return value
+
+
+def _check_bits_and_group(method: str, bits: int, group_size: int, served_bits: tuple[int, ...]) -> None:
+    if bits not in served_bits:
+        raise ModelLoadError(f"{method} checkpoint with {bits}-bit weights is not supported (nanoserve reads "
+                             f"{' or '.join(map(str, served_bits))}-bit ones)")
+    if group_size != -1 and group_size < 1:
+        raise ModelLoadError(f"{method} checkpoint's group_size {group_size} must be positive or -1 (one group a row)")
+
+
+def _gptq_config(quant: dict) -> WNA16Config:
+    """AutoGPTQ's and GPTQModel's: qweight packed along the input dim, v1 or v2 zero points."""
+    bits, group = _int_key(quant, "GPTQ", "bits"), _int_key(quant, "GPTQ", "group_size", default=-1)
+    _check_bits_and_group("GPTQ", bits, group, (4, 8))
+    fmt = quant.get("format") or quant.get("checkpoint_format") or "gptq"
+    if fmt not in ("gptq", "gptq_v2") or quant.get("is_marlin_format"):
+        raise ModelLoadError(f"GPTQ checkpoint in format {'marlin' if quant.get('is_marlin_format') else fmt!r} "
+                             "is not supported (nanoserve reads the 'gptq' and 'gptq_v2' formats)")
+    if (quant.get("pack_dtype") or "int32") != "int32":
+        raise ModelLoadError(f"GPTQ checkpoint with pack_dtype {quant['pack_dtype']!r} is not supported (int32)")
+    overrides = {k: v for k, v in (quant.get("dynamic") or {}).items() if not str(k).startswith("-:") and v}
+    if overrides:  # "-:" modules are stored unquantized, and load as they are
+        raise ModelLoadError(f"GPTQ checkpoint with per-module overrides (dynamic: {', '.join(overrides)}) is not "
+                             "supported: nanoserve reads one bits and group_size for every quantized module")
+    return WNA16Config("gptq", bits, group, bool(quant.get("sym", True)), fmt, bool(quant.get("desc_act")))
+
+
+def _awq_config(quant: dict) -> WNA16Config:
+    """AutoAWQ's GEMM layout (the hub's -AWQ checkpoints): qweight packed along the output dim."""
+    bits, group = _int_key(quant, "AWQ", "bits", "w_bit"), _int_key(quant, "AWQ", "group_size", "q_group_size")
+    _check_bits_and_group("AWQ", bits, group, (4,))
+    version = str(quant.get("version") or "gemm").lower()
+    if version != "gemm":
+        raise ModelLoadError(f"AWQ checkpoint of version {version!r} is not supported (nanoserve reads AutoAWQ's "
+                             "'gemm' layout; GEMV, Marlin and ExLlama ones are packed otherwise)")
+    if not quant.get("zero_point", True):  # AutoAWQ's GEMM packer needs zero points; vLLM's kernels too
+        raise ModelLoadError("AWQ checkpoint with zero_point false is not supported (nanoserve, as vLLM, reads "
+                             "AWQ's GEMM layout with zero points)")
+    return WNA16Config("awq", bits, group, False, "gemm")
+
+
+def _compressed_tensors_config(quant: dict) -> WNA16Config:
+    """llm-compressor's weight-only integer schemes (W4A16, W8A16: RedHatAI's and neuralmagic's
+    quantized.w4a16 / w8a16), one scheme for every quantized module; anything else refused by name."""
+    name = "compressed-tensors checkpoint"
+    sparsity = quant.get("sparsity_config") or {}
+    if sparsity.get("format") not in (None, "dense") or quant.get("format") in ("marlin-24", "sparse-24-bitmask"):
+        raise ModelLoadError(f"{name} with {sparsity.get('format') or quant.get('format')!r} sparsity is not "
+                             "supported (nanoserve reads dense weights)")
+    if quant.get("transform_config"):
+        raise ModelLoadError(f"{name} with transforms (transform_config: rotations applied to the weights) is "
+                             "not supported")
+    groups = list((quant.get("config_groups") or {}).values())
+    if not groups:
+        raise ModelLoadError(f"{name} with no config_groups: nothing says how its weights are quantized")
+    schemes = {_ct_scheme(name, g, quant.get("format")) for g in groups}
+    if len(schemes) > 1:
+        raise ModelLoadError(f"{name} with {len(schemes)} different schemes across its config_groups is not "
+                             "supported: nanoserve reads one weight scheme for every quantized module")
+    return schemes.pop()
+
+
+def _ct_scheme(name: str, group: dict, default_format: str | None) -> WNA16Config:
+    """One config_groups entry as a WNA16Config, or a refusal naming its scheme."""
+    weights = group.get("weights") or {}
+    inputs = group.get("input_activations")
+    kind, bits = weights.get("type", "int"), weights.get("num_bits")
+    if inputs:  # W8A8 int8, FP8 (dynamic or static input scales), W4A8, NVFP4 ...
+        scheme = f"W{bits}A{inputs.get('num_bits')} {'FP8' if kind == 'float' else kind}"
+        raise ModelLoadError(f"{name} with scheme {scheme} (activations quantized: input_activations "
+                             f"{'dynamic' if inputs.get('dynamic') else 'static'}) is not supported: nanoserve "
+                             "reads weight-only int4/int8 ones (W4A16, W8A16)")
+    if kind != "int":
+        raise ModelLoadError(f"{name} with {kind} weights (W{bits}A16 {kind}) is not supported: nanoserve reads "
+                             "weight-only int4/int8 ones (W4A16, W8A16)")
+    fmt = group.get("format") or default_format
+    if fmt not in _CT_FORMATS:
+        raise ModelLoadError(f"{name} in format {fmt!r} is not supported (nanoserve reads "
+                             f"{', '.join(_CT_FORMATS)})")
+    strategy = weights.get("strategy")
+    if strategy not in ("group", "channel") or weights.get("dynamic"):
+        raise ModelLoadError(f"{name} with weight strategy {strategy!r}{' (dynamic)' if weights.get('dynamic') else ''}"
+                             " is not supported (nanoserve reads the 'group' and 'channel' strategies, as vLLM)")
+    group_size = _int_key(weights, "compressed-tensors", "group_size") if strategy == "group" else -1
+    _check_bits_and_group("compressed-tensors", _int_key(weights, "compressed-tensors", "num_bits"), group_size,
+                          (4, 8) if fmt == "pack-quantized" else (8,))
+    return WNA16Config("compressed-tensors", bits, group_size, bool(weights.get("symmetric", True)), fmt)
 
 
 def _gpt_oss_config(c: dict[str, Any], mxfp4: bool) -> dict[str, Any]:
@@ -1899,7 +2055,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
     """Copy every checkpoint tensor into its (possibly fused) parameter, each
     layer's ``weight_loader`` reading only this rank's slice; returns this rank's
     weight bytes. Every parameter must be filled exactly once. An FP8 checkpoint's
-    weights are read dequantized (Fp8Slice), their scales consumed with them."""
+    weights are read dequantized (Fp8Slice), their scales consumed with them; an int4/int8
+    weight-only one's so too (PackedIntSlice), with their scales and zero points."""
     from safetensors import safe_open
 
     cfg = model.config
@@ -1907,25 +2064,30 @@ def load_weights(model: CausalLM, path: Path) -> int:
     modules = dict(model.named_modules())
     pending = _expected_shards(params, modules)
     files = checkpoint_files(path)
-    scales = _fp8_scales(files, cfg.quantization) if cfg.quantization else {}
+    fp8 = cfg.quantization if isinstance(cfg.quantization, Fp8Config) else None
+    wna16 = cfg.quantization if isinstance(cfg.quantization, WNA16Config) else None
+    scales = _fp8_scales(files, fp8) if fp8 else {}
     scale_names, dequantized, input_scales, kv_scales = set(scales), collections.Counter(), 0, 0
     mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
+    companions = _Wna16Companions(files, wna16) if wna16 else None
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 if _KV_CACHE_SCALE.search(name):
                     kv_scales += 1  # as vLLM's --kv-cache-dtype auto: the KV cache has the model's dtype
                     continue
-                if name in scale_names or name in mxfp4_scales:
+                if name in scale_names or name in mxfp4_scales or (companions and name in companions.names):
                     continue  # read with its weight
                 if cfg.quantization and name.endswith(_ACTIVATION_SCALES):
                     input_scales += 1  # a static activation scale: activations are not quantized here
                     continue
                 loaded = f.get_slice(name)
                 if loaded.get_dtype().startswith("F8_"):
-                    loaded = _fp8_slice(name, loaded, scales, cfg.quantization, file)
+                    loaded = _fp8_slice(name, loaded, scales, fp8, file)
                 if name.endswith(MXFP4_BLOCKS) and cfg.mxfp4:
                     name, loaded = _mxfp4_slice(name, loaded, mxfp4_scales, file)
+                if companions and companions.is_quantized(name, loaded):
+                    name, loaded = _wna16_slice(name, loaded, companions.read, wna16, file)
                 if name.startswith(_BASE_MODEL_PREFIXES):  # saved from the decoder alone (Qwen3Model), as vLLM's
                     name = "model." + name                   # pooling loader takes both layouts
                 target, shard = _target_param(name, cfg)
@@ -1933,7 +2095,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     continue
                 if target not in params:
                     raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
-                if isinstance(loaded, (Fp8Slice, Mxfp4Slice)):  # dequantized straight into the parameter's dtype
+                if isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
                     loaded.dtype = params[target].dtype
                     dequantized[loaded.dtype] += 1
                 loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", default_weight_loader)
@@ -1944,14 +2106,18 @@ def load_weights(model: CausalLM, path: Path) -> int:
                                          f"{e.expected} from config.json") from None
                 pending -= ({(target, s) for s in range(_num_shards(target, modules))} if shard is None
                             else {(target, shard)})
+    if companions:
+        companions.check_all_read()
     if scales:  # a scale whose weight is not in the checkpoint (or is not fp8)
         raise ModelLoadError(f"unexpected tensor {next(iter(scales))!r}: a scale with no fp8 weight beside it")
     if pending:
         missing = _describe_missing(pending, modules)
         raise ModelLoadError(f"checkpoint is missing weights for {', '.join(missing[:5])}"
                              + (" ..." if len(missing) > 5 else ""))
-    if cfg.quantization:
-        _log_fp8(cfg.quantization, dequantized, input_scales)
+    if fp8:
+        _log_fp8(fp8, dequantized, input_scales)
+    if wna16:
+        _log_wna16(wna16, dequantized)
     if kv_scales:
         logger.info("[model] %d fp8 KV-cache scales (k_scale, v_scale ...) not applied: the KV cache holds the "
                     "model's dtype, as vLLM's with --kv-cache-dtype auto", kv_scales)
@@ -2114,6 +2280,235 @@ class Mxfp4Slice:
         exponents = self.scales[key[0]].to(torch.int32) - 127             # [e, out, groups]
         w = torch.ldexp(values.flatten(-2), exponents[..., None]).flatten(-2)  # [e, out, in]
         return w.transpose(1, 2)[(slice(None), *key[1:])].to(self.dtype)
+
+
+# =========================================================================== int4 / int8 weight-only checkpoints
+# GPTQ, AWQ and compressed-tensors' W4A16 / W8A16 (WNA16Config), dequantized at load as FP8 is: the memory is
+# the bf16 model's (about 4x an int4 checkpoint's weights), the outputs the dequantized weights' (vLLM computes
+# with the packed codes in its mixed-precision kernels, so its tokens may differ slightly). The layouts, a
+# weight W [out, in] quantized in groups along `in` (as vLLM's gptq / awq / compressed_tensors wNa16 read them):
+#   GPTQ   qweight [in / p, out] int32, input rows j * p + i in bits [i * b, (i + 1) * b) of word row j (p = 32 / b);
+#          scales [groups, out]; qzeros [groups, out / p] packed likewise along out; g_idx [in] each input's
+#          group (act-order). Symmetric: z = 2 ** (b - 1) (vLLM ignores qzeros); else the stored zero, plus one
+#          in the v1 format ("gptq": AutoGPTQ saved zeros minus one), as is in "gptq_v2".
+#   AWQ    qweight [in, out / 8] int32 packed along out in the order [0, 2, 4, 6, 1, 3, 5, 7] (field i holds
+#          column ORDER[i] of its 8); qzeros [groups, out / 8] the same; scales [groups, out].
+#   compressed-tensors  weight_packed [out, ceil(in * b / 32)] int32 along in, each code offset by 2 ** (b - 1);
+#          weight_scale [out, groups]; weight_zero_point (asymmetric) [ceil(out * b / 32), groups] packed along
+#          out, offset likewise; weight_shape [out, in]; naive/int-quantized: weight int8 [out, in], signed.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Each int32 of ``words`` split into its 32 / bits codes along ``dim`` (word j -> codes j * p .. j * p + p - 1,
+    code i its bits [i * bits, (i + 1) * bits)), as unsigned integers (int32)."""
+    dim = dim % words.dim()
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32).view(-1, *([1] * (words.dim() - dim - 1)))
+    return ((words.unsqueeze(dim + 1) >> shifts) & ((1 << bits) - 1)).flatten(dim, dim + 1)
+
+
+class PackedIntSlice:
+    """A weight-only int4/int8 weight read as its dequantized [out, in] matrix, in ``dtype``: what a layer's
+    ``weight_loader`` takes in place of safetensors' slice (``get_shape``; ``[key]`` reads only the codes of
+    the rows and columns asked for, so a tensor-parallel rank's shard is its rows of the whole dequantized
+    weight). ``codes(r0, r1, c0, c1)`` reads the unsigned codes of that window; ``scale`` and ``zero`` are
+    [out, groups] (fp32), ``group_of`` each input column's group. Dequantized ROWS_AT_A_TIME output rows at a
+    time, in fp32, then rounded once to ``dtype``."""
+    ROWS_AT_A_TIME = 256
+
+    def __init__(self, codes: Callable[[int, int, int, int], torch.Tensor], shape: tuple[int, int], bits: int,
+                 scale: torch.Tensor, zero: torch.Tensor, group_of: torch.Tensor, dtype: torch.dtype = torch.float32):
+        self.codes, self.shape, self.bits, self.dtype = codes, shape, bits, dtype
+        self.scale, self.zero, self.group_of = scale, zero, group_of
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return f"INT{self.bits}"
+
+    def __getitem__(self, key: tuple[slice, ...]) -> torch.Tensor:
+        key = tuple(key) + (slice(None),) * (2 - len(key))
+        (r0, r1), (c0, c1) = (key[d].indices(self.shape[d])[:2] for d in (0, 1))
+        r1, c1 = max(r0, r1), max(c0, c1)
+        out = torch.empty(r1 - r0, c1 - c0, dtype=self.dtype)
+        groups = self.group_of[c0:c1]
+        for a in range(r0, r1, self.ROWS_AT_A_TIME):
+            b = min(r1, a + self.ROWS_AT_A_TIME)
+            q = self.codes(a, b, c0, c1).float()
+            out[a - r0:b - r0] = (q - self.zero[a:b][:, groups]) * self.scale[a:b][:, groups]
+        return out
+
+
+def _wna16_slice(name: str, loaded, read: Callable[[str], torch.Tensor | None], quant: WNA16Config,
+                 file: Path) -> tuple[str, PackedIntSlice]:
+    """A quantized weight's codes and (through ``read``, by name) its scales and zero points -> (the weight's
+    name, the weight read dequantized). Every stored shape is checked, each mismatch one line."""
+    module = name[:-len(quant.packed_suffix)]
+    shape = tuple(loaded.get_shape())
+    if len(shape) != 2:
+        raise ModelLoadError(f"{quant.method} tensor {name!r} has shape {shape}: a quantized weight is a matrix")
+    build = {"gptq": _gptq_weight, "awq": _awq_weight, "compressed-tensors": _ct_weight}[quant.method]
+    codes, (out, inp), scale, zero = build(_Companions(module, name, file, read, quant), loaded, shape, quant)
+    g_idx = read(module + quant.companion_suffixes[-1])
+    if g_idx is None:
+        group_of = torch.arange(inp) // (inp if quant.group_size == -1 else quant.group_size)
+    else:
+        _expect(module + quant.companion_suffixes[-1], g_idx, (inp,))
+        group_of = g_idx.long()
+        if inp and not 0 <= int(group_of.min()) <= int(group_of.max()) < scale.shape[1]:
+            raise ModelLoadError(f"tensor {module + quant.companion_suffixes[-1]!r} names groups outside "
+                                 f"0..{scale.shape[1] - 1}")
+    return module + ".weight", PackedIntSlice(codes, (out, inp), quant.bits, scale, zero, group_of)
+
+
+@dataclass(frozen=True, slots=True)
+class _Companions:
+    """The tensors read beside one quantized weight, by suffix; a missing one is a one-line error."""
+    module: str
+    weight: str
+    file: Path
+    read: Callable[[str], torch.Tensor | None]
+    quant: WNA16Config
+
+    def get(self, suffix: str, shape: tuple[int, ...]) -> torch.Tensor:
+        t = self.read(self.module + suffix)
+        if t is None:
+            raise ModelLoadError(f"{self.quant.method} tensor {self.weight!r} in {self.file.name} has no "
+                                 f"{self.module + suffix!r} beside it")
+        _expect(self.module + suffix, t, shape)
+        return t
+
+    def groups(self, inp: int) -> int:
+        return 1 if self.quant.group_size == -1 else -(-inp // self.quant.group_size)
+
+
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if tuple(t.shape) != shape:
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+
+
+def _midpoint(out: int, groups: int, bits: int) -> torch.Tensor:
+    """A symmetric scheme's zero point: the codes' midpoint."""
+    return torch.full((out, groups), float(1 << (bits - 1)))
+
+
+def _gptq_weight(t: _Companions, loaded, shape, quant):
+    """GPTQ: qweight [in / p, out], scales [groups, out], qzeros [groups, out / p] (g_idx [in]: the caller's)."""
+    bits, p = quant.bits, 32 // quant.bits
+    inp, out = shape[0] * p, shape[1]
+    groups = t.groups(inp)
+
+    def codes(r0, r1, c0, c1):
+        w0 = c0 // p
+        return _unpack_int32(loaded[w0:-(-c1 // p), r0:r1], bits, 0)[c0 - w0 * p:c1 - w0 * p].T
+
+    scale = t.get(".scales", (groups, out)).float().T
+    if quant.symmetric:  # as vLLM: the codes' midpoint, whatever qzeros holds (v1 stores it minus one)
+        t.read(t.module + ".qzeros")
+        return codes, (out, inp), scale, _midpoint(out, groups, bits)
+    qzeros = t.get(".qzeros", (groups, -(-out // p)))
+    zero = _unpack_int32(qzeros, bits, 1)[:, :out].T.float() + (quant.checkpoint_format == "gptq")
+    return codes, (out, inp), scale, zero
+
+
+def _awq_weight(t: _Companions, loaded, shape, quant):
+    """AWQ: qweight [in, out / 8] and qzeros [groups, out / 8] interleaved in AWQ_ORDER, scales [groups, out]."""
+    bits, p = quant.bits, 32 // quant.bits
+    inp, out = shape[0], shape[1] * p
+    groups = t.groups(inp)
+    undo = torch.tensor(AWQ_ORDER).argsort()  # column k of a word's 8 is its field undo[k]
+
+    def in_order(words: torch.Tensor) -> torch.Tensor:
+        return _unpack_int32(words, bits, 1).unflatten(1, (-1, p))[..., undo].flatten(1)
+
+    def codes(r0, r1, c0, c1):
+        w0 = r0 // p
+        return in_order(loaded[c0:c1, w0:-(-r1 // p)])[:, r0 - w0 * p:r1 - w0 * p].T
+
+    scale = t.get(".scales", (groups, out)).float().T
+    return codes, (out, inp), scale, in_order(t.get(".qzeros", (groups, shape[1]))).T.float()
+
+
+def _ct_weight(t: _Companions, loaded, shape, quant):
+    """compressed-tensors: weight_packed [out, in * b / 32] (naive: weight int8 [out, in]) beside weight_shape,
+    weight_scale [out, groups], weight_zero_point [out * b / 32, groups] (naive: int8 [out, groups])."""
+    bits, offset, p = quant.bits, 1 << (quant.bits - 1), 32 // quant.bits
+    packed = quant.checkpoint_format == "pack-quantized"
+    out, inp = shape
+    if packed:
+        out, inp = (int(v) for v in t.get(".weight_shape", (2,)).tolist())
+        if shape != (out, -(-inp // p)):
+            raise ModelLoadError(f"tensor {t.weight!r} has shape {shape}, expected {(out, -(-inp // p))} "
+                                 f"for a weight_shape of {[out, inp]}")
+    groups = t.groups(inp)
+
+    def codes(r0, r1, c0, c1):
+        if not packed:  # signed int8: offset to the unsigned codes the zero points are
+            return loaded[r0:r1, c0:c1].int() + offset
+        w0 = c0 // p
+        return _unpack_int32(loaded[r0:r1, w0:-(-c1 // p)], bits, 1)[:, c0 - w0 * p:c1 - w0 * p]
+
+    scale = t.get(".weight_scale", (out, groups)).float()
+    if quant.symmetric:
+        return codes, (out, inp), scale, _midpoint(out, groups, bits)
+    if packed:
+        zero = _unpack_int32(t.get(".weight_zero_point", (-(-out // p), groups)), bits, 0)[:out].float()
+    else:
+        zero = t.get(".weight_zero_point", (out, groups)).float() + offset
+    return codes, (out, inp), scale, zero
+
+
+class _Wna16Companions:
+    """Which file holds each scale, zero point, g_idx and weight_shape of a weight-only int checkpoint (one may
+    sit in another shard file than its weight), read on demand; those never read are stray ones."""
+
+    def __init__(self, files: list[Path], quant: WNA16Config):
+        from safetensors import safe_open
+
+        self.quant, self.where, self.taken = quant, {}, set()
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                self.where.update({n: file for n in f.keys() if n.endswith(quant.companion_suffixes)})
+        self.names = set(self.where)
+
+    def is_quantized(self, name: str, loaded) -> bool:
+        """Whether ``name`` holds a quantized weight's codes (naive compressed-tensors': an int8 ``weight``;
+        the modules left unquantized keep theirs in the model's dtype)."""
+        if not name.endswith(self.quant.packed_suffix):
+            return False
+        want = "I8" if self.quant.packed_suffix == ".weight" else "I32"
+        if want == "I8":
+            return loaded.get_dtype() == want
+        if loaded.get_dtype() != want:
+            raise ModelLoadError(f"{self.quant.method} tensor {name!r} is {loaded.get_dtype()}, expected int32 codes")
+        return True
+
+    def read(self, name: str) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        if name not in self.where:
+            return None
+        self.taken.add(name)
+        with safe_open(str(self.where[name]), framework="pt") as f:
+            return f.get_tensor(name)
+
+    def check_all_read(self) -> None:
+        stray = sorted(self.names - self.taken)
+        if stray:
+            raise ModelLoadError(f"unexpected tensor {stray[0]!r}: a {self.quant.method} scale or zero point with "
+                                 "no quantized weight beside it")
+
+
+def _log_wna16(quant: WNA16Config, dequantized: collections.Counter) -> None:
+    dtype = max(dequantized, key=dequantized.get) if dequantized else torch.bfloat16
+    name = str(dtype).replace("torch.", "")
+    logger.info("[model] int%d weight-only checkpoint (%s): %d int%d weights dequantized to %s as they were loaded. "
+                "The weights are held dequantized: the memory is the %s model's (about %dx the checkpoint's "
+                "quantized weights), and the outputs are the dequantized weights' (vLLM computes with the packed "
+                "int%d weights in its mixed-precision kernels, so its tokens may differ slightly)", quant.bits,
+                quant.describe(), sum(dequantized.values()), quant.bits, name, name,
+                dtype.itemsize * 8 // quant.bits, quant.bits)
 
 
 def _log_fp8(quant: Fp8Config, dequantized: collections.Counter, input_scales: int) -> None:

@@ -226,18 +226,17 @@ def _config(path: Path, **quant) -> dict:
 
 
 @pytest.mark.parametrize("quant,message", [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq'"),
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq'"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-    ({"quant_method": "compressed-tensors", "format": "float-quantized"}, "quant_method 'compressed-tensors'"),
+    ({"quant_method": "gguf"}, "quant_method 'gguf'"),
     ({"quant_method": "fbgemm_fp8"}, "quant_method 'fbgemm_fp8'"),
-], ids=["gptq", "awq", "bnb", "compressed-tensors", "fbgemm_fp8"])  # mxfp4 (gpt-oss's only): test_gpt_oss
+], ids=["bnb", "gguf", "fbgemm_fp8"])  # mxfp4 (gpt-oss's only): test_gpt_oss; gptq, awq, compressed-tensors: test_wna16
 def test_other_quantization_methods_are_refused_by_name(tiny_model, quant, message):
     with pytest.raises(ModelLoadError) as e:
         ModelConfig.from_dict(_config(tiny_model, **quant))
     assert str(e.value) == (f"the checkpoint is quantized with {message}, which nanoserve does not serve: it "
-                            "serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) and FP8 ones "
-                            "(quant_method 'fp8', block or per-tensor), and gpt-oss's MXFP4 experts")
+                            "serves unquantized checkpoints (bf16, fp16 or fp32 safetensors), FP8 ones "
+                            "(quant_method 'fp8', block or per-tensor), int4/int8 weight-only ones (quant_method "
+                            "'gptq', 'awq' or 'compressed-tensors'), and gpt-oss's MXFP4 experts")
 
 
 @pytest.mark.parametrize("quant,message", [

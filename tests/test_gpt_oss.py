@@ -139,9 +139,9 @@ def _config(**changes) -> dict:
 @pytest.mark.parametrize("changes,message", [
     ({"architectures": ["Qwen3MoeForCausalLM"], "quantization_config": {"quant_method": "mxfp4"}},
      r"quant_method 'mxfp4', which nanoserve serves for GptOssForCausalLM \(its experts\) only"),
-    ({"quantization_config": {"quant_method": "awq"}}, r"quant_method 'awq'.*gpt-oss's MXFP4 experts"),
+    ({"quantization_config": {"quant_method": "gguf"}}, r"quant_method 'gguf'.*gpt-oss's MXFP4 experts"),
     ({"attention_bias": False}, r"GptOssForCausalLM with attention_bias false is not supported"),
-], ids=["mxfp4-elsewhere", "awq", "no-bias"])
+], ids=["mxfp4-elsewhere", "gguf", "no-bias"])
 def test_configs_nanoserve_cannot_serve_are_refused(changes, message):
     with pytest.raises(ModelLoadError, match=message):
         ModelConfig.from_dict(_config(**changes))

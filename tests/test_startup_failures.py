@@ -86,16 +86,17 @@ def test_more_memory_than_the_machine_has(tiny_model):
 
 def test_a_quantized_checkpoint_is_refused_by_name(tiny_model, tmp_path):
     """Not "unexpected tensor ...qweight" from deep in the loader: its config says what it is. (FP8, which
-    nanoserve serves dequantized: tests/test_fp8.py.)"""
-    model = tmp_path / "gptq-ish"
+    nanoserve serves dequantized: tests/test_fp8.py; GPTQ, AWQ, compressed-tensors: tests/test_wna16.py.)"""
+    model = tmp_path / "bnb-ish"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (model / "config.json").write_text(json.dumps(config))
     err = run_cli("--model", str(model), "--port", "0")
-    assert err == (f"error: cannot serve {model}: the checkpoint is quantized with quant_method 'gptq', which "
-                   "nanoserve does not serve: it serves unquantized checkpoints (bf16, fp16 or fp32 safetensors) "
-                   "and FP8 ones (quant_method 'fp8', block or per-tensor), and gpt-oss's MXFP4 experts")
+    assert err == (f"error: cannot serve {model}: the checkpoint is quantized with quant_method 'bitsandbytes', "
+                   "which nanoserve does not serve: it serves unquantized checkpoints (bf16, fp16 or fp32 "
+                   "safetensors), FP8 ones (quant_method 'fp8', block or per-tensor), int4/int8 weight-only ones "
+                   "(quant_method 'gptq', 'awq' or 'compressed-tensors'), and gpt-oss's MXFP4 experts")
 
 
 @pytest.mark.parametrize("flags", [

@@ -326,7 +326,8 @@ def test_uvicorn_trace_level():
 
 # =========================================================================== flags taken without effect, or refused
 
-TAKEN = [["--quantization", "fp8"], ["--trust-remote-code"], ["--no-trust-remote-code"], ["--enable-chunked-prefill"],
+TAKEN = [["--quantization", "fp8"], ["--quantization", "awq"], ["--trust-remote-code"], ["--no-trust-remote-code"],
+         ["--enable-chunked-prefill"],
          ["--optimization-level", "3"], ["--no-enable-chunked-prefill"], ["--kv-cache-dtype", "auto"],
          ["--load-format", "safetensors"],
          ["--pipeline-parallel-size", "1"], ["--distributed-executor-backend", "mp"], ["--disable-custom-all-reduce"],
@@ -339,8 +340,8 @@ TAKEN = [["--quantization", "fp8"], ["--trust-remote-code"], ["--no-trust-remote
          ["--max-seq-len-to-capture", "8192"], ["--disable-async-output-proc"],
          ["--no-fully-sharded-loras"],
          ["--lora-dtype", "auto"]]
-REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "awq"],
-           ["-q", "gptq"], ["--load-format", "pt"], ["-pp", "2"],
+REFUSED = [["--kv-cache-dtype", "fp8"], ["--kv-cache-dtype", "fp8_e5m2"], ["--quantization", "bitsandbytes"],
+           ["-q", "gguf"], ["--load-format", "pt"], ["-pp", "2"],
            ["--distributed-executor-backend", "ray"], ["--tokenizer-mode", "mistral"],
            ["--response-role", "bot"], ["-dp", "2"],
            ["--api-server-count", "4"], ["--logprobs-mode", "processed_logprobs"],
@@ -670,7 +671,7 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
 
 
 @pytest.mark.parametrize("kwargs, why", [
-    ({"quantization": "awq"}, "quantization='awq' is not supported: nanoserve reads an FP8 checkpoint's"),
+    ({"quantization": "bitsandbytes"}, "quantization='bitsandbytes' is not supported: nanoserve reads an FP8, GPTQ"),
     ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype='fp8' is not supported: the KV cache has the model's dtype"),
     ({"load_format": "pt"}, "load_format='pt' is not supported: "),
     ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=2 is not supported: nanoserve has no pipeline"),

@@ -1,0 +1,330 @@
+"""Weight-only int4/int8 checkpoints (GPTQ, AWQ, compressed-tensors W4A16/W8A16), served dequantized.
+
+A tiny transformers model's linear weights are quantized here to integer codes with one scale (and zero
+point) a group of input columns, and packed as each format's spec says. The oracle is the same model with
+each weight replaced by its dequantized value in fp32 ((code - zero) * scale, computed from the integers
+before packing), saved unquantized: nanoserve's weights from the packed checkpoint must equal those exactly
+and its greedy tokens equal transformers' on it. For compressed-tensors, the format's own library packs the
+checkpoint (its compressor, from the integers here) and its own decompressor makes the oracle, so that a
+packer and an unpacker written by the same hand cannot share a misunderstanding; for GPTQ and AWQ the
+independent check against AutoAWQ's packer and vLLM's pure-torch GPTQ/AWQ packers is
+benchmarks/wna16_pack_check.py (RESULTS.md)."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import VOCAB, hf_greedy_logprobs, make_model
+from nanoserve import LLM, SamplingParams
+from nanoserve.model import ModelConfig, ModelLoadError, PackedIntSlice, load_model
+
+_rng = torch.Generator().manual_seed(4)
+PROMPTS = [torch.randint(1, VOCAB - 1, (n,), generator=_rng).tolist() for n in (5, 19, 33)]
+N_NEW = 10
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def is_quantized_linear(name: str, t: torch.Tensor) -> bool:
+    """The tensors these checkpoints quantize: the decoder's linear weights (not embeddings, head, norms)."""
+    return t.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name and "lm_head" not in name \
+        and "norm" not in name
+
+
+def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor | None = None):
+    """(codes [out, in] unsigned, scale [out, groups], zero [out, groups]) by min/max in each group of input
+    columns (g_idx: each column's group, act-order); symmetric: zero the midpoint 2 ** (bits - 1)."""
+    out, inp = w.shape
+    g_idx = torch.arange(inp) // group if g_idx is None else g_idx
+    groups = int(g_idx.max()) + 1
+    lo = torch.stack([w[:, g_idx == g].amin(1) for g in range(groups)], 1).clamp(max=0)
+    hi = torch.stack([w[:, g_idx == g].amax(1) for g in range(groups)], 1).clamp(min=0)
+    qmax = (1 << bits) - 1
+    if sym:
+        scale = torch.maximum(-lo, hi) / (qmax // 2)
+        zero = torch.full_like(scale, float(1 << (bits - 1)))
+    else:
+        scale = (hi - lo) / qmax
+        zero = (-lo / scale).round().clamp(0, qmax)
+    codes = (w / scale[:, g_idx] + zero[:, g_idx]).round().clamp(0, qmax).to(torch.int32)
+    return codes, scale, zero.to(torch.int32)
+
+
+def dequantize(codes, scale, zero, g_idx) -> torch.Tensor:
+    return (codes.float() - zero[:, g_idx].float()) * scale[:, g_idx]
+
+
+def pack(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words along ``dim``: value j * p + i in bits [i * bits, (i + 1) * bits) of word j."""
+    p = 32 // bits
+    v = (values.to(torch.int64) & ((1 << bits) - 1)).movedim(dim, 0)
+    v = torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, -v.shape[0] % p))
+    words = sum(v[i::p] << (bits * i) for i in range(p))
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).movedim(0, dim).contiguous()
+
+
+def gptq_tensors(module, codes, scale, zero, bits, v1: bool, g_idx):
+    """GPTQ: qweight [in / p, out], qzeros [groups, out / p] (v1: each zero minus one), scales [groups, out]."""
+    return {f"{module}.qweight": pack(codes.T, bits, 0), f"{module}.qzeros": pack(zero.T - int(v1), bits, 1),
+            f"{module}.scales": scale.T.contiguous(), f"{module}.g_idx": g_idx.to(torch.int32)}
+
+
+def awq_tensors(module, codes, scale, zero, bits, *_):
+    """AWQ GEMM: qweight [in, out / 8] and qzeros [groups, out / 8], each 8 columns in AWQ_ORDER."""
+    def interleaved(t):  # [rows, out] -> word field i holds column AWQ_ORDER[i] of its 8
+        return pack(t.unflatten(1, (-1, 8))[..., AWQ_ORDER].flatten(1), bits, 1)
+    return {f"{module}.qweight": interleaved(codes.T), f"{module}.qzeros": interleaved(zero.T),
+            f"{module}.scales": scale.T.contiguous()}
+
+
+def quantized_checkpoint(model_root: Path, method: str, bits: int, group: int, sym: bool, v1: bool = True,
+                         act_order: bool = False) -> Path:
+    """A tiny qwen3 written as a GPTQ or AWQ checkpoint, and beside it (``-dequant``) its dequantized weights
+    unquantized. The embeddings, head and norms stay fp32 (as the hub's keep them in the model's dtype)."""
+    src = make_model(model_root, "qwen3")
+    dst = model_root / f"{method}-{bits}-{group}-{'sym' if sym else 'asym'}-{'v1' if v1 else 'v2'}-{act_order}"
+    if (dst / "config.json").exists():
+        return dst
+    write = gptq_tensors if method == "gptq" else awq_tensors
+    quantized, dequantized = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not is_quantized_linear(name, w):
+            quantized[name] = dequantized[name] = w
+            continue
+        g_idx = torch.arange(w.shape[1]) // group
+        if act_order:  # GPTQ's desc_act: groups formed in a permuted column order
+            g_idx = g_idx[torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[0]))]
+        codes, scale, zero = quantize(w, bits, group, sym, g_idx)
+        assert not (v1 and method == "gptq" and (zero == 0).any())  # v1 cannot store a zero of 0 (as zero - 1)
+        scale = scale.half()  # as the hub's GPTQ and AWQ checkpoints store them
+        dequantized[name] = dequantize(codes, scale.float(), zero, g_idx)
+        quantized.update(write(name.removesuffix(".weight"), codes, scale, zero, bits, v1, g_idx))
+    _write(src, dst, quantized, dequantized)
+    quant = ({"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
+              "checkpoint_format": "gptq" if v1 else "gptq_v2"} if method == "gptq" else
+             {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"})
+    _set_quant(dst, quant)
+    return dst
+
+
+def _write(src: Path, dst: Path, quantized: dict, dequantized: dict) -> None:
+    for out, tensors in ((dst, quantized), (dequant_of(dst), dequantized)):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(src, out)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _set_quant(path: Path, quant: dict) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quant
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def dequant_of(path: Path) -> Path:
+    return path.with_name(path.name + "-dequant")
+
+
+def ct_checkpoint(model_root: Path, bits: int, strategy: str, sym: bool, fmt: str = "pack-quantized") -> Path:
+    """A tiny qwen3 compressed by compressed-tensors itself (its compressor packs the codes quantized here),
+    and its dequantized twin as the library's own decompressor reads the checkpoint back."""
+    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors (the [test] extra) is the oracle")
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    src = make_model(model_root, "qwen3")
+    dst = model_root / f"ct-{bits}-{strategy}-{'sym' if sym else 'asym'}-{fmt}"
+    if (dst / "config.json").exists():
+        return dst
+    group = 32 if strategy == "group" else None
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, strategy=strategy, group_size=group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    compressor = BaseCompressor.load_from_registry(fmt)
+    quantized, dequantized = {}, {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not is_quantized_linear(name, w):
+            quantized[name] = dequantized[name] = w
+            continue
+        module = name.removesuffix(".weight")
+        codes, scale, zero = quantize(w, bits, group or w.shape[1], sym)
+        state = {"weight": dequantize(codes, scale, zero, torch.arange(w.shape[1]) // (group or w.shape[1])),
+                 "weight_scale": scale, "weight_zero_point": (zero - (1 << (bits - 1))).to(torch.int8)}
+        packed = compressor.compress(state, scheme)
+        quantized.update({f"{module}.{k}": v for k, v in packed.items()})
+        dequantized[name] = compressor.decompress(packed, scheme)["weight"]
+    _write(src, dst, quantized, dequantized)
+    _set_quant(dst, {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+                     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                                   "weights": args.model_dump(mode="json"), "format": fmt}},
+                     "ignore": ["lm_head"], "sparsity_config": {}, "kv_cache_scheme": None,
+                     "version": ct.__version__})
+    return dst
+
+
+CASES = {  # id: (make, args): one of each format's layouts, bit widths and zero-point conventions
+    "gptq-4-g32-sym-v1": ("gptq", dict(bits=4, group=32, sym=True)),
+    "gptq-4-g32-asym-v1-act-order": ("gptq", dict(bits=4, group=32, sym=False, act_order=True)),
+    "gptq-8-g64-asym-v2": ("gptq", dict(bits=8, group=64, sym=False, v1=False)),
+    "awq-4-g32": ("awq", dict(bits=4, group=32, sym=False)),
+    "ct-w4a16-group-sym": ("ct", dict(bits=4, strategy="group", sym=True)),
+    "ct-w4a16-group-asym": ("ct", dict(bits=4, strategy="group", sym=False)),
+    "ct-w8a16-channel-asym": ("ct", dict(bits=8, strategy="channel", sym=False)),
+    "ct-w8a16-naive-asym": ("ct", dict(bits=8, strategy="group", sym=False, fmt="naive-quantized")),
+}
+
+
+def checkpoint(model_root: Path, case: str) -> Path:
+    make, kw = CASES[case]
+    if make == "ct":
+        return ct_checkpoint(model_root, **kw)
+    return quantized_checkpoint(model_root, make, **kw)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_weights_are_the_dequantized_ones(model_root, case, caplog):
+    path = checkpoint(model_root, case)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        model, weight_bytes = load_model(path, torch.float32, torch.device("cpu"))
+    ref, ref_bytes = load_model(dequant_of(path), torch.float32, torch.device("cpu"))
+    assert weight_bytes == ref_bytes
+    theirs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, theirs[name]), name
+    bits = CASES[case][1]["bits"]
+    assert f"weight-only checkpoint (" in caplog.text
+    assert f"): 14 int{bits} weights dequantized to float32 as they were loaded. The weights are held " \
+           f"dequantized: the memory is the float32 model's (about {32 // bits}x the checkpoint's" in caplog.text
+
+
+def generate(path: Path, **kw) -> tuple[list[list[int]], list[list[float]]]:
+    llm = LLM(str(path), **{"dtype": "float32", "enforce_eager": True, **kw}, num_kv_blocks=16, max_model_len=64,
+              max_num_batched_tokens=16)
+    try:
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW, logprobs=0),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return ([o.outputs[0].token_ids for o in outs],
+            [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
+
+
+@pytest.mark.parametrize("case", ["gptq-4-g32-asym-v1-act-order", "awq-4-g32", "ct-w4a16-group-asym"])
+def test_greedy_tokens_are_transformers_on_the_dequantized_weights(model_root, case):
+    path = checkpoint(model_root, case)
+    tokens, logprobs = generate(path)
+    ref_tokens, ref_logprobs = hf_greedy_logprobs(dequant_of(path), PROMPTS, N_NEW)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(sum(logprobs, [])), torch.tensor(sum(ref_logprobs, [])),
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_tensor_parallel_shards_are_cut_from_the_dequantized_weights(model_root):
+    """Two ranks: q/k/v and gate/up split by output rows (AWQ's packed dim), o and down by input columns,
+    through groups; tokens as one rank's."""
+    path = checkpoint(model_root, "awq-4-g32")
+    (tp2, tp2_logprobs), (tp1, tp1_logprobs) = generate(path, tensor_parallel_size=2), generate(path)
+    assert tp2 == tp1
+    torch.testing.assert_close(torch.tensor(sum(tp2_logprobs, [])), torch.tensor(sum(tp1_logprobs, [])),
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_bfloat16_holds_the_dequantized_weights_rounded_once(model_root):
+    path = checkpoint(model_root, "gptq-4-g32-sym-v1")
+    model, weight_bytes = load_model(path, torch.bfloat16, torch.device("cpu"))
+    ref, _ = load_model(dequant_of(path), torch.bfloat16, torch.device("cpu"))
+    theirs = dict(ref.named_parameters())
+    assert all(torch.equal(p, theirs[n]) for n, p in model.named_parameters())
+    assert weight_bytes == sum(p.numel() * 2 for p in model.parameters())
+
+
+@pytest.mark.parametrize("rows,cols", [(slice(None), slice(None)), (slice(3, 45), slice(None)),
+                                       (slice(None), slice(13, 61)), (slice(5, 5), slice(None))],
+                         ids=["whole", "rows", "columns", "empty"])
+def test_a_slice_is_the_whole_dequantized_weights_slice(rows, cols, monkeypatch):
+    """Cut through words and groups, a few rows at a time: the same elements as the whole weight's."""
+    monkeypatch.setattr(PackedIntSlice, "ROWS_AT_A_TIME", 7)
+    from nanoserve.model import _awq_weight, _Companions, WNA16Config
+    torch.manual_seed(0)
+    w = torch.randn(48, 64)
+    codes, scale, zero = quantize(w, 4, 16, False)
+    tensors = awq_tensors("m", codes, scale, zero, 4)
+    quant = WNA16Config("awq", 4, 16, False, "gemm")
+    t = _Companions("m", "m.qweight", Path("x.safetensors"), tensors.get, quant)
+    fn, shape, s, z = _awq_weight(t, tensors["m.qweight"], tuple(tensors["m.qweight"].shape), quant)
+    sliced = PackedIntSlice(fn, shape, 4, s, z, torch.arange(64) // 16)
+    whole = dequantize(codes, scale, zero, torch.arange(64) // 16)
+    assert torch.equal(sliced[rows, cols], whole[rows, cols])
+
+
+def _config(path: Path, **quant) -> dict:
+    return {**json.loads((path / "config.json").read_text()), "quantization_config": quant}
+
+
+CT = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+W4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+
+
+@pytest.mark.parametrize("quant,message", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "GPTQ checkpoint with 3-bit weights is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
+     "GPTQ checkpoint in format 'marlin' is not supported"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "dynamic": {r"+:.*\.1\..*": {"bits": 8}}},
+     "GPTQ checkpoint with per-module overrides"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "AWQ checkpoint of version 'gemv' is not supported"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm", "zero_point": False},
+     "AWQ checkpoint with zero_point false is not supported"),
+    ({**CT, "config_groups": {"g": {"weights": {**W4, "num_bits": 8}, "format": "int-quantized",
+                                    "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}},
+     "compressed-tensors checkpoint with scheme W8A8 int (activations quantized: input_activations dynamic)"),
+    ({**CT, "format": "float-quantized", "config_groups": {"g": {"weights": {**W4, "num_bits": 8, "type": "float"}}}},
+     "compressed-tensors checkpoint with float weights (W8A16 float) is not supported"),
+    ({**CT, "format": "marlin-24", "config_groups": {"g": {"weights": W4}}},
+     "compressed-tensors checkpoint with 'marlin-24' sparsity is not supported"),
+    ({**CT, "sparsity_config": {"format": "sparse-24-bitmask"}, "config_groups": {"g": {"weights": W4}}},
+     "compressed-tensors checkpoint with 'sparse-24-bitmask' sparsity is not supported"),
+    ({**CT, "config_groups": {"g": {"weights": {**W4, "strategy": "tensor"}}}},
+     "compressed-tensors checkpoint with weight strategy 'tensor' is not supported"),
+    ({**CT, "config_groups": {"a": {"weights": W4}, "b": {"weights": {**W4, "num_bits": 8}}}},
+     "compressed-tensors checkpoint with 2 different schemes across its config_groups is not supported"),
+], ids=["gptq-3bit", "gptq-marlin", "gptq-dynamic", "awq-gemv", "awq-no-zero", "ct-w8a8", "ct-fp8", "ct-marlin24",
+        "ct-2of4", "ct-tensor", "ct-mixed"])
+def test_variants_not_served_are_refused_by_name(tiny_model, quant, message):
+    with pytest.raises(ModelLoadError) as e:
+        ModelConfig.from_dict(_config(tiny_model, **quant))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def _broken(model_root: Path, case: str, name: str, edit) -> Path:
+    src = checkpoint(model_root, case)
+    out = model_root / f"broken-{case}-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+Q = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("case,name,edit,message", [
+    ("gptq-4-g32-asym-v1-act-order", "no-zeros", lambda t: t.pop(f"{Q}.qzeros"),
+     f"gptq tensor '{Q}.qweight' in model.safetensors has no '{Q}.qzeros' beside it"),
+    ("awq-4-g32", "bad-scales", lambda t: t.update({f"{Q}.scales": torch.ones(3, 128).half()}),
+     f"tensor '{Q}.scales' has shape (3, 128), expected (2, 128)"),
+    ("gptq-4-g32-sym-v1", "stray", lambda t: t.update({"model.layers.0.input_layernorm.scales": torch.ones(1)}),
+     "unexpected tensor 'model.layers.0.input_layernorm.scales': a gptq scale or zero point with no quantized "
+     "weight beside it"),
+    ("gptq-4-g32-sym-v1", "float-codes", lambda t: t.update({f"{Q}.qweight": t[f"{Q}.qweight"].float()}),
+     f"gptq tensor '{Q}.qweight' is F32, expected int32 codes"),
+], ids=["no-zeros", "bad-scales", "stray", "float-codes"])
+def test_a_broken_checkpoint_is_refused_in_one_line(model_root, case, name, edit, message):
+    with pytest.raises(ModelLoadError) as e:
+        load_model(_broken(model_root, case, name, edit), torch.float32, torch.device("cpu"))
+    assert str(e.value) == message
