@@ -4127,8 +4127,9 @@ class Generation:
             t.done = True
             if m is not None:
                 metrics.e2e_latency.observe(time.monotonic() - m.arrival_time)
-                metrics.observe_finished(m, len(self.prompts[t.index].token_ids), list(t.num_output_tokens.values()),
-                                         self.params.n, self.params.max_tokens)
+                num_prompt = len(self.prompts[t.index].token_ids)  # max_tokens as the request ran: clamped, vLLM's
+                metrics.observe_finished(m, num_prompt, list(t.num_output_tokens.values()), self.params.n,
+                                         self.state.engine.resolve_max_tokens(num_prompt, self.params.max_tokens))
 
     def close(self, why: str = "") -> None:
         """Abort what has not finished (a disconnect, an error, a shutdown)."""

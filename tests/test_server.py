@@ -808,6 +808,13 @@ def test_metrics_move(server):
             for k in ("prompt_tokens", "generation_tokens", "params_n", "params_max_tokens")}
     assert grew == {"prompt_tokens": usage["prompt_tokens"], "generation_tokens": usage["completion_tokens"],
                     "params_n": 1, "params_max_tokens": 7}, grew
+    # max_tokens as the request ran, as vLLM records it: clamped to the room its prompt leaves (250 of 256)
+    before = after
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": [5] * 250, "max_tokens": 100})
+    assert r.status_code == 200, r.text
+    server.wait_idle()
+    after = _metrics(server.url)
+    assert after["nanoserve:request_params_max_tokens_sum"] - before["nanoserve:request_params_max_tokens_sum"] == 6
     # each series again under vLLM's prefix, for dashboards and autoscalers built for vLLM
     ours = {k: v for k, v in after.items() if k.startswith("nanoserve:")}
     assert len(ours) > 20 and {k.replace("nanoserve:", "vllm:", 1): v for k, v in ours.items()} == \
