@@ -230,13 +230,58 @@ def test_greedy_tokens_are_transformers_on_the_dequantized_weights(model_root, c
 
 
 def test_tensor_parallel_shards_are_cut_from_the_dequantized_weights(model_root):
-    """Two ranks: q/k/v and gate/up split by output rows (AWQ's packed dim), o and down by input columns,
-    through groups; tokens as one rank's."""
-    path = checkpoint(model_root, "awq-4-g32")
-    (tp2, tp2_logprobs), (tp1, tp1_logprobs) = generate(path, tensor_parallel_size=2), generate(path)
-    assert tp2 == tp1
-    torch.testing.assert_close(torch.tensor(sum(tp2_logprobs, [])), torch.tensor(sum(tp1_logprobs, [])),
+    """Two ranks of an AWQ model whose shards fall off the packing and the groups (vLLM's kernels refuse
+    those; a shard of the dequantized weight has neither): gate/up's 200 output rows split at 100, in the
+    middle of a packed word of 8; down's 200 input columns (groups of 128: the last one 72 wide) split at
+    100, in the middle of the first group; q/k/v's 64 inputs one group narrower than group_size. Tokens
+    and logprobs transformers' on the dequantized weights."""
+    path = quantized_checkpoint(model_root, "awq", bits=4, group=128, sym=False, intermediate_size=200)
+    tokens, logprobs = generate(path, tensor_parallel_size=2)
+    ref_tokens, ref_logprobs = hf_greedy_logprobs(dequant_of(path), PROMPTS, N_NEW)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(sum(logprobs, [])), torch.tensor(sum(ref_logprobs, [])),
                                atol=2e-4, rtol=1e-4)
+
+
+MOE_CASES = {  # Qwen3-30B-A3B-GPTQ-Int4 / -AWQ and RedHatAI's w4a16 MoEs: each expert's weights by name, the
+    # router (mlp.gate) unquantized; the GPTQ one with its lm_head quantized too (lm_head: true)
+    "gptq-lm_head": lambda root: quantized_checkpoint(root, "gptq", bits=4, group=32, sym=False, arch="qwen3_moe",
+                                                      lm_head=True),
+    "awq": lambda root: quantized_checkpoint(root, "awq", bits=4, group=32, sym=False, arch="qwen3_moe"),
+    "ct-w4a16": lambda root: ct_checkpoint(root, bits=4, strategy="group", sym=False, arch="qwen3_moe"),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_experts_quantized_one_by_one_are_transformers_on_the_dequantized_weights(model_root, case, caplog):
+    path = MOE_CASES[case](model_root)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        tokens, logprobs = generate(path)
+    experts = 2 * 4 * 3  # 2 layers of 4 experts, gate/up/down each; and q/k/v/o
+    assert f"{experts + 2 * 4 + (case == 'gptq-lm_head')} int4 weights dequantized" in caplog.text
+    ref_tokens, ref_logprobs = hf_greedy_logprobs(dequant_of(path), PROMPTS, N_NEW)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(sum(logprobs, [])), torch.tensor(sum(ref_logprobs, [])),
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_an_adapter_on_a_quantized_base_is_its_merged_model(model_root, tmp_path):
+    """LoRA on an AWQ base (as vLLM serves it): the adapter's delta on the dequantized weights; a request
+    without it is the base's."""
+    from test_lora import hf_greedy, make_adapter, merged_model
+    path = checkpoint(model_root, "awq-4-g32")
+    adapter = make_adapter(path, tmp_path / "adapter")
+    merged = merged_model(dequant_of(path), adapter, tmp_path / "merged")
+    from nanoserve import LoRARequest
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=16, max_model_len=64, enable_lora=True,
+              max_loras=1)
+    try:
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW),
+                            use_tqdm=False, lora_request=[LoRARequest("a", 1, str(adapter)), None])
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(merged, PROMPTS[0], N_NEW),
+                                                      hf_greedy(dequant_of(path), PROMPTS[1], N_NEW)]
 
 
 def test_bfloat16_holds_the_dequantized_weights_rounded_once(model_root):
