@@ -2081,7 +2081,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 if cfg.quantization and name.endswith(_ACTIVATION_SCALES):
                     input_scales += 1  # a static activation scale: activations are not quantized here
                     continue
-                loaded = f.get_slice(name)
+                loaded, stored = f.get_slice(name), name
                 if loaded.get_dtype().startswith("F8_"):
                     loaded = _fp8_slice(name, loaded, scales, fp8, file)
                 if name.endswith(MXFP4_BLOCKS) and cfg.mxfp4:
@@ -2094,7 +2094,11 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 if target is None:
                     continue
                 if target not in params:
-                    raise ModelLoadError(f"unexpected tensor {name!r} in {file.name}")
+                    raise ModelLoadError(f"unexpected tensor {stored!r} in {file.name}")
+                if isinstance(loaded, PackedIntSlice) and isinstance(modules[target.rpartition(".")[0]],
+                                                                     VocabParallelEmbedding):
+                    raise ModelLoadError(f"{wna16.method} tensor {stored!r} is a quantized embedding, which nanoserve "
+                                         "(as vLLM) does not read: only linear layers and lm_head may be quantized")
                 if isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
                     loaded.dtype = params[target].dtype
                     dequantized[loaded.dtype] += 1
@@ -2102,7 +2106,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 try:
                     loader(params[target], loaded, shard)
                 except _ShapeMismatch as e:
-                    raise ModelLoadError(f"tensor {name!r} has shape {e.actual}, expected "
+                    held = " holds a weight of" if stored != name else " has"
+                    raise ModelLoadError(f"tensor {stored!r}{held} shape {e.actual}, expected "
                                          f"{e.expected} from config.json") from None
                 pending -= ({(target, s) for s in range(_num_shards(target, modules))} if shard is None
                             else {(target, shard)})
@@ -2350,15 +2355,23 @@ def _wna16_slice(name: str, loaded, read: Callable[[str], torch.Tensor | None], 
         raise ModelLoadError(f"{quant.method} tensor {name!r} has shape {shape}: a quantized weight is a matrix")
     build = {"gptq": _gptq_weight, "awq": _awq_weight, "compressed-tensors": _ct_weight}[quant.method]
     codes, (out, inp), scale, zero = build(_Companions(module, name, file, read, quant), loaded, shape, quant)
-    g_idx = read(module + quant.companion_suffixes[-1])
+    g_idx_name = module + quant.companion_suffixes[-1]
+    g_idx = read(g_idx_name)
+    if g_idx is None and quant.desc_act and quant.group_size != -1:  # act-order: the groups are not in column order
+        raise ModelLoadError(f"{quant.method} tensor {name!r} in {file.name} has no {g_idx_name!r} beside it "
+                             "(desc_act: each input column's group is read from it)")
     if g_idx is None:
         group_of = torch.arange(inp) // (inp if quant.group_size == -1 else quant.group_size)
     else:
-        _expect(module + quant.companion_suffixes[-1], g_idx, (inp,))
+        _expect(g_idx_name, g_idx, (inp,), "int")
         group_of = g_idx.long()
         if inp and not 0 <= int(group_of.min()) <= int(group_of.max()) < scale.shape[1]:
-            raise ModelLoadError(f"tensor {module + quant.companion_suffixes[-1]!r} names groups outside "
+            raise ModelLoadError(f"tensor {g_idx_name!r} names groups outside "
                                  f"0..{scale.shape[1] - 1}")
+        if not quant.desc_act and quant.group_size != -1 and not torch.equal(
+                group_of, torch.arange(inp) // quant.group_size):  # config and tensor disagree: which is right?
+            raise ModelLoadError(f"tensor {g_idx_name!r} puts input columns in other groups than group_size "
+                                 f"{quant.group_size} in column order (desc_act is false)")
     return module + ".weight", PackedIntSlice(codes, (out, inp), quant.bits, scale, zero, group_of)
 
 
@@ -2371,21 +2384,29 @@ class _Companions:
     read: Callable[[str], torch.Tensor | None]
     quant: WNA16Config
 
-    def get(self, suffix: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def get(self, suffix: str, shape: tuple[int, ...], kind: str) -> torch.Tensor:
         t = self.read(self.module + suffix)
         if t is None:
             raise ModelLoadError(f"{self.quant.method} tensor {self.weight!r} in {self.file.name} has no "
                                  f"{self.module + suffix!r} beside it")
-        _expect(self.module + suffix, t, shape)
+        _expect(self.module + suffix, t, shape, kind)
         return t
 
     def groups(self, inp: int) -> int:
         return 1 if self.quant.group_size == -1 else -(-inp // self.quant.group_size)
 
 
-def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+def _expect(name: str, t: torch.Tensor, shape: tuple[int, ...], kind: str) -> None:
+    """``t`` must have ``shape`` and be of ``kind``: "int" (zero points, g_idx, weight_shape: a float there
+    would be truncated), "int32" (codes packed into words: another width would shift them elsewhere) or
+    "float" (scales: integers would be whole-number scales)."""
     if tuple(t.shape) != shape:
         raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+    if kind == "int32" and t.dtype != torch.int32:
+        raise ModelLoadError(f"tensor {name!r} is {str(t.dtype).replace('torch.', '')}, expected int32 (packed)")
+    if t.is_floating_point() != (kind == "float") or t.dtype == torch.bool or t.is_complex():
+        raise ModelLoadError(f"tensor {name!r} is {str(t.dtype).replace('torch.', '')}, expected "
+                             f"{'a float dtype (scales)' if kind == 'float' else 'an integer dtype'}")
 
 
 def _midpoint(out: int, groups: int, bits: int) -> torch.Tensor:
@@ -2403,12 +2424,14 @@ def _gptq_weight(t: _Companions, loaded, shape, quant):
         w0 = c0 // p
         return _unpack_int32(loaded[w0:-(-c1 // p), r0:r1], bits, 0)[c0 - w0 * p:c1 - w0 * p].T
 
-    scale = t.get(".scales", (groups, out)).float().T
-    if quant.symmetric:  # as vLLM: the codes' midpoint, whatever qzeros holds (v1 stores it minus one)
-        t.read(t.module + ".qzeros")
+    scale = t.get(".scales", (groups, out), "float").float().T
+    if quant.symmetric and t.read(t.module + ".qzeros") is None:  # as vLLM: the midpoint, qzeros not needed
         return codes, (out, inp), scale, _midpoint(out, groups, bits)
-    qzeros = t.get(".qzeros", (groups, -(-out // p)))
+    qzeros = t.get(".qzeros", (groups, -(-out // p)), "int32")
     zero = _unpack_int32(qzeros, bits, 1)[:, :out].T.float() + (quant.checkpoint_format == "gptq")
+    if quant.symmetric and not torch.equal(zero, _midpoint(out, groups, bits)):  # sym: true, asymmetric zeros
+        raise ModelLoadError(f"tensor {t.module + '.qzeros'!r} holds zero points other than {1 << (bits - 1)}, the "
+                             "midpoint of a symmetric (sym: true) checkpoint's codes")
     return codes, (out, inp), scale, zero
 
 
@@ -2426,8 +2449,8 @@ def _awq_weight(t: _Companions, loaded, shape, quant):
         w0 = r0 // p
         return in_order(loaded[c0:c1, w0:-(-r1 // p)])[:, r0 - w0 * p:r1 - w0 * p].T
 
-    scale = t.get(".scales", (groups, out)).float().T
-    return codes, (out, inp), scale, in_order(t.get(".qzeros", (groups, shape[1]))).T.float()
+    scale = t.get(".scales", (groups, out), "float").float().T
+    return codes, (out, inp), scale, in_order(t.get(".qzeros", (groups, shape[1]), "int32")).T.float()
 
 
 def _ct_weight(t: _Companions, loaded, shape, quant):
@@ -2437,7 +2460,7 @@ def _ct_weight(t: _Companions, loaded, shape, quant):
     packed = quant.checkpoint_format == "pack-quantized"
     out, inp = shape
     if packed:
-        out, inp = (int(v) for v in t.get(".weight_shape", (2,)).tolist())
+        out, inp = (int(v) for v in t.get(".weight_shape", (2,), "int").tolist())
         if shape != (out, -(-inp // p)):
             raise ModelLoadError(f"tensor {t.weight!r} has shape {shape}, expected {(out, -(-inp // p))} "
                                  f"for a weight_shape of {[out, inp]}")
@@ -2449,13 +2472,13 @@ def _ct_weight(t: _Companions, loaded, shape, quant):
         w0 = c0 // p
         return _unpack_int32(loaded[r0:r1, w0:-(-c1 // p)], bits, 1)[:, c0 - w0 * p:c1 - w0 * p]
 
-    scale = t.get(".weight_scale", (out, groups)).float()
+    scale = t.get(".weight_scale", (out, groups), "float").float()
     if quant.symmetric:
         return codes, (out, inp), scale, _midpoint(out, groups, bits)
     if packed:
-        zero = _unpack_int32(t.get(".weight_zero_point", (-(-out // p), groups)), bits, 0)[:out].float()
+        zero = _unpack_int32(t.get(".weight_zero_point", (-(-out // p), groups), "int32"), bits, 0)[:out].float()
     else:
-        zero = t.get(".weight_zero_point", (out, groups)).float() + offset
+        zero = t.get(".weight_zero_point", (out, groups), "int").float() + offset
     return codes, (out, inp), scale, zero
 
 
@@ -2466,20 +2489,30 @@ class _Wna16Companions:
     def __init__(self, files: list[Path], quant: WNA16Config):
         from safetensors import safe_open
 
-        self.quant, self.where, self.taken = quant, {}, set()
+        self.quant, self.where, self.taken, self.packed = quant, {}, set(), set()
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 self.where.update({n: file for n in f.keys() if n.endswith(quant.companion_suffixes)})
+                if quant.packed_suffix != ".weight":
+                    self.packed.update(n[:-len(quant.packed_suffix)] for n in f.keys()
+                                       if n.endswith(quant.packed_suffix))
         self.names = set(self.where)
 
     def is_quantized(self, name: str, loaded) -> bool:
         """Whether ``name`` holds a quantized weight's codes (naive compressed-tensors': an int8 ``weight``;
         the modules left unquantized keep theirs in the model's dtype)."""
+        if name.endswith(".weight") and name[:-len(".weight")] in self.packed:  # which one is the module's?
+            raise ModelLoadError(f"tensor {name!r} and {name[:-len('.weight')] + self.quant.packed_suffix!r} both "
+                                 "hold its module's weight (one unquantized, one quantized)")
         if not name.endswith(self.quant.packed_suffix):
             return False
-        want = "I8" if self.quant.packed_suffix == ".weight" else "I32"
+        want, dtype = ("I8" if self.quant.packed_suffix == ".weight" else "I32"), loaded.get_dtype()
+        if want == "I8" and not (dtype.startswith(("I", "U")) or dtype == "BOOL"):
+            return False  # a module left unquantized
+        if want == "I8" and dtype != want:
+            raise ModelLoadError(f"{self.quant.method} tensor {name!r} is {dtype}, expected int8 codes")
         if want == "I8":
-            return loaded.get_dtype() == want
+            return True
         if loaded.get_dtype() != want:
             raise ModelLoadError(f"{self.quant.method} tensor {name!r} is {loaded.get_dtype()}, expected int32 codes")
         return True

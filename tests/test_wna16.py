@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import shutil
 from pathlib import Path
 
@@ -30,10 +31,13 @@ N_NEW = 10
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
-def is_quantized_linear(name: str, t: torch.Tensor) -> bool:
-    """The tensors these checkpoints quantize: the decoder's linear weights (not embeddings, head, norms)."""
-    return t.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name and "lm_head" not in name \
-        and "norm" not in name
+def is_quantized_linear(name: str, t: torch.Tensor, lm_head: bool = False) -> bool:
+    """The tensors these checkpoints quantize: the decoder's linear weights (not embeddings, norms, a MoE's
+    router ``mlp.gate``, as the hub's leave it), and lm_head only if asked (GPTQ's ``lm_head: true``)."""
+    if name == "lm_head.weight":
+        return lm_head
+    return t.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name and "norm" not in name \
+        and not name.endswith(".mlp.gate.weight")
 
 
 def quantize(w: torch.Tensor, bits: int, group: int, sym: bool, g_idx: torch.Tensor | None = None):
@@ -83,17 +87,19 @@ def awq_tensors(module, codes, scale, zero, bits, *_):
 
 
 def quantized_checkpoint(model_root: Path, method: str, bits: int, group: int, sym: bool, v1: bool = True,
-                         act_order: bool = False) -> Path:
-    """A tiny qwen3 written as a GPTQ or AWQ checkpoint, and beside it (``-dequant``) its dequantized weights
-    unquantized. The embeddings, head and norms stay fp32 (as the hub's keep them in the model's dtype)."""
-    src = make_model(model_root, "qwen3")
-    dst = model_root / f"{method}-{bits}-{group}-{'sym' if sym else 'asym'}-{'v1' if v1 else 'v2'}-{act_order}"
+                         act_order: bool = False, arch: str = "qwen3", lm_head: bool = False, **overrides) -> Path:
+    """A tiny model (qwen3 unless asked) written as a GPTQ or AWQ checkpoint, and beside it (``-dequant``) its
+    dequantized weights unquantized. The embeddings, norms and head (unless ``lm_head``) stay fp32 (as the
+    hub's keep them in the model's dtype)."""
+    src = make_model(model_root, arch, **overrides)
+    dst = model_root / (f"{method}-{bits}-{group}-{'sym' if sym else 'asym'}-{'v1' if v1 else 'v2'}-{act_order}"
+                        f"-{src.name}{'-lm_head' if lm_head else ''}")
     if (dst / "config.json").exists():
         return dst
     write = gptq_tensors if method == "gptq" else awq_tensors
     quantized, dequantized = {}, {}
     for name, w in load_file(str(src / "model.safetensors")).items():
-        if not is_quantized_linear(name, w):
+        if not is_quantized_linear(name, w, lm_head):
             quantized[name] = dequantized[name] = w
             continue
         g_idx = torch.arange(w.shape[1]) // group
@@ -106,7 +112,7 @@ def quantized_checkpoint(model_root: Path, method: str, bits: int, group: int, s
         quantized.update(write(name.removesuffix(".weight"), codes, scale, zero, bits, v1, g_idx))
     _write(src, dst, quantized, dequantized)
     quant = ({"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": act_order,
-              "checkpoint_format": "gptq" if v1 else "gptq_v2"} if method == "gptq" else
+              "checkpoint_format": "gptq" if v1 else "gptq_v2", "lm_head": lm_head} if method == "gptq" else
              {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"})
     _set_quant(dst, quant)
     return dst
@@ -129,15 +135,16 @@ def dequant_of(path: Path) -> Path:
     return path.with_name(path.name + "-dequant")
 
 
-def ct_checkpoint(model_root: Path, bits: int, strategy: str, sym: bool, fmt: str = "pack-quantized") -> Path:
-    """A tiny qwen3 compressed by compressed-tensors itself (its compressor packs the codes quantized here),
-    and its dequantized twin as the library's own decompressor reads the checkpoint back."""
+def ct_checkpoint(model_root: Path, bits: int, strategy: str, sym: bool, fmt: str = "pack-quantized",
+                  arch: str = "qwen3", **overrides) -> Path:
+    """A tiny model (qwen3 unless asked) compressed by compressed-tensors itself (its compressor packs the codes
+    quantized here), and its dequantized twin as the library's own decompressor reads the checkpoint back."""
     ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors (the [test] extra) is the oracle")
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    src = make_model(model_root, "qwen3")
-    dst = model_root / f"ct-{bits}-{strategy}-{'sym' if sym else 'asym'}-{fmt}"
+    src = make_model(model_root, arch, **overrides)
+    dst = model_root / f"ct-{bits}-{strategy}-{'sym' if sym else 'asym'}-{fmt}-{src.name}"
     if (dst / "config.json").exists():
         return dst
     group = 32 if strategy == "group" else None
@@ -160,7 +167,7 @@ def ct_checkpoint(model_root: Path, bits: int, strategy: str, sym: bool, fmt: st
     _set_quant(dst, {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
                      "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
                                                    "weights": args.model_dump(mode="json"), "format": fmt}},
-                     "ignore": ["lm_head"], "sparsity_config": {}, "kv_cache_scheme": None,
+                     "ignore": ["lm_head", "re:.*mlp.gate$"], "sparsity_config": {}, "kv_cache_scheme": None,
                      "version": ct.__version__})
     return dst
 
@@ -223,13 +230,58 @@ def test_greedy_tokens_are_transformers_on_the_dequantized_weights(model_root, c
 
 
 def test_tensor_parallel_shards_are_cut_from_the_dequantized_weights(model_root):
-    """Two ranks: q/k/v and gate/up split by output rows (AWQ's packed dim), o and down by input columns,
-    through groups; tokens as one rank's."""
-    path = checkpoint(model_root, "awq-4-g32")
-    (tp2, tp2_logprobs), (tp1, tp1_logprobs) = generate(path, tensor_parallel_size=2), generate(path)
-    assert tp2 == tp1
-    torch.testing.assert_close(torch.tensor(sum(tp2_logprobs, [])), torch.tensor(sum(tp1_logprobs, [])),
+    """Two ranks of an AWQ model whose shards fall off the packing and the groups (vLLM's kernels refuse
+    those; a shard of the dequantized weight has neither): gate/up's 200 output rows split at 100, in the
+    middle of a packed word of 8; down's 200 input columns (groups of 128: the last one 72 wide) split at
+    100, in the middle of the first group; q/k/v's 64 inputs one group narrower than group_size. Tokens
+    and logprobs transformers' on the dequantized weights."""
+    path = quantized_checkpoint(model_root, "awq", bits=4, group=128, sym=False, intermediate_size=200)
+    tokens, logprobs = generate(path, tensor_parallel_size=2)
+    ref_tokens, ref_logprobs = hf_greedy_logprobs(dequant_of(path), PROMPTS, N_NEW)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(sum(logprobs, [])), torch.tensor(sum(ref_logprobs, [])),
                                atol=2e-4, rtol=1e-4)
+
+
+MOE_CASES = {  # Qwen3-30B-A3B-GPTQ-Int4 / -AWQ and RedHatAI's w4a16 MoEs: each expert's weights by name, the
+    # router (mlp.gate) unquantized; the GPTQ one with its lm_head quantized too (lm_head: true)
+    "gptq-lm_head": lambda root: quantized_checkpoint(root, "gptq", bits=4, group=32, sym=False, arch="qwen3_moe",
+                                                      lm_head=True),
+    "awq": lambda root: quantized_checkpoint(root, "awq", bits=4, group=32, sym=False, arch="qwen3_moe"),
+    "ct-w4a16": lambda root: ct_checkpoint(root, bits=4, strategy="group", sym=False, arch="qwen3_moe"),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_experts_quantized_one_by_one_are_transformers_on_the_dequantized_weights(model_root, case, caplog):
+    path = MOE_CASES[case](model_root)
+    with caplog.at_level(logging.INFO, logger="nanoserve.model"):
+        tokens, logprobs = generate(path)
+    experts = 2 * 4 * 3  # 2 layers of 4 experts, gate/up/down each; and q/k/v/o
+    assert f"{experts + 2 * 4 + (case == 'gptq-lm_head')} int4 weights dequantized" in caplog.text
+    ref_tokens, ref_logprobs = hf_greedy_logprobs(dequant_of(path), PROMPTS, N_NEW)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(torch.tensor(sum(logprobs, [])), torch.tensor(sum(ref_logprobs, [])),
+                               atol=2e-4, rtol=1e-4)
+
+
+def test_an_adapter_on_a_quantized_base_is_its_merged_model(model_root, tmp_path):
+    """LoRA on an AWQ base (as vLLM serves it): the adapter's delta on the dequantized weights; a request
+    without it is the base's."""
+    from test_lora import hf_greedy, make_adapter, merged_model
+    path = checkpoint(model_root, "awq-4-g32")
+    adapter = make_adapter(path, tmp_path / "adapter")
+    merged = merged_model(dequant_of(path), adapter, tmp_path / "merged")
+    from nanoserve import LoRARequest
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=16, max_model_len=64, enable_lora=True,
+              max_loras=1)
+    try:
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW),
+                            use_tqdm=False, lora_request=[LoRARequest("a", 1, str(adapter)), None])
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(merged, PROMPTS[0], N_NEW),
+                                                      hf_greedy(dequant_of(path), PROMPTS[1], N_NEW)]
 
 
 def test_bfloat16_holds_the_dequantized_weights_rounded_once(model_root):
@@ -328,3 +380,114 @@ def test_a_broken_checkpoint_is_refused_in_one_line(model_root, case, name, edit
     with pytest.raises(ModelLoadError) as e:
         load_model(_broken(model_root, case, name, edit), torch.float32, torch.device("cpu"))
     assert str(e.value) == message
+
+
+DISAGREEING = [  # (case, name, edit, message)
+    ("gptq-4-g32-asym-v1-act-order", "desc-act-no-g-idx", lambda t: t.pop(f"{Q}.g_idx"),
+     f"gptq tensor '{Q}.qweight' in model.safetensors has no '{Q}.g_idx' beside it (desc_act: each input "
+     "column's group is read from it)"),
+    ("gptq-4-g32-asym-v1-act-order", "float-g-idx", lambda t: t.update({f"{Q}.g_idx": t[f"{Q}.g_idx"].float()}),
+     f"tensor '{Q}.g_idx' is float32, expected an integer dtype"),
+    ("gptq-4-g32-asym-v1-act-order", "g-idx-out-of-range", lambda t: t[f"{Q}.g_idx"].__setitem__(3, 2),
+     f"tensor '{Q}.g_idx' names groups outside 0..1"),
+    ("gptq-4-g32-sym-v1", "g-idx-not-group-size-s", lambda t: t[f"{Q}.g_idx"].copy_(torch.arange(64) % 2),
+     f"tensor '{Q}.g_idx' puts input columns in other groups than group_size 32 in column order (desc_act is "
+     "false)"),
+    ("gptq-4-g32-sym-v1", "asymmetric-zeros", lambda t: t[f"{Q}.qzeros"].__setitem__((0, 0), 0),
+     f"tensor '{Q}.qzeros' holds zero points other than 8, the midpoint of a symmetric (sym: true) checkpoint's "
+     "codes"),
+    ("awq-4-g32", "float-zeros", lambda t: t.update({f"{Q}.qzeros": t[f"{Q}.qzeros"].float()}),
+     f"tensor '{Q}.qzeros' is float32, expected int32 (packed)"),
+    ("ct-w4a16-group-asym", "int-scales", lambda t: t.update({f"{Q}.weight_scale": t[f"{Q}.weight_scale"].int()}),
+     f"tensor '{Q}.weight_scale' is int32, expected a float dtype (scales)"),
+    ("ct-w4a16-group-asym", "float-weight-shape", lambda t: t.update({f"{Q}.weight_shape": torch.tensor([128., 64.])}),
+     f"tensor '{Q}.weight_shape' is float32, expected an integer dtype"),
+    ("ct-w4a16-group-asym", "weight-shape-not-the-model-s",
+     lambda t: t.update({f"{Q}.weight_shape": torch.tensor([128, 60])}),  # 60 columns fill the 8 words too
+     f"tensor '{Q}.weight_packed' holds a weight of shape (128, 60), expected (128, 64) from config.json"),
+    ("ct-w8a16-naive-asym", "int32-codes", lambda t: t.update({f"{Q}.weight": t[f"{Q}.weight"].int()}),
+     f"compressed-tensors tensor '{Q}.weight' is I32, expected int8 codes"),
+    ("awq-4-g32", "both-weights", lambda t: t.update({f"{Q}.weight": torch.zeros(128, 64)}),
+     f"tensor '{Q}.weight' and '{Q}.qweight' both hold its module's weight (one unquantized, one quantized)"),
+    ("awq-4-g32", "no-such-module",
+     lambda t: t.update({f"model.layers.0.self_attn.r_proj.{k}": t.pop(f"{Q}.{k}") for k in ("qweight", "qzeros",
+                                                                                            "scales")}),
+     "unexpected tensor 'model.layers.0.self_attn.r_proj.qweight' in model.safetensors"),
+    ("awq-4-g32", "quantized-embedding",
+     lambda t: t.update({f"model.embed_tokens.{k}": t[f"{Q}.{k}"].clone() for k in ("qweight", "qzeros", "scales")}),
+     "awq tensor 'model.embed_tokens.qweight' is a quantized embedding, which nanoserve (as vLLM) does not read: "
+     "only linear layers and lm_head may be quantized"),
+]
+
+
+@pytest.mark.parametrize("case,name,edit,message", DISAGREEING, ids=[c[1] for c in DISAGREEING])
+def test_a_checkpoint_its_config_disagrees_with_is_refused_by_tensor(model_root, case, name, edit, message):
+    """What would otherwise be a traceback (float zero points through the bit shifts) or wrong weights (a
+    g_idx truncated to integers, integer scales, act-order groups guessed, the qzeros of sym: true ignored,
+    two weights of one module, one of them silently dropped)."""
+    with pytest.raises(ModelLoadError) as e:
+        load_model(_broken(model_root, case, name, edit), torch.float32, torch.device("cpu"))
+    assert str(e.value) == message
+
+
+def _mutation(rng: random.Random, tensors: dict, quant: dict) -> str:
+    """One random change to a quantized checkpoint (a tensor of a random quantized module, or a config key),
+    made in place; returns what it did."""
+    modules = sorted({k.rpartition(".")[0] for k in tensors if k.endswith((".qweight", ".weight_packed"))}
+                     or {k.rpartition(".")[0] for k, v in tensors.items() if v.dtype == torch.int8})
+    module = rng.choice(modules)
+    key = rng.choice(sorted(k for k in tensors if k.rpartition(".")[0] == module))
+    t, op = tensors[key], rng.choice(["drop", "dtype", "shrink", "grow", "unsqueeze", "move", "g_idx", "config"])
+    if op == "drop":
+        tensors.pop(key)
+    elif op == "dtype":  # not float to float: fp16 scales are other scales, not a broken checkpoint
+        tensors[key] = t.to(rng.choice([d for d in (torch.float32, torch.int32, torch.int8, torch.int64)
+                                        if d != t.dtype and not (d.is_floating_point and t.is_floating_point())]))
+    elif op in ("shrink", "grow"):
+        dim = rng.randrange(t.dim())
+        tensors[key] = (t.narrow(dim, 0, t.shape[dim] - 1) if op == "shrink" and t.shape[dim] > 1 else
+                        torch.cat([t, t.narrow(dim, 0, 1)], dim)).contiguous()
+    elif op == "unsqueeze":
+        tensors[key] = t[None].contiguous()
+    elif op == "move":  # to a module the model lacks, an embedding, a norm
+        other = rng.choice(["model.layers.0.self_attn.x_proj", "model.embed_tokens", "model.norm", "lm_head"])
+        tensors[other + key[len(module):]] = tensors.pop(key)
+    elif op == "g_idx" and key.endswith("g_idx"):
+        t[rng.randrange(t.numel())] = rng.choice([-1, 2, 7])
+    else:
+        name, value = rng.choice([("bits", 2), ("bits", 3), ("bits", 8), ("bits", "4"), ("group_size", -1),
+                                  ("group_size", 0), ("group_size", 16), ("group_size", 48), ("group_size", 128),
+                                  ("sym", True), ("sym", False), ("desc_act", True), ("desc_act", False),
+                                  ("quant_method", "awq"), ("quant_method", "gptq")])
+        weights = quant["config_groups"]["group_0"]["weights"] if "config_groups" in quant else quant
+        weights[{"bits": "num_bits", "sym": "symmetric"}.get(name, name) if weights is not quant else name] = value
+        return f"{name}={value!r}"
+    return f"{op} {key}"
+
+
+@pytest.mark.parametrize("case", ["gptq-4-g32-asym-v1-act-order", "gptq-8-g64-asym-v2", "awq-4-g32",
+                                  "ct-w4a16-group-asym", "ct-w8a16-naive-asym"])
+def test_seeded_mutations_are_one_line_errors_or_the_same_weights(model_root, case):
+    """Each of these changes to a good checkpoint either loads the very weights it had (a change that means
+    nothing) or is a one-line ModelLoadError that names a tensor or a key; never another exception, and
+    never other weights."""
+    src = checkpoint(model_root, case)
+    ref, _ = load_model(dequant_of(src), torch.float32, torch.device("cpu"))
+    theirs = dict(ref.named_parameters())
+    good, config = load_file(str(src / "model.safetensors")), json.loads((src / "config.json").read_text())
+    rng = random.Random(case)
+    for i in range(10):
+        tensors, quant = {k: v.clone() for k, v in good.items()}, json.loads(json.dumps(config["quantization_config"]))
+        what = _mutation(rng, tensors, quant)
+        out = model_root / f"mutated-{case}"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(src, out)
+        save_file(tensors, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        try:
+            model, _ = load_model(out, torch.float32, torch.device("cpu"))
+        except ModelLoadError as e:
+            named = "'" in str(e) or str(e).startswith(("GPTQ checkpoint", "AWQ checkpoint", "compressed-tensors"))
+            assert "\n" not in str(e) and named, (what, str(e))
+            continue
+        assert all(torch.equal(p, theirs[n]) for n, p in model.named_parameters()), what
