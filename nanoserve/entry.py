@@ -2949,7 +2949,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                     middleware=[cors_middleware(args),
                                 Middleware(EntryMiddleware, state=state, root_path=args.root_path)],
                     exception_handlers={ApiError: _api_error_handler, HTTPException: _http_error_handler,
-                                        Exception: _internal_error_handler})
+                                        ClientDisconnect: _client_left_handler, Exception: _internal_error_handler})
     app.state.server = state
     return app
 
@@ -3066,7 +3066,8 @@ async def _generate(request: Request, kind: type["Generation"], req: GenerationR
         req = await read_json(request, state, functools.partial(kind.parse, request_id=request_id), kind.check_raw)
     request_id = settle_request_fields(request, req, state)
     model = check_model(req, state)
-    gen = await kind.admit(state, request_id, req)
+    async with cancel_on_disconnect(request):
+        gen = await kind.admit(state, request_id, req)
     if state.log_requests:
         log_inputs(gen, state.max_log_len)
     if req.stream:
@@ -3121,10 +3122,11 @@ async def tokenize(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     check_model(req, state)
     try:
-        with state.endable():
-            text = None if req.messages is None else await state.render_own_template(
-                req, lambda tokenizer: render_chat(state, req, req.tools, tokenizer))
-            out = await state.off_loop(_tokenize, state, req, text)
+        async with cancel_on_disconnect(request):
+            with state.endable():
+                text = None if req.messages is None else await state.render_own_template(
+                    req, lambda tokenizer: render_chat(state, req, req.tools, tokenizer))
+                out = await state.off_loop(_tokenize, state, req, text)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
@@ -3323,13 +3325,14 @@ async def _pool(request: Request, state: ServerState, req: PoolingBasicRequest,
     lora = state.loras.get(req.model)
     engine, queue, ids, prompts = state.engine, asyncio.Queue(), [], []
     try:
-        with state.endable():
-            check_queue(state, req, 1)
-            params = engine.check_pooling_params(req.pooling_params())
-            engine.check_priority(req.priority)
-            texts = await _render_chats(state, req)
-            prompts = await state.off_loop(make_prompts, params, texts, lora)
-            check_queue(state, req, 1)  # again: others may have queued meanwhile
+        async with cancel_on_disconnect(request):
+            with state.endable():
+                check_queue(state, req, 1)
+                params = engine.check_pooling_params(req.pooling_params())
+                engine.check_priority(req.priority)
+                texts = await _render_chats(state, req)
+                prompts = await state.off_loop(make_prompts, params, texts, lora)
+                check_queue(state, req, 1)  # again: others may have queued meanwhile
         for i, prompt in enumerate(prompts):
             ids.append(request_id if len(prompts) == 1 else f"{request_id}-{i}")
             state.async_llm.add_request(prompt, params, ids[-1], queue, priority=req.priority)
@@ -3750,6 +3753,13 @@ def _reject(state: ServerState, scope, error: ApiError) -> Response:
 def _anthropic(scope) -> bool:
     """Whether the request is to Anthropic's Messages API, whose errors take Anthropic's shape."""
     return scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/")
+
+
+async def _client_left_handler(request: Request, exc: ClientDisconnect) -> Response:
+    """A client that left before its request was admitted (cancel_on_disconnect): what it asked stopped."""
+    logger.info("[entry] %s: %s %s: the client left before the request was admitted; its work stopped",
+                request.scope.get("nanoserve.request_id"), request.method, esc(request.url.path))
+    return Response(status_code=499)  # nobody is listening
 
 
 async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
@@ -4482,6 +4492,7 @@ def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCom
 
 CHAT_TEMPLATE_MEMORY_BYTES = 512 * 2**20  # a render's own memory, on top of the worker's imports: a prompt is MBs
 CHAT_TEMPLATE_WORKER_START_S = 120.0      # the worker's imports: seconds on an idle machine
+TEMPLATE_TURN_POLL_S = 0.05               # how often a render waiting its turn looks whether its client left
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # where the worker imports nanoserve from
 # run in the worker: the package's directory in place of the current one (which `python -c` puts first)
 _WORKER_BOOT = ("import sys; sys.path[0] = sys.argv[1]; from nanoserve.entry import serve_template_worker; "
@@ -4531,7 +4542,10 @@ class ChatTemplateWorker:
         """The worker's answer to tokenizer.apply_chat_template(**kwargs): {"text": ...}, or {"syntax": str,
         "lineno": n} / {"error": str} as the render raised them, or {"limit": "time"|"memory"|"length"|"crash"|
         "left"} where it was stopped. Blocks the calling thread (never the event loop's)."""
-        with self.turn:
+        while not self.turn.acquire(timeout=TEMPLATE_TURN_POLL_S):  # behind another render: its slot frees
+            if left.is_set():                                         # as soon as its client leaves
+                return {"limit": "left"}
+        try:
             if left.is_set():
                 return {"limit": "left"}
             self._ensure_started()
@@ -4549,6 +4563,8 @@ class ChatTemplateWorker:
                 with self.guard:
                     self.current = None
             self._kill()
+        finally:
+            self.turn.release()
         self._replace_soon()
         return outcome
 
@@ -4869,6 +4885,33 @@ class EventStream:
             why = "client disconnected mid-stream"
         finally:
             self.gen.close(why)
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request) -> AsyncIterator[None]:
+    """vLLM's with_cancellation, around a request's admission (its body read, no response started): the
+    client leaving cancels the work inside (a template's render, whose worker is then killed; a wait for the
+    tokenizer thread or a grammar's turn), and ClientDisconnect leaves the block instead, which the app answers
+    with a 499 nobody reads. After it, the generation's own watch_disconnect listens."""
+    task, left = asyncio.current_task(), asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left.set()
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not left.is_set():  # not the client's: the drain's, or a forced exit
+            raise
+        task.uncancel()
+    finally:
+        watcher.cancel()
+    if left.is_set():  # also where the work inside caught the cancellation and went on
+        raise ClientDisconnect()
 
 
 @contextlib.asynccontextmanager
@@ -5563,9 +5606,10 @@ async def count_message_tokens(request: Request) -> Response:
         parse_body(AnthropicCountTokensRequest, body, request_id), AnthropicChatRequest, request_id))
     check_model(req, state)
     try:
-        with state.endable():
-            _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req),
-                                                                        req.add_special_tokens))
+        async with cancel_on_disconnect(request):
+            with state.endable():
+                _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req),
+                                                                            req.add_special_tokens))
         state.engine.check_prompt_length(len(ids), output_tokens=0)
     except InvalidInput as e:
         raise req.invalid(e) from None
