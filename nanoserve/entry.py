@@ -4272,9 +4272,6 @@ class ChatGeneration(Generation):
     CHOICE_NULLS, DELTA_NULLS = ("token_ids", "routed_experts"), ("token_ids",)
     MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
     auto_needs_parser: ClassVar[bool] = True  # "auto" without --enable-auto-tool-choice: a 400, as vLLM's chat
-    # a chat stream reads its calls as vLLM's streamed parsers do (ToolParser.streamed); the other APIs' streams
-    # end with the whole response (Responses' response.completed), so they read theirs as a response does
-    streams_calls: ClassVar[bool] = True
 
     @classmethod
     def settle(cls, state: ServerState, req: ChatCompletionRequest) -> None:
@@ -4338,7 +4335,9 @@ class ChatGeneration(Generation):
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""
         if self.parser is not None:
             if index not in self.tool_streams:
-                self.tool_streams[index] = ToolStream(self.parser(), stream and self.streams_calls)
+                # a stream (chat's, and the Responses and Messages streams built from its deltas, as vLLM's) is
+                # read as vLLM's streamed parsers read it (ToolParser.streamed)
+                self.tool_streams[index] = ToolStream(self.parser(), stream)
             tools = self.tool_streams[index]
             if self.parser is OpenAIToolParser:  # read with the rest of the harmony
                 calls, made = tools.deltas(found or [])
@@ -4375,7 +4374,7 @@ class ChatGeneration(Generation):
         p = self.parse_text(index, c.delta_text, c, stream=True)
         content = echo + p.content
         # vLLM's hermes stream sends its calls with the delta's content set, so null where there is none
-        null = p.calls and self.parser is HermesToolParser and self.streams_calls
+        null = p.calls and self.parser is HermesToolParser
         delta = {**(_thought(p.reasoning) if p.reasoning else {}),
                  **({"content": content} if content else {"content": None} if null else {}),
                  **({"tool_calls": p.calls} if p.calls else {})}
@@ -5214,7 +5213,6 @@ class ResponsesGeneration(ChatGeneration):
     schema = ResponsesChatRequest
     object_name, id_prefix = "response", "resp_"
     auto_needs_parser = False  # as vLLM's Responses path: the tools reach the template, the text is not parsed
-    streams_calls = False
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> ResponsesChatRequest:
@@ -5267,10 +5265,11 @@ class ResponsesGeneration(ChatGeneration):
             yield event("error", code=str(error.status), message=error.message, param=error.param)
 
     def feed(self, out: ResponseOutput, choice: dict, key: str) -> list[tuple[str, dict]]:
-        """A choice's message (or delta) into ``out``: its tool parser says whether its content follows its calls."""
+        """A choice's message (or delta) into ``out``: a message's tool parser says whether its content follows
+        its calls; a delta's content goes before its calls (vLLM's split_delta)."""
         tools = self.tool_streams.get(choice["index"])
         return out.feed(choice[key], (choice["logprobs"] or {}).get("content"),
-                        tools is not None and tools.parser.CONTENT_AFTER_CALLS)
+                        key == "message" and tools is not None and tools.parser.CONTENT_AFTER_CALLS)
 
     def body(self, model: str, output: list[dict], finish_reason: str | None) -> dict[str, Any]:
         """The response (in progress while ``finish_reason`` is None), with the request's parameters as vLLM's
@@ -5478,7 +5477,8 @@ class AnthropicContent:
     def __init__(self):
         self.blocks: list[dict] = []
         self.open = False      # the last block is still being built
-        self.arguments = ""    # a tool_use block's input, as JSON text so far
+        self.arguments = ""    # the last tool_use block's input, as JSON text so far
+        self.pending: list[str] = []  # text that came while a tool_use block was open: a text block after it
 
     def feed(self, part: dict, calls_first: bool = False) -> list[tuple[str, dict]]:
         """A chat delta (or message), in the output's order (``calls_first``: the parser's text follows its calls)."""
@@ -5493,6 +5493,7 @@ class AnthropicContent:
             if "id" in call:  # a new call
                 events += self._start({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                                        "input": {}})
+                self.arguments = ""
             if delta := call["function"].get("arguments"):
                 self.arguments += delta
                 events.append(self._delta("input_json_delta", partial_json=delta))
@@ -5501,13 +5502,16 @@ class AnthropicContent:
     def _text(self, kind: str, delta: str | None) -> list[tuple[str, dict]]:
         if not delta:
             return []
+        if kind == "text" and self.open and self.blocks[-1]["type"] == "tool_use":  # as vLLM's: held, not cut in
+            self.pending.append(delta)
+            return []
         events = [] if self.open and self.blocks[-1]["type"] == kind else self._start(
             {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
         self.blocks[-1][kind] += delta
         return events + [self._delta(f"{kind}_delta", **{kind: delta})]
 
     def _start(self, block: dict) -> list[tuple[str, dict]]:
-        events, self.arguments = self.close(), ""
+        events = self.close()
         self.blocks.append(block)
         self.open = True
         return events + [("content_block_start", {"index": len(self.blocks) - 1, "content_block": dict(block)})]
@@ -5526,14 +5530,25 @@ class AnthropicContent:
         elif block["type"] == "tool_use":  # a named call cut short by max_tokens is no JSON yet: no input
             with contextlib.suppress(ValueError):
                 block["input"] = json.loads(self.arguments or "{}")
-        return events + [("content_block_stop", {"index": len(self.blocks) - 1})]
+        events.append(("content_block_stop", {"index": len(self.blocks) - 1}))
+        pending, self.pending = "".join(self.pending), []
+        return events + (self._text("text", pending) + self.close() if pending else [])
+
+    def call_cut(self) -> bool:
+        """Whether the last tool_use block's input is no JSON (a stream's call that a stop string cut short)."""
+        if not any(b["type"] == "tool_use" for b in self.blocks):
+            return False
+        try:
+            json.loads(self.arguments)
+            return False
+        except ValueError:
+            return True
 
 
 class AnthropicGeneration(ChatGeneration):
     """A chat generation whose response and stream are Anthropic's Messages API's."""
     schema = AnthropicChatRequest
     object_name, id_prefix = "message", "msg_"
-    streams_calls = False
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> AnthropicChatRequest:
@@ -5562,7 +5577,7 @@ class AnthropicGeneration(ChatGeneration):
                             yield event(kind, **fields)
             for kind, fields in content.close():
                 yield event(kind, **fields)
-            final = self.body(model, content.blocks, last)
+            final = self.body(model, content.blocks, last, content.call_cut())
             yield event("message_delta", usage=final["usage"],
                         delta={k: final[k] for k in ("stop_reason", "stop_sequence")})
             yield event("message_stop")
@@ -5571,27 +5586,29 @@ class AnthropicGeneration(ChatGeneration):
         except Exception as e:  # the status line is gone: report in the stream
             yield event("error", error=_stream_error(self, e).anthropic_body()["error"])
 
-    def body(self, model: str, content: list[dict], choice: dict | None) -> dict[str, Any]:
+    def body(self, model: str, content: list[dict], choice: dict | None, call_cut: bool = False) -> dict[str, Any]:
         """The message (no stop_reason yet while ``choice``, the last, is None)."""
         stop = None if choice is None else choice["stop_reason"]
-        reason = None if choice is None else anthropic_stop_reason(choice["finish_reason"], stop, content)
+        reason = None if choice is None else anthropic_stop_reason(choice["finish_reason"], stop, content, call_cut)
         output_tokens = self.num_output_tokens()
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": model, "content": content,
                 "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
                 "usage": {"input_tokens": len(self.prompts[0].token_ids), "output_tokens": output_tokens}}
 
 
-def anthropic_stop_reason(finish_reason: str | None, stop_reason: int | str | None, content: list[dict]) -> str | None:
-    """Chat's finish_reason as Anthropic's stop_reason (None while the message runs)."""
+def anthropic_stop_reason(finish_reason: str | None, stop_reason: int | str | None, content: list[dict],
+                          call_cut: bool = False) -> str | None:
+    """Chat's finish_reason as Anthropic's stop_reason (None while the message runs). As vLLM's, a stop string
+    that cut a streamed call short (``call_cut``) wins over the call: a call cut short must not run."""
     if finish_reason is None:
         return None
     if finish_reason == "length":
         return "max_tokens"
     if finish_reason == "repetition":  # vLLM's repetition_detection: the turn ended, by no stop sequence
         return "end_turn"
-    if any(b["type"] == "tool_use" for b in content):
-        return "tool_use"
-    return "stop_sequence" if isinstance(stop_reason, str) else "end_turn"  # a stop token or EOS: the turn's end
+    if isinstance(stop_reason, str) and (call_cut or not any(b["type"] == "tool_use" for b in content)):
+        return "stop_sequence"
+    return "tool_use" if any(b["type"] == "tool_use" for b in content) else "end_turn"  # a stop token or EOS: the turn's end
 
 
 async def create_message(request: Request) -> Response:
