@@ -3890,6 +3890,7 @@ class Generation:
     DELTA_NULLS: ClassVar[tuple[str, ...]] = ()
     USAGE_NULLS: ClassVar[tuple[str, ...]] = ("prompt_tokens_details", "completion_tokens_details")
     check_raw: ClassVar[Callable[[bytes, LLMEngine], None] | None] = None  # a large body's bytes, before decoding
+    reads_every_step = False  # a stream's step that adds no text still goes to delta_choice (its parser reads it)
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> GenerationRequest:
@@ -4290,6 +4291,9 @@ class ChatGeneration(Generation):
         if self.parser is MistralToolParser or req._call_format == "mistral" or self.harmony:
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
+        # as vLLM's parse_delta, a tool parser reads each step, one that adds no text (a token holding part of a
+        # character) too: a named function's stream sends an empty arguments delta for it
+        self.reads_every_step = self.parser is not None
         self.harmonies: dict[int, HarmonyParser] = {}  # likewise, for gpt-oss
         self.reasoners: dict[int, ReasoningParser] = {}  # likewise, with --reasoning-parser
         # as vLLM's get_chat_request_role: the reply's turn, or the last message's when it is continued
@@ -4825,15 +4829,15 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 first = idx in unsent
                 echo = gen.echo_text(i) if first and req.echo else ""
                 text = echo + c.delta_text
-                if not text and c.finish_reason is None and (
-                        not c.token_ids or (params.logprobs is None and not req.return_token_ids)):
+                if not text and c.finish_reason is None and (not c.token_ids or (
+                        params.logprobs is None and not req.return_token_ids and not gen.reads_every_step)):
                     continue  # nothing new to say (text held back for a possible stop string)
-                unsent.discard(idx)
                 logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
                 extra = gen.stream_extra(i, c.token_ids, first)
                 choice = gen.delta_choice(idx, c, logprobs, extra, echo)  # chat's prompt ids rode its role chunk
-                if choice is not None:  # None: all of it held back (a tool call's text)
+                if choice is not None:  # None: all of it held back (a tool call's text), or no text
+                    unsent.discard(idx)
                     usage = {"usage": gen.chunk_usage([num_tokens[idx]], i)} if continuous else {}
                     # as vLLM's: the fingerprint on each finishing chunk, or on the usage chunk that follows them
                     last = {"system_fingerprint": SYSTEM_FINGERPRINT} \

@@ -17,7 +17,7 @@ from nanoserve import entry
 from test_responses import STREAMED_CALLS, chat, chat_call_pieces, prompts, server  # noqa: F401 (server: the same
 # tool-calling server, one per module)
 from test_server import ServerThread, _metrics
-from test_tools import CLOCK, FORCED, RENDERED_HISTORY, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
+from test_tools import CLOCK, FORCED, RENDERED_HISTORY, THOUGHT, TOLD, WEATHER, fits, no_blanks, strict_json  # noqa: F401
 from test_tools import TOOLS as CHAT_TOOLS
 
 # strict: a forced call's input follows the schema (with hermes, vLLM 0.32 constrains only a strict tool's)
@@ -276,12 +276,14 @@ def test_a_lone_surrogate_the_model_escaped_in_a_call_stays_escaped(server, forc
     server.wait_idle()
 
 
-@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}])
-def test_forced_tool_choice_makes_valid_calls(server, no_blanks, monkeypatch, choice):
-    """tool_choice any (chat's "required") or a named tool: the grammar makes each call valid."""
+@pytest.mark.parametrize("choice", [{"type": "any", "disable_parallel_tool_use": True},  # one call: a random
+                                    {"type": "tool", "name": "get_time"}])  # model would call till max_tokens
+def test_forced_tool_choice_makes_valid_calls(server, strict_json, monkeypatch, choice):
+    """tool_choice any (chat's "required") or a named tool: the grammar makes each call valid; streamed (its
+    input as the model wrote it, read as strict JSON: no control characters), the same message."""
     chat_body = entry.AnthropicMessagesRequest.chat_body
     monkeypatch.setattr(entry.AnthropicMessagesRequest, "chat_body",  # the whitespace a random model wanders in
-                        lambda self, rid: {**chat_body(self, rid), "logit_bias": no_blanks})
+                        lambda self, rid: {**chat_body(self, rid), "logit_bias": strict_json})
     for seed in range(2):
         body = dict(tools=TOOLS, tool_choice=choice, temperature=1.0, max_tokens=200,
                     metadata={"user_id": str(seed)})
