@@ -2955,7 +2955,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
                     middleware=[cors_middleware(args),
                                 Middleware(EntryMiddleware, state=state, root_path=args.root_path)],
                     exception_handlers={ApiError: _api_error_handler, HTTPException: _http_error_handler,
-                                        Exception: _internal_error_handler})
+                                        ClientDisconnect: _client_left_handler, Exception: _internal_error_handler})
     app.state.server = state
     return app
 
@@ -3072,7 +3072,8 @@ async def _generate(request: Request, kind: type["Generation"], req: GenerationR
         req = await read_json(request, state, functools.partial(kind.parse, request_id=request_id), kind.check_raw)
     request_id = settle_request_fields(request, req, state)
     model = check_model(req, state)
-    gen = await kind.admit(state, request_id, req)
+    async with cancel_on_disconnect(request):
+        gen = await kind.admit(state, request_id, req)
     if state.log_requests:
         log_inputs(gen, state.max_log_len)
     if req.stream:
@@ -3127,10 +3128,11 @@ async def tokenize(request: Request) -> Response:
                                                              request_id=_request_id(request)))
     check_model(req, state)
     try:
-        with state.endable():
-            text = None if req.messages is None else await state.render_own_template(
-                req, lambda tokenizer: render_chat(state, req, req.tools, tokenizer))
-            out = await state.off_loop(_tokenize, state, req, text)
+        async with cancel_on_disconnect(request):
+            with state.endable():
+                text = None if req.messages is None else await state.render_own_template(
+                    req, lambda tokenizer: render_chat(state, req, req.tools, tokenizer))
+                out = await state.off_loop(_tokenize, state, req, text)
     except InvalidInput as e:
         raise req.invalid(e) from None
     return json_response(out)
@@ -3329,13 +3331,14 @@ async def _pool(request: Request, state: ServerState, req: PoolingBasicRequest,
     lora = state.loras.get(req.model)
     engine, queue, ids, prompts = state.engine, asyncio.Queue(), [], []
     try:
-        with state.endable():
-            check_queue(state, req, 1)
-            params = engine.check_pooling_params(req.pooling_params())
-            engine.check_priority(req.priority)
-            texts = await _render_chats(state, req)
-            prompts = await state.off_loop(make_prompts, params, texts, lora)
-            check_queue(state, req, 1)  # again: others may have queued meanwhile
+        async with cancel_on_disconnect(request):
+            with state.endable():
+                check_queue(state, req, 1)
+                params = engine.check_pooling_params(req.pooling_params())
+                engine.check_priority(req.priority)
+                texts = await _render_chats(state, req)
+                prompts = await state.off_loop(make_prompts, params, texts, lora)
+                check_queue(state, req, 1)  # again: others may have queued meanwhile
         for i, prompt in enumerate(prompts):
             ids.append(request_id if len(prompts) == 1 else f"{request_id}-{i}")
             state.async_llm.add_request(prompt, params, ids[-1], queue, priority=req.priority)
@@ -3758,6 +3761,13 @@ def _anthropic(scope) -> bool:
     return scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/")
 
 
+async def _client_left_handler(request: Request, exc: ClientDisconnect) -> Response:
+    """A client that left before its request was admitted (cancel_on_disconnect): what it asked stopped."""
+    logger.info("[entry] %s: %s %s: the client left before the request was admitted; its work stopped",
+                request.scope.get("nanoserve.request_id"), request.method, esc(request.url.path))
+    return Response(status_code=499)  # nobody is listening
+
+
 async def _http_error_handler(request: Request, exc: HTTPException) -> Response:
     _state(request).metrics.count_rejected(exc.status_code)
     return ApiError(exc.status_code, f"{exc.detail}: {request.method} {esc(request.url.path)}",
@@ -3886,6 +3896,7 @@ class Generation:
     DELTA_NULLS: ClassVar[tuple[str, ...]] = ()
     USAGE_NULLS: ClassVar[tuple[str, ...]] = ("prompt_tokens_details", "completion_tokens_details")
     check_raw: ClassVar[Callable[[bytes, LLMEngine], None] | None] = None  # a large body's bytes, before decoding
+    reads_every_step = False  # a stream's step that adds no text still goes to delta_choice (its parser reads it)
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> GenerationRequest:
@@ -4269,9 +4280,6 @@ class ChatGeneration(Generation):
     CHOICE_NULLS, DELTA_NULLS = ("token_ids", "routed_experts"), ("token_ids",)
     MESSAGE_NULLS = ("refusal", "annotations", "audio", "function_call", "reasoning")
     auto_needs_parser: ClassVar[bool] = True  # "auto" without --enable-auto-tool-choice: a 400, as vLLM's chat
-    # a chat stream reads its calls as vLLM's streamed parsers do (ToolParser.streamed); the other APIs' streams
-    # end with the whole response (Responses' response.completed), so they read theirs as a response does
-    streams_calls: ClassVar[bool] = True
 
     @classmethod
     def settle(cls, state: ServerState, req: ChatCompletionRequest) -> None:
@@ -4290,6 +4298,9 @@ class ChatGeneration(Generation):
         if self.parser is MistralToolParser or req._call_format == "mistral" or self.harmony:
             params.skip_special_tokens = False
         self.tool_streams: dict[int, ToolStream] = {}  # by choice index: a parser keeps its place between chunks
+        # as vLLM's parse_delta, a tool parser reads each step, one that adds no text (a token holding part of a
+        # character) too: a named function's stream sends an empty arguments delta for it
+        self.reads_every_step = self.parser is not None
         self.harmonies: dict[int, HarmonyParser] = {}  # likewise, for gpt-oss
         self.reasoners: dict[int, ReasoningParser] = {}  # likewise, with --reasoning-parser
         # as vLLM's get_chat_request_role: the reply's turn, or the last message's when it is continued
@@ -4335,7 +4346,9 @@ class ChatGeneration(Generation):
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""
         if self.parser is not None:
             if index not in self.tool_streams:
-                self.tool_streams[index] = ToolStream(self.parser(), stream and self.streams_calls)
+                # a stream (chat's, and the Responses and Messages streams built from its deltas, as vLLM's) is
+                # read as vLLM's streamed parsers read it (ToolParser.streamed)
+                self.tool_streams[index] = ToolStream(self.parser(), stream)
             tools = self.tool_streams[index]
             if self.parser is OpenAIToolParser:  # read with the rest of the harmony
                 calls, made = tools.deltas(found or [])
@@ -4372,7 +4385,7 @@ class ChatGeneration(Generation):
         p = self.parse_text(index, c.delta_text, c, stream=True)
         content = echo + p.content
         # vLLM's hermes stream sends its calls with the delta's content set, so null where there is none
-        null = p.calls and self.parser is HermesToolParser and self.streams_calls
+        null = p.calls and self.parser is HermesToolParser
         delta = {**(_thought(p.reasoning) if p.reasoning else {}),
                  **({"content": content} if content else {"content": None} if null else {}),
                  **({"tool_calls": p.calls} if p.calls else {})}
@@ -4489,6 +4502,7 @@ def render_chat(state: ServerState, req: ChatTemplateFields, tools: list[ChatCom
 
 CHAT_TEMPLATE_MEMORY_BYTES = 512 * 2**20  # a render's own memory, on top of the worker's imports: a prompt is MBs
 CHAT_TEMPLATE_WORKER_START_S = 120.0      # the worker's imports: seconds on an idle machine
+TEMPLATE_TURN_POLL_S = 0.05               # how often a render waiting its turn looks whether its client left
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)  # where the worker imports nanoserve from
 # run in the worker: the package's directory in place of the current one (which `python -c` puts first)
 _WORKER_BOOT = ("import sys; sys.path[0] = sys.argv[1]; from nanoserve.entry import serve_template_worker; "
@@ -4538,7 +4552,10 @@ class ChatTemplateWorker:
         """The worker's answer to tokenizer.apply_chat_template(**kwargs): {"text": ...}, or {"syntax": str,
         "lineno": n} / {"error": str} as the render raised them, or {"limit": "time"|"memory"|"length"|"crash"|
         "left"} where it was stopped. Blocks the calling thread (never the event loop's)."""
-        with self.turn:
+        while not self.turn.acquire(timeout=TEMPLATE_TURN_POLL_S):  # behind another render: its slot frees
+            if left.is_set():                                         # as soon as its client leaves
+                return {"limit": "left"}
+        try:
             if left.is_set():
                 return {"limit": "left"}
             self._ensure_started()
@@ -4556,6 +4573,8 @@ class ChatTemplateWorker:
                 with self.guard:
                     self.current = None
             self._kill()
+        finally:
+            self.turn.release()
         self._replace_soon()
         return outcome
 
@@ -4817,15 +4836,15 @@ async def stream_events(gen: Generation, model: str) -> AsyncIterator[str]:
                 first = idx in unsent
                 echo = gen.echo_text(i) if first and req.echo else ""
                 text = echo + c.delta_text
-                if not text and c.finish_reason is None and (
-                        not c.token_ids or (params.logprobs is None and not req.return_token_ids)):
+                if not text and c.finish_reason is None and (not c.token_ids or (
+                        params.logprobs is None and not req.return_token_ids and not gen.reads_every_step)):
                     continue  # nothing new to say (text held back for a possible stop string)
-                unsent.discard(idx)
                 logprobs = gen.logprobs(c, text_sent.get(idx, 0), i if first and req.echo else None)
                 text_sent[idx] = text_sent.get(idx, 0) + len(text)
                 extra = gen.stream_extra(i, c.token_ids, first)
                 choice = gen.delta_choice(idx, c, logprobs, extra, echo)  # chat's prompt ids rode its role chunk
-                if choice is not None:  # None: all of it held back (a tool call's text)
+                if choice is not None:  # None: all of it held back (a tool call's text), or no text
+                    unsent.discard(idx)
                     usage = {"usage": gen.chunk_usage([num_tokens[idx]], i)} if continuous else {}
                     # as vLLM's: the fingerprint on each finishing chunk, or on the usage chunk that follows them
                     last = {"system_fingerprint": SYSTEM_FINGERPRINT} \
@@ -4876,6 +4895,33 @@ class EventStream:
             why = "client disconnected mid-stream"
         finally:
             self.gen.close(why)
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request) -> AsyncIterator[None]:
+    """vLLM's with_cancellation, around a request's admission (its body read, no response started): the
+    client leaving cancels the work inside (a template's render, whose worker is then killed; a wait for the
+    tokenizer thread or a grammar's turn), and ClientDisconnect leaves the block instead, which the app answers
+    with a 499 nobody reads. After it, the generation's own watch_disconnect listens."""
+    task, left = asyncio.current_task(), asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left.set()
+        task.cancel()
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not left.is_set():  # not the client's: the drain's, or a forced exit
+            raise
+        task.uncancel()
+    finally:
+        watcher.cancel()
+    if left.is_set():  # also where the work inside caught the cancellation and went on
+        raise ClientDisconnect()
 
 
 @contextlib.asynccontextmanager
@@ -5178,7 +5224,6 @@ class ResponsesGeneration(ChatGeneration):
     schema = ResponsesChatRequest
     object_name, id_prefix = "response", "resp_"
     auto_needs_parser = False  # as vLLM's Responses path: the tools reach the template, the text is not parsed
-    streams_calls = False
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> ResponsesChatRequest:
@@ -5231,10 +5276,11 @@ class ResponsesGeneration(ChatGeneration):
             yield event("error", code=str(error.status), message=error.message, param=error.param)
 
     def feed(self, out: ResponseOutput, choice: dict, key: str) -> list[tuple[str, dict]]:
-        """A choice's message (or delta) into ``out``: its tool parser says whether its content follows its calls."""
+        """A choice's message (or delta) into ``out``: a message's tool parser says whether its content follows
+        its calls; a delta's content goes before its calls (vLLM's split_delta)."""
         tools = self.tool_streams.get(choice["index"])
         return out.feed(choice[key], (choice["logprobs"] or {}).get("content"),
-                        tools is not None and tools.parser.CONTENT_AFTER_CALLS)
+                        key == "message" and tools is not None and tools.parser.CONTENT_AFTER_CALLS)
 
     def body(self, model: str, output: list[dict], finish_reason: str | None) -> dict[str, Any]:
         """The response (in progress while ``finish_reason`` is None), with the request's parameters as vLLM's
@@ -5442,7 +5488,8 @@ class AnthropicContent:
     def __init__(self):
         self.blocks: list[dict] = []
         self.open = False      # the last block is still being built
-        self.arguments = ""    # a tool_use block's input, as JSON text so far
+        self.arguments = ""    # the last tool_use block's input, as JSON text so far
+        self.pending: list[str] = []  # text that came while a tool_use block was open: a text block after it
 
     def feed(self, part: dict, calls_first: bool = False) -> list[tuple[str, dict]]:
         """A chat delta (or message), in the output's order (``calls_first``: the parser's text follows its calls)."""
@@ -5457,6 +5504,7 @@ class AnthropicContent:
             if "id" in call:  # a new call
                 events += self._start({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                                        "input": {}})
+                self.arguments = ""
             if delta := call["function"].get("arguments"):
                 self.arguments += delta
                 events.append(self._delta("input_json_delta", partial_json=delta))
@@ -5465,13 +5513,16 @@ class AnthropicContent:
     def _text(self, kind: str, delta: str | None) -> list[tuple[str, dict]]:
         if not delta:
             return []
+        if kind == "text" and self.open and self.blocks[-1]["type"] == "tool_use":  # as vLLM's: held, not cut in
+            self.pending.append(delta)
+            return []
         events = [] if self.open and self.blocks[-1]["type"] == kind else self._start(
             {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
         self.blocks[-1][kind] += delta
         return events + [self._delta(f"{kind}_delta", **{kind: delta})]
 
     def _start(self, block: dict) -> list[tuple[str, dict]]:
-        events, self.arguments = self.close(), ""
+        events = self.close()
         self.blocks.append(block)
         self.open = True
         return events + [("content_block_start", {"index": len(self.blocks) - 1, "content_block": dict(block)})]
@@ -5490,14 +5541,25 @@ class AnthropicContent:
         elif block["type"] == "tool_use":  # a named call cut short by max_tokens is no JSON yet: no input
             with contextlib.suppress(ValueError):
                 block["input"] = json.loads(self.arguments or "{}")
-        return events + [("content_block_stop", {"index": len(self.blocks) - 1})]
+        events.append(("content_block_stop", {"index": len(self.blocks) - 1}))
+        pending, self.pending = "".join(self.pending), []
+        return events + (self._text("text", pending) + self.close() if pending else [])
+
+    def call_cut(self) -> bool:
+        """Whether the last tool_use block's input is no JSON (a stream's call that a stop string cut short)."""
+        if not any(b["type"] == "tool_use" for b in self.blocks):
+            return False
+        try:
+            json.loads(self.arguments)
+            return False
+        except ValueError:
+            return True
 
 
 class AnthropicGeneration(ChatGeneration):
     """A chat generation whose response and stream are Anthropic's Messages API's."""
     schema = AnthropicChatRequest
     object_name, id_prefix = "message", "msg_"
-    streams_calls = False
 
     @classmethod
     def parse(cls, body: dict[str, Any], request_id: str) -> AnthropicChatRequest:
@@ -5526,7 +5588,7 @@ class AnthropicGeneration(ChatGeneration):
                             yield event(kind, **fields)
             for kind, fields in content.close():
                 yield event(kind, **fields)
-            final = self.body(model, content.blocks, last)
+            final = self.body(model, content.blocks, last, content.call_cut())
             yield event("message_delta", usage=final["usage"],
                         delta={k: final[k] for k in ("stop_reason", "stop_sequence")})
             yield event("message_stop")
@@ -5535,27 +5597,29 @@ class AnthropicGeneration(ChatGeneration):
         except Exception as e:  # the status line is gone: report in the stream
             yield event("error", error=_stream_error(self, e).anthropic_body()["error"])
 
-    def body(self, model: str, content: list[dict], choice: dict | None) -> dict[str, Any]:
+    def body(self, model: str, content: list[dict], choice: dict | None, call_cut: bool = False) -> dict[str, Any]:
         """The message (no stop_reason yet while ``choice``, the last, is None)."""
         stop = None if choice is None else choice["stop_reason"]
-        reason = None if choice is None else anthropic_stop_reason(choice["finish_reason"], stop, content)
+        reason = None if choice is None else anthropic_stop_reason(choice["finish_reason"], stop, content, call_cut)
         output_tokens = self.num_output_tokens()
         return {"id": self.response_id, "type": "message", "role": "assistant", "model": model, "content": content,
                 "stop_reason": reason, "stop_sequence": stop if reason == "stop_sequence" else None,
                 "usage": {"input_tokens": len(self.prompts[0].token_ids), "output_tokens": output_tokens}}
 
 
-def anthropic_stop_reason(finish_reason: str | None, stop_reason: int | str | None, content: list[dict]) -> str | None:
-    """Chat's finish_reason as Anthropic's stop_reason (None while the message runs)."""
+def anthropic_stop_reason(finish_reason: str | None, stop_reason: int | str | None, content: list[dict],
+                          call_cut: bool = False) -> str | None:
+    """Chat's finish_reason as Anthropic's stop_reason (None while the message runs). As vLLM's, a stop string
+    that cut a streamed call short (``call_cut``) wins over the call: a call cut short must not run."""
     if finish_reason is None:
         return None
     if finish_reason == "length":
         return "max_tokens"
     if finish_reason == "repetition":  # vLLM's repetition_detection: the turn ended, by no stop sequence
         return "end_turn"
-    if any(b["type"] == "tool_use" for b in content):
-        return "tool_use"
-    return "stop_sequence" if isinstance(stop_reason, str) else "end_turn"  # a stop token or EOS: the turn's end
+    if isinstance(stop_reason, str) and (call_cut or not any(b["type"] == "tool_use" for b in content)):
+        return "stop_sequence"
+    return "tool_use" if any(b["type"] == "tool_use" for b in content) else "end_turn"  # a stop token or EOS: the turn's end
 
 
 async def create_message(request: Request) -> Response:
@@ -5570,9 +5634,10 @@ async def count_message_tokens(request: Request) -> Response:
         parse_body(AnthropicCountTokensRequest, body, request_id), AnthropicChatRequest, request_id))
     check_model(req, state)
     try:
-        with state.endable():
-            _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req),
-                                                                        req.add_special_tokens))
+        async with cancel_on_disconnect(request):
+            with state.endable():
+                _, ids = await state.off_loop(lambda: state.engine.tokenize(chat_prompt(state, req),
+                                                                            req.add_special_tokens))
         state.engine.check_prompt_length(len(ids), output_tokens=0)
     except InvalidInput as e:
         raise req.invalid(e) from None

@@ -14,9 +14,10 @@ import httpx
 import pytest
 
 from nanoserve import entry
-from test_responses import chat, prompts, server  # noqa: F401 (server: the same tool-calling server, one per module)
+from test_responses import STREAMED_CALLS, chat, chat_call_pieces, prompts, server  # noqa: F401 (server: the same
+# tool-calling server, one per module)
 from test_server import ServerThread, _metrics
-from test_tools import CLOCK, FORCED, RENDERED_HISTORY, THOUGHT, TOLD, WEATHER, fits, no_blanks  # noqa: F401
+from test_tools import CLOCK, FORCED, RENDERED_HISTORY, THOUGHT, TOLD, WEATHER, fits, no_blanks, strict_json  # noqa: F401
 from test_tools import TOOLS as CHAT_TOOLS
 
 # strict: a forced call's input follows the schema (with hermes, vLLM 0.32 constrains only a strict tool's)
@@ -219,6 +220,51 @@ def test_hermes_calls_become_tool_use_blocks(server, forced, streamed):
     server.wait_idle()
 
 
+@pytest.mark.parametrize("parser", STREAMED_CALLS)
+def test_calls_stream_as_the_chat_stream_sends_them(server, forced, monkeypatch, parser):
+    """As vLLM 0.32's Messages stream (the chat stream's deltas converted): each tool_use block's
+    input_json_delta events carry the arguments the chat stream's deltas do, as the model writes them (hermes,
+    llama3_json), not the whole input at the output's end."""
+    monkeypatch.setattr(server.app.state.server, "tool_parser", parser)
+    text = STREAMED_CALLS[parser]
+    content, want = chat_call_pieces(server, text, messages=USER)
+    forced(text)
+    events, m = stream(server, tools=TOOLS, max_tokens=300, temperature=0)
+    got = []
+    for e in events:
+        if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use":
+            got.append([e["content_block"]["name"], []])
+        elif e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
+            got[-1][1].append(e["delta"]["partial_json"])
+    assert got == want and [name for name, _ in got] == ["get_weather", "get_time"], (got, want)
+    assert text_of(m) == content and m["stop_reason"] == "tool_use"
+    if parser in ("hermes", "llama3_json"):
+        assert all(len(pieces) > 1 for _, pieces in got), got
+    server.wait_idle()
+
+
+def test_text_while_a_call_streams_follows_it_and_a_cut_call_does_not_run():
+    """As vLLM 0.32's stream converter: text that comes while a tool_use block is open is held, and goes out as a
+    text block after that block stops; a stop string that cut the last call short (its input no JSON) is the
+    stop_reason "stop_sequence", where a whole call's is "tool_use"."""
+    content = entry.AnthropicContent()
+    first = {"index": 0, "id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a"'}}
+    events = content.feed({"tool_calls": [first]}) + content.feed({"content": "late"})
+    assert [kind for kind, _ in events] == ["content_block_start", "content_block_delta"]
+    assert content.call_cut()
+    events += content.feed({"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}) + content.close()
+    assert [(kind, f["index"]) for kind, f in events[2:]] == [("content_block_delta", 0), ("content_block_stop", 0),
+                                                              ("content_block_start", 1), ("content_block_delta", 1),
+                                                              ("content_block_stop", 1)]
+    assert content.blocks == [{"type": "tool_use", "id": "c1", "name": "f", "input": {"a": 1}},
+                              {"type": "text", "text": "late"}] and not content.call_cut()
+    calls = content.blocks[:1]
+    assert entry.anthropic_stop_reason("stop", "END", calls, call_cut=True) == "stop_sequence"
+    assert entry.anthropic_stop_reason("stop", "END", calls) == "tool_use"
+    assert entry.anthropic_stop_reason("stop", "END", []) == "stop_sequence"
+    assert entry.anthropic_stop_reason("tool_calls", None, calls, call_cut=True) == "tool_use"
+
+
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_lone_surrogate_the_model_escaped_in_a_call_stays_escaped(server, forced, streamed):
     """A call whose JSON holds "\\ud800" (six characters the model may write) has that lone surrogate in its
@@ -230,18 +276,20 @@ def test_a_lone_surrogate_the_model_escaped_in_a_call_stays_escaped(server, forc
     server.wait_idle()
 
 
-@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_time"}])
-def test_forced_tool_choice_makes_valid_calls(server, no_blanks, monkeypatch, choice):
-    """tool_choice any (chat's "required") or a named tool: the grammar makes each call valid."""
+@pytest.mark.parametrize("choice", [{"type": "any", "disable_parallel_tool_use": True},  # one call: a random
+                                    {"type": "tool", "name": "get_time"}])  # model would call till max_tokens
+def test_forced_tool_choice_makes_valid_calls(server, strict_json, monkeypatch, choice):
+    """tool_choice any (chat's "required") or a named tool: the grammar makes each call valid; streamed (its
+    input as the model wrote it, read as strict JSON: no control characters), the same message."""
     chat_body = entry.AnthropicMessagesRequest.chat_body
     monkeypatch.setattr(entry.AnthropicMessagesRequest, "chat_body",  # the whitespace a random model wanders in
-                        lambda self, rid: {**chat_body(self, rid), "logit_bias": no_blanks})
+                        lambda self, rid: {**chat_body(self, rid), "logit_bias": strict_json})
     for seed in range(2):
         body = dict(tools=TOOLS, tool_choice=choice, temperature=1.0, max_tokens=200,
                     metadata={"user_id": str(seed)})
         m = message(server, **body)
         calls = [b for b in m["content"] if b["type"] == "tool_use"]
-        assert calls and all(fits(b["name"], b["input"]) for b in calls) and m["stop_reason"] == "tool_use", m
+        assert calls and all(fits(b["name"], b["input"]) for b in calls) and m["stop_reason"] == "tool_use", json.dumps(m)
         if choice["type"] == "tool":
             assert [b["name"] for b in calls] == ["get_time"]
     _, built = stream(server, **{**body, "temperature": 0})

@@ -5,8 +5,10 @@ One server (and so one worker) for the file. Nothing waits on a clock but with d
 machine's needs; the one short limit applies only to a render that no machine finishes within it."""
 from __future__ import annotations
 
+import json
 import logging
 import resource
+import socket
 import sys
 import threading
 import time
@@ -89,13 +91,40 @@ def test_a_template_past_the_time_limit_is_killed_and_the_worker_replaced(server
     assert _worker_pid(server) != pid
 
 
-def test_a_client_that_leaves_mid_render_leaves_no_worker_stuck(server, monkeypatch):
-    """The client gives up while its template renders: the render is still killed at the limit, and the
-    next template renders in a new worker."""
+def _send(server, path: str, body: dict) -> socket.socket:
+    """The request sent on a socket of its own, its answer never read: closing it is the client leaving."""
+    host, port = server.url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _until(what, why: str) -> None:
+    deadline = time.monotonic() + 60  # far past a loaded machine's needs, far short of the 600 s limit
+    while not what():
+        assert time.monotonic() < deadline, why
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("path,body", [("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 1})])
+def test_a_client_that_leaves_mid_render_stops_it_at_once(server, monkeypatch, path, body):
+    """The client leaves while its template renders: the render is killed then, not at the limit, and the
+    slot of a render waiting its turn behind it frees as its own client leaves (vLLM's with_cancellation)."""
+    worker, state = server.app.state.server.template_worker, server.app.state.server
     pid = _worker_pid(server)
-    monkeypatch.setattr(entry, "CHAT_TEMPLATE_TIMEOUT_S", 1.0)
-    with pytest.raises(httpx.ReadTimeout):
-        _post(server, {"messages": USER, "chat_template": TIME_BOMB}, "/tokenize", timeout=0.2)
+    monkeypatch.setattr(entry, "CHAT_TEMPLATE_TIMEOUT_S", 600.0)  # the kill cannot be the limit's
+    body = {**body, "messages": USER, "chat_template": TIME_BOMB}
+    rendering = _send(server, path, body)
+    _until(lambda: worker.current is not None, "the bomb did not start rendering")
+    waiting = _send(server, path, body)
+    _until(lambda: state.template_renders == 2, "the second render did not wait its turn")
+    waiting.close()
+    _until(lambda: state.template_renders == 1, "the slot of a render whose client left was not freed")
+    assert worker.current is not None and worker.proc.pid == pid  # the first still renders
+    rendering.close()
+    _until(lambda: state.template_renders == 0 and worker.current is None, "the render went on")
     monkeypatch.setattr(entry, "CHAT_TEMPLATE_TIMEOUT_S", 60.0)
     r = _post(server, {"messages": USER, "chat_template": "{{ 'fine' }}", "return_token_strs": True}, "/tokenize")
     assert r.status_code == 200 and "".join(r.json()["token_strs"]) == "fine", r.text

@@ -259,6 +259,52 @@ def test_hermes_calls_become_function_call_items(server, client):
     server.wait_idle()
 
 
+# each parser's two calls (forced, as tests/test_tools.py does): hermes and llama3_json stream them as written;
+# pythonic and mistral read them at the output's end, as vLLM 0.32's parsers do
+STREAMED_CALLS = {
+    "hermes": FORCED,
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                   '{"name": "get_time", "parameters": {"tz": "cet"}}',
+    "pythonic": '[get_weather(city="Paris", days=3), get_time(tz="cet")]',
+    "mistral": 'I will check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+               '{"name": "get_time", "arguments": {"tz": "cet"}}]',
+}
+
+
+def chat_call_pieces(server, text: str, **body) -> tuple[str, list[list]]:
+    """The chat stream's content and, for each call, its name and the arguments its deltas carry, in order."""
+    chunks, content, calls, _ = chat_stream(server, tools=LOOSE_CHAT_TOOLS, structured_outputs={"choice": [text]},
+                                            max_tokens=300, temperature=0, **body)
+    pieces = [[name, []] for name, _ in calls]
+    for d in (d for ch in chunks for c in ch["choices"] for d in c["delta"].get("tool_calls", [])):
+        if d["function"].get("arguments"):
+            pieces[d["index"]][1].append(d["function"]["arguments"])
+    return content, pieces
+
+
+@pytest.mark.parametrize("parser", STREAMED_CALLS)
+def test_calls_stream_as_the_chat_stream_sends_them(server, monkeypatch, parser):
+    """As vLLM 0.32's Responses stream (the chat stream's parse_delta, then an item per call): each call's
+    function_call_arguments.delta events carry the arguments the chat stream's deltas do, as the model writes
+    them (hermes, llama3_json), not the whole arguments at the output's end."""
+    monkeypatch.setattr(server.app.state.server, "tool_parser", parser)
+    text = STREAMED_CALLS[parser]
+    content, want = chat_call_pieces(server, text, messages=[{"role": "user", "content": "weather?"}])
+    events, final = stream(server, input="weather?", tools=LOOSE_TOOLS, structured_outputs={"choice": [text]},
+                           max_output_tokens=300, temperature=0)
+    got = []
+    for e in events:
+        if e["type"] == "response.output_item.added" and e["item"]["type"] == "function_call":
+            got.append([e["item"]["name"], []])
+        elif e["type"] == "response.function_call_arguments.delta":
+            got[-1][1].append(e["delta"])
+    assert got == want and [name for name, _ in got] == ["get_weather", "get_time"], (got, want)
+    assert output_text(final) == content
+    if parser in ("hermes", "llama3_json"):
+        assert all(len(pieces) > 1 for _, pieces in got), got
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_time"}])
 def test_forced_tool_choice_makes_valid_calls(server, no_blanks, choice):
     """tool_choice "required" or a named function: the chat path's grammar makes the call valid (vLLM's
@@ -272,8 +318,8 @@ def test_forced_tool_choice_makes_valid_calls(server, no_blanks, choice):
         assert r["tool_choice"] == choice and r["status"] == "completed"
         if isinstance(choice, dict):
             assert [c["name"] for c in calls] == ["get_time"]
-        assert [[c["name"], c["arguments"]] for c in stream(server, **body)[1]["output"]] == \
-            [[c["name"], c["arguments"]] for c in calls]
+        # (a stream's arguments as the model wrote them, vLLM 0.32's streamed parsers'; a response's written back)
+        assert calls_read(stream(server, **body)[1]["output"]) == calls_read(calls)
     server.wait_idle()
 
 
@@ -305,14 +351,30 @@ def comparable(output: list[dict]) -> list[dict]:
 LOGPROBS = dict(include=["message.output_text.logprobs"], top_logprobs=1)
 
 
+def calls_read(output: list[dict]) -> list[dict]:
+    """Output items as a stream's and a whole response share them: comparable, their calls' arguments read as
+    JSON (a stream's are as the model wrote them, a response's written back), no logprobs (see below)."""
+    return [{**comparable(item), **({"arguments": json.loads(item["arguments"], strict=False)}
+                                    if item["type"] == "function_call" else {}),
+             **({"content": [{**p, "logprobs": None} for p in item["content"]]} if item["type"] == "message" else {})}
+            for item in output]
+
+
+def message_logprobs(output: list[dict]) -> list[dict]:
+    return [lp for item in output if item["type"] == "message" for p in item["content"] for lp in p["logprobs"]]
+
+
 @pytest.mark.parametrize("reasoning", [None, "deepseek_r1"])
 @pytest.mark.parametrize("choice", ["auto", "none", "required", {"type": "function", "name": "get_weather"}])
 def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blanks, choice, reasoning):
-    """response.completed carries the non-streamed body's output: the same items in the same order (only their
-    ids differ), with their logprobs, whole and cut short (e.g. "required" cut inside a call: all text, in both,
-    as vLLM's hermes parser reads a call cut short), with and without a reasoning parser (the cuts fall after
-    the thought: one cut inside it is split as vLLM's parsers split it, which differs between a stream and a
-    whole text)."""
+    """An output read whole, streamed (its calls through the streamed parser, as vLLM 0.32's Responses stream
+    reads them) ends in response.completed with the non-streamed body's items in the same order (only their ids
+    differ, and the form of their arguments' JSON); its message's logprobs are the whole one's up to the first
+    call, where the message item ends. Cut short (e.g. "required" cut inside a call: all text in a response, as
+    vLLM's hermes parser reads a call cut short; a call begun in a stream), both agree on the status and the
+    tokens, and without calls on everything. With and without a reasoning parser (the cuts fall after the
+    thought: one cut inside it is split as vLLM's parsers split it, which differs between a stream and a whole
+    text)."""
     monkeypatch.setattr(server.app.state.server, "reasoning_parser", reasoning)
     body = dict(input="weather?", tools=TOOLS, tool_choice=choice, temperature=0, **LOGPROBS)
     if choice in ("auto", "none"):  # the hermes text the model writes: forced
@@ -325,27 +387,50 @@ def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blan
     for limit in (300, full // 2, full - 8):
         whole = uncut if limit == 300 else create(server, **body, max_output_tokens=limit)  # greedy: the same body
         final = stream(server, **body, max_output_tokens=limit)[1]
-        assert comparable(final["output"]) == comparable(whole["output"]), limit
         assert (final["status"], final["usage"]["output_tokens"]) == (whole["status"], whole["usage"]["output_tokens"])
+        if choice == "none":
+            assert comparable(final["output"]) == comparable(whole["output"]), limit
+        elif whole["status"] == "completed":  # (here "auto" and "required" wander till max_output_tokens)
+            assert calls_read(final["output"]) == calls_read(whole["output"])
+            kinds.add("compared")
+            streamed, lps = message_logprobs(final["output"]), message_logprobs(whole["output"])
+            assert comparable(streamed) == comparable(lps[:len(streamed)])
+            assert bool(streamed) == any(item["type"] == "message" for item in whole["output"])
         kinds.add(tuple(item["type"] for item in whole["output"]))
+    assert "compared" in kinds or not isinstance(choice, dict), kinds
     if choice == "required":  # uncut: calls; a cut inside a (hermes) call: all text, as vLLM's parser reads it
         assert ("message",) in kinds and any(set(k) == {"function_call"} for k in kinds), kinds
     server.wait_idle()
 
 
+def until_first_call(chunks: list[dict]) -> list[dict]:
+    """A chat stream's logprobs up to its first tool-call delta's, that one's too: those a Responses stream's
+    message has (its item ends where the first call's begins)."""
+    logprobs = []
+    for ch in chunks:
+        for c in ch["choices"]:
+            logprobs += (c["logprobs"] or {}).get("content") or []
+            if c["delta"].get("tool_calls"):
+                return logprobs
+    return logprobs
+
+
 def test_logprobs_of_a_text_before_calls(server):
     """A message followed by function calls: the whole response's logprobs are all the output's (as vLLM's whole
-    response, and chat's logprobs.content); a stream's too: hermes reads a response's calls when the output
-    ends (any block that is no call makes it all text), so its message is done there."""
+    response, and chat's logprobs.content); a stream's message ends where the first call's item begins (the
+    calls stream as the model writes them), with the logprobs of the tokens up to there, the tokens its text
+    held back (the tag's start) too."""
     body = dict(input="weather?", tools=LOOSE_TOOLS, structured_outputs={"choice": [FORCED]}, temperature=0,
                 max_output_tokens=300, **LOGPROBS)
     whole, final = create(server, **body)["output"], stream(server, **body)[1]["output"]
     assert [i["type"] for i in whole] == [i["type"] for i in final] == ["message", "function_call", "function_call"]
-    want = chat(server, messages=[{"role": "user", "content": "weather?"}], tools=LOOSE_CHAT_TOOLS, temperature=0,
-                structured_outputs={"choice": [FORCED]}, max_tokens=300, logprobs=True, top_logprobs=1)
+    chat_body = dict(messages=[{"role": "user", "content": "weather?"}], tools=LOOSE_CHAT_TOOLS, temperature=0,
+                     structured_outputs={"choice": [FORCED]}, max_tokens=300, logprobs=True, top_logprobs=1)
+    want = chat(server, **chat_body)
     (lps,), (streamed,) = ([part["logprobs"] for part in r[0]["content"]] for r in (whole, final))
     assert comparable(lps) == comparable(want["choices"][0]["logprobs"]["content"])
-    assert len(TOLD) < len(streamed) == len(lps) and comparable(streamed) == comparable(lps)
+    assert comparable(streamed) == comparable(until_first_call(chat_stream(server, **chat_body)[0]))
+    assert len(TOLD) < len(streamed) < len(lps)
     server.wait_idle()
 
 
@@ -408,12 +493,11 @@ def test_the_same_answer_as_chat(server, no_blanks, shape):
                                                                                 usage["completion_tokens"])
     assert whole["status"] == ("incomplete" if choice["finish_reason"] == "length" else "completed")
     chunks, content, calls, finish = chat_stream(server, **chat_body)
-    streamed = [lp for ch in chunks for c in ch["choices"] for lp in (c["logprobs"] or {}).get("content") or []]
     final = stream(server, **body)[1]
-    got, want = responses_answer(final), answer({"content": content, "calls": calls}, streamed)
-    # (a hermes chat stream's arguments are as the model wrote them, vLLM 0.32's; a response's written back)
-    parsed = [{**a, "calls": [[n, json.loads(args, strict=False)] for n, args in a["calls"]]} for a in (got, want)]
-    assert parsed[0] == parsed[1] and finish == choice["finish_reason"]
+    # the same streamed parser's reading: the calls' arguments as the model wrote them (vLLM 0.32's), the
+    # message's logprobs up to the first call (see test_logprobs_of_a_text_before_calls)
+    got, want = responses_answer(final), answer({"content": content, "calls": calls}, until_first_call(chunks))
+    assert got == want and finish == choice["finish_reason"]
     assert (final["usage"]["output_tokens"], final["status"]) == (usage["completion_tokens"], whole["status"])
     if shape in ("auto", "required", "named"):
         assert got["calls"], got  # the shape makes calls

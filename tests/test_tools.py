@@ -775,6 +775,25 @@ def test_named_function_makes_a_valid_call(server, no_blanks, strict_json, call_
             assert first.get("content", "absent") == (None if call_format == "hermes" else "absent"), first
 
 
+def test_a_named_stream_sends_a_delta_for_each_step(server, no_blanks, monkeypatch):
+    """As vLLM 0.32's parse_delta reads every step: a named function's stream (without a parser: vLLM's older JSON
+    form, extract_named_tool_call_streaming) sends a tool-call delta for each, its arguments "" where the step
+    added no text (each token but the last of a character the tokenizer splits in bytes), logprobs or not."""
+    monkeypatch.setattr(server.app.state.server, "tool_parser", None)
+    clef = {"type": "object", "properties": {"s": {"const": "\U0001d11e"}}, "required": ["s"],
+            "additionalProperties": False}  # 4 bytes, 4 tokens: 3 steps add no text
+    tools = [{"type": "function", "function": {"name": "clef", "parameters": clef, "strict": True}}]
+    body = dict(tools=tools, tool_choice={"type": "function", "function": {"name": "clef"}}, temperature=0,
+                max_tokens=40, logit_bias=no_blanks)
+    steps = chat(server, **body)["usage"]["completion_tokens"]  # greedy: the stream's too
+    chunks, content, calls, finish = chat_stream(server, **body)
+    assert calls == [["clef", '{"s":"\U0001d11e"}']] and finish == "stop", calls  # (no blanks: the bias)
+    deltas = [d for ch in chunks for c in ch["choices"] for d in c["delta"].get("tool_calls", [])]
+    assert len(deltas) == steps  # one a step, the EOS step's too
+    assert sum(d["function"]["arguments"] == "" for d in deltas) >= 3, deltas
+    server.wait_idle()
+
+
 def test_a_required_response_that_stopped_says_tool_calls(server, no_blanks, monkeypatch):
     """As vLLM 0.32's: a response to "required" that stopped has finish_reason "tool_calls" even where its text
     reads as no call (here llama3_json's reading made to find none; the text is then the content); its stream
