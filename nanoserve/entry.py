@@ -4330,6 +4330,7 @@ class ChatGeneration(Generation):
         one is made). A stream's parsers keep their place between chunks; a response's parse it whole."""
         content, calls, finish, reasoning, blank = text, [], c.finish_reason, None, ""
         found = None  # calls a harmony parser read
+        thinking = False  # a stream's reasoning still open: as vLLM's parse_delta, no tool phase before its end
         if self.harmony:
             if index not in self.harmonies:
                 self.harmonies[index] = HarmonyParser(self.parser is OpenAIToolParser, whole=not stream)
@@ -4342,9 +4343,10 @@ class ChatGeneration(Generation):
         elif self.state.reasoning_parser is not None:
             parser = self.reasoner(index)
             reasoning, content = parser.feed(text, finish is not None) if stream else parser.extract(text)
+            thinking = stream and parser.state == "reasoning"
             blank = None if content is None else ""  # vLLM's parsers say if no content is null or ""
             reasoning, content = reasoning if self.req.include_reasoning else None, content or ""
-        if self.parser is not None:
+        if self.parser is not None and not thinking:
             if index not in self.tool_streams:
                 # a stream (chat's, and the Responses and Messages streams built from its deltas, as vLLM's) is
                 # read as vLLM's streamed parsers read it (ToolParser.streamed)

@@ -558,6 +558,9 @@ def test_http_reasoning_content_then_constrained_content(think_server):
         streamed = ["".join(d.get(k) or "" for d in deltas) for k in ("reasoning_content", "content")]
         args = "".join(c["function"].get("arguments") or "" for d in deltas for c in d.get("tool_calls") or [])
         assert streamed == [msg["reasoning_content"], msg["content"] or ""] and args == (answer if extra is tool else "")
+        if extra is tool:  # as vLLM's parse_delta: the call's first delta once the thought has ended, none before
+            first = next(i for i, d in enumerate(deltas) if d.get("tool_calls"))
+            assert not any(d.get("reasoning_content") for d in deltas[first + 1:]), deltas
 
 
 def test_http_a_prompt_that_ended_the_thought_gives_content(think_server):
