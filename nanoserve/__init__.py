@@ -1,7 +1,8 @@
 """nanoserve: a small, readable LLM inference server in the shape of vLLM.
 
 Public API: ``LLM`` (offline), ``SamplingParams``, ``BeamSearchParams``, ``StructuredOutputsParams``,
-``RequestOutput``, ``CompletionOutput``, ``PoolingParams`` and ``EmbeddingRequestOutput`` (``LLM.embed``),
+``RequestOutput``, ``CompletionOutput``, ``PoolingParams``, ``EmbeddingRequestOutput`` (``LLM.embed``) and
+``ClassificationRequestOutput`` (``LLM.classify``),
 ``LoRARequest``, and vLLM's custom logits processor interface
 (``LogitsProcessor``, ``AdapterLogitsProcessor``, ``BatchUpdate``, ``MoveDirectionality``, ``process_dict_updates``).
 The server is ``python -m nanoserve``.
@@ -18,12 +19,13 @@ import sys
 if "torch" not in sys.modules:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-from nanoserve.engine import (LLM, BeamSearchParams, CompletionOutput, EmbeddingRequestOutput, LoRARequest,
-                              PoolingParams, RequestOutput, SamplingParams, StructuredOutputsParams)
+from nanoserve.engine import (LLM, BeamSearchParams, ClassificationRequestOutput, CompletionOutput,
+                              EmbeddingRequestOutput, LoRARequest, PoolingParams, RequestOutput, SamplingParams, StructuredOutputsParams)
 from nanoserve.model import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality,
                              process_dict_updates)
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
-           "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput", "LoRARequest", "LogitsProcessor",
+           "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput", "ClassificationRequestOutput",
+           "LoRARequest", "LogitsProcessor",
            "AdapterLogitsProcessor", "BatchUpdate", "MoveDirectionality", "process_dict_updates"]
 __version__ = "0.1.0"

@@ -650,8 +650,32 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # the activation of the score head's logits (the logits with use_activation false)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """vLLM's LLM.classify() result: ``outputs.probs``, a probability per label."""
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+                   out.num_cached_tokens, out.finished)
+
+
+@dataclass(slots=True)
 class ScoringOutput:
-    score: float  # the cosine similarity of the pair's two embeddings
+    score: float  # the cosine similarity of the pair's two embeddings, or a cross-encoder's activated logit
 
 
 @dataclass(slots=True)
@@ -670,6 +694,12 @@ class ScoringRequestOutput:
         tokens = a.prompt_token_ids + ([] if pad_token_id is None else [pad_token_id]) + b.prompt_token_ids
         return cls(f"{a.request_id}_{b.request_id}", ScoringOutput(cosine_score(a.outputs.data, b.outputs.data)),
                    tokens, a.num_cached_tokens + b.num_cached_tokens)
+
+
+def cross_encoder_scores(outs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:
+    """A cross-encoder's pairs (each one prompt, scored by the model's one label) as vLLM's score outputs."""
+    return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.data[0].item()), o.prompt_token_ids,
+                                 o.num_cached_tokens) for o in outs]
 
 
 def cosine_score(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -718,7 +748,12 @@ def resolve_runner(config: EngineConfig, path: Path, model_config: ModelConfig) 
     runner = config.runner
     if runner == "auto":
         st = sentence_transformers_pooling(path)
-        runner = "pooling" if model_config.base_model or st is not None and "pooling_type" in st else "generate"
+        runner = "pooling" if model_config.base_model or model_config.num_labels is not None \
+            or st is not None and "pooling_type" in st else "generate"
+    if runner == "generate" and model_config.num_labels is not None:
+        raise ValueError(f"config.json names {model_config.architecture[:-len('ForCausalLM')]}ForSequence"
+                         f"Classification, a classifier without an LM head: it serves the classify task only "
+                         f"(--runner pooling)")
     if runner == "generate" and model_config.base_model:
         raise ValueError(f"config.json names {model_config.architecture[:-len('ForCausalLM')]}Model, a decoder "
                          f"without its LM head: it makes embeddings only (--runner pooling)")
@@ -731,6 +766,31 @@ def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
     if resolve_runner(config, path, ModelConfig.from_dir(path, config.hf_overrides)) != "pooling":
         return config.hf_overrides
     return {**(config.hf_overrides or {}), "tie_word_embeddings": True}
+
+
+def classify_activation(mc: ModelConfig) -> str:
+    """vLLM's get_act_fn for a classifier's logits, as transformers' loss reads problem_type: regression's
+    as they are, multi-label's sigmoid, else (single-label, or a sentence-transformers cross-encoder's
+    Sigmoid or Softmax) softmax over several labels and sigmoid over one; Identity leaves them."""
+    if mc.problem_type == "regression":
+        return "identity"
+    if mc.problem_type == "multi_label_classification":
+        return "sigmoid"
+    if mc.problem_type in (None, "single_label_classification") and mc.score_activation is not None:
+        name = mc.score_activation.rsplit(".", 1)[-1]
+        if not mc.score_activation.startswith("torch.nn.modules.") or name not in ("Identity", "Sigmoid", "Softmax"):
+            raise ValueError(f"config.json's activation function {mc.score_activation!r} is not supported "
+                             f"(torch.nn.modules' Identity, Sigmoid and Softmax are)")
+        if name == "Identity":
+            return "identity"
+    return "sigmoid" if mc.num_labels < 2 else "softmax"
+
+
+def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
+    """vLLM's PoolerActivation on one request's logits (fp32)."""
+    if activation == "softmax":
+        return torch.softmax(logits, dim=-1)
+    return torch.sigmoid(logits) if activation == "sigmoid" else logits
 
 
 def finish_embedding(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
@@ -1822,14 +1882,16 @@ class LLMEngine:
             logger.info("[engine] config.json overridden (hf_overrides): %s", json.dumps(config.hf_overrides))
         self.runner_type = resolve_runner(config, path, self.model_config)  # "generate" or "pooling"
         self.pooler_config: PoolerConfig | None = None
+        # the pooling runner's one task (vLLM's get_pooling_task): a classifier's "classify", else "embed"
+        self.pooling_task: str | None = None
+        self.classify_activation: str | None = None  # classify's: "softmax", "sigmoid" or "identity"
         if self.runner_type == "pooling":
             if config.runner == "auto":  # vLLM's line
                 logger.info("[engine] Resolved `--runner auto` to `--runner pooling`. Pass the value explicitly "
                             "to silence this message.")
             config.check_pooling_runner()
             self.pooler_config = config.pooler_config.resolved(path)
-            logger.info("[engine] pooling runner: embeddings, %s pooling of the final hidden states%s",
-                        self.pooler_config.pooling_type, ", normalized" if self.pooler_config.use_activation else "")
+            self._resolve_pooling_task()
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
             torch.cuda.set_device(self.device)
@@ -2292,6 +2354,38 @@ class LLMEngine:
         prompt = self.with_lora(prompt, lora_request)
         return self._add_validated(prompt, params, *self.validate_params(params), request_id, output_kind, priority)
 
+    def _resolve_pooling_task(self) -> None:
+        mc, pc = self.model_config, self.pooler_config
+        if mc.num_labels is None:
+            self.pooling_task = "embed"
+            logger.info("[engine] pooling runner: embeddings, %s pooling of the final hidden states%s",
+                        pc.pooling_type, ", normalized" if pc.use_activation else "")
+            return
+        self.pooling_task, self.classify_activation = "classify", classify_activation(mc)
+        logger.info("[engine] pooling runner: classify, %d labels from the score head on the %s pooled hidden "
+                    "state%s", mc.num_labels, pc.pooling_type,
+                    f", {self.classify_activation}" if pc.use_activation else ", raw logits")
+
+    @property
+    def is_cross_encoder(self) -> bool:
+        """vLLM's enable_scoring_api for a classifier: Score and Rerank serve one with a single label."""
+        return self.pooling_task == "classify" and self.model_config.num_labels == 1
+
+    def check_pooling_task(self, task: str, online: bool = False) -> None:
+        """``task`` ("embed" or "classify") against the model's (vLLM's words: LLM.encode's, or /pooling's)."""
+        self.check_runner("pooling")
+        if task == self.pooling_task:
+            return
+        if online:
+            raise InvalidInput("task", f"Unsupported task: {task!r} Supported tasks: ({self.pooling_task!r},)")
+        if task == "embed":
+            raise InvalidInput("task", "Embedding API is not supported by this model. Try converting the model "
+                                       "using `--convert embed`.")
+        if task == "classify":
+            raise InvalidInput("task", "Classification API is not supported by this model. Try converting the "
+                                       "model using `--convert classify`.")
+        raise InvalidInput("task", f"Unsupported task: {task!r} Supported tasks: ({self.pooling_task!r},)")
+
     def check_runner(self, runner: str) -> None:
         """Generation needs the generate runner, embeddings the pooling one (vLLM's words)."""
         if runner == self.runner_type:
@@ -2316,6 +2410,16 @@ class LLMEngine:
         pad_to = self.max_model_len if padding == "max_length" else None
         return self.process_prompt(prompt, keep, add_special_tokens, side, output_tokens=0, pad_to=pad_to)
 
+    def cross_encoder_prompt(self, query: str, document: str, add_special_tokens: bool = True) -> list[int]:
+        """vLLM's cross-encoder prompt: the pair as the tokenizer's text pair (its separators and special
+        tokens between and around), or, where config.json's use_sep_token is false, the texts joined as one."""
+        if self.tokenizer is None:
+            raise InvalidInput("model", "a cross-encoder's pairs need the model's tokenizer (--skip-tokenizer-init "
+                                        "leaves none)")
+        if not self.model_config.use_sep_token:
+            return self.tokenizer(query + document, add_special_tokens=add_special_tokens)["input_ids"]
+        return self.tokenizer(text=query, text_pair=document, add_special_tokens=add_special_tokens)["input_ids"]
+
     def _pad_token_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
         if pad is None:
@@ -2330,6 +2434,9 @@ class LLMEngine:
                                                  f"{type(params).__name__}")
         self.check_runner("pooling")
         d, mc = params.dimensions, self.model_config
+        if d is not None and self.pooling_task == "classify":  # vLLM's words
+            raise InvalidInput("dimensions", "Task 'classify' only supports ['use_activation'] parameters, does "
+                                             "not support ['dimensions'] parameters")
         if d is not None:
             if not mc.is_matryoshka:
                 raise InvalidInput("dimensions", f"This model does not support Matryoshka embeddings; dimensions "
@@ -2869,7 +2976,10 @@ class LLMEngine:
                 return
             data = req.pooled / req.num_prompt_tokens if kind == "MEAN" else req.pooled if kind == "CLS" else rows
             p = req.pooling_params
-            data = finish_embedding(data, p.dimensions, p.use_activation)
+            if self.pooling_task == "classify":  # the score head's logits
+                data = activate(data, self.classify_activation) if p.use_activation else data
+            else:
+                data = finish_embedding(data, p.dimensions, p.use_activation)
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             self.stats_counters["num_finished"] += 1
             outputs[req.request_id] = PoolingRequestOutput(
@@ -3471,15 +3581,24 @@ class LLM:
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
             prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")]
 
+    def classify(self, prompts, *, pooling_params: PoolingParams | list[PoolingParams] | None = None,
+                 use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """vLLM's: a classifier's probabilities per prompt (``outputs.probs``), with the pooling runner."""
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(
+            prompts, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="classify")]
+
     def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
                use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's: the pooler's output per prompt (``outputs.data``, a tensor); pooling_task "embed" only."""
+        """vLLM's: the pooler's output per prompt (``outputs.data``, a tensor); pooling_task "embed" (an
+        embedding model's) or "classify" (a classifier's)."""
         engine = self.engine
         engine.check_runner("pooling")
-        if pooling_task != "embed":
-            raise InvalidInput("pooling_task", f"pooling_task must be 'embed' (LLM.embed): nanoserve's pooling "
-                                               f"runner makes embeddings only, got {pooling_task!r}")
+        if pooling_task not in ("embed", "classify"):
+            raise InvalidInput("pooling_task", f"pooling_task must be 'embed' (LLM.embed) or 'classify' "
+                                               f"(LLM.classify), got {pooling_task!r}")
+        engine.check_pooling_task(pooling_task)
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_requests")
         params = [engine.check_pooling_params(PoolingParams() if p is None else p)
@@ -3494,17 +3613,30 @@ class LLM:
               tokenization_kwargs: dict[str, Any] | None = None,
               chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """vLLM's, for an embedding model (its bi-encoder): each text of ``data_1`` and ``data_2`` embedded
-        once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings.
-        ``chat_template`` is a cross-encoder's, which a bi-encoder ignores (as vLLM's)."""
-        if self.engine.runner_type != "pooling":  # vLLM's words
+        once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings; for a
+        classifier with one label (a cross-encoder), each pair read as one prompt, scored by the label's
+        activated logit. ``chat_template`` (a score template) is not supported; a bi-encoder ignores it."""
+        engine = self.engine
+        if engine.runner_type != "pooling":  # vLLM's words
             raise InvalidInput("model", "LLM.score() is only supported for pooling models. Try passing "
                                         "`--runner pooling` to use the model as a pooling model.")
+        if engine.pooling_task == "classify" and not engine.is_cross_encoder:
+            raise InvalidInput("model", f"Score API is only enabled for num_labels == 1 (this classifier has "
+                                        f"{engine.model_config.num_labels})")
         if tokenization_kwargs:
             raise InvalidInput("tokenization_kwargs", "tokenization_kwargs is not supported: truncate with "
                                                       "PoolingParams(truncate_prompt_tokens=N)")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         queries, docs = score_inputs(data_1, data_2, self.engine.model_config.architecture)
+        if engine.is_cross_encoder:
+            if chat_template is not None:
+                raise InvalidInput("chat_template", "a score template (chat_template) is not supported: the pairs "
+                                                    "are tokenized as the tokenizer's text pairs")
+            pairs = [engine.cross_encoder_prompt(q, d) for q, d in zip(queries * len(docs) if len(queries) == 1
+                                                                        else queries, docs)]
+            return cross_encoder_scores(self.encode(pairs, pooling_params, use_tqdm=use_tqdm,
+                                                    lora_request=lora_request, pooling_task="classify"))
         outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
                            pooling_task="embed")
         return score_pairs(outs, len(queries), getattr(self.engine.tokenizer, "pad_token_id", None))

@@ -94,7 +94,8 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               TokenizedPrompt, VLLM_ENGINE_ARGS, apply_chat_template, chat_template_content_format,
                               engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
                               opens_reply, parse_call_arguments, part_text, run_worker_node, score_inputs,
-                              score_pairs, vllm_arg_note, PoolingOutput, ScoringRequestOutput)
+                              score_pairs, vllm_arg_note, PoolingOutput, ScoringRequestOutput,
+                              cross_encoder_scores)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -2929,6 +2930,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", create_embedding, methods=["POST"]),
         Route("/pooling", create_pooling, methods=["POST"]),
+        Route("/classify", create_classify, methods=["POST"]),
         *(Route(path, create_score, methods=["POST"]) for path in ("/score", "/v1/score")),
         *(Route(path, create_rerank, methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")),
         Route("/v1/responses", create_response, methods=["POST"]),
@@ -3265,36 +3267,96 @@ class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
 
 
 class PoolingRequest(EmbeddingRequest):
-    """vLLM's /pooling body: an embeddings body with the pooling ``task`` (an embedding model's: embed),
-    without ``dimensions``; the answer holds each vector as a "pooling" object's ``data``."""
+    """vLLM's /pooling body: an embeddings body with the pooling ``task`` (the model's: embed for an
+    embedding model, classify for a classifier), without ``dimensions``; the answer holds each vector
+    (a classifier's: its probabilities) as a "pooling" object's ``data``."""
     id_prefix: ClassVar[str] = "pool-"
     vector_object: ClassVar[str] = "pooling"
     vector_field: ClassVar[str] = "data"
     task: str | None = None
 
     @model_validator(mode="after")
-    def _embed_task(self) -> "PoolingRequest":
+    def _no_dimensions(self) -> "PoolingRequest":
         if self.dimensions is not None:  # vLLM's words
             raise InvalidInput("dimensions", "dimensions is currently not supported")
-        if self.task not in (None, "embed"):
-            raise InvalidInput("task", f"Unsupported task: {self.task!r} Supported tasks: ('embed',)")
+        if self.task == "score":  # vLLM's words (check_removed_pooling_task)
+            raise InvalidInput("task", "`score` task was removed; use `classify` instead.")
+        return self
+
+
+class ClassificationRequest(EmbeddingRequest):
+    """vLLM's /classify body (ClassificationCompletionRequest and ClassificationChatRequest): ``input``'s
+    prompts or ``messages``' chats, each classified by the model's score head."""
+    id_prefix: ClassVar[str] = "classify-"
+
+    @model_validator(mode="after")
+    def _classify_fields(self) -> "ClassificationRequest":
+        if self.dimensions is not None:  # vLLM's PoolingParams words
+            raise InvalidInput("dimensions", "Task 'classify' only supports ['use_activation'] parameters, does "
+                                             "not support ['dimensions'] parameters")
+        if self.encoding_format != "float":
+            raise InvalidInput("encoding_format", "encoding_format is not supported: a classification's "
+                                                  "probabilities are floats")
         return self
 
 
 async def create_pooling(request: Request) -> Response:
-    """POST /pooling (vLLM's): the embedding model's pooler output, as /v1/embeddings computes it."""
-    return await create_embedding(request, PoolingRequest)
+    """POST /pooling (vLLM's): the model's pooler output (an embedding model's vectors, a classifier's
+    probabilities), as /v1/embeddings and /classify compute them."""
+    state = _state(request)
+    _check_pooling_server(request, state, None)
+    req = await read_json(request, state, functools.partial(parse_body, PoolingRequest,
+                                                             request_id=_request_id(request)))
+    try:
+        state.engine.check_pooling_task(req.task or state.engine.pooling_task, online=True)
+    except InvalidInput as e:
+        raise req.invalid(e) from None
+    return await _embed(request, state, req)
+
+
+def _check_pooling_server(request: Request, state: ServerState, task: str | None) -> None:
+    """A 404 that says why where this server does not serve the path: a generative model's server, or
+    a pooling one whose model has another task (vLLM mounts a task's routes only for its models)."""
+    engine = state.engine
+    if engine.runner_type != "pooling":
+        raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs a "
+                            f"pooling model served with --runner pooling")
+    if task is not None and task != engine.pooling_task:
+        kind = "a classifier (a ForSequenceClassification model)" if task == "classify" else "an embedding model"
+        raise ApiError(404, f"this server's model serves the {engine.pooling_task} task: "
+                            f"{esc(request.url.path)} needs {kind}")
 
 
 async def create_embedding(request: Request, schema: type[EmbeddingRequest] = EmbeddingRequest) -> Response:
-    """POST /v1/embeddings (and a pooling server's /invocations; /pooling with its schema): one engine
-    request per prompt or chat, batched by the scheduler as any prompts."""
+    """POST /v1/embeddings (and a pooling server's /invocations): one engine request per prompt or chat,
+    batched by the scheduler as any prompts."""
     state = _state(request)
-    if state.engine.runner_type != "pooling":
-        raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs an "
-                            f"embedding model served with --runner pooling")
+    _check_pooling_server(request, state, "embed")
     req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     return await _embed(request, state, req)
+
+
+async def create_classify(request: Request) -> Response:
+    """POST /classify (vLLM's): each prompt's (or chat's) probabilities per label, and its likeliest label
+    by config.json's id2label."""
+    state = _state(request)
+    _check_pooling_server(request, state, "classify")
+    req = await read_json(request, state, functools.partial(parse_body, ClassificationRequest,
+                                                             request_id=_request_id(request)))
+    if req.input is None and req.messages is None:
+        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
+    pooled = await _pool(request, state, req, functools.partial(_pooling_prompts, state, req))
+    if pooled is None:
+        return Response(status_code=499)  # nobody is listening
+    request_id, model, prompts, vectors = pooled
+    labels = state.engine.model_config.id2label
+    num_tokens = sum(len(p.token_ids) for p in prompts)
+    usage = with_nulls({"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+                       Generation.USAGE_NULLS)
+    data = [{"index": i, "label": labels.get(int(v.argmax())), "probs": v.tolist(), "num_classes": len(v)}
+            for i, v in enumerate(vectors)]
+    return json_response({"id": f"classify-{request_id}", "object": "list", "created": int(time.time()),
+                          "model": model, "data": data, "usage": usage})
 
 
 async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) -> Response:
@@ -3453,6 +3515,7 @@ class ScoringRequest(PoolingBasicRequest):
     instruction: str | None = None
     chat_template_kwargs: dict | None = None
     _sides: tuple[list[str], list[str]] = PrivateAttr(([], []))
+    _cross_encoder: bool = PrivateAttr(False)  # each pair one prompt (a classifier's), else each text
 
     def side_names(self) -> tuple[str, str]:
         raise NotImplementedError
@@ -3473,6 +3536,8 @@ class ScoringRequest(PoolingBasicRequest):
         return self.side_names()[1]
 
     def num_prompts(self) -> int:
+        if self._cross_encoder:
+            return len(self._sides[1])  # 1:N or N:N: a pair per document
         return len(self._sides[0]) + len(self._sides[1])
 
     def pooling_params(self) -> PoolingParams:
@@ -3557,19 +3622,24 @@ async def create_rerank(request: Request) -> Response:
 
 
 async def _score(request: Request, schema: type[ScoringRequest]) -> tuple[ScoringRequest, Pooled | None]:
-    """The body's texts embedded: queries first, then documents (None if the client left)."""
+    """The body's texts embedded, queries first, then documents; or, for a cross-encoder, each pair
+    classified as one prompt (None if the client left)."""
     state = _state(request)
-    if state.engine.runner_type != "pooling":
-        raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs an "
-                            f"embedding model served with --runner pooling")
+    engine = state.engine
+    _check_pooling_server(request, state, None)
+    if engine.pooling_task == "classify" and not engine.is_cross_encoder:  # vLLM's enable_scoring_api
+        raise ApiError(404, f"{esc(request.url.path)} is served for a classifier with num_labels == 1 (a "
+                            f"cross-encoder); this one has {engine.model_config.num_labels}")
     req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     try:
         req.check_inputs(state.engine.model_config.architecture)
+        req._cross_encoder = engine.is_cross_encoder
         for name in ("max_tokens_per_query", "max_tokens_per_doc"):
             _check_token_limit(getattr(req, name), name, state.engine.max_model_len)
     except InvalidInput as e:
         raise req.invalid(e) from None
-    return req, await _pool(request, state, req, functools.partial(_score_prompts, state, req))
+    make_prompts = _cross_encoder_prompts if engine.is_cross_encoder else _score_prompts
+    return req, await _pool(request, state, req, functools.partial(make_prompts, state, req))
 
 
 def _check_token_limit(value: int, name: str, max_model_len: int) -> None:
@@ -3595,6 +3665,24 @@ def _score_prompts(state: ServerState, req: ScoringRequest, params: PoolingParam
     return prompts
 
 
+def _cross_encoder_prompts(state: ServerState, req: ScoringRequest, params: PoolingParams, texts: None,
+                           lora: LoRARequest | None) -> list[TokenizedPrompt]:
+    """On the tokenizer thread: each pair (1:N or N:N) as one prompt, the tokenizer's text pair (each text
+    cut to max_tokens_per_query/doc tokens first, as vLLM's); an error names the documents' field."""
+    queries, docs = req.sides
+    tokenizer = state.engine.tokenizer
+    if req.max_tokens_per_query:
+        queries = [_truncate_text(t, tokenizer, req.max_tokens_per_query) for t in queries]
+    if req.max_tokens_per_doc:
+        docs = [_truncate_text(t, tokenizer, req.max_tokens_per_doc) for t in docs]
+    pairs = zip(queries * len(docs) if len(queries) == 1 else queries, docs)
+    try:
+        ids = [state.engine.cross_encoder_prompt(q, d) for q, d in pairs]
+        return _tokenize_pooled(state, req, params, ids, True, lora)
+    except InvalidInput as e:
+        raise InvalidInput(req.side_names()[1] if e.param == "prompt" else e.param, str(e)) from None
+
+
 def _truncate_text(text: str, tokenizer: Any, max_tokens: int) -> str:
     """vLLM's truncate_text_to_tokens: the text cut where its first max_tokens tokens end (by the
     tokenizer's offsets, so that the text is tokenized once more as sent, special tokens and all)."""
@@ -3610,9 +3698,12 @@ def _truncate_text(text: str, tokenizer: Any, max_tokens: int) -> str:
 
 def _pair_scores(req: ScoringRequest, prompts: list[TokenizedPrompt],
                  vectors: list[torch.Tensor]) -> tuple[list[ScoringRequestOutput], int]:
-    """Each pair's score, and the tokens embedded (each text once, as vLLM counts them)."""
+    """Each pair's score, and the tokens pooled (a bi-encoder's each text once, as vLLM counts them; a
+    cross-encoder's each pair)."""
     outs = [PoolingRequestOutput(str(i), PoolingOutput(v), list(p.token_ids)) for i, (p, v) in
             enumerate(zip(prompts, vectors))]
+    if req._cross_encoder:
+        return cross_encoder_scores(outs), sum(len(p.token_ids) for p in prompts)
     return score_pairs(outs, len(req.sides[0]), None), sum(len(p.token_ids) for p in prompts)
 
 

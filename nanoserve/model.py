@@ -130,6 +130,41 @@ def resolve_model_dir(model: str | Path, revision: str | None = None, download_d
                              f"Face hub failed: {first_line(e)}") from None
 
 
+def _seq_cls_architecture(arch: Any) -> str | None:
+    """The decoder a *ForSequenceClassification architecture wraps (vLLM's as_seq_cls_model: the
+    same layers, plus the score head), or None for any other name."""
+    suffix = "ForSequenceClassification"
+    if not isinstance(arch, str) or not arch.endswith(suffix):
+        return None
+    decoder = f"{arch[:-len(suffix)]}ForCausalLM"
+    if decoder in GEMMA3_ARCHITECTURES:  # transformers' is the multimodal model's, a layout not read here
+        raise ModelLoadError(f"{arch} (Gemma 3's multimodal classifier) is not supported")
+    if decoder not in SUPPORTED_ARCHITECTURES:
+        served = ", ".join(a[:-len("ForCausalLM")] for a in SUPPORTED_ARCHITECTURES if a.endswith("ForCausalLM"))
+        raise ModelLoadError(f"unsupported architecture {arch!r}; nanoserve serves the ForSequenceClassification "
+                             f"of {served}")
+    return decoder
+
+
+def _classifier_config(c: dict[str, Any]) -> dict[str, Any]:
+    """A classifier's head size and labels as transformers reads them: id2label's entries (num_labels,
+    where given alone; two, LABEL_0 and LABEL_1, by default), and what picks its activation."""
+    id2label = c.get("id2label")
+    if id2label is not None and not isinstance(id2label, dict):
+        raise ModelLoadError(f"config.json's id2label must be an object, got {id2label!r}")
+    num_labels = c.get("num_labels", len(id2label) if id2label else 2)
+    if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
+        raise ModelLoadError(f"num_labels must be a positive integer, got {num_labels!r}")
+    labels = {int(k): str(v) for k, v in id2label.items()} if id2label and len(id2label) == num_labels \
+        else {i: f"LABEL_{i}" for i in range(num_labels)}
+    st = c.get("sentence_transformers") or {}
+    activation = st.get("activation_fn") if isinstance(st, dict) else None
+    use_sep = c.get("use_pad_token", c.get("use_sep_token", True))  # use_pad_token: vLLM's older name
+    return {"num_labels": num_labels, "id2label": labels, "problem_type": c.get("problem_type"),
+            "score_activation": activation or c.get("sbert_ce_default_activation_function"),
+            "use_sep_token": bool(use_sep)}
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
@@ -207,6 +242,15 @@ class ModelConfig:
     base_model: bool = False
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # Classifiers (the pooling runner's classify task): a *ForSequenceClassification checkpoint, the
+    # decoder with a bias-free ``score`` head of num_labels rows (None: not a classifier), its labels by
+    # index, and what vLLM reads to pick the activation (classify_activation) and to pair a cross-encoder's
+    # texts (use_sep_token: as the tokenizer's text pair, else joined as one text)
+    num_labels: int | None = None
+    id2label: dict[int, str] | None = None
+    problem_type: str | None = None
+    score_activation: str | None = None  # sentence-transformers' activation_fn (a torch.nn.modules name)
+    use_sep_token: bool = True
 
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
@@ -235,6 +279,9 @@ class ModelConfig:
             SUPPORTED_ARCHITECTURES  # its decoder alone: the same layers, under the same config keys
         if base_model:
             arch = f"{arch[:-5]}ForCausalLM"
+        seq_cls = _seq_cls_architecture(arch)
+        if seq_cls:
+            arch = seq_cls
         if arch not in SUPPORTED_ARCHITECTURES:
             why = " (a mixture-of-experts model nanoserve does not serve)" if "Moe" in str(arch) else ""
             raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
@@ -305,6 +352,7 @@ class ModelConfig:
             base_model=base_model,
             is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
             matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
+            **(_classifier_config(c) if seq_cls else {}),
         )
         return _mla_config(cfg, c) if arch in MLA_ARCHITECTURES else cfg
 
@@ -1963,6 +2011,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg, backend, tp)
         # None: tied to the embedding (a CPU backend may set a packed copy here)
         self.lm_head = None if cfg.tie_word_embeddings else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        # a classifier's head, whole on every rank and in fp32 (vLLM's pooling head_dtype)
+        self.score = None if cfg.num_labels is None else nn.Linear(cfg.hidden_size, cfg.num_labels, bias=False,
+                                                                   dtype=torch.float32)
         self.lora_config: LoRAConfig | None = None  # wrap_lora_layers' (LoRASlots reads max_cpu_loras)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -3839,11 +3890,13 @@ class AsyncModelRunnerOutput:
                                  self.pooled)
 
 
-def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, torch.Tensor]:
+def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
+                       score: nn.Module | None = None) -> dict[int, torch.Tensor]:
     """The pooling sequences' share of a step's final-norm hidden states (vLLM's pooler, before its
-    head), in fp32 on the host: a chunk's last row, its first, or the sum of its rows. The rows are the
-    sequences' tokens in order (a padded decode has one per sequence, its one token); CLS's first row
-    is its prompt's first token's (a pooling sequence never decodes)."""
+    activation), in fp32 on the host: a chunk's last row, its first, or the sum of its rows, through a
+    classifier's ``score`` head where it has one (linear, so a MEAN's chunk sums may pass it one by one).
+    The rows are the sequences' tokens in order (a padded decode has one per sequence, its one token);
+    CLS's first row is its prompt's first token's (a pooling sequence never decodes)."""
     out, start = {}, 0
     for i, s in enumerate(seqs):
         end = start + len(s.token_ids)
@@ -3854,6 +3907,8 @@ def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor) -> dict[int, 
         elif s.pooling == "SUM":
             out[i] = hidden[start:end].float().sum(0)
         start = end
+    if score is not None and out:
+        out = dict(zip(out, score(torch.stack(list(out.values())))))
     return {i: v.cpu() for i, v in out.items()}
 
 
@@ -4343,7 +4398,7 @@ class ModelRunner:
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
                          sum(len(s.token_ids) for s in seqs), len(rows))
         prompt_logprobs = self._prompt_logprobs(seqs, hidden) if any(s.prompt_logprob_ids for s in seqs) else {}
-        pooled = pool_hidden_states(seqs, hidden) if self.tp.rank == 0 and any(s.pooling for s in seqs) else {}
+        pooled = pool_hidden_states(seqs, hidden, self.model.score) if self.tp.rank == 0 and any(s.pooling for s in seqs) else {}
         if any(seqs[i].draft_token_ids for i in rows):  # speculative decoding: a row for each draft too
             ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
             picked = host_ints([p for i in rows for p in range(ends[i] - 1 - len(seqs[i].draft_token_ids or ()),
