@@ -46,7 +46,7 @@ import weakref
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterable, Sequence
+from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 
 import torch
 
@@ -635,21 +635,6 @@ class EmbeddingOutput:
 
 
 @dataclass(slots=True)
-class EmbeddingRequestOutput:
-    """vLLM's LLM.embed() result: ``outputs.embedding``, a list of floats."""
-    request_id: str
-    outputs: EmbeddingOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(out.request_id, EmbeddingOutput(out.outputs.data.tolist()), out.prompt_token_ids,
-                   out.num_cached_tokens, out.finished)
-
-
-@dataclass(slots=True)
 class ClassificationOutput:
     probs: list[float]  # the activation of the score head's logits (the logits with use_activation false)
 
@@ -659,18 +644,32 @@ class ClassificationOutput:
 
 
 @dataclass(slots=True)
-class ClassificationRequestOutput:
-    """vLLM's LLM.classify() result: ``outputs.probs``, a probability per label."""
+class TaskRequestOutput:
+    """What vLLM's results of one pooling task share (its PoolingRequestOutput[T]): the request's id,
+    tokens and ``outputs``, the task's own type."""
     request_id: str
-    outputs: ClassificationOutput
+    outputs: Any
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0
     finished: bool = True
+    OUTPUT: ClassVar[type] = PoolingOutput  # what ``from_base`` makes of the pooled vector, as a list
 
     @classmethod
-    def from_base(cls, out: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(out.request_id, ClassificationOutput(out.outputs.data.tolist()), out.prompt_token_ids,
+    def from_base(cls, out: PoolingRequestOutput) -> "TaskRequestOutput":
+        return cls(out.request_id, cls.OUTPUT(out.outputs.data.tolist()), out.prompt_token_ids,
                    out.num_cached_tokens, out.finished)
+
+
+class EmbeddingRequestOutput(TaskRequestOutput):
+    """vLLM's LLM.embed() result: ``outputs.embedding``, a list of floats."""
+    __slots__ = ()
+    OUTPUT = EmbeddingOutput
+
+
+class ClassificationRequestOutput(TaskRequestOutput):
+    """vLLM's LLM.classify() result: ``outputs.probs``, a probability per label."""
+    __slots__ = ()
+    OUTPUT = ClassificationOutput
 
 
 @dataclass(slots=True)
@@ -678,15 +677,11 @@ class ScoringOutput:
     score: float  # the cosine similarity of the pair's two embeddings, or a cross-encoder's activated logit
 
 
-@dataclass(slots=True)
-class ScoringRequestOutput:
+class ScoringRequestOutput(TaskRequestOutput):
     """vLLM's LLM.score() result for an embedding model (its bi-encoder): the pair's ids and tokens
-    joined by the pad token (as vLLM's), ``outputs.score`` their embeddings' cosine similarity."""
-    request_id: str
-    outputs: ScoringOutput
-    prompt_token_ids: list[int]
-    num_cached_tokens: int = 0
-    finished: bool = True
+    joined by the pad token (as vLLM's), ``outputs.score`` their embeddings' cosine similarity (or, for a
+    cross-encoder, the pair's one prompt and its activated logit)."""
+    __slots__ = ()
 
     @classmethod
     def from_pair(cls, a: PoolingRequestOutput, b: PoolingRequestOutput,

@@ -3343,16 +3343,12 @@ async def create_classify(request: Request) -> Response:
     _check_pooling_server(request, state, "classify")
     req = await read_json(request, state, functools.partial(parse_body, ClassificationRequest,
                                                              request_id=_request_id(request)))
-    if req.input is None and req.messages is None:
-        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
-    pooled = await _pool(request, state, req, functools.partial(_pooling_prompts, state, req))
+    pooled = await _pool_inputs(request, state, req)
     if pooled is None:
         return Response(status_code=499)  # nobody is listening
     request_id, model, prompts, vectors = pooled
     labels = state.engine.model_config.id2label
-    num_tokens = sum(len(p.token_ids) for p in prompts)
-    usage = with_nulls({"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
-                       Generation.USAGE_NULLS)
+    usage = pooling_usage(sum(len(p.token_ids) for p in prompts))
     data = [{"index": i, "label": labels.get(int(v.argmax())), "probs": v.tolist(), "num_classes": len(v)}
             for i, v in enumerate(vectors)]
     return json_response({"id": f"classify-{request_id}", "object": "list", "created": int(time.time()),
@@ -3361,9 +3357,7 @@ async def create_classify(request: Request) -> Response:
 
 async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) -> Response:
     """An EmbeddingRequest's vectors, one per prompt or chat, as vLLM's embeddings (or /pooling) answer."""
-    if req.input is None and req.messages is None:
-        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
-    pooled = await _pool(request, state, req, functools.partial(_pooling_prompts, state, req))
+    pooled = await _pool_inputs(request, state, req)
     if pooled is None:
         return Response(status_code=499)  # nobody is listening
     request_id, model, prompts, vectors = pooled
@@ -3372,10 +3366,23 @@ async def _embed(request: Request, state: ServerState, req: EmbeddingRequest) ->
     usage = {"prompt_tokens": num_tokens, "total_tokens": num_tokens}  # the bytes header's, as vLLM's
     if req.encoding_format in ("bytes", "bytes_only"):
         return _bytes_response(vectors, req, {**head, "usage": usage})
-    usage = with_nulls({**usage, "completion_tokens": 0}, Generation.USAGE_NULLS)  # vLLM's UsageInfo, whole
+    usage = pooling_usage(num_tokens)
     return json_response({**head, "data": [{"index": i, "object": req.vector_object,
                                             req.vector_field: _encode_embedding(v, req)}
                                            for i, v in enumerate(vectors)], "usage": usage})
+
+
+def pooling_usage(num_tokens: int) -> dict[str, Any]:
+    """A pooling answer's usage, vLLM's UsageInfo whole: its prompts' tokens, none generated."""
+    return with_nulls({"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
+                      Generation.USAGE_NULLS)
+
+
+async def _pool_inputs(request: Request, state: ServerState, req: EmbeddingRequest) -> "Pooled | None":
+    """An embeddings-shaped body's (``input`` or chat ``messages``) vectors, one per prompt or chat."""
+    if req.input is None and req.messages is None:
+        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
+    return await _pool(request, state, req, functools.partial(_pooling_prompts, state, req))
 
 
 Pooled = tuple[str, str, list[TokenizedPrompt], list[torch.Tensor]]  # request id, model, prompts, vectors
@@ -3598,8 +3605,7 @@ async def create_score(request: Request) -> Response:
         return Response(status_code=499)  # nobody is listening
     request_id, model, prompts, vectors = pooled
     scores, num_tokens = _pair_scores(req, prompts, vectors)
-    usage = with_nulls({"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0},
-                       Generation.USAGE_NULLS)
+    usage = pooling_usage(num_tokens)
     return json_response({"id": f"score-{request_id}", "object": "list", "created": int(time.time()),
                           "model": model, "data": [{"index": i, "object": "score", "score": s.outputs.score}
                                                    for i, s in enumerate(scores)], "usage": usage})
