@@ -215,6 +215,19 @@ def make_model(root: Path, arch: str = "qwen3", seed: int = 0, dtype=torch.float
     return out
 
 
+def edited_checkpoint(src: Path, out: Path, edit) -> Path:
+    """A copy of checkpoint ``src`` at ``out`` whose tensors ``edit`` changed (in place on the dict): a broken
+    checkpoint for a loader's refusals."""
+    import shutil
+    from safetensors.torch import load_file, save_file
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(src, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
 @pytest.fixture(scope="session")
 def model_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

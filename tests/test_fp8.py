@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, hf_greedy_logprobs, make_model
+from conftest import VOCAB, edited_checkpoint, hf_greedy_logprobs, make_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.model import Fp8Slice, ModelConfig, ModelLoadError, load_model
 
@@ -276,14 +276,7 @@ def test_fp8_kv_cache_scales_are_left_unused_as_vllms_auto_kv_cache_dtype_does(m
 
 def _edited(model_root: Path, name: str, edit) -> Path:
     """The 48x40 qwen3 FP8 checkpoint with its tensors changed by ``edit`` (in place on the dict)."""
-    src = fp8_model(model_root, "qwen3", (48, 40))
-    out = model_root / f"broken-{name}"
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(src, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return edited_checkpoint(fp8_model(model_root, "qwen3", (48, 40)), model_root / f"broken-{name}", edit)
 
 
 Q = "model.layers.0.self_attn.q_proj"

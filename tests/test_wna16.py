@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, hf_greedy_logprobs, make_model
+from conftest import VOCAB, edited_checkpoint, hf_greedy_logprobs, make_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.model import ModelConfig, ModelLoadError, PackedIntSlice, load_model
 
@@ -352,14 +352,7 @@ def test_variants_not_served_are_refused_by_name(tiny_model, quant, message):
 
 
 def _broken(model_root: Path, case: str, name: str, edit) -> Path:
-    src = checkpoint(model_root, case)
-    out = model_root / f"broken-{case}-{name}"
-    shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(src, out)
-    tensors = load_file(str(out / "model.safetensors"))
-    edit(tensors)
-    save_file(tensors, str(out / "model.safetensors"))
-    return out
+    return edited_checkpoint(checkpoint(model_root, case), model_root / f"broken-{case}-{name}", edit)
 
 
 Q = "model.layers.0.self_attn.q_proj"
