@@ -746,12 +746,11 @@ def resolve_runner(config: EngineConfig, path: Path, model_config: ModelConfig) 
         runner = "pooling" if model_config.base_model or model_config.num_labels is not None \
             or st is not None and "pooling_type" in st else "generate"
     if runner == "generate" and model_config.num_labels is not None:
-        raise ValueError(f"config.json names {model_config.architecture[:-len('ForCausalLM')]}ForSequence"
-                         f"Classification, a classifier without an LM head: it serves the classify task only "
-                         f"(--runner pooling)")
+        raise ValueError(f"config.json names {model_config.checkpoint_architecture}, a classifier without an LM "
+                         f"head: it serves the classify task only (--runner pooling)")
     if runner == "generate" and model_config.base_model:
-        raise ValueError(f"config.json names {model_config.architecture[:-len('ForCausalLM')]}Model, a decoder "
-                         f"without its LM head: it makes embeddings only (--runner pooling)")
+        raise ValueError(f"config.json names {model_config.checkpoint_architecture}, a decoder without its LM "
+                         f"head: it makes embeddings only (--runner pooling)")
     return runner
 
 
@@ -3623,7 +3622,7 @@ class LLM:
                                                       "PoolingParams(truncate_prompt_tokens=N)")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
-        queries, docs = score_inputs(data_1, data_2, self.engine.model_config.architecture)
+        queries, docs = score_inputs(data_1, data_2, self.engine.model_config.checkpoint_architecture)
         if engine.is_cross_encoder:
             if chat_template is not None:
                 raise InvalidInput("chat_template", "a score template (chat_template) is not supported: the pairs "

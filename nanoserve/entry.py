@@ -3288,16 +3288,15 @@ class ClassificationRequest(EmbeddingRequest):
     """vLLM's /classify body (ClassificationCompletionRequest and ClassificationChatRequest): ``input``'s
     prompts or ``messages``' chats, each classified by the model's score head."""
     id_prefix: ClassVar[str] = "classify-"
+    EMBEDDING_ONLY: ClassVar[tuple[str, ...]] = ("dimensions", "encoding_format", "embed_dtype", "endianness")
 
-    @model_validator(mode="after")
-    def _classify_fields(self) -> "ClassificationRequest":
-        if self.dimensions is not None:  # vLLM's PoolingParams words
-            raise InvalidInput("dimensions", "Task 'classify' only supports ['use_activation'] parameters, does "
-                                             "not support ['dimensions'] parameters")
-        if self.encoding_format != "float":
-            raise InvalidInput("encoding_format", "encoding_format is not supported: a classification's "
-                                                  "probabilities are floats")
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _embedding_only_fields(cls, data: Any) -> Any:
+        """vLLM's classify body has no such fields, so it ignores them as any unknown field: so does this one."""
+        if isinstance(data, dict) and any(k in data for k in cls.EMBEDDING_ONLY):
+            data = {k: v for k, v in data.items() if k not in cls.EMBEDDING_ONLY}
+        return data
 
 
 async def create_pooling(request: Request) -> Response:
@@ -3327,22 +3326,53 @@ def _check_pooling_server(request: Request, state: ServerState, task: str | None
                             f"{esc(request.url.path)} needs {kind}")
 
 
-async def create_embedding(request: Request, schema: type[EmbeddingRequest] = EmbeddingRequest) -> Response:
-    """POST /v1/embeddings (and a pooling server's /invocations): one engine request per prompt or chat,
-    batched by the scheduler as any prompts."""
+async def create_embedding(request: Request, req: EmbeddingRequest | None = None) -> Response:
+    """POST /v1/embeddings: one engine request per prompt or chat, batched by the scheduler as any prompts
+    (``req``: a body pooling_invocations read)."""
     state = _state(request)
     _check_pooling_server(request, state, "embed")
-    req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
+    if req is None:
+        req = await read_json(request, state, functools.partial(parse_body, EmbeddingRequest,
+                                                                 request_id=_request_id(request)))
     return await _embed(request, state, req)
 
 
-async def create_classify(request: Request) -> Response:
+async def pooling_invocations(request: Request) -> Response:
+    """SageMaker's /invocations on a pooling server, as vLLM's: the body's shape picks the handler, in vLLM's
+    order: the model's own task's (``input`` or ``messages``), then rerank's (``query`` and ``documents``),
+    then score's (one of SCORE_FIELDS' pairs), the last two where the model scores."""
+    state, request_id = _state(request), _request_id(request)
+    own = (EmbeddingRequest, create_embedding) if state.engine.pooling_task == "embed" else \
+        (ClassificationRequest, create_classify)
+    handlers = [own, *([(RerankRequest, create_rerank), (ScoreRequest, create_score)] if _scores(state) else [])]
+
+    def parse(body: dict[str, Any]) -> tuple[Callable[..., Awaitable[Response]], Any]:
+        for schema, handler in handlers:
+            if _body_fits(schema, body):
+                return handler, parse_body(schema, body, request_id=request_id)
+        raise bad_request(f"Cannot find suitable handler for request. Expected one of: "
+                          f"{[schema.__name__ for schema, _ in handlers]}")  # vLLM's words
+    handler, req = await read_json(request, state, parse)
+    return await handler(request, req=req)
+
+
+def _body_fits(schema: type[OpenAIBaseModel], body: dict[str, Any]) -> bool:
+    """Whether ``body`` has the fields that make it a ``schema`` body (its errors are that schema's)."""
+    if schema is ScoreRequest:
+        return any(set(pair) <= body.keys() for pair in SCORE_FIELDS)
+    if schema is RerankRequest:
+        return {"query", "documents"} <= body.keys()
+    return "input" in body or "messages" in body
+
+
+async def create_classify(request: Request, req: ClassificationRequest | None = None) -> Response:
     """POST /classify (vLLM's): each prompt's (or chat's) probabilities per label, and its likeliest label
     by config.json's id2label."""
     state = _state(request)
     _check_pooling_server(request, state, "classify")
-    req = await read_json(request, state, functools.partial(parse_body, ClassificationRequest,
-                                                             request_id=_request_id(request)))
+    if req is None:
+        req = await read_json(request, state, functools.partial(parse_body, ClassificationRequest,
+                                                                 request_id=_request_id(request)))
     pooled = await _pool_inputs(request, state, req)
     if pooled is None:
         return Response(status_code=499)  # nobody is listening
@@ -3598,9 +3628,9 @@ class RerankRequest(ScoringRequest):
         return "query", "documents"
 
 
-async def create_score(request: Request) -> Response:
+async def create_score(request: Request, req: ScoreRequest | None = None) -> Response:
     """POST /score and /v1/score (vLLM's): each pair's score, in the order of the pairs."""
-    req, pooled = await _score(request, ScoreRequest)
+    req, pooled = await _score(request, ScoreRequest, req)
     if pooled is None:
         return Response(status_code=499)  # nobody is listening
     request_id, model, prompts, vectors = pooled
@@ -3611,10 +3641,10 @@ async def create_score(request: Request) -> Response:
                                                    for i, s in enumerate(scores)], "usage": usage})
 
 
-async def create_rerank(request: Request) -> Response:
+async def create_rerank(request: Request, req: RerankRequest | None = None) -> Response:
     """POST /rerank, /v1/rerank and /v2/rerank (vLLM's, in Jina's and Cohere's shape): the documents by
     relevance to the query, best first (ties in their order), the top_n of them."""
-    req, pooled = await _score(request, RerankRequest)
+    req, pooled = await _score(request, RerankRequest, req)
     if pooled is None:
         return Response(status_code=499)
     request_id, model, prompts, vectors = pooled
@@ -3627,18 +3657,25 @@ async def create_rerank(request: Request) -> Response:
                           "results": results[:req.top_n or None]})
 
 
-async def _score(request: Request, schema: type[ScoringRequest]) -> tuple[ScoringRequest, Pooled | None]:
+def _scores(state: ServerState) -> bool:
+    """vLLM's enable_scoring_api: an embedding model (its bi-encoder) or a one-label classifier scores."""
+    return state.engine.pooling_task == "embed" or state.engine.is_cross_encoder
+
+
+async def _score(request: Request, schema: type[ScoringRequest], req: ScoringRequest | None
+                 ) -> tuple[ScoringRequest, Pooled | None]:
     """The body's texts embedded, queries first, then documents; or, for a cross-encoder, each pair
-    classified as one prompt (None if the client left)."""
+    classified as one prompt (None if the client left). ``req``: a body pooling_invocations read."""
     state = _state(request)
     engine = state.engine
     _check_pooling_server(request, state, None)
-    if engine.pooling_task == "classify" and not engine.is_cross_encoder:  # vLLM's enable_scoring_api
+    if not _scores(state):
         raise ApiError(404, f"{esc(request.url.path)} is served for a classifier with num_labels == 1 (a "
                             f"cross-encoder); this one has {engine.model_config.num_labels}")
-    req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
+    if req is None:
+        req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     try:
-        req.check_inputs(state.engine.model_config.architecture)
+        req.check_inputs(state.engine.model_config.checkpoint_architecture)
         req._cross_encoder = engine.is_cross_encoder
         for name in ("max_tokens_per_query", "max_tokens_per_doc"):
             _check_token_limit(getattr(req, name), name, state.engine.max_model_len)
@@ -3715,14 +3752,15 @@ def _pair_scores(req: ScoringRequest, prompts: list[TokenizedPrompt],
 
 def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:
     """Each runner's server answers the other's endpoints with a 404 that says why; a pooling server's
-    /invocations (SageMaker's) takes an embeddings body, as vLLM's."""
+    /invocations (SageMaker's) takes its pooling bodies, as vLLM's (pooling_invocations)."""
     async def not_generating(request: Request) -> Response:
-        raise ApiError(404, f"this server makes embeddings (--runner pooling): {esc(request.url.path)} needs a "
-                            f"generative model (--runner generate); /v1/embeddings is served")
+        served = "/v1/embeddings" if _state(request).engine.pooling_task == "embed" else "/classify"
+        raise ApiError(404, f"this server runs a pooling model (--runner pooling): {esc(request.url.path)} needs "
+                            f"a generative model (--runner generate); {served} is served")
     if runner != "pooling":
         return routes
     return [Route(r.path, not_generating, methods=r.methods) if r.path.startswith(GENERATION_PATHS)
-            else Route(r.path, create_embedding, methods=r.methods) if r.path == "/invocations" else r
+            else Route(r.path, pooling_invocations, methods=r.methods) if r.path == "/invocations" else r
             for r in routes]
 
 

@@ -252,6 +252,16 @@ class ModelConfig:
     score_activation: str | None = None  # sentence-transformers' activation_fn (a torch.nn.modules name)
     use_sep_token: bool = True
 
+    @property
+    def checkpoint_architecture(self) -> str:
+        """The architecture config.json names (``architecture`` is the decoder that serves it): a
+        classifier's XForSequenceClassification, a bare decoder's XModel."""
+        stem = self.architecture.removesuffix("ForCausalLM")
+        if stem == self.architecture:
+            return self.architecture
+        return f"{stem}ForSequenceClassification" if self.num_labels is not None else \
+            f"{stem}Model" if self.base_model else self.architecture
+
     @classmethod
     def from_dir(cls, path: str | Path, hf_overrides: dict[str, Any] | None = None) -> "ModelConfig":
         """config.json, with ``hf_overrides``' keys laid over its own (vLLM's --hf-overrides)."""

@@ -126,6 +126,18 @@ def test_classify_and_pooling_endpoints(servers, classifier):
     torch.testing.assert_close(torch.tensor([d["data"] for d in pooled["data"]]), want, atol=1e-5, rtol=1e-4)
     assert post(server, "/v1/embeddings", {"input": "a"}).status_code == 404  # vLLM mounts neither for it
     assert post(server, "/rerank", {"query": "a", "documents": ["b"]}).status_code == 404  # 3 labels
+    # vLLM's classify body has no embeddings-only fields: it ignores them, as any unknown field
+    odd = post(server, "/classify", {"input": TEXTS, "dimensions": 2, "encoding_format": "base64"}).json()
+    torch.testing.assert_close(torch.tensor([d["probs"] for d in odd["data"]]), want, atol=1e-5, rtol=1e-4)
+    # SageMaker's /invocations takes the classify body; a score body only where the model scores (1 label)
+    sagemaker = post(server, "/invocations", {"input": TEXTS}).json()
+    assert sagemaker["id"].startswith("classify-")
+    torch.testing.assert_close(torch.tensor([d["probs"] for d in sagemaker["data"]]), want, atol=1e-5, rtol=1e-4)
+    r = post(server, "/invocations", {"query": "a", "documents": ["b"]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "Cannot find suitable handler for request. Expected one of: ['ClassificationRequest']", r.text
+    r = post(server, "/v1/completions", {"prompt": "a"})
+    assert r.status_code == 404 and "/classify is served" in r.json()["error"]["message"], r.text
 
 
 def test_cross_encoder_score_and_rerank(servers, cross_encoder):
@@ -139,10 +151,18 @@ def test_cross_encoder_score_and_rerank(servers, cross_encoder):
     assert [r["relevance_score"] for r in body["results"]] == pytest.approx([want[i] for i in order[:2]], abs=1e-5)
     one = post(server, "/classify", {"input": "a cat"}).json()["data"][0]
     assert one["num_classes"] == 1 and one["label"] == "LABEL_0"
+    # /invocations: the task's own body first, then rerank's, then score's (vLLM's order)
+    results = post(server, "/invocations", {"query": QUERY, "documents": DOCS, "top_n": 2}).json()["results"]
+    assert [r["index"] for r in results] == order[:2]
+    assert [d["score"] for d in post(server, "/invocations", {"queries": QUERY, "documents": DOCS}).json()["data"]] \
+        == pytest.approx(want, abs=1e-5)
+    assert post(server, "/invocations", {"input": "a cat"}).json()["data"][0]["probs"] == pytest.approx(one["probs"],
+                                                                                                     abs=1e-6)
 
 
 @pytest.mark.parametrize("which,path,body,param,says", [
-    (0, "/classify", {"input": "a", "dimensions": 2}, "dimensions", "only supports ['use_activation']"),
+    (1, "/score", {"queries": {"content": [{"type": "text", "text": "a"}]}, "documents": "b"}, "queries",
+     "MultiModalParam is not supported for Qwen3ForSequenceClassification"),  # config.json's architecture
     (0, "/classify", {}, "input", "input is required"),
     (0, "/classify", {"input": ""}, "input", "the prompt is empty"),
     (0, "/classify", {"input": ["a"] * 5}, "input", "more than --max-queue-len 4"),

@@ -72,7 +72,8 @@ def test_score_and_rerank_endpoints(score_server, tiny_model, oracle):
     want = [cosine(hf[QUERY], hf[d]) for d in DOCS[:3]]
     num_tokens = sum(len(tokenizer.encode(t)) for t in [QUERY, *DOCS[:3]])
     for path, names in (("/score", ("queries", "documents")), ("/v1/score", ("text_1", "text_2")),
-                        ("/score", ("queries", "items")), ("/score", ("data_1", "data_2"))):
+                        ("/score", ("queries", "items")), ("/score", ("data_1", "data_2")),
+                        ("/invocations", ("queries", "documents"))):
         r = post(score_server, path, {names[0]: QUERY, names[1]: DOCS[:3], "request_id": "r1"})
         body = r.json()
         assert r.status_code == 200, r.text
@@ -82,7 +83,7 @@ def test_score_and_rerank_endpoints(score_server, tiny_model, oracle):
         assert body["usage"] == {"prompt_tokens": num_tokens, "total_tokens": num_tokens, "completion_tokens": 0,
                                  "prompt_tokens_details": None, "completion_tokens_details": None}
     order = sorted(range(3), key=lambda i: -want[i])
-    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank", "/invocations"):  # SageMaker's: routed by the body
         body = post(score_server, path, {"query": QUERY, "documents": DOCS[:3], "top_n": 2}).json()
         assert body["id"].startswith("score-") and set(body) == {"id", "model", "usage", "results"}
         assert [r["index"] for r in body["results"]] == order[:2]
