@@ -18,6 +18,10 @@ up to, each kind's chunk shape, and the closing ``[DONE]``.
 narrower ``embed_dtype``; the too-long and truncation cases assume ``--max-model-len`` and the dimensions cases a
 hidden size of 128 (benchmarks/RESULTS.md has the models used).
 
+``--battery classify`` sends the classifier battery, to two servers on a ForSequenceClassification model
+(``--make-classify-models DIR`` writes a three-label one and a one-label cross-encoder; run it on each):
+probabilities and scores are compared within SCORE_TOL.
+
 Only the standard library and httpx; the servers are not started here (benchmarks/PEERS.md says how).
 """
 
@@ -47,6 +51,7 @@ DTYPE_STEP = {"float32": 0.0, "float16": 2 ** -10, "bfloat16": 2 ** -7, "fp8_e4m
 VECTOR_MIN_LEN = 16   # a list of at least this many floats is a vector: one row for its worst value, not one each
 VECTOR_KEYS = {"embedding", "data", "vectors"}  # where vectors are: a completion's token_logprobs is no vector
 VECTOR_TOL = 1e-4     # fp32 vectors of the same model: 2.5e-6 apart at most when measured (RESULTS.md)
+SCORE_TOL = 1e-5      # fp32 probabilities and scores of the same classifier (relative, at least absolute)
 
 
 @dataclass
@@ -55,6 +60,7 @@ class Case:
     path: str
     body: Any = None          # None: GET; bytes: sent raw
     method: str = "POST"
+    tol: float = FLOAT_TOL    # how far two numbers may be apart (relative to the larger, at least 1)
 
     @property
     def stream(self) -> bool:
@@ -411,6 +417,150 @@ def score_cases(model: str, long_prompt: str) -> list[Case]:
     ]
 
 
+def classify_battery(model: str, max_len: int) -> list[Case]:
+    """A classifier on the pooling runner (run it on a several-label model and on a one-label one, vLLM's
+    cross-encoder): /classify in each input shape, /pooling with each task, /score and /rerank (1:1, 1:N,
+    N:N, top_n, per-side limits, content objects), /v1/embeddings, /v1/models, and bad inputs. Scores and
+    probabilities are compared within SCORE_TOL."""
+    K, P, E = "/classify", "/pooling", "/v1/embeddings"
+    long_prompt = " ".join(map(str, range(max_len)))  # over max_len tokens, none repeating: which end is kept shows
+    texts = ["the cat sat", "stock prices fell today", "rain"]
+    docs = ["a cat sat down", "stock prices fell", "the cat"]
+    msgs = [{"role": "user", "content": "the cat sat"}]
+    k = {"model": model, "input": texts[0]}
+
+    def cls(name: str, **kw) -> Case:
+        return Case("cls." + name, K, {**k, **kw}, tol=SCORE_TOL)
+
+    def pool(name: str, **kw) -> Case:
+        return Case("pool." + name, P, {**k, **kw}, tol=SCORE_TOL)
+
+    def score(name: str, path: str = "/score", **kw) -> Case:
+        return Case("score." + name, path, {"model": model, **kw}, tol=SCORE_TOL)
+
+    def rerank(name: str, path: str = "/rerank", **kw) -> Case:
+        return Case("rerank." + name, path, {"model": model, "query": texts[0], "documents": docs, **kw},
+                    tol=SCORE_TOL)
+
+    def content(text: str) -> dict:
+        return {"content": [{"type": "text", "text": text}]}
+
+    return _drop_nulls([
+        Case("models", "/v1/models", method="GET"), Case("health", "/health", method="GET"),
+        Case("cls.get", K, method="GET"), Case("cls.not_json", K, b"{not json"), Case("cls.empty_body", K, {}),
+        cls("str"), cls("list", input=texts), cls("ids", input=[100, 200, 300]),
+        cls("ids_list", input=[[100, 200], [300]]), cls("request_id", request_id="c-1"),
+        cls("use_activation_false", input=texts, use_activation=False), cls("use_activation_true", use_activation=True),
+        cls("use_activation_str", use_activation="x"), cls("use_activation_null", use_activation=None),
+        cls("messages", input=None, messages=msgs), cls("messages_gen", input=None, messages=msgs,
+                                                        add_generation_prompt=True),
+        cls("messages_parts", input=None, messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}]),
+        cls("messages_batch", input=None, messages=[msgs, msgs]), cls("messages_and_input", messages=msgs),
+        cls("messages_empty", input=None, messages=[]),
+        cls("messages_trunc", input=None, messages=[{"role": "user", "content": long_prompt}],
+            truncate_prompt_tokens=10),
+        cls("long", input=long_prompt), cls("long_ids", input=[5] * (max_len + 1)),
+        cls("exact_len_ids", input=[5] * max_len),
+        cls("trunc", input=long_prompt, truncate_prompt_tokens=20),
+        cls("trunc_left", input=long_prompt, truncate_prompt_tokens=20, truncation_side="left"),
+        cls("trunc_neg1", input=long_prompt, truncate_prompt_tokens=-1), cls("trunc_zero", truncate_prompt_tokens=0),
+        cls("trunc_big", truncate_prompt_tokens=max_len + 1), cls("trunc_neg2", truncate_prompt_tokens=-2),
+        cls("add_special_false", add_special_tokens=False),
+        cls("no_model", model=None), cls("wrong_model", model="nope"), cls("no_input", input=None),
+        cls("empty_str", input=""), cls("empty_list", input=[]), cls("list_empty_str", input=["a", ""]),
+        cls("int", input=5), cls("mixed", input=["a", 5]), cls("ids_oov", input=[999999]), cls("ids_neg", input=[-1]),
+        cls("unknown_field", foo=1), cls("dims", dimensions=2), cls("normalize", normalize=True),
+        cls("softmax", softmax=True), cls("activation", activation=True),
+        cls("encoding_format", encoding_format="base64"),
+        cls("user", user="u1"), cls("priority", priority=1),
+        pool("unset"), pool("classify", task="classify"), pool("classify_list", input=texts, task="classify"),
+        pool("classify_raw", task="classify", use_activation=False), pool("embed", task="embed"),
+        pool("score", task="score"), pool("token_classify", task="token_classify"),
+        pool("token_embed", task="token_embed"), pool("encode", task="encode"), pool("other", task="x"),
+        pool("messages", input=None, messages=msgs, task="classify"), pool("base64", task="classify",
+                                                                           encoding_format="base64"),
+        Case("emb.str", E, k), Case("emb.list", E, {**k, "input": texts}),
+        score("1_1", queries=texts[0], documents=docs[0]), score("1_n", queries=texts[0], documents=docs),
+        score("n_n", queries=texts, documents=docs), score("n_m", queries=texts[:2], documents=docs),
+        score("n_1", queries=texts[:2], documents=docs[0]),
+        score("v1", "/v1/score", text_1=texts[0], text_2=docs), score("items", queries=texts[0], items=docs),
+        score("data", data_1=texts[0], data_2=docs), score("request_id", queries="a", documents="b", request_id="s-1"),
+        score("use_activation_false", queries=texts[0], documents=docs, use_activation=False),
+        score("content", queries=content(texts[0]), documents=[content(d) for d in docs]),
+        score("content_query", queries=content(texts[0]), documents=docs),
+        score("trunc", queries="a", documents=long_prompt, truncate_prompt_tokens=20),
+        score("trunc_neg1", queries="a", documents=long_prompt, truncate_prompt_tokens=-1),
+        score("long", queries="a", documents=long_prompt),
+        score("max_doc", queries=texts[0], documents=long_prompt, max_tokens_per_doc=5),
+        score("max_query", queries=long_prompt, documents=docs[0], max_tokens_per_query=5),
+        score("max_both", queries=long_prompt, documents=long_prompt, max_tokens_per_query=4, max_tokens_per_doc=6),
+        score("max_doc_neg", queries="a", documents="b", max_tokens_per_doc=-1),
+        score("max_doc_zero", queries="a", documents="b", max_tokens_per_doc=0),
+        score("trunc_big", queries="a", documents="b", truncate_prompt_tokens=100000),
+        score("empty_1", queries=[], documents="a"), score("empty_2", queries="a", documents=[]),
+        score("empty_str", queries="a", documents=""), score("missing", text_1="a"), score("none"),
+        score("int", queries=5, documents="a"), score("ids", queries=[1, 2], documents="a"),
+        score("instruction", queries="a", documents="b", instruction="find"),
+        score("template_kwargs", queries="a", documents="b", chat_template_kwargs={"x": 1}),
+        score("wrong_model", queries="a", documents="b", model="nope"),
+        rerank("basic"), rerank("v1", "/v1/rerank"), rerank("v2", "/v2/rerank"), rerank("top_n", top_n=2),
+        rerank("top_n_big", top_n=9), rerank("top_n_zero", top_n=0), rerank("top_n_neg", top_n=-1),
+        rerank("one_doc", documents=docs[0]), rerank("content_docs", documents=[content(d) for d in docs]),
+        rerank("content_query", query=content(texts[0])), rerank("return_documents", return_documents=False),
+        rerank("max_doc", documents=[long_prompt, docs[0]], max_tokens_per_doc=5),
+        rerank("max_query", query=long_prompt, max_tokens_per_query=5),
+        rerank("use_activation_false", use_activation=False), rerank("no_query", query=None),
+        rerank("query_list", query=["a"]), rerank("no_docs", documents=[]), rerank("int_doc", documents=[5]),
+        rerank("long_doc", documents=[long_prompt]), rerank("text_docs", documents=[{"text": d} for d in docs]),
+        score("trunc_left", queries="a", documents=long_prompt, truncate_prompt_tokens=20, truncation_side="left"),
+        cls("trunc_side_bad", truncation_side="middle"),
+        Case("invocations.classify", "/invocations", k, tol=SCORE_TOL),
+        Case("invocations.score", "/invocations", {"model": model, "queries": "a", "documents": docs}, tol=SCORE_TOL),
+        Case("invocations.rerank", "/invocations", {"model": model, "query": "a", "documents": docs}, tol=SCORE_TOL),
+        Case("tok.prompt", "/tokenize", {"model": model, "prompt": texts[0]}),
+        Case("gen.completions", "/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2}),
+        Case("gen.chat", "/v1/chat/completions", {"model": model, "messages": msgs, "max_tokens": 2}),
+    ])
+
+
+def make_classify_models(root: str) -> None:
+    """The classify battery's models under root, with the demo model's tokenizer and chat template: llama-cls
+    (LlamaForSequenceClassification, 3 labels named in id2label: softmax) and qwen3-ce
+    (Qwen3ForSequenceClassification, 1 label: sigmoid, a cross-encoder). Hidden 128, head_dim 32 (vLLM's CPU
+    attention has no kernel for 16). The tokenizer joins a text pair with <|im_start|> between, so that a pair
+    read as one text would score differently. Needs torch and transformers (nanoserve's venv)."""
+    import pathlib
+
+    import torch
+    from tokenizers import processors
+    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast,
+                              Qwen3Config)
+    out, demo = pathlib.Path(root), pathlib.Path(__file__).resolve().parent.parent / "nanoserve" / "demo_model"
+    base = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
+                tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=0)
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    for name, config, seed in (
+            ("llama-cls", LlamaConfig(**base, num_labels=3, id2label=labels,
+                                      label2id={v: i for i, v in labels.items()}), 1),
+            ("qwen3-ce", Qwen3Config(**base, num_labels=1), 2)):
+        torch.manual_seed(seed)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # sharper than the default init: labels and scores that differ from text to text
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.08)
+            model.score.weight.normal_(0, 0.5)
+        model.save_pretrained(out / name)
+        tokenizer: PreTrainedTokenizerFast = AutoTokenizer.from_pretrained(demo)
+        sep = tokenizer.convert_tokens_to_ids("<|im_start|>")
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="$A", pair="$A <|im_start|> $B:1", special_tokens=[("<|im_start|>", sep)])
+        tokenizer.save_pretrained(out / name)
+        (out / name / "chat_template.jinja").write_text((demo / "chat_template.jinja").read_text())
+    print(f"api_diff: wrote {out / 'llama-cls'} and {out / 'qwen3-ce'}")
+
+
 def make_pooling_models(root: str) -> None:
     """The pooling battery's models under root: a tiny random Qwen3 (hidden 128, head_dim 32: vLLM's CPU
     attention has no kernel for 16) with the demo model's tokenizer and chat template (qwen3-pool: LAST, the
@@ -478,10 +628,17 @@ KEPT: list[tuple[str, Any]] = [
                                                               "chat.stream_tools_required") and r[2] == "status"),
     ("continue_final_message implies no gen. prompt", lambda r: r[0] == "chat.continue_and_add"),
     ("echo with max_tokens 0 counts no token", lambda r: r[0] == "cmpl.echo_max0"),
-    ("prompt and messages together: 400", lambda r: r[0] in ("tok.both", "emb.messages_and_input")),
+    ("prompt and messages together: 400", lambda r: r[0] in ("tok.both", "emb.messages_and_input",
+                                                              "cls.messages_and_input")),
     ("an id outside the vocabulary: 400", lambda r: r[0] == "detok.oov"),
     ("a bool is no token id (pydantic takes true as 1)", lambda r: r[0] == "emb.bool_list"),
-    ("FCFS refuses priority != 0 (vLLM's docs; its code ignores it)", lambda r: r[0] == "emb.priority"),
+    ("FCFS refuses priority != 0 (vLLM's docs; its code ignores it)", lambda r: r[0] in ("emb.priority",
+                                                                                          "cls.priority")),
+    ("/classify's messages as /v1/embeddings': one chat or a batch", lambda r: r[0] == "cls.messages_batch"),
+    ("OPEN: /classify refuses dimensions and encoding_format (vLLM ignores them)",
+     lambda r: r[0] in ("cls.dims", "cls.encoding_format")),
+    ("OPEN: /invocations takes no classify, score or rerank body (README: not supported)",
+     lambda r: r[0] in ("invocations.classify", "invocations.score", "invocations.rerank")),
     ("truncated echo: the tokens the model saw", lambda r: r[0] == "cmpl.trunc_echo" and r[1].endswith(".text")),
     ("echo with return_token_ids echoes the prompt", lambda r: r[0] == "cmpl.echo_ids" and r[1].endswith(".text")),
     ("OpenAI's Response has error: null", lambda r: r[0].startswith("resp.") and r[2] == "keys" and r[3] == ["error"]
@@ -595,7 +752,8 @@ def kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list, step: float = 0.0) -> None:
+def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list, step: float = 0.0,
+            tol: float = FLOAT_TOL) -> None:
     """Record (path, what, a, b) for each place a and b differ: type, keys, length or value."""
     if kind(a) != kind(b) and not {kind(a), kind(b)} <= {"int", "float"}:
         out.append((path, "type", kind(a), kind(b)))
@@ -609,17 +767,17 @@ def compare(a: Any, b: Any, path: str, values: bool, sampled: bool, out: list, s
         for k in sorted(set(a) & set(b)):
             ignored = k in IGNORED_VALUES and (k != "message" or path.endswith(".error"))  # an error's text
             if ignored or (sampled and k in SAMPLED_VALUES):
-                compare(a[k], b[k], f"{path}.{k}", False, sampled, out, step)
+                compare(a[k], b[k], f"{path}.{k}", False, sampled, out, step, tol)
             else:
-                compare(a[k], b[k], f"{path}.{k}", values, sampled, out, step)
+                compare(a[k], b[k], f"{path}.{k}", values, sampled, out, step, tol)
     elif isinstance(a, list):
         if values and len(a) != len(b):
             out.append((path, "len", len(a), len(b)))
         for i, (x, y) in enumerate(zip(a, b)):
-            compare(x, y, f"{path}[{i}]", values, sampled, out, step)
+            compare(x, y, f"{path}[{i}]", values, sampled, out, step, tol)
     elif values and a != b:
         if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) \
-                and abs(a - b) <= FLOAT_TOL * max(1.0, abs(a), abs(b)):
+                and abs(a - b) <= tol * max(1.0, abs(a), abs(b)):
             return
         out.append((path, "value", a, b))
 
@@ -710,7 +868,7 @@ def diff(case: Case, a: Answer, b: Answer) -> list[tuple]:
             compare(a.body, b.body, "", True, False, out)
         return out
     if not case.stream:
-        compare(a.body, b.body, "", True, case.sampled, out, case.step)
+        compare(a.body, b.body, "", True, case.sampled, out, case.step, case.tol)
         return out
     ka, kb = fold([chunk_kind(c) for c in a.chunks]), fold([chunk_kind(c) for c in b.chunks])
     # vLLM under load may merge two steps' tokens into one chunk: compare which kinds come in which order
@@ -736,9 +894,11 @@ def main() -> int:
     p.add_argument("a", nargs="?", help="base URL of the first server (nanoserve)")
     p.add_argument("b", nargs="?", help="base URL of the second server (vLLM)")
     p.add_argument("--make-pooling-models", metavar="DIR", help="write the pooling battery's models there, and exit")
+    p.add_argument("--make-classify-models", metavar="DIR", help="write the classify battery's models there, and exit")
     p.add_argument("--model", default="demo", help="the served model name both use")
-    p.add_argument("--battery", choices=["generate", "pooling"], default="generate",
-                   help="pooling: the embeddings battery, for two servers run with --runner pooling")
+    p.add_argument("--battery", choices=["generate", "pooling", "classify"], default="generate",
+                   help="pooling: the embeddings battery, for two servers run with --runner pooling; classify: "
+                        "the classifier battery (a several-label classifier, or a one-label cross-encoder)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--labels", default="nanoserve,vllm")
     p.add_argument("--only", default="", help="run the cases whose name starts with this")
@@ -750,10 +910,13 @@ def main() -> int:
     if args.make_pooling_models:
         make_pooling_models(args.make_pooling_models)
         return 0
+    if args.make_classify_models:
+        make_classify_models(args.make_classify_models)
+        return 0
     if not (args.a and args.b):
         p.error("two base URLs are needed: nanoserve's, then vLLM's")
     la, lb = args.labels.split(",")
-    make = pooling_battery if args.battery == "pooling" else battery
+    make = {"pooling": pooling_battery, "classify": classify_battery}.get(args.battery, battery)
     cases = [c for c in make(args.model, args.max_model_len) if c.name.startswith(args.only)]
     record, rows, differing = [], [], 0
     with httpx.Client(timeout=120) as client:
