@@ -635,10 +635,6 @@ KEPT: list[tuple[str, Any]] = [
     ("FCFS refuses priority != 0 (vLLM's docs; its code ignores it)", lambda r: r[0] in ("emb.priority",
                                                                                           "cls.priority")),
     ("/classify's messages as /v1/embeddings': one chat or a batch", lambda r: r[0] == "cls.messages_batch"),
-    ("OPEN: /classify refuses dimensions and encoding_format (vLLM ignores them)",
-     lambda r: r[0] in ("cls.dims", "cls.encoding_format")),
-    ("OPEN: /invocations takes no classify, score or rerank body (README: not supported)",
-     lambda r: r[0] in ("invocations.classify", "invocations.score", "invocations.rerank")),
     ("truncated echo: the tokens the model saw", lambda r: r[0] == "cmpl.trunc_echo" and r[1].endswith(".text")),
     ("echo with return_token_ids echoes the prompt", lambda r: r[0] == "cmpl.echo_ids" and r[1].endswith(".text")),
     ("OpenAI's Response has error: null", lambda r: r[0].startswith("resp.") and r[2] == "keys" and r[3] == ["error"]
