@@ -3,7 +3,8 @@
     python benchmarks/event_seq.py [--peer benchmarks/.peers/vllm/bin/python] [--quiet]
 
 For every case (text only; text then one call; two calls; a call with text after it; reasoning then a call;
-a call cut by max_tokens; each with hermes and llama3_json) a nanoserve server on a tiny random qwen3 (the
+a call cut by max_tokens; each with hermes and llama3_json; hermes' text only and text then a call also with
+logprobs) a nanoserve server on a tiny random qwen3 (the
 tests' tool template) writes the case's text (forced by structured_outputs' choice) three times: as a chat
 stream (stream_options include_usage and continuous_usage_stats, as vLLM's Messages path asks its chat server),
 as a Responses stream and as a Messages stream. The peer's interpreter then feeds the chat stream's deltas to
@@ -42,7 +43,9 @@ def cases() -> list[dict]:
     for parser, call in CALLS.items():
         one, two = call("get_weather", WEATHER), call("get_time", TIME)
         texts = {"text only": ("Hello there, friend.", 300), "text then a call": (f"I will check. {one}", 300),
-                 "two calls": (one + JOIN[parser] + two, 300), "reasoning then a call": (THOUGHT + one if parser == "hermes" else THOUGHT.rstrip() + one, 300),
+                 "two calls": (one + JOIN[parser] + two, 300),
+                 # (llama3_json's call must open the content: no blank line after the thought)
+                 "reasoning then a call": (THOUGHT + one if parser == "hermes" else THOUGHT.rstrip() + one, 300),
                  "a call cut by max_tokens": (one, 12)}
         if parser == "hermes":  # llama3_json's parser reads no text after its calls (vLLM's neither)
             texts["a call then text"] = (f"{one}\nDone.", 300)

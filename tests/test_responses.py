@@ -534,7 +534,8 @@ def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch, name):
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert (added[0]["content"], added[0]["encrypted_content"]) == (None, None), added[0]
     assert final["output"][0]["encrypted_content"] is None
-    assert all((c["namespace"], c["async"], c["caller"]) == (None, None, None) for c in [*added[2:], *final["output"][2:]])
+    assert all((c["namespace"], c["async"], c["caller"]) == (None, None, None)
+               for c in [*added[2:], *final["output"][2:]])
     kinds = [e["type"] for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert sum(k == "response.reasoning_text.delta" for k in kinds) > 1  # token by token
