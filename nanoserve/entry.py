@@ -5284,26 +5284,31 @@ class ResponseOutput:
         self.items: list[dict] = []     # the finished ones
         self.item: dict | None = None   # the one being built (a text item's text is in its part)
         self.part: dict = {}
-        self.unsent: list[dict] = []    # logprobs of tokens no text delta carried yet
 
     def feed(self, part: dict, logprobs: list[dict] | None, calls_first: bool = False) -> list[tuple[str, dict]]:
         """A chat delta (or message): its reasoning, content and tool calls, in the output's order (``calls_first``:
-        the tool parser's content follows its calls), so that a whole message is read as its stream is."""
-        events, self.unsent = [], self.unsent + (logprobs or [])
+        the tool parser's content follows its calls), so that a whole message is read as its stream is. The
+        logprobs go with the delta's content, as vLLM's: a step that adds no content (a call's, one the parser
+        holds, the EOS) streams none."""
+        events = []
         for key in ("reasoning_content", "tool_calls", "content") if calls_first else \
                 ("reasoning_content", "content", "tool_calls"):
-            events += self._calls(part.get(key) or []) if key == "tool_calls" else self._text(key, part.get(key))
+            events += self._calls(part.get(key) or []) if key == "tool_calls" else \
+                self._text(key, part.get(key), logprobs or [])
         return events
 
-    def _text(self, key: str, delta: str | None) -> list[tuple[str, dict]]:
+    def _text(self, key: str, delta: str | None, logprobs: list[dict]) -> list[tuple[str, dict]]:
         """Reasoning or content text: to the item of its kind being built, else to a new one."""
         events, kind = [], "message" if key == "content" else "reasoning"
         if not delta:
             return events
         if self.item is None or self.item["type"] != kind:
+            # as vLLM's (the SDK's models, nulls written): a reasoning item's content is null until it is done
             events += self._open({"id": f"{'msg' if kind == 'message' else 'rs'}_{uuid.uuid4().hex}", "type": kind,
-                                  "status": "in_progress", "content": [],
-                                  **({"role": "assistant", "phase": None} if kind == "message" else {"summary": []})})
+                                  "status": "in_progress", **({"content": [], "role": "assistant", "phase": None}
+                                                              if kind == "message" else
+                                                              {"content": None, "summary": [],
+                                                               "encrypted_content": None})})
             self.part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
                 if kind == "message" else {"type": "reasoning_text", "text": ""}
             events.append(("response.content_part.added", {**self._where(), "content_index": 0,
@@ -5311,8 +5316,10 @@ class ResponseOutput:
         self.part["text"] += delta
         fields = {**self._where(), "content_index": 0, "delta": delta}
         if kind == "message":
-            fields["logprobs"], self.unsent = self.unsent, []
-            self.part["logprobs"] = self.part["logprobs"] + fields["logprobs"]
+            # a delta event's logprobs are the SDK's delta kind, without bytes (vLLM's _to_stream_logprobs)
+            fields["logprobs"] = [{"token": t["token"], "logprob": t["logprob"], "top_logprobs": [
+                {"token": k["token"], "logprob": k["logprob"]} for k in t["top_logprobs"]]} for t in logprobs]
+            self.part["logprobs"] = self.part["logprobs"] + logprobs
         return events + [(f"response.{self.part['type']}.delta", fields)]
 
     def _calls(self, calls: list[dict]) -> list[tuple[str, dict]]:
@@ -5320,7 +5327,8 @@ class ResponseOutput:
         for call in calls:
             if "id" in call:  # a new call
                 events += self._open({"id": f"fc_{uuid.uuid4().hex}", "type": "function_call", "status": "in_progress",
-                                      "call_id": call["id"], "name": call["function"]["name"], "arguments": ""})
+                                      "call_id": call["id"], "name": call["function"]["name"], "arguments": "",
+                                      **dict.fromkeys(("namespace", "async", "caller"))})  # the SDK's, null as vLLM's
             if delta := call["function"].get("arguments"):
                 self.item["arguments"] += delta
                 events.append(("response.function_call_arguments.delta", {**self._where(), "delta": delta}))
@@ -5337,9 +5345,9 @@ class ResponseOutput:
                                                                   "arguments": item["arguments"]})]
         else:
             item["content"] = [part := self.part]
-            if item["type"] == "message":  # a last token without text (EOS): its logprob, as a whole response has it
-                part["logprobs"], self.unsent = part["logprobs"] + self.unsent, []
-            done = {**where, "content_index": 0, **{k: v for k, v in part.items() if k in ("text", "logprobs")}}
+            done = {**where, "content_index": 0, "text": part["text"]}
+            if item["type"] == "message":  # as vLLM's: the logprobs are the part's, none on the text's done event
+                done["logprobs"] = []
             if item["type"] == "message" and not self.logprobs:
                 part["logprobs"] = None
             events = [(f"response.{part['type']}.done", done),
@@ -5653,8 +5661,8 @@ class AnthropicContent:
         if kind == "text" and self.open and self.blocks[-1]["type"] == "tool_use":  # as vLLM's: held, not cut in
             self.pending.append(delta)
             return []
-        events = [] if self.open and self.blocks[-1]["type"] == kind else self._start(
-            {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})})
+        # (a thinking block's signature comes at its end, in a signature_delta: none at its start, as vLLM's)
+        events = [] if self.open and self.blocks[-1]["type"] == kind else self._start({"type": kind, kind: ""})
         self.blocks[-1][kind] += delta
         return events + [self._delta(f"{kind}_delta", **{kind: delta})]
 

@@ -388,8 +388,13 @@ def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blan
         whole = uncut if limit == 300 else create(server, **body, max_output_tokens=limit)  # greedy: the same body
         final = stream(server, **body, max_output_tokens=limit)[1]
         assert (final["status"], final["usage"]["output_tokens"]) == (whole["status"], whole["usage"]["output_tokens"])
-        if choice == "none":
-            assert comparable(final["output"]) == comparable(whole["output"]), limit
+        if choice == "none":  # the same but the logprobs of the steps that add no text (the EOS, </think>),
+            # which vLLM's stream has not: the streamed ones are the whole's but those, and spell the text
+            streamed, lps = message_logprobs(final["output"]), message_logprobs(whole["output"])
+            assert comparable(without_logprobs(final["output"])) == comparable(without_logprobs(whole["output"]))
+            rest = iter(comparable(lps))
+            assert all(lp in rest for lp in comparable(streamed)), limit
+            assert "".join(lp["token"] for lp in streamed) == output_text(final), limit
         elif whole["status"] == "completed":  # (here "auto" and "required" wander till max_output_tokens)
             assert calls_read(final["output"]) == calls_read(whole["output"])
             kinds.add("compared")
@@ -403,13 +408,20 @@ def test_a_stream_completes_with_the_whole_response(server, monkeypatch, no_blan
     server.wait_idle()
 
 
+def without_logprobs(output: list[dict]) -> list[dict]:
+    return [{**i, "content": [{**p, "logprobs": None} for p in i["content"]]} if i["type"] == "message" else i
+            for i in output]
+
+
 def until_first_call(chunks: list[dict]) -> list[dict]:
-    """A chat stream's logprobs up to its first tool-call delta's, that one's too: those a Responses stream's
-    message has (its item ends where the first call's begins)."""
+    """A chat stream's logprobs up to its first tool-call delta's, of the deltas with content only: those a
+    Responses stream's message has (its item ends where the first call's begins; as vLLM 0.32's, a step that
+    adds no text, e.g. one whose tokens the parser holds, streams no logprobs)."""
     logprobs = []
     for ch in chunks:
         for c in ch["choices"]:
-            logprobs += (c["logprobs"] or {}).get("content") or []
+            if c["delta"].get("content"):
+                logprobs += (c["logprobs"] or {}).get("content") or []
             if c["delta"].get("tool_calls"):
                 return logprobs
     return logprobs
@@ -418,8 +430,8 @@ def until_first_call(chunks: list[dict]) -> list[dict]:
 def test_logprobs_of_a_text_before_calls(server):
     """A message followed by function calls: the whole response's logprobs are all the output's (as vLLM's whole
     response, and chat's logprobs.content); a stream's message ends where the first call's item begins (the
-    calls stream as the model writes them), with the logprobs of the tokens up to there, the tokens its text
-    held back (the tag's start) too."""
+    calls stream as the model writes them), with the logprobs of the text's tokens up to there (as vLLM's
+    stream: not those its text held back, the tag's start)."""
     body = dict(input="weather?", tools=LOOSE_TOOLS, structured_outputs={"choice": [FORCED]}, temperature=0,
                 max_output_tokens=300, **LOGPROBS)
     whole, final = create(server, **body)["output"], stream(server, **body)[1]["output"]
@@ -430,7 +442,7 @@ def test_logprobs_of_a_text_before_calls(server):
     (lps,), (streamed,) = ([part["logprobs"] for part in r[0]["content"]] for r in (whole, final))
     assert comparable(lps) == comparable(want["choices"][0]["logprobs"]["content"])
     assert comparable(streamed) == comparable(until_first_call(chat_stream(server, **chat_body)[0]))
-    assert len(TOLD) < len(streamed) < len(lps)
+    assert "".join(lp["token"] for lp in streamed) == TOLD and len(streamed) < len(lps)
     server.wait_idle()
 
 
@@ -517,6 +529,13 @@ def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch, name):
     assert output_text(r) == "\n\n" + TOLD and r["reasoning"] == {"effort": "low"}
     events, final = stream(server, **body)
     assert final["output"][0]["content"] == r["output"][0]["content"] and output_text(final) == output_text(r)
+    # as vLLM 0.32's (benchmarks/event_seq.py): the SDK's null fields written, a reasoning item's content null
+    # until it is done; a function call's namespace, async and caller null
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert (added[0]["content"], added[0]["encrypted_content"]) == (None, None), added[0]
+    assert final["output"][0]["encrypted_content"] is None
+    assert all((c["namespace"], c["async"], c["caller"]) == (None, None, None)
+               for c in [*added[2:], *final["output"][2:]])
     kinds = [e["type"] for e in events]
     assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
     assert sum(k == "response.reasoning_text.delta" for k in kinds) > 1  # token by token
@@ -538,13 +557,17 @@ def test_logprobs_when_included(server):
     assert tokens([lp for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"]]) == \
         tokens(part["logprobs"])
     assert create(server, input="hello", max_output_tokens=2)["output"][0]["content"][0]["logprobs"] is None
+    # as vLLM 0.32's stream (benchmarks/event_seq.py): a delta's logprobs without bytes, none on output_text.done
+    assert all(set(lp) == {"token", "logprob", "top_logprobs"} and set(lp["top_logprobs"][0]) == {"token", "logprob"}
+               for e in events if e["type"] == "response.output_text.delta" for lp in e["logprobs"])
+    assert [e["logprobs"] for e in events if e["type"] == "response.output_text.done"] == [[]]
     # an answer that ends on EOS (the grammar allows nothing else after "yes"): its last logprob has no text
-    # delta to ride on, yet the streamed response has it, as the whole one does
+    # delta to ride on, and as vLLM's stream the streamed response has not it (the whole one has)
     body = dict(input="hello", temperature=0, structured_outputs={"choice": ["yes"]},
                 include=["message.output_text.logprobs"])
     whole = create(server, **body)["output"][0]["content"][0]["logprobs"]
     events, final = stream(server, **body)
-    assert len(whole) > 1 and tokens(final["output"][0]["content"][0]["logprobs"]) == tokens(whole)
+    assert len(whole) > 1 and tokens(final["output"][0]["content"][0]["logprobs"]) == tokens(whole[:-1])
     server.wait_idle()
 
 
