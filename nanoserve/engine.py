@@ -3534,9 +3534,8 @@ def run_worker_node(config: EngineConfig) -> int:
 
 # =========================================================================== offline API
 
-_POOLING = "the pooling runner makes embeddings only (embed, encode, and score with them)"
 VLLM_LLM_METHODS_MISSING = {
-    **{name: _POOLING for name in ("classify", "reward")},
+    "reward": "the pooling runner embeds and classifies (embed, classify, encode, score); no reward head is built",
     "sleep": "there is no sleep mode (the weights and KV cache stay on the device)", "wake_up": "there is no sleep mode",
     "start_profile": "run torch.profiler around generate() instead", "stop_profile": "run torch.profiler instead",
     "llm_engine": "the engine is LLM.engine (nanoserve's LLMEngine, not vLLM's)",
