@@ -518,8 +518,9 @@ class RequestOutput:
 POOLING_TYPES = ("CLS", "LAST", "MEAN")  # vLLM's SequencePoolingType (CLS, on a decoder: the first token's)
 TOKEN_POOLING_TYPES = ("ALL", "STEP")  # vLLM's TokenPoolingType: a vector per token (token_embed, token_classify)
 RUNNERS = ("auto", "generate", "pooling")
-CONVERTS = ("auto", "none", "embed")  # vLLM's classify, reward ... heads are not built here
-TASKS = ("auto", "generate", "embed", "embedding")  # older vLLM's --task: embed(ding) is the pooling runner
+CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's reward head is not built here
+# older vLLM's --task: embed(ding) is the pooling runner, classify and score too (as --convert classify)
+TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
 
 
 @dataclass(slots=True)
@@ -754,12 +755,54 @@ def resolve_runner(config: EngineConfig, path: Path, model_config: ModelConfig) 
     return runner
 
 
+def classify_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
+    """hf_overrides with --convert classify's (vLLM's as_seq_cls_model): a causal LM's architecture named
+    as its ForSequenceClassification, the decoder with a score head (from the checkpoint's score.weight,
+    or built from LM-head rows by classifier_from_token)."""
+    if not config.converts_to_classify:
+        return config.hf_overrides
+    if not (path / "config.json").is_file():
+        return config.hf_overrides  # ModelConfig.from_dir says why
+    archs = (config.hf_overrides or {}).get("architectures") or \
+        json.loads((path / "config.json").read_text()).get("architectures") or [None]
+    arch = str(archs[0])
+    if arch.endswith("ForSequenceClassification"):
+        return config.hf_overrides
+    if not arch.endswith("ForCausalLM"):
+        raise ValueError(f"convert classify turns a *ForCausalLM into its *ForSequenceClassification, and "
+                         f"config.json names {arch}")
+    return {**(config.hf_overrides or {}), "architectures": [arch.removesuffix("ForCausalLM") +
+                                                             "ForSequenceClassification"]}
+
+
 def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
     """hf_overrides as every rank loads the model: the pooling runner has no LM head (vLLM's pooling
-    models have none), so it loads as if tied: a checkpoint's lm_head.weight is skipped, and one without is whole."""
-    if resolve_runner(config, path, ModelConfig.from_dir(path, config.hf_overrides)) != "pooling":
-        return config.hf_overrides
-    return {**(config.hf_overrides or {}), "tie_word_embeddings": True}
+    models have none), so it loads as if tied: a checkpoint's lm_head.weight is skipped, and one without is
+    whole. A score head built from LM-head rows gets the tokens' ids, and which tensor holds those rows."""
+    overrides = classify_overrides(config, path)
+    mc = ModelConfig.from_dir(path, overrides)
+    if resolve_runner(config, path, mc) != "pooling":
+        return overrides
+    rows = {} if mc.classifier_from_token is None else {
+        "classifier_token_ids": classifier_token_ids(config, path, mc.classifier_from_token),
+        "lm_head_tied": mc.tie_word_embeddings}
+    return {**(overrides or {}), "tie_word_embeddings": True, **rows}
+
+
+def classifier_token_ids(config: EngineConfig, path: Path, tokens: tuple[str, ...]) -> list[int]:
+    """classifier_from_token's ids, as vLLM's loader reads them (the tokenizer's convert_tokens_to_ids:
+    vocabulary entries, not texts to tokenize); one the vocabulary lacks is refused by name."""
+    tokenizer = load_tokenizer(path if config.tokenizer is None
+                               else resolve_model_dir(config.tokenizer, config.revision, config.download_dir))
+    unk = getattr(tokenizer, "unk_token", None)
+    ids = []
+    for token in tokens:
+        i = tokenizer.convert_tokens_to_ids(token)
+        if i is None or (token != unk and i == getattr(tokenizer, "unk_token_id", None)):
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of this model's vocabulary "
+                             f"(tokens as the tokenizer's vocabulary spells them, e.g. Qwen's \"yes\")")
+        ids.append(i)
+    return ids
 
 
 def classify_activation(mc: ModelConfig) -> str:
@@ -1668,9 +1711,12 @@ class EngineConfig:
         for name, allowed in (("runner", RUNNERS), ("convert", CONVERTS), ("task", TASKS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r} "
-                                 f"(nanoserve's pooling runner makes embeddings only)")
+                                 f"(nanoserve's pooling runner makes embeddings and classifies)")
+        pooling = {"embed": "embed", "embedding": "embed", "classify": "classify", "score": "classify"}
+        if len({pooling[v] for v in (self.convert, self.task) if v in pooling}) > 1:
+            raise ValueError(f"convert {self.convert!r} and task {self.task!r} ask for different pooling tasks")
         asks_pooling = [f"{k}={v}" for k, v in (("task", self.task), ("convert", self.convert))
-                        if v in ("embed", "embedding")] + (["pooler_config"] if self.pooler_config else [])
+                        if v in pooling] + (["pooler_config"] if self.pooler_config else [])
         asks_generate = [f"{k}=generate" for k in ("runner", "task") if getattr(self, k) == "generate"]
         if asks_pooling and asks_generate:
             raise ValueError(f"{asks_pooling[0]} needs the pooling runner, but {asks_generate[0]} was given")
@@ -1680,6 +1726,11 @@ class EngineConfig:
             if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
                 raise ValueError(f"pooler_config must be an object, got {self.pooler_config!r}")
             self.pooler_config = PoolerConfig.from_dict(self.pooler_config)
+
+    @property
+    def converts_to_classify(self) -> bool:
+        """vLLM's --convert classify (older vLLM's --task classify or score): a causal LM served as a classifier."""
+        return self.convert == "classify" or self.task in ("classify", "score")
 
     def check_pooling_runner(self) -> None:
         """What the pooling runner does not run with (once the engine has resolved runner "auto")."""
@@ -1871,7 +1922,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         path = resolve_model_dir(config.model, config.revision, config.download_dir)
-        self.model_config = ModelConfig.from_dir(path, config.hf_overrides)
+        self.model_config = ModelConfig.from_dir(path, classify_overrides(config, path))
         if config.hf_overrides:
             logger.info("[engine] config.json overridden (hf_overrides): %s", json.dumps(config.hf_overrides))
         self.runner_type = resolve_runner(config, path, self.model_config)  # "generate" or "pooling"
@@ -3457,8 +3508,8 @@ def run_worker_node(config: EngineConfig) -> int:
     """A node that does not host rank 0 (``--node-rank`` > 0, or a torchrun rank
     > 0): run this node's ranks, the first in this process, until rank 0 shuts
     them down. Returns the exit status."""
-    model_config = ModelConfig.from_dir(resolve_model_dir(config.model, config.revision, config.download_dir),
-                                        config.hf_overrides)
+    path = resolve_model_dir(config.model, config.revision, config.download_dir)
+    model_config = ModelConfig.from_dir(path, classify_overrides(config, path))
     device = resolve_device(config.device)
     check_parallel_config(config, model_config, device)
     if config.distributed_init_method is None:
@@ -3483,9 +3534,8 @@ def run_worker_node(config: EngineConfig) -> int:
 
 # =========================================================================== offline API
 
-_POOLING = "the pooling runner makes embeddings only (embed, encode, and score with them)"
 VLLM_LLM_METHODS_MISSING = {
-    **{name: _POOLING for name in ("classify", "reward")},
+    "reward": "the pooling runner embeds and classifies (embed, classify, encode, score); no reward head is built",
     "sleep": "there is no sleep mode (the weights and KV cache stay on the device)", "wake_up": "there is no sleep mode",
     "start_profile": "run torch.profiler around generate() instead", "stop_profile": "run torch.profiler instead",
     "llm_engine": "the engine is LLM.engine (nanoserve's LLMEngine, not vLLM's)",

@@ -294,10 +294,12 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="pooling: serve embeddings (/v1/embeddings) instead of generating; auto picks it for a "
                         "sentence-transformers checkpoint (modules.json) or a bare decoder (config.json's "
                         "Qwen3Model, MistralModel ...)")
-    g.add_argument("--convert", default="auto", choices=["auto", "none", "embed"],
-                   help="embed: a decoder's final hidden states pooled into embeddings (the pooling runner)")
-    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "embedding"],
-                   help="older vLLM's spelling: embed is --runner pooling")
+    g.add_argument("--convert", default="auto", choices=["auto", "none", "embed", "classify"],
+                   help="embed: a decoder's final hidden states pooled into embeddings (the pooling runner); "
+                        "classify: a causal LM served as a classifier (its score head built from LM-head rows "
+                        "by --hf-overrides' classifier_from_token and method, as vLLM's)")
+    g.add_argument("--task", default="auto", choices=["auto", "generate", "embed", "embedding", "classify", "score"],
+                   help="older vLLM's spelling: embed is --runner pooling, classify and score --convert classify")
     g.add_argument("--pooler-config", "--override-pooler-config", type=_json_object, default=None, metavar="JSON",
                    help="the pooling runner's pooler, as vLLM's: '{\"pooling_type\": \"MEAN\", "
                         "\"use_activation\": false}' (LAST or MEAN; use_activation: L2-normalize; "

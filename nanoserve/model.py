@@ -146,23 +146,59 @@ def _seq_cls_architecture(arch: Any) -> str | None:
     return decoder
 
 
-def _classifier_config(c: dict[str, Any]) -> dict[str, Any]:
+# vLLM's SEQ_CLS_LOAD_METHODS: how a causal LM's head rows become a classifier's score head
+SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def _score_from_token(c: dict[str, Any], decoder: str) -> dict[str, Any]:
+    """vLLM's as_seq_cls_model on a causal LM checkpoint: a score head built at load from the LM head's
+    rows of ``classifier_from_token`` by ``method``: "from_2_way_softmax" (two tokens [false, true]: one
+    label, row true - row false, so its sigmoid is the softmax of the two logits' "true"), or
+    "no_post_processing" (a label per token, its row). Qwen3's is_original_qwen3_reranker means the
+    former. A reranker so built joins query and document as one text unless use_sep_token says not."""
+    tokens, method = c.get("classifier_from_token"), c.get("method")
+    if c.get("is_original_qwen3_reranker") and decoder == "Qwen3ForCausalLM":
+        if not isinstance(tokens, list) or len(tokens) != 2:  # vLLM's assertion, as one line
+            raise ModelLoadError(f"is_original_qwen3_reranker needs classifier_from_token of two tokens (the "
+                                 f"original Qwen3-Reranker's [\"no\", \"yes\"]), got {tokens!r}")
+        method = "from_2_way_softmax"
+    if tokens is None and method is None:
+        return {}
+    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
+        raise ModelLoadError(f"classifier_from_token must be a non-empty list of token strings (with method "
+                             f"{method!r}), got {tokens!r}")
+    if method not in SEQ_CLS_METHODS:
+        raise ModelLoadError(f"method must be one of {', '.join(SEQ_CLS_METHODS)} (vLLM's ways to build a score "
+                             f"head from classifier_from_token's LM-head rows), got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ModelLoadError(f"method from_2_way_softmax takes two classifier_from_token tokens ([false, true]), "
+                             f"got {len(tokens)}: {tokens!r}")
+    return {"classifier_from_token": tuple(tokens), "seq_cls_method": method,
+            "num_labels": 1 if method == "from_2_way_softmax" else len(tokens)}
+
+
+def _classifier_config(c: dict[str, Any], decoder: str) -> dict[str, Any]:
     """A classifier's head size and labels as transformers reads them: id2label's entries (num_labels,
-    where given alone; two, LABEL_0 and LABEL_1, by default), and what picks its activation."""
-    id2label = c.get("id2label")
+    where given alone; two, LABEL_0 and LABEL_1, by default), and what picks its activation; or, for a
+    score head built from LM-head rows (_score_from_token), as many labels as that makes."""
+    from_token = _score_from_token(c, decoder)
+    id2label = None if from_token else c.get("id2label")
     if id2label is not None and not isinstance(id2label, dict):
         raise ModelLoadError(f"config.json's id2label must be an object, got {id2label!r}")
-    num_labels = c.get("num_labels", len(id2label) if id2label else 2)
+    num_labels = from_token.get("num_labels", c.get("num_labels", len(id2label) if id2label else 2))
     if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
         raise ModelLoadError(f"num_labels must be a positive integer, got {num_labels!r}")
     labels = {int(k): str(v) for k, v in id2label.items()} if id2label and len(id2label) == num_labels \
         else {i: f"LABEL_{i}" for i in range(num_labels)}
     st = c.get("sentence_transformers") or {}
     activation = st.get("activation_fn") if isinstance(st, dict) else None
-    use_sep = c.get("use_pad_token", c.get("use_sep_token", True))  # use_pad_token: vLLM's older name
-    return {"num_labels": num_labels, "id2label": labels, "problem_type": c.get("problem_type"),
+    # use_pad_token: vLLM's older name; an LM turned reranker joins the texts by default (vLLM's)
+    use_sep = c.get("use_pad_token", c.get("use_sep_token", not from_token))
+    ids = c.get("classifier_token_ids")  # the engine's (model_overrides): the tokens' ids, and their rows' tensor
+    return {**from_token, "num_labels": num_labels, "id2label": labels, "problem_type": c.get("problem_type"),
             "score_activation": activation or c.get("sbert_ce_default_activation_function"),
-            "use_sep_token": bool(use_sep)}
+            "use_sep_token": bool(use_sep), "classifier_token_ids": tuple(ids) if ids else None,
+            "lm_head_tied": bool(c.get("lm_head_tied", c.get("tie_word_embeddings", False)))}
 
 
 @dataclass(slots=True)
@@ -251,6 +287,13 @@ class ModelConfig:
     problem_type: str | None = None
     score_activation: str | None = None  # sentence-transformers' activation_fn (a torch.nn.modules name)
     use_sep_token: bool = True
+    # a score head built from LM-head rows (vLLM's classifier_from_token and method), with the tokens' ids
+    # and whether those rows are the embedding's (the checkpoint's own tie_word_embeddings: the pooling
+    # runner loads every model as tied)
+    classifier_from_token: tuple[str, ...] | None = None
+    seq_cls_method: str | None = None
+    classifier_token_ids: tuple[int, ...] | None = None
+    lm_head_tied: bool = False
 
     @property
     def checkpoint_architecture(self) -> str:
@@ -292,6 +335,9 @@ class ModelConfig:
         seq_cls = _seq_cls_architecture(arch)
         if seq_cls:
             arch = seq_cls
+        elif given := [k for k in ("classifier_from_token", "is_original_qwen3_reranker") if c.get(k)]:
+            raise ModelLoadError(f"{given[0]} builds a classifier's score head, and {arch} is not served as one: "
+                                 f"pass --convert classify, or name its ForSequenceClassification in architectures")
         if arch not in SUPPORTED_ARCHITECTURES:
             why = " (a mixture-of-experts model nanoserve does not serve)" if "Moe" in str(arch) else ""
             raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
@@ -362,7 +408,7 @@ class ModelConfig:
             base_model=base_model,
             is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
             matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
-            **(_classifier_config(c) if seq_cls else {}),
+            **(_classifier_config(c, arch) if seq_cls else {}),
         )
         return _mla_config(cfg, c) if arch in MLA_ARCHITECTURES else cfg
 
@@ -2131,6 +2177,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
     scale_names, dequantized, input_scales, kv_scales = set(scales), collections.Counter(), 0, 0
     mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
     companions = _Wna16Companions(files, wna16) if wna16 else None
+    head_rows: torch.Tensor | None = None  # the LM-head rows a score head is built from (classifier_from_token)
+    head_name = "model.embed_tokens.weight" if cfg.lm_head_tied else "lm_head.weight"
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -2151,6 +2199,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     name, loaded = _wna16_slice(name, loaded, companions.read, wna16, file)
                 if name.startswith(_BASE_MODEL_PREFIXES):  # saved from the decoder alone (Qwen3Model), as vLLM's
                     name = "model." + name                   # pooling loader takes both layouts
+                if name == head_name and cfg.classifier_token_ids:
+                    head_rows = _token_rows(stored, loaded, cfg.classifier_token_ids, model.model.embed_tokens)
                 target, shard = _target_param(name, cfg)
                 if target is None:
                     continue
@@ -2172,6 +2222,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
                                          f"{e.expected} from config.json") from None
                 pending -= ({(target, s) for s in range(_num_shards(target, modules))} if shard is None
                             else {(target, shard)})
+    if cfg.classifier_token_ids:
+        _build_score_from_rows(model, head_rows, head_name)
+        pending.discard(("score.weight", 0))
     if companions:
         companions.check_all_read()
     if scales:  # a scale whose weight is not in the checkpoint (or is not fp8)
@@ -2193,6 +2246,36 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     "dequantized: the memory is the %s model's, about 4x the checkpoint's experts)",
                     sum(dequantized.values()), dtype, dtype)
     return sum(p.numel() * p.element_size() for p in params.values())
+
+
+def _token_rows(name: str, loaded, token_ids: tuple[int, ...], embedding: nn.Module) -> torch.Tensor:
+    """The LM head's rows of ``token_ids`` (whole, whatever this rank's shard), in the model's dtype as
+    vLLM's ParallelLMHead holds them."""
+    if isinstance(loaded, (PackedIntSlice, Mxfp4Slice)):
+        raise ModelLoadError(f"classifier_from_token: {name} is quantized ({type(loaded).__name__}), and a score "
+                             f"head is built only from an unquantized (or FP8) LM head here")
+    rows = loaded.get_shape()[0]
+    if bad := [t for t in token_ids if t >= rows]:
+        raise ModelLoadError(f"classifier_from_token: token id {bad[0]} is past {name}'s {rows} rows")
+    dtype = embedding.weight.dtype
+    if isinstance(loaded, Fp8Slice):
+        loaded.dtype = dtype
+    return torch.cat([loaded[(slice(t, t + 1), slice(None))].to(dtype) for t in token_ids])
+
+
+def _build_score_from_rows(model: CausalLM, rows: torch.Tensor | None, head_name: str) -> None:
+    """vLLM's SEQ_CLS_LOAD_METHODS: the fp32 score head from the LM head's rows of classifier_from_token,
+    the difference true - false (from_2_way_softmax: one label) or the rows themselves (no_post_processing)."""
+    cfg = model.config
+    if rows is None:
+        raise ModelLoadError(f"classifier_from_token: the checkpoint has no {head_name} to build the score head "
+                             f"from (config.json's tie_word_embeddings is {cfg.lm_head_tied})")
+    rows = rows.float()
+    weight = rows[1:2] - rows[0:1] if cfg.seq_cls_method == "from_2_way_softmax" else rows
+    with torch.no_grad():
+        model.score.weight.copy_(weight)
+    logger.info("[model] score head (%s) built from %s's rows of %s", cfg.seq_cls_method, head_name,
+                ", ".join(repr(t) for t in cfg.classifier_from_token))
 
 
 # =========================================================================== FP8 checkpoints

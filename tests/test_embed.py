@@ -152,7 +152,8 @@ def test_matryoshka_dimensions_and_refusals(model_root):
      "pooling_type ALL pools each token .* embeddings take one of CLS, LAST, MEAN"),
     (dict(runner="pooling", pooler_config={"pooling_type": "STEP"}), "pooling_type STEP pools each token"),
     (dict(runner="pooling", pooler_config={"pooling_type": "max"}), "pooling_type must be one of CLS, LAST, MEAN"),
-    (dict(convert="classify"), "convert must be one of auto, none, embed"),
+    (dict(convert="reward"), "convert must be one of auto, none, embed, classify"),
+    (dict(convert="classify", runner="generate"), "convert=classify needs the pooling runner"),
 ])
 def test_engine_config_refusals(kwargs, error):
     with pytest.raises(ValueError, match=error):

@@ -664,7 +664,7 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
     assert warm.num_cached_tokens > 0 and plain.reset_prefix_cache() is True
     cold = plain.generate(long, greedy, use_tqdm=False)[0]
     assert cold.num_cached_tokens == 0 and cold.outputs[0].token_ids == warm.outputs[0].token_ids
-    for name, why in (("classify", "embeddings only"), ("sleep", "no sleep mode"), ("llm_engine", "LLM.engine")):
+    for name, why in (("reward", "no reward head"), ("sleep", "no sleep mode"), ("llm_engine", "LLM.engine")):
         with pytest.raises(AttributeError, match=f"LLM.{name} is vLLM's, and nanoserve does not have it: .*{why}"):
             getattr(plain, name)
     assert not hasattr(plain, "no_such_thing")
@@ -678,7 +678,7 @@ def test_a_vllm_offline_script_runs_on_llm(tiny_model, caplog):
     ({"distributed_executor_backend": "ray"}, "distributed_executor_backend='ray' is not supported: "),
     ({"cpu_offload_gb": 4}, "cpu_offload_gb=4 is not supported: nanoserve keeps every weight on the device"),
     ({"tokenizer_mode": "mistral"}, "tokenizer_mode='mistral' is not supported: "),
-    ({"task": "classify"}, "task must be one of auto, generate, embed, embedding, got 'classify'"),
+    ({"task": "reward"}, "task must be one of auto, generate, embed, embedding, classify, score, got 'reward'"),
     ({"compilation_config": {"cudagraph_mode": "FULL"}}, "compilation_config['cudagraph_mode'] is not supported"),
     ({"compilation_config": "3"}, "compilation_config must be an int (a level) or a dict, got str"),
     ({"num_kv_blocks": 8, "num_gpu_blocks_override": 8}, "num_kv_blocks is given twice"),
