@@ -215,6 +215,22 @@ def make_model(root: Path, arch: str = "qwen3", seed: int = 0, dtype=torch.float
     return out
 
 
+def greedy_tokens_and_logprobs(path: Path, prompts: list[list[int]], n_new: int, **kw
+                               ) -> tuple[list[list[int]], list[list[float]]]:
+    """nanoserve's greedy tokens for ``prompts`` (n_new each) and their logprobs: a small eager fp32 engine
+    (``kw`` over it), shut down after."""
+    from nanoserve import LLM, SamplingParams
+    llm = LLM(str(path), **{"dtype": "float32", "enforce_eager": True, **kw}, num_kv_blocks=16, max_model_len=64,
+              max_num_batched_tokens=16)
+    try:
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_new, min_tokens=n_new, logprobs=0),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return ([o.outputs[0].token_ids for o in outs],
+            [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
+
+
 def edited_checkpoint(src: Path, out: Path, edit) -> Path:
     """A copy of checkpoint ``src`` at ``out`` whose tensors ``edit`` changed (in place on the dict): a broken
     checkpoint for a loader's refusals."""

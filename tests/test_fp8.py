@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, edited_checkpoint, hf_greedy_logprobs, make_model
-from nanoserve import LLM, SamplingParams
+from conftest import VOCAB, edited_checkpoint, greedy_tokens_and_logprobs, hf_greedy_logprobs, make_model
 from nanoserve.model import Fp8Slice, ModelConfig, ModelLoadError, load_model
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -171,15 +170,7 @@ def test_a_stack_of_experts_slices_as_its_dequantized_weights(key, monkeypatch):
 
 
 def generate(path: Path, **kw) -> tuple[list[list[int]], list[list[float]]]:
-    llm = LLM(str(path), **{"dtype": "float32", "enforce_eager": True, **kw}, num_kv_blocks=16, max_model_len=64,
-              max_num_batched_tokens=16)
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW, logprobs=0),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return ([o.outputs[0].token_ids for o in outs],
-            [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
+    return greedy_tokens_and_logprobs(path, PROMPTS, N_NEW, **kw)
 
 
 def hf_reference(path) -> tuple[list[list[int]], list[list[float]]]:

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, edited_checkpoint, hf_greedy_logprobs, make_model
+from conftest import VOCAB, edited_checkpoint, greedy_tokens_and_logprobs, hf_greedy_logprobs, make_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.model import ModelConfig, ModelLoadError, PackedIntSlice, load_model
 
@@ -208,15 +208,7 @@ def test_the_weights_are_the_dequantized_ones(model_root, case, caplog):
 
 
 def generate(path: Path, **kw) -> tuple[list[list[int]], list[list[float]]]:
-    llm = LLM(str(path), **{"dtype": "float32", "enforce_eager": True, **kw}, num_kv_blocks=16, max_model_len=64,
-              max_num_batched_tokens=16)
-    try:
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW, logprobs=0),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    return ([o.outputs[0].token_ids for o in outs],
-            [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
+    return greedy_tokens_and_logprobs(path, PROMPTS, N_NEW, **kw)
 
 
 @pytest.mark.parametrize("case", ["gptq-4-g32-asym-v1-act-order", "awq-4-g32", "ct-w4a16-group-asym"])
