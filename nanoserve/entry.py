@@ -3680,19 +3680,23 @@ async def _score(request: Request, schema: type[ScoringRequest], req: ScoringReq
         req.check_inputs(state.engine.model_config.checkpoint_architecture)
         req._cross_encoder = engine.is_cross_encoder
         for name in ("max_tokens_per_query", "max_tokens_per_doc"):
-            _check_token_limit(getattr(req, name), name, state.engine.max_model_len)
+            _check_token_limit(getattr(req, name), name, state.engine.max_model_len, state.engine.tokenizer)
     except InvalidInput as e:
         raise req.invalid(e) from None
     make_prompts = _cross_encoder_prompts if engine.is_cross_encoder else _score_prompts
     return req, await _pool(request, state, req, functools.partial(make_prompts, state, req))
 
 
-def _check_token_limit(value: int, name: str, max_model_len: int) -> None:
-    """vLLM's words for max_tokens_per_query and max_tokens_per_doc (0: no limit)."""
+def _check_token_limit(value: int, name: str, max_model_len: int, tokenizer: Any) -> None:
+    """vLLM's words for max_tokens_per_query and max_tokens_per_doc (0: no limit); a limit cuts each text
+    where its first N tokens end (_truncate_text), which only a fast tokenizer's offsets say."""
     if value < 0:
         raise InvalidInput(name, f"{name} must be a non-negative integer")
     if value >= max_model_len:
         raise InvalidInput(name, f"{name} ({value}) must be less than max_model_len ({max_model_len}).")
+    if value and not getattr(tokenizer, "is_fast", False):
+        raise InvalidInput(name, f"{name} needs a fast tokenizer (the offsets of its tokens say where a text is "
+                                 f"cut), and this model's is not one")
 
 
 def _score_prompts(state: ServerState, req: ScoringRequest, params: PoolingParams, texts: None,

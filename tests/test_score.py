@@ -124,3 +124,15 @@ def test_score_and_rerank_refusals(score_server, path, body, param, says):
     assert r.status_code == 400 and error["param"] == param and says in error["message"], r.text
     assert "\n" not in error["message"]
     score_server.wait_idle()
+
+
+def test_a_token_limit_needs_a_fast_tokenizer():
+    """max_tokens_per_query/doc cut a text where its first N tokens end, by a fast tokenizer's offsets: with a
+    slow tokenizer that is a 400 naming the field, not the tokenizer's NotImplementedError (a 500)."""
+    from types import SimpleNamespace
+    from nanoserve.entry import _check_token_limit
+    _check_token_limit(4, "max_tokens_per_doc", 64, SimpleNamespace(is_fast=True))
+    _check_token_limit(0, "max_tokens_per_doc", 64, SimpleNamespace(is_fast=False))  # 0: no limit, no cut
+    with pytest.raises(InvalidInput, match="max_tokens_per_query needs a fast tokenizer") as e:
+        _check_token_limit(4, "max_tokens_per_query", 64, SimpleNamespace(is_fast=False))
+    assert e.value.param == "max_tokens_per_query"
