@@ -5396,6 +5396,9 @@ class ResponsesGeneration(ChatGeneration):
         out = ResponseOutput(self.params.logprobs is not None)
         self.feed(out, self.message_choice(0, c, self.logprobs(c, 0)), "message")
         out.close()
+        for item in out.items:  # as vLLM's whole response (a stream's done item says "completed")
+            if item["type"] == "reasoning":
+                item["status"] = None
         return self.body(model, out.items, c.finish_reason)
 
     async def stream(self, model: str) -> AsyncIterator[str]:
