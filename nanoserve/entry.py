@@ -2752,7 +2752,6 @@ class ServerState:
             return await asyncio.shield(future)  # InvalidInput where it does not render
         except asyncio.CancelledError:  # its client left (or the drain ended it): the worker stops rendering it
             worker.abandon(left)
-            future.add_done_callback(lambda f: f.cancelled() or f.exception())  # read: never "not retrieved"
             raise
 
     def _template_render_done(self, _: asyncio.Future) -> None:
@@ -2815,9 +2814,8 @@ class OwnThreads:
                     future.add_done_callback(self._overdue_ended)
         return future if done else None
 
-    def _overdue_ended(self, future: asyncio.Future) -> None:
+    def _overdue_ended(self, _: asyncio.Future) -> None:
         self.overdue -= 1
-        future.exception()  # read, or asyncio logs it as never retrieved
 
 
 def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
@@ -2825,6 +2823,9 @@ def on_daemon_thread(name: str, fn: Callable[..., Any], *args: Any) -> asyncio.F
     thread, one that never ends does not hold up the process's exit."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
+    # its error marked as read once it ends (a waiter still gets it): one whose waiter left as it ended (a
+    # client gone, cancel_on_disconnect) would otherwise be logged by asyncio as never retrieved
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def settle(ok: bool, value: Any) -> None:
         if ok:

@@ -935,3 +935,26 @@ def test_bad_repetition_detection_is_a_400_naming_it(server, body, param, messag
     err = _check_error(_post(server.url, {"prompt": "hi", "max_tokens": 2, **body}), 400, param)
     assert message in err["message"] and param in err["message"], err
 
+
+
+def test_a_daemon_threads_error_is_never_logged_as_unretrieved(caplog):
+    """A grammar compile's (or a template render's) future whose waiter left as it failed (its client gone:
+    cancel_on_disconnect) is read once it ends, so asyncio never logs "Future exception was never retrieved"
+    (the API fuzz saw that log when a disconnect met a failing compile); a waiter still gets the error."""
+    import gc
+
+    def fails():
+        raise ValueError("cannot be compiled")
+
+    async def main():
+        left = entry.on_daemon_thread("test", fails)  # nobody awaits it: as a waiter that left
+        waited = entry.on_daemon_thread("test", fails)
+        with pytest.raises(ValueError, match="cannot be compiled"):
+            await waited
+        while not left.done():
+            await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert "never retrieved" not in caplog.text
