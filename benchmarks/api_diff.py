@@ -20,7 +20,10 @@ hidden size of 128 (benchmarks/RESULTS.md has the models used).
 
 ``--battery classify`` sends the classifier battery, to two servers on a ForSequenceClassification model
 (``--make-classify-models DIR`` writes a three-label one and a one-label cross-encoder; run it on each):
-probabilities and scores are compared within SCORE_TOL.
+probabilities and scores are compared within SCORE_TOL. ``--battery reranker`` is the same battery plus
+Qwen3-Reranker-formatted pairs, for a causal LM served as a classifier by ``--hf-overrides``'
+``classifier_from_token`` (``--make-reranker-models DIR`` writes two, LM head untied and tied, whose vocabulary
+has "no" and "yes").
 
 Only the standard library and httpx; the servers are not started here (benchmarks/PEERS.md says how).
 """
@@ -523,6 +526,32 @@ def classify_battery(model: str, max_len: int) -> list[Case]:
     ])
 
 
+# Qwen3-Reranker's prompt format (vLLM's examples/pooling/score/qwen3_reranker_offline.py): the client's, as
+# neither server applies a score template unless told
+RERANK_PREFIX = ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '
+                 'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n')
+RERANK_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def reranker_battery(model: str, max_len: int) -> list[Case]:
+    """The classify battery, for a causal LM served as a classifier from LM-head rows (classifier_from_token),
+    plus Qwen3-Reranker-formatted pairs: the query with its instruction, each document with the suffix that
+    ends where the model's next token is "yes" or "no"."""
+    query = f"{RERANK_PREFIX}<Instruct>: Given a web search query, retrieve relevant passages\n<Query>: the cat sat\n"
+    docs = [f"<Document>: {d}{RERANK_SUFFIX}" for d in ("a cat sat down", "stock prices fell", "the cat")]
+
+    def rr(name: str, path: str, **kw) -> Case:
+        return Case("rr." + name, path, {"model": model, **kw}, tol=SCORE_TOL)
+
+    return classify_battery(model, max_len) + [
+        rr("score", "/score", queries=query, documents=docs), rr("rerank", "/rerank", query=query, documents=docs),
+        rr("rerank_top1", "/rerank", query=query, documents=docs, top_n=1),
+        rr("classify", "/classify", input=[query + d for d in docs]),
+        rr("classify_raw", "/classify", input=[query + d for d in docs], use_activation=False),
+        rr("pool_classify", "/pooling", input=query + docs[0], task="classify"),
+    ]
+
+
 def make_classify_models(root: str) -> None:
     """The classify battery's models under root, with the demo model's tokenizer and chat template: llama-cls
     (LlamaForSequenceClassification, 3 labels named in id2label: softmax) and qwen3-ce
@@ -532,10 +561,8 @@ def make_classify_models(root: str) -> None:
     import pathlib
 
     import torch
-    from tokenizers import processors
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast,
-                              Qwen3Config)
-    out, demo = pathlib.Path(root), pathlib.Path(__file__).resolve().parent.parent / "nanoserve" / "demo_model"
+    from transformers import AutoModelForSequenceClassification, LlamaConfig, Qwen3Config
+    out = pathlib.Path(root)
     base = dict(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6,
                 tie_word_embeddings=False, eos_token_id=0, bos_token_id=None, pad_token_id=0)
@@ -552,13 +579,52 @@ def make_classify_models(root: str) -> None:
                     p.normal_(0, 0.08)
             model.score.weight.normal_(0, 0.5)
         model.save_pretrained(out / name)
-        tokenizer: PreTrainedTokenizerFast = AutoTokenizer.from_pretrained(demo)
-        sep = tokenizer.convert_tokens_to_ids("<|im_start|>")
-        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-            single="$A", pair="$A <|im_start|> $B:1", special_tokens=[("<|im_start|>", sep)])
-        tokenizer.save_pretrained(out / name)
-        (out / name / "chat_template.jinja").write_text((demo / "chat_template.jinja").read_text())
+        _save_pair_tokenizer(out / name)
     print(f"api_diff: wrote {out / 'llama-cls'} and {out / 'qwen3-ce'}")
+
+
+def _save_pair_tokenizer(path) -> None:
+    """The demo model's tokenizer and chat template, its text pair joined as A <|im_start|> B: a server that
+    reads a pair as the tokenizer's pair where vLLM joins the texts (or the reverse) scores differently."""
+    import pathlib
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    demo = pathlib.Path(__file__).resolve().parent.parent / "nanoserve" / "demo_model"
+    tokenizer: PreTrainedTokenizerFast = AutoTokenizer.from_pretrained(demo)
+    sep = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A", pair="$A <|im_start|> $B:1", special_tokens=[("<|im_start|>", sep)])
+    tokenizer.save_pretrained(path)
+    (path / "chat_template.jinja").write_text((demo / "chat_template.jinja").read_text())
+
+
+def make_reranker_models(root: str) -> None:
+    """The reranker battery's models under root: qwen3-lm, a tiny random Qwen3ForCausalLM (hidden 128,
+    head_dim 32, 2 layers, untied LM head) with _save_pair_tokenizer's tokenizer, whose vocabulary has "no"
+    and "yes" (ids 311 and 2907), and qwen3-lm-tied, the same with the LM head tied to the embedding (the
+    score head is then built from embedding rows). Served with --hf-overrides' classifier_from_token as
+    Qwen3-Reranker is. Needs torch and transformers (nanoserve's venv)."""
+    import pathlib
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    for name, tied in (("qwen3-lm", False), ("qwen3-lm-tied", True)):
+        out = pathlib.Path(root) / name
+        torch.manual_seed(3)
+        config = Qwen3Config(vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                             rms_norm_eps=1e-6, tie_word_embeddings=tied, eos_token_id=0, bos_token_id=None,
+                             pad_token_id=0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # sharper than the default init, the LM head most: yes/no odds far from 1:1
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, 0.08)
+            model.lm_head.weight.normal_(0, 0.5)
+        model.save_pretrained(out)
+        _save_pair_tokenizer(out)
+        print(f"api_diff: wrote {out}")
 
 
 def make_pooling_models(root: str) -> None:
@@ -891,10 +957,14 @@ def main() -> int:
     p.add_argument("b", nargs="?", help="base URL of the second server (vLLM)")
     p.add_argument("--make-pooling-models", metavar="DIR", help="write the pooling battery's models there, and exit")
     p.add_argument("--make-classify-models", metavar="DIR", help="write the classify battery's models there, and exit")
+    p.add_argument("--make-reranker-models", metavar="DIR", help="write the reranker battery's models there, and exit")
     p.add_argument("--model", default="demo", help="the served model name both use")
-    p.add_argument("--battery", choices=["generate", "pooling", "classify"], default="generate",
+    p.add_argument("--battery", choices=["generate", "pooling", "classify", "reranker"],
+                   default="generate",
                    help="pooling: the embeddings battery, for two servers run with --runner pooling; classify: "
-                        "the classifier battery (a several-label classifier, or a one-label cross-encoder)")
+                        "the classifier battery (a several-label classifier, or a one-label cross-encoder); "
+                        "reranker: classify's plus Qwen3-Reranker-formatted pairs (a causal LM served with "
+                        "classifier_from_token)")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--labels", default="nanoserve,vllm")
     p.add_argument("--only", default="", help="run the cases whose name starts with this")
@@ -909,10 +979,14 @@ def main() -> int:
     if args.make_classify_models:
         make_classify_models(args.make_classify_models)
         return 0
+    if args.make_reranker_models:
+        make_reranker_models(args.make_reranker_models)
+        return 0
     if not (args.a and args.b):
         p.error("two base URLs are needed: nanoserve's, then vLLM's")
     la, lb = args.labels.split(",")
-    make = {"pooling": pooling_battery, "classify": classify_battery}.get(args.battery, battery)
+    make = {"pooling": pooling_battery, "classify": classify_battery,
+            "reranker": reranker_battery}.get(args.battery, battery)
     cases = [c for c in make(args.model, args.max_model_len) if c.name.startswith(args.only)]
     record, rows, differing = [], [], 0
     with httpx.Client(timeout=120) as client:
