@@ -1,8 +1,8 @@
 """nanoserve: a small, readable LLM inference server in the shape of vLLM.
 
 Public API: ``LLM`` (offline), ``SamplingParams``, ``BeamSearchParams``, ``StructuredOutputsParams``,
-``RequestOutput``, ``CompletionOutput``, ``PoolingParams``, ``EmbeddingRequestOutput`` (``LLM.embed``) and
-``ClassificationRequestOutput`` (``LLM.classify``),
+``RequestOutput``, ``CompletionOutput``, ``PoolingParams``, ``EmbeddingRequestOutput`` (``LLM.embed``),
+``ClassificationRequestOutput`` (``LLM.classify``) and ``ScoringRequestOutput`` (``LLM.score``),
 ``LoRARequest``, and vLLM's custom logits processor interface
 (``LogitsProcessor``, ``AdapterLogitsProcessor``, ``BatchUpdate``, ``MoveDirectionality``, ``process_dict_updates``).
 The server is ``python -m nanoserve``.
@@ -20,12 +20,13 @@ if "torch" not in sys.modules:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 from nanoserve.engine import (LLM, BeamSearchParams, ClassificationRequestOutput, CompletionOutput,
-                              EmbeddingRequestOutput, LoRARequest, PoolingParams, RequestOutput, SamplingParams, StructuredOutputsParams)
+                              EmbeddingRequestOutput, LoRARequest, PoolingParams, RequestOutput, SamplingParams,
+                              ScoringRequestOutput, StructuredOutputsParams)
 from nanoserve.model import (AdapterLogitsProcessor, BatchUpdate, LogitsProcessor, MoveDirectionality,
                              process_dict_updates)
 
 __all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "PoolingParams", "EmbeddingRequestOutput", "ClassificationRequestOutput",
-           "LoRARequest", "LogitsProcessor",
+           "ScoringRequestOutput", "LoRARequest", "LogitsProcessor",
            "AdapterLogitsProcessor", "BatchUpdate", "MoveDirectionality", "process_dict_updates"]
 __version__ = "0.1.0"

@@ -7,7 +7,8 @@ import httpx
 import pytest
 import torch
 
-from nanoserve.engine import LLM, InvalidInput, PoolingParams, ScoringRequestOutput
+from nanoserve import LLM, PoolingParams, ScoringRequestOutput
+from nanoserve.engine import InvalidInput
 
 QUERY, DOCS = "the cat sat", ["a cat sat down", "stock prices fell", "the cat", "rain all day"]
 
