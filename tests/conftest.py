@@ -231,6 +231,22 @@ def greedy_tokens_and_logprobs(path: Path, prompts: list[list[int]], n_new: int,
             [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs])
 
 
+def dequant_of(path: Path) -> Path:
+    """Where a quantized test checkpoint's dequantized twin (its weights as the codes and scales say) lies."""
+    return path.with_name(path.name + "-dequant")
+
+
+def assert_loads_as_its_dequantized_twin(path: Path) -> None:
+    """The quantized checkpoint at ``path`` loads (fp32, on the CPU) into exactly its twin's weights."""
+    from nanoserve.model import load_model
+    model, weight_bytes = load_model(path, torch.float32, torch.device("cpu"))
+    ref, ref_bytes = load_model(dequant_of(path), torch.float32, torch.device("cpu"))
+    assert weight_bytes == ref_bytes
+    theirs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, theirs[name]), name
+
+
 def edited_checkpoint(src: Path, out: Path, edit) -> Path:
     """A copy of checkpoint ``src`` at ``out`` whose tensors ``edit`` changed (in place on the dict): a broken
     checkpoint for a loader's refusals."""

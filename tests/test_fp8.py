@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, edited_checkpoint, greedy_tokens_and_logprobs, hf_greedy_logprobs, make_model
+from conftest import (VOCAB, assert_loads_as_its_dequantized_twin, dequant_of, edited_checkpoint,
+                      greedy_tokens_and_logprobs, hf_greedy_logprobs, make_model)
 from nanoserve.model import Fp8Slice, ModelConfig, ModelLoadError, load_model
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -96,10 +97,6 @@ def fp8_model(model_root: Path, arch: str, block, **kw) -> Path:
     return quantize_checkpoint(make_model(model_root, arch), model_root / f"fp8-{arch}-{tag}"[:120], block, **kw)
 
 
-def dequant_of(path: Path) -> Path:
-    return path.with_name(path.name + "-dequant")
-
-
 # arch, weight_block_size, options: the hub's 128x128 blocks (every tiny matrix one partial block), and
 # small blocks that split every matrix into several, the last ones partial; bf16 scales (some checkpoints
 # store them so); per-tensor scales with a static scheme's input_scale; MoE experts; DeepSeek-V3's MLA
@@ -113,12 +110,7 @@ CASES = [("qwen3", (128, 128), {}), ("qwen3", (48, 40), {"scale_dtype": torch.bf
 def test_the_weights_are_the_dequantized_ones(model_root, arch, block, kw, caplog):
     path = fp8_model(model_root, arch, block, **kw)
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
-        model, weight_bytes = load_model(path, torch.float32, torch.device("cpu"))
-    ref, ref_bytes = load_model(dequant_of(path), torch.float32, torch.device("cpu"))
-    assert weight_bytes == ref_bytes
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, theirs[name]), name
+        assert_loads_as_its_dequantized_twin(path)
     log = next(r.getMessage() for r in caplog.records if "FP8 checkpoint" in r.getMessage())
     n = sum(1 for k, v in load_file(str(path / "model.safetensors")).items() if v.dtype == torch.float8_e4m3fn)
     kind = "per-tensor FP8, static" if block is None else f"block FP8 ({block[0]}x{block[1]} blocks), dynamic"

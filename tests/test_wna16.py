@@ -21,7 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import VOCAB, edited_checkpoint, greedy_tokens_and_logprobs, hf_greedy_logprobs, make_model
+from conftest import (VOCAB, assert_loads_as_its_dequantized_twin, dequant_of, edited_checkpoint,
+                      greedy_tokens_and_logprobs, hf_greedy_logprobs, make_model)
 from nanoserve import LLM, SamplingParams
 from nanoserve.model import ModelConfig, ModelLoadError, PackedIntSlice, load_model
 
@@ -131,10 +132,6 @@ def _set_quant(path: Path, quant: dict) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def dequant_of(path: Path) -> Path:
-    return path.with_name(path.name + "-dequant")
-
-
 def ct_checkpoint(model_root: Path, bits: int, strategy: str, sym: bool, fmt: str = "pack-quantized",
                   arch: str = "qwen3", **overrides) -> Path:
     """A tiny model (qwen3 unless asked) compressed by compressed-tensors itself (its compressor packs the codes
@@ -195,12 +192,7 @@ def checkpoint(model_root: Path, case: str) -> Path:
 def test_the_weights_are_the_dequantized_ones(model_root, case, caplog):
     path = checkpoint(model_root, case)
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
-        model, weight_bytes = load_model(path, torch.float32, torch.device("cpu"))
-    ref, ref_bytes = load_model(dequant_of(path), torch.float32, torch.device("cpu"))
-    assert weight_bytes == ref_bytes
-    theirs = dict(ref.named_parameters())
-    for name, p in model.named_parameters():
-        assert torch.equal(p, theirs[name]), name
+        assert_loads_as_its_dequantized_twin(path)
     bits = CASES[case][1]["bits"]
     assert f"weight-only checkpoint (" in caplog.text
     assert f"): 14 int{bits} weights dequantized to float32 as they were loaded. The weights are held " \
