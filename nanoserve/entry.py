@@ -4,7 +4,8 @@ This module owns
 * the command line (``python -m nanoserve``), with ``vllm serve``'s flag names;
 * the Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
   Anthropic's ``/v1/messages`` (both served as chat), ``/v1/models``, ``/health`` (and ``/ping``),
-  ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, behind CORS;
+  ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, behind CORS; on the pooling runner
+  ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score`` and ``/rerank`` instead of generation;
 * the OpenAI protocol: request bodies as declarative pydantic models (as
   vLLM's ``protocol.py``; every error names its field), and one handler,
   serving path (``Generation``, as vLLM's ``serving_*.py``) and SSE stream
@@ -12,8 +13,9 @@ This module owns
 * chat's tools: the chat-template settings, and the tool-call parsers that
   turn a model's output into OpenAI's ``tool_calls`` (vLLM's --tool-call-parser);
 * admission: request ids (``X-Request-Id``), the API key, the waiting-queue
-  limit (429), the body-size limit (413) and time limits, and aborting the
-  engine requests of a client that disconnects;
+  limit (429), the body-size limit (413) and time limits, stopping the admission
+  of a client that leaves (``cancel_on_disconnect``), and aborting the engine
+  requests of a client that disconnects;
 * ``/metrics`` (Prometheus, one registry per app) and the periodic stats line;
 * uvicorn start-up, the banner, connection limits, and the graceful shutdown
   on SIGINT/SIGTERM.
