@@ -732,10 +732,14 @@ def score_pairs(outs: list[PoolingRequestOutput], num_queries: int, pad_token_id
                 ) -> list[ScoringRequestOutput]:
     """The queries' and documents' embeddings (queries first) as scored pairs: one query against each
     document (1:N), or each query against its document (N:N)."""
-    queries, docs = outs[:num_queries], outs[num_queries:]
-    if len(queries) == 1:
-        queries = queries * len(docs)
-    return [ScoringRequestOutput.from_pair(q, d, pad_token_id) for q, d in zip(queries, docs)]
+    return [ScoringRequestOutput.from_pair(q, d, pad_token_id) for q, d in paired(outs[:num_queries],
+                                                                                  outs[num_queries:])]
+
+
+def paired(queries: list, docs: list) -> list[tuple]:
+    """vLLM's score pairs (score_inputs checked the lengths): one query against each document (1:N), or
+    each query with its own (N:N)."""
+    return list(zip(queries * len(docs) if len(queries) == 1 else queries, docs))
 
 
 def resolve_runner(config: EngineConfig, path: Path, model_config: ModelConfig) -> str:
@@ -3677,8 +3681,7 @@ class LLM:
             if chat_template is not None:
                 raise InvalidInput("chat_template", "a score template (chat_template) is not supported: the pairs "
                                                     "are tokenized as the tokenizer's text pairs")
-            pairs = [engine.cross_encoder_prompt(q, d) for q, d in zip(queries * len(docs) if len(queries) == 1
-                                                                        else queries, docs)]
+            pairs = [engine.cross_encoder_prompt(q, d) for q, d in paired(queries, docs)]
             return cross_encoder_scores(self.encode(pairs, pooling_params, use_tqdm=use_tqdm,
                                                     lora_request=lora_request, pooling_task="classify"))
         outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,

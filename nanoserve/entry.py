@@ -96,7 +96,7 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               TokenizedPrompt, VLLM_ENGINE_ARGS, apply_chat_template, chat_template_content_format,
                               engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
                               opens_reply, parse_call_arguments, part_text, run_worker_node, score_inputs,
-                              score_pairs, vllm_arg_note, PoolingOutput, ScoringRequestOutput,
+                              paired, score_pairs, vllm_arg_note, PoolingOutput, ScoringRequestOutput,
                               cross_encoder_scores)
 
 logger = logging.getLogger("nanoserve.entry")
@@ -3707,9 +3707,7 @@ def _score_prompts(state: ServerState, req: ScoringRequest, params: PoolingParam
     """On the tokenizer thread: each side's texts (cut to max_tokens_per_query/doc tokens first, as
     vLLM's) tokenized with special tokens; an error names the side's field."""
     prompts = []
-    for name, side, limit in zip(req.side_names(), req.sides, (req.max_tokens_per_query, req.max_tokens_per_doc)):
-        if limit:
-            side = [_truncate_text(t, state.engine.tokenizer, limit) for t in side]
+    for name, side in zip(req.side_names(), _cut_sides(state, req)):
         try:
             prompts += _tokenize_pooled(state, req, params, side, True, lora)
         except InvalidInput as e:
@@ -3721,18 +3719,17 @@ def _cross_encoder_prompts(state: ServerState, req: ScoringRequest, params: Pool
                            lora: LoRARequest | None) -> list[TokenizedPrompt]:
     """On the tokenizer thread: each pair (1:N or N:N) as one prompt, the tokenizer's text pair (each text
     cut to max_tokens_per_query/doc tokens first, as vLLM's); an error names the documents' field."""
-    queries, docs = req.sides
-    tokenizer = state.engine.tokenizer
-    if req.max_tokens_per_query:
-        queries = [_truncate_text(t, tokenizer, req.max_tokens_per_query) for t in queries]
-    if req.max_tokens_per_doc:
-        docs = [_truncate_text(t, tokenizer, req.max_tokens_per_doc) for t in docs]
-    pairs = zip(queries * len(docs) if len(queries) == 1 else queries, docs)
     try:
-        ids = [state.engine.cross_encoder_prompt(q, d) for q, d in pairs]
+        ids = [state.engine.cross_encoder_prompt(q, d) for q, d in paired(*_cut_sides(state, req))]
         return _tokenize_pooled(state, req, params, ids, True, lora)
     except InvalidInput as e:
         raise InvalidInput(req.side_names()[1] if e.param == "prompt" else e.param, str(e)) from None
+
+
+def _cut_sides(state: ServerState, req: ScoringRequest) -> tuple[list[str], list[str]]:
+    """The queries and documents, each text cut to max_tokens_per_query/doc tokens where set (as vLLM's)."""
+    return tuple([_truncate_text(t, state.engine.tokenizer, limit) for t in side] if limit else side
+                 for side, limit in zip(req.sides, (req.max_tokens_per_query, req.max_tokens_per_doc)))
 
 
 def _truncate_text(text: str, tokenizer: Any, max_tokens: int) -> str:
