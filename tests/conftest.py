@@ -75,6 +75,23 @@ def _share_httpx_default_ssl_context() -> None:
 _share_httpx_default_ssl_context()
 
 
+def _patient_httpx_default_timeout(seconds: float = 120.0) -> None:
+    """httpx gives a request 5 s by default; on a busy 2-core CI machine a request
+    that renders a template in a fresh subprocess, or waits behind a step, can take
+    longer, and the test then fails for the load, not for what the server said.
+    The tests check answers, not speed: every httpx call and client that names no
+    timeout of its own gets ``seconds`` (a hang still fails, at that limit)."""
+    import httpx
+    patient = httpx.Timeout(seconds)
+    for f in (httpx.request, httpx.stream, httpx.get, httpx.options, httpx.head, httpx.post, httpx.put,
+              httpx.patch, httpx.delete, httpx.Client.__init__, httpx.AsyncClient.__init__):
+        if f.__kwdefaults__ and "timeout" in f.__kwdefaults__:
+            f.__kwdefaults__["timeout"] = patient
+
+
+_patient_httpx_default_timeout()
+
+
 def pytest_report_header(config):
     return f"nanoserve: {TRITON_INTERPRETER_CLASH}; GPU hidden" if TRITON_INTERPRETER_CLASH else None
 
