@@ -97,7 +97,7 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
                               opens_reply, parse_call_arguments, part_text, run_worker_node, score_inputs,
                               paired, score_pairs, vllm_arg_note, PoolingOutput, ScoringRequestOutput,
-                              cross_encoder_scores)
+                              cross_encoder_scores, check_removed_pooling_task)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -304,8 +304,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="older vLLM's spelling: embed is --runner pooling, classify and score --convert classify")
     g.add_argument("--pooler-config", "--override-pooler-config", type=_json_object, default=None, metavar="JSON",
                    help="the pooling runner's pooler, as vLLM's: '{\"pooling_type\": \"MEAN\", "
-                        "\"use_activation\": false}' (LAST or MEAN; use_activation: L2-normalize; "
-                        "default: the checkpoint's sentence-transformers config, else LAST, normalized)")
+                        "\"use_activation\": false}' (LAST, MEAN or CLS; use_activation: L2-normalize; "
+                        "default: the checkpoint's sentence-transformers config, else LAST, normalized); "
+                        "\"task\": \"token_embed\" or \"token_classify\" serves every token's row on /pooling")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; the first is used in responses "
                         "(default: the --model value)")
@@ -647,7 +648,8 @@ class ApiError(Exception):
     """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+             429: "RateLimitError", 500: "InternalServerError", 501: "NotImplementedError",
+             503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -3227,6 +3229,8 @@ class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
             return data
         if "normalize" in data:  # vLLM's words (reject_removed_pooling_parameters; its scoring ignores it)
             raise InvalidInput("normalize", "Parameter `normalize` was removed; use `use_activation` instead.")
+        if "tools" in data or "documents" in data:  # not fields of vLLM's pooling bodies: ignored, as any unknown
+            data = {k: v for k, v in data.items() if k not in ("tools", "documents")}  # (a rerank's documents too)
         given = data.get("input")
         if "messages" not in data and (_is_conversation(given) or isinstance(given, list) and given
                                        and all(_is_conversation(c) for c in given)):
@@ -3272,9 +3276,10 @@ class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
 
 
 class PoolingRequest(EmbeddingRequest):
-    """vLLM's /pooling body: an embeddings body with the pooling ``task`` (the model's: embed for an
-    embedding model, classify for a classifier), without ``dimensions``; the answer holds each vector
-    (a classifier's: its probabilities) as a "pooling" object's ``data``."""
+    """vLLM's /pooling body: an embeddings body with the pooling ``task`` (the server's: embed for an
+    embedding model, classify for a classifier, or --pooler-config's token_embed or token_classify),
+    without ``dimensions``; the answer holds each vector (a classifier's: its probabilities; a token-wise
+    task's: a row per prompt token) as a "pooling" object's ``data``."""
     id_prefix: ClassVar[str] = "pool-"
     vector_object: ClassVar[str] = "pooling"
     vector_field: ClassVar[str] = "data"
@@ -3284,8 +3289,7 @@ class PoolingRequest(EmbeddingRequest):
     def _no_dimensions(self) -> "PoolingRequest":
         if self.dimensions is not None:  # vLLM's words
             raise InvalidInput("dimensions", "dimensions is currently not supported")
-        if self.task == "score":  # vLLM's words (check_removed_pooling_task)
-            raise InvalidInput("task", "`score` task was removed; use `classify` instead.")
+        check_removed_pooling_task(self.task)  # vLLM's words
         return self
 
 
@@ -3304,13 +3308,15 @@ class ClassificationRequest(EmbeddingRequest):
         return data
 
 
-async def create_pooling(request: Request) -> Response:
+async def create_pooling(request: Request, req: PoolingRequest | None = None) -> Response:
     """POST /pooling (vLLM's): the model's pooler output (an embedding model's vectors, a classifier's
-    probabilities), as /v1/embeddings and /classify compute them."""
+    probabilities, as /v1/embeddings and /classify compute them; a token-wise task's rows, a prompt's
+    tokens' each). ``req``: a body pooling_invocations read."""
     state = _state(request)
     _check_pooling_server(request, state, None)
-    req = await read_json(request, state, functools.partial(parse_body, PoolingRequest,
-                                                             request_id=_request_id(request)))
+    if req is None:
+        req = await read_json(request, state, functools.partial(parse_body, PoolingRequest,
+                                                                 request_id=_request_id(request)))
     try:
         state.engine.check_pooling_task(req.task or state.engine.pooling_task, online=True)
     except InvalidInput as e:
@@ -3320,11 +3326,15 @@ async def create_pooling(request: Request) -> Response:
 
 def _check_pooling_server(request: Request, state: ServerState, task: str | None) -> None:
     """A 404 that says why where this server does not serve the path: a generative model's server, or
-    a pooling one whose model has another task (vLLM mounts a task's routes only for its models)."""
+    a pooling one whose model has another task (vLLM mounts a task's routes only for its models); a 501
+    in vLLM's words where the model has the task but --pooler-config's task is its token-wise one."""
     engine = state.engine
     if engine.runner_type != "pooling":
         raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs a "
                             f"pooling model served with --runner pooling")
+    if task is not None and task != engine.pooling_task and task in engine.supported_pooling_tasks:
+        api = "Embeddings" if task == "embed" else "Classification"
+        raise ApiError(501, f"The model does not support {api} API")
     if task is not None and task != engine.pooling_task:
         kind = "a classifier (a ForSequenceClassification model)" if task == "classify" else "an embedding model"
         raise ApiError(404, f"this server's model serves the {engine.pooling_task} task: "
@@ -3343,18 +3353,25 @@ async def create_embedding(request: Request, req: EmbeddingRequest | None = None
 
 
 async def pooling_invocations(request: Request) -> Response:
-    """SageMaker's /invocations on a pooling server, as vLLM's: the body's shape picks the handler, in vLLM's
-    order: the model's own task's (``input`` or ``messages``), then rerank's (``query`` and ``documents``),
-    then score's (one of SCORE_FIELDS' pairs), the last two where the model scores."""
+    """SageMaker's /invocations on a pooling server, as vLLM's: the first handler whose body the request
+    is, in vLLM's order: the model's own task's (``input`` or ``messages``; an embed or classify server's),
+    then rerank's (``query`` and ``documents``) and score's (one of SCORE_FIELDS' pairs) where the model
+    scores, then /pooling's. A body that is not one handler's (a missing or malformed field) is tried as
+    the next's, so ``input`` beside a valid ``query`` and ``documents`` is a rerank where ``input`` is bad."""
     state, request_id = _state(request), _request_id(request)
-    own = (EmbeddingRequest, create_embedding) if state.engine.pooling_task == "embed" else \
-        (ClassificationRequest, create_classify)
-    handlers = [own, *([(RerankRequest, create_rerank), (ScoreRequest, create_score)] if _scores(state) else [])]
+    task = state.engine.pooling_task
+    own = [(EmbeddingRequest, create_embedding)] if task == "embed" else \
+        [(ClassificationRequest, create_classify)] if task == "classify" else []
+    scores = [(RerankRequest, create_rerank), (ScoreRequest, create_score)] if _scores(state) else []
+    handlers = [*own, *scores, (PoolingRequest, create_pooling)]
 
     def parse(body: dict[str, Any]) -> tuple[Callable[..., Awaitable[Response]], Any]:
         for schema, handler in handlers:
             if _body_fits(schema, body):
-                return handler, parse_body(schema, body, request_id=request_id)
+                try:
+                    return handler, parse_body(schema, body, request_id=request_id)
+                except (ApiError, InvalidInput):  # not this handler's body: vLLM tries the next
+                    continue
         raise bad_request(f"Cannot find suitable handler for request. Expected one of: "
                           f"{[schema.__name__ for schema, _ in handlers]}")  # vLLM's words
     handler, req = await read_json(request, state, parse)
@@ -3663,8 +3680,9 @@ async def create_rerank(request: Request, req: RerankRequest | None = None) -> R
 
 
 def _scores(state: ServerState) -> bool:
-    """vLLM's enable_scoring_api: an embedding model (its bi-encoder) or a one-label classifier scores."""
-    return state.engine.pooling_task == "embed" or state.engine.is_cross_encoder
+    """vLLM's enable_scoring_api: an embedding model (its bi-encoder) or a one-label classifier scores
+    (and token_embed, by late interaction, which _score refuses)."""
+    return state.engine.pooling_task in ("embed", "token_embed") or state.engine.is_cross_encoder
 
 
 async def _score(request: Request, schema: type[ScoringRequest], req: ScoringRequest | None
@@ -3677,6 +3695,9 @@ async def _score(request: Request, schema: type[ScoringRequest], req: ScoringReq
     if not _scores(state):
         raise ApiError(404, f"{esc(request.url.path)} is served for a classifier with num_labels == 1 (a "
                             f"cross-encoder); this one has {engine.model_config.num_labels}")
+    if engine.pooling_task == "token_embed":  # vLLM scores token_embed by late interaction (MaxSim)
+        raise ApiError(501, f"{esc(request.url.path)}: token_embed's late-interaction scoring is not supported "
+                            f"by nanoserve; serve the model's embed task (no --pooler-config task) to score")
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     try:
@@ -3760,7 +3781,8 @@ def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:
     """Each runner's server answers the other's endpoints with a 404 that says why; a pooling server's
     /invocations (SageMaker's) takes its pooling bodies, as vLLM's (pooling_invocations)."""
     async def not_generating(request: Request) -> Response:
-        served = "/v1/embeddings" if _state(request).engine.pooling_task == "embed" else "/classify"
+        task = _state(request).engine.pooling_task
+        served = "/v1/embeddings" if task == "embed" else "/classify" if task == "classify" else "/pooling"
         raise ApiError(404, f"this server runs a pooling model (--runner pooling): {esc(request.url.path)} needs "
                             f"a generative model (--runner generate); {served} is served")
     if runner != "pooling":
