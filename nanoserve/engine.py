@@ -588,6 +588,19 @@ def check_removed_pooling_task(task: Any, where: str = "") -> None:
         raise InvalidInput("task", where + REMOVED_POOLING_TASKS[task])
 
 
+def embed_task_instructions(path: Path) -> dict[str, str] | None:
+    """vLLM's Cohere input_type prefixes: config.json's ``task_instructions``, else the sentence-transformers
+    ``prompts`` (config_sentence_transformers.json); the string entries, None where there are none."""
+    for name, key in (("config.json", "task_instructions"), ("config_sentence_transformers.json", "prompts")):
+        try:
+            found = json.loads((path / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, dict) and (found := {k: v for k, v in found.items() if isinstance(v, str)}):
+            return found
+    return None
+
+
 def sentence_transformers_pooling(path: Path) -> dict[str, Any] | None:
     """vLLM's get_pooling_config: a sentence-transformers checkpoint's modules.json names its Pooling
     module (whose config.json says which pooling) and whether a Normalize module follows; None without."""
@@ -1960,6 +1973,7 @@ class LLMEngine:
         # DispatchPooler: each sequence task with its token-wise one)
         self.pooling_task: str | None = None
         self.supported_pooling_tasks: tuple[str, ...] = ()
+        self.task_instructions: dict[str, str] | None = None
         self.classify_activation: str | None = None  # classify's: "softmax", "sigmoid" or "identity"
         if self.runner_type == "pooling":
             if config.runner == "auto":  # vLLM's line
@@ -1967,6 +1981,7 @@ class LLMEngine:
                             "to silence this message.")
             config.check_pooling_runner()
             self.pooler_config = config.pooler_config.resolved(path)
+            self.task_instructions = embed_task_instructions(path)  # /v2/embed's input_type prefixes
             self._resolve_pooling_task()
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one

@@ -53,6 +53,7 @@ import re
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -2936,6 +2937,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", create_embedding, methods=["POST"]),
+        Route("/v2/embed", create_cohere_embedding, methods=["POST"]),
         Route("/pooling", create_pooling, methods=["POST"]),
         Route("/classify", create_classify, methods=["POST"]),
         *(Route(path, create_score, methods=["POST"]) for path in ("/score", "/v1/score")),
@@ -3555,6 +3557,143 @@ def _bytes_response(vectors: list[torch.Tensor], req: EmbeddingRequest, head: di
     headers = None if req.encoding_format == "bytes_only" else {"metadata": dumps(metadata)}
     return Response(b"".join(chunks), 200, headers, media_type="application/octet-stream")
 
+
+# ---------------------------------------------------------------- Cohere's /v2/embed (the pooling runner)
+# vLLM's CohereEmbedRequest on an embedding model: its texts (or text-only inputs) embedded as an
+# EmbeddingRequest would embed them, answered as Cohere's embeddings_by_type.
+
+COHERE_EMBEDDING_TYPES = ("float", "binary", "ubinary", "base64")
+
+
+class CohereEmbedContent(_Strict):
+    """One part of a Cohere input: text here (vLLM takes image_url too, a multimodal model's)."""
+    type: typing.Literal["text", "image_url"]
+    text: str | None = None
+    image_url: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _payload(self) -> "CohereEmbedContent":
+        if self.type == "text" and self.text is None:  # vLLM's words
+            raise ValueError("CohereEmbedContent with type='text' requires text")
+        if self.type == "image_url" and not (self.image_url or {}).get("url"):
+            raise ValueError("CohereEmbedContent with type='image_url' requires image_url.url")
+        return self
+
+
+class CohereEmbedInput(_Strict):
+    content: list[CohereEmbedContent]
+
+
+class CohereEmbedRequest(OpenAIBaseModel):
+    """vLLM's /v2/embed body (Cohere's Embed v2): exactly one of ``texts``, ``images`` or ``inputs``;
+    ``input_type`` picks the model's task-instruction prefix, ``truncate`` END/START/NONE with ``max_tokens``,
+    ``output_dimension`` a Matryoshka model's, ``embedding_types`` the encodings the answer carries."""
+    prompt_field: ClassVar[str] = "texts"
+    input_type: str | None = None
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    inputs: list[CohereEmbedInput] | None = None
+    output_dimension: int | None = None
+    embedding_types: list[typing.Literal["float", "binary", "ubinary", "base64"]] | None = None
+    truncate: typing.Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = None
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "CohereEmbedRequest":
+        given = [f for f in (self.texts, self.images, self.inputs) if f is not None]
+        if len(given) != 1 or not given[0]:  # vLLM's words
+            raise InvalidInput("texts", "Exactly one of texts, images, or inputs must be provided, and it must be "
+                                        "non-empty")
+        if self.images is not None or any(c.type == "image_url" for i in self.inputs or () for c in i.content):
+            raise InvalidInput("images" if self.images is not None else "inputs",
+                               "multimodal inputs are not supported: images (and image_url contents) need a "
+                               "multimodal model")
+        return self
+
+    def truncation(self) -> tuple[int | None, str | None]:
+        """vLLM's: (truncate_prompt_tokens, truncation_side); NONE cuts nothing (max_tokens is checked after)."""
+        if self.truncate == "NONE":
+            return None, None
+        keep = self.max_tokens if self.max_tokens is not None else -1
+        return keep, "left" if self.truncate == "START" else None
+
+    def as_embedding_request(self, instructions: dict[str, str] | None, has_template: bool) -> EmbeddingRequest:
+        """vLLM's proxy: texts as input (the input_type prefix prepended, or, with a chat template, the
+        prefix a system message and each text a chat's user message); text inputs always as chats."""
+        if self.input_type is not None and instructions is None:  # vLLM's words
+            raise InvalidInput("input_type", f"Unsupported input_type {self.input_type!r}. This model does not "
+                                             f"define any input_type task instructions.")
+        if self.input_type is not None and self.input_type not in instructions:
+            raise InvalidInput("input_type", f"Unsupported input_type {self.input_type!r}. Supported values: "
+                                             f"{', '.join(sorted(instructions))}")
+        prefix = (instructions or {}).get(self.input_type) or None
+        keep, side = self.truncation()
+        common = dict(model=self.model, dimensions=self.output_dimension, truncate_prompt_tokens=keep,
+                      truncation_side=side, priority=self.priority)
+        if self.texts is not None and (prefix is None or not has_template):
+            return EmbeddingRequest(input=[(prefix or "") + t for t in self.texts], **common)
+        parts = [[{"type": "text", "text": t}] for t in self.texts] if self.texts is not None else \
+            [[{"type": "text", "text": c.text} for c in i.content] for i in self.inputs]
+        system = [] if prefix is None else [{"role": "system", "content": [{"type": "text", "text": prefix}]}]
+        return EmbeddingRequest(messages=[[*system, {"role": "user", "content": p}] for p in parts], **common)
+
+    def param_name(self, engine_param: str) -> str:
+        return {"dimensions": "output_dimension", "truncate_prompt_tokens": "max_tokens",
+                "prompt": "texts" if self.texts is not None else "inputs"}.get(engine_param, engine_param)
+
+
+async def create_cohere_embedding(request: Request) -> Response:
+    """POST /v2/embed (vLLM's Cohere Embed v2, on an embedding model): each text's vector in every
+    asked ``embedding_types`` encoding (float by default), with Cohere's meta."""
+    state = _state(request)
+    _check_pooling_server(request, state, "embed")
+    req = await read_json(request, state, functools.partial(parse_body, CohereEmbedRequest,
+                                                             request_id=_request_id(request)))
+    engine = state.engine
+    has_template = bool(state.chat_template or getattr(engine.tokenizer, "chat_template", None))
+    try:
+        proxy = req.as_embedding_request(engine.task_instructions, has_template)
+    except InvalidInput as e:
+        raise req.invalid(e) from None
+    except ValidationError as e:
+        raise bad_request(str(e.errors(include_url=False)[0]["msg"]), req.param_name("prompt")) from None
+    try:
+        pooled = await _pool_inputs(request, state, proxy)
+    except ApiError as e:  # the proxy's field names in this body's words
+        e.param = req.param_name(e.param) if e.param else e.param
+        raise
+    if pooled is None:
+        return Response(status_code=499)  # nobody is listening
+    request_id, _, prompts, vectors = pooled
+    if req.truncate == "NONE" and req.max_tokens is not None:
+        for p in prompts:  # vLLM's check, after the run: NONE with max_tokens cuts nothing, refuses the long
+            if len(p.token_ids) > req.max_tokens:
+                raise bad_request(f"Input of {len(p.token_ids)} tokens exceeds max_tokens={req.max_tokens} with "
+                                  f"truncate=NONE. Set truncate to END or START to allow truncation.", "max_tokens")
+    floats = [v.tolist() for v in vectors]
+    embeddings = {kind: cohere_embeddings(floats, kind) for kind in req.embedding_types or ["float"]}
+    body = {"id": f"embd-{request_id}", "embeddings": embeddings, "texts": req.texts,
+            "meta": {"api_version": {"version": "2"},
+                     "billed_units": {"input_tokens": sum(len(p.token_ids) for p in prompts), "image_tokens": 0}},
+            "response_type": "embeddings_by_type"}
+    return json_response({k: v for k, v in body.items() if v is not None})  # vLLM's exclude_none
+
+
+def cohere_embeddings(floats: list[list[float]], kind: str) -> list:
+    """vLLM's build_typed_embeddings for one type: the floats; binary/ubinary each sign bit (>= 0 is 1)
+    packed eight to a byte, most significant first (binary's bytes minus 128); base64 of little-endian fp32."""
+    if kind == "float":
+        return floats
+    if kind == "base64":
+        return [base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() for v in floats]
+    dim = len(floats[0])
+    if dim % 8:  # vLLM's words
+        raise bad_request(f"Embedding dimension must be a multiple of 8 for binary embedding types, but got {dim}.",
+                          "embedding_types")
+    bits = (torch.tensor(floats, dtype=torch.float64) >= 0).long().view(len(floats), dim // 8, 8)
+    packed = (bits * torch.tensor([128, 64, 32, 16, 8, 4, 2, 1])).sum(-1)
+    return (packed - 128 if kind == "binary" else packed).tolist()
 
 # ---------------------------------------------------------------- score and rerank (the pooling runner)
 # vLLM's Score and Rerank APIs (entrypoints/pooling/scoring) for an embedding model, its bi-encoder: each

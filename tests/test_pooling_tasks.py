@@ -186,3 +186,69 @@ def test_invocations_tries_vllm_s_handlers_in_order(embed_server):
     assert r.status_code == 400 and r.json()["error"]["message"] == (
         "Cannot find suitable handler for request. Expected one of: ['EmbeddingRequest', 'RerankRequest', "
         "'ScoreRequest', 'PoolingRequest']"), r.text
+
+
+def test_cohere_v2_embed(embed_server):
+    """vLLM's /v2/embed: texts embedded as /v1/embeddings' input, in each asked encoding; input_type's
+    prefix as a system message of the chat template; truncation by truncate and max_tokens."""
+    url, tokenizer = embed_server.url, embed_server.engine.tokenizer
+    texts = ["the cat sat on the mat", "stocks fell"]
+    plain = httpx.post(url + "/v1/embeddings", json={"input": texts}, timeout=30).json()
+    want = torch.tensor([d["embedding"] for d in plain["data"]])
+    r = httpx.post(url + "/v2/embed", json={"texts": texts, "embedding_types": ["float", "binary", "ubinary",
+                                                                               "base64"]}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("embd-") and body["response_type"] == "embeddings_by_type"
+    assert body["texts"] == texts and body["meta"] == {"api_version": {"version": "2"}, "billed_units": {
+        "input_tokens": plain["usage"]["prompt_tokens"], "image_tokens": 0}}
+    got = body["embeddings"]
+    torch.testing.assert_close(torch.tensor(got["float"]), want)
+    b64 = torch.stack([torch.frombuffer(bytearray(base64.b64decode(x)), dtype=torch.float32) for x in got["base64"]])
+    torch.testing.assert_close(b64, want)
+    bits = (want >= 0).long().view(2, -1, 8)  # the sign bits, most significant first
+    ubinary = (bits * (2 ** torch.arange(7, -1, -1))).sum(-1)
+    assert got["ubinary"] == ubinary.tolist() and got["binary"] == (ubinary - 128).tolist()
+    only = httpx.post(url + "/v2/embed", json={"texts": texts[:1]}, timeout=30).json()["embeddings"]
+    assert list(only) == ["float"]
+    # input_type: the model's prefix, as a system message the chat template renders before the text
+    chat = [{"role": "system", "content": INSTRUCTIONS["query"]}, {"role": "user", "content": texts[0]}]
+    ids = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=False)
+    ids = tokenizer.encode(ids, add_special_tokens=False)
+    r = httpx.post(url + "/v2/embed", json={"texts": texts[:1], "input_type": "query"}, timeout=30).json()
+    rows = httpx.post(url + "/v1/embeddings", json={"input": [ids]}, timeout=30).json()["data"][0]["embedding"]
+    torch.testing.assert_close(torch.tensor(r["embeddings"]["float"][0]), torch.tensor(rows))
+    assert r["meta"]["billed_units"]["input_tokens"] == len(ids)
+    # inputs: each a chat of one user message, its text parts (no input_type: no system message)
+    chat = tokenizer.apply_chat_template(chat[1:], tokenize=False, add_generation_prompt=False)
+    rows = httpx.post(url + "/v1/embeddings", json={"input": [tokenizer.encode(chat, add_special_tokens=False)]},
+                      timeout=30).json()["data"][0]["embedding"]
+    r = httpx.post(url + "/v2/embed", json={"inputs": [{"content": [{"type": "text", "text": texts[0]}]}]},
+                   timeout=30).json()
+    torch.testing.assert_close(torch.tensor(r["embeddings"]["float"][0]), torch.tensor(rows))
+    assert "texts" not in r  # vLLM's exclude_none
+    # truncate END and START with max_tokens: the first or the last tokens, as /v1/embeddings' sides
+    long = "one two three four five six seven eight nine ten"
+    for truncate, side in (("END", "right"), ("START", "left")):
+        r = httpx.post(url + "/v2/embed", json={"texts": [long], "truncate": truncate, "max_tokens": 4}, timeout=30)
+        ref = httpx.post(url + "/v1/embeddings", json={"input": long, "truncate_prompt_tokens": 4,
+                                                       "truncation_side": side}, timeout=30).json()
+        assert r.json()["meta"]["billed_units"]["input_tokens"] == 4
+        torch.testing.assert_close(torch.tensor(r.json()["embeddings"]["float"][0]),
+                                   torch.tensor(ref["data"][0]["embedding"]))
+    for body, param, says in (
+            ({"texts": [long], "truncate": "NONE", "max_tokens": 4}, "max_tokens",
+             "tokens exceeds max_tokens=4 with truncate=NONE"),
+            ({"texts": []}, "texts", "Exactly one of texts, images, or inputs must be provided"),
+            ({"texts": ["a"], "inputs": [{"content": [{"type": "text", "text": "a"}]}]}, "texts",
+             "Exactly one of texts, images, or inputs"),
+            ({"images": ["data:image/png;base64,AAAA"]}, "images", "multimodal inputs are not supported"),
+            ({"texts": ["a"], "input_type": "classification"}, "input_type",
+             "Unsupported input_type 'classification'. Supported values: document, query"),
+            ({"texts": ["a"], "output_dimension": 8}, "output_dimension", "does not support Matryoshka"),
+            ({"texts": ["a"], "embedding_types": ["int8"]}, "embedding_types", "embedding_types"),
+            ({"texts": ["a"], "truncate": "MIDDLE"}, "truncate", "truncate")):
+        r = httpx.post(url + "/v2/embed", json=body, timeout=30)
+        assert r.status_code == 400 and says in r.json()["error"]["message"], (body, r.text)
+        assert r.json()["error"]["param"] == param, (body, r.text)
+    embed_server.wait_idle()
