@@ -2520,15 +2520,37 @@ class LLMEngine:
         pad_to = self.max_model_len if padding == "max_length" else None
         return self.process_prompt(prompt, keep, add_special_tokens, side, output_tokens=0, pad_to=pad_to)
 
-    def cross_encoder_prompt(self, query: str, document: str, add_special_tokens: bool = True) -> list[int]:
-        """vLLM's cross-encoder prompt: the pair as the tokenizer's text pair (its separators and special
-        tokens between and around), or, where config.json's use_sep_token is false, the texts joined as one."""
+    def cross_encoder_prompt(self, query: str, document: str, add_special_tokens: bool = True,
+                             score_template: str | None = None,
+                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """vLLM's cross-encoder prompt: with a score template (the server's --chat-template, LLM.score's
+        chat_template), the pair rendered as a "query" and a "document" message (``template_kwargs``, e.g.
+        the request's instruction, in the template's variables); else the tokenizer's text pair (its separators
+        and special tokens between and around), or, where config.json's use_sep_token is false, the texts
+        joined as one."""
         if self.tokenizer is None:
             raise InvalidInput("model", "a cross-encoder's pairs need the model's tokenizer (--skip-tokenizer-init "
                                         "leaves none)")
+        if score_template is not None:
+            text = self.render_score_template(query, document, score_template, template_kwargs or {})
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not self.model_config.use_sep_token:
             return self.tokenizer(query + document, add_special_tokens=add_special_tokens)["input_ids"]
         return self.tokenizer(text=query, text_pair=document, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def render_score_template(self, query: str, document: str, template: str, kwargs: dict[str, Any]) -> str:
+        """vLLM's score template: the template rendered over [query, document] messages, no tools, as text."""
+        reserved = sorted({"chat_template", "tools", "tokenize"} & kwargs.keys())
+        if reserved:  # vLLM's words
+            raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs contains reserved keys that conflict "
+                                                       f"with fixed scorer arguments: {set(reserved)}")
+        messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=template, tools=None, tokenize=False,
+                                                      **kwargs)
+        except Exception as e:  # the template's own error (jinja's): this pair cannot be scored with it
+            raise InvalidInput("chat_template", f"the score template failed to render a pair: "
+                                                f"{type(e).__name__}: {first_line(e)}") from None
 
     def _pad_token_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -3733,7 +3755,8 @@ class LLM:
         """vLLM's, for an embedding model (its bi-encoder): each text of ``data_1`` and ``data_2`` embedded
         once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings; for a
         classifier with one label (a cross-encoder), each pair read as one prompt, scored by the label's
-        activated logit. ``chat_template`` (a score template) is not supported; a bi-encoder ignores it."""
+        activated logit, rendered by ``chat_template`` where given (vLLM's score template: the pair as a "query"
+        and a "document" message; a bi-encoder ignores it)."""
         engine = self.engine
         if engine.runner_type != "pooling":  # vLLM's words
             raise InvalidInput("model", "LLM.score() is only supported for pooling models. Try passing "
@@ -3751,11 +3774,8 @@ class LLM:
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         queries, docs = score_inputs(data_1, data_2, self.engine.model_config.checkpoint_architecture)
-        if engine.is_cross_encoder:
-            if chat_template is not None:
-                raise InvalidInput("chat_template", "a score template (chat_template) is not supported: the pairs "
-                                                    "are tokenized as the tokenizer's text pairs")
-            pairs = [engine.cross_encoder_prompt(q, d) for q, d in paired(queries, docs)]
+        if engine.is_cross_encoder:  # chat_template: vLLM's score template (its Qwen3-Reranker example's)
+            pairs = [engine.cross_encoder_prompt(q, d, score_template=chat_template) for q, d in paired(queries, docs)]
             return cross_encoder_scores(self.encode(pairs, pooling_params, use_tqdm=use_tqdm,
                                                     lora_request=lora_request, pooling_task="classify"))
         outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,

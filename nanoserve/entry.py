@@ -3877,10 +3877,16 @@ def _score_prompts(state: ServerState, req: ScoringRequest, params: PoolingParam
 
 def _cross_encoder_prompts(state: ServerState, req: ScoringRequest, params: PoolingParams, texts: None,
                            lora: LoRARequest | None) -> list[TokenizedPrompt]:
-    """On the tokenizer thread: each pair (1:N or N:N) as one prompt, the tokenizer's text pair (each text
-    cut to max_tokens_per_query/doc tokens first, as vLLM's); an error names the documents' field."""
+    """On the tokenizer thread: each pair (1:N or N:N) as one prompt, rendered by the score template where the
+    server has one (--chat-template, as vLLM's; the body's instruction and chat_template_kwargs its
+    variables), else the tokenizer's text pair (each text cut to max_tokens_per_query/doc tokens first, as
+    vLLM's); an error names the documents' field."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.instruction is not None:  # vLLM's: chat_template_kwargs' own instruction wins
+        kwargs.setdefault("instruction", req.instruction)
     try:
-        ids = [state.engine.cross_encoder_prompt(q, d) for q, d in paired(*_cut_sides(state, req))]
+        ids = [state.engine.cross_encoder_prompt(q, d, score_template=state.chat_template, template_kwargs=kwargs)
+               for q, d in paired(*_cut_sides(state, req))]
         return _tokenize_pooled(state, req, params, ids, True, lora)
     except InvalidInput as e:
         raise InvalidInput(req.side_names()[1] if e.param == "prompt" else e.param, str(e)) from None

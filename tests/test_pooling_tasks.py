@@ -252,3 +252,58 @@ def test_cohere_v2_embed(embed_server):
         assert r.status_code == 400 and says in r.json()["error"]["message"], (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
     embed_server.wait_idle()
+
+
+# A Qwen3-Reranker-shaped score template (vLLM's examples/pooling/score/template/qwen3_reranker.jinja is of this
+# shape): the pair's "query" and "document" messages, and an instruction the request may give
+SCORE_TEMPLATE = (
+    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    '<Instruct>: {{ instruction | default("Given a web search query, retrieve relevant passages") }}\n'
+    '<Query>: {{ (messages | selectattr("role", "eq", "query") | first)["content"] }}\n'
+    '<Document>: {{ (messages | selectattr("role", "eq", "document") | first)["content"] }}<|im_end|>\n'
+    '<|im_start|>assistant\n<think>\n\n</think>\n\n\n')  # (jinja drops a template's last newline)
+
+
+def formatted(query: str, doc: str, instruction: str = "Given a web search query, retrieve relevant passages") -> str:
+    """The pair as vLLM's offline Qwen3-Reranker example formats it by hand (the oracle's text)."""
+    return ('<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the '
+            'Instruct provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+            f'<Instruct>: {instruction}\n<Query>: {query}\n<Document>: {doc}<|im_end|>\n'
+            '<|im_start|>assistant\n<think>\n\n</think>\n\n')
+
+
+def test_score_template_formats_a_cross_encoder_s_pairs(model_root, tmp_path):
+    """Qwen3-Reranker as vLLM serves it: --chat-template's score template renders each pair; the score is
+    transformers' causal LM's sigmoid(logit[yes] - logit[no]) on the formatted text."""
+    import json
+    from test_reranker import DOCS, QUERY, hf_last_logits, qwen3_reranker_overrides
+    from test_server import ServerThread
+    path = make_model(model_root, "qwen3", seed=7)
+    overrides = qwen3_reranker_overrides(path)
+    no, yes = 150, 250
+
+    def want(instruction=None) -> list[float]:
+        texts = [formatted(QUERY, d, *([instruction] if instruction else [])) for d in DOCS]
+        logits = hf_last_logits(path, texts)
+        return (logits[:, yes] - logits[:, no]).sigmoid().tolist()
+    llm = LLM(str(path), dtype="float32", max_num_seqs=4, hf_overrides=overrides)
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, chat_template=SCORE_TEMPLATE, use_tqdm=False)]
+    assert got == pytest.approx(want(), abs=1e-5)
+    plain = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    assert max(abs(a - b) for a, b in zip(got, plain)) > 1e-3  # the template changed the prompts
+    template = tmp_path / "qwen3_reranker.jinja"
+    template.write_text(SCORE_TEMPLATE)
+    with ServerThread(path, "--hf-overrides", json.dumps(overrides), "--chat-template", str(template)) as s:
+        r = httpx.post(s.url + "/score", json={"queries": QUERY, "documents": DOCS}, timeout=30)
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(want(), abs=1e-5), r.text
+        tokenizer = s.engine.tokenizer
+        assert r.json()["usage"]["prompt_tokens"] == sum(len(tokenizer(formatted(QUERY, d))["input_ids"]) for d in DOCS)
+        r = httpx.post(s.url + "/rerank", json={"query": QUERY, "documents": DOCS, "instruction": "find code"},
+                       timeout=30)
+        scores = {x["index"]: x["relevance_score"] for x in r.json()["results"]}
+        assert [scores[i] for i in range(3)] == pytest.approx(want("find code"), abs=1e-5), r.text
+        r = httpx.post(s.url + "/score", json={"queries": QUERY, "documents": DOCS,
+                                               "chat_template_kwargs": {"tools": []}}, timeout=30)
+        assert r.status_code == 400 and "reserved keys that conflict with fixed scorer arguments" in \
+            r.json()["error"]["message"], r.text
