@@ -2448,9 +2448,9 @@ class LLMEngine:
     def _resolve_pooling_task(self) -> None:
         mc, pc = self.model_config, self.pooler_config
         base = "embed" if mc.num_labels is None else "classify"
-        self.supported_pooling_tasks = (base, f"token_{base}")
+        self.supported_pooling_tasks = (f"token_{base}", base)  # vLLM's order (its DispatchPooler's)
         if pc.task is not None and pc.task not in self.supported_pooling_tasks:  # vLLM's words
-            raise ValueError(f"Unsupported task: {pc.task!r} Supported tasks: {self.supported_pooling_tasks}")
+            raise ValueError(f"Unsupported task: {pc.task!r} Supported tasks: {list(self.supported_pooling_tasks)}")
         self.pooling_task = pc.task or base
         rows = "every token's final hidden state" if self.token_wise else f"{pc.pooling_type} pooling of the " \
                                                                           f"final hidden states"
@@ -2489,9 +2489,13 @@ class LLMEngine:
         if not online and task in ("classify", "token_classify") and task not in self.supported_pooling_tasks:
             raise InvalidInput("task", "Classification API is not supported by this model. Try converting the "
                                        "model using `--convert classify`.")
+        if task == "plugin":  # vLLM's words: an IO processor plugin's task, none of which is served here
+            raise InvalidInput("task", "No IOProcessor plugin installed. Please refer to the documentation and to "
+                                       "the 'prithvi_geospatial_mae_io_processor' offline inference example for "
+                                       "more details.")
         if task not in self.supported_pooling_tasks:
             raise InvalidInput("task", f"Unsupported task: {task!r} Supported tasks: "
-                                       f"{self.supported_pooling_tasks}")
+                                       f"{list(self.supported_pooling_tasks)}")  # (vLLM's list, as its server says)
         if online:
             raise InvalidInput("task", f"Try switching the model's pooling_task via --pooler-config.task {task}.")
         raise InvalidInput("task", f'Try switching the model\'s pooling_task via `PoolerConfig(task="{task}")`')
@@ -3735,7 +3739,7 @@ class LLM:
         "token_classify" (a row per prompt token)."""
         engine = self.engine
         engine.check_runner("pooling")
-        if pooling_task is not None and pooling_task not in POOLING_TASKS + tuple(REMOVED_POOLING_TASKS):
+        if pooling_task is not None and pooling_task not in POOLING_TASKS + ("plugin", *REMOVED_POOLING_TASKS):
             raise InvalidInput("pooling_task", f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got "
                                                f"{pooling_task!r}")
         engine.check_pooling_task(pooling_task)

@@ -5,7 +5,8 @@ This module owns
 * the Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
   Anthropic's ``/v1/messages`` (both served as chat), ``/v1/models``, ``/health`` (and ``/ping``),
   ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, behind CORS; on the pooling runner
-  ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score`` and ``/rerank`` instead of generation;
+  ``/v1/embeddings`` (and Cohere's ``/v2/embed``), ``/pooling``, ``/classify``, ``/score`` and ``/rerank``
+  instead of generation;
 * the OpenAI protocol: request bodies as declarative pydantic models (as
   vLLM's ``protocol.py``; every error names its field), and one handler,
   serving path (``Generation``, as vLLM's ``serving_*.py``) and SSE stream
@@ -3639,8 +3640,9 @@ class CohereEmbedRequest(OpenAIBaseModel):
         return EmbeddingRequest(messages=[[*system, {"role": "user", "content": p}] for p in parts], **common)
 
     def param_name(self, engine_param: str) -> str:
-        return {"dimensions": "output_dimension", "truncate_prompt_tokens": "max_tokens",
-                "prompt": "texts" if self.texts is not None else "inputs"}.get(engine_param, engine_param)
+        texts = "texts" if self.texts is not None else "inputs"  # (the proxy's input, or its messages)
+        return {"dimensions": "output_dimension", "truncate_prompt_tokens": "max_tokens", "prompt": texts,
+                "input": texts, "messages": texts}.get(engine_param, engine_param)
 
 
 async def create_cohere_embedding(request: Request) -> Response:

@@ -42,7 +42,7 @@ def small_llm(path, **kw) -> LLM:
 def test_token_embed_rows_through_chunks_normalized_and_refusals(model_root):
     path = make_model(model_root, "qwen3")
     llm = small_llm(path, pooler_config={"task": "token_embed"})
-    assert (llm.engine.pooling_task, llm.engine.supported_pooling_tasks) == ("token_embed", ("embed", "token_embed"))
+    assert (llm.engine.pooling_task, llm.engine.supported_pooling_tasks) == ("token_embed", ("token_embed", "embed"))
     outs = llm.encode(PROMPTS, pooling_task="token_embed", use_tqdm=False)
     for prompt, out in zip(PROMPTS, outs):
         want = hf_rows(path, prompt)
@@ -98,7 +98,7 @@ def test_token_classify_rows_are_the_score_head_on_every_token(model_root):
 
 
 @pytest.mark.parametrize("pooler_config, says", [
-    ({"task": "token_classify"}, "Unsupported task: 'token_classify' Supported tasks: ('embed', 'token_embed')"),
+    ({"task": "token_classify"}, "Unsupported task: 'token_classify' Supported tasks: ['token_embed', 'embed']"),
     ({"task": "encode"}, "`encode` task was removed; use `token_embed` or `token_classify` instead."),
     ({"task": "rerank"}, "task must be one of"),
     ({"tok_pooling_type": "STEP"}, "tok_pooling_type must be ALL"),
@@ -143,7 +143,7 @@ def test_pooling_route_serves_token_embed_rows(token_embed_server, tiny_model):
             ("/pooling", {"input": "hi", "task": "embed"}, 400,
              "Try switching the model's pooling_task via --pooler-config.task embed."),
             ("/pooling", {"input": "hi", "task": "classify"}, 400,
-             "Unsupported task: 'classify' Supported tasks: ('embed', 'token_embed')"),
+             "Unsupported task: 'classify' Supported tasks: ['token_embed', 'embed']"),
             ("/pooling", {"input": "hi", "task": "encode"}, 400, "`encode` task was removed"),
             ("/v1/embeddings", {"input": "hi"}, 501, "The model does not support Embeddings API"),
             ("/score", {"queries": "a", "documents": "b"}, 501, "late-interaction scoring is not supported"),
@@ -247,7 +247,8 @@ def test_cohere_v2_embed(embed_server):
              "Unsupported input_type 'classification'. Supported values: document, query"),
             ({"texts": ["a"], "output_dimension": 8}, "output_dimension", "does not support Matryoshka"),
             ({"texts": ["a"], "embedding_types": ["int8"]}, "embedding_types", "embedding_types"),
-            ({"texts": ["a"], "truncate": "MIDDLE"}, "truncate", "truncate")):
+            ({"texts": ["a"], "truncate": "MIDDLE"}, "truncate", "truncate"),
+            ({"texts": [long * 60], "truncate": "NONE"}, "input_tokens", "maximum context length is 256")):
         r = httpx.post(url + "/v2/embed", json=body, timeout=30)
         assert r.status_code == 400 and says in r.json()["error"]["message"], (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
