@@ -23,7 +23,10 @@ hidden size of 128 (benchmarks/RESULTS.md has the models used).
 probabilities and scores are compared within SCORE_TOL. ``--battery reranker`` is the same battery plus
 Qwen3-Reranker-formatted pairs, for a causal LM served as a classifier by ``--hf-overrides``'
 ``classifier_from_token`` (``--make-reranker-models DIR`` writes two, LM head untied and tied, whose vocabulary
-has "no" and "yes").
+has "no" and "yes"). ``--battery pooltasks`` is for a server of a token-wise task (``--pooler-config
+'{"task": "token_embed"}'`` on the pooling models, ``token_classify`` on a classifier): /pooling's rows, compared
+as vectors. ``--battery score_template`` is for a cross-encoder served with ``--chat-template FILE``, the file
+``--make-score-template FILE`` writes (SCORE_TEMPLATE, of Qwen3-Reranker's template's shape).
 
 Only the standard library and httpx; the servers are not started here (benchmarks/PEERS.md says how).
 """
@@ -359,6 +362,10 @@ def pooling_battery(model: str, max_len: int) -> list[Case]:
             truncate_prompt_tokens=10),
         emb("messages_dims", input=None, messages=msgs, dimensions=32),
         Case("invocations", "/invocations", e),
+        Case("invocations.input_and_rerank", "/invocations", {**e, "query": "a", "documents": ["b", "c d"]}),
+        Case("invocations.bad_input_and_rerank", "/invocations", {**e, "input": 5, "query": "a", "documents": ["b"]}),
+        Case("invocations.bad_input", "/invocations", {**e, "input": 5}),
+        *cohere_cases(model, long_prompt),
         pool("unset"), pool("embed", task="embed"), pool("list", input=["a", "b c"], task="embed"),
         pool("token_embed", task="token_embed"), pool("classify", task="classify"), pool("other", task="x"),
         pool("encode", task="encode"), pool("dims", dimensions=32), pool("base64", encoding_format="base64"),
@@ -376,6 +383,97 @@ def pooling_battery(model: str, max_len: int) -> list[Case]:
         Case("gen.count_tokens", "/v1/messages/count_tokens", {"model": model, "messages": msgs}),
         Case("gen.responses", "/v1/responses", {"model": model, "input": "a", "max_output_tokens": 2}),
     ])
+
+
+def cohere_cases(model: str, long_prompt: str) -> list[Case]:
+    """Cohere's /v2/embed (vLLM's CohereEmbedRequest) on an embedding model."""
+    c = {"model": model, "texts": ["import os\n", "def f"]}
+
+    def co(name: str, **kw) -> Case:
+        return Case("cohere." + name, "/v2/embed", {k: v for k, v in {**c, **kw}.items() if v is not None})
+
+    return [
+        co("texts"), co("float", embedding_types=["float"]), co("binary", embedding_types=["binary"]),
+        co("ubinary", embedding_types=["ubinary"]), co("base64", embedding_types=["base64"]),
+        co("all_types", embedding_types=["float", "binary", "ubinary", "base64"]),
+        co("type_bad", embedding_types=["int8"]), co("input_type", input_type="search_query"),
+        co("end", texts=[long_prompt], max_tokens=20), co("start", texts=[long_prompt], truncate="START", max_tokens=20),
+        co("start_no_max", texts=[long_prompt], truncate="START"), co("none_ok", truncate="NONE", max_tokens=50),
+        co("none_over", texts=[long_prompt], truncate="NONE", max_tokens=20),
+        co("none_long", texts=[long_prompt], truncate="NONE"), co("long", texts=[long_prompt]),
+        co("truncate_bad", truncate="MIDDLE"), co("max_tokens_big", max_tokens=513),
+        co("dims", output_dimension=32), co("dims_bad", output_dimension=7),
+        co("empty", texts=[]), co("none", texts=None), co("both", inputs=[{"content": [{"type": "text", "text": "a"}]}]),
+        co("inputs", texts=None, inputs=[{"content": [{"type": "text", "text": "def f"}]}]),
+        co("inputs_no_text", texts=None, inputs=[{"content": [{"type": "text"}]}]),
+        co("images", texts=None, images=["data:image/png;base64,AAAA"]),
+        co("wrong_model", model="nope"), co("priority", priority=1), co("unknown_field", foo=1),
+    ]
+
+
+def pooltasks_battery(model: str, max_len: int) -> list[Case]:
+    """A server of a token-wise task (--pooler-config '{"task": "token_embed"}' on an embedding model, or
+    token_classify on a classifier): /pooling's rows, its task checks, and the routes the server refuses."""
+    long_prompt = " ".join(map(str, range(max_len)))
+    e = {"model": model, "input": "import os\n"}
+
+    def pool(name: str, **kw) -> Case:
+        return Case("tok." + name, "/pooling", {k: v for k, v in {**e, **kw}.items() if v is not None}, tol=SCORE_TOL)
+
+    return [
+        pool("unset"), pool("list", input=["a", "b c d"]), pool("ids", input=[100, 200, 300]),
+        pool("token_embed", task="token_embed"), pool("token_classify", task="token_classify"),
+        pool("embed", task="embed"), pool("classify", task="classify"), pool("encode", task="encode"),
+        pool("plugin", task="plugin"), pool("other", task="x"), pool("raw", use_activation=False),
+        pool("dims", dimensions=8), pool("base64", encoding_format="base64"),
+        pool("bytes", input=["a", "b c"], encoding_format="bytes"),
+        pool("messages", input=None, messages=[{"role": "user", "content": "def f"}]),
+        pool("trunc", input=long_prompt, truncate_prompt_tokens=20), pool("long", input=long_prompt),
+        pool("empty", input=""),
+        Case("tok.invocations", "/invocations", e), Case("tok.invocations_rerank", "/invocations",
+                                                          {"model": model, "query": "a", "documents": ["b"]}),
+        Case("tok.embeddings", "/v1/embeddings", e), Case("tok.classify", "/classify", e),
+        Case("tok.v2_embed", "/v2/embed", {"model": model, "texts": ["a"]}),
+        Case("tok.score", "/score", {"model": model, "queries": "a", "documents": ["b", "c"]}),
+        Case("tok.rerank", "/rerank", {"model": model, "query": "a", "documents": ["b", "c"]}),
+        Case("tok.models", "/v1/models", method="GET"),
+    ]
+
+
+# A Qwen3-Reranker-shaped score template (its query, instruction and document in the places vLLM's
+# examples/pooling/score/template/qwen3_reranker.jinja puts them; jinja drops the text's last newline)
+SCORE_TEMPLATE = (
+    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
+    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
+    '<Instruct>: {{ instruction | default("Given a web search query, retrieve relevant passages") }}\n'
+    '<Query>: {{ (messages | selectattr("role", "eq", "query") | first)["content"] }}\n'
+    '<Document>: {{ (messages | selectattr("role", "eq", "document") | first)["content"] }}<|im_end|>\n'
+    '<|im_start|>assistant\n<think>\n\n</think>\n\n\n')
+
+
+def score_template_battery(model: str, max_len: int) -> list[Case]:
+    """A cross-encoder served with a score template (--chat-template, SCORE_TEMPLATE written by
+    --make-score-template): unformatted pairs, the instruction, chat_template_kwargs and their refusals."""
+    docs = ["a cat sat down", "stock prices fell", "the cat"]
+
+    def st(name: str, path: str, **kw) -> Case:
+        return Case("st." + name, path, {"model": model, **kw}, tol=SCORE_TOL)
+
+    return [
+        st("score", "/score", queries="the cat sat", documents=docs),
+        st("score_nn", "/score", queries=["the cat sat", "stocks", "a"], documents=docs),
+        st("rerank", "/rerank", query="the cat sat", documents=docs),
+        st("instruction", "/rerank", query="the cat sat", documents=docs, instruction="find finance news"),
+        st("kwargs", "/score", queries="the cat sat", documents=docs,
+           chat_template_kwargs={"instruction": "find animals"}),
+        st("kwargs_win", "/score", queries="the cat sat", documents=docs, instruction="a",
+           chat_template_kwargs={"instruction": "find animals"}),
+        st("kwargs_reserved", "/score", queries="a", documents=docs, chat_template_kwargs={"tools": []}),
+        st("per_doc", "/score", queries="the cat sat", documents=docs, max_tokens_per_doc=1),
+        st("trunc", "/score", queries="the cat sat", documents=docs, truncate_prompt_tokens=20),
+        st("classify", "/classify", input=["the cat sat"]),
+        st("invocations", "/invocations", query="the cat sat", documents=docs),
+    ]
 
 
 def score_cases(model: str, long_prompt: str) -> list[Case]:
@@ -699,7 +797,12 @@ KEPT: list[tuple[str, Any]] = [
     ("an id outside the vocabulary: 400", lambda r: r[0] == "detok.oov"),
     ("a bool is no token id (pydantic takes true as 1)", lambda r: r[0] == "emb.bool_list"),
     ("FCFS refuses priority != 0 (vLLM's docs; its code ignores it)", lambda r: r[0] in ("emb.priority",
-                                                                                          "cls.priority")),
+                                                                                          "cls.priority",
+                                                                                          "cohere.priority")),
+    ("token_embed's late-interaction score not served (501)", lambda r: r[0] in (
+        "tok.score", "tok.rerank", "tok.invocations_rerank") and r[2] == "status" and r[3] == 501),
+    ("/v2/embed's param names its own field", lambda r: r[0].startswith("cohere.") and r[1] == ".error.param"
+     and r[3] in ("texts", "max_tokens")),
     ("/classify's messages as /v1/embeddings': one chat or a batch", lambda r: r[0] == "cls.messages_batch"),
     ("truncated echo: the tokens the model saw", lambda r: r[0] == "cmpl.trunc_echo" and r[1].endswith(".text")),
     ("echo with return_token_ids echoes the prompt", lambda r: r[0] == "cmpl.echo_ids" and r[1].endswith(".text")),
@@ -765,6 +868,10 @@ def decode_vector(raw: bytes, dtype: str, endianness: str) -> list[float]:
 def decode_base64(case: Case, body: Any) -> Any:
     """An embeddings answer's base64 vectors as floats (fp32 sums differ in the last bits between servers)."""
     req = case.body if isinstance(case.body, dict) else {}
+    cohere = body.get("embeddings") if isinstance(body, dict) and case.path == "/v2/embed" else None
+    if isinstance(cohere, dict) and isinstance(cohere.get("base64"), list):  # Cohere's: little-endian fp32 each
+        cohere["base64"] = [decode_vector(base64.b64decode(v), "float32", "little") for v in cohere["base64"]]
+        return body
     if req.get("encoding_format") != "base64" or not isinstance(body, dict) or not isinstance(body.get("data"), list):
         return body
     dtype, endianness = req.get("embed_dtype", "float32"), req.get("endianness", "native")
@@ -959,12 +1066,16 @@ def main() -> int:
     p.add_argument("--make-classify-models", metavar="DIR", help="write the classify battery's models there, and exit")
     p.add_argument("--make-reranker-models", metavar="DIR", help="write the reranker battery's models there, and exit")
     p.add_argument("--model", default="demo", help="the served model name both use")
-    p.add_argument("--battery", choices=["generate", "pooling", "classify", "reranker"],
+    p.add_argument("--make-score-template", metavar="FILE", help="write the score_template battery's template there, "
+                   "and exit")
+    p.add_argument("--battery", choices=["generate", "pooling", "classify", "reranker", "pooltasks",
+                                        "score_template"],
                    default="generate",
                    help="pooling: the embeddings battery, for two servers run with --runner pooling; classify: "
                         "the classifier battery (a several-label classifier, or a one-label cross-encoder); "
                         "reranker: classify's plus Qwen3-Reranker-formatted pairs (a causal LM served with "
-                        "classifier_from_token)")
+                        "classifier_from_token); pooltasks: a token_embed or token_classify server's "
+                        "/pooling; score_template: a cross-encoder served with --chat-template SCORE_TEMPLATE")
     p.add_argument("--max-model-len", type=int, default=512)
     p.add_argument("--labels", default="nanoserve,vllm")
     p.add_argument("--only", default="", help="run the cases whose name starts with this")
@@ -982,11 +1093,16 @@ def main() -> int:
     if args.make_reranker_models:
         make_reranker_models(args.make_reranker_models)
         return 0
+    if args.make_score_template:
+        with open(args.make_score_template, "w") as f:
+            f.write(SCORE_TEMPLATE)
+        return 0
     if not (args.a and args.b):
         p.error("two base URLs are needed: nanoserve's, then vLLM's")
     la, lb = args.labels.split(",")
     make = {"pooling": pooling_battery, "classify": classify_battery,
-            "reranker": reranker_battery}.get(args.battery, battery)
+            "reranker": reranker_battery, "pooltasks": pooltasks_battery,
+            "score_template": score_template_battery}.get(args.battery, battery)
     cases = [c for c in make(args.model, args.max_model_len) if c.name.startswith(args.only)]
     record, rows, differing = [], [], 0
     with httpx.Client(timeout=120) as client:

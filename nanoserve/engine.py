@@ -517,6 +517,10 @@ class RequestOutput:
 
 POOLING_TYPES = ("CLS", "LAST", "MEAN")  # vLLM's SequencePoolingType (CLS, on a decoder: the first token's)
 TOKEN_POOLING_TYPES = ("ALL", "STEP")  # vLLM's TokenPoolingType: a vector per token (token_embed, token_classify)
+# vLLM's PoolingTask that nanoserve serves: an embedding model's two, a classifier's two
+POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify")
+REMOVED_POOLING_TASKS = {"score": "`score` task was removed; use `classify` instead.",  # vLLM's words
+                         "encode": "`encode` task was removed; use `token_embed` or `token_classify` instead."}
 RUNNERS = ("auto", "generate", "pooling")
 CONVERTS = ("auto", "none", "embed", "classify")  # vLLM's reward head is not built here
 # older vLLM's --task: embed(ding) is the pooling runner, classify and score too (as --convert classify)
@@ -527,32 +531,44 @@ TASKS = ("auto", "generate", "embed", "embedding", "classify", "score")
 class PoolerConfig:
     """vLLM's --pooler-config for embeddings: how the hidden states become one vector.
     None fields are filled from a sentence-transformers checkpoint's modules.json, then
-    from vLLM's defaults for a decoder (LAST token, normalized)."""
+    from vLLM's defaults for a decoder (LAST token, normalized). ``task`` picks which of the
+    model's two pooling tasks the server and LLM.encode serve (vLLM's: the sequence one, embed or
+    classify, unless told token_embed or token_classify: every token's row, ALL pooling)."""
     pooling_type: str | None = None
     use_activation: bool | None = None  # embeddings: L2-normalize (vLLM's name since `normalize` went)
+    task: str | None = None
 
     @classmethod
     def from_dict(cls, given: dict[str, Any] | None) -> "PoolerConfig":
         given = dict(given or {})
         if "normalize" in given:  # vLLM 0.32's own words
             raise ValueError("pooler_config: Parameter `normalize` was removed; use `use_activation` instead.")
-        if "seq_pooling_type" in given:  # vLLM's internal name for the same field
-            if "pooling_type" in given:
-                raise ValueError("pooler_config: Cannot set both `pooling_type` and `seq_pooling_type`")
+        for name in ("seq_pooling_type", "tok_pooling_type"):  # vLLM's internal names
+            if name in given and "pooling_type" in given:
+                raise ValueError(f"pooler_config: Cannot set both `pooling_type` and `{name}`")
+        if "seq_pooling_type" in given:
             given["pooling_type"] = given.pop("seq_pooling_type")
-        unknown = sorted(set(given) - {"pooling_type", "use_activation"})
+        tok = given.pop("tok_pooling_type", None)
+        if str(given.get("pooling_type")).upper() in TOKEN_POOLING_TYPES:  # vLLM's tok_pooling_type, so said
+            tok = given.pop("pooling_type")
+        if tok is not None and str(tok).upper() != "ALL":
+            raise ValueError(f"pooler_config: tok_pooling_type must be ALL (every token's row; vLLM's STEP, a "
+                             f"process reward model's, is not served here), got {tok!r}")
+        unknown = sorted(set(given) - {"pooling_type", "use_activation", "task"})
         if unknown:
-            raise ValueError(f"pooler_config: {', '.join(unknown)} not supported here (pooling_type and "
-                             f"use_activation are)")
+            raise ValueError(f"pooler_config: {', '.join(unknown)} not supported here (pooling_type, "
+                             f"use_activation and task are)")
         config = cls(**given)
+        if config.task is not None:
+            check_removed_pooling_task(config.task, "pooler_config: ")
+            if config.task not in POOLING_TASKS:
+                raise ValueError(f"pooler_config: task must be one of {', '.join(POOLING_TASKS)}, got "
+                                 f"{config.task!r}")
         if config.pooling_type is not None:
             config.pooling_type = str(config.pooling_type).upper()
-            if config.pooling_type in TOKEN_POOLING_TYPES:
-                raise ValueError(f"pooler_config: pooling_type {config.pooling_type} pools each token (vLLM's "
-                                 f"token_embed and token_classify tasks), which nanoserve does not serve; "
-                                 f"embeddings take one of {', '.join(POOLING_TYPES)}")
             if config.pooling_type not in POOLING_TYPES:
-                raise ValueError(f"pooler_config: pooling_type must be one of {', '.join(POOLING_TYPES)}, got "
+                raise ValueError(f"pooler_config: pooling_type must be one of "
+                                 f"{', '.join(POOLING_TYPES + TOKEN_POOLING_TYPES[:1])}, got "
                                  f"{given['pooling_type']!r}")
         if config.use_activation is not None and not isinstance(config.use_activation, bool):
             raise ValueError(f"pooler_config: use_activation must be true or false, got {config.use_activation!r}")
@@ -563,7 +579,26 @@ class PoolerConfig:
         st = sentence_transformers_pooling(path) or {}
         pooling_type = self.pooling_type or st.get("pooling_type") or "LAST"
         return PoolerConfig(pooling_type, next(v for v in (self.use_activation, st.get("use_activation"), True)
-                                               if v is not None))
+                                               if v is not None), self.task)
+
+
+def check_removed_pooling_task(task: Any, where: str = "") -> None:
+    """vLLM's check_removed_pooling_task: the tasks it renamed, refused in its words."""
+    if isinstance(task, str) and task in REMOVED_POOLING_TASKS:
+        raise InvalidInput("task", where + REMOVED_POOLING_TASKS[task])
+
+
+def embed_task_instructions(path: Path) -> dict[str, str] | None:
+    """vLLM's Cohere input_type prefixes: config.json's ``task_instructions``, else the sentence-transformers
+    ``prompts`` (config_sentence_transformers.json); the string entries, None where there are none."""
+    for name, key in (("config.json", "task_instructions"), ("config_sentence_transformers.json", "prompts")):
+        try:
+            found = json.loads((path / name).read_text()).get(key)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, dict) and (found := {k: v for k, v in found.items() if isinstance(v, str)}):
+            return found
+    return None
 
 
 def sentence_transformers_pooling(path: Path) -> dict[str, Any] | None:
@@ -835,9 +870,10 @@ def activate(logits: torch.Tensor, activation: str) -> torch.Tensor:
 
 
 def finish_embedding(pooled: torch.Tensor, dimensions: int | None, normalize: bool) -> torch.Tensor:
-    """vLLM's EmbeddingPoolerHead: Matryoshka's first ``dimensions`` first, then L2-normalize."""
+    """vLLM's EmbeddingPoolerHead (and its token-wise one, a row per token): Matryoshka's first
+    ``dimensions`` first, then L2-normalize."""
     if dimensions is not None:
-        pooled = pooled[:dimensions]
+        pooled = pooled[..., :dimensions]
     return torch.nn.functional.normalize(pooled, p=2, dim=-1) if normalize else pooled
 
 
@@ -1001,9 +1037,10 @@ class Request:
     lora_int_id: int | None = None    # the LoRA adapter it runs with (TokenizedPrompt's)
     serial: int = -1                  # unique for the engine's life, where a caller may reuse an id
     # The pooling runner's (embeddings): the request is its prompt's prefill and nothing more. MEAN
-    # pooling adds up the chunks' hidden-state sums in ``pooled`` (fp32, on the host), CLS keeps its first row.
+    # pooling adds up the chunks' hidden-state sums in ``pooled`` (fp32, on the host), CLS keeps its first row,
+    # a token-wise task (ALL) the list of its chunks' rows.
     pooling_params: PoolingParams | None = None
-    pooled: torch.Tensor | None = None
+    pooled: torch.Tensor | list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -1931,8 +1968,12 @@ class LLMEngine:
             logger.info("[engine] config.json overridden (hf_overrides): %s", json.dumps(config.hf_overrides))
         self.runner_type = resolve_runner(config, path, self.model_config)  # "generate" or "pooling"
         self.pooler_config: PoolerConfig | None = None
-        # the pooling runner's one task (vLLM's get_pooling_task): a classifier's "classify", else "embed"
+        # the pooling runner's task (vLLM's get_pooling_task): --pooler-config's task, else a classifier's
+        # "classify" and an embedding model's "embed"; supported_pooling_tasks: the model's two (vLLM's
+        # DispatchPooler: each sequence task with its token-wise one)
         self.pooling_task: str | None = None
+        self.supported_pooling_tasks: tuple[str, ...] = ()
+        self.task_instructions: dict[str, str] | None = None
         self.classify_activation: str | None = None  # classify's: "softmax", "sigmoid" or "identity"
         if self.runner_type == "pooling":
             if config.runner == "auto":  # vLLM's line
@@ -1940,6 +1981,7 @@ class LLMEngine:
                             "to silence this message.")
             config.check_pooling_runner()
             self.pooler_config = config.pooler_config.resolved(path)
+            self.task_instructions = embed_task_instructions(path)  # /v2/embed's input_type prefixes
             self._resolve_pooling_task()
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
@@ -2405,35 +2447,58 @@ class LLMEngine:
 
     def _resolve_pooling_task(self) -> None:
         mc, pc = self.model_config, self.pooler_config
-        if mc.num_labels is None:
-            self.pooling_task = "embed"
-            logger.info("[engine] pooling runner: embeddings, %s pooling of the final hidden states%s",
-                        pc.pooling_type, ", normalized" if pc.use_activation else "")
+        base = "embed" if mc.num_labels is None else "classify"
+        self.supported_pooling_tasks = (f"token_{base}", base)  # vLLM's order (its DispatchPooler's)
+        if pc.task is not None and pc.task not in self.supported_pooling_tasks:  # vLLM's words
+            raise ValueError(f"Unsupported task: {pc.task!r} Supported tasks: {list(self.supported_pooling_tasks)}")
+        self.pooling_task = pc.task or base
+        rows = "every token's final hidden state" if self.token_wise else f"{pc.pooling_type} pooling of the " \
+                                                                          f"final hidden states"
+        if base == "embed":
+            logger.info("[engine] pooling runner: %s, %s%s", self.pooling_task, rows,
+                        ", normalized" if pc.use_activation else "")
             return
-        self.pooling_task, self.classify_activation = "classify", classify_activation(mc)
-        logger.info("[engine] pooling runner: classify, %d labels from the score head on the %s pooled hidden "
-                    "state%s", mc.num_labels, pc.pooling_type,
-                    f", {self.classify_activation}" if pc.use_activation else ", raw logits")
+        self.classify_activation = classify_activation(mc)
+        logger.info("[engine] pooling runner: %s, %d labels from the score head on %s%s", self.pooling_task,
+                    mc.num_labels, rows, f", {self.classify_activation}" if pc.use_activation else ", raw logits")
+
+    @property
+    def token_wise(self) -> bool:
+        """vLLM's token_embed and token_classify: a row per prompt token (ALL pooling), not one per prompt."""
+        return self.pooling_task is not None and self.pooling_task.startswith("token_")
 
     @property
     def is_cross_encoder(self) -> bool:
         """vLLM's enable_scoring_api for a classifier: Score and Rerank serve one with a single label."""
         return self.pooling_task == "classify" and self.model_config.num_labels == 1
 
-    def check_pooling_task(self, task: str, online: bool = False) -> None:
-        """``task`` ("embed" or "classify") against the model's (vLLM's words: LLM.encode's, or /pooling's)."""
+    def check_pooling_task(self, task: str | None, online: bool = False) -> None:
+        """``task`` against the model's (vLLM's checks and words: LLM.encode's, or /pooling's with
+        ``online``): a task the model has but is not serving names --pooler-config's task to switch to."""
         self.check_runner("pooling")
         if task == self.pooling_task:
             return
-        if online:
-            raise InvalidInput("task", f"Unsupported task: {task!r} Supported tasks: ({self.pooling_task!r},)")
-        if task == "embed":
+        check_removed_pooling_task(task)
+        if task is None:  # vLLM's words
+            raise InvalidInput("pooling_task", "pooling_task required for `LLM.encode`. Use LLM.embed or "
+                                               "LLM.classify, or set pooling_task: 'embed', 'classify', "
+                                               "'token_embed' (multi-vector retrieval) or 'token_classify'")
+        if not online and task in ("embed", "token_embed") and task not in self.supported_pooling_tasks:
             raise InvalidInput("task", "Embedding API is not supported by this model. Try converting the model "
                                        "using `--convert embed`.")
-        if task == "classify":
+        if not online and task in ("classify", "token_classify") and task not in self.supported_pooling_tasks:
             raise InvalidInput("task", "Classification API is not supported by this model. Try converting the "
                                        "model using `--convert classify`.")
-        raise InvalidInput("task", f"Unsupported task: {task!r} Supported tasks: ({self.pooling_task!r},)")
+        if task == "plugin":  # vLLM's words: an IO processor plugin's task, none of which is served here
+            raise InvalidInput("task", "No IOProcessor plugin installed. Please refer to the documentation and to "
+                                       "the 'prithvi_geospatial_mae_io_processor' offline inference example for "
+                                       "more details.")
+        if task not in self.supported_pooling_tasks:
+            raise InvalidInput("task", f"Unsupported task: {task!r} Supported tasks: "
+                                       f"{list(self.supported_pooling_tasks)}")  # (vLLM's list, as its server says)
+        if online:
+            raise InvalidInput("task", f"Try switching the model's pooling_task via --pooler-config.task {task}.")
+        raise InvalidInput("task", f'Try switching the model\'s pooling_task via `PoolerConfig(task="{task}")`')
 
     def check_runner(self, runner: str) -> None:
         """Generation needs the generate runner, embeddings the pooling one (vLLM's words)."""
@@ -2459,15 +2524,37 @@ class LLMEngine:
         pad_to = self.max_model_len if padding == "max_length" else None
         return self.process_prompt(prompt, keep, add_special_tokens, side, output_tokens=0, pad_to=pad_to)
 
-    def cross_encoder_prompt(self, query: str, document: str, add_special_tokens: bool = True) -> list[int]:
-        """vLLM's cross-encoder prompt: the pair as the tokenizer's text pair (its separators and special
-        tokens between and around), or, where config.json's use_sep_token is false, the texts joined as one."""
+    def cross_encoder_prompt(self, query: str, document: str, add_special_tokens: bool = True,
+                             score_template: str | None = None,
+                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """vLLM's cross-encoder prompt: with a score template (the server's --chat-template, LLM.score's
+        chat_template), the pair rendered as a "query" and a "document" message (``template_kwargs``, e.g.
+        the request's instruction, in the template's variables); else the tokenizer's text pair (its separators
+        and special tokens between and around), or, where config.json's use_sep_token is false, the texts
+        joined as one."""
         if self.tokenizer is None:
             raise InvalidInput("model", "a cross-encoder's pairs need the model's tokenizer (--skip-tokenizer-init "
                                         "leaves none)")
+        if score_template is not None:
+            text = self.render_score_template(query, document, score_template, template_kwargs or {})
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
         if not self.model_config.use_sep_token:
             return self.tokenizer(query + document, add_special_tokens=add_special_tokens)["input_ids"]
         return self.tokenizer(text=query, text_pair=document, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def render_score_template(self, query: str, document: str, template: str, kwargs: dict[str, Any]) -> str:
+        """vLLM's score template: the template rendered over [query, document] messages, no tools, as text."""
+        reserved = sorted({"chat_template", "tools", "tokenize"} & kwargs.keys())
+        if reserved:  # vLLM's words
+            raise InvalidInput("chat_template_kwargs", f"chat_template_kwargs contains reserved keys that conflict "
+                                                       f"with fixed scorer arguments: {set(reserved)}")
+        messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=template, tools=None, tokenize=False,
+                                                      **kwargs)
+        except Exception as e:  # the template's own error (jinja's): this pair cannot be scored with it
+            raise InvalidInput("chat_template", f"the score template failed to render a pair: "
+                                                f"{type(e).__name__}: {first_line(e)}") from None
 
     def _pad_token_id(self) -> int:
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -2483,9 +2570,9 @@ class LLMEngine:
                                                  f"{type(params).__name__}")
         self.check_runner("pooling")
         d, mc = params.dimensions, self.model_config
-        if d is not None and self.pooling_task == "classify":  # vLLM's words
-            raise InvalidInput("dimensions", "Task 'classify' only supports ['use_activation'] parameters, does "
-                                             "not support ['dimensions'] parameters")
+        if d is not None and self.model_config.num_labels is not None:  # vLLM's words
+            raise InvalidInput("dimensions", f"Task {self.pooling_task!r} only supports ['use_activation'] "
+                                             f"parameters, does not support ['dimensions'] parameters")
         if d is not None:
             if not mc.is_matryoshka:
                 raise InvalidInput("dimensions", f"This model does not support Matryoshka embeddings; dimensions "
@@ -2514,14 +2601,15 @@ class LLMEngine:
                                priority: int = 0) -> str:
         """A prefill-only request: scheduled as any prompt (chunked, batched, prefix-cached), it ends in
         the step that computes its last token, with no token sampled. MEAN pooling needs every
-        position's hidden state and CLS the first's, so they read no cached prefix (as vLLM's
-        skip_reading_prefix_cache)."""
+        position's hidden state, CLS the first's and the token-wise tasks each row, so they read no
+        cached prefix (as vLLM's skip_reading_prefix_cache)."""
         self._check_lora_loaded(prompt)
         request_id = self._new_request_id(request_id)
         self.scheduler.add_request(Request(
             request_id, prompt.text, prompt.token_ids, SamplingParams(max_tokens=1), 0, self.eos_token_ids, None,
             cache_salt=self._salt(prompt) if self.config.enable_prefix_caching else None,
-            skip_reading_prefix_cache=self.pooler_config.pooling_type != "LAST", priority=priority,
+            skip_reading_prefix_cache=self.token_wise or self.pooler_config.pooling_type != "LAST",
+            priority=priority,
             lora_int_id=prompt.lora_int_id, serial=next(self.serials), pooling_params=params))
         self.stats_counters["prompt_tokens"] += len(prompt.token_ids)
         return request_id
@@ -2943,7 +3031,10 @@ class LLMEngine:
 
     def _pooling_rows(self, s: ScheduledRequest) -> str | None:
         """What a pooling request's chunk hands back (SeqInput.pooling): MEAN adds up every chunk's rows,
-        LAST needs the last chunk's last row only, CLS the first chunk's first row."""
+        LAST needs the last chunk's last row only, CLS the first chunk's first row; a token-wise task
+        every chunk's rows."""
+        if self.token_wise:
+            return "ALL"
         kind = self.pooler_config.pooling_type
         if kind == "MEAN":
             return "SUM"
@@ -3009,23 +3100,27 @@ class LLMEngine:
 
     def _take_pooled(self, outputs: dict[str, Any], s: ScheduledRequest, rows: torch.Tensor | None,
                      now: float) -> None:
-        """A pooling request's chunk: MEAN's sums added up, CLS's first row kept (both from its first
-        position again after a preemption); its last chunk ends it with its embedding, its blocks freed
-        (and left cached)."""
-        req, kind = s.request, self.pooler_config.pooling_type
+        """A pooling request's chunk: MEAN's sums added up, CLS's first row kept, a token-wise task's
+        rows gathered (each from its first position again after a preemption); its last chunk ends it
+        with its embedding (or rows), its blocks freed (and left cached)."""
+        req, kind = s.request, "ALL" if self.token_wise else self.pooler_config.pooling_type
         # aborted while the step ran; a LAST request's earlier chunk, a CLS request's later one (but its last)
         if req.status.is_finished or rows is None and (kind != "CLS" or not s.will_sample):
             return
         try:
             if kind == "MEAN":
                 req.pooled = rows if s.start == 0 else req.pooled + rows
+            elif kind == "ALL":  # vLLM's AllPool: the chunks' rows, joined at the last
+                req.pooled = [] if s.start == 0 else req.pooled
+                req.pooled.append(rows)
             elif kind == "CLS" and rows is not None:
                 req.pooled = rows
             if not s.will_sample:
                 return
-            data = req.pooled / req.num_prompt_tokens if kind == "MEAN" else req.pooled if kind == "CLS" else rows
+            data = req.pooled / req.num_prompt_tokens if kind == "MEAN" else req.pooled if kind == "CLS" \
+                else torch.cat(req.pooled) if kind == "ALL" else rows
             p = req.pooling_params
-            if self.pooling_task == "classify":  # the score head's logits
+            if self.model_config.num_labels is not None:  # the score head's logits (a row's, token-wise)
                 data = activate(data, self.classify_activation) if p.use_activation else data
             else:
                 data = finish_embedding(data, p.dimensions, p.use_activation)
@@ -3639,13 +3734,14 @@ class LLM:
     def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
                use_tqdm: bool = True, lora_request: LoRARequest | list[LoRARequest | None] | None = None,
                pooling_task: str | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's: the pooler's output per prompt (``outputs.data``, a tensor); pooling_task "embed" (an
-        embedding model's) or "classify" (a classifier's)."""
+        """vLLM's: the pooler's output per prompt (``outputs.data``, a tensor); pooling_task the model's
+        served task: "embed" or "classify" (a vector each), or with PoolerConfig(task=...) "token_embed" or
+        "token_classify" (a row per prompt token)."""
         engine = self.engine
         engine.check_runner("pooling")
-        if pooling_task not in ("embed", "classify"):
-            raise InvalidInput("pooling_task", f"pooling_task must be 'embed' (LLM.embed) or 'classify' "
-                                               f"(LLM.classify), got {pooling_task!r}")
+        if pooling_task is not None and pooling_task not in POOLING_TASKS + ("plugin", *REMOVED_POOLING_TASKS):
+            raise InvalidInput("pooling_task", f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got "
+                                               f"{pooling_task!r}")
         engine.check_pooling_task(pooling_task)
         prompts = _as_prompt_list(prompts)
         loras = _per_prompt(lora_request, len(prompts), "lora_requests")
@@ -3663,7 +3759,8 @@ class LLM:
         """vLLM's, for an embedding model (its bi-encoder): each text of ``data_1`` and ``data_2`` embedded
         once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings; for a
         classifier with one label (a cross-encoder), each pair read as one prompt, scored by the label's
-        activated logit. ``chat_template`` (a score template) is not supported; a bi-encoder ignores it."""
+        activated logit, rendered by ``chat_template`` where given (vLLM's score template: the pair as a "query"
+        and a "document" message; a bi-encoder ignores it)."""
         engine = self.engine
         if engine.runner_type != "pooling":  # vLLM's words
             raise InvalidInput("model", "LLM.score() is only supported for pooling models. Try passing "
@@ -3671,17 +3768,18 @@ class LLM:
         if engine.pooling_task == "classify" and not engine.is_cross_encoder:
             raise InvalidInput("model", f"Score API is only enabled for num_labels == 1 (this classifier has "
                                         f"{engine.model_config.num_labels})")
+        if engine.token_wise:  # vLLM's words; its token_embed scores by late interaction, not served here
+            raise InvalidInput("model", "This model does not support the Scoring API." + (
+                " (token_embed's late-interaction scoring is not supported by nanoserve)"
+                if engine.pooling_task == "token_embed" else ""))
         if tokenization_kwargs:
             raise InvalidInput("tokenization_kwargs", "tokenization_kwargs is not supported: truncate with "
                                                       "PoolingParams(truncate_prompt_tokens=N)")
         if pooling_params is not None and not isinstance(pooling_params, PoolingParams):
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         queries, docs = score_inputs(data_1, data_2, self.engine.model_config.checkpoint_architecture)
-        if engine.is_cross_encoder:
-            if chat_template is not None:
-                raise InvalidInput("chat_template", "a score template (chat_template) is not supported: the pairs "
-                                                    "are tokenized as the tokenizer's text pairs")
-            pairs = [engine.cross_encoder_prompt(q, d) for q, d in paired(queries, docs)]
+        if engine.is_cross_encoder:  # chat_template: vLLM's score template (its Qwen3-Reranker example's)
+            pairs = [engine.cross_encoder_prompt(q, d, score_template=chat_template) for q, d in paired(queries, docs)]
             return cross_encoder_scores(self.encode(pairs, pooling_params, use_tqdm=use_tqdm,
                                                     lora_request=lora_request, pooling_task="classify"))
         outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,

@@ -5,7 +5,8 @@ This module owns
 * the Starlette app: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
   Anthropic's ``/v1/messages`` (both served as chat), ``/v1/models``, ``/health`` (and ``/ping``),
   ``/metrics``, ``/tokenize``, ``/detokenize``, ``/version``, behind CORS; on the pooling runner
-  ``/v1/embeddings``, ``/pooling``, ``/classify``, ``/score`` and ``/rerank`` instead of generation;
+  ``/v1/embeddings`` (and Cohere's ``/v2/embed``), ``/pooling``, ``/classify``, ``/score`` and ``/rerank``
+  instead of generation;
 * the OpenAI protocol: request bodies as declarative pydantic models (as
   vLLM's ``protocol.py``; every error names its field), and one handler,
   serving path (``Generation``, as vLLM's ``serving_*.py``) and SSE stream
@@ -53,6 +54,7 @@ import re
 import resource
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -97,7 +99,7 @@ from nanoserve.engine import (DEAD_MESSAGE, LOG_DATE_FORMAT, LOG_FORMAT, MAX_JSO
                               engine_config_from_kwargs, local_ranks, merge_deltas, model_thread, nested_deeper,
                               opens_reply, parse_call_arguments, part_text, run_worker_node, score_inputs,
                               paired, score_pairs, vllm_arg_note, PoolingOutput, ScoringRequestOutput,
-                              cross_encoder_scores)
+                              cross_encoder_scores, check_removed_pooling_task)
 
 logger = logging.getLogger("nanoserve.entry")
 
@@ -304,8 +306,9 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="older vLLM's spelling: embed is --runner pooling, classify and score --convert classify")
     g.add_argument("--pooler-config", "--override-pooler-config", type=_json_object, default=None, metavar="JSON",
                    help="the pooling runner's pooler, as vLLM's: '{\"pooling_type\": \"MEAN\", "
-                        "\"use_activation\": false}' (LAST or MEAN; use_activation: L2-normalize; "
-                        "default: the checkpoint's sentence-transformers config, else LAST, normalized)")
+                        "\"use_activation\": false}' (LAST, MEAN or CLS; use_activation: L2-normalize; "
+                        "default: the checkpoint's sentence-transformers config, else LAST, normalized); "
+                        "\"task\": \"token_embed\" or \"token_classify\" serves every token's row on /pooling")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; the first is used in responses "
                         "(default: the --model value)")
@@ -647,7 +650,8 @@ class ApiError(Exception):
     """An error response in OpenAI's shape: {"error": {message, type, param, code}}."""
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
              405: "MethodNotAllowedError", 408: "RequestTimeoutError", 413: "RequestTooLargeError",
-             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+             429: "RateLimitError", 500: "InternalServerError", 501: "NotImplementedError",
+             503: "ServiceUnavailableError"}
 
     def __init__(self, status: int, message: str, param: str | None = None,
                  headers: dict[str, str] | None = None):
@@ -2934,6 +2938,7 @@ def build_app(async_llm: AsyncLLM, args: argparse.Namespace) -> Starlette:
         Route("/v1/completions", create_completion, methods=["POST"]),
         Route("/v1/chat/completions", create_chat_completion, methods=["POST"]),
         Route("/v1/embeddings", create_embedding, methods=["POST"]),
+        Route("/v2/embed", create_cohere_embedding, methods=["POST"]),
         Route("/pooling", create_pooling, methods=["POST"]),
         Route("/classify", create_classify, methods=["POST"]),
         *(Route(path, create_score, methods=["POST"]) for path in ("/score", "/v1/score")),
@@ -3227,6 +3232,8 @@ class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
             return data
         if "normalize" in data:  # vLLM's words (reject_removed_pooling_parameters; its scoring ignores it)
             raise InvalidInput("normalize", "Parameter `normalize` was removed; use `use_activation` instead.")
+        if "tools" in data or "documents" in data:  # not fields of vLLM's pooling bodies: ignored, as any unknown
+            data = {k: v for k, v in data.items() if k not in ("tools", "documents")}  # (a rerank's documents too)
         given = data.get("input")
         if "messages" not in data and (_is_conversation(given) or isinstance(given, list) and given
                                        and all(_is_conversation(c) for c in given)):
@@ -3272,9 +3279,10 @@ class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
 
 
 class PoolingRequest(EmbeddingRequest):
-    """vLLM's /pooling body: an embeddings body with the pooling ``task`` (the model's: embed for an
-    embedding model, classify for a classifier), without ``dimensions``; the answer holds each vector
-    (a classifier's: its probabilities) as a "pooling" object's ``data``."""
+    """vLLM's /pooling body: an embeddings body with the pooling ``task`` (the server's: embed for an
+    embedding model, classify for a classifier, or --pooler-config's token_embed or token_classify),
+    without ``dimensions``; the answer holds each vector (a classifier's: its probabilities; a token-wise
+    task's: a row per prompt token) as a "pooling" object's ``data``."""
     id_prefix: ClassVar[str] = "pool-"
     vector_object: ClassVar[str] = "pooling"
     vector_field: ClassVar[str] = "data"
@@ -3284,8 +3292,7 @@ class PoolingRequest(EmbeddingRequest):
     def _no_dimensions(self) -> "PoolingRequest":
         if self.dimensions is not None:  # vLLM's words
             raise InvalidInput("dimensions", "dimensions is currently not supported")
-        if self.task == "score":  # vLLM's words (check_removed_pooling_task)
-            raise InvalidInput("task", "`score` task was removed; use `classify` instead.")
+        check_removed_pooling_task(self.task)  # vLLM's words
         return self
 
 
@@ -3304,13 +3311,15 @@ class ClassificationRequest(EmbeddingRequest):
         return data
 
 
-async def create_pooling(request: Request) -> Response:
+async def create_pooling(request: Request, req: PoolingRequest | None = None) -> Response:
     """POST /pooling (vLLM's): the model's pooler output (an embedding model's vectors, a classifier's
-    probabilities), as /v1/embeddings and /classify compute them."""
+    probabilities, as /v1/embeddings and /classify compute them; a token-wise task's rows, a prompt's
+    tokens' each). ``req``: a body pooling_invocations read."""
     state = _state(request)
     _check_pooling_server(request, state, None)
-    req = await read_json(request, state, functools.partial(parse_body, PoolingRequest,
-                                                             request_id=_request_id(request)))
+    if req is None:
+        req = await read_json(request, state, functools.partial(parse_body, PoolingRequest,
+                                                                 request_id=_request_id(request)))
     try:
         state.engine.check_pooling_task(req.task or state.engine.pooling_task, online=True)
     except InvalidInput as e:
@@ -3320,11 +3329,15 @@ async def create_pooling(request: Request) -> Response:
 
 def _check_pooling_server(request: Request, state: ServerState, task: str | None) -> None:
     """A 404 that says why where this server does not serve the path: a generative model's server, or
-    a pooling one whose model has another task (vLLM mounts a task's routes only for its models)."""
+    a pooling one whose model has another task (vLLM mounts a task's routes only for its models); a 501
+    in vLLM's words where the model has the task but --pooler-config's task is its token-wise one."""
     engine = state.engine
     if engine.runner_type != "pooling":
         raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs a "
                             f"pooling model served with --runner pooling")
+    if task is not None and task != engine.pooling_task and task in engine.supported_pooling_tasks:
+        api = "Embeddings" if task == "embed" else "Classification"
+        raise ApiError(501, f"The model does not support {api} API")
     if task is not None and task != engine.pooling_task:
         kind = "a classifier (a ForSequenceClassification model)" if task == "classify" else "an embedding model"
         raise ApiError(404, f"this server's model serves the {engine.pooling_task} task: "
@@ -3343,18 +3356,25 @@ async def create_embedding(request: Request, req: EmbeddingRequest | None = None
 
 
 async def pooling_invocations(request: Request) -> Response:
-    """SageMaker's /invocations on a pooling server, as vLLM's: the body's shape picks the handler, in vLLM's
-    order: the model's own task's (``input`` or ``messages``), then rerank's (``query`` and ``documents``),
-    then score's (one of SCORE_FIELDS' pairs), the last two where the model scores."""
+    """SageMaker's /invocations on a pooling server, as vLLM's: the first handler whose body the request
+    is, in vLLM's order: the model's own task's (``input`` or ``messages``; an embed or classify server's),
+    then rerank's (``query`` and ``documents``) and score's (one of SCORE_FIELDS' pairs) where the model
+    scores, then /pooling's. A body that is not one handler's (a missing or malformed field) is tried as
+    the next's, so ``input`` beside a valid ``query`` and ``documents`` is a rerank where ``input`` is bad."""
     state, request_id = _state(request), _request_id(request)
-    own = (EmbeddingRequest, create_embedding) if state.engine.pooling_task == "embed" else \
-        (ClassificationRequest, create_classify)
-    handlers = [own, *([(RerankRequest, create_rerank), (ScoreRequest, create_score)] if _scores(state) else [])]
+    task = state.engine.pooling_task
+    own = [(EmbeddingRequest, create_embedding)] if task == "embed" else \
+        [(ClassificationRequest, create_classify)] if task == "classify" else []
+    scores = [(RerankRequest, create_rerank), (ScoreRequest, create_score)] if _scores(state) else []
+    handlers = [*own, *scores, (PoolingRequest, create_pooling)]
 
     def parse(body: dict[str, Any]) -> tuple[Callable[..., Awaitable[Response]], Any]:
         for schema, handler in handlers:
             if _body_fits(schema, body):
-                return handler, parse_body(schema, body, request_id=request_id)
+                try:
+                    return handler, parse_body(schema, body, request_id=request_id)
+                except (ApiError, InvalidInput):  # not this handler's body: vLLM tries the next
+                    continue
         raise bad_request(f"Cannot find suitable handler for request. Expected one of: "
                           f"{[schema.__name__ for schema, _ in handlers]}")  # vLLM's words
     handler, req = await read_json(request, state, parse)
@@ -3539,6 +3559,144 @@ def _bytes_response(vectors: list[torch.Tensor], req: EmbeddingRequest, head: di
     return Response(b"".join(chunks), 200, headers, media_type="application/octet-stream")
 
 
+# ---------------------------------------------------------------- Cohere's /v2/embed (the pooling runner)
+# vLLM's CohereEmbedRequest on an embedding model: its texts (or text-only inputs) embedded as an
+# EmbeddingRequest would embed them, answered as Cohere's embeddings_by_type.
+
+COHERE_EMBEDDING_TYPES = ("float", "binary", "ubinary", "base64")
+
+
+class CohereEmbedContent(_Strict):
+    """One part of a Cohere input: text here (vLLM takes image_url too, a multimodal model's)."""
+    type: typing.Literal["text", "image_url"]
+    text: str | None = None
+    image_url: dict[str, str] | None = None
+
+    @model_validator(mode="after")
+    def _payload(self) -> "CohereEmbedContent":
+        if self.type == "text" and self.text is None:  # vLLM's words
+            raise ValueError("CohereEmbedContent with type='text' requires text")
+        if self.type == "image_url" and not (self.image_url or {}).get("url"):
+            raise ValueError("CohereEmbedContent with type='image_url' requires image_url.url")
+        return self
+
+
+class CohereEmbedInput(_Strict):
+    content: list[CohereEmbedContent]
+
+
+class CohereEmbedRequest(OpenAIBaseModel):
+    """vLLM's /v2/embed body (Cohere's Embed v2): exactly one of ``texts``, ``images`` or ``inputs``;
+    ``input_type`` picks the model's task-instruction prefix, ``truncate`` END/START/NONE with ``max_tokens``,
+    ``output_dimension`` a Matryoshka model's, ``embedding_types`` the encodings the answer carries."""
+    prompt_field: ClassVar[str] = "texts"
+    input_type: str | None = None
+    texts: list[str] | None = None
+    images: list[str] | None = None
+    inputs: list[CohereEmbedInput] | None = None
+    output_dimension: int | None = None
+    embedding_types: list[typing.Literal["float", "binary", "ubinary", "base64"]] | None = None
+    truncate: typing.Literal["NONE", "START", "END"] = "END"
+    max_tokens: int | None = None
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "CohereEmbedRequest":
+        given = [f for f in (self.texts, self.images, self.inputs) if f is not None]
+        if len(given) != 1 or not given[0]:  # vLLM's words
+            raise InvalidInput("texts", "Exactly one of texts, images, or inputs must be provided, and it must be "
+                                        "non-empty")
+        if self.images is not None or any(c.type == "image_url" for i in self.inputs or () for c in i.content):
+            raise InvalidInput("images" if self.images is not None else "inputs",
+                               "multimodal inputs are not supported: images (and image_url contents) need a "
+                               "multimodal model")
+        return self
+
+    def truncation(self) -> tuple[int | None, str | None]:
+        """vLLM's: (truncate_prompt_tokens, truncation_side); NONE cuts nothing (max_tokens is checked after)."""
+        if self.truncate == "NONE":
+            return None, None
+        keep = self.max_tokens if self.max_tokens is not None else -1
+        return keep, "left" if self.truncate == "START" else None
+
+    def as_embedding_request(self, instructions: dict[str, str] | None, has_template: bool) -> EmbeddingRequest:
+        """vLLM's proxy: texts as input (the input_type prefix prepended, or, with a chat template, the
+        prefix a system message and each text a chat's user message); text inputs always as chats."""
+        if self.input_type is not None and instructions is None:  # vLLM's words
+            raise InvalidInput("input_type", f"Unsupported input_type {self.input_type!r}. This model does not "
+                                             f"define any input_type task instructions.")
+        if self.input_type is not None and self.input_type not in instructions:
+            raise InvalidInput("input_type", f"Unsupported input_type {self.input_type!r}. Supported values: "
+                                             f"{', '.join(sorted(instructions))}")
+        prefix = (instructions or {}).get(self.input_type) or None
+        keep, side = self.truncation()
+        common = dict(model=self.model, dimensions=self.output_dimension, truncate_prompt_tokens=keep,
+                      truncation_side=side, priority=self.priority)
+        if self.texts is not None and (prefix is None or not has_template):
+            return EmbeddingRequest(input=[(prefix or "") + t for t in self.texts], **common)
+        parts = [[{"type": "text", "text": t}] for t in self.texts] if self.texts is not None else \
+            [[{"type": "text", "text": c.text} for c in i.content] for i in self.inputs]
+        system = [] if prefix is None else [{"role": "system", "content": [{"type": "text", "text": prefix}]}]
+        return EmbeddingRequest(messages=[[*system, {"role": "user", "content": p}] for p in parts], **common)
+
+    def param_name(self, engine_param: str) -> str:
+        texts = "texts" if self.texts is not None else "inputs"  # (the proxy's input, or its messages)
+        return {"dimensions": "output_dimension", "truncate_prompt_tokens": "max_tokens", "prompt": texts,
+                "input": texts, "messages": texts}.get(engine_param, engine_param)
+
+
+async def create_cohere_embedding(request: Request) -> Response:
+    """POST /v2/embed (vLLM's Cohere Embed v2, on an embedding model): each text's vector in every
+    asked ``embedding_types`` encoding (float by default), with Cohere's meta."""
+    state = _state(request)
+    _check_pooling_server(request, state, "embed")
+    req = await read_json(request, state, functools.partial(parse_body, CohereEmbedRequest,
+                                                             request_id=_request_id(request)))
+    engine = state.engine
+    has_template = bool(state.chat_template or getattr(engine.tokenizer, "chat_template", None))
+    try:
+        proxy = req.as_embedding_request(engine.task_instructions, has_template)
+    except InvalidInput as e:
+        raise req.invalid(e) from None
+    except ValidationError as e:
+        raise bad_request(str(e.errors(include_url=False)[0]["msg"]), req.param_name("prompt")) from None
+    try:
+        pooled = await _pool_inputs(request, state, proxy)
+    except ApiError as e:  # the proxy's field names in this body's words
+        e.param = req.param_name(e.param) if e.param else e.param
+        raise
+    if pooled is None:
+        return Response(status_code=499)  # nobody is listening
+    request_id, _, prompts, vectors = pooled
+    if req.truncate == "NONE" and req.max_tokens is not None:
+        for p in prompts:  # vLLM's check, after the run: NONE with max_tokens cuts nothing, refuses the long
+            if len(p.token_ids) > req.max_tokens:
+                raise bad_request(f"Input of {len(p.token_ids)} tokens exceeds max_tokens={req.max_tokens} with "
+                                  f"truncate=NONE. Set truncate to END or START to allow truncation.", "max_tokens")
+    floats = [v.tolist() for v in vectors]
+    embeddings = {kind: cohere_embeddings(floats, kind) for kind in req.embedding_types or ["float"]}
+    body = {"id": f"embd-{request_id}", "embeddings": embeddings, "texts": req.texts,
+            "meta": {"api_version": {"version": "2"},
+                     "billed_units": {"input_tokens": sum(len(p.token_ids) for p in prompts), "image_tokens": 0}},
+            "response_type": "embeddings_by_type"}
+    return json_response({k: v for k, v in body.items() if v is not None})  # vLLM's exclude_none
+
+
+def cohere_embeddings(floats: list[list[float]], kind: str) -> list:
+    """vLLM's build_typed_embeddings for one type: the floats; binary/ubinary each sign bit (>= 0 is 1)
+    packed eight to a byte, most significant first (binary's bytes minus 128); base64 of little-endian fp32."""
+    if kind == "float":
+        return floats
+    if kind == "base64":
+        return [base64.b64encode(struct.pack(f"<{len(v)}f", *v)).decode() for v in floats]
+    dim = len(floats[0])
+    if dim % 8:  # vLLM's words
+        raise bad_request(f"Embedding dimension must be a multiple of 8 for binary embedding types, but got {dim}.",
+                          "embedding_types")
+    bits = (torch.tensor(floats, dtype=torch.float64) >= 0).long().view(len(floats), dim // 8, 8)
+    packed = (bits * torch.tensor([128, 64, 32, 16, 8, 4, 2, 1])).sum(-1)
+    return (packed - 128 if kind == "binary" else packed).tolist()
+
 # ---------------------------------------------------------------- score and rerank (the pooling runner)
 # vLLM's Score and Rerank APIs (entrypoints/pooling/scoring) for an embedding model, its bi-encoder: each
 # text embedded once, each pair scored by the cosine similarity of its two embeddings.
@@ -3663,8 +3821,9 @@ async def create_rerank(request: Request, req: RerankRequest | None = None) -> R
 
 
 def _scores(state: ServerState) -> bool:
-    """vLLM's enable_scoring_api: an embedding model (its bi-encoder) or a one-label classifier scores."""
-    return state.engine.pooling_task == "embed" or state.engine.is_cross_encoder
+    """vLLM's enable_scoring_api: an embedding model (its bi-encoder) or a one-label classifier scores
+    (and token_embed, by late interaction, which _score refuses)."""
+    return state.engine.pooling_task in ("embed", "token_embed") or state.engine.is_cross_encoder
 
 
 async def _score(request: Request, schema: type[ScoringRequest], req: ScoringRequest | None
@@ -3677,6 +3836,9 @@ async def _score(request: Request, schema: type[ScoringRequest], req: ScoringReq
     if not _scores(state):
         raise ApiError(404, f"{esc(request.url.path)} is served for a classifier with num_labels == 1 (a "
                             f"cross-encoder); this one has {engine.model_config.num_labels}")
+    if engine.pooling_task == "token_embed":  # vLLM scores token_embed by late interaction (MaxSim)
+        raise ApiError(501, f"{esc(request.url.path)}: token_embed's late-interaction scoring is not supported "
+                            f"by nanoserve; serve the model's embed task (no --pooler-config task) to score")
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     try:
@@ -3717,10 +3879,16 @@ def _score_prompts(state: ServerState, req: ScoringRequest, params: PoolingParam
 
 def _cross_encoder_prompts(state: ServerState, req: ScoringRequest, params: PoolingParams, texts: None,
                            lora: LoRARequest | None) -> list[TokenizedPrompt]:
-    """On the tokenizer thread: each pair (1:N or N:N) as one prompt, the tokenizer's text pair (each text
-    cut to max_tokens_per_query/doc tokens first, as vLLM's); an error names the documents' field."""
+    """On the tokenizer thread: each pair (1:N or N:N) as one prompt, rendered by the score template where the
+    server has one (--chat-template, as vLLM's; the body's instruction and chat_template_kwargs its
+    variables), else the tokenizer's text pair (each text cut to max_tokens_per_query/doc tokens first, as
+    vLLM's); an error names the documents' field."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.instruction is not None:  # vLLM's: chat_template_kwargs' own instruction wins
+        kwargs.setdefault("instruction", req.instruction)
     try:
-        ids = [state.engine.cross_encoder_prompt(q, d) for q, d in paired(*_cut_sides(state, req))]
+        ids = [state.engine.cross_encoder_prompt(q, d, score_template=state.chat_template, template_kwargs=kwargs)
+               for q, d in paired(*_cut_sides(state, req))]
         return _tokenize_pooled(state, req, params, ids, True, lora)
     except InvalidInput as e:
         raise InvalidInput(req.side_names()[1] if e.param == "prompt" else e.param, str(e)) from None
@@ -3760,7 +3928,8 @@ def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:
     """Each runner's server answers the other's endpoints with a 404 that says why; a pooling server's
     /invocations (SageMaker's) takes its pooling bodies, as vLLM's (pooling_invocations)."""
     async def not_generating(request: Request) -> Response:
-        served = "/v1/embeddings" if _state(request).engine.pooling_task == "embed" else "/classify"
+        task = _state(request).engine.pooling_task
+        served = "/v1/embeddings" if task == "embed" else "/classify" if task == "classify" else "/pooling"
         raise ApiError(404, f"this server runs a pooling model (--runner pooling): {esc(request.url.path)} needs "
                             f"a generative model (--runner generate); {served} is served")
     if runner != "pooling":

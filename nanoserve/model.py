@@ -3947,7 +3947,7 @@ class SeqInput:
     draft_token_ids: list[int] | None = None
     # the pooling runner (embeddings): what of this chunk's final hidden states comes back,
     # "LAST" its last row, "FIRST" its first (CLS pooling's, in a prompt's first chunk), "SUM" the sum of
-    # its rows (MEAN pooling, added up chunk by chunk); None: nothing
+    # its rows (MEAN pooling, added up chunk by chunk), "ALL" every row (token_embed, token_classify); None: nothing
     pooling: str | None = None
 
 
@@ -3986,8 +3986,8 @@ class AsyncModelRunnerOutput:
 def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
                        score: nn.Module | None = None) -> dict[int, torch.Tensor]:
     """The pooling sequences' share of a step's final-norm hidden states (vLLM's pooler, before its
-    activation), in fp32 on the host: a chunk's last row, its first, or the sum of its rows, through a
-    classifier's ``score`` head where it has one (linear, so a MEAN's chunk sums may pass it one by one).
+    activation), in fp32 on the host: a chunk's last row, its first, the sum of its rows, or all of them, through
+    a classifier's ``score`` head where it has one (linear, so a MEAN's chunk sums may pass it one by one).
     The rows are the sequences' tokens in order (a padded decode has one per sequence, its one token);
     CLS's first row is its prompt's first token's (a pooling sequence never decodes)."""
     out, start = {}, 0
@@ -3999,9 +3999,13 @@ def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
             out[i] = hidden[start].float()
         elif s.pooling == "SUM":
             out[i] = hidden[start:end].float().sum(0)
+        elif s.pooling == "ALL":
+            out[i] = hidden[start:end].float()
         start = end
-    if score is not None and out:
-        out = dict(zip(out, score(torch.stack(list(out.values())))))
+    if score is not None and out:  # one matmul: the rows of every sequence, split back after
+        rows = [v.reshape(-1, v.shape[-1]) for v in out.values()]
+        logits = score(torch.cat(rows)).split([len(r) for r in rows])
+        out = {i: x.reshape(*v.shape[:-1], -1) for (i, v), x in zip(out.items(), logits)}
     return {i: v.cpu() for i, v in out.items()}
 
 

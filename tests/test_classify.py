@@ -135,7 +135,7 @@ def test_classify_and_pooling_endpoints(servers, classifier):
     torch.testing.assert_close(torch.tensor([d["probs"] for d in sagemaker["data"]]), want, atol=1e-5, rtol=1e-4)
     r = post(server, "/invocations", {"query": "a", "documents": ["b"]})
     assert r.status_code == 400 and r.json()["error"]["message"] == \
-        "Cannot find suitable handler for request. Expected one of: ['ClassificationRequest']", r.text
+        "Cannot find suitable handler for request. Expected one of: ['ClassificationRequest', 'PoolingRequest']", r.text
     r = post(server, "/v1/completions", {"prompt": "a"})
     assert r.status_code == 404 and "/classify is served" in r.json()["error"]["message"], r.text
 

@@ -148,10 +148,8 @@ def test_matryoshka_dimensions_and_refusals(model_root):
 @pytest.mark.parametrize("kwargs, error", [
     (dict(task="embed", runner="generate"), "task=embed needs the pooling runner"),
     (dict(runner="pooling", pooler_config={"normalize": True}), "`normalize` was removed; use `use_activation`"),
-    (dict(runner="pooling", pooler_config={"pooling_type": "all"}),
-     "pooling_type ALL pools each token .* embeddings take one of CLS, LAST, MEAN"),
-    (dict(runner="pooling", pooler_config={"pooling_type": "STEP"}), "pooling_type STEP pools each token"),
-    (dict(runner="pooling", pooler_config={"pooling_type": "max"}), "pooling_type must be one of CLS, LAST, MEAN"),
+    (dict(runner="pooling", pooler_config={"pooling_type": "STEP"}), "tok_pooling_type must be ALL"),
+    (dict(runner="pooling", pooler_config={"pooling_type": "max"}), "pooling_type must be one of CLS, LAST, MEAN, ALL"),
     (dict(convert="reward"), "convert must be one of auto, none, embed, classify"),
     (dict(convert="classify", runner="generate"), "convert=classify needs the pooling runner"),
 ])
