@@ -4682,7 +4682,8 @@ class ChatGeneration(Generation):
         """A response's choice: the message its whole text parses into. ``echo`` (the last message's, when
         the reply continues it) leads the content and is never parsed (as vLLM: it is the prompt's)."""
         p = self.parse_text(index, c.text, c, stream=False)
-        content = echo + p.content
+        # as vLLM's Parser: text of only whitespace beside calls (a thought's "\n\n" before them) is none
+        content = echo + (p.content if p.content.strip() or not p.calls or self.harmony else "")
         # no tool_calls key for none, as vLLM's ChatMessage serializes it (and OpenAI's)
         forced = self.req.forces_call() and self.state.tool_parser is not None  # vLLM's has text, "" for none
         message = {"role": self.role, "content": content or ("" if forced else None if p.calls else p.blank),

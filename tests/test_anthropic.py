@@ -344,6 +344,18 @@ def test_reasoning_parser_makes_thinking_blocks(server, forced, monkeypatch, str
     server.wait_idle()
 
 
+def test_a_blank_line_between_a_thought_and_calls_is_no_text_block(server, forced, monkeypatch):
+    """As vLLM 0.32's parser (benchmarks/event_seq.py): the blank line after a thought, before calls, is no text
+    in a whole message (no text block); a stream sends it as it comes (a text block, as vLLM's stream)."""
+    monkeypatch.setattr(server.app.state.server, "reasoning_parser", "qwen3")
+    forced(THOUGHT + FORCED[len(TOLD):])
+    m = message(server, tools=TOOLS, max_tokens=400)
+    assert [b["type"] for b in m["content"]] == ["thinking", "tool_use", "tool_use"], m
+    m = stream(server, tools=TOOLS, max_tokens=400)[1]
+    assert [b["type"] for b in m["content"]] == ["thinking", "text", "tool_use", "tool_use"] and text_of(m) == "\n\n"
+    server.wait_idle()
+
+
 # =========================================================================== the anthropic SDK
 
 def test_sdk(server):

@@ -519,6 +519,23 @@ def test_the_same_answer_as_chat(server, no_blanks, shape):
 
 # =========================================================================== reasoning, logprobs
 
+def test_a_blank_line_between_a_thought_and_calls_is_no_text_in_a_whole_answer(server, monkeypatch):
+    """As vLLM 0.32's parser (benchmarks/event_seq.py): text of only whitespace beside calls (the blank line after
+    a thought) is none in a whole answer: no message item, chat's content null; a stream sends it as it comes (a
+    message item of it, as vLLM's Responses stream)."""
+    monkeypatch.setattr(server.app.state.server, "reasoning_parser", "qwen3")
+    forced = {"choice": [THOUGHT + FORCED[len(TOLD):]]}
+    body = dict(input="weather?", tools=LOOSE_TOOLS, structured_outputs=forced, max_output_tokens=400)
+    assert [i["type"] for i in create(server, **body)["output"]] == ["reasoning", "function_call", "function_call"]
+    final = stream(server, **body)[1]
+    assert [i["type"] for i in final["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert output_text(final) == "\n\n"
+    m = chat(server, messages=[{"role": "user", "content": "weather?"}], tools=LOOSE_CHAT_TOOLS,
+             structured_outputs=forced, max_tokens=400)["choices"][0]["message"]
+    assert m["content"] is None and len(m["tool_calls"]) == 2, m
+    server.wait_idle()
+
+
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
 def test_reasoning_parser_gives_a_reasoning_item(server, monkeypatch, name):
     monkeypatch.setattr(server.app.state.server, "reasoning_parser", name)
