@@ -187,10 +187,28 @@ def _encoder_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
         sliding_window=None, sliding_layers=(), checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype")
                                                                         or "float32"),
         eos_token_ids=[], hidden_act=act, encoder_only="roberta" if roberta else "bert",
-        type_vocab_size=c.get("type_vocab_size", 2), position_offset=offset, sep_token_id=c.get("sep_token_id"),
+        type_vocab_size=c.get("type_vocab_size", 2), position_offset=offset, position_rows=max_positions + offset,
+        sep_token_id=c.get("sep_token_id"),
         is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
         matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
         **(_classifier_config(c, arch) if classifier else {}))
+
+
+# sentence-transformers' tokenizer settings, as vLLM looks for them
+SENTENCE_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.json",
+                         "sentence_xlm-roberta_config.json")
+
+
+def _sentence_max_seq_length(cfg: "ModelConfig", path: Path) -> "ModelConfig":
+    """An encoder's longest prompt as vLLM derives it: sentence-transformers' max_seq_length where its
+    config has one (all-MiniLM-L6-v2: 256 of 512 positions), within the positions the model has."""
+    for name in SENTENCE_CONFIG_FILES:
+        if (path / name).is_file():
+            limit = json.loads((path / name).read_text()).get("max_seq_length")
+            if isinstance(limit, int) and not isinstance(limit, bool) and 2 <= limit < cfg.max_position_embeddings:
+                return dataclasses.replace(cfg, max_position_embeddings=limit)
+            return cfg
+    return cfg
 
 
 def _score_from_token(c: dict[str, Any], decoder: str) -> dict[str, Any]:
@@ -342,6 +360,7 @@ class ModelConfig:
     encoder_only: str | None = None
     type_vocab_size: int = 0
     position_offset: int = 0  # RoBERTa's: position p reads row padding_idx + 1 + p
+    position_rows: int = 0    # the position table's rows (config.json's max_position_embeddings)
     sep_token_id: int | None = None  # the tokenizer's separator: a cross-encoder pair's token types (the engine's)
 
     @property
@@ -365,7 +384,8 @@ class ModelConfig:
         if not cfg_file.exists():
             raise ModelLoadError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
         try:
-            return cls.from_dict(override_config(json.loads(cfg_file.read_text()), hf_overrides))
+            cfg = cls.from_dict(override_config(json.loads(cfg_file.read_text()), hf_overrides))
+            return _sentence_max_seq_length(cfg, path) if cfg.encoder_only else cfg
         except ModelLoadError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a key missing or of the wrong type
@@ -1099,8 +1119,7 @@ def num_parameters(cfg: ModelConfig) -> int:
     """Parameter count from the config alone, to check memory before loading."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     if cfg.encoder_only:  # embeddings and their norm; per layer q/k/v/o, the MLP, two norms (biases with each)
-        embeddings = (cfg.vocab_size + cfg.max_position_embeddings + cfg.position_offset + cfg.type_vocab_size
-                      + 2) * H
+        embeddings = (cfg.vocab_size + cfg.position_rows + cfg.type_vocab_size + 2) * H
         return embeddings + cfg.num_layers * (4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H)
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
     layer = H * qkv + cfg.num_heads * D * H + 2 * H
@@ -2178,7 +2197,7 @@ class EncoderEmbeddings(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings + cfg.position_offset, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.position_rows, cfg.hidden_size)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.position_offset = cfg.position_offset

@@ -19,6 +19,7 @@ WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "stock", "prices",
 TEXTS = ["the cat sat on a mat", "rain", "stock prices fell today the dog ran", "a small wet dog"]
 QUERY, DOCS = "what is a cat", ["a small feline", "a stock index", "the cat sat down"]
 MAX_POSITIONS = 24  # BERT's max_model_len; RoBERTa's is 2 (padding_idx + 1) less
+MAX_SEQ_LENGTH = 20  # sentence-transformers' (sentence_bert_config.json), which vLLM takes as max_model_len
 
 
 def _tokenizer(out):
@@ -64,6 +65,7 @@ def bert_dir(tmp_path_factory):
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
         {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
         {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_SEQ_LENGTH}))
     (out / "1_Pooling").mkdir()
     (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
                                                                "pooling_mode_cls_token": False,
@@ -131,6 +133,7 @@ def test_bert_mean_normalized_as_sentence_transformers(bert_dir):
     want = [torch.nn.functional.normalize(h.mean(0), dim=0) for h in hf_outputs(bert_dir, "BertModel", TEXTS)]
     llm = LLM(str(bert_dir), dtype="float32")  # runner auto: pooling, for an encoder
     assert (llm.engine.runner_type, llm.engine.pooler_config.pooling_type) == ("pooling", "MEAN")
+    assert llm.engine.max_model_len == MAX_SEQ_LENGTH
     assert llm.engine.kv_plan.bytes_per_block == 0 and not llm.engine.config.enable_prefix_caching
     steps = one_step_spy(llm)
     outs = llm.embed(TEXTS, use_tqdm=False)
@@ -225,15 +228,18 @@ def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
     want = [torch.nn.functional.normalize(h.mean(0), dim=0) for h in hf_outputs(bert_dir, "BertModel", TEXTS)]
     pairs = [(QUERY, d) for d in DOCS]
     scores = torch.stack(hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=pairs))[:, 0].sigmoid()
-    flags = ("--max-model-len", str(MAX_POSITIONS), "--max-num-seqs", "4")
-    with ServerThread(bert_dir, *flags) as emb, ServerThread(bert_ce_dir, *flags) as ce:
+    flags = ("--max-num-seqs", "4", "--max-model-len")
+    with ServerThread(bert_dir, *flags, str(MAX_SEQ_LENGTH)) as emb, \
+            ServerThread(bert_ce_dir, *flags, str(MAX_POSITIONS)) as ce:
         r = httpx.post(emb.url + "/v1/embeddings", json={"input": TEXTS}, timeout=30)
         assert r.status_code == 200, r.text
         for d, w in zip(r.json()["data"], want):
             torch.testing.assert_close(torch.tensor(d["embedding"]), w, atol=1e-5, rtol=1e-4)
-        too_long = " ".join(["cat"] * MAX_POSITIONS)  # with [CLS] and [SEP]: two past max_model_len
-        r = httpx.post(emb.url + "/v1/embeddings", json={"input": too_long}, timeout=30)
-        assert r.status_code == 400 and str(MAX_POSITIONS) in r.json()["error"]["message"], r.text
+        too_long = " ".join(["cat"] * (MAX_SEQ_LENGTH - 1))  # with [CLS] and [SEP]: one past max_model_len
+        r = httpx.post(emb.url + "/v1/embeddings", json={"input": [too_long[4:], too_long]}, timeout=30)
+        assert r.status_code == 400 and str(MAX_SEQ_LENGTH) in r.json()["error"]["message"], r.text
+        r = httpx.post(emb.url + "/v1/embeddings", json={"input": too_long[4:]}, timeout=30)  # max_model_len
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == MAX_SEQ_LENGTH, r.text
         r = httpx.post(ce.url + "/rerank", json={"query": QUERY, "documents": DOCS}, timeout=30)
         assert r.status_code == 200, r.text
         got = {d["index"]: d["relevance_score"] for d in r.json()["results"]}
