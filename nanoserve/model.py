@@ -2175,8 +2175,9 @@ class CausalLM(nn.Module):
 # BERT, RoBERTa and XLM-RoBERTa, as transformers writes them (vLLM's bert.py and roberta.py serve the
 # same checkpoints): embeddings (word + absolute position + token type, then LayerNorm), post-norm
 # layers of bidirectional attention and a GELU MLP. A prompt attends to all of itself, so the engine
-# runs each one whole in one step and keeps no KV cache for them (vLLM's ENCODER_ONLY attention);
-# the CPU path is plain torch, one SDPA call per sequence.
+# runs each one whole in one step and keeps no KV cache for them (vLLM's ENCODER_ONLY attention).
+# The path is plain torch: a step's sequences, grouped by length, each group padded to its longest
+# (at most twice a sequence's length) for one masked SDPA call.
 
 ENCODER_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
                        "gelu_new": functools.partial(F.gelu, approximate="tanh"),
@@ -2191,6 +2192,33 @@ def pair_token_types(input_ids: torch.Tensor, query_start_loc: torch.Tensor, sep
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     own = before - torch.repeat_interleave(before[query_start_loc[:-1].long()], q_lens)  # ... in its own sequence
     return own.clamp(max=1)
+
+
+@dataclass(slots=True)
+class EncoderGroup:
+    """A step's sequences of similar length (the same power of two), padded to the longest for one SDPA call."""
+    rows: torch.Tensor   # int64: their tokens' rows in the step
+    slots: torch.Tensor  # int64: the same tokens' rows in the padded [num_seqs * width] layout
+    mask: torch.Tensor   # bool [num_seqs, 1, 1, width]: the keys that are a sequence's own tokens
+    num_seqs: int
+    width: int
+
+
+def encoder_groups(query_start_loc: list[int], device: torch.device) -> list[EncoderGroup]:
+    """The step's sequences by length class: a padded group wastes at most half its rows, and no sequence
+    attends to another's tokens (each is its own row of the batch)."""
+    classes: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    for a, b in itertools.pairwise(query_start_loc):
+        classes[(b - a - 1).bit_length()].append((a, b))
+    groups = []
+    for spans in classes.values():
+        width = max(b - a for a, b in spans)
+        rows = [r for a, b in spans for r in range(a, b)]
+        slots = [i * width + j for i, (a, b) in enumerate(spans) for j in range(b - a)]
+        mask = torch.arange(width)[None] < torch.tensor([b - a for a, b in spans])[:, None]
+        groups.append(EncoderGroup(to_device(host_ints(rows), device), to_device(host_ints(slots), device),
+                                   mask[:, None, None].to(device), len(spans), width))
+    return groups
 
 
 class EncoderEmbeddings(nn.Module):
@@ -2215,14 +2243,17 @@ class EncoderSelfAttention(nn.Module):
         self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: list[EncoderGroup]) -> torch.Tensor:
         """Each sequence's rows attend to all of its own rows, none of another's."""
-        heads = lambda t: t.view(-1, self.num_heads, self.head_dim).transpose(0, 1)  # noqa: E731 - [H, T, D]
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        q, k, v = self.query(x), self.key(x), self.value(x)
         out = torch.empty_like(q)
-        for a, b in itertools.pairwise(query_start_loc):
-            out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b])
-        return out.transpose(0, 1).reshape(x.shape)
+        for g in groups:
+            def padded(t: torch.Tensor) -> torch.Tensor:  # [num_seqs, heads, width, head_dim]
+                rows = t.new_zeros(g.num_seqs * g.width, t.shape[1]).index_copy_(0, g.slots, t[g.rows])
+                return rows.view(g.num_seqs, g.width, self.num_heads, self.head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=g.mask)
+            out[g.rows] = o.transpose(1, 2).reshape(-1, x.shape[1])[g.slots]
+        return out
 
 
 class EncoderDenseNorm(nn.Module):
@@ -2261,8 +2292,8 @@ class EncoderLayer(nn.Module):
         self.intermediate = EncoderIntermediate(cfg)
         self.output = EncoderDenseNorm(cfg, cfg.intermediate_size)
 
-    def forward(self, x: torch.Tensor, query_start_loc: list[int]) -> torch.Tensor:
-        x = self.attention.output(self.attention.self(x, query_start_loc), x)
+    def forward(self, x: torch.Tensor, groups: list[EncoderGroup]) -> torch.Tensor:
+        x = self.attention.output(self.attention.self(x, groups), x)
         return self.output(self.intermediate(x), x)
 
 
@@ -2287,8 +2318,9 @@ class BertModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
                 query_start_loc: list[int]) -> torch.Tensor:
         x = self.embeddings(input_ids, positions, token_types)
+        groups = encoder_groups(query_start_loc, x.device)
         for layer in self.encoder.layer:
-            x = layer(x, query_start_loc)
+            x = layer(x, groups)
         return x
 
 
