@@ -50,7 +50,7 @@ from typing import Any, Callable, ClassVar, Generator, Iterable, Sequence
 
 import torch
 
-from nanoserve import kvcache
+from nanoserve import kernels, kvcache
 from nanoserve.kvcache import BlockManager, CacheConfig, KVCachePlan, KVCacheSpec
 from nanoserve.model import LOG_DATE_FORMAT, LOG_FORMAT  # noqa: F401 - for entry: the server logs as its ranks do
 from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, LogitsProcessor, LoRAConfig, ModelConfig,
@@ -574,10 +574,11 @@ class PoolerConfig:
             raise ValueError(f"pooler_config: use_activation must be true or false, got {config.use_activation!r}")
         return config
 
-    def resolved(self, path: Path) -> "PoolerConfig":
-        """The fields left None filled from the checkpoint's sentence-transformers files, then vLLM's defaults."""
+    def resolved(self, path: Path, default_pooling_type: str = "LAST") -> "PoolerConfig":
+        """The fields left None filled from the checkpoint's sentence-transformers files, then vLLM's defaults
+        (the model's pooling type: LAST for a decoder, CLS for an encoder; normalized)."""
         st = sentence_transformers_pooling(path) or {}
-        pooling_type = self.pooling_type or st.get("pooling_type") or "LAST"
+        pooling_type = self.pooling_type or st.get("pooling_type") or default_pooling_type
         return PoolerConfig(pooling_type, next(v for v in (self.use_activation, st.get("use_activation"), True)
                                                if v is not None), self.task)
 
@@ -781,6 +782,11 @@ def resolve_runner(config: EngineConfig, path: Path, model_config: ModelConfig) 
     """vLLM's runner "auto": pooling for a sentence-transformers checkpoint (a Pooling module in
     its modules.json) or a bare decoder (Qwen3Model), else generate. A bare decoder cannot generate."""
     runner = config.runner
+    if runner == "generate" and model_config.encoder_only:
+        raise ValueError(f"config.json names {model_config.architecture}, an encoder model: it serves the pooling "
+                         f"runner only (--runner pooling)")
+    if runner == "auto" and model_config.encoder_only:
+        return "pooling"
     if runner == "auto":
         st = sentence_transformers_pooling(path)
         runner = "pooling" if model_config.base_model or model_config.num_labels is not None \
@@ -822,10 +828,39 @@ def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
     mc = ModelConfig.from_dir(path, overrides)
     if resolve_runner(config, path, mc) != "pooling":
         return overrides
+    if mc.encoder_only and mc.num_labels is not None and mc.type_vocab_size > 1 and mc.sep_token_id is None:
+        overrides = {**(overrides or {}), "sep_token_id": encoder_sep_token_id(config, path)}
     rows = {} if mc.classifier_from_token is None else {
         "classifier_token_ids": classifier_token_ids(config, path, mc.classifier_from_token),
         "lm_head_tied": mc.tie_word_embeddings}
     return {**(overrides or {}), "tie_word_embeddings": True, **rows}
+
+
+def encoder_sep_token_id(config: EngineConfig, path: Path) -> int | None:
+    """The tokenizer's separator, which ends a cross-encoder pair's first text (its token types: 0 through
+    it, 1 after); None without one (every token is then type 0)."""
+    tokenizer = load_tokenizer(path if config.tokenizer is None
+                               else resolve_model_dir(config.tokenizer, config.revision, config.download_dir))
+    return getattr(tokenizer, "sep_token_id", None)
+
+
+def check_encoder_config(config: EngineConfig, mc: ModelConfig) -> None:
+    """What an encoder model is not served with: vLLM's ENCODER_ONLY attention has no prefix caching (turned
+    off here too) and no chunked prefill (the engine checks max_num_batched_tokens once max_model_len is known)."""
+    if config.tensor_parallel_size != 1:
+        raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: {mc.architecture} (an encoder "
+                         f"model) runs on one rank only")
+    if config.enable_lora:
+        raise ValueError(f"enable_lora: LoRA adapters are not supported for {mc.architecture} (an encoder model)")
+    if config.enable_prompt_embeds:
+        raise ValueError(f"enable_prompt_embeds: {mc.architecture} (an encoder model) takes token ids only")
+    if mc.num_labels is not None and config.pooler_config.pooling_type not in (None, "CLS"):
+        raise ValueError(f"pooler_config: {mc.architecture}'s classifier head reads the CLS token, got "
+                         f"pooling_type {config.pooler_config.pooling_type}")
+    if config.enable_prefix_caching:
+        logger.info("[engine] prefix caching is off: %s attends bidirectionally (vLLM's ENCODER_ONLY)",
+                    mc.architecture)
+        config.enable_prefix_caching = False
 
 
 def classifier_token_ids(config: EngineConfig, path: Path, tokens: tuple[str, ...]) -> list[int]:
@@ -1980,7 +2015,11 @@ class LLMEngine:
                 logger.info("[engine] Resolved `--runner auto` to `--runner pooling`. Pass the value explicitly "
                             "to silence this message.")
             config.check_pooling_runner()
-            self.pooler_config = config.pooler_config.resolved(path)
+            if self.model_config.encoder_only:
+                check_encoder_config(config, self.model_config)
+            # vLLM's defaults: CLS for its BERT and RoBERTa models, LAST for a decoder
+            self.pooler_config = config.pooler_config.resolved(path, "CLS" if self.model_config.encoder_only
+                                                               else "LAST")
             self.task_instructions = embed_task_instructions(path)  # /v2/embed's input_type prefixes
             self._resolve_pooling_task()
         self.device = resolve_device(config.device)
@@ -2004,10 +2043,12 @@ class LLMEngine:
             tp = self.workers.tp
         try:
             t0 = time.perf_counter()
-            self.backend = select_backend(shard_config(self.model_config, tp.world_size), self.dtype,
-                                          self.device, config.block_size, config.enforce_eager)
+            # an encoder runs in plain torch (its forward uses none of the backend's kernels) and never decodes
+            self.backend = kernels.TORCH if self.model_config.encoder_only else select_backend(
+                shard_config(self.model_config, tp.world_size), self.dtype, self.device, config.block_size,
+                config.enforce_eager)
             self.compile_time_s = time.perf_counter() - t0
-            self.decode_sizes = self._decode_sizes()
+            self.decode_sizes = [] if self.model_config.encoder_only else self._decode_sizes()
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp,
                                                   model_overrides(config, path),
                                                   config.max_model_len)
@@ -2019,7 +2060,8 @@ class LLMEngine:
             self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                        self.max_model_len, config.scheduling_policy,
                                                        config.max_loras if config.enable_lora else None,
-                                                       *self._spec_schedule()),
+                                                       *self._spec_schedule(),
+                                                       enable_chunked_prefill=not self.model_config.encoder_only),
                                        block_manager)
             self.info = self._engine_info(block_manager)
             self.logits_processor_classes = load_logits_processors(config.logits_processors or [])
@@ -2166,6 +2208,8 @@ class LLMEngine:
         cfg, mc = self.config, self.model_config
         if cfg.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {cfg.block_size}")
+        if mc.encoder_only:
+            return self._encoder_blocks()
         spec, plan = plan_rank_kv_cache(model, self.weight_bytes, cache_config(cfg, self.decode_sizes))
         log_tensor_parallel(model.tp, self.weight_bytes, spec, plan)
         max_len = cfg.max_model_len
@@ -2187,6 +2231,27 @@ class LLMEngine:
         kvcache.check_fits(plan, spec, max_len, need + nulls)
         kvcache.log_plan(plan, spec, self.weight_bytes, max_len, need, nulls)
         return max_len, plan, window, kvcache.allocate_kv_cache(spec, plan.num_blocks, self.device)
+
+    def _encoder_blocks(self) -> tuple[int, KVCachePlan, None, list]:
+        """An encoder keeps no KV: the block manager only counts the slots of one step's prompts (each is
+        computed whole and ends in its step), and no tensor backs them. max_model_len as a decoder's, but a
+        prompt must fit a step's token budget, unchunked (vLLM's check without chunked prefill)."""
+        cfg, mc = self.config, self.model_config
+        max_len = mc.max_position_embeddings if cfg.max_model_len is None else cfg.max_model_len
+        if max_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_len}")
+        if max_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_len} is longer than the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
+        if cfg.max_num_batched_tokens < max_len:  # vLLM's words
+            raise ValueError(f"max_num_batched_tokens ({cfg.max_num_batched_tokens}) is smaller than max_model_len "
+                             f"({max_len}). This effectively limits the maximum sequence length to "
+                             f"max_num_batched_tokens and makes vLLM reject longer sequences. Please increase "
+                             f"max_num_batched_tokens or decrease max_model_len.")
+        num_blocks = -(-cfg.max_num_batched_tokens // cfg.block_size) + cfg.max_num_seqs
+        logger.info("[kvcache] %s attends bidirectionally within each prompt: no KV cache, prompts computed "
+                    "whole (up to %d tokens a step), prefix caching off", mc.architecture, cfg.max_num_batched_tokens)
+        return max_len, KVCachePlan(num_blocks, 0, 0), None, []
 
     def _warm_up(self) -> None:
         """Build what the first steps would (a warm-up forward; on CUDA the decode graphs)."""

@@ -87,6 +87,9 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
                            *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
+# encoder models (the pooling runner's only): embeddings, and classifiers (cross-encoders with one label)
+ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
+                         "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
@@ -148,6 +151,64 @@ def _seq_cls_architecture(arch: Any) -> str | None:
 
 # vLLM's SEQ_CLS_LOAD_METHODS: how a causal LM's head rows become a classifier's score head
 SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def _encoder_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
+    """BERT's and RoBERTa's config.json (transformers' keys and defaults). RoBERTa's positions start
+    past its padding_idx, so its longest prompt is that much shorter than max_position_embeddings."""
+    roberta = arch.startswith(("Roberta", "XLMRoberta"))
+    bad = {k: c.get(k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                 "num_attention_heads", "max_position_embeddings", "type_vocab_size")
+           if k in c and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)}
+    if bad:
+        raise ModelLoadError(f"{', '.join(f'{k} {v!r}' for k, v in bad.items())}: sizes must be positive integers")
+    if c.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelLoadError(f"{arch} with position_embedding_type {c['position_embedding_type']!r} is not "
+                             f"supported (absolute position embeddings are)")
+    act = c.get("hidden_act", "gelu")
+    if act not in ENCODER_ACTIVATIONS:
+        raise ModelLoadError(f"{arch}: hidden_act {act!r} is not supported ({', '.join(ENCODER_ACTIVATIONS)} are)")
+    if c.get("quantization_config"):
+        raise ModelLoadError(f"{arch}: quantized encoder checkpoints are not supported")
+    heads, hidden = c["num_attention_heads"], c["hidden_size"]
+    if hidden % heads:
+        raise ModelLoadError(f"hidden_size {hidden} is not a multiple of num_attention_heads {heads}")
+    offset = c.get("pad_token_id", 1) + 1 if roberta else 0
+    max_positions = c.get("max_position_embeddings", 512) - offset
+    if max_positions < 2:
+        raise ModelLoadError(f"{arch}: max_position_embeddings {c.get('max_position_embeddings')} leaves no room "
+                             f"for a prompt past the padding_idx offset {offset}")
+    classifier = arch.endswith("ForSequenceClassification")
+    return ModelConfig(
+        architecture=arch, vocab_size=c["vocab_size"], hidden_size=hidden, intermediate_size=c["intermediate_size"],
+        num_layers=c["num_hidden_layers"], num_heads=heads, num_kv_heads=heads, head_dim=hidden // heads,
+        rms_norm_eps=float(c.get("layer_norm_eps", 1e-12)), rope_theta=0.0, rope_scaling=None,
+        max_position_embeddings=max_positions, tie_word_embeddings=False, attention_bias=True, qk_norm=False,
+        sliding_window=None, sliding_layers=(), checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype")
+                                                                        or "float32"),
+        eos_token_ids=[], hidden_act=act, encoder_only="roberta" if roberta else "bert",
+        type_vocab_size=c.get("type_vocab_size", 2), position_offset=offset, position_rows=max_positions + offset,
+        sep_token_id=c.get("sep_token_id"),
+        is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
+        matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
+        **(_classifier_config(c, arch) if classifier else {}))
+
+
+# sentence-transformers' tokenizer settings, as vLLM looks for them
+SENTENCE_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.json",
+                         "sentence_xlm-roberta_config.json")
+
+
+def _sentence_max_seq_length(cfg: "ModelConfig", path: Path) -> "ModelConfig":
+    """An encoder's longest prompt as vLLM derives it: sentence-transformers' max_seq_length where its
+    config has one (all-MiniLM-L6-v2: 256 of 512 positions), within the positions the model has."""
+    for name in SENTENCE_CONFIG_FILES:
+        if (path / name).is_file():
+            limit = json.loads((path / name).read_text()).get("max_seq_length")
+            if isinstance(limit, int) and not isinstance(limit, bool) and 2 <= limit < cfg.max_position_embeddings:
+                return dataclasses.replace(cfg, max_position_embeddings=limit)
+            return cfg
+    return cfg
 
 
 def _score_from_token(c: dict[str, Any], decoder: str) -> dict[str, Any]:
@@ -294,6 +355,13 @@ class ModelConfig:
     seq_cls_method: str | None = None
     classifier_token_ids: tuple[int, ...] | None = None
     lm_head_tied: bool = False
+    # Encoder models (ENCODER_ARCHITECTURES): "bert" or "roberta" (None: a decoder). rms_norm_eps is then
+    # their LayerNorm's eps, hidden_act their MLP's; max_position_embeddings the longest prompt
+    encoder_only: str | None = None
+    type_vocab_size: int = 0
+    position_offset: int = 0  # RoBERTa's: position p reads row padding_idx + 1 + p
+    position_rows: int = 0    # the position table's rows (config.json's max_position_embeddings)
+    sep_token_id: int | None = None  # the tokenizer's separator: a cross-encoder pair's token types (the engine's)
 
     @property
     def checkpoint_architecture(self) -> str:
@@ -316,7 +384,8 @@ class ModelConfig:
         if not cfg_file.exists():
             raise ModelLoadError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
         try:
-            return cls.from_dict(override_config(json.loads(cfg_file.read_text()), hf_overrides))
+            cfg = cls.from_dict(override_config(json.loads(cfg_file.read_text()), hf_overrides))
+            return _sentence_max_seq_length(cfg, path) if cfg.encoder_only else cfg
         except ModelLoadError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a key missing or of the wrong type
@@ -328,6 +397,8 @@ class ModelConfig:
     def from_dict(cls, c: dict[str, Any]) -> "ModelConfig":
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
+        if arch in ENCODER_ARCHITECTURES:
+            return _encoder_config(arch, c)
         base_model = isinstance(arch, str) and arch.endswith("Model") and f"{arch[:-5]}ForCausalLM" in \
             SUPPORTED_ARCHITECTURES  # its decoder alone: the same layers, under the same config keys
         if base_model:
@@ -341,7 +412,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             why = " (a mixture-of-experts model nanoserve does not serve)" if "Moe" in str(arch) else ""
             raise ModelLoadError(f"unsupported architecture {arch!r}{why}; nanoserve supports "
-                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                                 f"{', '.join(SUPPORTED_ARCHITECTURES + ENCODER_ARCHITECTURES)}")
         if arch in GEMMA3_ARCHITECTURES:
             c = _gemma3_text_config(c)
         elif arch == "Gemma2ForCausalLM":
@@ -1047,6 +1118,9 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
 def num_parameters(cfg: ModelConfig) -> int:
     """Parameter count from the config alone, to check memory before loading."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    if cfg.encoder_only:  # embeddings and their norm; per layer q/k/v/o, the MLP, two norms (biases with each)
+        embeddings = (cfg.vocab_size + cfg.position_rows + cfg.type_vocab_size + 2) * H
+        return embeddings + cfg.num_layers * (4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H)
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
     layer = H * qkv + cfg.num_heads * D * H + 2 * H
     if cfg.kv_lora_rank:
@@ -2096,6 +2170,277 @@ class CausalLM(nn.Module):
         return None if logits is None else logits[:, :self.config.vocab_size].contiguous()  # padding off
 
 
+# =========================================================================== encoder models
+#
+# BERT, RoBERTa and XLM-RoBERTa, as transformers writes them (vLLM's bert.py and roberta.py serve the
+# same checkpoints): embeddings (word + absolute position + token type, then LayerNorm), post-norm
+# layers of bidirectional attention and a GELU MLP. A prompt attends to all of itself, so the engine
+# runs each one whole in one step and keeps no KV cache for them (vLLM's ENCODER_ONLY attention).
+# The path is plain torch: a step's sequences, grouped by length, each group padded to its longest
+# (at most twice a sequence's length) for one masked SDPA call.
+
+ENCODER_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": F.silu,
+                       "gelu_new": functools.partial(F.gelu, approximate="tanh"),
+                       "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def pair_token_types(input_ids: torch.Tensor, query_start_loc: torch.Tensor, sep_token_id: int) -> torch.Tensor:
+    """A cross-encoder pair's token types as its tokenizer gives them: 0 up to and with the first
+    separator, 1 after it (vLLM passes the tokenizer's token_type_ids; a pair's are exactly these)."""
+    is_sep = (input_ids == sep_token_id).long()
+    before = torch.cumsum(is_sep, 0) - is_sep  # separators before each row, counted over the whole step
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    own = before - torch.repeat_interleave(before[query_start_loc[:-1].long()], q_lens)  # ... in its own sequence
+    return own.clamp(max=1)
+
+
+@dataclass(slots=True)
+class EncoderGroup:
+    """A step's sequences of similar length (the same power of two), padded to the longest for one SDPA call."""
+    rows: torch.Tensor   # int64: their tokens' rows in the step
+    slots: torch.Tensor  # int64: the same tokens' rows in the padded [num_seqs * width] layout
+    mask: torch.Tensor   # bool [num_seqs, 1, 1, width]: the keys that are a sequence's own tokens
+    num_seqs: int
+    width: int
+
+
+def encoder_groups(query_start_loc: list[int], device: torch.device) -> list[EncoderGroup]:
+    """The step's sequences by length class: a padded group wastes at most half its rows, and no sequence
+    attends to another's tokens (each is its own row of the batch)."""
+    classes: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+    for a, b in itertools.pairwise(query_start_loc):
+        classes[(b - a - 1).bit_length()].append((a, b))
+    groups = []
+    for spans in classes.values():
+        width = max(b - a for a, b in spans)
+        rows = [r for a, b in spans for r in range(a, b)]
+        slots = [i * width + j for i, (a, b) in enumerate(spans) for j in range(b - a)]
+        mask = torch.arange(width)[None] < torch.tensor([b - a for a, b in spans])[:, None]
+        groups.append(EncoderGroup(to_device(host_ints(rows), device), to_device(host_ints(slots), device),
+                                   mask[:, None, None].to(device), len(spans), width))
+    return groups
+
+
+class EncoderEmbeddings(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.position_rows, cfg.hidden_size)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.position_offset = cfg.position_offset
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor) -> torch.Tensor:
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_types)
+        return self.LayerNorm(x + self.position_embeddings(positions + self.position_offset))
+
+
+class EncoderSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor, groups: list[EncoderGroup]) -> torch.Tensor:
+        """Each sequence's rows attend to all of its own rows, none of another's."""
+        q, k, v = self.query(x), self.key(x), self.value(x)
+        out = torch.empty_like(q)
+        for g in groups:
+            def padded(t: torch.Tensor) -> torch.Tensor:  # [num_seqs, heads, width, head_dim]
+                rows = t.new_zeros(g.num_seqs * g.width, t.shape[1]).index_copy_(0, g.slots, t[g.rows])
+                return rows.view(g.num_seqs, g.width, self.num_heads, self.head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=g.mask)
+            out[g.rows] = o.transpose(1, 2).reshape(-1, x.shape[1])[g.slots]
+        return out
+
+
+class EncoderDenseNorm(nn.Module):
+    """A sublayer's output projection, then LayerNorm of it plus the residual (BERT's post-norm)."""
+
+    def __init__(self, cfg: ModelConfig, in_features: int):
+        super().__init__()
+        self.dense = nn.Linear(in_features, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self = EncoderSelfAttention(cfg)
+        self.output = EncoderDenseNorm(cfg, cfg.hidden_size)
+
+
+class EncoderIntermediate(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.act = ENCODER_ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention = EncoderAttention(cfg)
+        self.intermediate = EncoderIntermediate(cfg)
+        self.output = EncoderDenseNorm(cfg, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, groups: list[EncoderGroup]) -> torch.Tensor:
+        x = self.attention.output(self.attention.self(x, groups), x)
+        return self.output(self.intermediate(x), x)
+
+
+class EncoderStack(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.num_layers))
+
+
+class BertModel(nn.Module):
+    """BertModel's (and RobertaModel's) tensors under transformers' names, without the "bert."/"roberta." prefix."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embeddings = EncoderEmbeddings(cfg)
+        self.encoder = EncoderStack(cfg)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:  # what the engine reads the model's dtype and device from
+        return self.embeddings.word_embeddings
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
+                query_start_loc: list[int]) -> torch.Tensor:
+        x = self.embeddings(input_ids, positions, token_types)
+        groups = encoder_groups(query_start_loc, x.device)
+        for layer in self.encoder.layer:
+            x = layer(x, groups)
+        return x
+
+
+class BertClassifierHead(nn.Module):
+    """BertForSequenceClassification's head on the CLS row: the pooler (dense, tanh), then the classifier."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=torch.float32)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels, dtype=torch.float32)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.tanh(self.pooler(cls)))
+
+
+class RobertaClassifierHead(nn.Module):
+    """RobertaForSequenceClassification's head on the CLS row: dense, tanh, out_proj."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, dtype=torch.float32)
+        self.out_proj = nn.Linear(cfg.hidden_size, cfg.num_labels, dtype=torch.float32)
+
+    def forward(self, cls: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(torch.tanh(self.dense(cls)))
+
+
+class EncoderModel(nn.Module):
+    """An encoder for the pooling runner, in CausalLM's shape: forward gives every token's final hidden
+    state (the KV caches are not read), ``score`` a classifier's head in fp32 (vLLM's pooling head_dtype;
+    None for an embedding model), and no logits."""
+
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.config, self.tp = cfg, tp
+        self.model = BertModel(cfg)
+        self.lm_head = None
+        head = RobertaClassifierHead if cfg.encoder_only == "roberta" else BertClassifierHead
+        self.score = None if cfg.num_labels is None else head(cfg)
+        self.sep_token_id: int | None = cfg.sep_token_id  # token types from a pair's separator (type_vocab_size 2)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if inputs_embeds is not None:
+            raise ValueError("an encoder model takes token ids, not prompt embeddings")
+        if self.sep_token_id is not None and self.config.type_vocab_size > 1:
+            token_types = pair_token_types(input_ids, meta.query_start_loc, self.sep_token_id)
+        else:
+            token_types = torch.zeros_like(input_ids)
+        return self.model(input_ids, positions, token_types, meta.query_start_loc.tolist())
+
+    def compute_logits(self, hidden: torch.Tensor) -> None:
+        return None
+
+
+# the checkpoint's tensors this loader skips: MLM heads, BertModel's pooler (an embedding model's vectors are
+# the last hidden states), and transformers' saved position_ids buffer
+ENCODER_SKIPPED = re.compile(r"^(lm_head|cls)\.|(^|\.)position_ids$|^pooler\.")
+
+
+def _encoder_param_name(name: str, cfg: ModelConfig) -> str | None:
+    """A checkpoint tensor's name here (None: not loaded): with or without transformers' "bert."/"roberta."
+    prefix (sentence-transformers saves BertModel without it), a classifier's head under ``score``."""
+    prefix = "roberta." if cfg.encoder_only == "roberta" else "bert."
+    name = name.removeprefix(prefix)
+    if cfg.num_labels is not None:
+        if cfg.encoder_only == "bert" and name.startswith("pooler.dense."):
+            return "score.pooler." + name.removeprefix("pooler.dense.")
+        if name.startswith("classifier."):  # BERT's one Linear; RoBERTa's dense and out_proj
+            head = "score.classifier." if cfg.encoder_only == "bert" else "score."
+            return head + name.removeprefix("classifier.")
+    return None if ENCODER_SKIPPED.search(name) else "model." + name
+
+
+def load_encoder_weights(model: EncoderModel, path: Path) -> int:
+    """Every parameter from the checkpoint's safetensors, each exactly once, in the parameter's dtype."""
+    from safetensors import safe_open
+    params = dict(model.named_parameters())
+    loaded = set()
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target = _encoder_param_name(name, model.config)
+                if target is None:
+                    continue
+                if target not in params:
+                    raise ModelLoadError(f"{file.name}: unexpected tensor {name!r} for {model.config.architecture}")
+                tensor, param = f.get_tensor(name), params[target]
+                if tuple(tensor.shape) != tuple(param.shape):
+                    raise ModelLoadError(f"{file.name}: {name!r} has shape {tuple(tensor.shape)}, config.json "
+                                         f"makes it {tuple(param.shape)}")
+                param.data.copy_(tensor)
+                loaded.add(target)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ModelLoadError(f"{path}: the checkpoint lacks {len(missing)} tensor(s) of "
+                             f"{model.config.architecture}, e.g. {missing[0]!r}")
+    return sum(p.numel() * p.element_size() for p in params.values())
+
+
+@torch.no_grad()
+def load_encoder_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
+                       tp: TPGroup) -> tuple[EncoderModel, int]:
+    """An encoder's layers in ``dtype`` (its classifier head in fp32), on ``device``, then its weights."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = EncoderModel(cfg, tp)
+    finally:
+        torch.set_default_dtype(old)
+    weight_bytes = load_encoder_weights(model, path)
+    model.eval().requires_grad_(False)
+    logger.info("[model] %s: %d layers, hidden %d, %d heads, %s pooling model on %s (plain torch, no KV cache), "
+                "%.1f MiB weights", cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.num_heads,
+                str(dtype).replace("torch.", ""), device, weight_bytes / 2**20)
+    return model, weight_bytes
+
+
 def select_backend(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, block_size: int,
                    enforce_eager: bool = False) -> Backend:
     """The one place the kernels are chosen, once per engine: Triton on CUDA where
@@ -2832,6 +3177,8 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
     """``max_model_len``: the requested one (None: the model's), for what depends on it (LongRoPE's factors)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path, hf_overrides).with_max_model_len(max_model_len)
+    if cfg.encoder_only:
+        return load_encoder_model(cfg, path, dtype, device, tp)
     model = build_model(cfg, dtype, device, backend, tp)
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
@@ -3064,7 +3411,10 @@ def wrap_lora_layers(model: CausalLM, config: LoRAConfig) -> int:
 
 
 def lora_layer(model: CausalLM) -> LoRALinear | None:
-    """One of the LoRALinear layers wrap_lora_layers made (they share one LoRAStep); None: it made none."""
+    """One of the LoRALinear layers wrap_lora_layers made (they share one LoRAStep); None: it made none
+    (an encoder: LoRA is refused for it)."""
+    if model.config.encoder_only:
+        return None
     layer = model.model.layers[0].self_attn.o_proj  # every layer's attention is wrapped (not every MLP: experts)
     return layer if isinstance(layer, LoRALinear) else None
 
@@ -4228,7 +4578,8 @@ class ModelRunner:
         cfg = self.model.config
         for q_lens in [[min(WARMUP_PREFILL_TOKENS, cfg.max_position_embeddings)], [1]]:
             self.model(*dummy_step(cfg, q_lens, self.block_size, self.device), self.kv_caches)
-        if self.device.type == "cuda":  # the attention variants longer contexts launch
+        if self.device.type == "cuda" and self.kv_caches:  # the attention variants longer contexts launch (an
+            # encoder has no KV cache and no paged attention)
             attention = self.model.model.layers[0].self_attn
             self.backend.warm_up(attention.num_heads, *attention.attention_caches(self.kv_caches[0]),
                                  self.max_blocks * self.block_size, **attention.attn_kwargs)

@@ -20,7 +20,8 @@ Rules:
 * running requests first, in admission order, then waiting ones in arrival order,
   while the token budget (``max_num_batched_tokens``), ``max_num_seqs`` and the
   free blocks last;
-* a prompt longer than what is left of the budget is prefilled in chunks;
+* a prompt longer than what is left of the budget is prefilled in chunks (or, without chunked
+  prefill, waits for a step with room for all of it);
 * when a running request needs a block and none is free, the most recently
   admitted running request is preempted: its blocks are freed and it goes back
   to the front of the waiting queue, to be recomputed (its cached prefix blocks
@@ -97,6 +98,9 @@ class SchedulerConfig:
     # vLLM's dynamic speculative decoding: batch size -> drafts a step allows, 1 to max_num_seqs
     # (engine.build_dynamic_sd_schedule_lookup); None: num_spec_tokens at every size
     dynamic_sd_lookup: list[int] | None = None
+    # False: a prompt is computed whole in one step, never in chunks (vLLM's, for encoder models: their
+    # attention is bidirectional); one that does not fit what is left of the step's budget waits
+    enable_chunked_prefill: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
@@ -342,6 +346,8 @@ class Scheduler:
                     else bm.get_computed_blocks(req.token_ids, req.cache_salt, req.block_hashes))
             num_computed = len(hits) * bm.block_size
             num_new = min(req.num_tokens - num_computed, budget)
+            if num_new < req.num_tokens - num_computed and not self.config.enable_chunked_prefill:
+                break  # it waits for a step with room for all of it (as vLLM's), and so does everyone behind it
             table = bm.allocate_slots(req.request_id, req.token_ids, num_computed + num_new, hits, req.cache_salt,
                                       req.block_hashes)
             if table is None:

@@ -1,0 +1,246 @@
+"""Encoder models on the pooling runner (vLLM's bert.py and roberta.py: BAAI/bge-*, e5, all-MiniLM, gte,
+ms-marco cross-encoders, bge-reranker) against transformers' own BertModel, XLMRobertaModel and
+*ForSequenceClassification: CLS and MEAN pooling of the last hidden state, normalized; classifier logits
+and their activation; a cross-encoder's pair with its token types. Prompts of different lengths share one
+step (bidirectional attention must not leak between them), and a prompt at max_model_len runs whole while
+one past it is refused."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from nanoserve.engine import LLM, InvalidInput, PoolingParams
+
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "stock", "prices", "fell", "today", "rain", "is",
+         "wet", "small", "feline", "index", "what", "down"]
+TEXTS = ["the cat sat on a mat", "rain", "stock prices fell today the dog ran", "a small wet dog"]
+QUERY, DOCS = "what is a cat", ["a small feline", "a stock index", "the cat sat down"]
+MAX_POSITIONS = 24  # BERT's max_model_len; RoBERTa's is 2 (padding_idx + 1) less
+MAX_SEQ_LENGTH = 20  # sentence-transformers' (sentence_bert_config.json), which vLLM takes as max_model_len
+
+
+def _tokenizer(out):
+    """A WordPiece tokenizer over WORDS (BERT's [CLS] a [SEP] b [SEP] pairs, with token types), built here."""
+    from transformers import BertTokenizerFast
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}).save_pretrained(out)
+
+
+def _save(model, out, prefix: str = ""):
+    """save_pretrained, or (prefix) the tensors under transformers' "bert." names, as a BertForX's base saves."""
+    out.mkdir(parents=True, exist_ok=True)
+    if not prefix:
+        model.save_pretrained(out)
+    else:
+        from safetensors.torch import save_file
+        save_file({prefix + k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+        model.config.save_pretrained(out)
+    _tokenizer(out)
+    return out
+
+
+def _init(model, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1 if name.endswith("LayerNorm.weight") else 0, 0.3 if p.dim() >= 2 else 0.2)
+    return model.eval()
+
+
+def _sizes(**extra):
+    return dict(vocab_size=5 + len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=48, max_position_embeddings=MAX_POSITIONS, **extra)
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    """BertModel as sentence-transformers saves it (no "bert." prefix), MEAN pooling and Normalize modules."""
+    from transformers import BertConfig, BertModel
+    out = _save(_init(BertModel(BertConfig(**_sizes(hidden_act="gelu", layer_norm_eps=1e-5))), 1),
+                tmp_path_factory.mktemp("enc") / "bert-st")
+    (out / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (out / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_SEQ_LENGTH}))
+    (out / "1_Pooling").mkdir()
+    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 32,
+                                                               "pooling_mode_cls_token": False,
+                                                               "pooling_mode_mean_tokens": True}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def bert_prefixed_dir(bert_dir, tmp_path_factory):
+    """The same BertModel's tensors under "bert." names and no sentence-transformers files: CLS, as vLLM's default."""
+    from transformers import BertModel
+    return _save(BertModel.from_pretrained(bert_dir), tmp_path_factory.mktemp("enc") / "bert-prefixed", "bert.")
+
+
+@pytest.fixture(scope="module")
+def xlmr_dir(tmp_path_factory):
+    from transformers import XLMRobertaConfig, XLMRobertaModel
+    return _save(_init(XLMRobertaModel(XLMRobertaConfig(**_sizes(pad_token_id=1))), 2),
+                 tmp_path_factory.mktemp("enc") / "xlmr")
+
+
+@pytest.fixture(scope="module")
+def bert_ce_dir(tmp_path_factory):
+    """A one-label BertForSequenceClassification: a cross-encoder (ms-marco-MiniLM's kind)."""
+    from transformers import BertConfig, BertForSequenceClassification
+    model = _init(BertForSequenceClassification(BertConfig(**_sizes(num_labels=1))), 3)
+    with torch.no_grad():
+        model.bert.embeddings.token_type_embeddings.weight.normal_(0, 2.0)  # the pair's types weigh on its score
+        model.bert.pooler.dense.weight.normal_(0, 0.05)  # tanh unsaturated: the pairs score apart
+    return _save(model, tmp_path_factory.mktemp("enc") / "bert-ce")
+
+
+@pytest.fixture(scope="module")
+def roberta_cls_dir(tmp_path_factory):
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+    return _save(_init(RobertaForSequenceClassification(RobertaConfig(**_sizes(num_labels=3, pad_token_id=1))), 4),
+                 tmp_path_factory.mktemp("enc") / "roberta-cls")
+
+
+def hf_outputs(path, auto_class: str, texts=None, pairs=None) -> list[torch.Tensor]:
+    """transformers' own forward, each text (or pair, with its token types) on its own."""
+    import transformers
+    from transformers import AutoTokenizer
+    model = getattr(transformers, auto_class).from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    encoded = [tokenizer(t, return_tensors="pt") for t in texts] if texts else \
+        [tokenizer(q, d, return_tensors="pt") for q, d in pairs]
+    with torch.no_grad():
+        out = [model(**e) for e in encoded]
+    return [o.logits[0] if hasattr(o, "logits") else o.last_hidden_state[0] for o in out]
+
+
+def one_step_spy(llm) -> list[int]:
+    """The number of prompts in each step the engine runs (to see that a batch shared one)."""
+    sizes, execute = [], llm.engine.runner.execute_model
+
+    def spy(seqs):
+        sizes.append(len(seqs))
+        return execute(seqs)
+    llm.engine.runner.execute_model = spy
+    return sizes
+
+
+def test_bert_mean_normalized_as_sentence_transformers(bert_dir):
+    want = [torch.nn.functional.normalize(h.mean(0), dim=0) for h in hf_outputs(bert_dir, "BertModel", TEXTS)]
+    llm = LLM(str(bert_dir), dtype="float32")  # runner auto: pooling, for an encoder
+    assert (llm.engine.runner_type, llm.engine.pooler_config.pooling_type) == ("pooling", "MEAN")
+    assert llm.engine.max_model_len == MAX_SEQ_LENGTH
+    assert llm.engine.kv_plan.bytes_per_block == 0 and not llm.engine.config.enable_prefix_caching
+    steps = one_step_spy(llm)
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    assert steps == [len(TEXTS)]  # every prompt, whole, in one step
+    for o, w in zip(outs, want):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), w, atol=1e-5, rtol=1e-4)
+    raw = llm.encode(TEXTS[:1], PoolingParams(use_activation=False), pooling_task="embed", use_tqdm=False)
+    torch.testing.assert_close(raw[0].outputs.data, hf_outputs(bert_dir, "BertModel", TEXTS[:1])[0].mean(0),
+                               atol=1e-5, rtol=1e-4)
+    with pytest.raises(InvalidInput, match="Classification API is not supported"):
+        llm.classify(TEXTS, use_tqdm=False)
+
+
+def test_prompts_wait_whole_for_a_step_with_room(bert_dir):
+    """A step's budget (24 tokens) too small for all four prompts (26): the last waits for the next
+    step, whole, where a decoder's would be chunked (vLLM's encoders run without chunked prefill)."""
+    want = [torch.nn.functional.normalize(h.mean(0), dim=0) for h in hf_outputs(bert_dir, "BertModel", TEXTS)]
+    llm = LLM(str(bert_dir), dtype="float32", max_num_batched_tokens=MAX_POSITIONS)
+    steps = one_step_spy(llm)
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    assert steps == [3, 1]
+    for o, w in zip(outs, want):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), w, atol=1e-5, rtol=1e-4)
+
+
+def test_bert_prefixed_cls_and_max_model_len(bert_prefixed_dir):
+    llm = LLM(str(bert_prefixed_dir), dtype="float32")
+    assert llm.engine.pooler_config.pooling_type == "CLS" and llm.engine.max_model_len == MAX_POSITIONS
+    longest = [2] + [5 + i % len(WORDS) for i in range(MAX_POSITIONS - 2)] + [3]  # [CLS] ... [SEP]: every position
+    prompts = [longest, "rain", "the cat sat"]
+    want = [torch.nn.functional.normalize(h[0], dim=0) for h in
+            hf_outputs(bert_prefixed_dir, "BertModel", ["rain", "the cat sat"])]
+    from transformers import BertModel
+    model = BertModel.from_pretrained(bert_prefixed_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want.insert(0, torch.nn.functional.normalize(model(torch.tensor([longest])).last_hidden_state[0, 0], dim=0))
+    outs = llm.embed(prompts, use_tqdm=False)
+    for o, w in zip(outs, want):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), w, atol=1e-5, rtol=1e-4)
+    with pytest.raises(InvalidInput, match=str(MAX_POSITIONS)):
+        llm.embed([longest + [5]], use_tqdm=False)
+
+
+def test_xlm_roberta_cls_with_position_offset(xlmr_dir):
+    llm = LLM(str(xlmr_dir), dtype="float32")
+    assert llm.engine.max_model_len == MAX_POSITIONS - 2  # positions start at padding_idx + 1
+    want = [torch.nn.functional.normalize(h[0], dim=0) for h in hf_outputs(xlmr_dir, "XLMRobertaModel", TEXTS)]
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    for o, w in zip(outs, want):
+        torch.testing.assert_close(torch.tensor(o.outputs.embedding), w, atol=1e-5, rtol=1e-4)
+
+
+def test_roberta_classifier_softmax(roberta_cls_dir):
+    want = torch.stack(hf_outputs(roberta_cls_dir, "RobertaForSequenceClassification", TEXTS))
+    llm = LLM(str(roberta_cls_dir), dtype="float32")
+    assert llm.engine.pooling_task == "classify"
+    got = torch.tensor([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)])
+    torch.testing.assert_close(got, want.softmax(-1), atol=1e-5, rtol=1e-4)
+
+
+def test_bert_cross_encoder_score_with_token_types(bert_ce_dir):
+    pairs = [(QUERY, d) for d in DOCS]
+    want = torch.stack(hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=pairs))[:, 0].sigmoid()
+    llm = LLM(str(bert_ce_dir), dtype="float32")
+    assert llm.engine.runner.model.sep_token_id == 3  # the tokenizer's [SEP]
+    steps = one_step_spy(llm)
+    got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
+    assert steps == [len(DOCS)]
+    assert got == pytest.approx(want.tolist(), abs=1e-5)
+    assert max(got) - min(got) > 0.01  # far above the tolerance: the pairs score apart
+    # the pair's second text is token type 1: as one type it would score otherwise
+    from transformers import AutoTokenizer, BertForSequenceClassification
+    model = BertForSequenceClassification.from_pretrained(bert_ce_dir, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(bert_ce_dir)(QUERY, DOCS[0], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert float(model(ids).logits[0, 0].sigmoid()) != pytest.approx(got[0], abs=1e-3)
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    (dict(max_num_batched_tokens=16), "max_num_batched_tokens \\(16\\) is smaller than max_model_len \\(24\\)"),
+    (dict(enable_lora=True), "LoRA adapters are not supported for BertModel"),
+    (dict(tensor_parallel_size=2), "runs on one rank only"),
+    (dict(runner="generate"), "an encoder model: it serves the pooling runner only"),
+])
+def test_encoder_refusals(bert_prefixed_dir, kwargs, says):
+    with pytest.raises(ValueError, match=says):
+        LLM(str(bert_prefixed_dir), dtype="float32", **kwargs)
+
+
+def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
+    from test_server import ServerThread
+    want = [torch.nn.functional.normalize(h.mean(0), dim=0) for h in hf_outputs(bert_dir, "BertModel", TEXTS)]
+    pairs = [(QUERY, d) for d in DOCS]
+    scores = torch.stack(hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=pairs))[:, 0].sigmoid()
+    flags = ("--max-num-seqs", "4", "--max-model-len")
+    with ServerThread(bert_dir, *flags, str(MAX_SEQ_LENGTH)) as emb, \
+            ServerThread(bert_ce_dir, *flags, str(MAX_POSITIONS)) as ce:
+        r = httpx.post(emb.url + "/v1/embeddings", json={"input": TEXTS}, timeout=30)
+        assert r.status_code == 200, r.text
+        for d, w in zip(r.json()["data"], want):
+            torch.testing.assert_close(torch.tensor(d["embedding"]), w, atol=1e-5, rtol=1e-4)
+        too_long = " ".join(["cat"] * (MAX_SEQ_LENGTH - 1))  # with [CLS] and [SEP]: one past max_model_len
+        r = httpx.post(emb.url + "/v1/embeddings", json={"input": [too_long[4:], too_long]}, timeout=30)
+        assert r.status_code == 400 and str(MAX_SEQ_LENGTH) in r.json()["error"]["message"], r.text
+        r = httpx.post(emb.url + "/v1/embeddings", json={"input": too_long[4:]}, timeout=30)  # max_model_len
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == MAX_SEQ_LENGTH, r.text
+        r = httpx.post(ce.url + "/rerank", json={"query": QUERY, "documents": DOCS}, timeout=30)
+        assert r.status_code == 200, r.text
+        got = {d["index"]: d["relevance_score"] for d in r.json()["results"]}
+        assert [got[i] for i in range(len(DOCS))] == pytest.approx(scores.tolist(), abs=1e-5)
