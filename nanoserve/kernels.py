@@ -410,7 +410,8 @@ def argmax_cuda(logits: torch.Tensor) -> torch.Tensor:
 # model.WNA16Linear converts all three formats to at load:
 #   qweight int32 [ceil(K / p), N], p = 32 // bits codes a word along K (GPTQ's): the code of weight (k, n)
 #           is bits [(k % p) * bits, (k % p + 1) * bits) of word [k // p, n], unsigned;
-#   scales  fp32 [G, N] and zeros uint8 [G, N] (unsigned codes; a symmetric scheme's midpoint stored too);
+#   scales  [G, N] (fp16 where the checkpoint's scales are exact in it, else fp32) and zeros [G, N] (unsigned
+#           codes, uint8 or int16: GPTQ v1's 8-bit zero may be 256; a symmetric scheme's midpoint stored too);
 #   group   of input row k: g_idx[k] where given (act-order), else (k + k_off) // group_size (k_off: where a
 #           tensor-parallel shard's first column falls inside its group).
 # The weight is (code - zero) * scale in fp32, rounded once to x's dtype (the dequantized path's value, so
@@ -431,7 +432,7 @@ def wna16_weight_torch(qweight, scales, zeros, g_idx, bits: int, group_size: int
                        dtype: torch.dtype) -> torch.Tensor:
     """The dequantized weight [K, N] in ``dtype``."""
     g = wna16_groups(K, group_size, k_off, g_idx, qweight.device)
-    return ((wna16_unpack(qweight, bits, K).float() - zeros[g].float()) * scales[g]).to(dtype)
+    return ((wna16_unpack(qweight, bits, K).float() - zeros[g].float()) * scales[g].float()).to(dtype)
 
 
 def wna16_matmul_torch(x, qweight, scales, zeros, g_idx, bits: int, group_size: int, k_off: int) -> torch.Tensor:
@@ -924,7 +925,7 @@ if triton is not None:
             else:
                 g = (k + k_off) // group_size
             at = g[:, None].to(tl.int64) * N + n[None, :]
-            scale = tl.load(scales_ptr + at, mask=kn_ok, other=0.0)
+            scale = tl.load(scales_ptr + at, mask=kn_ok, other=0.0).to(tl.float32)
             zero = tl.load(zeros_ptr + at, mask=kn_ok, other=0).to(tl.float32)
             w = ((codes.to(tl.float32) - zero) * scale).to(dt)
             acc = tl.dot(x, w, acc, input_precision=PRECISION)

@@ -104,8 +104,9 @@ def quantized_checkpoint(model_root: Path, method: str, bits: int, group: int, s
             quantized[name] = dequantized[name] = w
             continue
         g_idx = torch.arange(w.shape[1]) // group
-        if act_order:  # GPTQ's desc_act: groups formed in a permuted column order
-            g_idx = g_idx[torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[0]))]
+        if act_order:  # GPTQ's desc_act: groups formed in a permuted column order, from the input's Hessian,
+            # so the same for the layers that read one input (q/k/v, gate/up), as a packed fused layer needs
+            g_idx = g_idx[torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[1]))]
         codes, scale, zero = quantize(w, bits, group, sym, g_idx)
         assert not (v1 and method == "gptq" and (zero == 0).any())  # v1 cannot store a zero of 0 (as zero - 1)
         scale = scale.half()  # as the hub's GPTQ and AWQ checkpoints store them
