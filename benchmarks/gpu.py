@@ -1008,7 +1008,8 @@ WORKERS = dict(env=part_env, models=part_models,
                serve=part_serve, wna16=part_wna16)
 # name: (timeout s on the GPU, in the dry run)
 TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), w1_async=(90, 60),
-                breakdown=(120, 60), parity=(240, 180), cuda_tests=(120, 90), serve=(150, 90), hf_cb=(120, 60), wna16=(150, 90))
+                breakdown=(120, 60), parity=(240, 180), cuda_tests=(120, 90), serve=(150, 90), hf_cb=(120, 60),
+                wna16=(150, 90))
 NEEDS_W1 = ("w1_graphs", "w1_eager", "w1_async", "breakdown", "hf_cb", "serve", "wna16")
 
 
