@@ -918,6 +918,85 @@ def part_cuda_tests(scale: Scale, spec: dict) -> dict:
                 skipped=counts.get("skipped", 0))
 
 
+def part_wna16(scale: Scale, spec: dict) -> dict:
+    """Int4/int8 weights kept packed (model.WNA16Weight): Triton's wna16_matmul against its torch twin (bf16
+    on the GPU, fp32 interpreted in the dry run), its time beside a bf16 matmul of the same weight dequantized,
+    one CUDA graph of it replayed on new inputs, and W1 as a GPTQ int4 g128 checkpoint served packed and
+    dequantized: weight bytes, peak memory, and greedy tokens (the two paths' weights are the same values;
+    their sums may round apart)."""
+    cuda = scale.device == "cuda"
+    os.environ["TRITON_INTERPRET"] = "0" if cuda else "1"  # before triton's import (tests' conftest sets 1)
+    import torch
+
+    from nanoserve import LLM, SamplingParams, kernels
+    from wna16 import gptq_checkpoint, random_packed
+    dtype = torch.bfloat16 if cuda else torch.float32
+    res: dict = {"kernel": []}
+    ok = True
+    shapes = [(1, 4096, 4096), (16, 4096, 12288), (64, 4096, 4096), (1, 12288, 4096)] if cuda else \
+        [(1, 100, 72), (17, 136, 40)]
+    for (M, K, N), (bits, group, act) in ((s, v) for s in shapes for v in ((4, 128, False), (4, 128, True),
+                                                                            (8, -1, False))):
+        qw, sc, zr, g, gs = random_packed(K, N, bits, group, act, scale.device)
+        x = torch.randn(M, K, device=scale.device, dtype=dtype)
+        got = kernels.wna16_matmul_triton(x, qw, sc, zr, g, bits, gs, 0)
+        want = kernels.wna16_matmul_torch(x, qw, sc, zr, g, bits, gs, 0)
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+        row = dict(M=M, K=K, N=N, bits=bits, group=group, act_order=act, rel_err=_r(err, 5))
+        ok &= err < (2e-2 if cuda else 1e-4)
+        if cuda:  # microseconds a call, 50 calls after 5, beside the dense bf16 weight's matmul
+            dense = kernels.wna16_weight_torch(qw, sc, zr, g, bits, gs, 0, K, dtype)  # [K, N], as x @ W
+            for name, fn in (("packed_us", lambda: kernels.wna16_matmul_triton(x, qw, sc, zr, g, bits, gs, 0)),
+                             ("dense_bf16_us", lambda: x @ dense)):
+                for _ in range(5):
+                    fn()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(50):
+                    fn()
+                end.record()
+                end.synchronize()
+                row[name] = _r(start.elapsed_time(end) * 1000 / 50, 1)
+        res["kernel"].append(row)
+    if cuda:  # one graph of the kernel, replayed on other inputs == eager
+        qw, sc, zr, g, gs = random_packed(4096, 4096, 4, 128, False, "cuda")
+        x = torch.randn(8, 4096, device="cuda", dtype=dtype)
+        kernels.wna16_matmul_triton(x, qw, sc, zr, g, 4, gs, 0)  # compiled before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = kernels.wna16_matmul_triton(x, qw, sc, zr, g, 4, gs, 0)
+        same = True
+        for seed in range(3):
+            x.copy_(torch.randn(8, 4096, generator=torch.Generator().manual_seed(seed)).to("cuda", dtype))
+            graph.replay()
+            same &= torch.equal(out, kernels.wna16_matmul_triton(x, qw, sc, zr, g, 4, gs, 0))
+        res["graph_replay_equals_eager"] = bool(same)
+        ok &= same
+    work = Path(spec["work"])
+    path = gptq_checkpoint(Path(spec["models"]["w1"]), work / "models" / "w1-gptq-int4-g128")
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(4)]
+    tokens = {}
+    for mode in ("packed", "dequantized"):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        llm = LLM(str(path), dtype="bfloat16", device=scale.device, skip_tokenizer_init=True, wna16_weights=mode,
+                  max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=not cuda)
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, min_tokens=16),
+                                use_tqdm=False)
+            tokens[mode] = [o.outputs[0].token_ids for o in outs]
+            res[mode] = dict(weight_MiB=_r(llm.engine.weight_bytes / 2**20, 1),
+                             peak_MiB=_r(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None)
+        finally:
+            llm.shutdown()
+            del llm
+    res["greedy_match"] = match_rate(tokens.get("packed"), tokens.get("dequantized"))
+    # the dry run's W1 is mostly its embedding (151,936 x 64): packed only has to be smaller there
+    res["ok"] = bool(ok and res["packed"]["weight_MiB"] < (0.5 if cuda else 1) * res["dequantized"]["weight_MiB"])
+    return res
+
+
 # In the order they run: W1 with graphs, then what only a GPU can check (parity, the CUDA
 # tests), then the issue's other figures, which a second, shorter call could fill in if the
 # budget runs out before them.
@@ -926,11 +1005,12 @@ WORKERS = dict(env=part_env, models=part_models,
                parity=part_parity, cuda_tests=part_cuda_tests,
                breakdown=part_breakdown, w1_eager=lambda s, spec: part_w1(s, spec, eager=True),
                hf_cb=part_hf_cb, w1_async=lambda s, spec: part_w1(s, spec, async_scheduling=True),
-               serve=part_serve)
+               serve=part_serve, wna16=part_wna16)
 # name: (timeout s on the GPU, in the dry run)
 TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), w1_async=(90, 60),
-                breakdown=(120, 60), parity=(240, 180), cuda_tests=(120, 90), serve=(150, 90), hf_cb=(120, 60))
-NEEDS_W1 = ("w1_graphs", "w1_eager", "w1_async", "breakdown", "hf_cb", "serve")
+                breakdown=(120, 60), parity=(240, 180), cuda_tests=(120, 90), serve=(150, 90), hf_cb=(120, 60),
+                wna16=(150, 90))
+NEEDS_W1 = ("w1_graphs", "w1_eager", "w1_async", "breakdown", "hf_cb", "serve", "wna16")
 
 
 def worker_main(name: str, spec_path: Path) -> None:
@@ -1144,6 +1224,19 @@ def markdown(record: dict) -> str:
     ct = p.get("cuda_tests") or {}
     row("the suite's CUDA tests (graph replay == eager per captured size; padding writes no KV)",
         ct.get("summary") or ct.get("error") or "—")
+    wn = p.get("wna16") or {}
+    if wn.get("kernel"):
+        worst = max(r["rel_err"] for r in wn["kernel"])
+        times = "; ".join(f"{r['M']}×{r['K']}×{r['N']} int{r['bits']}{' act' if r['act_order'] else ''} "
+                          f"{_fmt(r.get('packed_us'), ' µs', 1)} vs {_fmt(r.get('dense_bf16_us'), ' µs', 1)}"
+                          for r in wn["kernel"] if r.get("packed_us") is not None)
+        row("int4/int8 weights packed: wna16_matmul vs its torch twin (worst relative error); a call vs bf16 dense",
+            f"{worst}; {times or '—'}; graph replay == eager: {wn.get('graph_replay_equals_eager', '—')}")
+        pk, dq = wn.get("packed") or {}, wn.get("dequantized") or {}
+        row("W1 as GPTQ int4 g128: weights / peak memory, packed vs dequantized; greedy tokens",
+            f"{_fmt(pk.get('weight_MiB'), ' MiB', 0)} / {_fmt(pk.get('peak_MiB'), ' MiB', 0)} vs "
+            f"{_fmt(dq.get('weight_MiB'), ' MiB', 0)} / {_fmt(dq.get('peak_MiB'), ' MiB', 0)}; "
+            f"{wn.get('greedy_match')}")
     for label, lv in (sv.get("levels") or {}).items():
         def q(k, st="p50"):
             return (lv.get(k) or {}).get(st)

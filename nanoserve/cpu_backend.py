@@ -673,9 +673,10 @@ def _children(model: nn.Module, cls: type) -> list[tuple[nn.Module, str, nn.Modu
 
 
 def _linears(model: nn.Module):
-    """Every model.Linear, as _children gives them."""
+    """Every model.Linear, as _children gives them, but those holding an int weight packed (model.WNA16Weight:
+    the torch twin's, which has no C kernel here)."""
     from nanoserve.model import Linear
-    return _children(model, Linear)
+    return [c for c in _children(model, Linear) if c[2].wna16 is None]
 
 
 def _fused_moes(model: nn.Module):

@@ -59,6 +59,7 @@ from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, Log
                              load_model, load_tokenizer, log_tensor_parallel, lora_slot_bytes, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
+from nanoserve.model import WNA16_WEIGHTS
 from nanoserve.scheduler import (SCHEDULING_POLICIES, RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
 
@@ -1665,6 +1666,10 @@ class EngineConfig:
     skip_tokenizer_init: bool = False  # token-id prompts only, no text out (as vLLM)
     enforce_eager: bool = False        # as vLLM: no torch.compile; on the CPU no C kernels either
     cpu_allocator_tuning: bool = True  # model.tune_process: THP, glibc malloc, oneDNN's caches
+    # A GPTQ / AWQ / compressed-tensors W4A16-W8A16 checkpoint's Linear weights: "packed" (the checkpoint's
+    # memory, a W4A16 kernel), "dequantized" (the model's dtype: 4x an int4 checkpoint's), or "auto": packed
+    # on CUDA, dequantized on the CPU (model.wna16_packed says why). vLLM has no such switch: it keeps them packed.
+    wna16_weights: str = "auto"
     # Decode batch sizes replayed as CUDA graphs (None: model.cudagraph_capture_sizes, vLLM's
     # pattern, up to the most rows a decode step has, on CUDA; none on the CPU, where given
     # sizes run the same padded path eagerly); enforce_eager turns them off.
@@ -1730,6 +1735,8 @@ class EngineConfig:
         if self.seed is not None and not -2**63 <= self.seed < 2**64:  # torch.manual_seed's range: it failed at
             raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")  # the first sampled request
         self.device = None if self.device == "auto" else self.device  # vLLM's word for the engine's choice
+        if self.wna16_weights not in WNA16_WEIGHTS:
+            raise ValueError(f"wna16_weights must be one of {', '.join(WNA16_WEIGHTS)}, got {self.wna16_weights!r}")
         override = self.override_generation_config
         if override is not None:  # checked here, not by every request that leaves the field out (each a 400)
             if not isinstance(override, dict):
@@ -2051,7 +2058,7 @@ class LLMEngine:
             self.decode_sizes = [] if self.model_config.encoder_only else self._decode_sizes()
             model, self.weight_bytes = load_model(path, self.dtype, self.device, self.backend, tp,
                                                   model_overrides(config, path),
-                                                  config.max_model_len)
+                                                  config.max_model_len, config.wna16_weights)
             if config.lora_config is not None:  # the adapters' device slots, before the KV cache is sized
                 self.weight_bytes += wrap_lora_layers(model, config.lora_config)
             self.max_model_len, self.kv_plan, window, kv_caches = self._init_kv_cache(model)
@@ -3544,7 +3551,7 @@ def worker_specs(config: EngineConfig, init_method: str, device: torch.device, d
                        int(os.environ.get("LOCAL_RANK", "0")) if torchrun else r - ranks[0],
                        init_method, device.type, dtype, cache_config(config), config.enforce_eager,
                        config.seed, threads, config.cpu_allocator_tuning, level,
-                       model_overrides(config, Path(path)), config.lora_config)
+                       model_overrides(config, Path(path)), config.lora_config, config.wna16_weights)
             for r in ranks]
 
 

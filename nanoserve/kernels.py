@@ -406,6 +406,41 @@ def argmax_cuda(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+# Weight-only int4/int8 linear (vLLM's WNA16: GPTQ, AWQ, compressed-tensors W4A16/W8A16), in the one layout
+# model.WNA16Linear converts all three formats to at load:
+#   qweight int32 [ceil(K / p), N], p = 32 // bits codes a word along K (GPTQ's): the code of weight (k, n)
+#           is bits [(k % p) * bits, (k % p + 1) * bits) of word [k // p, n], unsigned;
+#   scales  [G, N] (fp16 where the checkpoint's scales are exact in it, else fp32) and zeros [G, N] (unsigned
+#           codes, uint8 or int16: GPTQ v1's 8-bit zero may be 256; a symmetric scheme's midpoint stored too);
+#   group   of input row k: g_idx[k] where given (act-order), else (k + k_off) // group_size (k_off: where a
+#           tensor-parallel shard's first column falls inside its group).
+# The weight is (code - zero) * scale in fp32, rounded once to x's dtype (the dequantized path's value, so
+# the two paths compute with the same weights); the products are summed in fp32.
+
+def wna16_unpack(qweight: torch.Tensor, bits: int, K: int) -> torch.Tensor:
+    """The codes [K, N] (int32) of a qweight."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    codes = (qweight.unsqueeze(1) >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return codes.flatten(0, 1)[:K]
+
+
+def wna16_groups(K: int, group_size: int, k_off: int, g_idx: torch.Tensor | None, device) -> torch.Tensor:
+    return g_idx.long() if g_idx is not None else (torch.arange(K, device=device) + k_off) // group_size
+
+
+def wna16_weight_torch(qweight, scales, zeros, g_idx, bits: int, group_size: int, k_off: int, K: int,
+                       dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight [K, N] in ``dtype``."""
+    g = wna16_groups(K, group_size, k_off, g_idx, qweight.device)
+    return ((wna16_unpack(qweight, bits, K).float() - zeros[g].float()) * scales[g].float()).to(dtype)
+
+
+def wna16_matmul_torch(x, qweight, scales, zeros, g_idx, bits: int, group_size: int, k_off: int) -> torch.Tensor:
+    """x [M, K] @ the dequantized weight: the Triton kernel's oracle, and the CPU's packed path (it
+    dequantizes the whole weight every call: memory-lean between calls, not fast)."""
+    return x @ wna16_weight_torch(qweight, scales, zeros, g_idx, bits, group_size, k_off, x.shape[-1], x.dtype)
+
+
 # =========================================================================== Triton kernels
 #
 # The attention kernel walks the context in tiles of BLOCK_N key positions and
@@ -450,6 +485,9 @@ _NO_WINDOW = 2**30  # the kernel's window without a sliding window: past any con
 # prefill); 16 rows (tl.dot's least) otherwise, where most of a tile would be padding.
 _MOE_BLOCK_M_SMALL, _MOE_BLOCK_M_LARGE = 16, 64
 _MOE_BLOCK_N, _MOE_BLOCK_K = 64, 32
+# The WNA16 matmul: 16-row tiles (tl.dot's least) up to 16 rows of x (decodes), 64 beyond; 64 output columns
+# and 32 input rows a step. Untuned: no GPU run has measured it.
+_WNA16_BLOCK_M_SMALL, _WNA16_BLOCK_M_LARGE, _WNA16_BLOCK_N, _WNA16_BLOCK_K = 16, 64, 64, 32
 
 if triton is not None:
 
@@ -859,6 +897,42 @@ if triton is not None:
                  mask=pair_ok[:, None] & n_ok[None, :])
 
 
+    # M (the tokens) changes with the batch: unspecialised, so a new batch compiles nothing.
+    @triton.jit(do_not_specialize=["M"])
+    def _wna16_matmul_kernel(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, M, N, K, k_off,
+                             group_size, x_stride_m, x_stride_k, out_stride_m, BITS: tl.constexpr,
+                             HAS_G_IDX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """Grid (blocks of M, blocks of N): out = x @ W for one tile, W dequantized a BLOCK_K x BLOCK_N tile at a
+        time from the packed codes (the layout above wna16_unpack), each element (code - zero) * scale in fp32
+        rounded to x's dtype, the products summed in fp32."""
+        PACK: tl.constexpr = 32 // BITS
+        m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok, n_ok = m < M, n < N
+        dt = x_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            kn_ok = k_ok[:, None] & n_ok[None, :]
+            x = tl.load(x_ptr + m[:, None].to(tl.int64) * x_stride_m + k[None, :] * x_stride_k,
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            words = tl.load(qweight_ptr + (k // PACK)[:, None].to(tl.int64) * N + n[None, :], mask=kn_ok, other=0)
+            codes = (words >> ((k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)
+            if HAS_G_IDX:  # act-order: each row's group read
+                g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
+            else:
+                g = (k + k_off) // group_size
+            at = g[:, None].to(tl.int64) * N + n[None, :]
+            scale = tl.load(scales_ptr + at, mask=kn_ok, other=0.0).to(tl.float32)
+            zero = tl.load(zeros_ptr + at, mask=kn_ok, other=0).to(tl.float32)
+            w = ((codes.to(tl.float32) - zero) * scale).to(dt)
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        tl.store(out_ptr + m[:, None].to(tl.int64) * out_stride_m + n[None, :], acc.to(dt),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
 def _check_head_dim(head_dim: int, rope_dim: int = 0) -> None:
     """A power of two >= 16 (tl.dot's least), or a multiple of 8 from 16 to 256 (Phi-3's 96, 80,
     160, 192: vLLM's sizes), which the kernels pad to the next power of two with masks; past 256
@@ -1256,6 +1330,23 @@ def warm_up_fused_moe_triton(w13: torch.Tensor, w2: torch.Tensor, top_k: int, **
     for T in (1, -(-_MOE_BLOCK_M_LARGE * E // top_k)):
         ids = torch.zeros(T, top_k, dtype=torch.int32, device=w13.device)
         fused_moe_triton(w13.new_zeros(T, H), w13, w2, torch.ones(T, top_k, device=w13.device), ids, **moe_kwargs)
+
+
+def wna16_matmul_triton(x, qweight, scales, zeros, g_idx, bits: int, group_size: int, k_off: int) -> torch.Tensor:
+    """x [M, K] @ the packed weight (wna16_matmul_torch's result) in one kernel. Capture-safe: no host sync,
+    nothing allocated but the output, and the tile follows from M alone."""
+    M, K = x.shape
+    N = qweight.shape[1]
+    out = x.new_empty(M, N)
+    if M == 0 or N == 0:
+        return out
+    block_m = _WNA16_BLOCK_M_SMALL if M <= _WNA16_BLOCK_M_SMALL else _WNA16_BLOCK_M_LARGE
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, _WNA16_BLOCK_N))
+    _wna16_matmul_kernel[grid](x, qweight, scales, zeros, qweight if g_idx is None else g_idx, out, M, N, K, k_off,
+                               group_size, *x.stride(), out.stride(0), BITS=bits, HAS_G_IDX=g_idx is not None,
+                               BLOCK_M=block_m, BLOCK_N=_WNA16_BLOCK_N, BLOCK_K=_WNA16_BLOCK_K,
+                               PRECISION="ieee" if x.dtype == torch.float32 else None)
+    return out
 
 
 def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int) -> None:

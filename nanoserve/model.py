@@ -1221,19 +1221,32 @@ class GemmaRMSNorm(nn.Module):
         param.copy_(_read(loaded, param.shape).to(self.model_dtype).float() + 1.0)
 
 
+# build_model sets it for a weight-only int checkpoint served packed (WNA16Weight): each Linear's weight is
+# then made on the meta device, and load_weights gives it its form when its checkpoint tensor comes, packed
+# codes if quantized, else the weight allocated, so the dequantized weights never take the device's memory.
+_DEFER_LINEAR_WEIGHTS = False
+
+
 class Linear(nn.Module):
     """nn.Linear without the random init (the checkpoint overwrites it anyway,
     and initialising 0.6B parameters costs seconds on a CPU). A backend's prepare_model may
     replace it after loading (the CPU's, by a layer holding the weight packed or in fp32:
-    cpu_backend.pack_linear_weights)."""
+    cpu_backend.pack_linear_weights). An int4/int8 weight served packed is ``wna16`` (its
+    ``weight`` then None)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        deferred = _DEFER_LINEAR_WEIGHTS
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta" if deferred else None))
+        self.weight_device = torch.get_default_device() if deferred else None  # where a deferred one goes
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.wna16: WNA16Weight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.wna16 is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.wna16(x)
+        return y if self.bias is None else y + self.bias
 
 
 # --------------------------------------------------------------------------- tensor parallelism
@@ -1473,7 +1486,7 @@ class RowParallelLinear(Linear):
         self.tp = tp if reduce_results else tp.partial()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(F.linear(x, self.weight, self.bias))
+        return self.tp.all_reduce(super().forward(x))
 
     def weight_loader(self, param: torch.Tensor, loaded, shard_id: int) -> None:
         if param is self.bias:
@@ -2520,6 +2533,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     wna16 = cfg.quantization if isinstance(cfg.quantization, WNA16Config) else None
     scales = _fp8_scales(files, fp8) if fp8 else {}
     scale_names, dequantized, input_scales, kv_scales = set(scales), collections.Counter(), 0, 0
+    kept_packed = 0
     mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
     companions = _Wna16Companions(files, wna16) if wna16 else None
     head_rows: torch.Tensor | None = None  # the LM-head rows a score head is built from (classifier_from_token)
@@ -2555,16 +2569,25 @@ def load_weights(model: CausalLM, path: Path) -> int:
                                                                      VocabParallelEmbedding):
                     raise ModelLoadError(f"{wna16.method} tensor {stored!r} is a quantized embedding, which nanoserve "
                                          "(as vLLM) does not read: only linear layers and lm_head may be quantized")
-                if isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
-                    loaded.dtype = params[target].dtype
+                param = params[target]
+                if param.is_meta:  # a Linear's weight deferred (served packed): packed codes, or allocated now
+                    param = _deferred_weight(modules[target.rpartition(".")[0]], loaded, stored)
+                    if not isinstance(param, _PackedDest):
+                        params[target] = param
+                if isinstance(param, _PackedDest):
+                    kept_packed += 1
+                elif isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
+                    loaded.dtype = param.dtype
                     dequantized[loaded.dtype] += 1
                 loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", default_weight_loader)
                 try:
-                    loader(params[target], loaded, shard)
+                    loader(param, loaded, shard)
                 except _ShapeMismatch as e:
                     held = " holds a weight of" if stored != name else " has"
                     raise ModelLoadError(f"tensor {stored!r}{held} shape {e.actual}, expected "
                                          f"{e.expected} from config.json") from None
+                except _PackedLayoutMismatch as e:
+                    raise ModelLoadError(f"tensor {stored!r}: {e}") from None
                 pending -= ({(target, s) for s in range(_num_shards(target, modules))} if shard is None
                             else {(target, shard)})
     if cfg.classifier_token_ids:
@@ -2581,7 +2604,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
     if fp8:
         _log_fp8(fp8, dequantized, input_scales)
     if wna16:
-        _log_wna16(wna16, dequantized)
+        _log_wna16(wna16, dequantized, kept_packed)
     if kv_scales:
         logger.info("[model] %d fp8 KV-cache scales (k_scale, v_scale ...) not applied: the KV cache holds the "
                     "model's dtype, as vLLM's with --kv-cache-dtype auto", kv_scales)
@@ -2590,7 +2613,12 @@ def load_weights(model: CausalLM, path: Path) -> int:
         logger.info("[model] MXFP4 checkpoint: %d expert weights dequantized to %s as they were loaded (held "
                     "dequantized: the memory is the %s model's, about 4x the checkpoint's experts)",
                     sum(dequantized.values()), dtype, dtype)
-    return sum(p.numel() * p.element_size() for p in params.values())
+    packed = [m.wna16 for m in modules.values() if isinstance(m, Linear) and m.wna16 is not None]
+    for m in modules.values():
+        if isinstance(m, Linear) and m.wna16 is not None:
+            m.weight = None  # the meta placeholder: the packed codes stand for it
+    return sum(p.numel() * p.element_size() for p in params.values() if not p.is_meta) \
+        + sum(b.numel() * b.element_size() for w in packed for b in w.buffers())
 
 
 def _token_rows(name: str, loaded, token_ids: tuple[int, ...], embedding: nn.Module) -> torch.Tensor:
@@ -2811,9 +2839,11 @@ class PackedIntSlice:
     ROWS_AT_A_TIME = 256
 
     def __init__(self, codes: Callable[[int, int, int, int], torch.Tensor], shape: tuple[int, int], bits: int,
-                 scale: torch.Tensor, zero: torch.Tensor, group_of: torch.Tensor, dtype: torch.dtype = torch.float32):
+                 scale: torch.Tensor, zero: torch.Tensor, group_of: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 group_size: int = -1):
         self.codes, self.shape, self.bits, self.dtype = codes, shape, bits, dtype
-        self.scale, self.zero, self.group_of = scale, zero, group_of
+        self.scale, self.zero, self.group_of, self.group_size = scale, zero, group_of, group_size
+        self.packed = False  # set for a weight served packed: ``[key]`` is then a PackedWindow, nothing dequantized
 
     def get_shape(self) -> list[int]:
         return list(self.shape)
@@ -2825,6 +2855,8 @@ class PackedIntSlice:
         key = tuple(key) + (slice(None),) * (2 - len(key))
         (r0, r1), (c0, c1) = (key[d].indices(self.shape[d])[:2] for d in (0, 1))
         r1, c1 = max(r0, r1), max(c0, c1)
+        if self.packed:
+            return self.window(r0, r1, c0, c1)
         out = torch.empty(r1 - r0, c1 - c0, dtype=self.dtype)
         groups = self.group_of[c0:c1]
         for a in range(r0, r1, self.ROWS_AT_A_TIME):
@@ -2832,6 +2864,159 @@ class PackedIntSlice:
             q = self.codes(a, b, c0, c1).float()
             out[a - r0:b - r0] = (q - self.zero[a:b][:, groups]) * self.scale[a:b][:, groups]
         return out
+
+    def window(self, r0: int, r1: int, c0: int, c1: int) -> PackedWindow:
+        """Rows [r0, r1) and columns [c0, c1) as codes, with the scales and zero points of the groups they
+        fall in (renumbered from 0) and where those groups start (WNA16Weight's layout)."""
+        groups = self.group_of[c0:c1]
+        lo, hi = (int(groups.min()), int(groups.max()) + 1) if c1 > c0 else (0, 1)
+        groups = groups - lo
+        if self.group_size == -1:
+            group_size, k_off, g_idx = max(c1 - c0, 1), 0, None
+        elif torch.equal(groups, (torch.arange(c1 - c0) + c0 % self.group_size) // self.group_size):
+            group_size, k_off, g_idx = self.group_size, c0 % self.group_size, None
+        else:  # act-order: each column's group given
+            group_size, k_off, g_idx = 1, 0, groups.to(torch.int32)
+        return PackedWindow(lambda a, b: self.codes(a, b, c0, c1), r0, r1, c1 - c0, self.scale[r0:r1, lo:hi],
+                            self.zero[r0:r1, lo:hi], group_size, k_off, g_idx)
+
+
+@dataclass(frozen=True, slots=True)
+class PackedWindow:
+    """Output rows [r0, r1) of a quantized weight, ``cols`` input columns wide, still as codes: what a
+    Linear's weight_loader copies into a WNA16Weight. ``codes(a, b)`` reads rows [a, b) of them; ``scale``
+    and ``zero`` [rows, groups] (fp32) are the window's groups, the group of column k being g_idx[k] or
+    (k + k_off) // group_size."""
+    codes: Callable[[int, int], torch.Tensor]
+    r0: int
+    r1: int
+    cols: int
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+    k_off: int
+    g_idx: torch.Tensor | None
+
+    def same_groups(self, other: "WNA16Weight") -> bool:
+        return (self.scale.shape[1], self.group_size, self.k_off) == (other.scales.shape[0], other.group_size,
+                                                                       other.k_off) \
+            and (self.g_idx is None) == (other.g_idx is None) \
+            and (self.g_idx is None or torch.equal(self.g_idx, other.g_idx.cpu()))
+
+
+def _pack_along_k(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [K, n] -> int32 [ceil(K / p), n]: code k in bits [(k % p) * bits, ...) of word k // p."""
+    p = 32 // bits
+    c = F.pad(codes.to(torch.int64), (0, 0, 0, -codes.shape[0] % p))
+    words = sum(c[i::p] << (bits * i) for i in range(p))
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+class _PackedLayoutMismatch(Exception):
+    pass
+
+
+class WNA16Weight(nn.Module):
+    """A Linear's int4/int8 weight kept packed, in the layout kernels.wna16_unpack reads (qweight, scales,
+    zeros, and g_idx for act-order), the logical weight [out, in]; forward is x @ its transpose: Triton's
+    wna16_matmul on CUDA, the torch twin elsewhere. Filled by the layer's weight_loader a window of output
+    rows at a time (write); the scales and groups are sized by the first window, which every other one
+    (q, k and v's; gate and up's) must match."""
+    ROWS_AT_A_TIME = 1024  # codes unpacked at load this many output rows at a time (a bounded host copy)
+
+    def __init__(self, bits: int, out_features: int, in_features: int, device: torch.device):
+        super().__init__()
+        self.bits, self.out_features, self.in_features = bits, out_features, in_features
+        self.group_size, self.k_off = max(in_features, 1), 0
+        self.register_buffer("qweight", torch.zeros(-(-in_features // (32 // bits)), out_features, dtype=torch.int32,
+                                                    device=device))
+        for name in ("scales", "zeros", "g_idx"):
+            self.register_buffer(name, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        matmul = kernels.wna16_matmul_triton if x.is_cuda and kernels.triton is not None else kernels.wna16_matmul_torch
+        y = matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros, self.g_idx, self.bits,
+                   self.group_size, self.k_off)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def write(self, n0: int, n1: int, w: PackedWindow) -> None:
+        """Output rows [n0, n1) from the window ``w`` of a checkpoint tensor."""
+        if self.scales is None:
+            self._allocate(w)
+        elif not w.same_groups(self):
+            raise _PackedLayoutMismatch("its input columns fall in other groups than its layer's other quantized "
+                                        "slices (act-order: another g_idx), which one packed layer cannot hold; "
+                                        "serve it with wna16_weights='dequantized'")
+        device = self.qweight.device
+        for a in range(w.r0, w.r1, self.ROWS_AT_A_TIME):
+            b = min(w.r1, a + self.ROWS_AT_A_TIME)
+            at = slice(n0 + a - w.r0, n0 + b - w.r0)
+            self.qweight[:, at] = _pack_along_k(w.codes(a, b).T, self.bits).to(device)
+        scale = w.scale.T
+        if self.scales.dtype != torch.float32 and not torch.equal(scale.to(self.scales.dtype).float(), scale):
+            self.scales = self.scales.float()  # this slice's scales need fp32
+        self.scales[:, n0:n1] = scale.to(device, self.scales.dtype)
+        self.zeros[:, n0:n1] = w.zero.T.to(device, self.zeros.dtype)
+
+    def _allocate(self, w: PackedWindow) -> None:
+        device, groups = self.qweight.device, w.scale.shape[1]
+        exact16 = torch.equal(w.scale.half().float(), w.scale)  # the checkpoint's fp16 scales, as they were
+        self.scales = torch.zeros(groups, self.out_features, dtype=torch.float16 if exact16 else torch.float32,
+                                  device=device)
+        self.zeros = torch.zeros(groups, self.out_features, dtype=torch.uint8 if self.bits == 4 else torch.int16,
+                                 device=device)
+        self.group_size, self.k_off = w.group_size, w.k_off
+        self.g_idx = None if w.g_idx is None else w.g_idx.to(device)
+
+    def zero_(self, n0: int, n1: int) -> None:
+        """Rows [n0, n1) all zero (an LM head's padding rows)."""
+        self.qweight[:, n0:n1] = 0
+        if self.scales is not None:
+            self.scales[:, n0:n1] = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _PackedDest:
+    """What a Linear's weight_loader copies a quantized tensor into in place of its weight: output rows
+    [n0, n1) of its WNA16Weight, with the few tensor methods the loaders call (shape, narrow, [rows],
+    copy_ of a PackedWindow, zero_)."""
+    weight: WNA16Weight
+    n0: int
+    n1: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n1 - self.n0, self.weight.in_features
+
+    def narrow(self, dim: int, start: int, size: int) -> "_PackedDest":
+        assert dim == 0, "a packed weight is cut by output rows only"
+        return _PackedDest(self.weight, self.n0 + start, self.n0 + start + size)
+
+    def __getitem__(self, rows: slice) -> "_PackedDest":
+        start, stop, _ = rows.indices(self.n1 - self.n0)
+        return self.narrow(0, start, max(0, stop - start))
+
+    def copy_(self, window: PackedWindow) -> None:
+        self.weight.write(self.n0, self.n1, window)
+
+    def zero_(self) -> None:
+        self.weight.zero_(self.n0, self.n1)
+
+
+def _deferred_weight(module: nn.Module, loaded, stored: str) -> torch.Tensor | _PackedDest:
+    """A deferred Linear weight's destination: its packed codes for a quantized tensor, else the weight
+    allocated in the model's dtype on its device (a module the checkpoint leaves unquantized)."""
+    if isinstance(loaded, PackedIntSlice):
+        loaded.packed = True
+        if module.wna16 is None:
+            out, inp = module.weight.shape
+            module.wna16 = WNA16Weight(loaded.bits, out, inp, module.weight_device)
+        return _PackedDest(module.wna16, 0, module.weight.shape[0])
+    if module.wna16 is not None:
+        raise ModelLoadError(f"tensor {stored!r} is unquantized, and the other slices of its layer quantized: "
+                             "one packed layer cannot hold both; serve it with wna16_weights='dequantized'")
+    module.weight = nn.Parameter(torch.empty_like(module.weight, device=module.weight_device), requires_grad=False)
+    return module.weight
 
 
 def _wna16_slice(name: str, loaded, read: Callable[[str], torch.Tensor | None], quant: WNA16Config,
@@ -2861,7 +3046,8 @@ def _wna16_slice(name: str, loaded, read: Callable[[str], torch.Tensor | None], 
                 group_of, torch.arange(inp) // quant.group_size):  # config and tensor disagree: which is right?
             raise ModelLoadError(f"tensor {g_idx_name!r} puts input columns in other groups than group_size "
                                  f"{quant.group_size} in column order (desc_act is false)")
-    return module + ".weight", PackedIntSlice(codes, (out, inp), quant.bits, scale, zero, group_of)
+    return module + ".weight", PackedIntSlice(codes, (out, inp), quant.bits, scale, zero, group_of,
+                                              group_size=quant.group_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -3022,7 +3208,14 @@ class _Wna16Companions:
                                  "no quantized weight beside it")
 
 
-def _log_wna16(quant: WNA16Config, dequantized: collections.Counter) -> None:
+def _log_wna16(quant: WNA16Config, dequantized: collections.Counter, kept_packed: int) -> None:
+    if kept_packed:
+        logger.info("[model] int%d weight-only checkpoint (%s): %d int%d weights kept packed (the checkpoint's "
+                    "memory; their matmuls dequantize a tile at a time: %s)%s", quant.bits, quant.describe(),
+                    kept_packed, quant.bits, "Triton's wna16_matmul on CUDA, the torch twin elsewhere",
+                    f"; {sum(dequantized.values())} dequantized (a mixture-of-experts layer's experts, or "
+                    "modules not built as Linear layers)" if dequantized else "")
+        return
     dtype = max(dequantized, key=dequantized.get) if dequantized else torch.bfloat16
     name = str(dtype).replace("torch.", "")
     logger.info("[model] int%d weight-only checkpoint (%s): %d int%d weights dequantized to %s as they were loaded. "
@@ -3158,28 +3351,49 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
 
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                backend: Backend, tp: TPGroup) -> CausalLM:
+                backend: Backend, tp: TPGroup, defer_linear_weights: bool = False) -> CausalLM:
     """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
-    fp32 copy of a large model first); RotaryEmbedding's tables are fp32 whatever the default."""
+    fp32 copy of a large model first); RotaryEmbedding's tables are fp32 whatever the default.
+    ``defer_linear_weights``: the Linear layers' weights on the meta device (_DEFER_LINEAR_WEIGHTS)."""
+    global _DEFER_LINEAR_WEIGHTS
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
+    _DEFER_LINEAR_WEIGHTS = defer_linear_weights
     try:
         with torch.device(device):
             model = CausalLM(cfg, backend, tp)
     finally:
         torch.set_default_dtype(old)
+        _DEFER_LINEAR_WEIGHTS = False
     return model
+
+
+WNA16_WEIGHTS = ("auto", "packed", "dequantized")
+
+
+def wna16_packed(choice: str, cfg: ModelConfig, device: torch.device) -> bool:
+    """Whether a weight-only int checkpoint's Linear weights are kept packed (``wna16_weights``): "auto"
+    packs them on CUDA (vLLM's memory: the checkpoint's) and dequantizes them on the CPU, where the
+    torch twin, which dequantizes a whole weight every call, decodes slower than the dequantized weights
+    (benchmarks/RESULTS.md, "int4 weights kept packed")."""
+    if choice not in WNA16_WEIGHTS:
+        raise ValueError(f"wna16_weights must be one of {', '.join(WNA16_WEIGHTS)}, got {choice!r}")
+    if not isinstance(cfg.quantization, WNA16Config):
+        return False
+    return choice == "packed" or (choice == "auto" and device.type == "cuda")
 
 
 def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
                backend: Backend = kernels.TORCH, tp: TPGroup = TPGroup(),
-               hf_overrides: dict[str, Any] | None = None, max_model_len: int | None = None) -> tuple[CausalLM, int]:
-    """``max_model_len``: the requested one (None: the model's), for what depends on it (LongRoPE's factors)."""
+               hf_overrides: dict[str, Any] | None = None, max_model_len: int | None = None,
+               wna16_weights: str = "auto") -> tuple[CausalLM, int]:
+    """``max_model_len``: the requested one (None: the model's), for what depends on it (LongRoPE's factors);
+    ``wna16_weights``: an int4/int8 weight-only checkpoint's weights kept packed or dequantized (wna16_packed)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path, hf_overrides).with_max_model_len(max_model_len)
     if cfg.encoder_only:
         return load_encoder_model(cfg, path, dtype, device, tp)
-    model = build_model(cfg, dtype, device, backend, tp)
+    model = build_model(cfg, dtype, device, backend, tp, wna16_packed(wna16_weights, cfg, device))
     weight_bytes = load_weights(model, path)
     model.eval().requires_grad_(False)
     weight_bytes += backend.prepare_model(model)  # on the CPU: bf16 linear weights packed, or in fp32
@@ -4914,6 +5128,7 @@ class WorkerSpec:
     log_level: int
     hf_overrides: dict[str, Any] | None
     lora: LoRAConfig | None = None  # LoRALinear layers' slots, for the adapters rank 0 sends (ModelRunner.add_lora)
+    wna16_weights: str = "auto"     # EngineConfig's: an int4/int8 checkpoint's weights packed or dequantized
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -4936,7 +5151,7 @@ def run_worker(spec: WorkerSpec) -> None:
         backend = select_backend(shard_config(cfg, tp.world_size), spec.dtype, device, spec.cache.block_size,
                                  spec.enforce_eager)
         model, weight_bytes = load_model(spec.model, spec.dtype, device, backend, tp, spec.hf_overrides,
-                                         spec.cache.max_model_len)
+                                         spec.cache.max_model_len, spec.wna16_weights)
         if spec.lora is not None:  # before the KV cache is sized, as rank 0's
             weight_bytes += wrap_lora_layers(model, spec.lora)
         kv_spec, plan = plan_rank_kv_cache(model, weight_bytes, spec.cache)

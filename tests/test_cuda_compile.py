@@ -87,6 +87,7 @@ def _variants() -> dict[tuple, tuple]:
             _launch_moe_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
         for model in MLA_MODELS:
             _launch_mla_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
+        _launch_wna16_like_the_engine(torch, cudagraph_capture_sizes(MAX_NUM_SEQS))
     return {key[:3]: value for key, value in record_launches(engine_launches).items()}
 
 
@@ -115,7 +116,8 @@ def record_launches(run) -> dict[tuple, tuple]:
                     sig[name], consts[name] = "constexpr", value
                 elif isinstance(value, torch.Tensor):
                     sig[name] = "*" + {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-                                             torch.int32: "i32", torch.int64: "i64"}[value.dtype]
+                                             torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
+                                             torch.int16: "i16"}[value.dtype]
                     aligned.append(value.data_ptr() % 16 == 0)
                 elif isinstance(value, float):
                     sig[name] = "fp32"
@@ -221,6 +223,23 @@ def _launch_moe_like_the_engine(b, torch, model, decode_sizes):
         b.fused_moe(torch.empty(T, hidden, dtype=dt), w13, w2, torch.empty(T, top_k), ids, **moe_kwargs)
 
 
+def _launch_wna16_like_the_engine(torch, decode_sizes):
+    """W1's gate_up as an int4 g128 weight (fp16 scales, uint8 zeros; and act-order's g_idx) and as an int8 per
+    channel one (fp32 scales, int16 zeros), as model.WNA16Weight holds them, at every captured decode batch and
+    a prefill: both tiles."""
+    from nanoserve import kernels
+    K, N = 1024, 2 * 3072
+    act_order = torch.empty(K, dtype=torch.int32)
+    for bits, scales, zeros, groups, g_idx in ((4, torch.float16, torch.uint8, K // 128, None),
+                                               (4, torch.float16, torch.uint8, K // 128, act_order),
+                                               (8, torch.float32, torch.int16, 1, None)):
+        qweight = torch.empty(K * bits // 32, N, dtype=torch.int32)
+        for T in [*decode_sizes, 2048]:
+            kernels.wna16_matmul_triton(torch.empty(T, K, dtype=torch.bfloat16), qweight,
+                                        torch.empty(groups, N, dtype=scales), torch.empty(groups, N, dtype=zeros),
+                                        g_idx, bits, 1 if g_idx is not None else K // groups, 0)
+
+
 def _compile(item):
     from triton import compile
     from triton.backends.compiler import GPUTarget
@@ -298,6 +317,9 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     assert {("*bf16", m, w) for m in (16, 64) for w in (False, True)} <= biased
     assert {("*fp32", 16, False), ("*fp32", 16, True)} <= biased
     assert {("_swigluoai_and_mul_kernel", "*bf16"), ("_swigluoai_and_mul_kernel", "*fp32")} <= kinds
+    wna16 = {(v["constants"]["BLOCK_M"], v["constants"]["BITS"], v["constants"]["HAS_G_IDX"]) for v in compiled
+             if v["kernel"] == "_wna16_matmul_kernel" and v["dtype"] == "*bf16"}
+    assert wna16 == {(m, bits, g) for m in (16, 64) for bits, g in ((4, False), (4, True), (8, False))}
     assert {a["SOFT_CAP"] for a in attention} == {False, True}
     assert {(v["dtype"], v["constants"]["SINKS"]) for v in compiled if v["kernel"] == "_paged_attention_kernel"} == \
         {("*bf16", False), ("*bf16", True), ("*fp32", False), ("*fp32", True)}

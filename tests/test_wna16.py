@@ -104,8 +104,9 @@ def quantized_checkpoint(model_root: Path, method: str, bits: int, group: int, s
             quantized[name] = dequantized[name] = w
             continue
         g_idx = torch.arange(w.shape[1]) // group
-        if act_order:  # GPTQ's desc_act: groups formed in a permuted column order
-            g_idx = g_idx[torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[0]))]
+        if act_order:  # GPTQ's desc_act: groups formed in a permuted column order, from the input's Hessian,
+            # so the same for the layers that read one input (q/k/v, gate/up), as a packed fused layer needs
+            g_idx = g_idx[torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(w.shape[1]))]
         codes, scale, zero = quantize(w, bits, group, sym, g_idx)
         assert not (v1 and method == "gptq" and (zero == 0).any())  # v1 cannot store a zero of 0 (as zero - 1)
         scale = scale.half()  # as the hub's GPTQ and AWQ checkpoints store them
@@ -249,16 +250,17 @@ def test_moe_experts_quantized_one_by_one_are_transformers_on_the_dequantized_we
                                atol=2e-4, rtol=1e-4)
 
 
-def test_an_adapter_on_a_quantized_base_is_its_merged_model(model_root, tmp_path):
-    """LoRA on an AWQ base (as vLLM serves it): the adapter's delta on the dequantized weights; a request
-    without it is the base's."""
+@pytest.mark.parametrize("wna16_weights", ["dequantized", "packed"])
+def test_an_adapter_on_a_quantized_base_is_its_merged_model(model_root, tmp_path, wna16_weights):
+    """LoRA on an AWQ base (as vLLM serves it), held dequantized or packed: the adapter's delta on the
+    dequantized weights; a request without it is the base's."""
     from test_lora import hf_greedy, make_adapter, merged_model
     path = checkpoint(model_root, "awq-4-g32")
     adapter = make_adapter(path, tmp_path / "adapter")
     merged = merged_model(dequant_of(path), adapter, tmp_path / "merged")
     from nanoserve import LoRARequest
     llm = LLM(str(path), dtype="float32", enforce_eager=True, num_kv_blocks=16, max_model_len=64, enable_lora=True,
-              max_loras=1)
+              max_loras=1, wna16_weights=wna16_weights)
     try:
         outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=N_NEW, min_tokens=N_NEW),
                             use_tqdm=False, lora_request=[LoRARequest("a", 1, str(adapter)), None])
