@@ -1384,8 +1384,23 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
             moe_kwargs = dict(w13_bias=zeros(1, 2 * I), w2_bias=zeros(1, H), activation="swigluoai")
         fused_moe_triton(x, w13, w2, zeros(1, top_k), torch.zeros(1, top_k, dtype=torch.int32, device=device),
                          **moe_kwargs)
+    quant = getattr(cfg, "quantization", None)
+    if getattr(quant, "method", None) in ("gptq", "awq", "compressed-tensors"):  # int weights, packed on CUDA
+        _probe_wna16(x, quant.bits, quant.group_size, quant.desc_act)
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)
+
+
+def _probe_wna16(x: torch.Tensor, bits: int, group_size: int, act_order: bool) -> None:
+    """The packed int matmul once, on one column of a weight [hidden, 1] as model.WNA16Weight holds one
+    (fp16 scales, zeros uint8 for int4 and int16 for int8; act-order as groups of one read from g_idx)."""
+    K, device = x.shape[1], x.device
+    qweight = torch.zeros(-(-K // (32 // bits)), 1, dtype=torch.int32, device=device)
+    scales = torch.zeros(1, 1, dtype=torch.float16, device=device)
+    zeros = torch.zeros(1, 1, dtype=torch.uint8 if bits == 4 else torch.int16, device=device)
+    g_idx = torch.zeros(K, dtype=torch.int32, device=device) if act_order else None
+    wna16_matmul_triton(x, qweight, scales, zeros, g_idx, bits, 1 if act_order else group_size if group_size > 0
+                        else K, 0)
 
 
 # =========================================================================== the backends

@@ -12,7 +12,7 @@ import torch
 
 from conftest import TRITON_INTERPRETER_CLASH, make_model
 from nanoserve import kernels, model as model_mod
-from nanoserve.model import ModelConfig, select_backend, shard_config
+from nanoserve.model import ModelConfig, WNA16Config, select_backend, shard_config
 
 needs_triton = pytest.mark.skipif(kernels.TRITON is None or TRITON_INTERPRETER_CLASH is not None,
                                   reason=TRITON_INTERPRETER_CLASH or "triton is not installed")
@@ -28,7 +28,7 @@ def cfg(tiny_model) -> ModelConfig:
 def test_the_triton_probe_launches_every_kernel(cfg, model_root, monkeypatch):
     """kernels.probe_triton launches each Triton kernel once (a new kernel the model uses must be probed too):
     SiLU's for the Qwen3 model, GELU's (and Gemma's norms) for a Gemma 3, the experts' for a MoE model,
-    gpt-oss's clamped SwiGLU for its experts."""
+    gpt-oss's clamped SwiGLU for its experts, the packed int matmul for an int4/int8 checkpoint."""
     names = [n for n, v in vars(kernels).items() if n.endswith("_kernel") and hasattr(v, "__getitem__")]
     launched = set()
 
@@ -44,16 +44,20 @@ def test_the_triton_probe_launches_every_kernel(cfg, model_root, monkeypatch):
     gemma = ModelConfig.from_dir(make_model(model_root, "gemma3"))
     for tp in (1, 2):  # a rank's widths under tensor parallelism
         kernels.probe_triton(shard_config(cfg, tp), torch.float32, torch.device("cpu"), 16)
-    moe_only = {"_fused_moe_kernel", "_swigluoai_and_mul_kernel"}
-    assert launched == set(names) - {"_gelu_tanh_and_mul_kernel", *moe_only}
+    moe_only, int_only = {"_fused_moe_kernel", "_swigluoai_and_mul_kernel"}, {"_wna16_matmul_kernel"}
+    assert launched == set(names) - {"_gelu_tanh_and_mul_kernel", *moe_only, *int_only}
     kernels.probe_triton(gemma, torch.float32, torch.device("cpu"), 16)
-    assert launched == set(names) - moe_only
+    assert launched == set(names) - moe_only - int_only
     for arch in ("qwen3_moe", "gpt_oss"):
         moe = ModelConfig.from_dir(make_model(model_root, arch))
         for tp in (1, 2):
             kernels.probe_triton(shard_config(moe, tp), torch.float32, torch.device("cpu"), 16)
-        assert launched == set(names) - ({"_swigluoai_and_mul_kernel"} if arch == "qwen3_moe" else set())
-    assert len(names) == 9
+        assert launched == set(names) - int_only - ({"_swigluoai_and_mul_kernel"} if arch == "qwen3_moe" else set())
+    for bits, group_size, act_order in ((4, 128, False), (4, 128, True), (8, -1, False)):  # GPTQ, its act-order, int8
+        quant = WNA16Config("gptq", bits, group_size, True, "gptq", act_order)
+        kernels.probe_triton(dataclasses.replace(cfg, quantization=quant), torch.float32, torch.device("cpu"), 16)
+    assert launched == set(names)
+    assert len(names) == 10
 
 
 @needs_triton
