@@ -316,6 +316,10 @@ def make_arg_parser() -> argparse.ArgumentParser:
                    help="weight and KV dtype; auto: the checkpoint's on a GPU, bfloat16 on a CPU")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: cuda if available, else cpu")
+    g.add_argument("--wna16-weights", default="auto", choices=["auto", "packed", "dequantized"],
+                   help="an int4/int8 weight-only checkpoint's (GPTQ, AWQ, compressed-tensors) linear weights: "
+                        "kept packed (the checkpoint's memory) or dequantized at load (about 4x it, faster on "
+                        "the CPU); auto: packed on CUDA, dequantized on the CPU")
     g.add_argument("--max-model-len", type=_token_count, default=None,
                    help="prompt + output tokens per request, e.g. 4096 or 32k (default, or auto: the model's "
                         "limit, capped by what the KV cache holds)")

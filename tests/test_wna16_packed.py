@@ -137,3 +137,12 @@ def test_an_unknown_wna16_weights_is_refused():
     from nanoserve.engine import EngineConfig
     with pytest.raises(ValueError, match="wna16_weights must be one of auto, packed, dequantized, got 'int4'"):
         EngineConfig(model="x", wna16_weights="int4")
+
+
+def test_the_server_flag_chooses_packed_or_dequantized(tmp_path):
+    from nanoserve.entry import engine_config, parse_args
+    for argv, choice in (([], "auto"), (["--wna16-weights", "packed"], "packed"),
+                         (["--wna16-weights", "dequantized"], "dequantized")):
+        assert engine_config(parse_args(["--model", str(tmp_path), *argv])).wna16_weights == choice
+    with pytest.raises(SystemExit):  # argparse's one-line error: not a choice
+        parse_args(["--model", str(tmp_path), "--wna16-weights", "int4"])
