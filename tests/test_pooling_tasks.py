@@ -5,6 +5,8 @@ vLLM's refusals for the tasks the server is not serving; and /invocations trying
 from __future__ import annotations
 
 import base64
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,6 +15,11 @@ import torch
 from conftest import make_model
 from nanoserve.engine import LLM, EngineConfig, InvalidInput, PoolingParams
 from test_classify import LABELS, make_classifier
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+# A Qwen3-Reranker-shaped score template (vLLM's examples/pooling/score/template/qwen3_reranker.jinja is of this
+# shape): the one benchmarks/api_diff.py serves both vLLM and nanoserve with
+from api_diff import SCORE_TEMPLATE  # noqa: E402
 
 # 20 and 22 tokens: prefilled in chunks of 8; the last shares its first 16 with the first (a cached prefix)
 PROMPTS = [list(range(5, 25)), [5, 6, 7], list(range(5, 21)) + [50, 51, 52, 53, 54, 55]]
@@ -253,17 +260,6 @@ def test_cohere_v2_embed(embed_server):
         assert r.status_code == 400 and says in r.json()["error"]["message"], (body, r.text)
         assert r.json()["error"]["param"] == param, (body, r.text)
     embed_server.wait_idle()
-
-
-# A Qwen3-Reranker-shaped score template (vLLM's examples/pooling/score/template/qwen3_reranker.jinja is of this
-# shape): the pair's "query" and "document" messages, and an instruction the request may give
-SCORE_TEMPLATE = (
-    '<|im_start|>system\nJudge whether the Document meets the requirements based on the Query and the Instruct '
-    'provided. Note that the answer can only be "yes" or "no".<|im_end|>\n<|im_start|>user\n'
-    '<Instruct>: {{ instruction | default("Given a web search query, retrieve relevant passages") }}\n'
-    '<Query>: {{ (messages | selectattr("role", "eq", "query") | first)["content"] }}\n'
-    '<Document>: {{ (messages | selectattr("role", "eq", "document") | first)["content"] }}<|im_end|>\n'
-    '<|im_start|>assistant\n<think>\n\n</think>\n\n\n')  # (jinja drops a template's last newline)
 
 
 def formatted(query: str, doc: str, instruction: str = "Given a web search query, retrieve relevant passages") -> str:
