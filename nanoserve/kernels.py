@@ -1393,14 +1393,16 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
 
 def _probe_wna16(x: torch.Tensor, bits: int, group_size: int, act_order: bool) -> None:
     """The packed int matmul once, on one column of a weight [hidden, 1] as model.WNA16Weight holds one
-    (fp16 scales, zeros uint8 for int4 and int16 for int8; act-order as groups of one read from g_idx)."""
+    (fp16 scales, zeros uint8 for int4 and int16 for int8; act-order's g_idx all group 0). Every group the
+    kernel reads has its row of scales and zeros: one row for K // group_size groups would be read past."""
     K, device = x.shape[1], x.device
+    group_size = group_size if group_size > 0 and not act_order else K
+    groups = -(-K // group_size)
     qweight = torch.zeros(-(-K // (32 // bits)), 1, dtype=torch.int32, device=device)
-    scales = torch.zeros(1, 1, dtype=torch.float16, device=device)
-    zeros = torch.zeros(1, 1, dtype=torch.uint8 if bits == 4 else torch.int16, device=device)
+    scales = torch.zeros(groups, 1, dtype=torch.float16, device=device)
+    zeros = torch.zeros(groups, 1, dtype=torch.uint8 if bits == 4 else torch.int16, device=device)
     g_idx = torch.zeros(K, dtype=torch.int32, device=device) if act_order else None
-    wna16_matmul_triton(x, qweight, scales, zeros, g_idx, bits, 1 if act_order else group_size if group_size > 0
-                        else K, 0)
+    wna16_matmul_triton(x, qweight, scales, zeros, g_idx, bits, group_size, 0)
 
 
 # =========================================================================== the backends

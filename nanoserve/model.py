@@ -2348,6 +2348,11 @@ class BertClassifierHead(nn.Module):
     def forward(self, cls: torch.Tensor) -> torch.Tensor:
         return self.classifier(torch.tanh(self.pooler(cls)))
 
+    def token_head(self, rows: torch.Tensor) -> torch.Tensor:
+        """token_classify's: the classifier on each token's row, without the pooler (it is BERT's CLS pooling;
+        vLLM's BertForSequenceClassification gives token_classify the classifier alone)."""
+        return self.classifier(rows)
+
 
 class RobertaClassifierHead(nn.Module):
     """RobertaForSequenceClassification's head on the CLS row: dense, tanh, out_proj."""
@@ -4566,10 +4571,14 @@ def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
         elif s.pooling == "ALL":
             out[i] = hidden[start:end].float()
         start = end
-    if score is not None and out:  # one matmul: the rows of every sequence, split back after
-        rows = [v.reshape(-1, v.shape[-1]) for v in out.values()]
-        logits = score(torch.cat(rows)).split([len(r) for r in rows])
-        out = {i: x.reshape(*v.shape[:-1], -1) for (i, v), x in zip(out.items(), logits)}
+    if score is not None and out:  # one matmul per head: the rows of its sequences, split back after
+        token_head = getattr(score, "token_head", score)  # a head whose token-wise use differs (BERT's)
+        for head, kind in ((score, False), (token_head, True)):
+            mine = {i: v for i, v in out.items() if (seqs[i].pooling == "ALL") == kind}
+            if mine:
+                rows = [v.reshape(-1, v.shape[-1]) for v in mine.values()]
+                logits = head(torch.cat(rows)).split([len(r) for r in rows])
+                out.update({i: x.reshape(*v.shape[:-1], -1) for (i, v), x in zip(mine.items(), logits)})
     return {i: v.cpu() for i, v in out.items()}
 
 

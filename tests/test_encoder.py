@@ -212,6 +212,22 @@ def test_bert_cross_encoder_score_with_token_types(bert_ce_dir):
         assert float(model(ids).logits[0, 0].sigmoid()) != pytest.approx(got[0], abs=1e-3)
 
 
+def test_bert_token_classify_is_the_classifier_on_each_row(bert_ce_dir, roberta_cls_dir):
+    """vLLM's token_classify on BertForSequenceClassification: the classifier on every token's row, without
+    BERT's pooler (dense, tanh: the CLS pooling's); RoBERTa's head is its classifier whole."""
+    from transformers import AutoTokenizer, BertForSequenceClassification, RobertaForSequenceClassification
+    for path, cls, head in ((bert_ce_dir, BertForSequenceClassification, lambda m, h: m.classifier(h).sigmoid()),
+                            (roberta_cls_dir, RobertaForSequenceClassification,
+                             lambda m, h: m.classifier(h[:, None].expand(-1, 2, -1)).softmax(-1))):
+        model = cls.from_pretrained(path, dtype=torch.float32).eval()
+        ids = AutoTokenizer.from_pretrained(path)(TEXTS[0], return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            want = head(model, model.base_model(ids).last_hidden_state[0])
+        llm = LLM(str(path), dtype="float32", pooler_config={"task": "token_classify"})
+        got = llm.encode(TEXTS[0], pooling_task="token_classify", use_tqdm=False)[0].outputs.data
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("kwargs, says", [
     (dict(max_num_batched_tokens=16), "max_num_batched_tokens \\(16\\) is smaller than max_model_len \\(24\\)"),
     (dict(enable_lora=True), "LoRA adapters are not supported for BertModel"),

@@ -146,3 +146,11 @@ def test_the_server_flag_chooses_packed_or_dequantized(tmp_path):
         assert engine_config(parse_args(["--model", str(tmp_path), *argv])).wna16_weights == choice
     with pytest.raises(SystemExit):  # argparse's one-line error: not a choice
         parse_args(["--model", str(tmp_path), "--wna16-weights", "int4"])
+
+
+@pytest.mark.parametrize("bits, group, act_order", [(4, 32, False), (8, 64, False), (4, -1, False), (4, 128, True)])
+def test_start_up_probe_gives_every_group_it_reads_a_scale(monkeypatch, bits, group, act_order):
+    """probe_triton's one launch of the packed matmul, run by the twin (which indexes, so a group past the
+    probe's scales and zeros raises where the kernel on a GPU would read past them)."""
+    monkeypatch.setattr(kernels, "wna16_matmul_triton", kernels.wna16_matmul_torch)
+    kernels._probe_wna16(torch.zeros(1, 256), bits, group, act_order)
