@@ -1805,6 +1805,8 @@ class EngineConfig:
             raise ValueError(f"{asks_pooling[0]} needs the pooling runner, but {asks_generate[0]} was given")
         if asks_pooling:
             self.runner = "pooling"
+        elif asks_generate:  # older vLLM's --task generate is its runner (an encoder or classifier is then refused)
+            self.runner = "generate"
         if not isinstance(self.pooler_config, PoolerConfig):
             if self.pooler_config is not None and not isinstance(self.pooler_config, dict):
                 raise ValueError(f"pooler_config must be an object, got {self.pooler_config!r}")

@@ -233,6 +233,7 @@ def test_bert_token_classify_is_the_classifier_on_each_row(bert_ce_dir, roberta_
     (dict(enable_lora=True), "LoRA adapters are not supported for BertModel"),
     (dict(tensor_parallel_size=2), "runs on one rank only"),
     (dict(runner="generate"), "an encoder model: it serves the pooling runner only"),
+    (dict(task="generate"), "an encoder model: it serves the pooling runner only"),  # older vLLM's spelling
 ])
 def test_encoder_refusals(bert_prefixed_dir, kwargs, says):
     with pytest.raises(ValueError, match=says):
