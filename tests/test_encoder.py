@@ -244,3 +244,28 @@ def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
         assert r.status_code == 200, r.text
         got = {d["index"]: d["relevance_score"] for d in r.json()["results"]}
         assert [got[i] for i in range(len(DOCS))] == pytest.approx(scores.tolist(), abs=1e-5)
+
+
+def test_truncation_keeps_the_special_tokens(bert_prefixed_dir, bert_ce_dir):
+    """truncate_prompt_tokens with no side is the tokenizer's truncation, as vLLM's: [CLS] and [SEP] stay
+    (a pair's tokens cut from its longer text), not the first N ids of [CLS] ... [SEP] sliced."""
+    from transformers import AutoTokenizer, BertForSequenceClassification, BertModel
+    text, doc = " ".join(WORDS), " ".join(reversed(WORDS))
+    tokenizer = AutoTokenizer.from_pretrained(bert_prefixed_dir)
+    ids = tokenizer(text, truncation=True, max_length=6, return_tensors="pt")["input_ids"]
+    assert ids[0, -1] == tokenizer.sep_token_id
+    with torch.no_grad():
+        want = BertModel.from_pretrained(bert_prefixed_dir, dtype=torch.float32).eval()(ids).last_hidden_state[0, 0]
+    llm = LLM(str(bert_prefixed_dir), dtype="float32")
+    out = llm.embed([text], pooling_params=PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[0].tolist()
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.nn.functional.normalize(want, dim=0),
+                               atol=1e-5, rtol=1e-4)
+    pair = AutoTokenizer.from_pretrained(bert_ce_dir)(QUERY, doc, truncation=True, max_length=10, return_tensors="pt")
+    with torch.no_grad():
+        score = BertForSequenceClassification.from_pretrained(bert_ce_dir, dtype=torch.float32).eval()(
+            **pair).logits[0, 0].sigmoid()
+    llm = LLM(str(bert_ce_dir), dtype="float32")
+    got = llm.score(QUERY, [doc], pooling_params=PoolingParams(truncate_prompt_tokens=10), use_tqdm=False)[0]
+    assert got.outputs.score == pytest.approx(float(score), abs=1e-5)
+
