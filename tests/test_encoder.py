@@ -269,3 +269,19 @@ def test_truncation_keeps_the_special_tokens(bert_prefixed_dir, bert_ce_dir):
     got = llm.score(QUERY, [doc], pooling_params=PoolingParams(truncate_prompt_tokens=10), use_tqdm=False)[0]
     assert got.outputs.score == pytest.approx(float(score), abs=1e-5)
 
+
+def test_max_model_len_from_the_tokenizer_where_positions_are_absolute(bert_prefixed_dir, tmp_path):
+    """vLLM's rule for a pooling model whose config.json names position_embedding_type "absolute" (every
+    BERT transformers 4 saved): the tokenizer's model_max_length caps max_model_len where it is shorter;
+    without the key (transformers 5 saves none) the positions alone count."""
+    import shutil
+
+    from nanoserve.model import ModelConfig
+    shutil.copytree(bert_prefixed_dir, tmp_path, dirs_exist_ok=True)
+    tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "model_max_length": MAX_POSITIONS - 4}))
+    assert ModelConfig.from_dir(tmp_path).max_position_embeddings == MAX_POSITIONS
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "absolute"}))
+    assert ModelConfig.from_dir(tmp_path).max_position_embeddings == MAX_POSITIONS - 4
+
