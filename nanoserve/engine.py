@@ -829,7 +829,9 @@ def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
     mc = ModelConfig.from_dir(path, overrides)
     if resolve_runner(config, path, mc) != "pooling":
         return overrides
-    if mc.encoder_only and mc.num_labels is not None and mc.type_vocab_size > 1 and mc.sep_token_id is None:
+    # token types 1 past the separator for a cross-encoder's pairs only: vLLM passes a tokenizer's token types
+    # for /score and /rerank pairs alone, so a several-label classifier's prompts are all type 0
+    if mc.encoder_only and mc.num_labels == 1 and mc.type_vocab_size > 1 and mc.sep_token_id is None:
         overrides = {**(overrides or {}), "sep_token_id": encoder_sep_token_id(config, path)}
     rows = {} if mc.classifier_from_token is None else {
         "classifier_token_ids": classifier_token_ids(config, path, mc.classifier_from_token),

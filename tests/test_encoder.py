@@ -285,3 +285,19 @@ def test_max_model_len_from_the_tokenizer_where_positions_are_absolute(bert_pref
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "absolute"}))
     assert ModelConfig.from_dir(tmp_path).max_position_embeddings == MAX_POSITIONS - 4
 
+
+def test_classifier_prompt_with_a_separator_is_one_token_type(roberta_cls_dir):
+    """A several-label classifier reads every prompt as type 0 (vLLM passes token types for a cross-encoder's
+    pairs only): ids with [SEP] inside are no pair, and score as transformers scores them."""
+    from transformers import RobertaForSequenceClassification
+    sep = 3  # [SEP] in _tokenizer's vocabulary
+    ids = [2, 5, 6, sep, 7, 8, sep]
+    with torch.no_grad():
+        want = RobertaForSequenceClassification.from_pretrained(roberta_cls_dir, dtype=torch.float32).eval()(
+            torch.tensor([ids])).logits[0].softmax(-1)
+    with torch.no_grad():
+        model = RobertaForSequenceClassification.from_pretrained(roberta_cls_dir, dtype=torch.float32).eval()
+        as_pair = model(torch.tensor([ids]), token_type_ids=torch.tensor([[0] * 4 + [1] * 3])).logits[0].softmax(-1)
+    assert not torch.allclose(as_pair, want, atol=1e-3)  # the types weigh: a pair's would score otherwise
+    got = LLM(str(roberta_cls_dir), dtype="float32").classify([ids], use_tqdm=False)[0].outputs.probs
+    torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
