@@ -26,7 +26,10 @@ Qwen3-Reranker-formatted pairs, for a causal LM served as a classifier by ``--hf
 has "no" and "yes"). ``--battery pooltasks`` is for a server of a token-wise task (``--pooler-config
 '{"task": "token_embed"}'`` on the pooling models, ``token_classify`` on a classifier): /pooling's rows, compared
 as vectors. ``--battery score_template`` is for a cross-encoder served with ``--chat-template FILE``, the file
-``--make-score-template FILE`` writes (SCORE_TEMPLATE, of Qwen3-Reranker's template's shape).
+``--make-score-template FILE`` writes (SCORE_TEMPLATE, of Qwen3-Reranker's template's shape). ``--battery
+encoder`` is for BERT/RoBERTa/XLM-R models (``--make-encoder-models DIR`` writes five), served with no
+``--max-model-len`` (each server derives its own; this script's ``--max-model-len`` names vLLM's for the
+too-long cases).
 
 Only the standard library and httpx; the servers are not started here (benchmarks/PEERS.md says how).
 """
@@ -942,6 +945,9 @@ KEPT: list[tuple[str, Any]] = [
     ("/classify's messages as /v1/embeddings': one chat or a batch", lambda r: r[0] == "cls.messages_batch"),
     ("truncated echo: the tokens the model saw", lambda r: r[0] == "cmpl.trunc_echo" and r[1].endswith(".text")),
     ("echo with return_token_ids echoes the prompt", lambda r: r[0] == "cmpl.echo_ids" and r[1].endswith(".text")),
+    ("vLLM counts RoBERTa's padding_idx+1 positions as tokens (no position_embedding_type in config.json)",
+     lambda r: (r[1].endswith(".max_model_len") and isinstance(r[3], int) and r[4] == r[3] + 2) or (
+         r[0] in ("pool.past_len", "cls.past_len") and r[2] == "status" and (r[3], r[4]) == (400, 200))),
     ("OpenAI's Response has error: null", lambda r: r[0].startswith("resp.") and r[2] == "keys" and r[3] == ["error"]
      and r[4] == []),
 ]
