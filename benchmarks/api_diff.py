@@ -868,7 +868,8 @@ def make_encoder_models(root: str) -> None:
     labels = {0: "negative", 1: "neutral", 2: "positive"}
     specs = [("bert-st", BertModel, BertConfig(**sizes, max_position_embeddings=64), 1),
              ("xlmr", XLMRobertaModel, XLMRobertaConfig(**sizes, max_position_embeddings=66, pad_token_id=1), 2),
-             ("bert-ce", BertForSequenceClassification, BertConfig(**sizes, max_position_embeddings=64, num_labels=1), 3),
+             ("bert-ce", BertForSequenceClassification,
+              BertConfig(**sizes, max_position_embeddings=64, num_labels=1), 3),
              ("roberta-cls", RobertaForSequenceClassification, RobertaConfig(
                  **sizes, max_position_embeddings=66, pad_token_id=1, num_labels=3, id2label=labels,
                  label2id={v: i for i, v in labels.items()}), 4)]
