@@ -26,7 +26,10 @@ Qwen3-Reranker-formatted pairs, for a causal LM served as a classifier by ``--hf
 has "no" and "yes"). ``--battery pooltasks`` is for a server of a token-wise task (``--pooler-config
 '{"task": "token_embed"}'`` on the pooling models, ``token_classify`` on a classifier): /pooling's rows, compared
 as vectors. ``--battery score_template`` is for a cross-encoder served with ``--chat-template FILE``, the file
-``--make-score-template FILE`` writes (SCORE_TEMPLATE, of Qwen3-Reranker's template's shape).
+``--make-score-template FILE`` writes (SCORE_TEMPLATE, of Qwen3-Reranker's template's shape). ``--battery
+encoder`` is for BERT/RoBERTa/XLM-R models (``--make-encoder-models DIR`` writes five), served with no
+``--max-model-len`` (each server derives its own; this script's ``--max-model-len`` names vLLM's for the
+too-long cases).
 
 Only the standard library and httpx; the servers are not started here (benchmarks/PEERS.md says how).
 """
@@ -767,6 +770,143 @@ def make_pooling_models(root: str) -> None:
     print(f"api_diff: wrote {base} and its -st-mean and -st-cls copies")
 
 
+ENCODER_WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "stock", "prices", "fell", "today", "rain",
+                 "is", "wet", "small", "feline", "index", "what", "down"]
+
+
+def encoder_battery(model: str, max_len: int) -> list[Case]:
+    """Encoder models (BERT, RoBERTa, XLM-R; --make-encoder-models): the same cases on an embedding model and on
+    a classifier, each server answering what its task serves and refusing the rest: /v1/embeddings (one, a
+    batch, token ids, truncate_prompt_tokens, at and past max_len, dimensions), /pooling, /classify, /score
+    and /rerank (a cross-encoder's pairs are [CLS] q [SEP] d [SEP] with token types 0 then 1), /tokenize,
+    /v1/models' max_model_len, and bad inputs. Texts are of ENCODER_WORDS and numbers, all in the vocabulary."""
+    E, P, K = "/v1/embeddings", "/pooling", "/classify"
+    long_prompt = " ".join(map(str, range(max_len)))  # past max_len with [CLS] and [SEP], none repeating
+    at_len = " ".join(map(str, range(max_len - 2)))   # with [CLS] and [SEP]: exactly max_len tokens
+    texts = ["the cat sat on a mat", "rain", "stock prices fell today the dog ran"]
+    query, docs = "what is a cat", ["a small feline", "a stock index", "the cat sat down"]
+    ids = [2, 5, 6, 7, 3]  # [CLS] the cat sat [SEP] in the BERT tokenizer, positions one type
+
+    def emb(name: str, **kw) -> Case:
+        return Case("emb." + name, E, {"model": model, "input": texts[0], **kw}, tol=SCORE_TOL)
+
+    def pool(name: str, **kw) -> Case:
+        return Case("pool." + name, P, {"model": model, "input": texts[0], **kw}, tol=SCORE_TOL)
+
+    def cls(name: str, **kw) -> Case:
+        return Case("cls." + name, K, {"model": model, "input": texts[0], **kw}, tol=SCORE_TOL)
+
+    def score(name: str, path: str = "/score", **kw) -> Case:
+        return Case("score." + name, path, {"model": model, "queries": query, "documents": docs, **kw},
+                    tol=SCORE_TOL)
+
+    def rerank(name: str, path: str = "/rerank", **kw) -> Case:
+        return Case("rerank." + name, path, {"model": model, "query": query, "documents": docs, **kw},
+                    tol=SCORE_TOL)
+
+    def tok(name: str, **kw) -> Case:
+        return Case("tok." + name, "/tokenize", {"model": model, "prompt": texts[0], **kw})
+
+    return _drop_nulls([
+        Case("models", "/v1/models", method="GET"), Case("health", "/health", method="GET"),
+        emb("str"), emb("list", input=texts), emb("ids", input=ids), emb("ids_list", input=[ids, ids[:3]]),
+        emb("trunc", input=long_prompt, truncate_prompt_tokens=5),
+        emb("trunc_left", input=long_prompt, truncate_prompt_tokens=5, truncation_side="left"),
+        emb("trunc_neg1", input=long_prompt, truncate_prompt_tokens=-1),
+        emb("trunc_big", truncate_prompt_tokens=max_len + 1),
+        emb("at_len", input=at_len), emb("past_len", input=long_prompt),
+        emb("at_len_ids", input=[2] + [5] * (max_len - 2) + [3]), emb("past_len_ids", input=[5] * (max_len + 1)),
+        emb("batch_one_long", input=[texts[1], long_prompt]),
+        emb("dims", dimensions=16), emb("dims_full", dimensions=128), emb("dims_zero", dimensions=0),
+        emb("no_special", add_special_tokens=False), emb("use_activation_false", use_activation=False),
+        emb("normalize_false", normalize=False), emb("base64", encoding_format="base64"),
+        emb("messages", input=None, messages=[{"role": "user", "content": "the cat"}]),
+        emb("empty_str", input=""), emb("empty_list", input=[]), emb("ids_oov", input=[99999]),
+        emb("int", input=5), emb("wrong_model", model="nope"), emb("no_input", input=None),
+        pool("unset"), pool("embed", task="embed"), pool("token_embed", task="token_embed"),
+        pool("classify", task="classify"), pool("token_classify", task="token_classify"),
+        pool("list", input=texts[:2]), pool("past_len", input=long_prompt),
+        cls("str"), cls("list", input=texts), cls("ids", input=ids), cls("use_activation_false", use_activation=False),
+        cls("trunc", input=long_prompt, truncate_prompt_tokens=5), cls("past_len", input=long_prompt),
+        cls("at_len", input=at_len),
+        score("1_1", documents=docs[0]), score("1_n"), score("n_n", queries=[query] * 3),
+        score("v1", "/v1/score", queries=None, documents=None, text_1=query, text_2=docs),
+        score("use_activation_false", use_activation=False),
+        score("trunc", documents=long_prompt, truncate_prompt_tokens=10),
+        score("past_len", documents=long_prompt), score("max_doc", documents=long_prompt, max_tokens_per_doc=5),
+        score("empty_docs", documents=[]),
+        rerank("basic"), rerank("v1", "/v1/rerank"), rerank("top_n", top_n=2),
+        rerank("max_doc", documents=[long_prompt, docs[0]], max_tokens_per_doc=5),
+        rerank("past_len", documents=[long_prompt]), rerank("no_query", query=None),
+        tok("str"), tok("no_special", add_special_tokens=False), tok("past_len", prompt=long_prompt),
+        tok("messages", prompt=None, messages=[{"role": "user", "content": "the cat"}]),
+        Case("detok", "/detokenize", {"model": model, "tokens": ids}),
+        Case("gen.completions", "/v1/completions", {"model": model, "prompt": "a", "max_tokens": 2}),
+    ])
+
+
+def make_encoder_models(root: str) -> None:
+    """The encoder battery's models under root, tiny and random (hidden 128, 4 heads of 32: vLLM's CPU attention
+    has no kernel for 16; 2 layers), each with a WordPiece BertTokenizerFast over [PAD] [UNK] [CLS] [SEP] [MASK],
+    ENCODER_WORDS and the numbers 0-99 (RoBERTa's with [PAD] at 1, its padding_idx): bert-st (BertModel with
+    sentence-transformers files: MEAN, Normalize, max_seq_length 48 of 64 positions), bert-cls (the same
+    weights without them: CLS; position_embedding_type "absolute" and a tokenizer model_max_length of 56),
+    xlmr (XLMRobertaModel, 66 positions: 64 tokens; position_embedding_type "absolute"), bert-ce (a one-label
+    BertForSequenceClassification, a cross-encoder) and roberta-cls (a 3-label
+    RobertaForSequenceClassification, 66 positions, no position_embedding_type: as transformers 5 saves it).
+    Needs torch and transformers (nanoserve's venv)."""
+    import pathlib
+    import shutil
+
+    import torch
+    from transformers import (BertConfig, BertForSequenceClassification, BertModel, BertTokenizerFast,
+                              RobertaConfig, RobertaForSequenceClassification, XLMRobertaConfig, XLMRobertaModel)
+    out = pathlib.Path(root)
+    words = ENCODER_WORDS + [str(i) for i in range(100)]
+    sizes = dict(vocab_size=5 + len(words), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=256)
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    specs = [("bert-st", BertModel, BertConfig(**sizes, max_position_embeddings=64), 1),
+             ("xlmr", XLMRobertaModel, XLMRobertaConfig(**sizes, max_position_embeddings=66, pad_token_id=1), 2),
+             ("bert-ce", BertForSequenceClassification,
+              BertConfig(**sizes, max_position_embeddings=64, num_labels=1), 3),
+             ("roberta-cls", RobertaForSequenceClassification, RobertaConfig(
+                 **sizes, max_position_embeddings=66, pad_token_id=1, num_labels=3, id2label=labels,
+                 label2id={v: i for i, v in labels.items()}), 4)]
+    for name, cls, config, seed in specs:
+        torch.manual_seed(seed)
+        model = cls(config).eval()
+        with torch.no_grad():  # sharper than the default init: vectors and scores that differ from text to text
+            for pname, p in model.named_parameters():
+                p.normal_(1 if pname.endswith("LayerNorm.weight") else 0, 0.1 if p.dim() >= 2 else 0.05)
+            if name == "bert-ce":
+                model.bert.embeddings.token_type_embeddings.weight.normal_(0, 1.0)  # the pair's types weigh
+        model.save_pretrained(out / name)
+        special = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"] if "roberta" in name or name == "xlmr" else \
+            ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        BertTokenizerFast(vocab={w: i for i, w in enumerate(special + words)},
+                          model_max_length=64).save_pretrained(out / name)
+    st = out / "bert-st"
+    shutil.copytree(st, out / "bert-cls", dirs_exist_ok=True)
+    # as transformers 4 saved them (real checkpoints): vLLM then caps max_model_len by the tokenizer's
+    # model_max_length (bert-cls: 56 of 64 positions), and its XLM-R config check needs the key to start
+    for name, tokens in (("bert-cls", 56), ("xlmr", 64)):
+        for file, key, value in (("config.json", "position_embedding_type", "absolute"),
+                                 ("tokenizer_config.json", "model_max_length", tokens)):
+            cfg = json.loads((out / name / file).read_text())
+            (out / name / file).write_text(json.dumps({**cfg, key: value}, indent=2))
+    (st / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+    (st / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 48, "do_lower_case": False}))
+    (st / "1_Pooling").mkdir(exist_ok=True)
+    (st / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": 128, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
+        "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}))
+    print(f"api_diff: wrote bert-st, bert-cls, xlmr, bert-ce and roberta-cls under {out}")
+
+
 def _param_names_field(row: tuple) -> bool:
     case, where, what, a, b = row
     return where.endswith(".error.param") and (what == "type" or (isinstance(b, str) and b.startswith("body.")) or
@@ -806,6 +946,9 @@ KEPT: list[tuple[str, Any]] = [
     ("/classify's messages as /v1/embeddings': one chat or a batch", lambda r: r[0] == "cls.messages_batch"),
     ("truncated echo: the tokens the model saw", lambda r: r[0] == "cmpl.trunc_echo" and r[1].endswith(".text")),
     ("echo with return_token_ids echoes the prompt", lambda r: r[0] == "cmpl.echo_ids" and r[1].endswith(".text")),
+    ("vLLM counts RoBERTa's padding_idx+1 positions as tokens (no position_embedding_type in config.json)",
+     lambda r: (r[1].endswith(".max_model_len") and isinstance(r[3], int) and r[4] == r[3] + 2) or (
+         r[0] in ("pool.past_len", "cls.past_len") and r[2] == "status" and (r[3], r[4]) == (400, 200))),
     ("OpenAI's Response has error: null", lambda r: r[0].startswith("resp.") and r[2] == "keys" and r[3] == ["error"]
      and r[4] == []),
 ]
@@ -1065,11 +1208,12 @@ def main() -> int:
     p.add_argument("--make-pooling-models", metavar="DIR", help="write the pooling battery's models there, and exit")
     p.add_argument("--make-classify-models", metavar="DIR", help="write the classify battery's models there, and exit")
     p.add_argument("--make-reranker-models", metavar="DIR", help="write the reranker battery's models there, and exit")
+    p.add_argument("--make-encoder-models", metavar="DIR", help="write the encoder battery's models there, and exit")
     p.add_argument("--model", default="demo", help="the served model name both use")
     p.add_argument("--make-score-template", metavar="FILE", help="write the score_template battery's template there, "
                    "and exit")
     p.add_argument("--battery", choices=["generate", "pooling", "classify", "reranker", "pooltasks",
-                                        "score_template"],
+                                        "score_template", "encoder"],
                    default="generate",
                    help="pooling: the embeddings battery, for two servers run with --runner pooling; classify: "
                         "the classifier battery (a several-label classifier, or a one-label cross-encoder); "
@@ -1093,6 +1237,9 @@ def main() -> int:
     if args.make_reranker_models:
         make_reranker_models(args.make_reranker_models)
         return 0
+    if args.make_encoder_models:
+        make_encoder_models(args.make_encoder_models)
+        return 0
     if args.make_score_template:
         with open(args.make_score_template, "w") as f:
             f.write(SCORE_TEMPLATE)
@@ -1102,7 +1249,7 @@ def main() -> int:
     la, lb = args.labels.split(",")
     make = {"pooling": pooling_battery, "classify": classify_battery,
             "reranker": reranker_battery, "pooltasks": pooltasks_battery,
-            "score_template": score_template_battery}.get(args.battery, battery)
+            "score_template": score_template_battery, "encoder": encoder_battery}.get(args.battery, battery)
     cases = [c for c in make(args.model, args.max_model_len) if c.name.startswith(args.only)]
     record, rows, differing = [], [], 0
     with httpx.Client(timeout=120) as client:

@@ -829,7 +829,9 @@ def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
     mc = ModelConfig.from_dir(path, overrides)
     if resolve_runner(config, path, mc) != "pooling":
         return overrides
-    if mc.encoder_only and mc.num_labels is not None and mc.type_vocab_size > 1 and mc.sep_token_id is None:
+    # token types 1 past the separator for a cross-encoder's pairs only: vLLM passes a tokenizer's token types
+    # for /score and /rerank pairs alone, so a several-label classifier's prompts are all type 0
+    if mc.encoder_only and mc.num_labels == 1 and mc.type_vocab_size > 1 and mc.sep_token_id is None:
         overrides = {**(overrides or {}), "sep_token_id": encoder_sep_token_id(config, path)}
     rows = {} if mc.classifier_from_token is None else {
         "classifier_token_ids": classifier_token_ids(config, path, mc.classifier_from_token),
@@ -2345,7 +2347,9 @@ class LLMEngine:
                        output_tokens: int = 1, pad_to: int | None = None) -> TokenizedPrompt:
         """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
         or the first with truncation_side "right"; -1: all but ``output_tokens``) and
-        validate (raises InvalidInput); safe off the loop thread."""
+        validate (raises InvalidInput); safe off the loop thread. truncation_side None (a pooling request
+        that names none) is the tokenizer's own truncation, as vLLM's TokenizeParams: its side, and a text's
+        special tokens kept ([CLS] ... [SEP] stay, as the encoder was trained), ids cut on its side."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
         keep = truncate_prompt_tokens
@@ -2356,8 +2360,12 @@ class LLMEngine:
             return self._embeds_prompt(prompt, keep, truncation_side)
         text, token_ids = self.tokenize(prompt, add_special_tokens)
         truncated = keep is not None and len(token_ids) > keep
-        if truncated:
-            token_ids = token_ids[len(token_ids) - keep:] if truncation_side == "left" else token_ids[:keep]
+        if truncated and truncation_side is None and text is not None and keep > 0:
+            token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens, truncation=True,
+                                              max_length=keep)
+        side = truncation_side or getattr(self.tokenizer, "truncation_side", None) or "right"
+        if truncated and len(token_ids) > keep:  # ids, a given side, or a keep below the special tokens' count
+            token_ids = token_ids[len(token_ids) - keep:] if side == "left" else token_ids[:keep]
         kept = token_ids
         if pad_to is not None and len(token_ids) < pad_to:  # after truncation, as transformers' (and vLLM's)
             token_ids = token_ids + [self._pad_token_id()] * (pad_to - len(token_ids))
@@ -2594,27 +2602,29 @@ class LLMEngine:
         if isinstance(prompt, torch.Tensor):
             raise InvalidInput("prompt", "the pooling runner takes text or token ids, not prompt_embeds")
         keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-        side = truncation_side or getattr(self.tokenizer, "truncation_side", None) or "right"
         pad_to = self.max_model_len if padding == "max_length" else None
-        return self.process_prompt(prompt, keep, add_special_tokens, side, output_tokens=0, pad_to=pad_to)
+        return self.process_prompt(prompt, keep, add_special_tokens, truncation_side, output_tokens=0,
+                                   pad_to=pad_to)
 
     def cross_encoder_prompt(self, query: str, document: str, add_special_tokens: bool = True,
-                             score_template: str | None = None,
-                             template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                             score_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
+                             max_length: int | None = None) -> list[int]:
         """vLLM's cross-encoder prompt: with a score template (the server's --chat-template, LLM.score's
         chat_template), the pair rendered as a "query" and a "document" message (``template_kwargs``, e.g.
         the request's instruction, in the template's variables); else the tokenizer's text pair (its separators
         and special tokens between and around), or, where config.json's use_sep_token is false, the texts
-        joined as one."""
+        joined as one. ``max_length``: the tokenizer's truncation (longest text first, special tokens kept),
+        as vLLM's where a request truncates without naming a side."""
         if self.tokenizer is None:
             raise InvalidInput("model", "a cross-encoder's pairs need the model's tokenizer (--skip-tokenizer-init "
                                         "leaves none)")
+        kw = dict(add_special_tokens=add_special_tokens, truncation=max_length is not None, max_length=max_length)
         if score_template is not None:
             text = self.render_score_template(query, document, score_template, template_kwargs or {})
-            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+            return self.tokenizer(text, **kw)["input_ids"]
         if not self.model_config.use_sep_token:
-            return self.tokenizer(query + document, add_special_tokens=add_special_tokens)["input_ids"]
-        return self.tokenizer(text=query, text_pair=document, add_special_tokens=add_special_tokens)["input_ids"]
+            return self.tokenizer(query + document, **kw)["input_ids"]
+        return self.tokenizer(text=query, text_pair=document, **kw)["input_ids"]
 
     def render_score_template(self, query: str, document: str, template: str, kwargs: dict[str, Any]) -> str:
         """vLLM's score template: the template rendered over [query, document] messages, no tools, as text."""
@@ -3853,7 +3863,10 @@ class LLM:
             raise TypeError(f"pooling_params must be a PoolingParams, got {type(pooling_params).__name__}")
         queries, docs = score_inputs(data_1, data_2, self.engine.model_config.checkpoint_architecture)
         if engine.is_cross_encoder:  # chat_template: vLLM's score template (its Qwen3-Reranker example's)
-            pairs = [engine.cross_encoder_prompt(q, d, score_template=chat_template) for q, d in paired(queries, docs)]
+            keep = getattr(pooling_params, "truncate_prompt_tokens", None)
+            keep = engine.max_model_len if keep == -1 else keep
+            pairs = [engine.cross_encoder_prompt(q, d, score_template=chat_template, max_length=keep or None)
+                     for q, d in paired(queries, docs)]
             return cross_encoder_scores(self.encode(pairs, pooling_params, use_tqdm=use_tqdm,
                                                     lora_request=lora_request, pooling_task="classify"))
         outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,

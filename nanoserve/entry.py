@@ -3890,8 +3890,11 @@ def _cross_encoder_prompts(state: ServerState, req: ScoringRequest, params: Pool
     kwargs = dict(req.chat_template_kwargs or {})
     if req.instruction is not None:  # vLLM's: chat_template_kwargs' own instruction wins
         kwargs.setdefault("instruction", req.instruction)
+    keep = state.engine.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    max_length = keep if keep and req.truncation_side is None else None  # a side named: cut after, as ids
     try:
-        ids = [state.engine.cross_encoder_prompt(q, d, score_template=state.chat_template, template_kwargs=kwargs)
+        ids = [state.engine.cross_encoder_prompt(q, d, score_template=state.chat_template, template_kwargs=kwargs,
+                                                 max_length=max_length)
                for q, d in paired(*_cut_sides(state, req))]
         return _tokenize_pooled(state, req, params, ids, True, lora)
     except InvalidInput as e:

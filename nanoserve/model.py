@@ -199,15 +199,21 @@ SENTENCE_CONFIG_FILES = ("sentence_bert_config.json", "sentence_roberta_config.j
                          "sentence_xlm-roberta_config.json")
 
 
-def _sentence_max_seq_length(cfg: "ModelConfig", path: Path) -> "ModelConfig":
+def _encoder_max_len(cfg: "ModelConfig", raw: dict[str, Any], path: Path) -> "ModelConfig":
     """An encoder's longest prompt as vLLM derives it: sentence-transformers' max_seq_length where its
-    config has one (all-MiniLM-L6-v2: 256 of 512 positions), within the positions the model has."""
+    config has one (all-MiniLM-L6-v2: 256 of 512 positions), else, where config.json names
+    position_embedding_type "absolute" (as transformers 4 saved every BERT), the tokenizer's model_max_length
+    where that is shorter; always within the positions the model has."""
+    limit = None
     for name in SENTENCE_CONFIG_FILES:
         if (path / name).is_file():
             limit = json.loads((path / name).read_text()).get("max_seq_length")
-            if isinstance(limit, int) and not isinstance(limit, bool) and 2 <= limit < cfg.max_position_embeddings:
-                return dataclasses.replace(cfg, max_position_embeddings=limit)
-            return cfg
+            break
+    tokenizer_config = path / "tokenizer_config.json"
+    if limit is None and raw.get("position_embedding_type") == "absolute" and tokenizer_config.is_file():
+        limit = json.loads(tokenizer_config.read_text()).get("model_max_length")
+    if isinstance(limit, int) and not isinstance(limit, bool) and 2 <= limit < cfg.max_position_embeddings:
+        return dataclasses.replace(cfg, max_position_embeddings=limit)
     return cfg
 
 
@@ -384,8 +390,9 @@ class ModelConfig:
         if not cfg_file.exists():
             raise ModelLoadError(f"{str(path)!r} has no config.json: not a Hugging Face model directory")
         try:
-            cfg = cls.from_dict(override_config(json.loads(cfg_file.read_text()), hf_overrides))
-            return _sentence_max_seq_length(cfg, path) if cfg.encoder_only else cfg
+            raw = override_config(json.loads(cfg_file.read_text()), hf_overrides)
+            cfg = cls.from_dict(raw)
+            return _encoder_max_len(cfg, raw, path) if cfg.encoder_only else cfg
         except ModelLoadError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:  # a key missing or of the wrong type

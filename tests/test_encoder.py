@@ -261,3 +261,60 @@ def test_server_embeddings_and_rerank(bert_dir, bert_ce_dir):
         assert r.status_code == 200, r.text
         got = {d["index"]: d["relevance_score"] for d in r.json()["results"]}
         assert [got[i] for i in range(len(DOCS))] == pytest.approx(scores.tolist(), abs=1e-5)
+
+
+def test_truncation_keeps_the_special_tokens(bert_prefixed_dir, bert_ce_dir):
+    """truncate_prompt_tokens with no side is the tokenizer's truncation, as vLLM's: [CLS] and [SEP] stay
+    (a pair's tokens cut from its longer text), not the first N ids of [CLS] ... [SEP] sliced."""
+    from transformers import AutoTokenizer, BertForSequenceClassification, BertModel
+    text, doc = " ".join(WORDS), " ".join(reversed(WORDS))
+    tokenizer = AutoTokenizer.from_pretrained(bert_prefixed_dir)
+    ids = tokenizer(text, truncation=True, max_length=6, return_tensors="pt")["input_ids"]
+    assert ids[0, -1] == tokenizer.sep_token_id
+    with torch.no_grad():
+        want = BertModel.from_pretrained(bert_prefixed_dir, dtype=torch.float32).eval()(ids).last_hidden_state[0, 0]
+    llm = LLM(str(bert_prefixed_dir), dtype="float32")
+    out = llm.embed([text], pooling_params=PoolingParams(truncate_prompt_tokens=6), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[0].tolist()
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), torch.nn.functional.normalize(want, dim=0),
+                               atol=1e-5, rtol=1e-4)
+    pair = AutoTokenizer.from_pretrained(bert_ce_dir)(QUERY, doc, truncation=True, max_length=10, return_tensors="pt")
+    with torch.no_grad():
+        score = BertForSequenceClassification.from_pretrained(bert_ce_dir, dtype=torch.float32).eval()(
+            **pair).logits[0, 0].sigmoid()
+    llm = LLM(str(bert_ce_dir), dtype="float32")
+    got = llm.score(QUERY, [doc], pooling_params=PoolingParams(truncate_prompt_tokens=10), use_tqdm=False)[0]
+    assert got.outputs.score == pytest.approx(float(score), abs=1e-5)
+
+
+def test_max_model_len_from_the_tokenizer_where_positions_are_absolute(bert_prefixed_dir, tmp_path):
+    """vLLM's rule for a pooling model whose config.json names position_embedding_type "absolute" (every
+    BERT transformers 4 saved): the tokenizer's model_max_length caps max_model_len where it is shorter;
+    without the key (transformers 5 saves none) the positions alone count."""
+    import shutil
+
+    from nanoserve.model import ModelConfig
+    shutil.copytree(bert_prefixed_dir, tmp_path, dirs_exist_ok=True)
+    tok = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**tok, "model_max_length": MAX_POSITIONS - 4}))
+    assert ModelConfig.from_dir(tmp_path).max_position_embeddings == MAX_POSITIONS
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "absolute"}))
+    assert ModelConfig.from_dir(tmp_path).max_position_embeddings == MAX_POSITIONS - 4
+
+
+def test_classifier_prompt_with_a_separator_is_one_token_type(roberta_cls_dir):
+    """A several-label classifier reads every prompt as type 0 (vLLM passes token types for a cross-encoder's
+    pairs only): ids with [SEP] inside are no pair, and score as transformers scores them."""
+    from transformers import RobertaForSequenceClassification
+    sep = 3  # [SEP] in _tokenizer's vocabulary
+    ids = [2, 5, 6, sep, 7, 8, sep]
+    with torch.no_grad():
+        want = RobertaForSequenceClassification.from_pretrained(roberta_cls_dir, dtype=torch.float32).eval()(
+            torch.tensor([ids])).logits[0].softmax(-1)
+    with torch.no_grad():
+        model = RobertaForSequenceClassification.from_pretrained(roberta_cls_dir, dtype=torch.float32).eval()
+        as_pair = model(torch.tensor([ids]), token_type_ids=torch.tensor([[0] * 4 + [1] * 3])).logits[0].softmax(-1)
+    assert not torch.allclose(as_pair, want, atol=1e-3)  # the types weigh: a pair's would score otherwise
+    got = LLM(str(roberta_cls_dir), dtype="float32").classify([ids], use_tqdm=False)[0].outputs.probs
+    torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
