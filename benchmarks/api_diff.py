@@ -1228,18 +1228,12 @@ def main() -> int:
     p.add_argument("--width", type=int, default=70)
     p.add_argument("--wait", type=float, default=120, help="seconds to wait for each server's /health")
     args = p.parse_args()
-    if args.make_pooling_models:
-        make_pooling_models(args.make_pooling_models)
-        return 0
-    if args.make_classify_models:
-        make_classify_models(args.make_classify_models)
-        return 0
-    if args.make_reranker_models:
-        make_reranker_models(args.make_reranker_models)
-        return 0
-    if args.make_encoder_models:
-        make_encoder_models(args.make_encoder_models)
-        return 0
+    for out, make in ((args.make_pooling_models, make_pooling_models), (args.make_classify_models,
+                      make_classify_models), (args.make_reranker_models, make_reranker_models),
+                      (args.make_encoder_models, make_encoder_models)):
+        if out:
+            make(out)
+            return 0
     if args.make_score_template:
         with open(args.make_score_template, "w") as f:
             f.write(SCORE_TEMPLATE)
