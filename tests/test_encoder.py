@@ -198,7 +198,6 @@ def test_bert_cross_encoder_score_with_token_types(bert_ce_dir):
     pairs = [(QUERY, d) for d in DOCS]
     want = torch.stack(hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=pairs))[:, 0].sigmoid()
     llm = LLM(str(bert_ce_dir), dtype="float32")
-    assert llm.engine.runner.model.sep_token_id == 3  # the tokenizer's [SEP]
     steps = one_step_spy(llm)
     got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
     assert steps == [len(DOCS)]
@@ -210,6 +209,32 @@ def test_bert_cross_encoder_score_with_token_types(bert_ce_dir):
     ids = AutoTokenizer.from_pretrained(bert_ce_dir)(QUERY, DOCS[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert float(model(ids).logits[0, 0].sigmoid()) != pytest.approx(got[0], abs=1e-3)
+
+
+SEP_TEXT = QUERY + " [SEP] " + DOCS[0]  # one text with a separator inside: no pair, every token type 0
+SEP_TEMPLATE = "{{ messages[0].content }} [SEP] {{ messages[1].content }}"  # renders QUERY, DOCS[0] as SEP_TEXT
+
+
+def test_cross_encoder_single_text_with_a_separator_is_one_token_type(bert_ce_dir):
+    """vLLM passes the tokenizer's token types: a single text's (a /classify text, token ids, a score
+    template's rendering) are all 0, [SEP] inside or not; only a text pair's second text is type 1."""
+    want = hf_outputs(bert_ce_dir, "BertForSequenceClassification", [SEP_TEXT])[0][0].sigmoid().item()
+    as_pair = hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=[(QUERY, DOCS[0])])[0][0].sigmoid()
+    assert abs(as_pair.item() - want) > 0.01  # the types weigh: read as a pair it would score otherwise
+    llm = LLM(str(bert_ce_dir), dtype="float32")
+    ids = llm.get_tokenizer()(SEP_TEXT)["input_ids"]
+    got = [o.outputs.probs[0] for o in llm.classify([SEP_TEXT, ids], use_tqdm=False)]
+    assert got == pytest.approx([want, want], abs=1e-5)
+    score = llm.score(QUERY, DOCS[0], chat_template=SEP_TEMPLATE, use_tqdm=False)[0].outputs.score
+    assert score == pytest.approx(want, abs=1e-5)
+
+
+def test_cross_encoder_query_with_a_literal_separator_keeps_the_tokenizers_types(bert_ce_dir):
+    """A query holding "[SEP]" is still all the pair's first text (type 0): types come from the tokenizer."""
+    query = "what [SEP] is a cat"
+    want = torch.stack(hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=[(query, d) for d in DOCS]))
+    got = [o.outputs.score for o in LLM(str(bert_ce_dir), dtype="float32").score(query, DOCS, use_tqdm=False)]
+    assert got == pytest.approx(want[:, 0].sigmoid().tolist(), abs=1e-5)
 
 
 def test_bert_token_classify_is_the_classifier_on_each_row(bert_ce_dir, roberta_cls_dir):
