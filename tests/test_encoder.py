@@ -237,6 +237,23 @@ def test_cross_encoder_query_with_a_literal_separator_keeps_the_tokenizers_types
     assert got == pytest.approx(want[:, 0].sigmoid().tolist(), abs=1e-5)
 
 
+def test_pair_token_types_are_cut_and_padded_with_the_ids(bert_ce_dir):
+    """A request that names a truncation side cuts the pair's ids after tokenizing: its types are cut the
+    same way, and padded with the last type (vLLM's); a pair that keeps no type 1 carries none."""
+    from nanoserve.engine import PairPrompt
+    engine = LLM(str(bert_ce_dir), dtype="float32").engine
+    pair = PairPrompt([2, 5, 3, 6, 7, 3], [0, 0, 0, 1, 1, 1])
+    cut = PoolingParams(truncate_prompt_tokens=4)
+    left = engine.process_pooling_prompt(pair, cut, truncation_side="left")
+    assert (left.token_ids, left.token_type_ids) == ([3, 6, 7, 3], [0, 1, 1, 1])
+    right = engine.process_pooling_prompt(pair, cut, truncation_side="right")
+    assert right.token_type_ids == [0, 0, 0, 1]
+    first = engine.process_pooling_prompt(pair, PoolingParams(truncate_prompt_tokens=3), truncation_side="right")
+    assert (first.token_ids, first.token_type_ids) == ([2, 5, 3], None)
+    padded = engine.process_pooling_prompt(pair, PoolingParams(), padding="max_length")
+    assert padded.token_type_ids == [0, 0, 0] + [1] * (MAX_POSITIONS - 3)
+
+
 def test_bert_token_classify_is_the_classifier_on_each_row(bert_ce_dir, roberta_cls_dir):
     """vLLM's token_classify on BertForSequenceClassification: the classifier on every token's row, without
     BERT's pooler (dense, tanh: the CLS pooling's); RoBERTa's head is its classifier whole."""
