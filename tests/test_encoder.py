@@ -254,6 +254,21 @@ def test_pair_token_types_are_cut_and_padded_with_the_ids(bert_ce_dir):
     assert padded.token_type_ids == [0, 0, 0] + [1] * (MAX_POSITIONS - 3)
 
 
+def test_a_preempted_pair_is_recomputed_with_its_token_types(bert_ce_dir):
+    """Preemption starts a request over from position 0: its pair's types go with it."""
+    from nanoserve.scheduler import SchedulerOutput
+    want = hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=[(QUERY, DOCS[0])])[0][0].sigmoid()
+    engine = LLM(str(bert_ce_dir), dtype="float32").engine
+    rid = engine.add_pooling_request(engine.cross_encoder_prompt(QUERY, DOCS[0]), PoolingParams())
+    assert [s.request.request_id for s in engine.scheduler.schedule().scheduled] == [rid]
+    engine.scheduler._preempt(engine.scheduler.requests[rid], SchedulerOutput())  # before its step ran
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert engine.stats()["num_preemptions"] == 1
+    assert outs[-1].outputs.data.item() == pytest.approx(want.item(), abs=1e-5)  # (the activated score)
+
+
 def test_bert_token_classify_is_the_classifier_on_each_row(bert_ce_dir, roberta_cls_dir):
     """vLLM's token_classify on BertForSequenceClassification: the classifier on every token's row, without
     BERT's pooler (dense, tanh: the CLS pooling's); RoBERTa's head is its classifier whole."""
