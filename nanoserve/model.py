@@ -5003,8 +5003,8 @@ class ModelRunner:
         return x
 
     def _token_type_ids(self, seqs: list[SeqInput]) -> torch.Tensor | None:
-        """The step's rows' token types where a sequence has them (type 0 for the others' rows); None for a
-        step without: the encoder's default, and a decoder's step never has them."""
+        """An encoder step's token types, a row each, where a sequence has them (type 0 for the others' rows);
+        None for a step without: every row type 0, the encoder's default."""
         if all(s.token_type_ids is None for s in seqs):
             return None
         types = itertools.chain.from_iterable(
@@ -5065,7 +5065,7 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.step.groups = self._lora_groups(seqs)
             try:
-                types = self._token_type_ids(seqs)
+                types = self._token_type_ids(seqs) if self.model.config.encoder_only else None  # (a decoder's: none)
                 extra = {} if types is None else {"token_type_ids": types}  # an encoder's keyword only
                 hidden = self.model(input_ids, positions, meta, self.kv_caches, self._inputs_embeds(input_ids, seqs),
                                     **extra)
