@@ -829,22 +829,10 @@ def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
     mc = ModelConfig.from_dir(path, overrides)
     if resolve_runner(config, path, mc) != "pooling":
         return overrides
-    # token types 1 past the separator for a cross-encoder's pairs only: vLLM passes a tokenizer's token types
-    # for /score and /rerank pairs alone, so a several-label classifier's prompts are all type 0
-    if mc.encoder_only and mc.num_labels == 1 and mc.type_vocab_size > 1 and mc.sep_token_id is None:
-        overrides = {**(overrides or {}), "sep_token_id": encoder_sep_token_id(config, path)}
     rows = {} if mc.classifier_from_token is None else {
         "classifier_token_ids": classifier_token_ids(config, path, mc.classifier_from_token),
         "lm_head_tied": mc.tie_word_embeddings}
     return {**(overrides or {}), "tie_word_embeddings": True, **rows}
-
-
-def encoder_sep_token_id(config: EngineConfig, path: Path) -> int | None:
-    """The tokenizer's separator, which ends a cross-encoder pair's first text (its token types: 0 through
-    it, 1 after); None without one (every token is then type 0)."""
-    tokenizer = load_tokenizer(path if config.tokenizer is None
-                               else resolve_model_dir(config.tokenizer, config.revision, config.download_dir))
-    return getattr(tokenizer, "sep_token_id", None)
 
 
 def check_encoder_config(config: EngineConfig, mc: ModelConfig) -> None:
@@ -1079,6 +1067,7 @@ class Request:
     # a token-wise task (ALL) the list of its chunks' rows.
     pooling_params: PoolingParams | None = None
     pooled: torch.Tensor | list[torch.Tensor] | None = None
+    token_type_ids: list[int] | None = None  # an encoder's, a type a prompt token (TokenizedPrompt's)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -1168,6 +1157,25 @@ class TokenizedPrompt:
     prompt_embeds: torch.Tensor | None = None
     embeds_digest: str | None = None
     lora_int_id: int | None = None  # the LoRA adapter it runs with (LLMEngine.add_lora's), None: the base model
+    # an encoder's BERT token types, one a token (vLLM's token_type_ids: a cross-encoder pair's, from its
+    # tokenizer); None: every token is type 0, as every other prompt's
+    token_type_ids: list[int] | None = None
+
+
+@dataclass(slots=True)
+class PairPrompt:
+    """A cross-encoder's pair as its tokenizer gives it (``LLMEngine.cross_encoder_prompt``), before
+    process_prompt truncates and validates it: token ids and their token types (None: all type 0)."""
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None
+
+
+def aligned_token_types(types: list[int], kept: int, side: str, length: int) -> list[int] | None:
+    """A pair's token types cut as its ids were (``kept`` of them, from ``side``), then padded to ``length``
+    with the last type, as vLLM's; None where all are type 0 (the encoder's default: nothing to carry)."""
+    types = types[len(types) - kept:] if side == "left" else types[:kept]
+    types = types + types[-1:] * (length - len(types))
+    return types if any(types) else None
 
 
 @dataclass(slots=True)
@@ -2342,16 +2350,21 @@ class LLMEngine:
         self._check_token_ids("token_ids", token_ids)
         return self.tokenizer.decode(list(token_ids))
 
-    def process_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, truncate_prompt_tokens: int | None = None,
+    def process_prompt(self, prompt: str | Sequence[int] | PairPrompt | TokenizedPrompt,
+                       truncate_prompt_tokens: int | None = None,
                        add_special_tokens: bool = True, truncation_side: str = "left",
                        output_tokens: int = 1, pad_to: int | None = None) -> TokenizedPrompt:
         """Tokenize, truncate (as vLLM: keep the last ``truncate_prompt_tokens``,
         or the first with truncation_side "right"; -1: all but ``output_tokens``) and
         validate (raises InvalidInput); safe off the loop thread. truncation_side None (a pooling request
         that names none) is the tokenizer's own truncation, as vLLM's TokenizeParams: its side, and a text's
-        special tokens kept ([CLS] ... [SEP] stay, as the encoder was trained), ids cut on its side."""
+        special tokens kept ([CLS] ... [SEP] stay, as the encoder was trained), ids cut on its side. A
+        PairPrompt's token types are cut and padded with its ids."""
         if isinstance(prompt, TokenizedPrompt):
             return prompt
+        types = None
+        if isinstance(prompt, PairPrompt):
+            prompt, types = prompt.token_ids, prompt.token_type_ids
         keep = truncate_prompt_tokens
         self.check_truncation(keep)
         if keep == -1:  # vLLM 0.32's max_truncation_tokens: one token of room kept, max_tokens then clamped to it
@@ -2372,7 +2385,9 @@ class LLMEngine:
         self.validate_prompt(token_ids, output_tokens)  # before the tokenizer decodes them (an id past C's long)
         if truncated:
             text = None if self.tokenizer is None else self.tokenizer.decode(kept)  # what the model saw
-        return TokenizedPrompt(text, token_ids)
+        if types is not None:
+            types = aligned_token_types(types, len(kept), side, len(token_ids))
+        return TokenizedPrompt(text, token_ids, token_type_ids=types)
 
     def check_truncation(self, keep: int | None) -> None:
         """vLLM's TokenizeParams' rule: no truncation to more tokens than max_model_len (it could not fit)."""
@@ -2592,7 +2607,8 @@ class LLMEngine:
         raise InvalidInput("model", "LLM.encode() is only supported for pooling models. Try passing `--runner "
                                     "pooling` to use the model as a pooling model.")
 
-    def process_pooling_prompt(self, prompt: str | Sequence[int] | TokenizedPrompt, params: PoolingParams,
+    def process_pooling_prompt(self, prompt: str | Sequence[int] | PairPrompt | TokenizedPrompt,
+                               params: PoolingParams,
                                add_special_tokens: bool = True, truncation_side: str | None = None,
                                padding: str | None = None) -> TokenizedPrompt:
         """process_prompt for an embedding: no room for output, so truncate_prompt_tokens -1 keeps max_model_len.
@@ -2608,23 +2624,28 @@ class LLMEngine:
 
     def cross_encoder_prompt(self, query: str, document: str, add_special_tokens: bool = True,
                              score_template: str | None = None, template_kwargs: dict[str, Any] | None = None,
-                             max_length: int | None = None) -> list[int]:
+                             max_length: int | None = None) -> PairPrompt:
         """vLLM's cross-encoder prompt: with a score template (the server's --chat-template, LLM.score's
         chat_template), the pair rendered as a "query" and a "document" message (``template_kwargs``, e.g.
         the request's instruction, in the template's variables); else the tokenizer's text pair (its separators
         and special tokens between and around), or, where config.json's use_sep_token is false, the texts
         joined as one. ``max_length``: the tokenizer's truncation (longest text first, special tokens kept),
-        as vLLM's where a request truncates without naming a side."""
+        as vLLM's where a request truncates without naming a side. The tokenizer's token_type_ids go along
+        (vLLM's): a text pair's are 1 for its second text, a single text's (a template's, joined texts') 0."""
         if self.tokenizer is None:
             raise InvalidInput("model", "a cross-encoder's pairs need the model's tokenizer (--skip-tokenizer-init "
                                         "leaves none)")
         kw = dict(add_special_tokens=add_special_tokens, truncation=max_length is not None, max_length=max_length)
         if score_template is not None:
             text = self.render_score_template(query, document, score_template, template_kwargs or {})
-            return self.tokenizer(text, **kw)["input_ids"]
-        if not self.model_config.use_sep_token:
-            return self.tokenizer(query + document, **kw)["input_ids"]
-        return self.tokenizer(text=query, text_pair=document, **kw)["input_ids"]
+            enc = self.tokenizer(text, **kw)
+        elif not self.model_config.use_sep_token:
+            enc = self.tokenizer(query + document, **kw)
+        else:
+            enc = self.tokenizer(text=query, text_pair=document, **kw)
+        types = enc.get("token_type_ids")
+        takes_types = self.model_config.encoder_only and self.model_config.type_vocab_size > 1
+        return PairPrompt(enc["input_ids"], list(types) if takes_types and types is not None else None)
 
     def render_score_template(self, query: str, document: str, template: str, kwargs: dict[str, Any]) -> str:
         """vLLM's score template: the template rendered over [query, document] messages, no tools, as text."""
@@ -2694,7 +2715,8 @@ class LLMEngine:
             cache_salt=self._salt(prompt) if self.config.enable_prefix_caching else None,
             skip_reading_prefix_cache=self.token_wise or self.pooler_config.pooling_type != "LAST",
             priority=priority,
-            lora_int_id=prompt.lora_int_id, serial=next(self.serials), pooling_params=params))
+            lora_int_id=prompt.lora_int_id, serial=next(self.serials), pooling_params=params,
+            token_type_ids=prompt.token_type_ids))
         self.stats_counters["prompt_tokens"] += len(prompt.token_ids)
         return request_id
 
@@ -3107,7 +3129,8 @@ class LLMEngine:
                     prompt_logprob_ids=req.prompt_logprob_ids(start, num_new),
                     num_prompt_logprobs=req.sampling_params.prompt_logprobs or 0, prev_sample_row=prev_row,
                     prompt_embeds=embeds, lora_int_id=req.lora_int_id, draft_token_ids=s.spec_token_ids or None,
-                    pooling=self._pooling_rows(s) if pools else None))
+                    pooling=self._pooling_rows(s) if pools else None,
+                    token_type_ids=None if req.token_type_ids is None else req.token_type_ids[start:start + num_new]))
             except Exception as e:  # a bug met by this request's inputs (its grammar's mask, its sampling row)
                 self._fail_input(req, e)
                 seqs.append(None)

@@ -3893,10 +3893,10 @@ def _cross_encoder_prompts(state: ServerState, req: ScoringRequest, params: Pool
     keep = state.engine.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
     max_length = keep if keep and req.truncation_side is None else None  # a side named: cut after, as ids
     try:
-        ids = [state.engine.cross_encoder_prompt(q, d, score_template=state.chat_template, template_kwargs=kwargs,
-                                                 max_length=max_length)
-               for q, d in paired(*_cut_sides(state, req))]
-        return _tokenize_pooled(state, req, params, ids, True, lora)
+        pairs = [state.engine.cross_encoder_prompt(q, d, score_template=state.chat_template,
+                                                   template_kwargs=kwargs, max_length=max_length)
+                 for q, d in paired(*_cut_sides(state, req))]
+        return _tokenize_pooled(state, req, params, pairs, True, lora)
     except InvalidInput as e:
         raise InvalidInput(req.side_names()[1] if e.param == "prompt" else e.param, str(e)) from None
 

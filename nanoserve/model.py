@@ -188,7 +188,6 @@ def _encoder_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
                                                                         or "float32"),
         eos_token_ids=[], hidden_act=act, encoder_only="roberta" if roberta else "bert",
         type_vocab_size=c.get("type_vocab_size", 2), position_offset=offset, position_rows=max_positions + offset,
-        sep_token_id=c.get("sep_token_id"),
         is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
         matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
         **(_classifier_config(c, arch) if classifier else {}))
@@ -367,7 +366,6 @@ class ModelConfig:
     type_vocab_size: int = 0
     position_offset: int = 0  # RoBERTa's: position p reads row padding_idx + 1 + p
     position_rows: int = 0    # the position table's rows (config.json's max_position_embeddings)
-    sep_token_id: int | None = None  # the tokenizer's separator: a cross-encoder pair's token types (the engine's)
 
     @property
     def checkpoint_architecture(self) -> str:
@@ -2204,16 +2202,6 @@ ENCODER_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "swish": 
                        "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
-def pair_token_types(input_ids: torch.Tensor, query_start_loc: torch.Tensor, sep_token_id: int) -> torch.Tensor:
-    """A cross-encoder pair's token types as its tokenizer gives them: 0 up to and with the first
-    separator, 1 after it (vLLM passes the tokenizer's token_type_ids; a pair's are exactly these)."""
-    is_sep = (input_ids == sep_token_id).long()
-    before = torch.cumsum(is_sep, 0) - is_sep  # separators before each row, counted over the whole step
-    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
-    own = before - torch.repeat_interleave(before[query_start_loc[:-1].long()], q_lens)  # ... in its own sequence
-    return own.clamp(max=1)
-
-
 @dataclass(slots=True)
 class EncoderGroup:
     """A step's sequences of similar length (the same power of two), padded to the longest for one SDPA call."""
@@ -2385,17 +2373,16 @@ class EncoderModel(nn.Module):
         self.lm_head = None
         head = RobertaClassifierHead if cfg.encoder_only == "roberta" else BertClassifierHead
         self.score = None if cfg.num_labels is None else head(cfg)
-        self.sep_token_id: int | None = cfg.sep_token_id  # token types from a pair's separator (type_vocab_size 2)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                inputs_embeds: torch.Tensor | None = None, token_type_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """``token_type_ids``: each row's BERT token type (a cross-encoder pair's, from its tokenizer); None:
+        every row is type 0."""
         if inputs_embeds is not None:
             raise ValueError("an encoder model takes token ids, not prompt embeddings")
-        if self.sep_token_id is not None and self.config.type_vocab_size > 1:
-            token_types = pair_token_types(input_ids, meta.query_start_loc, self.sep_token_id)
-        else:
-            token_types = torch.zeros_like(input_ids)
+        token_types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         return self.model(input_ids, positions, token_types, meta.query_start_loc.tolist())
 
     def compute_logits(self, hidden: torch.Tensor) -> None:
@@ -4525,6 +4512,8 @@ class SeqInput:
     # "LAST" its last row, "FIRST" its first (CLS pooling's, in a prompt's first chunk), "SUM" the sum of
     # its rows (MEAN pooling, added up chunk by chunk), "ALL" every row (token_embed, token_classify); None: nothing
     pooling: str | None = None
+    # an encoder's token types for this chunk's rows (a cross-encoder pair's, from its tokenizer); None: all 0
+    token_type_ids: list[int] | None = None
 
 
 @dataclass(slots=True)
@@ -5013,6 +5002,15 @@ class ModelRunner:
             start += len(s.token_ids)
         return x
 
+    def _token_type_ids(self, seqs: list[SeqInput]) -> torch.Tensor | None:
+        """An encoder step's token types, a row each, where a sequence has them (type 0 for the others' rows);
+        None for a step without: every row type 0, the encoder's default."""
+        if all(s.token_type_ids is None for s in seqs):
+            return None
+        types = itertools.chain.from_iterable(
+            s.token_type_ids if s.token_type_ids is not None else [0] * len(s.token_ids) for s in seqs)
+        return to_device(host_ints(types), self.device)
+
     def _write_prev_sampled(self, input_ids: torch.Tensor, seqs: list[SeqInput],
                             query_start_loc: torch.Tensor | None = None) -> None:
         """Async scheduling: sequences whose input the previous step sampled read it from that step's
@@ -5067,7 +5065,10 @@ class ModelRunner:
             if self.lora is not None:
                 self.lora.step.groups = self._lora_groups(seqs)
             try:
-                hidden = self.model(input_ids, positions, meta, self.kv_caches, self._inputs_embeds(input_ids, seqs))
+                types = self._token_type_ids(seqs) if self.model.config.encoder_only else None  # (a decoder's: none)
+                extra = {} if types is None else {"token_type_ids": types}  # an encoder's keyword only
+                hidden = self.model(input_ids, positions, meta, self.kv_caches, self._inputs_embeds(input_ids, seqs),
+                                    **extra)
             finally:
                 if self.lora is not None:
                     self.lora.step.groups = []

@@ -198,7 +198,6 @@ def test_bert_cross_encoder_score_with_token_types(bert_ce_dir):
     pairs = [(QUERY, d) for d in DOCS]
     want = torch.stack(hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=pairs))[:, 0].sigmoid()
     llm = LLM(str(bert_ce_dir), dtype="float32")
-    assert llm.engine.runner.model.sep_token_id == 3  # the tokenizer's [SEP]
     steps = one_step_spy(llm)
     got = [o.outputs.score for o in llm.score(QUERY, DOCS, use_tqdm=False)]
     assert steps == [len(DOCS)]
@@ -210,6 +209,64 @@ def test_bert_cross_encoder_score_with_token_types(bert_ce_dir):
     ids = AutoTokenizer.from_pretrained(bert_ce_dir)(QUERY, DOCS[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         assert float(model(ids).logits[0, 0].sigmoid()) != pytest.approx(got[0], abs=1e-3)
+
+
+SEP_TEXT = QUERY + " [SEP] " + DOCS[0]  # one text with a separator inside: no pair, every token type 0
+SEP_TEMPLATE = "{{ messages[0].content }} [SEP] {{ messages[1].content }}"  # renders QUERY, DOCS[0] as SEP_TEXT
+
+
+def test_cross_encoder_single_text_with_a_separator_is_one_token_type(bert_ce_dir):
+    """vLLM passes the tokenizer's token types: a single text's (a /classify text, token ids, a score
+    template's rendering) are all 0, [SEP] inside or not; only a text pair's second text is type 1."""
+    want = hf_outputs(bert_ce_dir, "BertForSequenceClassification", [SEP_TEXT])[0][0].sigmoid().item()
+    as_pair = hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=[(QUERY, DOCS[0])])[0][0].sigmoid()
+    assert abs(as_pair.item() - want) > 0.01  # the types weigh: read as a pair it would score otherwise
+    llm = LLM(str(bert_ce_dir), dtype="float32")
+    ids = llm.get_tokenizer()(SEP_TEXT)["input_ids"]
+    got = [o.outputs.probs[0] for o in llm.classify([SEP_TEXT, ids], use_tqdm=False)]
+    assert got == pytest.approx([want, want], abs=1e-5)
+    score = llm.score(QUERY, DOCS[0], chat_template=SEP_TEMPLATE, use_tqdm=False)[0].outputs.score
+    assert score == pytest.approx(want, abs=1e-5)
+
+
+def test_cross_encoder_query_with_a_literal_separator_keeps_the_tokenizers_types(bert_ce_dir):
+    """A query holding "[SEP]" is still all the pair's first text (type 0): types come from the tokenizer."""
+    query = "what [SEP] is a cat"
+    want = torch.stack(hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=[(query, d) for d in DOCS]))
+    got = [o.outputs.score for o in LLM(str(bert_ce_dir), dtype="float32").score(query, DOCS, use_tqdm=False)]
+    assert got == pytest.approx(want[:, 0].sigmoid().tolist(), abs=1e-5)
+
+
+def test_pair_token_types_are_cut_and_padded_with_the_ids(bert_ce_dir):
+    """A request that names a truncation side cuts the pair's ids after tokenizing: its types are cut the
+    same way, and padded with the last type (vLLM's); a pair that keeps no type 1 carries none."""
+    from nanoserve.engine import PairPrompt
+    engine = LLM(str(bert_ce_dir), dtype="float32").engine
+    pair = PairPrompt([2, 5, 3, 6, 7, 3], [0, 0, 0, 1, 1, 1])
+    cut = PoolingParams(truncate_prompt_tokens=4)
+    left = engine.process_pooling_prompt(pair, cut, truncation_side="left")
+    assert (left.token_ids, left.token_type_ids) == ([3, 6, 7, 3], [0, 1, 1, 1])
+    right = engine.process_pooling_prompt(pair, cut, truncation_side="right")
+    assert right.token_type_ids == [0, 0, 0, 1]
+    first = engine.process_pooling_prompt(pair, PoolingParams(truncate_prompt_tokens=3), truncation_side="right")
+    assert (first.token_ids, first.token_type_ids) == ([2, 5, 3], None)
+    padded = engine.process_pooling_prompt(pair, PoolingParams(), padding="max_length")
+    assert padded.token_type_ids == [0, 0, 0] + [1] * (MAX_POSITIONS - 3)
+
+
+def test_a_preempted_pair_is_recomputed_with_its_token_types(bert_ce_dir):
+    """Preemption starts a request over from position 0: its pair's types go with it."""
+    from nanoserve.scheduler import SchedulerOutput
+    want = hf_outputs(bert_ce_dir, "BertForSequenceClassification", pairs=[(QUERY, DOCS[0])])[0][0].sigmoid()
+    engine = LLM(str(bert_ce_dir), dtype="float32").engine
+    rid = engine.add_pooling_request(engine.cross_encoder_prompt(QUERY, DOCS[0]), PoolingParams())
+    assert [s.request.request_id for s in engine.scheduler.schedule().scheduled] == [rid]
+    engine.scheduler._preempt(engine.scheduler.requests[rid], SchedulerOutput())  # before its step ran
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert engine.stats()["num_preemptions"] == 1
+    assert outs[-1].outputs.data.item() == pytest.approx(want.item(), abs=1e-5)  # (the activated score)
 
 
 def test_bert_token_classify_is_the_classifier_on_each_row(bert_ce_dir, roberta_cls_dir):
