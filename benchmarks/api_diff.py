@@ -829,6 +829,9 @@ def encoder_battery(model: str, max_len: int) -> list[Case]:
         cls("str"), cls("list", input=texts), cls("ids", input=ids), cls("use_activation_false", use_activation=False),
         cls("trunc", input=long_prompt, truncate_prompt_tokens=5), cls("past_len", input=long_prompt),
         cls("at_len", input=at_len),
+        # a single text with the separator inside (one text: type 0 throughout), and a query holding one in a pair
+        cls("sep_inside", input=query + " [SEP] " + docs[0]), cls("sep_ids", input=[2, 5, 6, 3, 7, 3]),
+        score("sep_in_query", queries=query + " [SEP] the"),
         score("1_1", documents=docs[0]), score("1_n"), score("n_n", queries=[query] * 3),
         score("v1", "/v1/score", queries=None, documents=None, text_1=query, text_2=docs),
         score("use_activation_false", use_activation=False),
