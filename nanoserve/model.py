@@ -2438,13 +2438,7 @@ def load_encoder_weights(model: EncoderModel, path: Path) -> int:
 def load_encoder_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
                        tp: TPGroup) -> tuple[EncoderModel, int]:
     """An encoder's layers in ``dtype`` (its classifier head in fp32), on ``device``, then its weights."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = EncoderModel(cfg, tp)
-    finally:
-        torch.set_default_dtype(old)
+    model = built_in(dtype, device, lambda: EncoderModel(cfg, tp))
     weight_bytes = load_encoder_weights(model, path)
     model.eval().requires_grad_(False)
     logger.info("[model] %s: %d layers, hidden %d, %d heads, %s pooling model on %s (plain torch, no KV cache), "
@@ -2564,13 +2558,13 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     continue
                 if target not in params:
                     raise ModelLoadError(f"unexpected tensor {stored!r} in {file.name}")
-                if isinstance(loaded, PackedIntSlice) and isinstance(modules[target.rpartition(".")[0]],
-                                                                     VocabParallelEmbedding):
+                module = modules[target.rpartition(".")[0]]
+                if isinstance(loaded, PackedIntSlice) and isinstance(module, VocabParallelEmbedding):
                     raise ModelLoadError(f"{wna16.method} tensor {stored!r} is a quantized embedding, which nanoserve "
                                          "(as vLLM) does not read: only linear layers and lm_head may be quantized")
                 param = params[target]
                 if param.is_meta:  # a Linear's weight deferred (served packed): packed codes, or allocated now
-                    param = _deferred_weight(modules[target.rpartition(".")[0]], loaded, stored)
+                    param = _deferred_weight(module, loaded, stored)
                     if not isinstance(param, _PackedDest):
                         params[target] = param
                 if isinstance(param, _PackedDest):
@@ -2578,7 +2572,7 @@ def load_weights(model: CausalLM, path: Path) -> int:
                 elif isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
                     loaded.dtype = param.dtype
                     dequantized[loaded.dtype] += 1
-                loader = getattr(modules[target.rpartition(".")[0]], "weight_loader", default_weight_loader)
+                loader = getattr(module, "weight_loader", default_weight_loader)
                 try:
                     loader(param, loaded, shard)
                 except _ShapeMismatch as e:
@@ -2612,12 +2606,11 @@ def load_weights(model: CausalLM, path: Path) -> int:
         logger.info("[model] MXFP4 checkpoint: %d expert weights dequantized to %s as they were loaded (held "
                     "dequantized: the memory is the %s model's, about 4x the checkpoint's experts)",
                     sum(dequantized.values()), dtype, dtype)
-    packed = [m.wna16 for m in modules.values() if isinstance(m, Linear) and m.wna16 is not None]
-    for m in modules.values():
-        if isinstance(m, Linear) and m.wna16 is not None:
-            m.weight = None  # the meta placeholder: the packed codes stand for it
+    packed = [m for m in modules.values() if isinstance(m, Linear) and m.wna16 is not None]
+    for m in packed:
+        m.weight = None  # the meta placeholder: the packed codes stand for it
     return sum(p.numel() * p.element_size() for p in params.values() if not p.is_meta) \
-        + sum(b.numel() * b.element_size() for w in packed for b in w.buffers())
+        + sum(b.numel() * b.element_size() for m in packed for b in m.wna16.buffers())
 
 
 def _token_rows(name: str, loaded, token_ids: tuple[int, ...], embedding: nn.Module) -> torch.Tensor:
@@ -3355,16 +3348,22 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     fp32 copy of a large model first); RotaryEmbedding's tables are fp32 whatever the default.
     ``defer_linear_weights``: the Linear layers' weights on the meta device (_DEFER_LINEAR_WEIGHTS)."""
     global _DEFER_LINEAR_WEIGHTS
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
     _DEFER_LINEAR_WEIGHTS = defer_linear_weights
     try:
+        return built_in(dtype, device, lambda: CausalLM(cfg, backend, tp))
+    finally:
+        _DEFER_LINEAR_WEIGHTS = False
+
+
+def built_in(dtype: torch.dtype, device: torch.device, make: Callable[[], nn.Module]) -> nn.Module:
+    """``make()`` with torch's default dtype and device set, so each parameter is created once, where it stays."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
         with torch.device(device):
-            model = CausalLM(cfg, backend, tp)
+            return make()
     finally:
         torch.set_default_dtype(old)
-        _DEFER_LINEAR_WEIGHTS = False
-    return model
 
 
 WNA16_WEIGHTS = ("auto", "packed", "dequantized")
