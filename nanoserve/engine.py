@@ -3140,14 +3140,19 @@ class LLMEngine:
         """What a pooling request's chunk hands back (SeqInput.pooling): MEAN adds up every chunk's rows,
         LAST needs the last chunk's last row only, CLS the first chunk's first row; a token-wise task
         every chunk's rows."""
-        if self.token_wise:
+        kind = self._pooling_kind
+        if kind == "ALL":
             return "ALL"
-        kind = self.pooler_config.pooling_type
         if kind == "MEAN":
             return "SUM"
         if kind == "CLS":
             return "FIRST" if s.start == 0 else None
         return "LAST" if s.will_sample else None
+
+    @property
+    def _pooling_kind(self) -> str:
+        """The pooling this engine does: "ALL" (every row) for a token-wise task, else the pooler config's."""
+        return "ALL" if self.token_wise else self.pooler_config.pooling_type
 
     def _fail_input(self, req: Request, error: Exception) -> None:
         """End a request whose step inputs could not be built (the step runs without it: _without_finished)."""
@@ -3210,7 +3215,7 @@ class LLMEngine:
         """A pooling request's chunk: MEAN's sums added up, CLS's first row kept, a token-wise task's
         rows gathered (each from its first position again after a preemption); its last chunk ends it
         with its embedding (or rows), its blocks freed (and left cached)."""
-        req, kind = s.request, "ALL" if self.token_wise else self.pooler_config.pooling_type
+        req, kind = s.request, self._pooling_kind
         # aborted while the step ran; a LAST request's earlier chunk, a CLS request's later one (but its last)
         if req.status.is_finished or rows is None and (kind != "CLS" or not s.will_sample):
             return

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextvars
 import dataclasses
 import datetime
 import enum
@@ -1226,10 +1227,11 @@ class GemmaRMSNorm(nn.Module):
         param.copy_(_read(loaded, param.shape).to(self.model_dtype).float() + 1.0)
 
 
-# build_model sets it for a weight-only int checkpoint served packed (WNA16Weight): each Linear's weight is
-# then made on the meta device, and load_weights gives it its form when its checkpoint tensor comes, packed
+# True while build_model builds a weight-only int checkpoint served packed (WNA16Weight): each Linear's weight
+# is then made on the meta device, and load_weights gives it its form when its checkpoint tensor comes, packed
 # codes if quantized, else the weight allocated, so the dequantized weights never take the device's memory.
-_DEFER_LINEAR_WEIGHTS = False
+# A context variable, as torch's default device is a context: it holds for one construction, in its own thread.
+_defer_linear_weights: contextvars.ContextVar[bool] = contextvars.ContextVar("defer_linear_weights", default=False)
 
 
 class Linear(nn.Module):
@@ -1241,7 +1243,7 @@ class Linear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
-        deferred = _DEFER_LINEAR_WEIGHTS
+        deferred = _defer_linear_weights.get()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta" if deferred else None))
         self.weight_device = torch.get_default_device() if deferred else None  # where a deferred one goes
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
@@ -3346,13 +3348,12 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 backend: Backend, tp: TPGroup, defer_linear_weights: bool = False) -> CausalLM:
     """Uninitialised parameters created directly in ``dtype`` on ``device`` (no
     fp32 copy of a large model first); RotaryEmbedding's tables are fp32 whatever the default.
-    ``defer_linear_weights``: the Linear layers' weights on the meta device (_DEFER_LINEAR_WEIGHTS)."""
-    global _DEFER_LINEAR_WEIGHTS
-    _DEFER_LINEAR_WEIGHTS = defer_linear_weights
+    ``defer_linear_weights``: the Linear layers' weights on the meta device (_defer_linear_weights)."""
+    token = _defer_linear_weights.set(defer_linear_weights)
     try:
         return built_in(dtype, device, lambda: CausalLM(cfg, backend, tp))
     finally:
-        _DEFER_LINEAR_WEIGHTS = False
+        _defer_linear_weights.reset(token)
 
 
 def built_in(dtype: torch.dtype, device: torch.device, make: Callable[[], nn.Module]) -> nn.Module:
