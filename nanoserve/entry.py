@@ -2097,7 +2097,10 @@ class RequiredCallScan:
 
     def feed(self, delta: str) -> list[dict[str, str]]:
         sent_len = len(self.text)
-        self.text += delta
+        # the text's one reference a local, so += extends it in place: on the attribute it would copy it all
+        text, self.text = self.text, ""
+        text += delta
+        self.text = text
         self._scan(sent_len)
         if not self.text:
             return []
@@ -5819,7 +5822,10 @@ class AnthropicContent:
     def __init__(self):
         self.blocks: list[dict] = []
         self.open = False      # the last block is still being built
-        self.arguments = ""    # the last tool_use block's input, as JSON text so far
+        # the open block's text (a tool_use block's: its input's JSON) so far, joined when it closes: str +=
+        # on a dict item or an attribute copies the whole text each delta, quadratic in a long answer
+        self.parts: list[str] = []
+        self.arguments = ""    # the last tool_use block's input, as JSON text
         self.pending: list[str] = []  # text that came while a tool_use block was open: a text block after it
 
     def feed(self, part: dict, calls_first: bool = False) -> list[tuple[str, dict]]:
@@ -5835,9 +5841,8 @@ class AnthropicContent:
             if "id" in call:  # a new call
                 events += self._start({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                                        "input": {}})
-                self.arguments = ""
             if delta := call["function"].get("arguments"):
-                self.arguments += delta
+                self.parts.append(delta)
                 events.append(self._delta("input_json_delta", partial_json=delta))
         return events
 
@@ -5849,7 +5854,7 @@ class AnthropicContent:
             return []
         # (a thinking block's signature comes at its end, in a signature_delta: none at its start, as vLLM's)
         events = [] if self.open and self.blocks[-1]["type"] == kind else self._start({"type": kind, kind: ""})
-        self.blocks[-1][kind] += delta
+        self.parts.append(delta)
         return events + [self._delta(f"{kind}_delta", **{kind: delta})]
 
     def _start(self, block: dict) -> list[tuple[str, dict]]:
@@ -5866,10 +5871,14 @@ class AnthropicContent:
         if not self.open:
             return []
         self.open, block, events = False, self.blocks[-1], []
+        text, self.parts = "".join(self.parts), []
+        if block["type"] in ("text", "thinking"):
+            block[block["type"]] = text
         if block["type"] == "thinking":  # as vLLM's: a random signature, which a client sends back with the thought
             block["signature"] = uuid.uuid4().hex
             events.append(self._delta("signature_delta", signature=block["signature"]))
         elif block["type"] == "tool_use":  # a named call cut short by max_tokens is no JSON yet: no input
+            self.arguments = text
             with contextlib.suppress(ValueError):
                 block["input"] = json.loads(self.arguments or "{}")
         events.append(("content_block_stop", {"index": len(self.blocks) - 1}))
