@@ -838,7 +838,7 @@ def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
 def encoder_head_pooling(mc: ModelConfig) -> str | None:
     """The pooling an encoder classifier's head is trained on (BERT's: CLS; ModernBERT's: its classifier_pooling,
     which vLLM takes whatever its pooler config or sentence-transformers files say); None: an embedding model."""
-    if mc.num_labels is None:
+    if mc.num_labels is None or mc.token_classifier:
         return None
     return mc.modernbert.pooling if mc.modernbert else "CLS"
 
@@ -2049,7 +2049,7 @@ class LLMEngine:
             # vLLM's defaults: CLS for its BERT, RoBERTa and ModernBERT models, LAST for a decoder; a ModernBERT
             # classifier's is its head's, always (vLLM's ModernBertPooler reads classifier_pooling alone)
             mc, pooler = self.model_config, config.pooler_config
-            if mc.modernbert and mc.num_labels is not None:
+            if mc.modernbert and encoder_head_pooling(mc):
                 pooler = dataclasses.replace(pooler, pooling_type=mc.modernbert.pooling)
             self.pooler_config = pooler.resolved(path, "CLS" if mc.encoder_only else "LAST")
             self.task_instructions = embed_task_instructions(path)  # /v2/embed's input_type prefixes
@@ -2558,10 +2558,11 @@ class LLMEngine:
     def _resolve_pooling_task(self) -> None:
         mc, pc = self.model_config, self.pooler_config
         base = "embed" if mc.num_labels is None else "classify"
-        self.supported_pooling_tasks = (f"token_{base}", base)  # vLLM's order (its DispatchPooler's)
+        # vLLM's order (its DispatchPooler's); a token classifier's pooler has the token-wise task alone
+        self.supported_pooling_tasks = ("token_classify",) if mc.token_classifier else (f"token_{base}", base)
         if pc.task is not None and pc.task not in self.supported_pooling_tasks:  # vLLM's words
             raise ValueError(f"Unsupported task: {pc.task!r} Supported tasks: {list(self.supported_pooling_tasks)}")
-        self.pooling_task = pc.task or base
+        self.pooling_task = pc.task or self.supported_pooling_tasks[-1]
         rows = "every token's final hidden state" if self.token_wise else f"{pc.pooling_type} pooling of the " \
                                                                           f"final hidden states"
         if base == "embed":

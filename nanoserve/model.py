@@ -91,7 +91,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 # encoder models (the pooling runner's only): embeddings, and classifiers (cross-encoders with one label)
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
                          "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
-                         "ModernBertModel", "ModernBertForSequenceClassification")
+                         "ModernBertModel", "ModernBertForSequenceClassification", "ModernBertForTokenClassification")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
@@ -253,7 +253,7 @@ def _modernbert_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
         local_rope_theta=_modernbert_rope_theta(c, "sliding_attention", "local_rope_theta", 10_000.0),
         norm_bias=bool(c.get("norm_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)), pooling=pooling.upper(),
         classifier_bias=bool(c.get("classifier_bias", False)), classifier_activation=acts["classifier_activation"])
-    classifier = arch.endswith("ForSequenceClassification")
+    classifier = arch.endswith(("ForSequenceClassification", "ForTokenClassification"))
     return ModelConfig(
         architecture=arch, vocab_size=sizes["vocab_size"], hidden_size=hidden,
         intermediate_size=sizes["intermediate_size"], num_layers=layers, num_heads=heads, num_kv_heads=heads,
@@ -442,6 +442,11 @@ class ModelConfig:
     type_vocab_size: int = 0
     position_offset: int = 0  # RoBERTa's: position p reads row padding_idx + 1 + p
     position_rows: int = 0    # the position table's rows (config.json's max_position_embeddings)
+
+    @property
+    def token_classifier(self) -> bool:
+        """A *ForTokenClassification checkpoint: labels for each token, none for a whole prompt."""
+        return self.architecture.endswith("ForTokenClassification")
 
     @property
     def checkpoint_architecture(self) -> str:
@@ -2564,11 +2569,13 @@ class ModernBertModel(nn.Module):
 
 class ModernBertClassifierHead(nn.Module):
     """ModernBertForSequenceClassification's head on the pooled row (CLS or mean, its classifier_pooling):
-    dense, activation, norm (transformers' ``head``), then the classifier."""
+    dense, activation, norm (transformers' ``head``), then the classifier. ModernBertForTokenClassification's
+    is the same on every row."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         mb = cfg.modernbert
+        self.token_wise = cfg.token_classifier
         self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=mb.classifier_bias, dtype=torch.float32)
         self.act = ENCODER_ACTIVATIONS[mb.classifier_activation]
         self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=mb.norm_bias, dtype=torch.float32)
@@ -2578,9 +2585,9 @@ class ModernBertClassifierHead(nn.Module):
         return self.classifier(self.norm(self.act(self.dense(pooled))))
 
     def token_head(self, rows: torch.Tensor) -> torch.Tensor:
-        """token_classify's: the classifier on each token's row (vLLM's for ModernBertForSequenceClassification:
-        its dense, activation and norm belong to the sequence pooling)."""
-        return self.classifier(rows)
+        """token_classify's: a token classifier's whole head on each row; a sequence classifier's classifier
+        alone (vLLM's: its dense, activation and norm belong to the sequence pooling)."""
+        return self(rows) if self.token_wise else self.classifier(rows)
 
 
 class EncoderModel(nn.Module):

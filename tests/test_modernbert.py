@@ -1,7 +1,7 @@
 """ModernBERT on the pooling runner (vLLM's modernbert.py: gte-modernbert-base, modernbert-embed,
-gte-reranker-modernbert-base) against transformers' ModernBertModel and ModernBertForSequenceClassification:
-CLS and MEAN embeddings, the classifier's head on its CLS or mean pooling, with prompts longer than the local
-layers' window and of different lengths in one step."""
+gte-reranker-modernbert-base) against transformers' ModernBertModel and ModernBert*Classification:
+CLS and MEAN embeddings, the classifier's head on its CLS or mean pooling, a token classifier's labels, with
+prompts longer than the local layers' window and of different lengths in one step."""
 from __future__ import annotations
 
 import pytest
@@ -107,6 +107,25 @@ def test_modernbert_token_classify_is_the_classifier_on_each_row(mb_cls_dir):
     llm = LLM(str(mb_cls_dir), dtype="float32", pooler_config={"task": "token_classify"})
     got = llm.encode(LONG, pooling_task="token_classify", use_tqdm=False)[0].outputs.data
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_modernbert_token_classifier_labels_each_token(tmp_path):
+    """ModernBertForTokenClassification: its head (dense, activation, norm) and classifier on every row, softmax
+    over its labels; token_classify is its one task (vLLM's), so /classify's is refused."""
+    from transformers import AutoTokenizer, ModernBertConfig, ModernBertForTokenClassification
+
+    from nanoserve.engine import InvalidInput
+    path = _save(ModernBertForTokenClassification(ModernBertConfig(**_sizes(num_labels=3))), tmp_path)
+    ids = AutoTokenizer.from_pretrained(path)(LONG, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = ModernBertForTokenClassification.from_pretrained(path, dtype=torch.float32).eval()(
+            input_ids=ids).logits[0].softmax(-1)
+    llm = LLM(str(path), dtype="float32")
+    assert llm.engine.supported_pooling_tasks == ("token_classify",)
+    got = llm.encode(LONG, pooling_task="token_classify", use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    with pytest.raises(InvalidInput, match="Classification API is not supported"):
+        llm.classify(TEXTS, use_tqdm=False)
 
 
 def test_modernbert_config_as_transformers_4_saved_it():
