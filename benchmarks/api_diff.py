@@ -859,7 +859,8 @@ def make_encoder_models(root: str) -> None:
     RobertaForSequenceClassification, 66 positions, no position_embedding_type: as transformers 5 saves it);
     modernbert (ModernBertModel, 64 positions, 3 layers, the middle one local with local_attention 8) and
     modernbert-ce (a one-label ModernBertForSequenceClassification of that shape, classifier_pooling "mean") and
-    modernbert-tok (a 3-label ModernBertForTokenClassification), their tokenizer without token types (ModernBERT's). Needs torch and transformers (nanoserve's venv)."""
+    modernbert-tok (a 3-label ModernBertForTokenClassification), their tokenizer without token types (ModernBERT's).
+    Needs torch and transformers (nanoserve's venv)."""
     import pathlib
     import shutil
 
