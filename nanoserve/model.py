@@ -233,8 +233,9 @@ def _modernbert_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
         raise ModelLoadError(f"hidden_size {hidden} must be a multiple of num_attention_heads {heads} with an even "
                              f"head size (rotary positions)")
     every = c.get("global_attn_every_n_layers", 3)
-    types = c.get("layer_types") or [("sliding_attention" if isinstance(every, int) and every > 0 and i % every
-                                      else "full_attention") for i in range(layers)]
+    if not c.get("layer_types") and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ModelLoadError(f"global_attn_every_n_layers must be a positive integer, got {every!r}")
+    types = c.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
     if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
         raise ModelLoadError(f"layer_types must name full_attention or sliding_attention for each of the "
                              f"{layers} layers, got {types!r}")

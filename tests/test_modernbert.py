@@ -143,6 +143,7 @@ def test_modernbert_config_as_transformers_4_saved_it():
             got[0].modernbert.window) == (80_000.0, 5_000.0, (1,), 2)
     for bad, says in (({"classifier_pooling": "max"}, "classifier_pooling"),
                       ({"layer_types": ["full_attention"]}, "layer_types"),
+                      ({"global_attn_every_n_layers": 0}, "global_attn_every_n_layers"),
                       ({"hidden_activation": "tanh"}, "hidden_activation"),
                       ({"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "rope_type 'yarn'")):
         with pytest.raises(ModelLoadError, match=says):
