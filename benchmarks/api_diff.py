@@ -27,7 +27,7 @@ has "no" and "yes"). ``--battery pooltasks`` is for a server of a token-wise tas
 '{"task": "token_embed"}'`` on the pooling models, ``token_classify`` on a classifier): /pooling's rows, compared
 as vectors. ``--battery score_template`` is for a cross-encoder served with ``--chat-template FILE``, the file
 ``--make-score-template FILE`` writes (SCORE_TEMPLATE, of Qwen3-Reranker's template's shape). ``--battery
-encoder`` is for BERT/RoBERTa/XLM-R models (``--make-encoder-models DIR`` writes five), served with no
+encoder`` is for BERT/RoBERTa/XLM-R/ModernBERT models (``--make-encoder-models DIR`` writes eight), served with no
 ``--max-model-len`` (each server derives its own; this script's ``--max-model-len`` names vLLM's for the
 too-long cases).
 
@@ -856,14 +856,19 @@ def make_encoder_models(root: str) -> None:
     weights without them: CLS; position_embedding_type "absolute" and a tokenizer model_max_length of 56),
     xlmr (XLMRobertaModel, 66 positions: 64 tokens; position_embedding_type "absolute"), bert-ce (a one-label
     BertForSequenceClassification, a cross-encoder) and roberta-cls (a 3-label
-    RobertaForSequenceClassification, 66 positions, no position_embedding_type: as transformers 5 saves it).
+    RobertaForSequenceClassification, 66 positions, no position_embedding_type: as transformers 5 saves it);
+    modernbert (ModernBertModel, 64 positions, 3 layers, the middle one local with local_attention 8) and
+    modernbert-ce (a one-label ModernBertForSequenceClassification of that shape, classifier_pooling "mean") and
+    modernbert-tok (a 3-label ModernBertForTokenClassification), their tokenizer without token types (ModernBERT's).
     Needs torch and transformers (nanoserve's venv)."""
     import pathlib
     import shutil
 
     import torch
     from transformers import (BertConfig, BertForSequenceClassification, BertModel, BertTokenizerFast,
-                              RobertaConfig, RobertaForSequenceClassification, XLMRobertaConfig, XLMRobertaModel)
+                              ModernBertConfig, ModernBertForSequenceClassification, ModernBertForTokenClassification,
+                              ModernBertModel, RobertaConfig, RobertaForSequenceClassification, XLMRobertaConfig,
+                              XLMRobertaModel)
     out = pathlib.Path(root)
     words = ENCODER_WORDS + [str(i) for i in range(100)]
     sizes = dict(vocab_size=5 + len(words), hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -876,19 +881,28 @@ def make_encoder_models(root: str) -> None:
              ("roberta-cls", RobertaForSequenceClassification, RobertaConfig(
                  **sizes, max_position_embeddings=66, pad_token_id=1, num_labels=3, id2label=labels,
                  label2id={v: i for i, v in labels.items()}), 4)]
+    modern = dict(sizes, num_hidden_layers=3, global_attn_every_n_layers=2, local_attention=8,
+                  max_position_embeddings=64, pad_token_id=0, cls_token_id=2, sep_token_id=3, bos_token_id=2,
+                  eos_token_id=3)
+    specs += [("modernbert", ModernBertModel, ModernBertConfig(**modern), 5),
+              ("modernbert-ce", ModernBertForSequenceClassification,
+               ModernBertConfig(**modern, num_labels=1, classifier_pooling="mean"), 6),
+              ("modernbert-tok", ModernBertForTokenClassification, ModernBertConfig(**modern, num_labels=3), 7)]
     for name, cls, config, seed in specs:
         torch.manual_seed(seed)
         model = cls(config).eval()
         with torch.no_grad():  # sharper than the default init: vectors and scores that differ from text to text
             for pname, p in model.named_parameters():
-                p.normal_(1 if pname.endswith("LayerNorm.weight") else 0, 0.1 if p.dim() >= 2 else 0.05)
+                p.normal_(1 if pname.endswith(("LayerNorm.weight", "norm.weight")) else 0,
+                          0.1 if p.dim() >= 2 else 0.05)
             if name == "bert-ce":
                 model.bert.embeddings.token_type_embeddings.weight.normal_(0, 1.0)  # the pair's types weigh
         model.save_pretrained(out / name)
         special = ["[CLS]", "[PAD]", "[SEP]", "[UNK]", "[MASK]"] if "roberta" in name or name == "xlmr" else \
             ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        types = {"model_input_names": ["input_ids", "attention_mask"]} if name.startswith("modernbert") else {}
         BertTokenizerFast(vocab={w: i for i, w in enumerate(special + words)},
-                          model_max_length=64).save_pretrained(out / name)
+                          model_max_length=64, **types).save_pretrained(out / name)
     st = out / "bert-st"
     shutil.copytree(st, out / "bert-cls", dirs_exist_ok=True)
     # as transformers 4 saved them (real checkpoints): vLLM then caps max_model_len by the tokenizer's
@@ -907,7 +921,7 @@ def make_encoder_models(root: str) -> None:
     (st / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": 128, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
         "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}))
-    print(f"api_diff: wrote bert-st, bert-cls, xlmr, bert-ce and roberta-cls under {out}")
+    print(f"api_diff: wrote {', '.join(name for name, *_ in specs)} and bert-cls under {out}")
 
 
 def _param_names_field(row: tuple) -> bool:

@@ -835,6 +835,14 @@ def model_overrides(config: EngineConfig, path: Path) -> dict[str, Any] | None:
     return {**(overrides or {}), "tie_word_embeddings": True, **rows}
 
 
+def encoder_head_pooling(mc: ModelConfig) -> str | None:
+    """The pooling an encoder classifier's head is trained on (BERT's: CLS; ModernBERT's: its classifier_pooling,
+    which vLLM takes whatever its pooler config or sentence-transformers files say); None: an embedding model."""
+    if mc.num_labels is None or mc.token_classifier:
+        return None
+    return mc.modernbert.pooling if mc.modernbert else "CLS"
+
+
 def check_encoder_config(config: EngineConfig, mc: ModelConfig) -> None:
     """What an encoder model is not served with: vLLM's ENCODER_ONLY attention has no prefix caching (turned
     off here too) and no chunked prefill (the engine checks max_num_batched_tokens once max_model_len is known)."""
@@ -845,8 +853,10 @@ def check_encoder_config(config: EngineConfig, mc: ModelConfig) -> None:
         raise ValueError(f"enable_lora: LoRA adapters are not supported for {mc.architecture} (an encoder model)")
     if config.enable_prompt_embeds:
         raise ValueError(f"enable_prompt_embeds: {mc.architecture} (an encoder model) takes token ids only")
-    if mc.num_labels is not None and config.pooler_config.pooling_type not in (None, "CLS"):
-        raise ValueError(f"pooler_config: {mc.architecture}'s classifier head reads the CLS token, got "
+    head = encoder_head_pooling(mc)
+    if head is not None and config.pooler_config.pooling_type not in (None, head):
+        reads = "the CLS token" if head == "CLS" else "the mean of the tokens"
+        raise ValueError(f"pooler_config: {mc.architecture}'s classifier head reads {reads}, got "
                          f"pooling_type {config.pooler_config.pooling_type}")
     if config.enable_prefix_caching:
         logger.info("[engine] prefix caching is off: %s attends bidirectionally (vLLM's ENCODER_ONLY)",
@@ -2036,9 +2046,12 @@ class LLMEngine:
             config.check_pooling_runner()
             if self.model_config.encoder_only:
                 check_encoder_config(config, self.model_config)
-            # vLLM's defaults: CLS for its BERT and RoBERTa models, LAST for a decoder
-            self.pooler_config = config.pooler_config.resolved(path, "CLS" if self.model_config.encoder_only
-                                                               else "LAST")
+            # vLLM's defaults: CLS for its BERT, RoBERTa and ModernBERT models, LAST for a decoder; a ModernBERT
+            # classifier's is its head's, always (vLLM's ModernBertPooler reads classifier_pooling alone)
+            mc, pooler = self.model_config, config.pooler_config
+            if mc.modernbert and encoder_head_pooling(mc):
+                pooler = dataclasses.replace(pooler, pooling_type=mc.modernbert.pooling)
+            self.pooler_config = pooler.resolved(path, "CLS" if mc.encoder_only else "LAST")
             self.task_instructions = embed_task_instructions(path)  # /v2/embed's input_type prefixes
             self._resolve_pooling_task()
         self.device = resolve_device(config.device)
@@ -2545,10 +2558,11 @@ class LLMEngine:
     def _resolve_pooling_task(self) -> None:
         mc, pc = self.model_config, self.pooler_config
         base = "embed" if mc.num_labels is None else "classify"
-        self.supported_pooling_tasks = (f"token_{base}", base)  # vLLM's order (its DispatchPooler's)
+        # vLLM's order (its DispatchPooler's); a token classifier's pooler has the token-wise task alone
+        self.supported_pooling_tasks = ("token_classify",) if mc.token_classifier else (f"token_{base}", base)
         if pc.task is not None and pc.task not in self.supported_pooling_tasks:  # vLLM's words
             raise ValueError(f"Unsupported task: {pc.task!r} Supported tasks: {list(self.supported_pooling_tasks)}")
-        self.pooling_task = pc.task or base
+        self.pooling_task = pc.task or self.supported_pooling_tasks[-1]
         rows = "every token's final hidden state" if self.token_wise else f"{pc.pooling_type} pooling of the " \
                                                                           f"final hidden states"
         if base == "embed":
@@ -3143,8 +3157,8 @@ class LLMEngine:
         kind = self._pooling_kind
         if kind == "ALL":
             return "ALL"
-        if kind == "MEAN":
-            return "SUM"
+        if kind == "MEAN":  # an encoder's prompt is one chunk: its mean, whatever head follows
+            return "MEAN" if self.model_config.encoder_only else "SUM"
         if kind == "CLS":
             return "FIRST" if s.start == 0 else None
         return "LAST" if s.will_sample else None
@@ -3229,7 +3243,8 @@ class LLMEngine:
                 req.pooled = rows
             if not s.will_sample:
                 return
-            data = req.pooled / req.num_prompt_tokens if kind == "MEAN" else req.pooled if kind == "CLS" \
+            sums = kind == "MEAN" and not self.model_config.encoder_only
+            data = req.pooled / req.num_prompt_tokens if sums else req.pooled if kind in ("CLS", "MEAN") \
                 else torch.cat(req.pooled) if kind == "ALL" else rows
             p = req.pooling_params
             if self.model_config.num_labels is not None:  # the score head's logits (a row's, token-wise)

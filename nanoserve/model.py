@@ -90,7 +90,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
                            *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
 # encoder models (the pooling runner's only): embeddings, and classifiers (cross-encoders with one label)
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
-                         "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification")
+                         "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
+                         "ModernBertModel", "ModernBertForSequenceClassification", "ModernBertForTokenClassification")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
@@ -189,6 +190,80 @@ def _encoder_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
                                                                         or "float32"),
         eos_token_ids=[], hidden_act=act, encoder_only="roberta" if roberta else "bert",
         type_vocab_size=c.get("type_vocab_size", 2), position_offset=offset, position_rows=max_positions + offset,
+        is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
+        matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
+        **(_classifier_config(c, arch) if classifier else {}))
+
+
+@dataclass(frozen=True, slots=True)
+class ModernBertOptions:
+    """What ModernBERT's config.json says beyond a BERT's: its local layers attend within ``window`` tokens
+    either side (local_attention // 2) with rotary positions of ``local_rope_theta`` (the global layers':
+    ModelConfig.rope_theta); its norms and Linears may lack biases; its classifier pools by ``pooling``."""
+    local_layers: tuple[int, ...]
+    window: int
+    local_rope_theta: float
+    norm_bias: bool
+    mlp_bias: bool
+    pooling: str               # classifier_pooling, as vLLM's pooling type: "CLS" or "MEAN"
+    classifier_bias: bool
+    classifier_activation: str
+
+
+def _modernbert_rope_theta(c: dict[str, Any], layer_type: str, old_key: str, default: float) -> float:
+    """A layer type's rotary theta: transformers 5's rope_parameters, else transformers 4's global_/local_rope_theta."""
+    params = (c.get("rope_parameters") or {}).get(layer_type) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"ModernBERT with rope_type {params['rope_type']!r} for its {layer_type} layers is "
+                             f"not supported (default rotary positions are)")
+    return float(params.get("rope_theta", c.get(old_key, default)))
+
+
+def _modernbert_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
+    """ModernBERT's config.json, as transformers 4 saved it (global_attn_every_n_layers, global_/local_rope_theta)
+    or 5 does (layer_types, rope_parameters), with transformers' defaults."""
+    sizes = {k: c.get(k, d) for k, d in (("vocab_size", 50368), ("hidden_size", 768), ("intermediate_size", 1152),
+                                         ("num_hidden_layers", 22), ("num_attention_heads", 12),
+                                         ("max_position_embeddings", 8192), ("local_attention", 128))}
+    bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
+    if bad:
+        raise ModelLoadError(f"{', '.join(f'{k} {v!r}' for k, v in bad.items())}: sizes must be positive integers")
+    heads, hidden, layers = sizes["num_attention_heads"], sizes["hidden_size"], sizes["num_hidden_layers"]
+    if hidden % heads or hidden // heads % 2:
+        raise ModelLoadError(f"hidden_size {hidden} must be a multiple of num_attention_heads {heads} with an even "
+                             f"head size (rotary positions)")
+    every = c.get("global_attn_every_n_layers", 3)
+    if not c.get("layer_types") and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ModelLoadError(f"global_attn_every_n_layers must be a positive integer, got {every!r}")
+    types = c.get("layer_types") or ["sliding_attention" if i % every else "full_attention" for i in range(layers)]
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise ModelLoadError(f"layer_types must name full_attention or sliding_attention for each of the "
+                             f"{layers} layers, got {types!r}")
+    acts = {k: c.get(k, "gelu") for k in ("hidden_activation", "classifier_activation")}
+    for key, act in acts.items():
+        if act not in ENCODER_ACTIVATIONS:
+            raise ModelLoadError(f"{arch}: {key} {act!r} is not supported ({', '.join(ENCODER_ACTIVATIONS)} are)")
+    pooling = c.get("classifier_pooling", "cls")
+    if pooling not in ("cls", "mean"):
+        raise ModelLoadError(f"{arch}: classifier_pooling must be \"cls\" or \"mean\", got {pooling!r}")
+    if c.get("quantization_config"):
+        raise ModelLoadError(f"{arch}: quantized encoder checkpoints are not supported")
+    options = ModernBertOptions(
+        local_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+        window=sizes["local_attention"] // 2,
+        local_rope_theta=_modernbert_rope_theta(c, "sliding_attention", "local_rope_theta", 10_000.0),
+        norm_bias=bool(c.get("norm_bias", False)), mlp_bias=bool(c.get("mlp_bias", False)), pooling=pooling.upper(),
+        classifier_bias=bool(c.get("classifier_bias", False)), classifier_activation=acts["classifier_activation"])
+    classifier = arch.endswith(("ForSequenceClassification", "ForTokenClassification"))
+    return ModelConfig(
+        architecture=arch, vocab_size=sizes["vocab_size"], hidden_size=hidden,
+        intermediate_size=sizes["intermediate_size"], num_layers=layers, num_heads=heads, num_kv_heads=heads,
+        head_dim=hidden // heads, rms_norm_eps=float(c.get("norm_eps", 1e-5)),
+        rope_theta=_modernbert_rope_theta(c, "full_attention", "global_rope_theta", 160_000.0), rope_scaling=None,
+        max_position_embeddings=sizes["max_position_embeddings"], tie_word_embeddings=False,
+        attention_bias=bool(c.get("attention_bias", False)), qk_norm=False, sliding_window=None, sliding_layers=(),
+        checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"), eos_token_ids=[],
+        hidden_act=acts["hidden_activation"], encoder_only="modernbert", modernbert=options,
         is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
         matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
         **(_classifier_config(c, arch) if classifier else {}))
@@ -361,12 +436,18 @@ class ModelConfig:
     seq_cls_method: str | None = None
     classifier_token_ids: tuple[int, ...] | None = None
     lm_head_tied: bool = False
-    # Encoder models (ENCODER_ARCHITECTURES): "bert" or "roberta" (None: a decoder). rms_norm_eps is then
-    # their LayerNorm's eps, hidden_act their MLP's; max_position_embeddings the longest prompt
+    # Encoder models (ENCODER_ARCHITECTURES): "bert", "roberta" or "modernbert" (None: a decoder). rms_norm_eps
+    # is then their LayerNorm's eps, hidden_act their MLP's; max_position_embeddings the longest prompt
     encoder_only: str | None = None
+    modernbert: ModernBertOptions | None = None  # ModernBERT's own settings (its global layers' theta: rope_theta)
     type_vocab_size: int = 0
     position_offset: int = 0  # RoBERTa's: position p reads row padding_idx + 1 + p
     position_rows: int = 0    # the position table's rows (config.json's max_position_embeddings)
+
+    @property
+    def token_classifier(self) -> bool:
+        """A *ForTokenClassification checkpoint: labels for each token, none for a whole prompt."""
+        return self.architecture.endswith("ForTokenClassification")
 
     @property
     def checkpoint_architecture(self) -> str:
@@ -404,7 +485,7 @@ class ModelConfig:
         archs = c.get("architectures") or []
         arch = archs[0] if archs else None
         if arch in ENCODER_ARCHITECTURES:
-            return _encoder_config(arch, c)
+            return _modernbert_config(arch, c) if arch.startswith("ModernBert") else _encoder_config(arch, c)
         base_model = isinstance(arch, str) and arch.endswith("Model") and f"{arch[:-5]}ForCausalLM" in \
             SUPPORTED_ARCHITECTURES  # its decoder alone: the same layers, under the same config keys
         if base_model:
@@ -1124,6 +1205,8 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
 def num_parameters(cfg: ModelConfig) -> int:
     """Parameter count from the config alone, to check memory before loading."""
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    if cfg.modernbert:  # embeddings and three norms a layer at most (weights only: biases are few, often none)
+        return (cfg.vocab_size + 1) * H + cfg.num_layers * (4 * H * H + 3 * H * I + 2 * H)
     if cfg.encoder_only:  # embeddings and their norm; per layer q/k/v/o, the MLP, two norms (biases with each)
         embeddings = (cfg.vocab_size + cfg.position_rows + cfg.type_vocab_size + 2) * H
         return embeddings + cfg.num_layers * (4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H)
@@ -2363,6 +2446,151 @@ class RobertaClassifierHead(nn.Module):
         return self.out_proj(torch.tanh(self.dense(cls)))
 
 
+# ModernBERT (vLLM's modernbert.py; gte-modernbert, modernbert-embed, gte-reranker-modernbert): pre-norm layers
+# with rotary positions, every global_attn_every_n_layers-th layer global and the others local (a token sees
+# those within local_attention // 2 of it, each side), a GeGLU MLP, no token types, a final norm.
+
+
+def rotary_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin per row, [tokens, 1, head_dim], computed in fp32 (the halves' layout: rotate_half)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+    freqs = positions.float()[:, None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated by its rows' positions."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def local_masks(groups: list[EncoderGroup], window: int) -> list[torch.Tensor]:
+    """Each group's mask for a local layer: its own keys within ``window`` of the query, either side. A padding
+    row keeps its diagonal, so no row is all masked (its output is dropped)."""
+    masks = []
+    for g in groups:
+        i = torch.arange(g.width, device=g.mask.device)
+        band = (i[:, None] - i[None]).abs() <= window
+        masks.append(g.mask & band | torch.eye(g.width, dtype=torch.bool, device=g.mask.device))
+    return masks
+
+
+class ModernBertEmbeddings(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=cfg.modernbert.norm_bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.tok_embeddings(input_ids))
+
+
+class ModernBertAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.Wqkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=cfg.attention_bias)
+        self.Wo = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=cfg.attention_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[EncoderGroup],
+                masks: list[torch.Tensor]) -> torch.Tensor:
+        """Each sequence's rows attend to its own rows that ``masks`` (a group's) lets them."""
+        q, k, v = self.Wqkv(x).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = x.new_empty(x.shape)
+        for g, mask in zip(groups, masks):
+            def padded(t: torch.Tensor) -> torch.Tensor:  # [num_seqs, heads, width, head_dim]
+                rows = t.new_zeros(g.num_seqs * g.width, *t.shape[1:]).index_copy_(0, g.slots, t[g.rows])
+                return rows.view(g.num_seqs, g.width, self.num_heads, self.head_dim).transpose(1, 2)
+            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask)
+            out[g.rows] = o.transpose(1, 2).reshape(-1, x.shape[1])[g.slots]
+        return self.Wo(out)
+
+
+class ModernBertMLP(nn.Module):
+    """GeGLU: Wi's first half through the activation, times its second half."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.Wi = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.modernbert.mlp_bias)
+        self.Wo = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.modernbert.mlp_bias)
+        self.act = ENCODER_ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up, gate = self.Wi(x).chunk(2, dim=-1)
+        return self.Wo(self.act(up) * gate)
+
+
+class ModernBertLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        # the first layer's input is the embeddings' norm already: it has no attn_norm
+        norm = functools.partial(nn.LayerNorm, cfg.hidden_size, eps=cfg.rms_norm_eps, bias=cfg.modernbert.norm_bias)
+        self.attn_norm = nn.Identity() if index == 0 else norm()
+        self.attn = ModernBertAttention(cfg)
+        self.mlp_norm = norm()
+        self.mlp = ModernBertMLP(cfg)
+        self.local = index in cfg.modernbert.local_layers
+
+    def forward(self, x: torch.Tensor, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                groups: list[EncoderGroup], masks: dict[bool, list[torch.Tensor]]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), *rope[self.local], groups, masks[self.local])
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class ModernBertModel(nn.Module):
+    """ModernBertModel's tensors under transformers' names, without a classifier's "model." prefix."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embeddings = ModernBertEmbeddings(cfg)
+        self.layers = nn.ModuleList(ModernBertLayer(cfg, i) for i in range(cfg.num_layers))
+        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=cfg.modernbert.norm_bias)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:  # what the engine reads the model's dtype and device from
+        return self.embeddings.tok_embeddings
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
+                query_start_loc: list[int]) -> torch.Tensor:
+        """``token_types`` is read by no layer: ModernBERT has none (every row's is 0)."""
+        cfg, mb = self.config, self.config.modernbert
+        x = self.embeddings(input_ids)
+        groups = encoder_groups(query_start_loc, x.device)
+        # a group's positions are its rows' places in their sequences (prompts are computed whole, from 0)
+        masks = {False: [g.mask for g in groups], True: local_masks(groups, mb.window) if mb.local_layers else []}
+        rope = {local: tuple(t.to(x.dtype) for t in rotary_cos_sin(positions, cfg.head_dim, theta))
+                for local, theta in ((False, cfg.rope_theta), (True, mb.local_rope_theta))}
+        for layer in self.layers:
+            x = layer(x, rope, groups, masks)
+        return self.final_norm(x)
+
+
+class ModernBertClassifierHead(nn.Module):
+    """ModernBertForSequenceClassification's head on the pooled row (CLS or mean, its classifier_pooling):
+    dense, activation, norm (transformers' ``head``), then the classifier. ModernBertForTokenClassification's
+    is the same on every row."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        mb = cfg.modernbert
+        self.token_wise = cfg.token_classifier
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=mb.classifier_bias, dtype=torch.float32)
+        self.act = ENCODER_ACTIVATIONS[mb.classifier_activation]
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, bias=mb.norm_bias, dtype=torch.float32)
+        self.classifier = nn.Linear(cfg.hidden_size, cfg.num_labels, dtype=torch.float32)
+
+    def forward(self, pooled: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.norm(self.act(self.dense(pooled))))
+
+    def token_head(self, rows: torch.Tensor) -> torch.Tensor:
+        """token_classify's: a token classifier's whole head on each row; a sequence classifier's classifier
+        alone (vLLM's: its dense, activation and norm belong to the sequence pooling)."""
+        return self(rows) if self.token_wise else self.classifier(rows)
+
+
 class EncoderModel(nn.Module):
     """An encoder for the pooling runner, in CausalLM's shape: forward gives every token's final hidden
     state (the KV caches are not read), ``score`` a classifier's head in fp32 (vLLM's pooling head_dtype;
@@ -2371,9 +2599,10 @@ class EncoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.config, self.tp = cfg, tp
-        self.model = BertModel(cfg)
+        self.model = ModernBertModel(cfg) if cfg.modernbert else BertModel(cfg)
         self.lm_head = None
-        head = RobertaClassifierHead if cfg.encoder_only == "roberta" else BertClassifierHead
+        head = {"roberta": RobertaClassifierHead, "modernbert": ModernBertClassifierHead}.get(cfg.encoder_only,
+                                                                                           BertClassifierHead)
         self.score = None if cfg.num_labels is None else head(cfg)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -2396,9 +2625,20 @@ class EncoderModel(nn.Module):
 ENCODER_SKIPPED = re.compile(r"^(lm_head|cls)\.|(^|\.)position_ids$|^pooler\.")
 
 
+def _modernbert_param_name(name: str, cfg: ModelConfig) -> str | None:
+    """ModernBERT's: its layers under "model." in a classifier's checkpoint (or a ModernBertModel saved as a
+    classifier's base), its classifier's ``head`` and ``classifier`` under ``score``; an MLM head is skipped."""
+    name = name.removeprefix("model.")
+    if cfg.num_labels is not None and name.startswith(("head.", "classifier.")):
+        return "score." + name.removeprefix("head.")
+    return None if name.startswith(("head.", "decoder.", "classifier.")) else "model." + name
+
+
 def _encoder_param_name(name: str, cfg: ModelConfig) -> str | None:
     """A checkpoint tensor's name here (None: not loaded): with or without transformers' "bert."/"roberta."
     prefix (sentence-transformers saves BertModel without it), a classifier's head under ``score``."""
+    if cfg.modernbert:
+        return _modernbert_param_name(name, cfg)
     prefix = "roberta." if cfg.encoder_only == "roberta" else "bert."
     name = name.removeprefix(prefix)
     if cfg.num_labels is not None:
@@ -4510,7 +4750,8 @@ class SeqInput:
     draft_token_ids: list[int] | None = None
     # the pooling runner (embeddings): what of this chunk's final hidden states comes back,
     # "LAST" its last row, "FIRST" its first (CLS pooling's, in a prompt's first chunk), "SUM" the sum of
-    # its rows (MEAN pooling, added up chunk by chunk), "ALL" every row (token_embed, token_classify); None: nothing
+    # its rows (MEAN pooling, added up chunk by chunk), "MEAN" their mean (an encoder's MEAN: its prompt whole),
+    # "ALL" every row (token_embed, token_classify); None: nothing
     pooling: str | None = None
     # an encoder's token types for this chunk's rows (a cross-encoder pair's, from its tokenizer); None: all 0
     token_type_ids: list[int] | None = None
@@ -4551,8 +4792,9 @@ class AsyncModelRunnerOutput:
 def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
                        score: nn.Module | None = None) -> dict[int, torch.Tensor]:
     """The pooling sequences' share of a step's final-norm hidden states (vLLM's pooler, before its
-    activation), in fp32 on the host: a chunk's last row, its first, the sum of its rows, or all of them, through
-    a classifier's ``score`` head where it has one (linear, so a MEAN's chunk sums may pass it one by one).
+    activation), in fp32 on the host: a chunk's last row, its first, the sum or mean of its rows, or all of them,
+    through a classifier's ``score`` head where it has one (a decoder's is linear, so a MEAN's chunk sums may pass
+    it one by one; an encoder's whole prompt passes its mean, as ModernBERT's head needs).
     The rows are the sequences' tokens in order (a padded decode has one per sequence, its one token);
     CLS's first row is its prompt's first token's (a pooling sequence never decodes)."""
     out, start = {}, 0
@@ -4564,6 +4806,8 @@ def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
             out[i] = hidden[start].float()
         elif s.pooling == "SUM":
             out[i] = hidden[start:end].float().sum(0)
+        elif s.pooling == "MEAN":  # a whole prompt's (an encoder's): a head that is not linear must see the mean
+            out[i] = hidden[start:end].float().mean(0)
         elif s.pooling == "ALL":
             out[i] = hidden[start:end].float()
         start = end
