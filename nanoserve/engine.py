@@ -722,11 +722,13 @@ class ScoringRequestOutput(TaskRequestOutput):
     __slots__ = ()
 
     @classmethod
-    def from_pair(cls, a: PoolingRequestOutput, b: PoolingRequestOutput,
-                  pad_token_id: int | None) -> "ScoringRequestOutput":
+    def from_pair(cls, a: PoolingRequestOutput, b: PoolingRequestOutput, pad_token_id: int | None,
+                  score: Callable[[torch.Tensor, torch.Tensor], float] | None = None) -> "ScoringRequestOutput":
+        """``score``: of the two outputs' data (None: cosine_score, a bi-encoder's)."""
         tokens = a.prompt_token_ids + ([] if pad_token_id is None else [pad_token_id]) + b.prompt_token_ids
-        return cls(f"{a.request_id}_{b.request_id}", ScoringOutput(cosine_score(a.outputs.data, b.outputs.data)),
-                   tokens, a.num_cached_tokens + b.num_cached_tokens)
+        value = (score or cosine_score)(a.outputs.data, b.outputs.data)
+        return cls(f"{a.request_id}_{b.request_id}", ScoringOutput(value), tokens,
+                   a.num_cached_tokens + b.num_cached_tokens)
 
 
 def cross_encoder_scores(outs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:
@@ -738,6 +740,12 @@ def cross_encoder_scores(outs: list[PoolingRequestOutput]) -> list[ScoringReques
 def cosine_score(a: torch.Tensor, b: torch.Tensor) -> float:
     """vLLM's bi-encoder score: cosine similarity in fp32 (norms clamped at 1e-8)."""
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0).item()
+
+
+def maxsim_score(query: torch.Tensor, doc: torch.Tensor) -> float:
+    """vLLM's late-interaction (ColBERT MaxSim) score of two token_embed outputs, in fp32: for each query
+    token the largest dot product with a document token, summed over the query's tokens."""
+    return (query.float() @ doc.float().T).amax(dim=-1).sum().item()
 
 
 def score_inputs(data_1: Any, data_2: Any, architecture: str, names: tuple[str, str] = ("data_1", "data_2")
@@ -765,12 +773,14 @@ def score_inputs(data_1: Any, data_2: Any, architecture: str, names: tuple[str, 
     return first, second
 
 
-def score_pairs(outs: list[PoolingRequestOutput], num_queries: int, pad_token_id: int | None
-                ) -> list[ScoringRequestOutput]:
+def score_pairs(outs: list[PoolingRequestOutput], num_queries: int, pad_token_id: int | None,
+                late_interaction: bool = False) -> list[ScoringRequestOutput]:
     """The queries' and documents' embeddings (queries first) as scored pairs: one query against each
-    document (1:N), or each query against its document (N:N)."""
-    return [ScoringRequestOutput.from_pair(q, d, pad_token_id) for q, d in paired(outs[:num_queries],
-                                                                                  outs[num_queries:])]
+    document (1:N), or each query against its document (N:N); by cosine similarity, or with
+    ``late_interaction`` (token_embed's rows) by MaxSim."""
+    score = maxsim_score if late_interaction else cosine_score
+    return [ScoringRequestOutput.from_pair(q, d, pad_token_id, score) for q, d in paired(outs[:num_queries],
+                                                                                         outs[num_queries:])]
 
 
 def paired(queries: list, docs: list) -> list[tuple]:
@@ -2546,12 +2556,14 @@ class LLMEngine:
         mc, pc = self.model_config, self.pooler_config
         base = "embed" if mc.num_labels is None else "classify"
         self.supported_pooling_tasks = (f"token_{base}", base)  # vLLM's order (its DispatchPooler's)
+        if mc.late_interaction:  # ColBERT's pooler is token-wise only (vLLM's ColBERTModel)
+            base, self.supported_pooling_tasks = "token_embed", ("token_embed",)
         if pc.task is not None and pc.task not in self.supported_pooling_tasks:  # vLLM's words
             raise ValueError(f"Unsupported task: {pc.task!r} Supported tasks: {list(self.supported_pooling_tasks)}")
         self.pooling_task = pc.task or base
         rows = "every token's final hidden state" if self.token_wise else f"{pc.pooling_type} pooling of the " \
                                                                           f"final hidden states"
-        if base == "embed":
+        if base in ("embed", "token_embed"):
             logger.info("[engine] pooling runner: %s, %s%s", self.pooling_task, rows,
                         ", normalized" if pc.use_activation else "")
             return
@@ -3880,10 +3892,8 @@ class LLM:
         if engine.pooling_task == "classify" and not engine.is_cross_encoder:
             raise InvalidInput("model", f"Score API is only enabled for num_labels == 1 (this classifier has "
                                         f"{engine.model_config.num_labels})")
-        if engine.token_wise:  # vLLM's words; its token_embed scores by late interaction, not served here
-            raise InvalidInput("model", "This model does not support the Scoring API." + (
-                " (token_embed's late-interaction scoring is not supported by nanoserve)"
-                if engine.pooling_task == "token_embed" else ""))
+        if engine.pooling_task == "token_classify":  # vLLM's words (token_embed scores by late interaction)
+            raise InvalidInput("model", "This model does not support the Scoring API.")
         if tokenization_kwargs:
             raise InvalidInput("tokenization_kwargs", "tokenization_kwargs is not supported: truncate with "
                                                       "PoolingParams(truncate_prompt_tokens=N)")
@@ -3898,8 +3908,9 @@ class LLM:
             return cross_encoder_scores(self.encode(pairs, pooling_params, use_tqdm=use_tqdm,
                                                     lora_request=lora_request, pooling_task="classify"))
         outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                           pooling_task="embed")
-        return score_pairs(outs, len(queries), getattr(self.engine.tokenizer, "pad_token_id", None))
+                           pooling_task=engine.pooling_task)  # embed, or token_embed's rows for MaxSim
+        return score_pairs(outs, len(queries), getattr(self.engine.tokenizer, "pad_token_id", None),
+                           late_interaction=engine.pooling_task == "token_embed")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults applied."""

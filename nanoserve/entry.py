@@ -3703,7 +3703,8 @@ def cohere_embeddings(floats: list[list[float]], kind: str) -> list:
 
 # ---------------------------------------------------------------- score and rerank (the pooling runner)
 # vLLM's Score and Rerank APIs (entrypoints/pooling/scoring) for an embedding model, its bi-encoder: each
-# text embedded once, each pair scored by the cosine similarity of its two embeddings.
+# text embedded once, each pair scored by the cosine similarity of its two embeddings (token_embed's, a
+# ColBERT model's, by late interaction: MaxSim over the two texts' token rows).
 
 # vLLM's ScoreRequest: any of these pairs of fields, the first that the body completes
 SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
@@ -3720,6 +3721,7 @@ class ScoringRequest(PoolingBasicRequest):
     chat_template_kwargs: dict | None = None
     _sides: tuple[list[str], list[str]] = PrivateAttr(([], []))
     _cross_encoder: bool = PrivateAttr(False)  # each pair one prompt (a classifier's), else each text
+    _late_interaction: bool = PrivateAttr(False)  # each text's token rows, scored by MaxSim
 
     def side_names(self) -> tuple[str, str]:
         raise NotImplementedError
@@ -3825,8 +3827,8 @@ async def create_rerank(request: Request, req: RerankRequest | None = None) -> R
 
 
 def _scores(state: ServerState) -> bool:
-    """vLLM's enable_scoring_api: an embedding model (its bi-encoder) or a one-label classifier scores
-    (and token_embed, by late interaction, which _score refuses)."""
+    """vLLM's enable_scoring_api: an embedding model (its bi-encoder), token_embed (late interaction) or a
+    one-label classifier scores."""
     return state.engine.pooling_task in ("embed", "token_embed") or state.engine.is_cross_encoder
 
 
@@ -3840,14 +3842,12 @@ async def _score(request: Request, schema: type[ScoringRequest], req: ScoringReq
     if not _scores(state):
         raise ApiError(404, f"{esc(request.url.path)} is served for a classifier with num_labels == 1 (a "
                             f"cross-encoder); this one has {engine.model_config.num_labels}")
-    if engine.pooling_task == "token_embed":  # vLLM scores token_embed by late interaction (MaxSim)
-        raise ApiError(501, f"{esc(request.url.path)}: token_embed's late-interaction scoring is not supported "
-                            f"by nanoserve; serve the model's embed task (no --pooler-config task) to score")
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     try:
         req.check_inputs(state.engine.model_config.checkpoint_architecture)
         req._cross_encoder = engine.is_cross_encoder
+        req._late_interaction = engine.pooling_task == "token_embed"
         for name in ("max_tokens_per_query", "max_tokens_per_doc"):
             _check_token_limit(getattr(req, name), name, state.engine.max_model_len, state.engine.tokenizer)
     except InvalidInput as e:
@@ -3922,13 +3922,13 @@ def _truncate_text(text: str, tokenizer: Any, max_tokens: int) -> str:
 
 def _pair_scores(req: ScoringRequest, prompts: list[TokenizedPrompt],
                  vectors: list[torch.Tensor]) -> tuple[list[ScoringRequestOutput], int]:
-    """Each pair's score, and the tokens pooled (a bi-encoder's each text once, as vLLM counts them; a
-    cross-encoder's each pair)."""
+    """Each pair's score, and the tokens pooled (a bi-encoder's or late interaction's each text once, as vLLM
+    counts them; a cross-encoder's each pair)."""
     outs = [PoolingRequestOutput(str(i), PoolingOutput(v), list(p.token_ids)) for i, (p, v) in
             enumerate(zip(prompts, vectors))]
     if req._cross_encoder:
         return cross_encoder_scores(outs), sum(len(p.token_ids) for p in prompts)
-    return score_pairs(outs, len(req.sides[0]), None), sum(len(p.token_ids) for p in prompts)
+    return score_pairs(outs, len(req.sides[0]), None, req._late_interaction), sum(len(p.token_ids) for p in prompts)
 
 
 def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:
