@@ -3333,19 +3333,22 @@ async def create_pooling(request: Request, req: PoolingRequest | None = None) ->
 
 def _check_pooling_server(request: Request, state: ServerState, task: str | None) -> None:
     """A 404 that says why where this server does not serve the path: a generative model's server, or
-    a pooling one whose model has another task (vLLM mounts a task's routes only for its models); a 501
-    in vLLM's words where the model has the task but --pooler-config's task is its token-wise one."""
+    a pooling one whose model has another task (vLLM mounts a task's routes only for its models)."""
     engine = state.engine
     if engine.runner_type != "pooling":
         raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs a "
                             f"pooling model served with --runner pooling")
-    if task is not None and task != engine.pooling_task and task in engine.supported_pooling_tasks:
-        api = "Embeddings" if task == "embed" else "Classification"
-        raise ApiError(501, f"The model does not support {api} API")
-    if task is not None and task != engine.pooling_task:
+    if task is not None and task != engine.pooling_task and task not in engine.supported_pooling_tasks:
         kind = "a classifier (a ForSequenceClassification model)" if task == "classify" else "an embedding model"
         raise ApiError(404, f"this server's model serves the {engine.pooling_task} task: "
                             f"{esc(request.url.path)} needs {kind}")
+
+
+def _check_task_served(state: ServerState, task: str) -> None:
+    """vLLM's 501 where the model has ``task`` but --pooler-config's task is its token-wise one: its route is
+    mounted, so (as vLLM's) a body is validated first, a bad one a 400."""
+    if task != state.engine.pooling_task:
+        raise ApiError(501, f"The model does not support {'Embeddings' if task == 'embed' else 'Classification'} API")
 
 
 async def create_embedding(request: Request, req: EmbeddingRequest | None = None) -> Response:
@@ -3356,6 +3359,7 @@ async def create_embedding(request: Request, req: EmbeddingRequest | None = None
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, EmbeddingRequest,
                                                                  request_id=_request_id(request)))
+    _check_task_served(state, "embed")
     return await _embed(request, state, req)
 
 
@@ -3402,6 +3406,7 @@ async def create_classify(request: Request, req: ClassificationRequest | None = 
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, ClassificationRequest,
                                                                  request_id=_request_id(request)))
+    _check_task_served(state, "classify")
     pooled = await _pool_inputs(request, state, req)
     if pooled is None:
         return Response(status_code=499)  # nobody is listening
@@ -3656,6 +3661,7 @@ async def create_cohere_embedding(request: Request) -> Response:
     _check_pooling_server(request, state, "embed")
     req = await read_json(request, state, functools.partial(parse_body, CohereEmbedRequest,
                                                              request_id=_request_id(request)))
+    _check_task_served(state, "embed")
     engine = state.engine
     has_template = bool(state.chat_template or getattr(engine.tokenizer, "chat_template", None))
     try:
