@@ -3268,6 +3268,8 @@ class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
     def _input_or_messages(self) -> "EmbeddingRequest":
         if self.input is not None and self.messages is not None:
             raise InvalidInput("messages", "input or messages, not both: input's prompts, or messages' chats")
+        if self.input is None and self.messages is None:  # vLLM's schema's (before a token-wise server's 501)
+            raise InvalidInput("input", f"input is required: {PROMPT_SHAPES} (or messages, chat messages)")
         return self
 
     def param_name(self, engine_param: str) -> str:
@@ -3444,8 +3446,6 @@ def pooling_usage(num_tokens: int) -> dict[str, Any]:
 
 async def _pool_inputs(request: Request, state: ServerState, req: EmbeddingRequest) -> "Pooled | None":
     """An embeddings-shaped body's (``input`` or chat ``messages``) vectors, one per prompt or chat."""
-    if req.input is None and req.messages is None:
-        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
     return await _pool(request, state, req, functools.partial(_pooling_prompts, state, req))
 
 

@@ -162,6 +162,7 @@ def test_pooling_route_serves_token_embed_rows(token_embed_server, tiny_model):
             ("/pooling", {"input": "hi", "task": "encode"}, 400, "`encode` task was removed"),
             ("/v1/embeddings", {"input": "hi"}, 501, "The model does not support Embeddings API"),
             ("/v1/embeddings", {"input": "hi", "normalize": False}, 400, "`normalize` was removed"),  # body first
+            ("/v1/embeddings", {"model": "x"}, 400, "input is required"),
             ("/classify", {"input": "hi"}, 404, "needs a classifier")):
         r = httpx.post(url + path, json=body, timeout=30)
         assert r.status_code == status and says in r.json()["error"]["message"], (path, r.text)
