@@ -3881,7 +3881,8 @@ class LLM:
               tokenization_kwargs: dict[str, Any] | None = None,
               chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """vLLM's, for an embedding model (its bi-encoder): each text of ``data_1`` and ``data_2`` embedded
-        once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings; for a
+        once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings (token_embed's,
+        a ColBERT model's: by late interaction, MaxSim over the two texts' rows); for a
         classifier with one label (a cross-encoder), each pair read as one prompt, scored by the label's
         activated logit, rendered by ``chat_template`` where given (vLLM's score template: the pair as a "query"
         and a "document" message; a bi-encoder ignores it)."""
