@@ -859,8 +859,8 @@ def make_encoder_models(root: str) -> None:
     RobertaForSequenceClassification, 66 positions, no position_embedding_type: as transformers 5 saves it);
     modernbert (ModernBertModel, 64 positions, 3 layers, the middle one local with local_attention 8) and
     modernbert-ce (a one-label ModernBertForSequenceClassification of that shape, classifier_pooling "mean") and
-    modernbert-tok (a 3-label ModernBertForTokenClassification), their tokenizer without token types (ModernBERT's).
-    Needs torch and transformers (nanoserve's venv)."""
+    modernbert-tok (a 3-label ModernBertForTokenClassification), their tokenizer without token types (ModernBERT's);
+    and colbert (HF_ColBERT, _make_colbert). Needs torch and transformers (nanoserve's venv)."""
     import pathlib
     import shutil
 
@@ -903,6 +903,7 @@ def make_encoder_models(root: str) -> None:
         types = {"model_input_names": ["input_ids", "attention_mask"]} if name.startswith("modernbert") else {}
         BertTokenizerFast(vocab={w: i for i, w in enumerate(special + words)},
                           model_max_length=64, **types).save_pretrained(out / name)
+    _make_colbert(out / "colbert", sizes, words)
     st = out / "bert-st"
     shutil.copytree(st, out / "bert-cls", dirs_exist_ok=True)
     # as transformers 4 saved them (real checkpoints): vLLM then caps max_model_len by the tokenizer's
@@ -921,7 +922,28 @@ def make_encoder_models(root: str) -> None:
     (st / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": 128, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
         "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}))
-    print(f"api_diff: wrote {', '.join(name for name, *_ in specs)} and bert-cls under {out}")
+    print(f"api_diff: wrote {', '.join(name for name, *_ in specs)}, bert-cls and colbert under {out}")
+
+
+def _make_colbert(out, sizes: dict, words: list[str]) -> None:
+    """HF_ColBERT as colbert-ai saves it (vLLM's ColBERTModel): BertModel under "bert." and a bias-free
+    ``linear.weight`` projecting each token's row to 32; config.json names no dim (both infer it)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+    torch.manual_seed(5)
+    model = BertModel(BertConfig(**sizes, max_position_embeddings=64)).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.normal_(1 if pname.endswith("LayerNorm.weight") else 0, 0.1 if p.dim() >= 2 else 0.05)
+    tensors = {"bert." + k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors["linear.weight"] = torch.randn(32, sizes["hidden_size"]) * 0.1
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"))
+    model.config.architectures = ["HF_ColBERT"]
+    model.config.save_pretrained(out)
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words)},
+                      model_max_length=64).save_pretrained(out)
 
 
 def _param_names_field(row: tuple) -> bool:
@@ -956,8 +978,8 @@ KEPT: list[tuple[str, Any]] = [
     ("FCFS refuses priority != 0 (vLLM's docs; its code ignores it)", lambda r: r[0] in ("emb.priority",
                                                                                           "cls.priority",
                                                                                           "cohere.priority")),
-    ("token_embed's late-interaction score not served (501)", lambda r: r[0] in (
-        "tok.score", "tok.rerank", "tok.invocations_rerank") and r[2] == "status" and r[3] == 501),
+    ("an empty input list: nanoserve's schema refuses it, before a token-wise server's 501",
+     lambda r: r[0] == "emb.empty_list" and (r[3], r[4]) in ((400, 501), ("BadRequestError", "NotImplementedError"))),
     ("/v2/embed's param names its own field", lambda r: r[0].startswith("cohere.") and r[1] == ".error.param"
      and r[3] in ("texts", "max_tokens")),
     ("/classify's messages as /v1/embeddings': one chat or a batch", lambda r: r[0] == "cls.messages_batch"),

@@ -722,11 +722,13 @@ class ScoringRequestOutput(TaskRequestOutput):
     __slots__ = ()
 
     @classmethod
-    def from_pair(cls, a: PoolingRequestOutput, b: PoolingRequestOutput,
-                  pad_token_id: int | None) -> "ScoringRequestOutput":
+    def from_pair(cls, a: PoolingRequestOutput, b: PoolingRequestOutput, pad_token_id: int | None,
+                  score: Callable[[torch.Tensor, torch.Tensor], float] | None = None) -> "ScoringRequestOutput":
+        """``score``: of the two outputs' data (None: cosine_score, a bi-encoder's)."""
         tokens = a.prompt_token_ids + ([] if pad_token_id is None else [pad_token_id]) + b.prompt_token_ids
-        return cls(f"{a.request_id}_{b.request_id}", ScoringOutput(cosine_score(a.outputs.data, b.outputs.data)),
-                   tokens, a.num_cached_tokens + b.num_cached_tokens)
+        value = (score or cosine_score)(a.outputs.data, b.outputs.data)
+        return cls(f"{a.request_id}_{b.request_id}", ScoringOutput(value), tokens,
+                   a.num_cached_tokens + b.num_cached_tokens)
 
 
 def cross_encoder_scores(outs: list[PoolingRequestOutput]) -> list[ScoringRequestOutput]:
@@ -738,6 +740,12 @@ def cross_encoder_scores(outs: list[PoolingRequestOutput]) -> list[ScoringReques
 def cosine_score(a: torch.Tensor, b: torch.Tensor) -> float:
     """vLLM's bi-encoder score: cosine similarity in fp32 (norms clamped at 1e-8)."""
     return torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=0).item()
+
+
+def maxsim_score(query: torch.Tensor, doc: torch.Tensor) -> float:
+    """vLLM's late-interaction (ColBERT MaxSim) score of two token_embed outputs, in fp32: for each query
+    token the largest dot product with a document token, summed over the query's tokens."""
+    return (query.float() @ doc.float().T).amax(dim=-1).sum().item()
 
 
 def score_inputs(data_1: Any, data_2: Any, architecture: str, names: tuple[str, str] = ("data_1", "data_2")
@@ -765,12 +773,14 @@ def score_inputs(data_1: Any, data_2: Any, architecture: str, names: tuple[str, 
     return first, second
 
 
-def score_pairs(outs: list[PoolingRequestOutput], num_queries: int, pad_token_id: int | None
-                ) -> list[ScoringRequestOutput]:
+def score_pairs(outs: list[PoolingRequestOutput], num_queries: int, pad_token_id: int | None,
+                late_interaction: bool = False) -> list[ScoringRequestOutput]:
     """The queries' and documents' embeddings (queries first) as scored pairs: one query against each
-    document (1:N), or each query against its document (N:N)."""
-    return [ScoringRequestOutput.from_pair(q, d, pad_token_id) for q, d in paired(outs[:num_queries],
-                                                                                  outs[num_queries:])]
+    document (1:N), or each query against its document (N:N); by cosine similarity, or with
+    ``late_interaction`` (token_embed's rows) by MaxSim."""
+    score = maxsim_score if late_interaction else cosine_score
+    return [ScoringRequestOutput.from_pair(q, d, pad_token_id, score) for q, d in paired(outs[:num_queries],
+                                                                                         outs[num_queries:])]
 
 
 def paired(queries: list, docs: list) -> list[tuple]:
@@ -2558,8 +2568,10 @@ class LLMEngine:
     def _resolve_pooling_task(self) -> None:
         mc, pc = self.model_config, self.pooler_config
         base = "embed" if mc.num_labels is None else "classify"
-        # vLLM's order (its DispatchPooler's); a token classifier's pooler has the token-wise task alone
-        self.supported_pooling_tasks = ("token_classify",) if mc.token_classifier else (f"token_{base}", base)
+        # vLLM's order (its DispatchPooler's); a token classifier's and ColBERT's poolers have the token-wise task
+        # alone (vLLM's ColBERTModel)
+        self.supported_pooling_tasks = ("token_classify",) if mc.token_classifier else ("token_embed",) \
+            if mc.late_interaction else (f"token_{base}", base)
         if pc.task is not None and pc.task not in self.supported_pooling_tasks:  # vLLM's words
             raise ValueError(f"Unsupported task: {pc.task!r} Supported tasks: {list(self.supported_pooling_tasks)}")
         self.pooling_task = pc.task or self.supported_pooling_tasks[-1]
@@ -3884,7 +3896,8 @@ class LLM:
               tokenization_kwargs: dict[str, Any] | None = None,
               chat_template: str | None = None) -> list[ScoringRequestOutput]:
         """vLLM's, for an embedding model (its bi-encoder): each text of ``data_1`` and ``data_2`` embedded
-        once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings; for a
+        once, then each pair (1:1, 1:N or N:N) scored by the cosine similarity of its embeddings (token_embed's,
+        a ColBERT model's: by late interaction, MaxSim over the two texts' rows); for a
         classifier with one label (a cross-encoder), each pair read as one prompt, scored by the label's
         activated logit, rendered by ``chat_template`` where given (vLLM's score template: the pair as a "query"
         and a "document" message; a bi-encoder ignores it)."""
@@ -3895,10 +3908,8 @@ class LLM:
         if engine.pooling_task == "classify" and not engine.is_cross_encoder:
             raise InvalidInput("model", f"Score API is only enabled for num_labels == 1 (this classifier has "
                                         f"{engine.model_config.num_labels})")
-        if engine.token_wise:  # vLLM's words; its token_embed scores by late interaction, not served here
-            raise InvalidInput("model", "This model does not support the Scoring API." + (
-                " (token_embed's late-interaction scoring is not supported by nanoserve)"
-                if engine.pooling_task == "token_embed" else ""))
+        if engine.pooling_task == "token_classify":  # vLLM's words (token_embed scores by late interaction)
+            raise InvalidInput("model", "This model does not support the Scoring API.")
         if tokenization_kwargs:
             raise InvalidInput("tokenization_kwargs", "tokenization_kwargs is not supported: truncate with "
                                                       "PoolingParams(truncate_prompt_tokens=N)")
@@ -3913,8 +3924,9 @@ class LLM:
             return cross_encoder_scores(self.encode(pairs, pooling_params, use_tqdm=use_tqdm,
                                                     lora_request=lora_request, pooling_task="classify"))
         outs = self.encode(queries + docs, pooling_params, use_tqdm=use_tqdm, lora_request=lora_request,
-                           pooling_task="embed")
-        return score_pairs(outs, len(queries), getattr(self.engine.tokenizer, "pad_token_id", None))
+                           pooling_task=engine.pooling_task)  # embed, or token_embed's rows for MaxSim
+        return score_pairs(outs, len(queries), getattr(self.engine.tokenizer, "pad_token_id", None),
+                           late_interaction=engine.pooling_task == "token_embed")
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults applied."""

@@ -3271,6 +3271,8 @@ class EmbeddingRequest(ChatTemplateFields, PoolingBasicRequest):
     def _input_or_messages(self) -> "EmbeddingRequest":
         if self.input is not None and self.messages is not None:
             raise InvalidInput("messages", "input or messages, not both: input's prompts, or messages' chats")
+        if self.input is None and self.messages is None:  # vLLM's schema's (before a token-wise server's 501)
+            raise InvalidInput("input", f"input is required: {PROMPT_SHAPES} (or messages, chat messages)")
         return self
 
     def param_name(self, engine_param: str) -> str:
@@ -3336,19 +3338,22 @@ async def create_pooling(request: Request, req: PoolingRequest | None = None) ->
 
 def _check_pooling_server(request: Request, state: ServerState, task: str | None) -> None:
     """A 404 that says why where this server does not serve the path: a generative model's server, or
-    a pooling one whose model has another task (vLLM mounts a task's routes only for its models); a 501
-    in vLLM's words where the model has the task but --pooler-config's task is its token-wise one."""
+    a pooling one whose model has another task (vLLM mounts a task's routes only for its models)."""
     engine = state.engine
     if engine.runner_type != "pooling":
         raise ApiError(404, f"this server generates text (--runner generate): {esc(request.url.path)} needs a "
                             f"pooling model served with --runner pooling")
-    if task is not None and task != engine.pooling_task and task in engine.supported_pooling_tasks:
-        api = "Embeddings" if task == "embed" else "Classification"
-        raise ApiError(501, f"The model does not support {api} API")
-    if task is not None and task != engine.pooling_task:
+    if task is not None and task != engine.pooling_task and task not in engine.supported_pooling_tasks:
         kind = "a classifier (a ForSequenceClassification model)" if task == "classify" else "an embedding model"
         raise ApiError(404, f"this server's model serves the {engine.pooling_task} task: "
                             f"{esc(request.url.path)} needs {kind}")
+
+
+def _check_task_served(state: ServerState, task: str) -> None:
+    """vLLM's 501 where the model has ``task`` but --pooler-config's task is its token-wise one: its route is
+    mounted, so (as vLLM's) a body is validated first, a bad one a 400."""
+    if task != state.engine.pooling_task:
+        raise ApiError(501, f"The model does not support {'Embeddings' if task == 'embed' else 'Classification'} API")
 
 
 async def create_embedding(request: Request, req: EmbeddingRequest | None = None) -> Response:
@@ -3359,6 +3364,7 @@ async def create_embedding(request: Request, req: EmbeddingRequest | None = None
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, EmbeddingRequest,
                                                                  request_id=_request_id(request)))
+    _check_task_served(state, "embed")
     return await _embed(request, state, req)
 
 
@@ -3405,6 +3411,7 @@ async def create_classify(request: Request, req: ClassificationRequest | None = 
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, ClassificationRequest,
                                                                  request_id=_request_id(request)))
+    _check_task_served(state, "classify")
     pooled = await _pool_inputs(request, state, req)
     if pooled is None:
         return Response(status_code=499)  # nobody is listening
@@ -3442,8 +3449,6 @@ def pooling_usage(num_tokens: int) -> dict[str, Any]:
 
 async def _pool_inputs(request: Request, state: ServerState, req: EmbeddingRequest) -> "Pooled | None":
     """An embeddings-shaped body's (``input`` or chat ``messages``) vectors, one per prompt or chat."""
-    if req.input is None and req.messages is None:
-        raise bad_request(f"input is required: {PROMPT_SHAPES} (or messages, chat messages)", "input")
     return await _pool(request, state, req, functools.partial(_pooling_prompts, state, req))
 
 
@@ -3659,6 +3664,7 @@ async def create_cohere_embedding(request: Request) -> Response:
     _check_pooling_server(request, state, "embed")
     req = await read_json(request, state, functools.partial(parse_body, CohereEmbedRequest,
                                                              request_id=_request_id(request)))
+    _check_task_served(state, "embed")
     engine = state.engine
     has_template = bool(state.chat_template or getattr(engine.tokenizer, "chat_template", None))
     try:
@@ -3706,7 +3712,8 @@ def cohere_embeddings(floats: list[list[float]], kind: str) -> list:
 
 # ---------------------------------------------------------------- score and rerank (the pooling runner)
 # vLLM's Score and Rerank APIs (entrypoints/pooling/scoring) for an embedding model, its bi-encoder: each
-# text embedded once, each pair scored by the cosine similarity of its two embeddings.
+# text embedded once, each pair scored by the cosine similarity of its two embeddings (token_embed's, a
+# ColBERT model's, by late interaction: MaxSim over the two texts' token rows).
 
 # vLLM's ScoreRequest: any of these pairs of fields, the first that the body completes
 SCORE_FIELDS = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
@@ -3723,6 +3730,7 @@ class ScoringRequest(PoolingBasicRequest):
     chat_template_kwargs: dict | None = None
     _sides: tuple[list[str], list[str]] = PrivateAttr(([], []))
     _cross_encoder: bool = PrivateAttr(False)  # each pair one prompt (a classifier's), else each text
+    _late_interaction: bool = PrivateAttr(False)  # each text's token rows, scored by MaxSim
 
     def side_names(self) -> tuple[str, str]:
         raise NotImplementedError
@@ -3828,8 +3836,8 @@ async def create_rerank(request: Request, req: RerankRequest | None = None) -> R
 
 
 def _scores(state: ServerState) -> bool:
-    """vLLM's enable_scoring_api: an embedding model (its bi-encoder) or a one-label classifier scores
-    (and token_embed, by late interaction, which _score refuses)."""
+    """vLLM's enable_scoring_api: an embedding model (its bi-encoder), token_embed (late interaction) or a
+    one-label classifier scores."""
     return state.engine.pooling_task in ("embed", "token_embed") or state.engine.is_cross_encoder
 
 
@@ -3843,14 +3851,12 @@ async def _score(request: Request, schema: type[ScoringRequest], req: ScoringReq
     if not _scores(state):
         raise ApiError(404, f"{esc(request.url.path)} is served for a classifier with num_labels == 1 (a "
                             f"cross-encoder); this one has {engine.model_config.num_labels}")
-    if engine.pooling_task == "token_embed":  # vLLM scores token_embed by late interaction (MaxSim)
-        raise ApiError(501, f"{esc(request.url.path)}: token_embed's late-interaction scoring is not supported "
-                            f"by nanoserve; serve the model's embed task (no --pooler-config task) to score")
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     try:
         req.check_inputs(state.engine.model_config.checkpoint_architecture)
         req._cross_encoder = engine.is_cross_encoder
+        req._late_interaction = engine.pooling_task == "token_embed"
         for name in ("max_tokens_per_query", "max_tokens_per_doc"):
             _check_token_limit(getattr(req, name), name, state.engine.max_model_len, state.engine.tokenizer)
     except InvalidInput as e:
@@ -3925,13 +3931,13 @@ def _truncate_text(text: str, tokenizer: Any, max_tokens: int) -> str:
 
 def _pair_scores(req: ScoringRequest, prompts: list[TokenizedPrompt],
                  vectors: list[torch.Tensor]) -> tuple[list[ScoringRequestOutput], int]:
-    """Each pair's score, and the tokens pooled (a bi-encoder's each text once, as vLLM counts them; a
-    cross-encoder's each pair)."""
+    """Each pair's score, and the tokens pooled (a bi-encoder's or late interaction's each text once, as vLLM
+    counts them; a cross-encoder's each pair)."""
     outs = [PoolingRequestOutput(str(i), PoolingOutput(v), list(p.token_ids)) for i, (p, v) in
             enumerate(zip(prompts, vectors))]
     if req._cross_encoder:
         return cross_encoder_scores(outs), sum(len(p.token_ids) for p in prompts)
-    return score_pairs(outs, len(req.sides[0]), None), sum(len(p.token_ids) for p in prompts)
+    return score_pairs(outs, len(req.sides[0]), None, req._late_interaction), sum(len(p.token_ids) for p in prompts)
 
 
 def routes_for_runner(routes: list[Route], runner: str) -> list[Route]:

@@ -91,7 +91,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 # encoder models (the pooling runner's only): embeddings, and classifiers (cross-encoders with one label)
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
                          "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
-                         "ModernBertModel", "ModernBertForSequenceClassification", "ModernBertForTokenClassification")
+                         "ModernBertModel", "ModernBertForSequenceClassification", "ModernBertForTokenClassification",
+                         "HF_ColBERT")
+# late-interaction encoders (vLLM's ColBERTModel): BERT, then a bias-free projection of every token's row
+COLBERT_ARCHITECTURES = ("HF_ColBERT",)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "head_dim", "max_position_embeddings")  # config.json's, checked at load
@@ -192,6 +195,7 @@ def _encoder_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
         type_vocab_size=c.get("type_vocab_size", 2), position_offset=offset, position_rows=max_positions + offset,
         is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
         matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
+        colbert_dim=_colbert_dim(arch, c) if arch in COLBERT_ARCHITECTURES else None,
         **(_classifier_config(c, arch) if classifier else {}))
 
 
@@ -267,6 +271,14 @@ def _modernbert_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
         is_matryoshka=bool(c.get("matryoshka_dimensions") or c.get("is_matryoshka")),
         matryoshka_dimensions=tuple(c["matryoshka_dimensions"]) if c.get("matryoshka_dimensions") else None,
         **(_classifier_config(c, arch) if classifier else {}))
+
+
+def _colbert_dim(arch: str, c: dict[str, Any]) -> int | None:
+    """ColBERT's projection size where config.json names it (vLLM's keys, in its order); None: none does."""
+    key = next((k for k in ("colbert_dim", "dim", "projection_dim") if c.get(k)), None)
+    if key is not None and (isinstance(c[key], bool) or not isinstance(c[key], int) or c[key] < 1):
+        raise ModelLoadError(f"{arch}: {key} {c[key]!r} must be a positive integer (the projection's size)")
+    return None if key is None else c[key]
 
 
 # sentence-transformers' tokenizer settings, as vLLM looks for them
@@ -443,6 +455,14 @@ class ModelConfig:
     type_vocab_size: int = 0
     position_offset: int = 0  # RoBERTa's: position p reads row padding_idx + 1 + p
     position_rows: int = 0    # the position table's rows (config.json's max_position_embeddings)
+    # ColBERT's projection size (config.json's colbert_dim, dim or projection_dim, as vLLM reads them; None:
+    # its linear.weight's rows, or not a ColBERT model)
+    colbert_dim: int | None = None
+
+    @property
+    def late_interaction(self) -> bool:
+        """A ColBERT model: token_embed is its only task, and it scores pairs by MaxSim (vLLM's)."""
+        return self.architecture in COLBERT_ARCHITECTURES
 
     @property
     def token_classifier(self) -> bool:
@@ -2604,6 +2624,8 @@ class EncoderModel(nn.Module):
         head = {"roberta": RobertaClassifierHead, "modernbert": ModernBertClassifierHead}.get(cfg.encoder_only,
                                                                                            BertClassifierHead)
         self.score = None if cfg.num_labels is None else head(cfg)
+        if cfg.late_interaction:  # ColBERT's projection, the head every pooled row passes (fp32, as vLLM's)
+            self.score = nn.Linear(cfg.hidden_size, cfg.colbert_dim, bias=False, dtype=torch.float32)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -2634,11 +2656,18 @@ def _modernbert_param_name(name: str, cfg: ModelConfig) -> str | None:
     return None if name.startswith(("head.", "decoder.", "classifier.")) else "model." + name
 
 
+# ColBERT's projection, wherever in the checkpoint (vLLM's suffixes): HF_ColBERT saves it as linear.weight
+COLBERT_WEIGHTS = ("linear.weight", "colbert_linear.weight")
+
+
 def _encoder_param_name(name: str, cfg: ModelConfig) -> str | None:
     """A checkpoint tensor's name here (None: not loaded): with or without transformers' "bert."/"roberta."
-    prefix (sentence-transformers saves BertModel without it), a classifier's head under ``score``."""
+    prefix (sentence-transformers saves BertModel without it), a classifier's head (or ColBERT's projection)
+    under ``score``."""
     if cfg.modernbert:
         return _modernbert_param_name(name, cfg)
+    if cfg.late_interaction and name.endswith(COLBERT_WEIGHTS):
+        return "score.weight"
     prefix = "roberta." if cfg.encoder_only == "roberta" else "bert."
     name = name.removeprefix(prefix)
     if cfg.num_labels is not None:
@@ -2676,10 +2705,28 @@ def load_encoder_weights(model: EncoderModel, path: Path) -> int:
     return sum(p.numel() * p.element_size() for p in params.values())
 
 
+def colbert_projection_rows(cfg: ModelConfig, path: Path) -> int:
+    """ColBERT's projection size: config.json's, else its checkpoint tensor's rows (vLLM infers it so)."""
+    from safetensors import safe_open
+    for file in checkpoint_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            name = next((n for n in f.keys() if n.endswith(COLBERT_WEIGHTS)), None)
+            if name is not None:
+                shape = f.get_slice(name).get_shape()
+                if len(shape) != 2:
+                    raise ModelLoadError(f"{file.name}: {name!r} has shape {tuple(shape)}, not a projection's 2-D")
+                return cfg.colbert_dim or shape[0]
+    raise ModelLoadError(f"{path}: {cfg.architecture} needs its projection (a tensor named linear.weight) in the "
+                         f"checkpoint's safetensors; sentence-transformers Dense folders are not read")
+
+
 @torch.no_grad()
 def load_encoder_model(cfg: ModelConfig, path: Path, dtype: torch.dtype, device: torch.device,
                        tp: TPGroup) -> tuple[EncoderModel, int]:
-    """An encoder's layers in ``dtype`` (its classifier head in fp32), on ``device``, then its weights."""
+    """An encoder's layers in ``dtype`` (its classifier head or ColBERT projection in fp32), on ``device``,
+    then its weights."""
+    if cfg.late_interaction:
+        cfg = dataclasses.replace(cfg, colbert_dim=colbert_projection_rows(cfg, path))
     model = built_in(dtype, device, lambda: EncoderModel(cfg, tp))
     weight_bytes = load_encoder_weights(model, path)
     model.eval().requires_grad_(False)
@@ -4793,8 +4840,9 @@ def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
                        score: nn.Module | None = None) -> dict[int, torch.Tensor]:
     """The pooling sequences' share of a step's final-norm hidden states (vLLM's pooler, before its
     activation), in fp32 on the host: a chunk's last row, its first, the sum or mean of its rows, or all of them,
-    through a classifier's ``score`` head where it has one (a decoder's is linear, so a MEAN's chunk sums may pass
-    it one by one; an encoder's whole prompt passes its mean, as ModernBERT's head needs).
+    through a classifier's ``score`` head or ColBERT's projection where it has one (a decoder's head is linear, so
+    a MEAN's chunk sums may pass it one by one; an encoder's whole prompt passes its mean, as ModernBERT's head
+    needs).
     The rows are the sequences' tokens in order (a padded decode has one per sequence, its one token);
     CLS's first row is its prompt's first token's (a pooling sequence never decodes)."""
     out, start = {}, 0

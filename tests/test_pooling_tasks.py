@@ -68,11 +68,14 @@ def test_token_embed_rows_through_chunks_normalized_and_refusals(model_root):
              "Classification API is not supported by this model"),
             (lambda: llm.encode("hi", pooling_task="encode", use_tqdm=False), "`encode` task was removed"),
             (lambda: llm.encode("hi", PoolingParams(dimensions=4), pooling_task="token_embed", use_tqdm=False),
-             "does not support Matryoshka"),
-            (lambda: llm.score("a", "b", use_tqdm=False), "does not support the Scoring API")):
+             "does not support Matryoshka")):
         with pytest.raises(InvalidInput, match=None) as e:
             call()
         assert says in str(e.value), str(e.value)
+    q, d = (torch.nn.functional.normalize(hf_rows(path, llm.engine.tokenizer.encode(t)), dim=-1)
+            for t in ("a cat", "the cat sat"))  # token_embed scores by late interaction (MaxSim), as vLLM's
+    assert llm.score("a cat", "the cat sat", use_tqdm=False)[0].outputs.score == pytest.approx(
+        (q @ d.T).amax(-1).sum().item(), abs=1e-4)
     # an embed server refuses the token-wise task with vLLM's hint, and the same model serves both ways
     plain = small_llm(path)
     with pytest.raises(InvalidInput, match='via `PoolerConfig\\(task="token_embed"\\)`'):
@@ -144,6 +147,11 @@ def test_pooling_route_serves_token_embed_rows(token_embed_server, tiny_model):
                    timeout=30)
     raw = torch.frombuffer(bytearray(base64.b64decode(r.json()["data"][0]["data"])), dtype=torch.float32)
     torch.testing.assert_close(raw.view(3, -1), torch.nn.functional.normalize(hf_rows(tiny_model, [5, 6, 7]), dim=-1))
+    rows = [torch.nn.functional.normalize(hf_rows(tiny_model, tokenizer.encode(t)), dim=-1) for t in ["hi", *texts]]
+    r = httpx.post(url + "/score", json={"queries": "hi", "documents": texts}, timeout=30)  # vLLM's late interaction
+    assert r.status_code == 200, r.text
+    assert [d["score"] for d in r.json()["data"]] == pytest.approx(
+        [(rows[0] @ d.T).amax(-1).sum().item() for d in rows[1:]], abs=1e-4)
     r = httpx.post(url + "/invocations", json={"input": "hi"}, timeout=30)  # /pooling's body, the only one
     assert r.status_code == 200 and r.json()["id"].startswith("pool-"), r.text
     for path, body, status, says in (
@@ -153,7 +161,8 @@ def test_pooling_route_serves_token_embed_rows(token_embed_server, tiny_model):
              "Unsupported task: 'classify' Supported tasks: ['token_embed', 'embed']"),
             ("/pooling", {"input": "hi", "task": "encode"}, 400, "`encode` task was removed"),
             ("/v1/embeddings", {"input": "hi"}, 501, "The model does not support Embeddings API"),
-            ("/score", {"queries": "a", "documents": "b"}, 501, "late-interaction scoring is not supported"),
+            ("/v1/embeddings", {"input": "hi", "normalize": False}, 400, "`normalize` was removed"),  # body first
+            ("/v1/embeddings", {"model": "x"}, 400, "input is required"),
             ("/classify", {"input": "hi"}, 404, "needs a classifier")):
         r = httpx.post(url + path, json=body, timeout=30)
         assert r.status_code == status and says in r.json()["error"]["message"], (path, r.text)
