@@ -1336,7 +1336,8 @@ def markdown(record: dict) -> str:
     if mo.get("kernel"):
         worst = max(r["rel_err"] for r in mo["kernel"])
         times = "; ".join(f"T={r['T']} int{r['bits']} {_fmt(r.get('packed_us'), ' µs', 1)} vs "
-                          f"{_fmt(r.get('bf16_us'), ' µs', 1)}" for r in mo["kernel"] if r.get("packed_us") is not None)
+                          f"{_fmt(r.get('bf16_us'), ' µs', 1)}" for r in mo["kernel"]
+                          if r.get("packed_us") is not None)
         row("int4/int8 experts packed (Qwen3-30B-A3B's 128 x 2048 x 768, top 8): fused_moe vs its torch twin "
             "(worst relative error); a call vs the bf16 stacks'",
             f"{worst}; {times or '—'}; graph replay == eager: {mo.get('graph_replay_equals_eager', '—')}")
