@@ -993,8 +993,103 @@ def part_wna16(scale: Scale, spec: dict) -> dict:
             del llm
     res["greedy_match"] = match_rate(tokens.get("packed"), tokens.get("dequantized"))
     # the dry run's W1 is mostly its embedding (151,936 x 64): packed only has to be smaller there
-    res["ok"] = bool(ok and res["packed"]["weight_MiB"] < (0.5 if cuda else 1) * res["dequantized"]["weight_MiB"])
+    ok &= res["packed"]["weight_MiB"] < (0.5 if cuda else 1) * res["dequantized"]["weight_MiB"]
+    res["moe"] = _wna16_moe(scale, work)
+    res["ok"] = bool(ok and res["moe"]["ok"])
     return res
+
+
+def _wna16_moe(scale: Scale, work: Path) -> dict:
+    """Experts kept packed (model.WNA16Experts): fused_moe_triton on PackedExperts against its torch twin at
+    Qwen3-30B-A3B-GPTQ's shapes (128 experts of 2048 x 768, top 8, g128; tiny and fp32 in the dry run), its
+    time beside the bf16 stacks' fused_moe, one CUDA graph replayed on new inputs, the bytes of one layer's
+    experts each way, and a tiny GPTQ Qwen3-MoE served packed and dequantized (greedy tokens, weight bytes)."""
+    import torch
+
+    from nanoserve import LLM, SamplingParams, kernels
+    from test_wna16 import quantized_checkpoint
+    from test_wna16_moe import packed_experts
+    cuda = scale.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    E, H, I, top_k = (128, 2048, 768, 8) if cuda else (4, 72, 40, 2)
+    res: dict = {"kernel": []}
+    ok = True
+    for bits in (4, 8):
+        group = 128 if cuda else 32
+        w13, w13_ref = packed_experts(H, 2 * I, bits, group, False, 0, seed=10, experts=E)
+        w2, w2_ref = packed_experts(I, H, bits, group, False, 0, seed=20, experts=E)
+        w13, w2 = (kernels.PackedExperts(w.qweight.to(scale.device), w.scales.to(scale.device),
+                                         w.zeros.to(scale.device), w.bits, w.group_size, w.k_off, w.in_features)
+                   for w in (w13, w2))
+        res[f"int{bits}_layer_MiB"] = dict(
+            packed=_r(sum(t.numel() * t.element_size() for w in (w13, w2) for t in (w.qweight, w.scales, w.zeros))
+                      / 2**20, 1), bf16=_r((w13_ref.numel() + w2_ref.numel()) * 2 / 2**20, 1))
+        dense13, dense2 = w13_ref.to(scale.device, dtype), w2_ref.to(scale.device, dtype)
+        del w13_ref, w2_ref
+        for T in ((1, 16, 256) if cuda else (1, 5)):
+            gen = torch.Generator().manual_seed(T)
+            ids = torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(T)]).to(scale.device,
+                                                                                                 torch.int32)
+            weights = torch.rand(T, top_k, generator=gen).to(scale.device)
+            x = torch.randn(T, H, generator=gen).to(scale.device, dtype)
+            got = kernels.fused_moe_triton(x, w13, w2, weights, ids)
+            want = kernels.fused_moe_wna16_torch(x, w13, w2, weights, ids)
+            err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-6)).item()
+            row = dict(T=T, bits=bits, rel_err=_r(err, 5))
+            ok &= err < (2e-2 if cuda else 1e-4)
+            if cuda:
+                for name, fn in (("packed_us", lambda: kernels.fused_moe_triton(x, w13, w2, weights, ids)),
+                                 ("bf16_us", lambda: kernels.fused_moe_triton(x, dense13, dense2, weights, ids))):
+                    row[name] = _time_us(torch, fn)
+            res["kernel"].append(row)
+        del dense13, dense2
+        if cuda and bits == 4:  # one graph of the packed MoE, replayed on other inputs == eager
+            x, weights = torch.zeros(8, H, device="cuda", dtype=dtype), torch.zeros(8, top_k, device="cuda")
+            ids = torch.zeros(8, top_k, device="cuda", dtype=torch.int32)
+            kernels.warm_up_fused_moe_triton(w13, w2, top_k, dtype=dtype)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = kernels.fused_moe_triton(x, w13, w2, weights, ids)
+            same = True
+            for seed in range(3):
+                gen = torch.Generator().manual_seed(seed)
+                x.copy_(torch.randn(8, H, generator=gen).to("cuda", dtype))
+                weights.copy_(torch.rand(8, top_k, generator=gen))
+                ids.copy_(torch.stack([torch.randperm(E, generator=gen)[:top_k] for _ in range(8)]))
+                graph.replay()
+                same &= torch.equal(out, kernels.fused_moe_triton(x, w13, w2, weights, ids))
+            res["graph_replay_equals_eager"] = bool(same)
+            ok &= same
+    path = quantized_checkpoint(work / "models", "gptq", bits=4, group=32, sym=False, arch="qwen3_moe")
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(4)]
+    tokens = {}
+    for mode in ("packed", "dequantized"):
+        llm = LLM(str(path), dtype="bfloat16", device=scale.device, skip_tokenizer_init=True, wna16_weights=mode,
+                  max_model_len=128, kv_cache_memory_bytes=16 << 20, enforce_eager=not cuda)
+        try:
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, min_tokens=16),
+                                use_tqdm=False)
+            tokens[mode] = [o.outputs[0].token_ids for o in outs]
+            res[f"tiny_{mode}_weight_KiB"] = _r(llm.engine.weight_bytes / 2**10, 1)
+        finally:
+            llm.shutdown()
+            del llm
+    res["tiny_greedy_match"] = match_rate(tokens.get("packed"), tokens.get("dequantized"))
+    res["ok"] = bool(ok and res["tiny_packed_weight_KiB"] < res["tiny_dequantized_weight_KiB"])
+    return res
+
+
+def _time_us(torch, fn) -> float:
+    """Microseconds a call of ``fn`` on the GPU: 50 calls after 5."""
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        fn()
+    end.record()
+    end.synchronize()
+    return _r(start.elapsed_time(end) * 1000 / 50, 1)
 
 
 # In the order they run: W1 with graphs, then what only a GPU can check (parity, the CUDA
@@ -1009,7 +1104,7 @@ WORKERS = dict(env=part_env, models=part_models,
 # name: (timeout s on the GPU, in the dry run)
 TIMEOUTS = dict(env=(60, 60), models=(120, 60), w1_graphs=(150, 60), w1_eager=(110, 60), w1_async=(90, 60),
                 breakdown=(120, 60), parity=(240, 180), cuda_tests=(120, 90), serve=(150, 90), hf_cb=(120, 60),
-                wna16=(150, 90))
+                wna16=(240, 150))
 NEEDS_W1 = ("w1_graphs", "w1_eager", "w1_async", "breakdown", "hf_cb", "serve", "wna16")
 
 
@@ -1237,6 +1332,20 @@ def markdown(record: dict) -> str:
             f"{_fmt(pk.get('weight_MiB'), ' MiB', 0)} / {_fmt(pk.get('peak_MiB'), ' MiB', 0)} vs "
             f"{_fmt(dq.get('weight_MiB'), ' MiB', 0)} / {_fmt(dq.get('peak_MiB'), ' MiB', 0)}; "
             f"{wn.get('greedy_match')}")
+    mo = wn.get("moe") or {}
+    if mo.get("kernel"):
+        worst = max(r["rel_err"] for r in mo["kernel"])
+        times = "; ".join(f"T={r['T']} int{r['bits']} {_fmt(r.get('packed_us'), ' µs', 1)} vs "
+                          f"{_fmt(r.get('bf16_us'), ' µs', 1)}" for r in mo["kernel"]
+                          if r.get("packed_us") is not None)
+        row("int4/int8 experts packed (Qwen3-30B-A3B's 128 x 2048 x 768, top 8): fused_moe vs its torch twin "
+            "(worst relative error); a call vs the bf16 stacks'",
+            f"{worst}; {times or '—'}; graph replay == eager: {mo.get('graph_replay_equals_eager', '—')}")
+        row("one MoE layer's experts, int4 / int8 packed vs bf16; a tiny GPTQ Qwen3-MoE packed vs dequantized: "
+            "greedy tokens",
+            f"{_fmt((mo.get('int4_layer_MiB') or {}).get('packed'), ' MiB', 1)} / "
+            f"{_fmt((mo.get('int8_layer_MiB') or {}).get('packed'), ' MiB', 1)} vs "
+            f"{_fmt((mo.get('int4_layer_MiB') or {}).get('bf16'), ' MiB', 1)}; {mo.get('tiny_greedy_match')}")
     for label, lv in (sv.get("levels") or {}).items():
         def q(k, st="p50"):
             return (lv.get(k) or {}).get(st)

@@ -680,9 +680,10 @@ def _linears(model: nn.Module):
 
 
 def _fused_moes(model: nn.Module):
-    """Every mixture-of-experts layer's experts (model.FusedMoE), as _children gives them."""
+    """Every mixture-of-experts layer's experts (model.FusedMoE), as _children gives them, but those kept
+    packed (model.WNA16Experts: the torch twin's, which has no C kernel here)."""
     from nanoserve.model import FusedMoE
-    return _children(model, FusedMoE)
+    return [c for c in _children(model, FusedMoE) if c[2].w13_packed is None]
 
 
 def _expert_bytes(model: nn.Module) -> int:
@@ -691,7 +692,8 @@ def _expert_bytes(model: nn.Module) -> int:
     from nanoserve.model import FusedMoE
     return sum(t.numel() * 2 for m in model.modules()
                for t in ((m.packed13, m.packed2) if isinstance(m, WidenedMoE) else
-                         (m.w13_weight, m.w2_weight) if isinstance(m, FusedMoE) else ()))
+                         (m.w13_weight, m.w2_weight) if isinstance(m, FusedMoE) and m.w13_packed is None
+                         else ()))
 
 
 def _c_linear_takes(moe: nn.Module) -> bool:

@@ -22,7 +22,12 @@ last resort, and where it pays as a Triton kernel:
   model.py's ``apply_top_k_top_p``, beside the rest of the sampler);
 * ``fused_moe``: a mixture-of-experts MLP after routing, as one grouped GEMM per
   projection over the tokens sorted by expert (vLLM's fused_moe; Triton's is capture-safe),
-  with gpt-oss's expert biases and clamped SwiGLU (``swigluoai``) where the backend takes them.
+  with gpt-oss's expert biases and clamped SwiGLU (``swigluoai``) where the backend takes them;
+* ``wna16_matmul``: x @ an int4/int8 weight-only weight kept packed (GPTQ, AWQ, compressed-tensors W4A16/W8A16),
+  dequantized a tile at a time (``wna16_matmul_triton``; its twin ``wna16_matmul_torch`` dequantizes it whole);
+  ``fused_moe`` on experts kept so (``PackedExperts``): the same grouped GEMMs reading the codes
+  (``fused_moe_triton``; its twin ``fused_moe_wna16_torch`` dequantizes the routed experts). Both are
+  called by model.py's packed layers (WNA16Weight, FusedMoE), not through ``Backend``.
 
 On a request's path: model.py's ``Attention.forward`` (and ``MLAAttention.forward``) calls
 ``store_kvcache`` then ``paged_attention`` through the ``Backend`` the model was built with,
@@ -439,6 +444,44 @@ def wna16_matmul_torch(x, qweight, scales, zeros, g_idx, bits: int, group_size: 
     """x [M, K] @ the dequantized weight: the Triton kernel's oracle, and the CPU's packed path (it
     dequantizes the whole weight every call: memory-lean between calls, not fast)."""
     return x @ wna16_weight_torch(qweight, scales, zeros, g_idx, bits, group_size, k_off, x.shape[-1], x.dtype)
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One projection of a mixture-of-experts layer's experts kept packed: each expert's weight [N, K] in the
+    layout above, stacked over the E experts: ``qweight`` int32 [E, ceil(K / p), N], ``scales`` and ``zeros``
+    [E, G, N] (contiguous), input row k's group (k + k_off) // group_size for every expert. No act-order
+    (g_idx): vLLM's fused MoE refuses it, and model.py keeps such experts dequantized."""
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group_size: int
+    k_off: int
+    in_features: int  # K: the last word's codes past it are padding
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """[E, N, K], the shape of the dequantized stack (fused_moe's w13 or w2) it stands for."""
+        return self.qweight.shape[0], self.qweight.shape[2], self.in_features
+
+    def dequantize(self, experts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The weights [len(experts), N, K] of these experts in ``dtype`` (wna16_weight_torch's, transposed)."""
+        return torch.stack([wna16_weight_torch(self.qweight[e], self.scales[e], self.zeros[e], None, self.bits,
+                                               self.group_size, self.k_off, self.in_features, dtype).T
+                            for e in experts.tolist()]) if experts.numel() else \
+            torch.empty(0, *self.shape[1:], dtype=dtype, device=self.qweight.device)
+
+
+def fused_moe_wna16_torch(x: torch.Tensor, w13: PackedExperts, w2: PackedExperts, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """fused_moe_torch on packed experts: the experts some token chose dequantized (only those: the memory
+    of k experts, not E), renumbered, then fused_moe_torch. fused_moe_triton's oracle on PackedExperts, and
+    the CPU's packed path (it dequantizes every call: memory-lean between calls, not fast)."""
+    _check_moe(x, w13, w2, topk_weights, topk_ids)
+    used, ids = torch.unique(topk_ids, return_inverse=True)
+    return fused_moe_torch(x, w13.dequantize(used, x.dtype), w2.dequantize(used, x.dtype), topk_weights,
+                           ids.view(topk_ids.shape), activation=activation)
 
 
 # =========================================================================== Triton kernels
@@ -860,16 +903,20 @@ if triton is not None:
     # num_pairs (T * k) changes with the batch: unspecialised, so a new batch compiles nothing.
     @triton.jit(do_not_specialize=["num_pairs"])
     def _fused_moe_kernel(a_ptr, w_ptr, c_ptr, topk_weights_ptr, sorted_ids_ptr, expert_ids_ptr, bias_ptr,
-                          N, K, num_pairs, a_stride_m, a_stride_k, w_stride_e, w_stride_n, w_stride_k,
-                          c_stride_m, c_stride_n, bias_stride_e, bias_stride_n, PAIRS_PER_ROW: tl.constexpr,
-                          MUL_ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          scales_ptr, zeros_ptr, N, K, num_pairs, a_stride_m, a_stride_k, w_stride_e, w_stride_n,
+                          w_stride_k, c_stride_m, c_stride_n, bias_stride_e, bias_stride_n, s_stride_e, s_stride_g,
+                          group_size, k_off, PAIRS_PER_ROW: tl.constexpr, MUL_ROUTED_WEIGHT: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, WNA16_BITS: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr):
         """Grid (blocks of sorted pairs, blocks of N): one expert's grouped GEMM on one tile,
         c[pair] = a[pair // PAIRS_PER_ROW] @ w[expert]^T (+ bias[expert]) (times the pair's routing weight).
         The first launch reads x (a token's row serves its k pairs: PAIRS_PER_ROW = k), the
         second the activations (one row a pair). A block past the last expert's exits: the grid is sized
-        for the worst routing, so that it never depends on the data."""
+        for the worst routing, so that it never depends on the data. WNA16_BITS 4 or 8: w is PackedExperts'
+        qweight (w_stride_k steps a word row of 32 // WNA16_BITS input rows), each BLOCK_K x BLOCK_N tile
+        dequantized as _wna16_matmul_kernel's, (code - zero) * scale in fp32 rounded to a's dtype; 0: w
+        holds the weights (and scales_ptr, zeros_ptr, group_size, k_off are unread)."""
         expert = tl.load(expert_ids_ptr + tl.program_id(0)).to(tl.int64)
         if expert < 0:
             return
@@ -883,8 +930,19 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
+            kn_ok = k_ok[:, None] & n_ok[None, :]
             a = tl.load(rows + k[None, :] * a_stride_k, mask=pair_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(cols + k[:, None] * w_stride_k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if WNA16_BITS:
+                PACK: tl.constexpr = 32 // WNA16_BITS
+                words = tl.load(cols + (k // PACK)[:, None] * w_stride_k, mask=kn_ok, other=0)
+                codes = (words >> ((k % PACK) * WNA16_BITS)[:, None]) & ((1 << WNA16_BITS) - 1)
+                at = expert * s_stride_e + ((k + k_off) // group_size)[:, None].to(tl.int64) * s_stride_g \
+                    + n[None, :]
+                scale = tl.load(scales_ptr + at, mask=kn_ok, other=0.0).to(tl.float32)
+                zero = tl.load(zeros_ptr + at, mask=kn_ok, other=0).to(tl.float32)
+                w = ((codes.to(tl.float32) - zero) * scale).to(a_ptr.dtype.element_ty)
+            else:
+                w = tl.load(cols + k[:, None] * w_stride_k, mask=kn_ok, other=0.0)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
         if HAS_BIAS:  # added to the fp32 sum before its one rounding, as F.linear's bias
             bias = tl.load(bias_ptr + expert * bias_stride_e + n * bias_stride_n, mask=n_ok, other=0.0)
@@ -1255,15 +1313,18 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int,
 
 def _check_moe(x, w13, w2, topk_weights, topk_ids) -> None:
     """Shapes only: that every id is in [0, E) would need a host sync to check (an id out
-    of range is a device-side assert on CUDA, an IndexError on the CPU)."""
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or w13.shape[2] != x.shape[1] \
-            or w13.shape[1] != 2 * w2.shape[2] or w2.shape[:2] != (w13.shape[0], x.shape[1]):
-        raise ValueError(f"need x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)} and {tuple(w2.shape)}")
+    of range is a device-side assert on CUDA, an IndexError on the CPU). w13 and w2 are tensors or
+    PackedExperts (both packed, or neither: the two launches share one variant's arguments)."""
+    s13, s2 = tuple(w13.shape), tuple(w2.shape)
+    if x.dim() != 2 or len(s13) != 3 or len(s2) != 3 or s13[2] != x.shape[1] \
+            or s13[1] != 2 * s2[2] or s2[:2] != (s13[0], x.shape[1]):
+        raise ValueError(f"need x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {tuple(x.shape)}, {s13} and {s2}")
+    if isinstance(w13, PackedExperts) != isinstance(w2, PackedExperts):
+        raise ValueError("w13 and w2 must both be PackedExperts or both tensors")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"need topk_weights and topk_ids [{x.shape[0]}, k], got {tuple(topk_weights.shape)} "
                          f"and {tuple(topk_ids.shape)}")
-    if not x.dtype == w13.dtype == w2.dtype:  # tl.dot takes one dtype, as F.linear does
+    if not isinstance(w13, PackedExperts) and not x.dtype == w13.dtype == w2.dtype:  # tl.dot: one dtype
         raise ValueError(f"x, w13 and w2 must share a dtype, got {x.dtype}, {w13.dtype} and {w2.dtype}")
 
 
@@ -1285,25 +1346,37 @@ def _moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
 
 def _grouped_gemm(a, w, out, topk_weights, bias, sorted_ids, expert_ids, pairs_per_row: int, block_m: int) -> None:
     """out [T * k, N] = the grouped GEMM of each pair's row of ``a`` with its expert's w [E, N, K]
-    (any strides: gpt-oss's are transformers' [E, K, N] read transposed), plus its bias [E, N]."""
+    (any strides: gpt-oss's are transformers' [E, K, N] read transposed), plus its bias [E, N]; or with
+    PackedExperts' codes (no bias)."""
     N, K = w.shape[1], w.shape[2]
     grid = (expert_ids.shape[0], triton.cdiv(N, _MOE_BLOCK_N))
     weights = out if topk_weights is None else topk_weights  # unread without weights; any tensor is a pointer
-    bias_or_w = w if bias is None else bias  # so for the bias (then unread, and its strides 0)
-    _fused_moe_kernel[grid](a, w, out, weights, sorted_ids, expert_ids, bias_or_w, N, K, out.shape[0], *a.stride(),
-                            *w.stride(), *out.stride(), *(bias.stride() if bias is not None else (0, 0)),
-                            PAIRS_PER_ROW=pairs_per_row, MUL_ROUTED_WEIGHT=topk_weights is not None,
-                            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=_MOE_BLOCK_N,
-                            BLOCK_K=_MOE_BLOCK_K, PRECISION="ieee" if a.dtype == torch.float32 else None)
+    bias_or_w = out if bias is None else bias  # so for the bias (then unread, and its strides 0)
+    if isinstance(w, PackedExperts):  # qweight [E, words, N]: a word row is the k stride
+        codes, scales, zeros = w.qweight, w.scales, w.zeros
+        packed = (*codes.stride()[::2], codes.stride(1), scales.stride(0), scales.stride(1), w.group_size, w.k_off)
+    else:  # scales and zeros unread: any pointer
+        codes, scales, zeros, packed = w, out, out, (*w.stride(), 0, 0, 1, 0)
+    w_stride_e, w_stride_n, w_stride_k, s_stride_e, s_stride_g, group_size, k_off = packed
+    _fused_moe_kernel[grid](a, codes, out, weights, sorted_ids, expert_ids, bias_or_w, scales, zeros, N, K,
+                            out.shape[0], *a.stride(), w_stride_e, w_stride_n, w_stride_k, *out.stride(),
+                            *(bias.stride() if bias is not None else (0, 0)), s_stride_e, s_stride_g, group_size,
+                            k_off, PAIRS_PER_ROW=pairs_per_row, MUL_ROUTED_WEIGHT=topk_weights is not None,
+                            HAS_BIAS=bias is not None, WNA16_BITS=w.bits if isinstance(w, PackedExperts) else 0,
+                            BLOCK_M=block_m, BLOCK_N=_MOE_BLOCK_N, BLOCK_K=_MOE_BLOCK_K,
+                            PRECISION="ieee" if a.dtype == torch.float32 else None)
 
 
 def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, activation: str = "silu",
                      swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> torch.Tensor:
     """vLLM's fused_experts: align the pairs to experts' blocks, x @ w13[e]^T + w13_bias[e] for each
     pair, the activation (silu(gate) * up, or another of MOE_ACTIVATIONS), @ w2[e]^T + w2_bias[e] times
-    the routing weight, then each token's k rows summed in fp32 (fused_moe_torch's result). Capture-safe:
-    no host sync, and every shape and grid follows from (T, k, E) alone."""
+    the routing weight, then each token's k rows summed in fp32 (fused_moe_torch's result). w13 and w2 may
+    be PackedExperts (int4/int8 codes, dequantized a tile at a time in the kernel: fused_moe_wna16_torch's
+    result; no biases). Capture-safe: no host sync, and every shape and grid follows from (T, k, E) alone."""
     _check_moe(x, w13, w2, topk_weights, topk_ids)
+    if isinstance(w13, PackedExperts) and (w13_bias is not None or w2_bias is not None):
+        raise ValueError("packed experts (PackedExperts) take no biases")
     _check_moe_options(w13, w2, w13_bias, w2_bias, activation)
     (T, H), (E, I), k = x.shape, (w2.shape[0], w2.shape[2]), topk_ids.shape[1]
     if T == 0 or k == 0:  # no pair: an empty grid, which Triton refuses
@@ -1321,15 +1394,18 @@ def fused_moe_triton(x, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=
     return down.view(T, k, H).sum(1, dtype=torch.float32).to(x.dtype)
 
 
-def warm_up_fused_moe_triton(w13: torch.Tensor, w2: torch.Tensor, top_k: int, **moe_kwargs) -> None:
-    """Compile both tiles of fused_moe_triton for these weights, and the layer's biases and activation
-    (``moe_kwargs``, fused_moe_triton's), before traffic (Triton compiles a variant on its first launch; a
-    CUDA graph's capture cannot): a token, and a batch just large enough for the 64-row tile, all
-    routed to expert 0."""
+def warm_up_fused_moe_triton(w13, w2, top_k: int, dtype: torch.dtype | None = None, **moe_kwargs) -> None:
+    """Compile both tiles of fused_moe_triton for these weights (tensors, or PackedExperts with the
+    activations' ``dtype``), and the layer's biases and activation (``moe_kwargs``, fused_moe_triton's),
+    before traffic (Triton compiles a variant on its first launch; a CUDA graph's capture cannot): a token,
+    and a batch just large enough for the 64-row tile, all routed to expert 0."""
     E, H = w13.shape[0], w13.shape[2]
+    device = w13.qweight.device if isinstance(w13, PackedExperts) else w13.device
+    dtype = dtype or w13.dtype
     for T in (1, -(-_MOE_BLOCK_M_LARGE * E // top_k)):
-        ids = torch.zeros(T, top_k, dtype=torch.int32, device=w13.device)
-        fused_moe_triton(w13.new_zeros(T, H), w13, w2, torch.ones(T, top_k, device=w13.device), ids, **moe_kwargs)
+        ids = torch.zeros(T, top_k, dtype=torch.int32, device=device)
+        fused_moe_triton(torch.zeros(T, H, dtype=dtype, device=device), w13, w2,
+                         torch.ones(T, top_k, device=device), ids, **moe_kwargs)
 
 
 def wna16_matmul_triton(x, qweight, scales, zeros, g_idx, bits: int, group_size: int, k_off: int) -> torch.Tensor:
@@ -1387,6 +1463,8 @@ def probe_triton(cfg, dtype: torch.dtype, device: torch.device, block_size: int)
     quant = getattr(cfg, "quantization", None)
     if getattr(quant, "method", None) in ("gptq", "awq", "compressed-tensors"):  # int weights, packed on CUDA
         _probe_wna16(x, quant.bits, quant.group_size, quant.desc_act)
+        if cfg.num_experts and cfg.moe_activation != "swigluoai":  # FusedMoE's experts, kept packed
+            _probe_wna16_moe(x, quant.bits, quant.group_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok)
     if device.type == "cuda":  # a launch's failure may surface only at the next sync
         torch.cuda.synchronize(device)
 
@@ -1403,6 +1481,27 @@ def _probe_wna16(x: torch.Tensor, bits: int, group_size: int, act_order: bool) -
     zeros = torch.zeros(groups, 1, dtype=torch.uint8 if bits == 4 else torch.int16, device=device)
     g_idx = torch.zeros(K, dtype=torch.int32, device=device) if act_order else None
     wna16_matmul_triton(x, qweight, scales, zeros, g_idx, bits, group_size, 0)
+
+
+def packed_experts_of_zeros(E: int, N: int, K: int, bits: int, group_size: int, device) -> PackedExperts:
+    """E experts [N, K] of zero codes, scales and zeros (fp16 scales, zeros uint8 for int4 and int16 for int8,
+    as model.WNA16Experts holds them), a group of rows for every group the kernel reads."""
+    group_size = group_size if group_size > 0 else K
+    groups = -(-K // group_size)
+    return PackedExperts(torch.zeros(E, -(-K // (32 // bits)), N, dtype=torch.int32, device=device),
+                         torch.zeros(E, groups, N, dtype=torch.float16, device=device),
+                         torch.zeros(E, groups, N, dtype=torch.uint8 if bits == 4 else torch.int16, device=device),
+                         bits, group_size, 0, K)
+
+
+def _probe_wna16_moe(x: torch.Tensor, bits: int, group_size: int, intermediate: int, top_k: int) -> None:
+    """fused_moe on one expert kept packed, at the model's widths (act-order experts are not kept packed: a
+    group of all of K stands for them)."""
+    H = x.shape[1]
+    w13 = packed_experts_of_zeros(1, 2 * intermediate, H, bits, group_size, x.device)
+    w2 = packed_experts_of_zeros(1, H, intermediate, bits, group_size, x.device)
+    fused_moe_triton(x, w13, w2, torch.zeros(1, top_k, dtype=x.dtype, device=x.device),
+                     torch.zeros(1, top_k, dtype=torch.int32, device=x.device))
 
 
 # =========================================================================== the backends

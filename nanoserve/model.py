@@ -1330,9 +1330,10 @@ class GemmaRMSNorm(nn.Module):
         param.copy_(_read(loaded, param.shape).to(self.model_dtype).float() + 1.0)
 
 
-# True while build_model builds a weight-only int checkpoint served packed (WNA16Weight): each Linear's weight
-# is then made on the meta device, and load_weights gives it its form when its checkpoint tensor comes, packed
-# codes if quantized, else the weight allocated, so the dequantized weights never take the device's memory.
+# True while build_model builds a weight-only int checkpoint served packed (WNA16Weight, WNA16Experts): each
+# Linear's weight and FusedMoE's expert stacks are then made on the meta device, and load_weights gives each
+# its form when its checkpoint tensor comes, packed codes if quantized, else the weight allocated, so the
+# dequantized weights never take the device's memory.
 # A context variable, as torch's default device is a context: it holds for one construction, in its own thread.
 _defer_linear_weights: contextvars.ContextVar[bool] = contextvars.ContextVar("defer_linear_weights", default=False)
 
@@ -2000,15 +2001,23 @@ class FusedMoE(nn.Module):
     gate and up rows, down's columns: Megatron's split of each expert's MLP), and one all-reduce
     sums the ranks' partial outputs, as RowParallelLinear's (``reduce_results`` False: the
     caller's). The backend's fused_moe runs them; a backend's prepare_model may replace the
-    layer after loading (the CPU's, by one holding the weights packed or in fp32: cpu_backend.prepare_model)."""
+    layer after loading (the CPU's, by one holding the weights packed or in fp32: cpu_backend.prepare_model).
+    An int4/int8 checkpoint's experts served packed are ``w13_packed`` and ``w2_packed`` (WNA16Experts; the
+    two weights then None), run by Triton's fused_moe on CUDA, its torch twin elsewhere, as WNA16Weight's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend, tp: TPGroup,
                  reduce_results: bool = True):
         super().__init__()
         self.num_experts, self.full_intermediate_size = num_experts, intermediate_size
         self.intermediate_size = intermediate_size // tp.world_size  # this rank's
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size))
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size))
+        deferred = _defer_linear_weights.get()  # as a Linear's: the stacks made when their tensors come
+        where = "meta" if deferred else None
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * self.intermediate_size, hidden_size,
+                                                   device=where))
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, self.intermediate_size, device=where))
+        self.weight_device = torch.get_default_device() if deferred else None
+        self.w13_packed: WNA16Experts | None = None
+        self.w2_packed: WNA16Experts | None = None
         self.backend, self.tp = backend, (tp if reduce_results else tp.partial())
 
     @property
@@ -2017,7 +2026,19 @@ class FusedMoE(nn.Module):
         return {}
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.backend.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids))
+        if self.w13_packed is None:
+            return self.tp.all_reduce(self.backend.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights,
+                                                             topk_ids))
+        fused_moe = kernels.fused_moe_triton if x.is_cuda and kernels.triton is not None \
+            else kernels.fused_moe_wna16_torch
+        return self.tp.all_reduce(fused_moe(x, *self.packed_experts(), topk_weights, topk_ids))
+
+    def packed_experts(self) -> tuple[kernels.PackedExperts, kernels.PackedExperts]:
+        return self.w13_packed.packed(), self.w2_packed.packed()
+
+    def fused_moe_weights(self) -> tuple:
+        """(w13, w2) as fused_moe takes them: the stacks, or the packed experts."""
+        return (self.w13_weight, self.w2_weight) if self.w13_packed is None else self.packed_experts()
 
     def num_shards(self, param: str) -> int:
         """The per-expert checkpoint tensors a weight is loaded from: w13 2 an expert (gate, up), w2 one."""
@@ -2030,7 +2051,7 @@ class FusedMoE(nn.Module):
         rank's slice of I of each."""
         E, I, n = self.num_experts, self.full_intermediate_size, self.intermediate_size
         start = self.tp.rank * n
-        if param is self.w2_weight:
+        if param is self.w2_weight or isinstance(param, _PackedExpertsDest) and param.experts is self.w2_packed:
             if shard_id is None:
                 param.copy_(_read(loaded, (E, param.shape[1], I), 2, start, n))
             else:
@@ -2818,6 +2839,8 @@ def load_weights(model: CausalLM, path: Path) -> int:
     kept_packed = 0
     mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
     companions = _Wna16Companions(files, wna16) if wna16 else None
+    if wna16 and wna16.desc_act:
+        _dequantize_act_order_experts(modules, params)
     head_rows: torch.Tensor | None = None  # the LM-head rows a score head is built from (classifier_from_token)
     head_name = "model.embed_tokens.weight" if cfg.lm_head_tied else "lm_head.weight"
     for file in files:
@@ -2852,11 +2875,12 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     raise ModelLoadError(f"{wna16.method} tensor {stored!r} is a quantized embedding, which nanoserve "
                                          "(as vLLM) does not read: only linear layers and lm_head may be quantized")
                 param = params[target]
-                if param.is_meta:  # a Linear's weight deferred (served packed): packed codes, or allocated now
-                    param = _deferred_weight(module, loaded, stored)
-                    if not isinstance(param, _PackedDest):
+                if param.is_meta:  # a Linear's weight or experts' stack deferred (served packed): packed codes,
+                    # or allocated now
+                    param = _deferred_weight(module, target.rpartition(".")[2], loaded, stored)
+                    if not isinstance(param, (_PackedDest, _PackedExpertsDest)):
                         params[target] = param
-                if isinstance(param, _PackedDest):
+                if isinstance(param, (_PackedDest, _PackedExpertsDest)):
                     kept_packed += 1
                 elif isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
                     loaded.dtype = param.dtype
@@ -2895,11 +2919,30 @@ def load_weights(model: CausalLM, path: Path) -> int:
         logger.info("[model] MXFP4 checkpoint: %d expert weights dequantized to %s as they were loaded (held "
                     "dequantized: the memory is the %s model's, about 4x the checkpoint's experts)",
                     sum(dequantized.values()), dtype, dtype)
-    packed = [m for m in modules.values() if isinstance(m, Linear) and m.wna16 is not None]
-    for m in packed:
-        m.weight = None  # the meta placeholder: the packed codes stand for it
+    packed = [m.wna16 for m in modules.values() if isinstance(m, Linear) and m.wna16 is not None]
+    for m in modules.values():
+        if isinstance(m, Linear) and m.wna16 is not None:
+            m.weight = None  # the meta placeholder: the packed codes stand for it
+    packed += _packed_experts_loaded(modules)
     return sum(p.numel() * p.element_size() for p in params.values() if not p.is_meta) \
-        + sum(b.numel() * b.element_size() for m in packed for b in m.wna16.buffers())
+        + sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
+
+
+def _packed_experts_loaded(modules: dict[str, nn.Module]) -> list[nn.Module]:
+    """Each FusedMoE whose experts were kept packed loses its meta stacks; returns their WNA16Experts. Both
+    stacks packed or neither: the packed fused_moe reads both."""
+    packed = []
+    for name, m in modules.items():
+        if not isinstance(m, FusedMoE) or (m.w13_packed is None and m.w2_packed is None):
+            continue
+        if m.w13_packed is None or m.w2_packed is None:
+            held, other = ("w13", "w2") if m.w13_packed is not None else ("w2", "w13")
+            raise ModelLoadError(f"{name}: its experts' {held} weights are kept packed and their {other} weights "
+                                 "not (unquantized, or act-order), which one packed fused_moe cannot run; serve "
+                                 "it with wna16_weights='dequantized'")
+        m.w13_weight = m.w2_weight = None
+        packed += [m.w13_packed, m.w2_packed]
+    return packed
 
 
 def _token_rows(name: str, loaded, token_ids: tuple[int, ...], embedding: nn.Module) -> torch.Tensor:
@@ -3228,32 +3271,109 @@ class WNA16Weight(nn.Module):
             raise _PackedLayoutMismatch("its input columns fall in other groups than its layer's other quantized "
                                         "slices (act-order: another g_idx), which one packed layer cannot hold; "
                                         "serve it with wna16_weights='dequantized'")
-        device = self.qweight.device
-        for a in range(w.r0, w.r1, self.ROWS_AT_A_TIME):
-            b = min(w.r1, a + self.ROWS_AT_A_TIME)
-            at = slice(n0 + a - w.r0, n0 + b - w.r0)
-            self.qweight[:, at] = _pack_along_k(w.codes(a, b).T, self.bits).to(device)
-        scale = w.scale.T
-        if self.scales.dtype != torch.float32 and not torch.equal(scale.to(self.scales.dtype).float(), scale):
-            self.scales = self.scales.float()  # this slice's scales need fp32
-        self.scales[:, n0:n1] = scale.to(device, self.scales.dtype)
-        self.zeros[:, n0:n1] = w.zero.T.to(device, self.zeros.dtype)
+        if _needs_fp32(self.scales, w):
+            self.scales = self.scales.float()
+        _write_window(self.qweight, self.scales, self.zeros, n0, w, self.bits)
 
     def _allocate(self, w: PackedWindow) -> None:
-        device, groups = self.qweight.device, w.scale.shape[1]
-        exact16 = torch.equal(w.scale.half().float(), w.scale)  # the checkpoint's fp16 scales, as they were
-        self.scales = torch.zeros(groups, self.out_features, dtype=torch.float16 if exact16 else torch.float32,
-                                  device=device)
-        self.zeros = torch.zeros(groups, self.out_features, dtype=torch.uint8 if self.bits == 4 else torch.int16,
-                                 device=device)
+        self.scales, self.zeros = _scales_and_zeros(w, (w.scale.shape[1], self.out_features), self.bits,
+                                                    self.qweight.device)
         self.group_size, self.k_off = w.group_size, w.k_off
-        self.g_idx = None if w.g_idx is None else w.g_idx.to(device)
+        self.g_idx = None if w.g_idx is None else w.g_idx.to(self.qweight.device)
 
     def zero_(self, n0: int, n1: int) -> None:
         """Rows [n0, n1) all zero (an LM head's padding rows)."""
         self.qweight[:, n0:n1] = 0
         if self.scales is not None:
             self.scales[:, n0:n1] = 0
+
+
+def _scales_and_zeros(w: PackedWindow, shape: tuple[int, ...], bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero scales (fp16 where the first window's are exact in it: the checkpoint's, as they were; else fp32)
+    and zero points (uint8 for int4, int16 for int8: GPTQ v1's 8-bit zero may be 256) of ``shape``."""
+    exact16 = torch.equal(w.scale.half().float(), w.scale)
+    return (torch.zeros(shape, dtype=torch.float16 if exact16 else torch.float32, device=device),
+            torch.zeros(shape, dtype=torch.uint8 if bits == 4 else torch.int16, device=device))
+
+
+def _needs_fp32(scales: torch.Tensor, w: PackedWindow) -> bool:
+    """Whether a window's scales are not exact in the fp16 ``scales`` held so far."""
+    return scales.dtype != torch.float32 and not torch.equal(w.scale.to(scales.dtype).float(), w.scale)
+
+
+def _write_window(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, n0: int, w: PackedWindow,
+                  bits: int) -> None:
+    """Output columns [n0, n0 + rows of w) of one packed weight (qweight [words, N], scales and zeros [G, N])
+    from the window ``w``, its codes unpacked and repacked WNA16Weight.ROWS_AT_A_TIME rows at a time."""
+    n1, step = n0 + w.r1 - w.r0, WNA16Weight.ROWS_AT_A_TIME
+    for a in range(w.r0, w.r1, step):
+        b = min(w.r1, a + step)
+        qweight[:, n0 + a - w.r0:n0 + b - w.r0] = _pack_along_k(w.codes(a, b).T, bits).to(qweight.device)
+    scales[:, n0:n1] = w.scale.T.to(scales.device, scales.dtype)
+    zeros[:, n0:n1] = w.zero.T.to(zeros.device, zeros.dtype)
+
+
+class WNA16Experts(nn.Module):
+    """One projection of a FusedMoE's experts kept packed (w13: [2I, H] each, w2: [H, I]): WNA16Weight's
+    layout stacked over the experts (qweight [E, words, N], scales and zeros [E, G, N]), every expert's input
+    rows in the same groups (its ``group_size`` and ``k_off``); no act-order, as vLLM's fused MoE. Filled an
+    expert's window of output rows at a time (write); ``packed()`` is what kernels' fused_moe reads."""
+
+    def __init__(self, bits: int, num_experts: int, out_features: int, in_features: int, device: torch.device):
+        super().__init__()
+        self.bits, self.in_features = bits, in_features
+        self.group_size, self.k_off = max(in_features, 1), 0
+        self.register_buffer("qweight", torch.zeros(num_experts, -(-in_features // (32 // bits)), out_features,
+                                                    dtype=torch.int32, device=device))
+        self.register_buffer("scales", None)
+        self.register_buffer("zeros", None)
+
+    def write(self, expert: int, n0: int, n1: int, w: PackedWindow) -> None:
+        """Expert ``expert``'s output rows [n0, n1) from the window ``w`` of its checkpoint tensor."""
+        if w.g_idx is not None:
+            raise _PackedLayoutMismatch("its input columns are in act-order groups (g_idx), which the packed "
+                                        "fused_moe does not read (nor vLLM's); serve it with "
+                                        "wna16_weights='dequantized'")
+        E, _, N = self.qweight.shape
+        if self.scales is None:
+            self.scales, self.zeros = _scales_and_zeros(w, (E, w.scale.shape[1], N), self.bits, self.qweight.device)
+            self.group_size, self.k_off = w.group_size, w.k_off
+        elif (w.scale.shape[1], w.group_size, w.k_off) != (self.scales.shape[1], self.group_size, self.k_off):
+            raise _PackedLayoutMismatch("its input columns fall in other groups than its layer's other experts'")
+        if _needs_fp32(self.scales, w):
+            self.scales = self.scales.float()
+        _write_window(self.qweight[expert], self.scales[expert], self.zeros[expert], n0, w, self.bits)
+
+    def packed(self) -> kernels.PackedExperts:
+        return kernels.PackedExperts(self.qweight, self.scales, self.zeros, self.bits, self.group_size, self.k_off,
+                                     self.in_features)
+
+
+@dataclass(frozen=True, slots=True)
+class _ExpertSlot:
+    """One expert of a WNA16Experts, as a _PackedDest's ``weight``."""
+    experts: WNA16Experts
+    expert: int
+
+    @property
+    def in_features(self) -> int:
+        return self.experts.in_features
+
+    def write(self, n0: int, n1: int, w: PackedWindow) -> None:
+        self.experts.write(self.expert, n0, n1, w)
+
+
+@dataclass(frozen=True, slots=True)
+class _PackedExpertsDest:
+    """What FusedMoE's weight_loader copies a quantized expert's tensor into in place of its stack: ``[e]``
+    (an expert's whole weight) and ``[e, rows]`` (w13's gate or up rows) as _PackedDest's; ``shape`` the
+    stack's [E, N, K]."""
+    experts: WNA16Experts
+    shape: tuple[int, int, int]
+
+    def __getitem__(self, key) -> "_PackedDest":
+        expert, rows = key if isinstance(key, tuple) else (key, slice(None))
+        return _PackedDest(_ExpertSlot(self.experts, expert), 0, self.shape[1])[rows]
 
 
 @dataclass(frozen=True, slots=True)
@@ -3284,9 +3404,13 @@ class _PackedDest:
         self.weight.zero_(self.n0, self.n1)
 
 
-def _deferred_weight(module: nn.Module, loaded, stored: str) -> torch.Tensor | _PackedDest:
+def _deferred_weight(module: nn.Module, attr: str, loaded,
+                     stored: str) -> torch.Tensor | _PackedDest | _PackedExpertsDest:
     """A deferred Linear weight's destination: its packed codes for a quantized tensor, else the weight
-    allocated in the model's dtype on its device (a module the checkpoint leaves unquantized)."""
+    allocated in the model's dtype on its device (a module the checkpoint leaves unquantized); a FusedMoE's
+    stack ``attr`` likewise (_deferred_experts)."""
+    if isinstance(module, FusedMoE):
+        return _deferred_experts(module, attr, loaded, stored)
     if isinstance(loaded, PackedIntSlice):
         loaded.packed = True
         if module.wna16 is None:
@@ -3298,6 +3422,41 @@ def _deferred_weight(module: nn.Module, loaded, stored: str) -> torch.Tensor | _
                              "one packed layer cannot hold both; serve it with wna16_weights='dequantized'")
     module.weight = nn.Parameter(torch.empty_like(module.weight, device=module.weight_device), requires_grad=False)
     return module.weight
+
+
+def _deferred_experts(moe: FusedMoE, attr: str, loaded, stored: str) -> torch.Tensor | _PackedExpertsDest:
+    """A deferred expert stack's destination: packed codes for a quantized tensor; else (unquantized) the
+    stack allocated, and every expert after it dequantized into it, as before packing."""
+    stack, packed_attr = getattr(moe, attr), attr.replace("_weight", "_packed")
+    packed = getattr(moe, packed_attr)
+    if isinstance(loaded, PackedIntSlice):
+        loaded.packed = True
+        if packed is None:
+            packed = WNA16Experts(loaded.bits, *stack.shape, moe.weight_device)
+            setattr(moe, packed_attr, packed)
+        return _PackedExpertsDest(packed, tuple(stack.shape))
+    if packed is not None:
+        raise ModelLoadError(f"tensor {stored!r} is unquantized, and its layer's other experts kept "
+                             "packed: one packed layer cannot hold both; serve it with wna16_weights='dequantized'")
+    return _allocate_stack(moe, attr)
+
+
+def _allocate_stack(moe: FusedMoE, attr: str) -> nn.Parameter:
+    """A deferred expert stack allocated in the model's dtype on its device, to be loaded dequantized."""
+    setattr(moe, attr, nn.Parameter(torch.empty_like(getattr(moe, attr), device=moe.weight_device),
+                                    requires_grad=False))
+    return getattr(moe, attr)
+
+
+def _dequantize_act_order_experts(modules: dict[str, nn.Module], params: dict[str, torch.Tensor]) -> None:
+    """An act-order (desc_act) checkpoint's deferred expert stacks allocated before loading, so its experts are
+    dequantized into them: the packed fused_moe reads no g_idx (vLLM's fused MoE refuses act-order), and one
+    layer's w13 and w2 are both packed or both not (a w2 with one group is act-order in name only)."""
+    for name, m in modules.items():
+        if isinstance(m, FusedMoE):
+            for attr in ("w13_weight", "w2_weight"):
+                if getattr(m, attr).is_meta:
+                    params[f"{name}.{attr}"] = _allocate_stack(m, attr)
 
 
 def _wna16_slice(name: str, loaded, read: Callable[[str], torch.Tensor | None], quant: WNA16Config,
@@ -3494,8 +3653,8 @@ def _log_wna16(quant: WNA16Config, dequantized: collections.Counter, kept_packed
         logger.info("[model] int%d weight-only checkpoint (%s): %d int%d weights kept packed (the checkpoint's "
                     "memory; their matmuls dequantize a tile at a time: %s)%s", quant.bits, quant.describe(),
                     kept_packed, quant.bits, "Triton's wna16_matmul on CUDA, the torch twin elsewhere",
-                    f"; {sum(dequantized.values())} dequantized (a mixture-of-experts layer's experts, or "
-                    "modules not built as Linear layers)" if dequantized else "")
+                    f"; {sum(dequantized.values())} dequantized (act-order experts, which the packed fused_moe "
+                    "does not read, as vLLM's; or modules not built as Linear layers)" if dequantized else "")
         return
     dtype = max(dequantized, key=dequantized.get) if dequantized else torch.bfloat16
     name = str(dtype).replace("torch.", "")
@@ -5097,7 +5256,10 @@ class ModelRunner:
             moe = next((m for m in self.model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoE))), None)
             if moe is not None:  # every sparse layer has the same shapes: one compiles them all
                 experts = moe.experts
-                self.backend.warm_up_moe(experts.w13_weight, experts.w2_weight, moe.top_k, **experts.moe_kwargs)
+                w13, w2 = (experts.fused_moe_weights() if isinstance(experts, FusedMoE) else
+                           (experts.w13_weight, experts.w2_weight))
+                self.backend.warm_up_moe(w13, w2, moe.top_k, dtype=self.model.model.embed_tokens.weight.dtype,
+                                         **experts.moe_kwargs)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

@@ -88,6 +88,7 @@ def _variants() -> dict[tuple, tuple]:
         for model in MLA_MODELS:
             _launch_mla_like_the_engine(kernels.TRITON, torch, model, cudagraph_capture_sizes(MAX_NUM_SEQS))
         _launch_wna16_like_the_engine(torch, cudagraph_capture_sizes(MAX_NUM_SEQS))
+        _launch_wna16_moe_like_the_engine(torch, cudagraph_capture_sizes(MAX_NUM_SEQS))
     return {key[:3]: value for key, value in record_launches(engine_launches).items()}
 
 
@@ -240,6 +241,24 @@ def _launch_wna16_like_the_engine(torch, decode_sizes):
                                         g_idx, bits, 1 if g_idx is not None else K // groups, 0)
 
 
+def _launch_wna16_moe_like_the_engine(torch, decode_sizes):
+    """Qwen3-30B-A3B-GPTQ-Int4's experts (and -Int8's), kept packed as model.WNA16Experts holds them (g128:
+    fp16 scales, uint8 or int16 zeros), at every captured decode batch and a prefill: both tiles, both GEMMs."""
+    from nanoserve import kernels
+    _, _, hidden, experts, top_k, inter = MOE_MODELS[0]
+
+    def stack(N, K, bits):  # torch.empty: reserved, never touched
+        zeros = torch.uint8 if bits == 4 else torch.int16
+        return kernels.PackedExperts(torch.empty(experts, K * bits // 32, N, dtype=torch.int32),
+                                     torch.empty(experts, K // 128, N, dtype=torch.float16),
+                                     torch.empty(experts, K // 128, N, dtype=zeros), bits, 128, 0, K)
+    for bits in (4, 8):
+        w13, w2 = stack(2 * inter, hidden, bits), stack(hidden, inter, bits)
+        for T in [*decode_sizes, 4096]:
+            kernels.fused_moe_triton(torch.empty(T, hidden, dtype=torch.bfloat16), w13, w2, torch.empty(T, top_k),
+                                     torch.zeros(T, top_k, dtype=torch.int32))
+
+
 def _compile(item):
     from triton import compile
     from triton.backends.compiler import GPUTarget
@@ -320,6 +339,9 @@ def test_every_engine_kernel_variant_compiles_for_sm90(compiled):
     wna16 = {(v["constants"]["BLOCK_M"], v["constants"]["BITS"], v["constants"]["HAS_G_IDX"]) for v in compiled
              if v["kernel"] == "_wna16_matmul_kernel" and v["dtype"] == "*bf16"}
     assert wna16 == {(m, bits, g) for m in (16, 64) for bits, g in ((4, False), (4, True), (8, False))}
+    packed_moe = {(v["constants"]["BLOCK_M"], v["constants"]["MUL_ROUTED_WEIGHT"], v["constants"]["WNA16_BITS"])
+                  for v in compiled if v["kernel"] == "_fused_moe_kernel" and v["constants"]["WNA16_BITS"]}
+    assert packed_moe == {(m, w, bits) for m in (16, 64) for w in (False, True) for bits in (4, 8)}
     assert {a["SOFT_CAP"] for a in attention} == {False, True}
     assert {(v["dtype"], v["constants"]["SINKS"]) for v in compiled if v["kernel"] == "_paged_attention_kernel"} == \
         {("*bf16", False), ("*bf16", True), ("*fp32", False), ("*fp32", True)}

@@ -110,14 +110,15 @@ def test_packed_tensor_parallel_shards_fall_anywhere_in_words_and_groups(model_r
     assert_transformers_on_the_dequantized_weights(path, tensor_parallel_size=2)
 
 
-def test_packed_moe_keeps_attention_packed_and_dequantizes_the_experts(model_root, caplog):
-    """The experts (FusedMoE) are dequantized; attention and the quantized lm_head kept packed."""
+def test_packed_moe_keeps_attention_the_experts_and_the_head_packed(model_root, caplog):
+    """Every quantized weight of a Qwen3-MoE kept packed (the experts as FusedMoE's WNA16Experts, read by
+    kernels.fused_moe_wna16_torch here; tests/test_wna16_moe.py), none dequantized."""
     import logging
     path = MOE_CASES["gptq-lm_head"](model_root)
     with caplog.at_level(logging.INFO, logger="nanoserve.model"):
         assert_transformers_on_the_dequantized_weights(path)
-    assert f"{2 * 4 + 1} int4 weights kept packed" in caplog.text  # 2 layers' q, k, v, o; lm_head
-    assert f"; {2 * 4 * 3} dequantized (a mixture-of-experts layer's experts" in caplog.text
+    assert f"{2 * 4 + 2 * 4 * 3 + 1} int4 weights kept packed" in caplog.text  # 2 layers' q, k, v, o and 4
+    assert "dequantized (" not in caplog.text                                   # experts' gate, up, down; lm_head
 
 
 def test_a_layer_whose_slices_have_different_act_order_groups_is_refused_by_name(model_root, tmp_path):
