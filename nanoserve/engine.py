@@ -59,7 +59,7 @@ from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, Log
                              load_model, load_tokenizer, log_tensor_parallel, lora_slot_bytes, num_kv_heads_per_rank,
                              num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
                              run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
-from nanoserve.model import WNA16_WEIGHTS
+from nanoserve.model import WNA16_WEIGHTS, load_st_projector
 from nanoserve.scheduler import (SCHEDULING_POLICIES, RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
 
@@ -2049,6 +2049,8 @@ class LLMEngine:
         self.supported_pooling_tasks: tuple[str, ...] = ()
         self.task_instructions: dict[str, str] | None = None
         self.classify_activation: str | None = None  # classify's: "softmax", "sigmoid" or "identity"
+        # an embedding model's sentence-transformers Dense modules (vLLM's ST projector), on the pooled rows in fp32
+        self.projector: torch.nn.Sequential | None = None
         if self.runner_type == "pooling":
             if config.runner == "auto":  # vLLM's line
                 logger.info("[engine] Resolved `--runner auto` to `--runner pooling`. Pass the value explicitly "
@@ -2064,6 +2066,8 @@ class LLMEngine:
             self.pooler_config = pooler.resolved(path, "CLS" if mc.encoder_only else "LAST")
             self.task_instructions = embed_task_instructions(path)  # /v2/embed's input_type prefixes
             self._resolve_pooling_task()
+            if mc.num_labels is None and not mc.late_interaction:  # vLLM's ColBERT projects with its own linear
+                self.projector = load_st_projector(path, mc.hidden_size)
         self.device = resolve_device(config.device)
         if self.device.index is not None and self.device.type == "cuda":  # Triton and graph capture use the current one
             torch.cuda.set_device(self.device)
@@ -2708,9 +2712,9 @@ class LLMEngine:
             if not mc.is_matryoshka:
                 raise InvalidInput("dimensions", f"This model does not support Matryoshka embeddings; dimensions "
                                                  f"must be unset (received dimensions={d}).")
-            if not 1 <= d <= mc.hidden_size:
+            if not 1 <= d <= self.embedding_size:
                 raise InvalidInput("dimensions", f"This model only supports dimensions in range "
-                                                 f"[1, {mc.hidden_size}], got {d}.")
+                                                 f"[1, {self.embedding_size}], got {d}.")
             if mc.matryoshka_dimensions is not None and d not in mc.matryoshka_dimensions:
                 raise InvalidInput("dimensions", f"This model only supports Matryoshka dimensions "
                                                  f"{list(mc.matryoshka_dimensions)}, got {d}.")
@@ -3176,6 +3180,18 @@ class LLMEngine:
         return "LAST" if s.will_sample else None
 
     @property
+    def embedding_size(self) -> int:
+        """An embedding's length (vLLM's ModelConfig.embedding_size): the last Dense module's out_features, else the
+        hidden size."""
+        return self.model_config.hidden_size if self.projector is None else self.projector[-1].linear.out_features
+
+    @torch.no_grad()
+    def _project(self, pooled: torch.Tensor) -> torch.Tensor:
+        """The ST projector on a pooled vector (or a token-wise task's rows), before Matryoshka's cut and the
+        normalization, as vLLM's embedding heads apply it."""
+        return pooled if self.projector is None else self.projector(pooled)
+
+    @property
     def _pooling_kind(self) -> str:
         """The pooling this engine does: "ALL" (every row) for a token-wise task, else the pooler config's."""
         return "ALL" if self.token_wise else self.pooler_config.pooling_type
@@ -3262,7 +3278,7 @@ class LLMEngine:
             if self.model_config.num_labels is not None:  # the score head's logits (a row's, token-wise)
                 data = activate(data, self.classify_activation) if p.use_activation else data
             else:
-                data = finish_embedding(data, p.dimensions, p.use_activation)
+                data = finish_embedding(self._project(data), p.dimensions, p.use_activation)
             self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
             self.stats_counters["num_finished"] += 1
             outputs[req.request_id] = PoolingRequestOutput(

@@ -4995,6 +4995,104 @@ class AsyncModelRunnerOutput:
                                  self.pooled)
 
 
+# sentence-transformers' Dense modules (vLLM's _DENSE_MODULE_TYPES), applied to an embedding model's pooled rows
+ST_DENSE_TYPES = ("sentence_transformers.models.Dense", "sentence_transformers.base.modules.dense.Dense",
+                  "pylate.models.Dense.Dense")
+# vLLM's get_act_fn names (a torch.nn.modules class name is read by its last part, lower-cased); xielu's
+# learned parameters are not read here
+ST_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "identity": lambda x: x, "tanh": torch.tanh, "sigmoid": torch.sigmoid, **ENCODER_ACTIVATIONS,
+    "gelu_fast": functools.partial(F.gelu, approximate="tanh"), "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+    "relu2": lambda x: F.relu(x).square()}
+
+
+class STDense(nn.Module):
+    """One Dense module: its Linear in fp32 (vLLM's pooling head_dtype), then its activation."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, activation: str):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features, bias=bias, dtype=torch.float32)
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ST_ACTIVATIONS[self.activation](self.linear(x))
+
+
+def _st_activation(where: str, name: Any) -> str:
+    """A Dense config's activation_function as vLLM's get_act_fn reads it; None or missing: none (vLLM's)."""
+    if name is None:
+        return "identity"
+    key = str(name).lower()
+    key = key.rsplit(".", 1)[-1] if key.startswith("torch.nn.modules.") else key
+    if key not in ST_ACTIVATIONS:
+        raise ModelLoadError(f"{where}: activation_function {name!r} is not supported ({', '.join(ST_ACTIVATIONS)} "
+                             f"and torch.nn.modules' classes of those names are)")
+    return key
+
+
+def _st_dense_tensors(folder: Path, where: str) -> dict[str, torch.Tensor]:
+    """A Dense folder's weights: model.safetensors, else pytorch_model.bin (vLLM's order)."""
+    if (folder / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "pytorch_model.bin").is_file():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise ModelLoadError(f"{where}: neither model.safetensors nor pytorch_model.bin is there")
+
+
+def _load_st_dense(path: Path, module: dict[str, Any], in_features: int) -> STDense:
+    where = f"sentence-transformers Dense module {module.get('path', '')!r}"
+    folder = path / str(module.get("path") or "")
+    try:
+        c = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"{where}: its config.json cannot be read: {first_line(e)}") from None
+    sizes = {k: c.get(k) for k in ("in_features", "out_features")}
+    if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in sizes.values()):
+        raise ModelLoadError(f"{where}: in_features and out_features must be positive integers, got {sizes}")
+    if sizes["in_features"] != in_features:
+        raise ModelLoadError(f"{where}: in_features {sizes['in_features']}, but the rows it is given have "
+                             f"{in_features}")
+    dense = STDense(sizes["in_features"], sizes["out_features"], bool(c.get("bias", True)),
+                    _st_activation(where, c.get("activation_function")))
+    tensors = _st_dense_tensors(folder, where)
+    key = next((k for k in ("weight", "linear.weight", "dense.weight") if k in tensors), None)  # vLLM's names
+    if key is None:
+        raise ModelLoadError(f"{where}: its weights hold no linear.weight (nor weight, dense.weight)")
+    expected = {key: dense.linear.weight}
+    if dense.linear.bias is not None:
+        expected[key.replace("weight", "bias")] = dense.linear.bias
+    for name, param in expected.items():
+        if name not in tensors:
+            raise ModelLoadError(f"{where}: its config says bias, and its weights hold no {name}")
+        if tuple(tensors[name].shape) != tuple(param.shape):
+            raise ModelLoadError(f"{where}: {name} has shape {tuple(tensors[name].shape)}, its config.json makes it "
+                                 f"{tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensors[name])
+    return dense.requires_grad_(False)
+
+
+def load_st_projector(path: Path, in_features: int) -> nn.Sequential | None:
+    """vLLM's _load_st_projector: the Dense modules modules.json lists, in its order, each fed the last one's
+    rows (the first, the pooled hidden state's ``in_features``); None where it lists none. What vLLM logs and
+    skips (a module it cannot read) is refused here, by name: serving without it gives other vectors."""
+    modules_file = path / "modules.json"
+    if not modules_file.is_file():
+        return None
+    try:
+        modules = json.loads(modules_file.read_text())
+        modules = modules.get("modules", []) if isinstance(modules, dict) else modules
+        dense = [m for m in modules if m.get("type") in ST_DENSE_TYPES]
+    except (ValueError, AttributeError) as e:
+        raise ModelLoadError(f"{modules_file} (sentence-transformers) cannot be read: {first_line(e)}") from None
+    layers = []
+    for module in dense:
+        layers.append(_load_st_dense(path, module, in_features))
+        in_features = layers[-1].linear.out_features
+    return nn.Sequential(*layers) if layers else None
+
+
 def pool_hidden_states(seqs: list[SeqInput], hidden: torch.Tensor,
                        score: nn.Module | None = None) -> dict[int, torch.Tensor]:
     """The pooling sequences' share of a step's final-norm hidden states (vLLM's pooler, before its
