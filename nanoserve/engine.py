@@ -2058,12 +2058,13 @@ class LLMEngine:
             config.check_pooling_runner()
             if self.model_config.encoder_only:
                 check_encoder_config(config, self.model_config)
-            # vLLM's defaults: CLS for its BERT, RoBERTa and ModernBERT models, LAST for a decoder; a ModernBERT
-            # classifier's is its head's, always (vLLM's ModernBertPooler reads classifier_pooling alone)
+            # vLLM's defaults: CLS for its BERT, RoBERTa and ModernBERT models, LAST for a decoder (and for
+            # EmbeddingGemma's Gemma3Model); a ModernBERT classifier's is its head's, always (vLLM's
+            # ModernBertPooler reads classifier_pooling alone)
             mc, pooler = self.model_config, config.pooler_config
             if mc.modernbert and encoder_head_pooling(mc):
                 pooler = dataclasses.replace(pooler, pooling_type=mc.modernbert.pooling)
-            self.pooler_config = pooler.resolved(path, "CLS" if mc.encoder_only else "LAST")
+            self.pooler_config = pooler.resolved(path, "CLS" if mc.encoder_only and not mc.gemma else "LAST")
             self.task_instructions = embed_task_instructions(path)  # /v2/embed's input_type prefixes
             self._resolve_pooling_task()
             if mc.num_labels is None and not mc.late_interaction:  # vLLM's ColBERT projects with its own linear

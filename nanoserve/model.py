@@ -77,6 +77,7 @@ logger = logging.getLogger("nanoserve.model")
 LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # the latter: its text only
+BIDIRECTIONAL_GEMMA3 = "Gemma3TextModel"  # EmbeddingGemma: served as an encoder model (use_bidirectional_attention)
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES)  # Granite's four scalars
 # DeepSeek-V2 and -V3 (and what shares V3's architecture: DeepSeek-R1, Kimi-K2): multi-head latent attention
@@ -449,7 +450,8 @@ class ModelConfig:
     classifier_token_ids: tuple[int, ...] | None = None
     lm_head_tied: bool = False
     # Encoder models (ENCODER_ARCHITECTURES): "bert", "roberta" or "modernbert" (None: a decoder). rms_norm_eps
-    # is then their LayerNorm's eps, hidden_act their MLP's; max_position_embeddings the longest prompt
+    # is then their LayerNorm's eps, hidden_act their MLP's; max_position_embeddings the longest prompt.
+    # "gemma3": a bidirectional Gemma3TextModel, Gemma 3's fields, its sliding_window the distance either side
     encoder_only: str | None = None
     modernbert: ModernBertOptions | None = None  # ModernBERT's own settings (its global layers' theta: rope_theta)
     type_vocab_size: int = 0
@@ -506,6 +508,8 @@ class ModelConfig:
         arch = archs[0] if archs else None
         if arch in ENCODER_ARCHITECTURES:
             return _modernbert_config(arch, c) if arch.startswith("ModernBert") else _encoder_config(arch, c)
+        if arch == BIDIRECTIONAL_GEMMA3:
+            return _bidirectional_gemma3_config(cls, c)
         base_model = isinstance(arch, str) and arch.endswith("Model") and f"{arch[:-5]}ForCausalLM" in \
             SUPPORTED_ARCHITECTURES  # its decoder alone: the same layers, under the same config keys
         if base_model:
@@ -1062,6 +1066,24 @@ GEMMA2_DEFAULTS = {
 }
 
 
+def _bidirectional_gemma3_config(cls: type[ModelConfig], c: dict[str, Any]) -> ModelConfig:
+    """Gemma3TextModel with use_bidirectional_attention (EmbeddingGemma), as vLLM's Gemma3TextModelConfig: not
+    causal, so served as an encoder (each prompt whole, no KV cache). Gemma 3's decoder config otherwise, but its
+    sliding window: transformers keeps config.json's sliding_window // 2 + 1 as an exclusive bound either side,
+    so a token sees those within sliding_window // 2 of it on both sides (vLLM's window (w - 1, w - 1))."""
+    if not c.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{BIDIRECTIONAL_GEMMA3} without use_bidirectional_attention (a causal Gemma 3 without "
+                             f"its head) is not supported; with it (EmbeddingGemma) it is")
+    if c.get("attn_logit_softcapping") is not None:
+        raise ModelLoadError(f"{BIDIRECTIONAL_GEMMA3} with attn_logit_softcapping is not supported")
+    if c.get("quantization_config"):
+        raise ModelLoadError(f"{BIDIRECTIONAL_GEMMA3}: quantized encoder checkpoints are not supported")
+    cfg = cls.from_dict({**c, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": False})
+    window = None if cfg.sliding_window is None else cfg.sliding_window // 2
+    return dataclasses.replace(cfg, architecture=BIDIRECTIONAL_GEMMA3, encoder_only="gemma3", sliding_window=window,
+                               tie_word_embeddings=True, eos_token_ids=[])
+
+
 def _gemma2_config(c: dict[str, Any]) -> dict[str, Any]:
     """Gemma 2's config, Gemma2Config's defaults filled in: every other layer slides (layer_types, else
     sliding_window_pattern 2: layer 0 slides), and a soft cap a config sets to null is none."""
@@ -1227,7 +1249,7 @@ def num_parameters(cfg: ModelConfig) -> int:
     H, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     if cfg.modernbert:  # embeddings and three norms a layer at most (weights only: biases are few, often none)
         return (cfg.vocab_size + 1) * H + cfg.num_layers * (4 * H * H + 3 * H * I + 2 * H)
-    if cfg.encoder_only:  # embeddings and their norm; per layer q/k/v/o, the MLP, two norms (biases with each)
+    if cfg.encoder_only in ("bert", "roberta"):  # embeddings and their norm; per layer q/k/v/o, the MLP, two norms
         embeddings = (cfg.vocab_size + cfg.position_rows + cfg.type_vocab_size + 2) * H
         return embeddings + cfg.num_layers * (4 * H * H + 4 * H + 2 * H * I + I + H + 4 * H)
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * D
@@ -2632,6 +2654,123 @@ class ModernBertClassifierHead(nn.Module):
         return self(rows) if self.token_wise else self.classifier(rows)
 
 
+# EmbeddingGemma: Gemma 3's layers (Gemma3TextModel with use_bidirectional_attention, as vLLM serves it: its
+# attention ENCODER_ONLY), each prompt attending to all of itself on the full layers and, on the sliding ones, to
+# the tokens within ``sliding_window`` of it on both sides. Plain torch, as transformers writes it.
+
+class GemmaEncoderRMSNorm(nn.Module):
+    """transformers' Gemma3RMSNorm: x / rms(x) * (1 + w) in fp32, rounded once to x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary cos and sin per row, [tokens, 1, head_dim] (rotate_half's layout), computed in fp32 with the
+    config's scaling, then in ``dtype`` (transformers' order)."""
+    freqs = positions.float()[:, None] * rope_inv_freq(head_dim, theta, scaling).to(positions.device)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    scale = rope_attention_factor(scaling)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+class GemmaEncoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.attention_scale
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = GemmaEncoderRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = GemmaEncoderRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, groups: list[EncoderGroup],
+                masks: list[torch.Tensor]) -> torch.Tensor:
+        """Each sequence's rows attend to its own rows that ``masks`` (a group's) lets them; grouped-query heads
+        share their key/value head."""
+        q = self.q_norm(self.q_proj(x).view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(-1, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        repeat = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = q.new_empty(q.shape)
+        for g, mask in zip(groups, masks):
+            def padded(t: torch.Tensor) -> torch.Tensor:  # [num_seqs, heads, width, head_dim]
+                rows = t.new_zeros(g.num_seqs * g.width, *t.shape[1:]).index_copy_(0, g.slots, t[g.rows])
+                return rows.view(g.num_seqs, g.width, *t.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=mask, scale=self.scale)
+            out[g.rows] = o.transpose(1, 2).reshape(-1, *q.shape[1:])[g.slots]
+        return self.o_proj(out.flatten(1))
+
+
+class GemmaEncoderMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class GemmaEncoderLayer(nn.Module):
+    """Gemma 3's layer: h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h)))."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.self_attn = GemmaEncoderAttention(cfg)
+        self.mlp = GemmaEncoderMLP(cfg)
+        norm = functools.partial(GemmaEncoderRMSNorm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.sliding = index in cfg.sliding_layers
+
+    def forward(self, x: torch.Tensor, rope: dict[bool, tuple[torch.Tensor, torch.Tensor]],
+                groups: list[EncoderGroup], masks: dict[bool, list[torch.Tensor]]) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), *rope[self.sliding], groups, masks[self.sliding])
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+class GemmaEncoderModel(nn.Module):
+    """Gemma3TextModel's tensors under transformers' names (embed_tokens, layers, norm)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(GemmaEncoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = GemmaEncoderRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor,
+                query_start_loc: list[int]) -> torch.Tensor:
+        """``token_types`` is read by no layer: Gemma has none."""
+        cfg = self.config
+        w = self.embed_tokens.weight
+        x = self.embed_tokens(input_ids) * torch.tensor(cfg.hidden_size ** 0.5, dtype=w.dtype, device=w.device)
+        groups = encoder_groups(query_start_loc, x.device)
+        # prompts are computed whole, from position 0: a group's rows' places are their positions
+        masks = {False: [g.mask for g in groups],
+                 True: local_masks(groups, cfg.sliding_window) if cfg.sliding_layers else []}
+        rope = {False: rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, x.dtype),
+                True: rope_cos_sin(positions, cfg.head_dim, *cfg.sliding_rope, x.dtype)}
+        for layer in self.layers:
+            x = layer(x, rope, groups, masks)
+        return self.norm(x)
+
+
 class EncoderModel(nn.Module):
     """An encoder for the pooling runner, in CausalLM's shape: forward gives every token's final hidden
     state (the KV caches are not read), ``score`` a classifier's head in fp32 (vLLM's pooling head_dtype;
@@ -2640,7 +2779,8 @@ class EncoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.config, self.tp = cfg, tp
-        self.model = ModernBertModel(cfg) if cfg.modernbert else BertModel(cfg)
+        self.model = ModernBertModel(cfg) if cfg.modernbert else GemmaEncoderModel(cfg) \
+            if cfg.encoder_only == "gemma3" else BertModel(cfg)
         self.lm_head = None
         head = {"roberta": RobertaClassifierHead, "modernbert": ModernBertClassifierHead}.get(cfg.encoder_only,
                                                                                            BertClassifierHead)
@@ -2687,6 +2827,8 @@ def _encoder_param_name(name: str, cfg: ModelConfig) -> str | None:
     under ``score``."""
     if cfg.modernbert:
         return _modernbert_param_name(name, cfg)
+    if cfg.encoder_only == "gemma3":  # Gemma3TextModel's names; a causal LM's "model." prefix and head too
+        return None if name.startswith("lm_head.") else "model." + name.removeprefix("model.")
     if cfg.late_interaction and name.endswith(COLBERT_WEIGHTS):
         return "score.weight"
     prefix = "roberta." if cfg.encoder_only == "roberta" else "bert."

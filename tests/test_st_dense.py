@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import _tokenizer_dir, hf_config, make_model
 from nanoserve.engine import LLM, InvalidInput, PoolingParams
 from nanoserve.model import ModelLoadError
 from test_embed import hf_hidden
@@ -126,3 +126,70 @@ def test_a_dense_module_that_cannot_be_applied_is_refused_by_name(bert_dense_dir
     (path / "2_Dense" / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=match):
         LLM(str(path), dtype="float32")
+
+
+GEMMA_WINDOW = 8  # config.json's sliding_window: a token sees 4 either side on the sliding layers
+
+
+@pytest.fixture(scope="module")
+def embedding_gemma_dir(tmp_path_factory):
+    """A tiny EmbeddingGemma: Gemma3TextModel with use_bidirectional_attention, a sliding layer, a full one, a
+    sliding one; MEAN pooling, Dense 64 -> 96 -> 64 (identity), Normalize."""
+    from transformers import Gemma3TextModel
+    out = tmp_path_factory.mktemp("st") / "embeddinggemma"
+    torch.manual_seed(3)
+    config = hf_config("gemma3", use_bidirectional_attention=True, sliding_window=GEMMA_WINDOW, num_hidden_layers=3,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    model = Gemma3TextModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(0, 0.08 if p.dim() >= 2 else 0.3)  # the norms' weights too (transformers starts them at 0)
+    model.save_pretrained(out)
+    shutil.copytree(_tokenizer_dir(str(out.parent)), out, dirs_exist_ok=True)
+    linears = write_st_modules(out, "mean_tokens", [dense(64, 96), dense(96, 64)], seed=9)
+    return out, model, linears
+
+
+def test_embedding_gemma_bidirectional_sliding_as_transformers(embedding_gemma_dir):
+    path, model, linears = embedding_gemma_dir
+    assert json.loads((path / "config.json").read_text())["sliding_window"] == GEMMA_WINDOW
+    with torch.no_grad():
+        hidden = [model(torch.tensor([p])).last_hidden_state[0] for p in PROMPTS]
+        changed = model(torch.tensor([PROMPTS[2][:-1] + [7]])).last_hidden_state[0]
+    assert not torch.allclose(changed[0], hidden[2][0])  # the oracle is bidirectional: row 0 sees the last token
+    llm = LLM(str(path), dtype="float32")
+    assert llm.engine.pooler_config.pooling_type == "MEAN" and not llm.engine.config.enable_prefix_caching
+    steps = []
+    execute = llm.engine.runner.execute_model
+    llm.engine.runner.execute_model = lambda seqs: steps.append(len(seqs)) or execute(seqs)
+    outs = llm.embed(PROMPTS, use_tqdm=False)
+    assert steps == [len(PROMPTS)]  # the three prompts, whole, in one step
+    for out, h in zip(outs, hidden):
+        with torch.no_grad():
+            want = F.normalize(linears[1](linears[0](h.mean(0))), dim=0)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=1e-5, rtol=1e-4)
+
+
+def test_embedding_gemma_defaults_and_refusals(embedding_gemma_dir, tmp_path):
+    """Without sentence-transformers files: LAST pooling, normalized (vLLM's Gemma3Model default)."""
+    path, model = embedding_gemma_dir[:2]
+    bare = tmp_path / "bare"
+    shutil.copytree(path, bare, ignore=shutil.ignore_patterns("modules.json", "*_Pooling", "*_Dense"))
+    llm = LLM(str(bare), dtype="float32")
+    assert llm.engine.pooler_config.pooling_type == "LAST" and llm.engine.projector is None
+    with torch.no_grad():
+        want = F.normalize(model(torch.tensor([PROMPTS[2]])).last_hidden_state[0, -1], dim=0)
+    torch.testing.assert_close(torch.tensor(llm.embed(PROMPTS[2:], use_tqdm=False)[0].outputs.embedding), want,
+                               atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 2: Gemma3TextModel .*one rank only"):
+        LLM(str(path), dtype="float32", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(16\) is smaller than max_model_len \(32\)"):
+        LLM(str(path), dtype="float32", max_model_len=32, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="runner pooling"):
+        LLM(str(path), dtype="float32", runner="generate")
+    causal = tmp_path / "causal"
+    shutil.copytree(path, causal)
+    config = json.loads((causal / "config.json").read_text())
+    (causal / "config.json").write_text(json.dumps({**config, "use_bidirectional_attention": False}))
+    with pytest.raises(ModelLoadError, match="Gemma3TextModel without use_bidirectional_attention"):
+        LLM(str(causal), dtype="float32")
