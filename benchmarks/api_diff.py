@@ -732,7 +732,8 @@ def make_pooling_models(root: str) -> None:
     """The pooling battery's models under root: a tiny random Qwen3 (hidden 128, head_dim 32: vLLM's CPU
     attention has no kernel for 16) with the demo model's tokenizer and chat template (qwen3-pool: LAST, the
     decoder default), and sentence-transformers copies (modules.json, 1_Pooling, Normalize) pooling MEAN (also
-    Matryoshka: matryoshka_dimensions [32, 64, 128]) and CLS. Needs torch and transformers (nanoserve's venv)."""
+    Matryoshka: matryoshka_dimensions [32, 64, 128]) and CLS, and MEAN through a Dense module (tanh, to 96).
+    Needs torch and transformers (nanoserve's venv)."""
     import pathlib
     import shutil
 
@@ -767,7 +768,10 @@ def make_pooling_models(root: str) -> None:
         if pooling == "mean":
             cfg = json.loads((d / "config.json").read_text())
             (d / "config.json").write_text(json.dumps({**cfg, "matryoshka_dimensions": [32, 64, 128]}, indent=2))
-    print(f"api_diff: wrote {base} and its -st-mean and -st-cls copies")
+    # a decoder with a sentence-transformers Dense module: MEAN, Dense 128 -> 96 (tanh, bias), Normalize
+    shutil.copytree(base, out / "qwen3-pool-st-dense", dirs_exist_ok=True)
+    _write_dense(out / "qwen3-pool-st-dense", 14, [(128, 96, "torch.nn.modules.activation.Tanh", True)])
+    print(f"api_diff: wrote {base} and its -st-mean, -st-cls and -st-dense copies")
 
 
 ENCODER_WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "stock", "prices", "fell", "today", "rain",
@@ -922,7 +926,61 @@ def make_encoder_models(root: str) -> None:
     (st / "1_Pooling" / "config.json").write_text(json.dumps({
         "word_embedding_dimension": 128, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
         "pooling_mode_max_tokens": False, "pooling_mode_lasttoken": False}))
-    print(f"api_diff: wrote {', '.join(name for name, *_ in specs)}, bert-cls and colbert under {out}")
+    _make_st_dense(out, sizes, words)
+    print(f"api_diff: wrote {', '.join(name for name, *_ in specs)}, bert-cls, colbert, bert-dense and embgemma "
+          f"under {out}")
+
+
+def _write_dense(folder, seed: int, dims: list[tuple[int, int, str, bool]]) -> None:
+    """sentence-transformers Dense modules (2_Dense, 3_Dense, ...: config.json, linear.weight/bias) after
+    modules.json's Transformer, MEAN Pooling and before its Normalize, as sentence-transformers saves them."""
+    import torch
+    from safetensors.torch import save_file
+    torch.manual_seed(seed)
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    for i, (n_in, n_out, act, bias) in enumerate(dims, start=2):
+        (folder / f"{i}_Dense").mkdir(exist_ok=True)
+        (folder / f"{i}_Dense" / "config.json").write_text(json.dumps({
+            "in_features": n_in, "out_features": n_out, "bias": bias, "activation_function": act}))
+        tensors = {"linear.weight": torch.randn(n_out, n_in) * 0.1}
+        if bias:
+            tensors["linear.bias"] = torch.randn(n_out) * 0.1
+        save_file(tensors, str(folder / f"{i}_Dense" / "model.safetensors"))
+        modules.append({"idx": i, "name": str(i), "path": f"{i}_Dense", "type": "sentence_transformers.models.Dense"})
+    modules.append({"idx": len(modules), "name": str(len(modules)), "path": f"{len(modules)}_Normalize",
+                    "type": "sentence_transformers.models.Normalize"})
+    (folder / "modules.json").write_text(json.dumps(modules))
+
+
+def _make_st_dense(out, sizes: dict, words: list[str]) -> None:
+    """bert-dense: bert-st's BertModel, MEAN, Dense 128 -> 64 (tanh, bias), Dense 64 -> 48 (identity, no bias),
+    Normalize; embgemma: a tiny EmbeddingGemma (Gemma3TextModel, use_bidirectional_attention, 3 layers: sliding
+    (sliding_window 8: 4 either side), full, sliding; 4 heads of 32, 2 KV heads; 64 positions), MEAN, Dense 128 ->
+    256 -> 128 (identity, no bias, as EmbeddingGemma's), Normalize; the encoder battery's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import BertTokenizerFast, Gemma3TextConfig, Gemma3TextModel
+    shutil.copytree(out / "bert-cls", out / "bert-dense", dirs_exist_ok=True)
+    _write_dense(out / "bert-dense", 11, [(128, 64, "torch.nn.modules.activation.Tanh", True),
+                                          (64, 48, "torch.nn.modules.linear.Identity", False)])
+    torch.manual_seed(12)
+    model = Gemma3TextModel(Gemma3TextConfig(
+        vocab_size=sizes["vocab_size"], hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32,
+        max_position_embeddings=64, sliding_window=8, use_bidirectional_attention=True, pad_token_id=0,
+        bos_token_id=2, eos_token_id=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"]))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1 if p.dim() >= 2 else 0.3)
+    model.eval().save_pretrained(out / "embgemma")
+    BertTokenizerFast(vocab={w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words)},
+                      model_max_length=64).save_pretrained(out / "embgemma")
+    _write_dense(out / "embgemma", 13, [(128, 256, "torch.nn.modules.linear.Identity", False),
+                                        (256, 128, "torch.nn.modules.linear.Identity", False)])
 
 
 def _make_colbert(out, sizes: dict, words: list[str]) -> None:
