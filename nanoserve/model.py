@@ -1097,8 +1097,9 @@ def _float_or_none(x) -> float | None:
 def _check_gemma(arch: str, c: dict[str, Any]) -> dict[str, Any]:
     """What Gemma 2's and 3's configs may ask that nanoserve's Gemma decoder does not do."""
     if c.get("use_bidirectional_attention"):
-        raise ModelLoadError(f"{arch} with use_bidirectional_attention (an embedding model, as EmbeddingGemma) is "
-                             "not supported: nanoserve generates text, with causal attention")
+        raise ModelLoadError(f"{arch} with use_bidirectional_attention (an embedding model) is not supported: "
+                             f"{arch} is served causally; EmbeddingGemma's config.json names {BIDIRECTIONAL_GEMMA3}, "
+                             f"served bidirectionally")
     if c.get("attention_bias"):
         raise ModelLoadError(f"{arch} with attention_bias is not supported (nanoserve's o_proj has no bias)")
     c["hidden_activation"] = c.get("hidden_activation") or "gelu_pytorch_tanh"
