@@ -57,8 +57,9 @@ from nanoserve.model import (MAX_LOGPROBS, NO_TOKEN, AsyncModelRunnerOutput, Log
                              ModelRunner, SampleRequest, SampleResult, SamplingTensors, SeqInput, TokenLogprobs, TPGroup,
                              WorkerSpec, check_tensor_parallel, cudagraph_capture_sizes, first_line, init_distributed,
                              load_model, load_tokenizer, log_tensor_parallel, lora_slot_bytes, num_kv_heads_per_rank,
-                             num_parameters, plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir,
-                             run_worker, select_backend, shard_config, tcp_address, tune_process, wrap_lora_layers)
+                             plan_rank_kv_cache, release_idle_memory, resolve_dtype, resolve_model_dir, wna16_packed,
+                             run_worker, select_backend, shard_config, tcp_address, tune_process,
+                             weight_bytes_before_load, wrap_lora_layers)
 from nanoserve.model import WNA16_WEIGHTS, load_st_projector
 from nanoserve.scheduler import (SCHEDULING_POLICIES, RequestStatus, ScheduledRequest, Scheduler, SchedulerConfig,
                                  SchedulerOutput)
@@ -2235,7 +2236,8 @@ class LLMEngine:
     def _check_memory(self) -> None:
         """Before loading: do the weights, with an explicitly sized KV cache, fit (a GPU: this rank's share)?"""
         cfg, mc = self.config, self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        # a packed int4/int8 checkpoint's linear layers (its experts the most of them) hold its codes, not the dtype's
+        weight_bytes = weight_bytes_before_load(mc, self.dtype, wna16_packed(cfg.wna16_weights, mc, self.device))
         ranks = cfg.tensor_parallel_size if self.device.type == "cuda" else 1  # CPU ranks share one machine
         spec = KVCacheSpec(mc.num_layers, num_kv_heads_per_rank(mc.num_kv_heads, ranks), mc.head_dim, self.dtype,
                            cfg.block_size, bool(mc.kv_lora_rank))
@@ -2244,9 +2246,9 @@ class LLMEngine:
         lora = 0 if cfg.lora_config is None else lora_slot_bytes(
             mc, cfg.lora_config, cfg.tensor_parallel_size, self.dtype if self.device.type == "cuda" else torch.float32)
         if self.device.type == "cuda":
-            return kvcache.check_gpu_memory(num_parameters(mc) * elem // ranks, self.device,
+            return kvcache.check_gpu_memory(weight_bytes // ranks, self.device,
                                             cfg.gpu_memory_utilization, kv_bytes, lora)
-        kvcache.check_cpu_memory(num_parameters(mc) * elem, kv_bytes, lora * cfg.tensor_parallel_size)
+        kvcache.check_cpu_memory(weight_bytes, kv_bytes, lora * cfg.tensor_parallel_size)
 
     def _init_kv_cache(self, model) -> tuple[int, KVCachePlan, int | None, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Size the KV cache from what the weights leave, settle max_model_len, and

@@ -3841,6 +3841,16 @@ def _scores(state: ServerState) -> bool:
     return state.engine.pooling_task in ("embed", "token_embed") or state.engine.is_cross_encoder
 
 
+def _no_scores(path: str, engine: LLMEngine) -> str:
+    """Why a pooling server does not score: its classifier has other than one label, or it serves
+    token_classify (a row of labels per token, which scores no pair, whatever its labels)."""
+    if engine.pooling_task == "token_classify":
+        return (f"{path} is served for an embedding model or a classifier with num_labels == 1 (a cross-encoder); "
+                f"this server's model serves the token_classify task (labels for each token)")
+    return (f"{path} is served for a classifier with num_labels == 1 (a cross-encoder); this one has "
+            f"{engine.model_config.num_labels}")
+
+
 async def _score(request: Request, schema: type[ScoringRequest], req: ScoringRequest | None
                  ) -> tuple[ScoringRequest, Pooled | None]:
     """The body's texts embedded, queries first, then documents; or, for a cross-encoder, each pair
@@ -3849,8 +3859,7 @@ async def _score(request: Request, schema: type[ScoringRequest], req: ScoringReq
     engine = state.engine
     _check_pooling_server(request, state, None)
     if not _scores(state):
-        raise ApiError(404, f"{esc(request.url.path)} is served for a classifier with num_labels == 1 (a "
-                            f"cross-encoder); this one has {engine.model_config.num_labels}")
+        raise ApiError(404, _no_scores(esc(request.url.path), engine))
     if req is None:
         req = await read_json(request, state, functools.partial(parse_body, schema, request_id=_request_id(request)))
     try:

@@ -1273,6 +1273,25 @@ def num_parameters(cfg: ModelConfig) -> int:
     return heads * cfg.vocab_size * H + cfg.num_layers * layer + mlps + H
 
 
+def weight_bytes_before_load(cfg: ModelConfig, dtype: torch.dtype, wna16_packed: bool = False) -> int:
+    """The weights' bytes from the config alone, to check memory before loading: every parameter in
+    ``dtype``; or, a weight-only int checkpoint served packed (wna16_packed), its linear layers (the experts
+    too, unless act-order: those stay dequantized) as codes, a scale and zero point a group, and only the
+    embeddings and head (quantized or not) in ``dtype``. Low where the checkpoint leaves a linear layer
+    unquantized: the check then errs toward loading, as it did not before packing."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = num_parameters(cfg)
+    quant = cfg.quantization
+    if not wna16_packed or not isinstance(quant, WNA16Config):
+        return total * elem
+    dense = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * cfg.hidden_size
+    if quant.desc_act:
+        dense += len(cfg.moe_layers) * cfg.num_experts * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    per_group = 2 + (1 if quant.bits == 4 else 2)  # an fp16 scale, a uint8 or int16 zero point
+    packed = (total - dense) * (quant.bits / 8 + (per_group / quant.group_size if quant.group_size > 0 else 0))
+    return dense * elem + int(packed)
+
+
 def _mla_parameters(cfg: ModelConfig) -> int:
     """One MLAAttention's: the query's projections (and norm), kv_a (and its norm), kv_b, o."""
     H, heads, L = cfg.hidden_size, cfg.num_heads, cfg.kv_lora_rank

@@ -128,6 +128,21 @@ def test_modernbert_token_classifier_labels_each_token(tmp_path):
         llm.classify(TEXTS, use_tqdm=False)
 
 
+def test_modernbert_one_label_token_classifier_server_says_why_it_does_not_score(tmp_path):
+    """A one-label token classifier is no cross-encoder: /score's 404 names its token_classify task (it said
+    "served for a classifier with num_labels == 1; this one has 1")."""
+    import httpx
+    from transformers import ModernBertConfig, ModernBertForTokenClassification
+
+    from test_server import ServerThread
+    path = _save(ModernBertForTokenClassification(ModernBertConfig(**_sizes(num_labels=1))), tmp_path)
+    with ServerThread(path, "--max-model-len", "64") as s:
+        for route, body in (("/score", {"queries": "rain", "documents": ["rain"]}),
+                            ("/rerank", {"query": "rain", "documents": ["rain"]})):
+            r = httpx.post(s.url + route, json=body, timeout=30)
+            assert r.status_code == 404 and "serves the token_classify task" in r.json()["error"]["message"], r.text
+
+
 def test_modernbert_config_as_transformers_4_saved_it():
     """Released checkpoints' config.json (global_attn_every_n_layers, global_/local_rope_theta, no layer_types)
     reads as transformers 5's own; bad values are refused in one line."""

@@ -140,3 +140,25 @@ def test_act_order_experts_are_held_dequantized_beside_packed_attention(model_ro
         if isinstance(m, FusedMoE):
             assert m.w13_packed is None and torch.equal(m.w13_weight, ref[name + ".w13_weight"])
             assert m.w2_packed is None and torch.equal(m.w2_weight, ref[name + ".w2_weight"])
+
+
+def test_the_memory_check_before_loading_counts_packed_experts_at_their_codes(model_root, monkeypatch):
+    """The start-up check (weights against the memory there is) reads a packed checkpoint's linear layers, its
+    experts the bulk of them, as codes: a machine with room for those and not for the dequantized weights
+    serves it packed, and refuses it dequantized, by name (the check counted every weight in the dtype's bytes,
+    so the memory that packing saves could not be used: 29 GiB for a 24-layer Qwen3-30B-A3B-GPTQ-Int4 whose
+    packed weights are about 9)."""
+    from nanoserve import LLM, kvcache
+    from nanoserve.model import ModelConfig, num_parameters, weight_bytes_before_load
+    path = MOE_CASES["awq"](model_root)
+    cfg = ModelConfig.from_dir(path)
+    packed, dtype_bytes = weight_bytes_before_load(cfg, torch.float32, True), num_parameters(cfg) * 4
+    assert packed < 0.5 * dtype_bytes == 0.5 * weight_bytes_before_load(cfg, torch.float32, False)
+    _, loaded = load_model(path, torch.float32, torch.device("cpu"), wna16_weights="packed")
+    assert 0.95 * loaded <= packed <= loaded  # a lower bound, and a close one
+    # room for the packed weights and the tiny KV cache (4 blocks, 64 KiB), not for the dequantized weights
+    monkeypatch.setattr(kvcache, "available_cpu_memory", lambda: (loaded + dtype_bytes) // 2)
+    small = dict(dtype="float32", enforce_eager=True, num_kv_blocks=4, max_model_len=64)
+    LLM(str(path), wna16_weights="packed", **small).shutdown()
+    with pytest.raises(ValueError, match="not enough memory: the weights need"):
+        LLM(str(path), wna16_weights="dequantized", **small)
