@@ -23,12 +23,6 @@ def readme_bash_blocks() -> list[str]:
     return re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_readme_has_two_commands_and_ci_runs_the_second():
     first, second = [b.strip() for b in readme_bash_blocks()[:2]]
     assert first.endswith("python -m nanoserve") and "pip install" in first
@@ -52,21 +46,23 @@ def test_demo_model_is_small_and_transformers_greedy_equals_nanoserve():
         assert got.outputs[0].text.strip()  # recognisable text, not nothing
 
 
-def _start_demo_server() -> tuple[subprocess.Popen, int]:
+def _launch_demo_server(port: int) -> subprocess.Popen:
     """The README's server command as written (minus the set-up already done
     here), with no --model: the demo model. Only the port is chosen, to stay free."""
     command = readme_bash_blocks()[0].strip().split("&&")[-1].split()
     assert command == ["python", "-m", "nanoserve"]
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, *command[1:], "--port", str(port)],
+    return subprocess.Popen([sys.executable, *command[1:], "--port", str(port)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def _wait_until_healthy(proc: subprocess.Popen, port: int) -> None:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None, proc.stdout.read()
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, port
+                return
         except httpx.HTTPError:
             pass
         assert time.monotonic() < deadline, "demo server did not start"
@@ -74,18 +70,37 @@ def _start_demo_server() -> tuple[subprocess.Popen, int]:
 
 
 @pytest.fixture(scope="module")
-def demo_server():
-    proc, port = _start_demo_server()
+def launched():
+    """The module's two demo servers (the Ctrl-C test's and demo_server), started at once: each spends its
+    start-up importing and compiling on one core while this process waits, so side by side they take the
+    cores together. [(proc, port)]; any still running at the end is killed."""
+    with socket.socket() as a, socket.socket() as b:  # two distinct free ports
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = [a.getsockname()[1], b.getsockname()[1]]
+    servers = [(_launch_demo_server(port), port) for port in ports]
+    yield servers
+    for proc, _ in servers:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def demo_server(launched):
+    proc, port = launched[1]
+    _wait_until_healthy(proc, port)
     yield port
     proc.send_signal(signal.SIGINT)
     assert proc.wait(30) == 0
 
 
-def test_a_second_ctrl_c_exits_at_once_without_a_traceback():
+def test_a_second_ctrl_c_exits_at_once_without_a_traceback(launched):
     """Ctrl-C twice: uvicorn cuts the graceful shutdown short, the log says so
     in one line instead of the cancelled lifespan's traceback, and the exit
     status says it was not a clean shutdown."""
-    proc, _ = _start_demo_server()
+    proc, port = launched[0]
+    _wait_until_healthy(proc, port)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.05)
     proc.send_signal(signal.SIGINT)

@@ -562,18 +562,48 @@ def test_root_path_behind_a_proxy(tiny_model):
         parse_args(["--root-path", "llm"])
 
 
-def test_a_unix_socket_with_vllms_uds(tiny_model, tmp_path):
-    """--uds PATH, as vLLM's: the server listens there instead of on a port (a stale socket file, a previous
-    run's, is replaced)."""
-    path = str(tmp_path / "nanoserve.sock")
-    stale = socket.socket(socket.AF_UNIX)
+@pytest.fixture(scope="module")
+def cli_servers(tiny_model, tmp_path_factory):
+    """The two `python -m nanoserve` processes of the tests below, started at once: each spends its start-up
+    importing on one core while this process waits, so side by side they take the cores together. Each test
+    stops its own; any still running at the end is killed. {"uds": (proc, socket path), "serve": (proc, None)}."""
+    path = str(tmp_path_factory.mktemp("uds") / "nanoserve.sock")
+    stale = socket.socket(socket.AF_UNIX)  # a previous run's socket file, which --uds replaces
     stale.bind(path)
     stale.close()
-    proc = subprocess.Popen([sys.executable, "-m", "nanoserve", str(tiny_model), "--uds", path, "--dtype", "float32",
-                             "--num-kv-blocks", "64", "--max-model-len", "256", "--uvicorn-log-level", "warning",
-                             "--enforce-eager"],  # no decode attention compiled in the fresh process: ~4 s
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    uds = subprocess.Popen([sys.executable, "-m", "nanoserve", str(tiny_model), "--uds", path, "--dtype", "float32",
+                            "--num-kv-blocks", "64", "--max-model-len", "256", "--uvicorn-log-level", "warning",
+                            "--enforce-eager"],  # no decode attention compiled in the fresh process: ~4 s
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": KEY}
+    env.pop("NANOSERVE_API_KEY", None)
+    serve = subprocess.Popen(  # as a deployment runs it: `serve MODEL` and vLLM's flags, the key in $VLLM_API_KEY
+        [sys.executable, "-m", "nanoserve", "serve", str(tiny_model), "--port", "0",  # vLLM's host: all interfaces
+         "--dtype", "float32", "--num-kv-blocks", "64", "--max_model_len", "256", "--trust-remote-code",
+         "--disable-log-requests", "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--swap-space", "4",
+         "--gpu-memory-utilization", "0.9", "--uvicorn-log-level", "warning", "--disable-log-stats",
+         "--enforce-eager"],  # vLLM's flag too; the fresh process compiles no decode attention (~4 s)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    yield {"uds": (uds, path), "serve": (serve, None)}
+    for proc in (uds, serve):
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def stop_with_sigterm(proc: subprocess.Popen) -> str:
+    """SIGTERM, then the exit: 0 (a clean shutdown); returns stderr."""
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return err
+
+
+def test_a_unix_socket_with_vllms_uds(cli_servers):
+    """--uds PATH, as vLLM's: the server listens there instead of on a port (a stale socket file, a previous
+    run's, is replaced)."""
+    proc, path = cli_servers["uds"]
     try:
         url = next((line.split()[1] for line in proc.stdout if line.strip().startswith("URL")), None)
         assert url == f"unix:{path}", proc.stderr.read()
@@ -583,22 +613,12 @@ def test_a_unix_socket_with_vllms_uds(tiny_model, tmp_path):
         with pytest.raises(OSError, match="Address already in use"):  # a socket a server still answers on is kept
             entry.bind_socket("", 0, path)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+        stop_with_sigterm(proc)
 
 
-def test_a_copied_vllm_serve_line_runs(tiny_model):
+def test_a_copied_vllm_serve_line_runs(cli_servers):
     """As a deployment runs it: `serve MODEL` and vLLM's flags, the key in $VLLM_API_KEY."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_API_KEY": KEY}
-    env.pop("NANOSERVE_API_KEY", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "nanoserve", "serve", str(tiny_model), "--port", "0",  # vLLM's host: all interfaces
-         "--dtype", "float32", "--num-kv-blocks", "64", "--max_model_len", "256", "--trust-remote-code",
-         "--disable-log-requests", "--enable-chunked-prefill", "--kv-cache-dtype", "auto", "--swap-space", "4",
-         "--gpu-memory-utilization", "0.9", "--uvicorn-log-level", "warning", "--disable-log-stats",
-         "--enforce-eager"],  # vLLM's flag too; the fresh process compiles no decode attention (~4 s)
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc, _ = cli_servers["serve"]
     try:
         url = None
         for line in proc.stdout:
@@ -610,9 +630,7 @@ def test_a_copied_vllm_serve_line_runs(tiny_model):
         assert httpx.get(url + "/v1/models").status_code == 401
         assert httpx.get(url + "/v1/models", headers=AUTH).status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
+        err = stop_with_sigterm(proc)
     assert "an API key (from $VLLM_API_KEY) is required" in err and KEY not in err
     for flag in ("--trust-remote-code", "--disable-log-requests", "--enable-chunked-prefill",
                  "--kv-cache-dtype auto", "--swap-space 4.0"):
