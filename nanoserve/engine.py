@@ -3716,9 +3716,14 @@ class TPWorkers:
 
     def _watch(self) -> None:
         from multiprocessing.connection import wait
-        wait([p.sentinel for p in self.procs])
+        ready = wait([p.sentinel for p in self.procs])
         if self.stopping:
             return
+        # a sentinel fires as the process closes its files, a moment before it can be reaped: join
+        # those, so that their exit codes are known and named
+        for p in self.procs:
+            if p.sentinel in ready:
+                p.join(5)
         dead = [p for p in self.procs if p.exitcode is not None]
         self.failure = "tensor-parallel worker " + ", ".join(
             f"{p.name} (pid {p.pid}) exited with code {p.exitcode}" for p in dead)

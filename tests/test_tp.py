@@ -159,7 +159,9 @@ def test_server_streams_like_tp1_and_exits_nonzero_when_a_worker_dies(model_root
         assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2], rest[-3:]
         assert server.proc.wait(timeout=60) == 1
         err = "".join(server.err)
-        assert "a tensor-parallel step failed" in err and "exit status 1" in err, err[-3000:]
+        # the step's collective fails, or the workers' watch sees the death first (a loaded machine): either names it
+        assert "a tensor-parallel step failed" in err or f"(pid {pid}) exited with code -9" in err, err[-3000:]
+        assert "exit status 1" in err, err[-3000:]
     finally:
         server.close()
 
