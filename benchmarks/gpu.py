@@ -928,7 +928,7 @@ def part_wna16(scale: Scale, spec: dict) -> dict:
     os.environ["TRITON_INTERPRET"] = "0" if cuda else "1"  # before triton's import (tests' conftest sets 1)
     import torch
 
-    from nanoserve import LLM, SamplingParams, kernels
+    from nanoserve import kernels
     from wna16 import gptq_checkpoint, random_packed
     dtype = torch.bfloat16 if cuda else torch.float32
     res: dict = {"kernel": []}
@@ -946,17 +946,8 @@ def part_wna16(scale: Scale, spec: dict) -> dict:
         ok &= err < (2e-2 if cuda else 1e-4)
         if cuda:  # microseconds a call, 50 calls after 5, beside the dense bf16 weight's matmul
             dense = kernels.wna16_weight_torch(qw, sc, zr, g, bits, gs, 0, K, dtype)  # [K, N], as x @ W
-            for name, fn in (("packed_us", lambda: kernels.wna16_matmul_triton(x, qw, sc, zr, g, bits, gs, 0)),
-                             ("dense_bf16_us", lambda: x @ dense)):
-                for _ in range(5):
-                    fn()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(50):
-                    fn()
-                end.record()
-                end.synchronize()
-                row[name] = _r(start.elapsed_time(end) * 1000 / 50, 1)
+            row["packed_us"] = _time_us(torch, lambda: kernels.wna16_matmul_triton(x, qw, sc, zr, g, bits, gs, 0))
+            row["dense_bf16_us"] = _time_us(torch, lambda: x @ dense)
         res["kernel"].append(row)
     if cuda:  # one graph of the kernel, replayed on other inputs == eager
         qw, sc, zr, g, gs = random_packed(4096, 4096, 4, 128, False, "cuda")
@@ -974,23 +965,9 @@ def part_wna16(scale: Scale, spec: dict) -> dict:
         ok &= same
     work = Path(spec["work"])
     path = gptq_checkpoint(Path(spec["models"]["w1"]), work / "models" / "w1-gptq-int4-g128")
-    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(4)]
-    tokens = {}
-    for mode in ("packed", "dequantized"):
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        llm = LLM(str(path), dtype="bfloat16", device=scale.device, skip_tokenizer_init=True, wna16_weights=mode,
-                  max_model_len=256, kv_cache_memory_bytes=64 << 20, enforce_eager=not cuda)
-        try:
-            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, min_tokens=16),
-                                use_tqdm=False)
-            tokens[mode] = [o.outputs[0].token_ids for o in outs]
-            res[mode] = dict(weight_MiB=_r(llm.engine.weight_bytes / 2**20, 1),
-                             peak_MiB=_r(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None)
-        finally:
-            llm.shutdown()
-            del llm
+    tokens, weights, peaks = _packed_and_dequantized(scale, path, max_model_len=256, kv_cache_memory_bytes=64 << 20)
+    for mode in tokens:
+        res[mode] = dict(weight_MiB=_r(weights[mode] / 2**20, 1), peak_MiB=_r(peaks[mode] / 2**20, 1) if cuda else None)
     res["greedy_match"] = match_rate(tokens.get("packed"), tokens.get("dequantized"))
     # the dry run's W1 is mostly its embedding (151,936 x 64): packed only has to be smaller there
     ok &= res["packed"]["weight_MiB"] < (0.5 if cuda else 1) * res["dequantized"]["weight_MiB"]
@@ -1006,7 +983,7 @@ def _wna16_moe(scale: Scale, work: Path) -> dict:
     experts each way, and a tiny GPTQ Qwen3-MoE served packed and dequantized (greedy tokens, weight bytes)."""
     import torch
 
-    from nanoserve import LLM, SamplingParams, kernels
+    from nanoserve import kernels
     from test_wna16 import quantized_checkpoint
     from test_wna16_moe import packed_experts
     cuda = scale.device == "cuda"
@@ -1061,22 +1038,39 @@ def _wna16_moe(scale: Scale, work: Path) -> dict:
             res["graph_replay_equals_eager"] = bool(same)
             ok &= same
     path = quantized_checkpoint(work / "models", "gptq", bits=4, group=32, sym=False, arch="qwen3_moe")
+    tokens, weights, _ = _packed_and_dequantized(scale, path, max_model_len=128, kv_cache_memory_bytes=16 << 20)
+    for mode in tokens:
+        res[f"tiny_{mode}_weight_KiB"] = _r(weights[mode] / 2**10, 1)
+    res["tiny_greedy_match"] = match_rate(tokens.get("packed"), tokens.get("dequantized"))
+    res["ok"] = bool(ok and res["tiny_packed_weight_KiB"] < res["tiny_dequantized_weight_KiB"])
+    return res
+
+
+def _packed_and_dequantized(scale: Scale, path: Path, **llm_args) -> tuple[dict, dict, dict]:
+    """The greedy tokens of four prompts, the weights' bytes and (CUDA) the peak bytes allocated, with the
+    int4/int8 weights of ``path`` served packed, then dequantized: each mode's engine in turn."""
+    import torch
+
+    from nanoserve import LLM, SamplingParams
+    cuda = scale.device == "cuda"
     prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(4)]
-    tokens = {}
+    tokens, weights, peaks = {}, {}, {}
     for mode in ("packed", "dequantized"):
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
         llm = LLM(str(path), dtype="bfloat16", device=scale.device, skip_tokenizer_init=True, wna16_weights=mode,
-                  max_model_len=128, kv_cache_memory_bytes=16 << 20, enforce_eager=not cuda)
+                  enforce_eager=not cuda, **llm_args)
         try:
             outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, min_tokens=16),
                                 use_tqdm=False)
             tokens[mode] = [o.outputs[0].token_ids for o in outs]
-            res[f"tiny_{mode}_weight_KiB"] = _r(llm.engine.weight_bytes / 2**10, 1)
+            weights[mode] = llm.engine.weight_bytes
+            peaks[mode] = torch.cuda.max_memory_allocated() if cuda else 0
         finally:
             llm.shutdown()
             del llm
-    res["tiny_greedy_match"] = match_rate(tokens.get("packed"), tokens.get("dequantized"))
-    res["ok"] = bool(ok and res["tiny_packed_weight_KiB"] < res["tiny_dequantized_weight_KiB"])
-    return res
+    return tokens, weights, peaks
 
 
 def _time_us(torch, fn) -> float:
