@@ -3048,6 +3048,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
     scales = _fp8_scales(files, fp8) if fp8 else {}
     scale_names, dequantized, input_scales, kv_scales = set(scales), collections.Counter(), 0, 0
     kept_packed = 0
+    # a deferred (packed) layer's first tensor, where it was unquantized: a quantized one after it is refused,
+    # as one before it refuses it (_deferred_weight), so the checkpoint's tensor order does not decide
+    unquantized_first: dict[str, str] = {}
     mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
     companions = _Wna16Companions(files, wna16) if wna16 else None
     if wna16 and wna16.desc_act:
@@ -3091,6 +3094,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     param = _deferred_weight(module, target.rpartition(".")[2], loaded, stored)
                     if not isinstance(param, (_PackedDest, _PackedExpertsDest)):
                         params[target] = param
+                        unquantized_first[target] = stored
+                elif isinstance(loaded, PackedIntSlice) and target in unquantized_first:
+                    _refuse_mixed_packed_layer(stored, unquantized_first[target])
                 if isinstance(param, (_PackedDest, _PackedExpertsDest)):
                     kept_packed += 1
                 elif isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
@@ -3650,6 +3656,13 @@ def _deferred_experts(moe: FusedMoE, attr: str, loaded, stored: str) -> torch.Te
         raise ModelLoadError(f"tensor {stored!r} is unquantized, and its layer's other experts kept "
                              "packed: one packed layer cannot hold both; serve it with wna16_weights='dequantized'")
     return _allocate_stack(moe, attr)
+
+
+def _refuse_mixed_packed_layer(quantized: str, unquantized: str) -> None:
+    """Under wna16_weights='packed' a layer's weights (a FusedMoE's experts, a fused Linear's slices) are all
+    quantized or all unquantized, whichever the checkpoint names first."""
+    raise ModelLoadError(f"tensor {quantized!r} is quantized, and {unquantized!r} of its layer unquantized: one "
+                         "packed layer cannot hold both; serve it with wna16_weights='dequantized'")
 
 
 def _allocate_stack(moe: FusedMoE, attr: str) -> nn.Parameter:
