@@ -2938,18 +2938,23 @@ def load_encoder_weights(model: EncoderModel, path: Path) -> int:
 
 
 def colbert_projection_rows(cfg: ModelConfig, path: Path) -> int:
-    """ColBERT's projection size: config.json's, else its checkpoint tensor's rows (vLLM infers it so)."""
+    """ColBERT's projection size: config.json's, else its checkpoint tensor's rows (vLLM infers it so). A
+    checkpoint with two tensors of the projection's names is refused: vLLM keeps whichever it reads last."""
     from safetensors import safe_open
+    found = []  # (file, name, shape) of each tensor named as the projection
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
-            name = next((n for n in f.keys() if n.endswith(COLBERT_WEIGHTS)), None)
-            if name is not None:
-                shape = f.get_slice(name).get_shape()
-                if len(shape) != 2:
-                    raise ModelLoadError(f"{file.name}: {name!r} has shape {tuple(shape)}, not a projection's 2-D")
-                return cfg.colbert_dim or shape[0]
-    raise ModelLoadError(f"{path}: {cfg.architecture} needs its projection (a tensor named linear.weight) in the "
-                         f"checkpoint's safetensors; sentence-transformers Dense folders are not read")
+            found += [(file, n, f.get_slice(n).get_shape()) for n in f.keys() if n.endswith(COLBERT_WEIGHTS)]
+    if not found:
+        raise ModelLoadError(f"{path}: {cfg.architecture} needs its projection (a tensor named linear.weight) in "
+                             f"the checkpoint's safetensors; sentence-transformers Dense folders are not read")
+    if len(found) > 1:
+        raise ModelLoadError(f"{path}: {cfg.architecture}'s checkpoint holds {found[0][1]!r} and {found[1][1]!r}, "
+                             f"two projections where one is read: keep one")
+    file, name, shape = found[0]
+    if len(shape) != 2:
+        raise ModelLoadError(f"{file.name}: {name!r} has shape {tuple(shape)}, not a projection's 2-D")
+    return cfg.colbert_dim or shape[0]
 
 
 @torch.no_grad()
