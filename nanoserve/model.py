@@ -3665,7 +3665,7 @@ def _deferred_experts(moe: FusedMoE, attr: str, loaded, stored: str) -> torch.Te
 
 def _refuse_mixed_packed_layer(quantized: str, unquantized: str) -> None:
     """Under wna16_weights='packed' a layer's weights (a FusedMoE's experts, a fused Linear's slices) are all
-    quantized or all unquantized, whichever the checkpoint names first."""
+    quantized or all unquantized: a mix is refused, whichever kind the checkpoint names first."""
     raise ModelLoadError(f"tensor {quantized!r} is quantized, and {unquantized!r} of its layer unquantized: one "
                          "packed layer cannot hold both; serve it with wna16_weights='dequantized'")
 
