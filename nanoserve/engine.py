@@ -864,6 +864,10 @@ def check_encoder_config(config: EngineConfig, mc: ModelConfig) -> None:
         raise ValueError(f"enable_lora: LoRA adapters are not supported for {mc.architecture} (an encoder model)")
     if config.enable_prompt_embeds:
         raise ValueError(f"enable_prompt_embeds: {mc.architecture} (an encoder model) takes token ids only")
+    if config.disable_sliding_window and mc.sliding_window is not None:  # vLLM's: full attention, the window
+        # the longest prompt; an encoder here attends as config.json says, so the flag would be silently ignored
+        raise ValueError(f"disable_sliding_window is not supported for {mc.architecture} (an encoder model): its "
+                         f"sliding layers attend within their window; leave the flag out")
     head = encoder_head_pooling(mc)
     if head is not None and config.pooler_config.pooling_type not in (None, head):
         reads = "the CLS token" if head == "CLS" else "the mean of the tokens"

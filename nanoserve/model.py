@@ -159,6 +159,29 @@ def _seq_cls_architecture(arch: Any) -> str | None:
 SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
 
 
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+CONFIG_VALUE_KINDS = {  # what _check_config_values' each keyword asks of a value, and how it is said
+    "numbers": ("a positive number", _is_number),
+    "integers": ("a non-negative integer", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+    "strings": ("a string", lambda v: isinstance(v, str)),
+    "lists": ("a list", lambda v: isinstance(v, list)),
+    "dicts": ("an object", lambda v: isinstance(v, dict)),
+}
+
+
+def _check_config_values(arch: str, c: dict[str, Any], where: str = "", **kinds: tuple[str, ...]) -> None:
+    """config.json's values of the wrong kind refused in one line naming the key (else a Python error from
+    deep in the parsing, or a model built on them); a key left out or null is not checked."""
+    for kind, keys in kinds.items():
+        what, ok = CONFIG_VALUE_KINDS[kind]
+        bad = next((k for k in keys if c.get(k) is not None and not ok(c[k])), None)
+        if bad is not None:
+            raise ModelLoadError(f"{arch}: config.json's {where}{bad} {c[bad]!r} must be {what}")
+
+
 def _encoder_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
     """BERT's and RoBERTa's config.json (transformers' keys and defaults). RoBERTa's positions start
     past its padding_idx, so its longest prompt is that much shorter than max_position_embeddings."""
@@ -168,6 +191,8 @@ def _encoder_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
            if k in c and (isinstance(c[k], bool) or not isinstance(c[k], int) or c[k] < 1)}
     if bad:
         raise ModelLoadError(f"{', '.join(f'{k} {v!r}' for k, v in bad.items())}: sizes must be positive integers")
+    _check_config_values(arch, c, numbers=("layer_norm_eps",), integers=("pad_token_id",),
+                         strings=("hidden_act", "position_embedding_type"), lists=("matryoshka_dimensions",))
     if c.get("position_embedding_type", "absolute") != "absolute":
         raise ModelLoadError(f"{arch} with position_embedding_type {c['position_embedding_type']!r} is not "
                              f"supported (absolute position embeddings are)")
@@ -218,6 +243,9 @@ class ModernBertOptions:
 def _modernbert_rope_theta(c: dict[str, Any], layer_type: str, old_key: str, default: float) -> float:
     """A layer type's rotary theta: transformers 5's rope_parameters, else transformers 4's global_/local_rope_theta."""
     params = (c.get("rope_parameters") or {}).get(layer_type) or {}
+    _check_config_values("ModernBERT", {layer_type: params}, "rope_parameters.", dicts=(layer_type,))
+    _check_config_values("ModernBERT", params, f"rope_parameters.{layer_type}.", numbers=("rope_theta",),
+                         strings=("rope_type",))
     if params.get("rope_type", "default") != "default":
         raise ModelLoadError(f"ModernBERT with rope_type {params['rope_type']!r} for its {layer_type} layers is "
                              f"not supported (default rotary positions are)")
@@ -233,6 +261,9 @@ def _modernbert_config(arch: str, c: dict[str, Any]) -> "ModelConfig":
     bad = {k: v for k, v in sizes.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1}
     if bad:
         raise ModelLoadError(f"{', '.join(f'{k} {v!r}' for k, v in bad.items())}: sizes must be positive integers")
+    _check_config_values(arch, c, numbers=("norm_eps", "global_rope_theta", "local_rope_theta"),
+                         strings=("hidden_activation", "classifier_activation", "classifier_pooling"),
+                         lists=("layer_types", "matryoshka_dimensions"), dicts=("rope_parameters",))
     heads, hidden, layers = sizes["num_attention_heads"], sizes["hidden_size"], sizes["num_hidden_layers"]
     if hidden % heads or hidden // heads % 2:
         raise ModelLoadError(f"hidden_size {hidden} must be a multiple of num_attention_heads {heads} with an even "
@@ -1078,10 +1109,28 @@ def _bidirectional_gemma3_config(cls: type[ModelConfig], c: dict[str, Any]) -> M
         raise ModelLoadError(f"{BIDIRECTIONAL_GEMMA3} with attn_logit_softcapping is not supported")
     if c.get("quantization_config"):
         raise ModelLoadError(f"{BIDIRECTIONAL_GEMMA3}: quantized encoder checkpoints are not supported")
-    cfg = cls.from_dict({**c, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": False})
+    _check_gemma3_values(c)
+    try:  # Gemma 3's decoder config, its refusals naming the architecture config.json names
+        cfg = cls.from_dict({**c, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": False})
+    except ModelLoadError as e:
+        raise ModelLoadError(str(e).replace("Gemma3ForCausalLM", BIDIRECTIONAL_GEMMA3)) from None
     window = None if cfg.sliding_window is None else cfg.sliding_window // 2
     return dataclasses.replace(cfg, architecture=BIDIRECTIONAL_GEMMA3, encoder_only="gemma3", sliding_window=window,
                                tie_word_embeddings=True, eos_token_ids=[])
+
+
+def _check_gemma3_values(c: dict[str, Any]) -> None:
+    """EmbeddingGemma's config values of the wrong kind, each refused by its key (Gemma 3's decoder config
+    would take a string norm epsilon as it is, or fail on the others with a Python error)."""
+    _check_config_values(BIDIRECTIONAL_GEMMA3, c, numbers=("rms_norm_eps", "rope_theta", "rope_local_base_freq",
+                                                           "query_pre_attn_scalar", "final_logit_softcapping"),
+                         integers=("sliding_window", "sliding_window_pattern"), strings=("hidden_activation",),
+                         lists=("layer_types", "matryoshka_dimensions"), dicts=("rope_parameters", "rope_scaling"))
+    params = c.get("rope_parameters") or {}
+    for layer_type in ("full_attention", "sliding_attention"):
+        _check_config_values(BIDIRECTIONAL_GEMMA3, params, "rope_parameters.", dicts=(layer_type,))
+        _check_config_values(BIDIRECTIONAL_GEMMA3, params.get(layer_type) or {}, f"rope_parameters.{layer_type}.",
+                             numbers=("rope_theta", "factor"), strings=("rope_type",))
 
 
 def _gemma2_config(c: dict[str, Any]) -> dict[str, Any]:
@@ -2889,18 +2938,23 @@ def load_encoder_weights(model: EncoderModel, path: Path) -> int:
 
 
 def colbert_projection_rows(cfg: ModelConfig, path: Path) -> int:
-    """ColBERT's projection size: config.json's, else its checkpoint tensor's rows (vLLM infers it so)."""
+    """ColBERT's projection size: config.json's, else its checkpoint tensor's rows (vLLM infers it so). A
+    checkpoint with two tensors of the projection's names is refused: vLLM keeps whichever it reads last."""
     from safetensors import safe_open
+    found = []  # (file, name, shape) of each tensor named as the projection
     for file in checkpoint_files(path):
         with safe_open(str(file), framework="pt") as f:
-            name = next((n for n in f.keys() if n.endswith(COLBERT_WEIGHTS)), None)
-            if name is not None:
-                shape = f.get_slice(name).get_shape()
-                if len(shape) != 2:
-                    raise ModelLoadError(f"{file.name}: {name!r} has shape {tuple(shape)}, not a projection's 2-D")
-                return cfg.colbert_dim or shape[0]
-    raise ModelLoadError(f"{path}: {cfg.architecture} needs its projection (a tensor named linear.weight) in the "
-                         f"checkpoint's safetensors; sentence-transformers Dense folders are not read")
+            found += [(file, n, f.get_slice(n).get_shape()) for n in f.keys() if n.endswith(COLBERT_WEIGHTS)]
+    if not found:
+        raise ModelLoadError(f"{path}: {cfg.architecture} needs its projection (a tensor named linear.weight) in "
+                             f"the checkpoint's safetensors; sentence-transformers Dense folders are not read")
+    if len(found) > 1:
+        raise ModelLoadError(f"{path}: {cfg.architecture}'s checkpoint holds {found[0][1]!r} and {found[1][1]!r}, "
+                             f"two projections where one is read: keep one")
+    file, name, shape = found[0]
+    if len(shape) != 2:
+        raise ModelLoadError(f"{file.name}: {name!r} has shape {tuple(shape)}, not a projection's 2-D")
+    return cfg.colbert_dim or shape[0]
 
 
 @torch.no_grad()
@@ -2999,6 +3053,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
     scales = _fp8_scales(files, fp8) if fp8 else {}
     scale_names, dequantized, input_scales, kv_scales = set(scales), collections.Counter(), 0, 0
     kept_packed = 0
+    # a deferred (packed) layer's first tensor, where it was unquantized: a quantized one after it is refused,
+    # as one before it refuses it (_deferred_weight), so the checkpoint's tensor order does not decide
+    unquantized_first: dict[str, str] = {}
     mxfp4_scales = _mxfp4_scale_files(files) if cfg.mxfp4 else {}
     companions = _Wna16Companions(files, wna16) if wna16 else None
     if wna16 and wna16.desc_act:
@@ -3042,6 +3099,9 @@ def load_weights(model: CausalLM, path: Path) -> int:
                     param = _deferred_weight(module, target.rpartition(".")[2], loaded, stored)
                     if not isinstance(param, (_PackedDest, _PackedExpertsDest)):
                         params[target] = param
+                        unquantized_first[target] = stored
+                elif isinstance(loaded, PackedIntSlice) and target in unquantized_first:
+                    _refuse_mixed_packed_layer(stored, unquantized_first[target])
                 if isinstance(param, (_PackedDest, _PackedExpertsDest)):
                     kept_packed += 1
                 elif isinstance(loaded, (Fp8Slice, Mxfp4Slice, PackedIntSlice)):  # dequantized into the param's dtype
@@ -3601,6 +3661,13 @@ def _deferred_experts(moe: FusedMoE, attr: str, loaded, stored: str) -> torch.Te
         raise ModelLoadError(f"tensor {stored!r} is unquantized, and its layer's other experts kept "
                              "packed: one packed layer cannot hold both; serve it with wna16_weights='dequantized'")
     return _allocate_stack(moe, attr)
+
+
+def _refuse_mixed_packed_layer(quantized: str, unquantized: str) -> None:
+    """Under wna16_weights='packed' a layer's weights (a FusedMoE's experts, a fused Linear's slices) are all
+    quantized or all unquantized: a mix is refused, whichever kind the checkpoint names first."""
+    raise ModelLoadError(f"tensor {quantized!r} is quantized, and {unquantized!r} of its layer unquantized: one "
+                         "packed layer cannot hold both; serve it with wna16_weights='dequantized'")
 
 
 def _allocate_stack(moe: FusedMoE, attr: str) -> nn.Parameter:

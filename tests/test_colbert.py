@@ -17,15 +17,17 @@ from test_encoder import DOCS, MAX_POSITIONS, QUERY, TEXTS, _init, _sizes, _toke
 DIM = 8  # the projection's rows (colbertv2.0's 128)
 
 
-def _save_colbert(out, linear_name: str = "linear.weight", config_extra: dict | None = None, seed: int = 7):
-    """HF_ColBERT as colbert-ai saves it: BertModel under "bert." (its pooler too) and ``linear.weight``."""
+def _save_colbert(out, linear_name: str = "linear.weight", config_extra: dict | None = None, seed: int = 7,
+                  both: bool = False):
+    """HF_ColBERT as colbert-ai saves it: BertModel under "bert." (its pooler too) and ``linear.weight``
+    (``both``: and a colbert_linear.weight beside it)."""
     from safetensors.torch import save_file
     from transformers import BertConfig, BertModel
     bert = _init(BertModel(BertConfig(**_sizes())), seed)
     torch.manual_seed(seed + 1)
     tensors = {"bert." + k: v.contiguous() for k, v in bert.state_dict().items()}
-    if linear_name:
-        tensors[linear_name] = torch.randn(DIM, bert.config.hidden_size) * 0.3
+    for name in ("linear.weight", "colbert_linear.weight") if both else (linear_name,) if linear_name else ():
+        tensors[name] = torch.randn(DIM, bert.config.hidden_size) * 0.3
     out.mkdir(parents=True)
     save_file(tensors, str(out / "model.safetensors"))
     bert.config.architectures = ["HF_ColBERT"]
@@ -85,9 +87,11 @@ def test_colbert_token_vectors_and_late_interaction_score(colbert_dir):
     ("linear.weight", {"dim": DIM + 1}, ModelLoadError, f"'linear.weight' has shape \\({DIM}, 32\\), config.json "
                                                          f"makes it \\({DIM + 1}, 32\\)"),
     ("linear.weight", {"dim": "8"}, ModelLoadError, "dim '8' must be a positive integer"),
+    ("both", None, ModelLoadError, "holds 'colbert_linear.weight' and 'linear.weight', two projections"),
 ])
 def test_colbert_checkpoint_refusals(tmp_path, linear_name, extra, error, says):
-    path = _save_colbert(tmp_path / "m", linear_name, extra)
+    """("both": linear.weight and colbert_linear.weight, which vLLM loads by its reading order, the last kept.)"""
+    path = _save_colbert(tmp_path / "m", linear_name, extra, both=linear_name == "both")
     with pytest.raises(error, match=says):
         LLM(str(path), dtype="float32")
 
@@ -95,6 +99,10 @@ def test_colbert_checkpoint_refusals(tmp_path, linear_name, extra, error, says):
 def test_colbert_named_dim_and_projection_name(tmp_path, colbert_dir):
     """config.json's colbert_dim sizes the projection; vLLM's other name for it, colbert_linear.weight, loads."""
     path = _save_colbert(tmp_path / "m", "colbert_linear.weight", {"colbert_dim": DIM})
+    rows = LLM(str(path), dtype="float32").encode(["rain"], pooling_task="token_embed", use_tqdm=False)
+    assert rows[0].outputs.data.shape == (3, DIM)
+    # a dim of 0 is no size (vLLM's `colbert_dim or dim or projection_dim`): the tensor's rows are
+    path = _save_colbert(tmp_path / "dim0", config_extra={"dim": 0, "projection_dim": 0})
     rows = LLM(str(path), dtype="float32").encode(["rain"], pooling_task="token_embed", use_tqdm=False)
     assert rows[0].outputs.data.shape == (3, DIM)
     with pytest.raises(ValueError, match=r"Unsupported task: 'embed' Supported tasks: \['token_embed'\]"):

@@ -375,3 +375,12 @@ def test_classifier_prompt_with_a_separator_is_one_token_type(roberta_cls_dir):
     assert not torch.allclose(as_pair, want, atol=1e-3)  # the types weigh: a pair's would score otherwise
     got = LLM(str(roberta_cls_dir), dtype="float32").classify([ids], use_tqdm=False)[0].outputs.probs
     torch.testing.assert_close(torch.tensor(got), want, atol=1e-5, rtol=1e-4)
+
+
+def test_convert_embed_leaves_an_encoder_classifier_a_classifier(bert_ce_dir):
+    """vLLM's as_embedding_model returns a pooling model's class unchanged: --convert embed serves
+    BertForSequenceClassification as the classifier it is, and its /v1/embeddings says so (vLLM's words)."""
+    llm = LLM(str(bert_ce_dir), dtype="float32", convert="embed")
+    assert llm.engine.pooling_task == "classify"
+    with pytest.raises(InvalidInput, match="Embedding API is not supported by this model"):
+        llm.embed(["the cat"], use_tqdm=False)

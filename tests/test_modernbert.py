@@ -163,3 +163,43 @@ def test_modernbert_config_as_transformers_4_saved_it():
                       ({"rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "rope_type 'yarn'")):
         with pytest.raises(ModelLoadError, match=says):
             ModelConfig.from_dict({**old, **bad})
+
+
+ENCODER_CONFIGS = {  # the least config.json each architecture reads
+    "ModernBertModel": _sizes(),
+    "HF_ColBERT": dict(vocab_size=30, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=40,
+                       max_position_embeddings=64),
+    "Gemma3TextModel": dict(use_bidirectional_attention=True, vocab_size=30, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=40,
+                            max_position_embeddings=64, sliding_window=8),
+}
+
+
+@pytest.mark.parametrize("arch, bad, says", [
+    ("ModernBertModel", {"norm_eps": "x"}, "norm_eps 'x' must be a positive number"),
+    ("ModernBertModel", {"rope_parameters": [1]}, r"rope_parameters \[1\] must be an object"),
+    ("ModernBertModel", {"rope_parameters": {"full_attention": [1]}}, "rope_parameters.full_attention .* object"),
+    ("ModernBertModel", {"rope_parameters": {"sliding_attention": {"rope_theta": "x"}}},
+     "rope_parameters.sliding_attention.rope_theta 'x' must be a positive number"),
+    ("ModernBertModel", {"num_hidden_layers": "3"}, "num_hidden_layers '3': sizes must be positive integers"),
+    ("ModernBertModel", {"hidden_activation": ["gelu"]}, r"hidden_activation \['gelu'\] must be a string"),
+    ("ModernBertModel", {"matryoshka_dimensions": 8}, "matryoshka_dimensions 8 must be a list"),
+    ("HF_ColBERT", {"layer_norm_eps": "x"}, "layer_norm_eps 'x' must be a positive number"),
+    ("HF_ColBERT", {"hidden_act": ["gelu"]}, r"hidden_act \['gelu'\] must be a string"),
+    ("Gemma3TextModel", {"rms_norm_eps": "x"}, "rms_norm_eps 'x' must be a positive number"),
+    ("Gemma3TextModel", {"rope_parameters": [1]}, r"rope_parameters \[1\] must be an object"),
+    ("Gemma3TextModel", {"sliding_window": "8"}, "sliding_window '8' must be a non-negative integer"),
+    ("Gemma3TextModel", {"rope_local_base_freq": "x"}, "rope_local_base_freq 'x' must be a positive number"),
+    ("Gemma3TextModel", {"attention_bias": True}, "^Gemma3TextModel with attention_bias"),
+    ("Gemma3TextModel", {"hidden_activation": "gelu"}, "^Gemma3TextModel with hidden_activation 'gelu'"),
+])
+def test_a_config_value_of_the_wrong_kind_is_refused_by_its_key(tmp_path, arch, bad, says):
+    """One line naming the key and what it must be (not a Python exception's text), under the architecture
+    config.json names."""
+    import json
+
+    from nanoserve.model import ModelConfig, ModelLoadError
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch], **ENCODER_CONFIGS[arch], **bad}))
+    with pytest.raises(ModelLoadError, match=says) as e:
+        ModelConfig.from_dir(tmp_path)
+    assert "Error" not in str(e.value) and "Gemma3ForCausalLM" not in str(e.value)

@@ -187,6 +187,8 @@ def test_embedding_gemma_defaults_and_refusals(embedding_gemma_dir, tmp_path):
         LLM(str(path), dtype="float32", max_model_len=32, max_num_batched_tokens=16)
     with pytest.raises(ValueError, match="runner pooling"):
         LLM(str(path), dtype="float32", runner="generate")
+    with pytest.raises(ValueError, match="disable_sliding_window is not supported for Gemma3TextModel"):
+        LLM(str(path), dtype="float32", disable_sliding_window=True)
     causal = tmp_path / "causal"
     shutil.copytree(path, causal)
     config = json.loads((causal / "config.json").read_text())

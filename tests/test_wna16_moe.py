@@ -162,3 +162,30 @@ def test_the_memory_check_before_loading_counts_packed_experts_at_their_codes(mo
     LLM(str(path), wna16_weights="packed", **small).shutdown()
     with pytest.raises(ValueError, match="not enough memory: the weights need"):
         LLM(str(path), wna16_weights="dequantized", **small)
+
+
+@pytest.mark.parametrize("expert", [0, 3])
+def test_a_layer_with_unquantized_experts_is_refused_packed_whatever_their_order(model_root, tmp_path, expert):
+    """One expert of layer 0 stored unquantized beside its quantized peers: served packed, refused by name
+    whether it comes first in the checkpoint (expert 0: the layer was silently dequantized) or last (expert 3);
+    served dequantized, it loads."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from nanoserve.model import ModelLoadError
+    from test_wna16 import dequant_of
+    path = MOE_CASES["awq"](model_root)
+    tensors = load_file(str(path / "model.safetensors"))
+    plain = load_file(str(dequant_of(path) / "model.safetensors"))
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        stem = f"model.layers.0.mlp.experts.{expert}.{proj}"
+        for name in [n for n in tensors if n.startswith(stem + ".")]:
+            del tensors[name]
+        tensors[stem + ".weight"] = plain[stem + ".weight"]
+    mixed = tmp_path / "mixed"
+    shutil.copytree(path, mixed)
+    save_file(tensors, str(mixed / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match=r"layer.* unquantized.*one packed layer cannot hold both"):
+        load_model(mixed, torch.float32, torch.device("cpu"), wna16_weights="packed")
+    load_model(mixed, torch.float32, torch.device("cpu"), wna16_weights="dequantized")
