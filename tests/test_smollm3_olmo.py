@@ -2,7 +2,8 @@
 layers (no rotary where no_rope_layers says 0), OLMo's norms after attention and the MLP with q/k norms
 over all heads, OLMo 3's sliding layers with a rotary base of their own. The engine runs them with
 chunked prefill and preemption (a 16-token step budget, few KV blocks), then again over its prefix
-cache; OLMo 3 also over two tensor-parallel ranks (its q/k norms' mean square all-reduced). Their own
+cache; OLMo 3 also over two tensor-parallel ranks (its q/k norms' mean square all-reduced); SmolLM3 and OLMo 3
+on the Triton kernels (the interpreter) and SmolLM3 in bf16 on the CPU's fast paths. Their own
 tiny models (not conftest's ARCHS, which every all-architecture test runs)."""
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VOCAB, _tokenizer_dir, hf_greedy_logprobs
-from nanoserve import LLM, SamplingParams
-from nanoserve.model import ModelConfig, ModelLoadError, _sliding_window
+from conftest import VOCAB, _tokenizer_dir, hf_greedy_logprobs, hf_model, step_logits
+from nanoserve import LLM, SamplingParams, kernels
+from nanoserve.engine import ModelRunner
+from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
+from nanoserve.model import ModelConfig, ModelLoadError, SeqInput, _sliding_window, load_model
+from test_kernels import triton_only
 
 _rng = torch.Generator().manual_seed(31)
 PROMPTS = [torch.randint(1, VOCAB, (n,), generator=_rng).tolist() for n in (1, 9, 23, 40)]
@@ -88,6 +92,26 @@ def test_olmo3_tp2_matches_transformers(model_root):
         llm.shutdown()
     assert tokens == ref
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4)
+
+
+@triton_only
+@pytest.mark.parametrize("arch", ["smollm3", "olmo3"])
+def test_triton_kernels_through_the_whole_model(model_root, arch):
+    """The model on the Triton backend (the interpreter, fp32): SmolLM3's NoPE layer skips the rotary launch,
+    OLMo 3's sliding layer rotates with its own tables and attends within its window; a prompt in two chunks,
+    the second over the first's KV cache, gives transformers' logits."""
+    path = make(model_root, arch)
+    cfg = ModelConfig.from_dir(path)
+    model, _ = load_model(path, torch.float32, torch.device("cpu"), kernels.TRITON)
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 16)
+    runner = ModelRunner(model, allocate_kv_cache(spec, 4, torch.device("cpu")), 16, torch.device("cpu"),
+                         kernels.TRITON)
+    prompt, table = PROMPTS[3][:30], [1, 2]
+    got = torch.cat([step_logits(runner, [SeqInput(prompt[:20], 0, table, None)]),
+                     step_logits(runner, [SeqInput(prompt[20:], 20, table, None)])])
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_bf16_on_the_cpu_fast_paths_follows_fp32(model_root):
