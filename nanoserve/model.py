@@ -1139,12 +1139,13 @@ def _sliding_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 def _olmo3_sliding_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """OLMo 3's sliding layers' rotary: transformers 5's rope_parameters["sliding_attention"]; from a
-    transformers 4 config (rope_scaling, rope_theta) the plain rotary at rope_theta: its scaling (YaRN
-    in the long-context checkpoints) is the full layers' only."""
+    transformers 4 config (rope_scaling, rope_theta) plain RoPE at Olmo3Config's default_theta, 500000, as
+    transformers 5.25 (and so vLLM) reads one: rope_theta and rope_scaling (YaRN in the long-context
+    checkpoints) go to the full layers only. The released checkpoints' rope_theta is 500000 too."""
     params = c.get("rope_parameters")
     if isinstance(params, dict) and "sliding_attention" in params:
-        return _rope_from_config({**c, "rope_parameters": params["sliding_attention"] or {}})
-    return float(c.get("rope_theta", 500_000.0)), None
+        return _rope_from_config({**c, "rope_theta": 500_000.0, "rope_parameters": params["sliding_attention"] or {}})
+    return 500_000.0, None
 
 
 def _smollm3_rope_layers(c: dict[str, Any]) -> list[int]:
@@ -1260,12 +1261,12 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
 def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that use it, as transformers reads them: every layer of
     Mistral's, Mixtral's and Phi-3's; Gemma 2's and 3's ``layer_types``; with Qwen's use_sliding_window, those
-    ``layer_types`` names (by default the layers from max_window_layers on); none of Llama's or Granite's
-    (dense or MoE)."""
-    window, n = c.get("sliding_window"), c["num_hidden_layers"]
+    ``layer_types`` names (by default the layers from max_window_layers on), and SmolLM3's (by default its NoPE
+    layers); OLMo 3's ``layer_types``; none of Llama's, Granite's (dense or MoE) or OLMo 2's."""
+    window, n = c.get("sliding_window", 4096 if arch == "Olmo3ForCausalLM" else None), c["num_hidden_layers"]
     if window is None or arch in ("LlamaForCausalLM", *GRANITE_ARCHITECTURES, "Olmo2ForCausalLM"):
         return None, ()
-    if arch == "Olmo3ForCausalLM":  # always on; Olmo3Config's default: three sliding layers, then a full one
+    if arch == "Olmo3ForCausalLM":  # always on; Olmo3Config's defaults: 4096, three sliding layers, then a full one
         types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
         layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
         return (int(window) if layers else None), layers

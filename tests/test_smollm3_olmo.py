@@ -150,12 +150,14 @@ def test_smollm3_nope_layers_and_windows():
 
 
 def test_olmo3_layers_and_rotaries_from_both_config_forms():
-    cfg = _config("Olmo3ForCausalLM", sliding_window=4096)
-    assert cfg.sliding_layers == (0, 1, 2, 4, 5, 6) and cfg.qk_norm_whole  # Olmo3Config's default: every 4th full
+    cfg = _config("Olmo3ForCausalLM")  # Olmo3Config's defaults: a 4096 window, every 4th layer full
+    assert (cfg.sliding_window, cfg.sliding_layers) == (4096, (0, 1, 2, 4, 5, 6)) and cfg.qk_norm_whole
+    assert not _config("Olmo3ForCausalLM", sliding_window=None).sliding_layers
     assert not _config("Olmo2ForCausalLM", sliding_window=4096).sliding_layers
     yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}
-    legacy = _config("Olmo3ForCausalLM", sliding_window=4096, rope_theta=500000.0, rope_scaling=yarn)
-    assert legacy.rope_scaling["rope_type"] == "yarn" and legacy.sliding_rope == (500000.0, None)
+    legacy = _config("Olmo3ForCausalLM", sliding_window=4096, rope_theta=10000.0, rope_scaling=yarn)
+    assert legacy.rope_scaling["rope_type"] == "yarn" and legacy.rope_theta == 10000.0
+    assert legacy.sliding_rope == (500000.0, None)  # transformers 5.25's reading: its default_theta, unscaled
 
 
 @pytest.mark.parametrize("arch", ["SmolLM3ForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM"])
