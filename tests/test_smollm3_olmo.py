@@ -22,7 +22,8 @@ from test_kernels import triton_only
 _rng = torch.Generator().manual_seed(31)
 PROMPTS = [torch.randint(1, VOCAB, (n,), generator=_rng).tolist() for n in (1, 9, 23, 40)]
 N_NEW = 12
-# 7 blocks of 16 tokens for four requests of up to 52 (10 blocks together): some are preempted; 16 tokens a step chunk the prompts
+# 7 blocks of 16 tokens for four requests of up to 52 (10 blocks together): some are preempted; a step's
+# 16 tokens chunk the longer prompts
 SMALL = dict(dtype="float32", enforce_eager=True, num_kv_blocks=7, max_model_len=64, max_num_batched_tokens=16,
              max_num_seqs=4)
 # hidden 128 over 4 heads: head_dim 32, which the CPU's C attention takes (the bf16 run's fast path)
@@ -117,12 +118,15 @@ def test_triton_kernels_through_the_whole_model(model_root, arch):
 def test_bf16_on_the_cpu_fast_paths_follows_fp32(model_root):
     """bf16, not eager: the C attention (head_dim 32) and the C or compiled norms and rotary; each prompt's
     first token as fp32 transformers picks it, its logprob close."""
+    from test_cpu_backend import _c_or_skip
     from nanoserve import cpu_kernels
+    _c_or_skip(group=2, head_dim=32)
     path = make(model_root, "smollm3")
     ref, ref_logprobs = hf_greedy_logprobs(path, PROMPTS, 1)
     llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=12, max_model_len=64)
     try:
         assert llm.engine.backend.paged_attention is cpu_kernels.paged_attention
+        assert llm.engine.backend.rotary is cpu_kernels.rotary  # layer 0's; layer 1 (NoPE) launches none
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=1, logprobs=0), use_tqdm=False)
     finally:
         llm.shutdown()
