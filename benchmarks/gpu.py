@@ -77,10 +77,13 @@ for _p in (str(HERE), str(ROOT)):
 #   deepseek_v3-576: the released models' 512 + 64 latent (the Triton attention's two dots, the K tile as V),
 #   32 heads in two blocks of 16;
 # gpt_oss: attention sinks (the Triton kernel's SINKS variant), a sliding then a full layer, YaRN, biased experts
-#   with the clamped SwiGLU (on the device Triton's fused MoE with biases and swigluoai, captured in "graphs")
+#   with the clamped SwiGLU (on the device Triton's fused MoE with biases and swigluoai, captured in "graphs");
+# smollm3: a NoPE layer (no rotary launch) after a rotary one; olmo2: norms after attention and the MLP, q/k
+#   norms over all heads (k's 64 wide); olmo3: olmo2 with a 32-token sliding layer rotating at a base of its own
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "mistral-sw", "granite", "phi3-partial", "gemma3", "gemma2",
          "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "granitemoeshared", "glm4_moe", "deepseek_v2", "deepseek_v3",
-         "deepseek_v3-576", "gpt_oss")
+         "deepseek_v3-576", "gpt_oss",
+         "smollm3", "olmo2", "olmo3")
 # The later architectures differ in the decoder's own math, which plain and chunked steps check;
 # preemption and the graphs' padding are the same code for every one but gemma3 (its mixed window)
 # and the MoE models (padding rows routed to experts: qwen3_moe stands for them all):
@@ -93,7 +96,9 @@ ARCH_CONFIGS = {"granite": ("plain-graphs", "chunked-eager"), "phi3-partial": ("
                 "olmoe": ("plain-graphs", "chunked-eager"), "granitemoeshared": ("plain-graphs", "chunked-eager"),
                 "glm4_moe": ("plain-graphs", "chunked-eager"), "deepseek_v2": ("plain-graphs", "chunked-eager"),
                 "deepseek_v3": ("plain-graphs", "chunked-eager"), "deepseek_v3-576": ("plain-graphs", "chunked-eager"),
-                "gpt_oss": ("plain-graphs", "chunked-eager")}
+                "gpt_oss": ("plain-graphs", "chunked-eager"),
+                "smollm3": ("plain-graphs", "chunked-eager"), "olmo2": ("plain-graphs", "chunked-eager"),
+                "olmo3": ("plain-graphs", "chunked-eager")}
 # Quiet, offline children (nothing can be fetched on the device machine).
 CHILD_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
              "HF_HUB_DISABLE_TELEMETRY": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -224,8 +229,8 @@ def tiny_hf_config(arch: str, max_pos: int):
     """tests/conftest.py's tiny models, without importing the test suite."""
     from transformers import (DeepseekV2Config, DeepseekV3Config, Gemma2Config, Gemma3TextConfig, Glm4MoeConfig,
                               GptOssConfig, GraniteConfig, GraniteMoeSharedConfig, LlamaConfig, MistralConfig,
-                              MixtralConfig, OlmoeConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              MixtralConfig, Olmo2Config, Olmo3Config, OlmoeConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
     base = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, eos_token_id=0, bos_token_id=None)
@@ -233,7 +238,8 @@ def tiny_hf_config(arch: str, max_pos: int):
                phi3=Phi3Config, gemma3=Gemma3TextConfig, gemma2=Gemma2Config, mixtral=MixtralConfig,
                qwen2_moe=Qwen2MoeConfig, qwen3_moe=Qwen3MoeConfig, olmoe=OlmoeConfig,
                granitemoeshared=GraniteMoeSharedConfig, glm4_moe=Glm4MoeConfig, deepseek_v2=DeepseekV2Config,
-               deepseek_v3=DeepseekV3Config, gpt_oss=GptOssConfig)[arch.split("-")[0]]
+               deepseek_v3=DeepseekV3Config, gpt_oss=GptOssConfig, smollm3=SmolLM3Config, olmo2=Olmo2Config,
+               olmo3=Olmo3Config)[arch.split("-")[0]]
     if arch == "qwen3":
         base.update(head_dim=32, tie_word_embeddings=True)
     if arch in ("gemma3", "gemma2"):
@@ -279,6 +285,14 @@ def tiny_hf_config(arch: str, max_pos: int):
                     layer_types=["sliding_attention", "full_attention"], rope_parameters={
                         "rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": max(max_pos // 32, 1)})
+    if arch == "smollm3":
+        base.update(no_rope_layer_interval=2, pad_token_id=None)
+    if arch in ("olmo2", "olmo3"):
+        base.update(pad_token_id=None)
+    if arch == "olmo3":
+        base.update(sliding_window=32, layer_types=["sliding_attention", "full_attention"], rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})
     return cls(**base)
 
 

@@ -86,9 +86,13 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 GPT_OSS = "GptOssForCausalLM"
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM",
                      *GRANITE_MOE_ARCHITECTURES, "Glm4MoeForCausalLM", *MLA_ARCHITECTURES, GPT_OSS)
+# OLMo 2 and 3: norms after attention and after the MLP (none before), q/k norms over all heads
+OLMO2_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
+SMOLLM3 = "SmolLM3ForCausalLM"  # Llama with every no_rope_layer_interval-th layer's rotary left out (NoPE)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                           *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES)
+                           *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES,
+                           SMOLLM3, *OLMO2_ARCHITECTURES)
 # encoder models (the pooling runner's only): embeddings, and classifiers (cross-encoders with one label)
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
                          "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification",
@@ -424,6 +428,7 @@ class ModelConfig:
     # the sliding-window layers' rotary (theta, scaling) where it is not the others' (Gemma 3)
     sliding_rope: tuple[float, dict[str, Any] | None] | None = None
     qk_norm_whole: bool = False   # OLMoE: one RMSNorm over all of q's heads together, one over k's (not per head)
+    nope_layers: tuple[int, ...] = ()  # SmolLM3's layers without rotary positions (NoPE)
     # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GraniteMoe(Shared), GLM-4.5; 0: a dense model)
     num_experts: int = 0
     num_experts_per_tok: int = 0       # top-k: the experts each token runs
@@ -561,6 +566,9 @@ class ModelConfig:
             c = _gemma2_config(c)
         elif arch == "Glm4MoeForCausalLM":
             c = _glm4_moe_config(c)
+        if arch in (SMOLLM3, *OLMO2_ARCHITECTURES) and c.get("attention_bias"):
+            raise ModelLoadError(f"{arch} with attention_bias is not supported (transformers puts one on o_proj too, "
+                                 "which nanoserve's has not; its released checkpoints leave it off)")
         mxfp4 = _mxfp4(arch, c.get("quantization_config"))
         quantization = None if mxfp4 else quantization_config(c.get("quantization_config"))
         sizes = SIZE_KEYS + (MOE_SIZE_KEYS if arch in MOE_ARCHITECTURES else ())
@@ -613,8 +621,10 @@ class ModelConfig:
             hidden_act=c["hidden_activation"] if gemma else "silu",
             attention_scale=(float(c.get("attention_multiplier", 1.0)) if granite else
                              float(c["query_pre_attn_scalar"]) ** -0.5 if gemma else None),
-            sliding_rope=_sliding_rope(c) if gemma3 else None,
-            qk_norm_whole=arch == "OlmoeForCausalLM",
+            sliding_rope=(_sliding_rope(c) if gemma3 else _olmo3_sliding_rope(c) if arch == "Olmo3ForCausalLM"
+                          else None),
+            qk_norm_whole=arch in ("OlmoeForCausalLM", *OLMO2_ARCHITECTURES),
+            nope_layers=_nope_layers(c) if arch == SMOLLM3 else (),
             quantization=quantization,
             **(_moe_config(arch, c) if arch in MOE_ARCHITECTURES else {}),
             **(_gpt_oss_config(c, mxfp4) if arch == GPT_OSS else {}),
@@ -1176,6 +1186,34 @@ def _sliding_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(c["rope_local_base_freq"]), None
 
 
+def _olmo3_sliding_rope(c: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """OLMo 3's sliding layers' rotary: transformers 5's rope_parameters["sliding_attention"]; from a
+    transformers 4 config (rope_scaling, rope_theta) plain RoPE at Olmo3Config's default_theta, 500000, as
+    transformers 5.25 (and so vLLM) reads one: rope_theta and rope_scaling (YaRN in the long-context
+    checkpoints) go to the full layers only. The released checkpoints' rope_theta is 500000 too."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and "sliding_attention" in params:
+        return _rope_from_config({**c, "rope_theta": 500_000.0, "rope_parameters": params["sliding_attention"] or {}})
+    return 500_000.0, None
+
+
+def _smollm3_rope_layers(c: dict[str, Any]) -> list[int]:
+    """SmolLM3Config's no_rope_layers: 1 for a layer with rotary, 0 for a NoPE one; by default every
+    no_rope_layer_interval-th layer (the 4th, 8th, ...) is NoPE."""
+    n, interval = c["num_hidden_layers"], c.get("no_rope_layer_interval") or 4
+    flags = c.get("no_rope_layers")
+    if flags is None:
+        return [int((i + 1) % interval != 0) for i in range(n)]
+    if not isinstance(flags, list) or len(flags) < n:
+        raise ModelLoadError(f"SmolLM3ForCausalLM's no_rope_layers needs a 0 or 1 for each of its {n} layers, "
+                             f"got {flags!r}")
+    return [int(bool(f)) for f in flags[:n]]
+
+
+def _nope_layers(c: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(i for i, rope in enumerate(_smollm3_rope_layers(c)) if not rope)
+
+
 def override_config(c: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
     """vLLM's hf_overrides: each key replaces the checkpoint's. A rope_scaling given in
     transformers 4's form replaces a transformers 5 checkpoint's rope_parameters, whose
@@ -1272,11 +1310,22 @@ def _scaled_max_positions(max_positions: int, scaling: dict[str, Any] | None) ->
 def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int, ...]]:
     """The window and the layers that use it, as transformers reads them: every layer of
     Mistral's, Mixtral's and Phi-3's; Gemma 2's and 3's ``layer_types``; with Qwen's use_sliding_window, those
-    ``layer_types`` names (by default the layers from max_window_layers on); none of Llama's or Granite's
-    (dense or MoE)."""
-    window, n = c.get("sliding_window"), c["num_hidden_layers"]
-    if window is None or arch in ("LlamaForCausalLM", *GRANITE_ARCHITECTURES):
+    ``layer_types`` names (by default the layers from max_window_layers on), and SmolLM3's (by default its NoPE
+    layers); OLMo 3's ``layer_types``; none of Llama's, Granite's (dense or MoE) or OLMo 2's."""
+    window, n = c.get("sliding_window", 4096 if arch == "Olmo3ForCausalLM" else None), c["num_hidden_layers"]
+    if window is None or arch in ("LlamaForCausalLM", *GRANITE_ARCHITECTURES, "Olmo2ForCausalLM"):
         return None, ()
+    if arch == "Olmo3ForCausalLM":  # always on; Olmo3Config's defaults: 4096, three sliding layers, then a full one
+        types = c.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        return (int(window) if layers else None), layers
+    if arch == SMOLLM3:  # with use_sliding_window, the layer_types names (by default the NoPE layers)
+        if not c.get("use_sliding_window", False):
+            return None, ()
+        types = c.get("layer_types") or ["full_attention" if rope else "sliding_attention"
+                                         for rope in _smollm3_rope_layers(c)]
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+        return (int(window) if layers else None), layers
     if arch == "Phi3ForCausalLM":  # every layer (Phi-3-mini-4k's 2047); one no sequence outgrows is none
         return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
     if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
@@ -1868,7 +1917,7 @@ class Attention(nn.Module):
     """Under tensor parallelism a rank computes its own heads: q/k/v come split by
     heads, its KV cache holds only its KV heads, and o_proj sums the ranks' parts."""
 
-    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup,
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding | None, backend: Backend, tp: TPGroup,
                  sliding_window: int | None):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
@@ -1887,7 +1936,7 @@ class Attention(nn.Module):
             (q_full, kv_full, _), qkv, eps = self.qkv_proj.full_sizes, self.qkv_proj, cfg.rms_norm_eps
             self.q_norm = ShardedRMSNorm(q_full, self.q_size, qkv.shard_rank(0) * self.q_size, eps, backend, tp)
             self.k_norm = ShardedRMSNorm(kv_full, self.kv_size, qkv.shard_rank(1) * self.kv_size, eps, backend, tp)
-        self.rotary_emb = rotary_emb
+        self.rotary_emb = rotary_emb  # None: a NoPE layer (SmolLM3's), q and k attend unrotated
         self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.sliding_window = sliding_window  # None: every earlier position is visible
         # Gemma 2's soft cap on the scores, a keyword only where there is one: a backend's
@@ -1923,7 +1972,8 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and not self.qk_norm_whole:  # Qwen3 (and its MoE), Gemma 3: each head's
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         # The step's new K and V go into the paged cache first, so that attention
         # reads every position, old and new, through the block tables.
         k_cache, v_cache = kv_cache
@@ -2327,6 +2377,25 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
+class Olmo2DecoderLayer(nn.Module):
+    """OLMo 2's and 3's layer: no norm before attention or the MLP, one after each, on the branch's
+    output before its residual add: h = x + post_attn_norm(attn(x)); out = h + post_ff_norm(mlp(h)).
+    The stream comes in and goes out as DecoderLayer's (x, residual), their sum the hidden state,
+    so that the model's final norm fuses the last add as it does for every layer."""
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup, index: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary_emb, backend, tp, cfg.layer_window(index))
+        self.mlp = MLP(cfg, backend, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        h = x if residual is None else x + residual
+        h = h + self.post_attention_layernorm(self.self_attn(positions, h, kv_cache, meta))
+        return self.post_feedforward_layernorm(self.mlp(h)), h
+
+
 class DecoderModel(nn.Module):
     """The body shared by every supported architecture (HF's ``model.`` prefix)."""
 
@@ -2335,10 +2404,11 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary_emb = RotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta,
                                           cfg.rope_scaling, backend)
-        # Gemma 3's sliding-window layers rotate with a base (and scaling) of their own
+        # Gemma 3's and OLMo 3's sliding-window layers rotate with a base (and scaling) of their own
         self.sliding_rotary_emb = None if cfg.sliding_rope is None else RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, *cfg.sliding_rope, backend)
-        layer = GemmaDecoderLayer if cfg.gemma else DecoderLayer
+        layer = (GemmaDecoderLayer if cfg.gemma else Olmo2DecoderLayer if cfg.architecture in OLMO2_ARCHITECTURES
+                 else DecoderLayer)
         self.layers = nn.ModuleList(layer(cfg, self.layer_rotary_emb(cfg, i), backend, tp, i)
                                     for i in range(cfg.num_layers))
         self.norm = (GemmaRMSNorm if cfg.gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -2348,7 +2418,9 @@ class DecoderModel(nn.Module):
         self.register_buffer("normalizer", torch.tensor(cfg.hidden_size ** 0.5) if cfg.gemma else None,
                              persistent=False)
 
-    def layer_rotary_emb(self, cfg: ModelConfig, index: int) -> RotaryEmbedding:
+    def layer_rotary_emb(self, cfg: ModelConfig, index: int) -> RotaryEmbedding | None:
+        if index in cfg.nope_layers:  # SmolLM3's NoPE layers: no rotary at all
+            return None
         sliding = self.sliding_rotary_emb is not None and index in cfg.sliding_layers
         return self.sliding_rotary_emb if sliding else self.rotary_emb
 
