@@ -57,7 +57,7 @@ def glm4_model(model_root: Path) -> Path:
     out = Path(model_root) / "glm4-dense"
     if not (out / "config.json").exists():
         torch.manual_seed(0)
-        model = Glm4ForCausalLM(Glm4Config(**BASE, head_dim=32))
+        model = Glm4ForCausalLM(Glm4Config(**BASE, head_dim=64))  # a rotary half of 32: the C rotary's least
         _randomize(model)
         _save(model, out, model_root)
     return out
@@ -83,7 +83,7 @@ def mistral3_model(model_root: Path, layout: str = "v4") -> Path:
         save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
         return out
     torch.manual_seed(0)
-    text = MistralConfig(**BASE, head_dim=16, sliding_window=None, rope_theta=1e6)
+    text = MistralConfig(**BASE, head_dim=32, sliding_window=None, rope_theta=1e6)
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                  image_size=32, patch_size=8, head_dim=16)
     model = Mistral3ForConditionalGeneration(Mistral3Config(text_config=text.to_dict(),
@@ -95,8 +95,8 @@ def mistral3_model(model_root: Path, layout: str = "v4") -> Path:
 def hf_reference(path: Path, prompts: list[list[int]], n_new: int, dtype=torch.float32):
     """transformers' greedy tokens (exactly n_new each) and their logprobs, Mistral 3 through its own class."""
     from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration
-    multimodal = json.loads((path / "config.json").read_text())["architectures"][0] == "Mistral3ForConditionalGeneration"
-    cls = Mistral3ForConditionalGeneration if multimodal else AutoModelForCausalLM
+    arch = json.loads((path / "config.json").read_text())["architectures"][0]
+    cls = Mistral3ForConditionalGeneration if arch == "Mistral3ForConditionalGeneration" else AutoModelForCausalLM
     hf = cls.from_pretrained(path, dtype=dtype).eval()
     tokens, logprobs = [], []
     with torch.no_grad():
@@ -115,7 +115,8 @@ def generate(path: Path, prompts=PROMPTS, n_new=N_NEW, **kw):
     try:
         params = SamplingParams(temperature=0, max_tokens=n_new, min_tokens=n_new, logprobs=0)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        stats = llm.stats()
+        stats = {**llm.stats(), "backend": llm.engine.backend.name,
+                 "num_cached_tokens": [o.num_cached_tokens for o in outs]}
     finally:
         llm.shutdown()
     return ([o.outputs[0].token_ids for o in outs],
@@ -128,6 +129,7 @@ def _assert_matches_hf(path: Path, **kw) -> dict:
     assert tokens == ref
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=1e-4, rtol=1e-4)
     assert stats["num_preemptions"] > 0  # recomputed after preemption, and still the same tokens
+    assert stats["num_cached_tokens"][-1] >= 16  # the last prompt read its shared block from the prefix cache
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     return stats
 
@@ -137,14 +139,14 @@ def test_mistral3_text_matches_transformers(model_root, layout):
     path = mistral3_model(model_root, layout)
     cfg = ModelConfig.from_dir(path)
     assert (cfg.architecture, cfg.head_dim, cfg.rope_theta, cfg.tie_word_embeddings) == \
-        ("Mistral3ForConditionalGeneration", 16, 1e6, False)
+        ("Mistral3ForConditionalGeneration", 32, 1e6, False)
     _assert_matches_hf(path)
 
 
 def test_glm4_matches_transformers(model_root):
     path = glm4_model(model_root)
     cfg = ModelConfig.from_dir(path)
-    assert (cfg.rotary_dim, cfg.rope_interleave, cfg.attention_bias) == (16, True, True)
+    assert (cfg.rotary_dim, cfg.rope_interleave, cfg.attention_bias) == (32, True, True)
     _assert_matches_hf(path)
 
 
@@ -159,11 +161,12 @@ def test_glm4_tp2_matches_transformers(model_root):
 
 @pytest.mark.parametrize("which", ["mistral3", "glm4"])
 def test_bf16_smoke(model_root, which):
-    """bf16 runs (the C kernels' dtype on this CPU): the first greedy token of each prompt is transformers'
-    fp32 one, its logprob near."""
+    """bf16 with the CPU backend's kernels (not --enforce-eager: the C attention, norm and rotary where they
+    build): the first greedy token of each prompt is transformers' fp32 one, its logprob near."""
     path = mistral3_model(model_root) if which == "mistral3" else glm4_model(model_root)
     prompts = PROMPTS[1:3]
-    tokens, logprobs, _ = generate(path, prompts, n_new=1, dtype="bfloat16")
+    tokens, logprobs, stats = generate(path, prompts, n_new=1, dtype="bfloat16", enforce_eager=False)
+    assert "attention: c," in stats["backend"] and "elementwise ops: c," in stats["backend"]
     ref, ref_logprobs = hf_reference(path, prompts, 1)
     assert tokens == ref
     torch.testing.assert_close(torch.tensor(logprobs), torch.tensor(ref_logprobs), atol=0.1, rtol=0.05)
@@ -191,3 +194,30 @@ def test_mistral3_config_read_from_its_text_config():
     cfg = ModelConfig.from_dict(_mistral3_config(sliding_window=32))
     assert (cfg.num_layers, cfg.eos_token_ids, cfg.tie_word_embeddings, cfg.sliding_layers) == (2, [2], False, (0, 1))
     assert ModelConfig.from_dict({**_mistral3_config(), "tie_word_embeddings": True}).tie_word_embeddings
+
+
+@pytest.mark.skipif(not __import__("test_kernels").TRITON_RUNNABLE, reason="the Triton kernels cannot run here")
+def test_glm4_on_the_triton_backend_matches_the_references(model_root):
+    """GLM-4's forward (a prefill, then a decode of each prompt) with every op from kernels.TRITON gives
+    kernels.TORCH's logits (fp32; the interpreter on the CPU): the reordered rotary half through the Triton
+    rotary, the extra norms through its rms_norm."""
+    from conftest import step_logits
+    from nanoserve import kernels
+    from nanoserve.kvcache import KVCacheSpec, allocate_kv_cache
+    from nanoserve.model import ModelRunner, SeqInput, load_model
+    from test_kernels import DEVICE
+    path = glm4_model(model_root)
+    cfg = ModelConfig.from_dir(path)
+    prompts = [PROMPTS[1], PROMPTS[4]]  # 9 and 25 tokens: two 16-token blocks each
+    logits = []
+    for backend in (kernels.TORCH, kernels.TRITON):
+        model, _ = load_model(path, torch.float32, torch.device(DEVICE), backend)
+        spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, 16, False)
+        runner = ModelRunner(model, allocate_kv_cache(spec, 8, torch.device(DEVICE)), 16, torch.device(DEVICE),
+                             backend)
+        tables = [[1, 2], [3, 4]]
+        logits.append([step_logits(runner, step) for step in (
+            [SeqInput(p, 0, t, None) for p, t in zip(prompts, tables)],
+            [SeqInput([7], len(p), t, None) for p, t in zip(prompts, tables)])])
+    for a, b in zip(*logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
