@@ -1084,6 +1084,8 @@ def _mistral3_text_config(c: dict[str, Any]) -> dict[str, Any]:
                              f"position) is not supported")
     top = {k: c[k] for k in ("eos_token_id", "dtype", "torch_dtype", "tie_word_embeddings", "quantization_config")
            if k in c}
+    if model_type == "llama":  # Llama's layers attend to every position, whatever sliding_window says
+        text = {**text, "sliding_window": None}
     return {"tie_word_embeddings": False, **top, **text, "architectures": c["architectures"]}
 
 

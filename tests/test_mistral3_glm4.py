@@ -194,6 +194,7 @@ def test_mistral3_config_read_from_its_text_config():
     cfg = ModelConfig.from_dict(_mistral3_config(sliding_window=32))
     assert (cfg.num_layers, cfg.eos_token_ids, cfg.tie_word_embeddings, cfg.sliding_layers) == (2, [2], False, (0, 1))
     assert ModelConfig.from_dict({**_mistral3_config(), "tie_word_embeddings": True}).tie_word_embeddings
+    assert ModelConfig.from_dict(_mistral3_config(model_type="llama", sliding_window=32)).sliding_window is None
 
 
 @pytest.mark.skipif(not __import__("test_kernels").TRITON_RUNNABLE, reason="the Triton kernels cannot run here")
