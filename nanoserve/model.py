@@ -77,6 +77,12 @@ logger = logging.getLogger("nanoserve.model")
 LOG_FORMAT, LOG_DATE_FORMAT = "%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"  # server's and ranks'
 
 GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")  # the latter: its text only
+# Mistral 3 (Mistral-Small-3.1/3.2, Devstral, Magistral in HF format): its text decoder only, a Mistral one
+MISTRAL3 = "Mistral3ForConditionalGeneration"
+# the multimodal checkpoints served as their text decoder (vLLM serves their text too); the vision tower is not loaded
+TEXT_OF_MULTIMODAL = ("Gemma3ForConditionalGeneration", MISTRAL3)
+# GLM-4-0414 (dense): Llama's layer with a norm after attention and one after the MLP, a rotary half in pairs
+GLM4 = "Glm4ForCausalLM"
 BIDIRECTIONAL_GEMMA3 = "Gemma3TextModel"  # EmbeddingGemma: served as an encoder model (use_bidirectional_attention)
 GRANITE_MOE_ARCHITECTURES = ("GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM")
 GRANITE_ARCHITECTURES = ("GraniteForCausalLM", *GRANITE_MOE_ARCHITECTURES)  # Granite's four scalars
@@ -91,7 +97,7 @@ OLMO2_ARCHITECTURES = ("Olmo2ForCausalLM", "Olmo3ForCausalLM")
 SMOLLM3 = "SmolLM3ForCausalLM"  # Llama with every no_rope_layer_interval-th layer's rotary left out (NoPE)
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "MistralForCausalLM", "GraniteForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                           *GEMMA3_ARCHITECTURES, *MOE_ARCHITECTURES,
+                           *GEMMA3_ARCHITECTURES, MISTRAL3, GLM4, *MOE_ARCHITECTURES,
                            SMOLLM3, *OLMO2_ARCHITECTURES)
 # encoder models (the pooling runner's only): embeddings, and classifiers (cross-encoders with one label)
 ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
@@ -453,7 +459,7 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    rope_interleave: bool = False  # the rope dims stored as pairs (x0, x1), (x2, x3), ...: DeepSeek's
+    rope_interleave: bool = False  # the rope dims stored as pairs (x0, x1), (x2, x3), ...: DeepSeek's, GLM-4's
     # an FP8 or int4/int8 weight-only checkpoint's (dequantized at load); None: unquantized
     quantization: Fp8Config | WNA16Config | None = None
     # gpt-oss: a learned logit a head in each attention softmax (no value), the experts' clamped SwiGLU
@@ -564,8 +570,10 @@ class ModelConfig:
             c = _gemma3_text_config(c)
         elif arch == "Gemma2ForCausalLM":
             c = _gemma2_config(c)
-        elif arch == "Glm4MoeForCausalLM":
-            c = _glm4_moe_config(c)
+        elif arch == MISTRAL3:
+            c = _mistral3_text_config(c)
+        elif arch in (GLM4, "Glm4MoeForCausalLM"):
+            c = _glm4_config(c)
         if arch in (SMOLLM3, *OLMO2_ARCHITECTURES) and c.get("attention_bias"):
             raise ModelLoadError(f"{arch} with attention_bias is not supported (transformers puts one on o_proj too, "
                                  "which nanoserve's has not; its released checkpoints leave it off)")
@@ -603,7 +611,7 @@ class ModelConfig:
             max_position_embeddings=(c["max_position_embeddings"] if gemma else  # vLLM's exception: already scaled
                                      _scaled_max_positions(c.get("max_position_embeddings", 2048), scaling)),
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=(arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", arch == GPT_OSS))
+            attention_bias=(arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", arch in (GPT_OSS, GLM4)))
                             or (arch == "Qwen2MoeForCausalLM" and bool(c.get("qkv_bias", True)))),
             qk_norm=(arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or gemma3
                      or (arch == "Glm4MoeForCausalLM" and bool(c.get("use_qk_norm", False)))),
@@ -612,6 +620,7 @@ class ModelConfig:
             checkpoint_dtype=str(c.get("dtype") or c.get("torch_dtype") or "float32"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
             rotary_dim=rotary_dim,
+            rope_interleave=arch == GLM4,  # transformers' and vLLM's (is_neox_style=False) GLM-4 rotary
             embedding_multiplier=float(c.get("embedding_multiplier", 1.0)) if granite else 1.0,
             residual_multiplier=float(c.get("residual_multiplier", 1.0)) if granite else 1.0,
             logits_scaling=float(c.get("logits_scaling", 1.0)) if granite else 1.0,
@@ -1043,9 +1052,9 @@ def _mla_config(cfg: "ModelConfig", c: dict[str, Any]) -> "ModelConfig":
         rope_interleave=bool(c.get("rope_interleave", True)) if v3 else True, **sizes)  # V2's: always pairs
 
 
-def _glm4_moe_config(c: dict[str, Any]) -> dict[str, Any]:
-    """GLM-4.5's config.json with what transformers fills in where it is left out: a rotary half of
-    each head (partial_rotary_factor 0.5)."""
+def _glm4_config(c: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4's and GLM-4.5's config.json with what transformers fills in where it is left out: a rotary
+    half of each head (partial_rotary_factor 0.5)."""
     if c.get("partial_rotary_factor") is None and _rope_params(c).get("partial_rotary_factor") is None:
         c = {**c, "partial_rotary_factor": 0.5}
     return c
@@ -1095,6 +1104,30 @@ def _gemma3_text_config(c: dict[str, Any]) -> dict[str, Any]:
     # The released Gemma 3 configs set no soft cap (null); one that does is served with it, as
     # transformers' eager Gemma 3 attention and logits apply it (Gemma 2's code, below).
     return _check_gemma(arch, {**GEMMA3_TEXT_DEFAULTS, **c})
+
+
+# the text_config model types whose decoder is Mistral's (or Llama's) layer as vLLM builds it for Mistral 3
+MISTRAL3_TEXT_TYPES = (None, "mistral", "ministral3", "llama")
+
+
+def _mistral3_text_config(c: dict[str, Any]) -> dict[str, Any]:
+    """Mistral 3's text decoder config: its text_config, with the ids, dtype and quantization at the
+    top. The head is tied as the text model's config says (vLLM builds the text model from
+    text_config; MistralConfig's default: untied), else as the top level says."""
+    text = c.get("text_config") or {}
+    model_type = text.get("model_type")
+    if model_type not in MISTRAL3_TEXT_TYPES:
+        raise ModelLoadError(f"{MISTRAL3} with a {model_type!r} text_config is not supported (its text decoder "
+                             f"must be Mistral's: model_type {', '.join(repr(t) for t in MISTRAL3_TEXT_TYPES[1:])})")
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    if text.get("llama_4_scaling") or (isinstance(params, dict) and params.get("llama_4_scaling_beta")):
+        raise ModelLoadError(f"{MISTRAL3} with Ministral 3's llama_4_scaling (a query scale growing with the "
+                             f"position) is not supported")
+    top = {k: c[k] for k in ("eos_token_id", "dtype", "torch_dtype", "tie_word_embeddings", "quantization_config")
+           if k in c}
+    if model_type == "llama":  # Llama's layers attend to every position, whatever sliding_window says
+        text = {**text, "sliding_window": None}
+    return {"tie_word_embeddings": False, **top, **text, "architectures": c["architectures"]}
 
 
 # Gemma2Config's defaults, for a key config.json leaves out (the hub's Gemma 2 configs hold most)
@@ -1328,7 +1361,7 @@ def _sliding_window(arch: str, c: dict[str, Any]) -> tuple[int | None, tuple[int
         return (int(window) if layers else None), layers
     if arch == "Phi3ForCausalLM":  # every layer (Phi-3-mini-4k's 2047); one no sequence outgrows is none
         return (None, ()) if window >= c.get("max_position_embeddings", 2048) else (int(window), tuple(range(n)))
-    if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
+    if arch in ("MistralForCausalLM", "MixtralForCausalLM", MISTRAL3):
         return int(window), tuple(range(n))
     if arch in (*GEMMA3_ARCHITECTURES, "Gemma2ForCausalLM", GPT_OSS):  # always on, for the layers layer_types names
         types = (c.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
@@ -1358,7 +1391,7 @@ def num_parameters(cfg: ModelConfig) -> int:
     layer += qkv if cfg.attention_bias else 0
     layer += 2 * D if cfg.qk_norm else 0
     layer += (cfg.num_heads + cfg.num_kv_heads) * D if cfg.qk_norm_whole else 0
-    layer += 2 * H if cfg.gemma else 0  # its norms before and after the MLP
+    layer += 2 * H if cfg.gemma or cfg.architecture == GLM4 else 0  # their two norms more
     # every expert is held (a token runs top-k of them, the memory is all of them), with the router
     # and the shared expert (and Qwen2-MoE's gate of it)
     sparse = cfg.num_experts * (3 * H * cfg.moe_intermediate_size + H)
@@ -1913,6 +1946,13 @@ class ShardedRMSNorm(nn.Module):
         param.copy_(_read(loaded, (self.full_dim,), 0, self.start, param.shape[0]))
 
 
+def _pairs_to_halves(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims that puts its rotary pairs' first elements, then their second, before
+    the dims it does not turn."""
+    evens, odds = torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)
+    return torch.cat([evens, odds, torch.arange(rotary_dim, head_dim)])
+
+
 class Attention(nn.Module):
     """Under tensor parallelism a rank computes its own heads: q/k/v come split by
     heads, its KV cache holds only its KV heads, and o_proj sums the ranks' parts."""
@@ -1937,6 +1977,10 @@ class Attention(nn.Module):
             self.q_norm = ShardedRMSNorm(q_full, self.q_size, qkv.shard_rank(0) * self.q_size, eps, backend, tp)
             self.k_norm = ShardedRMSNorm(kv_full, self.kv_size, qkv.shard_rank(1) * self.kv_size, eps, backend, tp)
         self.rotary_emb = rotary_emb  # None: a NoPE layer (SmolLM3's), q and k attend unrotated
+        # GLM-4 turns pairs (x0, x1), (x2, x3), ... of the rotary dims; the backends' rotary turns halves: each
+        # head's rotary dims are reordered evens then odds (q and k alike, so their dot products are the same)
+        self.register_buffer("rope_order", _pairs_to_halves(cfg.head_dim, cfg.rotary_dim) if cfg.rope_interleave
+                             else None, persistent=False)
         self.scale = cfg.head_dim ** -0.5 if cfg.attention_scale is None else cfg.attention_scale
         self.sliding_window = sliding_window  # None: every earlier position is visible
         # Gemma 2's soft cap on the scores, a keyword only where there is one: a backend's
@@ -1973,6 +2017,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_whole:  # Qwen3 (and its MoE), Gemma 3: each head's
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_emb is not None:
+            if self.rope_order is not None:
+                q, k = q[..., self.rope_order], k[..., self.rope_order]
             q, k = self.rotary_emb(positions, q, k)
         # The step's new K and V go into the paged cache first, so that attention
         # reads every position, old and new, through the block tables.
@@ -2353,6 +2399,26 @@ class DecoderLayer(nn.Module):
         return x, residual
 
 
+class Glm4DecoderLayer(DecoderLayer):
+    """GLM-4's layer: Llama's with a norm on each branch's output, transformers'
+    h = x + post_self_attn_norm(attn(input_norm(x))); out = h + post_mlp_norm(mlp(post_attention_norm(h))),
+    the residual stream carried beside x as in DecoderLayer."""
+
+    def __init__(self, cfg: ModelConfig, rotary_emb: RotaryEmbedding, backend: Backend, tp: TPGroup, index: int):
+        super().__init__(cfg, rotary_emb, backend, tp, index)
+        self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+
+    def forward(self, positions, x, residual, kv_cache, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.post_self_attn_layernorm(self.self_attn(positions, x, kv_cache, meta))
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.post_mlp_layernorm(self.mlp(x)), residual
+
+
 class GemmaDecoderLayer(nn.Module):
     """Gemma 2 and 3's layer: a norm before and after both attention and the MLP, transformers'
     h = x + post_attn_norm(attn(input_norm(x))); out = h + post_ff_norm(mlp(pre_ff_norm(h))),
@@ -2408,7 +2474,7 @@ class DecoderModel(nn.Module):
         self.sliding_rotary_emb = None if cfg.sliding_rope is None else RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, *cfg.sliding_rope, backend)
         layer = (GemmaDecoderLayer if cfg.gemma else Olmo2DecoderLayer if cfg.architecture in OLMO2_ARCHITECTURES
-                 else DecoderLayer)
+                 else Glm4DecoderLayer if cfg.architecture == GLM4 else DecoderLayer)
         self.layers = nn.ModuleList(layer(cfg, self.layer_rotary_emb(cfg, i), backend, tp, i)
                                     for i in range(cfg.num_layers))
         self.norm = (GemmaRMSNorm if cfg.gemma else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps, backend)
@@ -4046,7 +4112,7 @@ def _expert_target(name: str, cfg: ModelConfig) -> tuple[str, int | None] | None
     return None
 
 
-# Gemma3ForConditionalGeneration: its text decoder's tensors under the prefixes transformers
+# TEXT_OF_MULTIMODAL (Gemma 3's, Mistral 3's): their text decoder's tensors under the prefixes transformers
 # writes (4's and 5's), and the vision tower's and projector's, which are not loaded
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
@@ -4062,7 +4128,7 @@ def _target_param(name: str, cfg: ModelConfig) -> tuple[str | None, int | None]:
     fused as the parameter is, Phi-3's qkv_proj and gate_up_proj, that fills every shard)."""
     if "rotary_emb" in name:
         return None, 0
-    if cfg.architecture == "Gemma3ForConditionalGeneration":
+    if cfg.architecture in TEXT_OF_MULTIMODAL:
         if name.startswith(_VISION_PREFIXES):
             return None, 0
         old, new = next(((o, n) for o, n in _TEXT_PREFIXES if name.startswith(o)), ("", ""))
