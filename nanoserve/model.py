@@ -179,6 +179,7 @@ CONFIG_VALUE_KINDS = {  # what _check_config_values' each keyword asks of a valu
     "strings": ("a string", lambda v: isinstance(v, str)),
     "lists": ("a list", lambda v: isinstance(v, list)),
     "dicts": ("an object", lambda v: isinstance(v, dict)),
+    "booleans": ("true or false", lambda v: isinstance(v, bool)),
 }
 
 
@@ -574,6 +575,12 @@ class ModelConfig:
             c = _mistral3_text_config(c)
         elif arch in (GLM4, "Glm4MoeForCausalLM"):
             c = _glm4_config(c)
+        # a decoder's values of the wrong kind refused by their keys (else a Python error deep in the parsing,
+        # or a model built on them: an rms_norm_eps "x" reached the first forward)
+        _check_config_values(arch, c, numbers=("rms_norm_eps", "rope_theta", "partial_rotary_factor"),
+                             integers=("sliding_window",), strings=("hidden_act",),
+                             dicts=("rope_scaling", "rope_parameters"),
+                             booleans=("tie_word_embeddings", "attention_bias", "use_sliding_window"))
         if arch in (SMOLLM3, *OLMO2_ARCHITECTURES) and c.get("attention_bias"):
             raise ModelLoadError(f"{arch} with attention_bias is not supported (transformers puts one on o_proj too, "
                                  "which nanoserve's has not; its released checkpoints leave it off)")
@@ -5996,7 +6003,8 @@ class ModelRunner:
             logger.debug("[model] step: %d sequences, %d tokens, %d sampled", len(seqs),
                          sum(len(s.token_ids) for s in seqs), len(rows))
         prompt_logprobs = self._prompt_logprobs(seqs, hidden) if any(s.prompt_logprob_ids for s in seqs) else {}
-        pooled = pool_hidden_states(seqs, hidden, self.model.score) if self.tp.rank == 0 and any(s.pooling for s in seqs) else {}
+        pools = self.tp.rank == 0 and any(s.pooling for s in seqs)
+        pooled = pool_hidden_states(seqs, hidden, self.model.score) if pools else {}
         if any(seqs[i].draft_token_ids for i in rows):  # speculative decoding: a row for each draft too
             ends = list(itertools.accumulate(len(s.token_ids) for s in seqs))
             picked = host_ints([p for i in rows for p in range(ends[i] - 1 - len(seqs[i].draft_token_ids or ()),

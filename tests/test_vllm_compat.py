@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -428,8 +429,15 @@ def test_hf_overrides_reach_the_model_config(tiny_model, caplog):
 def test_hf_overrides_that_break_the_config_are_one_line(tiny_model, capsys):
     from nanoserve import LLM
     from nanoserve.model import ModelLoadError
-    with pytest.raises(ModelLoadError, match="with --hf-overrides cannot be read as a model config: TypeError"):
-        LLM(str(tiny_model), hf_overrides={"rope_scaling": 5})
+    with pytest.raises(ModelLoadError, match="with --hf-overrides cannot be read as a model config: KeyError"):
+        LLM(str(tiny_model), hf_overrides={"rope_scaling": {"rope_type": "linear"}, "rope_parameters": None})
+    for key, value, what in (("rope_scaling", 5, "an object"), ("rms_norm_eps", "x", "a positive number"),
+                             ("rms_norm_eps", -1, "a positive number"), ("rope_theta", [1], "a positive number"),
+                             ("tie_word_embeddings", "yes", "true or false"), ("sliding_window", "x",
+                                                                                "a non-negative integer"),
+                             ("hidden_act", 5, "a string")):
+        with pytest.raises(ModelLoadError, match=rf"config.json's {key} {re.escape(repr(value))} must be {what}$"):
+            LLM(str(tiny_model), hf_overrides={key: value})  # rms_norm_eps "x" was taken, and failed in a forward
     with pytest.raises(ModelLoadError, match="unsupported rope type 'dynamic'"):
         LLM(str(tiny_model), hf_overrides={"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
     for bad in ({"vocab_size": -1}, {"num_hidden_layers": 0}, {"hidden_size": 64.0}, {"head_dim": True}):
