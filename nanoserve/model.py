@@ -5512,6 +5512,25 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]
     return sorted({s for s in [1, 2, 4, *range(8, limit + 1, 8)] if s <= limit} | {limit})
 
 
+def moe_warm_up_layers(model: nn.Module) -> list[tuple]:
+    """(w13, w2, top_k, moe_kwargs) of one sparse layer per Triton variant the layers' fused_moe launches. The
+    layers share their shapes, not always their weights' kinds: an int checkpoint served packed may leave a
+    layer's experts unquantized (dequantized stacks beside packed ones), and packed experts' scales are fp16
+    or fp32 layer by layer (_scales_and_zeros). A pointer's dtype is part of a variant: warming up the first
+    layer alone left another kind's large tile to compile during a long prefill."""
+    found: dict[tuple, tuple] = {}
+    for moe in model.modules():
+        if not isinstance(moe, (SparseMoeBlock, GptOssMoE)):
+            continue
+        experts = moe.experts
+        w13, w2 = (experts.fused_moe_weights() if isinstance(experts, FusedMoE) else
+                   (experts.w13_weight, experts.w2_weight))
+        kind = tuple((w.bits, w.scales.dtype, w.zeros.dtype) if isinstance(w, kernels.PackedExperts) else (w.dtype,)
+                     for w in (w13, w2))
+        found.setdefault(kind, (w13, w2, moe.top_k, experts.moe_kwargs))
+    return list(found.values())
+
+
 class ModelRunner:
     """Owns the model and its KV tensors; turns one scheduled step (plain lists)
     into tensors, runs the forward over the flattened tokens of all requests (no
@@ -5592,13 +5611,9 @@ class ModelRunner:
             attention = self.model.model.layers[0].self_attn
             self.backend.warm_up(attention.num_heads, *attention.attention_caches(self.kv_caches[0]),
                                  self.max_blocks * self.block_size, **attention.attn_kwargs)
-            moe = next((m for m in self.model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoE))), None)
-            if moe is not None:  # every sparse layer has the same shapes: one compiles them all
-                experts = moe.experts
-                w13, w2 = (experts.fused_moe_weights() if isinstance(experts, FusedMoE) else
-                           (experts.w13_weight, experts.w2_weight))
-                self.backend.warm_up_moe(w13, w2, moe.top_k, dtype=self.model.model.embed_tokens.weight.dtype,
-                                         **experts.moe_kwargs)
+            for w13, w2, top_k, moe_kwargs in moe_warm_up_layers(self.model):
+                self.backend.warm_up_moe(w13, w2, top_k, dtype=self.model.model.embed_tokens.weight.dtype,
+                                         **moe_kwargs)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
