@@ -2197,7 +2197,8 @@ class FusedMoE(nn.Module):
     caller's). The backend's fused_moe runs them; a backend's prepare_model may replace the
     layer after loading (the CPU's, by one holding the weights packed or in fp32: cpu_backend.prepare_model).
     An int4/int8 checkpoint's experts served packed are ``w13_packed`` and ``w2_packed`` (WNA16Experts; the
-    two weights then None), run by Triton's fused_moe on CUDA, its torch twin elsewhere, as WNA16Weight's."""
+    two weights then None), run by Triton's fused_moe under Triton's backend, its torch twin elsewhere
+    (packed_kernels_are_triton), as WNA16Weight's."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, backend: Backend, tp: TPGroup,
                  reduce_results: bool = True):
@@ -2223,7 +2224,7 @@ class FusedMoE(nn.Module):
         if self.w13_packed is None:
             return self.tp.all_reduce(self.backend.fused_moe(x, self.w13_weight, self.w2_weight, topk_weights,
                                                              topk_ids))
-        fused_moe = kernels.fused_moe_triton if x.is_cuda and kernels.triton is not None \
+        fused_moe = kernels.fused_moe_triton if packed_kernels_are_triton(self.backend) \
             else kernels.fused_moe_wna16_torch
         return self.tp.all_reduce(fused_moe(x, *self.packed_experts(), topk_weights, topk_ids))
 
@@ -3610,7 +3611,7 @@ class _PackedLayoutMismatch(Exception):
 class WNA16Weight(nn.Module):
     """A Linear's int4/int8 weight kept packed, in the layout kernels.wna16_unpack reads (qweight, scales,
     zeros, and g_idx for act-order), the logical weight [out, in]; forward is x @ its transpose: Triton's
-    wna16_matmul on CUDA, the torch twin elsewhere. Filled by the layer's weight_loader a window of output
+    wna16_matmul where the engine's backend is Triton's (``triton``), the torch twin elsewhere. Filled by the layer's weight_loader a window of output
     rows at a time (write); the scales and groups are sized by the first window, which every other one
     (q, k and v's; gate and up's) must match."""
     ROWS_AT_A_TIME = 1024  # codes unpacked at load this many output rows at a time (a bounded host copy)
@@ -3619,13 +3620,14 @@ class WNA16Weight(nn.Module):
         super().__init__()
         self.bits, self.out_features, self.in_features = bits, out_features, in_features
         self.group_size, self.k_off = max(in_features, 1), 0
+        self.triton = False  # Triton's kernel, not the twin: set by load_model (packed_kernels_are_triton)
         self.register_buffer("qweight", torch.zeros(-(-in_features // (32 // bits)), out_features, dtype=torch.int32,
                                                     device=device))
         for name in ("scales", "zeros", "g_idx"):
             self.register_buffer(name, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        matmul = kernels.wna16_matmul_triton if x.is_cuda and kernels.triton is not None else kernels.wna16_matmul_torch
+        matmul = kernels.wna16_matmul_triton if self.triton else kernels.wna16_matmul_torch
         y = matmul(x.reshape(-1, self.in_features), self.qweight, self.scales, self.zeros, self.g_idx, self.bits,
                    self.group_size, self.k_off)
         return y.view(*x.shape[:-1], self.out_features)
@@ -4190,6 +4192,13 @@ def built_in(dtype: torch.dtype, device: torch.device, make: Callable[[], nn.Mod
 WNA16_WEIGHTS = ("auto", "packed", "dequantized")
 
 
+def packed_kernels_are_triton(backend: Backend) -> bool:
+    """Whether the layers kept packed (WNA16Weight, FusedMoE's WNA16Experts) run Triton's kernels: only under
+    Triton's backend, whose start-up probe launched them. Under the torch references (a CUDA device where the
+    probe failed: select_backend's fallback) and the CPU's, their torch twins run."""
+    return kernels.TRITON is not None and backend is kernels.TRITON
+
+
 def wna16_packed(choice: str, cfg: ModelConfig, device: torch.device) -> bool:
     """Whether a weight-only int checkpoint's Linear weights are kept packed (``wna16_weights``): "auto"
     packs them on CUDA (vLLM's memory: the checkpoint's) and dequantizes them on the CPU, where the
@@ -4214,6 +4223,9 @@ def load_model(path: str | Path, dtype: torch.dtype, device: torch.device,
         return load_encoder_model(cfg, path, dtype, device, tp)
     model = build_model(cfg, dtype, device, backend, tp, wna16_packed(wna16_weights, cfg, device))
     weight_bytes = load_weights(model, path)
+    for m in model.modules():
+        if isinstance(m, WNA16Weight):
+            m.triton = packed_kernels_are_triton(backend)
     model.eval().requires_grad_(False)
     weight_bytes += backend.prepare_model(model)  # on the CPU: bf16 linear weights packed, or in fp32
     if cfg.rope_scaling is not None and cfg.rope_scaling["rope_type"] == "longrope":
@@ -5645,6 +5657,25 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_size: int = 512) -> list[int]
     return sorted({s for s in [1, 2, 4, *range(8, limit + 1, 8)] if s <= limit} | {limit})
 
 
+def moe_warm_up_layers(model: nn.Module) -> list[tuple]:
+    """(w13, w2, top_k, moe_kwargs) of one sparse layer per Triton variant the layers' fused_moe launches. The
+    layers share their shapes, not always their weights' kinds: an int checkpoint served packed may leave a
+    layer's experts unquantized (dequantized stacks beside packed ones), and packed experts' scales are fp16
+    or fp32 layer by layer (_scales_and_zeros). A pointer's dtype is part of a variant: warming up the first
+    layer alone left another kind's large tile to compile during a long prefill."""
+    found: dict[tuple, tuple] = {}
+    for moe in model.modules():
+        if not isinstance(moe, (SparseMoeBlock, GptOssMoE)):
+            continue
+        experts = moe.experts
+        w13, w2 = (experts.fused_moe_weights() if isinstance(experts, FusedMoE) else
+                   (experts.w13_weight, experts.w2_weight))
+        kind = tuple((w.bits, w.scales.dtype, w.zeros.dtype) if isinstance(w, kernels.PackedExperts) else (w.dtype,)
+                     for w in (w13, w2))
+        found.setdefault(kind, (w13, w2, moe.top_k, experts.moe_kwargs))
+    return list(found.values())
+
+
 class ModelRunner:
     """Owns the model and its KV tensors; turns one scheduled step (plain lists)
     into tensors, runs the forward over the flattened tokens of all requests (no
@@ -5725,13 +5756,9 @@ class ModelRunner:
             attention = self.model.model.layers[0].self_attn
             self.backend.warm_up(attention.num_heads, *attention.attention_caches(self.kv_caches[0]),
                                  self.max_blocks * self.block_size, **attention.attn_kwargs)
-            moe = next((m for m in self.model.modules() if isinstance(m, (SparseMoeBlock, GptOssMoE))), None)
-            if moe is not None:  # every sparse layer has the same shapes: one compiles them all
-                experts = moe.experts
-                w13, w2 = (experts.fused_moe_weights() if isinstance(experts, FusedMoE) else
-                           (experts.w13_weight, experts.w2_weight))
-                self.backend.warm_up_moe(w13, w2, moe.top_k, dtype=self.model.model.embed_tokens.weight.dtype,
-                                         **experts.moe_kwargs)
+            for w13, w2, top_k, moe_kwargs in moe_warm_up_layers(self.model):
+                self.backend.warm_up_moe(w13, w2, top_k, dtype=self.model.model.embed_tokens.weight.dtype,
+                                         **moe_kwargs)
 
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:

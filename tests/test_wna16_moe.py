@@ -189,3 +189,18 @@ def test_a_layer_with_unquantized_experts_is_refused_packed_whatever_their_order
     with pytest.raises(ModelLoadError, match=r"layer.* unquantized.*one packed layer cannot hold both"):
         load_model(mixed, torch.float32, torch.device("cpu"), wna16_weights="packed")
     load_model(mixed, torch.float32, torch.device("cpu"), wna16_weights="dequantized")
+
+
+def test_warm_up_takes_a_layer_of_each_kind_of_packed_experts(model_root):
+    """CUDA warm-up compiles fused_moe's tiles for one sparse layer per Triton variant (model.moe_warm_up_layers):
+    one for layers alike, and another for a layer whose packed scales are fp32 where the first's are fp16 (a
+    pointer's dtype makes another variant, else compiled in traffic by the first long prefill)."""
+    from nanoserve.model import moe_warm_up_layers
+    model, _ = load_model(MOE_CASES["awq"](model_root), torch.float32, torch.device("cpu"), wna16_weights="packed")
+    first, second = (m for m in model.modules() if isinstance(m, FusedMoE))
+    assert [layer[0].qweight for layer in moe_warm_up_layers(model)] == [first.w13_packed.qweight]
+    assert first.w13_packed.scales.dtype == torch.float16
+    second.w2_packed.scales = second.w2_packed.scales.float()  # as _needs_fp32 leaves scales fp16 cannot hold
+    layers = moe_warm_up_layers(model)
+    assert [w2.scales.dtype for _, w2, _, _ in layers] == [torch.float16, torch.float32]
+    assert all(top_k == 2 and kwargs == {} for _, _, top_k, kwargs in layers)

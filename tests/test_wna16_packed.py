@@ -155,3 +155,28 @@ def test_start_up_probe_gives_every_group_it_reads_a_scale(monkeypatch, bits, gr
     probe's scales and zeros raises where the kernel on a GPU would read past them)."""
     monkeypatch.setattr(kernels, "wna16_matmul_triton", kernels.wna16_matmul_torch)
     kernels._probe_wna16(torch.zeros(1, 256), bits, group, act_order)
+
+
+@triton_only
+def test_packed_layers_run_the_kernels_of_the_engines_backend(model_root, monkeypatch):
+    """Triton's packed kernels under Triton's backend (whose probe launched them), the twins under any other,
+    whatever the device: a GPU whose probe failed serves with the torch references (select_backend's
+    fallback), and a packed layer launching the kernel that failed the probe would fail start-up instead."""
+    path = MOE_CASES["gptq-lm_head"](model_root)
+    launched = []
+
+    def recorded(name, twin):
+        def run(*args, **kwargs):
+            launched.append(name)
+            return twin(*args, **kwargs)
+        return run
+    monkeypatch.setattr(kernels, "wna16_matmul_triton", recorded("wna16_matmul", kernels.wna16_matmul_torch))
+    monkeypatch.setattr(kernels, "fused_moe_triton", recorded("fused_moe", kernels.fused_moe_wna16_torch))
+    for backend, want in ((kernels.TRITON, ["wna16_matmul", "fused_moe"]), (kernels.TORCH, [])):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), backend, wna16_weights="packed")
+        layer, x = model.model.layers[0], torch.randn(3, model.config.hidden_size)
+        launched.clear()
+        layer.self_attn.o_proj(torch.randn(3, layer.self_attn.o_proj.wna16.in_features))
+        moe = layer.mlp.experts
+        moe(x, torch.full((3, 2), 0.5), torch.tensor([[0, 1], [1, 2], [3, 0]]))
+        assert launched == want, backend.name
