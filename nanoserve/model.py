@@ -4028,7 +4028,7 @@ def _log_wna16(quant: WNA16Config, dequantized: collections.Counter, kept_packed
     if kept_packed:
         logger.info("[model] int%d weight-only checkpoint (%s): %d int%d weights kept packed (the checkpoint's "
                     "memory; their matmuls dequantize a tile at a time: %s)%s", quant.bits, quant.describe(),
-                    kept_packed, quant.bits, "Triton's wna16_matmul on CUDA, the torch twin elsewhere",
+                    kept_packed, quant.bits, "Triton's wna16_matmul under the Triton backend, else its torch twin",
                     f"; {sum(dequantized.values())} dequantized (act-order experts, which the packed fused_moe "
                     "does not read, as vLLM's; or modules not built as Linear layers)" if dequantized else "")
         return
