@@ -6,7 +6,9 @@ This module owns
   transformers 5's ``rope_parameters``);
 * the Llama / Qwen2 / Qwen3 / Mistral / Granite / Phi-3 decoder, written once: q/k/v and
   gate/up are fused at load time (Phi-3's checkpoints store them fused), Qwen2's q/k/v bias,
-  Qwen3's q/k RMSNorm and Granite's four scalars are flags; Gemma 3's text decoder beside it
+  Qwen3's q/k RMSNorm and Granite's four scalars are flags (so are SmolLM3's layers without rotary
+  positions, and GLM-4's rotary pairs, reordered into halves; Mistral 3's text is Mistral's); OLMo 2/3's
+  and GLM-4's layers (their norms after attention and the MLP) beside it; Gemma 3's text decoder beside it
   (its own layer: four norms of x * (1 + w), GELU, scaled embeddings, a second rotary
   embedding for the sliding-window layers), and Gemma 2's in it (no q/k norm, one rotary,
   soft caps on the attention scores and the logits); the mixture-of-experts MLP of Mixtral,
@@ -19,11 +21,16 @@ This module owns
   dequantized at load);
 * LoRA adapters (``wrap_lora_layers``: device slots beside the base linears, a row's adapter picked
   per token), custom logits processors, prompt logprobs, and the pooling runner's hidden states
-  (embeddings: a chunk's last row or its rows' sum, no logits);
+  (embeddings: a chunk's last row or its rows' sum, no logits; sentence-transformers ``Dense``
+  projectors after them);
+* the pooling runner's encoders (``EncoderModel``): BERT, RoBERTa, XLM-RoBERTa, ModernBERT, ColBERT's
+  projection and EmbeddingGemma (bidirectional Gemma 3), their attention bidirectional in plain torch
+  over whole prompts, no KV cache;
 * loading ``*.safetensors`` (one file or a sharded index) into it; under
   tensor parallelism each rank reads only its slices; an FP8 checkpoint's weights
-  (quant_method "fp8", block or per-tensor scales), and a GPTQ, AWQ or compressed-tensors int4/int8
-  weight-only one's, dequantized into the model's dtype as they are read;
+  (quant_method "fp8", block or per-tensor scales) dequantized into the model's dtype as they are read;
+  a GPTQ, AWQ or compressed-tensors int4/int8 weight-only one's kept packed on CUDA (``WNA16Weight``,
+  ``WNA16Experts``: built on the meta device, never allocated dequantized), else dequantized so;
 * tensor parallelism (Megatron's split, vLLM's layer names): ``TPGroup``, the
   column/row-parallel linears, the vocab-parallel embedding and head, and
   ``run_worker``, the loop ranks 1..N-1 run;
