@@ -299,10 +299,11 @@ def hf_attention(path: Path) -> dict:
     return {"attn_implementation": "eager"} if config.get("attn_logit_softcapping") else {}
 
 
-def hf_greedy_logprobs(path: Path, prompts: list[list[int]], n_new: int
+def hf_greedy_logprobs(path: Path, prompts: list[list[int]], n_new: int, hf=None
                        ) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers' greedy tokens (exactly n_new each) for each prompt, and each token's logprob."""
-    hf = hf_model(path)
+    """transformers' greedy tokens (exactly n_new each) for each prompt, and each token's logprob (``hf``: the
+    model, where hf_model would not load it as the test needs)."""
+    hf = hf_model(path) if hf is None else hf
     tokens, logprobs = [], []
     with torch.no_grad():
         for p in prompts:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import VOCAB, make_model
+from conftest import VOCAB, hf_greedy_logprobs, make_model
 from nanoserve import LLM, SamplingParams
 from nanoserve.model import ModelConfig, ModelLoadError
 
@@ -97,17 +97,7 @@ def hf_reference(path: Path, prompts: list[list[int]], n_new: int, dtype=torch.f
     from transformers import AutoModelForCausalLM, Mistral3ForConditionalGeneration
     arch = json.loads((path / "config.json").read_text())["architectures"][0]
     cls = Mistral3ForConditionalGeneration if arch == "Mistral3ForConditionalGeneration" else AutoModelForCausalLM
-    hf = cls.from_pretrained(path, dtype=dtype).eval()
-    tokens, logprobs = [], []
-    with torch.no_grad():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              do_sample=False, max_new_tokens=n_new, min_new_tokens=n_new)
-            new = out[0, len(p):]
-            lp = hf(out).logits[0, len(p) - 1:-1].float().log_softmax(-1)
-            tokens.append(new.tolist())
-            logprobs.append(lp.gather(1, new[:, None]).squeeze(1).tolist())
-    return tokens, logprobs
+    return hf_greedy_logprobs(path, prompts, n_new, cls.from_pretrained(path, dtype=dtype).eval())
 
 
 def generate(path: Path, prompts=PROMPTS, n_new=N_NEW, **kw):
